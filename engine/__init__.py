@@ -1,0 +1,36 @@
+"""The model-execution core shared by every pdserve worker.
+
+Importing ``engine`` is cheap; the torch-backed pieces load on first use, so pure-CPU parts
+(the scheduler, the block allocator) stay importable without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine, StepResult, TokenDelta
+    from engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from engine.sampling.params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "StepResult": "engine.llm_engine",
+    "TokenDelta": "engine.llm_engine",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling.params",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

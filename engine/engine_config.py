@@ -1,0 +1,59 @@
+"""The engine's narrow configs: what to load, how to cache, and where."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from engine.kv_cache.budget import KVBudget
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+LoadFormat = Literal["auto", "safetensors", "dummy"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    model_dir: str  # Hugging Face model directory
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (checkpoint's, else float32)
+    device: str | None = None  # cpu | cuda[:N]; None picks cuda when present
+    load_format: LoadFormat = "auto"  # dummy: random weights from config.json alone
+    seed: int = 0  # dummy weights and the unseeded sampling RNG
+    max_model_len: int | None = None  # cap on prompt + output tokens (default: the model's)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(
+                f"load_format must be one of auto, safetensors, dummy; got {self.load_format!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        name = self.dtype
+        if name == "auto":
+            name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "float32"
+        name = _DTYPE_ALIASES.get(name, name)
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        return _DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    budget: KVBudget = field(default_factory=KVBudget)
+    attention_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")

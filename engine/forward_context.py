@@ -1,0 +1,45 @@
+"""The one global of the engine: what the current forward pass needs besides its inputs.
+
+The model runner sets it around each forward with ``set_forward_context``; attention layers
+read it with ``get_forward_context`` to find their slice of the KV cache and the batch layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.attention.backend import AttentionBackend
+    from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardContext:
+    attn_metadata: AttentionMetadata  # layout of the flattened token batch
+    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    attn_backend: AttentionBackend  # computes attention over the paged cache
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(context: ForwardContext) -> Iterator[None]:
+    global _current
+    previous = _current
+    _current = context
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context is set: run the model inside set_forward_context()")
+    return _current

@@ -1,0 +1,1 @@
+"""Paged KV cache bookkeeping (pure Python) and the cache tensor's sizing."""

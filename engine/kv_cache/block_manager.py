@@ -1,0 +1,111 @@
+"""Maps sequences onto physical blocks: prefix-cache lookup, slot allocation, copy-on-write.
+
+Verbs, in the order a sequence meets them:
+  attach_cached_prefix -> can_allocate / allocate_slots (every step) -> fork (n > 1) -> free
+"""
+
+from __future__ import annotations
+
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.prefix_hash import extend_block_hashes
+from engine.sequence import Sequence
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (cached-but-free blocks count as free)."""
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def attach_cached_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix.
+
+        Returns the number of tokens whose KV is thereby already computed. At least one token is
+        always left to compute, since its logits are needed to sample the next token.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt)
+        max_cached_blocks = (seq.num_tokens - 1) // self.block_size
+        for block_hash in seq.block_hashes[:max_cached_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            self.pool.incref(block_id)
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to allocate so the next ``num_new_tokens`` have slots (incl. a CoW copy)."""
+        total = seq.num_computed_tokens + num_new_tokens
+        needed = num_blocks_for(total, self.block_size) - len(seq.block_table)
+        return max(needed, 0) + (1 if self._needs_copy_on_write(seq) else 0)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make room for the next ``num_new_tokens``; returns block copies (src, dst) to perform.
+
+        A partially filled block shared with a sibling (after a fork) is copied before this
+        sequence writes into it.
+        """
+        copies: list[tuple[int, int]] = []
+        if self._needs_copy_on_write(seq):
+            logical = seq.num_computed_tokens // self.block_size
+            shared = seq.block_table[logical]
+            private = self.pool.allocate()
+            self.pool.free(shared)
+            seq.block_table[logical] = private
+            copies.append((shared, private))
+        total = seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) < num_blocks_for(total, self.block_size):
+            seq.block_table.append(self.pool.allocate())
+        return copies
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Register newly filled blocks of ``seq`` in the prefix cache (call after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        computed = seq.token_ids[: seq.num_computed_tokens]
+        extend_block_hashes(seq.block_hashes, computed, self.block_size, seq.cache_salt)
+        for block_id, block_hash in zip(seq.block_table, seq.block_hashes, strict=False):
+            self.pool.register(block_id, block_hash)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share all of ``parent``'s blocks (copy-on-write on the partial one)."""
+        for block_id in parent.block_table:
+            self.pool.incref(block_id)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (newest first, so older prefix blocks stay cached longer)."""
+        for block_id in reversed(seq.block_table):
+            self.pool.free(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        """The block the next token lands in is partially filled and shared."""
+        offset = seq.num_computed_tokens % self.block_size
+        if offset == 0:
+            return False
+        shared_block = seq.block_table[seq.num_computed_tokens // self.block_size]
+        return self.pool.ref_count(shared_block) > 1

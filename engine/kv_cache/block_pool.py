@@ -1,0 +1,102 @@
+"""Physical KV blocks: a free list, reference counts, and the prefix cache.
+
+A block is in exactly one of three states:
+  free       -- on the free list, holds nothing useful;
+  in use     -- ref_count > 0, in some sequences' block tables;
+  cached     -- ref_count == 0 but its content is registered under a prefix hash; it sits in an
+                LRU list and is reused on a hash hit, or evicted (oldest first) when the free
+                list is empty.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from engine.kv_cache.prefix_hash import BlockHash
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref_counts = [0] * num_blocks
+        self._hash_of_block: dict[int, BlockHash] = {}
+        self._block_of_hash: dict[BlockHash, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self.num_cache_queries = 0  # full blocks looked up
+        self.num_cache_hits = 0  # full blocks found
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def allocate(self) -> int:
+        """Take one block (ref_count 1), evicting the least recently used cached block if needed."""
+        if self._free:
+            block_id = self._free.popleft()
+        elif self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._forget_hash(block_id)
+        else:
+            raise RuntimeError("out of KV blocks: check num_free_blocks before allocating")
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            self._evictable.pop(block_id, None)
+        self._ref_counts[block_id] += 1
+
+    def free(self, block_id: int) -> None:
+        """Drop one reference; at zero the block becomes cached (if hashed) or free."""
+        count = self._ref_counts[block_id]
+        if count <= 0:
+            raise RuntimeError(f"double free of KV block {block_id}")
+        self._ref_counts[block_id] = count - 1
+        if count > 1:
+            return
+        if block_id in self._hash_of_block:
+            self._evictable[block_id] = None
+        else:
+            self._free.append(block_id)
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The block caching this prefix hash, or None. Counts toward the hit rate."""
+        self.num_cache_queries += 1
+        block_id = self._block_of_hash.get(block_hash)
+        if block_id is not None:
+            self.num_cache_hits += 1
+        return block_id
+
+    def register(self, block_id: int, block_hash: BlockHash) -> None:
+        """Record that ``block_id`` now holds the full block named by ``block_hash``."""
+        if not self.enable_prefix_caching or block_id in self._hash_of_block:
+            return
+        if block_hash in self._block_of_hash:
+            return  # an identical block is already cached; keep the first one
+        self._hash_of_block[block_id] = block_hash
+        self._block_of_hash[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their content)."""
+        for block_id in list(self._evictable):
+            self._free.append(block_id)
+        self._evictable.clear()
+        self._hash_of_block.clear()
+        self._block_of_hash.clear()
+
+    def _forget_hash(self, block_id: int) -> None:
+        block_hash = self._hash_of_block.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of_hash[block_hash]

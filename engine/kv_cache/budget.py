@@ -1,0 +1,75 @@
+"""How many KV blocks a worker gets: from an explicit count, a byte budget, or free memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The part of currently available host memory a CPU worker gives to its KV cache by default.
+_CPU_DEFAULT_FRACTION = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return (
+            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        )
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    num_blocks: int | None = None  # exact block count; wins over everything else
+    memory_bytes: int | None = None  # bytes for the cache tensor
+    memory_fraction: float = 0.9  # CUDA: fraction of total GPU memory the worker may use in all
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.memory_bytes}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.memory_fraction}")
+
+
+def available_host_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def num_kv_blocks(
+    budget: KVBudget, layout: KVLayout, device: torch.device, peak_activation_bytes: int = 0
+) -> int:
+    """Blocks that fit the budget; called once at start-up after the weights are loaded."""
+    if budget.num_blocks is not None:
+        return budget.num_blocks
+    if budget.memory_bytes is not None:
+        memory = budget.memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        memory = int(total * budget.memory_fraction) - used - peak_activation_bytes
+    else:
+        memory = int(available_host_bytes() * _CPU_DEFAULT_FRACTION) - peak_activation_bytes
+    num_blocks = memory // layout.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"no memory left for the KV cache ({memory} bytes available, a block needs "
+            f"{layout.bytes_per_block}); lower the model size or raise the memory budget"
+        )
+    return int(num_blocks)

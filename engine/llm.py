@@ -1,0 +1,135 @@
+"""The offline API, shaped like vLLM's ``LLM`` so users feel at home.
+
+    llm = LLM("path/to/hf_dir", dtype="float32", device="cpu")
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceOf
+from typing import Any
+
+from engine.engine_config import CacheConfig, LoadConfig, LoadFormat
+from engine.kv_cache.budget import KVBudget
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerConfig
+from engine.tokenizer import load_tokenizer
+
+Prompt = str | SequenceOf[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str | None = None,
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
+        load_format: LoadFormat = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        attention_backend: str = "torch",
+    ) -> None:
+        self.engine = LLMEngine(
+            LoadConfig(model, dtype, device, load_format, seed, max_model_len),
+            CacheConfig(
+                block_size,
+                enable_prefix_caching,
+                KVBudget(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization),
+                attention_backend,
+            ),
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+        )
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
+        self._request_ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceOf[Prompt],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished RequestOutput per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                request_id = str(next(self._request_ids))
+                text = prompt if isinstance(prompt, str) else None
+                token_ids = self._encode(prompt)
+                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                request_ids.append(request_id)
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(request_ids):
+            for output in self.engine.step().finished:
+                finished[output.request_id] = output
+        return [self._detokenized(finished[rid], p) for rid, p in zip(request_ids, params_list)]
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("prompt is text but no tokenizer is loaded; pass token ids instead")
+        return list(self.tokenizer.encode(prompt))
+
+    def _detokenized(self, output: RequestOutput, params: SamplingParams) -> RequestOutput:
+        if self.tokenizer is None:
+            return output
+        for completion in output.outputs:
+            completion.text = self.tokenizer.decode(
+                completion.token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+            for position in completion.logprobs or []:
+                for token_id, logprob in position.items():
+                    position[token_id] = type(logprob)(
+                        logprob.logprob, logprob.rank, self.tokenizer.decode([token_id])
+                    )
+        return output
+
+    @staticmethod
+    def _params_per_prompt(
+        params: SamplingParams | SequenceOf[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(params, SamplingParams):
+            return [params] * num_prompts
+        params_list = list(params)
+        if len(params_list) != num_prompts:
+            raise ValueError(
+                f"sampling_params has {len(params_list)} entries but there are "
+                f"{num_prompts} prompts; pass one SamplingParams or one per prompt"
+            )
+        return params_list
+
+
+def _as_prompt_list(prompts: Any) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompt_list = list(prompts)
+    if prompt_list and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_list):
+        return [prompt_list]  # a single prompt given as token ids
+    for index, prompt in enumerate(prompt_list):
+        if not isinstance(prompt, str) and not isinstance(prompt, list | tuple):
+            raise ValueError(
+                f"prompts[{index}] must be a string or a list of token ids, "
+                f"got {type(prompt).__name__}"
+            )
+    return prompt_list

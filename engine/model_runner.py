@@ -1,0 +1,157 @@
+"""Turns a SchedulerOutput into one model forward and one sampling call.
+
+Per step: copy-on-write block copies -> flatten the scheduled tokens (prompt chunks first, then
+single-token decodes) -> attention metadata -> forward under the forward context -> logits of
+the last token of every sequence that samples -> sampler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceOf
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.forward_context import ForwardContext, set_forward_context
+from engine.sampling import Sampler, SamplingRow, make_generator
+from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.sequence import Sequence
+from engine.scheduler.stop import banned_token_ids
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_backend: AttentionBackend,
+        eos_token_ids: frozenset[int],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        self.attn_backend = attn_backend
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.sampler = Sampler()
+        self._generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
+
+    def forget(self, seq_id: int) -> None:
+        """Drop per-sequence state of a finished sequence."""
+        self._generators.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        if output.block_copies:
+            self._copy_blocks(output.block_copies)
+        prefills = [e for e in output.scheduled if e.num_new_tokens > 1]
+        decodes = [e for e in output.scheduled if e.num_new_tokens == 1]
+        ordered = prefills + decodes
+        input_ids, positions, metadata = self._prepare_inputs(prefills, decodes)
+        sample_rows, row_entries = self._sample_rows(ordered)
+        started = time.perf_counter()
+        context = ForwardContext(metadata, self.kv_cache, self.attn_backend)
+        with set_forward_context(context):
+            hidden = self.model.forward(input_ids, positions)  # [num_tokens, hidden]
+        if not sample_rows:
+            return ModelRunnerOutput({}, {}, time.perf_counter() - started)
+        row_index = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
+        forward_seconds = time.perf_counter() - started
+        rows = [self._sampling_row(seq) for seq in row_entries]
+        sampled = self.sampler(logits, rows)
+        token_ids = {seq.seq_id: tok for seq, tok in zip(row_entries, sampled.sampled_token_ids)}
+        logprobs = {
+            seq.seq_id: lp
+            for seq, lp in zip(row_entries, sampled.logprobs)
+            if lp is not None
+        }
+        return ModelRunnerOutput(token_ids, logprobs, forward_seconds)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _prepare_inputs(
+        self, prefills: list[ScheduledSequence], decodes: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        query_start_loc = [0]
+        for entry in prefills:
+            start, end = entry.start_position, entry.start_position + entry.num_new_tokens
+            input_ids.extend(entry.seq.token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            table = np.asarray(entry.seq.block_table, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            query_start_loc.append(query_start_loc[-1] + entry.num_new_tokens)
+        decode_pos = np.fromiter((e.start_position for e in decodes), np.int64, len(decodes))
+        input_ids.extend(e.seq.token_ids[e.start_position] for e in decodes)
+        decode_blocks = np.fromiter(
+            (e.seq.block_table[e.start_position // bs] for e in decodes), np.int64, len(decodes)
+        )
+        positions.append(decode_pos)
+        slots.append(decode_blocks * bs + decode_pos % bs)
+        decode_lens = decode_pos + 1
+        metadata = AttentionMetadata(
+            num_prefill_seqs=len(prefills),
+            num_prefill_tokens=query_start_loc[-1],
+            num_decode_seqs=len(decodes),
+            slot_mapping=self._to_device(np.concatenate(slots)),
+            prefill_query_start_loc=query_start_loc,
+            prefill_seq_lens=[e.start_position + e.num_new_tokens for e in prefills],
+            prefill_block_tables=self._block_tables([e.seq for e in prefills]),
+            decode_seq_lens=self._to_device(decode_lens),
+            decode_block_tables=self._block_tables([e.seq for e in decodes]),
+            max_decode_seq_len=int(decode_lens.max()) if len(decodes) else 0,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        return ids, self._to_device(np.concatenate(positions)), metadata
+
+    def _block_tables(self, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+        width = max((len(s.block_table) for s in seqs), default=0)
+        table = np.zeros((len(seqs), width), dtype=np.int64)
+        for row, seq in enumerate(seqs):
+            table[row, : len(seq.block_table)] = seq.block_table
+        return self._to_device(table)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _sample_rows(
+        self, ordered: list[ScheduledSequence]
+    ) -> tuple[list[int], list[Sequence]]:
+        """Hidden-state row to take logits from, and the sequence receiving each sample."""
+        rows: list[int] = []
+        targets: list[Sequence] = []
+        last_row = -1
+        for entry in ordered:
+            last_row += entry.num_new_tokens
+            for target in entry.sample_seqs:
+                rows.append(last_row)
+                targets.append(target)
+        return rows, targets
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        generator = None
+        if seq.seed is not None:
+            generator = self._generators.get(seq.seq_id)
+            if generator is None:
+                generator = make_generator(seq.seed, self.device)
+                self._generators[seq.seq_id] = generator
+        return SamplingRow(
+            params=seq.params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=generator,
+            banned_token_ids=banned_token_ids(seq, self.eos_token_ids),
+        )

@@ -1,0 +1,40 @@
+"""Messages between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.sampling import TokenLogprobs
+    from engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    seq: Sequence  # the sequence whose tokens are computed this step
+    start_position: int  # first new token's position (== seq.num_computed_tokens before update)
+    num_new_tokens: int  # tokens computed this step: token_ids[start : start + num_new_tokens]
+    # Sequences that receive a token sampled from this entry's last logits: () for a prompt
+    # chunk that does not reach the end; (seq,) normally; (seq, *children) when an n > 1
+    # request forks into its samples.
+    sample_seqs: tuple[Sequence, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]  # in scheduling order
+    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before forward
+    num_batched_tokens: int  # sum of num_new_tokens
+    num_preempted: int  # sequences preempted while building this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[int, int]  # seq_id -> token sampled this step
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq_id -> its logprobs
+    forward_seconds: float = 0.0  # wall time of the model forward + logits (for overhead stats)

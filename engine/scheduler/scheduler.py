@@ -1,0 +1,201 @@
+"""Continuous batching with chunked prefill, prefix caching and recompute preemption.
+
+Lifecycle of a sequence:
+  waiting --(admitted: cached prefix attached, blocks allocated)--> running
+  running --(every step: its next chunk or its next token is scheduled)--> running
+  running --(out of blocks: newest running sequence is preempted, blocks freed)--> waiting (front)
+  running --(stop token / max tokens / abort)--> finished (blocks freed)
+
+Each step, sequences already running are served first in arrival order (decodes and unfinished
+prompt chunks alike), each taking what it needs from the step's token budget; waiting sequences
+are admitted after them while budget, blocks and ``max_num_seqs`` allow.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from engine.kv_cache.block_manager import BlockManager, num_blocks_for
+from engine.sampling import derive_seed
+from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.scheduler.stop import finish_reason_after_append
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # running sequences at most
+    max_num_batched_tokens: int = 2048  # tokens per step (prompt chunks + decodes)
+    enable_chunked_prefill: bool = True  # split prompts longer than the step budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: Collection[int],
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first; the last one is preempted first
+        self.num_preemptions = 0
+        self._seq_ids = itertools.count()
+
+    # ---- queue management -------------------------------------------------------------
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def add(self, seq: Sequence) -> None:
+        needed = num_blocks_for(seq.max_total_tokens, self.block_manager.block_size)
+        if needed > self.block_manager.pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {seq.max_total_tokens} tokens of KV cache, more than the "
+                f"{self.block_manager.pool.num_blocks * self.block_manager.block_size} the cache "
+                "holds; lower max_tokens or the prompt length"
+            )
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of ``request_id`` with reason "abort"; returns them."""
+        aborted = [s for s in itertools.chain(self.waiting, self.running) if s.request_id == request_id]
+        for seq in aborted:
+            self._finish(seq, "abort")
+        return aborted
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        copies: list[tuple[int, int]] = []
+        num_preempted = 0
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                copies += self.block_manager.allocate_slots(seq, num_new)
+                scheduled.append(self._entry(seq, num_new))
+                budget -= num_new
+                index += 1
+        if num_preempted == 0:
+            budget = self._admit_waiting(budget, scheduled, copies)
+        return SchedulerOutput(
+            scheduled=scheduled,
+            block_copies=copies,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            num_preempted=num_preempted,
+        )
+
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
+        """Apply a step's results; returns the sequences that received a token."""
+        updated: list[Sequence] = []
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.commit_computed(seq)
+            for target in entry.sample_seqs:
+                if target is not seq:
+                    self.block_manager.fork(seq, target)
+                    target.status = SequenceStatus.RUNNING
+                    self.running.append(target)
+                    seq.is_forked = target.is_forked = True
+                target.token_ids.append(result.sampled_token_ids[target.seq_id])
+                updated.append(target)
+                reason = finish_reason_after_append(target, self.eos_token_ids)
+                if reason is not None:
+                    self._finish(target, reason)
+        return updated
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _admit_waiting(
+        self, budget: int, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]]
+    ) -> int:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            num_seqs_after = len(self.running) + (1 if seq.is_forked else seq.params.n)
+            if num_seqs_after > self.config.max_num_seqs:
+                break
+            if not seq.block_table:
+                seq.num_cached_prompt_tokens = self.block_manager.attach_cached_prefix(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            chunk_refused = num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill
+            if chunk_refused or not self.block_manager.can_allocate(seq, num_new):
+                self.block_manager.free(seq)
+                break
+            self.waiting.popleft()
+            copies += self.block_manager.allocate_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._entry(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        reaches_end = seq.num_computed_tokens + num_new == seq.num_tokens
+        sample_seqs: tuple[Sequence, ...] = ()
+        if reaches_end:
+            sample_seqs = (seq,) if seq.is_forked else (seq, *self._make_children(seq))
+        return ScheduledSequence(
+            seq=seq,
+            start_position=seq.num_computed_tokens,
+            num_new_tokens=num_new,
+            sample_seqs=sample_seqs,
+        )
+
+    def _make_children(self, parent: Sequence) -> Iterable[Sequence]:
+        for index in range(1, parent.params.n):
+            seed = None if parent.seed is None else derive_seed(parent.seed, index)
+            yield Sequence(
+                self.new_seq_id(),
+                parent.request_id,
+                parent.token_ids,
+                parent.params,
+                parent.max_total_tokens,
+                sample_index=index,
+                seed=seed,
+                cache_salt=parent.cache_salt,
+            )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,104 @@
+"""One sequence of tokens being generated: the unit the scheduler and block manager track.
+
+A request with n > 1 parallel samples starts as one sequence; when its prompt is done it forks
+into n sequences that share the prompt's KV blocks (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from engine.kv_cache.prefix_hash import BlockHash
+    from engine.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)computation of its tokens
+    RUNNING = "running"  # holds KV blocks, scheduled every step
+    FINISHED = "finished"  # done; blocks released
+
+
+class Sequence:
+    __slots__ = (
+        "seq_id",
+        "request_id",
+        "sample_index",
+        "params",
+        "seed",
+        "cache_salt",
+        "token_ids",
+        "num_prompt_tokens",
+        "max_total_tokens",
+        "num_computed_tokens",
+        "block_table",
+        "block_hashes",
+        "status",
+        "finish_reason",
+        "num_cached_prompt_tokens",
+        "num_preemptions",
+        "is_forked",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_total_tokens: int,
+        *,
+        sample_index: int = 0,
+        seed: int | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.seq_id = seq_id  # unique per engine
+        self.request_id = request_id
+        self.sample_index = sample_index  # which of the request's n samples this is
+        self.params = params
+        self.seed = seed  # this sample's own seed (derived from params.seed for n > 1)
+        self.cache_salt = cache_salt  # tenant salt mixed into prefix hashes
+        self.token_ids = list(prompt_token_ids)  # prompt then generated tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_total_tokens = max_total_tokens  # prompt + max output, capped by max_model_len
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_table: list[int] = []  # physical block per logical block
+        self.block_hashes: list[BlockHash] = []  # prefix hash per full block of token_ids
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache
+        self.num_preemptions = 0
+        self.is_forked = params.n == 1  # n > 1: becomes True once the n samples exist
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request_id!r}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})"
+        )

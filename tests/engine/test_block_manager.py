@@ -1,0 +1,105 @@
+"""Block manager: slots per sequence, prefix-cache attach, copy-on-write forks."""
+
+from engine.kv_cache.block_manager import BlockManager
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+
+
+def _seq(seq_id: int, tokens: list[int], salt: str | None = None) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", tokens, SamplingParams(), 1000, cache_salt=salt)
+
+
+def _compute(manager: BlockManager, seq: Sequence, num_tokens: int) -> None:
+    manager.allocate_slots(seq, num_tokens)
+    seq.num_computed_tokens += num_tokens
+    manager.commit_computed(seq)
+
+
+def test_allocate_slots_grows_block_table_by_need() -> None:
+    manager = BlockManager(8, block_size=4, enable_prefix_caching=False)
+    seq = _seq(0, list(range(10)))
+    assert manager.num_blocks_needed(seq, 10) == 3
+    _compute(manager, seq, 10)
+    assert len(seq.block_table) == 3
+    seq.token_ids.append(10)
+    assert manager.num_blocks_needed(seq, 1) == 0  # slot 10 fits in block 2
+    _compute(manager, seq, 1)
+    seq.token_ids.append(11)
+    _compute(manager, seq, 1)
+    seq.token_ids.append(12)
+    assert manager.num_blocks_needed(seq, 1) == 1
+    manager.free(seq)
+    assert manager.num_free_blocks == 8
+
+
+def test_prefix_cache_hit_shares_full_blocks_and_leaves_one_token() -> None:
+    manager = BlockManager(16, block_size=4, enable_prefix_caching=True)
+    first = _seq(0, list(range(12)))
+    _compute(manager, first, 12)
+    second = _seq(1, list(range(12)) + [50, 51])
+    assert manager.attach_cached_prefix(second) == 12
+    assert second.block_table == first.block_table
+    assert all(manager.pool.ref_count(b) == 2 for b in first.block_table)
+    # an identical prompt reuses all but the last block: its last token must be computed
+    third = _seq(2, list(range(12)))
+    assert manager.attach_cached_prefix(third) == 8
+
+
+def test_cached_blocks_outlive_their_sequence_until_evicted() -> None:
+    manager = BlockManager(4, block_size=4, enable_prefix_caching=True)
+    first = _seq(0, list(range(9)))
+    _compute(manager, first, 9)
+    manager.free(first)
+    again = _seq(1, list(range(9)))
+    assert manager.attach_cached_prefix(again) == 8
+    manager.free(again)
+    # fill the whole pool with other tokens: cached blocks get evicted
+    other = _seq(2, list(range(100, 116)))
+    _compute(manager, other, 16)
+    manager.free(other)
+    late = _seq(3, list(range(9)))
+    assert manager.attach_cached_prefix(late) == 0
+
+
+def test_salt_isolates_tenants() -> None:
+    manager = BlockManager(16, block_size=4, enable_prefix_caching=True)
+    _compute(manager, first := _seq(0, list(range(12)), salt="a"), 12)
+    assert first.num_computed_tokens == 12
+    assert manager.attach_cached_prefix(_seq(1, list(range(13)), salt="b")) == 0
+    assert manager.attach_cached_prefix(_seq(2, list(range(13)), salt="a")) == 12
+
+
+def test_fork_shares_blocks_and_copies_partial_block_on_write() -> None:
+    manager = BlockManager(8, block_size=4, enable_prefix_caching=False)
+    parent = _seq(0, list(range(6)))
+    _compute(manager, parent, 6)
+    child = _seq(1, list(range(6)))
+    manager.fork(parent, child)
+    assert child.block_table == parent.block_table
+    full_block, partial_block = parent.block_table
+    parent.token_ids.append(7)
+    child.token_ids.append(8)
+    # the parent writes into the shared partial block first: it gets a private copy
+    assert manager.num_blocks_needed(parent, 1) == 1
+    copies = manager.allocate_slots(parent, 1)
+    assert copies == [(partial_block, parent.block_table[1])]
+    assert parent.block_table[0] == full_block
+    # the child is now the only owner of the original partial block: no copy
+    assert manager.allocate_slots(child, 1) == []
+    assert child.block_table == [full_block, partial_block]
+    assert manager.pool.ref_count(full_block) == 2
+    manager.free(parent)
+    manager.free(child)
+    assert manager.num_free_blocks == 8
+
+
+def test_fork_at_block_boundary_needs_no_copy() -> None:
+    manager = BlockManager(8, block_size=4, enable_prefix_caching=False)
+    parent = _seq(0, list(range(8)))
+    _compute(manager, parent, 8)
+    child = _seq(1, list(range(8)))
+    manager.fork(parent, child)
+    child.token_ids.append(1)
+    assert manager.allocate_slots(child, 1) == []
+    assert child.block_table[:2] == parent.block_table
+    assert len(child.block_table) == 3

@@ -1,0 +1,165 @@
+"""Scheduler with synthetic tokens and a fake model: batching, chunking, preemption, forks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine.kv_cache.block_manager import BlockManager
+from engine.sampling import SamplingParams
+from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+
+EOS = 2
+VOCAB = 50
+
+
+def fake_next_token(seq: Sequence) -> int:
+    """A deterministic 'model': the next token depends only on the sequence so far."""
+    return 3 + (sum(seq.token_ids) * 31 + seq.num_tokens + 7 * seq.sample_index) % (VOCAB - 3)
+
+
+def fake_run(output: SchedulerOutput) -> ModelRunnerOutput:
+    sampled = {}
+    for entry in output.scheduled:
+        assert entry.start_position == entry.seq.num_computed_tokens
+        for target in entry.sample_seqs:
+            sampled[target.seq_id] = fake_next_token(target)
+    return ModelRunnerOutput(sampled)
+
+
+class Harness:
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, **config: int | bool) -> None:
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+        self.scheduler = Scheduler(SchedulerConfig(**config), self.manager, [EOS])  # type: ignore[arg-type]
+        self.ids = itertools.count()
+
+    def add(self, prompt: list[int], max_tokens: int, n: int = 1, seed: int | None = None) -> Sequence:
+        params = SamplingParams(max_tokens=max_tokens, n=n, seed=seed, ignore_eos=True)
+        seq = Sequence(
+            self.scheduler.new_seq_id(), f"r{next(self.ids)}", prompt, params,
+            len(prompt) + max_tokens, seed=seed,
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def run_to_completion(self, max_steps: int = 1000) -> list[SchedulerOutput]:
+        outputs = []
+        for _ in range(max_steps):
+            if not self.scheduler.num_unfinished:
+                return outputs
+            out = self.scheduler.schedule()
+            self.check_invariants(out)
+            self.scheduler.update(out, fake_run(out))
+            outputs.append(out)
+        raise AssertionError("scheduler did not finish")
+
+    def check_invariants(self, out: SchedulerOutput) -> None:
+        cfg = self.scheduler.config
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+        assert sum(e.num_new_tokens for e in out.scheduled) == out.num_batched_tokens
+        assert len(self.scheduler.running) <= cfg.max_num_seqs
+        seq_ids = [e.seq.seq_id for e in out.scheduled]
+        assert len(seq_ids) == len(set(seq_ids))
+        for entry in out.scheduled:
+            covered = len(entry.seq.block_table) * self.manager.block_size
+            assert covered >= entry.start_position + entry.num_new_tokens
+
+
+def expected_output(prompt: list[int], max_tokens: int, sample_index: int = 0) -> list[int]:
+    seq = Sequence(0, "x", prompt, SamplingParams(), 10**6, sample_index=sample_index)
+    for _ in range(max_tokens):
+        seq.token_ids.append(fake_next_token(seq))
+    return seq.output_token_ids
+
+
+def test_continuous_batching_gives_each_sequence_its_own_tokens() -> None:
+    harness = Harness(max_num_seqs=4, max_num_batched_tokens=64)
+    prompts = [[5 + i] * (3 + 5 * i) for i in range(7)]
+    seqs = [harness.add(p, max_tokens=5 + i) for i, p in enumerate(prompts)]
+    outputs = harness.run_to_completion()
+    for i, seq in enumerate(seqs):
+        assert seq.output_token_ids == expected_output(prompts[i], 5 + i)
+        assert seq.finish_reason == "length"
+    # later requests joined while earlier ones were decoding
+    assert any(
+        {e.num_new_tokens > 1 for e in out.scheduled} == {True, False} for out in outputs
+    )
+    assert harness.manager.num_free_blocks == 64
+
+
+def test_chunked_prefill_respects_token_budget() -> None:
+    harness = Harness(max_num_batched_tokens=8)
+    seq = harness.add(list(range(3, 30)), max_tokens=3)
+    outputs = harness.run_to_completion()
+    chunks = [e.num_new_tokens for out in outputs for e in out.scheduled]
+    assert chunks[:4] == [8, 8, 8, 3]
+    assert not outputs[0].scheduled[0].sample_seqs  # a partial chunk samples nothing
+    assert seq.output_token_ids == expected_output(list(range(3, 30)), 3)
+
+
+def test_without_chunked_prefill_long_prompt_waits_for_a_whole_step() -> None:
+    harness = Harness(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    harness.add([3] * 4, max_tokens=20)
+    harness.add([4] * 16, max_tokens=2)
+    outputs = harness.run_to_completion()
+    assert all(e.num_new_tokens in (1, 4, 16) for out in outputs for e in out.scheduled)
+
+
+def test_max_num_seqs_caps_running_batch() -> None:
+    harness = Harness(max_num_seqs=2)
+    for i in range(5):
+        harness.add([3 + i] * 4, max_tokens=4)
+    outputs = harness.run_to_completion()
+    assert max(len(out.scheduled) for out in outputs) == 2
+
+
+def test_out_of_blocks_preempts_newest_and_recomputes_same_tokens() -> None:
+    harness = Harness(num_blocks=10, block_size=4)
+    prompts = [[3 + i] * 6 for i in range(4)]
+    seqs = [harness.add(p, max_tokens=12) for p in prompts]
+    outputs = harness.run_to_completion()
+    assert harness.scheduler.num_preemptions > 0
+    assert sum(out.num_preempted for out in outputs) == harness.scheduler.num_preemptions
+    assert max(s.num_preemptions for s in seqs[1:]) > 0
+    assert seqs[0].num_preemptions == 0  # the oldest is never the victim while others run
+    for prompt, seq in zip(prompts, seqs):
+        assert seq.output_token_ids == expected_output(prompt, 12)
+    assert harness.manager.num_free_blocks == 10
+
+
+def test_parallel_samples_fork_after_prompt_and_share_its_blocks() -> None:
+    harness = Harness(block_size=4)
+    prompt = list(range(3, 13))  # 10 tokens: 2 full blocks + a partial one
+    parent = harness.add(prompt, max_tokens=4, n=3, seed=1)
+    out = harness.scheduler.schedule()
+    (entry,) = out.scheduled
+    assert [s.sample_index for s in entry.sample_seqs] == [0, 1, 2]
+    children = entry.sample_seqs[1:]
+    assert children[0].seed != children[1].seed
+    harness.scheduler.update(out, fake_run(out))
+    assert all(c.block_table == parent.block_table for c in children)
+    out = harness.scheduler.schedule()
+    assert len(out.block_copies) == 2  # two of three samples copy the shared partial block
+    harness.scheduler.update(out, fake_run(out))
+    harness.run_to_completion()
+    for seq in (parent, *children):
+        assert seq.output_token_ids == expected_output(prompt, 4, seq.sample_index)
+    assert harness.manager.num_free_blocks == 64
+
+
+def test_abort_frees_blocks_and_removes_sequences() -> None:
+    harness = Harness()
+    seq = harness.add(list(range(3, 20)), max_tokens=50)
+    out = harness.scheduler.schedule()
+    harness.scheduler.update(out, fake_run(out))
+    assert harness.scheduler.abort(seq.request_id) == [seq]
+    assert seq.finish_reason == "abort"
+    assert harness.scheduler.num_unfinished == 0
+    assert harness.manager.usage == 0.0
+
+
+def test_request_larger_than_cache_is_refused() -> None:
+    harness = Harness(num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="KV cache"):
+        harness.add([3] * 10, max_tokens=10)
