@@ -26,7 +26,16 @@ _EXPORTS = {
     "SamplingParams": "engine.sampling.params",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StepResult",
+    "TokenDelta",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,8 +10,13 @@ import torch
 from engine.kv_cache.budget import KVBudget
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                  "half": "float16"}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 
 

@@ -1,7 +1,7 @@
 """The offline API, shaped like vLLM's ``LLM`` so users feel at home.
 
-    llm = LLM("path/to/hf_dir", dtype="float32", device="cpu")
-    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+llm = LLM("path/to/hf_dir", dtype="float32", device="cpu")
+outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
 from __future__ import annotations

@@ -63,14 +63,15 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(
-        self, load: LoadConfig, cache: CacheConfig, scheduler: SchedulerConfig
-    ) -> None:
+    def __init__(self, load: LoadConfig, cache: CacheConfig, scheduler: SchedulerConfig) -> None:
         self.model_config: ModelConfig = load_model_config(load.model_dir)
         self.device = load.torch_device()
         self.dtype = load.torch_dtype(self.model_config.checkpoint_dtype)
         self.max_model_len = load.max_model_len or self.model_config.max_position_embeddings
-        if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < self.max_model_len:
+        if (
+            not scheduler.enable_chunked_prefill
+            and scheduler.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
@@ -93,7 +94,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.block_manager, eos)
         self.runner = ModelRunner(
-            self.model, self.kv_cache, get_attention_backend(cache.attention_backend), eos, self.device
+            self.model,
+            self.kv_cache,
+            get_attention_backend(cache.attention_backend),
+            eos,
+            self.device,
         )
         self.stats = EngineStats()
         self._requests: dict[str, _RequestState] = {}

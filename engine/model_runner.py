@@ -19,8 +19,8 @@ from engine.attention.metadata import AttentionMetadata
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.sampling import Sampler, SamplingRow, make_generator
 from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
-from engine.sequence import Sequence
 from engine.scheduler.stop import banned_token_ids
+from engine.sequence import Sequence
 
 
 class ModelRunner:
@@ -67,9 +67,7 @@ class ModelRunner:
         sampled = self.sampler(logits, rows)
         token_ids = {seq.seq_id: tok for seq, tok in zip(row_entries, sampled.sampled_token_ids)}
         logprobs = {
-            seq.seq_id: lp
-            for seq, lp in zip(row_entries, sampled.logprobs)
-            if lp is not None
+            seq.seq_id: lp for seq, lp in zip(row_entries, sampled.logprobs) if lp is not None
         }
         return ModelRunnerOutput(token_ids, logprobs, forward_seconds)
 
@@ -127,9 +125,7 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def _sample_rows(
-        self, ordered: list[ScheduledSequence]
-    ) -> tuple[list[int], list[Sequence]]:
+    def _sample_rows(self, ordered: list[ScheduledSequence]) -> tuple[list[int], list[Sequence]]:
         """Hidden-state row to take logits from, and the sequence receiving each sample."""
         rows: list[int] = []
         targets: list[Sequence] = []

@@ -41,7 +41,9 @@ class KVBudget:
         if self.memory_bytes is not None and self.memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.memory_bytes}")
         if not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.memory_fraction}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.memory_fraction}"
+            )
 
 
 def available_host_bytes() -> int:

@@ -19,10 +19,10 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from engine.kv_cache.block_manager import BlockManager, num_blocks_for
-from engine.sampling import derive_seed
+from engine.sampling.seeds import derive_seed
 from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
-from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.scheduler.stop import finish_reason_after_append
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,9 @@ class Scheduler:
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of ``request_id`` with reason "abort"; returns them."""
-        aborted = [s for s in itertools.chain(self.waiting, self.running) if s.request_id == request_id]
+        aborted = [
+            s for s in itertools.chain(self.waiting, self.running) if s.request_id == request_id
+        ]
         for seq in aborted:
             self._finish(seq, "abort")
         return aborted
@@ -144,7 +146,9 @@ class Scheduler:
             if not seq.block_table:
                 seq.num_cached_prompt_tokens = self.block_manager.attach_cached_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
-            chunk_refused = num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill
+            chunk_refused = (
+                num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill
+            )
             if chunk_refused or not self.block_manager.can_allocate(seq, num_new):
                 self.block_manager.free(seq)
                 break

@@ -1,0 +1,157 @@
+"""`SamplingParams`: how one request wants its tokens chosen, validated once at construction.
+
+Shaped like vLLM's class of the same name, so ``SamplingParams(temperature=0.7, top_p=0.9)``
+reads the same here. Every field is checked when the object is built; a bad value, a wrong type
+or an unknown keyword raises ``ValueError`` naming the field and the limit. The object is frozen
+afterwards, so the engine can share it between the scheduler, workers and the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this mean greedy (argmax) decoding
+MAX_LOGPROBS = 20  # the most top-N logprobs a request may ask for
+MAX_PENALTY = 2.0  # presence/frequency penalties live in [-MAX_PENALTY, MAX_PENALTY]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    n: int = 1  # parallel samples per prompt
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with mass >= top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables it
+    min_p: float = 0.0  # drop tokens with prob < min_p * (prob of the most likely token)
+    repetition_penalty: float = 1.0  # HF rule over prompt + output tokens; 1 disables it
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    seed: int | None = None  # per-request RNG seed; None uses the engine's global RNG
+    stop_token_ids: Sequence[int] = ()  # extra ids that end generation (stored as a tuple)
+    max_tokens: int | None = 16  # most tokens to generate; None means up to the model's limit
+    min_tokens: int = 0  # eos and stop ids are banned until this many tokens exist
+    ignore_eos: bool = False  # keep generating past eos
+    logprobs: int | None = None  # return the sampled token's logprob plus the top-N (N <= 20)
+    skip_special_tokens: bool = True  # drop special tokens when detokenizing
+
+    def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
+        # Runs before the generated __init__, so bad keywords get a ValueError, not a TypeError.
+        if args:
+            raise ValueError("SamplingParams takes keyword arguments only")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(kwargs) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"unknown SamplingParams field(s) {', '.join(unknown)}; "
+                f"valid fields are: {', '.join(valid)}"
+            )
+        return object.__new__(cls)
+
+    def __post_init__(self) -> None:
+        n = _as_int("n", self.n)
+        _check(n >= 1, "n", "must be >= 1", n)
+        temperature = _as_float("temperature", self.temperature)
+        _check(temperature >= 0, "temperature", "must be >= 0", temperature)
+        top_p = _as_float("top_p", self.top_p)
+        _check(0 < top_p <= 1, "top_p", "must be in (0, 1]", top_p)
+        top_k = _as_int("top_k", self.top_k)
+        _check(top_k >= -1, "top_k", "must be >= -1 (0 or -1 disables it)", top_k)
+        min_p = _as_float("min_p", self.min_p)
+        _check(0 <= min_p <= 1, "min_p", "must be in [0, 1]", min_p)
+        repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        _check(repetition_penalty > 0, "repetition_penalty", "must be > 0", repetition_penalty)
+        presence_penalty = _penalty("presence_penalty", self.presence_penalty)
+        frequency_penalty = _penalty("frequency_penalty", self.frequency_penalty)
+        seed = None if self.seed is None else _as_int("seed", self.seed)
+        normalized = {
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+            "repetition_penalty": repetition_penalty,
+            "presence_penalty": presence_penalty,
+            "frequency_penalty": frequency_penalty,
+            "seed": seed,
+            "stop_token_ids": _token_ids("stop_token_ids", self.stop_token_ids),
+            **self._normalized_lengths(),
+            "ignore_eos": _as_bool("ignore_eos", self.ignore_eos),
+            "skip_special_tokens": _as_bool("skip_special_tokens", self.skip_special_tokens),
+        }
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)
+
+    def _normalized_lengths(self) -> dict[str, int | None]:
+        max_tokens = None if self.max_tokens is None else _as_int("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            _check(max_tokens >= 1, "max_tokens", "must be >= 1 (or None)", max_tokens)
+        min_tokens = _as_int("min_tokens", self.min_tokens)
+        _check(min_tokens >= 0, "min_tokens", "must be >= 0", min_tokens)
+        if max_tokens is not None:
+            _check(
+                min_tokens <= max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({max_tokens})",
+                min_tokens,
+            )
+        logprobs = None if self.logprobs is None else _as_int("logprobs", self.logprobs)
+        if logprobs is not None:
+            _check(
+                0 <= logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}]",
+                logprobs,
+            )
+        return {"max_tokens": max_tokens, "min_tokens": min_tokens, "logprobs": logprobs}
+
+    @property
+    def greedy(self) -> bool:
+        """True when the temperature is so low that sampling is an argmax."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+
+def _check(ok: bool, name: str, limit: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} {limit}, got {value!r}")
+
+
+def _describe(value: object) -> str:
+    return f"{type(value).__name__} ({value!r})"
+
+
+def _as_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {_describe(value)}")
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {_describe(value)}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {result!r}")
+    return result
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {_describe(value)}")
+    return value
+
+
+def _penalty(name: str, value: object) -> float:
+    penalty = _as_float(name, value)
+    _check(-MAX_PENALTY <= penalty <= MAX_PENALTY, name, "must be in [-2, 2]", penalty)
+    return penalty
+
+
+def _token_ids(name: str, value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a list or tuple of ints, got {_describe(value)}")
+    token_ids = tuple(_as_int(f"{name}[{i}]", token_id) for i, token_id in enumerate(value))
+    for i, token_id in enumerate(token_ids):
+        _check(token_id >= 0, f"{name}[{i}]", "must be >= 0", token_id)
+    return token_ids

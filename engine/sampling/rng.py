@@ -1,0 +1,49 @@
+"""Where the sampler's randomness comes from: per-request generators and the exact draw.
+
+A row with ``SamplingParams.seed`` owns a ``torch.Generator`` (``make_generator``) and each
+step consumes exactly one exponential draw of size [V] from it, whatever else is in the batch,
+so a seeded request yields the same tokens alone or batched. Rows without a seed share one
+batched draw from the device's global RNG. ``derive_seed`` gives each of a request's ``n``
+parallel samples its own seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.sampling.seeds import MASK64
+
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (any int; reduced modulo 2**64)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & MASK64)
+    return generator
+
+
+def sample_from_probs(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V], drawn exactly from that row's distribution.
+
+    Uses the exponential race: with q_i ~ Exp(1) i.i.d., argmax_i p_i / q_i is distributed as
+    Categorical(p). Consumes ``probs``. Returns token ids [B] (int64, on ``probs.device``).
+    """
+    vocab_size = probs.shape[1]
+    q = torch.empty_like(probs)  # [B, V]
+    seeded = [(row, gen) for row, gen in enumerate(generators) if gen is not None]
+    if not seeded:
+        q.exponential_()
+    else:
+        unseeded = [row for row, gen in enumerate(generators) if gen is None]
+        if unseeded:
+            shared = torch.empty((len(unseeded), vocab_size), device=probs.device).exponential_()
+            q[torch.tensor(unseeded, device=probs.device)] = shared
+        for row, gen in seeded:
+            q[row].exponential_(generator=gen)
+    # Exp(1) can round to 0; a tiny floor keeps p / q finite (and 0 / q == 0 for banned tokens).
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)

@@ -1,0 +1,64 @@
+"""The batched sampler the model runner calls once per step: logits [B, V] -> one token per row.
+
+Processing order (as vLLM v1):
+
+1. Logprobs, for rows with ``params.logprobs`` set, come from the RAW distribution:
+   ``log_softmax`` of the unprocessed logits (``logprobs.py``).
+2. Banned token ids -> -inf (the engine bans eos + stop ids while under ``min_tokens``).
+3. Repetition penalty over prompt + output tokens (HF rule: divide positive logits, multiply
+   negative ones), then presence / frequency penalties over output tokens (``penalties.py``).
+4. Greedy rows (``params.greedy``) take the argmax of the penalised logits. Sampled rows go on:
+5. temperature, min_p, top_k, top_p, softmax (``processors.py``);
+6. an exact draw from that distribution by the exponential race (``rng.py``). A seeded row
+   consumes one [V] draw from its own generator per step, so its tokens do not depend on the
+   rest of the batch; unseeded rows share one batched draw from the global RNG.
+
+Fast paths: an all-greedy batch without bans or penalties is one argmax; penalty, min_p and
+top-k/top-p work is skipped when no row asks for it. The input logits are never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.sampling.logprobs import compute_logprobs
+from engine.sampling.messages import SamplerOutput, SamplingRow
+from engine.sampling.penalties import apply_penalties
+from engine.sampling.processors import sampling_probs
+from engine.sampling.rng import sample_from_probs
+
+
+class Sampler:
+    """Stateless; per-request state (generators, token history) arrives in the rows."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}"
+            )
+        logits = logits.float()  # [B, V]; a no-op for float32
+        penalised = apply_penalties(logits, rows)  # [B, V]
+        sampled_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not sampled_rows:
+            token_ids = penalised.argmax(dim=-1)  # [B]
+        else:
+            token_ids = self._sample(penalised, rows, sampled_rows)
+        return SamplerOutput(
+            sampled_token_ids=token_ids.tolist(),
+            logprobs=compute_logprobs(logits, rows, token_ids),
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], sampled_rows: list[int]
+    ) -> torch.Tensor:
+        """Token ids [B]: drawn for ``sampled_rows``, argmax for the (greedy) others."""
+        if len(sampled_rows) == len(rows):
+            probs = sampling_probs(logits, [row.params for row in rows])
+            return sample_from_probs(probs, [row.generator for row in rows])
+        sel = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+        subset = [rows[i] for i in sampled_rows]
+        probs = sampling_probs(logits.index_select(0, sel), [row.params for row in subset])
+        drawn = sample_from_probs(probs, [row.generator for row in subset])  # [b]
+        return logits.argmax(dim=-1).index_copy_(0, sel, drawn)

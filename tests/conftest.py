@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random Hugging Face models and a tiny BPE tokenizer, built locally."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.tiny_models import make_tiny_model
+from tests.fixtures.tiny_tokenizer import make_tiny_tokenizer
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, Path]:
+    """One tiny random model per supported architecture, each with the tiny tokenizer."""
+    dirs = {}
+    for index, arch in enumerate(ARCHITECTURES):
+        model_dir = make_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=index)
+        for item in tokenizer_dir.iterdir():
+            shutil.copy(item, model_dir / item.name)
+        dirs[arch] = model_dir
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["LlamaForCausalLM"]

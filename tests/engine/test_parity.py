@@ -1,0 +1,99 @@
+"""Greedy decoding matches Hugging Face transformers token for token, in every engine mode."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import ARCHITECTURES
+from tests.engine.hf_reference import hf_greedy
+
+PROMPT_LENGTHS = (1, 3, 17, 40, 64, 100, 211, 300)
+OUTPUT_LENGTHS = (64, 5, 16, 1, 33, 8, 64, 20)
+
+
+def make_prompts(seed: int, vocab_size: int = 1024) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def shared_prefix_prompts(seed: int, vocab_size: int = 1024) -> list[list[int]]:
+    """Prompts that share long prefixes (as system prompts do), of varied suffix lengths."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (70, 130)]
+    return [
+        prefixes[i % 2] + [rng.randrange(3, vocab_size) for _ in range(1 + 9 * i)] for i in range(8)
+    ]
+
+
+def greedy_params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=n) for n in OUTPUT_LENGTHS]
+
+
+_reference_cache: dict[tuple[str, str], list[list[int]]] = {}
+
+
+def reference(model_dir: Path, prompts: list[list[int]], key: str) -> list[list[int]]:
+    cache_key = (str(model_dir), key)
+    if cache_key not in _reference_cache:
+        _reference_cache[cache_key] = [
+            hf_greedy(model_dir, p, n) for p, n in zip(prompts, OUTPUT_LENGTHS, strict=True)
+        ]
+    return _reference_cache[cache_key]
+
+
+def engine_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate(prompts, greedy_params())
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_batched_greedy_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    model_dir = model_dirs[arch]
+    prompts = make_prompts(seed=1)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
+    assert engine_tokens(llm, prompts) == reference(model_dir, prompts, "plain")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_chunked_prefill_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    model_dir = model_dirs[arch]
+    prompts = make_prompts(seed=1)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", max_num_batched_tokens=32)
+    assert engine_tokens(llm, prompts) == reference(model_dir, prompts, "plain")
+    assert llm.engine.stats.num_steps > sum(PROMPT_LENGTHS) // 32
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prefix_cache_hits_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    model_dir = model_dirs[arch]
+    prompts = shared_prefix_prompts(seed=2)
+    expected = reference(model_dir, prompts, "shared-prefix")
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=8)
+    first = llm.generate(prompts, greedy_params())
+    second = llm.generate(prompts, greedy_params())
+    assert [o.outputs[0].token_ids for o in first] == expected
+    assert [o.outputs[0].token_ids for o in second] == expected
+    assert sum(o.num_cached_tokens for o in first) > 0  # shared prefixes within one batch
+    assert all(o.num_cached_tokens >= 64 for o in second)  # everything seen before
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_preemption_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    model_dir = model_dirs[arch]
+    prompts = make_prompts(seed=1)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=8, num_kv_blocks=48)
+    assert engine_tokens(llm, prompts) == reference(model_dir, prompts, "plain")
+    assert llm.engine.num_preemptions > 0
+
+
+def test_parallel_greedy_samples_are_identical(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
+    prompt = make_prompts(seed=3)[4]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, n=3))
+    expected = hf_greedy(llama_dir, prompt, 20)
+    assert [c.token_ids for c in out.outputs] == [expected] * 3
+    assert [c.index for c in out.outputs] == [0, 1, 2]
