@@ -8,7 +8,13 @@ import pytest
 
 from engine.kv_cache.block_manager import BlockManager
 from engine.sampling import SamplingParams
-from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from engine.scheduler import (
+    ModelRunnerOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    Sequence,
+)
 
 EOS = 2
 VOCAB = 50
@@ -34,11 +40,17 @@ class Harness:
         self.scheduler = Scheduler(SchedulerConfig(**config), self.manager, [EOS])  # type: ignore[arg-type]
         self.ids = itertools.count()
 
-    def add(self, prompt: list[int], max_tokens: int, n: int = 1, seed: int | None = None) -> Sequence:
+    def add(
+        self, prompt: list[int], max_tokens: int, n: int = 1, seed: int | None = None
+    ) -> Sequence:
         params = SamplingParams(max_tokens=max_tokens, n=n, seed=seed, ignore_eos=True)
         seq = Sequence(
-            self.scheduler.new_seq_id(), f"r{next(self.ids)}", prompt, params,
-            len(prompt) + max_tokens, seed=seed,
+            self.scheduler.new_seq_id(),
+            f"r{next(self.ids)}",
+            prompt,
+            params,
+            len(prompt) + max_tokens,
+            seed=seed,
         )
         self.scheduler.add(seq)
         return seq
@@ -82,9 +94,7 @@ def test_continuous_batching_gives_each_sequence_its_own_tokens() -> None:
         assert seq.output_token_ids == expected_output(prompts[i], 5 + i)
         assert seq.finish_reason == "length"
     # later requests joined while earlier ones were decoding
-    assert any(
-        {e.num_new_tokens > 1 for e in out.scheduled} == {True, False} for out in outputs
-    )
+    assert any({e.num_new_tokens > 1 for e in out.scheduled} == {True, False} for out in outputs)
     assert harness.manager.num_free_blocks == 64
 
 
