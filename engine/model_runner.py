@@ -12,11 +12,11 @@ from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 import torch
-from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.forward_context import ForwardContext, set_forward_context
+from engine.models.registry import CausalLM
 from engine.sampling import Sampler, SamplingRow, make_generator
 from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.scheduler.stop import banned_token_ids
@@ -26,7 +26,7 @@ from engine.sequence import Sequence
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_backend: AttentionBackend,
         eos_token_ids: frozenset[int],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 
 from tests.fixtures.tiny_models import make_tiny_model
 from tests.fixtures.tiny_tokenizer import make_tiny_tokenizer
+
+# Engines built without an explicit KV budget get 64 MiB, not gigabytes, in tests.
+os.environ.setdefault("PDSERVE_CPU_KV_CACHE_BYTES", str(64 << 20))
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-# The part of currently available host memory a CPU worker gives to its KV cache by default.
+# A CPU worker's default KV cache: a quarter of available host memory, at most 4 GiB (as vLLM's
+# CPU backend), unless PDSERVE_CPU_KV_CACHE_BYTES says otherwise.
 _CPU_DEFAULT_FRACTION = 0.25
+_CPU_DEFAULT_MAX_BYTES = 4 << 30
+CPU_KV_CACHE_BYTES_ENV = "PDSERVE_CPU_KV_CACHE_BYTES"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,16 @@ def available_host_bytes() -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+def _cpu_default_bytes() -> int:
+    configured = os.environ.get(CPU_KV_CACHE_BYTES_ENV)
+    if configured:
+        try:
+            return int(configured)
+        except ValueError:
+            raise ValueError(f"{CPU_KV_CACHE_BYTES_ENV} must be an integer byte count") from None
+    return min(int(available_host_bytes() * _CPU_DEFAULT_FRACTION), _CPU_DEFAULT_MAX_BYTES)
+
+
 def num_kv_blocks(
     budget: KVBudget, layout: KVLayout, device: torch.device, peak_activation_bytes: int = 0
 ) -> int:
@@ -67,7 +81,7 @@ def num_kv_blocks(
         used = total - free
         memory = int(total * budget.memory_fraction) - used - peak_activation_bytes
     else:
-        memory = int(available_host_bytes() * _CPU_DEFAULT_FRACTION) - peak_activation_bytes
+        memory = _cpu_default_bytes() - peak_activation_bytes
     num_blocks = memory // layout.bytes_per_block
     if num_blocks < 1:
         raise ValueError(

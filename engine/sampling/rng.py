@@ -16,7 +16,6 @@ import torch
 from engine.sampling.seeds import MASK64
 
 
-
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     """A generator on ``device`` seeded with ``seed`` (any int; reduced modulo 2**64)."""
     generator = torch.Generator(device=device)

@@ -72,12 +72,15 @@ def test_prefix_cache_hits_match_transformers(model_dirs: dict[str, Path], arch:
     model_dir = model_dirs[arch]
     prompts = shared_prefix_prompts(seed=2)
     expected = reference(model_dir, prompts, "shared-prefix")
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=8)
+    # a small step budget admits later prompts after the shared prefixes are computed
+    llm = LLM(
+        str(model_dir), dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=96
+    )
     first = llm.generate(prompts, greedy_params())
     second = llm.generate(prompts, greedy_params())
     assert [o.outputs[0].token_ids for o in first] == expected
     assert [o.outputs[0].token_ids for o in second] == expected
-    assert sum(o.num_cached_tokens for o in first) > 0  # shared prefixes within one batch
+    assert sum(o.num_cached_tokens > 0 for o in first) >= 4  # shared prefixes within one batch
     assert all(o.num_cached_tokens >= 64 for o in second)  # everything seen before
 
 
@@ -85,7 +88,7 @@ def test_prefix_cache_hits_match_transformers(model_dirs: dict[str, Path], arch:
 def test_preemption_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
     model_dir = model_dirs[arch]
     prompts = make_prompts(seed=1)
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=8, num_kv_blocks=48)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=8, num_kv_blocks=40)
     assert engine_tokens(llm, prompts) == reference(model_dir, prompts, "plain")
     assert llm.engine.num_preemptions > 0
 

@@ -1,0 +1,40 @@
+"""KV cache sizing: explicit count, byte budget, CPU default, and the too-small error."""
+
+import pytest
+import torch
+
+from engine.kv_cache.budget import CPU_KV_CACHE_BYTES_ENV, KVBudget, KVLayout, num_kv_blocks
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float32)
+CPU = torch.device("cpu")
+
+
+def test_bytes_per_block_counts_layers_k_and_v() -> None:
+    assert LAYOUT.bytes_per_block == 2 * 2 * 8 * 2 * 16 * 4
+    assert LAYOUT.shape(10) == (2, 2, 10, 8, 2, 16)
+
+
+def test_explicit_count_wins() -> None:
+    assert num_kv_blocks(KVBudget(num_blocks=7, memory_bytes=1 << 30), LAYOUT, CPU) == 7
+
+
+def test_byte_budget_is_divided_into_whole_blocks() -> None:
+    budget = KVBudget(memory_bytes=10 * LAYOUT.bytes_per_block + 5)
+    assert num_kv_blocks(budget, LAYOUT, CPU) == 10
+
+
+def test_cpu_default_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CPU_KV_CACHE_BYTES_ENV, str(3 * LAYOUT.bytes_per_block))
+    assert num_kv_blocks(KVBudget(), LAYOUT, CPU) == 3
+    monkeypatch.delenv(CPU_KV_CACHE_BYTES_ENV)
+    blocks = num_kv_blocks(KVBudget(), LAYOUT, CPU)
+    assert 0 < blocks * LAYOUT.bytes_per_block <= 4 << 30
+
+
+def test_too_small_budget_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no memory left for the KV cache"):
+        num_kv_blocks(KVBudget(memory_bytes=10), LAYOUT, CPU)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        KVBudget(num_blocks=0)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        KVBudget(memory_fraction=1.5)

@@ -1,0 +1,146 @@
+"""The offline LLM API: logprobs, seeded sampling, n > 1, stop conditions and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.engine.hf_reference import hf_greedy, hf_log_softmax
+from tests.engine.test_parity import make_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    return LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
+
+
+def test_logprobs_match_transformers_log_softmax(llm: LLM, llama_dir: Path) -> None:
+    prompt = make_prompts(seed=5)[3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
+    (out,) = llm.generate([prompt], params)
+    completion = out.outputs[0]
+    reference = hf_log_softmax(llama_dir, prompt + completion.token_ids)
+    assert completion.logprobs is not None and len(completion.logprobs) == 12
+    for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        expected = reference[len(prompt) - 1 + step]
+        top = torch.topk(expected, 5)
+        assert list(position)[:5] == top.indices.tolist()
+        for token_id, logprob in position.items():
+            assert abs(logprob.logprob - expected[token_id].item()) < 1e-4
+        assert position[token].rank == 1  # greedy picks the most likely token
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs))
+    )
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm: LLM) -> None:
+    prompts = make_prompts(seed=6)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=1234)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24)
+    alone = llm.generate([prompts[2]], seeded)[0].outputs[0].token_ids
+    mixed = llm.generate(prompts[:5], [unseeded, unseeded, seeded, unseeded, unseeded])
+    later = llm.generate([prompts[7], prompts[2]], [unseeded, seeded])
+    assert mixed[2].outputs[0].token_ids == alone
+    assert later[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=99)
+    assert llm.generate([prompts[2]], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_parallel_samples_are_distinct_and_seeded(llm: LLM) -> None:
+    prompt = make_prompts(seed=7)[4]
+    params = SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=5)
+    (first,) = llm.generate([prompt], params)
+    (again,) = llm.generate([prompt], params)
+    samples = [c.token_ids for c in first.outputs]
+    assert len({tuple(s) for s in samples}) > 1
+    assert samples == [c.token_ids for c in again.outputs]
+    assert all(len(s) == 16 for s in samples)
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM, llama_dir: Path) -> None:
+    prompt = make_prompts(seed=8)[2]
+    greedy = hf_greedy(llama_dir, prompt, 20)
+    stop_at = greedy[5]
+    first = greedy.index(stop_at)
+    (out,) = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at])
+    )
+    assert out.outputs[0].token_ids == greedy[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    (out,) = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=20, stop_token_ids=[stop_at]),
+    )
+    assert len(out.outputs[0].token_ids) == 20
+    assert stop_at not in out.outputs[0].token_ids  # banned until min_tokens
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_text_prompts_are_tokenized_and_outputs_detokenized(llm: LLM) -> None:
+    (out,) = llm.generate(["def main():"], SamplingParams(temperature=0, max_tokens=8))
+    assert llm.tokenizer is not None
+    assert out.prompt == "def main():"
+    assert out.prompt_token_ids == llm.tokenizer.encode("def main():")
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"bogus_field": 1}, "bogus_field"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_refused_and_running_requests_unaffected(
+    llm: LLM, llama_dir: Path
+) -> None:
+    engine = llm.engine
+    prompt = make_prompts(seed=9)[4]
+    engine.add_request("good", prompt, SamplingParams(temperature=0, max_tokens=30))
+    for _ in range(5):
+        engine.step()
+    bad_requests = [
+        ([5] * 600, "max_model_len"),  # longer than the model's 512 positions
+        ([5, 1024], "vocabulary"),
+        ([5, -1], "vocabulary"),
+        ([], "at least 1 token"),
+    ]
+    for bad_prompt, message in bad_requests:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("bad", bad_prompt, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request("bad", [5], SamplingParams(stop_token_ids=[5000]))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", [5], SamplingParams())
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step().finished
+    assert [o.request_id for o in finished] == ["good"]
+    assert finished[0].outputs[0].token_ids == hf_greedy(llama_dir, prompt, 30)
+
+
+def test_abort_frees_every_block(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("abort-me", make_prompts(seed=10)[6], SamplingParams(max_tokens=100))
+    engine.step()
+    assert engine.block_manager.usage > 0
+    engine.abort_request("abort-me")
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.usage == 0
+
+
+def test_mismatched_params_list_is_refused(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="sampling_params has 1 entries"):
+        llm.generate([[5, 6], [7, 8]], [SamplingParams()])

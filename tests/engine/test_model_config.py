@@ -1,0 +1,135 @@
+"""config.json parsing: classic and transformers-v5 keys, defaults, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.model_config import (
+    SUPPORTED_ARCHITECTURES,
+    RopeConfig,
+    load_model_config,
+    parse_model_config,
+)
+from tests.fixtures.tiny_models import tiny_hf_config
+
+
+def _raw(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "architectures": [architecture],
+        "vocab_size": 1000,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "max_position_embeddings": 2048,
+        "eos_token_id": 2,
+    }
+    raw.update(overrides)
+    return raw
+
+
+def test_defaults_follow_transformers() -> None:
+    config = parse_model_config(_raw())
+    assert config.num_kv_heads == 8 and config.head_dim == 32
+    assert config.rope == RopeConfig(10000.0, "default", 1.0, 1.0, 4.0, 2048)
+    assert not (config.qkv_bias or config.o_proj_bias or config.qk_norm or config.mlp_bias)
+    assert config.tie_word_embeddings is False and config.bos_token_id is None
+
+
+@pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
+def test_v5_saved_config_round_trips(tmp_path: Path, architecture: str) -> None:
+    tiny_hf_config(architecture).save_pretrained(str(tmp_path))
+    config = load_model_config(tmp_path)
+    assert config.architecture == architecture
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
+    assert config.rope.theta == 10000.0 and config.rope.scaling_type == "default"
+    assert config.qkv_bias == (architecture == "Qwen2ForCausalLM")
+    assert config.qk_norm == (architecture == "Qwen3ForCausalLM")
+    assert config.eos_token_ids == (2,) and config.bos_token_id == 1
+
+
+def test_classic_rope_keys() -> None:
+    scaling = {"type": "linear", "factor": 2.0}
+    config = parse_model_config(_raw(rope_theta=1e6, rope_scaling=scaling))
+    assert (config.rope.theta, config.rope.scaling_type, config.rope.factor) == (1e6, "linear", 2.0)
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    rope = parse_model_config(_raw(rope_theta=500000.0, rope_scaling=llama3)).rope
+    assert rope == RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
+
+
+def test_v5_rope_parameters() -> None:
+    params = {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0}
+    rope = parse_model_config(_raw(rope_parameters=params)).rope
+    assert (rope.theta, rope.scaling_type, rope.factor) == (5e5, "linear", 4.0)
+
+
+def test_unsupported_rope_type_is_refused() -> None:
+    with pytest.raises(ValueError, match="yarn.*default, linear, llama3"):
+        parse_model_config(_raw(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_eos_ids_merge_config_and_generation_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(_raw(eos_token_id=[2, 7])))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert load_model_config(tmp_path).eos_token_ids == (2, 7, 9)
+
+
+def test_biases_per_architecture() -> None:
+    qwen2 = parse_model_config(_raw("Qwen2ForCausalLM"))
+    assert qwen2.qkv_bias and not qwen2.o_proj_bias
+    llama = parse_model_config(_raw(attention_bias=True, mlp_bias=True))
+    assert llama.qkv_bias and llama.o_proj_bias and llama.mlp_bias
+
+
+def test_architecture_from_model_type() -> None:
+    raw = _raw()
+    del raw["architectures"]
+    assert parse_model_config({**raw, "model_type": "qwen3"}).architecture == "Qwen3ForCausalLM"
+
+
+def test_unknown_architecture_lists_supported() -> None:
+    with pytest.raises(ValueError, match=", ".join(SUPPORTED_ARCHITECTURES)):
+        parse_model_config(_raw("GemmaForCausalLM"))
+
+
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [
+        ("MistralForCausalLM", {"sliding_window": 4096, "max_position_embeddings": 32768}),
+        ("MistralForCausalLM", {"max_position_embeddings": 32768}),  # absent key -> 4096
+        (
+            "Qwen2ForCausalLM",
+            {"use_sliding_window": True, "sliding_window": 1024, "max_window_layers": 0},
+        ),
+    ],
+)
+def test_effective_sliding_window_is_refused(architecture: str, overrides: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="sliding"):
+        parse_model_config(_raw(architecture, **overrides))
+
+
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [
+        ("MistralForCausalLM", {"sliding_window": None, "max_position_embeddings": 32768}),
+        ("MistralForCausalLM", {"sliding_window": 4096, "max_position_embeddings": 4096}),
+        ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": 1024}),
+    ],
+)
+def test_inactive_sliding_window_is_accepted(architecture: str, overrides: dict[str, Any]) -> None:
+    parse_model_config(_raw(architecture, **overrides))
+
+
+def test_non_silu_activation_is_refused() -> None:
+    with pytest.raises(ValueError, match="gelu"):
+        parse_model_config(_raw(hidden_act="gelu"))
