@@ -78,7 +78,10 @@ class LLM:
             raise
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(request_ids):
-            for output in self.engine.step().finished:
+            step = self.engine.step()
+            if not step.new_tokens and not step.finished and not self.engine.scheduler.running:
+                raise RuntimeError("the scheduler admitted nothing although requests are waiting")
+            for output in step.finished:
                 finished[output.request_id] = output
         return [self._detokenized(finished[rid], p) for rid, p in zip(request_ids, params_list)]
 

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention.backend import AttentionBackend
 from engine.attention.selector import get_attention_backend
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.budget import KVLayout, num_kv_blocks
+from engine.memory_profile import peak_activation_bytes
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
@@ -87,7 +89,8 @@ class LLMEngine:
             block_size=cache.block_size,
             dtype=self.dtype,
         )
-        num_blocks = num_kv_blocks(cache.budget, layout, self.device)
+        attn_backend = get_attention_backend(cache.attention_backend)
+        num_blocks = self._num_kv_blocks(cache, scheduler, layout, attn_backend)
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=self.dtype, device=self.device)
         eos = frozenset(self.model_config.eos_token_ids)
@@ -96,7 +99,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
-            get_attention_backend(cache.attention_backend),
+            attn_backend,
             eos,
             self.device,
         )
@@ -185,6 +188,27 @@ class LLMEngine:
         return self.scheduler.num_preemptions
 
     # ---- helpers ------------------------------------------------------------------------
+    def _num_kv_blocks(
+        self,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        layout: KVLayout,
+        attn_backend: AttentionBackend,
+    ) -> int:
+        activation_bytes = 0
+        if cache.budget.num_blocks is None and cache.budget.memory_bytes is None:
+            activation_bytes = peak_activation_bytes(
+                self.model,
+                layout,
+                attn_backend,
+                self.device,
+                max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                max_num_seqs=scheduler.max_num_seqs,
+                max_model_len=self.max_model_len,
+                vocab_size=self.model_config.vocab_size,
+            )
+        return num_kv_blocks(cache.budget, layout, self.device, activation_bytes)
+
     def _finish(self, state: _RequestState) -> RequestOutput:
         del self._requests[state.request_id]
         for seq in state.seqs:

@@ -60,6 +60,10 @@ class Scheduler:
         return next(self._seq_ids)
 
     def add(self, seq: Sequence) -> None:
+        if seq.params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n ({seq.params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})"
+            )
         needed = num_blocks_for(seq.max_total_tokens, self.block_manager.block_size)
         if needed > self.block_manager.pool.num_blocks:
             raise ValueError(

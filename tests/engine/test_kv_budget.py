@@ -1,5 +1,7 @@
 """KV cache sizing: explicit count, byte budget, CPU default, and the too-small error."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,3 +40,31 @@ def test_too_small_budget_is_a_clear_error() -> None:
         KVBudget(num_blocks=0)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         KVBudget(memory_fraction=1.5)
+
+
+def test_worst_case_profile_step_runs_through_the_real_runner(llama_dir: Path) -> None:
+    from engine.attention.torch_ref import TorchAttentionBackend
+    from engine.memory_profile import peak_activation_bytes, run_worst_case_step
+    from engine.model_config import load_model_config
+    from engine.model_loader import load_model
+
+    config = load_model_config(llama_dir)
+    model = load_model(llama_dir, config, torch.float32, CPU)
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, 16, torch.float32)
+    # a budget larger than max_model_len is split over several prompt-length sequences
+    run_worst_case_step(
+        model, layout, TorchAttentionBackend(), CPU, 1200, config.max_position_embeddings
+    )
+    assert (
+        peak_activation_bytes(
+            model,
+            layout,
+            TorchAttentionBackend(),
+            CPU,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            max_model_len=512,
+            vocab_size=1024,
+        )
+        == 0
+    )  # only measured on CUDA

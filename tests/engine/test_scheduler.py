@@ -173,3 +173,9 @@ def test_request_larger_than_cache_is_refused() -> None:
     harness = Harness(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="KV cache"):
         harness.add([3] * 10, max_tokens=10)
+
+
+def test_more_parallel_samples_than_max_num_seqs_is_refused() -> None:
+    harness = Harness(max_num_seqs=2)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        harness.add([3] * 4, max_tokens=4, n=3)
