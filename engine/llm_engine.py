@@ -69,7 +69,13 @@ class LLMEngine:
         self.model_config: ModelConfig = load_model_config(load.model_dir)
         self.device = load.torch_device()
         self.dtype = load.torch_dtype(self.model_config.checkpoint_dtype)
-        self.max_model_len = load.max_model_len or self.model_config.max_position_embeddings
+        model_max = self.model_config.max_position_embeddings
+        if load.max_model_len is not None and load.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len ({load.max_model_len}) must be <= the model's "
+                f"max_position_embeddings ({model_max})"
+            )
+        self.max_model_len = load.max_model_len or model_max
         if (
             not scheduler.enable_chunked_prefill
             and scheduler.max_num_batched_tokens < self.max_model_len

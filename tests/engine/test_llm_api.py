@@ -144,3 +144,23 @@ def test_abort_frees_every_block(llm: LLM) -> None:
 def test_mismatched_params_list_is_refused(llm: LLM) -> None:
     with pytest.raises(ValueError, match="sampling_params has 1 entries"):
         llm.generate([[5, 6], [7, 8]], [SamplingParams()])
+
+
+def test_engine_options_are_validated(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(str(llama_dir), device="cpu", max_model_len=4096)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(str(llama_dir), device="cpu", enable_chunked_prefill=False, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(llama_dir), device="cpu", dtype="int8")
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(llama_dir), device="cpu", block_size=0)
+
+
+def test_max_model_len_caps_generation(llama_dir: Path) -> None:
+    small = LLM(str(llama_dir), dtype="float32", device="cpu", max_model_len=40)
+    (out,) = small.generate(
+        [[5] * 30], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    )
+    assert len(out.outputs[0].token_ids) == 10
+    assert out.outputs[0].finish_reason == "length"
