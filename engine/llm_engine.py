@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.selector import get_attention_backend
 from engine.engine_config import CacheConfig, LoadConfig
-from engine.kv_cache.block_manager import BlockManager
+from engine.handoff import PrefillResult, SampleStart
+from engine.kv_cache.block_manager import BlockManager, num_blocks_for
 from engine.kv_cache.budget import KVLayout, num_kv_blocks
 from engine.memory_profile import peak_activation_bytes
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from engine.sampling import SamplingParams, TokenLogprobs
+from engine.outputs import RequestOutput
+from engine.request_state import RequestState
+from engine.sampling import SamplingParams
+from engine.sampling.seeds import derive_seed
 from engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from engine.sequence import SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,7 @@ class TokenDelta:
 class StepResult:
     new_tokens: list[TokenDelta]  # one per sample that got a token this step
     finished: list[RequestOutput]  # requests that completed this step
+    handed_off: list[PrefillResult]  # prefill-only requests whose KV now waits under a lease
 
 
 @dataclass(slots=True)
@@ -52,16 +57,6 @@ class EngineStats:
     def overhead_fraction(self) -> float:
         """Share of step time spent outside the model forward (scheduling, inputs, sampling)."""
         return 1.0 - self.forward_seconds / self.step_seconds if self.step_seconds else 0.0
-
-
-@dataclass(slots=True)
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    params: SamplingParams
-    seqs: list[Sequence]  # index = sample index; children appear at the fork
-    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # by sample index
-    arrival_time: float = 0.0
 
 
 class LLMEngine:
@@ -110,7 +105,8 @@ class LLMEngine:
             self.device,
         )
         self.stats = EngineStats()
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._reservations: dict[str, list[int]] = {}  # request id -> blocks awaiting KV
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -121,36 +117,39 @@ class LLMEngine:
         *,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        prefill_only: bool = False,
     ) -> None:
-        """Validate and queue a request; raises ValueError naming the bad field."""
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        token_ids = self._validated_prompt(prompt_token_ids)
-        self._validate_token_ids("stop_token_ids", params.stop_token_ids)
-        max_total = self.max_model_len
-        if params.max_tokens is not None:
-            max_total = min(max_total, len(token_ids) + params.max_tokens)
+        """Validate and queue a request; raises ValueError naming the bad field.
+
+        ``prefill_only``: stop after each sample's first token and keep the prompt's KV under
+        a lease; the step that gets there reports a PrefillResult instead of tokens to come.
+        """
+        token_ids = self._validated_request(request_id, prompt_token_ids, params)
         seq = Sequence(
             self.scheduler.new_seq_id(),
             request_id,
             token_ids,
             params,
-            max_total,
+            self._max_total_tokens(len(token_ids), params),
             seed=params.seed,
             cache_salt=cache_salt,
+            prefill_only=prefill_only,
         )
         self.scheduler.add(seq)
-        self._requests[request_id] = _RequestState(
-            request_id, prompt, params, [seq], arrival_time=time.monotonic()
-        )
+        state = RequestState(request_id, prompt, params, num_samples=params.n)
+        state.record(seq, None)
+        self._requests[request_id] = state
 
     def abort_request(self, request_id: str) -> None:
+        """Drop a request wherever it is: queued, running, or handed off under a lease."""
+        self.cancel_reservation(request_id)
         state = self._requests.pop(request_id, None)
         if state is None:
             return
         for seq in self.scheduler.abort(request_id):
+            self.runner.forget(seq.seq_id)
+        for seq in state.seqs.values():
+            self.scheduler.release(seq)
             self.runner.forget(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -166,28 +165,92 @@ class LLMEngine:
         started = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
-            return StepResult([], [])
+            return StepResult([], [], [])
         result = self.runner.execute(output)
         updated = self.scheduler.update(output, result)
         new_tokens: list[TokenDelta] = []
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, RequestState] = {}
         for seq in updated:
             state = self._requests[seq.request_id]
-            if seq.sample_index >= len(state.seqs):
-                state.seqs.append(seq)
-            token_logprobs = result.logprobs.get(seq.seq_id)
-            if token_logprobs is not None:
-                state.logprobs.setdefault(seq.sample_index, []).append(token_logprobs)
+            state.record(seq, result.logprobs.get(seq.seq_id))
             new_tokens.append(
                 TokenDelta(seq.request_id, seq.sample_index, seq.token_ids[-1], seq.finish_reason)
             )
             touched[state.request_id] = state
-        finished = [self._finish(state) for state in touched.values() if _is_done(state)]
+        finished = [self._finish(state) for state in touched.values() if state.is_finished]
+        handed_off = [
+            self._prefill_result(state)
+            for state in touched.values()
+            if not state.is_finished and state.is_handed_off
+        ]
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(updated)
         self.stats.forward_seconds += result.forward_seconds
         self.stats.step_seconds += time.perf_counter() - started
-        return StepResult(new_tokens, finished)
+        return StepResult(new_tokens, finished, handed_off)
+
+    # ---- disaggregated serving ----------------------------------------------------------
+    def release_lease(self, request_id: str) -> None:
+        """Prefill side: the decode side has the KV (or gave up); free the blocks.
+
+        Full blocks stay in the prefix cache until evicted.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs.values():
+            self.scheduler.release(seq)
+            self.runner.forget(seq.seq_id)
+
+    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode side: fresh blocks to receive a prompt's KV into; None if they don't fit now."""
+        if request_id in self._reservations or request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        num_blocks = num_blocks_for(num_tokens, self.block_manager.block_size)
+        pool = self.block_manager.pool
+        if num_blocks > pool.num_free_blocks:
+            return None
+        blocks = [pool.allocate() for _ in range(num_blocks)]
+        self._reservations[request_id] = blocks
+        return list(blocks)
+
+    def cancel_reservation(self, request_id: str) -> None:
+        for block_id in self._reservations.pop(request_id, []):
+            self.block_manager.pool.free(block_id)
+
+    def admit_prefilled(self, result: PrefillResult, *, kv_received: bool) -> None:
+        """Decode side: continue the unfinished samples of a request prefilled elsewhere.
+
+        ``kv_received``: the prompt's KV arrived in the blocks reserved for it. Otherwise (the
+        transfer failed and the request's policy is to recompute) the prompt runs here again;
+        the first tokens the prefill side sampled are kept either way.
+        """
+        request_id = result.request_id
+        blocks = self._reservations.pop(request_id, None)
+        if kv_received and blocks is None:
+            raise ValueError(f"request {request_id!r} has no reserved blocks to admit")
+        try:
+            token_ids = self._validated_request(request_id, result.prompt_token_ids, result.params)
+            samples = result.unfinished_samples
+            if not samples:
+                raise ValueError(f"request {request_id!r} has no unfinished sample to decode")
+        except ValueError:
+            for block_id in blocks or []:
+                self.block_manager.pool.free(block_id)
+            raise
+        state = RequestState(request_id, None, result.params, num_samples=len(samples))
+        for position, sample in enumerate(samples):
+            seq = self._admitted_sequence(result, token_ids, sample)
+            if kv_received and blocks is not None:
+                self._adopt_blocks(seq, blocks, share=position > 0)
+                self.scheduler.add_computed(seq)
+            else:
+                self.scheduler.add(seq)
+            state.record(seq, sample.logprobs)
+        if not kv_received:
+            for block_id in blocks or []:
+                self.block_manager.pool.free(block_id)
+        self._requests[request_id] = state
 
     @property
     def num_preemptions(self) -> int:
@@ -215,11 +278,79 @@ class LLMEngine:
             )
         return num_kv_blocks(cache.budget, layout, self.device, activation_bytes)
 
-    def _finish(self, state: _RequestState) -> RequestOutput:
+    def _finish(self, state: RequestState) -> RequestOutput:
         del self._requests[state.request_id]
-        for seq in state.seqs:
+        for seq in state.seqs.values():
             self.runner.forget(seq.seq_id)
-        return self._make_output(state)
+        return state.output()
+
+    def _prefill_result(self, state: RequestState) -> PrefillResult:
+        handed_off = [s for s in state.seqs.values() if s.status is SequenceStatus.HANDED_OFF]
+        samples = tuple(
+            SampleStart(
+                index=index,
+                first_token_id=seq.output_token_ids[0],
+                logprobs=state.logprobs[index][0] if index in state.logprobs else None,
+                finish_reason=seq.finish_reason,
+                generator_state=self.runner.generator_state(seq.seq_id),
+            )
+            for index, seq in sorted(state.seqs.items())
+        )
+        return PrefillResult(
+            request_id=state.request_id,
+            prompt_token_ids=state.parent.prompt_token_ids,
+            params=state.params,
+            cache_salt=state.parent.cache_salt,
+            samples=samples,
+            block_ids=list(handed_off[0].block_table),
+            num_cached_tokens=state.parent.num_cached_prompt_tokens,
+        )
+
+    def _admitted_sequence(
+        self, result: PrefillResult, token_ids: list[int], sample: SampleStart
+    ) -> Sequence:
+        params = result.params
+        seed = None if params.seed is None else derive_seed(params.seed, sample.index)
+        seq = Sequence(
+            self.scheduler.new_seq_id(),
+            result.request_id,
+            token_ids,
+            params,
+            self._max_total_tokens(len(token_ids), params),
+            sample_index=sample.index,
+            seed=seed,
+            cache_salt=result.cache_salt,
+        )
+        seq.token_ids.append(sample.first_token_id)
+        seq.is_forked = True
+        if sample.generator_state is not None and seed is not None:
+            self.runner.restore_generator(seq.seq_id, seed, sample.generator_state)
+        return seq
+
+    def _adopt_blocks(self, seq: Sequence, blocks: list[int], *, share: bool) -> None:
+        """Give ``seq`` the received prompt blocks (another reference when ``share``)."""
+        if share:
+            for block_id in blocks:
+                self.block_manager.pool.incref(block_id)
+        seq.block_table = list(blocks)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit_computed(seq)
+
+    def _max_total_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        if params.max_tokens is None:
+            return self.max_model_len
+        return min(self.max_model_len, num_prompt_tokens + params.max_tokens)
+
+    def _validated_request(
+        self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams
+    ) -> list[int]:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self._validated_prompt(prompt_token_ids)
+        self._validate_token_ids("stop_token_ids", params.stop_token_ids)
+        return token_ids
 
     def _validated_prompt(self, prompt_token_ids: SequenceOf[int]) -> list[int]:
         token_ids = list(prompt_token_ids)
@@ -242,43 +373,3 @@ class LLMEngine:
                 raise ValueError(
                     f"{field_name} holds token id {token}, outside the vocabulary [0, {vocab_size})"
                 )
-
-    def _make_output(self, state: _RequestState) -> RequestOutput:
-        completions = []
-        for seq in state.seqs:
-            token_lps = state.logprobs.get(seq.sample_index)
-            completions.append(
-                CompletionOutput(
-                    index=seq.sample_index,
-                    text="",
-                    token_ids=seq.output_token_ids,
-                    cumulative_logprob=(
-                        sum(lp.sampled_logprob for lp in token_lps) if token_lps else None
-                    ),
-                    logprobs=[_position_logprobs(lp) for lp in token_lps] if token_lps else None,
-                    finish_reason=seq.finish_reason,
-                )
-            )
-        finished = _is_done(state)
-        parent = state.seqs[0]
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=parent.num_cached_prompt_tokens,
-        )
-
-
-def _is_done(state: _RequestState) -> bool:
-    return len(state.seqs) == state.params.n and all(s.is_finished for s in state.seqs)
-
-
-def _position_logprobs(lp: TokenLogprobs) -> PositionLogprobs:
-    position = {
-        token: Logprob(logprob, rank)
-        for rank, (token, logprob) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)
-    }
-    position.setdefault(lp.sampled_token_id, Logprob(lp.sampled_logprob, lp.sampled_rank))
-    return position

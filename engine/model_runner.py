@@ -41,6 +41,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
 
+    def generator_state(self, seq_id: int) -> bytes | None:
+        """The RNG state of a seeded sequence, to continue its stream on another worker."""
+        generator = self._generators.get(seq_id)
+        return None if generator is None else bytes(generator.get_state().numpy())
+
+    def restore_generator(self, seq_id: int, seed: int, state: bytes) -> None:
+        generator = make_generator(seed, self.device)
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self._generators[seq_id] = generator
+
     def forget(self, seq_id: int) -> None:
         """Drop per-sequence state of a finished sequence."""
         self._generators.pop(seq_id, None)

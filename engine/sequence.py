@@ -19,6 +19,7 @@ FinishReason = Literal["stop", "length", "abort"]
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for (re)computation of its tokens
     RUNNING = "running"  # holds KV blocks, scheduled every step
+    HANDED_OFF = "handed_off"  # prefill-only: first token sampled, KV kept under a lease
     FINISHED = "finished"  # done; blocks released
 
 
@@ -41,6 +42,7 @@ class Sequence:
         "num_cached_prompt_tokens",
         "num_preemptions",
         "is_forked",
+        "prefill_only",
     )
 
     def __init__(
@@ -54,6 +56,7 @@ class Sequence:
         sample_index: int = 0,
         seed: int | None = None,
         cache_salt: str | None = None,
+        prefill_only: bool = False,
     ) -> None:
         self.seq_id = seq_id  # unique per engine
         self.request_id = request_id
@@ -72,6 +75,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache
         self.num_preemptions = 0
         self.is_forked = params.n == 1  # n > 1: becomes True once the n samples exist
+        self.prefill_only = prefill_only  # stop after the first token and keep the KV (P/D split)
 
     @property
     def num_tokens(self) -> int:

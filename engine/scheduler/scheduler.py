@@ -60,6 +60,10 @@ class Scheduler:
         return next(self._seq_ids)
 
     def add(self, seq: Sequence) -> None:
+        self._check_fits(seq)
+        self.waiting.append(seq)
+
+    def _check_fits(self, seq: Sequence) -> None:
         if seq.params.n > self.config.max_num_seqs:
             raise ValueError(
                 f"n ({seq.params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})"
@@ -71,7 +75,6 @@ class Scheduler:
                 f"{self.block_manager.pool.num_blocks * self.block_manager.block_size} the cache "
                 "holds; lower max_tokens or the prompt length"
             )
-        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of ``request_id`` with reason "abort"; returns them."""
@@ -136,7 +139,22 @@ class Scheduler:
                 reason = finish_reason_after_append(target, self.eos_token_ids)
                 if reason is not None:
                     self._finish(target, reason)
+                elif target.prefill_only:
+                    self._hand_off(target)
         return updated
+
+    def add_computed(self, seq: Sequence) -> None:
+        """Queue a sequence whose KV (all but its last token) already sits in its blocks."""
+        assert seq.num_computed_tokens == seq.num_tokens - 1 and seq.block_table
+        self._check_fits(seq)
+        seq.is_forked = True
+        self.waiting.append(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """End a handed-off sequence's lease: its blocks are freed (full ones stay cached)."""
+        if seq.status is SequenceStatus.HANDED_OFF:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
 
     # ---- helpers ------------------------------------------------------------------------
     def _admit_waiting(
@@ -188,7 +206,12 @@ class Scheduler:
                 sample_index=index,
                 seed=seed,
                 cache_salt=parent.cache_salt,
+                prefill_only=parent.prefill_only,
             )
+
+    def _hand_off(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.status = SequenceStatus.HANDED_OFF
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -204,6 +227,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

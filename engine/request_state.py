@@ -1,0 +1,76 @@
+"""An engine's bookkeeping for one request, and the RequestOutput built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from engine.sampling import SamplingParams, TokenLogprobs
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    num_samples: int  # samples this engine produces (n, or the unfinished ones it was handed)
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # by sample index
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # by sample index
+
+    @property
+    def parent(self) -> Sequence:
+        return self.seqs[min(self.seqs)]
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.seqs) == self.num_samples and all(s.is_finished for s in self.seqs.values())
+
+    @property
+    def is_handed_off(self) -> bool:
+        """Every sample is finished or waits, handed off, for the decode side."""
+        done = (SequenceStatus.FINISHED, SequenceStatus.HANDED_OFF)
+        return len(self.seqs) == self.num_samples and all(
+            s.status in done for s in self.seqs.values()
+        )
+
+    def record(self, seq: Sequence, token_logprobs: TokenLogprobs | None) -> None:
+        self.seqs.setdefault(seq.sample_index, seq)
+        if token_logprobs is not None:
+            self.logprobs.setdefault(seq.sample_index, []).append(token_logprobs)
+
+    def output(self) -> RequestOutput:
+        completions = []
+        for index in sorted(self.seqs):
+            seq = self.seqs[index]
+            token_lps = self.logprobs.get(index)
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text="",
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=(
+                        sum(lp.sampled_logprob for lp in token_lps) if token_lps else None
+                    ),
+                    logprobs=[position_logprobs(lp) for lp in token_lps] if token_lps else None,
+                    finish_reason=seq.finish_reason,
+                )
+            )
+        parent = self.parent
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=self.is_finished,
+            num_cached_tokens=parent.num_cached_prompt_tokens,
+        )
+
+
+def position_logprobs(lp: TokenLogprobs) -> PositionLogprobs:
+    position = {
+        token: Logprob(logprob, rank)
+        for rank, (token, logprob) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)
+    }
+    position.setdefault(lp.sampled_token_id, Logprob(lp.sampled_logprob, lp.sampled_rank))
+    return position

@@ -1,0 +1,120 @@
+"""Prefill on one engine, decode on another: the same tokens as one engine, in every path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.handoff import PrefillResult
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_parity import OUTPUT_LENGTHS, make_prompts
+
+
+def _engine(model_dir: Path, **kwargs: object) -> LLMEngine:
+    return LLM(str(model_dir), dtype="float32", device="cpu", block_size=8, **kwargs).engine  # type: ignore[arg-type]
+
+
+def _prefill_all(prefill: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):  # type: ignore[no-untyped-def]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        prefill.add_request(f"r{i}", prompt, p, prefill_only=True)
+    handed: list[PrefillResult] = []
+    finished = []
+    while prefill.has_unfinished_requests() and len(handed) + len(finished) < len(prompts):
+        step = prefill.step()
+        handed += step.handed_off
+        finished += step.finished
+    return handed, finished
+
+
+def _decode_all(
+    prefill: LLMEngine, decode: LLMEngine, handed: list[PrefillResult], *, transfer: bool
+) -> dict[str, list[list[int]]]:
+    for result in handed:
+        if transfer:
+            dst = decode.reserve_blocks(result.request_id, result.num_prompt_tokens)
+            assert dst is not None and len(dst) == len(result.block_ids)
+            decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, result.block_ids]
+        decode.admit_prefilled(result, kv_received=transfer)
+        prefill.release_lease(result.request_id)
+    outputs = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step().finished:
+            outputs[out.request_id] = [c.token_ids for c in out.outputs]
+    return outputs
+
+
+@pytest.mark.parametrize("transfer", [True, False], ids=["kv-transfer", "recompute"])
+def test_split_greedy_matches_transformers(llama_dir: Path, transfer: bool) -> None:
+    prompts = make_prompts(seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in OUTPUT_LENGTHS]
+    prefill = _engine(llama_dir, max_num_batched_tokens=64)
+    decode = _engine(llama_dir, num_kv_blocks=200)
+    handed, finished = _prefill_all(prefill, prompts, params)
+    assert [o.request_id for o in finished] == ["r3"]  # max_tokens=1 ends on the prefill side
+    outputs = _decode_all(prefill, decode, handed, transfer=transfer)
+    for i, prompt in enumerate(prompts):
+        expected = hf_greedy(llama_dir, prompt, OUTPUT_LENGTHS[i])
+        if i == 3:
+            assert finished[0].outputs[0].token_ids == expected
+        else:
+            assert outputs[f"r{i}"] == [expected]
+    assert prefill.block_manager.usage == 0  # every lease released
+    assert decode.block_manager.usage == 0
+
+
+def test_split_seeded_samples_match_one_engine(llama_dir: Path) -> None:
+    prompts = make_prompts(seed=12)[2:6]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, n=3, seed=40 + i)
+        for i in range(len(prompts))
+    ]
+    colocated = LLM(str(llama_dir), dtype="float32", device="cpu").generate(prompts, params)
+    prefill = _engine(llama_dir)
+    decode = _engine(llama_dir)
+    handed, _ = _prefill_all(prefill, prompts, params)
+    outputs = _decode_all(prefill, decode, handed, transfer=True)
+    for i, out in enumerate(colocated):
+        assert outputs[f"r{i}"] == [c.token_ids for c in out.outputs]
+
+
+def test_lease_keeps_blocks_until_released_then_they_stay_cached(llama_dir: Path) -> None:
+    prefill = _engine(llama_dir)
+    prompt = make_prompts(seed=13)[5]  # 100 tokens: 12 full blocks of 8
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    (result,), _ = _prefill_all(prefill, [prompt], [params])
+    assert prefill.block_manager.usage > 0
+    assert len(result.block_ids) == 13
+    assert [s.finish_reason for s in result.samples] == [None]
+    prefill.release_lease(result.request_id)
+    assert prefill.block_manager.usage == 0
+    prefill.add_request("again", prompt, params, prefill_only=True)
+    step = prefill.step()
+    assert step.handed_off[0].num_cached_tokens == 96
+
+
+def test_reservation_refused_when_blocks_run_out_and_cancel_frees(llama_dir: Path) -> None:
+    decode = _engine(llama_dir, num_kv_blocks=20)
+    assert decode.reserve_blocks("a", 100) is not None  # 13 blocks
+    assert decode.reserve_blocks("b", 100) is None
+    decode.cancel_reservation("a")
+    assert decode.reserve_blocks("b", 100) is not None
+    with pytest.raises(ValueError, match="already in use"):
+        decode.reserve_blocks("b", 8)
+
+
+def test_abort_of_a_handed_off_request_releases_its_lease(llama_dir: Path) -> None:
+    prefill = _engine(llama_dir)
+    (result,), _ = _prefill_all(prefill, [make_prompts(seed=14)[4]], [SamplingParams(max_tokens=5)])
+    prefill.abort_request(result.request_id)
+    assert prefill.block_manager.usage == 0
+    assert not prefill.has_unfinished_requests()
+
+
+def test_admit_without_reservation_is_refused(llama_dir: Path) -> None:
+    prefill = _engine(llama_dir)
+    decode = _engine(llama_dir)
+    (result,), _ = _prefill_all(prefill, [make_prompts(seed=15)[4]], [SamplingParams(max_tokens=5)])
+    with pytest.raises(ValueError, match="no reserved blocks"):
+        decode.admit_prefilled(result, kv_received=True)
