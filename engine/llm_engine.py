@@ -8,6 +8,7 @@ scheduler picks tokens, the runner computes and samples, the scheduler applies t
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -118,13 +119,19 @@ class LLMEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         prefill_only: bool = False,
+        resume_token_ids: Mapping[int, SequenceOf[int]] | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError naming the bad field.
 
         ``prefill_only``: stop after each sample's first token and keep the prompt's KV under
         a lease; the step that gets there reports a PrefillResult instead of tokens to come.
+        ``resume_token_ids``: output tokens (by sample index) that were already generated
+        elsewhere; only those samples continue, after them, as if they had never stopped.
         """
         token_ids = self._validated_request(request_id, prompt_token_ids, params)
+        if resume_token_ids:
+            self._add_resumed(request_id, token_ids, params, resume_token_ids, cache_salt)
+            return
         seq = Sequence(
             self.scheduler.new_seq_id(),
             request_id,
@@ -138,6 +145,45 @@ class LLMEngine:
         self.scheduler.add(seq)
         state = RequestState(request_id, prompt, params, num_samples=params.n)
         state.record(seq, None)
+        self._requests[request_id] = state
+
+    def _add_resumed(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        resume_token_ids: Mapping[int, SequenceOf[int]],
+        cache_salt: str | None,
+    ) -> None:
+        state = RequestState(request_id, None, params, num_samples=len(resume_token_ids))
+        for index, outputs in sorted(resume_token_ids.items()):
+            if not 0 <= index < params.n:
+                raise ValueError(f"resume_token_ids has sample index {index}; n is {params.n}")
+            self._validate_token_ids("resume_token_ids", outputs)
+            seed = None if params.seed is None else derive_seed(params.seed, index)
+            seq = Sequence(
+                self.scheduler.new_seq_id(),
+                request_id,
+                token_ids,
+                params,
+                self._max_total_tokens(len(token_ids), params),
+                sample_index=index,
+                seed=seed,
+                cache_salt=cache_salt,
+            )
+            seq.token_ids.extend(outputs)
+            if seq.num_tokens >= seq.max_total_tokens:
+                raise ValueError(
+                    f"resume_token_ids[{index}] already holds the request's {len(outputs)} "
+                    "tokens: nothing left to generate"
+                )
+            seq.is_forked = True
+            if seed is not None and not params.greedy:
+                self.runner.replay_generator(
+                    seq.seq_id, seed, len(outputs), self.model_config.vocab_size
+                )
+            self.scheduler.add(seq)
+            state.record(seq, None)
         self._requests[request_id] = state
 
     def abort_request(self, request_id: str) -> None:

@@ -18,6 +18,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.models.registry import CausalLM
 from engine.sampling import Sampler, SamplingRow, make_generator
+from engine.sampling.rng import advance_generator
 from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.scheduler.stop import banned_token_ids
 from engine.sequence import Sequence
@@ -49,6 +50,12 @@ class ModelRunner:
     def restore_generator(self, seq_id: int, seed: int, state: bytes) -> None:
         generator = make_generator(seed, self.device)
         generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self._generators[seq_id] = generator
+
+    def replay_generator(self, seq_id: int, seed: int, num_draws: int, vocab_size: int) -> None:
+        """Seed a resumed sequence's generator as if it had sampled ``num_draws`` tokens."""
+        generator = make_generator(seed, self.device)
+        advance_generator(generator, num_draws, vocab_size)
         self._generators[seq_id] = generator
 
     def forget(self, seq_id: int) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:  # torch-free at run time: TokenLogprobs travels to the router
+    import torch
 
 
 @dataclass(slots=True)

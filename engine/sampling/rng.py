@@ -46,3 +46,14 @@ def sample_from_probs(
     # Exp(1) can round to 0; a tiny floor keeps p / q finite (and 0 / q == 0 for banned tokens).
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
+
+
+def advance_generator(generator: torch.Generator, num_draws: int, vocab_size: int) -> None:
+    """Consume what ``num_draws`` sampled tokens took from a seeded row's generator.
+
+    A request resumed on another worker replays its generator this way, so its stream goes on
+    exactly where it stopped (one exponential draw of size [V] per sampled token).
+    """
+    scratch = torch.empty(vocab_size, device=generator.device)
+    for _ in range(num_draws):
+        scratch.exponential_(generator=generator)

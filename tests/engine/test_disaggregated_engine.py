@@ -118,3 +118,26 @@ def test_admit_without_reservation_is_refused(llama_dir: Path) -> None:
     (result,), _ = _prefill_all(prefill, [make_prompts(seed=15)[4]], [SamplingParams(max_tokens=5)])
     with pytest.raises(ValueError, match="no reserved blocks"):
         decode.admit_prefilled(result, kv_received=True)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(temperature=0.9, top_k=50, max_tokens=20, n=2, seed=77),
+    ],
+    ids=["greedy", "seeded-n2"],
+)
+def test_resumed_request_continues_exactly(llama_dir: Path, params: SamplingParams) -> None:
+    prompt = make_prompts(seed=16)[4]
+    (full,) = LLM(str(llama_dir), dtype="float32", device="cpu").generate([prompt], params)
+    engine = _engine(llama_dir)
+    delivered = {c.index: c.token_ids[:7] for c in full.outputs}
+    engine.add_request("resumed", prompt, params, resume_token_ids=delivered)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step().finished
+    (out,) = finished
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in full.outputs]
+    with pytest.raises(ValueError, match="nothing left to generate"):
+        engine.add_request("done", prompt, params, resume_token_ids={0: full.outputs[0].token_ids})

@@ -1,0 +1,61 @@
+"""Messages between the router and the workers. Torch-free: the router imports this module.
+
+A request enters a worker as a ``GenerateRequest``; tokens leave as ``TokenEvent``s, batched
+into one ``OutputBatch`` per engine step per gateway (never one message per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling.messages import TokenLogprobs
+from engine.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str  # assigned by the gateway, unique in the cluster
+    prompt_token_ids: list[int]  # tokenized prompt
+    params: SamplingParams
+    gateway_id: str = "default"  # which gateway's output stream receives the tokens
+    cache_salt: str | None = None  # tenant salt for prefix-cache isolation
+    # Tokens a client already received per sample (sample index -> token ids), when a request
+    # is recomputed after the worker that ran it died: generation continues after them.
+    resume_token_ids: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    request_id: str
+    sample_index: int  # which of the request's n samples
+    position: int  # index of token_id among the sample's output tokens (for de-duplication)
+    token_id: int
+    logprobs: TokenLogprobs | None  # when the request asked for logprobs
+    finish_reason: str | None  # set on the sample's last token: "stop" | "length" | "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    request_id: str
+    message: str  # why the request cannot complete (shown to the client)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputBatch:
+    worker_id: str  # the worker that produced these events
+    events: list[TokenEvent]  # every token its last step produced for this gateway
+    failures: list[RequestFailure] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What a worker reports to the router for routing decisions."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    num_waiting: int  # sequences queued, not yet running
+    num_running: int  # sequences in the running batch
+    num_queued_prompt_tokens: int  # prompt tokens not yet computed (prefill load)
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    num_free_blocks: int
+    cached_prefix_hashes: tuple[bytes, ...] = ()  # recent prompt-prefix hashes (affinity)
