@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.llm import LLM
-    from engine.llm_engine import LLMEngine, StepResult, TokenDelta
+    from engine.llm_engine import LLMEngine, StepResult
+    from engine.messages import GenerateRequest, OutputBatch, TokenEvent
     from engine.outputs import CompletionOutput, Logprob, RequestOutput
     from engine.sampling.params import SamplingParams
 
@@ -19,7 +20,9 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "StepResult": "engine.llm_engine",
-    "TokenDelta": "engine.llm_engine",
+    "GenerateRequest": "engine.messages",
+    "OutputBatch": "engine.messages",
+    "TokenEvent": "engine.messages",
     "CompletionOutput": "engine.outputs",
     "Logprob": "engine.outputs",
     "RequestOutput": "engine.outputs",
@@ -34,7 +37,9 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StepResult",
-    "TokenDelta",
+    "TokenEvent",
+    "GenerateRequest",
+    "OutputBatch",
 ]
 
 

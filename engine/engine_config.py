@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from engine.kv_cache.budget import KVBudget
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # torch-free at import: the router builds these configs on a CPU head node
+    import torch
+
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
@@ -38,18 +39,24 @@ class LoadConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device is None:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        import torch
+
         name = self.dtype
         if name == "auto":
-            name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "float32"
+            name = checkpoint_dtype if checkpoint_dtype in _DTYPE_NAMES else "float32"
         name = _DTYPE_ALIASES.get(name, name)
-        if name not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        return _DTYPES[name]
+        if name not in _DTYPE_NAMES:
+            names = ", ".join(_DTYPE_NAMES)
+            raise ValueError(f"dtype must be one of auto, {names}; got {self.dtype!r}")
+        dtype: torch.dtype = getattr(torch, name)
+        return dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,13 @@
 
 The model runner sets it around each forward with ``set_forward_context``; attention layers
 read it with ``get_forward_context`` to find their slice of the KV cache and the batch layout.
+It is per thread, so engines of several workers in one process (tests, a colocated node) can
+step at the same time.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,21 +28,25 @@ class ForwardContext:
     attn_backend: AttentionBackend  # computes attention over the paged cache
 
 
-_current: ForwardContext | None = None
+class _State(threading.local):
+    current: ForwardContext | None = None
+
+
+_state = _State()
 
 
 @contextmanager
 def set_forward_context(context: ForwardContext) -> Iterator[None]:
-    global _current
-    previous = _current
-    _current = context
+    previous = _state.current
+    _state.current = context
     try:
         yield
     finally:
-        _current = previous
+        _state.current = previous
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    context = _state.current
+    if context is None:
         raise RuntimeError("no forward context is set: run the model inside set_forward_context()")
-    return _current
+    return context

@@ -21,6 +21,7 @@ from engine.handoff import PrefillResult, SampleStart
 from engine.kv_cache.block_manager import BlockManager, num_blocks_for
 from engine.kv_cache.budget import KVLayout, num_kv_blocks
 from engine.memory_profile import peak_activation_bytes
+from engine.messages import TokenEvent
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
@@ -33,16 +34,8 @@ from engine.sequence import SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)
-class TokenDelta:
-    request_id: str
-    sample_index: int  # which of the request's n samples
-    token_id: int  # the token generated this step
-    finish_reason: str | None  # set when this token ended the sample
-
-
-@dataclass(frozen=True, slots=True)
 class StepResult:
-    new_tokens: list[TokenDelta]  # one per sample that got a token this step
+    new_tokens: list[TokenEvent]  # one per sample that got a token this step
     finished: list[RequestOutput]  # requests that completed this step
     handed_off: list[PrefillResult]  # prefill-only requests whose KV now waits under a lease
 
@@ -198,6 +191,10 @@ class LLMEngine:
             self.scheduler.release(seq)
             self.runner.forget(seq.seq_id)
 
+    def has_request(self, request_id: str) -> bool:
+        """The request is queued, running or handed off here (a mere reservation is not)."""
+        return request_id in self._requests
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -214,13 +211,21 @@ class LLMEngine:
             return StepResult([], [], [])
         result = self.runner.execute(output)
         updated = self.scheduler.update(output, result)
-        new_tokens: list[TokenDelta] = []
+        new_tokens: list[TokenEvent] = []
         touched: dict[str, RequestState] = {}
         for seq in updated:
             state = self._requests[seq.request_id]
-            state.record(seq, result.logprobs.get(seq.seq_id))
+            token_logprobs = result.logprobs.get(seq.seq_id)
+            state.record(seq, token_logprobs)
             new_tokens.append(
-                TokenDelta(seq.request_id, seq.sample_index, seq.token_ids[-1], seq.finish_reason)
+                TokenEvent(
+                    request_id=seq.request_id,
+                    sample_index=seq.sample_index,
+                    position=seq.num_output_tokens - 1,
+                    token_id=seq.token_ids[-1],
+                    logprobs=token_logprobs,
+                    finish_reason=seq.finish_reason,
+                )
             )
             touched[state.request_id] = state
         finished = [self._finish(state) for state in touched.values() if state.is_finished]
@@ -259,6 +264,10 @@ class LLMEngine:
         blocks = [pool.allocate() for _ in range(num_blocks)]
         self._reservations[request_id] = blocks
         return list(blocks)
+
+    def reserved_blocks(self, request_id: str) -> list[int] | None:
+        blocks = self._reservations.get(request_id)
+        return None if blocks is None else list(blocks)
 
     def cancel_reservation(self, request_id: str) -> None:
         for block_id in self._reservations.pop(request_id, []):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: the router builds KVBudget on a CPU head node
+    import torch
 
 # A CPU worker's default KV cache: a quarter of available host memory, at most 4 GiB (as vLLM's
 # CPU backend), unless PDSERVE_CPU_KV_CACHE_BYTES says otherwise.
@@ -24,6 +26,8 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
+        import torch
+
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return (
             self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element_size
@@ -77,6 +81,8 @@ def num_kv_blocks(
     if budget.memory_bytes is not None:
         memory = budget.memory_bytes
     elif device.type == "cuda":
+        import torch
+
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         memory = int(total * budget.memory_fraction) - used - peak_activation_bytes

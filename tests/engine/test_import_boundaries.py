@@ -15,6 +15,7 @@ def test_scheduler_and_block_manager_do_not_import_torch() -> None:
     assert not _imports_torch("engine.kv_cache.block_manager")
     assert not _imports_torch("engine.sampling.params")
     assert not _imports_torch("engine.messages")
+    assert not _imports_torch("engine.engine_config")
 
 
 def test_router_cli_does_not_import_torch() -> None:

@@ -1,0 +1,45 @@
+"""A prefill worker's handle on a decode worker in the same process (tests, single-process runs).
+
+The Ray launcher gives prefill workers actor handles instead; both answer with futures, so the
+prefill worker's hand-off code is the same either way.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from decode_worker.worker import DecodeWorker
+from engine.handoff import PrefillResult
+from kv_transfer import ChannelRendezvous, TransferTicket
+from kv_transfer.policy import FailurePolicy
+
+
+class LocalDecodePeer:
+    def __init__(self, worker: DecodeWorker, max_concurrency: int = 8) -> None:
+        self.worker = worker
+        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="decode-peer")
+
+    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
+        return self._executor.submit(self.worker.reserve, request_id, num_tokens)
+
+    def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]:
+        return self._executor.submit(self.worker.connect_channel, rendezvous)
+
+    def receive(
+        self,
+        channel_id: str,
+        result: PrefillResult,
+        ticket: TransferTicket,
+        block_ids: list[int],
+        gateway_id: str,
+        policy: FailurePolicy,
+    ) -> Future[bool]:
+        return self._executor.submit(
+            self.worker.receive, channel_id, result, ticket, block_ids, gateway_id, policy
+        )
+
+    def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> Future[None]:
+        return self._executor.submit(self.worker.admit_without_kv, result, gateway_id)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

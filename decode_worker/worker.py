@@ -1,0 +1,188 @@
+"""The decode worker: receives prefilled requests' KV and runs the continuous-batching decode loop.
+
+Lifecycle of a request here (queue names are the request's states):
+  reserving    -- a prefill worker asks for blocks for the prompt's KV (refused when full: the
+                  prefill worker keeps its lease and asks again, or falls back to recompute)
+  transferring -- the KV arrives over the pairwise channel into the reserved blocks
+  decoding     -- admitted into the running batch; every step's tokens for all requests of a
+                  gateway leave as one OutputBatch
+  recomputing  -- the KV never arrived (or the worker was preempted): the prompt runs here
+  finished     -- stop token, max tokens, abort; blocks freed
+In colocated mode (no prefill pool) requests are submitted here directly and run both phases
+with chunked prefill.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from engine.engine_config import CacheConfig, LoadConfig
+from engine.engine_loop import EngineLoop
+from engine.handoff import PrefillResult
+from engine.llm_engine import LLMEngine
+from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
+from engine.scheduler import SchedulerConfig
+from kv_transfer import (
+    ChannelRendezvous,
+    KVCacheLayout,
+    KVChannel,
+    TransferError,
+    TransferTicket,
+)
+from kv_transfer.policy import FailurePolicy, TransferConfig
+
+
+class DecodeWorker:
+    role = "decode"
+
+    def __init__(
+        self,
+        worker_id: str,
+        load: LoadConfig,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        transfer: TransferConfig,
+    ) -> None:
+        self.worker_id = worker_id
+        self.transfer = transfer
+        self.engine = LLMEngine(load, cache, scheduler)
+        self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
+        self.loop = EngineLoop(self.engine, worker_id)
+        self._channels: dict[str, KVChannel] = {}  # channel id -> channel from a prefill worker
+        self._channels_lock = threading.Lock()
+        self._receiving: set[str] = set()  # requests whose KV is arriving (under loop.lock)
+        self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
+        self._closed = False
+        self.loop.start()
+
+    # ---- requests -----------------------------------------------------------------------
+    def submit(self, request: GenerateRequest) -> bool:
+        """Colocated mode, or a resume after a failure: run the request here.
+
+        False when the request runs here already (a repeated resume is a no-op). Blocks
+        reserved for its KV from a prefill worker are given back (after a receive in flight
+        ends): the request now starts from its prompt and the tokens already delivered.
+        """
+        with self.loop.lock:
+            if request.request_id in self._receiving:
+                self._superseded.add(request.request_id)
+            else:
+                self.engine.cancel_reservation(request.request_id)
+            return self.loop.submit(request)
+
+    def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether this worker runs the request (queued or running; a reservation is not)."""
+        return self.loop.call(lambda engine: engine.has_request(request_id))
+
+    # ---- hand-off from a prefill worker -------------------------------------------------
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Blocks for a prompt's KV, or None when they do not fit now (ask again later)."""
+        return self.loop.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
+
+    def connect_channel(self, rendezvous: ChannelRendezvous) -> None:
+        """Join the channel a prefill worker listens on (handshake checks the KV layout)."""
+        channel = KVChannel.connect(
+            rendezvous, self.layout, self.engine.device, self.transfer.timeout_s
+        )
+        with self._channels_lock:
+            previous = self._channels.pop(rendezvous.channel_id, None)
+            self._channels[rendezvous.channel_id] = channel
+        if previous is not None:
+            previous.close()
+
+    def receive(
+        self,
+        channel_id: str,
+        result: PrefillResult,
+        ticket: TransferTicket,
+        block_ids: list[int],
+        gateway_id: str,
+        policy: FailurePolicy,
+    ) -> bool:
+        """Receive a request's KV into its reserved blocks and admit it; False if it failed.
+
+        On failure the request follows ``policy``: recompute here, or fail with a clear error.
+        """
+        request_id = result.request_id
+        with self._channels_lock:
+            channel = self._channels.get(channel_id)
+        with self.loop.lock:
+            if self.engine.reserved_blocks(request_id) != block_ids:
+                return False  # the reservation was given back (resumed here): never write
+            self._receiving.add(request_id)
+        try:
+            error = self._recv(channel_id, channel, block_ids, ticket)
+        finally:
+            with self.loop.lock:
+                self._receiving.discard(request_id)
+                superseded = request_id in self._superseded
+                self._superseded.discard(request_id)
+                if superseded:  # resumed here meanwhile: drop this copy
+                    self.engine.cancel_reservation(request_id)
+        if superseded:
+            return False
+        self.loop.track(request_id, gateway_id)
+        if error is None:
+            self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=True))
+            return True
+        if policy == "recompute":
+            self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=False))
+        else:
+            self.loop.call(lambda engine: engine.cancel_reservation(result.request_id))
+            self.loop.fail(result.request_id, f"KV transfer failed: {error}", gateway_id)
+        return False
+
+    def _recv(
+        self,
+        channel_id: str,
+        channel: KVChannel | None,
+        block_ids: list[int],
+        ticket: TransferTicket,
+    ) -> str | None:
+        """Receive into the blocks; the error, or None when the KV arrived."""
+        if channel is None:
+            return f"no open KV channel {channel_id!r}"
+        try:
+            channel.recv_blocks(self.engine.kv_cache, block_ids, ticket)
+        except TransferError as failure:
+            self._drop_channel(channel_id, channel)
+            return str(failure)
+        return None
+
+    def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> None:
+        """Take a prefilled request without its KV (no blocks could be reserved): recompute."""
+        self.loop.track(result.request_id, gateway_id)
+        self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=False))
+
+    # ---- outputs and load ---------------------------------------------------------------
+    def stream(self, gateway_id: str, poll_s: float = 0.2) -> Iterator[OutputBatch]:
+        """Output batches for one gateway, as steps produce them, until shutdown."""
+        while not self._closed:
+            batch = self.loop.next_batch(gateway_id, poll_s)
+            if batch is not None:
+                yield batch
+
+    def next_batch(self, gateway_id: str, timeout_s: float) -> OutputBatch | None:
+        return self.loop.next_batch(gateway_id, timeout_s)
+
+    def load(self) -> WorkerLoad:
+        return self.loop.load(self.role)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self.loop.stop()
+        with self._channels_lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
+            channel.close()
+
+    def _drop_channel(self, channel_id: str, channel: KVChannel) -> None:
+        with self._channels_lock:
+            if self._channels.get(channel_id) is channel:
+                del self._channels[channel_id]
+        channel.close()

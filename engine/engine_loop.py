@@ -1,0 +1,179 @@
+"""Runs one LLMEngine on a background thread for a worker; other threads talk to it safely.
+
+Lifecycle: start() -> any thread submits, aborts or calls into the engine under ``lock``; the
+loop steps while there is work and publishes each step's tokens as one ``OutputBatch`` per
+gateway (never one message per token); prefill-only requests that reach their hand-off go to
+``on_handed_off`` -> stop().
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from typing import TypeVar
+
+from engine.handoff import PrefillResult
+from engine.llm_engine import LLMEngine, StepResult
+from engine.messages import (
+    GenerateRequest,
+    OutputBatch,
+    RequestFailure,
+    TokenEvent,
+    WorkerLoad,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.05
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        worker_id: str,
+        on_handed_off: Callable[[PrefillResult], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.lock = threading.RLock()  # held while the engine steps or is called into
+        self._work = threading.Condition(self.lock)
+        self._on_handed_off = on_handed_off
+        self._gateway_of: dict[str, str] = {}  # request id -> gateway id
+        self._outputs: defaultdict[str, queue.Queue[OutputBatch]] = defaultdict(queue.Queue)
+        self._outputs_lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._work:
+            self._stopping = True
+            self._work.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    # ---- calls from other threads -------------------------------------------------------
+    def submit(self, request: GenerateRequest, *, prefill_only: bool = False) -> bool:
+        """Queue a request; False if it is here already (a repeated resume is a no-op).
+
+        Raises ValueError (nothing queued) when the request is invalid.
+        """
+        with self._work:
+            if self.engine.has_request(request.request_id):
+                return False
+            self.engine.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                cache_salt=request.cache_salt,
+                prefill_only=prefill_only,
+                resume_token_ids=request.resume_token_ids or None,
+            )
+            self._gateway_of[request.request_id] = request.gateway_id
+            self._work.notify()
+            return True
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` under the lock, then let the loop look for new work."""
+        with self._work:
+            result = fn(self.engine)
+            self._work.notify()
+            return result
+
+    def track(self, request_id: str, gateway_id: str) -> None:
+        """Route a request's outputs (e.g. one admitted from a prefill worker) to a gateway."""
+        with self.lock:
+            self._gateway_of[request_id] = gateway_id
+
+    def release(self, request_id: str) -> None:
+        """End a handed-off request here: its lease is released, its outputs go elsewhere."""
+        with self._work:
+            self.engine.release_lease(request_id)
+            self._gateway_of.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        with self._work:
+            self.engine.abort_request(request_id)
+            self._gateway_of.pop(request_id, None)
+
+    def fail(self, request_id: str, message: str, gateway_id: str | None = None) -> None:
+        """Drop a request and tell its gateway why."""
+        with self._work:
+            self.engine.abort_request(request_id)
+            gateway = self._gateway_of.pop(request_id, gateway_id)
+        if gateway is not None:
+            failure = RequestFailure(request_id, message)
+            self._queue(gateway).put(OutputBatch(self.worker_id, [], [failure]))
+
+    def next_batch(self, gateway_id: str, timeout_s: float) -> OutputBatch | None:
+        """The next output batch for a gateway, or None after ``timeout_s`` without one."""
+        try:
+            return self._queue(gateway_id).get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def load(self, role: str) -> WorkerLoad:
+        """This worker's load report for the router."""
+        with self.lock:
+            scheduler = self.engine.scheduler
+            queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting) + sum(
+                s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1
+            )
+            return WorkerLoad(
+                worker_id=self.worker_id,
+                role=role,
+                num_waiting=len(scheduler.waiting),
+                num_running=len(scheduler.running),
+                num_queued_prompt_tokens=queued,
+                kv_usage=self.engine.block_manager.usage,
+                num_free_blocks=self.engine.block_manager.num_free_blocks,
+            )
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._work:
+                while not self._stopping and not self.engine.scheduler.num_unfinished:
+                    self._work.wait(_IDLE_WAIT_S)
+                if self._stopping:
+                    return
+                try:
+                    step = self.engine.step()
+                except Exception:  # a bug: fail what is in flight, keep the worker up
+                    logger.exception("engine step failed on %s", self.worker_id)
+                    self._fail_all_locked("internal error in the engine step")
+                    continue
+                batches = self._batches_locked(step)
+            for gateway, batch in batches.items():
+                self._queue(gateway).put(batch)
+            if self._on_handed_off is not None:
+                for result in step.handed_off:
+                    self._on_handed_off(result)
+
+    def _batches_locked(self, step: StepResult) -> dict[str, OutputBatch]:
+        by_gateway: defaultdict[str, list[TokenEvent]] = defaultdict(list)
+        for event in step.new_tokens:
+            gateway = self._gateway_of.get(event.request_id)
+            if gateway is not None:
+                by_gateway[gateway].append(event)
+        for output in step.finished:
+            self._gateway_of.pop(output.request_id, None)
+        return {g: OutputBatch(self.worker_id, events) for g, events in by_gateway.items()}
+
+    def _fail_all_locked(self, message: str) -> None:
+        for request_id in list(self._gateway_of):
+            gateway = self._gateway_of.pop(request_id)
+            self.engine.abort_request(request_id)
+            failure = RequestFailure(request_id, message)
+            self._queue(gateway).put(OutputBatch(self.worker_id, [], [failure]))
+
+    def _queue(self, gateway_id: str) -> queue.Queue[OutputBatch]:
+        with self._outputs_lock:
+            return self._outputs[gateway_id]

@@ -1,0 +1,27 @@
+"""How workers use KV transfers: deadlines, where sockets bind, what happens on failure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# What the decode side does when a request's KV does not arrive: run its prompt again
+# ("recompute"), or end it with a clear error ("fail").
+FailurePolicy = Literal["recompute", "fail"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    transport: str = "gloo"  # gloo | shm | nccl | cuda_ipc | fake
+    host: str = "127.0.0.1"  # this node's cluster address: data-plane sockets bind here only
+    timeout_s: float = 30.0  # deadline of one transfer, and of a channel's handshake
+    reserve_timeout_s: float = 10.0  # how long a prefill worker waits for decode-side blocks
+    failure_policy: FailurePolicy = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.reserve_timeout_s < 0:
+            raise ValueError("transfer timeouts must be positive")
+        if self.failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"failure_policy must be 'recompute' or 'fail', got {self.failure_policy!r}"
+            )

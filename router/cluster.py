@@ -1,0 +1,355 @@
+"""The cluster: Ray actors for the pools, routing, the gateway's output streams, failover.
+
+Life of a request through ``Cluster``:
+  generate() -> routed (policy over live load reports) -> submitted to a prefill actor (or a
+  decode actor in colocated mode) -> token events stream back from the workers' per-gateway
+  output streams, one batch per engine step -> the tracker orders and de-duplicates them ->
+  the client's async iterator. A worker that stops answering load reports is taken out of
+  rotation; its requests are re-routed (nothing generated yet) or resumed on a live decode
+  worker after the tokens the client already has, so every token arrives exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+
+from engine.messages import GenerateRequest, OutputBatch, RequestFailure, TokenEvent, WorkerLoad
+from engine.sampling.params import SamplingParams
+from router.actors import remote_decode_actor, remote_prefill_actor
+from router.cluster_config import ClusterConfig
+from router.policies import NoWorkerError, RoutingInfo, make_policy
+from router.request_tracker import ClientItem, RequestTracker
+
+logger = logging.getLogger(__name__)
+_CALL_TIMEOUT_S = 10.0  # control calls to a worker; one that does not answer counts as dead
+
+
+class RequestFailedError(RuntimeError):
+    """The cluster could not complete a request; the message says why."""
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    actor: Any  # the Ray actor handle
+    load: WorkerLoad | None = None  # latest report, adjusted by requests routed since
+    last_report: float = 0.0  # monotonic time of the latest report
+    alive: bool = True
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig, workers: Sequence[WorkerHandle]) -> None:
+        self.config = config
+        self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
+        self.workers = {w.worker_id: w for w in workers}
+        self.policy = make_policy(config.router_policy, config.block_size)
+        self._trackers: dict[str, RequestTracker] = {}
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---- start and stop -----------------------------------------------------------------
+    @classmethod
+    def start(cls, config: ClusterConfig) -> Cluster:
+        """Start (or join, with ``address``) Ray, place the worker actors, wait until ready."""
+        if not ray.is_initialized():
+            ray.init(address=config.address, ignore_reinit_error=True, log_to_driver=False)
+        workers = _start_actors(config)
+        ray.get([w.actor.ready.remote() for w in workers])
+        cluster = cls(config, workers)
+        cluster._start_threads()
+        cluster._poll_loads()
+        return cluster
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        for worker in self.workers.values():
+            if worker.alive:
+                with contextlib.suppress(Exception):  # already gone
+                    ray.get(worker.actor.shutdown.remote(), timeout=10)
+                ray.kill(worker.actor)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    # ---- requests -----------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """Token events of every sample, in order per sample, each exactly once.
+
+        Raises ValueError for an invalid request and RequestFailedError when the cluster
+        cannot complete it. Leaving the iterator early aborts the request everywhere.
+        """
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[ClientItem] = asyncio.Queue()
+        request = GenerateRequest(
+            request_id or uuid.uuid4().hex,
+            list(prompt_token_ids),
+            params,
+            self.gateway_id,
+            cache_salt,
+        )
+
+        def sink(item: ClientItem) -> None:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+
+        tracker = self.submit(request, sink)
+        try:
+            while True:
+                item = await items.get()
+                if isinstance(item, TokenEvent):
+                    yield item
+                elif isinstance(item, RequestFailure):
+                    raise RequestFailedError(item.message)
+                else:
+                    return
+        finally:
+            if not tracker.closed:
+                self.abort(request.request_id)
+
+    def submit(
+        self, request: GenerateRequest, sink: Callable[[ClientItem], None]
+    ) -> RequestTracker:
+        """Route and submit a request; its events go to ``sink`` (from other threads)."""
+        with self._lock:
+            if request.request_id in self._trackers:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            tracker = RequestTracker(request, sink, None, "")
+            self._place(tracker, request)
+            self._trackers[request.request_id] = tracker
+        return tracker
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            tracker = self._trackers.pop(request_id, None)
+        if tracker is None:
+            return
+        tracker.closed = True
+        for worker_id in (tracker.prefill_worker, tracker.decode_worker):
+            worker = self.workers.get(worker_id or "")
+            if worker is not None and worker.alive:
+                worker.actor.abort.remote(request_id)
+
+    def live_loads(self, role: str) -> list[WorkerLoad]:
+        with self._lock:
+            return [
+                w.load
+                for w in self.workers.values()
+                if w.role == role and w.alive and w.load is not None
+            ]
+
+    # ---- routing ------------------------------------------------------------------------
+    def _place(self, tracker: RequestTracker, request: GenerateRequest) -> None:
+        """Pick workers for a (re)submitted request and send it; caller holds the lock.
+
+        A chosen worker found dead on submission is taken out of rotation (its other requests
+        recovered) and the choice is made again among the live ones.
+        """
+        info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
+        for _ in range(len(self.workers)):
+            try:
+                decode_id = self.policy.choose_decode(info, self.live_loads("decode"))
+                prefill_id = None
+                if not self.config.colocated and not request.resume_token_ids:
+                    prefill_id = self.policy.choose_prefill(info, self.live_loads("prefill"))
+            except NoWorkerError as error:
+                raise RequestFailedError(str(error)) from error
+            target = self.workers[prefill_id or decode_id]
+            try:
+                if prefill_id is None:
+                    ref = target.actor.submit.remote(request)
+                else:
+                    ref = target.actor.submit.remote(request, decode_id)
+                ray.get(ref, timeout=_CALL_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._on_worker_dead(target, skip=tracker)
+                continue
+            tracker.prefill_worker, tracker.decode_worker = prefill_id, decode_id
+            self._count_routed(prefill_id, decode_id, request)
+            return
+        raise RequestFailedError("no live worker accepted the request")
+
+    def _count_routed(
+        self, prefill_id: str | None, decode_id: str, request: GenerateRequest
+    ) -> None:
+        """Charge a routed request to its workers until their next load report."""
+        if prefill_id is not None and (load := self.workers[prefill_id].load) is not None:
+            queued = load.num_queued_prompt_tokens + len(request.prompt_token_ids)
+            self.workers[prefill_id].load = replace(load, num_queued_prompt_tokens=queued)
+        if (load := self.workers[decode_id].load) is not None:
+            running = load.num_running + request.params.n
+            self.workers[decode_id].load = replace(load, num_running=running)
+
+    # ---- outputs ------------------------------------------------------------------------
+    def _start_threads(self) -> None:
+        for worker in self.workers.values():
+            self._spawn(self._pump, worker, name=f"pump-{worker.worker_id}")
+        self._spawn(self._monitor, name="load-monitor")
+
+    def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _pump(self, worker: WorkerHandle) -> None:
+        """Carry one worker's output stream for this gateway into the request trackers."""
+        stream = worker.actor.stream.options(num_returns="streaming").remote(self.gateway_id)
+        try:
+            for ref in stream:
+                if self._stopping.is_set():
+                    return
+                self._dispatch(ray.get(ref))
+        except Exception:  # the worker died: the monitor takes it out of rotation
+            logger.info("output stream of %s ended", worker.worker_id)
+
+    def _dispatch(self, batch: OutputBatch) -> None:
+        with self._lock:
+            for event in batch.events:
+                tracker = self._trackers.get(event.request_id)
+                if tracker is None:
+                    continue
+                if tracker.prefill_worker is not None and event.position > 0:
+                    tracker.prefill_worker = None  # decoding has begun: the prefill part is over
+                tracker.accept(event)
+                if tracker.closed:
+                    del self._trackers[event.request_id]
+            for failure in batch.failures:
+                self._on_failure(failure, batch.worker_id)
+
+    def _on_failure(self, failure: RequestFailure, worker_id: str) -> None:
+        tracker = self._trackers.get(failure.request_id)
+        if tracker is None:
+            return
+        recoverable = (
+            "hand-off failed" in failure.message or "KV transfer failed" in failure.message
+        )
+        if recoverable and tracker.num_retries < self.config.max_retries:
+            if not self._continues_on_decode_worker(tracker):
+                self._resume(tracker)
+            return
+        del self._trackers[failure.request_id]
+        tracker.fail(failure.message)
+
+    def _continues_on_decode_worker(self, tracker: RequestTracker) -> bool:
+        """Whether the request's decode worker holds it (a failure report came too late)."""
+        decode = self.workers.get(tracker.decode_worker)
+        if decode is None or not decode.alive:
+            return False
+        try:
+            ref = decode.actor.has_request.remote(tracker.request_id)
+            return bool(ray.get(ref, timeout=_CALL_TIMEOUT_S))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            self._on_worker_dead(decode, skip=tracker)
+            return False
+
+    # ---- health -------------------------------------------------------------------------
+    def _monitor(self) -> None:
+        while not self._stopping.wait(self.config.report_interval_s):
+            self._poll_loads()
+
+    def _poll_loads(self) -> None:
+        live = [w for w in self.workers.values() if w.alive]
+        refs = {w.worker_id: w.actor.load.remote() for w in live}
+        now = time.monotonic()
+        for worker in live:
+            try:
+                load = ray.get(refs[worker.worker_id], timeout=self.config.dead_after_s)
+            except ray.exceptions.RayActorError:
+                self._on_worker_dead(worker)
+                continue
+            except ray.exceptions.GetTimeoutError:
+                if now - worker.last_report > self.config.dead_after_s:
+                    self._on_worker_dead(worker)
+                continue
+            with self._lock:
+                worker.load, worker.last_report = load, time.monotonic()
+
+    def _on_worker_dead(self, worker: WorkerHandle, skip: RequestTracker | None = None) -> None:
+        with self._lock:
+            if not worker.alive:
+                return
+            logger.warning(
+                "%s worker %s is gone; re-routing its requests", worker.role, worker.worker_id
+            )
+            worker.alive = False
+            affected = [
+                t
+                for t in self._trackers.values()
+                if worker.worker_id in (t.prefill_worker, t.decode_worker) and t is not skip
+            ]
+            for tracker in affected:
+                self._recover(tracker, worker)
+
+    def _recover(self, tracker: RequestTracker, dead: WorkerHandle) -> None:
+        if tracker.num_retries >= self.config.max_retries:
+            del self._trackers[tracker.request_id]
+            tracker.fail(f"{dead.role} worker {dead.worker_id} failed; retries exhausted")
+            return
+        if dead.role == "prefill":
+            # The first token left: the decode worker may hold the request already (and
+            # recomputes it if its KV never comes). If it does not, resume it there.
+            if tracker.delivered and self._continues_on_decode_worker(tracker):
+                tracker.prefill_worker = None
+                return
+        elif tracker.prefill_worker is not None and not tracker.delivered:
+            prefill = self.workers[tracker.prefill_worker]
+            if prefill.alive:  # still prefilling: point its hand-off at a live decode worker
+                info = RoutingInfo(tracker.request_id, tracker.request.prompt_token_ids)
+                decode_id = self.policy.choose_decode(info, self.live_loads("decode"))
+                ref = prefill.actor.retarget.remote(tracker.request_id, decode_id)
+                with contextlib.suppress(ray.exceptions.RayError):
+                    if ray.get(ref, timeout=_CALL_TIMEOUT_S):
+                        tracker.decode_worker = decode_id
+                        return
+        self._resume(tracker)
+
+    def _resume(self, tracker: RequestTracker) -> None:
+        """Submit the request again, continuing after the tokens the client already has."""
+        tracker.num_retries += 1
+        try:
+            self._place(tracker, tracker.resume_request())
+        except (RequestFailedError, ValueError, ray.exceptions.RayError) as error:
+            self._trackers.pop(tracker.request_id, None)
+            tracker.fail(f"could not re-route the request: {error}")
+
+
+def _start_actors(config: ClusterConfig) -> list[WorkerHandle]:
+    load, cache = config.load_config(), config.cache_config()
+    scheduler, transfer = config.scheduler_config(), config.transfer_config()
+    common = {"num_cpus": config.worker_num_cpus, "num_gpus": config.worker_num_gpus}
+    decode_cls = remote_decode_actor(**common, resources=config.decode_resources or None)
+    decodes = [
+        WorkerHandle(
+            f"decode-{i}",
+            "decode",
+            decode_cls.remote(f"decode-{i}", load, cache, scheduler, transfer),
+        )
+        for i in range(config.num_decode)
+    ]
+    handles = {w.worker_id: w.actor for w in decodes}
+    prefill_cls = remote_prefill_actor(**common, resources=config.prefill_resources or None)
+    prefills = [
+        WorkerHandle(
+            f"prefill-{i}",
+            "prefill",
+            prefill_cls.remote(f"prefill-{i}", load, cache, scheduler, transfer, handles),
+        )
+        for i in range(config.num_prefill)
+    ]
+    return [*prefills, *decodes]

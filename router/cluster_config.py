@@ -1,0 +1,68 @@
+"""What a pdserve cluster is made of: the pools, the model, routing and KV transfer settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.engine_config import CacheConfig, LoadConfig
+from engine.kv_cache.budget import KVBudget
+from engine.scheduler import SchedulerConfig
+from kv_transfer.policy import FailurePolicy, TransferConfig
+from router.policies import POLICY_NAMES
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    model_dir: str
+    num_prefill: int = 1  # 0: colocated mode, decode workers run both phases
+    num_decode: int = 1
+    device: str = "cpu"  # cpu | cuda
+    dtype: str = "auto"
+    address: str | None = None  # None: start a local Ray; "auto": join the running cluster
+    router_policy: str = "least_loaded"
+    kv_transport: str = "gloo"
+    data_plane_host: str = "auto"  # auto: each worker binds to its node's cluster address
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    worker_num_cpus: float = 1.0  # Ray CPUs per worker actor (0 in tests)
+    worker_num_gpus: float = 0.0  # GPUs per worker actor; fractions share a GPU
+    prefill_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"prefill": 1}
+    decode_resources: dict[str, float] = field(default_factory=dict)
+    transfer_timeout_s: float = 30.0
+    failure_policy: FailurePolicy = "recompute"
+    report_interval_s: float = 0.5  # how often the router polls worker load
+    dead_after_s: float = 5.0  # a worker silent this long is out of rotation
+    max_retries: int = 3  # re-routes per request after worker failures
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("a cluster needs --decode >= 1 worker and --prefill >= 0")
+        if self.router_policy not in POLICY_NAMES:
+            raise ValueError(
+                f"router_policy must be one of {', '.join(POLICY_NAMES)}; "
+                f"got {self.router_policy!r}"
+            )
+
+    @property
+    def colocated(self) -> bool:
+        return self.num_prefill == 0
+
+    def load_config(self) -> LoadConfig:
+        return LoadConfig(self.model_dir, self.dtype, self.device, max_model_len=self.max_model_len)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.block_size, budget=KVBudget(num_blocks=self.num_kv_blocks))
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def transfer_config(self) -> TransferConfig:
+        return TransferConfig(
+            transport=self.kv_transport,
+            host=self.data_plane_host,
+            timeout_s=self.transfer_timeout_s,
+            failure_policy=self.failure_policy,
+        )

@@ -1,0 +1,89 @@
+"""The gateway's view of one request: its placement, and its tokens in order, exactly once.
+
+Tokens reach the gateway from several workers (the first from a prefill worker, the rest from
+a decode worker, more again from a worker that took over after a failure). Each event carries
+its position in its sample's output, so the tracker drops duplicates and holds back events
+that arrive early until the gap before them fills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.messages import GenerateRequest, RequestFailure, TokenEvent
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDone:
+    request_id: str  # every sample of the request has finished
+
+
+ClientItem = TokenEvent | RequestFailure | RequestDone
+
+
+@dataclass(slots=True)
+class RequestTracker:
+    request: GenerateRequest
+    sink: Callable[[ClientItem], None]  # thread-safe hand-over to the client's stream
+    prefill_worker: str | None  # None in colocated mode, or once the prefill phase is over
+    decode_worker: str
+    delivered: dict[int, list[int]] = field(default_factory=dict)  # sample -> tokens sent
+    finished: set[int] = field(default_factory=set)  # samples that ended
+    early: dict[tuple[int, int], TokenEvent] = field(default_factory=dict)  # (sample, pos)
+    num_retries: int = 0
+    closed: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.request.params.n
+
+    @property
+    def started_decoding(self) -> bool:
+        return any(len(tokens) > 1 for tokens in self.delivered.values())
+
+    def accept(self, event: TokenEvent) -> None:
+        """Take one event from any worker; pass on what is new, in order."""
+        if self.closed or event.sample_index in self.finished:
+            return
+        tokens = self.delivered.setdefault(event.sample_index, [])
+        if event.position < len(tokens):
+            return  # a duplicate (a retried worker re-sent it)
+        self.early[(event.sample_index, event.position)] = event
+        while (ready := self.early.pop((event.sample_index, len(tokens)), None)) is not None:
+            tokens.append(ready.token_id)
+            self.sink(ready)
+            if ready.finish_reason is not None:
+                self.finished.add(ready.sample_index)
+                break
+        if self.done:
+            self.close(RequestDone(self.request_id))
+
+    def fail(self, message: str) -> None:
+        self.close(RequestFailure(self.request_id, message))
+
+    def close(self, item: RequestDone | RequestFailure) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sink(item)
+
+    def resume_request(self) -> GenerateRequest:
+        """The request as another worker should continue it: after the tokens already sent."""
+        request = self.request
+        resume = {
+            index: list(self.delivered.get(index, []))
+            for index in range(request.params.n)
+            if index not in self.finished
+        }
+        return GenerateRequest(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.gateway_id,
+            request.cache_salt,
+            resume_token_ids=resume if any(resume.values()) else {},
+        )

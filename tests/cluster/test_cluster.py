@@ -1,0 +1,182 @@
+"""The cluster on a local Ray: token-exact against the offline engine, and failover."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from router.cluster import Cluster
+from router.cluster_config import ClusterConfig
+from tests.engine.test_parity import make_prompts
+
+pytestmark = pytest.mark.timeout(180)
+
+NUM_REQUESTS = 32
+
+
+def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    prompt_sets = [make_prompts(seed=s) for s in (31, 32, 33, 34)]
+    prompts = list(itertools.islice(itertools.chain(*prompt_sets), NUM_REQUESTS))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4 + (7 * i) % 29, ignore_eos=True)
+        for i in range(NUM_REQUESTS)
+    ]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir: Path) -> list[list[int]]:
+    prompts, params = _workload()
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _config(model_dir: Path, **overrides: object) -> ClusterConfig:
+    settings: dict[str, object] = {
+        "model_dir": str(model_dir),
+        "dtype": "float32",
+        "block_size": 8,
+        "num_kv_blocks": 400,
+        "worker_num_cpus": 0,
+        "data_plane_host": "127.0.0.1",
+        "transfer_timeout_s": 10.0,
+        "report_interval_s": 0.2,
+        "dead_after_s": 2.0,
+    }
+    settings.update(overrides)
+    return ClusterConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def start_cluster(ray_session: None) -> Iterator:  # type: ignore[type-arg]
+    started: list[Cluster] = []
+
+    def start(config: ClusterConfig) -> Cluster:
+        started.append(Cluster.start(config))
+        return started[-1]
+
+    yield start
+    for cluster in started:
+        cluster.shutdown()
+
+
+async def _collect(cluster: Cluster, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [event.token_id async for event in cluster.generate(prompt, params)]
+
+
+def _run_all(cluster: Cluster) -> list[list[int]]:
+    prompts, params = _workload()
+
+    async def main() -> list[list[int]]:
+        return list(
+            await asyncio.gather(*(_collect(cluster, p, s) for p, s in zip(prompts, params)))
+        )
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("num_prefill", "num_decode", "extra"),
+    [
+        (1, 1, {}),
+        (2, 2, {}),
+        (2, 2, {"router_policy": "prefix_affinity"}),
+        (2, 2, {"max_num_batched_tokens": 32}),
+        (0, 2, {}),
+    ],
+    ids=["1p1d", "2p2d", "2p2d-prefix-affinity", "2p2d-chunked", "colocated"],
+)
+def test_concurrent_greedy_requests_match_offline_engine(
+    start_cluster,
+    llama_dir: Path,
+    expected: list[list[int]],
+    num_prefill: int,
+    num_decode: int,  # type: ignore[no-untyped-def]
+    extra: dict[str, object],
+) -> None:
+    cluster = start_cluster(
+        _config(llama_dir, num_prefill=num_prefill, num_decode=num_decode, **extra)
+    )
+    assert _run_all(cluster) == expected
+
+
+def _long_workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = make_prompts(seed=35) + make_prompts(seed=36)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60 + 5 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def expected_long(llama_dir: Path) -> list[list[int]]:
+    prompts, params = _long_workload()
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+async def _wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _num_decoding_on(cluster: Cluster, worker_id: str) -> int:
+    with cluster._lock:
+        return sum(
+            t.decode_worker == worker_id and t.started_decoding for t in cluster._trackers.values()
+        )
+
+
+def test_killed_decode_worker_requests_finish_elsewhere_exactly_once(
+    start_cluster,
+    llama_dir: Path,
+    expected_long: list[list[int]],  # type: ignore[no-untyped-def]
+) -> None:
+    cluster = start_cluster(_config(llama_dir, num_prefill=1, num_decode=2))
+    prompts, params = _long_workload()
+
+    async def main() -> list[list[int]]:
+        tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
+        await _wait_for(lambda: _num_decoding_on(cluster, "decode-1") >= 3)
+        ray.kill(cluster.workers["decode-1"].actor)
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=90))
+
+    assert asyncio.run(main()) == expected_long
+    assert not cluster.workers["decode-1"].alive
+
+
+def test_killed_prefill_worker_queued_requests_are_rerouted(
+    start_cluster,
+    llama_dir: Path,
+    expected_long: list[list[int]],  # type: ignore[no-untyped-def]
+) -> None:
+    config = _config(llama_dir, num_prefill=2, num_decode=1, max_num_batched_tokens=8)
+    cluster = start_cluster(config)
+    prompts, params = _long_workload()
+
+    def queued_on_prefill_0() -> int:
+        with cluster._lock:
+            return sum(
+                t.prefill_worker == "prefill-0" and not t.delivered
+                for t in cluster._trackers.values()
+            )
+
+    async def main() -> list[list[int]]:
+        tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
+        await _wait_for(lambda: len(cluster._trackers) == len(prompts))
+        assert queued_on_prefill_0() >= 1
+        ray.kill(cluster.workers["prefill-0"].actor)
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=90))
+
+    assert asyncio.run(main()) == expected_long
+    assert not cluster.workers["prefill-0"].alive

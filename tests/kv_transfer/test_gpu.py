@@ -1,0 +1,70 @@
+"""GPU transports: cuda_ipc (two processes, one GPU) and nccl (two GPUs). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import pytest
+import torch
+
+from kv_transfer import ChannelRendezvous, KVChannel, TransferTicket
+from tests.kv_transfer.helpers import HOST, random_cache, small_layout
+
+pytestmark = pytest.mark.gpu
+
+
+def _receive(rendezvous: dict[str, Any], device: str, ids: list[int], results: Any) -> None:
+    rendezvous["extra"] = tuple(tuple(pair) for pair in rendezvous["extra"])
+    layout = small_layout("bfloat16")
+    cache = random_cache(layout, 32, seed=5).to(device)
+    with KVChannel.connect(
+        ChannelRendezvous(**rendezvous), layout, torch.device(device), 60.0
+    ) as channel:
+        for transfer_id in range(2):
+            ticket = TransferTicket(transfer_id, f"r{transfer_id}", len(ids), 60.0, checksum=True)
+            channel.recv_blocks(cache, ids, ticket)
+    results.put(cache.cpu().view(torch.int16).numpy())
+
+
+def _run_pair(transport: str, sender_device: str, receiver_device: str) -> None:
+    layout = small_layout("bfloat16")
+    src = random_cache(layout, 40, seed=4).to(sender_device)
+    src_ids, dst_ids = [3, 17, 9, 30, 1], [2, 8, 31, 0, 14]
+    listener = KVChannel.listen(
+        transport, layout, HOST, f"gpu-{transport}", torch.device(sender_device), chunk_bytes=4096
+    )
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    r = listener.rendezvous
+    plain = {
+        "transport": r.transport,
+        "channel_id": r.channel_id,
+        "host": r.host,
+        "port": r.port,
+        "extra": [list(pair) for pair in r.extra],
+    }
+    process = context.Process(target=_receive, args=(plain, receiver_device, dst_ids, results))
+    process.start()
+    with listener, listener.accept(120.0) as sender:
+        for transfer_id in range(2):
+            ticket = TransferTicket(transfer_id, f"r{transfer_id}", 5, 60.0, checksum=True)
+            sender.send_blocks(src, src_ids, ticket)
+    received = torch.from_numpy(results.get(timeout=120))
+    process.join(60)
+    expected = random_cache(layout, 32, seed=5)
+    expected[:, :, dst_ids] = src.cpu()[:, :, src_ids]
+    assert torch.equal(received, expected.view(torch.int16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
+    _run_pair("cuda_ipc", "cuda:0", "cuda:0")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA GPUs (NCCL cannot pair two ranks on one GPU)",
+)
+def test_nccl_between_two_gpus() -> None:
+    _run_pair("nccl", "cuda:0", "cuda:1")

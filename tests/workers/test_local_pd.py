@@ -1,0 +1,184 @@
+"""Prefill and decode workers in one process, KV over a real gloo channel on loopback."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from decode_worker.local_peer import LocalDecodePeer
+from decode_worker.worker import DecodeWorker
+from engine import LLM, GenerateRequest, SamplingParams
+from engine.engine_config import CacheConfig, LoadConfig
+from engine.handoff import PrefillResult
+from engine.kv_cache.budget import KVBudget
+from engine.scheduler import SchedulerConfig
+from kv_transfer import TransferTicket
+from kv_transfer.policy import FailurePolicy, TransferConfig
+from prefill_worker.worker import PrefillWorker
+from tests.engine.test_parity import make_prompts
+from tests.workers.output_collector import OutputCollector
+
+GATEWAY = "test-gateway"
+
+
+def _load(model_dir: Path) -> LoadConfig:
+    return LoadConfig(str(model_dir), dtype="float32", device="cpu")
+
+
+def _cache(block_size: int = 8) -> CacheConfig:
+    return CacheConfig(block_size=block_size, budget=KVBudget(num_blocks=400))
+
+
+def _workload(num_requests: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompt_sets = [make_prompts(seed=s) for s in (21, 22, 23, 24)]
+    prompts = list(itertools.islice(itertools.chain(*prompt_sets), num_requests))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4 + (7 * i) % 29) for i in range(num_requests)
+    ]
+    return prompts, params
+
+
+@dataclass
+class Cluster:
+    prefills: list[PrefillWorker]
+    decodes: list[DecodeWorker]
+    collector: OutputCollector
+
+    def shutdown(self) -> None:
+        self.collector.close()
+        for worker in [*self.prefills, *self.decodes]:
+            worker.shutdown()
+
+
+def _cluster(
+    model_dir: Path, num_prefill: int, num_decode: int, transfer: TransferConfig, **sched: int
+) -> Cluster:
+    scheduler = SchedulerConfig(**sched)  # type: ignore[arg-type]
+    decodes = [
+        DecodeWorker(f"d{i}", _load(model_dir), _cache(), scheduler, transfer)
+        for i in range(num_decode)
+    ]
+    peers = {d.worker_id: LocalDecodePeer(d) for d in decodes}
+    prefills = [
+        PrefillWorker(f"p{i}", _load(model_dir), _cache(), scheduler, transfer, peers)
+        for i in range(num_prefill)
+    ]
+    sources = [w.next_batch for w in [*prefills, *decodes]]
+    return Cluster(prefills, decodes, OutputCollector(sources, GATEWAY))
+
+
+@pytest.fixture
+def offline(llama_dir: Path) -> LLM:
+    return LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
+
+
+@pytest.fixture
+def cluster_factory(llama_dir: Path) -> Iterator:  # type: ignore[type-arg]
+    made: list[Cluster] = []
+
+    def make(num_prefill: int, num_decode: int, **kwargs: object) -> Cluster:
+        transfer = TransferConfig(transport="gloo", timeout_s=10.0)
+        made.append(_cluster(llama_dir, num_prefill, num_decode, transfer, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for cluster in made:
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize(("num_prefill", "num_decode"), [(1, 1), (2, 2)])
+def test_split_cluster_matches_offline_engine(
+    cluster_factory,
+    offline: LLM,
+    num_prefill: int,
+    num_decode: int,  # type: ignore[no-untyped-def]
+) -> None:
+    prompts, params = _workload(32)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    cluster = cluster_factory(num_prefill, num_decode, max_num_batched_tokens=128)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        prefill = cluster.prefills[i % num_prefill]
+        decode_id = cluster.decodes[i % num_decode].worker_id
+        prefill.submit(GenerateRequest(f"r{i}", prompt, p, GATEWAY), decode_id)
+    cluster.collector.wait_finished([(f"r{i}", 0) for i in range(32)])
+    assert not cluster.collector.failures
+    assert [cluster.collector.output(f"r{i}") for i in range(32)] == expected
+    assert cluster.collector.num_duplicates == 0
+    for worker in [*cluster.prefills, *cluster.decodes]:
+        assert worker.load().kv_usage == 0.0  # leases released, every request finished
+
+
+def test_colocated_decode_worker_matches_offline_engine(cluster_factory, offline: LLM) -> None:  # type: ignore[no-untyped-def]
+    prompts, params = _workload(12)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    cluster = cluster_factory(0, 1, max_num_batched_tokens=64)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        cluster.decodes[0].submit(GenerateRequest(f"c{i}", prompt, p, GATEWAY))
+    cluster.collector.wait_finished([(f"c{i}", 0) for i in range(12)])
+    assert [cluster.collector.output(f"c{i}") for i in range(12)] == expected
+
+
+def test_layout_mismatch_fails_the_request_naming_the_field(llama_dir: Path) -> None:
+    transfer = TransferConfig(transport="gloo", timeout_s=5.0)
+    scheduler = SchedulerConfig()
+    decode = DecodeWorker("d0", _load(llama_dir), _cache(block_size=16), scheduler, transfer)
+    prefill = PrefillWorker(
+        "p0",
+        _load(llama_dir),
+        _cache(block_size=8),
+        scheduler,
+        transfer,
+        {"d0": LocalDecodePeer(decode)},
+    )
+    collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
+    try:
+        prompt = make_prompts(seed=25)[4]
+        prefill.submit(GenerateRequest("m", prompt, SamplingParams(max_tokens=5), GATEWAY), "d0")
+        collector.wait_finished([("m", 0)], timeout_s=30)
+        assert "block_size" in collector.failures["m"]
+        assert prefill.load().kv_usage == 0.0
+    finally:
+        collector.close()
+        prefill.shutdown()
+        decode.shutdown()
+
+
+class _DeadDecodePeer(LocalDecodePeer):
+    """Reserves blocks, joins the channel, then never receives: a peer that died mid-transfer."""
+
+    def receive(  # type: ignore[override]
+        self,
+        channel_id: str,
+        result: PrefillResult,
+        ticket: TransferTicket,
+        block_ids: list[int],
+        gateway_id: str,
+        policy: FailurePolicy,
+    ) -> Future[bool]:
+        return Future()
+
+
+def test_transfer_to_a_dead_peer_times_out_and_fails_cleanly(llama_dir: Path) -> None:
+    transfer = TransferConfig(transport="gloo", timeout_s=1.0)
+    scheduler = SchedulerConfig()
+    decode = DecodeWorker("d0", _load(llama_dir), _cache(), scheduler, transfer)
+    prefill = PrefillWorker(
+        "p0", _load(llama_dir), _cache(), scheduler, transfer, {"d0": _DeadDecodePeer(decode)}
+    )
+    collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
+    try:
+        prompt = make_prompts(seed=26)[4]
+        prefill.submit(GenerateRequest("t", prompt, SamplingParams(max_tokens=5), GATEWAY), "d0")
+        collector.wait_finished([("t", 0)], timeout_s=20)
+        assert "t" in collector.failures
+        assert collector.output("t") == collector.output("t")[:1]  # only the first token came
+        assert prefill.load().kv_usage == 0.0  # the lease was released
+    finally:
+        collector.close()
+        prefill.shutdown()
+        decode.shutdown()
