@@ -57,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPUs per worker (default 1 on cuda; fractions share a GPU)",
     )
     serve.add_argument(
+        "--prefill-resource",
+        default=None,
+        help="Ray custom resource each prefill worker needs one unit of (e.g. 'prefill')",
+    )
+    serve.add_argument(
+        "--decode-resource",
+        default=None,
+        help="Ray custom resource each decode worker needs one unit of (e.g. 'decode')",
+    )
+    serve.add_argument(
         "--prompt",
         action="append",
         default=None,
@@ -135,6 +145,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks,
         worker_num_cpus=args.worker_num_cpus,
         worker_num_gpus=num_gpus,
+        prefill_resources={args.prefill_resource: 1.0} if args.prefill_resource else {},
+        decode_resources={args.decode_resource: 1.0} if args.decode_resource else {},
     )
     return serve(config, args.prompt, args.max_tokens, args.temperature)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,43 @@ def test_demo_runs(tmp_path: Path) -> None:
     result = _pdserve("demo", "--workdir", str(tmp_path), "--max-tokens", "4")
     assert result.returncode == 0, result.stderr
     assert "tokens/s" in result.stdout
+
+
+def test_serve_starts_a_cluster_and_streams_completions(llama_dir: Path) -> None:
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--model",
+            str(llama_dir),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--worker-num-cpus",
+            "0",
+            "--dtype",
+            "float32",
+            "--block-size",
+            "8",
+            "--num-kv-blocks",
+            "200",
+            "--max-tokens",
+            "6",
+            "--prompt",
+            "def main():",
+            "--prompt",
+            "import os",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cluster up (1 prefill + 1 decode workers" in result.stdout
+    assert result.stdout.count(" tokens]") == 2  # one summary line per prompt
+    assert "def main():" in result.stdout and "import os" in result.stdout

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from decode_worker.local_peer import LocalDecodePeer
 from decode_worker.worker import DecodeWorker
@@ -81,8 +82,10 @@ def offline(llama_dir: Path) -> LLM:
 def cluster_factory(llama_dir: Path) -> Iterator:  # type: ignore[type-arg]
     made: list[Cluster] = []
 
-    def make(num_prefill: int, num_decode: int, **kwargs: object) -> Cluster:
-        transfer = TransferConfig(transport="gloo", timeout_s=10.0)
+    def make(
+        num_prefill: int, num_decode: int, transport: str = "gloo", **kwargs: object
+    ) -> Cluster:
+        transfer = TransferConfig(transport=transport, timeout_s=10.0)
         made.append(_cluster(llama_dir, num_prefill, num_decode, transfer, **kwargs))  # type: ignore[arg-type]
         return made[-1]
 
@@ -91,16 +94,19 @@ def cluster_factory(llama_dir: Path) -> Iterator:  # type: ignore[type-arg]
         cluster.shutdown()
 
 
-@pytest.mark.parametrize(("num_prefill", "num_decode"), [(1, 1), (2, 2)])
+@pytest.mark.parametrize(
+    ("num_prefill", "num_decode", "transport"), [(1, 1, "gloo"), (2, 2, "gloo"), (1, 1, "shm")]
+)
 def test_split_cluster_matches_offline_engine(
-    cluster_factory,
+    cluster_factory,  # type: ignore[no-untyped-def]
     offline: LLM,
     num_prefill: int,
-    num_decode: int,  # type: ignore[no-untyped-def]
+    num_decode: int,
+    transport: str,
 ) -> None:
     prompts, params = _workload(32)
     expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
-    cluster = cluster_factory(num_prefill, num_decode, max_num_batched_tokens=128)
+    cluster = cluster_factory(num_prefill, num_decode, transport, max_num_batched_tokens=128)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         prefill = cluster.prefills[i % num_prefill]
         decode_id = cluster.decodes[i % num_decode].worker_id
@@ -178,6 +184,65 @@ def test_transfer_to_a_dead_peer_times_out_and_fails_cleanly(llama_dir: Path) ->
         assert "t" in collector.failures
         assert collector.output("t") == collector.output("t")[:1]  # only the first token came
         assert prefill.load().kv_usage == 0.0  # the lease was released
+    finally:
+        collector.close()
+        prefill.shutdown()
+        decode.shutdown()
+
+
+class _CheckingDecodePeer(LocalDecodePeer):
+    """Compares the received KV with the sender's, while the prefill side still holds it."""
+
+    def __init__(self, worker: DecodeWorker, prefill_cache: list[torch.Tensor]) -> None:
+        super().__init__(worker)
+        self.prefill_cache = prefill_cache
+        self.num_checked = 0
+
+    def receive(  # type: ignore[override]
+        self,
+        channel_id: str,
+        result: PrefillResult,
+        ticket: TransferTicket,
+        block_ids: list[int],
+        gateway_id: str,
+        policy: FailurePolicy,
+    ) -> Future[bool]:
+        def receive_and_check() -> bool:
+            ok = self.worker.receive(channel_id, result, ticket, block_ids, gateway_id, policy)
+            num_tokens = result.num_prompt_tokens
+            sent = _prompt_slots(self.prefill_cache[0], result.block_ids, num_tokens)
+            got = _prompt_slots(self.worker.engine.kv_cache, block_ids, num_tokens)
+            assert torch.equal(sent, got), f"KV of {result.request_id} differs"
+            self.num_checked += 1
+            return ok
+
+        return self._executor.submit(receive_and_check)
+
+
+def _prompt_slots(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    blocks = kv_cache[:, :, block_ids]  # [layers, 2, n, block_size, kv_heads, head_dim]
+    slots = blocks.flatten(2, 3)  # [layers, 2, n * block_size, kv_heads, head_dim]
+    return slots[:, :, :num_tokens]
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_received_kv_equals_the_prefill_sides_bitwise(llama_dir: Path, transport: str) -> None:
+    transfer = TransferConfig(transport=transport, timeout_s=10.0)
+    scheduler = SchedulerConfig()
+    decode = DecodeWorker("d0", _load(llama_dir), _cache(), scheduler, transfer)
+    prefill_cache: list[torch.Tensor] = []
+    peer = _CheckingDecodePeer(decode, prefill_cache)
+    prefill = PrefillWorker("p0", _load(llama_dir), _cache(), scheduler, transfer, {"d0": peer})
+    prefill_cache.append(prefill.engine.kv_cache)
+    collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
+    try:
+        prompts = make_prompts(seed=27)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            prefill.submit(GenerateRequest(f"b{i}", prompt, params, GATEWAY), "d0")
+        collector.wait_finished([(f"b{i}", 0) for i in range(len(prompts))])
+        assert not collector.failures
+        assert peer.num_checked == len(prompts)
     finally:
         collector.close()
         prefill.shutdown()
