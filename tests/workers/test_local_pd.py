@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from engine.engine_config import CacheConfig, LoadConfig
 from engine.handoff import PrefillResult
 from engine.kv_cache.budget import KVBudget
 from engine.scheduler import SchedulerConfig
-from kv_transfer import TransferTicket
+from kv_transfer import KVChannel, TransferTicket
 from kv_transfer.policy import FailurePolicy, TransferConfig
 from prefill_worker.worker import PrefillWorker
 from tests.engine.test_parity import make_prompts
@@ -246,4 +247,43 @@ def test_received_kv_equals_the_prefill_sides_bitwise(llama_dir: Path, transport
     finally:
         collector.close()
         prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_decode_side_failure_policy_when_kv_never_arrives(
+    llama_dir: Path, offline: LLM, policy: FailurePolicy
+) -> None:
+    """The sender never sends: the receive times out and the request follows its policy."""
+    transfer = TransferConfig(transport="gloo", timeout_s=1.0)
+    decode = DecodeWorker("d0", _load(llama_dir), _cache(), SchedulerConfig(), transfer)
+    prefill_engine = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8).engine
+    collector = OutputCollector([decode.next_batch], GATEWAY)
+    layout = decode.layout
+    listener = KVChannel.listen("gloo", layout, "127.0.0.1", "silent", torch.device("cpu"))
+    try:
+        joining = threading.Thread(target=decode.connect_channel, args=(listener.rendezvous,))
+        joining.start()
+        sender = listener.accept(5.0)
+        joining.join()
+        prompt = make_prompts(seed=28)[5]
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        prefill_engine.add_request("s", prompt, params, prefill_only=True)
+        (result,) = prefill_engine.step().handed_off
+        block_ids = decode.reserve("s", result.num_prompt_tokens)
+        assert block_ids is not None
+        ticket = TransferTicket(0, "s", len(block_ids), timeout_s=1.0)
+        assert not decode.receive("silent", result, ticket, block_ids, GATEWAY, policy)
+        collector.wait_finished([("s", 0)], timeout_s=30)
+        if policy == "fail":
+            assert "KV transfer failed" in collector.failures["s"]
+        else:
+            expected = offline.generate([prompt], params)[0].outputs[0].token_ids
+            received = collector.tokens["s"][0]  # position 0 came from the prefill side
+            assert [received[p] for p in sorted(received)] == expected[1:]
+        assert decode.load().kv_usage == 0.0
+        sender.close()
+    finally:
+        listener.close()
+        collector.close()
         decode.shutdown()
