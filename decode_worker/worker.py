@@ -53,7 +53,6 @@ class DecodeWorker:
         self._channels_lock = threading.Lock()
         self._receiving: set[str] = set()  # requests whose KV is arriving (under loop.lock)
         self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
-        self._closed = False
         self.loop.start()
 
     # ---- requests -----------------------------------------------------------------------
@@ -159,12 +158,9 @@ class DecodeWorker:
         self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=False))
 
     # ---- outputs and load ---------------------------------------------------------------
-    def stream(self, gateway_id: str, poll_s: float = 0.2) -> Iterator[OutputBatch]:
+    def stream(self, gateway_id: str) -> Iterator[OutputBatch]:
         """Output batches for one gateway, as steps produce them, until shutdown."""
-        while not self._closed:
-            batch = self.loop.next_batch(gateway_id, poll_s)
-            if batch is not None:
-                yield batch
+        return self.loop.stream(gateway_id)
 
     def next_batch(self, gateway_id: str, timeout_s: float) -> OutputBatch | None:
         return self.loop.next_batch(gateway_id, timeout_s)
@@ -173,7 +169,6 @@ class DecodeWorker:
         return self.loop.load(self.role)
 
     def shutdown(self) -> None:
-        self._closed = True
         self.loop.stop()
         with self._channels_lock:
             channels = list(self._channels.values())

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from engine.handoff import PrefillResult
@@ -111,6 +111,13 @@ class EngineLoop:
         if gateway is not None:
             failure = RequestFailure(request_id, message)
             self._queue(gateway).put(OutputBatch(self.worker_id, [], [failure]))
+
+    def stream(self, gateway_id: str, poll_s: float = 0.2) -> Iterator[OutputBatch]:
+        """A gateway's output batches as the steps produce them, until the loop stops."""
+        while not self._stopping:
+            batch = self.next_batch(gateway_id, poll_s)
+            if batch is not None:
+                yield batch
 
     def next_batch(self, gateway_id: str, timeout_s: float) -> OutputBatch | None:
         """The next output batch for a gateway, or None after ``timeout_s`` without one."""

@@ -89,7 +89,6 @@ class PrefillWorker:
         self._channels: dict[str, tuple[str, KVChannel]] = {}  # decode worker -> (id, channel)
         self._handoffs: queue.Queue[PrefillResult | None] = queue.Queue()
         self._transfer_ids = itertools.count()
-        self._closed = False
         self.loop = EngineLoop(self.engine, worker_id, on_handed_off=self._handoffs.put)
         self._handoff_thread = threading.Thread(
             target=self._run_handoffs, name=f"handoff-{worker_id}", daemon=True
@@ -131,11 +130,9 @@ class PrefillWorker:
         self._peers[worker_id] = peer
 
     # ---- outputs and load ---------------------------------------------------------------
-    def stream(self, gateway_id: str, poll_s: float = 0.2) -> Iterator[OutputBatch]:
-        while not self._closed:
-            batch = self.loop.next_batch(gateway_id, poll_s)
-            if batch is not None:
-                yield batch
+    def stream(self, gateway_id: str) -> Iterator[OutputBatch]:
+        """Output batches for one gateway, as steps produce them, until shutdown."""
+        return self.loop.stream(gateway_id)
 
     def next_batch(self, gateway_id: str, timeout_s: float) -> OutputBatch | None:
         return self.loop.next_batch(gateway_id, timeout_s)
@@ -144,7 +141,6 @@ class PrefillWorker:
         return self.loop.load(self.role)
 
     def shutdown(self) -> None:
-        self._closed = True
         self._handoffs.put(None)
         self.loop.stop()
         self._handoff_thread.join(timeout=10)
