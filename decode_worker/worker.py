@@ -15,6 +15,7 @@ with chunked prefill.
 from __future__ import annotations
 
 import threading
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
 from engine.engine_config import CacheConfig, LoadConfig
@@ -49,7 +50,9 @@ class DecodeWorker:
         self.engine = LLMEngine(load, cache, scheduler)
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
         self.loop = EngineLoop(self.engine, worker_id)
-        self._channels: dict[str, KVChannel] = {}  # channel id -> channel from a prefill worker
+        # channel id -> channel from a prefill worker, least recently used first
+        self._channels: OrderedDict[str, KVChannel] = OrderedDict()
+        self._channels_in_use: Counter[str] = Counter()  # channel id -> receives using it
         self._channels_lock = threading.Lock()
         self._receiving: set[str] = set()  # requests whose KV is arriving (under loop.lock)
         self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
@@ -90,8 +93,16 @@ class DecodeWorker:
         with self._channels_lock:
             previous = self._channels.pop(rendezvous.channel_id, None)
             self._channels[rendezvous.channel_id] = channel
-        if previous is not None:
-            previous.close()
+            idle = [
+                cid
+                for cid in self._channels
+                if cid != rendezvous.channel_id and not self._channels_in_use[cid]
+            ]
+            excess = len(self._channels) - self.transfer.max_channels
+            closing = [self._channels.pop(cid) for cid in idle[: max(excess, 0)]]
+        for old in [previous, *closing]:
+            if old is not None:
+                old.close()
 
     def receive(
         self,
@@ -107,15 +118,21 @@ class DecodeWorker:
         On failure the request follows ``policy``: recompute here, or fail with a clear error.
         """
         request_id = result.request_id
-        with self._channels_lock:
-            channel = self._channels.get(channel_id)
         with self.loop.lock:
             if self.engine.reserved_blocks(request_id) != block_ids:
                 return False  # the reservation was given back (resumed here): never write
             self._receiving.add(request_id)
+        with self._channels_lock:
+            channel = self._channels.get(channel_id)
+            if channel is not None:
+                self._channels.move_to_end(channel_id)
+                self._channels_in_use[channel_id] += 1
         try:
             error = self._recv(channel_id, channel, block_ids, ticket)
         finally:
+            if channel is not None:
+                with self._channels_lock:
+                    self._channels_in_use[channel_id] -= 1
             with self.loop.lock:
                 self._receiving.discard(request_id)
                 superseded = request_id in self._superseded

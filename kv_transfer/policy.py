@@ -17,10 +17,14 @@ class TransferConfig:
     timeout_s: float = 30.0  # deadline of one transfer, and of a channel's handshake
     reserve_timeout_s: float = 10.0  # how long a prefill worker waits for decode-side blocks
     failure_policy: FailurePolicy = "recompute"
+    max_channels: int = 8  # open channels per worker; idle ones close, least recently used first
+    max_concurrent_handoffs: int = 4  # a prefill worker's hand-offs in flight at once
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.reserve_timeout_s < 0:
             raise ValueError("transfer timeouts must be positive")
+        if self.max_channels < 1 or self.max_concurrent_handoffs < 1:
+            raise ValueError("max_channels and max_concurrent_handoffs must be >= 1")
         if self.failure_policy not in ("recompute", "fail"):
             raise ValueError(
                 f"failure_policy must be 'recompute' or 'fail', got {self.failure_policy!r}"

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,15 +86,17 @@ class PrefillWorker:
         self._peers = dict(decode_peers)
         self._targets: dict[str, _Target] = {}  # request id -> where it goes after prefill
         self._targets_lock = threading.Lock()
-        self._channels: dict[str, tuple[str, KVChannel]] = {}  # decode worker -> (id, channel)
-        self._handoffs: queue.Queue[PrefillResult | None] = queue.Queue()
+        # decode worker -> (channel id, channel), least recently used first
+        self._channels: OrderedDict[str, tuple[str, KVChannel]] = OrderedDict()
+        self._channels_in_use: Counter[str] = Counter()  # decode worker -> hand-offs using it
+        self._channels_lock = threading.Lock()
+        self._transfer_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._transfer_ids = itertools.count()
-        self.loop = EngineLoop(self.engine, worker_id, on_handed_off=self._handoffs.put)
-        self._handoff_thread = threading.Thread(
-            target=self._run_handoffs, name=f"handoff-{worker_id}", daemon=True
+        self._handoff_pool = ThreadPoolExecutor(
+            transfer.max_concurrent_handoffs, thread_name_prefix=f"handoff-{worker_id}"
         )
+        self.loop = EngineLoop(self.engine, worker_id, on_handed_off=self._schedule_handoff)
         self.loop.start()
-        self._handoff_thread.start()
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, request: GenerateRequest, decode_worker_id: str) -> None:
@@ -141,28 +143,30 @@ class PrefillWorker:
         return self.loop.load(self.role)
 
     def shutdown(self) -> None:
-        self._handoffs.put(None)
         self.loop.stop()
-        self._handoff_thread.join(timeout=10)
-        for _, channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        self._handoff_pool.shutdown(wait=True, cancel_futures=True)
+        with self._channels_lock:
+            for _, channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
 
     # ---- hand-off -----------------------------------------------------------------------
-    def _run_handoffs(self) -> None:
-        while (result := self._handoffs.get()) is not None:
-            with self._targets_lock:
-                target = self._targets.pop(result.request_id, None)
-            if target is None:  # aborted meanwhile
-                self.loop.release(result.request_id)
-                continue
-            try:
-                self._hand_off(result, target)
-            except Exception as error:  # the peer is gone or broken: the request fails
-                logger.exception("hand-off of %s failed", result.request_id)
-                self.loop.fail(result.request_id, f"hand-off failed: {error}", target.gateway_id)
-            finally:
-                self.loop.release(result.request_id)
+    def _schedule_handoff(self, result: PrefillResult) -> None:
+        self._handoff_pool.submit(self._run_handoff, result)
+
+    def _run_handoff(self, result: PrefillResult) -> None:
+        with self._targets_lock:
+            target = self._targets.pop(result.request_id, None)
+        if target is None:  # aborted meanwhile
+            self.loop.release(result.request_id)
+            return
+        try:
+            self._hand_off(result, target)
+        except Exception as error:  # the peer is gone or broken: the request fails
+            logger.exception("hand-off of %s failed", result.request_id)
+            self.loop.fail(result.request_id, f"hand-off failed: {error}", target.gateway_id)
+        finally:
+            self.loop.release(result.request_id)
 
     def _hand_off(self, result: PrefillResult, target: _Target) -> None:
         peer = self._peers[target.decode_worker_id]
@@ -170,7 +174,25 @@ class PrefillWorker:
         if block_ids is None:  # the decode worker stayed full: it recomputes the prompt later
             peer.admit_without_kv(result, target.gateway_id).result()
             return
-        channel_id, channel = self._channel_to(target.decode_worker_id, peer)
+        channel_id, channel = self._acquire_channel(target.decode_worker_id, peer)
+        try:
+            # One transfer at a time per channel, so both ends take the tickets in one order;
+            # hand-offs to other decode workers proceed meanwhile.
+            with self._transfer_locks[target.decode_worker_id]:
+                self._transfer(result, target, peer, channel_id, channel, block_ids)
+        finally:
+            with self._channels_lock:
+                self._channels_in_use[target.decode_worker_id] -= 1
+
+    def _transfer(
+        self,
+        result: PrefillResult,
+        target: _Target,
+        peer: DecodePeer,
+        channel_id: str,
+        channel: KVChannel,
+        block_ids: list[int],
+    ) -> None:
         ticket = TransferTicket(
             transfer_id=next(self._transfer_ids),
             request_id=result.request_id,
@@ -189,7 +211,9 @@ class PrefillWorker:
             channel.send_blocks(self.engine.kv_cache, result.block_ids, ticket)
         except TransferError:
             logger.warning("KV transfer of %s failed; channel rebuilt on next use", ticket)
-            self._channels.pop(target.decode_worker_id, None)
+            with self._channels_lock:
+                if self._channels.get(target.decode_worker_id, (None, None))[1] is channel:
+                    del self._channels[target.decode_worker_id]
             channel.close()
         receipt.result(timeout=2 * self.transfer.timeout_s)
 
@@ -201,11 +225,20 @@ class PrefillWorker:
                 return block_ids
             time.sleep(_RESERVE_RETRY_S)
 
-    def _channel_to(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:
-        """The open channel to a decode worker, built (listen, join, handshake) on first use."""
-        existing = self._channels.get(decode_worker_id)
-        if existing is not None and not existing[1].broken:
+    def _acquire_channel(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:
+        """The open channel to a decode worker (built on first use), marked in use."""
+        with self._channels_lock:
+            existing = self._channels.get(decode_worker_id)
+            if existing is None or existing[1].broken:
+                existing = self._open_channel(decode_worker_id, peer)
+                self._channels[decode_worker_id] = existing
+                self._close_idle_channels()
+            self._channels.move_to_end(decode_worker_id)
+            self._channels_in_use[decode_worker_id] += 1
             return existing
+
+    def _open_channel(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:
+        """Listen, let the decode worker join, handshake (the layouts must match)."""
         channel_id = f"{self.worker_id}->{decode_worker_id}/{next(self._transfer_ids)}"
         listener = KVChannel.listen(
             self.transfer.transport, self.layout, self.transfer.host, channel_id, self.engine.device
@@ -214,8 +247,18 @@ class PrefillWorker:
             joined = peer.connect_channel(listener.rendezvous)
             channel = listener.accept(self.transfer.timeout_s)
             joined.result(timeout=self.transfer.timeout_s)
-        except BaseException:
+        finally:
             listener.close()
-            raise
-        self._channels[decode_worker_id] = (channel_id, channel)
         return channel_id, channel
+
+    def _close_idle_channels(self) -> None:
+        """Keep at most ``max_channels`` open: close idle ones, least recently used first.
+
+        Each channel holds buffers (and on GPUs an NCCL communicator of 50-100 MB).
+        """
+        for worker_id in list(self._channels):
+            if len(self._channels) <= self.transfer.max_channels:
+                return
+            if self._channels_in_use[worker_id] == 0:
+                _, channel = self._channels.pop(worker_id)
+                channel.close()

@@ -84,9 +84,13 @@ def cluster_factory(llama_dir: Path) -> Iterator:  # type: ignore[type-arg]
     made: list[Cluster] = []
 
     def make(
-        num_prefill: int, num_decode: int, transport: str = "gloo", **kwargs: object
+        num_prefill: int,
+        num_decode: int,
+        transport: str = "gloo",
+        max_channels: int = 8,
+        **kwargs: object,
     ) -> Cluster:
-        transfer = TransferConfig(transport=transport, timeout_s=10.0)
+        transfer = TransferConfig(transport=transport, timeout_s=10.0, max_channels=max_channels)
         made.append(_cluster(llama_dir, num_prefill, num_decode, transfer, **kwargs))  # type: ignore[arg-type]
         return made[-1]
 
@@ -118,6 +122,19 @@ def test_split_cluster_matches_offline_engine(
     assert cluster.collector.num_duplicates == 0
     for worker in [*cluster.prefills, *cluster.decodes]:
         assert worker.load().kv_usage == 0.0  # leases released, every request finished
+
+
+def test_idle_channels_close_beyond_the_cap_and_reopen(cluster_factory, offline: LLM) -> None:  # type: ignore[no-untyped-def]
+    prompts, params = _workload(12)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    cluster = cluster_factory(1, 2, "gloo", 1, max_num_batched_tokens=64)
+    (prefill,) = cluster.prefills
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        decode_id = cluster.decodes[i % 2].worker_id
+        prefill.submit(GenerateRequest(f"c{i}", prompt, p, GATEWAY), decode_id)
+        cluster.collector.wait_finished([(f"c{i}", 0)])  # one at a time: channels alternate
+    assert [cluster.collector.output(f"c{i}") for i in range(12)] == expected
+    assert len(prefill._channels) == 1
 
 
 def test_colocated_decode_worker_matches_offline_engine(cluster_factory, offline: LLM) -> None:  # type: ignore[no-untyped-def]
@@ -210,6 +227,7 @@ class _CheckingDecodePeer(LocalDecodePeer):
     ) -> Future[bool]:
         def receive_and_check() -> bool:
             ok = self.worker.receive(channel_id, result, ticket, block_ids, gateway_id, policy)
+            assert ok, f"KV of {result.request_id} did not arrive"
             num_tokens = result.num_prompt_tokens
             sent = _prompt_slots(self.prefill_cache[0], result.block_ids, num_tokens)
             got = _prompt_slots(self.worker.engine.kv_cache, block_ids, num_tokens)
