@@ -272,6 +272,25 @@ def print_tables(result: dict[str, Any]) -> None:
         )
 
 
+def reserve_ms(num_blocks: int, reps: int = 200) -> float:
+    """Median time for a decode engine to reserve (and give back) a prompt's blocks.
+
+    This is the decode side's own work; in the cluster the reservation is also one Ray actor
+    call from the prefill worker (about 0.7 ms round trip here, see ENVIRONMENT.md).
+    """
+    from engine.kv_cache.block_pool import BlockPool
+
+    pool = BlockPool(num_blocks * 64, enable_prefix_caching=True)
+    samples = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        blocks = [pool.allocate() for _ in range(num_blocks)]
+        samples.append(time.perf_counter() - started)
+        for block in blocks:
+            pool.free(block)
+    return 1000 * statistics.median(samples)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256, 512])
@@ -313,7 +332,10 @@ def main() -> None:
             "sweep": summarize_sweep(sessions[0], sweep, sender_device, args.reps),
             "handoff": summarize_handoff(sessions[1], handoff),
         }
+    handoff_blocks = HANDOFF_TOKENS // HANDOFF_LAYOUT.block_size
+    result["handoff_reserve_ms"] = reserve_ms(handoff_blocks)
     print_tables(result)
+    print(f"reserve ({handoff_blocks} blocks, decode side): {result['handoff_reserve_ms']:.3f} ms")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
