@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 
@@ -35,4 +35,3 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # one per sample, in index order
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    metrics: dict[str, float] = field(default_factory=dict)
