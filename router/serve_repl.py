@@ -9,30 +9,27 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from engine.sampling.params import SamplingParams
 from router.cluster import Cluster, RequestFailedError
 from router.cluster_config import ClusterConfig
+from router.detokenizer import IncrementalDetokenizer
 
 
-async def _complete(
-    cluster: Cluster, tokenizer: object, prompt: str, params: SamplingParams
-) -> None:
-    token_ids = tokenizer.encode(prompt)  # type: ignore[attr-defined]
-    generated: list[int] = []
-    printed = ""
+async def _complete(cluster: Cluster, tokenizer: Any, prompt: str, params: SamplingParams) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    num_tokens = 0
     print(prompt, end="", flush=True)
     try:
-        async for event in cluster.generate(token_ids, params):
-            generated.append(event.token_id)
-            text = tokenizer.decode(generated, skip_special_tokens=True)  # type: ignore[attr-defined]
-            if not text.endswith("\ufffd"):  # hold back a partial multi-byte character
-                print(text[len(printed) :], end="", flush=True)
-                printed = text
+        async for event in cluster.generate(tokenizer.encode(prompt), params):
+            num_tokens += 1
+            print(detokenizer.push(event.token_id), end="", flush=True)
     except RequestFailedError as error:
         print(f"\n[failed: {error}]", flush=True)
         return
-    print(f"\n[{len(generated)} tokens]", flush=True)
+    print(detokenizer.flush(), end="")
+    print(f"\n[{num_tokens} tokens]", flush=True)
 
 
 def serve(
