@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceOf
+from dataclasses import replace
 from typing import Any
 
 from engine.engine_config import CacheConfig, LoadConfig, LoadFormat
@@ -101,9 +102,8 @@ class LLM:
             )
             for position in completion.logprobs or []:
                 for token_id, logprob in position.items():
-                    position[token_id] = type(logprob)(
-                        logprob.logprob, logprob.rank, self.tokenizer.decode([token_id])
-                    )
+                    decoded = self.tokenizer.decode([token_id])
+                    position[token_id] = replace(logprob, decoded_token=decoded)
         return output
 
     @staticmethod

@@ -47,11 +47,6 @@ class EngineStats:
     step_seconds: float = 0.0  # wall time of step() calls that ran the model
     forward_seconds: float = 0.0  # of which model forward + logits
 
-    @property
-    def overhead_fraction(self) -> float:
-        """Share of step time spent outside the model forward (scheduling, inputs, sampling)."""
-        return 1.0 - self.forward_seconds / self.step_seconds if self.step_seconds else 0.0
-
 
 class LLMEngine:
     def __init__(self, load: LoadConfig, cache: CacheConfig, scheduler: SchedulerConfig) -> None:

@@ -58,4 +58,3 @@ class WorkerLoad:
     num_queued_prompt_tokens: int  # prompt tokens not yet computed (prefill load)
     kv_usage: float  # fraction of KV blocks in use, 0..1
     num_free_blocks: int
-    cached_prefix_hashes: tuple[bytes, ...] = ()  # recent prompt-prefix hashes (affinity)

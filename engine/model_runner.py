@@ -161,10 +161,11 @@ class ModelRunner:
             if generator is None:
                 generator = make_generator(seq.seed, self.device)
                 self._generators[seq.seq_id] = generator
+        history = seq.params.uses_token_history  # copying the token lists costs O(context)
         return SamplingRow(
             params=seq.params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            prompt_token_ids=seq.prompt_token_ids if history else (),
+            output_token_ids=seq.output_token_ids if history else (),
             generator=generator,
             banned_token_ids=banned_token_ids(seq, self.eos_token_ids),
         )

@@ -107,6 +107,15 @@ class SamplingParams:
         return {"max_tokens": max_tokens, "min_tokens": min_tokens, "logprobs": logprobs}
 
     @property
+    def uses_token_history(self) -> bool:
+        """Whether sampling reads the prompt and output tokens (repetition/presence/frequency)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
     def greedy(self) -> bool:
         """True when the temperature is so low that sampling is an argmax."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
