@@ -103,13 +103,20 @@ class EngineLoop:
             self.engine.abort_request(request_id)
             self._gateway_of.pop(request_id, None)
 
-    def fail(self, request_id: str, message: str, gateway_id: str | None = None) -> None:
-        """Drop a request and tell its gateway why."""
+    def fail(
+        self,
+        request_id: str,
+        message: str,
+        gateway_id: str | None = None,
+        *,
+        retryable: bool = False,
+    ) -> None:
+        """Drop a request and tell its gateway why (and whether another worker may retry it)."""
         with self._work:
             self.engine.abort_request(request_id)
             gateway = self._gateway_of.pop(request_id, gateway_id)
         if gateway is not None:
-            failure = RequestFailure(request_id, message)
+            failure = RequestFailure(request_id, message, retryable)
             self._queue(gateway).put(OutputBatch(self.worker_id, [], [failure]))
 
     def stream(self, gateway_id: str, poll_s: float = 0.2) -> Iterator[OutputBatch]:

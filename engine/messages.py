@@ -37,7 +37,8 @@ class TokenEvent:
 @dataclass(frozen=True, slots=True)
 class RequestFailure:
     request_id: str
-    message: str  # why the request cannot complete (shown to the client)
+    message: str  # why the request cannot complete here (shown to the client if final)
+    retryable: bool = False  # another worker may still complete it (e.g. a hand-off's peer died)
 
 
 @dataclass(frozen=True, slots=True)

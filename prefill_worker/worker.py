@@ -164,7 +164,12 @@ class PrefillWorker:
             self._hand_off(result, target)
         except Exception as error:  # the peer is gone or broken: the request fails
             logger.exception("hand-off of %s failed", result.request_id)
-            self.loop.fail(result.request_id, f"hand-off failed: {error}", target.gateway_id)
+            self.loop.fail(
+                result.request_id,
+                f"hand-off failed: {error}",
+                target.gateway_id,
+                retryable=True,
+            )
         finally:
             self.loop.release(result.request_id)
 

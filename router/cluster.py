@@ -230,16 +230,13 @@ class Cluster:
                 if tracker.closed:
                     del self._trackers[event.request_id]
             for failure in batch.failures:
-                self._on_failure(failure, batch.worker_id)
+                self._on_failure(failure)
 
-    def _on_failure(self, failure: RequestFailure, worker_id: str) -> None:
+    def _on_failure(self, failure: RequestFailure) -> None:
         tracker = self._trackers.get(failure.request_id)
         if tracker is None:
             return
-        recoverable = (
-            "hand-off failed" in failure.message or "KV transfer failed" in failure.message
-        )
-        if recoverable and tracker.num_retries < self.config.max_retries:
+        if failure.retryable and tracker.num_retries < self.config.max_retries:
             if not self._continues_on_decode_worker(tracker):
                 self._resume(tracker)
             return

@@ -20,6 +20,7 @@ class OutputCollector:
         )  # request -> sample -> position -> token
         self.finish: dict[tuple[str, int], str] = {}
         self.failures: dict[str, str] = {}
+        self.retryable: dict[str, bool] = {}
         self.num_events = 0
         self.num_duplicates = 0
         self._lock = threading.Lock()
@@ -46,6 +47,7 @@ class OutputCollector:
                         self.finish[(event.request_id, event.sample_index)] = event.finish_reason
                 for failure in batch.failures:
                     self.failures[failure.request_id] = failure.message
+                    self.retryable[failure.request_id] = failure.retryable
 
     def wait_finished(self, samples: list[tuple[str, int]], timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

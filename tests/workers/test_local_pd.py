@@ -200,6 +200,7 @@ def test_transfer_to_a_dead_peer_times_out_and_fails_cleanly(llama_dir: Path) ->
         prefill.submit(GenerateRequest("t", prompt, SamplingParams(max_tokens=5), GATEWAY), "d0")
         collector.wait_finished([("t", 0)], timeout_s=20)
         assert "t" in collector.failures
+        assert collector.retryable["t"]  # the router may place it on another decode worker
         assert collector.output("t") == collector.output("t")[:1]  # only the first token came
         assert prefill.load().kv_usage == 0.0  # the lease was released
     finally:
@@ -295,6 +296,7 @@ def test_decode_side_failure_policy_when_kv_never_arrives(
         collector.wait_finished([("s", 0)], timeout_s=30)
         if policy == "fail":
             assert "KV transfer failed" in collector.failures["s"]
+            assert not collector.retryable["s"]  # policy "fail": final, not retried elsewhere
         else:
             expected = offline.generate([prompt], params)[0].outputs[0].token_ids
             received = collector.tokens["s"][0]  # position 0 came from the prefill side
