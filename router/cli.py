@@ -152,7 +152,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from engine.demo_model import run_demo
+    from engine.demo_model.offline_demo import run_demo
 
     run_demo(args.workdir, args.max_tokens)
     return 0

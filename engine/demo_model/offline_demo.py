@@ -1,4 +1,4 @@
-"""The offline demo behind ``make serve`` until the cluster exists: a tiny random Llama.
+"""The offline demo behind ``pdserve demo``: a tiny random Llama.
 
 It trains a small byte-level BPE tokenizer on the Python standard library's sources (offline,
 deterministic, under a second), writes a Llama config.json beside it, builds random weights with
@@ -9,15 +9,11 @@ are random, so the text is noise: the demo shows the engine working end to end, 
 from __future__ import annotations
 
 import json
-import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
-_NUM_TRAINING_FILES = 40
-_MAX_TRAINING_BYTES = 600_000
+from engine.demo_model.tokenizer_training import train_bpe_tokenizer
 
 DEMO_PROMPTS = (
     "def fibonacci(n):",
@@ -25,49 +21,6 @@ DEMO_PROMPTS = (
     "The quick brown fox",
     "class Scheduler:",
 )
-
-
-def train_bpe_tokenizer(out_dir: Path, vocab_size: int = 1024) -> Path:
-    """Train a byte-level BPE tokenizer on stdlib sources; save a transformers tokenizer dir.
-
-    Ids 0, 1, 2 are ``<unk>``, ``<s>`` (bos) and ``</s>`` (eos). No bos is added on encode, so
-    ``decode(encode(text)) == text`` for any string, emoji and CJK included.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_stdlib_text(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        clean_up_tokenization_spaces=False,
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out_dir))
-    return out_dir
-
-
-def _stdlib_text() -> Iterator[str]:
-    """The first files, in sorted order, of the stdlib's top-level ``.py`` files."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    remaining = _MAX_TRAINING_BYTES
-    for path in sorted(stdlib.glob("*.py"))[:_NUM_TRAINING_FILES]:
-        text = path.read_text(encoding="utf-8", errors="replace")[:remaining]
-        remaining -= len(text)
-        yield text
-        if remaining <= 0:
-            return
 
 
 def write_demo_model(out_dir: Path, vocab_size: int = 1024) -> Path:
