@@ -220,6 +220,9 @@ class LLMEngine:
                     token_id=seq.token_ids[-1],
                     logprobs=token_logprobs,
                     finish_reason=seq.finish_reason,
+                    num_cached_tokens=(
+                        state.parent.num_cached_prompt_tokens if seq.num_output_tokens == 1 else 0
+                    ),
                 )
             )
             touched[state.request_id] = state

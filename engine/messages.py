@@ -32,6 +32,7 @@ class TokenEvent:
     token_id: int
     logprobs: TokenLogprobs | None  # when the request asked for logprobs
     finish_reason: str | None  # set on the sample's last token: "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # on position 0: prompt tokens served by the prefix cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,6 +46,16 @@ class WorkerHandle:
     load: WorkerLoad | None = None  # latest report, adjusted by requests routed since
     last_report: float = 0.0  # monotonic time of the latest report
     alive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A snapshot of one worker as the router sees it (for health checks and metrics)."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" (a colocated worker reports "decode")
+    alive: bool  # still in rotation
+    load: WorkerLoad | None  # latest load report, None before the first
 
 
 class Cluster:
@@ -90,7 +100,7 @@ class Cluster:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Token events of every sample, in order per sample, each exactly once.
 
         Raises ValueError for an invalid request and RequestFailedError when the cluster
@@ -109,7 +119,18 @@ class Cluster:
         def sink(item: ClientItem) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        tracker = self.submit(request, sink)
+        # Routing makes blocking Ray calls: keep them off the event loop that serves clients.
+        submitted = loop.run_in_executor(None, self.submit, request, sink)
+        try:
+            tracker = await asyncio.shield(submitted)
+        except asyncio.CancelledError:  # the client left while routing: abort once it is placed
+
+            def abort_once_placed(done: asyncio.Future[RequestTracker]) -> None:
+                if done.exception() is None:
+                    self.abort(request.request_id)
+
+            submitted.add_done_callback(abort_once_placed)
+            raise
         try:
             while True:
                 item = await items.get()
@@ -145,6 +166,20 @@ class Cluster:
             worker = self.workers.get(worker_id or "")
             if worker is not None and worker.alive:
                 worker.actor.abort.remote(request_id)
+
+    def worker_statuses(self) -> list[WorkerStatus]:
+        with self._lock:
+            return [
+                WorkerStatus(w.worker_id, w.role, w.alive, w.load) for w in self.workers.values()
+            ]
+
+    def is_ready(self) -> bool:
+        """At least one live worker can prefill and one can decode (a colocated one does both)."""
+        alive_roles = {s.role for s in self.worker_statuses() if s.alive}
+        can_prefill = "prefill" in alive_roles or (
+            self.config.colocated and "decode" in alive_roles
+        )
+        return can_prefill and "decode" in alive_roles
 
     def live_loads(self, role: str) -> list[WorkerLoad]:
         with self._lock:

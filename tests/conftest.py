@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,11 @@ from tests.fixtures.tiny_tokenizer import make_tiny_tokenizer
 
 # Engines built without an explicit KV budget get 64 MiB, not gigabytes, in tests.
 os.environ.setdefault("PDSERVE_CPU_KV_CACHE_BYTES", str(64 << 20))
+
+# A local Ray binds every port to 127.0.0.1 with this set (see ENVIRONMENT.md): loopback only.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -37,3 +43,13 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["LlamaForCausalLM"]
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray for the session's cluster tests; actors there take no CPUs."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()

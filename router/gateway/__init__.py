@@ -1,0 +1,1 @@
+"""The front doors: the OpenAI-compatible HTTP gateway and the gRPC service, over one cluster."""

@@ -1,0 +1,90 @@
+"""Chat messages to prompt tokens, with the model's own chat template (server-side only).
+
+Clients cannot send a template: only the one saved with the tokenizer is used. Messages are
+checked first (roles, text content, count), so a template never sees malformed input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.gateway.errors import invalid
+from router.gateway.limits import RequestLimits
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def parse_messages(value: Any, limits: RequestLimits) -> list[dict[str, str]]:
+    """``messages`` from a request body as [{"role", "content"}] with text content."""
+    if not isinstance(value, list):
+        raise invalid("messages must be a list of message objects", param="messages")
+    if not value:
+        raise invalid("messages must hold at least one message", param="messages")
+    if len(value) > limits.max_messages:
+        raise invalid(
+            f"messages holds {len(value)} messages; at most {limits.max_messages} are allowed",
+            param="messages",
+        )
+    return [_parse_message(i, message) for i, message in enumerate(value)]
+
+
+def _parse_message(index: int, message: Any) -> dict[str, str]:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(f"{param} must be an object with 'role' and 'content'", param=param)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise invalid(
+            f"{param}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
+            param=f"{param}.role",
+        )
+    if "tool_calls" in message or "function_call" in message:
+        raise invalid(f"{param}: tool calls are not supported", param=param)
+    content = _text_content(message.get("content"), f"{param}.content")
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise invalid(f"{param}.name must be a string", param=f"{param}.name")
+    return {"role": role, "content": content}
+
+
+def _text_content(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return check_text(content, param)
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise invalid(
+                    f"{param}[{i}] must be a text part ({{'type': 'text', 'text': ...}}); "
+                    "this model takes text only",
+                    param=param,
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"{param}[{i}].text must be a string", param=param)
+            parts.append(check_text(text, param))
+        return "".join(parts)
+    raise invalid(f"{param} must be a string or a list of text parts", param=param)
+
+
+def check_text(text: str, param: str) -> str:
+    """``text`` itself, or a 400 when it cannot be UTF-8 (a lone surrogate from JSON escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise invalid(
+            f"{param} is not valid Unicode (a lone surrogate at index {error.start})",
+            param=param,
+        ) from error
+    return text
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt token ids of a conversation, ready for the assistant's reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid("this model has no chat template; use /v1/completions", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as error:  # the template rejected the conversation (raise_exception)
+        raise invalid(f"messages cannot be rendered by the chat template: {error}") from error
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,44 @@
+"""Errors the front doors return, in OpenAI's shape: status, message, type, param, code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ApiError(Exception):
+    status: int  # HTTP status (the gRPC service maps it to a status code)
+    message: str  # what is wrong, naming the field and the limit
+    type: str = "invalid_request_error"  # OpenAI's error type
+    param: str | None = None  # the request field at fault, when one is
+    code: str | None = None  # machine-readable reason (e.g. "model_not_found")
+    retry_after_s: int | None = None  # sent as Retry-After on 429 / 503
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """A 400 for a request that breaks a rule; ``message`` names the field and the limit."""
+    return ApiError(400, message, param=param, code=code)
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
+    return ApiError(
+        429, message, "rate_limit_error", code="overloaded", retry_after_s=retry_after_s
+    )
+
+
+def unavailable(message: str, retry_after_s: int = 5) -> ApiError:
+    return ApiError(503, message, "service_unavailable", retry_after_s=retry_after_s)

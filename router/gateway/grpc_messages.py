@@ -1,0 +1,148 @@
+"""``pdserve.v1`` protobuf messages to and from the gateway's own types: the gRPC edge.
+
+A ``GenerateRequest`` becomes a ``GenerationSpec`` by the same rules (and error messages) as an
+HTTP body, through ``make_spec``; sample deltas and usage become ``GenerateResponse`` messages.
+Nothing protobuf goes further in than this module and ``grpc_service``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.sampling.messages import TokenLogprobs
+from pdserve.v1 import generation_pb2 as pb
+from router.gateway.auth import Caller
+from router.gateway.chat import check_text
+from router.gateway.errors import ApiError, invalid
+from router.gateway.limits import RequestLimits
+from router.gateway.openai_response import LogprobsFormatter, Usage
+from router.gateway.served_model import ServedModel
+from router.gateway.spec import GenerationSpec, make_spec
+from router.gateway.text_stream import SampleDelta
+
+# GenerateRequest fields passed to SamplingParams under the same name when set
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "logprobs",
+    "skip_special_tokens",
+)
+_FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+def generate_spec(
+    request: pb.GenerateRequest, model: ServedModel, limits: RequestLimits, caller: Caller
+) -> GenerationSpec:
+    """The checked job of a Generate call; ApiError (400, 404) names the field at fault."""
+    if request.model and request.model != model.name:
+        raise ApiError(
+            404,
+            f"the model {request.model!r} does not exist; this server serves {model.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    prompt_kind = request.WhichOneof("prompt")
+    if prompt_kind is None:
+        raise invalid("prompt is required: set text or token_ids", param="prompt")
+    if prompt_kind == "text":
+        prompt_token_ids = _encode(model, request.text)
+    else:
+        prompt_token_ids = list(request.token_ids.ids)
+    sampling: dict[str, Any] = {
+        name: getattr(request, name) for name in _SAMPLING_FIELDS if request.HasField(name)
+    }
+    sampling.setdefault("max_tokens", None)  # unset: the context left
+    if request.stop_token_ids:
+        sampling["stop_token_ids"] = list(request.stop_token_ids)
+    return make_spec(
+        prompt_token_ids,
+        sampling,
+        list(request.stop),
+        limits=limits,
+        vocab_size=model.vocab_size,
+        cache_salt=caller.tenant_salt,
+        prompt_param=prompt_kind,
+    )
+
+
+def _encode(model: ServedModel, text: str) -> list[int]:
+    if not text:
+        raise invalid("text must not be empty", param="text")
+    check_text(text, "text")
+    if len(text) > 16 * model.max_model_len + 1024:  # no tokenizer yields < 1 token / 16 chars
+        raise invalid(
+            f"text is {len(text)} characters, far beyond this model's maximum context length "
+            f"of {model.max_model_len} tokens",
+            param="text",
+            code="context_length_exceeded",
+        )
+    return list(model.tokenizer.encode(text))
+
+
+def started_message(request_id: str, model_name: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(started=pb.Started(request_id=request_id, model=model_name))
+
+
+def chunk_message(delta: SampleDelta, formatter: LogprobsFormatter | None) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        chunk=pb.Chunk(
+            index=delta.index,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            logprobs=_logprobs(delta.logprobs, formatter),
+            finish_reason=_FINISH_REASONS[delta.finish_reason],
+        )
+    )
+
+
+def aborted_message(sample_index: int) -> pb.GenerateResponse:
+    """The last chunk of a sample that an Abort call cut short."""
+    return pb.GenerateResponse(
+        chunk=pb.Chunk(index=sample_index, finish_reason=pb.FINISH_REASON_ABORT)
+    )
+
+
+def usage_message(usage: Usage) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        usage=pb.Usage(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+        )
+    )
+
+
+def _logprobs(
+    logprobs: Sequence[TokenLogprobs], formatter: LogprobsFormatter | None
+) -> list[pb.TokenLogprob]:
+    if formatter is None:
+        return []
+    return [
+        pb.TokenLogprob(
+            token_id=lp.sampled_token_id,
+            text=formatter.token_text(lp.sampled_token_id),
+            logprob=lp.sampled_logprob,
+            rank=lp.sampled_rank,
+            top=[
+                pb.TopLogprob(token_id=t, text=formatter.token_text(t), logprob=v)
+                for t, v in zip(lp.top_token_ids, lp.top_logprobs)
+            ],
+        )
+        for lp in logprobs
+    ]

@@ -1,0 +1,182 @@
+"""The gRPC front door: ``pdserve.v1.Generation`` on grpc.aio, with server reflection.
+
+Life of a Generate call: the ``authorization`` metadata names the caller's tenant
+(UNAUTHENTICATED) -> the request is checked into a spec by the HTTP API's rules
+(INVALID_ARGUMENT / NOT_FOUND) -> admission (UNAVAILABLE / RESOURCE_EXHAUSTED, with trailing
+``retry-after``) -> ``Started`` with the server's request id -> one ``Chunk`` per sample delta
+-> ``Usage``. An Abort call ends the stream with FINISH_REASON_ABORT chunks; a client that
+cancels, or whose deadline passes, has its handler cancelled by the gRPC runtime. Either way,
+leaving the delta stream aborts the request in the cluster and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from typing import cast
+
+import grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.cluster import RequestFailedError
+from router.gateway.auth import Caller
+from router.gateway.errors import ApiError
+from router.gateway.grpc_messages import (
+    aborted_message,
+    chunk_message,
+    generate_spec,
+    started_message,
+    usage_message,
+)
+from router.gateway.openai_response import LogprobsFormatter, Usage
+from router.gateway.service import Gateway, new_request_id
+from router.gateway.spec import GenerationSpec
+from router.gateway.text_stream import SampleDelta, merged_deltas
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"
+_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def build_grpc_server(gateway: Gateway, address: str) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server (not started) serving ``gateway`` on ``address``; and its bound port.
+
+    Call it on the event loop that will run the server.
+    """
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", gateway.limits.max_body_bytes),
+            ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
+        ]
+    )
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(gateway), server)
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    return server, port
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        try:
+            caller = self._caller(context)
+            try:
+                spec = generate_spec(request, self.gateway.model, self.gateway.limits, caller)
+            except ApiError:
+                self.gateway.count_invalid()
+                raise
+            await self._generate(spec, caller, context)
+        except RequestFailedError as error:
+            self.gateway.record_outcome("failed")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except ApiError as error:
+            await _abort(context, error)
+        except Exception as error:
+            logger.exception("Generate failed")
+            self.gateway.record_outcome("failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {error}")
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        caller = await self._checked_caller(context)
+        return pb.AbortResponse(aborted=self.gateway.abort(request.request_id, caller))
+
+    async def Health(
+        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthResponse:
+        backend = self.gateway.backend
+        live_roles = [s.role for s in backend.worker_statuses() if s.alive]
+        return pb.HealthResponse(
+            serving=backend.is_ready(),
+            num_prefill_workers=live_roles.count("prefill"),
+            num_decode_workers=live_roles.count("decode"),
+        )
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        await self._checked_caller(context)
+        model = self.gateway.model
+        return pb.ListModelsResponse(
+            models=[
+                pb.Model(name=model.name, max_model_len=model.max_model_len, created=model.created)
+            ]
+        )
+
+    async def _generate(
+        self, spec: GenerationSpec, caller: Caller, context: grpc.aio.ServicerContext
+    ) -> None:
+        request_id = new_request_id("gen")
+        with self.gateway.admitted(request_id, caller) as live:
+            await context.write(started_message(request_id, self.gateway.model.name))
+            generation = self.gateway.generation(spec, request_id)
+            formatter = (
+                LogprobsFormatter(self.gateway.model.tokenizer)
+                if spec.params.logprobs is not None
+                else None
+            )
+            unfinished = set(range(spec.params.n))
+            num_sent_tokens = 0  # what usage reports, also when an Abort cut the run short
+            try:
+                deltas = cast(  # an async generator, so that aclose() runs its cleanup now
+                    AsyncGenerator[tuple[int, SampleDelta], None],
+                    merged_deltas([generation], live.aborted),
+                )
+                async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
+                    async for _, delta in deltas:
+                        await context.write(chunk_message(delta, formatter))
+                        num_sent_tokens += len(delta.token_ids)
+                        if delta.finish_reason is not None:
+                            unfinished.discard(delta.index)
+            except asyncio.CancelledError:  # the client cancelled or its deadline passed
+                self.gateway.record_outcome("aborted")
+                raise
+            for index in sorted(unfinished):
+                await context.write(aborted_message(index))
+            if live.aborted.is_set():
+                self.gateway.record_outcome("aborted")
+            else:
+                self.gateway.record_finished([generation])
+                self.gateway.record_outcome("ok")
+            usage = Usage(
+                generation.num_prompt_tokens, num_sent_tokens, generation.num_cached_tokens
+            )
+            await context.write(usage_message(usage))
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                return self.gateway.authenticate(value)
+        return self.gateway.authenticate(None)
+
+    async def _checked_caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        try:
+            return self._caller(context)
+        except ApiError as error:
+            await _abort(context, error)
+            raise  # not reached: abort raises
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> None:
+    """End the call with the status code for ``error``; its message names the field."""
+    code = _STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
+    metadata: tuple[tuple[str, str], ...] = ()
+    if error.retry_after_s is not None:
+        metadata = (("retry-after", str(error.retry_after_s)),)
+    await context.abort(code, error.message, metadata)

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP gateway (FastAPI): routes, auth, body limits, SSE streaming.
+
+Life of an HTTP request: the body is read up to ``max_body_bytes`` (413 past it) -> the bearer
+key names the caller's tenant (401) -> the JSON is parsed and bounds-checked into one spec per
+prompt (400 / 404) -> admission (503 / 429) -> the prompts run on the cluster -> sample deltas
+become one JSON response, or SSE chunks ending with ``data: [DONE]``. If the client goes away
+first, the requests are aborted in the cluster and their KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from router.cluster import RequestFailedError
+from router.gateway.auth import Caller
+from router.gateway.errors import ApiError, invalid
+from router.gateway.openai_request import OpenAIJob, parse_job
+from router.gateway.openai_response import (
+    ChoiceText,
+    LogprobsFormatter,
+    ResponseHeader,
+    Usage,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    usage_chunk,
+)
+from router.gateway.service import Gateway, LiveRequest, new_request_id
+from router.gateway.text_stream import TextGeneration, merged_deltas
+
+_DISCONNECT_POLL_S = 0.25
+
+
+def build_http_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_error_handlers(app, gateway)
+
+    @app.get("/health")
+    async def health() -> Response:
+        statuses = gateway.backend.worker_statuses()
+        body = {
+            "status": "ok" if gateway.backend.is_ready() else "unavailable",
+            "workers": {
+                role: sum(1 for s in statuses if s.alive and s.role == role)
+                for role in ("prefill", "decode")
+            },
+        }
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        gateway.authenticate(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [_model_card(gateway)]})
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str, request: Request) -> Response:
+        gateway.authenticate(request.headers.get("authorization"))
+        if name != gateway.model.name:
+            raise ApiError(
+                404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+            )
+        return JSONResponse(_model_card(gateway))
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        gateway.authenticate(request.headers.get("authorization"))
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(gateway, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(gateway, request, "chat")
+
+    return app
+
+
+def _model_card(gateway: Gateway) -> dict[str, Any]:
+    return {
+        "id": gateway.model.name,
+        "object": "model",
+        "created": gateway.model.created,
+        "owned_by": "pdserve",
+        "max_model_len": gateway.model.max_model_len,
+    }
+
+
+def _add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> Response:
+        return _error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(error.status_code, str(error.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> Response:
+        gateway.record_outcome("failed")
+        return _error_response(ApiError(500, f"internal error: {error}", "internal_error"))
+
+
+def _error_response(error: ApiError) -> Response:
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def _read_json(request: Request, max_bytes: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise invalid(f"the request body is not valid UTF-8 (byte {error.start})") from error
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise invalid(f"the request body is not valid JSON: {error}") from error
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(
+        413, f"the request body is larger than this server's limit of {max_bytes} bytes"
+    )
+
+
+async def _generate(
+    gateway: Gateway, request: Request, kind: Literal["completion", "chat"]
+) -> Response:
+    caller = gateway.authenticate(request.headers.get("authorization"))
+    try:
+        body = await _read_json(request, gateway.limits.max_body_bytes)
+        job = parse_job(kind, body, gateway.model, gateway.limits, caller)
+    except ApiError:
+        gateway.count_invalid()
+        raise
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    header = ResponseHeader(new_request_id(prefix), int(time.time()), gateway.model.name)
+    if job.stream:
+        gateway.check_admission()  # refuse with a status code while one can still be sent
+        return _EventStream(_stream(gateway, job, header, caller))
+    with gateway.admitted(header.id, caller) as live:
+        return await _respond_whole(gateway, request, job, header, live)
+
+
+def _generations(gateway: Gateway, job: OpenAIJob, header: ResponseHeader) -> list[TextGeneration]:
+    return [gateway.generation(spec, f"{header.id}-{i}") for i, spec in enumerate(job.specs)]
+
+
+def _usage(generations: list[TextGeneration]) -> Usage:
+    return Usage(
+        sum(g.num_prompt_tokens for g in generations),
+        sum(g.num_completion_tokens for g in generations),
+        sum(g.num_cached_tokens for g in generations),
+    )
+
+
+async def _respond_whole(
+    gateway: Gateway, request: Request, job: OpenAIJob, header: ResponseHeader, live: LiveRequest
+) -> Response:
+    generations = _generations(gateway, job, header)
+    choices = [ChoiceText() for _ in range(len(generations) * job.n)]
+
+    async def collect() -> None:
+        async for index, delta in merged_deltas(generations, live.aborted):
+            choices[index * job.n + delta.index].add(delta)
+
+    task = asyncio.create_task(collect())
+    while not task.done():  # watch for the client going away while we generate
+        await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            gateway.record_outcome("aborted")
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
+    try:
+        task.result()
+    except RequestFailedError as error:
+        gateway.record_outcome("failed")
+        raise ApiError(503, str(error), "service_unavailable", retry_after_s=1) from error
+    gateway.record_finished(generations)
+    gateway.record_outcome("ok")
+    logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
+    build = chat_response if job.kind == "chat" else completion_response
+    return JSONResponse(build(header, choices, _usage(generations), logprobs))
+
+
+async def _stream(
+    gateway: Gateway, job: OpenAIJob, header: ResponseHeader, caller: Caller
+) -> AsyncIterator[bytes]:
+    try:
+        with gateway.admitted(header.id, caller) as live:
+            async for chunk in _chunks(gateway, job, header, live):
+                yield _sse(chunk)
+    except (ApiError, RequestFailedError) as error:
+        api_error = error if isinstance(error, ApiError) else ApiError(503, str(error))
+        gateway.record_outcome("failed" if isinstance(error, RequestFailedError) else "rejected")
+        yield _sse(api_error.body())
+    yield b"data: [DONE]\n\n"
+
+
+async def _chunks(
+    gateway: Gateway, job: OpenAIJob, header: ResponseHeader, live: LiveRequest
+) -> AsyncIterator[dict[str, Any]]:
+    generations = _generations(gateway, job, header)
+    formatter = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
+    offsets = [0] * (len(generations) * job.n)  # text offsets for completion logprobs
+    if job.kind == "chat":
+        for index in range(len(offsets)):
+            yield _with_usage(
+                chat_chunk(header, index, {"role": "assistant", "content": ""}, None, None), job
+            )
+    try:
+        async for prompt_index, delta in merged_deltas(generations, live.aborted):
+            index = prompt_index * job.n + delta.index
+            if job.kind == "chat":
+                logprobs = formatter.chat(delta.logprobs) if formatter else None
+                content = {"content": delta.text} if delta.text else {}
+                chunk = chat_chunk(header, index, content, delta.finish_reason, logprobs)
+            else:
+                logprobs = (
+                    formatter.completion(delta.logprobs, offsets[index]) if formatter else None
+                )
+                chunk = completion_chunk(header, index, delta, logprobs)
+            offsets[index] += len(delta.text)
+            yield _with_usage(chunk, job)
+    except (asyncio.CancelledError, anyio.get_cancelled_exc_class()):
+        gateway.record_outcome("aborted")
+        raise
+    gateway.record_finished(generations)
+    gateway.record_outcome("ok")
+    if job.include_usage:
+        name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        yield usage_chunk(header, name, _usage(generations))
+
+
+def _with_usage(chunk: dict[str, Any], job: OpenAIJob) -> dict[str, Any]:
+    if job.include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that stop (and abort the requests) as soon as the client leaves.
+
+    Starlette only notices a disconnect on the next write under ASGI 2.4; this listens for it
+    all along, so a queued request is aborted too.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def stream_then_stop() -> None:
+                await self.stream_response(send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream_then_stop)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()

@@ -1,0 +1,257 @@
+"""OpenAI request bodies (parsed JSON) to validated jobs: the HTTP gateway's edge.
+
+Every field is type-checked by hand so each error names the field and the rule it broke.
+Fields OpenAI defines but pdserve does not implement are refused when they would change the
+output (``echo``, ``logit_bias``, tools ...), never silently ignored; unknown fields are
+ignored, as OpenAI's own API does. vLLM's extra sampling fields are accepted in the body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from router.gateway.auth import Caller
+from router.gateway.chat import check_text, parse_messages, render_chat
+from router.gateway.errors import ApiError, invalid
+from router.gateway.limits import RequestLimits
+from router.gateway.served_model import ServedModel
+from router.gateway.spec import GenerationSpec, make_spec
+
+_SEED_RANGE = (-(2**63), 2**63 - 1)
+_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat has none
+# (field, value that means "off"): accepted only when off, since pdserve does not implement them
+_UNSUPPORTED = {
+    "echo": False,
+    "suffix": None,
+    "logit_bias": None,
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "response_format": None,
+    "audio": None,
+    "prediction": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIJob:
+    kind: Literal["completion", "chat"]
+    specs: list[GenerationSpec]  # one per prompt; choice index = prompt index * n + sample
+    n: int  # samples per prompt
+    stream: bool
+    include_usage: bool  # stream a final usage chunk (stream_options.include_usage)
+    logprobs: int | None  # top-N logprobs to return per token; None: no logprobs
+
+
+def parse_job(
+    kind: Literal["completion", "chat"],
+    body: Any,
+    model: ServedModel,
+    limits: RequestLimits,
+    caller: Caller,
+) -> OpenAIJob:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    _check_model(body, model)
+    _check_unsupported(body)
+    _optional(body, "user", str)
+    stream = _optional(body, "stream", bool) or False
+    include_usage = _stream_options(body, stream)
+    if kind == "chat":
+        prompts = [render_chat(model.tokenizer, parse_messages(body.get("messages"), limits))]
+        max_tokens = _chat_max_tokens(body)
+        logprobs = _chat_logprobs(body)
+        prompt_param = "messages"
+    else:
+        prompts = _completion_prompts(body, model, limits)
+        max_tokens = _optional(body, "max_tokens", int, _COMPLETION_DEFAULT_MAX_TOKENS)
+        logprobs = _optional(body, "logprobs", int)
+        prompt_param = "prompt"
+    sampling = _sampling_fields(body)
+    sampling["max_tokens"] = max_tokens
+    sampling["logprobs"] = logprobs
+    stop = _stop_strings(body)
+    specs = [
+        make_spec(
+            prompt,
+            sampling,
+            stop,
+            limits=limits,
+            vocab_size=model.vocab_size,
+            cache_salt=caller.tenant_salt,
+            prompt_param=prompt_param,
+        )
+        for prompt in prompts
+    ]
+    return OpenAIJob(kind, specs, specs[0].params.n, stream, include_usage, logprobs)
+
+
+def _check_model(body: dict[str, Any], model: ServedModel) -> None:
+    name = _optional(body, "model", str)
+    if name is not None and name != model.name:
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist; this server serves {model.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    for name, off in _UNSUPPORTED.items():
+        value = body.get(name, off)
+        if value not in (off, None, {}, []) and not _is_text_format(name, value):
+            raise invalid(f"{name} is not supported by this server", param=name)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise invalid("best_of is not supported by this server (use n)", param="best_of")
+
+
+def _is_text_format(name: str, value: Any) -> bool:
+    return name == "response_format" and isinstance(value, dict) and value.get("type") == "text"
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict):
+        raise invalid("stream_options must be an object", param="stream_options")
+    return _optional(options, "include_usage", bool, False, "stream_options.include_usage")
+
+
+def _completion_prompts(
+    body: dict[str, Any], model: ServedModel, limits: RequestLimits
+) -> list[list[int]]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise invalid("prompt is required", param="prompt")
+    if isinstance(prompt, str):
+        return [_encode(model, prompt, "prompt")]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists, and not empty",
+            param="prompt",
+        )
+    if all(_is_int(t) for t in prompt):
+        return [prompt]
+    if len(prompt) > limits.max_prompts:
+        raise invalid(
+            f"prompt holds {len(prompt)} prompts; at most {limits.max_prompts} are allowed",
+            param="prompt",
+        )
+    prompts = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            prompts.append(_encode(model, item, f"prompt[{i}]"))
+        elif isinstance(item, list) and all(_is_int(t) for t in item):
+            prompts.append(item)
+        else:
+            raise invalid(
+                f"prompt[{i}] must be a string or a list of token ids", param=f"prompt[{i}]"
+            )
+    return prompts
+
+
+def _encode(model: ServedModel, text: str, param: str) -> list[int]:
+    check_text(text, param)
+    if len(text) > 16 * model.max_model_len + 1024:  # no tokenizer yields < 1 token / 16 chars
+        raise invalid(
+            f"{param} is {len(text)} characters, far beyond this model's maximum context "
+            f"length of {model.max_model_len} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return list(model.tokenizer.encode(text))
+
+
+def _chat_max_tokens(body: dict[str, Any]) -> int | None:
+    value = _optional(body, "max_completion_tokens", int)
+    if value is None:
+        value = _optional(body, "max_tokens", int)
+    return value
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    logprobs = _optional(body, "logprobs", bool) or False
+    top = _optional(body, "top_logprobs", int)
+    if top is not None and not logprobs:
+        raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if top is not None and top < 0:
+        raise invalid(f"top_logprobs must be >= 0, got {top}", param="top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for name, kind in (
+        ("temperature", float),
+        ("top_p", float),
+        ("n", int),
+        ("presence_penalty", float),
+        ("frequency_penalty", float),
+        ("top_k", int),
+        ("min_p", float),
+        ("repetition_penalty", float),
+        ("min_tokens", int),
+        ("ignore_eos", bool),
+        ("skip_special_tokens", bool),
+    ):
+        value = _optional(body, name, kind)
+        if value is not None:
+            fields[name] = value
+    seed = _optional(body, "seed", int)
+    if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
+        raise invalid(f"seed must fit in a signed 64-bit integer, got {seed}", param="seed")
+    fields["seed"] = seed
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None:
+        if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
+            raise invalid("stop_token_ids must be a list of integers", param="stop_token_ids")
+        fields["stop_token_ids"] = stop_token_ids
+    return fields
+
+
+def _stop_strings(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise invalid("stop must be a string or a list of strings", param="stop")
+    return [check_text(s, "stop") for s in stop]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional(
+    body: dict[str, Any],
+    name: str,
+    kind: type,
+    default: Any = None,
+    param: str | None = None,
+) -> Any:
+    """``body[name]`` checked to be a ``kind`` (ints pass as floats), or ``default``."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind is float and _is_int(value):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 16.0 is 16, as OpenAI's API accepts
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        expected = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+        raise invalid(
+            f"{param or name} must be {expected.get(kind, kind.__name__)}, "
+            f"got {type(value).__name__}",
+            param=param or name,
+        )
+    return value

@@ -1,0 +1,195 @@
+"""Response objects and stream chunks in OpenAI's JSON shapes, built from sample deltas."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling.messages import TokenLogprobs
+from router.gateway.text_stream import SampleDelta
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHeader:
+    id: str  # "cmpl-…" / "chatcmpl-…", generated server-side
+    created: int  # unix seconds
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens the prefix cache served
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True)
+class ChoiceText:
+    """One choice accumulated for a non-streaming response."""
+
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: SampleDelta) -> None:
+        self.text += delta.text
+        self.logprobs.extend(delta.logprobs)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+class LogprobsFormatter:
+    """Token logprobs as OpenAI shows them: token text, logprob, top alternatives."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def completion(self, logprobs: Sequence[TokenLogprobs], offset: int) -> dict[str, Any]:
+        """The legacy completions shape: parallel lists, plus text offsets from ``offset``."""
+        tokens, token_logprobs, top, text_offset = [], [], [], []
+        for lp in logprobs:
+            text = self.token_text(lp.sampled_token_id)
+            tokens.append(text)
+            token_logprobs.append(lp.sampled_logprob)
+            alternatives = {
+                self.token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)
+            }
+            alternatives.setdefault(text, lp.sampled_logprob)
+            top.append(alternatives)
+            text_offset.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": text_offset,
+        }
+
+    def chat(self, logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        return {
+            "content": [
+                {
+                    **self._entry(lp.sampled_token_id, lp.sampled_logprob),
+                    "top_logprobs": [
+                        self._entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)
+                    ],
+                }
+                for lp in logprobs
+            ]
+        }
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def completion_response(
+    header: ResponseHeader,
+    choices: Sequence[ChoiceText],
+    usage: Usage,
+    logprobs: LogprobsFormatter | None,
+) -> dict[str, Any]:
+    return {
+        "id": header.id,
+        "object": "text_completion",
+        "created": header.created,
+        "model": header.model,
+        "choices": [
+            {
+                "index": i,
+                "text": choice.text,
+                "logprobs": logprobs.completion(choice.logprobs, 0) if logprobs else None,
+                "finish_reason": choice.finish_reason,
+            }
+            for i, choice in enumerate(choices)
+        ],
+        "usage": usage.body(),
+    }
+
+
+def chat_response(
+    header: ResponseHeader,
+    choices: Sequence[ChoiceText],
+    usage: Usage,
+    logprobs: LogprobsFormatter | None,
+) -> dict[str, Any]:
+    return {
+        "id": header.id,
+        "object": "chat.completion",
+        "created": header.created,
+        "model": header.model,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": logprobs.chat(choice.logprobs) if logprobs else None,
+                "finish_reason": choice.finish_reason,
+            }
+            for i, choice in enumerate(choices)
+        ],
+        "usage": usage.body(),
+    }
+
+
+def completion_chunk(
+    header: ResponseHeader, index: int, delta: SampleDelta, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {
+        "id": header.id,
+        "object": "text_completion",
+        "created": header.created,
+        "model": header.model,
+        "choices": [
+            {
+                "index": index,
+                "text": delta.text,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+            }
+        ],
+    }
+
+
+def chat_chunk(
+    header: ResponseHeader,
+    index: int,
+    content: dict[str, str],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "id": header.id,
+        "object": "chat.completion.chunk",
+        "created": header.created,
+        "model": header.model,
+        "choices": [
+            {
+                "index": index,
+                "delta": content,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        ],
+    }
+
+
+def usage_chunk(header: ResponseHeader, object_name: str, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": header.id,
+        "object": object_name,
+        "created": header.created,
+        "model": header.model,
+        "choices": [],
+        "usage": usage.body(),
+    }

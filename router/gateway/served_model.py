@@ -1,0 +1,43 @@
+"""The model a gateway serves: its public name, context length, vocabulary and tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.model_config import load_model_config
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str  # the id clients pass as ``model`` (``--served-model-name``)
+    model_dir: str  # the Hugging Face model directory the workers load
+    max_model_len: int  # prompt + output tokens per sequence
+    vocab_size: int  # token ids must lie in [0, vocab_size)
+    tokenizer: Any  # a transformers tokenizer (encode, decode, apply_chat_template)
+    created: int = 0  # unix time the server started (``created`` in /v1/models)
+
+    @classmethod
+    def load(
+        cls, model_dir: str, name: str | None, max_model_len: int | None, created: int = 0
+    ) -> ServedModel:
+        from engine.tokenizer import load_tokenizer
+
+        config = load_model_config(model_dir)
+        if max_model_len is not None and max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len ({max_model_len}) must be <= the model's "
+                f"max_position_embeddings ({config.max_position_embeddings})"
+            )
+        tokenizer = load_tokenizer(model_dir)
+        if tokenizer is None:
+            raise ValueError(f"no tokenizer in {model_dir}: the gateway needs one")
+        return cls(
+            name=name or Path(model_dir).resolve().name,
+            model_dir=model_dir,
+            max_model_len=max_model_len or config.max_position_embeddings,
+            vocab_size=config.vocab_size,
+            tokenizer=tokenizer,
+            created=created,
+        )

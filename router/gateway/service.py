@@ -1,0 +1,131 @@
+"""What both front doors share: authentication, admission, the generation of one prompt, the
+metrics it records, and the registry of live requests that ``Abort`` reaches.
+
+Admission answers 503 while the cluster cannot serve (no live prefill or decode worker) and 429
+once ``max_concurrent_requests`` are in flight through this gateway, both with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.messages import TokenEvent
+from engine.sampling.params import SamplingParams
+from router.cluster import WorkerStatus
+from router.gateway.auth import ApiKeys, Caller
+from router.gateway.errors import ApiError, overloaded, unavailable
+from router.gateway.limits import RequestLimits
+from router.gateway.metrics import GatewayMetrics
+from router.gateway.served_model import ServedModel
+from router.gateway.spec import GenerationSpec
+from router.gateway.text_stream import TextGeneration
+
+
+class ClusterBackend(Protocol):
+    """The cluster as the gateway uses it (``router.cluster.Cluster``)."""
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[TokenEvent, None]: ...
+
+    def worker_statuses(self) -> list[WorkerStatus]: ...
+
+    def is_ready(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class LiveRequest:
+    tenant_salt: str | None  # only the same tenant may abort it
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Gateway:
+    def __init__(
+        self,
+        backend: ClusterBackend,
+        model: ServedModel,
+        limits: RequestLimits,
+        keys: ApiKeys,
+    ) -> None:
+        self.backend = backend
+        self.model = model
+        self.limits = limits
+        self.keys = keys
+        self.metrics = GatewayMetrics(backend.worker_statuses)
+        self.num_in_flight = 0
+        self._live: dict[str, LiveRequest] = {}
+
+    def authenticate(self, authorization: str | None) -> Caller:
+        try:
+            return self.keys.authenticate(authorization)
+        except ApiError:
+            self.metrics.requests.labels(status="unauthorized").inc()
+            raise
+
+    def count_invalid(self) -> None:
+        self.metrics.requests.labels(status="invalid").inc()
+
+    @contextlib.contextmanager
+    def admitted(self, request_id: str, caller: Caller) -> Iterator[LiveRequest]:
+        """Hold one of the gateway's in-flight slots while a request runs."""
+        self.check_admission()
+        self.num_in_flight += 1
+        live = self._live[request_id] = LiveRequest(caller.tenant_salt)
+        try:
+            yield live
+        finally:
+            self.num_in_flight -= 1
+            del self._live[request_id]
+
+    def check_admission(self) -> None:
+        """ApiError(503) while the cluster cannot serve, ApiError(429) when the gateway is full."""
+        if not self.backend.is_ready():
+            self.metrics.requests.labels(status="rejected").inc()
+            raise unavailable("no live prefill or decode worker can take the request now")
+        if self.num_in_flight >= self.limits.max_concurrent_requests:
+            self.metrics.requests.labels(status="rejected").inc()
+            raise overloaded(
+                f"the server is at its limit of {self.limits.max_concurrent_requests} "
+                "concurrent requests; retry later"
+            )
+
+    def abort(self, request_id: str, caller: Caller) -> bool:
+        """Abort a live request of the caller's tenant; False when there is none."""
+        live = self._live.get(request_id)
+        if live is None or live.tenant_salt != caller.tenant_salt:
+            return False
+        live.aborted.set()
+        return True
+
+    def generation(self, spec: GenerationSpec, request_id: str) -> TextGeneration:
+        return TextGeneration(
+            self.backend, self.model.tokenizer, spec, request_id, timing=self.metrics
+        )
+
+    def record_finished(self, generations: Sequence[TextGeneration]) -> None:
+        now = time.monotonic()
+        for generation in generations:
+            self.metrics.finished(
+                now - generation.arrived_at,
+                generation.num_prompt_tokens,
+                generation.num_completion_tokens,
+                generation.num_cached_tokens,
+            )
+
+    def record_outcome(self, status: str) -> None:
+        self.metrics.requests.labels(status=status).inc()
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,137 @@
+"""One prompt's generation job as both front doors hand it to the cluster, bounds checked.
+
+The HTTP and gRPC layers parse their own wire formats into plain values; ``make_spec`` applies
+the same bounds to both, so a limit is enforced (and worded) once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling.params import SamplingParams
+from router.gateway.errors import ApiError, invalid
+from router.gateway.limits import RequestLimits
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSpec:
+    prompt_token_ids: list[int]  # the tokenized prompt (chat template already applied)
+    params: SamplingParams  # validated; max_tokens resolved against the context left
+    stop: tuple[str, ...]  # stop strings: generation ends at the first, which is trimmed
+    cache_salt: str | None  # the tenant's prefix-cache salt (set by the gateway, not the client)
+
+
+def make_spec(
+    prompt_token_ids: Sequence[int],
+    sampling: Mapping[str, Any],
+    stop: Sequence[str],
+    *,
+    limits: RequestLimits,
+    vocab_size: int,
+    cache_salt: str | None,
+    prompt_param: str = "prompt",
+) -> GenerationSpec:
+    """Check a request against the limits and build its spec; ApiError(400) names the field.
+
+    ``sampling`` holds SamplingParams keywords; ``max_tokens`` None means "the context left".
+    """
+    prompt = _checked_prompt(prompt_token_ids, limits, vocab_size, prompt_param)
+    fields = dict(sampling)
+    fields["max_tokens"] = _max_tokens(fields.get("max_tokens"), len(prompt), limits)
+    _check_bounds(fields, stop, limits, vocab_size)
+    try:
+        params = SamplingParams(**fields)
+    except ValueError as error:
+        raise invalid(str(error), param=str(error).split(" ", 1)[0]) from error
+    return GenerationSpec(prompt, params, tuple(stop), cache_salt)
+
+
+def _checked_prompt(
+    token_ids: Sequence[int], limits: RequestLimits, vocab_size: int, param: str
+) -> list[int]:
+    prompt = list(token_ids)
+    if not prompt:
+        raise invalid(f"{param} must not be empty", param=param)
+    for token_id in prompt:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise invalid(f"{param} token ids must be ints", param=param)
+        if not 0 <= token_id < vocab_size:
+            raise invalid(
+                f"{param} holds token id {token_id}, outside the vocabulary [0, {vocab_size})",
+                param=param,
+            )
+    if len(prompt) >= limits.max_model_len:
+        raise invalid(
+            f"{param} is {len(prompt)} tokens long; this model's maximum context length is "
+            f"{limits.max_model_len} tokens, which must also hold at least one output token",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return prompt
+
+
+def _max_tokens(value: Any, num_prompt_tokens: int, limits: RequestLimits) -> int:
+    room = limits.max_model_len - num_prompt_tokens
+    cap = room if limits.max_tokens is None else min(room, limits.max_tokens)
+    if value is None:
+        return cap
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"max_tokens must be an integer, got {value!r}", param="max_tokens")
+    if value < 1:
+        raise invalid(f"max_tokens must be >= 1, got {value}", param="max_tokens")
+    if limits.max_tokens is not None and value > limits.max_tokens:
+        raise invalid(
+            f"max_tokens must be <= {limits.max_tokens} on this server, got {value}",
+            param="max_tokens",
+        )
+    if value > room:
+        raise invalid(
+            f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
+            f"has {num_prompt_tokens} and max_tokens asks for {value} more (at most {room} fit)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return value
+
+
+def _check_bounds(
+    fields: Mapping[str, Any], stop: Sequence[str], limits: RequestLimits, vocab_size: int
+) -> None:
+    n = fields.get("n", 1)
+    if isinstance(n, int) and not isinstance(n, bool) and n > limits.max_n:
+        raise invalid(f"n must be <= {limits.max_n}, got {n}", param="n")
+    logprobs = fields.get("logprobs")
+    if isinstance(logprobs, int) and logprobs > limits.max_logprobs:
+        raise invalid(
+            f"top logprobs must be <= {limits.max_logprobs}, got {logprobs}", param="logprobs"
+        )
+    if len(stop) > limits.max_stop_strings:
+        raise invalid(
+            f"stop holds {len(stop)} strings; at most {limits.max_stop_strings} are allowed",
+            param="stop",
+        )
+    for i, text in enumerate(stop):
+        if len(text) > limits.max_stop_string_chars:
+            raise invalid(
+                f"stop[{i}] is {len(text)} characters; at most "
+                f"{limits.max_stop_string_chars} are allowed",
+                param="stop",
+            )
+    stop_token_ids = fields.get("stop_token_ids", ())
+    if isinstance(stop_token_ids, Sequence) and len(stop_token_ids) > limits.max_stop_token_ids:
+        raise invalid(
+            f"stop_token_ids holds {len(stop_token_ids)} ids; at most "
+            f"{limits.max_stop_token_ids} are allowed",
+            param="stop_token_ids",
+        )
+    for token_id in stop_token_ids if isinstance(stop_token_ids, Sequence) else ():
+        if isinstance(token_id, int) and not 0 <= token_id < vocab_size:
+            raise invalid(
+                f"stop_token_ids holds {token_id}, outside the vocabulary [0, {vocab_size})",
+                param="stop_token_ids",
+            )
+
+
+__all__ = ["ApiError", "GenerationSpec", "make_spec"]

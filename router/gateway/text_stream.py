@@ -1,0 +1,188 @@
+"""A spec's token events turned into text deltas per sample: what both front doors stream.
+
+Life of one prompt here: the spec goes to the cluster -> token events come back in order per
+sample -> each sample's tokens are detokenized incrementally (never a broken character) and
+checked for stop strings (held back while they might be one; trimmed when matched) -> a
+``SampleDelta`` leaves whenever text became final or the sample ended. When every sample has
+ended, leaving the cluster's stream aborts whatever still runs (a sample cut by a stop string).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.messages import TokenEvent
+from engine.sampling.messages import TokenLogprobs
+from engine.sampling.params import SamplingParams
+from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from router.gateway.spec import GenerationSpec
+
+
+class GenerationBackend(Protocol):
+    """What the front doors need from the cluster (``router.cluster.Cluster`` is one)."""
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[TokenEvent, None]: ...
+
+
+class TokenTimingObserver(Protocol):
+    """Receives latencies as tokens arrive (the gateway's metrics)."""
+
+    def first_token(self, seconds: float) -> None: ...
+    def next_token(self, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SampleDelta:
+    index: int  # the sample (0 .. n-1) of its prompt
+    text: str  # newly final text: no partial characters, stop strings trimmed
+    token_ids: list[int]  # the tokens behind it, since the sample's previous delta
+    logprobs: list[TokenLogprobs]  # one per token in token_ids when the request asked for them
+    finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last delta
+
+
+@dataclass(slots=True)
+class _Sample:
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_tokens: int = 0  # tokens counted in usage (up to the one that completed a stop string)
+    finished: bool = False
+    last_token_at: float = 0.0  # monotonic arrival time of the sample's latest token
+
+
+@dataclass(slots=True)
+class TextGeneration:
+    """One prompt's generation; iterate ``deltas()`` once, then read the usage counters."""
+
+    backend: GenerationBackend
+    tokenizer: Any
+    spec: GenerationSpec
+    request_id: str
+    timing: TokenTimingObserver | None = None
+    arrived_at: float = field(default_factory=time.monotonic)
+    num_completion_tokens: int = 0  # over all samples, after the run
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.spec.prompt_token_ids)
+
+    async def deltas(self) -> AsyncIterator[SampleDelta]:
+        params = self.spec.params
+        samples = [
+            _Sample(
+                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                StopStringMatcher(self.spec.stop),
+            )
+            for _ in range(params.n)
+        ]
+        events = self.backend.generate(
+            self.spec.prompt_token_ids,
+            params,
+            request_id=self.request_id,
+            cache_salt=self.spec.cache_salt,
+        )
+        try:
+            async for event in events:
+                if event.position == 0 and event.sample_index == 0:
+                    self.num_cached_tokens = event.num_cached_tokens
+                self._time(samples[event.sample_index], event)
+                delta = self._advance(samples[event.sample_index], event)
+                if delta is not None:
+                    yield delta
+                if all(s.finished for s in samples):
+                    break
+        finally:
+            await events.aclose()  # aborts the request wherever it still runs
+            self.num_completion_tokens = sum(s.num_tokens for s in samples)
+
+    def _time(self, sample: _Sample, event: TokenEvent) -> None:
+        now = time.monotonic()
+        if self.timing is not None and not sample.finished:
+            if sample.num_tokens == 0:
+                if event.sample_index == 0:
+                    self.timing.first_token(now - self.arrived_at)
+            else:
+                self.timing.next_token(now - sample.last_token_at)
+        sample.last_token_at = now
+
+    def _advance(self, sample: _Sample, event: TokenEvent) -> SampleDelta | None:
+        if sample.finished:
+            return None  # a stop string ended it; the cluster is still winding it down
+        sample.num_tokens += 1
+        sample.pending_token_ids.append(event.token_id)
+        if event.logprobs is not None:
+            sample.pending_logprobs.append(event.logprobs)
+        text = sample.stops.feed(sample.detokenizer.push(event.token_id))
+        finish_reason = "stop" if sample.stops.stopped else event.finish_reason
+        if finish_reason is not None and not sample.stops.stopped:
+            text += sample.stops.feed(sample.detokenizer.flush())
+            text += sample.stops.flush()
+            finish_reason = "stop" if sample.stops.stopped else finish_reason
+        if not text and finish_reason is None:
+            return None
+        sample.finished = finish_reason is not None
+        delta = SampleDelta(
+            event.sample_index,
+            text,
+            sample.pending_token_ids,
+            sample.pending_logprobs,
+            finish_reason,
+        )
+        sample.pending_token_ids, sample.pending_logprobs = [], []
+        return delta
+
+
+async def merged_deltas(
+    generations: Sequence[TextGeneration], aborted: asyncio.Event | None = None
+) -> AsyncIterator[tuple[int, SampleDelta]]:
+    """(generation index, delta) from several prompts at once, as they come.
+
+    Ends when every generation has ended, or early when ``aborted`` is set. Leaving early
+    (abort, client gone, an error) cancels the rest, which aborts them in the cluster.
+    """
+    queue: asyncio.Queue[tuple[int, SampleDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, generation: TextGeneration) -> None:
+        try:
+            async for delta in generation.deltas():
+                queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except Exception as error:  # handed to the consumer, which re-raises it
+            queue.put_nowait((index, error))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    abort_wait = asyncio.create_task(aborted.wait()) if aborted is not None else None
+    remaining = len(tasks)
+    try:
+        while remaining:
+            getter = asyncio.create_task(queue.get())
+            waiting = {getter} if abort_wait is None else {getter, abort_wait}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                return
+            index, item = getter.result()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()  # each aborts its request in the cluster as it unwinds
+        if abort_wait is not None:
+            abort_wait.cancel()
