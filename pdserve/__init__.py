@@ -1,0 +1,1 @@
+"""pdserve's public wire API: generated gRPC stubs, one subpackage per API version."""
