@@ -60,3 +60,4 @@ class WorkerLoad:
     num_queued_prompt_tokens: int  # prompt tokens not yet computed (prefill load)
     kv_usage: float  # fraction of KV blocks in use, 0..1
     num_free_blocks: int
+    num_generated_tokens: int = 0  # tokens this worker sampled since it started (cumulative)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(frozen=True, slots=True)
-class ApiError(Exception):
+@dataclass
+class ApiError(Exception):  # not frozen: raising sets __cause__ / __traceback__ on it
     status: int  # HTTP status (the gRPC service maps it to a status code)
     message: str  # what is wrong, naming the field and the limit
     type: str = "invalid_request_error"  # OpenAI's error type

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -41,6 +41,11 @@ class _WorkerCollector(Collector):
         alive = GaugeMetricFamily(
             "pdserve:worker_alive", "1 while the worker is in rotation", labels=labels
         )
+        generated = CounterMetricFamily(
+            "pdserve:worker_generation_tokens",
+            "Tokens the worker sampled since it started",
+            labels=labels,
+        )
         for status in self._statuses():
             values = [status.role, status.worker_id]
             alive.add_metric(values, 1.0 if status.alive else 0.0)
@@ -48,7 +53,8 @@ class _WorkerCollector(Collector):
                 running.add_metric(values, status.load.num_running)
                 waiting.add_metric(values, status.load.num_waiting)
                 kv_usage.add_metric(values, status.load.kv_usage)
-        yield from (running, waiting, kv_usage, alive)
+                generated.add_metric(values, status.load.num_generated_tokens)
+        yield from (running, waiting, kv_usage, alive, generated)
 
 
 class GatewayMetrics:

@@ -1,0 +1,262 @@
+"""Bad input over HTTP: each case gets the right status and an OpenAI-shaped error naming the
+problem, and the server answers a well-formed request right after it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from router.gateway.server import GatewayServer
+from tests.gateway.conftest import API_KEYS, LIMITS, MODEL_NAME
+
+pytestmark = pytest.mark.timeout(240)
+
+AUTH = {"Authorization": f"Bearer {API_KEYS[0]}"}
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+def _completion(**fields: Any) -> bytes:
+    return json.dumps({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2, **fields}).encode()
+
+
+def _chat(**fields: Any) -> bytes:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **fields}
+    return json.dumps(body).encode()
+
+
+# (id, path, raw body, headers, status, words the message must contain, param)
+CASES: list[tuple[str, str, bytes, dict[str, str], int, str, str | None]] = [
+    ("malformed json", COMPLETIONS, b'{"model": ', AUTH, 400, "not valid JSON", None),
+    ("body not an object", COMPLETIONS, b"[1, 2]", AUTH, 400, "JSON object", None),
+    ("invalid utf-8", COMPLETIONS, b'{"prompt": "\xff\xfe"}', AUTH, 400, "UTF-8", None),
+    ("lone surrogate", COMPLETIONS, b'{"prompt": "a\\ud800b"}', AUTH, 400, "surrogate", "prompt"),
+    ("missing prompt", COMPLETIONS, b"{}", AUTH, 400, "prompt is required", "prompt"),
+    ("prompt wrong type", COMPLETIONS, _completion(prompt=5), AUTH, 400, "prompt must", "prompt"),
+    ("empty prompt list", COMPLETIONS, _completion(prompt=[]), AUTH, 400, "not empty", "prompt"),
+    (
+        "max_tokens string",
+        COMPLETIONS,
+        _completion(max_tokens="10"),
+        AUTH,
+        400,
+        "max_tokens must be an integer",
+        "max_tokens",
+    ),
+    (
+        "max_tokens negative",
+        COMPLETIONS,
+        _completion(max_tokens=-1),
+        AUTH,
+        400,
+        ">= 1",
+        "max_tokens",
+    ),
+    ("max_tokens zero", COMPLETIONS, _completion(max_tokens=0), AUTH, 400, ">= 1", "max_tokens"),
+    (
+        "max_tokens huge",
+        COMPLETIONS,
+        _completion(max_tokens=10**9),
+        AUTH,
+        400,
+        "maximum context length",
+        "max_tokens",
+    ),
+    (
+        "n over the cap",
+        COMPLETIONS,
+        _completion(n=LIMITS["max_n"] + 1),
+        AUTH,
+        400,
+        "n must be <=",
+        "n",
+    ),
+    ("n zero", COMPLETIONS, _completion(n=0), AUTH, 400, "n must be >= 1", "n"),
+    ("logprobs over 20", COMPLETIONS, _completion(logprobs=21), AUTH, 400, "<= 20", "logprobs"),
+    (
+        "top_logprobs over 20",
+        CHAT,
+        _chat(logprobs=True, top_logprobs=21),
+        AUTH,
+        400,
+        "<= 20",
+        "logprobs",
+    ),
+    (
+        "top_logprobs without logprobs",
+        CHAT,
+        _chat(top_logprobs=2),
+        AUTH,
+        400,
+        "requires logprobs",
+        "top_logprobs",
+    ),
+    (
+        "prompt too long",
+        COMPLETIONS,
+        _completion(prompt=[5] * 600),
+        AUTH,
+        400,
+        "maximum context length",
+        "prompt",
+    ),
+    (
+        "token id outside the vocabulary",
+        COMPLETIONS,
+        _completion(prompt=[3, 99999]),
+        AUTH,
+        400,
+        "outside the vocabulary",
+        "prompt",
+    ),
+    (
+        "unknown model",
+        COMPLETIONS,
+        _completion(model="gpt-9"),
+        AUTH,
+        404,
+        "does not exist",
+        "model",
+    ),
+    ("empty messages", CHAT, _chat(messages=[]), AUTH, 400, "at least one message", "messages"),
+    (
+        "invalid role",
+        CHAT,
+        _chat(messages=[{"role": "wizard", "content": "hi"}]),
+        AUTH,
+        400,
+        "role must be one of",
+        "messages[0].role",
+    ),
+    (
+        "content wrong type",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": 5}]),
+        AUTH,
+        400,
+        "must be a string",
+        "messages[0].content",
+    ),
+    (
+        "too many messages",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": "x"}] * (LIMITS["max_messages"] + 1)),
+        AUTH,
+        400,
+        "at most",
+        "messages",
+    ),
+    ("huge stop list", COMPLETIONS, _completion(stop=["a"] * 1000), AUTH, 400, "at most", "stop"),
+    ("stop too long", COMPLETIONS, _completion(stop=["x" * 300]), AUTH, 400, "characters", "stop"),
+    ("stop wrong type", COMPLETIONS, _completion(stop=5), AUTH, 400, "stop must be", "stop"),
+    (
+        "temperature wrong type",
+        COMPLETIONS,
+        _completion(temperature="hot"),
+        AUTH,
+        400,
+        "must be a number",
+        "temperature",
+    ),
+    (
+        "temperature negative",
+        COMPLETIONS,
+        _completion(temperature=-1),
+        AUTH,
+        400,
+        ">= 0",
+        "temperature",
+    ),
+    ("top_p zero", COMPLETIONS, _completion(top_p=0), AUTH, 400, "(0, 1]", "top_p"),
+    (
+        "penalty out of range",
+        COMPLETIONS,
+        _completion(presence_penalty=3),
+        AUTH,
+        400,
+        "[-2, 2]",
+        "presence_penalty",
+    ),
+    ("seed too big", COMPLETIONS, _completion(seed=2**70), AUTH, 400, "64-bit", "seed"),
+    ("echo unsupported", COMPLETIONS, _completion(echo=True), AUTH, 400, "not supported", "echo"),
+    (
+        "stream_options without stream",
+        COMPLETIONS,
+        _completion(stream_options={"include_usage": True}),
+        AUTH,
+        400,
+        "only allowed when stream",
+        "stream_options",
+    ),
+    (
+        "oversized body",
+        COMPLETIONS,
+        _completion(prompt="x" * (LIMITS["max_body_bytes"] + 1)),
+        AUTH,
+        413,
+        "larger than",
+        None,
+    ),
+    ("missing key", COMPLETIONS, _completion(), {}, 401, "missing API key", None),
+    (
+        "wrong key",
+        COMPLETIONS,
+        _completion(),
+        {"Authorization": "Bearer sk-wrong"},
+        401,
+        "incorrect",
+        None,
+    ),
+    (
+        "not a bearer key",
+        COMPLETIONS,
+        _completion(),
+        {"Authorization": "Basic abc"},
+        401,
+        "Bearer",
+        None,
+    ),
+    ("unknown route", "/v1/engines", b"{}", AUTH, 404, "Not Found", None),
+]
+
+
+@pytest.fixture(scope="module")
+def http(gateway_server: GatewayServer) -> httpx.Client:
+    return httpx.Client(base_url=gateway_server.http_url, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "words", "param"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(
+    http: httpx.Client,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+    words: str,
+    param: str | None,
+) -> None:
+    response = http.post(
+        path, content=body, headers={"Content-Type": "application/json", **headers}
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"]
+    assert error["param"] == param
+    ok = http.post(COMPLETIONS, content=_completion(max_tokens=1), headers=AUTH)
+    assert ok.status_code == 200, ok.text
+
+
+def test_every_route_but_health_needs_a_key(http: httpx.Client) -> None:
+    assert http.get("/health").status_code == 200
+    for path in ("/v1/models", f"/v1/models/{MODEL_NAME}", "/metrics"):
+        assert http.get(path).status_code == 401
+        assert http.get(path, headers=AUTH).status_code == 200
+    assert http.get("/v1/models/other", headers=AUTH).status_code == 404
