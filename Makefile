@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/pdserve demo
+	$(BIN)/pdserve serve
 
 test: lint typecheck unit
 

@@ -1,7 +1,7 @@
 """The ``pdserve`` command line.
 
   pdserve generate --model DIR --prompt "..." --max-tokens N   one-off offline generation
-  pdserve serve --model DIR --prefill N --decode M             the disaggregated cluster on Ray
+  pdserve serve [--model DIR] --prefill N --decode M           the cluster with its HTTP/gRPC APIs
   pdserve demo                                                 the offline engine on a tiny model
 
 The engine (and torch) are imported only inside the commands that run a model, so the router
@@ -34,51 +34,83 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1)
     _add_engine_args(gen)
 
-    serve = commands.add_parser("serve", help="start a prefill/decode cluster on Ray")
-    serve.add_argument("--model", required=True, help="Hugging Face model directory")
-    serve.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
-    serve.add_argument("--decode", type=int, default=1, help="decode workers")
-    serve.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    serve.add_argument("--dtype", default="auto")
-    serve.add_argument("--address", default=None, help="'auto' joins a running Ray cluster")
-    serve.add_argument("--router-policy", default="least_loaded", choices=list(POLICY_NAMES))
-    serve.add_argument(
-        "--kv-transport", default="gloo", choices=["gloo", "shm", "nccl", "cuda_ipc"]
+    serve = commands.add_parser(
+        "serve", help="start the cluster with its OpenAI HTTP gateway and gRPC service"
     )
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--max-num-seqs", type=int, default=256)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    serve.add_argument("--num-kv-blocks", type=int, default=None)
-    serve.add_argument("--worker-num-cpus", type=float, default=1.0)
-    serve.add_argument(
-        "--worker-num-gpus",
-        type=float,
-        default=None,
-        help="GPUs per worker (default 1 on cuda; fractions share a GPU)",
-    )
-    serve.add_argument(
-        "--prefill-resource",
-        default=None,
-        help="Ray custom resource each prefill worker needs one unit of (e.g. 'prefill')",
-    )
-    serve.add_argument(
-        "--decode-resource",
-        default=None,
-        help="Ray custom resource each decode worker needs one unit of (e.g. 'decode')",
-    )
-    serve.add_argument(
-        "--prompt",
-        action="append",
-        default=None,
-        help="generate for these prompts and exit (default: read prompts from stdin)",
-    )
-    serve.add_argument("--max-tokens", type=int, default=64)
-    serve.add_argument("--temperature", type=float, default=0.0)
+    _add_serve_args(serve)
 
     demo = commands.add_parser("demo", help="build a tiny random model and generate with it")
     demo.add_argument("--workdir", default=None, help="where to write the demo model")
     demo.add_argument("--max-tokens", type=int, default=24)
     return parser
+
+
+def _add_serve_args(serve: argparse.ArgumentParser) -> None:
+    cluster = serve.add_argument_group("cluster")
+    cluster.add_argument(
+        "--model", default=None, help="Hugging Face model directory (default: the bundled demo)"
+    )
+    cluster.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
+    cluster.add_argument("--decode", type=int, default=1, help="decode workers")
+    cluster.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    cluster.add_argument("--dtype", default="auto")
+    cluster.add_argument("--address", default=None, help="'auto' joins a running Ray cluster")
+    cluster.add_argument("--router-policy", default="least_loaded", choices=list(POLICY_NAMES))
+    cluster.add_argument(
+        "--kv-transport", default="gloo", choices=["gloo", "shm", "nccl", "cuda_ipc"]
+    )
+    cluster.add_argument("--block-size", type=int, default=16)
+    cluster.add_argument("--max-num-seqs", type=int, default=256)
+    cluster.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    cluster.add_argument("--num-kv-blocks", type=int, default=None)
+    cluster.add_argument("--max-model-len", type=int, default=None)
+    cluster.add_argument("--worker-num-cpus", type=float, default=1.0)
+    cluster.add_argument(
+        "--worker-num-gpus",
+        type=float,
+        default=None,
+        help="GPUs per worker (default 1 on cuda; fractions share a GPU)",
+    )
+    cluster.add_argument(
+        "--prefill-resource",
+        default=None,
+        help="Ray custom resource each prefill worker needs one unit of (e.g. 'prefill')",
+    )
+    cluster.add_argument(
+        "--decode-resource",
+        default=None,
+        help="Ray custom resource each decode worker needs one unit of (e.g. 'decode')",
+    )
+    front = serve.add_argument_group("front doors")
+    front.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
+    front.add_argument("--http-port", type=int, default=8000)
+    front.add_argument("--grpc-port", type=int, default=50051, help="-1 disables gRPC")
+    front.add_argument("--served-model-name", default=None, help="the model id clients send")
+    front.add_argument("--api-key", action="append", default=None, help="a bearer key (repeatable)")
+    front.add_argument("--api-key-file", default=None, help="one API key per line")
+    front.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="allow binding a non-loopback --host without API keys",
+    )
+    limits = serve.add_argument_group("request limits")
+    limits.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    limits.add_argument(
+        "--max-output-tokens", type=int, default=None, help="cap on a request's max_tokens"
+    )
+    limits.add_argument("--max-n", type=int, default=16)
+    limits.add_argument("--max-stop-strings", type=int, default=16)
+    limits.add_argument("--max-messages", type=int, default=256)
+    limits.add_argument("--max-concurrent-requests", type=int, default=512)
+    oneshot = serve.add_argument_group("one-shot mode")
+    oneshot.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="generate for these prompts through the cluster and exit (no servers)",
+    )
+    oneshot.add_argument("--max-tokens", type=int, default=64)
+    oneshot.add_argument("--temperature", type=float, default=0.0)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -125,17 +157,25 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from router.serve_repl import serve
+    from router.serve_command import run_serve
 
+    model, dtype, name = args.model, args.dtype, args.served_model_name
+    if model is None:  # the bundled demo model (bfloat16 on disk; float32 is faster on CPU)
+        from engine.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+
+        model, name = str(DEMO_MODEL_DIR), name or DEMO_MODEL_NAME
+        if dtype == "auto" and args.device == "cpu":
+            dtype = "float32"
+    args.served_model_name = name
     num_gpus = args.worker_num_gpus
     if num_gpus is None:
         num_gpus = 1.0 if args.device == "cuda" else 0.0
     config = ClusterConfig(
-        model_dir=args.model,
+        model_dir=model,
         num_prefill=args.prefill,
         num_decode=args.decode,
         device=args.device,
-        dtype=args.dtype,
+        dtype=dtype,
         address=args.address,
         router_policy=args.router_policy,
         kv_transport=args.kv_transport,
@@ -143,12 +183,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
         worker_num_cpus=args.worker_num_cpus,
         worker_num_gpus=num_gpus,
         prefill_resources={args.prefill_resource: 1.0} if args.prefill_resource else {},
         decode_resources={args.decode_resource: 1.0} if args.decode_resource else {},
     )
-    return serve(config, args.prompt, args.max_tokens, args.temperature)
+    return run_serve(args, config)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -166,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _run_serve(args)
         return _run_demo(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"pdserve: error: {error}", file=sys.stderr)
         return 2
 

@@ -20,6 +20,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: "
+    "{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -53,3 +58,16 @@ def ray_session() -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a chat template saved beside its tokenizer."""
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path_factory.mktemp("chat-model") / "tiny-llama"
+    shutil.copytree(llama_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(model_dir))
+    return model_dir

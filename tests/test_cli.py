@@ -92,3 +92,67 @@ def test_serve_starts_a_cluster_and_streams_completions(llama_dir: Path) -> None
     assert "cluster up (1 prefill + 1 decode workers" in result.stdout
     assert result.stdout.count(" tokens]") == 2  # one summary line per prompt
     assert "def main():" in result.stdout and "import os" in result.stdout
+
+
+def _serve_process(model_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--worker-num-cpus",
+            "0",
+            "--dtype",
+            "float32",
+            "--block-size",
+            "8",
+            "--num-kv-blocks",
+            "200",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: Path) -> None:
+    import signal
+
+    import httpx
+
+    process = _serve_process(
+        chat_model_dir, "--http-port", "0", "--grpc-port", "0", "--served-model-name", "tiny"
+    )
+    try:
+        assert process.stdout is not None
+        banner = []
+        for line in process.stdout:
+            banner.append(line)
+            if "Ctrl-C" in line:
+                break
+        text = "".join(banner)
+        assert "1 prefill + 1 decode workers" in text, text
+        url = next(line.split()[2] for line in banner if "OpenAI HTTP" in line)
+        assert "gRPC         127.0.0.1:" in text and "curl http://127.0.0.1:" in text
+        body = {"model": "tiny", "prompt": "def main():", "max_tokens": 4}
+        response = httpx.post(url + "/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -> None:
+    process = _serve_process(chat_model_dir, "--host", "0.0.0.0", "--http-port", "0")
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert "--allow-unauthenticated" in output and "refusing to listen on 0.0.0.0" in output

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,25 +17,7 @@ from router.gateway.service import Gateway
 
 API_KEYS = ("sk-alice-0123456789", "sk-bob-9876543210")
 MODEL_NAME = "tiny-llama"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] | capitalize }}: "
-    "{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 LIMITS = {"max_body_bytes": 64 * 1024, "max_n": 4, "max_stop_strings": 4, "max_messages": 8}
-
-
-@pytest.fixture(scope="session")
-def chat_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with a chat template saved beside its tokenizer."""
-    from transformers import AutoTokenizer
-
-    model_dir = tmp_path_factory.mktemp("chat-model") / "tiny-llama"
-    shutil.copytree(llama_dir, model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(model_dir))
-    return model_dir
 
 
 def cluster_config(model_dir: Path, **overrides: object) -> ClusterConfig:
@@ -71,10 +52,7 @@ def served_model(chat_model_dir: Path) -> ServedModel:
 def gateway_server(gateway_cluster: Cluster, served_model: ServedModel) -> Iterator[GatewayServer]:
     limits = RequestLimits(max_model_len=served_model.max_model_len, **LIMITS)  # type: ignore[arg-type]
     gateway = Gateway(gateway_cluster, served_model, limits, ApiKeys(API_KEYS))
-    import importlib.util  # TEMP until grpc_service lands
-
-    grpc_port = 0 if importlib.util.find_spec("router.gateway.grpc_service") else None
-    server = GatewayServer(gateway, "127.0.0.1", 0, grpc_port)
+    server = GatewayServer(gateway, "127.0.0.1", 0, 0)
     server.start()
     yield server
     server.stop()

@@ -1,0 +1,125 @@
+"""``pdserve serve``: start the cluster and its front doors, print where to reach them, run
+until Ctrl-C / SIGTERM, then stop the servers and the workers.
+
+With ``--prompt`` it generates for those prompts through the cluster and exits instead (a smoke
+test for a fresh deployment, used by the KubeRay job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import signal
+import threading
+import time
+from types import FrameType
+
+from engine.sampling.params import SamplingParams
+from router.cluster import Cluster, RequestFailedError
+from router.cluster_config import ClusterConfig
+from router.detokenizer import IncrementalDetokenizer
+from router.gateway.auth import ApiKeys
+from router.gateway.limits import RequestLimits
+from router.gateway.served_model import ServedModel
+from router.gateway.server import GatewayServer, check_bind_address
+from router.gateway.service import Gateway
+
+
+def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
+    keys = ApiKeys.from_sources(args.api_key or [], args.api_key_file)
+    check_bind_address(args.host, keys.enabled, args.allow_unauthenticated)
+    model = ServedModel.load(
+        config.model_dir, args.served_model_name, config.max_model_len, int(time.time())
+    )
+    limits = RequestLimits(
+        max_model_len=model.max_model_len,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens=args.max_output_tokens,
+        max_n=args.max_n,
+        max_stop_strings=args.max_stop_strings,
+        max_messages=args.max_messages,
+        max_concurrent_requests=args.max_concurrent_requests,
+    )
+    cluster = Cluster.start(config)
+    try:
+        if args.prompt:
+            print(f"pdserve: cluster up ({_pools(config)} workers)", flush=True)
+            return _generate_once(cluster, model, args.prompt, args.max_tokens, args.temperature)
+        server = GatewayServer(
+            Gateway(cluster, model, limits, keys),
+            args.host,
+            args.http_port,
+            None if args.grpc_port < 0 else args.grpc_port,
+        )
+        server.start()
+        try:
+            print(_banner(config, model, server, keys.enabled), flush=True)
+            _wait_for_signal()
+        finally:
+            server.stop()
+    finally:
+        cluster.shutdown()
+    return 0
+
+
+def _banner(config: ClusterConfig, model: ServedModel, server: GatewayServer, auth: bool) -> str:
+    pools = _pools(config)
+    body = json.dumps({"model": model.name, "prompt": "The os module", "max_tokens": 32})
+    curl = f"curl {server.http_url}/v1/completions -H 'Content-Type: application/json'"
+    if auth:
+        curl += ' -H "Authorization: Bearer $PDSERVE_API_KEY"'
+    lines = [
+        f"pdserve: serving {model.name!r} with {pools} workers (policy {config.router_policy})",
+        f"  OpenAI HTTP  {server.http_url}/v1   (health {server.http_url}/health)",
+    ]
+    if server.grpc_port is not None:
+        lines.append(f"  gRPC         {server.grpc_target}   (service pdserve.v1.Generation)")
+    lines += [f"  try:  {curl} -d {shlex.quote(body)}", "  Ctrl-C stops the server."]
+    return "\n".join(lines)
+
+
+def _pools(config: ClusterConfig) -> str:
+    if config.colocated:
+        return f"{config.num_decode} colocated"
+    return f"{config.num_prefill} prefill + {config.num_decode} decode"
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    while not stop.wait(0.5):
+        pass
+    print("pdserve: stopping", flush=True)
+
+
+def _generate_once(
+    cluster: Cluster, model: ServedModel, prompts: list[str], max_tokens: int, temperature: float
+) -> int:
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    for prompt in prompts:
+        asyncio.run(_complete(cluster, model.tokenizer, prompt, params))
+    return 0
+
+
+async def _complete(
+    cluster: Cluster, tokenizer: object, prompt: str, params: SamplingParams
+) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
+    num_tokens = 0
+    print(prompt, end="", flush=True)
+    try:
+        async for event in cluster.generate(tokenizer.encode(prompt), params):  # type: ignore[attr-defined]
+            num_tokens += 1
+            print(detokenizer.push(event.token_id), end="", flush=True)
+    except RequestFailedError as error:
+        print(f"\n[failed: {error}]", flush=True)
+        return
+    print(detokenizer.flush(), end="")
+    print(f"\n[{num_tokens} tokens]", flush=True)
