@@ -19,8 +19,8 @@ serve: $(STAMP)
 test: lint typecheck unit
 
 lint: $(STAMP)
-	$(BIN)/ruff check $(PACKAGES) bench tests
-	$(BIN)/ruff format --check $(PACKAGES) bench tests
+	$(BIN)/ruff check $(PACKAGES) bench tests proto
+	$(BIN)/ruff format --check $(PACKAGES) bench tests proto
 
 typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES)
