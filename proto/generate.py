@@ -11,7 +11,6 @@ output depends only on the .proto files and the pinned grpcio-tools version.
 from __future__ import annotations
 
 import argparse
-import sys
 from importlib import resources
 from pathlib import Path
 
@@ -57,4 +56,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

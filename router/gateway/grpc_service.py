@@ -67,6 +67,8 @@ def build_grpc_server(gateway: Gateway, address: str) -> tuple[grpc.aio.Server, 
 
 
 class GenerationService(pb_grpc.GenerationServicer):
+    """The ``pdserve.v1.Generation`` methods over one ``Gateway`` (shared with HTTP)."""
+
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
@@ -81,9 +83,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                 self.gateway.count_invalid()
                 raise
             await self._generate(spec, caller, context)
-        except RequestFailedError as error:
+        except RequestFailedError as error:  # as HTTP: 503, worth retrying
             self.gateway.record_outcome("failed")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            await _abort(context, ApiError(503, str(error), "service_unavailable", retry_after_s=1))
         except ApiError as error:
             await _abort(context, error)
         except Exception as error:
