@@ -15,92 +15,31 @@ import copy
 import json
 import re
 import shlex
-from argparse import Namespace
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-import yaml
 from ray.autoscaler._private.providers import _NODE_PROVIDERS
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from router.cli import build_parser
-
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-NODE_TYPES = {"prefill": "prefill_gpu", "decode": "decode_gpu"}  # pdserve role -> node type
-OTHER_ROLE = {"prefill": "decode", "decode": "prefill"}
-REMOTE_SOURCE = "/home/ubuntu/pdserve"  # where cluster.yaml puts the source on every node
-
-
-def _load(path: Path) -> Any:
-    return yaml.safe_load(path.read_text())
-
-
-def _pyproject() -> str:
-    return (ROOT / "pyproject.toml").read_text()
-
-
-def _pinned_ray() -> str:
-    match = re.search(r'"ray==([0-9.]+)"', _pyproject())
-    assert match, "pyproject.toml pins ray"
-    return match.group(1)
-
-
-def _packages() -> list[str]:
-    """Top-level packages that pyproject.toml's [tool.setuptools.packages.find] includes."""
-    match = re.search(r"^include = \[(.*?)\]", _pyproject(), re.MULTILINE)
-    assert match, "pyproject.toml lists the packages to install"
-    return [name.strip(' "*') for name in match.group(1).split(",")]
+from tests.deploy.manifests import (
+    DEPLOY,
+    NODE_TYPES,
+    OTHER_ROLE,
+    REMOTE_SOURCE,
+    ROOT,
+    assert_keys_guard_the_bind,
+    packages,
+    parse_serve,
+    pinned_ray,
+    serve_argv,
+)
 
 
 def _ray_up_validate(config: dict[str, Any]) -> dict[str, Any]:
     prepared = prepare_config(copy.deepcopy(config))
     validate_config(prepared)
     return prepared
-
-
-def _serve_argv(command: str) -> list[str]:
-    """The ``pdserve serve ...`` argv inside a shell command (continuation lines joined)."""
-    text = command.replace("\\\n", " ")
-    line = next(line for line in text.splitlines() if "pdserve serve" in line)
-    argv = shlex.split(line[line.index("pdserve serve") :])
-    return [arg for arg in argv if arg != "$@"]  # the start script passes its arguments on
-
-
-def _parse_serve(argv: list[str]) -> Namespace:
-    assert argv[:2] == ["pdserve", "serve"]
-    try:
-        return build_parser().parse_args(argv[1:])
-    except SystemExit:
-        pytest.fail(f"pdserve's CLI rejects the deploy command (see stderr): {shlex.join(argv)}")
-
-
-@pytest.fixture(scope="module")
-def cluster() -> dict[str, Any]:
-    return _load(DEPLOY / "cluster.yaml")
-
-
-@pytest.fixture(scope="module")
-def head_serve_argv(cluster: dict[str, Any]) -> list[str]:
-    """pdserve's start command: head_setup_commands writes it to ~/pdserve-serve.sh."""
-    commands = [c for c in cluster["head_setup_commands"] if "pdserve serve" in c]
-    assert len(commands) == 1, "the head has exactly one pdserve start command"
-    assert "~/pdserve-serve.sh" in commands[0]
-    return _serve_argv(commands[0])
-
-
-@pytest.fixture(scope="module")
-def raycluster() -> dict[str, Any]:
-    documents = list(yaml.safe_load_all((DEPLOY / "kuberay" / "raycluster.yaml").read_text()))
-    assert len(documents) == 1
-    return documents[0]
-
-
-@pytest.fixture(scope="module")
-def rayjob() -> dict[str, Any]:
-    return _load(DEPLOY / "kuberay" / "pdserve-rayjob.yaml")
 
 
 # ---- deploy/cluster.yaml (ray up) ------------------------------------------------------------
@@ -161,7 +100,7 @@ def test_head_serve_command_joins_the_cluster(head_serve_argv: list[str]) -> Non
 def test_head_serve_command_parses_and_fits_the_pools(
     cluster: dict[str, Any], head_serve_argv: list[str]
 ) -> None:
-    args = _parse_serve(head_serve_argv)
+    args = parse_serve(head_serve_argv)
     assert (args.address, args.device, args.kv_transport) == ("auto", "cuda", "nccl")
     assert (args.prefill_resource, args.decode_resource) == ("prefill", "decode")
     gpus_per_worker = args.worker_num_gpus if args.worker_num_gpus is not None else 1.0
@@ -187,7 +126,7 @@ def test_setup_installs_pdserve_in_a_venv(cluster: dict[str, Any]) -> None:
     assert "python3 -m venv" in setup
     assert f"cd {REMOTE_SOURCE.replace('/home/ubuntu', '~')}" in setup
     assert re.search(r"pip install .*-e '\.\[gpu\]'", setup)
-    assert f"'ray[default]=={_pinned_ray()}'" in setup
+    assert f"'ray[default]=={pinned_ray()}'" in setup
     assert any("boto3" in c for c in cluster["head_setup_commands"]), "AWS autoscaler SDK"
 
 
@@ -197,7 +136,7 @@ def test_file_mounts_carry_the_whole_package(cluster: dict[str, Any]) -> None:
         assert (ROOT / local).exists(), f"{local} (paths are relative to the repository root)"
         assert remote == f"{REMOTE_SOURCE}/{local}"
     mounted = set(mounts.values())
-    for needed in ("pyproject.toml", "constraints.txt", "README.md", *_packages()):
+    for needed in ("pyproject.toml", "constraints.txt", "README.md", *packages()):
         assert needed in mounted, f"cluster.yaml does not copy {needed}"
     assert ".gitignore" in cluster["rsync_filter"]
     assert cluster["auth"]["ssh_user"] == "ubuntu"
@@ -216,7 +155,7 @@ def test_raycluster_carries_the_kuberay_required_fields(raycluster: dict[str, An
     assert raycluster["kind"] == "RayCluster"
     assert raycluster["metadata"]["name"]
     spec = raycluster["spec"]
-    assert spec["rayVersion"] == _pinned_ray()
+    assert spec["rayVersion"] == pinned_ray()
     head = spec["headGroupSpec"]
     assert head["serviceType"] == "ClusterIP", "Ray's ports stay inside the cluster network"
     assert head["rayStartParams"]["num-cpus"] == "0"
@@ -252,7 +191,7 @@ def test_worker_groups_advertise_their_role_and_gpus(raycluster: dict[str, Any])
 
 
 def test_kuberay_pods_share_one_image_and_the_model_path(
-    raycluster: dict[str, Any], rayjob: dict[str, Any]
+    raycluster: dict[str, Any], head_container: dict[str, Any], rayjob: dict[str, Any]
 ) -> None:
     pods = _pod_specs(raycluster)
     images = {
@@ -265,12 +204,12 @@ def test_kuberay_pods_share_one_image_and_the_model_path(
         mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
         assert mounts.get("/models") == "models", name
         assert mounts.get("/dev/shm") == "dshm", name
-    args = _parse_serve(_serve_argv(rayjob["spec"]["entrypoint"]))
-    assert args.model.startswith("/models/")
+    for command in (head_container["args"][0], rayjob["spec"]["entrypoint"]):
+        assert parse_serve(serve_argv(command)).model.startswith("/models/")
 
 
 def test_rayjob_runs_pdserve_on_the_existing_cluster(
-    raycluster: dict[str, Any], rayjob: dict[str, Any]
+    raycluster: dict[str, Any], head_container: dict[str, Any], rayjob: dict[str, Any]
 ) -> None:
     assert rayjob["apiVersion"] == "ray.io/v1"
     assert rayjob["kind"] == "RayJob"
@@ -278,20 +217,23 @@ def test_rayjob_runs_pdserve_on_the_existing_cluster(
     assert spec["clusterSelector"] == {"ray.io/cluster": raycluster["metadata"]["name"]}
     assert "rayClusterSpec" not in spec
     assert not spec.get("shutdownAfterJobFinishes", False), "never delete the shared cluster"
-    argv = _serve_argv(spec["entrypoint"])
+    argv = serve_argv(spec["entrypoint"])
     assert "--address auto" in shlex.join(argv)
-    args = _parse_serve(argv)
+    args = parse_serve(argv)
     assert (args.address, args.device, args.kv_transport) == ("auto", "cuda", "nccl")
     assert (args.prefill_resource, args.decode_resource) == ("prefill", "decode")
-    assert args.prompt, "a job has no stdin: it must pass --prompt"
+    assert args.prompt, "a job must end: without --prompt, pdserve serve runs until stopped"
+    assert_keys_guard_the_bind(args)  # one-shot mode opens no server, but checks the flags
+    # The job's workers come on top of the serving gateway's, in the same worker groups.
+    serving = parse_serve(serve_argv(head_container["args"][0]))
     groups = {g["groupName"]: g for g in raycluster["spec"]["workerGroupSpecs"]}
-    assert args.prefill <= groups["prefill"]["maxReplicas"]
-    assert args.decode <= groups["decode"]["maxReplicas"]
+    assert args.prefill + serving.prefill <= groups["prefill"]["maxReplicas"]
+    assert args.decode + serving.decode <= groups["decode"]["maxReplicas"]
 
 
 def test_dockerfile_installs_the_whole_package() -> None:
     dockerfile = (DEPLOY / "kuberay" / "Dockerfile").read_text()
-    for package in _packages():
+    for package in packages():
         assert f"COPY {package} {package}" in dockerfile, package
     assert "COPY pyproject.toml constraints.txt README.md ./" in dockerfile
-    assert f"'.[gpu]' 'ray[default]=={_pinned_ray()}'" in dockerfile
+    assert f"'.[gpu]' 'ray[default]=={pinned_ray()}'" in dockerfile
