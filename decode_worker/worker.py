@@ -56,6 +56,7 @@ class DecodeWorker:
         self._channels_lock = threading.Lock()
         self._receiving: set[str] = set()  # requests whose KV is arriving (under loop.lock)
         self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
+        self._aborted: set[str] = set()  # of those, the ones aborted meanwhile
         self.loop.start()
 
     # ---- requests -----------------------------------------------------------------------
@@ -74,6 +75,12 @@ class DecodeWorker:
             return self.loop.submit(request)
 
     def abort(self, request_id: str) -> None:
+        """Drop the request. One whose KV is arriving keeps its blocks until the transfer has
+        landed (the channel must stay in step with the sender), then gives them back."""
+        with self.loop.lock:
+            if request_id in self._receiving:
+                self._aborted.add(request_id)
+                return
         self.loop.abort(request_id)
 
     def has_request(self, request_id: str) -> bool:
@@ -119,9 +126,12 @@ class DecodeWorker:
         """
         request_id = result.request_id
         with self.loop.lock:
-            if self.engine.reserved_blocks(request_id) != block_ids:
-                return False  # the reservation was given back (resumed here): never write
-            self._receiving.add(request_id)
+            reserved = self.engine.reserved_blocks(request_id) == block_ids
+            if reserved:
+                self._receiving.add(request_id)
+        if not reserved:  # given back (aborted, or resumed here): take the bytes, write nothing
+            self._discard(channel_id, ticket)
+            return False
         with self._channels_lock:
             channel = self._channels.get(channel_id)
             if channel is not None:
@@ -129,28 +139,39 @@ class DecodeWorker:
                 self._channels_in_use[channel_id] += 1
         try:
             error = self._recv(channel_id, channel, block_ids, ticket)
+        except BaseException:
+            with self.loop.lock:
+                self._forget_receive(request_id)
+                self.engine.cancel_reservation(request_id)
+            raise
         finally:
             if channel is not None:
                 with self._channels_lock:
                     self._channels_in_use[channel_id] -= 1
-            with self.loop.lock:
-                self._receiving.discard(request_id)
-                superseded = request_id in self._superseded
-                self._superseded.discard(request_id)
-                if superseded:  # resumed here meanwhile: drop this copy
-                    self.engine.cancel_reservation(request_id)
-        if superseded:
+        # Decided under the loop's lock, so an abort lands either before (the copy is dropped
+        # here) or after the request is admitted (and aborts it in the engine).
+        with self.loop.lock:
+            if self._forget_receive(request_id):  # resumed here or aborted meanwhile
+                self.engine.cancel_reservation(request_id)
+                return False
+            self.loop.track(request_id, gateway_id)
+            if error is None:
+                self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=True))
+                return True
+            if policy == "recompute":
+                self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=False))
+            else:
+                self.loop.call(lambda engine: engine.cancel_reservation(result.request_id))
+                self.loop.fail(result.request_id, f"KV transfer failed: {error}", gateway_id)
             return False
-        self.loop.track(request_id, gateway_id)
-        if error is None:
-            self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=True))
-            return True
-        if policy == "recompute":
-            self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=False))
-        else:
-            self.loop.call(lambda engine: engine.cancel_reservation(result.request_id))
-            self.loop.fail(result.request_id, f"KV transfer failed: {error}", gateway_id)
-        return False
+
+    def _forget_receive(self, request_id: str) -> bool:
+        """End a receive's bookkeeping (loop lock held); True if its copy is to be dropped."""
+        self._receiving.discard(request_id)
+        dropped = request_id in self._superseded or request_id in self._aborted
+        self._superseded.discard(request_id)
+        self._aborted.discard(request_id)
+        return dropped
 
     def _recv(
         self,
@@ -168,6 +189,16 @@ class DecodeWorker:
             self._drop_channel(channel_id, channel)
             return str(failure)
         return None
+
+    def _discard(self, channel_id: str, ticket: TransferTicket) -> None:
+        with self._channels_lock:
+            channel = self._channels.get(channel_id)
+        if channel is None:
+            return
+        try:
+            channel.discard(self.engine.kv_cache, ticket)
+        except TransferError:
+            self._drop_channel(channel_id, channel)
 
     def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> None:
         """Take a prefilled request without its KV (no blocks could be reserved): recompute."""

@@ -109,6 +109,18 @@ class KVChannel:
         """Receive the transfer of `ticket` into `block_ids` of `kv_cache`."""
         return self._transfer("receiver", kv_cache, block_ids, ticket)
 
+    def discard(self, like: torch.Tensor, ticket: TransferTicket) -> TransferStats:
+        """Receive the transfer of ``ticket`` into scratch blocks and drop it.
+
+        For a transfer whose request went away (aborted) after the sender was told to send:
+        receiving it anyway keeps both ends in step, so the next transfer on the channel works
+        instead of the sender waiting out its deadline. ``like`` is the KV cache (for shape).
+        """
+        shape = list(like.shape)
+        shape[2] = ticket.num_blocks  # [num_layers, 2, num_blocks, block_size, heads, head_dim]
+        scratch = like.new_empty(shape)
+        return self.recv_blocks(scratch, list(range(ticket.num_blocks)), ticket)
+
     def _transfer(
         self, role: Role, kv_cache: torch.Tensor, block_ids: Sequence[int], ticket: TransferTicket
     ) -> TransferStats:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -132,3 +133,21 @@ def test_receiver_in_another_process(transport: str) -> None:
     for (_, dst_ids), ids in zip(jobs, src_ids):
         expected[:, :, dst_ids] = src[:, :, ids]
     assert torch.equal(dst.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm", "fake"])
+def test_a_discarded_transfer_keeps_the_channel_in_step(transport: str) -> None:
+    layout = small_layout()
+    sender, receiver = open_pair(transport, layout, f"discard-{transport}")
+    with sender, receiver:
+        src = random_cache(layout, 6, seed=1)
+        dst = torch.zeros_like(src)
+        unwanted = TransferTicket(transfer_id=1, request_id="gone", num_blocks=3, timeout_s=10)
+        with ThreadPoolExecutor(1) as pool:
+            dropped = pool.submit(receiver.discard, dst, unwanted)
+            sender.send_blocks(src, [0, 1, 2], unwanted)
+            dropped.result(timeout=10)
+        assert torch.count_nonzero(dst) == 0  # nothing landed in the cache
+        wanted = TransferTicket(transfer_id=2, request_id="next", num_blocks=2, timeout_s=10)
+        transfer(sender, receiver, (src, [4, 5]), (dst, [1, 3]), wanted)
+        assert torch.equal(dst[:, :, [1, 3]], src[:, :, [4, 5]])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -307,3 +308,48 @@ def test_decode_side_failure_policy_when_kv_never_arrives(
         listener.close()
         collector.close()
         decode.shutdown()
+
+
+class _AbortAfterReservePeer(LocalDecodePeer):
+    """A client abort that reaches the decode worker between its reserve and the KV transfer."""
+
+    def __init__(self, worker: DecodeWorker, doomed: set[str]) -> None:
+        super().__init__(worker)
+        self.doomed = doomed
+
+    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
+        reserved = super().reserve(request_id, num_tokens)
+        if request_id in self.doomed:
+            reserved.result()
+            self.worker.abort(request_id)
+        return reserved
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_abort_between_reserve_and_transfer_keeps_the_channel_usable(
+    llama_dir: Path, offline: LLM, transport: str
+) -> None:
+    transfer = TransferConfig(transport=transport, timeout_s=10.0)
+    scheduler = SchedulerConfig()
+    decode = DecodeWorker("d0", _load(llama_dir), _cache(), scheduler, transfer)
+    peer = _AbortAfterReservePeer(decode, doomed={"doomed"})
+    prefill = PrefillWorker("p0", _load(llama_dir), _cache(), scheduler, transfer, {"d0": peer})
+    collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
+    try:
+        prompts, _ = _workload(2)
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        prefill.submit(GenerateRequest("doomed", prompts[0], params, GATEWAY), "d0")
+        began = time.monotonic()
+        prefill.submit(GenerateRequest("next", prompts[1], params, GATEWAY), "d0")
+        collector.wait_finished([("next", 0)], timeout_s=30)
+        elapsed = time.monotonic() - began
+        assert elapsed < transfer.timeout_s / 2, elapsed  # no transfer waited out its deadline
+        assert not collector.failures
+        expected = offline.generate([prompts[1]], params)[0].outputs[0].token_ids
+        assert collector.output("next") == expected
+        assert decode.loop.call(lambda engine: engine.reserved_blocks("doomed")) is None
+    finally:
+        collector.close()
+        prefill.shutdown()
+        decode.shutdown()
+        peer.close()
