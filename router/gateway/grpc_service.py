@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
-from typing import cast
 
 import grpc
 from grpc_reflection.v1alpha import reflection
@@ -35,7 +33,7 @@ from router.gateway.grpc_messages import (
 from router.gateway.openai_response import LogprobsFormatter, Usage
 from router.gateway.service import Gateway, new_request_id
 from router.gateway.spec import GenerationSpec
-from router.gateway.text_stream import SampleDelta, merged_deltas
+from router.gateway.text_stream import merged_deltas
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"
@@ -136,10 +134,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             unfinished = set(range(spec.params.n))
             num_sent_tokens = 0  # what usage reports, also when an Abort cut the run short
             try:
-                deltas = cast(  # an async generator, so that aclose() runs its cleanup now
-                    AsyncGenerator[tuple[int, SampleDelta], None],
-                    merged_deltas([generation], live.aborted),
-                )
+                deltas = merged_deltas([generation], live.aborted)
                 async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
                     async for _, delta in deltas:
                         await context.write(chunk_message(delta, formatter))

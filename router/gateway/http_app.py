@@ -185,8 +185,10 @@ async def _respond_whole(
     choices = [ChoiceText() for _ in range(len(generations) * job.n)]
 
     async def collect() -> None:
-        async for index, delta in merged_deltas(generations, live.aborted):
-            choices[index * job.n + delta.index].add(delta)
+        deltas = merged_deltas(generations, live.aborted)
+        async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
+            async for index, delta in deltas:
+                choices[index * job.n + delta.index].add(delta)
 
     task = asyncio.create_task(collect())
     while not task.done():  # watch for the client going away while we generate
@@ -234,20 +236,22 @@ async def _chunks(
             yield _with_usage(
                 chat_chunk(header, index, {"role": "assistant", "content": ""}, None, None), job
             )
+    deltas = merged_deltas(generations, live.aborted)
     try:
-        async for prompt_index, delta in merged_deltas(generations, live.aborted):
-            index = prompt_index * job.n + delta.index
-            if job.kind == "chat":
-                logprobs = formatter.chat(delta.logprobs) if formatter else None
-                content = {"content": delta.text} if delta.text else {}
-                chunk = chat_chunk(header, index, content, delta.finish_reason, logprobs)
-            else:
-                logprobs = (
-                    formatter.completion(delta.logprobs, offsets[index]) if formatter else None
-                )
-                chunk = completion_chunk(header, index, delta, logprobs)
-            offsets[index] += len(delta.text)
-            yield _with_usage(chunk, job)
+        async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
+            async for prompt_index, delta in deltas:
+                index = prompt_index * job.n + delta.index
+                if job.kind == "chat":
+                    logprobs = formatter.chat(delta.logprobs) if formatter else None
+                    content = {"content": delta.text} if delta.text else {}
+                    chunk = chat_chunk(header, index, content, delta.finish_reason, logprobs)
+                else:
+                    logprobs = (
+                        formatter.completion(delta.logprobs, offsets[index]) if formatter else None
+                    )
+                    chunk = completion_chunk(header, index, delta, logprobs)
+                offsets[index] += len(delta.text)
+                yield _with_usage(chunk, job)
     except (asyncio.CancelledError, anyio.get_cancelled_exc_class()):
         gateway.record_outcome("aborted")
         raise

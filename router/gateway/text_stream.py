@@ -147,7 +147,7 @@ class TextGeneration:
 
 async def merged_deltas(
     generations: Sequence[TextGeneration], aborted: asyncio.Event | None = None
-) -> AsyncIterator[tuple[int, SampleDelta]]:
+) -> AsyncGenerator[tuple[int, SampleDelta], None]:
     """(generation index, delta) from several prompts at once, as they come.
 
     Ends when every generation has ended, or early when ``aborted`` is set. Leaving early

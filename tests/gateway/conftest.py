@@ -50,7 +50,7 @@ def served_model(chat_model_dir: Path) -> ServedModel:
 
 @pytest.fixture(scope="session")
 def gateway_server(gateway_cluster: Cluster, served_model: ServedModel) -> Iterator[GatewayServer]:
-    limits = RequestLimits(max_model_len=served_model.max_model_len, **LIMITS)  # type: ignore[arg-type]
+    limits = RequestLimits(max_model_len=served_model.max_model_len, **LIMITS)
     gateway = Gateway(gateway_cluster, served_model, limits, ApiKeys(API_KEYS))
     server = GatewayServer(gateway, "127.0.0.1", 0, 0)
     server.start()
