@@ -94,20 +94,18 @@ def test_serve_starts_a_cluster_and_streams_completions(llama_dir: Path) -> None
     assert "def main():" in result.stdout and "import os" in result.stdout
 
 
-def _serve_process(model_dir: Path, *extra: str) -> subprocess.Popen[str]:
+def _serve_process(model_dir: Path | None, *extra: str) -> subprocess.Popen[str]:
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled")
+    model = ["--model", str(model_dir)] if model_dir is not None else []
     return subprocess.Popen(
         [
             sys.executable,
             "-m",
             "router.cli",
             "serve",
-            "--model",
-            str(model_dir),
+            *model,
             "--worker-num-cpus",
             "0",
-            "--dtype",
-            "float32",
             "--block-size",
             "8",
             "--num-kv-blocks",
@@ -127,7 +125,15 @@ def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: 
     import httpx
 
     process = _serve_process(
-        chat_model_dir, "--http-port", "0", "--grpc-port", "0", "--served-model-name", "tiny"
+        chat_model_dir,
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
     )
     try:
         assert process.stdout is not None
@@ -156,3 +162,32 @@ def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 2
     assert "--allow-unauthenticated" in output and "refusing to listen on 0.0.0.0" in output
+
+
+def test_serve_without_a_model_serves_the_bundled_demo() -> None:
+    """What `make serve` runs: the trained demo model answers in words."""
+    import re
+    import signal
+
+    import httpx
+
+    process = _serve_process(None, "--http-port", "0", "--grpc-port", "-1")
+    try:
+        assert process.stdout is not None
+        banner = []
+        for line in process.stdout:
+            banner.append(line)
+            if "Ctrl-C" in line:
+                break
+        assert "serving 'pdserve-demo'" in "".join(banner), "".join(banner)
+        url = next(line.split()[2] for line in banner if "OpenAI HTTP" in line)
+        body = {"model": "pdserve-demo", "prompt": "Return the", "max_tokens": 24, "temperature": 0}
+        response = httpx.post(url + "/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        words = re.findall(r"[a-z]+", response.json()["choices"][0]["text"].lower())
+        assert {"the", "is", "of", "a"} & set(words), words
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
