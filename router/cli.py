@@ -2,7 +2,7 @@
 
   pdserve generate --model DIR --prompt "..." --max-tokens N   one-off offline generation
   pdserve serve [--model DIR] --prefill N --decode M           the cluster with its HTTP/gRPC APIs
-  pdserve demo                                                 the offline engine on a tiny model
+  pdserve demo                                                 the offline engine on the demo model
 
 The engine (and torch) are imported only inside the commands that run a model, so the router
 stays importable on a CPU head node without torch.
@@ -39,8 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_args(serve)
 
-    demo = commands.add_parser("demo", help="build a tiny random model and generate with it")
-    demo.add_argument("--workdir", default=None, help="where to write the demo model")
+    demo = commands.add_parser("demo", help="generate with the bundled demo model, offline")
     demo.add_argument("--max-tokens", type=int, default=24)
     return parser
 
@@ -195,7 +194,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from engine.demo_model.offline_demo import run_demo
 
-    run_demo(args.workdir, args.max_tokens)
+    run_demo(args.max_tokens)
     return 0
 
 
