@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
+from dataclasses import replace
 
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
@@ -32,6 +33,7 @@ from kv_transfer import (
     TransferTicket,
 )
 from kv_transfer.policy import FailurePolicy, TransferConfig
+from kv_transfer.totals import TransferTotals
 
 
 class DecodeWorker:
@@ -49,6 +51,7 @@ class DecodeWorker:
         self.transfer = transfer
         self.engine = LLMEngine(load, cache, scheduler)
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
+        self._transfer_totals = TransferTotals()  # KV hand-offs received
         self.loop = EngineLoop(self.engine, worker_id)
         # channel id -> channel from a prefill worker, least recently used first
         self._channels: OrderedDict[str, KVChannel] = OrderedDict()
@@ -184,7 +187,7 @@ class DecodeWorker:
         if channel is None:
             return f"no open KV channel {channel_id!r}"
         try:
-            channel.recv_blocks(self.engine.kv_cache, block_ids, ticket)
+            self._transfer_totals.add(channel.recv_blocks(self.engine.kv_cache, block_ids, ticket))
         except TransferError as failure:
             self._drop_channel(channel_id, channel)
             return str(failure)
@@ -214,7 +217,15 @@ class DecodeWorker:
         return self.loop.next_batch(gateway_id, timeout_s)
 
     def load(self) -> WorkerLoad:
-        return self.loop.load(self.role)
+        load = self.loop.load(self.role)
+        num_transfers, num_bytes, seconds = self._transfer_totals.snapshot()
+        counters = replace(
+            load.counters,
+            num_kv_transfers=num_transfers,
+            num_kv_transfer_bytes=num_bytes,
+            kv_transfer_seconds=seconds,
+        )
+        return replace(load, counters=counters)
 
     def shutdown(self) -> None:
         self.loop.stop()

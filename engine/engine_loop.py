@@ -148,7 +148,7 @@ class EngineLoop:
                 num_queued_prompt_tokens=queued,
                 kv_usage=self.engine.block_manager.usage,
                 num_free_blocks=self.engine.block_manager.num_free_blocks,
-                num_generated_tokens=self.engine.stats.num_generated_tokens,
+                counters=self.engine.counters(),
             )
 
     # ---- the loop -----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from engine.handoff import PrefillResult, SampleStart
 from engine.kv_cache.block_manager import BlockManager, num_blocks_for
 from engine.kv_cache.budget import KVLayout, num_kv_blocks
 from engine.memory_profile import peak_activation_bytes
-from engine.messages import TokenEvent
+from engine.messages import TokenEvent, WorkerCounters
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
@@ -29,7 +29,7 @@ from engine.outputs import RequestOutput
 from engine.request_state import RequestState
 from engine.sampling import SamplingParams
 from engine.sampling.seeds import derive_seed
-from engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from engine.sequence import SequenceStatus
 
 
@@ -204,6 +204,7 @@ class LLMEngine:
         output = self.scheduler.schedule()
         if output.is_empty:
             return StepResult([], [], [])
+        self._note_first_scheduled(output, time.monotonic())
         result = self.runner.execute(output)
         updated = self.scheduler.update(output, result)
         new_tokens: list[TokenEvent] = []
@@ -223,6 +224,9 @@ class LLMEngine:
                     num_cached_tokens=(
                         state.parent.num_cached_prompt_tokens if seq.num_output_tokens == 1 else 0
                     ),
+                    queue_seconds=(state.queue_seconds or 0.0)
+                    if seq.num_output_tokens == 1
+                    else 0.0,
                 )
             )
             touched[state.request_id] = state
@@ -237,6 +241,12 @@ class LLMEngine:
         self.stats.forward_seconds += result.forward_seconds
         self.stats.step_seconds += time.perf_counter() - started
         return StepResult(new_tokens, finished, handed_off)
+
+    def _note_first_scheduled(self, output: SchedulerOutput, now: float) -> None:
+        for entry in output.scheduled:
+            state = self._requests.get(entry.seq.request_id)
+            if state is not None and state.queue_seconds is None:
+                state.queue_seconds = max(0.0, now - state.arrived_at)
 
     # ---- disaggregated serving ----------------------------------------------------------
     def release_lease(self, request_id: str) -> None:
@@ -308,6 +318,17 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def counters(self) -> WorkerCounters:
+        """This engine's totals for the worker's load report (KV transfers are the worker's)."""
+        pool = self.block_manager.pool
+        block_size = self.block_manager.block_size
+        return WorkerCounters(
+            num_generated_tokens=self.stats.num_generated_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_cache_queried_tokens=pool.num_cache_queries * block_size,
+            num_prefix_cache_hit_tokens=pool.num_cache_hits * block_size,
+        )
 
     # ---- helpers ------------------------------------------------------------------------
     def _num_kv_blocks(

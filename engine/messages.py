@@ -33,6 +33,7 @@ class TokenEvent:
     logprobs: TokenLogprobs | None  # when the request asked for logprobs
     finish_reason: str | None  # set on the sample's last token: "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # on position 0: prompt tokens served by the prefix cache
+    queue_seconds: float = 0.0  # on position 0: arrival at the worker to first scheduled
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,19 @@ class OutputBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerCounters:
+    """Totals since the worker started; the router exports them as Prometheus counters."""
+
+    num_generated_tokens: int = 0  # tokens sampled
+    num_preemptions: int = 0  # sequences preempted for lack of KV blocks (recomputed later)
+    num_prefix_cache_queried_tokens: int = 0  # prompt tokens (full blocks) looked up in the cache
+    num_prefix_cache_hit_tokens: int = 0  # of those, the tokens found
+    num_kv_transfers: int = 0  # KV hand-offs sent (prefill) or received (decode)
+    num_kv_transfer_bytes: int = 0  # their payload bytes
+    kv_transfer_seconds: float = 0.0  # their wall time
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLoad:
     """What a worker reports to the router for routing decisions."""
 
@@ -60,4 +74,4 @@ class WorkerLoad:
     num_queued_prompt_tokens: int  # prompt tokens not yet computed (prefill load)
     kv_usage: float  # fraction of KV blocks in use, 0..1
     num_free_blocks: int
-    num_generated_tokens: int = 0  # tokens this worker sampled since it started (cumulative)
+    counters: WorkerCounters = field(default_factory=WorkerCounters)

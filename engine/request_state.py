@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -17,6 +18,8 @@ class RequestState:
     num_samples: int  # samples this engine produces (n, or the unfinished ones it was handed)
     seqs: dict[int, Sequence] = field(default_factory=dict)  # by sample index
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # by sample index
+    arrived_at: float = field(default_factory=time.monotonic)  # when the engine took it
+    queue_seconds: float | None = None  # arrival to first scheduled step; None while waiting
 
     @property
     def parent(self) -> Sequence:

@@ -19,7 +19,7 @@ import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from engine.engine_config import CacheConfig, LoadConfig
@@ -36,6 +36,7 @@ from kv_transfer import (
     TransferTicket,
 )
 from kv_transfer.policy import FailurePolicy, TransferConfig
+from kv_transfer.totals import TransferTotals
 
 logger = logging.getLogger(__name__)
 _RESERVE_RETRY_S = 0.01
@@ -95,6 +96,7 @@ class PrefillWorker:
         self._handoff_pool = ThreadPoolExecutor(
             transfer.max_concurrent_handoffs, thread_name_prefix=f"handoff-{worker_id}"
         )
+        self._transfer_totals = TransferTotals()  # KV hand-offs sent
         self.loop = EngineLoop(self.engine, worker_id, on_handed_off=self._schedule_handoff)
         self.loop.start()
 
@@ -140,7 +142,15 @@ class PrefillWorker:
         return self.loop.next_batch(gateway_id, timeout_s)
 
     def load(self) -> WorkerLoad:
-        return self.loop.load(self.role)
+        load = self.loop.load(self.role)
+        num_transfers, num_bytes, seconds = self._transfer_totals.snapshot()
+        counters = replace(
+            load.counters,
+            num_kv_transfers=num_transfers,
+            num_kv_transfer_bytes=num_bytes,
+            kv_transfer_seconds=seconds,
+        )
+        return replace(load, counters=counters)
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -213,7 +223,9 @@ class PrefillWorker:
             self.transfer.failure_policy,
         )
         try:
-            channel.send_blocks(self.engine.kv_cache, result.block_ids, ticket)
+            self._transfer_totals.add(
+                channel.send_blocks(self.engine.kv_cache, result.block_ids, ticket)
+            )
         except TransferError:
             logger.warning("KV transfer of %s failed; channel rebuilt on next use", ticket)
             with self._channels_lock:

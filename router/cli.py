@@ -92,6 +92,12 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow binding a non-loopback --host without API keys",
     )
+    front.add_argument(
+        "--slo-ttft-ms", type=float, default=1000.0, help="time-to-first-token SLO (goodput)"
+    )
+    front.add_argument(
+        "--slo-tpot-ms", type=float, default=100.0, help="time-per-output-token SLO (goodput)"
+    )
     limits = serve.add_argument_group("request limits")
     limits.add_argument("--max-body-bytes", type=int, default=4 << 20)
     limits.add_argument(

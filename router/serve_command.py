@@ -22,6 +22,7 @@ from router.cluster_config import ClusterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.gateway.auth import ApiKeys
 from router.gateway.limits import RequestLimits
+from router.gateway.metrics import SloTargets
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer, check_bind_address
 from router.gateway.service import Gateway
@@ -42,13 +43,14 @@ def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
         max_messages=args.max_messages,
         max_concurrent_requests=args.max_concurrent_requests,
     )
+    slo = SloTargets(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)
     cluster = Cluster.start(config)
     try:
         if args.prompt:
             print(f"pdserve: cluster up ({_pools(config)} workers)", flush=True)
             return _generate_once(cluster, model, args.prompt, args.max_tokens, args.temperature)
         server = GatewayServer(
-            Gateway(cluster, model, limits, keys),
+            Gateway(cluster, model, limits, keys, slo),
             args.host,
             args.http_port,
             None if args.grpc_port < 0 else args.grpc_port,

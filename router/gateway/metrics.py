@@ -1,26 +1,49 @@
-"""Prometheus metrics at ``/metrics``: request latencies measured here, worker state from the
-router's load reports. Names follow vLLM's with the ``pdserve:`` prefix; label values are
-bounded (worker ids and roles come from the cluster, never from a client).
+"""Prometheus metrics at ``/metrics``, names following vLLM's with the ``pdserve:`` prefix.
 
-Worker gauges are read from the load reports the router already polls, so ``/metrics`` covers
-every worker however many there are, from the one process that serves it.
+Two sources, one endpoint:
+- request-level histograms and counters measured here, at the gateway (TTFT, inter-token
+  latency, time per output token, end-to-end and queue time; requests by outcome; tokens;
+  goodput as ``slo_met_total`` against the configured TTFT and TPOT targets);
+- worker-level gauges and counters labelled ``role`` and ``worker``, read at scrape time from
+  the load reports the router already polls from every worker (running, waiting, KV usage,
+  prefix-cache hit rate, preemptions, KV transfer bytes and seconds). So ``/metrics`` covers
+  every worker, however many there are, without Ray's metrics export.
+
+Label values are bounded: worker ids and roles come from the cluster; statuses from a fixed set.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from router.cluster import WorkerStatus
+    from router.gateway.text_stream import TextGeneration
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 REQUEST_STATUSES = ("ok", "invalid", "unauthorized", "rejected", "failed", "aborted")
+
+
+@dataclass(frozen=True, slots=True)
+class SloTargets:
+    ttft_s: float = 1.0  # a request meets its SLO when its time to first token is at most this
+    tpot_s: float = 0.1  # ... and its mean time per output token at most this
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise ValueError("SLO targets must be > 0 (--slo-ttft-ms, --slo-tpot-ms)")
 
 
 class _WorkerCollector(Collector):
@@ -29,70 +52,91 @@ class _WorkerCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         labels = ["role", "worker"]
-        running = GaugeMetricFamily(
-            "pdserve:num_requests_running", "Sequences in the worker's running batch", labels=labels
-        )
-        waiting = GaugeMetricFamily(
-            "pdserve:num_requests_waiting", "Sequences queued at the worker", labels=labels
-        )
-        kv_usage = GaugeMetricFamily(
-            "pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)", labels=labels
-        )
-        alive = GaugeMetricFamily(
-            "pdserve:worker_alive", "1 while the worker is in rotation", labels=labels
-        )
-        generated = CounterMetricFamily(
-            "pdserve:worker_generation_tokens",
-            "Tokens the worker sampled since it started",
-            labels=labels,
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"pdserve:{name}", doc, labels=labels)
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"pdserve:{name}", doc, labels=labels)
+
+        alive = gauge("worker_alive", "1 while the worker is in rotation")
+        running = gauge("num_requests_running", "Sequences in the worker's running batch")
+        waiting = gauge("num_requests_waiting", "Sequences queued at the worker")
+        kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries since start")
+        generated = counter("worker_generation_tokens", "Tokens the worker sampled")
+        preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks")
+        queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        transfer_bytes = counter("kv_transfer_bytes", "KV bytes sent (prefill) or received")
+        transfer_seconds = SummaryMetricFamily(
+            "pdserve:kv_transfer_seconds", "Wall time of KV transfers", labels=labels
         )
         for status in self._statuses():
             values = [status.role, status.worker_id]
             alive.add_metric(values, 1.0 if status.alive else 0.0)
-            if status.load is not None and status.alive:
-                running.add_metric(values, status.load.num_running)
-                waiting.add_metric(values, status.load.num_waiting)
-                kv_usage.add_metric(values, status.load.kv_usage)
-                generated.add_metric(values, status.load.num_generated_tokens)
-        yield from (running, waiting, kv_usage, alive, generated)
+            if status.load is None or not status.alive:
+                continue
+            load, totals = status.load, status.load.counters
+            running.add_metric(values, load.num_running)
+            waiting.add_metric(values, load.num_waiting)
+            kv_usage.add_metric(values, load.kv_usage)
+            queried = totals.num_prefix_cache_queried_tokens
+            hit_rate.add_metric(
+                values, totals.num_prefix_cache_hit_tokens / queried if queried else 0.0
+            )
+            generated.add_metric(values, totals.num_generated_tokens)
+            preemptions.add_metric(values, totals.num_preemptions)
+            queries.add_metric(values, queried)
+            hits.add_metric(values, totals.num_prefix_cache_hit_tokens)
+            transfer_bytes.add_metric(values, totals.num_kv_transfer_bytes)
+            transfer_seconds.add_metric(
+                values, count_value=totals.num_kv_transfers, sum_value=totals.kv_transfer_seconds
+            )
+        yield from (alive, running, waiting, kv_usage, hit_rate, generated, preemptions)
+        yield from (queries, hits, transfer_bytes, transfer_seconds)
 
 
 class GatewayMetrics:
-    def __init__(self, worker_statuses: Callable[[], Sequence[WorkerStatus]]) -> None:
+    def __init__(
+        self, worker_statuses: Callable[[], Sequence[WorkerStatus]], slo: SloTargets
+    ) -> None:
+        self.slo = slo
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_WorkerCollector(worker_statuses))
         r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pdserve:{name}", doc, buckets=buckets, registry=r)
+
         self.requests = Counter("pdserve:requests", "Requests by outcome", ["status"], registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(
-            "pdserve:generation_tokens", "Generated tokens", registry=r
+            "pdserve:generation_tokens", "Generated tokens delivered", registry=r
         )
-        self.prefix_cache_queries = Counter(
-            "pdserve:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            registry=r,
+        self.slo_met = Counter(
+            "pdserve:slo_met", "Finished prompts that met both SLOs (goodput)", registry=r
         )
-        self.prefix_cache_hits = Counter(
-            "pdserve:prefix_cache_hits", "Prompt tokens served by the prefix cache", registry=r
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS
         )
-        self.time_to_first_token = Histogram(
-            "pdserve:time_to_first_token_seconds",
-            "Arrival to first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Gap between a sample's tokens", _TOKEN_LATENCY_BUCKETS
         )
-        self.inter_token_latency = Histogram(
-            "pdserve:inter_token_latency_seconds",
-            "Time between consecutive tokens of a sample",
-            buckets=_TOKEN_LATENCY_BUCKETS,
-            registry=r,
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
+            "Mean gap per request after its first token",
+            _TOKEN_LATENCY_BUCKETS,
         )
-        self.e2e_request_latency = Histogram(
-            "pdserve:e2e_request_latency_seconds",
-            "Arrival to last token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token", _LATENCY_BUCKETS
         )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Waiting at the first worker", _LATENCY_BUCKETS
+        )
+        targets = Gauge("pdserve:slo_target_seconds", "SLO targets", ["slo"], registry=r)
+        targets.labels(slo="ttft").set(slo.ttft_s)
+        targets.labels(slo="tpot").set(slo.tpot_s)
         for status in REQUEST_STATUSES:
             self.requests.labels(status=status)
 
@@ -102,14 +146,18 @@ class GatewayMetrics:
     def next_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
 
-    def finished(
-        self, e2e_seconds: float, num_prompt: int, num_generated: int, num_cached: int
-    ) -> None:
-        self.e2e_request_latency.observe(e2e_seconds)
-        self.prompt_tokens.inc(num_prompt)
-        self.generation_tokens.inc(num_generated)
-        self.prefix_cache_queries.inc(num_prompt)
-        self.prefix_cache_hits.inc(num_cached)
+    def finished(self, generation: TextGeneration, now: float) -> None:
+        """One prompt's generation ended normally: its latencies, tokens and SLO outcome."""
+        self.e2e_request_latency.observe(now - generation.arrived_at)
+        self.request_queue_time.observe(generation.queue_seconds)
+        self.prompt_tokens.inc(generation.num_prompt_tokens)
+        self.generation_tokens.inc(generation.num_completion_tokens)
+        ttft, tpot = generation.time_to_first_token, generation.time_per_output_token
+        if ttft is None or tpot is None:
+            return  # no token arrived
+        self.time_per_output_token.observe(tpot)
+        if ttft <= self.slo.ttft_s and tpot <= self.slo.tpot_s:
+            self.slo_met.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,7 +21,7 @@ from router.cluster import WorkerStatus
 from router.gateway.auth import ApiKeys, Caller
 from router.gateway.errors import ApiError, overloaded, unavailable
 from router.gateway.limits import RequestLimits
-from router.gateway.metrics import GatewayMetrics
+from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import TextGeneration
@@ -57,12 +57,13 @@ class Gateway:
         model: ServedModel,
         limits: RequestLimits,
         keys: ApiKeys,
+        slo: SloTargets | None = None,
     ) -> None:
         self.backend = backend
         self.model = model
         self.limits = limits
         self.keys = keys
-        self.metrics = GatewayMetrics(backend.worker_statuses)
+        self.metrics = GatewayMetrics(backend.worker_statuses, slo or SloTargets())
         self.num_in_flight = 0
         self._live: dict[str, LiveRequest] = {}
 
@@ -116,12 +117,7 @@ class Gateway:
     def record_finished(self, generations: Sequence[TextGeneration]) -> None:
         now = time.monotonic()
         for generation in generations:
-            self.metrics.finished(
-                now - generation.arrived_at,
-                generation.num_prompt_tokens,
-                generation.num_completion_tokens,
-                generation.num_cached_tokens,
-            )
+            self.metrics.finished(generation, now)
 
     def record_outcome(self, status: str) -> None:
         self.metrics.requests.labels(status=status).inc()

@@ -74,6 +74,10 @@ class TextGeneration:
     arrived_at: float = field(default_factory=time.monotonic)
     num_completion_tokens: int = 0  # over all samples, after the run
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    queue_seconds: float = 0.0  # waiting at the first worker before its first step
+    first_token_at: float | None = None  # monotonic time sample 0's first token arrived
+    last_token_at: float | None = None  # ... and its last one
+    num_first_sample_tokens: int = 0  # sample 0's tokens (time per output token divides by it)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +102,7 @@ class TextGeneration:
             async for event in events:
                 if event.position == 0 and event.sample_index == 0:
                     self.num_cached_tokens = event.num_cached_tokens
+                    self.queue_seconds = event.queue_seconds
                 self._time(samples[event.sample_index], event)
                 delta = self._advance(samples[event.sample_index], event)
                 if delta is not None:
@@ -110,13 +115,32 @@ class TextGeneration:
 
     def _time(self, sample: _Sample, event: TokenEvent) -> None:
         now = time.monotonic()
-        if self.timing is not None and not sample.finished:
+        if sample.finished:
+            return
+        if event.sample_index == 0:
+            if sample.num_tokens == 0:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.num_first_sample_tokens = sample.num_tokens + 1
+        if self.timing is not None:
             if sample.num_tokens == 0:
                 if event.sample_index == 0:
                     self.timing.first_token(now - self.arrived_at)
             else:
                 self.timing.next_token(now - sample.last_token_at)
         sample.last_token_at = now
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrived_at
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean gap between sample 0's tokens after the first; 0 for a one-token answer."""
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        gaps = self.num_first_sample_tokens - 1
+        return (self.last_token_at - self.first_token_at) / gaps if gaps else 0.0
 
     def _advance(self, sample: _Sample, event: TokenEvent) -> SampleDelta | None:
         if sample.finished:

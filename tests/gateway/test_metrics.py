@@ -1,0 +1,147 @@
+"""/metrics: every metric the design names is exported, worker counters move with the traffic,
+goodput counts only requests within both SLOs, and label values stay bounded."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.gateway.metrics import GatewayMetrics, SloTargets
+from router.gateway.server import GatewayServer
+from router.gateway.spec import GenerationSpec
+from router.gateway.text_stream import TextGeneration
+from tests.gateway.conftest import API_KEYS, MODEL_NAME
+
+pytestmark = pytest.mark.timeout(240)
+
+AUTH = {"Authorization": f"Bearer {API_KEYS[1]}"}
+DESIGN_METRICS = (  # ../shared/DESIGN.md, "Metrics", plus tokens, TPOT and goodput
+    "pdserve:time_to_first_token_seconds",
+    "pdserve:inter_token_latency_seconds",
+    "pdserve:time_per_output_token_seconds",
+    "pdserve:e2e_request_latency_seconds",
+    "pdserve:request_queue_time_seconds",
+    "pdserve:num_requests_running",
+    "pdserve:num_requests_waiting",
+    "pdserve:kv_cache_usage_perc",
+    "pdserve:prefix_cache_queries",
+    "pdserve:prefix_cache_hits",
+    "pdserve:prefix_cache_hit_rate",
+    "pdserve:num_preemptions",
+    "pdserve:kv_transfer_bytes",
+    "pdserve:kv_transfer_seconds",
+    "pdserve:requests",
+    "pdserve:slo_met",
+    "pdserve:prompt_tokens",
+    "pdserve:generation_tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def http(gateway_server: GatewayServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway_server.http_url, timeout=120) as client:
+        yield client
+
+
+def _samples(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = http.get("/metrics", headers=AUTH).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _total(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
+    return sum(
+        value
+        for (sample, sample_labels), value in samples.items()
+        if sample == name and labels.items() <= dict(sample_labels).items()
+    )
+
+
+def _settled(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A scrape once the workers are idle and their latest load reports are in."""
+    deadline = time.monotonic() + 10
+    while True:
+        samples = _samples(http)
+        if _total(samples, "pdserve:num_requests_running") == 0 or time.monotonic() > deadline:
+            time.sleep(0.5)  # one more report interval (0.2 s) for the counters
+            return _samples(http)
+        time.sleep(0.05)
+
+
+def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -> None:
+    before = _settled(http)
+    prompt = [random.Random(11).randrange(3, 1000) for _ in range(40)]  # 5 blocks of 8
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
+    for _ in range(3):
+        assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
+    after = _settled(http)
+    names = {name for name, _ in after}
+    missing = [m for m in DESIGN_METRICS if not {m, f"{m}_total", f"{m}_count"} & names]
+    assert not missing
+
+    def delta(name: str, **labels: str) -> float:
+        return _total(after, name, **labels) - _total(before, name, **labels)
+
+    assert delta("pdserve:requests_total", status="ok") == 3
+    assert delta("pdserve:prompt_tokens_total") == 3 * 40
+    assert delta("pdserve:generation_tokens_total") == 3 * 6
+    assert delta("pdserve:time_to_first_token_seconds_count") == 3
+    assert delta("pdserve:e2e_request_latency_seconds_count") == 3
+    assert delta("pdserve:request_queue_time_seconds_count") == 3
+    assert delta("pdserve:inter_token_latency_seconds_count") == 3 * 5
+    # one hand-off per request, counted on both ends; 5 blocks of the tiny Llama's KV each
+    block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # layers * (k, v) * block_size * kv_heads * dim * fp32
+    for role in ("prefill", "decode"):
+        assert delta("pdserve:kv_transfer_seconds_count", role=role) == 3
+        assert delta("pdserve:kv_transfer_bytes_total", role=role) == 3 * 5 * block_bytes
+    # the repeated prompt hits the prefill worker's prefix cache (all but the last block)
+    assert delta("pdserve:prefix_cache_hits_total", role="prefill") >= 2 * 32
+    assert delta("pdserve:worker_generation_tokens_total") == 3 * 6
+
+
+def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewayServer) -> None:
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2, "user": "client-string-xyz"}
+    assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
+    workers = {s.worker_id for s in gateway_server.gateway.backend.worker_statuses()}
+    allowed = (
+        workers
+        | {"prefill", "decode", "ttft", "tpot"}
+        | {"ok", "invalid", "unauthorized", "rejected", "failed", "aborted"}
+    )
+    for (_, labels), _ in _samples(http).items():
+        for key, value in labels:
+            if key not in ("le", "quantile"):
+                assert value in allowed, (key, value)
+
+
+def test_goodput_counts_only_requests_within_both_slos() -> None:
+    from engine.sampling.params import SamplingParams
+
+    metrics = GatewayMetrics(lambda: [], SloTargets(ttft_s=0.5, tpot_s=0.05))
+    spec = GenerationSpec([1, 2], SamplingParams(max_tokens=4), (), None)
+
+    def finished(ttft: float, tpot: float, num_tokens: int = 5) -> None:
+        generation = TextGeneration(None, None, spec, "r", arrived_at=100.0)  # type: ignore[arg-type]
+        generation.first_token_at = 100.0 + ttft
+        generation.last_token_at = generation.first_token_at + tpot * (num_tokens - 1)
+        generation.num_first_sample_tokens = num_tokens
+        metrics.finished(generation, now=generation.last_token_at)
+
+    finished(0.2, 0.01)  # meets both
+    finished(0.9, 0.01)  # TTFT too slow
+    finished(0.2, 0.2)  # TPOT too slow
+    finished(0.5, 0.0, num_tokens=1)  # one token, exactly on the TTFT target
+    value = metrics.registry.get_sample_value
+    assert value("pdserve:slo_met_total") == 2
+    assert value("pdserve:time_per_output_token_seconds_count") == 4
+    assert value("pdserve:time_per_output_token_seconds_sum") == pytest.approx(0.22)
