@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.cluster import RequestFailedError
 from router.gateway.auth import Caller
+from router.gateway.dashboard import ASSETS, asset
 from router.gateway.errors import ApiError, invalid
 from router.gateway.openai_request import OpenAIJob, parse_job
 from router.gateway.openai_response import (
@@ -78,6 +79,14 @@ def build_http_app(gateway: Gateway) -> FastAPI:
         gateway.authenticate(request.headers.get("authorization"))
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return _dashboard_file("index.html")
+
+    @app.get("/dashboard/{name}")
+    async def dashboard_asset(name: str) -> Response:
+        return _dashboard_file(name)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(gateway, request, "completion")
@@ -97,6 +106,14 @@ def _model_card(gateway: Gateway) -> dict[str, Any]:
         "owned_by": "pdserve",
         "max_model_len": gateway.model.max_model_len,
     }
+
+
+def _dashboard_file(name: str) -> Response:
+    """A static file of the dashboard. It holds no data (its script fetches /metrics with the
+    API key), so it is served without one: a browser cannot send a bearer key on navigation."""
+    if name not in ASSETS:
+        raise ApiError(404, f"no dashboard file {name!r}", "not_found_error")
+    return Response(asset(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
 
 
 def _add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
