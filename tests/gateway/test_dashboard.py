@@ -48,7 +48,7 @@ def test_page_and_assets_are_served_locally(http: httpx.Client) -> None:
 
 def test_the_script_reads_only_exported_metrics(http: httpx.Client) -> None:
     script = asset("dashboard.js").decode()
-    read = {_base_name(name) for name in re.findall(r'"(pdserve:[a-z_]+)"', script)}
+    read = {_base_name(name) for name in re.findall(r'"(pdserve:[a-z0-9_]+)"', script)}
     assert read == set(DASHBOARD_METRICS)
     body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
     assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
