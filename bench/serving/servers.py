@@ -1,0 +1,115 @@
+"""Serving systems the comparison starts and stops: pdserve in a given pool layout, and vLLM's
+OpenAI-compatible server from its own virtual environment.
+
+A ``RunningServer`` starts the command, waits until its health route answers 200, and on exit
+sends SIGINT (pdserve shuts its Ray workers down on it), then kills what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    name: str  # the label in results, e.g. "pdserve 1P1D"
+    argv: tuple[str, ...]  # the command that serves
+    port: int  # its HTTP port on 127.0.0.1
+    health_path: str  # a GET that answers 200 once it serves
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+
+def pdserve_server(
+    name: str,
+    num_prefill: int,
+    num_decode: int,
+    port: int,
+    model_dir: str,
+    served_name: str,
+    num_kv_blocks: int,
+) -> ServerSpec:
+    argv = (
+        sys.executable, "-m", "router.cli", "serve",
+        "--model", model_dir, "--served-model-name", served_name, "--dtype", "float32",
+        "--prefill", str(num_prefill), "--decode", str(num_decode),
+        "--kv-transport", "shm", "--num-kv-blocks", str(num_kv_blocks),
+        "--worker-num-cpus", "0", "--http-port", str(port), "--grpc-port", "-1",
+    )  # fmt: skip
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    return ServerSpec(name, argv, port, "/health", env)
+
+
+def vllm_server(
+    vllm_python: str, port: int, model_dir: str, served_name: str, max_model_len: int
+) -> ServerSpec:
+    argv = (
+        vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_dir, "--served-model-name", served_name, "--dtype", "float32",
+        "--max-model-len", str(max_model_len), "--enforce-eager",
+        "--host", "127.0.0.1", "--port", str(port),
+    )  # fmt: skip
+    return ServerSpec("vLLM (CPU)", argv, port, "/health", {"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+class RunningServer:
+    def __init__(self, spec: ServerSpec, log_path: Path, start_timeout_s: float = 600) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> RunningServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self._process = subprocess.Popen(
+            self.spec.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.spec.env},
+        )
+        self._wait_healthy()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def _wait_healthy(self) -> None:
+        assert self._process is not None
+        url = f"http://127.0.0.1:{self.spec.port}{self.spec.health_path}"
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited at start-up; see {self.log_path}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.spec.name} not healthy in {self.start_timeout_s:g} s")
