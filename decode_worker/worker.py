@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
-from dataclasses import replace
 
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
@@ -217,15 +216,7 @@ class DecodeWorker:
         return self.loop.next_batch(gateway_id, timeout_s)
 
     def load(self) -> WorkerLoad:
-        load = self.loop.load(self.role)
-        num_transfers, num_bytes, seconds = self._transfer_totals.snapshot()
-        counters = replace(
-            load.counters,
-            num_kv_transfers=num_transfers,
-            num_kv_transfer_bytes=num_bytes,
-            kv_transfer_seconds=seconds,
-        )
-        return replace(load, counters=counters)
+        return self.loop.load(self.role, self._transfer_totals.snapshot())
 
     def shutdown(self) -> None:
         self.loop.stop()

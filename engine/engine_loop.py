@@ -133,8 +133,9 @@ class EngineLoop:
         except queue.Empty:
             return None
 
-    def load(self, role: str) -> WorkerLoad:
-        """This worker's load report for the router."""
+    def load(self, role: str, kv_transfers: tuple[int, int, float] = (0, 0, 0.0)) -> WorkerLoad:
+        """This worker's load report for the router; ``kv_transfers`` are the worker's KV
+        hand-off totals (transfers, bytes, seconds), which the engine does not see."""
         with self.lock:
             scheduler = self.engine.scheduler
             queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting) + sum(
@@ -148,7 +149,7 @@ class EngineLoop:
                 num_queued_prompt_tokens=queued,
                 kv_usage=self.engine.block_manager.usage,
                 num_free_blocks=self.engine.block_manager.num_free_blocks,
-                counters=self.engine.counters(),
+                counters=self.engine.counters(*kv_transfers),
             )
 
     # ---- the loop -----------------------------------------------------------------------

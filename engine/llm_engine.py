@@ -319,8 +319,13 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
-    def counters(self) -> WorkerCounters:
-        """This engine's totals for the worker's load report (KV transfers are the worker's)."""
+    def counters(
+        self,
+        num_kv_transfers: int = 0,
+        num_kv_transfer_bytes: int = 0,
+        kv_transfer_seconds: float = 0.0,
+    ) -> WorkerCounters:
+        """This engine's totals for the worker's load report, with the worker's KV transfers."""
         pool = self.block_manager.pool
         block_size = self.block_manager.block_size
         return WorkerCounters(
@@ -328,6 +333,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queried_tokens=pool.num_cache_queries * block_size,
             num_prefix_cache_hit_tokens=pool.num_cache_hits * block_size,
+            num_kv_transfers=num_kv_transfers,
+            num_kv_transfer_bytes=num_kv_transfer_bytes,
+            kv_transfer_seconds=kv_transfer_seconds,
         )
 
     # ---- helpers ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine.engine_config import CacheConfig, LoadConfig
@@ -142,15 +142,7 @@ class PrefillWorker:
         return self.loop.next_batch(gateway_id, timeout_s)
 
     def load(self) -> WorkerLoad:
-        load = self.loop.load(self.role)
-        num_transfers, num_bytes, seconds = self._transfer_totals.snapshot()
-        counters = replace(
-            load.counters,
-            num_kv_transfers=num_transfers,
-            num_kv_transfer_bytes=num_bytes,
-            kv_transfer_seconds=seconds,
-        )
-        return replace(load, counters=counters)
+        return self.loop.load(self.role, self._transfer_totals.snapshot())
 
     def shutdown(self) -> None:
         self.loop.stop()

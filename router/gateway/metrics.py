@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from router.cluster import WorkerStatus
-    from router.gateway.text_stream import TextGeneration
+    from router.gateway.text_stream import FinishedGeneration
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -146,9 +146,9 @@ class GatewayMetrics:
     def next_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
 
-    def finished(self, generation: TextGeneration, now: float) -> None:
+    def finished(self, generation: FinishedGeneration) -> None:
         """One prompt's generation ended normally: its latencies, tokens and SLO outcome."""
-        self.e2e_request_latency.observe(now - generation.arrived_at)
+        self.e2e_request_latency.observe(generation.e2e_seconds)
         self.request_queue_time.observe(generation.queue_seconds)
         self.prompt_tokens.inc(generation.num_prompt_tokens)
         self.generation_tokens.inc(generation.num_completion_tokens)

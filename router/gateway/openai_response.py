@@ -94,28 +94,32 @@ class LogprobsFormatter:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
+def _envelope(header: ResponseHeader, object_name: str, choices: list[Any]) -> dict[str, Any]:
+    return {
+        "id": header.id,
+        "object": object_name,
+        "created": header.created,
+        "model": header.model,
+        "choices": choices,
+    }
+
+
 def completion_response(
     header: ResponseHeader,
     choices: Sequence[ChoiceText],
     usage: Usage,
     logprobs: LogprobsFormatter | None,
 ) -> dict[str, Any]:
-    return {
-        "id": header.id,
-        "object": "text_completion",
-        "created": header.created,
-        "model": header.model,
-        "choices": [
-            {
-                "index": i,
-                "text": choice.text,
-                "logprobs": logprobs.completion(choice.logprobs, 0) if logprobs else None,
-                "finish_reason": choice.finish_reason,
-            }
-            for i, choice in enumerate(choices)
-        ],
-        "usage": usage.body(),
-    }
+    body = [
+        {
+            "index": i,
+            "text": choice.text,
+            "logprobs": logprobs.completion(choice.logprobs, 0) if logprobs else None,
+            "finish_reason": choice.finish_reason,
+        }
+        for i, choice in enumerate(choices)
+    ]
+    return {**_envelope(header, "text_completion", body), "usage": usage.body()}
 
 
 def chat_response(
@@ -124,41 +128,28 @@ def chat_response(
     usage: Usage,
     logprobs: LogprobsFormatter | None,
 ) -> dict[str, Any]:
-    return {
-        "id": header.id,
-        "object": "chat.completion",
-        "created": header.created,
-        "model": header.model,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": choice.text},
-                "logprobs": logprobs.chat(choice.logprobs) if logprobs else None,
-                "finish_reason": choice.finish_reason,
-            }
-            for i, choice in enumerate(choices)
-        ],
-        "usage": usage.body(),
-    }
+    body = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": logprobs.chat(choice.logprobs) if logprobs else None,
+            "finish_reason": choice.finish_reason,
+        }
+        for i, choice in enumerate(choices)
+    ]
+    return {**_envelope(header, "chat.completion", body), "usage": usage.body()}
 
 
 def completion_chunk(
     header: ResponseHeader, index: int, delta: SampleDelta, logprobs: dict[str, Any] | None
 ) -> dict[str, Any]:
-    return {
-        "id": header.id,
-        "object": "text_completion",
-        "created": header.created,
-        "model": header.model,
-        "choices": [
-            {
-                "index": index,
-                "text": delta.text,
-                "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-            }
-        ],
+    choice = {
+        "index": index,
+        "text": delta.text,
+        "logprobs": logprobs,
+        "finish_reason": delta.finish_reason,
     }
+    return _envelope(header, "text_completion", [choice])
 
 
 def chat_chunk(
@@ -168,28 +159,14 @@ def chat_chunk(
     finish_reason: str | None,
     logprobs: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    return {
-        "id": header.id,
-        "object": "chat.completion.chunk",
-        "created": header.created,
-        "model": header.model,
-        "choices": [
-            {
-                "index": index,
-                "delta": content,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
+    choice = {
+        "index": index,
+        "delta": content,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
     }
+    return _envelope(header, "chat.completion.chunk", [choice])
 
 
 def usage_chunk(header: ResponseHeader, object_name: str, usage: Usage) -> dict[str, Any]:
-    return {
-        "id": header.id,
-        "object": object_name,
-        "created": header.created,
-        "model": header.model,
-        "choices": [],
-        "usage": usage.body(),
-    }
+    return {**_envelope(header, object_name, []), "usage": usage.body()}

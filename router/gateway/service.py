@@ -11,12 +11,10 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.messages import TokenEvent
-from engine.sampling.params import SamplingParams
 from router.cluster import WorkerStatus
 from router.gateway.auth import ApiKeys, Caller
 from router.gateway.errors import ApiError, overloaded, unavailable
@@ -24,20 +22,11 @@ from router.gateway.limits import RequestLimits
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec
-from router.gateway.text_stream import TextGeneration
+from router.gateway.text_stream import GenerationBackend, TextGeneration
 
 
-class ClusterBackend(Protocol):
+class ClusterBackend(GenerationBackend, Protocol):
     """The cluster as the gateway uses it (``router.cluster.Cluster``)."""
-
-    def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-    ) -> AsyncGenerator[TokenEvent, None]: ...
 
     def worker_statuses(self) -> list[WorkerStatus]: ...
 
@@ -117,7 +106,7 @@ class Gateway:
     def record_finished(self, generations: Sequence[TextGeneration]) -> None:
         now = time.monotonic()
         for generation in generations:
-            self.metrics.finished(generation, now)
+            self.metrics.finished(generation.finished(now))
 
     def record_outcome(self, status: str) -> None:
         self.metrics.requests.labels(status=status).inc()

@@ -59,7 +59,20 @@ class _Sample:
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_tokens: int = 0  # tokens counted in usage (up to the one that completed a stop string)
     finished: bool = False
-    last_token_at: float = 0.0  # monotonic arrival time of the sample's latest token
+    first_token_at: float | None = None  # monotonic arrival time of the sample's first token
+    last_token_at: float = 0.0  # ... and of its latest one
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedGeneration:
+    """What the metrics record of one prompt's generation once it ended."""
+
+    e2e_seconds: float  # arrival at the gateway to the end
+    queue_seconds: float  # waiting at the first worker before its first step
+    time_to_first_token: float | None  # arrival to sample 0's first token; None: no token
+    time_per_output_token: float | None  # mean gap between sample 0's later tokens (0 for one)
+    num_prompt_tokens: int
+    num_completion_tokens: int  # over all samples
 
 
 @dataclass(slots=True)
@@ -72,20 +85,22 @@ class TextGeneration:
     request_id: str
     timing: TokenTimingObserver | None = None
     arrived_at: float = field(default_factory=time.monotonic)
-    num_completion_tokens: int = 0  # over all samples, after the run
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     queue_seconds: float = 0.0  # waiting at the first worker before its first step
-    first_token_at: float | None = None  # monotonic time sample 0's first token arrived
-    last_token_at: float | None = None  # ... and its last one
-    num_first_sample_tokens: int = 0  # sample 0's tokens (time per output token divides by it)
+    _samples: list[_Sample] = field(default_factory=list, init=False)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.spec.prompt_token_ids)
 
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens generated so far, over all samples (up to the ones that hit stop strings)."""
+        return sum(s.num_tokens for s in self._samples)
+
     async def deltas(self) -> AsyncIterator[SampleDelta]:
         params = self.spec.params
-        samples = [
+        self._samples = samples = [
             _Sample(
                 IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                 StopStringMatcher(self.spec.stop),
@@ -103,7 +118,7 @@ class TextGeneration:
                 if event.position == 0 and event.sample_index == 0:
                     self.num_cached_tokens = event.num_cached_tokens
                     self.queue_seconds = event.queue_seconds
-                self._time(samples[event.sample_index], event)
+                self._time(samples[event.sample_index], event.sample_index)
                 delta = self._advance(samples[event.sample_index], event)
                 if delta is not None:
                     yield delta
@@ -111,36 +126,34 @@ class TextGeneration:
                     break
         finally:
             await events.aclose()  # aborts the request wherever it still runs
-            self.num_completion_tokens = sum(s.num_tokens for s in samples)
 
-    def _time(self, sample: _Sample, event: TokenEvent) -> None:
-        now = time.monotonic()
+    def finished(self, now: float) -> FinishedGeneration:
+        first = self._samples[0] if self._samples else None
+        ttft = tpot = None
+        if first is not None and first.first_token_at is not None:
+            ttft = first.first_token_at - self.arrived_at
+            gaps = first.num_tokens - 1
+            tpot = (first.last_token_at - first.first_token_at) / gaps if gaps > 0 else 0.0
+        return FinishedGeneration(
+            now - self.arrived_at,
+            self.queue_seconds,
+            ttft,
+            tpot,
+            self.num_prompt_tokens,
+            self.num_completion_tokens,
+        )
+
+    def _time(self, sample: _Sample, sample_index: int) -> None:
         if sample.finished:
             return
-        if event.sample_index == 0:
-            if sample.num_tokens == 0:
-                self.first_token_at = now
-            self.last_token_at = now
-            self.num_first_sample_tokens = sample.num_tokens + 1
-        if self.timing is not None:
-            if sample.num_tokens == 0:
-                if event.sample_index == 0:
-                    self.timing.first_token(now - self.arrived_at)
-            else:
-                self.timing.next_token(now - sample.last_token_at)
+        now = time.monotonic()
+        if sample.first_token_at is None:
+            sample.first_token_at = now
+            if self.timing is not None and sample_index == 0:
+                self.timing.first_token(now - self.arrived_at)
+        elif self.timing is not None:
+            self.timing.next_token(now - sample.last_token_at)
         sample.last_token_at = now
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.arrived_at
-
-    @property
-    def time_per_output_token(self) -> float | None:
-        """Mean gap between sample 0's tokens after the first; 0 for a one-token answer."""
-        if self.first_token_at is None or self.last_token_at is None:
-            return None
-        gaps = self.num_first_sample_tokens - 1
-        return (self.last_token_at - self.first_token_at) / gaps if gaps else 0.0
 
     def _advance(self, sample: _Sample, event: TokenEvent) -> SampleDelta | None:
         if sample.finished:

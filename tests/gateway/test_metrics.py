@@ -13,8 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.server import GatewayServer
-from router.gateway.spec import GenerationSpec
-from router.gateway.text_stream import TextGeneration
+from router.gateway.text_stream import FinishedGeneration
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
 
 pytestmark = pytest.mark.timeout(240)
@@ -125,17 +124,11 @@ def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewaySer
 
 
 def test_goodput_counts_only_requests_within_both_slos() -> None:
-    from engine.sampling.params import SamplingParams
-
     metrics = GatewayMetrics(lambda: [], SloTargets(ttft_s=0.5, tpot_s=0.05))
-    spec = GenerationSpec([1, 2], SamplingParams(max_tokens=4), (), None)
 
     def finished(ttft: float, tpot: float, num_tokens: int = 5) -> None:
-        generation = TextGeneration(None, None, spec, "r", arrived_at=100.0)  # type: ignore[arg-type]
-        generation.first_token_at = 100.0 + ttft
-        generation.last_token_at = generation.first_token_at + tpot * (num_tokens - 1)
-        generation.num_first_sample_tokens = num_tokens
-        metrics.finished(generation, now=generation.last_token_at)
+        e2e = ttft + tpot * (num_tokens - 1)
+        metrics.finished(FinishedGeneration(e2e, 0.0, ttft, tpot, 2, num_tokens))
 
     finished(0.2, 0.01)  # meets both
     finished(0.9, 0.01)  # TTFT too slow
