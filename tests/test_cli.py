@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
 
 
 def _pdserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -119,22 +125,10 @@ def _serve_process(model_dir: Path | None, *extra: str) -> subprocess.Popen[str]
     )
 
 
-def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: Path) -> None:
-    import signal
-
-    import httpx
-
-    process = _serve_process(
-        chat_model_dir,
-        "--http-port",
-        "0",
-        "--grpc-port",
-        "0",
-        "--served-model-name",
-        "tiny",
-        "--dtype",
-        "float32",
-    )
+@contextlib.contextmanager
+def _serving(model_dir: Path | None, *extra: str) -> Iterator[tuple[str, str]]:
+    """A running `pdserve serve`: (its banner, its OpenAI base URL); Ctrl-C must stop it."""
+    process = _serve_process(model_dir, *extra)
     try:
         assert process.stdout is not None
         banner = []
@@ -143,18 +137,25 @@ def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: 
             if "Ctrl-C" in line:
                 break
         text = "".join(banner)
-        assert "1 prefill + 1 decode workers" in text, text
-        url = next(line.split()[2] for line in banner if "OpenAI HTTP" in line)
-        assert "gRPC         127.0.0.1:" in text and "curl http://127.0.0.1:" in text
-        body = {"model": "tiny", "prompt": "def main():", "max_tokens": 4}
-        response = httpx.post(url + "/completions", json=body, timeout=60)
-        assert response.status_code == 200, response.text
-        assert response.json()["usage"]["completion_tokens"] == 4
+        url = next((line.split()[2] for line in banner if "OpenAI HTTP" in line), None)
+        assert url is not None, text
+        yield text, url
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: Path) -> None:
+    extra = ("--http-port", "0", "--grpc-port", "0", "--served-model-name", "tiny")
+    with _serving(chat_model_dir, *extra, "--dtype", "float32") as (text, url):
+        assert "1 prefill + 1 decode workers" in text, text
+        assert "gRPC         127.0.0.1:" in text and "curl http://127.0.0.1:" in text
+        body = {"model": "tiny", "prompt": "def main():", "max_tokens": 4}
+        response = httpx.post(url + "/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
 
 
 def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -> None:
@@ -166,28 +167,10 @@ def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -
 
 def test_serve_without_a_model_serves_the_bundled_demo() -> None:
     """What `make serve` runs: the trained demo model answers in words."""
-    import re
-    import signal
-
-    import httpx
-
-    process = _serve_process(None, "--http-port", "0", "--grpc-port", "-1")
-    try:
-        assert process.stdout is not None
-        banner = []
-        for line in process.stdout:
-            banner.append(line)
-            if "Ctrl-C" in line:
-                break
-        assert "serving 'pdserve-demo'" in "".join(banner), "".join(banner)
-        url = next(line.split()[2] for line in banner if "OpenAI HTTP" in line)
+    with _serving(None, "--http-port", "0", "--grpc-port", "-1") as (text, url):
+        assert "serving 'pdserve-demo'" in text, text
         body = {"model": "pdserve-demo", "prompt": "Return the", "max_tokens": 24, "temperature": 0}
         response = httpx.post(url + "/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         words = re.findall(r"[a-z]+", response.json()["choices"][0]["text"].lower())
         assert {"the", "is", "of", "a"} & set(words), words
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()

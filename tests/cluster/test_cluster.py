@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from router.cluster import Cluster
 from router.cluster_config import ClusterConfig
 from tests.engine.test_parity import make_prompts
+from tests.fixtures.local_cluster import local_cluster_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,22 +37,6 @@ def expected(llama_dir: Path) -> list[list[int]]:
     prompts, params = _workload()
     llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
-def _config(model_dir: Path, **overrides: object) -> ClusterConfig:
-    settings: dict[str, object] = {
-        "model_dir": str(model_dir),
-        "dtype": "float32",
-        "block_size": 8,
-        "num_kv_blocks": 400,
-        "worker_num_cpus": 0,
-        "data_plane_host": "127.0.0.1",
-        "transfer_timeout_s": 10.0,
-        "report_interval_s": 0.2,
-        "dead_after_s": 2.0,
-    }
-    settings.update(overrides)
-    return ClusterConfig(**settings)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -102,7 +87,7 @@ def test_concurrent_greedy_requests_match_offline_engine(
     extra: dict[str, object],
 ) -> None:
     cluster = start_cluster(
-        _config(llama_dir, num_prefill=num_prefill, num_decode=num_decode, **extra)
+        local_cluster_config(llama_dir, num_prefill=num_prefill, num_decode=num_decode, **extra)
     )
     assert _run_all(cluster) == expected
 
@@ -142,7 +127,7 @@ def test_killed_decode_worker_requests_finish_elsewhere_exactly_once(
     llama_dir: Path,
     expected_long: list[list[int]],  # type: ignore[no-untyped-def]
 ) -> None:
-    cluster = start_cluster(_config(llama_dir, num_prefill=1, num_decode=2))
+    cluster = start_cluster(local_cluster_config(llama_dir, num_prefill=1, num_decode=2))
     prompts, params = _long_workload()
 
     async def main() -> list[list[int]]:
@@ -160,7 +145,7 @@ def test_killed_prefill_worker_queued_requests_are_rerouted(
     llama_dir: Path,
     expected_long: list[list[int]],  # type: ignore[no-untyped-def]
 ) -> None:
-    config = _config(llama_dir, num_prefill=2, num_decode=1, max_num_batched_tokens=8)
+    config = local_cluster_config(llama_dir, num_prefill=2, num_decode=1, max_num_batched_tokens=8)
     cluster = start_cluster(config)
     prompts, params = _long_workload()
 

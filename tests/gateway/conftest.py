@@ -8,37 +8,21 @@ from pathlib import Path
 import pytest
 
 from router.cluster import Cluster
-from router.cluster_config import ClusterConfig
 from router.gateway.auth import ApiKeys
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
+from tests.fixtures.local_cluster import local_cluster_config
 
 API_KEYS = ("sk-alice-0123456789", "sk-bob-9876543210")
 MODEL_NAME = "tiny-llama"
 LIMITS = {"max_body_bytes": 64 * 1024, "max_n": 4, "max_stop_strings": 4, "max_messages": 8}
 
 
-def cluster_config(model_dir: Path, **overrides: object) -> ClusterConfig:
-    settings: dict[str, object] = {
-        "model_dir": str(model_dir),
-        "dtype": "float32",
-        "block_size": 8,
-        "num_kv_blocks": 400,
-        "worker_num_cpus": 0,
-        "data_plane_host": "127.0.0.1",
-        "transfer_timeout_s": 10.0,
-        "report_interval_s": 0.2,
-        "dead_after_s": 2.0,
-    }
-    settings.update(overrides)
-    return ClusterConfig(**settings)  # type: ignore[arg-type]
-
-
 @pytest.fixture(scope="session")
 def gateway_cluster(ray_session: None, chat_model_dir: Path) -> Iterator[Cluster]:
-    cluster = Cluster.start(cluster_config(chat_model_dir))
+    cluster = Cluster.start(local_cluster_config(chat_model_dir))
     yield cluster
     cluster.shutdown()
 

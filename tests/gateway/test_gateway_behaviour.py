@@ -19,7 +19,8 @@ from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer, check_bind_address
 from router.gateway.service import Gateway
-from tests.gateway.conftest import API_KEYS, MODEL_NAME, cluster_config
+from tests.fixtures.local_cluster import local_cluster_config
+from tests.gateway.conftest import API_KEYS, MODEL_NAME
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -134,7 +135,7 @@ def test_overload_answers_429_with_retry_after(
 def test_no_live_worker_answers_503(
     ray_session: None, chat_model_dir: object, served_model: ServedModel
 ) -> None:
-    cluster = Cluster.start(cluster_config(chat_model_dir, num_prefill=0, num_decode=1))  # type: ignore[arg-type]
+    cluster = Cluster.start(local_cluster_config(chat_model_dir, num_prefill=0, num_decode=1))  # type: ignore[arg-type]
     limits = RequestLimits(max_model_len=served_model.max_model_len)
     server = GatewayServer(
         Gateway(cluster, served_model, limits, ApiKeys([])), "127.0.0.1", 0, None

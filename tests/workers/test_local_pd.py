@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,29 +149,48 @@ def test_colocated_decode_worker_matches_offline_engine(cluster_factory, offline
     assert [cluster.collector.output(f"c{i}") for i in range(12)] == expected
 
 
-def test_layout_mismatch_fails_the_request_naming_the_field(llama_dir: Path) -> None:
-    transfer = TransferConfig(transport="gloo", timeout_s=5.0)
+@dataclass
+class _Pair:
+    prefill: PrefillWorker
+    decode: DecodeWorker
+    peer: LocalDecodePeer  # how the prefill worker reaches the decode worker
+    collector: OutputCollector
+
+
+@contextlib.contextmanager
+def _one_pair(
+    model_dir: Path,
+    transfer: TransferConfig,
+    make_peer: Callable[[DecodeWorker], LocalDecodePeer] = LocalDecodePeer,
+    prefill_block_size: int = 8,
+    decode_block_size: int = 8,
+) -> Iterator[_Pair]:
+    """One prefill worker "p0" handing off to one decode worker "d0", shut down afterwards."""
     scheduler = SchedulerConfig()
-    decode = DecodeWorker("d0", _load(llama_dir), _cache(block_size=16), scheduler, transfer)
+    decode = DecodeWorker("d0", _load(model_dir), _cache(decode_block_size), scheduler, transfer)
+    peer = make_peer(decode)
     prefill = PrefillWorker(
-        "p0",
-        _load(llama_dir),
-        _cache(block_size=8),
-        scheduler,
-        transfer,
-        {"d0": LocalDecodePeer(decode)},
+        "p0", _load(model_dir), _cache(prefill_block_size), scheduler, transfer, {"d0": peer}
     )
     collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
     try:
-        prompt = make_prompts(seed=25)[4]
-        prefill.submit(GenerateRequest("m", prompt, SamplingParams(max_tokens=5), GATEWAY), "d0")
-        collector.wait_finished([("m", 0)], timeout_s=30)
-        assert "block_size" in collector.failures["m"]
-        assert prefill.load().kv_usage == 0.0
+        yield _Pair(prefill, decode, peer, collector)
     finally:
         collector.close()
         prefill.shutdown()
         decode.shutdown()
+        peer.close()
+
+
+def test_layout_mismatch_fails_the_request_naming_the_field(llama_dir: Path) -> None:
+    transfer = TransferConfig(transport="gloo", timeout_s=5.0)
+    with _one_pair(llama_dir, transfer, prefill_block_size=8, decode_block_size=16) as pair:
+        prompt = make_prompts(seed=25)[4]
+        request = GenerateRequest("m", prompt, SamplingParams(max_tokens=5), GATEWAY)
+        pair.prefill.submit(request, "d0")
+        pair.collector.wait_finished([("m", 0)], timeout_s=30)
+        assert "block_size" in pair.collector.failures["m"]
+        assert pair.prefill.load().kv_usage == 0.0
 
 
 class _DeadDecodePeer(LocalDecodePeer):
@@ -190,24 +210,16 @@ class _DeadDecodePeer(LocalDecodePeer):
 
 def test_transfer_to_a_dead_peer_times_out_and_fails_cleanly(llama_dir: Path) -> None:
     transfer = TransferConfig(transport="gloo", timeout_s=1.0)
-    scheduler = SchedulerConfig()
-    decode = DecodeWorker("d0", _load(llama_dir), _cache(), scheduler, transfer)
-    prefill = PrefillWorker(
-        "p0", _load(llama_dir), _cache(), scheduler, transfer, {"d0": _DeadDecodePeer(decode)}
-    )
-    collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
-    try:
+    with _one_pair(llama_dir, transfer, _DeadDecodePeer) as pair:
         prompt = make_prompts(seed=26)[4]
-        prefill.submit(GenerateRequest("t", prompt, SamplingParams(max_tokens=5), GATEWAY), "d0")
+        request = GenerateRequest("t", prompt, SamplingParams(max_tokens=5), GATEWAY)
+        pair.prefill.submit(request, "d0")
+        collector = pair.collector
         collector.wait_finished([("t", 0)], timeout_s=20)
         assert "t" in collector.failures
         assert collector.retryable["t"]  # the router may place it on another decode worker
         assert collector.output("t") == collector.output("t")[:1]  # only the first token came
-        assert prefill.load().kv_usage == 0.0  # the lease was released
-    finally:
-        collector.close()
-        prefill.shutdown()
-        decode.shutdown()
+        assert pair.prefill.load().kv_usage == 0.0  # the lease was released
 
 
 class _CheckingDecodePeer(LocalDecodePeer):
@@ -249,25 +261,19 @@ def _prompt_slots(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int)
 @pytest.mark.parametrize("transport", ["gloo", "shm"])
 def test_received_kv_equals_the_prefill_sides_bitwise(llama_dir: Path, transport: str) -> None:
     transfer = TransferConfig(transport=transport, timeout_s=10.0)
-    scheduler = SchedulerConfig()
-    decode = DecodeWorker("d0", _load(llama_dir), _cache(), scheduler, transfer)
     prefill_cache: list[torch.Tensor] = []
-    peer = _CheckingDecodePeer(decode, prefill_cache)
-    prefill = PrefillWorker("p0", _load(llama_dir), _cache(), scheduler, transfer, {"d0": peer})
-    prefill_cache.append(prefill.engine.kv_cache)
-    collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
-    try:
+    with _one_pair(
+        llama_dir, transfer, lambda decode: _CheckingDecodePeer(decode, prefill_cache)
+    ) as pair:
+        prefill_cache.append(pair.prefill.engine.kv_cache)
         prompts = make_prompts(seed=27)
         for i, prompt in enumerate(prompts):
             params = SamplingParams(max_tokens=3, ignore_eos=True)
-            prefill.submit(GenerateRequest(f"b{i}", prompt, params, GATEWAY), "d0")
-        collector.wait_finished([(f"b{i}", 0) for i in range(len(prompts))])
-        assert not collector.failures
-        assert peer.num_checked == len(prompts)
-    finally:
-        collector.close()
-        prefill.shutdown()
-        decode.shutdown()
+            pair.prefill.submit(GenerateRequest(f"b{i}", prompt, params, GATEWAY), "d0")
+        pair.collector.wait_finished([(f"b{i}", 0) for i in range(len(prompts))])
+        assert not pair.collector.failures
+        assert isinstance(pair.peer, _CheckingDecodePeer)
+        assert pair.peer.num_checked == len(prompts)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -330,26 +336,20 @@ def test_abort_between_reserve_and_transfer_keeps_the_channel_usable(
     llama_dir: Path, offline: LLM, transport: str
 ) -> None:
     transfer = TransferConfig(transport=transport, timeout_s=10.0)
-    scheduler = SchedulerConfig()
-    decode = DecodeWorker("d0", _load(llama_dir), _cache(), scheduler, transfer)
-    peer = _AbortAfterReservePeer(decode, doomed={"doomed"})
-    prefill = PrefillWorker("p0", _load(llama_dir), _cache(), scheduler, transfer, {"d0": peer})
-    collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
-    try:
+    doomed = {"doomed"}
+    with _one_pair(
+        llama_dir, transfer, lambda decode: _AbortAfterReservePeer(decode, doomed)
+    ) as pair:
         prompts, _ = _workload(2)
         params = SamplingParams(temperature=0.0, max_tokens=8)
-        prefill.submit(GenerateRequest("doomed", prompts[0], params, GATEWAY), "d0")
+        pair.prefill.submit(GenerateRequest("doomed", prompts[0], params, GATEWAY), "d0")
         began = time.monotonic()
-        prefill.submit(GenerateRequest("next", prompts[1], params, GATEWAY), "d0")
-        collector.wait_finished([("next", 0)], timeout_s=30)
+        pair.prefill.submit(GenerateRequest("next", prompts[1], params, GATEWAY), "d0")
+        pair.collector.wait_finished([("next", 0)], timeout_s=30)
         elapsed = time.monotonic() - began
         assert elapsed < transfer.timeout_s / 2, elapsed  # no transfer waited out its deadline
-        assert not collector.failures
+        assert not pair.collector.failures
         expected = offline.generate([prompts[1]], params)[0].outputs[0].token_ids
-        assert collector.output("next") == expected
-        assert decode.loop.call(lambda engine: engine.reserved_blocks("doomed")) is None
-    finally:
-        collector.close()
-        prefill.shutdown()
-        decode.shutdown()
-        peer.close()
+        assert pair.collector.output("next") == expected
+        reserved = pair.decode.loop.call(lambda engine: engine.reserved_blocks("doomed"))
+        assert reserved is None
