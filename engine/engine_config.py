@@ -19,6 +19,7 @@ _DTYPE_ALIASES = {
     "half": "float16",
 }
 LoadFormat = Literal["auto", "safetensors", "dummy"]
+LINEAR_BACKENDS = ("auto", "torch", "onednn")  # engine/kernels/linear.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +30,17 @@ class LoadConfig:
     load_format: LoadFormat = "auto"  # dummy: random weights from config.json alone
     seed: int = 0  # dummy weights and the unseeded sampling RNG
     max_model_len: int | None = None  # cap on prompt + output tokens (default: the model's)
+    linear_backend: str = "auto"  # torch | onednn | auto (onednn on CPU where it runs)
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be one of auto, safetensors, dummy; got {self.load_format!r}"
+            )
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(
+                f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; "
+                f"got {self.linear_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -43,9 +43,10 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         attention_backend: str = "torch",
+        linear_backend: str = "auto",
     ) -> None:
         self.engine = LLMEngine(
-            LoadConfig(model, dtype, device, load_format, seed, max_model_len),
+            LoadConfig(model, dtype, device, load_format, seed, max_model_len, linear_backend),
             CacheConfig(
                 block_size,
                 enable_prefix_caching,

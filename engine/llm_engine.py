@@ -18,6 +18,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.selector import get_attention_backend
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.handoff import PrefillResult, SampleStart
+from engine.kernels.linear import resolve_linear_backend
 from engine.kv_cache.block_manager import BlockManager, num_blocks_for
 from engine.kv_cache.budget import KVLayout, num_kv_blocks
 from engine.memory_profile import peak_activation_bytes
@@ -69,8 +70,15 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
             )
         torch.manual_seed(load.seed)
+        self.linear_backend = resolve_linear_backend(load.linear_backend, self.device, self.dtype)
         self.model = load_model(
-            load.model_dir, self.model_config, self.dtype, self.device, load.load_format, load.seed
+            load.model_dir,
+            self.model_config,
+            self.dtype,
+            self.device,
+            load.load_format,
+            load.seed,
+            self.linear_backend,
         )
         layout = KVLayout(
             num_layers=self.model_config.num_layers,

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
+from engine.kernels.linear import PackedLinear, pack_linears
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, RMSNorm
 from engine.models.registry import get_model_class
@@ -39,8 +40,13 @@ def load_model(
     device: torch.device,
     load_format: LoadFormat = "auto",
     seed: int = 0,
+    linear_backend: Literal["torch", "onednn"] = "torch",
 ) -> LlamaForCausalLM:
-    """The model in eval mode without grad, every tensor allocated once on ``device``."""
+    """The model in eval mode without grad, every tensor allocated once on ``device``.
+
+    ``linear_backend="onednn"``: projections are repacked for oneDNN after loading
+    (engine/kernels/linear.py); a tied logits projection gets its own packed copy.
+    """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
     if load_format not in ("auto", "safetensors", "dummy"):
@@ -57,6 +63,10 @@ def load_model(
         else:
             _load_safetensors(model, names_by_file, all_names)
     model.requires_grad_(False)
+    if linear_backend == "onednn":
+        if model.lm_head is None:
+            model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+        pack_linears(model)
     return model.eval()
 
 

@@ -1,0 +1,1 @@
+"""Compute kernels the engine calls through narrow interfaces (never from the scheduler)."""
