@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engine.attention import torch_ref
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 
@@ -32,10 +33,17 @@ def _naive_attention(
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (4, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("num_decode_seqs", [3, 37])  # 37: the CPU path buckets by length
+@pytest.mark.parametrize("num_decode_seqs", [3, 37])
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 4096, 1])  # CPU decode: 1 chunk, some, 1/seq
 def test_mixed_batch_matches_naive(
-    num_heads: int, num_kv_heads: int, block_size: int, num_decode_seqs: int
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    num_decode_seqs: int,
+    chunk_bytes: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(torch_ref, "_CHUNK_BYTES", chunk_bytes)
     torch.manual_seed(0)
     head_dim, scale = 8, 0.3
     rng = random.Random(num_decode_seqs)
