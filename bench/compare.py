@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.serving.arrivals import ArrivalSpec
+from bench.serving.cli import int_pair
 from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO, Summary
 from bench.serving.report import sweep_dict, write_json
@@ -58,8 +59,8 @@ def _config(args: argparse.Namespace, base_url: str) -> BenchConfig:
             kind="chat-like",
             input_len=args.input_len,
             output_len=args.output_len,
-            input_range=_pair(args.input_range),
-            output_range=_pair(args.output_range),
+            input_range=args.input_range,
+            output_range=args.output_range,
         ),
         arrivals=ArrivalSpec(),
         slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
@@ -67,11 +68,6 @@ def _config(args: argparse.Namespace, base_url: str) -> BenchConfig:
         seed=args.seed,
         num_warmups=args.num_warmups,
     )
-
-
-def _pair(text: str) -> tuple[int, int]:
-    low, high = (int(part) for part in text.split(","))
-    return low, high
 
 
 def _rows(results: dict[str, SweepResult]) -> list[Row]:
@@ -140,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=60)
     parser.add_argument("--input-len", type=int, default=192, help="median prompt tokens")
     parser.add_argument("--output-len", type=int, default=48, help="median output tokens")
-    parser.add_argument("--input-range", default="16,400", help="MIN,MAX prompt tokens")
-    parser.add_argument("--output-range", default="8,100", help="MIN,MAX output tokens")
+    parser.add_argument("--input-range", type=int_pair, default=(16, 400), metavar="MIN,MAX")
+    parser.add_argument("--output-range", type=int_pair, default=(8, 100), metavar="MIN,MAX")
     parser.add_argument("--num-warmups", type=int, default=4, help="untimed requests per run")
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)

@@ -11,14 +11,13 @@ writes JSON. Attention is the torch reference backend in both.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench.serving.report import write_json
 from engine import LLM, SamplingParams
 from engine.demo_model import DEMO_MODEL_DIR
 
@@ -72,8 +71,6 @@ def main() -> None:
                 f"{backend:>6} batch {batch_size:>3}: prefill {row['prefill_ms']:8.1f} ms, "
                 f"decode step {row['decode_step_ms']:6.2f} ms"
             )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "decode_step",
         "date": time.strftime("%Y-%m-%d"),
@@ -81,8 +78,7 @@ def main() -> None:
         "torch": torch.__version__,
         "results": results,
     }
-    out.write_text(json.dumps(payload, indent=2))
-    print(f"-> {out}")
+    print(f"-> {write_json(args.out, payload)}")
 
 
 if __name__ == "__main__":

@@ -12,15 +12,13 @@ writes JSON; the ratio column is the baseline's time over oneDNN's.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.serving.report import write_json
 from engine.kernels.linear import PackedLinear, onednn_supports
 
 SHAPES = {  # name -> (in_features, out_features)
@@ -116,18 +114,12 @@ def main() -> None:
     result = {
         "benchmark": "linear_backends",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-        },
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
         "dtype": args.dtype,
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"-> {out}")
+    print(f"-> {write_json(args.out, result)}")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
             )
         torch.manual_seed(load.seed)
-        self.linear_backend = resolve_linear_backend(load.linear_backend, self.device, self.dtype)
+        linear_backend = resolve_linear_backend(load.linear_backend, self.device, self.dtype)
         self.model = load_model(
             load.model_dir,
             self.model_config,
@@ -78,7 +78,7 @@ class LLMEngine:
             self.device,
             load.load_format,
             load.seed,
-            self.linear_backend,
+            linear_backend,
         )
         layout = KVLayout(
             num_layers=self.model_config.num_layers,

@@ -53,13 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--workload", choices=WORKLOAD_KINDS, default="fixed")
     work.add_argument("--input-len", type=int, default=128, help="fixed; chat-like median")
     work.add_argument("--output-len", type=int, default=128, help="fixed/shared-prefix; median")
-    work.add_argument("--input-range", type=_int_pair, default=(32, 1024), metavar="MIN,MAX")
-    work.add_argument("--output-range", type=_int_pair, default=(16, 512), metavar="MIN,MAX")
+    work.add_argument("--input-range", type=int_pair, default=(32, 1024), metavar="MIN,MAX")
+    work.add_argument("--output-range", type=int_pair, default=(16, 512), metavar="MIN,MAX")
     work.add_argument("--input-sigma", type=float, default=1.0, help="chat-like log std-dev")
     work.add_argument("--output-sigma", type=float, default=0.8, help="chat-like log std-dev")
     work.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix prompts")
     work.add_argument("--prefix-len", type=int, default=256, help="shared-prefix length")
-    work.add_argument("--suffix-range", type=_int_pair, default=(16, 64), metavar="MIN,MAX")
+    work.add_argument("--suffix-range", type=int_pair, default=(16, 64), metavar="MIN,MAX")
     work.add_argument("--num-prompts", type=int, default=100)
     work.add_argument("--seed", type=int, default=0)
 
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _int_pair(text: str) -> tuple[int, int]:
+def int_pair(text: str) -> tuple[int, int]:
     low, _, high = text.partition(",")
     try:
         return int(low), int(high or low)

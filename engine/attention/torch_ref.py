@@ -30,11 +30,6 @@ class _DecodeChunk:
     spans: list[tuple[int, int, int]]  # per seq: (batch row, first gathered token, context len)
 
 
-@dataclass(frozen=True, slots=True)
-class _VarlenPlan:
-    chunks: list[_DecodeChunk]  # one CPU decode step's seqs, in cache-sized chunks
-
-
 def _decode_chunk(
     tables: torch.Tensor, seq_lens: list[int], rows: list[int], block_size: int
 ) -> _DecodeChunk:
@@ -52,7 +47,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None  # flat buffer the gathered K/V go to
-        self._plan: tuple[AttentionMetadata, _VarlenPlan] | None = None  # this step's, memoised
+        # this step's CPU decode chunks, memoised on its metadata for the other layers
+        self._step_chunks: tuple[AttentionMetadata, list[_DecodeChunk]] | None = None
 
     def write_kv(
         self,
@@ -126,16 +122,16 @@ class TorchAttentionBackend(AttentionBackend):
 
         Decode attention on CPU is bound by memory traffic: padding every seq to the longest
         wastes copies, and a whole batch's gathered K/V spills the cache before SDPA reads it.
-        The plan is built once per step and reused by every layer.
+        The chunks are built once per step and reused by every layer.
         """
         _, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
         token_bytes = 2 * num_kv_heads * head_dim * kv_cache_layer.element_size()
-        plan = self._varlen_plan(metadata, block_size, token_bytes)
+        chunks = self._decode_chunks(metadata, block_size, token_bytes)
         num_seqs, num_heads, _ = query.shape
         # [num_seqs, 1, num_kv_heads, group, head_dim]: 4-D per seq, as CPU flash SDPA needs
         grouped = query.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = torch.empty_like(query)
-        for chunk in plan.chunks:
+        for chunk in chunks:
             kv = self._gather(kv_cache_layer, chunk.block_ids[None, :])[:, 0]  # [2, tok, kvh, hd]
             for row, start, seq_len in chunk.spans:
                 out[row] = F.scaled_dot_product_attention(
@@ -146,11 +142,11 @@ class TorchAttentionBackend(AttentionBackend):
                 ).view(num_heads, head_dim)
         return out
 
-    def _varlen_plan(
+    def _decode_chunks(
         self, metadata: AttentionMetadata, block_size: int, token_bytes: int
-    ) -> _VarlenPlan:
-        """The step's decode chunks; reused by every layer of the step."""
-        cached = self._plan
+    ) -> list[_DecodeChunk]:
+        """The step's decode seqs in cache-sized chunks; reused by every layer of the step."""
+        cached = self._step_chunks
         if cached is not None and cached[0] is metadata:
             return cached[1]
         seq_lens = metadata.decode_seq_lens.tolist()
@@ -164,9 +160,8 @@ class TorchAttentionBackend(AttentionBackend):
             if chunk_tokens * token_bytes >= _CHUNK_BYTES or row == len(seq_lens) - 1:
                 chunks.append(_decode_chunk(tables, seq_lens, rows, block_size))
                 rows, chunk_tokens = [], 0
-        plan = _VarlenPlan(chunks)
-        self._plan = (metadata, plan)
-        return plan
+        self._step_chunks = (metadata, chunks)
+        return chunks
 
     def _gather(
         self,

@@ -4,11 +4,13 @@ PyTorch's x86 wheels run float32 ``F.linear`` through MKL; oneDNN picks its kern
 instruction set the CPU has, and a weight reordered once into its blocked layout is not
 repacked per call. On the project's 2-core AMD EPYC machine, one thread, all the demo model's
 projections: 1.45x MKL's speed for 1 token, 2.0x for 8, 2.3x for 192 (``python -m
-bench.linear_backends``, docs/benchmarks.md). vLLM's CPU backend uses oneDNN for the same reason.
+bench.linear_backends``, docs/benchmarks.md). vLLM's CPU backend uses oneDNN for the same
+reason.
 
 ``pack_linears(model)`` swaps every ``nn.Linear`` for a ``PackedLinear`` that holds only the
-packed weight (the model loader gives a tied logits projection its own packed copy). Results differ from MKL's in the last bits
-(another summation order), as MKL's own results differ between batch sizes.
+packed weight (the model loader gives a tied logits projection its own packed copy). Results
+differ from MKL's in the last bits (another summation order), as MKL's own results differ
+between batch sizes.
 
 Backends: "torch" (always), "onednn" (CPU, float32, or bfloat16 where the CPU has it),
 "auto" (onednn where it applies, else torch).
