@@ -108,14 +108,7 @@ def make_sessions(sizes_mb: list[float], reps: int) -> list[Session]:
 
 def make_cache(layout: KVCacheLayout, num_blocks: int, device: str) -> torch.Tensor:
     """A touched (page-faulted) cache; the values do not matter here, the tests check bits."""
-    shape = (
-        layout.num_layers,
-        2,
-        num_blocks,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
+    shape = layout.cache_shape(num_blocks)
     return torch.full(shape, 0.5, dtype=layout.torch_dtype, device=device)
 
 

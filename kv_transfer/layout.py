@@ -58,6 +58,10 @@ class KVCacheLayout:
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         return cls(names[kv_cache.dtype], block_size, num_layers, num_kv_heads, head_dim)
 
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        """The shape of a cache of ``num_blocks`` in this layout (what from_cache reads)."""
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

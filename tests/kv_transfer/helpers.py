@@ -23,14 +23,7 @@ def small_layout(dtype: str = "float32") -> KVCacheLayout:
 
 def random_cache(layout: KVCacheLayout, num_blocks: int, seed: int) -> torch.Tensor:
     """A cache of random values, none of them zero (so an unwritten block shows)."""
-    shape = (
-        layout.num_layers,
-        2,
-        num_blocks,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
+    shape = layout.cache_shape(num_blocks)
     generator = torch.Generator().manual_seed(seed)
     values = torch.randn(shape, generator=generator).to(layout.torch_dtype)
     values[values == 0] = 1.0
