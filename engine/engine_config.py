@@ -20,6 +20,7 @@ _DTYPE_ALIASES = {
 }
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # engine/kernels/linear.py
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine/attention/selector.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +72,13 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
     budget: KVBudget = field(default_factory=KVBudget)
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # torch | triton | auto (triton on CUDA, torch elsewhere)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                f"got {self.attention_backend!r}"
+            )

@@ -42,7 +42,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         linear_backend: str = "auto",
     ) -> None:
         self.engine = LLMEngine(

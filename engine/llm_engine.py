@@ -87,7 +87,7 @@ class LLMEngine:
             block_size=cache.block_size,
             dtype=self.dtype,
         )
-        attn_backend = get_attention_backend(cache.attention_backend)
+        attn_backend = get_attention_backend(cache.attention_backend, self.device)
         num_blocks = self._num_kv_blocks(cache, scheduler, layout, attn_backend)
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=self.dtype, device=self.device)

@@ -14,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from engine.engine_config import ATTENTION_BACKENDS
 from router.cluster_config import ClusterConfig
 from router.policies import POLICY_NAMES
 
@@ -53,6 +54,12 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument("--decode", type=int, default=1, help="decode workers")
     cluster.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     cluster.add_argument("--dtype", default="auto")
+    cluster.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=list(ATTENTION_BACKENDS),
+        help="auto: Triton kernels on cuda, the torch reference on cpu",
+    )
     cluster.add_argument("--address", default=None, help="'auto' joins a running Ray cluster")
     cluster.add_argument("--router-policy", default="least_loaded", choices=list(POLICY_NAMES))
     cluster.add_argument(
@@ -181,6 +188,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         num_decode=args.decode,
         device=args.device,
         dtype=dtype,
+        attention_backend=args.attention_backend,
         address=args.address,
         router_policy=args.router_policy,
         kv_transport=args.kv_transport,

@@ -18,6 +18,7 @@ class ClusterConfig:
     num_decode: int = 1
     device: str = "cpu"  # cpu | cuda
     dtype: str = "auto"
+    attention_backend: str = "auto"  # auto | torch | triton (engine_config.ATTENTION_BACKENDS)
     address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     router_policy: str = "least_loaded"
     kv_transport: str = "gloo"
@@ -54,7 +55,11 @@ class ClusterConfig:
         return LoadConfig(self.model_dir, self.dtype, self.device, max_model_len=self.max_model_len)
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(self.block_size, budget=KVBudget(num_blocks=self.num_kv_blocks))
+        return CacheConfig(
+            self.block_size,
+            budget=KVBudget(num_blocks=self.num_kv_blocks),
+            attention_backend=self.attention_backend,
+        )
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)

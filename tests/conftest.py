@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.fixtures.tiny_models import make_tiny_model
 from tests.fixtures.tiny_tokenizer import make_tiny_tokenizer
@@ -19,6 +20,11 @@ os.environ.setdefault("PDSERVE_CPU_KV_CACHE_BYTES", str(64 << 20))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+# Without a GPU, Triton kernels run in its interpreter on CPU tensors (set before any import
+# of triton); on a GPU they compile for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: "

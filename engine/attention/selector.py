@@ -1,17 +1,37 @@
-"""Attention backends by name."""
+"""Attention backends by name: "auto" takes the Triton kernels on CUDA, the torch reference
+elsewhere."""
 
 from __future__ import annotations
 
+import torch
+
 from engine.attention.backend import AttentionBackend
 
-SUPPORTED_BACKENDS = ("torch",)
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend ``name`` (one of engine_config.ATTENTION_BACKENDS) stands for on ``device``;
+    ValueError if it cannot run there."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda":
+        from engine.kernels.checks import interpreted
+
+        if not interpreted():
+            raise ValueError(
+                f"attention_backend 'triton' needs a CUDA device, got {device.type!r} "
+                "(on CPU its kernels only run in Triton's interpreter, TRITON_INTERPRET=1)"
+            )
+    if name not in ("torch", "triton"):
+        raise ValueError(f"attention_backend must be one of auto, torch, triton; got {name!r}")
+    return name
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    if name == "torch":
-        from engine.attention.torch_ref import TorchAttentionBackend
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    resolved = resolve_attention_backend(name, device)
+    if resolved == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
 
-        return TorchAttentionBackend()
-    raise ValueError(
-        f"attention_backend must be one of {', '.join(SUPPORTED_BACKENDS)}; got {name!r}"
-    )
+        return TritonAttentionBackend()
+    from engine.attention.torch_ref import TorchAttentionBackend
+
+    return TorchAttentionBackend()

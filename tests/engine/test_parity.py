@@ -100,3 +100,22 @@ def test_parallel_greedy_samples_are_identical(llama_dir: Path) -> None:
     expected = hf_greedy(llama_dir, prompt, 20)
     assert [c.token_ids for c in out.outputs] == [expected] * 3
     assert [c.index for c in out.outputs] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["batched", "chunked", "prefix-cache"],
+)
+def test_triton_attention_matches_transformers(llama_dir: Path, mode: str) -> None:
+    """The Triton backend (Triton's interpreter without a GPU) in the engine's modes."""
+    llm_args: dict[str, int | bool] = {"enable_prefix_caching": False}
+    prompts, key = make_prompts(seed=1), "plain"
+    if mode == "chunked":
+        llm_args = {"max_num_batched_tokens": 32}
+    elif mode == "prefix-cache":
+        llm_args = {"block_size": 8, "max_num_batched_tokens": 96}
+        prompts, key = shared_prefix_prompts(seed=2), "shared-prefix"
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", attention_backend="triton", **llm_args)
+    assert engine_tokens(llm, prompts) == reference(llama_dir, prompts, key)
+    if mode == "prefix-cache":
+        assert engine_tokens(llm, prompts) == reference(llama_dir, prompts, key)

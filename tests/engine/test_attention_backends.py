@@ -1,4 +1,5 @@
-"""TorchAttentionBackend against a naive float64 softmax attention on random paged inputs."""
+"""Attention backends (torch reference, Triton) against a naive float64 softmax attention on
+random paged inputs."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 
 from engine.attention import torch_ref
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
 
 NUM_BLOCKS = 1024
 
@@ -44,8 +47,33 @@ def test_mixed_batch_matches_naive(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(torch_ref, "_CHUNK_BYTES", chunk_bytes)
+    _check_mixed_batch(
+        TorchAttentionBackend(), num_heads, num_kv_heads, block_size, num_decode_seqs
+    )
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (4, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_decode_seqs", [3, 11])
+def test_triton_mixed_batch_matches_naive(
+    num_heads: int, num_kv_heads: int, block_size: int, num_decode_seqs: int
+) -> None:
+    """The Triton kernels (in the interpreter without a GPU) behind the same interface."""
+    _check_mixed_batch(
+        TritonAttentionBackend(), num_heads, num_kv_heads, block_size, num_decode_seqs
+    )
+
+
+def _check_mixed_batch(
+    backend: AttentionBackend,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    num_decode_seqs: int,
+) -> None:
+    """Prefills (fresh, after a cached prefix, one token) then decodes, in one forward."""
     torch.manual_seed(0)
-    head_dim, scale = 8, 0.3
+    head_dim, scale = 16, 0.3
     rng = random.Random(num_decode_seqs)
     # (context length after this step, new tokens): prefills first, then decodes
     seqs = [(23, 23), (40, 9), (2, 2), (1, 1)]
@@ -54,7 +82,6 @@ def test_mixed_batch_matches_naive(
     blocks = list(range(NUM_BLOCKS))
     random.Random(0).shuffle(blocks)
     cache = torch.zeros(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim)
-    backend = TorchAttentionBackend()
     tables, queries, expected = [], [], []
     new_slots, new_keys, new_values = [], [], []  # of the new tokens, written all at once
     for seq_len, query_len in seqs:
@@ -130,3 +157,19 @@ def test_workspace_survives_leaving_inference_mode() -> None:
         expected = backend.forward(query, cache, metadata, 0.5)
     with torch.no_grad():
         torch.testing.assert_close(backend.forward(query, cache, metadata, 0.5), expected)
+
+
+def test_backend_resolution_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.attention.selector import get_attention_backend, resolve_attention_backend
+    from engine.engine_config import CacheConfig
+    from engine.kernels import checks
+
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_attention_backend("auto", torch.device("cuda", 0)) == "triton"
+    assert isinstance(get_attention_backend("auto", torch.device("cpu")), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("triton", torch.device("cpu")), TritonAttentionBackend)
+    monkeypatch.setattr(checks, "interpreted", lambda: False)
+    with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
+        resolve_attention_backend("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
+        CacheConfig(attention_backend="flash")

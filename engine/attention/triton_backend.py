@@ -1,0 +1,96 @@
+"""Attention through the Triton kernels in engine/kernels: the GPU backend.
+
+``write_kv`` scatters the step's new K/V with one kernel. ``forward`` runs the prefill kernel
+over the prefill rows (varlen, causal, reading cached prefixes through the block tables) and
+the flash-decoding kernel over the decode rows, each reading the paged cache in place.
+
+On CPU the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how
+the tests check this backend against the torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.kernels.kv_cache_write import write_kv_cache
+from engine.kernels.paged_decode_attention import paged_decode_attention
+from engine.kernels.paged_prefill_attention import paged_prefill_attention
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillIndex:
+    """The step's prefill offsets as device tensors, built once and read by every layer."""
+
+    query_start_loc: torch.Tensor  # [num_prefill_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_prefill_seqs] int32
+    max_query_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._step_prefill: tuple[AttentionMetadata, _PrefillIndex] | None = None
+
+    def write_kv(
+        self,
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        write_kv_cache(kv_cache_layer, key, value, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        num_prefill_tokens = metadata.num_prefill_tokens
+        outputs = []
+        if metadata.num_prefill_seqs > 0:
+            index = self._prefill_index(metadata, query.device)
+            outputs.append(
+                paged_prefill_attention(
+                    query[:num_prefill_tokens],
+                    kv_cache_layer,
+                    index.query_start_loc,
+                    index.seq_lens,
+                    metadata.prefill_block_tables,
+                    scale,
+                    index.max_query_len,
+                )
+            )
+        if metadata.num_decode_seqs > 0:
+            outputs.append(
+                paged_decode_attention(
+                    query[num_prefill_tokens:],
+                    kv_cache_layer,
+                    metadata.decode_block_tables,
+                    metadata.decode_seq_lens,
+                    scale,
+                    max_seq_len=metadata.max_decode_seq_len,
+                )
+            )
+        if not outputs:
+            return torch.empty_like(query)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+    def _prefill_index(self, metadata: AttentionMetadata, device: torch.device) -> _PrefillIndex:
+        cached = self._step_prefill
+        if cached is not None and cached[0] is metadata:
+            return cached[1]
+        starts = metadata.prefill_query_start_loc
+        index = _PrefillIndex(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(metadata.prefill_seq_lens, dtype=torch.int32, device=device),
+            max_query_len=max(end - start for start, end in zip(starts[:-1], starts[1:])),
+        )
+        self._step_prefill = (metadata, index)
+        return index

@@ -1,0 +1,33 @@
+"""Argument checks shared by the Triton kernel wrappers; every failure names the argument."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOG2_E = 1.4426950408889634  # kernels run the softmax in base 2: exp(x) = exp2(x * LOG2_E)
+
+
+def interpreted() -> bool:
+    """Kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before import)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def require_same_device(cache: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Every tensor on the KV cache's device, and that device one Triton can run on."""
+    for name, tensor in tensors.items():
+        require(
+            tensor.device == cache.device,
+            f"{name} is on {tensor.device}, kv_cache_layer on {cache.device}",
+        )
+    require(
+        cache.device.type != "cpu" or interpreted(),
+        "Triton kernels need a GPU; CPU tensors only run with TRITON_INTERPRET=1",
+    )

@@ -1,0 +1,315 @@
+"""Triton kernels: decode attention (one new token per sequence) over a paged KV cache.
+
+For sequence ``s`` and query head ``h`` (KV head ``h // group``, ``group = num_heads //
+num_kv_heads``): ``softmax(scale * q[s, h] @ K_s.T) @ V_s`` over the first ``seq_lens[s]``
+tokens of the sequence's blocks in ``block_tables[s]``.
+
+Flash-decoding, two kernels:
+
+1. ``_decode_partition_kernel``, grid ``(num_seqs, num_kv_heads, num_splits)``. The context is
+   cut into ``num_splits`` partitions of ``tokens_per_split`` tokens; a program takes one
+   (seq, KV head, partition) and all ``group`` query heads sharing that KV head, as the rows of
+   a ``[GROUP_PAD, head_dim]`` tile (padded to >= 16 rows for ``tl.dot``), so each K/V token is
+   loaded once per group. It walks its partition in tiles of ``TILE`` tokens, each token's slot
+   looked up through the block table (so a tile may span several blocks and any block size
+   works), with an online softmax in float32 (logits in log2 units, ``exp2``). It writes the
+   partition's normalised output, max logit and sum of exp. A partition past a shorter
+   sequence's end runs no tile and writes max -inf, sum 0.
+2. ``_merge_partitions_kernel``, grid ``(num_seqs, num_heads)``: the log-sum-exp merge of the
+   sequence's non-empty partitions into the output, in the query's dtype.
+
+With one partition the first kernel writes the output itself and the merge is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    LOG2_E,
+    interpreted,
+    require,
+    require_same_device,
+)
+
+_MIN_DOT_DIM = 16  # tl.dot wants every dimension >= 16
+_MAX_TILE = 64  # tokens per inner-loop tile
+_MIN_TOKENS_PER_SPLIT = 256  # the automatic choice gives each partition at least this much work
+_TARGET_PROGRAMS = 512  # ... and stops splitting once the grid has this many programs
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_partition_kernel(
+    query_ptr,  # [num_seqs, num_heads, head_dim], last dim contiguous
+    cache_ptr,  # [2, num_blocks * block_size, num_kv_heads, head_dim], contiguous
+    block_tables_ptr,  # [num_seqs, max_blocks], last dim contiguous
+    seq_lens_ptr,  # [num_seqs]
+    out_ptr,  # [num_seqs, num_heads, head_dim]: written only when NUM_SPLITS == 1
+    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] f32, normalised per partition
+    part_max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] f32: max logit * log2(e)
+    part_sum_ptr,  # [num_seqs, num_heads, NUM_SPLITS] f32: sum of exp2(logit - max)
+    query_stride_seq,
+    query_stride_head,
+    block_tables_stride_seq,
+    v_cache_offset,  # num_blocks * block_size * num_kv_heads * head_dim: where V starts
+    scale_log2,  # softmax scale * log2(e)
+    tokens_per_split,  # a multiple of TILE
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # power of two >= max(GROUP_SIZE, 16)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # power of two >= max(HEAD_DIM, 16)
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,  # power of two >= 16
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast dot operands (fp32 inputs, or the interpreter)
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP_SIZE + rows  # [GROUP_PAD]: this group's query heads
+    row_mask = rows < GROUP_SIZE
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    q_offsets = seq.to(tl.int64) * query_stride_seq + heads[:, None] * query_stride_head
+    q_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(query_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)  # [GROUP_PAD, HEAD_DIM_PAD]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max logit (log2 units)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(logit - m_i)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride_seq
+    for tile_start in range(split_start, split_end, TILE):
+        positions = tile_start + tl.arange(0, TILE)  # [TILE]
+        token_mask = positions < split_end
+        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=token_mask, other=0)
+        slots = block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+        # [TILE, HEAD_DIM_PAD]
+        kv_offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + v_cache_offset + kv_offsets, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [GROUP_PAD, TILE]
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # p rounded to the cache dtype, as a tensor-core dot takes it
+        p = p.to(cache_ptr.dtype.element_ty).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]  # seq_len >= 1: never empty
+        out_offsets = (seq.to(tl.int64) * NUM_KV_HEADS * GROUP_SIZE + heads[:, None]) * HEAD_DIM
+        tl.store(
+            out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask
+        )
+    else:
+        part_rows = (seq.to(tl.int64) * NUM_KV_HEADS * GROUP_SIZE + heads) * NUM_SPLITS + split
+        part_out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], part_out, mask=q_mask
+        )
+        tl.store(part_max_ptr + part_rows, m_i, mask=row_mask)
+        tl.store(part_sum_ptr + part_rows, l_i, mask=row_mask)
+
+
+@triton.jit
+def _merge_partitions_kernel(
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] f32
+    part_max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] f32
+    part_sum_ptr,  # [num_seqs, num_heads, NUM_SPLITS] f32
+    seq_lens_ptr,  # [num_seqs]
+    tokens_per_split,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr,  # next power of two of NUM_SPLITS
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    splits = tl.arange(0, NUM_SPLITS_PAD)
+    # partitions that hold tokens of this seq; partition 0 always does
+    valid = (splits < NUM_SPLITS) & (splits * tokens_per_split < seq_len)
+    part_rows = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits  # [NUM_SPLITS_PAD]
+    part_max = tl.load(part_max_ptr + part_rows, mask=valid, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part_rows, mask=valid, other=0.0)
+    weights = tl.exp2(part_max - tl.max(part_max, axis=0)) * part_sum  # 0 where not valid
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    part_out = tl.load(
+        part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
+        mask=valid[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [NUM_SPLITS_PAD, HEAD_DIM_PAD]
+    out = tl.sum(part_out * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    out_offsets = (seq.to(tl.int64) * NUM_HEADS + head) * HEAD_DIM + dims
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def default_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int) -> int:
+    """Partitions per sequence: enough programs to fill a GPU, each with real work."""
+    by_length = -(-max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    by_occupancy = -(-_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
+    return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64, padded
+    seq_lens: torch.Tensor,  # [num_seqs] int32 or int64, each in [1, max_blocks * block_size]
+    scale: float,
+    num_splits: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
+    """Attention of each sequence's one new token over its whole context in the paged cache.
+
+    ``num_splits``: context partitions per sequence (None: ``default_num_splits``).
+    ``max_seq_len``: an upper bound on ``seq_lens`` that sizes the partitions; None takes
+    ``max_blocks * block_size``, which needs no device sync. Understating it drops tokens.
+    ``seq_lens`` values are not checked on the host (that would sync).
+
+    Raises ValueError naming the argument on a wrong shape, dtype, device or layout.
+    """
+    _check_decode_args(query, kv_cache_layer, block_tables, seq_lens)
+    num_seqs, num_heads, head_dim = query.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
+    capacity = block_tables.shape[1] * block_size
+    if max_seq_len is None:
+        max_seq_len = capacity
+    require(
+        1 <= max_seq_len <= capacity,
+        f"max_seq_len must be in [1, max_blocks * block_size = {capacity}], got {max_seq_len}",
+    )
+    if num_splits is None:
+        num_splits = default_num_splits(max_seq_len, num_seqs, num_kv_heads)
+    require(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    raw_tokens_per_split = -(-max_seq_len // num_splits)
+    tile = min(_MAX_TILE, max(_MIN_DOT_DIM, triton.next_power_of_2(raw_tokens_per_split)))
+    tokens_per_split = -(-raw_tokens_per_split // tile) * tile
+    # [num_seqs, num_heads, num_splits(, head_dim)] f32; unused (tiny) with one partition
+    part_shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
+    part_out = query.new_empty((*part_shape, head_dim), dtype=torch.float32)
+    part_max = query.new_empty(part_shape, dtype=torch.float32)
+    part_sum = query.new_empty(part_shape, dtype=torch.float32)
+    group_size = num_heads // num_kv_heads
+    head_dim_pad = max(_MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        kv_cache_layer,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        num_blocks * block_size * num_kv_heads * head_dim,
+        scale * LOG2_E,
+        tokens_per_split,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP_SIZE=group_size,
+        GROUP_PAD=max(_MIN_DOT_DIM, triton.next_power_of_2(group_size)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        NUM_SPLITS=num_splits,
+        # Triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits
+        DOT_FP32=interpreted() or query.dtype == torch.float32,
+    )
+    if num_splits > 1:
+        _merge_partitions_kernel[(num_seqs, num_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            seq_lens,
+            tokens_per_split,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits,
+            NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def _check_decode_args(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    require(
+        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
+        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got {tuple(kv_cache_layer.shape)}",
+    )
+    require(kv_cache_layer.is_contiguous(), "kv_cache_layer must be contiguous")
+    _, _, _, num_kv_heads, head_dim = kv_cache_layer.shape
+    require(
+        kv_cache_layer.dtype in FLOAT_DTYPES,
+        f"kv_cache_layer dtype must be float32, float16 or bfloat16, got {kv_cache_layer.dtype}",
+    )
+    require(
+        query.dim() == 3 and query.shape[2] == head_dim,
+        f"query must be [num_seqs, num_heads, {head_dim}] to match kv_cache_layer, "
+        f"got {tuple(query.shape)}",
+    )
+    num_seqs, num_heads, _ = query.shape
+    require(
+        num_heads % num_kv_heads == 0,
+        f"query's num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
+    )
+    require(
+        query.dtype == kv_cache_layer.dtype,
+        f"query dtype {query.dtype} != kv_cache_layer dtype {kv_cache_layer.dtype}",
+    )
+    require(query.stride(2) == 1, f"query must be contiguous in head_dim ({query.stride()})")
+    require(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+        f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}",
+    )
+    require(block_tables.shape[1] >= 1, "block_tables must have at least one column")
+    require(
+        block_tables.dtype in INDEX_DTYPES,
+        f"block_tables must be int32 or int64, got {block_tables.dtype}",
+    )
+    require(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
+    require(
+        seq_lens.shape == (num_seqs,),
+        f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}",
+    )
+    require(
+        seq_lens.dtype in INDEX_DTYPES, f"seq_lens must be int32 or int64, got {seq_lens.dtype}"
+    )
+    require(seq_lens.is_contiguous(), "seq_lens must be contiguous")
+    require_same_device(kv_cache_layer, query=query, block_tables=block_tables, seq_lens=seq_lens)

@@ -1,0 +1,327 @@
+"""Triton prefill attention over the paged KV cache, for a batch of variable-length prompts.
+
+Each prefill sequence has ``q_len`` new tokens (rows ``query_start_loc[s] ..
+query_start_loc[s + 1]`` of ``query``) and a context of ``seq_len`` tokens, all of them already
+in the paged cache (a cached prefix from an earlier chunk or a prefix-cache hit, then the new
+tokens). New token ``i`` sits at absolute position ``seq_len - q_len + i`` and attends,
+causally, to context positions ``0 ..`` that position (the mask is aligned bottom-right).
+
+Program layout: grid ``(query tile, sequence, kv head)``. One program takes ``BLOCK_Q`` new
+tokens of one sequence times the ``group = num_heads // num_kv_heads`` query heads that share
+one KV head, flattened into ``BLOCK_M = BLOCK_Q * group_pad`` rows (row ``r`` is token
+``r // group_pad``, head ``r % group_pad`` of the group; ``group_pad`` is ``group`` rounded up
+to a power of two and its extra rows are masked). So each K/V tile is loaded once per group
+(GQA), not once per query head. The program walks the KV tiles of ``BLOCK_N`` positions up to
+the causal limit of its last token, gathering each position's slot through the block table,
+with a float32 online softmax (flash attention); tiles wholly below the diagonal skip the
+mask, tiles past the causal limit are never read. Query tiles are handed out last-first, so
+the longest programs start first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    LOG2_E,
+    interpreted,
+    require,
+    require_same_device,
+)
+
+# rows (tokens x group heads) per program and KV positions per tile, float32 halves BLOCK_N
+_BLOCK_M = 128
+_BLOCK_N = 64
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_prefill_tokens, num_heads, head_dim]
+    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64 row offsets into query
+    seq_lens: torch.Tensor,  # [num_seqs] int32/int64 context length after this step
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32/int64, padded
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim], query's dtype
+    """Causal attention of each prefill sequence's new tokens over its whole paged context.
+
+    Raises ValueError naming the argument when shapes, dtypes, devices, strides or the
+    offsets disagree. Validating the offsets reads ``query_start_loc`` and ``seq_lens`` to the
+    host (two tiny copies, a sync on a GPU).
+    """
+    _check_tensors(query, kv_cache_layer, query_start_loc, seq_lens, block_tables)
+    _check_offsets(query, kv_cache_layer, query_start_loc, seq_lens, block_tables, max_query_len)
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, _BLOCK_M // group_pad)  # new tokens per program
+    block_n = _BLOCK_N if query.element_size() <= 2 else max(16, _BLOCK_N // 2)
+    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
+    _paged_prefill_kernel[grid](
+        query,
+        kv_cache_layer,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * LOG2_E,
+        query.stride(0),
+        query.stride(1),
+        kv_cache_layer.stride(0),
+        kv_cache_layer.stride(1),
+        kv_cache_layer.stride(2),
+        kv_cache_layer.stride(3),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=block_size,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # the interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584)
+        UPCAST_DOT=interpreted() and query.dtype == torch.bfloat16,
+        num_warps=8 if block_q * group_pad * head_dim >= 128 * 128 else 4,
+        num_stages=2,
+    )
+    return out
+
+
+def _check_tensors(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> None:
+    """Ranks, dtypes, devices and strides of the arguments."""
+    require(
+        query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {_shape(query)}"
+    )
+    require(
+        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
+        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got {_shape(kv_cache_layer)}",
+    )
+    _, num_heads, head_dim = query.shape
+    num_kv_heads, cache_head_dim = kv_cache_layer.shape[3], kv_cache_layer.shape[4]
+    require(
+        cache_head_dim == head_dim,
+        f"kv_cache_layer head_dim {cache_head_dim} differs from query's {head_dim}",
+    )
+    require(
+        head_dim >= 16 and head_dim & (head_dim - 1) == 0,
+        f"query head_dim must be a power of two >= 16, got {head_dim}",
+    )
+    require(
+        num_kv_heads > 0 and num_heads % num_kv_heads == 0,
+        f"query num_heads {num_heads} is not a multiple of kv_cache_layer's {num_kv_heads}",
+    )
+    require(
+        query.dtype in FLOAT_DTYPES, f"query dtype must be one of {FLOAT_DTYPES}, got {query.dtype}"
+    )
+    require(
+        kv_cache_layer.dtype == query.dtype,
+        f"kv_cache_layer dtype {kv_cache_layer.dtype} differs from query's {query.dtype}",
+    )
+    require(query.stride(2) == 1, f"query's last dim must be contiguous, strides {query.stride()}")
+    require(kv_cache_layer.is_contiguous(), "kv_cache_layer must be contiguous")
+    for name, index in (
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+    ):
+        require(index.dtype in INDEX_DTYPES, f"{name} must be int32/int64, got {index.dtype}")
+        require(index.is_contiguous(), f"{name} must be contiguous")
+    require_same_device(
+        kv_cache_layer,
+        query=query,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+    )
+
+
+def _check_offsets(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+) -> None:
+    """Shapes of the index tensors, and their values against query's rows and the tables."""
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    require(seq_lens.dim() == 1, f"seq_lens must be [num_seqs], got {_shape(seq_lens)}")
+    require(
+        query_start_loc.shape == (num_seqs + 1,),
+        f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}], got {_shape(query_start_loc)}",
+    )
+    require(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+        f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {_shape(block_tables)}",
+    )
+    starts: list[int] = query_start_loc.tolist()
+    lens: list[int] = seq_lens.tolist()
+    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    require(
+        starts[0] == 0 and starts[-1] == query.shape[0] and min(query_lens, default=0) >= 0,
+        f"query_start_loc must rise from 0 to query's {query.shape[0]} rows, got {starts}",
+    )
+    require(
+        max_query_len >= max(query_lens, default=0),
+        f"max_query_len {max_query_len} is below the longest query {max(query_lens, default=0)}",
+    )
+    require(
+        all(q_len <= seq_len for q_len, seq_len in zip(query_lens, lens)),
+        f"seq_lens {lens} must be >= each seq's query length {query_lens}",
+    )
+    block_size = kv_cache_layer.shape[2]
+    needed = -(-max(lens, default=0) // block_size)
+    require(
+        block_tables.shape[1] >= needed,
+        f"block_tables has {block_tables.shape[1]} columns, seq_lens need {needed}",
+    )
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, HEAD_DIM], strides (stride_q_tok, stride_q_head, 1)
+    kv_ptr,  # [2, num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    out_ptr,  # [num_tokens, num_heads, HEAD_DIM]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    seq_lens_ptr,  # [num_seqs]
+    block_tables_ptr,  # [num_seqs, max_blocks]
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    stride_q_tok,
+    stride_q_head,
+    stride_kv_side,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_Q: tl.constexpr,  # new tokens per program
+    BLOCK_N: tl.constexpr,  # KV positions per tile
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,  # tokens per cache block
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # run the dots in float32 (the interpreter's bfloat16 dot is wrong)
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles (most work) first
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    prefix_len = seq_len - q_len  # context cached before this step's tokens
+
+    rows = tl.arange(0, BLOCK_M)
+    token = q_tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] index among the seq's new tokens
+    head_in_group = rows % GROUP_PAD
+    row_valid = (token < q_len) & (head_in_group < GROUP)
+    head = kv_head * GROUP + head_in_group
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + token) * stride_q_tok + head * stride_q_head  # [BLOCK_M] int64
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    query_pos = prefix_len + token  # [BLOCK_M] absolute position; rows past q_len see all
+
+    # KV positions < diag_start are visible to every row; the last token sees < kv_end
+    first_pos = prefix_len + q_tile * BLOCK_Q
+    diag_start = (first_pos + 1) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(prefix_len + (q_tile + 1) * BLOCK_Q, seq_len)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    kv_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (base-2 logits)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for tile_start in range(0, diag_start, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
+            stride_kv_side, stride_kv_block, stride_kv_slot,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, False,
+        )  # fmt: skip
+    for tile_start in range(diag_start, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
+            stride_kv_side, stride_kv_block, stride_kv_slot,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, True,
+        )  # fmt: skip
+
+    acc = acc / l_i[:, None]
+    out_rows = (q_start + token) * stride_o_tok + head * stride_o_head
+    out_ptrs = out_ptr + out_rows[:, None] + dims[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _attend_tile(
+    q,  # [BLOCK_M, HEAD_DIM]
+    acc,  # [BLOCK_M, HEAD_DIM] float32
+    m_i,  # [BLOCK_M] float32
+    l_i,  # [BLOCK_M] float32
+    query_pos,  # [BLOCK_M]
+    tile_start,
+    kv_end,
+    table,  # this seq's block-table row
+    kv_base,  # the cache's K at this kv head
+    qk_scale,
+    stride_kv_side,
+    stride_kv_block,
+    stride_kv_slot,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,  # the tile crosses the diagonal: mask positions > query_pos
+):
+    """One KV tile's online-softmax update of the rows' running max, denominator and output."""
+    pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute context positions
+    pos_valid = pos < kv_end
+    block = tl.load(table + pos // PAGE_SIZE, mask=pos_valid, other=0).to(tl.int64)
+    slot = block * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_slot  # [BLOCK_N] int64
+    dims = tl.arange(0, HEAD_DIM)
+    k = tl.load(kv_base + slot[None, :] + dims[:, None], mask=pos_valid[None, :], other=0.0)
+    v_ptrs = kv_base + stride_kv_side + slot[:, None] + dims[None, :]
+    v = tl.load(v_ptrs, mask=pos_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if CAUSAL_MASK:
+        visible = (pos[None, :] <= query_pos[:, None]) & pos_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    # every row sees position 0 in the first tile, so m_new is finite from then on
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

@@ -1,0 +1,265 @@
+"""The Triton paged decode-attention kernels vs a gather-and-softmax reference and the torch
+backend, on random inputs.
+
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
+which is slow: shapes stay small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_ref import TorchAttentionBackend
+from engine.kernels.kv_cache_write import write_kv_cache
+from engine.kernels.paged_decode_attention import default_num_splits, paged_decode_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    """Random decode inputs: each seq's blocks are a random (non-sequential) pick of the cache."""
+
+    query: torch.Tensor  # [num_seqs, num_heads, head_dim]
+    kv_cache_layer: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int64
+    scale: float
+
+
+def _make_case(
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> DecodeCase:
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # a few never used
+    cache_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(*cache_shape, generator=generator)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator)
+    block_ids = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int64)
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = torch.tensor(block_ids[:count])
+        block_ids = block_ids[count:]
+    return DecodeCase(
+        query=query.to(dtype=dtype, device=DEVICE),
+        kv_cache_layer=cache.to(dtype=dtype, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=DEVICE),
+        scale=head_dim**-0.5,
+    )
+
+
+def _reference(case: DecodeCase) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] float32
+    """Gather each seq's blocks, repeat K/V over the group, softmax attention in float32."""
+    _, _, block_size, num_kv_heads, head_dim = case.kv_cache_layer.shape
+    group = case.query.shape[1] // num_kv_heads
+    outputs = []
+    for row, seq_len in enumerate(case.seq_lens.tolist()):
+        blocks = case.block_tables[row, : -(-seq_len // block_size)]
+        # [seq_len, num_heads, head_dim]
+        key = case.kv_cache_layer[0, blocks].flatten(0, 1)[:seq_len].float()
+        value = case.kv_cache_layer[1, blocks].flatten(0, 1)[:seq_len].float()
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        logits = torch.einsum("hd,thd->ht", case.query[row].float(), key) * case.scale
+        outputs.append(torch.einsum("ht,thd->hd", logits.softmax(-1), value))
+    return torch.stack(outputs)
+
+
+def _run(case: DecodeCase, num_splits: int | None = None) -> torch.Tensor:
+    return paged_decode_attention(
+        case.query, case.kv_cache_layer, case.block_tables, case.seq_lens, case.scale, num_splits
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "block_size", "head_dim", "num_splits"),
+    [
+        (4, 4, 4, 64, None),  # MHA (group 1)
+        (4, 2, 8, 64, 3),  # group 2
+        (8, 2, 16, 128, 2),  # group 4
+        (4, 1, 8, 64, 4),  # MQA (group 4, one KV head)
+        (6, 2, 8, 48, 2),  # group 3 and head_dim 48: neither a power of two
+    ],
+)
+def test_matches_reference(
+    num_heads: int, num_kv_heads: int, block_size: int, head_dim: int, num_splits: int | None
+) -> None:
+    """Mixed lengths, none a multiple of the block size but one, shuffled block tables."""
+    seq_lens = [1, 2 * block_size, 3 * block_size + 5, 37]
+    case = _make_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
+    out = _run(case, num_splits)
+    assert out.shape == case.query.shape and out.dtype == case.query.dtype
+    torch.testing.assert_close(out, _reference(case), atol=2e-5, rtol=1e-5)
+
+
+def test_every_seq_of_length_one() -> None:
+    case = _make_case([1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    torch.testing.assert_close(_run(case, 2), _reference(case), atol=2e-5, rtol=1e-5)
+    # one token: the output is that token's V
+    value = case.kv_cache_layer[1, case.block_tables[:, 0], 0]  # [num_seqs, num_kv_heads, hd]
+    torch.testing.assert_close(_run(case), value.repeat_interleave(2, 1))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+def test_forced_splits_beyond_short_seqs(num_splits: int) -> None:
+    """Partitions past a short seq's end are empty; the long seq spans several partitions
+    (with 1 or 2, of several 64-token tiles each)."""
+    case = _make_case([3, 150, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4, seed=1)
+    torch.testing.assert_close(_run(case, num_splits), _reference(case), atol=2e-5, rtol=1e-5)
+
+
+def test_tight_max_seq_len_and_int32_indices() -> None:
+    case = _make_case([20, 7], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, seed=2)
+    wide_tables = torch.nn.functional.pad(case.block_tables, (0, 13))  # padded far past need
+    out = paged_decode_attention(
+        case.query,
+        case.kv_cache_layer,
+        wide_tables.to(torch.int32),
+        case.seq_lens.to(torch.int32),
+        case.scale,
+        num_splits=3,
+        max_seq_len=20,
+    )
+    torch.testing.assert_close(out, _reference(case), atol=2e-5, rtol=1e-5)
+
+
+def test_strided_query() -> None:
+    """The query as a view of a fused QKV projection: rows further apart than num_heads."""
+    case = _make_case([11, 30], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, seed=3)
+    fused = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    fused[:, :4] = case.query
+    strided = DecodeCase(fused[:, :4], case.kv_cache_layer, case.block_tables, case.seq_lens, 0.1)
+    assert not strided.query.is_contiguous()
+    torch.testing.assert_close(_run(strided, 2), _reference(strided), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_half_precision(dtype: torch.dtype, num_splits: int) -> None:
+    seq_lens = [5, 40, 17]
+    case = _make_case(seq_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=8, dtype=dtype)
+    out = _run(case, num_splits)
+    assert out.dtype == dtype
+    # bf16 keeps 8 mantissa bits: the probabilities are rounded before the P @ V product
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out.float(), _reference(case), atol=tolerance, rtol=tolerance)
+
+
+def test_write_then_decode_matches_torch_backend() -> None:
+    """Both kernels end to end vs TorchAttentionBackend's write_kv + forward on decode metadata."""
+    seq_lens = [6, 19, 1]
+    case = _make_case(seq_lens, num_heads=4, num_kv_heads=2, head_dim=64, block_size=4, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    new_kv = torch.randn(2, len(seq_lens), 2, 64, generator=generator).to(DEVICE)
+    positions = case.seq_lens - 1  # the new token is each seq's last
+    slots = case.block_tables.gather(1, (positions // 4)[:, None])[:, 0] * 4 + positions % 4
+    metadata = AttentionMetadata(
+        num_prefill_seqs=0,
+        num_prefill_tokens=0,
+        num_decode_seqs=len(seq_lens),
+        slot_mapping=slots,
+        prefill_query_start_loc=[0],
+        prefill_seq_lens=[],
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int64, device=DEVICE),
+        decode_seq_lens=case.seq_lens,
+        decode_block_tables=case.block_tables,
+        max_decode_seq_len=max(seq_lens),
+    )
+    backend = TorchAttentionBackend()
+    torch_cache = case.kv_cache_layer.clone()
+    backend.write_kv(torch_cache, new_kv[0], new_kv[1], slots)
+    expected = backend.forward(case.query, torch_cache, metadata, case.scale)
+
+    write_kv_cache(case.kv_cache_layer, new_kv[0], new_kv[1], slots)
+    assert torch.equal(case.kv_cache_layer, torch_cache)
+    out = paged_decode_attention(
+        case.query,
+        case.kv_cache_layer,
+        metadata.decode_block_tables,
+        metadata.decode_seq_lens,
+        case.scale,
+        num_splits=2,
+        max_seq_len=metadata.max_decode_seq_len,
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_default_num_splits() -> None:
+    assert default_num_splits(max_seq_len=100, num_seqs=1, num_kv_heads=8) == 1  # short
+    assert default_num_splits(max_seq_len=1024, num_seqs=64, num_kv_heads=8) == 1  # busy grid
+    assert default_num_splits(max_seq_len=4096, num_seqs=2, num_kv_heads=8) == 16
+    assert default_num_splits(max_seq_len=1 << 20, num_seqs=1, num_kv_heads=1) == 64  # capped
+
+
+def _bad_case(argument: str) -> tuple[list[object], str]:
+    case = _make_case([5, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    args: list[object] = [case.query, case.kv_cache_layer, case.block_tables, case.seq_lens, 0.1]
+    bad: dict[str, tuple[int, object, str]] = {
+        "query_shape": (0, case.query[:, :, :32], "query must be"),
+        "query_heads": (0, case.query[:, :3], "not a multiple of num_kv_heads"),
+        "query_dtype": (0, case.query.double(), "query dtype"),
+        "query_strides": (0, case.query.transpose(1, 2).contiguous().transpose(1, 2), "head_dim"),
+        "cache_strides": (1, case.kv_cache_layer.transpose(1, 2), "kv_cache_layer must be contig"),
+        "cache_dtype": (1, case.kv_cache_layer.to(torch.int32), "kv_cache_layer dtype"),
+        "tables_shape": (2, case.block_tables[:1], "block_tables must be"),
+        "tables_dtype": (2, case.block_tables.float(), "block_tables must be int32 or int64"),
+        "tables_strides": (2, case.block_tables.t().contiguous().t(), "block_tables rows"),
+        "lens_shape": (3, case.seq_lens[:, None], "seq_lens must be"),
+        "lens_device": (3, torch.empty(2, dtype=torch.int64, device="meta"), "seq_lens is on"),
+    }
+    position, value, message = bad[argument]
+    args[position] = value
+    return args, message
+
+
+@pytest.mark.parametrize(
+    "argument",
+    [
+        "query_shape",
+        "query_heads",
+        "query_dtype",
+        "query_strides",
+        "cache_strides",
+        "cache_dtype",
+        "tables_shape",
+        "tables_dtype",
+        "tables_strides",
+        "lens_shape",
+        "lens_device",
+    ],
+)
+def test_bad_arguments_name_the_argument(argument: str) -> None:
+    args, message = _bad_case(argument)
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(*args)  # type: ignore[arg-type]
+
+
+def test_bad_split_settings() -> None:
+    case = _make_case([5, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    args = (case.query, case.kv_cache_layer, case.block_tables, case.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode_attention(*args, num_splits=0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        paged_decode_attention(*args, max_seq_len=17)  # the tables hold 2 blocks of 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_full_size_on_gpu(num_splits: int | None) -> None:
+    """64 seqs of about 1k tokens, bf16, 32 query heads over 8 KV heads of 128."""
+    seq_lens = [1024 - 7 * i for i in range(64)]
+    case = _make_case(seq_lens, 32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    out = _run(case, num_splits)
+    torch.testing.assert_close(out.float(), _reference(case), atol=2e-2, rtol=2e-2)

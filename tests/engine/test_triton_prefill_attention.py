@@ -1,0 +1,252 @@
+"""The Triton paged prefill-attention kernel against a naive torch reference on random inputs.
+
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
+so shapes stay small; most cases shrink the tiles so that queries span several of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_ref import TorchAttentionBackend
+from engine.kernels import paged_prefill_attention as kernel_module
+from engine.kernels.paged_prefill_attention import paged_prefill_attention
+
+# (context length after this step, new tokens) per seq: fresh prompts have both equal; the last
+# has its first new token one short of a 16-position tile edge (the unmasked/diagonal split)
+MIXED_SEQS = [(37, 37), (50, 13), (1, 1), (19, 19), (46, 16)]
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    kv_cache_layer: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    seqs: list[tuple[int, int]]  # (seq_len, query_len) per seq
+    scale: float
+
+    @property
+    def max_query_len(self) -> int:
+        return max(query_len for _, query_len in self.seqs)
+
+    def run(self) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        return paged_prefill_attention(
+            self.query,
+            self.kv_cache_layer,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_tables,
+            self.scale,
+            self.max_query_len,
+        )
+
+
+def _make_case(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> PrefillCase:
+    """Random cache and queries; each seq's blocks drawn from a shuffled pool."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = []
+    num_blocks = sum(-(-seq_len // block_size) for seq_len, _ in seqs) + 3  # a few unused
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    for seq_len, _ in seqs:
+        tables.append([pool.pop() for _ in range(-(-seq_len // block_size))])
+    width = max(len(table) for table in tables) + 2  # padded wider than needed
+    block_tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for row, table in enumerate(tables):
+        block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    num_tokens = sum(query_len for _, query_len in seqs)
+    # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    starts = torch.tensor([0] + [q for _, q in seqs], dtype=torch.int32).cumsum(0)
+    return PrefillCase(
+        query=query.to(dtype=dtype, device=device),
+        kv_cache_layer=cache.to(dtype=dtype, device=device),
+        query_start_loc=starts.to(dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        seqs=seqs,
+        scale=head_dim**-0.5,
+    )
+
+
+def _reference(case: PrefillCase) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float64
+    """Per seq: gather its blocks, bottom-right causal mask, float64 softmax, GQA by repeat."""
+    outputs = []
+    cache = case.kv_cache_layer.double()
+    device = cache.device
+    block_size, num_kv_heads = cache.shape[2], cache.shape[3]
+    group = case.query.shape[1] // num_kv_heads
+    start = 0
+    for row, (seq_len, query_len) in enumerate(case.seqs):
+        table = case.block_tables[row, : -(-seq_len // block_size)].long()
+        key, value = cache[:, table].flatten(1, 2)[:, :seq_len]  # [seq_len, kv_heads, head_dim]
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+        query = case.query[start : start + query_len].double()
+        scores = torch.einsum("qhd,khd->hqk", query, key) * case.scale
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+        context_pos = torch.arange(seq_len, device=device)[None, :]
+        scores.masked_fill_(context_pos > query_pos, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), value))
+        start += query_len
+    return torch.cat(outputs)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 rows per program and 16 KV positions per tile: short seqs still span several."""
+    monkeypatch.setattr(kernel_module, "_BLOCK_M", 32)
+    monkeypatch.setattr(kernel_module, "_BLOCK_N", 16)
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(2, 2, 64, 16), (4, 2, 128, 8), (8, 2, 64, 32), (6, 2, 64, 16)],
+    ids=["mha", "gqa2", "gqa4", "gqa3-padded"],
+)
+def test_mixed_batch_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Fresh prompts, a chunk after a cached prefix and a 1-token prompt in one batch."""
+    case = _make_case(MIXED_SEQS, num_heads, num_kv_heads, head_dim, block_size)
+    torch.testing.assert_close(case.run().double(), _reference(case), atol=1e-5, rtol=1e-5)
+
+
+def test_default_tiles_match_reference() -> None:
+    """The GPU tile sizes (128 rows, 64 positions), in the interpreter: one query tile."""
+    case = _make_case([(70, 70), (90, 21)], 8, 2, 64, 16, seed=1)
+    torch.testing.assert_close(case.run().double(), _reference(case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_matches_reference(dtype: torch.dtype) -> None:
+    case = _make_case(MIXED_SEQS, 4, 2, 64, 16, dtype=dtype, seed=2)
+    out = case.run()
+    assert out.dtype == dtype
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    torch.testing.assert_close(out.double(), _reference(case), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.usefixtures("small_tiles")
+def test_strided_query_from_fused_projection() -> None:
+    """Query as a slice of a fused qkv output: rows strided, head_dim contiguous."""
+    case = _make_case([(29, 29), (40, 17)], 4, 2, 64, 8, seed=3)
+    num_tokens, num_heads, head_dim = case.query.shape
+    fused = torch.randn(num_tokens, num_heads + 4, head_dim)  # q heads, then k/v heads
+    fused[:, :num_heads] = case.query
+    strided = replace(case, query=fused[:, :num_heads])
+    assert not strided.query.is_contiguous()
+    torch.testing.assert_close(strided.run(), case.run())
+
+
+@pytest.mark.usefixtures("small_tiles")
+def test_matches_torch_backend() -> None:
+    """Same output as the reference backend given prefill-only metadata."""
+    seqs = [(45, 45), (33, 10)]
+    case = _make_case(seqs, 4, 2, 64, 16, seed=4)
+    starts = case.query_start_loc.tolist()
+    metadata = AttentionMetadata(
+        num_prefill_seqs=len(seqs),
+        num_prefill_tokens=starts[-1],
+        num_decode_seqs=0,
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.long),  # unused by forward
+        prefill_query_start_loc=starts,
+        prefill_seq_lens=case.seq_lens.tolist(),
+        prefill_block_tables=case.block_tables.long(),
+        decode_seq_lens=torch.zeros(0, dtype=torch.long),
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
+        max_decode_seq_len=0,
+    )
+    expected = TorchAttentionBackend().forward(
+        case.query, case.kv_cache_layer, metadata, case.scale
+    )
+    torch.testing.assert_close(case.run(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_int64_indices_accepted() -> None:
+    case = _make_case([(20, 5)], 2, 1, 64, 16, seed=5)
+    wide = replace(
+        case,
+        query_start_loc=case.query_start_loc.long(),
+        seq_lens=case.seq_lens.long(),
+        block_tables=case.block_tables.long(),
+    )
+    torch.testing.assert_close(wide.run(), case.run())
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda c: {"query": c.query[:, :, :32]}, "head_dim"),
+        (lambda c: {"query": c.query[0]}, "query must be"),
+        (lambda c: {"query": c.query.double()}, "query dtype"),
+        (lambda c: {"kv_cache_layer": c.kv_cache_layer.half()}, "kv_cache_layer dtype"),
+        (lambda c: {"kv_cache_layer": c.kv_cache_layer[0]}, "kv_cache_layer must be"),
+        (
+            lambda c: {"kv_cache_layer": c.kv_cache_layer.transpose(3, 4).contiguous().mT},
+            "kv_cache_layer must be contiguous",
+        ),
+        (lambda c: {"query": c.query.mT.contiguous().mT}, "query's last dim"),
+        (lambda c: {"query": c.query[:, :3]}, "num_heads"),
+        (lambda c: {"query_start_loc": c.query_start_loc.float()}, "query_start_loc must be int"),
+        (lambda c: {"query_start_loc": c.query_start_loc[:-1]}, "query_start_loc must be"),
+        (lambda c: {"query_start_loc": c.query_start_loc + 1}, "query_start_loc must rise"),
+        (lambda c: {"query": c.query[:-1]}, "query_start_loc must rise"),
+        (lambda c: {"seq_lens": c.seq_lens - 20}, "seq_lens"),
+        (lambda c: {"block_tables": c.block_tables[:, :1].clone()}, "block_tables has"),
+        (lambda c: {"block_tables": c.block_tables[:1]}, "block_tables must be"),
+        (lambda c: {"block_tables": c.block_tables.mT.contiguous().mT}, "block_tables must be"),
+    ],
+)
+def test_wrapper_rejects_bad_arguments(
+    change: Callable[[PrefillCase], dict[str, Any]], match: str
+) -> None:
+    """Each bad argument raises ValueError with a message naming it."""
+    case = _make_case([(30, 30), (40, 10)], 4, 2, 64, 16)
+    with pytest.raises(ValueError, match=match):
+        replace(case, **change(case)).run()
+
+
+def test_wrapper_rejects_short_max_query_len() -> None:
+    case = _make_case([(30, 30), (40, 10)], 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="max_query_len"):
+        paged_prefill_attention(
+            case.query,
+            case.kv_cache_layer,
+            case.query_start_loc,
+            case.seq_lens,
+            case.block_tables,
+            case.scale,
+            max_query_len=29,
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_full_size_bf16_on_gpu() -> None:
+    """4 seqs, 8k new tokens, two of them after a cached prefix; 32 heads / 8 kv heads."""
+    seqs = [(3000, 3000), (2600, 1600), (2048, 2048), (2500, 1544)]
+    assert sum(query_len for _, query_len in seqs) == 8192
+    case = _make_case(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, device="cuda", seed=6)
+    out = case.run()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.double(), _reference(case), atol=2e-2, rtol=2e-2)
