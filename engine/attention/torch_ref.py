@@ -24,29 +24,44 @@ _CHUNK_BYTES = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class _DecodeChunk:
-    """Decode seqs whose K/V are gathered together: their blocks back to back."""
+    """Decode seqs whose K/V are gathered together, their blocks back to back, into the
+    decode workspace; the per-seq K/V views onto it serve every layer of the step."""
 
     block_ids: torch.Tensor  # [num_chunk_blocks] int64: the first seq's blocks, then the next's
-    spans: list[tuple[int, int, int]]  # per seq: (batch row, first gathered token, context len)
+    gathered: torch.Tensor  # [2, num_chunk_blocks, block_numel]: where the gather writes
+    keys: list[torch.Tensor]  # per seq, in batch order: [1, num_kv_heads, seq_len, head_dim]
+    values: list[torch.Tensor]  # the same for V
 
 
 def _decode_chunk(
-    tables: torch.Tensor, seq_lens: list[int], rows: list[int], block_size: int
+    tables: torch.Tensor,
+    seq_lens: list[int],
+    rows: list[int],
+    workspace: torch.Tensor,  # flat, at least 2 * num_chunk_blocks * block_numel
+    cache_shape: torch.Size,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
 ) -> _DecodeChunk:
-    spans, parts, start = [], [], 0
+    _, _, block_size, num_kv_heads, head_dim = cache_shape
+    block_numel = block_size * num_kv_heads * head_dim
+    parts, spans, start = [], [], 0
     for row in rows:
         num_seq_blocks = -(-seq_lens[row] // block_size)
         parts.append(tables[row, :num_seq_blocks])
-        spans.append((row, start, seq_lens[row]))
+        spans.append((start, seq_lens[row]))
         start += num_seq_blocks * block_size
-    return _DecodeChunk(torch.cat(parts), spans)
+    block_ids = torch.cat(parts)
+    gathered = workspace[: 2 * block_ids.numel() * block_numel].view(2, -1, block_numel)
+    kv = gathered.view(2, 1, start, num_kv_heads, head_dim).transpose(2, 3)
+    keys = [kv[0, :, :, first : first + seq_len] for first, seq_len in spans]
+    values = [kv[1, :, :, first : first + seq_len] for first, seq_len in spans]
+    return _DecodeChunk(block_ids, gathered, keys, values)
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self) -> None:
-        self._workspace: torch.Tensor | None = None  # flat buffer the gathered K/V go to
+        self._workspace: torch.Tensor | None = None  # flat buffer gathered prefill K/V go to
+        self._decode_workspace: torch.Tensor | None = None  # ... and CPU decode chunks' K/V
         # this step's CPU decode chunks, memoised on its metadata for the other layers
         self._step_chunks: tuple[AttentionMetadata, list[_DecodeChunk]] | None = None
 
@@ -122,44 +137,51 @@ class TorchAttentionBackend(AttentionBackend):
 
         Decode attention on CPU is bound by memory traffic: padding every seq to the longest
         wastes copies, and a whole batch's gathered K/V spills the cache before SDPA reads it.
-        The chunks are built once per step and reused by every layer.
+        The chunks and their per-seq K/V views are built once per step for every layer, so a
+        seq costs one SDPA call per layer and no view ops.
         """
-        _, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
-        token_bytes = 2 * num_kv_heads * head_dim * kv_cache_layer.element_size()
-        chunks = self._decode_chunks(metadata, block_size, token_bytes)
-        num_seqs, num_heads, _ = query.shape
-        # [num_seqs, 1, num_kv_heads, group, head_dim]: 4-D per seq, as CPU flash SDPA needs
-        grouped = query.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = torch.empty_like(query)
-        for chunk in chunks:
-            kv = self._gather(kv_cache_layer, chunk.block_ids[None, :])[:, 0]  # [2, tok, kvh, hd]
-            for row, start, seq_len in chunk.spans:
-                out[row] = F.scaled_dot_product_attention(
-                    grouped[row],
-                    kv[0, start : start + seq_len].transpose(0, 1)[None],  # [1, kvh, len, hd]
-                    kv[1, start : start + seq_len].transpose(0, 1)[None],
-                    scale=scale,
-                ).view(num_heads, head_dim)
-        return out
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads = kv_cache_layer.shape[3]
+        blocks = kv_cache_layer.view(2, kv_cache_layer.shape[1], -1)  # [2, num_blocks, numel]
+        # per seq [1, num_kv_heads, group, head_dim]: 4-D, as CPU flash SDPA needs
+        queries = iter(query.view(num_seqs, 1, num_kv_heads, -1, head_dim).unbind(0))
+        outputs = []
+        for chunk in self._decode_chunks(metadata, kv_cache_layer):
+            torch.index_select(blocks[0], 0, chunk.block_ids, out=chunk.gathered[0])
+            torch.index_select(blocks[1], 0, chunk.block_ids, out=chunk.gathered[1])
+            for key, value in zip(chunk.keys, chunk.values):
+                outputs.append(
+                    F.scaled_dot_product_attention(next(queries), key, value, scale=scale)
+                )
+        return torch.cat(outputs).view(num_seqs, num_heads, head_dim)
 
     def _decode_chunks(
-        self, metadata: AttentionMetadata, block_size: int, token_bytes: int
+        self, metadata: AttentionMetadata, kv_cache_layer: torch.Tensor
     ) -> list[_DecodeChunk]:
         """The step's decode seqs in cache-sized chunks; reused by every layer of the step."""
-        cached = self._step_chunks
+        cached, workspace = self._step_chunks, self._decode_workspace
         if cached is not None and cached[0] is metadata:
-            return cached[1]
+            if workspace is not None and _fits(workspace, 0, kv_cache_layer):
+                return cached[1]
+        _, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+        token_bytes = 2 * num_kv_heads * head_dim * kv_cache_layer.element_size()
         seq_lens = metadata.decode_seq_lens.tolist()
-        tables = metadata.decode_block_tables
-        chunks: list[_DecodeChunk] = []
-        rows: list[int] = []
-        chunk_tokens = 0
+        groups: list[list[int]] = [[]]
+        group_tokens = [0]
         for row, seq_len in enumerate(seq_lens):
-            rows.append(row)
-            chunk_tokens += -(-seq_len // block_size) * block_size
-            if chunk_tokens * token_bytes >= _CHUNK_BYTES or row == len(seq_lens) - 1:
-                chunks.append(_decode_chunk(tables, seq_lens, rows, block_size))
-                rows, chunk_tokens = [], 0
+            if group_tokens[-1] * token_bytes >= _CHUNK_BYTES:
+                groups.append([])
+                group_tokens.append(0)
+            groups[-1].append(row)
+            group_tokens[-1] += -(-seq_len // block_size) * block_size
+        numel = 2 * max(group_tokens) * num_kv_heads * head_dim
+        if workspace is None or not _fits(workspace, numel, kv_cache_layer):
+            workspace = self._decode_workspace = _new_workspace(numel, kv_cache_layer)
+        tables = metadata.decode_block_tables
+        chunks = [
+            _decode_chunk(tables, seq_lens, rows, workspace, kv_cache_layer.shape)
+            for rows in groups
+        ]
         self._step_chunks = (metadata, chunks)
         return chunks
 
@@ -186,16 +208,24 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _workspace_view(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         workspace = self._workspace
-        if (
-            workspace is None
-            or workspace.numel() < numel
-            or workspace.dtype != like.dtype
-            or workspace.device != like.device
-            or (workspace.is_inference() and not torch.is_inference_mode_enabled())
-        ):
-            workspace = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._workspace = workspace
+        if workspace is None or not _fits(workspace, numel, like):
+            workspace = self._workspace = _new_workspace(numel, like)
         return workspace[:numel]
+
+
+def _fits(workspace: torch.Tensor, numel: int, like: torch.Tensor) -> bool:
+    """A reused workspace serves ``numel`` elements like ``like`` (and inference mode
+    tensors cannot be written outside inference mode)."""
+    return (
+        workspace.numel() >= numel
+        and workspace.dtype == like.dtype
+        and workspace.device == like.device
+        and (not workspace.is_inference() or torch.is_inference_mode_enabled())
+    )
+
+
+def _new_workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
 def _num_blocks(seq_len: int, kv_cache_layer: torch.Tensor) -> int:
