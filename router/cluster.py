@@ -152,8 +152,13 @@ class Cluster:
             if request.request_id in self._trackers:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
             tracker = RequestTracker(request, sink, None, "")
-            self._place(tracker, request)
             self._trackers[request.request_id] = tracker
+        try:
+            self._place(tracker, request)
+        except BaseException:
+            with self._lock:
+                self._trackers.pop(request.request_id, None)
+            raise
         return tracker
 
     def abort(self, request_id: str) -> None:
@@ -191,13 +196,44 @@ class Cluster:
 
     # ---- routing ------------------------------------------------------------------------
     def _place(self, tracker: RequestTracker, request: GenerateRequest) -> None:
-        """Pick workers for a (re)submitted request and send it; caller holds the lock.
+        """Pick workers for a (re)submitted request and send it there.
+
+        The lock is taken to choose and to record, not while the worker accepts: a worker
+        takes a request between two engine steps, and holding the lock meanwhile would stall
+        every other request's tokens for up to a step. While ``tracker.placing``, its tokens
+        are accepted, a failure report is held, and a worker's death does not see it; so once
+        the worker has accepted, the choice is checked again against deaths meanwhile. (A
+        re-route after a failure runs with the lock held by its caller; it is rare.)
 
         A chosen worker found dead on submission is taken out of rotation (its other requests
         recovered) and the choice is made again among the live ones.
         """
+        tracker.placing = True
+        try:
+            for _ in range(len(self.workers)):
+                prefill_id, decode_id = self._choose(request)
+                target = self.workers[prefill_id or decode_id]
+                try:
+                    if prefill_id is None:
+                        ref = target.actor.submit.remote(request)
+                    else:
+                        ref = target.actor.submit.remote(request, decode_id)
+                    ray.get(ref, timeout=_CALL_TIMEOUT_S)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    self._on_worker_dead(target, skip=tracker)
+                    continue
+                if self._record_placement(tracker, prefill_id, decode_id):
+                    return
+                request = tracker.resume_request()  # a chosen worker died after accepting
+            raise RequestFailedError("no live worker accepted the request")
+        finally:
+            tracker.placing = False
+
+    def _choose(self, request: GenerateRequest) -> tuple[str | None, str]:
+        """(prefill worker or None, decode worker) for the request, among the live ones; the
+        choice counts towards their load at once, so requests routed meanwhile see it."""
         info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
-        for _ in range(len(self.workers)):
+        with self._lock:
             try:
                 decode_id = self.policy.choose_decode(info, self.live_loads("decode"))
                 prefill_id = None
@@ -205,20 +241,28 @@ class Cluster:
                     prefill_id = self.policy.choose_prefill(info, self.live_loads("prefill"))
             except NoWorkerError as error:
                 raise RequestFailedError(str(error)) from error
-            target = self.workers[prefill_id or decode_id]
-            try:
-                if prefill_id is None:
-                    ref = target.actor.submit.remote(request)
-                else:
-                    ref = target.actor.submit.remote(request, decode_id)
-                ray.get(ref, timeout=_CALL_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                self._on_worker_dead(target, skip=tracker)
-                continue
-            tracker.prefill_worker, tracker.decode_worker = prefill_id, decode_id
             self._count_routed(prefill_id, decode_id, request)
-            return
-        raise RequestFailedError("no live worker accepted the request")
+        return prefill_id, decode_id
+
+    def _record_placement(
+        self, tracker: RequestTracker, prefill_id: str | None, decode_id: str
+    ) -> bool:
+        """Note where an accepted request runs; False if a chosen worker died meanwhile."""
+        with self._lock:
+            if not all(self.workers[w].alive for w in (prefill_id, decode_id) if w is not None):
+                return False
+            if tracker.started_decoding:
+                prefill_id = None  # the prefill part is over already
+            tracker.prefill_worker, tracker.decode_worker = prefill_id, decode_id
+            tracker.placing = False
+            held, tracker.held_failure = tracker.held_failure, None
+            if tracker.closed:  # aborted while placing: the abort saw no workers yet
+                for worker_id in (prefill_id, decode_id):
+                    if worker_id is not None:
+                        self.workers[worker_id].actor.abort.remote(tracker.request_id)
+            elif held is not None:
+                self._on_failure(held)
+        return True
 
     def _count_routed(
         self, prefill_id: str | None, decode_id: str, request: GenerateRequest
@@ -270,6 +314,9 @@ class Cluster:
     def _on_failure(self, failure: RequestFailure) -> None:
         tracker = self._trackers.get(failure.request_id)
         if tracker is None:
+            return
+        if tracker.placing:
+            tracker.held_failure = failure
             return
         if failure.retryable and tracker.num_retries < self.config.max_retries:
             if not self._continues_on_decode_worker(tracker):

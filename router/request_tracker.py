@@ -33,6 +33,8 @@ class RequestTracker:
     early: dict[tuple[int, int], TokenEvent] = field(default_factory=dict)  # (sample, pos)
     num_retries: int = 0
     closed: bool = False
+    placing: bool = False  # a worker is being asked to take it; its workers are not set yet
+    held_failure: RequestFailure | None = None  # reported while placing: handled after
 
     @property
     def request_id(self) -> str:

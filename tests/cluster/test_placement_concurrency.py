@@ -1,0 +1,90 @@
+"""A worker slow to accept a request (mid-step) holds up neither other requests' routing nor
+their tokens: the router does not hold its lock while a worker accepts."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from engine import SamplingParams
+from engine.messages import GenerateRequest, OutputBatch, TokenEvent, WorkerLoad
+from router.cluster import Cluster, WorkerHandle
+from router.cluster_config import ClusterConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@ray.remote(max_concurrency=4)
+class GatedWorker:
+    """A decode worker's actor interface whose ``submit`` waits for a gate, as a real one
+    waits for its engine step to end; an accepted request gets one final token."""
+
+    def __init__(self, worker_id: str, gated: bool) -> None:
+        self.worker_id = worker_id
+        self.gate = threading.Event()
+        if not gated:
+            self.gate.set()
+        self.num_accepting = 0
+        self.outputs: queue.Queue[OutputBatch] = queue.Queue()
+
+    def ready(self) -> bool:
+        return True
+
+    def submit(self, request: GenerateRequest) -> bool:
+        self.num_accepting += 1
+        self.gate.wait(60)
+        event = TokenEvent(request.request_id, 0, 0, 7, None, "length")
+        self.outputs.put(OutputBatch(self.worker_id, [event]))
+        return True
+
+    def accepting(self) -> int:
+        return self.num_accepting
+
+    def open_gate(self) -> None:
+        self.gate.set()
+
+    def stream(self, gateway_id: str) -> Iterator[OutputBatch]:
+        while True:
+            yield self.outputs.get()
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(self.worker_id, "decode", 0, 0, 0, 0.0, 100)
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_worker_slow_to_accept_does_not_stall_other_requests(ray_session: None) -> None:
+    gated, fast = GatedWorker.remote("decode-0", True), GatedWorker.remote("decode-1", False)
+    workers = [WorkerHandle("decode-0", "decode", gated), WorkerHandle("decode-1", "decode", fast)]
+    config = ClusterConfig(model_dir="unused", num_prefill=0, num_decode=2)
+    cluster = Cluster(config, workers)
+    cluster._start_threads()
+    cluster._poll_loads()
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    async def first_token(prompt: list[int]) -> int:
+        return [event.token_id async for event in cluster.generate(prompt, params)][0]
+
+    async def main() -> None:
+        slow = asyncio.create_task(first_token([1, 2, 3]))  # least loaded, by id: decode-0
+        while ray.get(gated.accepting.remote()) == 0:
+            await asyncio.sleep(0.01)
+        # routed to decode-1 and answered while decode-0 still holds the first request
+        assert await asyncio.wait_for(first_token([4, 5]), timeout=10) == 7
+        assert not slow.done()
+        gated.open_gate.remote()
+        assert await asyncio.wait_for(slow, timeout=10) == 7
+
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.shutdown()
