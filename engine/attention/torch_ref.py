@@ -160,9 +160,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> list[_DecodeChunk]:
         """The step's decode seqs in cache-sized chunks; reused by every layer of the step."""
         cached, workspace = self._step_chunks, self._decode_workspace
-        if cached is not None and cached[0] is metadata:
-            if workspace is not None and _fits(workspace, 0, kv_cache_layer):
-                return cached[1]
+        fresh = workspace is not None and _fits(workspace, 0, kv_cache_layer)
+        if cached is not None and cached[0] is metadata and fresh:
+            return cached[1]
         _, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
         token_bytes = 2 * num_kv_heads * head_dim * kv_cache_layer.element_size()
         seq_lens = metadata.decode_seq_lens.tolist()
