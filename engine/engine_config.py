@@ -32,6 +32,12 @@ class LoadConfig:
     seed: int = 0  # dummy weights and the unseeded sampling RNG
     max_model_len: int | None = None  # cap on prompt + output tokens (default: the model's)
     linear_backend: str = "auto"  # torch | onednn | auto (onednn on CPU where it runs)
+    # How the loaded model runs, beside device, dtype and linear_backend (vLLM keeps
+    # enforce_eager in its ModelConfig with the same fields); the cluster hands it to every
+    # worker through ClusterConfig.load_config(). Graphs need CUDA and the Triton attention
+    # backend: elsewhere every step is eager anyway (engine/decode_graphs.py).
+    enforce_eager: bool = False  # never capture CUDA graphs of decode steps
+    max_capture_batch_size: int = 256  # largest decode batch captured (also <= max_num_seqs)
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -45,6 +51,10 @@ class LoadConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_capture_batch_size < 1:
+            raise ValueError(
+                f"max_capture_batch_size must be >= 1, got {self.max_capture_batch_size}"
+            )
 
     def torch_device(self) -> torch.device:
         import torch

@@ -44,9 +44,19 @@ class LLM:
         enable_chunked_prefill: bool = True,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         self.engine = LLMEngine(
-            LoadConfig(model, dtype, device, load_format, seed, max_model_len, linear_backend),
+            LoadConfig(
+                model,
+                dtype,
+                device,
+                load_format,
+                seed,
+                max_model_len,
+                linear_backend,
+                enforce_eager=enforce_eager,
+            ),
             CacheConfig(
                 block_size,
                 enable_prefix_caching,

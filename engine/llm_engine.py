@@ -16,6 +16,12 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.selector import get_attention_backend
+from engine.decode_graphs import (
+    CudaGraphCapturer,
+    DecodeGraphs,
+    capture_batch_sizes,
+    use_decode_graphs,
+)
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.handoff import PrefillResult, SampleStart
 from engine.kernels.linear import resolve_linear_backend
@@ -100,6 +106,7 @@ class LLMEngine:
             attn_backend,
             eos,
             self.device,
+            self._capture_decode_graphs(load, scheduler.max_num_seqs, attn_backend),
         )
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
@@ -367,6 +374,21 @@ class LLMEngine:
                 vocab_size=self.model_config.vocab_size,
             )
         return num_kv_blocks(cache.budget, layout, self.device, activation_bytes)
+
+    def _capture_decode_graphs(
+        self, load: LoadConfig, max_num_seqs: int, attn_backend: AttentionBackend
+    ) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps up to the largest batch the scheduler can run, or None."""
+        if not use_decode_graphs(load.enforce_eager, self.device, attn_backend.name):
+            return None
+        return DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            attn_backend,
+            max_model_len=self.max_model_len,
+            batch_sizes=capture_batch_sizes(min(load.max_capture_batch_size, max_num_seqs)),
+            capturer=CudaGraphCapturer(self.device),
+        )
 
     def _finish(self, state: RequestState) -> RequestOutput:
         del self._requests[state.request_id]

@@ -2,12 +2,14 @@
 
 Per step: copy-on-write block copies -> flatten the scheduled tokens (prompt chunks first, then
 single-token decodes) -> attention metadata -> forward under the forward context -> logits of
-the last token of every sequence that samples -> sampler.
+the last token of every sequence that samples -> sampler. A decode-only step replays a captured
+CUDA graph of the forward instead, when the runner has them (engine/decode_graphs.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
@@ -15,6 +17,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.decode_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.models.registry import CausalLM
 from engine.sampling import Sampler, SamplingRow, make_generator
@@ -32,6 +35,7 @@ class ModelRunner:
         attn_backend: AttentionBackend,
         eos_token_ids: frozenset[int],
         device: torch.device,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -39,6 +43,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.decode_graphs = decode_graphs  # None: every step runs eagerly
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
 
@@ -69,12 +74,10 @@ class ModelRunner:
         prefills = [e for e in output.scheduled if e.num_new_tokens > 1]
         decodes = [e for e in output.scheduled if e.num_new_tokens == 1]
         ordered = prefills + decodes
-        input_ids, positions, metadata = self._prepare_inputs(prefills, decodes)
+        forward = self._prepare_forward(prefills, decodes)
         sample_rows, row_entries = self._sample_rows(ordered)
         started = time.perf_counter()
-        context = ForwardContext(metadata, self.kv_cache, self.attn_backend)
-        with set_forward_context(context):
-            hidden = self.model.forward(input_ids, positions)  # [num_tokens, hidden]
+        hidden = forward()  # [num_tokens, hidden]
         if not sample_rows:
             return ModelRunnerOutput({}, {}, time.perf_counter() - started)
         row_index = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
@@ -87,6 +90,24 @@ class ModelRunner:
             seq.seq_id: lp for seq, lp in zip(row_entries, sampled.logprobs) if lp is not None
         }
         return ModelRunnerOutput(token_ids, logprobs, forward_seconds)
+
+    def _prepare_forward(
+        self, prefills: list[ScheduledSequence], decodes: list[ScheduledSequence]
+    ) -> Callable[[], torch.Tensor]:
+        """Put the step's inputs on the device; the call returned runs the forward and gives
+        the hidden states of its tokens, [num_tokens, hidden_size]."""
+        if self.decode_graphs is not None and not prefills:
+            replay = self.decode_graphs.prepare(decodes)
+            if replay is not None:
+                return replay
+        input_ids, positions, metadata = self._prepare_inputs(prefills, decodes)
+        context = ForwardContext(metadata, self.kv_cache, self.attn_backend)
+
+        def forward() -> torch.Tensor:
+            with set_forward_context(context):
+                return self.model.forward(input_ids, positions)
+
+        return forward
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)

@@ -19,7 +19,7 @@ import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from engine.engine_config import CacheConfig, LoadConfig
@@ -82,7 +82,8 @@ class PrefillWorker:
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
-        self.engine = LLMEngine(load, cache, scheduler)
+        # no decode graphs: a prefill worker's sequences stop after their first token
+        self.engine = LLMEngine(replace(load, enforce_eager=True), cache, scheduler)
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
         self._peers = dict(decode_peers)
         self._targets: dict[str, _Target] = {}  # request id -> where it goes after prefill

@@ -60,6 +60,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         choices=list(ATTENTION_BACKENDS),
         help="auto: Triton kernels on cuda, the torch reference on cpu",
     )
+    cluster.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs of decode steps (cuda only)"
+    )
     cluster.add_argument("--address", default=None, help="'auto' joins a running Ray cluster")
     cluster.add_argument("--router-policy", default="least_loaded", choices=list(POLICY_NAMES))
     cluster.add_argument(
@@ -189,6 +192,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=dtype,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         address=args.address,
         router_policy=args.router_policy,
         kv_transport=args.kv_transport,

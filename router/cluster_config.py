@@ -19,6 +19,7 @@ class ClusterConfig:
     device: str = "cpu"  # cpu | cuda
     dtype: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton (engine_config.ATTENTION_BACKENDS)
+    enforce_eager: bool = False  # no CUDA graphs of decode steps (LoadConfig.enforce_eager)
     address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     router_policy: str = "least_loaded"
     kv_transport: str = "gloo"
@@ -52,7 +53,13 @@ class ClusterConfig:
         return self.num_prefill == 0
 
     def load_config(self) -> LoadConfig:
-        return LoadConfig(self.model_dir, self.dtype, self.device, max_model_len=self.max_model_len)
+        return LoadConfig(
+            self.model_dir,
+            self.dtype,
+            self.device,
+            max_model_len=self.max_model_len,
+            enforce_eager=self.enforce_eager,
+        )
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(

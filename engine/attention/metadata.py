@@ -26,7 +26,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefill_seqs, max_blocks] int64, padded with 0
     decode_seq_lens: torch.Tensor  # [num_decode_seqs] int64 context length incl. the new token
     decode_block_tables: torch.Tensor  # [num_decode_seqs, max_blocks] int64, padded with 0
-    max_decode_seq_len: int  # max of decode_seq_lens (0 when there are no decodes)
+    # a bound on decode_seq_lens known on the host: their max (0 when there are no decodes), or
+    # for a captured decode graph the static block table's capacity (engine/decode_graphs.py)
+    max_decode_seq_len: int
 
     @property
     def num_tokens(self) -> int:

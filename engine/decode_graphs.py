@@ -1,0 +1,301 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured at engine start.
+
+Lifecycle, per engine:
+  start: static input buffers allocated, every row padding -> per captured batch size, largest
+         first (smaller graphs reuse its pool memory): warm-up forwards (they compile the Triton
+         kernels), then a capture of the model forward into one shared memory pool
+  step:  graph_batch_size (decode-only? fits?) -> pad_decode_inputs (host arrays padded to the
+         bucket) -> StaticDecodeBuffers.fill (one copy per buffer) -> replay -> the real rows'
+         hidden states; logits and sampling run eagerly after it, as for any step
+  a step that does not fit (a prompt chunk of more than one token, more sequences than the
+  largest bucket, a context beyond the static block table) runs the eager forward instead
+
+Padding rows hold token 0 at position 0 with slot -1 (the KV write skips negative slots) and a
+context of 1 token in block 0; their outputs are discarded. Nothing inside a graph depends on a
+host value: the attention metadata points at the static buffers, and its max_decode_seq_len is
+the static capacity (block-table width * block_size), so the decode kernel's partition count
+(default_num_splits of capacity, batch size, KV heads) is fixed per bucket at capture.
+
+Graphs run only on CUDA with the Triton attention backend (``use_decode_graphs``).
+``EagerCapturer`` stands in for CUDA graphs elsewhere, so CPU tests run everything around the
+capture (padding, static buffers, metadata, row selection) exactly as the CUDA path does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import threading
+from collections import Counter
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.forward_context import ForwardContext, set_forward_context
+from engine.models.registry import CausalLM
+from engine.scheduler.outputs import ScheduledSequence
+
+PAD_SLOT = -1  # slot_mapping of a padding row: its K/V are not written
+_SMALL_BATCH_SIZES = (1, 2, 4)
+_BATCH_SIZE_STEP = 8  # above the small sizes, every multiple of this is captured
+_NUM_WARMUPS = 2
+# torch allows one graph capture at a time per process; engines of several workers may share one
+_CAPTURE_LOCK = threading.Lock()
+
+Replay = Callable[[], None]
+
+
+def use_decode_graphs(enforce_eager: bool, device: torch.device, attention_backend: str) -> bool:
+    """Decode steps replay CUDA graphs only on CUDA, with the Triton attention backend."""
+    return not enforce_eager and device.type == "cuda" and attention_backend == "triton"
+
+
+def capture_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """The buckets: 1, 2, 4, every multiple of 8, and ``max_batch_size`` itself (none above)."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes = {size for size in _SMALL_BATCH_SIZES if size <= max_batch_size}
+    sizes.update(range(_BATCH_SIZE_STEP, max_batch_size + 1, _BATCH_SIZE_STEP))
+    sizes.add(max_batch_size)
+    return tuple(sorted(sizes))
+
+
+def padded_batch_size(num_seqs: int, batch_sizes: SequenceOf[int]) -> int | None:
+    """The smallest of the sorted ``batch_sizes`` >= ``num_seqs``; None if 0 or above them."""
+    if num_seqs < 1:
+        return None
+    index = bisect.bisect_left(batch_sizes, num_seqs)
+    return batch_sizes[index] if index < len(batch_sizes) else None
+
+
+def graph_batch_size(
+    step: SequenceOf[ScheduledSequence], batch_sizes: SequenceOf[int], max_seq_len: int
+) -> int | None:
+    """The bucket a step replays at; None: it runs eagerly.
+
+    Only decode-only steps (every sequence computes exactly one new token) whose contexts fit
+    ``max_seq_len`` (the static block table's capacity) and that have at most the largest
+    bucket's number of sequences run from a graph.
+    """
+    if any(entry.num_new_tokens != 1 for entry in step):
+        return None
+    if any(entry.start_position >= max_seq_len for entry in step):
+        return None
+    return padded_batch_size(len(step), batch_sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInputs:
+    """One decode-only step's inputs on the host, padded to a captured batch size."""
+
+    num_seqs: int  # real sequences: rows [0, num_seqs); the rows after them are padding
+    input_ids: np.ndarray  # [batch_size] int64: each sequence's new token; 0 for padding
+    positions: np.ndarray  # [batch_size] int64: the new token's position; 0 for padding
+    slot_mapping: np.ndarray  # [batch_size] int64: its KV slot; PAD_SLOT for padding
+    seq_lens: np.ndarray  # [batch_size] int64: context incl. the new token; 1 for padding
+    # [batch_size, num_columns] int64: the blocks holding each context (num_columns: the most
+    # any row needs), padded with block 0, which padding rows read
+    block_tables: np.ndarray
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.input_ids)
+
+
+def pad_decode_inputs(
+    step: SequenceOf[ScheduledSequence], batch_size: int, block_size: int
+) -> DecodeInputs:
+    """The inputs of a decode-only ``step`` padded to ``batch_size`` rows."""
+    num_seqs = len(step)
+    if not 1 <= num_seqs <= batch_size:
+        raise ValueError(f"a step of {num_seqs} sequences does not pad to {batch_size}")
+    positions = np.zeros(batch_size, dtype=np.int64)
+    positions[:num_seqs] = [entry.start_position for entry in step]
+    input_ids = np.zeros(batch_size, dtype=np.int64)
+    input_ids[:num_seqs] = [entry.seq.token_ids[entry.start_position] for entry in step]
+    seq_lens = np.ones(batch_size, dtype=np.int64)
+    seq_lens[:num_seqs] = positions[:num_seqs] + 1
+    blocks_needed = -(-seq_lens // block_size)  # [batch_size]
+    block_tables = np.zeros((batch_size, int(blocks_needed.max())), dtype=np.int64)
+    for row, entry in enumerate(step):
+        block_tables[row, : blocks_needed[row]] = entry.seq.block_table[: blocks_needed[row]]
+    real_positions = positions[:num_seqs]
+    real_blocks = block_tables[np.arange(num_seqs), real_positions // block_size]
+    slot_mapping = np.full(batch_size, PAD_SLOT, dtype=np.int64)
+    slot_mapping[:num_seqs] = real_blocks * block_size + real_positions % block_size
+    return DecodeInputs(num_seqs, input_ids, positions, slot_mapping, seq_lens, block_tables)
+
+
+@dataclass(frozen=True, slots=True)
+class StaticDecodeBuffers:
+    """The device tensors every captured graph reads its inputs from (a graph of batch size b
+    reads the first b rows). Allocated with every row padding."""
+
+    input_ids: torch.Tensor  # [max_batch_size] int64
+    positions: torch.Tensor  # [max_batch_size] int64
+    slot_mapping: torch.Tensor  # [max_batch_size] int64
+    seq_lens: torch.Tensor  # [max_batch_size] int64
+    # [max_batch_size, max_blocks_per_seq] int64; columns past a row's context may hold blocks
+    # of an earlier step: the decode kernel reads no block beyond seq_lens
+    block_tables: torch.Tensor
+    no_prefill_block_tables: torch.Tensor  # [0, max_blocks_per_seq] int64
+
+    @classmethod
+    def allocate(
+        cls, max_batch_size: int, max_blocks_per_seq: int, device: torch.device
+    ) -> StaticDecodeBuffers:
+        def filled(shape: tuple[int, ...], value: int) -> torch.Tensor:
+            return torch.full(shape, value, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=filled((max_batch_size,), 0),
+            positions=filled((max_batch_size,), 0),
+            slot_mapping=filled((max_batch_size,), PAD_SLOT),
+            seq_lens=filled((max_batch_size,), 1),
+            block_tables=filled((max_batch_size, max_blocks_per_seq), 0),
+            no_prefill_block_tables=filled((0, max_blocks_per_seq), 0),
+        )
+
+    def fill(self, inputs: DecodeInputs) -> None:
+        """Copy a step's padded inputs into the first ``inputs.batch_size`` rows."""
+        rows, columns = inputs.block_tables.shape
+        max_rows, max_columns = self.block_tables.shape
+        if rows > max_rows or columns > max_columns:
+            raise ValueError(
+                f"inputs of {rows} rows x {columns} blocks exceed the static buffers' "
+                f"{max_rows} x {max_columns}"
+            )
+        _copy(self.input_ids[:rows], inputs.input_ids)
+        _copy(self.positions[:rows], inputs.positions)
+        _copy(self.slot_mapping[:rows], inputs.slot_mapping)
+        _copy(self.seq_lens[:rows], inputs.seq_lens)
+        _copy(self.block_tables[:rows, :columns], inputs.block_tables)
+
+    def metadata(self, batch_size: int, max_seq_len: int) -> AttentionMetadata:
+        """The batch layout a graph of ``batch_size`` rows is captured with."""
+        return AttentionMetadata(
+            num_prefill_seqs=0,
+            num_prefill_tokens=0,
+            num_decode_seqs=batch_size,
+            slot_mapping=self.slot_mapping[:batch_size],
+            prefill_query_start_loc=[0],
+            prefill_seq_lens=[],
+            prefill_block_tables=self.no_prefill_block_tables,
+            decode_seq_lens=self.seq_lens[:batch_size],
+            decode_block_tables=self.block_tables[:batch_size],
+            max_decode_seq_len=max_seq_len,  # a bound, not the step's max: no host value inside
+        )
+
+
+def _copy(target: torch.Tensor, source: np.ndarray) -> None:
+    target.copy_(torch.from_numpy(source), non_blocking=True)
+
+
+class GraphCapturer(Protocol):
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        """Record ``forward``; returns a replay call and the tensor each replay rewrites."""
+
+
+class CudaGraphCapturer:
+    """Captures into ``torch.cuda.CUDAGraph``s sharing one memory pool, after warm-ups on the
+    capture stream (they compile the Triton kernels and set up cuBLAS outside the capture)."""
+
+    def __init__(self, device: torch.device, num_warmups: int = _NUM_WARMUPS) -> None:
+        self.device = device
+        self.num_warmups = num_warmups
+        with torch.cuda.device(device):
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)  # every capture on it, as the pool wants
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)  # the static buffers and the cache are ready
+            with torch.cuda.stream(self.stream):
+                for _ in range(self.num_warmups):
+                    forward()
+            torch.cuda.synchronize(self.device)
+            with (
+                _CAPTURE_LOCK,
+                torch.cuda.graph(
+                    graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                ),
+            ):
+                output = forward()
+        return functools.partial(self._replay, graph), output
+
+    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        with torch.cuda.device(self.device):
+            graph.replay()  # on the current stream, after the copies into the static buffers
+
+
+class EagerCapturer:
+    """Stands in for CUDA graphs without a GPU: a replay runs ``forward`` again and copies its
+    result into the tensor the capture returned."""
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        output = forward()
+        return functools.partial(self._replay, forward, output), output
+
+    @staticmethod
+    def _replay(forward: Callable[[], torch.Tensor], output: torch.Tensor) -> None:
+        output.copy_(forward())
+
+
+class DecodeGraphs:
+    """The model forward of decode-only steps, captured once per batch size in ``batch_sizes``
+    (sorted, as ``capture_batch_sizes`` gives them) and replayed from static inputs."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_backend: AttentionBackend,
+        *,
+        max_model_len: int,
+        batch_sizes: SequenceOf[int],
+        capturer: GraphCapturer,
+    ) -> None:
+        self.block_size = kv_cache.shape[3]
+        self.batch_sizes = tuple(batch_sizes)
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.max_seq_len = max_blocks_per_seq * self.block_size  # the static capacity
+        self.buffers = StaticDecodeBuffers.allocate(
+            self.batch_sizes[-1], max_blocks_per_seq, kv_cache.device
+        )
+        self.num_replays: Counter[int] = Counter()  # batch size -> steps replayed at it
+        self._replays: dict[int, Replay] = {}
+        self._outputs: dict[int, torch.Tensor] = {}  # batch size -> [batch_size, hidden_size]
+        with torch.inference_mode():
+            for batch_size in reversed(self.batch_sizes):
+                metadata = self.buffers.metadata(batch_size, self.max_seq_len)
+                context = ForwardContext(metadata, kv_cache, attn_backend)
+                forward = functools.partial(self._forward, model, context, batch_size)
+                self._replays[batch_size], self._outputs[batch_size] = capturer.capture(forward)
+
+    def _forward(self, model: CausalLM, context: ForwardContext, batch_size: int) -> torch.Tensor:
+        with set_forward_context(context):
+            return model.forward(
+                self.buffers.input_ids[:batch_size], self.buffers.positions[:batch_size]
+            )  # [batch_size, hidden_size]
+
+    def prepare(self, step: SequenceOf[ScheduledSequence]) -> Callable[[], torch.Tensor] | None:
+        """Copy a step's padded inputs into the static buffers; the call returned replays its
+        graph and gives the real rows' hidden states, [num_seqs, hidden_size] (valid until the
+        next replay). None: the step cannot run from a graph (see graph_batch_size)."""
+        batch_size = graph_batch_size(step, self.batch_sizes, self.max_seq_len)
+        if batch_size is None:
+            return None
+        self.buffers.fill(pad_decode_inputs(step, batch_size, self.block_size))
+        return functools.partial(self._replay, batch_size, len(step))
+
+    def _replay(self, batch_size: int, num_seqs: int) -> torch.Tensor:
+        self._replays[batch_size]()
+        self.num_replays[batch_size] += 1
+        return self._outputs[batch_size][:num_seqs]
