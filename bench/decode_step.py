@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.serving.report import write_json
+from bench.results_json import write_json
 from engine import LLM, SamplingParams
 from engine.demo_model import DEMO_MODEL_DIR
 

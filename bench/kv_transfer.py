@@ -75,7 +75,8 @@ def transports_here() -> list[tuple[str, str, str]]:
 def make_jobs(
     layout: KVCacheLayout, sizes_mb: list[float], reps: int, num_cache_blocks: int, seed: int
 ) -> list[Job]:
-    rng, jobs = random.Random(seed), []
+    rng = random.Random(seed)
+    jobs: list[Job] = []
     for size_mb in sizes_mb:
         num_blocks = max(1, round(size_mb * MIB / layout.block_nbytes))
         for rep in range(reps + 1):

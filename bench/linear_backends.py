@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.serving.report import write_json
+from bench.results_json import write_json
 from engine.kernels.linear import PackedLinear, onednn_supports
 
 SHAPES = {  # name -> (in_features, out_features)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
-import platform
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.results_json import jsonable
+from bench.results_json import write_json as write_json  # re-exported for existing callers
 from bench.serving.runner import BenchResult, SweepResult
 
 
@@ -19,7 +18,7 @@ def result_dict(result: BenchResult) -> dict[str, Any]:
     config = asdict(result.config)
     if config["endpoint"]["api_key"]:
         config["endpoint"]["api_key"] = "<redacted>"  # results get shared; keys must not be
-    return _jsonable(
+    return jsonable(
         {
             "started_at": result.started_at,
             "config": config,
@@ -30,21 +29,12 @@ def result_dict(result: BenchResult) -> dict[str, Any]:
 
 
 def sweep_dict(result: SweepResult) -> dict[str, Any]:
-    return _jsonable(
+    return jsonable(
         {
             "request_rates": list(result.request_rates),
             "runs": [result_dict(run) for run in result.runs],
         }
     )
-
-
-def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
-    """``payload`` plus the environment, as indented strict JSON (inf is written "inf")."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    environment = {"python": sys.version.split()[0], "platform": platform.platform()}
-    path.write_text(json.dumps({**payload, "environment": environment}, indent=1, allow_nan=False))
-    return path
 
 
 def rate_label(rate: float) -> str:
@@ -136,16 +126,6 @@ def _ms(value: float | None) -> str:
 
 def _or_nan(value: float | None) -> float:
     return math.nan if value is None else value
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "inf" / "nan": strict JSON has no infinities
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 def _pyplot() -> Any:

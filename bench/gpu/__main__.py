@@ -1,0 +1,141 @@
+"""``python -m bench.gpu``: parse the flags, resolve the preset, run each section, report.
+
+The JSON is rewritten after every section; a failing section is recorded under "errors".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import bench.gpu
+from bench.gpu.engine_runs import max_model_len, run_pdserve
+from bench.gpu.hf_baseline import measure_transformers
+from bench.gpu.report import machine_info, print_report
+from bench.gpu.shapes import MODELS, PRESETS, ModelSpec, Preset
+from bench.gpu.targets import verdicts
+from bench.gpu.timing import free_memory, log, measure_ceilings, seconds_since_start
+from bench.gpu.transfer import measure_transfer
+from bench.results_json import write_json
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gpu", description=(bench.gpu.__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--quick", action="store_true", help="the quick preset (about 4 min)")
+    parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument("--batch-sizes", default=None, help="comma list, e.g. 1,64")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-transfer", action="store_true")
+    parser.add_argument("--out", default="bench/results/gpu.json")
+    return parser.parse_args(argv)
+
+
+def resolve_preset(args: argparse.Namespace, device: torch.device) -> tuple[str, Preset]:
+    name = args.preset or ("quick" if args.quick else "full" if device.type == "cuda" else "tiny")
+    preset = PRESETS[name]
+    if args.models:
+        models = tuple(m.strip() for m in args.models.split(","))
+        unknown = [m for m in models if m not in MODELS]
+        if unknown:
+            raise SystemExit(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+        preset = dataclasses.replace(preset, models=models)
+    if args.batch_sizes:
+        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+        preset = dataclasses.replace(preset, batch_sizes=batch_sizes)
+    return name, preset
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    preset_name, preset = resolve_preset(args, device)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    result: dict[str, Any] = {
+        "benchmark": "gpu",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.gpu", *sys.argv[1:]]),
+        "machine": machine_info(device),
+        "dtype": dtype,
+        "preset_name": preset_name,
+        "preset": dataclasses.asdict(preset),
+    }
+    log(f"{result['machine']['name']}, torch {torch.__version__}, preset {preset_name}")
+    result["ceilings"] = measure_ceilings(device, dtype, preset)
+    write_json(args.out, result)  # after every section: a run cut short keeps what it measured
+    if not args.no_transfer:
+        first = MODELS[preset.models[0]]
+        attempt(
+            result, "kv_transfer", lambda: measure_transfer(first, device, dtype, preset), device
+        )
+        write_json(args.out, result)
+    result["models"] = {}
+    for name in preset.models:
+        result["models"][name] = run_model(
+            MODELS[name], device, dtype, preset, result["ceilings"], not args.no_transformers
+        )
+        write_json(args.out, result)
+    result["targets"] = verdicts(result)
+    result["seconds"] = seconds_since_start()
+    print_report(result)
+    print(f"-> {write_json(args.out, result)}")
+
+
+def run_model(
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: str,
+    preset: Preset,
+    ceilings: dict[str, Any],
+    run_transformers: bool,
+) -> dict[str, Any]:
+    """pdserve, then transformers, on one written config; a failing half is recorded."""
+    result: dict[str, Any] = {"spec": dataclasses.asdict(spec), "num_params": spec.num_params}
+    with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{spec.name}-") as tmp:
+        model_dir = spec.write_config(Path(tmp), max_model_len(preset) + 16, dtype)
+        attempt(
+            result,
+            "pdserve",
+            lambda: run_pdserve(spec, model_dir, device, dtype, preset, ceilings),
+            device,
+        )
+        if run_transformers:
+            attempt(
+                result,
+                "transformers",
+                lambda: measure_transformers(spec, model_dir, device, dtype, preset),
+                device,
+            )
+    return result
+
+
+def attempt(
+    into: dict[str, Any], key: str, measure: Callable[[], Any], device: torch.device
+) -> None:
+    """``into[key] = measure()``; on failure the error goes to ``into["errors"][key]`` instead.
+
+    One section failing (say, out of memory) must not lose the others of a one-shot GPU run.
+    """
+    try:
+        into[key] = measure()
+    except Exception as exc:
+        traceback.print_exc()
+        into.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"
+        log(f"{key} failed: {type(exc).__name__}: {exc}")
+    free_memory(device)
+
+
+if __name__ == "__main__":
+    main()

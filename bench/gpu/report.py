@@ -1,0 +1,127 @@
+"""bench.gpu's text report: the machine, its ceilings, the per-model tables, the targets."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from bench.gpu.shapes import MIB
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    info: dict[str, Any] = {
+        "device": device.type,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": version("triton"),
+        "transformers": version("transformers"),
+        "threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info["name"] = properties.name
+        info["memory_bytes"] = properties.total_memory
+        info["capability"] = f"{properties.major}.{properties.minor}"
+    else:
+        info["name"] = info["cpu"]
+    return info
+
+
+def print_report(result: dict[str, Any]) -> None:
+    machine, ceilings = result["machine"], result["ceilings"]
+    copy, matmul = ceilings["copy"], ceilings["matmul"]
+    print(
+        f"\n{machine['name']}  torch {machine['torch']}  triton {machine['triton']}  "
+        f"transformers {machine['transformers']}  ({result['dtype']})"
+    )
+    print(
+        f"copy {copy['nbytes'] / MIB:g} MiB: {copy['read_write_gb_per_s']:.1f} GB/s read+write "
+        f"({copy['copied_gb_per_s']:.1f} GB/s copied); matmul {matmul['n']}^3 "
+        f"{matmul['dtype']}: {matmul['flop_per_s'] / 1e12:.2f} TFLOP/s"
+    )
+    if result["machine"]["device"] != "cuda":
+        print("(not a GPU: these numbers only show that the script runs)")
+    for name, model in result["models"].items():
+        if "pdserve" in model:
+            print_model(name, model)
+    if "kv_transfer" in result:
+        print_transfer(result["kv_transfer"])
+    print_targets(result["targets"])
+    errors = {**result.get("errors", {})}
+    for name, model in result["models"].items():
+        errors.update({f"{name} {key}": e for key, e in model.get("errors", {}).items()})
+    for key, error in errors.items():
+        print(f"  ERROR {key}: {error}")
+
+
+def print_model(name: str, model: dict[str, Any]) -> None:
+    pdserve = model["pdserve"]
+    print(f"\n{name}: decode (median step; roofline = (weights + KV read) / copy read+write)")
+    print(f"{'batch':>6}{'context':>9}{'ms/step':>10}{'roofline':>10}{'ratio':>9}{'tok/s':>10}")
+    for r in pdserve["decode"]:
+        print(
+            f"{r['batch_size']:>6}{r['context_len']:>9}{r['step_ms']:>10.2f}"
+            f"{r['roofline_ms']:>10.3f}{r['ratio_to_roofline']:>9.2f}{r['tokens_per_s']:>10.0f}"
+        )
+    print(f"{name}: prefill (one prompt; ideal = model FLOPs / matmul peak)")
+    print(f"{'tokens':>6}{'ms':>10}{'tok/s':>10}{'ideal ms':>10}{'of peak':>9}")
+    for r in pdserve["prefill"]:
+        print(
+            f"{r['tokens']:>6}{r['ms']:>10.2f}{r['tokens_per_s']:>10.0f}"
+            f"{r['ideal_ms']:>10.2f}{r['fraction_of_peak']:>9.0%}"
+        )
+    hf = model.get("transformers")
+    if hf is not None:
+        print_transformers(name, hf, pdserve)
+
+
+def print_transformers(name: str, hf: dict[str, Any], pdserve: dict[str, Any]) -> None:
+    generate = hf["generate"]
+    batch_size = generate["batch_size"]
+    rows = [r for r in pdserve["decode"] if r["batch_size"] == batch_size]
+    ours = f"{rows[0]['tokens_per_s']:.0f}" if rows else "not run"
+    print(
+        f"{name}: batch-{batch_size} decode tok/s: pdserve {ours}, transformers generate "
+        f"{generate['decode_tokens_per_s']:.0f} ({generate['decode_step_ms']:.1f} ms/step)"
+    )
+    batched = hf.get("generate_batch")
+    if batched is None:
+        return
+    if not batched["ran"]:
+        print(f"{name}: transformers generate_batch did not run: {batched['error']}")
+        return
+    rate = batched["decode_tokens_per_s"]
+    shown = "n/a" if rate is None else f"{rate:.0f}"
+    print(
+        f"{name}: transformers generate_batch decode {shown} tok/s "
+        f"({batched['generated_tokens']} tokens, complete: {batched['complete']})"
+    )
+
+
+def print_transfer(transfer: dict[str, Any]) -> None:
+    print(f"\nKV transfer ({transfer['transport']}; payload GB/s, copy = same-size copy_)")
+    print(f"{'tokens':>6}{'MiB':>8}{'GB/s':>9}{'copy':>9}{'ratio':>7}")
+    for r in transfer["rows"]:
+        print(
+            f"{r['tokens']:>6}{r['nbytes'] / MIB:>8.1f}{r['gb_per_s']:>9.2f}"
+            f"{r['copy_gb_per_s']:>9.2f}{r['fraction_of_copy']:>7.0%}"
+        )
+
+
+def print_targets(targets: list[dict[str, Any]]) -> None:
+    print("\ntargets")
+    for t in targets:
+        value = "-" if t["value"] is None else f"{t['value']:.2f}"
+        outcome = {True: "PASS", False: "FAIL", None: "n/a"}[t["passed"]]
+        note = f"  ({t['note']})" if t["note"] else ""
+        print(f"  {outcome:<5}{t['model']:>5}  {t['target']}: {value} (goal {t['goal']}){note}")
