@@ -26,6 +26,7 @@ from bench.serving.tokens import TokenCodec
 from bench.serving.workloads import BenchRequest, WorkloadSpec, build_requests
 
 _WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts differ from the timed ones (no cache hits)
+_SWEEP_SEED_STRIDE = 7_919  # each rate of a sweep gets its own prompts
 
 
 class BenchmarkError(RuntimeError):
@@ -66,7 +67,9 @@ def run_benchmark(config: BenchConfig) -> BenchResult:
 
 
 def sweep(config: BenchConfig, request_rates: Sequence[float]) -> SweepResult:
-    """Run ``config`` once per request rate, same workload each time."""
+    """Run ``config`` once per request rate: the same workload distribution, but each rate its
+    own prompts (seed ``config.seed + i * _SWEEP_SEED_STRIDE``), so a server's prefix cache
+    cannot serve a later rate's prompts from an earlier rate's."""
     return asyncio.run(sweep_async(config, request_rates))
 
 
@@ -78,10 +81,14 @@ async def run_benchmark_async(config: BenchConfig, codec: TokenCodec | None = No
 
 async def sweep_async(config: BenchConfig, request_rates: Sequence[float]) -> SweepResult:
     codec = load_codec(config.tokenizer_dir)
-    requests = build_requests(config.workload, codec, config.num_prompts, config.seed)
     runs = []
-    for rate in request_rates:
-        run_config = replace(config, arrivals=replace(config.arrivals, request_rate=rate))
+    for index, rate in enumerate(request_rates):
+        run_config = replace(
+            config,
+            arrivals=replace(config.arrivals, request_rate=rate),
+            seed=config.seed + index * _SWEEP_SEED_STRIDE,
+        )
+        requests = build_requests(config.workload, codec, config.num_prompts, run_config.seed)
         runs.append(await _run(run_config, codec, requests, label=f"rate {rate:g} "))
     return SweepResult(tuple(request_rates), tuple(runs))
 

@@ -20,6 +20,8 @@ from bench.serving import (
     sweep,
 )
 from bench.serving.cli import main
+from bench.serving.runner import load_codec
+from bench.serving.workloads import build_requests
 from router.gateway.server import GatewayServer
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
 
@@ -89,6 +91,13 @@ def test_library_sweep_runs_each_rate_and_plots(
     config = _config(gateway_server, chat_model_dir, arrivals=ArrivalSpec(), num_prompts=4)
     result = sweep(config, [50.0, math.inf])
     assert [run.config.arrivals.request_rate for run in result.runs] == [50.0, math.inf]
+    # each rate sends its own prompts: a prefix cache warmed by one rate cannot serve the next
+    codec = load_codec(str(chat_model_dir))
+    prompts = [
+        [r.prompt for r in build_requests(config.workload, codec, 4, run.config.seed)]
+        for run in result.runs
+    ]
+    assert not set(prompts[0]) & set(prompts[1])
     for run in result.runs:
         assert run.summary.num_completed == 4
         assert [r.output_tokens for r in run.records] == [8] * 4
