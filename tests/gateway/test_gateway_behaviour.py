@@ -198,18 +198,3 @@ def test_concurrent_clients_are_all_served(http: httpx.Client) -> None:
     for thread in threads:
         thread.join()
     assert results == [200] * 16
-
-
-def test_http_connections_send_without_nagle_delay() -> None:
-    """Streamed chunks leave at once: each accepted connection has TCP_NODELAY (without it,
-    a reused keep-alive connection waited ~40 ms for the client's delayed ACK per request)."""
-    import socket
-
-    from router.gateway.server import _bound_socket
-
-    listener = _bound_socket("127.0.0.1", 0)
-    listener.listen(1)
-    with listener, socket.create_connection(listener.getsockname()) as client:
-        accepted, _ = listener.accept()
-        with accepted:
-            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
