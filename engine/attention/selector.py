@@ -6,11 +6,15 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.engine_config import ATTENTION_BACKENDS
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The backend ``name`` (one of engine_config.ATTENTION_BACKENDS) stands for on ``device``;
-    ValueError if it cannot run there."""
+    """The backend ``name`` stands for on ``device``; ValueError if it cannot run there."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}"
+        )
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if name == "triton" and device.type != "cuda":
@@ -21,8 +25,6 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
                 f"attention_backend 'triton' needs a CUDA device, got {device.type!r} "
                 "(on CPU its kernels only run in Triton's interpreter, TRITON_INTERPRET=1)"
             )
-    if name not in ("torch", "triton"):
-        raise ValueError(f"attention_backend must be one of auto, torch, triton; got {name!r}")
     return name
 
 

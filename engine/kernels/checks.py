@@ -20,6 +20,21 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def require_kv_cache_layer(kv_cache_layer: torch.Tensor) -> None:
+    """One layer's paged cache as every kernel reads it: [2, num_blocks, block_size,
+    num_kv_heads, head_dim], contiguous, of a float dtype the kernels take."""
+    require(
+        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
+        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got {tuple(kv_cache_layer.shape)}",
+    )
+    require(kv_cache_layer.is_contiguous(), "kv_cache_layer must be contiguous")
+    require(
+        kv_cache_layer.dtype in FLOAT_DTYPES,
+        f"kv_cache_layer dtype must be float32, float16 or bfloat16, got {kv_cache_layer.dtype}",
+    )
+
+
 def require_same_device(cache: torch.Tensor, **tensors: torch.Tensor) -> None:
     """Every tensor on the KV cache's device, and that device one Triton can run on."""
     for name, tensor in tensors.items():

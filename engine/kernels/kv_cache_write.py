@@ -17,6 +17,7 @@ import triton.language as tl
 from engine.kernels.checks import (
     INDEX_DTYPES,
     require,
+    require_kv_cache_layer,
     require_same_device,
 )
 
@@ -99,12 +100,7 @@ def _check_write_args(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    require(
-        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
-        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-        f"got {tuple(kv_cache_layer.shape)}",
-    )
-    require(kv_cache_layer.is_contiguous(), "kv_cache_layer must be contiguous")
+    require_kv_cache_layer(kv_cache_layer)
     num_kv_heads, head_dim = kv_cache_layer.shape[3], kv_cache_layer.shape[4]
     for name, tensor in (("key", key), ("value", value)):
         require(

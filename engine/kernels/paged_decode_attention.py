@@ -28,11 +28,11 @@ import triton
 import triton.language as tl
 
 from engine.kernels.checks import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     LOG2_E,
     interpreted,
     require,
+    require_kv_cache_layer,
     require_same_device,
 )
 
@@ -268,17 +268,8 @@ def _check_decode_args(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    require(
-        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
-        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-        f"got {tuple(kv_cache_layer.shape)}",
-    )
-    require(kv_cache_layer.is_contiguous(), "kv_cache_layer must be contiguous")
+    require_kv_cache_layer(kv_cache_layer)
     _, _, _, num_kv_heads, head_dim = kv_cache_layer.shape
-    require(
-        kv_cache_layer.dtype in FLOAT_DTYPES,
-        f"kv_cache_layer dtype must be float32, float16 or bfloat16, got {kv_cache_layer.dtype}",
-    )
     require(
         query.dim() == 3 and query.shape[2] == head_dim,
         f"query must be [num_seqs, num_heads, {head_dim}] to match kv_cache_layer, "

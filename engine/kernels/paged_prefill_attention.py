@@ -30,6 +30,7 @@ from engine.kernels.checks import (
     LOG2_E,
     interpreted,
     require,
+    require_kv_cache_layer,
     require_same_device,
 )
 
@@ -109,11 +110,7 @@ def _check_tensors(
     require(
         query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {_shape(query)}"
     )
-    require(
-        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
-        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-        f"got {_shape(kv_cache_layer)}",
-    )
+    require_kv_cache_layer(kv_cache_layer)
     _, num_heads, head_dim = query.shape
     num_kv_heads, cache_head_dim = kv_cache_layer.shape[3], kv_cache_layer.shape[4]
     require(
@@ -136,7 +133,6 @@ def _check_tensors(
         f"kv_cache_layer dtype {kv_cache_layer.dtype} differs from query's {query.dtype}",
     )
     require(query.stride(2) == 1, f"query's last dim must be contiguous, strides {query.stride()}")
-    require(kv_cache_layer.is_contiguous(), "kv_cache_layer must be contiguous")
     for name, index in (
         ("query_start_loc", query_start_loc),
         ("seq_lens", seq_lens),
