@@ -40,6 +40,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.models.registry import CausalLM
 from engine.scheduler.outputs import ScheduledSequence
+from engine.step_inputs import decode_tokens
 
 PAD_SLOT = -1  # slot_mapping of a padding row: its K/V are not written
 _SMALL_BATCH_SIZES = (1, 2, 4)
@@ -115,20 +116,19 @@ def pad_decode_inputs(
     num_seqs = len(step)
     if not 1 <= num_seqs <= batch_size:
         raise ValueError(f"a step of {num_seqs} sequences does not pad to {batch_size}")
+    real = decode_tokens(step, block_size)
     positions = np.zeros(batch_size, dtype=np.int64)
-    positions[:num_seqs] = [entry.start_position for entry in step]
+    positions[:num_seqs] = real.positions
     input_ids = np.zeros(batch_size, dtype=np.int64)
-    input_ids[:num_seqs] = [entry.seq.token_ids[entry.start_position] for entry in step]
+    input_ids[:num_seqs] = real.input_ids
+    slot_mapping = np.full(batch_size, PAD_SLOT, dtype=np.int64)
+    slot_mapping[:num_seqs] = real.slot_mapping
     seq_lens = np.ones(batch_size, dtype=np.int64)
-    seq_lens[:num_seqs] = positions[:num_seqs] + 1
+    seq_lens[:num_seqs] = real.positions + 1
     blocks_needed = -(-seq_lens // block_size)  # [batch_size]
     block_tables = np.zeros((batch_size, int(blocks_needed.max())), dtype=np.int64)
     for row, entry in enumerate(step):
         block_tables[row, : blocks_needed[row]] = entry.seq.block_table[: blocks_needed[row]]
-    real_positions = positions[:num_seqs]
-    real_blocks = block_tables[np.arange(num_seqs), real_positions // block_size]
-    slot_mapping = np.full(batch_size, PAD_SLOT, dtype=np.int64)
-    slot_mapping[:num_seqs] = real_blocks * block_size + real_positions % block_size
     return DecodeInputs(num_seqs, input_ids, positions, slot_mapping, seq_lens, block_tables)
 
 

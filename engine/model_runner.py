@@ -25,6 +25,7 @@ from engine.sampling.rng import advance_generator
 from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.scheduler.stop import banned_token_ids
 from engine.sequence import Sequence
+from engine.step_inputs import decode_tokens
 
 
 class ModelRunner:
@@ -130,14 +131,11 @@ class ModelRunner:
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             query_start_loc.append(query_start_loc[-1] + entry.num_new_tokens)
-        decode_pos = np.fromiter((e.start_position for e in decodes), np.int64, len(decodes))
-        input_ids.extend(e.seq.token_ids[e.start_position] for e in decodes)
-        decode_blocks = np.fromiter(
-            (e.seq.block_table[e.start_position // bs] for e in decodes), np.int64, len(decodes)
-        )
-        positions.append(decode_pos)
-        slots.append(decode_blocks * bs + decode_pos % bs)
-        decode_lens = decode_pos + 1
+        decode = decode_tokens(decodes, bs)
+        input_ids.extend(decode.input_ids.tolist())
+        positions.append(decode.positions)
+        slots.append(decode.slot_mapping)
+        decode_lens = decode.positions + 1
         metadata = AttentionMetadata(
             num_prefill_seqs=len(prefills),
             num_prefill_tokens=query_start_loc[-1],
