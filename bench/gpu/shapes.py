@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,22 +148,6 @@ PRESETS = {
         matmul_n=8192,
         num_reps=10,
     ),
-    "quick": Preset(
-        models=("8b",),
-        batch_sizes=(1, 64),
-        context_len=1024,
-        prefill_lens=(1024, 8192),
-        num_warmup_steps=3,
-        num_decode_steps=15,
-        num_prefill_reps=2,
-        hf_batch_size=64,
-        hf_new_tokens=32,
-        hf_continuous_batching=False,
-        transfer_tokens=(1024,),
-        copy_bytes=GIB,
-        matmul_n=8192,
-        num_reps=5,
-    ),
     "tiny": Preset(
         models=("tiny",),
         batch_sizes=(1, 4, 8),
@@ -186,3 +170,17 @@ PRESETS = {
 def random_prompt(rng: random.Random, num_tokens: int, vocab_size: int) -> list[int]:
     """``num_tokens`` random token ids, clear of the vocabulary's first and last ten."""
     return [rng.randrange(10, vocab_size - 10) for _ in range(num_tokens)]
+
+
+# the most important numbers in a shorter run: 8B only, batch 1 and 64, the 1k transfer
+PRESETS["quick"] = replace(
+    PRESETS["full"],
+    models=("8b",),
+    batch_sizes=(1, 64),
+    num_decode_steps=15,
+    num_prefill_reps=2,
+    hf_new_tokens=32,
+    hf_continuous_batching=False,
+    transfer_tokens=(1024,),
+    num_reps=5,
+)
