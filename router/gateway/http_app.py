@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 import anyio
@@ -230,11 +230,12 @@ async def _respond_whole(
 
 async def _stream(
     gateway: Gateway, job: OpenAIJob, header: ResponseHeader, caller: Caller
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     try:
         with gateway.admitted(header.id, caller) as live:
-            async for chunk in _chunks(gateway, job, header, live):
-                yield _sse(chunk)
+            async with contextlib.aclosing(_chunks(gateway, job, header, live)) as chunks:
+                async for chunk in chunks:
+                    yield _sse(chunk)
     except (ApiError, RequestFailedError) as error:
         api_error = error if isinstance(error, ApiError) else ApiError(503, str(error))
         gateway.record_outcome("failed" if isinstance(error, RequestFailedError) else "rejected")
@@ -244,7 +245,7 @@ async def _stream(
 
 async def _chunks(
     gateway: Gateway, job: OpenAIJob, header: ResponseHeader, live: LiveRequest
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncGenerator[dict[str, Any], None]:
     generations = _generations(gateway, job, header)
     formatter = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     offsets = [0] * (len(generations) * job.n)  # text offsets for completion logprobs
@@ -269,7 +270,7 @@ async def _chunks(
                     chunk = completion_chunk(header, index, delta, logprobs)
                 offsets[index] += len(delta.text)
                 yield _with_usage(chunk, job)
-    except (asyncio.CancelledError, anyio.get_cancelled_exc_class()):
+    except (asyncio.CancelledError, anyio.get_cancelled_exc_class(), GeneratorExit):
         gateway.record_outcome("aborted")
         raise
     gateway.record_finished(generations)
@@ -293,23 +294,31 @@ class _EventStream(StreamingResponse):
     """Server-sent events that stop (and abort the requests) as soon as the client leaves.
 
     Starlette only notices a disconnect on the next write under ASGI 2.4; this listens for it
-    all along, so a queued request is aborted too.
+    all along, so a queued request is aborted too. The events' generator is closed on the way
+    out, whichever way that is: a cancellation that lands while a chunk is being sent never
+    reaches the generator, which would otherwise be left to the garbage collector, and the
+    requests would run on in the cluster until it came round.
     """
 
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
         super().__init__(
-            content,
+            events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+        self._events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as group:
+        try:
+            async with anyio.create_task_group() as group:
 
-            async def stream_then_stop() -> None:
-                await self.stream_response(send)
+                async def stream_then_stop() -> None:
+                    await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
-
-            group.start_soon(stream_then_stop)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
