@@ -203,13 +203,13 @@ async def merged_deltas(
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
     abort_wait = asyncio.create_task(aborted.wait()) if aborted is not None else None
     remaining = len(tasks)
+    getter: asyncio.Task[tuple[int, SampleDelta | BaseException | None]] | None = None
     try:
         while remaining:
             getter = asyncio.create_task(queue.get())
             waiting = {getter} if abort_wait is None else {getter, abort_wait}
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
-                getter.cancel()
                 return
             index, item = getter.result()
             if item is None:
@@ -219,6 +219,8 @@ async def merged_deltas(
             else:
                 yield index, item
     finally:
+        if getter is not None:
+            getter.cancel()  # pending when aborted, or when this generator is closed mid-wait
         for task in tasks:
             task.cancel()  # each aborts its request in the cluster as it unwinds
         if abort_wait is not None:

@@ -124,3 +124,26 @@ def test_merged_deltas_interleave_prompts_and_stop_on_abort(tokenizer: Any) -> N
     seen = asyncio.run(until_abort())
     assert set(seen) == {0, 1}
     assert all(b.closed_early for b in backends)
+
+
+def test_merged_deltas_closed_mid_wait_leave_no_task_behind(tokenizer: Any) -> None:
+    """A client gone while the merge waits for the next token: closing the merge cancels the
+    pumps and its own pending wait, so nothing is left for the event loop to destroy."""
+    tokens = tokenizer.encode(TEXT)
+    backends = [ScriptedTokens([tokens], pace_s=0.5)]
+    generations = [TextGeneration(b, tokenizer, _spec(1), f"r{i}") for i, b in enumerate(backends)]
+
+    async def close_mid_wait() -> set[asyncio.Task[Any]]:
+        merged = merged_deltas(generations)
+        await anext(merged)
+        waiting = asyncio.ensure_future(anext(merged))
+        await asyncio.sleep(0.05)  # the merge now waits on the queue for the next token
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await merged.aclose()
+        await asyncio.sleep(0.01)  # cancelled tasks unwind
+        return {task for task in asyncio.all_tasks() if task is not asyncio.current_task()}
+
+    assert asyncio.run(close_mid_wait()) == set()
+    assert all(b.closed_early for b in backends)
