@@ -20,7 +20,7 @@ _DTYPE_ALIASES = {
 }
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # engine/kernels/linear.py
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine/attention/selector.py
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")  # engine/attention/selector.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
     budget: KVBudget = field(default_factory=KVBudget)
-    attention_backend: str = "auto"  # torch | triton | auto (triton on CUDA, torch elsewhere)
+    attention_backend: str = "auto"  # torch | triton | cpu | auto (engine/attention/selector.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -58,7 +58,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=list(ATTENTION_BACKENDS),
-        help="auto: Triton kernels on cuda, the torch reference on cpu",
+        help="auto: Triton kernels on cuda; on cpu the C decode kernel (built with cc on first use), else the torch reference",
     )
     cluster.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs of decode steps (cuda only)"

@@ -18,7 +18,9 @@ class ClusterConfig:
     num_decode: int = 1
     device: str = "cpu"  # cpu | cuda
     dtype: str = "auto"
-    attention_backend: str = "auto"  # auto | torch | triton (engine_config.ATTENTION_BACKENDS)
+    attention_backend: str = (
+        "auto"  # auto | torch | triton | cpu (engine_config.ATTENTION_BACKENDS)
+    )
     enforce_eager: bool = False  # no CUDA graphs of decode steps (LoadConfig.enforce_eager)
     address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     router_policy: str = "least_loaded"

@@ -1,12 +1,16 @@
-"""Attention backends by name: "auto" takes the Triton kernels on CUDA, the torch reference
-elsewhere."""
+"""Attention backends by name: "auto" takes the Triton kernels on CUDA, and on CPU the C
+decode kernel when this machine can build it, else the torch reference."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.engine_config import ATTENTION_BACKENDS
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
@@ -16,7 +20,14 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
             f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}"
         )
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        if device.type == "cpu":
+            reason = _cpu_kernel_missing()
+            if reason is None:
+                return "cpu"
+            logger.warning("attention backend: torch reference on CPU (%s)", reason)
+        return "torch"
     if name == "triton" and device.type != "cuda":
         from engine.kernels.checks import interpreted
 
@@ -25,6 +36,12 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
                 f"attention_backend 'triton' needs a CUDA device, got {device.type!r} "
                 "(on CPU its kernels only run in Triton's interpreter, TRITON_INTERPRET=1)"
             )
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' needs the CPU device, got {device.type!r}")
+        reason = _cpu_kernel_missing()
+        if reason is not None:
+            raise ValueError(f"attention_backend 'cpu' is unavailable here: {reason}")
     return name
 
 
@@ -34,6 +51,22 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if resolved == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     from engine.attention.torch_ref import TorchAttentionBackend
 
     return TorchAttentionBackend()
+
+
+def _cpu_kernel_missing() -> str | None:
+    """Why the C decode kernel cannot be built or loaded here, or None when it can."""
+    from engine.kernels.cpu.build import KernelUnavailableError
+    from engine.kernels.cpu.paged_decode_attention import ensure_built
+
+    try:
+        ensure_built()
+    except KernelUnavailableError as error:
+        return str(error)
+    return None

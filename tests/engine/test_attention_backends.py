@@ -1,4 +1,4 @@
-"""Attention backends (torch reference, Triton) against a naive float64 softmax attention on
+"""Attention backends (torch reference, Triton, CPU kernel) against a naive float64 softmax attention on
 random paged inputs."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 from engine.attention import torch_ref
 from engine.attention.backend import AttentionBackend
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
@@ -62,6 +63,16 @@ def test_triton_mixed_batch_matches_naive(
     _check_mixed_batch(
         TritonAttentionBackend(), num_heads, num_kv_heads, block_size, num_decode_seqs
     )
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (4, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_decode_seqs", [3, 37])
+def test_cpu_mixed_batch_matches_naive(
+    num_heads: int, num_kv_heads: int, block_size: int, num_decode_seqs: int
+) -> None:
+    """The C decode kernel (prefill through the torch reference) behind the same interface."""
+    _check_mixed_batch(CpuAttentionBackend(), num_heads, num_kv_heads, block_size, num_decode_seqs)
 
 
 def _check_mixed_batch(
@@ -164,12 +175,17 @@ def test_backend_resolution_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.engine_config import CacheConfig
     from engine.kernels import checks
 
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "cpu"  # cc is here
     assert resolve_attention_backend("auto", torch.device("cuda", 0)) == "triton"
-    assert isinstance(get_attention_backend("auto", torch.device("cpu")), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("auto", torch.device("cpu")), CpuAttentionBackend)
+    assert isinstance(get_attention_backend("torch", torch.device("cpu")), TorchAttentionBackend)
     assert isinstance(get_attention_backend("triton", torch.device("cpu")), TritonAttentionBackend)
+    with pytest.raises(ValueError, match="attention_backend 'cpu' needs the CPU device"):
+        resolve_attention_backend("cpu", torch.device("cuda", 0))
     monkeypatch.setattr(checks, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
         resolve_attention_backend("triton", torch.device("cpu"))
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
+    with pytest.raises(
+        ValueError, match="attention_backend must be one of auto, torch, triton, cpu"
+    ):
         CacheConfig(attention_backend="flash")

@@ -55,6 +55,7 @@ def test_batched_greedy_matches_transformers(model_dirs: dict[str, Path], arch: 
     model_dir = model_dirs[arch]
     prompts = make_prompts(seed=1)
     llm = LLM(str(model_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
+    assert llm.engine.runner.attn_backend.name == "cpu"  # what "auto" takes on CPU
     assert engine_tokens(llm, prompts) == reference(model_dir, prompts, "plain")
 
 
@@ -102,12 +103,11 @@ def test_parallel_greedy_samples_are_identical(llama_dir: Path) -> None:
     assert [c.index for c in out.outputs] == [0, 1, 2]
 
 
-@pytest.mark.parametrize(
-    "mode",
-    ["batched", "chunked", "prefix-cache"],
-)
-def test_triton_attention_matches_transformers(llama_dir: Path, mode: str) -> None:
-    """The Triton backend (Triton's interpreter without a GPU) in the engine's modes."""
+@pytest.mark.parametrize("mode", ["batched", "chunked", "prefix-cache"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_backends_match_transformers(llama_dir: Path, backend: str, mode: str) -> None:
+    """The backends "auto" does not pick on this CPU (it picks the C decode kernel, which the
+    tests above run): the torch reference, and Triton (its interpreter without a GPU)."""
     llm_args: dict[str, int | bool] = {"enable_prefix_caching": False}
     prompts, key = make_prompts(seed=1), "plain"
     if mode == "chunked":
@@ -115,7 +115,8 @@ def test_triton_attention_matches_transformers(llama_dir: Path, mode: str) -> No
     elif mode == "prefix-cache":
         llm_args = {"block_size": 8, "max_num_batched_tokens": 96}
         prompts, key = shared_prefix_prompts(seed=2), "shared-prefix"
-    llm = LLM(str(llama_dir), dtype="float32", device="cpu", attention_backend="triton", **llm_args)
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", attention_backend=backend, **llm_args)
+    assert llm.engine.runner.attn_backend.name == backend
     assert engine_tokens(llm, prompts) == reference(llama_dir, prompts, key)
     if mode == "prefix-cache":
         assert engine_tokens(llm, prompts) == reference(llama_dir, prompts, key)

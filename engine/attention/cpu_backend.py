@@ -1,0 +1,36 @@
+"""The CPU backend: the torch reference for K/V writes and prefill, and decode through the C
+kernel that reads each sequence's blocks in place (engine/kernels/cpu).
+
+Decode attention on CPU is bound by memory traffic; the reference gathers every decode
+sequence's blocks into a buffer each layer before SDPA reads them again, the kernel reads
+them once. Caches of other dtypes than float32 take the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_ref import TorchAttentionBackend
+from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decode_seqs, num_heads, head_dim]
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_decode_seqs, num_heads, head_dim]
+        if kv_cache_layer.dtype != torch.float32 or kv_cache_layer.device.type != "cpu":
+            return super()._decode(query, kv_cache_layer, metadata, scale)
+        return paged_decode_attention_cpu(
+            query.contiguous(),
+            kv_cache_layer,
+            metadata.decode_block_tables,
+            metadata.decode_seq_lens,
+            scale,
+        )

@@ -1,0 +1,102 @@
+"""Compile a C kernel of this package into a shared library once per machine, and load it.
+
+The library is built for the CPU it runs on (``-march=native``) and cached under
+``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), named by a hash of the
+source, the flags, the compiler's version and the CPU's feature flags, so a changed kernel
+or another machine builds its own. Processes that build at the same time (several workers
+on one host) each write a private file and move it into place atomically.
+
+The compiler is ``$CC`` or ``cc``. Without one, ``load`` raises ``KernelUnavailableError``
+saying why, and callers fall back to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parent
+FLAGS = (
+    "-O3",
+    "-march=native",
+    # let the compiler vectorise float reductions (dot products); NaN/inf semantics are kept
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+)
+
+
+class KernelUnavailableError(RuntimeError):
+    """A C kernel could not be built or loaded here (no compiler, a failed build)."""
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("PDSERVE_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "pdserve" / "kernels"
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL:
+    """The library built from ``<name>.c`` in this package; built first if not cached."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise KernelUnavailableError(f"no C compiler to build the {name} kernel ({compiler!r})")
+    source = SOURCE_DIR / f"{name}.c"
+    library = cache_dir() / f"{name}-{_build_key(source, compiler)}.so"
+    if not library.exists():
+        _compile(compiler, source, library)
+    try:
+        return ctypes.CDLL(str(library))
+    except OSError as error:
+        raise KernelUnavailableError(f"could not load {library}: {error}") from error
+
+
+def _build_key(source: Path, compiler: str) -> str:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (" ".join(FLAGS), version, _cpu_features()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compile(compiler: str, source: Path, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *FLAGS, str(source), "-o", partial, "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise KernelUnavailableError(
+                f"building {source.name} with {compiler} failed:\n{result.stderr[-2000:]}"
+            )
+        os.replace(partial, library)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)

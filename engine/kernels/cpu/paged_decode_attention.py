@@ -1,0 +1,130 @@
+"""Decode attention over the paged KV cache on CPU, blocks read in place (the C kernel in
+``paged_decode_attention.c``): no gather of each sequence's blocks into a buffer first."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import torch
+
+from engine.kernels.cpu.build import load
+
+_INT64, _POINTER = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _kernel() -> Any:
+    kernel = load("paged_decode_attention").paged_decode_attention_f32
+    kernel.restype = _INT64
+    kernel.argtypes = [
+        *(_POINTER,) * 4,  # query, key, value, block_tables
+        _INT64,  # table_stride
+        _POINTER,  # seq_lens
+        _POINTER,  # out
+        *(_INT64,) * 6,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks
+        ctypes.c_float,  # scale
+    ]
+    return kernel
+
+
+def ensure_built() -> None:
+    """Build (or find) and load the kernel now; KernelUnavailableError if it cannot be."""
+    _kernel()
+
+
+def paged_decode_attention_cpu(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32
+    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] float32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    seq_lens: torch.Tensor,  # [num_seqs] int64, each in [1, max_blocks * block_size]
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """One new token per sequence attends over its whole context (the new token's K/V already
+    written). ValueError naming the argument for anything the kernel cannot read safely."""
+    _check(query, kv_cache_layer, block_tables, seq_lens)
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+    num_seqs, num_heads, _ = query.shape
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    status = _kernel()(
+        query.data_ptr(),
+        kv_cache_layer[0].data_ptr(),
+        kv_cache_layer[1].data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        scale,
+    )
+    if status == -(1 + num_seqs):
+        raise MemoryError("paged_decode_attention_cpu: out of memory for its scratch buffers")
+    if status != 0:
+        seq = -status - 1
+        raise ValueError(
+            f"sequence {seq}: seq_lens[{seq}] = {int(seq_lens[seq])} must be in "
+            f"[1, {block_tables.shape[1] * block_size}] (block_tables' capacity), and its "
+            f"block_tables entries in [0, {num_blocks})"
+        )
+    return out
+
+
+def _check(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    def require(condition: bool, message: str) -> None:
+        if not condition:
+            raise ValueError(message)
+
+    tensors = {
+        "query": query,
+        "kv_cache_layer": kv_cache_layer,
+        "block_tables": block_tables,
+        "seq_lens": seq_lens,
+    }
+    for name, tensor in tensors.items():
+        require(tensor.device.type == "cpu", f"{name} must be on the CPU, got {tensor.device}")
+    for name, tensor in (("query", query), ("kv_cache_layer", kv_cache_layer)):
+        require(tensor.dtype == torch.float32, f"{name} must be float32, got {tensor.dtype}")
+        require(tensor.is_contiguous(), f"{name} must be contiguous")
+    for name, tensor in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        require(tensor.dtype == torch.int64, f"{name} must be int64, got {tensor.dtype}")
+    require(
+        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
+        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got {tuple(kv_cache_layer.shape)}",
+    )
+    require(query.dim() == 3, f"query must be [num_seqs, num_heads, head_dim], got {query.dim()}-D")
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache_layer.shape[3]
+    require(
+        head_dim == kv_cache_layer.shape[4],
+        f"query head_dim {head_dim} != kv_cache_layer head_dim {kv_cache_layer.shape[4]}",
+    )
+    require(
+        num_heads % num_kv_heads == 0,
+        f"query's {num_heads} heads must be a multiple of the cache's {num_kv_heads} KV heads",
+    )
+    require(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+        f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}",
+    )
+    require(
+        block_tables.shape[1] == 0 or block_tables.stride(1) == 1,
+        "block_tables' rows must be contiguous",
+    )
+    require(
+        seq_lens.shape == (num_seqs,) and seq_lens.is_contiguous(),
+        f"seq_lens must be a contiguous [{num_seqs}], got {tuple(seq_lens.shape)}",
+    )

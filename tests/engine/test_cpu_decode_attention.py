@@ -1,0 +1,152 @@
+"""The C decode-attention kernel (engine/kernels/cpu) against a float64 softmax over each
+sequence's gathered context, its argument checks, and how it is built and cached."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention.selector import resolve_attention_backend
+from engine.kernels.cpu import build
+from engine.kernels.cpu import paged_decode_attention as kernel_module
+from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
+
+FLOAT32 = {"atol": 1e-5, "rtol": 1e-5}  # float32 results against a float64 reference
+
+
+def _case(
+    seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, cache, block tables (each seq's blocks a random pick, rows padded wider than
+    needed) and seq_lens."""
+    generator = torch.Generator().manual_seed(sum(seq_lens) + block_size)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator)
+    block_ids = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 2, dtype=torch.int64)
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = torch.tensor(block_ids[:count])
+        block_ids = block_ids[count:]
+    return query, cache, tables, torch.tensor(seq_lens, dtype=torch.int64)
+
+
+def _expected(
+    query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    num_heads, num_kv_heads = query.shape[1], cache.shape[3]
+    block_size = cache.shape[2]
+    outputs = []
+    for row, seq_len in enumerate(seq_lens.tolist()):
+        positions = torch.arange(seq_len)
+        blocks = tables[row, positions // block_size]
+        key = cache[0, blocks, positions % block_size].double()  # [seq_len, kv_heads, dim]
+        value = cache[1, blocks, positions % block_size].double()
+        key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,khd->hk", query[row].double(), key) * query.shape[2] ** -0.5
+        outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), value))
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("head_dim", [48, 64, 128])
+def test_kernel_matches_a_float64_softmax(
+    num_heads: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    rng = random.Random(num_heads * 1000 + block_size * 10 + head_dim)
+    # length 1, exact multiples of the block size, and ragged lengths
+    seq_lens = [1, block_size, 3 * block_size, *(rng.randint(1, 90) for _ in range(9))]
+    query, cache, tables, lens = _case(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
+    out = paged_decode_attention_cpu(query, cache, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(out.double(), _expected(query, cache, tables, lens), **FLOAT32)
+
+
+def test_large_scores_stay_finite() -> None:
+    """Scores far beyond exp's range: the running max keeps the softmax exact."""
+    query, cache, tables, lens = _case([40, 7], 4, 2, 64, 16)
+    query *= 60.0
+    out = paged_decode_attention_cpu(query, cache, tables, lens, 64**-0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _expected(query, cache, tables, lens), **FLOAT32)
+
+
+def test_no_sequences_is_an_empty_result() -> None:
+    query, cache, tables, lens = _case([3], 4, 4, 64, 4)
+    out = paged_decode_attention_cpu(query[:0], cache, tables[:0], lens[:0], 0.1)
+    assert out.shape == (0, 4, 64)
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    query, cache, tables, lens = _case([20, 9], 4, 2, 64, 8)
+    out_of_range = tables.clone()
+    out_of_range[1, 1] = cache.shape[1]  # one past the last block, inside seq 1's length
+    too_long = lens.clone()
+    too_long[0] = tables.shape[1] * 8 + 1
+    cases = [
+        ((query, cache, out_of_range, lens), r"sequence 1: .*block_tables entries in \[0, "),
+        ((query, cache, tables, too_long), r"sequence 0: seq_lens\[0\] = 41 must be in \[1, 40\]"),
+        ((query, cache, tables, lens * 0), r"sequence 0: seq_lens\[0\] = 0"),
+        ((query.double(), cache, tables, lens), "query must be float32"),
+        ((query, cache.half(), tables, lens), "kv_cache_layer must be float32"),
+        ((query, cache, tables.int(), lens), "block_tables must be int64"),
+        ((query, cache, tables, lens[:1]), r"seq_lens must be a contiguous \[2\]"),
+        ((query[:, :3].contiguous(), cache, tables, lens), "multiple of the cache's 2 KV heads"),
+        (
+            (query[..., :32].contiguous(), cache, tables, lens),
+            "query head_dim 32 != kv_cache_layer head_dim 64",
+        ),
+        ((query, cache[0], tables, lens), "kv_cache_layer must be"),
+        ((query, cache, tables.t().contiguous().t(), lens), "block_tables' rows must be"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            paged_decode_attention_cpu(*args, scale=0.1)
+
+
+@pytest.fixture
+def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty kernel cache, and the loaders forgetting what they loaded (before and after)."""
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    build.load.cache_clear()
+    kernel_module._kernel.cache_clear()
+    yield tmp_path
+    build.load.cache_clear()
+    kernel_module._kernel.cache_clear()
+
+
+def test_built_once_then_loaded_from_the_cache(fresh_build: Path) -> None:
+    kernel_module.ensure_built()
+    (library,) = fresh_build.glob("paged_decode_attention-*.so")
+    built_at = library.stat().st_mtime_ns
+    build.load.cache_clear()
+    kernel_module._kernel.cache_clear()
+    query, cache, tables, lens = _case([5], 2, 2, 64, 4)
+    paged_decode_attention_cpu(query, cache, tables, lens, 0.1)
+    assert library.stat().st_mtime_ns == built_at  # found, not rebuilt
+    assert [p.name for p in fresh_build.iterdir()] == [library.name]  # no partial files left
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_says_why(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "no-such-cc")
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu) == "torch"
+    with pytest.raises(ValueError, match="'cpu' is unavailable here: no C compiler .*no-such-cc"):
+        resolve_attention_backend("cpu", cpu)
+
+
+def test_a_failed_build_says_what_the_compiler_said(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "false")  # a "compiler" that prints its version and fails
+    with pytest.raises(build.KernelUnavailableError, match="building paged_decode_attention.c"):
+        kernel_module.ensure_built()
+    assert list(fresh_build.iterdir()) == []
