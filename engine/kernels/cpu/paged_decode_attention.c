@@ -38,7 +38,7 @@ static int64_t check_seq(const int64_t *table, int64_t seq_len, int64_t capacity
     return 1;
 }
 
-int64_t paged_decode_attention_f32(
+static inline __attribute__((always_inline)) int64_t decode_f32(
     const float *query, const float *key, const float *value, const int64_t *block_tables,
     int64_t table_stride, const int64_t *seq_lens, float *out, int64_t num_seqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -75,10 +75,11 @@ int64_t paged_decode_attention_f32(
                 prefetch(value + table[j + 1] * block_numel, block_numel);
             }
             for (int64_t t = 0; t < n; t++)
-                for (int64_t h = 0; h < num_heads; h++)
-                    probs[h * block_size + t] =
-                        scale * dot(q + h * head_dim,
-                                    k_block + t * token_numel + (h / group) * head_dim, head_dim);
+                for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {
+                    const float *k = k_block + t * token_numel + kv_head * head_dim;
+                    for (int64_t g = 0; g < group; g++, h++)
+                        probs[h * block_size + t] = scale * dot(q + h * head_dim, k, head_dim);
+                }
             for (int64_t h = 0; h < num_heads; h++) {
                 float *p = probs + h * block_size;
                 float block_max = maxes[h];
@@ -97,11 +98,13 @@ int64_t paged_decode_attention_f32(
                 }
             }
             for (int64_t t = 0; t < n; t++)
-                for (int64_t h = 0; h < num_heads; h++) {
-                    const float p = probs[h * block_size + t];
-                    const float *v = v_block + t * token_numel + (h / group) * head_dim;
-                    float *a = acc + h * head_dim;
-                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * v[d];
+                for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {
+                    const float *v = v_block + t * token_numel + kv_head * head_dim;
+                    for (int64_t g = 0; g < group; g++, h++) {
+                        const float p = probs[h * block_size + t];
+                        float *a = acc + h * head_dim;
+                        for (int64_t d = 0; d < head_dim; d++) a[d] += p * v[d];
+                    }
                 }
         }
         float *o = out + s * num_heads * head_dim;
@@ -115,4 +118,22 @@ int64_t paged_decode_attention_f32(
     free(sums);
     free(probs);
     return status;
+}
+
+/* The exported entry: the common head sizes get a copy of the body compiled for that size
+ * (loops over head_dim fully unrolled and vectorised), others the general one. */
+int64_t paged_decode_attention_f32(
+    const float *query, const float *key, const float *value, const int64_t *block_tables,
+    int64_t table_stride, const int64_t *seq_lens, float *out, int64_t num_seqs,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t num_blocks, float scale) {
+#define DECODE(HEAD_DIM)                                                                     \
+    decode_f32(query, key, value, block_tables, table_stride, seq_lens, out, num_seqs,      \
+               num_heads, num_kv_heads, HEAD_DIM, block_size, num_blocks, scale)
+    switch (head_dim) {
+    case 64: return DECODE(64);
+    case 128: return DECODE(128);
+    default: return DECODE(head_dim);
+    }
+#undef DECODE
 }
