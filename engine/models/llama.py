@@ -3,6 +3,8 @@
 They differ only in flags of ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm (Qwen3),
 tied embeddings, rope scaling. Projections are fused (qkv_proj, gate_up_proj) so each layer
 runs three big matmuls instead of six; model_loader.py maps the Hugging Face weights onto them.
+On CPU in float32 the elementwise steps (norms, rotary, SiLU * up) run as C kernels
+(engine/kernels/cpu/elementwise.c); the torch code beside each is the path everywhere else.
 Module names otherwise mirror Hugging Face's (model.layers.N.self_attn.o_proj, ...).
 """
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.layer import Attention
+from engine.kernels.cpu import elementwise as cpu_kernels
 from engine.model_config import ModelConfig
 from engine.models.rope import RotaryEmbedding, apply_rotary
 
@@ -26,6 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        if cpu_kernels.usable(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -43,7 +48,10 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.usable(gate_up):
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -81,7 +89,10 @@ class SelfAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cpu_kernels.usable(q):
+            cpu_kernels.rotary_(q, k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -96,7 +107,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin)
+        if cpu_kernels.usable(hidden):  # the residual add and the norm in one pass
+            norm = self.post_attention_layernorm
+            hidden, normed = cpu_kernels.add_rms_norm(hidden, attended, norm.weight, norm.eps)
+            return hidden + self.mlp(normed)
+        hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

@@ -1,0 +1,66 @@
+/* The model's elementwise steps on CPU (float32), each one pass over its rows instead of the
+ * several tensors eager torch makes: RMSNorm (alone, or after the residual add), rotate-half
+ * rotary embedding of q and k in place, and SiLU(gate) * up. Same operations and order per
+ * element as transformers' modules; only the sum of squares is accumulated in another order.
+ */
+#include <math.h>
+#include <stdint.h>
+
+static inline void normalize(const float *restrict x, const float *restrict weight,
+                             float *restrict out, int64_t dim, float eps) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < dim; i++) sum += x[i] * x[i];
+    const float inverse_rms = 1.f / sqrtf(sum / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (x[i] * inverse_rms);
+}
+
+/* out[r] = weight * x[r] / rms(x[r]) */
+void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t dim,
+                  float eps) {
+    for (int64_t r = 0; r < rows; r++) normalize(x + r * dim, weight, out + r * dim, dim, eps);
+}
+
+/* sum[r] = residual[r] + x[r]; out[r] = rms_norm(sum[r]) */
+void add_rms_norm_f32(const float *residual, const float *x, const float *weight, float *sum,
+                      float *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *a = residual + r * dim, *b = x + r * dim;
+        float *s = sum + r * dim;
+        for (int64_t i = 0; i < dim; i++) s[i] = a[i] + b[i];
+        normalize(s, weight, out + r * dim, dim, eps);
+    }
+}
+
+/* Rotate-half rope on each head of a [tokens, heads, head_dim] view whose tokens are
+ * row_stride floats apart (heads contiguous): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
+static void rotate(float *x, int64_t row_stride, int64_t num_heads, const float *cos,
+                   const float *sin, int64_t tokens, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *x1 = x + t * row_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+void rotary_f32(float *query, int64_t query_stride, int64_t num_heads, float *key,
+                int64_t key_stride, int64_t num_kv_heads, const float *cos, const float *sin,
+                int64_t tokens, int64_t head_dim) {
+    rotate(query, query_stride, num_heads, cos, sin, tokens, head_dim);
+    rotate(key, key_stride, num_kv_heads, cos, sin, tokens, head_dim);
+}
+
+/* out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:] */
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * dim, *up = gate + dim;
+        float *o = out + r * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+    }
+}

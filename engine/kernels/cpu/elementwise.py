@@ -1,0 +1,119 @@
+"""The model's elementwise steps through the C kernels in ``elementwise.c`` (CPU, float32):
+RMSNorm, residual add + RMSNorm, rotary embedding of q and k in place, SiLU(gate) * up.
+
+Model code asks ``usable(x)`` first and keeps its torch path for everything else (GPU, other
+dtypes, a machine without a C compiler).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from engine.kernels.cpu.build import KernelUnavailableError, load
+
+logger = logging.getLogger(__name__)
+_INT64, _POINTER, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm_f32": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _FLOAT],
+    "add_rms_norm_f32": [*(_POINTER,) * 5, _INT64, _INT64, _FLOAT],
+    "rotary_f32": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _INT64, _POINTER, _POINTER]
+    + [_INT64, _INT64],
+    "silu_mul_f32": [_POINTER, _POINTER, _INT64, _INT64],
+}
+
+
+@functools.cache
+def _library() -> Any | None:
+    try:
+        library = load("elementwise")
+    except KernelUnavailableError as error:
+        logger.warning("elementwise ops: torch on CPU (%s)", error)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = argtypes
+    return library
+
+
+def _kernels() -> Any:
+    library = _library()
+    if library is None:
+        raise RuntimeError("the C elementwise kernels are unavailable here: ask usable() first")
+    return library
+
+
+def usable(x: torch.Tensor) -> bool:
+    """The C kernels take ``x``: a float32 CPU tensor, on a machine that could build them."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _kernels().rms_norm_f32(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps
+    )
+    return out
+
+
+def add_rms_norm(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, rms_norm(residual + x)) in one pass; [num_tokens, hidden] each."""
+    residual, x = residual.contiguous(), x.contiguous()
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    dim = x.shape[-1]
+    _kernels().add_rms_norm_f32(
+        residual.data_ptr(),
+        x.data_ptr(),
+        weight.data_ptr(),
+        total.data_ptr(),
+        out.data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+    )
+    return total, out
+
+
+def rotary_(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads contiguous; rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], the same
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+) -> None:
+    """Rotate-half rope of q and k in place (views into the fused qkv projection's output)."""
+    num_tokens, num_heads, head_dim = query.shape
+    for name, tensor in (("query", query), ("key", key)):
+        if tensor.stride(2) != 1 or tensor.stride(1) != head_dim:
+            raise ValueError(f"{name}'s heads must be contiguous, got strides {tensor.stride()}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _kernels().rotary_f32(
+        query.data_ptr(),
+        query.stride(0),
+        num_heads,
+        key.data_ptr(),
+        key.stride(0),
+        key.shape[1],
+        cos.data_ptr(),
+        sin.data_ptr(),
+        num_tokens,
+        head_dim,
+    )
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim: [n, 2d] -> [n, d]."""
+    gate_up = gate_up.contiguous()
+    dim = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], dim)
+    _kernels().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * dim), dim)
+    return out
