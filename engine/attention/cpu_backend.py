@@ -1,9 +1,9 @@
-"""The CPU backend: the torch reference for K/V writes and prefill, and decode through the C
-kernel that reads each sequence's blocks in place (engine/kernels/cpu).
+"""The CPU backend: C kernels (engine/kernels/cpu) for K/V writes and for decode, which reads
+each sequence's blocks in place; prefill through the torch reference.
 
 Decode attention on CPU is bound by memory traffic; the reference gathers every decode
 sequence's blocks into a buffer each layer before SDPA reads them again, the kernel reads
-them once. Caches of other dtypes than float32 take the reference path.
+them once. Caches of other dtypes than float32 take the reference path throughout.
 """
 
 from __future__ import annotations
@@ -12,11 +12,24 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
+from engine.kernels.cpu.kv_cache_write import write_kv_cache_cpu
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+
+    def write_kv(
+        self,
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        if kv_cache_layer.dtype != torch.float32 or kv_cache_layer.device.type != "cpu":
+            super().write_kv(kv_cache_layer, key, value, slot_mapping)
+        else:
+            write_kv_cache_cpu(kv_cache_layer, key, value, slot_mapping)
 
     def _decode(
         self,

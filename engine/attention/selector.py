@@ -61,12 +61,12 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
 
 def _cpu_kernel_missing() -> str | None:
-    """Why the C decode kernel cannot be built or loaded here, or None when it can."""
-    from engine.kernels.cpu.build import KernelUnavailableError
-    from engine.kernels.cpu.paged_decode_attention import ensure_built
+    """Why the CPU backend's C kernels cannot be built or loaded here, or None when they can."""
+    from engine.kernels.cpu.build import KernelUnavailableError, load
 
     try:
-        ensure_built()
+        load("paged_decode_attention")
+        load("kv_cache_write")
     except KernelUnavailableError as error:
         return str(error)
     return None

@@ -122,7 +122,7 @@ def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 
 
 def test_built_once_then_loaded_from_the_cache(fresh_build: Path) -> None:
-    kernel_module.ensure_built()
+    build.load("paged_decode_attention")
     (library,) = fresh_build.glob("paged_decode_attention-*.so")
     built_at = library.stat().st_mtime_ns
     build.load.cache_clear()
@@ -148,5 +148,28 @@ def test_a_failed_build_says_what_the_compiler_said(
 ) -> None:
     monkeypatch.setenv("CC", "false")  # a "compiler" that prints its version and fails
     with pytest.raises(build.KernelUnavailableError, match="building paged_decode_attention.c"):
-        kernel_module.ensure_built()
+        build.load("paged_decode_attention")
     assert list(fresh_build.iterdir()) == []
+
+
+def test_kv_cache_write_lands_rows_in_their_slots() -> None:
+    """New K/V straight from a qkv projection's output (strided rows) into the paged cache;
+    padding slots (-1) are skipped, a slot past the cache is refused by name."""
+    from engine.kernels.cpu.kv_cache_write import write_kv_cache_cpu
+
+    torch.manual_seed(5)
+    num_kv_heads, head_dim = 2, 8
+    cache = torch.zeros(2, 4, 3, num_kv_heads, head_dim)
+    qkv = torch.randn(4, (4 + 2 * num_kv_heads) * head_dim)
+    _, key, value = qkv.split([4 * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    key = key.view(4, num_kv_heads, head_dim)
+    value = value.view(4, num_kv_heads, head_dim)
+    write_kv_cache_cpu(cache, key, value, torch.tensor([11, 0, -1, 4]))
+    torch.testing.assert_close(cache[0, 3, 2], key[0])
+    torch.testing.assert_close(cache[1, 0, 0], value[1])
+    torch.testing.assert_close(cache[0, 1, 1], key[3])
+    assert int((cache != 0).any(dim=(-1, -2)).sum()) == 6  # 3 slots, K and V; -1 skipped
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 12 is past the cache's 12 slots"):
+        write_kv_cache_cpu(cache, key[:2], value[:2], torch.tensor([0, 12]))
+    with pytest.raises(ValueError, match="key must be"):
+        write_kv_cache_cpu(cache, key[:, :1], value, torch.tensor([0, 1, 2, 3]))

@@ -29,11 +29,6 @@ def _kernel() -> Any:
     return kernel
 
 
-def ensure_built() -> None:
-    """Build (or find) and load the kernel now; KernelUnavailableError if it cannot be."""
-    _kernel()
-
-
 def paged_decode_attention_cpu(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32
     kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] float32
