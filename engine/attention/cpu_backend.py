@@ -26,10 +26,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
     ) -> None:
-        if kv_cache_layer.dtype != torch.float32 or kv_cache_layer.device.type != "cpu":
-            super().write_kv(kv_cache_layer, key, value, slot_mapping)
-        else:
+        if _kernels_take(kv_cache_layer):
             write_kv_cache_cpu(kv_cache_layer, key, value, slot_mapping)
+        else:
+            super().write_kv(kv_cache_layer, key, value, slot_mapping)
 
     def _decode(
         self,
@@ -38,7 +38,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_decode_seqs, num_heads, head_dim]
-        if kv_cache_layer.dtype != torch.float32 or kv_cache_layer.device.type != "cpu":
+        if not _kernels_take(kv_cache_layer):
             return super()._decode(query, kv_cache_layer, metadata, scale)
         return paged_decode_attention_cpu(
             query.contiguous(),
@@ -47,3 +47,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             metadata.decode_seq_lens,
             scale,
         )
+
+
+def _kernels_take(kv_cache_layer: torch.Tensor) -> bool:
+    return kv_cache_layer.dtype == torch.float32 and kv_cache_layer.device.type == "cpu"

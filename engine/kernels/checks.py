@@ -1,4 +1,5 @@
-"""Argument checks shared by the Triton kernel wrappers; every failure names the argument."""
+"""Argument checks shared by the kernel wrappers (Triton, and the CPU decode kernel); every
+failure names the argument."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from engine.kernels.checks import require
 from engine.kernels.cpu.build import load
 
 _INT64, _POINTER = ctypes.c_int64, ctypes.c_void_p
@@ -78,10 +79,6 @@ def _check(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    def require(condition: bool, message: str) -> None:
-        if not condition:
-            raise ValueError(message)
-
     tensors = {
         "query": query,
         "kv_cache_layer": kv_cache_layer,
