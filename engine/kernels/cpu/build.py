@@ -20,9 +20,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 SOURCE_DIR = Path(__file__).resolve().parent
+# the C types of the kernels' arguments
+INT64, POINTER, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 FLAGS = (
     "-O3",
     "-march=native",
@@ -61,16 +65,28 @@ def load(name: str) -> ctypes.CDLL:
         raise KernelUnavailableError(f"could not load {library}: {error}") from error
 
 
+def function(library: str, symbol: str, restype: Any, argtypes: Sequence[Any]) -> Any:
+    """``symbol`` of the library built from ``<library>.c``, typed for ctypes calls."""
+    kernel = getattr(load(library), symbol)
+    kernel.restype = restype
+    kernel.argtypes = list(argtypes)
+    return kernel
+
+
 def _build_key(source: Path, compiler: str) -> str:
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout
     digest = hashlib.sha256(source.read_bytes())
-    for part in (" ".join(FLAGS), version, _cpu_features()):
+    for part in (" ".join(FLAGS), _compiler_version(compiler), _cpu_features()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
 
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    done = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+    return done.stdout
+
+
+@functools.cache
 def _cpu_features() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -7,38 +7,32 @@ dtypes, a machine without a C compiler).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from typing import Any
 
 import torch
 
-from engine.kernels.cpu.build import KernelUnavailableError, load
+from engine.kernels.cpu.build import FLOAT, INT64, POINTER, KernelUnavailableError, function, load
 
 logger = logging.getLogger(__name__)
-_INT64, _POINTER, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "rms_norm_f32": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _FLOAT],
-    "add_rms_norm_f32": [*(_POINTER,) * 5, _INT64, _INT64, _FLOAT],
-    "rotary_f32": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _INT64, _POINTER, _POINTER]
-    + [_INT64, _INT64],
-    "silu_mul_f32": [_POINTER, _POINTER, _INT64, _INT64],
+    "rms_norm_f32": [POINTER, POINTER, POINTER, INT64, INT64, FLOAT],
+    "add_rms_norm_f32": [*(POINTER,) * 5, INT64, INT64, FLOAT],
+    "rotary_f32": [POINTER, INT64, INT64, POINTER, INT64, INT64, POINTER, POINTER, INT64, INT64],
+    "silu_mul_f32": [POINTER, POINTER, INT64, INT64],
 }
 
 
 @functools.cache
 def _library() -> Any | None:
     try:
-        library = load("elementwise")
+        for symbol, argtypes in _SIGNATURES.items():
+            function("elementwise", symbol, None, argtypes)
     except KernelUnavailableError as error:
         logger.warning("elementwise ops: torch on CPU (%s)", error)
         return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(library, name)
-        function.restype = None
-        function.argtypes = argtypes
-    return library
+    return load("elementwise")
 
 
 def _kernels() -> Any:

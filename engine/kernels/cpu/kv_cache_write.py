@@ -3,24 +3,18 @@ reading them where the qkv projection left them."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Any
 
 import torch
 
-from engine.kernels.cpu.build import load
-
-_INT64, _POINTER = ctypes.c_int64, ctypes.c_void_p
+from engine.kernels.cpu.build import INT64, POINTER, function
 
 
 @functools.cache
 def _kernel() -> Any:
-    kernel = load("kv_cache_write").kv_cache_write_f32
-    kernel.restype = _INT64
-    kernel.argtypes = [_POINTER, _POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64]
-    kernel.argtypes += [_POINTER, _INT64, _INT64]
-    return kernel
+    argtypes = [POINTER, POINTER, INT64, POINTER, INT64, POINTER, INT64, POINTER, INT64, INT64]
+    return function("kv_cache_write", "kv_cache_write_f32", INT64, argtypes)
 
 
 def write_kv_cache_cpu(

@@ -3,31 +3,26 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Any
 
 import torch
 
 from engine.kernels.checks import require
-from engine.kernels.cpu.build import load
-
-_INT64, _POINTER = ctypes.c_int64, ctypes.c_void_p
+from engine.kernels.cpu.build import FLOAT, INT64, POINTER, function
 
 
 @functools.cache
 def _kernel() -> Any:
-    kernel = load("paged_decode_attention").paged_decode_attention_f32
-    kernel.restype = _INT64
-    kernel.argtypes = [
-        *(_POINTER,) * 4,  # query, key, value, block_tables
-        _INT64,  # table_stride
-        _POINTER,  # seq_lens
-        _POINTER,  # out
-        *(_INT64,) * 6,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks
-        ctypes.c_float,  # scale
+    argtypes = [
+        *(POINTER,) * 4,  # query, key, value, block_tables
+        INT64,  # table_stride
+        POINTER,  # seq_lens
+        POINTER,  # out
+        *(INT64,) * 6,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks
+        FLOAT,  # scale
     ]
-    return kernel
+    return function("paged_decode_attention", "paged_decode_attention_f32", INT64, argtypes)
 
 
 def paged_decode_attention_cpu(
