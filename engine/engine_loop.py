@@ -24,6 +24,7 @@ from engine.messages import (
     TokenEvent,
     WorkerLoad,
 )
+from engine.step_boundary_lock import StepBoundaryLock
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,8 +40,8 @@ class EngineLoop:
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
-        self.lock = threading.RLock()  # held while the engine steps or is called into
-        self._work = threading.Condition(self.lock)
+        self.lock = StepBoundaryLock()  # held while the engine steps or is called into
+        self._work = threading.Condition(self.lock.inner)  # new work for the loop (under lock)
         self._on_handed_off = on_handed_off
         self._gateway_of: dict[str, str] = {}  # request id -> gateway id
         self._outputs: defaultdict[str, queue.Queue[OutputBatch]] = defaultdict(queue.Queue)
@@ -53,7 +54,7 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self) -> None:
-        with self._work:
+        with self.lock:
             self._stopping = True
             self._work.notify_all()
         if self._thread.is_alive():
@@ -65,7 +66,7 @@ class EngineLoop:
 
         Raises ValueError (nothing queued) when the request is invalid.
         """
-        with self._work:
+        with self.lock:
             if self.engine.has_request(request.request_id):
                 return False
             self.engine.add_request(
@@ -82,7 +83,7 @@ class EngineLoop:
 
     def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` under the lock, then let the loop look for new work."""
-        with self._work:
+        with self.lock:
             result = fn(self.engine)
             self._work.notify()
             return result
@@ -94,12 +95,12 @@ class EngineLoop:
 
     def release(self, request_id: str) -> None:
         """End a handed-off request here: its lease is released, its outputs go elsewhere."""
-        with self._work:
+        with self.lock:
             self.engine.release_lease(request_id)
             self._gateway_of.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        with self._work:
+        with self.lock:
             self.engine.abort_request(request_id)
             self._gateway_of.pop(request_id, None)
 
@@ -112,7 +113,7 @@ class EngineLoop:
         retryable: bool = False,
     ) -> None:
         """Drop a request and tell its gateway why (and whether another worker may retry it)."""
-        with self._work:
+        with self.lock:
             self.engine.abort_request(request_id)
             gateway = self._gateway_of.pop(request_id, gateway_id)
         if gateway is not None:
@@ -155,7 +156,7 @@ class EngineLoop:
     # ---- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._work:
+            with self.lock.loop_turn():
                 while not self._stopping and not self.engine.scheduler.num_unfinished:
                     self._work.wait(_IDLE_WAIT_S)
                 if self._stopping:
