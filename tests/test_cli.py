@@ -126,8 +126,9 @@ def _serve_process(model_dir: Path | None, *extra: str) -> subprocess.Popen[str]
 
 
 @contextlib.contextmanager
-def _serving(model_dir: Path | None, *extra: str) -> Iterator[tuple[str, str]]:
-    """A running `pdserve serve`: (its banner, its OpenAI base URL); Ctrl-C must stop it."""
+def _serving(model_dir: Path | None, *extra: str) -> Iterator[tuple[str, str, int]]:
+    """A running `pdserve serve`: (its banner, its OpenAI base URL, its pid); Ctrl-C must stop
+    it."""
     process = _serve_process(model_dir, *extra)
     try:
         assert process.stdout is not None
@@ -139,7 +140,7 @@ def _serving(model_dir: Path | None, *extra: str) -> Iterator[tuple[str, str]]:
         text = "".join(banner)
         url = next((line.split()[2] for line in banner if "OpenAI HTTP" in line), None)
         assert url is not None, text
-        yield text, url
+        yield text, url, process.pid
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
     finally:
@@ -147,15 +148,46 @@ def _serving(model_dir: Path | None, *extra: str) -> Iterator[tuple[str, str]]:
             process.kill()
 
 
+def _worker_niceness(serve_pid: int) -> dict[str, int]:
+    """Niceness of the Ray worker actor processes under ``serve_pid``, by their process title."""
+    parents: dict[int, int] = {}
+    nices: dict[int, int] = {}
+    titles: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+            pid = int(entry.name)
+            parents[pid], nices[pid] = int(fields[1]), int(fields[16])
+            titles[pid] = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == serve_pid:
+                return True
+            pid = parents.get(pid, 1)
+        return False
+
+    return {
+        title: nices[pid]
+        for pid, title in titles.items()
+        if title.startswith("ray::") and title.endswith("Actor") and descends(pid)
+    }
+
+
 def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: Path) -> None:
     extra = ("--http-port", "0", "--grpc-port", "0", "--served-model-name", "tiny")
-    with _serving(chat_model_dir, *extra, "--dtype", "float32") as (text, url):
+    with _serving(chat_model_dir, *extra, "--dtype", "float32") as (text, url, pid):
         assert "1 prefill + 1 decode workers" in text, text
         assert "gRPC         127.0.0.1:" in text and "curl http://127.0.0.1:" in text
         body = {"model": "tiny", "prompt": "def main():", "max_tokens": 4}
         response = httpx.post(url + "/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 4
+        # Ray would start them at niceness 15, behind the gateway on a shared CPU.
+        assert _worker_niceness(pid) == {"ray::PrefillActor": 0, "ray::DecodeActor": 0}
 
 
 def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -> None:
@@ -167,7 +199,7 @@ def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -
 
 def test_serve_without_a_model_serves_the_bundled_demo() -> None:
     """What `make serve` runs: the trained demo model answers in words."""
-    with _serving(None, "--http-port", "0", "--grpc-port", "-1") as (text, url):
+    with _serving(None, "--http-port", "0", "--grpc-port", "-1") as (text, url, _):
         assert "serving 'pdserve-demo'" in text, text
         body = {"model": "pdserve-demo", "prompt": "Return the", "max_tokens": 24, "temperature": 0}
         response = httpx.post(url + "/completions", json=body, timeout=60)

@@ -119,6 +119,7 @@ def test_workers_join_the_head_with_their_node_type_resources(cluster: dict[str,
     assert "--head" not in start
     # One list serves every worker type: their resources come from available_node_types.
     assert "--resources" not in start
+    assert "RAY_worker_niceness=0 ray start" in start, "engines must not run niced"
 
 
 def test_setup_installs_pdserve_in_a_venv(cluster: dict[str, Any]) -> None:
@@ -185,6 +186,8 @@ def test_worker_groups_advertise_their_role_and_gpus(raycluster: dict[str, Any])
         gpus = int(limits["nvidia.com/gpu"])
         assert gpus >= 1, role
         assert resources == {role: gpus}, f"{role}: one unit per GPU, nothing else"
+        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert env.get("RAY_worker_niceness") == "0", f"{role}: engines must not run niced"
     head_pod = raycluster["spec"]["headGroupSpec"]["template"]["spec"]
     for container in head_pod["containers"]:
         assert "nvidia.com/gpu" not in container.get("resources", {}).get("limits", {})
