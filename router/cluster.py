@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,6 +34,10 @@ from router.request_tracker import ClientItem, RequestTracker
 
 logger = logging.getLogger(__name__)
 _CALL_TIMEOUT_S = 10.0  # control calls to a worker; one that does not answer counts as dead
+# Requests being placed at once: each waits in a thread until its worker accepts it, which a
+# worker does between engine steps (up to a few hundred ms on CPU). asyncio's default executor
+# has os.cpu_count() + 4 threads, 6 on a 2-core node, so bursts queued behind each other there.
+_MAX_PLACEMENTS_IN_FLIGHT = 64
 
 
 class RequestFailedError(RuntimeError):
@@ -69,6 +74,9 @@ class Cluster:
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._placements = ThreadPoolExecutor(
+            _MAX_PLACEMENTS_IN_FLIGHT, thread_name_prefix="placement"
+        )
 
     # ---- start and stop -----------------------------------------------------------------
     @classmethod
@@ -93,6 +101,7 @@ class Cluster:
                 ray.kill(worker.actor)
         for thread in self._threads:
             thread.join(timeout=5)
+        self._placements.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests -----------------------------------------------------------------------
     async def generate(
@@ -122,7 +131,7 @@ class Cluster:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
         # Routing makes blocking Ray calls: keep them off the event loop that serves clients.
-        submitted = loop.run_in_executor(None, self.submit, request, sink)
+        submitted = loop.run_in_executor(self._placements, self.submit, request, sink)
         try:
             tracker = await asyncio.shield(submitted)
         except asyncio.CancelledError:  # the client left while routing: abort once it is placed

@@ -159,6 +159,7 @@ def test_killed_prefill_worker_queued_requests_are_rerouted(
     async def main() -> list[list[int]]:
         tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
         await _wait_for(lambda: len(cluster._trackers) == len(prompts))
+        await _wait_for(lambda: not any(t.placing for t in list(cluster._trackers.values())))
         assert queued_on_prefill_0() >= 1
         ray.kill(cluster.workers["prefill-0"].actor)
         return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=90))

@@ -88,3 +88,33 @@ def test_a_worker_slow_to_accept_does_not_stall_other_requests(ray_session: None
         asyncio.run(main())
     finally:
         cluster.shutdown()
+
+
+def test_a_burst_of_requests_is_placed_at_once_not_a_few_at_a_time(ray_session: None) -> None:
+    """Twelve requests arrive while the worker is mid-step: all twelve wait at the worker
+    together (asyncio's default executor would let only cpu_count + 4 of them route at once,
+    the others queued behind a whole step)."""
+    burst = 12
+    gated = GatedWorker.options(max_concurrency=burst + 4).remote("decode-0", True)
+    config = ClusterConfig(model_dir="unused", num_prefill=0, num_decode=1)
+    cluster = Cluster(config, [WorkerHandle("decode-0", "decode", gated)])
+    cluster._start_threads()
+    cluster._poll_loads()
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    async def first_token(prompt: list[int]) -> int:
+        return [event.token_id async for event in cluster.generate(prompt, params)][0]
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(first_token([1, i + 2])) for i in range(burst)]
+        deadline = asyncio.get_running_loop().time() + 20
+        while ray.get(gated.accepting.remote()) < burst:
+            assert asyncio.get_running_loop().time() < deadline, ray.get(gated.accepting.remote())
+            await asyncio.sleep(0.01)
+        gated.open_gate.remote()
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=20) == [7] * burst
+
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.shutdown()
