@@ -18,6 +18,7 @@ and a PNG of the medians against the request rate; prints the side-by-side table
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -65,10 +66,20 @@ class Row:
 
 def _systems(args: argparse.Namespace) -> list[ServerSpec]:
     common = {"model_dir": args.model, "served_name": args.served_name, "num_kv_blocks": 2048}
+    cores = os.cpu_count() or 1  # each layout's workers share the machine's cores evenly
     systems = [
-        pdserve_server("pdserve colocated x1", 0, 1, args.port, **common),
-        pdserve_server("pdserve 1P1D", 1, 1, args.port + 1, **common),
-        pdserve_server("pdserve colocated x2", 0, 2, args.port + 2, **common),
+        pdserve_server("pdserve colocated x1", 0, 1, args.port, **common, cores_per_worker=cores),
+        pdserve_server(
+            "pdserve 1P1D", 1, 1, args.port + 1, **common, cores_per_worker=max(1, cores // 2)
+        ),
+        pdserve_server(
+            "pdserve colocated x2",
+            0,
+            2,
+            args.port + 2,
+            **common,
+            cores_per_worker=max(1, cores // 2),
+        ),
     ]
     if args.vllm_python:
         systems.append(

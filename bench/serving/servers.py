@@ -40,13 +40,16 @@ def pdserve_server(
     model_dir: str,
     served_name: str,
     num_kv_blocks: int,
+    cores_per_worker: int = 1,
 ) -> ServerSpec:
+    """``cores_per_worker``: the Ray CPUs each worker reserves, which Ray turns into its torch
+    threads (OMP_NUM_THREADS)."""
     argv = (
         sys.executable, "-m", "router.cli", "serve",
         "--model", model_dir, "--served-model-name", served_name, "--dtype", "float32",
         "--prefill", str(num_prefill), "--decode", str(num_decode),
         "--kv-transport", "shm", "--num-kv-blocks", str(num_kv_blocks),
-        "--worker-num-cpus", "0", "--http-port", str(port), "--grpc-port", "-1",
+        "--worker-num-cpus", str(cores_per_worker), "--http-port", str(port), "--grpc-port", "-1",
     )  # fmt: skip
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     return ServerSpec(name, argv, port, "/health", env)
