@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import pytest
 import ray
@@ -62,17 +63,28 @@ class GatedWorker:
         pass
 
 
-def test_a_worker_slow_to_accept_does_not_stall_other_requests(ray_session: None) -> None:
-    gated, fast = GatedWorker.remote("decode-0", True), GatedWorker.remote("decode-1", False)
-    workers = [WorkerHandle("decode-0", "decode", gated), WorkerHandle("decode-1", "decode", fast)]
-    config = ClusterConfig(model_dir="unused", num_prefill=0, num_decode=2)
-    cluster = Cluster(config, workers)
+def _colocated_cluster(*workers: WorkerHandle) -> Cluster:
+    """A router over the given worker actors, its output pumps and load reports running."""
+    config = ClusterConfig(model_dir="unused", num_prefill=0, num_decode=len(workers))
+    cluster = Cluster(config, list(workers))
     cluster._start_threads()
     cluster._poll_loads()
-    params = SamplingParams(temperature=0.0, max_tokens=1)
+    return cluster
 
-    async def first_token(prompt: list[int]) -> int:
-        return [event.token_id async for event in cluster.generate(prompt, params)][0]
+
+async def _first_token(cluster: Cluster, prompt: list[int]) -> int:
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    return [event.token_id async for event in cluster.generate(prompt, params)][0]
+
+
+def test_a_worker_slow_to_accept_does_not_stall_other_requests(ray_session: None) -> None:
+    gated, fast = GatedWorker.remote("decode-0", True), GatedWorker.remote("decode-1", False)
+    cluster = _colocated_cluster(
+        WorkerHandle("decode-0", "decode", gated), WorkerHandle("decode-1", "decode", fast)
+    )
+
+    def first_token(prompt: list[int]) -> Coroutine[Any, Any, int]:
+        return _first_token(cluster, prompt)
 
     async def main() -> None:
         slow = asyncio.create_task(first_token([1, 2, 3]))  # least loaded, by id: decode-0
@@ -96,17 +108,10 @@ def test_a_burst_of_requests_is_placed_at_once_not_a_few_at_a_time(ray_session: 
     the others queued behind a whole step)."""
     burst = 12
     gated = GatedWorker.options(max_concurrency=burst + 4).remote("decode-0", True)
-    config = ClusterConfig(model_dir="unused", num_prefill=0, num_decode=1)
-    cluster = Cluster(config, [WorkerHandle("decode-0", "decode", gated)])
-    cluster._start_threads()
-    cluster._poll_loads()
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-
-    async def first_token(prompt: list[int]) -> int:
-        return [event.token_id async for event in cluster.generate(prompt, params)][0]
+    cluster = _colocated_cluster(WorkerHandle("decode-0", "decode", gated))
 
     async def main() -> None:
-        tasks = [asyncio.create_task(first_token([1, i + 2])) for i in range(burst)]
+        tasks = [asyncio.create_task(_first_token(cluster, [1, i + 2])) for i in range(burst)]
         deadline = asyncio.get_running_loop().time() + 20
         while ray.get(gated.accepting.remote()) < burst:
             assert asyncio.get_running_loop().time() < deadline, ray.get(gated.accepting.remote())
