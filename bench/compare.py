@@ -38,7 +38,7 @@ from bench.serving.workloads import WorkloadSpec
 BEST_SPLIT = "pdserve best 2-worker split"
 TWO_WORKER_LAYOUTS = ("pdserve 1P1D", "pdserve colocated x2")
 VLLM = "vLLM (CPU)"
-_ROUND_SEED_STRIDE = 1000  # each round's workload seed; the sweep steps it per rate by less
+_ROUND_SEED_STRIDE = 1000  # rounds' seeds; the sweep adds 7919 per rate, so no two runs share one
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +50,12 @@ class Row:
     summaries: tuple[Summary, ...]  # one per round
 
     @property
+    def goodputs(self) -> list[float]:
+        return [s.goodput for s in self.summaries]
+
+    @property
     def goodput(self) -> float:
-        return statistics.median(s.goodput for s in self.summaries)
+        return statistics.median(self.goodputs)
 
     @property
     def throughput(self) -> float:
@@ -67,18 +71,12 @@ class Row:
 def _systems(args: argparse.Namespace) -> list[ServerSpec]:
     common = {"model_dir": args.model, "served_name": args.served_name, "num_kv_blocks": 2048}
     cores = os.cpu_count() or 1  # each layout's workers share the machine's cores evenly
+    half = max(1, cores // 2)
     systems = [
         pdserve_server("pdserve colocated x1", 0, 1, args.port, **common, cores_per_worker=cores),
+        pdserve_server("pdserve 1P1D", 1, 1, args.port + 1, **common, cores_per_worker=half),
         pdserve_server(
-            "pdserve 1P1D", 1, 1, args.port + 1, **common, cores_per_worker=max(1, cores // 2)
-        ),
-        pdserve_server(
-            "pdserve colocated x2",
-            0,
-            2,
-            args.port + 2,
-            **common,
-            cores_per_worker=max(1, cores // 2),
+            "pdserve colocated x2", 0, 2, args.port + 2, **common, cores_per_worker=half
         ),
     ]
     if args.vllm_python:
@@ -136,8 +134,7 @@ def _table(rows: list[Row]) -> str:
         f"{'p99 TTFT':>9} {'p99 ITL':>8}",
     ]
     for row in sorted(rows, key=lambda r: (r.rate, r.system)):
-        goodputs = [s.goodput for s in row.summaries]
-        spread = f"{min(goodputs):.2f}-{max(goodputs):.2f}"
+        spread = f"{min(row.goodputs):.2f}-{max(row.goodputs):.2f}"
         lines.append(
             f"{row.system:<30} {row.rate:>5g} {row.throughput:>6.2f} {row.goodput:>7.2f} "
             f"{spread:>13} {ms(row.p99_ms('ttft')):>9} {ms(row.p99_ms('itl')):>8}"
@@ -241,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 "system": r.system,
                 "rate": r.rate,
                 "goodput": r.goodput,
-                "goodputs": [s.goodput for s in r.summaries],
+                "goodputs": r.goodputs,
                 "request_throughput": r.throughput,
                 "p99_ttft_ms": r.p99_ms("ttft"),
                 "p99_itl_ms": r.p99_ms("itl"),
