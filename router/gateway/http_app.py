@@ -41,8 +41,6 @@ from router.gateway.openai_response import (
 from router.gateway.service import Gateway, LiveRequest, new_request_id
 from router.gateway.text_stream import TextGeneration, merged_deltas
 
-_DISCONNECT_POLL_S = 0.25
-
 
 def build_http_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -208,14 +206,17 @@ async def _respond_whole(
                 choices[index * job.n + delta.index].add(delta)
 
     task = asyncio.create_task(collect())
-    while not task.done():  # watch for the client going away while we generate
-        await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            gateway.record_outcome("aborted")
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return Response(status_code=499)
+    client_gone = asyncio.create_task(_client_disconnected(request))
+    try:
+        await asyncio.wait({task, client_gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        client_gone.cancel()
+    if not task.done():  # the client left while we generated: abort and stop
+        task.cancel()
+        gateway.record_outcome("aborted")
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)
     try:
         task.result()
     except RequestFailedError as error:
@@ -226,6 +227,12 @@ async def _respond_whole(
     logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     build = chat_response if job.kind == "chat" else completion_response
     return JSONResponse(build(header, choices, _usage(generations), logprobs))
+
+
+async def _client_disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(

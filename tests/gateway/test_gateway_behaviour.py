@@ -91,7 +91,9 @@ def test_disconnect_while_waiting_for_a_whole_response(
             timeout=httpx.Timeout(5.0, read=0.05),
         )
     generated = _num_generated_when_idle(http) - before
-    assert generated < requested / 2, (generated, requested)
+    # Aborted on the disconnect itself: 8-48 of 1920 tokens on 2 cores. Polling for it every
+    # 250 ms let 820-990 through.
+    assert generated < requested / 8, (generated, requested)
 
 
 def test_tenants_never_share_cached_prefixes(http: httpx.Client) -> None:
