@@ -18,6 +18,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
+from decode_worker.early_aborts import EarlyAborts
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
 from engine.handoff import PrefillResult
@@ -59,6 +60,7 @@ class DecodeWorker:
         self._receiving: set[str] = set()  # requests whose KV is arriving (under loop.lock)
         self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
         self._aborted: set[str] = set()  # of those, the ones aborted meanwhile
+        self._early_aborts = EarlyAborts()  # aborted before their hand-off came (loop.lock)
         self.loop.start()
 
     # ---- requests -----------------------------------------------------------------------
@@ -70,6 +72,8 @@ class DecodeWorker:
         ends): the request now starts from its prompt and the tokens already delivered.
         """
         with self.loop.lock:
+            # The router aborts a request it submits directly only once this call has returned.
+            self._early_aborts.take(request.request_id)
             if request.request_id in self._receiving:
                 self._superseded.add(request.request_id)
             else:
@@ -78,12 +82,15 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> None:
         """Drop the request. One whose KV is arriving keeps its blocks until the transfer has
-        landed (the channel must stay in step with the sender), then gives them back."""
+        landed (the channel must stay in step with the sender), then gives them back. One not
+        here yet is dropped when its hand-off arrives."""
         with self.loop.lock:
             if request_id in self._receiving:
                 self._aborted.add(request_id)
                 return
-        self.loop.abort(request_id)
+            if not self.engine.has_request(request_id):
+                self._early_aborts.add(request_id)
+            self.loop.abort(request_id)
 
     def has_request(self, request_id: str) -> bool:
         """Whether this worker runs the request (queued or running; a reservation is not)."""
@@ -128,6 +135,8 @@ class DecodeWorker:
         """
         request_id = result.request_id
         with self.loop.lock:
+            if self._early_aborts.take(request_id):
+                self.engine.cancel_reservation(request_id)
             reserved = self.engine.reserved_blocks(request_id) == block_ids
             if reserved:
                 self._receiving.add(request_id)
@@ -204,8 +213,11 @@ class DecodeWorker:
 
     def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> None:
         """Take a prefilled request without its KV (no blocks could be reserved): recompute."""
-        self.loop.track(result.request_id, gateway_id)
-        self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=False))
+        with self.loop.lock:
+            if self._early_aborts.take(result.request_id):
+                return
+            self.loop.track(result.request_id, gateway_id)
+            self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=False))
 
     # ---- outputs and load ---------------------------------------------------------------
     def stream(self, gateway_id: str) -> Iterator[OutputBatch]:

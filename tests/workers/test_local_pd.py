@@ -353,3 +353,50 @@ def test_abort_between_reserve_and_transfer_keeps_the_channel_usable(
         assert pair.collector.output("next") == expected
         reserved = pair.decode.loop.call(lambda engine: engine.reserved_blocks("doomed"))
         assert reserved is None
+
+
+class _AbortBeforeReservePeer(LocalDecodePeer):
+    """A client abort that reaches the decode worker before the prefill worker's hand-off does.
+
+    The gateway sends its abort to both workers as soon as the client leaves; after the first
+    token that is often while the hand-off is on its way. With ``full``, the decode worker has
+    no blocks to spare, so the prompt comes without its KV.
+    """
+
+    def __init__(self, worker: DecodeWorker, doomed: set[str], full: bool) -> None:
+        super().__init__(worker)
+        self.doomed = doomed
+        self.full = full
+
+    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
+        if request_id not in self.doomed:
+            return super().reserve(request_id, num_tokens)
+        self.worker.abort(request_id)
+        if not self.full:
+            return super().reserve(request_id, num_tokens)
+        no_room: Future[list[int] | None] = Future()
+        no_room.set_result(None)
+        return no_room
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["with-kv", "without-kv"])
+def test_abort_that_overtakes_the_hand_off_drops_the_request(
+    llama_dir: Path, offline: LLM, full: bool
+) -> None:
+    transfer = TransferConfig(transport="shm", timeout_s=10.0, reserve_timeout_s=0.0)
+    doomed = {"doomed"}
+    with _one_pair(
+        llama_dir, transfer, lambda decode: _AbortBeforeReservePeer(decode, doomed, full)
+    ) as pair:
+        prompts, _ = _workload(2)
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        pair.prefill.submit(GenerateRequest("doomed", prompts[0], params, GATEWAY), "d0")
+        pair.prefill.submit(GenerateRequest("next", prompts[1], params, GATEWAY), "d0")
+        pair.collector.wait_finished([("next", 0)], timeout_s=30)
+        expected = offline.generate([prompts[1]], params)[0].outputs[0].token_ids
+        assert pair.collector.output("next") == expected  # the channel stayed in step
+        decode = pair.decode
+        assert not decode.loop.call(lambda engine: engine.has_unfinished_requests())
+        assert decode.loop.call(lambda engine: engine.reserved_blocks("doomed")) is None
+        assert pair.collector.output("doomed") == pair.collector.output("doomed")[:1]
+        assert decode.load().kv_usage == 0.0
