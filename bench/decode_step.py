@@ -5,7 +5,7 @@
 For each batch size, that many prompts of 100-400 random tokens are prefilled (chunked by the
 scheduler's token budget) and decoded for 40 tokens each; prints the total prefill time and
 the median decode step, for the torch (MKL) and onednn linear backends in the same run, and
-writes JSON. Attention is the torch reference backend in both.
+writes JSON. Attention is the CPU default in both (C kernels; torch without a compiler).
 """
 
 from __future__ import annotations

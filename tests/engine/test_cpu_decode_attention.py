@@ -68,6 +68,26 @@ def test_kernel_matches_a_float64_softmax(
     torch.testing.assert_close(out.double(), _expected(query, cache, tables, lens), **FLOAT32)
 
 
+@pytest.mark.parametrize("num_threads", [2, 3, 8])
+def test_threads_share_the_sequences_and_change_no_bit(num_threads: int) -> None:
+    rng = random.Random(num_threads)
+    seq_lens = [1, *(rng.randint(1, 300) for _ in range(20))]  # more seqs than threads, ragged
+    query, cache, tables, lens = _case(seq_lens, 8, 2, 64, 16)
+    alone = paged_decode_attention_cpu(query, cache, tables, lens, 0.125, num_threads=1)
+    shared = paged_decode_attention_cpu(query, cache, tables, lens, 0.125, num_threads=num_threads)
+    assert torch.equal(alone, shared)
+    torch.testing.assert_close(shared.double(), _expected(query, cache, tables, lens), **FLOAT32)
+
+
+def test_bad_sequences_and_thread_counts_are_refused_with_threads_on() -> None:
+    query, cache, tables, lens = _case([20, 9, 30, 4], 4, 2, 64, 8)
+    lens[2] = 0
+    with pytest.raises(ValueError, match=r"sequence 2: seq_lens\[2\] = 0"):
+        paged_decode_attention_cpu(query, cache, tables, lens, 0.1, num_threads=2)
+    with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
+        paged_decode_attention_cpu(query, cache, tables, lens, 0.1, num_threads=0)
+
+
 def test_large_scores_stay_finite() -> None:
     """Scores far beyond exp's range: the running max keeps the softmax exact."""
     query, cache, tables, lens = _case([40, 7], 4, 2, 64, 16)
@@ -150,6 +170,22 @@ def test_a_failed_build_says_what_the_compiler_said(
     with pytest.raises(build.KernelUnavailableError, match="building paged_decode_attention.c"):
         build.load("paged_decode_attention")
     assert list(fresh_build.iterdir()) == []
+
+
+def test_a_compiler_without_openmp_builds_the_kernel_serial(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    no_openmp = fresh_build / "cc-without-openmp"
+    no_openmp.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && echo "no OpenMP here" >&2 && exit 1; done\n'
+        'exec cc "$@"\n'
+    )
+    no_openmp.chmod(0o755)
+    monkeypatch.setenv("CC", str(no_openmp))
+    query, cache, tables, lens = _case([30, 7, 50], 4, 2, 64, 8)
+    out = paged_decode_attention_cpu(query, cache, tables, lens, 0.125, num_threads=2)
+    torch.testing.assert_close(out.double(), _expected(query, cache, tables, lens), **FLOAT32)
+    assert "without OpenMP" in caplog.text and "no OpenMP here" in caplog.text
 
 
 def test_kv_cache_write_lands_rows_in_their_slots() -> None:

@@ -3,6 +3,7 @@ path for the same step, and the model's greedy tokens with the kernels off."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,46 @@ def test_silu_and_mul_matches_torch() -> None:
     gate_up = torch.randn(6, 2 * 688) * 4
     gate, up = gate_up.split(688, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), F.silu(gate) * up, **FLOAT32)
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_rows_shared_over_threads_change_no_bit(torch_threads: None) -> None:
+    """Past the size where rows are shared out over torch's threads, every kernel gives the
+    same bits as on one thread."""
+    torch.manual_seed(5)
+    rows = 600  # x 256 or x 704 floats: past the kernels' threshold for sharing rows out
+    residual, x, weight = torch.randn(rows, 256), torch.randn(rows, 256), torch.randn(256)
+    gate_up = torch.randn(rows, 2 * 704) * 4
+    qkv = torch.randn(rows, 12, 64)
+    cos, sin = torch.randn(rows, 1, 32), torch.randn(rows, 1, 32)
+
+    def run() -> list[torch.Tensor]:
+        q, k = qkv[:, :8].clone(), qkv[:, 8:].clone()
+        cpu_kernels.rotary_(q, k, cos, sin)
+        total, normed = cpu_kernels.add_rms_norm(residual, x, weight, 1e-5)
+        return [
+            cpu_kernels.rms_norm(x, weight, 1e-5),
+            total,
+            normed,
+            q,
+            k,
+            cpu_kernels.silu_and_mul(gate_up),
+        ]
+
+    torch.set_num_threads(1)
+    alone = run()
+    torch.set_num_threads(3)
+    shared = run()
+    for a, b in zip(alone, shared, strict=True):
+        assert torch.equal(a, b)
+    gate, up = gate_up.split(704, dim=-1)
+    torch.testing.assert_close(shared[-1], F.silu(gate) * up, **FLOAT32)
 
 
 def test_greedy_matches_transformers_with_the_kernels_off(

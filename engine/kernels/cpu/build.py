@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent
 # the C types of the kernels' arguments
 INT64, POINTER, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -38,6 +40,10 @@ FLAGS = (
     "-shared",
     "-fPIC",
 )
+# Kernels share their rows out over OpenMP threads. At load time the library's libgomp is the
+# one torch has loaded already (same soname), so they use torch's thread pool, not their own.
+# A compiler without OpenMP builds them serial (the pragmas are ignored).
+OPENMP_FLAG = "-fopenmp"
 
 
 class KernelUnavailableError(RuntimeError):
@@ -75,7 +81,7 @@ def function(library: str, symbol: str, restype: Any, argtypes: Sequence[Any]) -
 
 def _build_key(source: Path, compiler: str) -> str:
     digest = hashlib.sha256(source.read_bytes())
-    for part in (" ".join(FLAGS), _compiler_version(compiler), _cpu_features()):
+    for part in (" ".join([*FLAGS, OPENMP_FLAG]), _compiler_version(compiler), _cpu_features()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -102,17 +108,32 @@ def _compile(compiler: str, source: Path, library: Path) -> None:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
     try:
-        result = subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", partial, "-lm"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        result = _run_compiler(compiler, [*FLAGS, OPENMP_FLAG], source, partial)
         if result.returncode != 0:
-            raise KernelUnavailableError(
-                f"building {source.name} with {compiler} failed:\n{result.stderr[-2000:]}"
+            serial = _run_compiler(compiler, FLAGS, source, partial)
+            if serial.returncode != 0:
+                raise KernelUnavailableError(
+                    f"building {source.name} with {compiler} failed:\n{serial.stderr[-2000:]}"
+                )
+            logger.warning(
+                "%s built without OpenMP (%s refused %s), so on one thread:\n%s",
+                source.name,
+                compiler,
+                OPENMP_FLAG,
+                result.stderr[-500:],
             )
         os.replace(partial, library)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def _run_compiler(
+    compiler: str, flags: Sequence[str], source: Path, output: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [compiler, *flags, str(source), "-o", output, "-lm"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )

@@ -2,9 +2,15 @@
  * several tensors eager torch makes: RMSNorm (alone, or after the residual add), rotate-half
  * rotary embedding of q and k in place, and SiLU(gate) * up. Same operations and order per
  * element as transformers' modules; only the sum of squares is accumulated in another order.
+ * Rows are shared out over OpenMP's threads (torch's intra-op threads: the same libgomp)
+ * when there are enough of them to pay for waking the threads; each row is computed by one
+ * thread alone, so results do not depend on the number of threads.
  */
 #include <math.h>
 #include <stdint.h>
+
+/* below this many floats a call stays on the calling thread (a fork-join costs microseconds) */
+#define PARALLEL_MIN_NUMEL 32768
 
 static inline void normalize(const float *restrict x, const float *restrict weight,
                              float *restrict out, int64_t dim, float eps) {
@@ -17,12 +23,14 @@ static inline void normalize(const float *restrict x, const float *restrict weig
 /* out[r] = weight * x[r] / rms(x[r]) */
 void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t dim,
                   float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_NUMEL)
     for (int64_t r = 0; r < rows; r++) normalize(x + r * dim, weight, out + r * dim, dim, eps);
 }
 
 /* sum[r] = residual[r] + x[r]; out[r] = rms_norm(sum[r]) */
 void add_rms_norm_f32(const float *residual, const float *x, const float *weight, float *sum,
                       float *out, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_NUMEL)
     for (int64_t r = 0; r < rows; r++) {
         const float *a = residual + r * dim, *b = x + r * dim;
         float *s = sum + r * dim;
@@ -36,6 +44,7 @@ void add_rms_norm_f32(const float *residual, const float *x, const float *weight
 static void rotate(float *x, int64_t row_stride, int64_t num_heads, const float *cos,
                    const float *sin, int64_t tokens, int64_t head_dim) {
     const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * num_heads * head_dim >= PARALLEL_MIN_NUMEL)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * half, *s = sin + t * half;
         for (int64_t h = 0; h < num_heads; h++) {
@@ -58,6 +67,7 @@ void rotary_f32(float *query, int64_t query_stride, int64_t num_heads, float *ke
 
 /* out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:] */
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_NUMEL)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * dim, *up = gate + dim;
         float *o = out + r * dim;

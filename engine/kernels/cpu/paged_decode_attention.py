@@ -21,6 +21,7 @@ def _kernel() -> Any:
         POINTER,  # out
         *(INT64,) * 6,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks
         FLOAT,  # scale
+        INT64,  # num_threads
     ]
     return function("paged_decode_attention", "paged_decode_attention_f32", INT64, argtypes)
 
@@ -31,9 +32,15 @@ def paged_decode_attention_cpu(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
     seq_lens: torch.Tensor,  # [num_seqs] int64, each in [1, max_blocks * block_size]
     scale: float,
+    num_threads: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One new token per sequence attends over its whole context (the new token's K/V already
-    written). ValueError naming the argument for anything the kernel cannot read safely."""
+    written), the sequences shared out over ``num_threads`` (default: torch's intra-op
+    threads); the result does not depend on how many. ValueError naming the argument for
+    anything the kernel cannot read safely."""
+    if num_threads is None:
+        num_threads = torch.get_num_threads()
+    require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
     _check(query, kv_cache_layer, block_tables, seq_lens)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
     num_seqs, num_heads, _ = query.shape
@@ -55,6 +62,7 @@ def paged_decode_attention_cpu(
         block_size,
         num_blocks,
         scale,
+        num_threads,
     )
     if status == -(1 + num_seqs):
         raise MemoryError("paged_decode_attention_cpu: out of memory for its scratch buffers")
