@@ -1,13 +1,15 @@
 /* The model's elementwise steps on CPU (float32), each one pass over its rows instead of the
  * several tensors eager torch makes: RMSNorm (alone, or after the residual add), rotate-half
  * rotary embedding of q and k in place, and SiLU(gate) * up. Same operations and order per
- * element as transformers' modules; only the sum of squares is accumulated in another order.
+ * element as transformers' modules, but for the sum of squares, accumulated in another order,
+ * and SiLU's exp, a polynomial as accurate as torch's own vectorised exp (within 3 ulp).
  * Rows are shared out over OpenMP's threads (torch's intra-op threads: the same libgomp)
  * when there are enough of them to pay for waking the threads; each row is computed by one
  * thread alone, so results do not depend on the number of threads.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* below this many floats a call stays on the calling thread (a fork-join costs microseconds) */
 #define PARALLEL_MIN_NUMEL 32768
@@ -65,12 +67,37 @@ void rotary_f32(float *query, int64_t query_stride, int64_t num_heads, float *ke
     rotate(key, key_stride, num_kv_heads, cos, sin, tokens, head_dim);
 }
 
+/* e^x for x in [-87, 88] within 2 ulp (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a
+ * degree-6 polynomial for e^r, 2^n put in the exponent bits), written without calls or
+ * branches so loops over it vectorise: glibc's expf is one call per element, and it made
+ * silu_mul three quarters of a prefill step's elementwise time. Clamped outside that range
+ * (where silu is x or 0 to float precision anyway); NaN stays NaN. */
+static inline float exp_vectorisable(float x) {
+    x = x > 88.f ? 88.f : x;
+    x = x < -87.f ? -87.f : x;
+    float n = rintf(x * 1.44269504088896341f);
+    n = n == n ? n : 0.f; /* NaN: any n will do (the polynomial carries the NaN), not UB */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:] */
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_NUMEL)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * dim, *up = gate + dim;
         float *o = out + r * dim;
-        for (int64_t i = 0; i < dim; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+        for (int64_t i = 0; i < dim; i++)
+            o[i] = gate[i] / (1.f + exp_vectorisable(-gate[i])) * up[i];
     }
 }
