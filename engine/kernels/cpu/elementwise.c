@@ -11,8 +11,10 @@
 #include <stdint.h>
 #include <string.h>
 
-/* below this many floats a call stays on the calling thread (a fork-join costs microseconds) */
-#define PARALLEL_MIN_NUMEL 32768
+/* below this many floats a call stays on the calling thread: a decode step's rows take tens of
+ * microseconds alone, about what waking and joining the other threads costs, and a busy core
+ * can keep the calling thread waiting at the join far longer */
+#define PARALLEL_MIN_NUMEL 262144
 
 static inline void normalize(const float *restrict x, const float *restrict weight,
                              float *restrict out, int64_t dim, float eps) {
