@@ -5,8 +5,8 @@
  * block is ever copied out. The next block's K and V are prefetched while the current one
  * is computed: the kernel is bound by memory latency otherwise (blocks lie anywhere in the
  * cache). Sequences are shared out over ``num_threads`` OpenMP threads (the engine's torch
- * threads): one core reaches about a fifth of the memory bandwidth (14 of 70 GB/s on the 2-core
- * EPYC), so a second thread nearly halves the time.
+ * threads): one core reaches a fraction of the memory bandwidth (about 14 of 50-70 GB/s on
+ * the 2-core EPYC), so a second thread nearly halves the time.
  *
  * Layouts (all contiguous but the block table's rows):
  *   query, out    [num_seqs, num_heads, head_dim]
