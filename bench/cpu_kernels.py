@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import functools
 import random
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
 from bench.results_json import write_json
+from bench.timing import median_seconds
 from engine.kernels.cpu import elementwise
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
 
@@ -30,14 +30,7 @@ HIDDEN, INTERMEDIATE = 256, 704
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats) * 1e3
 
 
 def _decode_case(batch_size: int, seed: int) -> Callable[[int], torch.Tensor]:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.results_json import write_json
+from bench.timing import median_seconds
 from engine.kernels.linear import PackedLinear, onednn_supports
 
 SHAPES = {  # name -> (in_features, out_features)
@@ -29,17 +30,6 @@ SHAPES = {  # name -> (in_features, out_features)
 }
 NUM_LAYERS = 6
 LOGITS = (256, 4096)
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
 
 
 def _step_runners(
@@ -94,8 +84,8 @@ def main() -> None:
         flops = 2 * num_tokens * NUM_LAYERS * sum(i * o for i, o in SHAPES.values())
         flops += 2 * min(num_tokens, 64) * LOGITS[0] * LOGITS[1]
         with torch.inference_mode():
-            baseline = _median_seconds(torch_pass, args.repeats)
-            onednn = _median_seconds(onednn_pass, args.repeats)
+            baseline = median_seconds(torch_pass, args.repeats)
+            onednn = median_seconds(onednn_pass, args.repeats)
         rows.append(
             {
                 "num_tokens": num_tokens,
