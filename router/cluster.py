@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -29,6 +29,7 @@ from engine.messages import GenerateRequest, OutputBatch, RequestFailure, TokenE
 from engine.sampling.params import SamplingParams
 from router.actors import remote_decode_actor, remote_prefill_actor
 from router.cluster_config import ClusterConfig
+from router.load_ledger import LoadLedger
 from router.policies import NoWorkerError, RoutingInfo, make_policy
 from router.request_tracker import ClientItem, RequestTracker
 
@@ -49,9 +50,13 @@ class WorkerHandle:
     worker_id: str
     role: str  # "prefill" | "decode"
     actor: Any  # the Ray actor handle
-    load: WorkerLoad | None = None  # latest report, adjusted by requests routed since
+    ledger: LoadLedger = field(default_factory=LoadLedger)  # latest report + routed since
     last_report: float = 0.0  # monotonic time of the latest report
     alive: bool = True
+
+    @property
+    def load(self) -> WorkerLoad | None:
+        return self.ledger.load
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +238,7 @@ class Cluster:
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     self._on_worker_dead(target, skip=tracker)
                     continue
+                self._mark_held(request.request_id, target)
                 if self._record_placement(tracker, prefill_id, decode_id):
                     return
                 request = tracker.resume_request()  # a chosen worker died after accepting
@@ -252,7 +258,7 @@ class Cluster:
                     prefill_id = self.policy.choose_prefill(info, self.live_loads("prefill"))
             except NoWorkerError as error:
                 raise RequestFailedError(str(error)) from error
-            self._count_routed(prefill_id, decode_id, request)
+            self._charge_routed(prefill_id, decode_id, request)
         return prefill_id, decode_id
 
     def _record_placement(
@@ -275,16 +281,24 @@ class Cluster:
                 self._on_failure(held)
         return True
 
-    def _count_routed(
+    def _charge_routed(
         self, prefill_id: str | None, decode_id: str, request: GenerateRequest
     ) -> None:
-        """Charge a routed request to its workers until their next load report."""
-        if prefill_id is not None and (load := self.workers[prefill_id].load) is not None:
-            queued = load.num_queued_prompt_tokens + len(request.prompt_token_ids)
-            self.workers[prefill_id].load = replace(load, num_queued_prompt_tokens=queued)
-        if (load := self.workers[decode_id].load) is not None:
-            running = load.num_running + request.params.n
-            self.workers[decode_id].load = replace(load, num_running=running)
+        """Count a routed request towards its workers' load (any earlier routing of it no
+        longer counts) until their reports show it."""
+        for worker in self.workers.values():
+            worker.ledger.drop(request.request_id)
+        if prefill_id is not None:
+            tokens = len(request.prompt_token_ids)
+            self.workers[prefill_id].ledger.charge(request.request_id, num_prompt_tokens=tokens)
+        self.workers[decode_id].ledger.charge(request.request_id, num_sequences=request.params.n)
+
+    def _mark_held(self, request_id: str, *workers: WorkerHandle) -> None:
+        """These workers hold the request now: reports asked for from here on show it."""
+        now = time.monotonic()
+        with self._lock:
+            for worker in workers:
+                worker.ledger.mark_held(request_id, now)
 
     # ---- outputs ------------------------------------------------------------------------
     def _start_threads(self) -> None:
@@ -316,11 +330,20 @@ class Cluster:
                     continue
                 if tracker.prefill_worker is not None and event.position > 0:
                     tracker.prefill_worker = None  # decoding has begun: the prefill part is over
+                if event.position == 0 and event.sample_index == 0:
+                    self._first_token_out(event.request_id)
                 tracker.accept(event)
                 if tracker.closed:
                     del self._trackers[event.request_id]
             for failure in batch.failures:
                 self._on_failure(failure)
+
+    def _first_token_out(self, request_id: str) -> None:
+        """A prefill is done: its decode worker holds the request from here on (the KV
+        hand-off leaves with the first token; in colocated mode it held it already)."""
+        now = time.monotonic()
+        for worker in self.workers.values():
+            worker.ledger.mark_held(request_id, now)
 
     def _on_failure(self, failure: RequestFailure) -> None:
         tracker = self._trackers.get(failure.request_id)
@@ -355,8 +378,8 @@ class Cluster:
 
     def _poll_loads(self) -> None:
         live = [w for w in self.workers.values() if w.alive]
-        refs = {w.worker_id: w.actor.load.remote() for w in live}
         now = time.monotonic()
+        refs = {w.worker_id: w.actor.load.remote() for w in live}
         for worker in live:
             try:
                 load = ray.get(refs[worker.worker_id], timeout=self.config.dead_after_s)
@@ -368,7 +391,8 @@ class Cluster:
                     self._on_worker_dead(worker)
                 continue
             with self._lock:
-                worker.load, worker.last_report = load, time.monotonic()
+                worker.ledger.record(load, now, self._trackers.__contains__)
+                worker.last_report = time.monotonic()
 
     def _on_worker_dead(self, worker: WorkerHandle, skip: RequestTracker | None = None) -> None:
         with self._lock:
@@ -406,6 +430,9 @@ class Cluster:
                 with contextlib.suppress(ray.exceptions.RayError):
                     if ray.get(ref, timeout=_CALL_TIMEOUT_S):
                         tracker.decode_worker = decode_id
+                        self.workers[decode_id].ledger.charge(
+                            tracker.request_id, num_sequences=tracker.request.params.n
+                        )
                         return
         self._resume(tracker)
 

@@ -1,5 +1,6 @@
 """A worker slow to accept a request (mid-step) holds up neither other requests' routing nor
-their tokens: the router does not hold its lock while a worker accepts."""
+their tokens: the router does not hold its lock while a worker accepts, and counts the request
+towards that worker while it waits, whatever load reports come back meanwhile."""
 
 from __future__ import annotations
 
@@ -90,6 +91,9 @@ def test_a_worker_slow_to_accept_does_not_stall_other_requests(ray_session: None
         slow = asyncio.create_task(first_token([1, 2, 3]))  # least loaded, by id: decode-0
         while ray.get(gated.accepting.remote()) == 0:
             await asyncio.sleep(0.01)
+        # A load report taken now does not show the request waiting at decode-0's door;
+        # the router still counts it there.
+        cluster._poll_loads()
         # routed to decode-1 and answered while decode-0 still holds the first request
         assert await asyncio.wait_for(first_token([4, 5]), timeout=10) == 7
         assert not slow.done()
