@@ -19,6 +19,7 @@ from engine.engine_config import CacheConfig, LoadConfig
 from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
 from kv_transfer.policy import FailurePolicy, TransferConfig
+from router.cpu_binding import bind_this_thread
 
 if TYPE_CHECKING:
     from engine.handoff import PrefillResult
@@ -35,7 +36,10 @@ class DecodeActor:
         cache: CacheConfig,
         scheduler: SchedulerConfig,
         transfer: TransferConfig,
+        cpus: tuple[int, ...] = (),
     ) -> None:
+        if cpus:  # before the engine and its threads start
+            bind_this_thread(cpus)
         from decode_worker.worker import DecodeWorker
 
         transfer = _bind_to_node(transfer)
@@ -123,7 +127,10 @@ class PrefillActor:
         scheduler: SchedulerConfig,
         transfer: TransferConfig,
         decode_handles: Mapping[str, Any],
+        cpus: tuple[int, ...] = (),
     ) -> None:
+        if cpus:  # before the engine and its threads start
+            bind_this_thread(cpus)
         from prefill_worker.worker import PrefillWorker
 
         transfer = _bind_to_node(transfer)

@@ -75,6 +75,12 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument("--max-model-len", type=int, default=None)
     cluster.add_argument("--worker-num-cpus", type=float, default=1.0)
     cluster.add_argument(
+        "--bind-worker-cpus",
+        action="store_true",
+        help="local Ray only: each worker's threads on cores of their own, the gateway and "
+        "Ray on the cores left (at least one must be)",
+    )
+    cluster.add_argument(
         "--worker-num-gpus",
         type=float,
         default=None,
@@ -203,6 +209,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         worker_num_cpus=args.worker_num_cpus,
         worker_num_gpus=num_gpus,
+        bind_worker_cpus=args.bind_worker_cpus,
         prefill_resources={args.prefill_resource: 1.0} if args.prefill_resource else {},
         decode_resources={args.decode_resource: 1.0} if args.decode_resource else {},
     )

@@ -29,6 +29,7 @@ from engine.messages import GenerateRequest, OutputBatch, RequestFailure, TokenE
 from engine.sampling.params import SamplingParams
 from router.actors import remote_decode_actor, remote_prefill_actor
 from router.cluster_config import ClusterConfig
+from router.cpu_binding import CpuBinding, bind_this_process, plan_cpu_binding, threads_per_worker
 from router.load_ledger import LoadLedger
 from router.policies import NoWorkerError, RoutingInfo, make_policy
 from router.request_tracker import ClientItem, RequestTracker
@@ -87,10 +88,17 @@ class Cluster:
     @classmethod
     def start(cls, config: ClusterConfig) -> Cluster:
         """Start (or join, with ``address``) Ray, place the worker actors, wait until ready."""
+        binding = None
+        if config.bind_worker_cpus:
+            num_workers = config.num_prefill + config.num_decode
+            threads = threads_per_worker(config.worker_num_cpus)
+            binding = plan_cpu_binding(os.sched_getaffinity(0), num_workers, threads)
         if not ray.is_initialized():
             _unnice_local_workers()
+            if binding is not None:  # before Ray starts: its processes inherit the binding
+                bind_this_process(binding.other_cpus)
             ray.init(address=config.address, ignore_reinit_error=True, log_to_driver=False)
-        workers = _start_actors(config)
+        workers = _start_actors(config, binding)
         ray.get([w.actor.ready.remote() for w in workers])
         cluster = cls(config, workers)
         cluster._start_threads()
@@ -458,7 +466,11 @@ def _unnice_local_workers() -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")
 
 
-def _start_actors(config: ClusterConfig) -> list[WorkerHandle]:
+def _start_actors(config: ClusterConfig, binding: CpuBinding | None) -> list[WorkerHandle]:
+    """The pools' actors, decode workers first; ``binding`` gives each its cores, in that
+    order."""
+    cpus = list(binding.worker_cpus) if binding is not None else []
+    cpus += [()] * (config.num_decode + config.num_prefill - len(cpus))
     load, cache = config.load_config(), config.cache_config()
     scheduler, transfer = config.scheduler_config(), config.transfer_config()
     common = {"num_cpus": config.worker_num_cpus, "num_gpus": config.worker_num_gpus}
@@ -467,7 +479,7 @@ def _start_actors(config: ClusterConfig) -> list[WorkerHandle]:
         WorkerHandle(
             f"decode-{i}",
             "decode",
-            decode_cls.remote(f"decode-{i}", load, cache, scheduler, transfer),
+            decode_cls.remote(f"decode-{i}", load, cache, scheduler, transfer, cpus[i]),
         )
         for i in range(config.num_decode)
     ]
@@ -477,7 +489,15 @@ def _start_actors(config: ClusterConfig) -> list[WorkerHandle]:
         WorkerHandle(
             f"prefill-{i}",
             "prefill",
-            prefill_cls.remote(f"prefill-{i}", load, cache, scheduler, transfer, handles),
+            prefill_cls.remote(
+                f"prefill-{i}",
+                load,
+                cache,
+                scheduler,
+                transfer,
+                handles,
+                cpus[config.num_decode + i],
+            ),
         )
         for i in range(config.num_prefill)
     ]

@@ -33,6 +33,7 @@ class ClusterConfig:
     max_model_len: int | None = None
     worker_num_cpus: float = 1.0  # Ray CPUs per worker actor (0 in tests)
     worker_num_gpus: float = 0.0  # GPUs per worker actor; fractions share a GPU
+    bind_worker_cpus: bool = False  # local Ray only: each worker on cores of its own
     prefill_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"prefill": 1}
     decode_resources: dict[str, float] = field(default_factory=dict)
     transfer_timeout_s: float = 30.0
@@ -44,6 +45,11 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("a cluster needs --decode >= 1 worker and --prefill >= 0")
+        if self.bind_worker_cpus and self.address is not None:
+            raise ValueError(
+                "--bind-worker-cpus binds the workers of a Ray this command starts; "
+                "a joined cluster (--address) divides its nodes' cores itself"
+            )
         if self.router_policy not in POLICY_NAMES:
             raise ValueError(
                 f"router_policy must be one of {', '.join(POLICY_NAMES)}; "

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 
 def _pdserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -148,10 +149,9 @@ def _serving(model_dir: Path | None, *extra: str) -> Iterator[tuple[str, str, in
             process.kill()
 
 
-def _worker_niceness(serve_pid: int) -> dict[str, int]:
-    """Niceness of the Ray worker actor processes under ``serve_pid``, by their process title."""
+def _processes_under(serve_pid: int) -> dict[str, list[int]]:
+    """The processes started (at any depth) by ``serve_pid``, by their process title."""
     parents: dict[int, int] = {}
-    nices: dict[int, int] = {}
     titles: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -160,7 +160,7 @@ def _worker_niceness(serve_pid: int) -> dict[str, int]:
             stat = (entry / "stat").read_text()
             fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
             pid = int(entry.name)
-            parents[pid], nices[pid] = int(fields[1]), int(fields[16])
+            parents[pid] = int(fields[1])
             titles[pid] = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
 
     def descends(pid: int) -> bool:
@@ -170,10 +170,19 @@ def _worker_niceness(serve_pid: int) -> dict[str, int]:
             pid = parents.get(pid, 1)
         return False
 
+    found: dict[str, list[int]] = {}
+    for pid, title in titles.items():
+        if pid != serve_pid and descends(pid):
+            found.setdefault(title, []).append(pid)
+    return found
+
+
+def _worker_niceness(serve_pid: int) -> dict[str, int]:
+    """Niceness of the Ray worker actor processes under ``serve_pid``, by their process title."""
     return {
-        title: nices[pid]
-        for pid, title in titles.items()
-        if title.startswith("ray::") and title.endswith("Actor") and descends(pid)
+        title: os.getpriority(os.PRIO_PROCESS, pids[0])
+        for title, pids in _processes_under(serve_pid).items()
+        if title.startswith("ray::") and title.endswith("Actor")
     }
 
 
@@ -188,6 +197,39 @@ def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: 
         assert response.json()["usage"]["completion_tokens"] == 4
         # Ray would start them at niceness 15, behind the gateway on a shared CPU.
         assert _worker_niceness(pid) == {"ray::PrefillActor": 0, "ray::DecodeActor": 0}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core beside the worker's")
+def test_serve_binds_its_worker_to_a_core_of_its_own(chat_model_dir: Path) -> None:
+    """--bind-worker-cpus: the engine on the first core, the gateway and Ray on the others."""
+    cpus = sorted(os.sched_getaffinity(0))
+    extra = ("--prefill", "0", "--decode", "1", "--http-port", "0", "--grpc-port", "-1")
+    extra += ("--served-model-name", "tiny", "--dtype", "float32", "--bind-worker-cpus")
+    with _serving(chat_model_dir, *extra) as (_, url, pid):
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 3}
+        response = httpx.post(url + "/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        processes = _processes_under(pid)
+        (worker,) = processes["ray::DecodeActor"]
+        worker_threads = {
+            int(task.name): os.sched_getaffinity(int(task.name))
+            for task in Path(f"/proc/{worker}/task").iterdir()
+        }
+        # the actor's own thread runs the engine and starts its threads
+        assert worker_threads[worker] == {cpus[0]}
+        assert os.sched_getaffinity(pid) == set(cpus[1:])
+        raylet = next(pids[0] for title, pids in processes.items() if "raylet" in title)
+        assert os.sched_getaffinity(raylet) == set(cpus[1:])
+
+
+def test_serve_refuses_to_bind_more_cores_than_it_has(llama_dir: Path) -> None:
+    too_many = str(len(os.sched_getaffinity(0)))
+    process = _serve_process(
+        llama_dir, "--prefill", "0", "--decode", too_many, "--bind-worker-cpus", "--http-port", "0"
+    )
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "--bind-worker-cpus needs" in output and "plus 1 for the gateway" in output, output
 
 
 def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -> None:
