@@ -71,6 +71,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument("--block-size", type=int, default=16)
     cluster.add_argument("--max-num-seqs", type=int, default=256)
     cluster.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    cluster.add_argument(
+        "--prefill-max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the prefill pool's step budget (default: --max-num-batched-tokens); a smaller "
+        "one starts each arriving prompt sooner, at the same cost per token",
+    )
     cluster.add_argument("--num-kv-blocks", type=int, default=None)
     cluster.add_argument("--max-model-len", type=int, default=None)
     cluster.add_argument("--worker-num-cpus", type=float, default=1.0)
@@ -205,6 +212,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         worker_num_cpus=args.worker_num_cpus,

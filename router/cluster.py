@@ -473,6 +473,7 @@ def _start_actors(config: ClusterConfig, binding: CpuBinding | None) -> list[Wor
     cpus += [()] * (config.num_decode + config.num_prefill - len(cpus))
     load, cache = config.load_config(), config.cache_config()
     scheduler, transfer = config.scheduler_config(), config.transfer_config()
+    prefill_scheduler = config.prefill_scheduler_config()
     common = {"num_cpus": config.worker_num_cpus, "num_gpus": config.worker_num_gpus}
     decode_cls = remote_decode_actor(**common, resources=config.decode_resources or None)
     decodes = [
@@ -493,7 +494,7 @@ def _start_actors(config: ClusterConfig, binding: CpuBinding | None) -> list[Wor
                 f"prefill-{i}",
                 load,
                 cache,
-                scheduler,
+                prefill_scheduler,
                 transfer,
                 handles,
                 cpus[config.num_decode + i],

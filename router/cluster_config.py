@@ -29,6 +29,7 @@ class ClusterConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    prefill_max_num_batched_tokens: int | None = None  # the prefill pool's; None: as above
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     worker_num_cpus: float = 1.0  # Ray CPUs per worker actor (0 in tests)
@@ -45,6 +46,14 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("a cluster needs --decode >= 1 worker and --prefill >= 0")
+        if (
+            self.prefill_max_num_batched_tokens is not None
+            and self.prefill_max_num_batched_tokens < 1
+        ):
+            raise ValueError(
+                "--prefill-max-num-batched-tokens must be >= 1, "
+                f"got {self.prefill_max_num_batched_tokens}"
+            )
         if self.bind_worker_cpus and self.address is not None:
             raise ValueError(
                 "--bind-worker-cpus binds the workers of a Ray this command starts; "
@@ -77,7 +86,13 @@ class ClusterConfig:
         )
 
     def scheduler_config(self) -> SchedulerConfig:
+        """The decode (and colocated) workers' scheduler settings."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def prefill_scheduler_config(self) -> SchedulerConfig:
+        """The prefill workers' scheduler settings: their own step budget, if given."""
+        budget = self.prefill_max_num_batched_tokens
+        return SchedulerConfig(self.max_num_seqs, budget or self.max_num_batched_tokens)
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(

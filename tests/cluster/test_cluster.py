@@ -92,6 +92,27 @@ def test_concurrent_greedy_requests_match_offline_engine(
     assert _run_all(cluster) == expected
 
 
+def _step_budget(actor: object) -> int:
+    ref = actor.__ray_call__.remote(  # type: ignore[attr-defined]
+        lambda self: self.worker.loop.engine.scheduler.config.max_num_batched_tokens
+    )
+    return int(ray.get(ref))
+
+
+def test_the_prefill_pool_runs_its_own_step_budget(
+    start_cluster,
+    llama_dir: Path,
+    expected: list[list[int]],  # type: ignore[no-untyped-def]
+) -> None:
+    config = local_cluster_config(
+        llama_dir, num_prefill=1, num_decode=1, prefill_max_num_batched_tokens=16
+    )
+    cluster = start_cluster(config)
+    budgets = {w.worker_id: _step_budget(w.actor) for w in cluster.workers.values()}
+    assert budgets == {"prefill-0": 16, "decode-0": 2048}
+    assert _run_all(cluster) == expected  # prompts over 16 tokens prefill in chunks
+
+
 def _long_workload() -> tuple[list[list[int]], list[SamplingParams]]:
     prompts = make_prompts(seed=35) + make_prompts(seed=36)
     params = [
