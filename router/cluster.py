@@ -246,7 +246,6 @@ class Cluster:
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     self._on_worker_dead(target, skip=tracker)
                     continue
-                self._mark_held(request.request_id, target)
                 if self._record_placement(tracker, prefill_id, decode_id):
                     return
                 request = tracker.resume_request()  # a chosen worker died after accepting
@@ -272,8 +271,14 @@ class Cluster:
     def _record_placement(
         self, tracker: RequestTracker, prefill_id: str | None, decode_id: str
     ) -> bool:
-        """Note where an accepted request runs; False if a chosen worker died meanwhile."""
+        """Note where an accepted request runs; False if a chosen worker died meanwhile.
+
+        The worker that accepted it holds it from now on: load reports asked for later show it.
+        """
+        accepted_at = time.monotonic()
         with self._lock:
+            accepting = self.workers[prefill_id or decode_id]
+            accepting.ledger.mark_held(tracker.request_id, accepted_at)
             if not all(self.workers[w].alive for w in (prefill_id, decode_id) if w is not None):
                 return False
             if tracker.started_decoding:
@@ -300,13 +305,6 @@ class Cluster:
             tokens = len(request.prompt_token_ids)
             self.workers[prefill_id].ledger.charge(request.request_id, num_prompt_tokens=tokens)
         self.workers[decode_id].ledger.charge(request.request_id, num_sequences=request.params.n)
-
-    def _mark_held(self, request_id: str, *workers: WorkerHandle) -> None:
-        """These workers hold the request now: reports asked for from here on show it."""
-        now = time.monotonic()
-        with self._lock:
-            for worker in workers:
-                worker.ledger.mark_held(request_id, now)
 
     # ---- outputs ------------------------------------------------------------------------
     def _start_threads(self) -> None:
