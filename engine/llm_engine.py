@@ -51,6 +51,7 @@ class StepResult:
 class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
+    num_prefill_tokens: int = 0  # tokens computed for prompts (and recomputes), not decodes
     step_seconds: float = 0.0  # wall time of step() calls that ran the model
     forward_seconds: float = 0.0  # of which model forward + logits
 
@@ -220,6 +221,7 @@ class LLMEngine:
         if output.is_empty:
             return StepResult([], [], [])
         self._note_first_scheduled(output, time.monotonic())
+        self.stats.num_prefill_tokens += _num_prefill_tokens(output)
         result = self.runner.execute(output)
         updated = self.scheduler.update(output, result)
         new_tokens: list[TokenEvent] = []
@@ -345,6 +347,7 @@ class LLMEngine:
         block_size = self.block_manager.block_size
         return WorkerCounters(
             num_generated_tokens=self.stats.num_generated_tokens,
+            num_prefill_tokens=self.stats.num_prefill_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queried_tokens=pool.num_cache_queries * block_size,
             num_prefix_cache_hit_tokens=pool.num_cache_hits * block_size,
@@ -485,3 +488,12 @@ class LLMEngine:
                 raise ValueError(
                     f"{field_name} holds token id {token}, outside the vocabulary [0, {vocab_size})"
                 )
+
+
+def _num_prefill_tokens(output: SchedulerOutput) -> int:
+    """Tokens of a step that were not a running sequence's one decode token."""
+    return sum(
+        entry.num_new_tokens
+        for entry in output.scheduled
+        if entry.num_new_tokens > 1 or entry.seq.num_output_tokens == 0
+    )

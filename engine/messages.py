@@ -55,6 +55,7 @@ class WorkerCounters:
     """Totals since the worker started; the router exports them as Prometheus counters."""
 
     num_generated_tokens: int = 0  # tokens sampled
+    num_prefill_tokens: int = 0  # tokens computed for prompts (and recomputes), not decodes
     num_preemptions: int = 0  # sequences preempted for lack of KV blocks (recomputed later)
     num_prefix_cache_queried_tokens: int = 0  # prompt tokens (full blocks) looked up in the cache
     num_prefix_cache_hit_tokens: int = 0  # of those, the tokens found

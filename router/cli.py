@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from engine.engine_config import ATTENTION_BACKENDS
 from router.cluster_config import ClusterConfig
+from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
 
 
@@ -77,6 +78,21 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="the prefill pool's step budget (default: --max-num-batched-tokens); a smaller "
         "one starts each arriving prompt sooner, at the same cost per token",
+    )
+    cluster.add_argument(
+        "--max-local-prefill-length",
+        type=int,
+        default=0,
+        help="disaggregated: prompts of at most this many tokens are prefilled on their decode "
+        "worker, with no KV hand-off (default 0: none)",
+    )
+    cluster.add_argument(
+        "--max-prefill-queue-tokens",
+        type=int,
+        default=None,
+        help="disaggregated: once every prefill worker has more prompt tokens than this queued, "
+        "a new prompt is prefilled on its decode worker if that one has fewer queued "
+        "(default: never)",
     )
     cluster.add_argument("--num-kv-blocks", type=int, default=None)
     cluster.add_argument("--max-model-len", type=int, default=None)
@@ -213,6 +229,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
+        local_prefill=LocalPrefillRule(
+            args.max_local_prefill_length, args.max_prefill_queue_tokens
+        ),
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         worker_num_cpus=args.worker_num_cpus,

@@ -262,7 +262,13 @@ class Cluster:
                 decode_id = self.policy.choose_decode(info, self.live_loads("decode"))
                 prefill_id = None
                 if not self.config.colocated and not request.resume_token_ids:
-                    prefill_id = self.policy.choose_prefill(info, self.live_loads("prefill"))
+                    prefill_loads = self.live_loads("prefill")
+                    if not self.config.local_prefill.prefills_locally(
+                        len(request.prompt_token_ids),
+                        prefill_loads,
+                        self.workers[decode_id].load,
+                    ):
+                        prefill_id = self.policy.choose_prefill(info, prefill_loads)
             except NoWorkerError as error:
                 raise RequestFailedError(str(error)) from error
             self._charge_routed(prefill_id, decode_id, request)
@@ -301,10 +307,13 @@ class Cluster:
         longer counts) until their reports show it."""
         for worker in self.workers.values():
             worker.ledger.drop(request.request_id)
+        tokens = len(request.prompt_token_ids)
         if prefill_id is not None:
-            tokens = len(request.prompt_token_ids)
             self.workers[prefill_id].ledger.charge(request.request_id, num_prompt_tokens=tokens)
-        self.workers[decode_id].ledger.charge(request.request_id, num_sequences=request.params.n)
+            tokens = 0  # the decode worker receives the prompt's KV
+        self.workers[decode_id].ledger.charge(
+            request.request_id, num_sequences=request.params.n, num_prompt_tokens=tokens
+        )
 
     # ---- outputs ------------------------------------------------------------------------
     def _start_threads(self) -> None:

@@ -8,6 +8,7 @@ from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
 from engine.scheduler import SchedulerConfig
 from kv_transfer.policy import FailurePolicy, TransferConfig
+from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
 
 
@@ -30,6 +31,7 @@ class ClusterConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     prefill_max_num_batched_tokens: int | None = None  # the prefill pool's; None: as above
+    local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)  # disaggregated
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     worker_num_cpus: float = 1.0  # Ray CPUs per worker actor (0 in tests)

@@ -42,21 +42,18 @@ def pdserve_server(
     num_kv_blocks: int,
     cores_per_worker: int = 1,
     bind_cpus: bool = False,
-    prefill_step_tokens: int | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> ServerSpec:
     """``cores_per_worker``: the Ray CPUs each worker reserves, which Ray turns into its torch
     threads (OMP_NUM_THREADS); ``bind_cpus``: on cores of their own (``--bind-worker-cpus``);
-    ``prefill_step_tokens``: the prefill pool's step budget."""
+    ``extra_args``: more ``pdserve serve`` flags."""
     argv = (
         sys.executable, "-m", "router.cli", "serve",
         "--model", model_dir, "--served-model-name", served_name, "--dtype", "float32",
         "--prefill", str(num_prefill), "--decode", str(num_decode),
         "--kv-transport", "shm", "--num-kv-blocks", str(num_kv_blocks),
         "--worker-num-cpus", str(cores_per_worker), "--http-port", str(port), "--grpc-port", "-1",
-    ) + (("--bind-worker-cpus",) if bind_cpus else ()) + (
-        ("--prefill-max-num-batched-tokens", str(prefill_step_tokens))
-        if prefill_step_tokens is not None else ()
-    )  # fmt: skip
+    ) + (("--bind-worker-cpus",) if bind_cpus else ()) + extra_args  # fmt: skip
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     return ServerSpec(name, argv, port, "/health", env)
 

@@ -65,6 +65,9 @@ class _WorkerCollector(Collector):
         kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
         hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries since start")
         generated = counter("worker_generation_tokens", "Tokens the worker sampled")
+        prefilled = counter(
+            "worker_prefill_tokens", "Prompt (and recomputed) tokens the worker computed"
+        )
         preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks")
         queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
@@ -86,6 +89,7 @@ class _WorkerCollector(Collector):
                 values, totals.num_prefix_cache_hit_tokens / queried if queried else 0.0
             )
             generated.add_metric(values, totals.num_generated_tokens)
+            prefilled.add_metric(values, totals.num_prefill_tokens)
             preemptions.add_metric(values, totals.num_preemptions)
             queries.add_metric(values, queried)
             hits.add_metric(values, totals.num_prefix_cache_hit_tokens)
@@ -93,7 +97,7 @@ class _WorkerCollector(Collector):
             transfer_seconds.add_metric(
                 values, count_value=totals.num_kv_transfers, sum_value=totals.kv_transfer_seconds
             )
-        yield from (alive, running, waiting, kv_usage, hit_rate, generated, preemptions)
+        yield from (alive, running, waiting, kv_usage, hit_rate, generated, prefilled, preemptions)
         yield from (queries, hits, transfer_bytes, transfer_seconds)
 
 

@@ -14,6 +14,7 @@ import ray
 from engine import LLM, SamplingParams
 from router.cluster import Cluster
 from router.cluster_config import ClusterConfig
+from router.local_prefill import LocalPrefillRule
 from tests.engine.test_parity import make_prompts
 from tests.fixtures.local_cluster import local_cluster_config
 
@@ -111,6 +112,33 @@ def test_the_prefill_pool_runs_its_own_step_budget(
     budgets = {w.worker_id: _step_budget(w.actor) for w in cluster.workers.values()}
     assert budgets == {"prefill-0": 16, "decode-0": 2048}
     assert _run_all(cluster) == expected  # prompts over 16 tokens prefill in chunks
+
+
+def test_short_prompts_are_prefilled_on_their_decode_worker(
+    start_cluster,
+    llama_dir: Path,
+    expected: list[list[int]],  # type: ignore[no-untyped-def]
+) -> None:
+    rule = LocalPrefillRule(max_local_prompt_tokens=40)
+    cluster = start_cluster(
+        local_cluster_config(llama_dir, num_prefill=1, num_decode=1, local_prefill=rule)
+    )
+    assert _run_all(cluster) == expected
+    cluster._poll_loads()
+    counters = {s.worker_id: s.load.counters for s in cluster.worker_statuses()}
+    prompts, _ = _workload()
+    long = [len(p) for p in prompts if len(p) > 40]
+    short = [len(p) for p in prompts if len(p) <= 40]
+    assert long and short
+    # no hand-off for a short prompt: its decode worker computed it
+    assert {w: c.num_kv_transfers for w, c in counters.items()} == {
+        "prefill-0": len(long),
+        "decode-0": len(long),
+    }
+    assert {w: c.num_prefill_tokens for w, c in counters.items()} == {
+        "prefill-0": sum(long),
+        "decode-0": sum(short),
+    }
 
 
 def _long_workload() -> tuple[list[list[int]], list[SamplingParams]]:

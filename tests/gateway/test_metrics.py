@@ -106,6 +106,11 @@ def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -
     # the repeated prompt hits the prefill worker's prefix cache (all but the last block)
     assert delta("pdserve:prefix_cache_hits_total", role="prefill") >= 2 * 32
     assert delta("pdserve:worker_generation_tokens_total") == 3 * 6
+    # the prefill worker computes every prompt token the cache did not have; the decode
+    # worker, which receives the KV, none
+    computed = delta("pdserve:worker_prefill_tokens_total", role="prefill")
+    assert computed + delta("pdserve:prefix_cache_hits_total", role="prefill") == 3 * 40
+    assert delta("pdserve:worker_prefill_tokens_total", role="decode") == 0
 
 
 def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewayServer) -> None:
