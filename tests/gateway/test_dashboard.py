@@ -125,7 +125,7 @@ def test_dashboard_renders_live_data_in_a_real_browser(
         server.stop()
     assert dom.returncode == 0, dom.stderr[-2000:]
     points = dict(re.findall(r'<canvas id="(\w+)"[^>]*data-points="(\d+)"', dom.stdout))
-    for chart in ("ttft", "itl", "throughput", "waiting", "running", "kv"):
+    for chart in ("ttft", "itl", "throughput", "waiting", "running", "kv", "prefill"):
         assert int(points.get(chart, 0)) > 0, (chart, points)
     assert "updated" in dom.stdout and "pools: 1 prefill · 1 decode" in dom.stdout
     console_errors = [

@@ -27,6 +27,7 @@ DASHBOARD_METRICS = (
     "pdserve:num_requests_running",
     "pdserve:kv_cache_usage_perc",
     "pdserve:kv_transfer_bytes",
+    "pdserve:worker_prefill_tokens",
     "pdserve:worker_alive",
 )
 

@@ -83,6 +83,12 @@ function workerSeries(name, role) {
   }));
 }
 
+function workerRates(name) {
+  const last = history[history.length - 1];
+  const workers = select(last, name).map((s) => s.labels.worker).sort();
+  return workers.map((w) => series(w, (i) => rate(i, name, { worker: w })));
+}
+
 function drawChart(id, lines, refs = []) {
   const canvas = document.getElementById(id);
   const ctx = canvas.getContext("2d");
@@ -133,6 +139,11 @@ function advice(latest) {
     notes.push(decodeKv > 0.9
       ? "Inter-token latency p90 is over the TPOT SLO and decode KV is nearly full: add decode workers."
       : "Inter-token latency p90 is over the TPOT SLO: the decode batches are too large; add decode workers.");
+  const prefilled = (role) => rate(last, "pdserve:worker_prefill_tokens_total", { role });
+  const byPrefill = prefilled("prefill"), byDecode = prefilled("decode");
+  if (alive(latest, "prefill") > 0 && byPrefill !== null && byDecode > 0.2 * (byPrefill + byDecode))
+    notes.push(`The decode pool prefilled ${Math.round(100 * byDecode / (byPrefill + byDecode))}% ` +
+      "of prompt tokens over the last 30 s (the prefill pool is backed up): add prefill workers.");
   const box = document.getElementById("advice");
   box.innerHTML = "";
   const p = document.createElement("span");
@@ -141,11 +152,14 @@ function advice(latest) {
   box.appendChild(p);
 }
 
+function alive(snapshot, role) {
+  return sum(snapshot, "pdserve:worker_alive", { role });
+}
+
 function render() {
   const latest = history[history.length - 1];
-  const alive = (role) => sum(latest, "pdserve:worker_alive", { role });
   document.getElementById("pools").textContent =
-    `pools: ${alive("prefill")} prefill · ${alive("decode")} decode`;
+    `pools: ${alive(latest, "prefill")} prefill · ${alive(latest, "decode")} decode`;
   const slo = (name) => sum(latest, "pdserve:slo_target_seconds", { slo: name });
   const quantiles = (name) => [0.5, 0.9, 0.99].map((q) =>
     series(`p${Math.round(q * 100)}`, (i) => quantile(i, name, q)));
@@ -163,6 +177,7 @@ function render() {
     const r = rate(i, "pdserve:kv_transfer_bytes_total", { role: "prefill" });
     return r === null ? null : r / 1e9;
   })]);
+  drawChart("prefill", workerRates("pdserve:worker_prefill_tokens_total"));
   advice(latest);
 }
 
