@@ -254,7 +254,8 @@ class Cluster:
             tracker.placing = False
 
     def _choose(self, request: GenerateRequest) -> tuple[str | None, str]:
-        """(prefill worker or None, decode worker) for the request, among the live ones; the
+        """(prefill worker, decode worker) for the request, among the live ones; no prefill
+        worker when the decode worker prefills it (colocated, resumed, or a local prefill). The
         choice counts towards their load at once, so requests routed meanwhile see it."""
         info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
         with self._lock:
@@ -307,13 +308,15 @@ class Cluster:
         longer counts) until their reports show it."""
         for worker in self.workers.values():
             worker.ledger.drop(request.request_id)
-        tokens = len(request.prompt_token_ids)
-        if prefill_id is not None:
-            self.workers[prefill_id].ledger.charge(request.request_id, num_prompt_tokens=tokens)
-            tokens = 0  # the decode worker receives the prompt's KV
-        self.workers[decode_id].ledger.charge(
-            request.request_id, num_sequences=request.params.n, num_prompt_tokens=tokens
-        )
+        request_id, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
+        decode = self.workers[decode_id].ledger
+        if prefill_id is None:  # the decode worker prefills the prompt itself
+            decode.charge(
+                request_id, num_sequences=request.params.n, num_prompt_tokens=num_prompt_tokens
+            )
+        else:
+            self.workers[prefill_id].ledger.charge(request_id, num_prompt_tokens=num_prompt_tokens)
+            decode.charge(request_id, num_sequences=request.params.n)
 
     # ---- outputs ------------------------------------------------------------------------
     def _start_threads(self) -> None:
