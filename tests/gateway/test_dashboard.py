@@ -4,14 +4,24 @@ is one the server exports."""
 from __future__ import annotations
 
 import re
+import subprocess
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.cluster import Cluster
+from router.gateway.auth import ApiKeys
 from router.gateway.dashboard import ASSETS, DASHBOARD_METRICS, asset
+from router.gateway.limits import RequestLimits
+from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
+from router.gateway.service import Gateway
+from router.local_prefill import LocalPrefillRule
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
 
 AUTH = {"Authorization": f"Bearer {API_KEYS[0]}"}
@@ -68,22 +78,20 @@ def _chromium() -> str:
     return path
 
 
-def test_dashboard_renders_live_data_in_a_real_browser(
-    gateway_cluster: object, served_model: object, tmp_path: object
-) -> None:
-    """Headless Chromium loads /dashboard during traffic: charts get data, no console errors."""
-    import subprocess
-    import threading
-    from pathlib import Path
+@dataclass
+class _BrowserRun:
+    dom: str  # the page's DOM after the virtual time budget
+    log: str  # Chromium's stderr (console messages)
+    screenshot: bytes
 
-    from router.gateway.auth import ApiKeys
-    from router.gateway.limits import RequestLimits
-    from router.gateway.service import Gateway
 
+def _browse_during_traffic(cluster: Cluster, served_model: ServedModel, tmp: Path) -> _BrowserRun:
+    """Headless Chromium loads /dashboard of a gateway over ``cluster`` while requests flow."""
     chromium = _chromium()
-    limits = RequestLimits(max_model_len=served_model.max_model_len)  # type: ignore[attr-defined]
-    gateway = Gateway(gateway_cluster, served_model, limits, ApiKeys([]))  # type: ignore[arg-type]
-    server = GatewayServer(gateway, "127.0.0.1", 0, None)
+    limits = RequestLimits(max_model_len=served_model.max_model_len)
+    server = GatewayServer(
+        Gateway(cluster, served_model, limits, ApiKeys([])), "127.0.0.1", 0, None
+    )
     server.start()
     stop = threading.Event()
 
@@ -94,7 +102,7 @@ def test_dashboard_renders_live_data_in_a_real_browser(
 
     load = threading.Thread(target=traffic, daemon=True)
     load.start()
-    screenshot = Path(str(tmp_path)) / "dashboard.png"
+    screenshot = tmp / "dashboard.png"
     try:
         common = [
             chromium,
@@ -124,15 +132,41 @@ def test_dashboard_renders_live_data_in_a_real_browser(
         load.join(timeout=60)
         server.stop()
     assert dom.returncode == 0, dom.stderr[-2000:]
-    points = dict(re.findall(r'<canvas id="(\w+)"[^>]*data-points="(\d+)"', dom.stdout))
+    return _BrowserRun(dom.stdout, dom.stderr, screenshot.read_bytes())
+
+
+def test_dashboard_renders_live_data_in_a_real_browser(
+    gateway_cluster: Cluster, served_model: ServedModel, tmp_path: Path
+) -> None:
+    """Headless Chromium loads /dashboard during traffic: charts get data, no console errors."""
+    run = _browse_during_traffic(gateway_cluster, served_model, tmp_path)
+    points = dict(re.findall(r'<canvas id="(\w+)"[^>]*data-points="(\d+)"', run.dom))
     for chart in ("ttft", "itl", "throughput", "waiting", "running", "kv", "prefill"):
         assert int(points.get(chart, 0)) > 0, (chart, points)
-    assert "updated" in dom.stdout and "pools: 1 prefill · 1 decode" in dom.stdout
+    assert "updated" in run.dom and "pools: 1 prefill · 1 decode" in run.dom
+    assert "add prefill workers" not in run.dom  # the prefill pool computes every prompt
     console_errors = [
-        line for line in dom.stderr.splitlines() if "CONSOLE" in line and "ERROR" in line.upper()
+        line for line in run.log.splitlines() if "CONSOLE" in line and "ERROR" in line.upper()
     ]
     assert not console_errors, console_errors
-    assert screenshot.stat().st_size > 10_000
+    assert len(run.screenshot) > 10_000
     artifacts = Path(__file__).resolve().parents[2] / "tests" / "artifacts"
     artifacts.mkdir(exist_ok=True)
-    (artifacts / "dashboard.png").write_bytes(screenshot.read_bytes())
+    (artifacts / "dashboard.png").write_bytes(run.screenshot)
+
+
+def test_dashboard_advises_prefill_workers_when_the_decode_pool_prefills(
+    gateway_cluster: Cluster, served_model: ServedModel, tmp_path: Path
+) -> None:
+    """While the decode worker prefills the prompts itself (here: every prompt is short enough
+    for it), the page names the prefill pool as the one to grow."""
+    config = gateway_cluster.config
+    gateway_cluster.config = replace(config, local_prefill=LocalPrefillRule(10**6))
+    try:
+        run = _browse_during_traffic(gateway_cluster, served_model, tmp_path)
+    finally:
+        gateway_cluster.config = config
+    advice = re.search(r'<section id="advice".*?</section>', run.dom, re.S)
+    assert advice is not None
+    assert "The decode pool prefilled 100% of prompt tokens" in advice.group(0)
+    assert "add prefill workers" in advice.group(0)
