@@ -90,9 +90,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--max-prefill-queue-tokens",
         type=int,
         default=None,
-        help="disaggregated: once every prefill worker has more prompt tokens than this queued, "
-        "a new prompt is prefilled on its decode worker if that one has fewer queued "
-        "(default: never)",
+        help="disaggregated: while every prefill worker has more prompt tokens than this "
+        "queued, a new prompt is prefilled on its decode worker if that one is prefilling "
+        "nothing (one at a time; default: never)",
     )
     cluster.add_argument("--num-kv-blocks", type=int, default=None)
     cluster.add_argument("--max-model-len", type=int, default=None)

@@ -47,6 +47,5 @@ class LocalPrefillRule:
         if self.max_prefill_queue_tokens is None or not prefill_loads or decode_load is None:
             return False
         least_queued = min(w.num_queued_prompt_tokens for w in prefill_loads)
-        return least_queued > self.max_prefill_queue_tokens and not (
-            decode_load.num_queued_prompt_tokens
-        )
+        decode_is_prefilling = decode_load.num_queued_prompt_tokens > 0
+        return least_queued > self.max_prefill_queue_tokens and not decode_is_prefilling

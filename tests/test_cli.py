@@ -228,6 +228,13 @@ def test_serve_refuses_to_bind_more_cores_than_it_has(llama_dir: Path) -> None:
     assert "--bind-worker-cpus needs" in output and "plus 1 for the gateway" in output, output
 
 
+def test_serve_refuses_a_negative_prefill_queue_limit_naming_the_flag(llama_dir: Path) -> None:
+    process = _serve_process(llama_dir, "--max-prefill-queue-tokens", "-1", "--http-port", "0")
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert "--max-prefill-queue-tokens must be >= 0, got -1" in output, output
+
+
 def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -> None:
     process = _serve_process(chat_model_dir, "--host", "0.0.0.0", "--http-port", "0")
     output, _ = process.communicate(timeout=60)
