@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from router.actors import remote_decode_actor, remote_prefill_actor
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import CpuBinding, bind_this_process, plan_cpu_binding, threads_per_worker
 from router.load_ledger import LoadLedger
+from router.local_prefill import LOCAL_PREFILL_REASONS
 from router.policies import NoWorkerError, RoutingInfo, make_policy
 from router.request_tracker import ClientItem, RequestTracker
 
@@ -77,6 +79,7 @@ class Cluster:
         self.workers = {w.worker_id: w for w in workers}
         self.policy = make_policy(config.router_policy, config.block_size)
         self._trackers: dict[str, RequestTracker] = {}
+        self._local_prefills: Counter[str] = Counter()  # reason -> prompts (LocalPrefillRule)
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -202,6 +205,11 @@ class Cluster:
                 WorkerStatus(w.worker_id, w.role, w.alive, w.load) for w in self.workers.values()
             ]
 
+    def local_prefills(self) -> dict[str, int]:
+        """Prompts routed to be prefilled on their decode worker so far, by reason."""
+        with self._lock:
+            return {reason: self._local_prefills[reason] for reason in LOCAL_PREFILL_REASONS}
+
     def is_ready(self) -> bool:
         """At least one live worker can prefill and one can decode (a colocated one does both)."""
         alive_roles = {s.role for s in self.worker_statuses() if s.alive}
@@ -264,12 +272,13 @@ class Cluster:
                 prefill_id = None
                 if not self.config.colocated and not request.resume_token_ids:
                     prefill_loads = self.live_loads("prefill")
-                    if not self.config.local_prefill.prefills_locally(
-                        len(request.prompt_token_ids),
-                        prefill_loads,
-                        self.workers[decode_id].load,
-                    ):
+                    local = self.config.local_prefill.reason(
+                        len(request.prompt_token_ids), prefill_loads, self.workers[decode_id].load
+                    )
+                    if local is None:
                         prefill_id = self.policy.choose_prefill(info, prefill_loads)
+                    else:
+                        self._local_prefills[local] += 1
             except NoWorkerError as error:
                 raise RequestFailedError(str(error)) from error
             self._charge_routed(prefill_id, decode_id, request)

@@ -10,6 +10,8 @@ decode steps, no KV hand-off):
                       none: the prompt starts sooner there, and the decode worker takes on one
                       such prompt at a time, which bounds what its running batch waits
 Both are off by default. Pure Python over the load reports (with the router's charges on top).
+The router counts its local prefills by reason (``pdserve:local_prefills_total{reason}``): a
+steady "backlog" count means the prefill pool is too small.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.messages import WorkerLoad
+
+LOCAL_PREFILL_REASONS = ("short", "backlog")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,17 +39,20 @@ class LocalPrefillRule:
                 f"--max-prefill-queue-tokens must be >= 0, got {self.max_prefill_queue_tokens}"
             )
 
-    def prefills_locally(
+    def reason(
         self,
         num_prompt_tokens: int,
         prefill_loads: Sequence[WorkerLoad],
         decode_load: WorkerLoad | None,
-    ) -> bool:
-        """Whether the decode worker with ``decode_load`` should prefill this prompt itself."""
+    ) -> str | None:
+        """Why the decode worker with ``decode_load`` should prefill this prompt itself ("short"
+        or "backlog"), or None: the prefill pool takes it."""
         if num_prompt_tokens <= self.max_local_prompt_tokens:
-            return True
+            return "short"
         if self.max_prefill_queue_tokens is None or not prefill_loads or decode_load is None:
-            return False
+            return None
         least_queued = min(w.num_queued_prompt_tokens for w in prefill_loads)
         decode_is_prefilling = decode_load.num_queued_prompt_tokens > 0
-        return least_queued > self.max_prefill_queue_tokens and not decode_is_prefilling
+        if least_queued > self.max_prefill_queue_tokens and not decode_is_prefilling:
+            return "backlog"
+        return None

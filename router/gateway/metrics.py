@@ -14,7 +14,7 @@ Label values are bounded: worker ids and roles come from the cluster; statuses f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -101,13 +101,35 @@ class _WorkerCollector(Collector):
         yield from (queries, hits, transfer_bytes, transfer_seconds)
 
 
+class _RouterCollector(Collector):
+    """The router's own counts: prompts it had decode workers prefill, by reason."""
+
+    def __init__(self, local_prefills: Callable[[], Mapping[str, int]]) -> None:
+        self._local_prefills = local_prefills
+
+    def collect(self) -> Iterable[Metric]:
+        local = CounterMetricFamily(
+            "pdserve:local_prefills",
+            "Prompts prefilled on their decode worker (short: by length; backlog: the prefill "
+            "pool was backed up)",
+            labels=["reason"],
+        )
+        for reason, count in self._local_prefills().items():
+            local.add_metric([reason], count)
+        yield local
+
+
 class GatewayMetrics:
     def __init__(
-        self, worker_statuses: Callable[[], Sequence[WorkerStatus]], slo: SloTargets
+        self,
+        worker_statuses: Callable[[], Sequence[WorkerStatus]],
+        local_prefills: Callable[[], Mapping[str, int]],
+        slo: SloTargets,
     ) -> None:
         self.slo = slo
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_WorkerCollector(worker_statuses))
+        self.registry.register(_RouterCollector(local_prefills))
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

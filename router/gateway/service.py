@@ -30,6 +30,8 @@ class ClusterBackend(GenerationBackend, Protocol):
 
     def worker_statuses(self) -> list[WorkerStatus]: ...
 
+    def local_prefills(self) -> dict[str, int]: ...
+
     def is_ready(self) -> bool: ...
 
 
@@ -52,7 +54,9 @@ class Gateway:
         self.model = model
         self.limits = limits
         self.keys = keys
-        self.metrics = GatewayMetrics(backend.worker_statuses, slo or SloTargets())
+        self.metrics = GatewayMetrics(
+            backend.worker_statuses, backend.local_prefills, slo or SloTargets()
+        )
         self.num_in_flight = 0
         self._live: dict[str, LiveRequest] = {}
 

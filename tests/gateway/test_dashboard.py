@@ -7,7 +7,8 @@ import re
 import subprocess
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,6 @@ from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
-from router.local_prefill import LocalPrefillRule
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
 
 AUTH = {"Authorization": f"Bearer {API_KEYS[0]}"}
@@ -85,52 +85,23 @@ class _BrowserRun:
     screenshot: bytes
 
 
-def _browse_during_traffic(cluster: Cluster, served_model: ServedModel, tmp: Path) -> _BrowserRun:
-    """Headless Chromium loads /dashboard of a gateway over ``cluster`` while requests flow."""
-    chromium = _chromium()
-    limits = RequestLimits(max_model_len=served_model.max_model_len)
-    server = GatewayServer(
-        Gateway(cluster, served_model, limits, ApiKeys([])), "127.0.0.1", 0, None
-    )
-    server.start()
-    stop = threading.Event()
-
-    def traffic() -> None:
-        with httpx.Client(base_url=server.http_url, timeout=60) as client:
-            while not stop.is_set():
-                client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8})
-
-    load = threading.Thread(target=traffic, daemon=True)
-    load.start()
+def _browse(url: str, tmp: Path) -> _BrowserRun:
+    """Headless Chromium loads ``url`` and runs its script for 12 s of virtual time."""
+    common = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--window-size=1400,1400",
+        "--virtual-time-budget=12000",
+        "--enable-logging=stderr",
+        "--v=0",
+    ]
     screenshot = tmp / "dashboard.png"
-    try:
-        common = [
-            chromium,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--window-size=1400,1400",
-            "--virtual-time-budget=12000",
-            "--enable-logging=stderr",
-            "--v=0",
-        ]
-        dom = subprocess.run(
-            [*common, "--dump-dom", server.http_url + "/dashboard"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        subprocess.run(
-            [*common, f"--screenshot={screenshot}", server.http_url + "/dashboard"],
-            capture_output=True,
-            timeout=120,
-        )
-    finally:
-        stop.set()
-        load.join(timeout=60)
-        server.stop()
+    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    subprocess.run([*common, f"--screenshot={screenshot}", url], capture_output=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     return _BrowserRun(dom.stdout, dom.stderr, screenshot.read_bytes())
 
@@ -139,7 +110,30 @@ def test_dashboard_renders_live_data_in_a_real_browser(
     gateway_cluster: Cluster, served_model: ServedModel, tmp_path: Path
 ) -> None:
     """Headless Chromium loads /dashboard during traffic: charts get data, no console errors."""
-    run = _browse_during_traffic(gateway_cluster, served_model, tmp_path)
+    _chromium()
+    limits = RequestLimits(max_model_len=served_model.max_model_len)
+    gateway = Gateway(gateway_cluster, served_model, limits, ApiKeys([]))
+    server = GatewayServer(gateway, "127.0.0.1", 0, None)
+    server.start()
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with httpx.Client(base_url=server.http_url, timeout=60) as client:
+            while not stop.is_set():
+                client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8})
+
+    # Four clients: first tokens keep arriving in every window of the page's virtual time,
+    # which can run faster than the real one
+    clients = [threading.Thread(target=traffic, daemon=True) for _ in range(4)]
+    for client in clients:
+        client.start()
+    try:
+        run = _browse(server.http_url + "/dashboard", tmp_path)
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(timeout=60)
+        server.stop()
     points = dict(re.findall(r'<canvas id="(\w+)"[^>]*data-points="(\d+)"', run.dom))
     for chart in ("ttft", "itl", "throughput", "waiting", "running", "kv", "prefill"):
         assert int(points.get(chart, 0)) > 0, (chart, points)
@@ -155,18 +149,55 @@ def test_dashboard_renders_live_data_in_a_real_browser(
     (artifacts / "dashboard.png").write_bytes(run.screenshot)
 
 
-def test_dashboard_advises_prefill_workers_when_the_decode_pool_prefills(
-    gateway_cluster: Cluster, served_model: ServedModel, tmp_path: Path
+class _ScriptedMetrics(BaseHTTPRequestHandler):
+    """Serves the dashboard's files, and a /metrics whose counters grow by the same amount at
+    every scrape: 10 requests, of which ``backlog`` were prefilled on a decode worker because
+    the prefill pool was backed up (and 5 short prompts, which say nothing about the pool)."""
+
+    backlog = 0
+    scrapes = 0
+
+    def do_GET(self) -> None:  # noqa: N802 (the http.server hook's name)
+        if self.path == "/metrics":
+            type(self).scrapes += 1
+            n = type(self).scrapes
+            body = (
+                'pdserve:worker_alive{role="prefill",worker="prefill-0"} 1\n'
+                'pdserve:worker_alive{role="decode",worker="decode-0"} 1\n'
+                f'pdserve:requests_total{{status="ok"}} {10 * n}\n'
+                f'pdserve:local_prefills_total{{reason="backlog"}} {self.backlog * n}\n'
+                f'pdserve:local_prefills_total{{reason="short"}} {5 * n}\n'
+            ).encode()
+            media_type = "text/plain"
+        else:
+            name = self.path.removeprefix("/dashboard").lstrip("/") or "index.html"
+            body, media_type = asset(name), ASSETS[name]
+        self.send_response(200)
+        self.send_header("Content-Type", media_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("backlog", "advised"), [(3, True), (0, False)])
+def test_dashboard_advises_prefill_workers_while_decode_workers_absorb_a_backlog(
+    tmp_path: Path, backlog: int, advised: bool
 ) -> None:
-    """While the decode worker prefills the prompts itself (here: every prompt is short enough
-    for it), the page names the prefill pool as the one to grow."""
-    config = gateway_cluster.config
-    gateway_cluster.config = replace(config, local_prefill=LocalPrefillRule(10**6))
+    """30% of the prompts prefilled on decode workers for want of prefill capacity: the page
+    names the prefill pool as the one to grow. Short prompts prefilled there do not count."""
+    _chromium()
+    handler = type("Handler", (_ScriptedMetrics,), {"backlog": backlog, "scrapes": 0})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        run = _browse_during_traffic(gateway_cluster, served_model, tmp_path)
+        run = _browse(f"http://127.0.0.1:{server.server_address[1]}/dashboard", tmp_path)
     finally:
-        gateway_cluster.config = config
+        server.shutdown()
     advice = re.search(r'<section id="advice".*?</section>', run.dom, re.S)
-    assert advice is not None
-    assert "The decode pool prefilled 100% of prompt tokens" in advice.group(0)
-    assert "add prefill workers" in advice.group(0)
+    assert advice is not None, run.dom[-2000:]
+    expected = "Decode workers prefilled 30% of the prompts over the last 30 s because the prefill"
+    assert (expected in advice.group(0)) is advised, advice.group(0)
+    assert ("add prefill workers" in advice.group(0)) is advised

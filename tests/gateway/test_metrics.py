@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.server import GatewayServer
 from router.gateway.text_stream import FinishedGeneration
+from router.local_prefill import LOCAL_PREFILL_REASONS
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
 
 pytestmark = pytest.mark.timeout(240)
@@ -111,6 +112,9 @@ def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -
     computed = delta("pdserve:worker_prefill_tokens_total", role="prefill")
     assert computed + delta("pdserve:prefix_cache_hits_total", role="prefill") == 3 * 40
     assert delta("pdserve:worker_prefill_tokens_total", role="decode") == 0
+    for reason in LOCAL_PREFILL_REASONS:  # exported, though this cluster prefills none locally
+        assert ("pdserve:local_prefills_total", (("reason", reason),)) in after
+        assert delta("pdserve:local_prefills_total", reason=reason) == 0
 
 
 def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewayServer) -> None:
@@ -120,6 +124,7 @@ def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewaySer
     allowed = (
         workers
         | {"prefill", "decode", "ttft", "tpot"}
+        | set(LOCAL_PREFILL_REASONS)
         | {"ok", "invalid", "unauthorized", "rejected", "failed", "aborted"}
     )
     for (_, labels), _ in _samples(http).items():
@@ -129,7 +134,7 @@ def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewaySer
 
 
 def test_goodput_counts_only_requests_within_both_slos() -> None:
-    metrics = GatewayMetrics(lambda: [], SloTargets(ttft_s=0.5, tpot_s=0.05))
+    metrics = GatewayMetrics(lambda: [], dict, SloTargets(ttft_s=0.5, tpot_s=0.05))
 
     def finished(ttft: float, tpot: float, num_tokens: int = 5) -> None:
         e2e = ttft + tpot * (num_tokens - 1)

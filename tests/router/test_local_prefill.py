@@ -19,26 +19,26 @@ def _load(worker_id: str, num_queued_prompt_tokens: int) -> WorkerLoad:
 
 def test_by_default_every_prompt_goes_to_the_prefill_pool() -> None:
     rule = LocalPrefillRule()
-    assert not rule.prefills_locally(1, [_load("prefill-0", 10**6)], _load("decode-0", 0))
+    assert rule.reason(1, [_load("prefill-0", 10**6)], _load("decode-0", 0)) is None
 
 
 def test_prompts_up_to_the_length_limit_prefill_locally() -> None:
     rule = LocalPrefillRule(max_local_prompt_tokens=32)
     busy_pool = [_load("prefill-0", 0)]
-    assert rule.prefills_locally(32, busy_pool, _load("decode-0", 0))
-    assert not rule.prefills_locally(33, busy_pool, _load("decode-0", 0))
+    assert rule.reason(32, busy_pool, _load("decode-0", 0)) == "short"
+    assert rule.reason(33, busy_pool, _load("decode-0", 0)) is None
 
 
 def test_a_backed_up_prefill_pool_sends_prompts_to_an_idle_decode_worker() -> None:
     rule = LocalPrefillRule(max_prefill_queue_tokens=1000)
     backed_up = [_load("prefill-0", 1001), _load("prefill-1", 1500)]
-    assert rule.prefills_locally(400, backed_up, _load("decode-0", 0))
+    assert rule.reason(400, backed_up, _load("decode-0", 0)) == "backlog"
     # one prefill worker at or under the limit takes it
-    assert not rule.prefills_locally(400, [_load("prefill-0", 1000)], _load("decode-0", 0))
+    assert rule.reason(400, [_load("prefill-0", 1000)], _load("decode-0", 0)) is None
     # a decode worker already prefilling a prompt takes no second one
-    assert not rule.prefills_locally(400, backed_up, _load("decode-0", 1))
+    assert rule.reason(400, backed_up, _load("decode-0", 1)) is None
     # before the decode worker's first report, nothing is known of it
-    assert not rule.prefills_locally(400, backed_up, None)
+    assert rule.reason(400, backed_up, None) is None
 
 
 @pytest.mark.parametrize(
@@ -73,6 +73,7 @@ def test_the_router_routes_a_local_prompt_to_the_decode_worker_only() -> None:
     cluster = _cluster(LocalPrefillRule(max_local_prompt_tokens=16), prefill_queued=0)
     assert cluster._choose(_request("short", 16)) == (None, "decode-0")
     assert cluster._choose(_request("long", 17)) == ("prefill-0", "decode-0")
+    assert cluster.local_prefills() == {"short": 1, "backlog": 0}
     # the local prompt's tokens count towards the decode worker until its reports show them
     decode_load = cluster.workers["decode-0"].load
     assert decode_load is not None and decode_load.num_queued_prompt_tokens == 16
@@ -87,3 +88,4 @@ def test_during_a_backlog_the_decode_worker_takes_one_prompt_until_it_has_prefil
     decode.ledger.mark_held("a", 0.5)
     decode.ledger.record(_load("decode-0", 0), 1.0, lambda request_id: True)
     assert cluster._choose(_request("c", 300)) == (None, "decode-0")
+    assert cluster.local_prefills() == {"short": 0, "backlog": 2}

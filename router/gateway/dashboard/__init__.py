@@ -28,6 +28,7 @@ DASHBOARD_METRICS = (
     "pdserve:kv_cache_usage_perc",
     "pdserve:kv_transfer_bytes",
     "pdserve:worker_prefill_tokens",
+    "pdserve:local_prefills",
     "pdserve:worker_alive",
 )
 

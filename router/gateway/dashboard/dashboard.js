@@ -139,11 +139,11 @@ function advice(latest) {
     notes.push(decodeKv > 0.9
       ? "Inter-token latency p90 is over the TPOT SLO and decode KV is nearly full: add decode workers."
       : "Inter-token latency p90 is over the TPOT SLO: the decode batches are too large; add decode workers.");
-  const prefilled = (role) => rate(last, "pdserve:worker_prefill_tokens_total", { role });
-  const byPrefill = prefilled("prefill"), byDecode = prefilled("decode");
-  if (alive(latest, "prefill") > 0 && byPrefill !== null && byDecode > 0.2 * (byPrefill + byDecode))
-    notes.push(`The decode pool prefilled ${Math.round(100 * byDecode / (byPrefill + byDecode))}% ` +
-      "of prompt tokens over the last 30 s (the prefill pool is backed up): add prefill workers.");
+  const backlog = rate(last, "pdserve:local_prefills_total", { reason: "backlog" });
+  const requests = rate(last, "pdserve:requests_total");
+  if (backlog !== null && requests > 0 && backlog >= 0.1 * requests)
+    notes.push(`Decode workers prefilled ${Math.round(100 * Math.min(1, backlog / requests))}% ` +
+      "of the prompts over the last 30 s because the prefill pool was backed up: add prefill workers.");
   const box = document.getElementById("advice");
   box.innerHTML = "";
   const p = document.createElement("span");
