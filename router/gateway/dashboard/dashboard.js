@@ -74,19 +74,20 @@ function series(label, fn) {
   return { label, points };
 }
 
-function workerSeries(name, role) {
-  const last = history[history.length - 1];
-  const workers = select(last, name, role ? { role } : {}).map((s) => s.labels.worker).sort();
-  return workers.map((w) => series(w, (i) => {
-    const found = select(history[i], name, { worker: w });
-    return found.length ? found[0].value : null;
-  }));
+function gaugeValue(i, name, worker) {
+  const found = select(history[i], name, { worker });
+  return found.length ? found[0].value : null;
 }
 
-function workerRates(name) {
+function counterRate(i, name, worker) {
+  return rate(i, name, { worker });
+}
+
+// one line per worker: a gauge's value (or, with counterRate, a counter's rate) over time
+function workerSeries(name, valueAt = gaugeValue) {
   const last = history[history.length - 1];
   const workers = select(last, name).map((s) => s.labels.worker).sort();
-  return workers.map((w) => series(w, (i) => rate(i, name, { worker: w })));
+  return workers.map((w) => series(w, (i) => valueAt(i, name, w)));
 }
 
 function drawChart(id, lines, refs = []) {
@@ -152,14 +153,11 @@ function advice(latest) {
   box.appendChild(p);
 }
 
-function alive(snapshot, role) {
-  return sum(snapshot, "pdserve:worker_alive", { role });
-}
-
 function render() {
   const latest = history[history.length - 1];
+  const alive = (role) => sum(latest, "pdserve:worker_alive", { role });
   document.getElementById("pools").textContent =
-    `pools: ${alive(latest, "prefill")} prefill · ${alive(latest, "decode")} decode`;
+    `pools: ${alive("prefill")} prefill · ${alive("decode")} decode`;
   const slo = (name) => sum(latest, "pdserve:slo_target_seconds", { slo: name });
   const quantiles = (name) => [0.5, 0.9, 0.99].map((q) =>
     series(`p${Math.round(q * 100)}`, (i) => quantile(i, name, q)));
@@ -177,7 +175,7 @@ function render() {
     const r = rate(i, "pdserve:kv_transfer_bytes_total", { role: "prefill" });
     return r === null ? null : r / 1e9;
   })]);
-  drawChart("prefill", workerRates("pdserve:worker_prefill_tokens_total"));
+  drawChart("prefill", workerSeries("pdserve:worker_prefill_tokens_total", counterRate));
   advice(latest);
 }
 
