@@ -36,14 +36,16 @@ def require_kv_cache_layer(kv_cache_layer: torch.Tensor) -> None:
     )
 
 
-def require_same_device(cache: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """Every tensor on the KV cache's device, and that device one Triton can run on."""
+def require_same_device(
+    anchor: torch.Tensor, anchor_name: str = "kv_cache_layer", **tensors: torch.Tensor
+) -> None:
+    """Every tensor on ``anchor``'s device, and that device one Triton can run on."""
     for name, tensor in tensors.items():
         require(
-            tensor.device == cache.device,
-            f"{name} is on {tensor.device}, kv_cache_layer on {cache.device}",
+            tensor.device == anchor.device,
+            f"{name} is on {tensor.device}, {anchor_name} on {anchor.device}",
         )
     require(
-        cache.device.type != "cpu" or interpreted(),
+        anchor.device.type != "cpu" or interpreted(),
         "Triton kernels need a GPU; CPU tensors only run with TRITON_INTERPRET=1",
     )

@@ -3,8 +3,9 @@
 They differ only in flags of ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm (Qwen3),
 tied embeddings, rope scaling. Projections are fused (qkv_proj, gate_up_proj) so each layer
 runs three big matmuls instead of six; model_loader.py maps the Hugging Face weights onto them.
-On CPU in float32 the elementwise steps (norms, rotary, SiLU * up) run as C kernels
-(engine/kernels/cpu/elementwise.c); the torch code beside each is the path everywhere else.
+The elementwise steps (norms, rotary, SiLU * up) run as fused kernels where some take the
+tensor (fused_ops.py: C on CPU in float32, Triton on a GPU); the torch code beside each is the
+path everywhere else, and what the kernels are tested against.
 Module names otherwise mirror Hugging Face's (model.layers.N.self_attn.o_proj, ...).
 """
 
@@ -15,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.layer import Attention
-from engine.kernels.cpu import elementwise as cpu_kernels
 from engine.model_config import ModelConfig
+from engine.models.fused_ops import kernels_for
 from engine.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -29,8 +30,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        if cpu_kernels.usable(x):
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        kernels = kernels_for(x)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -49,8 +51,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)
-        if cpu_kernels.usable(gate_up):
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        kernels = kernels_for(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -89,8 +92,9 @@ class SelfAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cpu_kernels.usable(q):
-            cpu_kernels.rotary_(q, k, cos, sin)
+        kernels = kernels_for(q)
+        if kernels is not None:
+            kernels.rotary_(q, k, cos, sin)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v))
@@ -108,9 +112,10 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         attended = self.self_attn(self.input_layernorm(hidden), cos, sin)
-        if cpu_kernels.usable(hidden):  # the residual add and the norm in one pass
+        kernels = kernels_for(hidden)
+        if kernels is not None:  # the residual add and the norm in one pass
             norm = self.post_attention_layernorm
-            hidden, normed = cpu_kernels.add_rms_norm(hidden, attended, norm.weight, norm.eps)
+            hidden, normed = kernels.add_rms_norm(hidden, attended, norm.weight, norm.eps)
             return hidden + self.mlp(normed)
         hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -1,0 +1,37 @@
+"""Which kernels take the model's elementwise steps (RMSNorm, residual add + RMSNorm, rotary,
+SiLU * up) for a tensor: the C kernels on CPU in float32, the Triton kernels on a GPU, or none,
+and then the model's own torch code runs."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.kernels import elementwise as triton_kernels
+from engine.kernels.cpu import elementwise as cpu_kernels
+
+
+class ElementwiseKernels(Protocol):
+    """What both kernel modules provide; each call is one pass over the activations."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotary_(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+def kernels_for(x: torch.Tensor) -> ElementwiseKernels | None:
+    """The fused kernels that take ``x``, or None for the torch path."""
+    if cpu_kernels.usable(x):
+        return cpu_kernels
+    if triton_kernels.usable(x):
+        return triton_kernels
+    return None

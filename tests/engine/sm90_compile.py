@@ -1,0 +1,274 @@
+"""Compile every Triton kernel the engine launches on a GPU for Hopper (sm_90), without one.
+
+Run as ``python -m tests.engine.sm90_compile`` with TRITON_INTERPRET unset (the interpreter
+replaces ``@triton.jit`` at import time): each kernel wrapper is called with ``meta`` tensors
+at real model shapes while its kernel is swapped for a recorder, so the launch arguments are
+exactly the wrapper's; each distinct launch is then compiled by Triton for an sm_90 target down
+to a cubin (ptxas ships with Triton), and ``cuobjdump`` reads its registers, spills and shared
+memory, and its PTX how many tensor-core instructions it has. Prints one JSON object per
+launch. Compiling proves the kernels lower for the GPU
+(bf16 tensor-core dots included), which the interpreter never checks; it proves nothing about
+their numbers, which the interpreter and the ``gpu`` tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from engine.kernels import (
+    elementwise,
+    kv_cache_write,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+
+HOPPER = GPUTarget("cuda", 90, 32)
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")
+_TENSOR_CORE_OP = re.compile(r"\b(?:wgmma\.mma_async|mma\.sync)\b")
+_POINTER_TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The shapes one model family's kernels see."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+
+
+SHAPES = (
+    ModelShape("llama-3-8b", 32, 8, 128, 4096, 14336),  # GQA 4
+    ModelShape("llama-3.2-1b", 32, 8, 64, 2048, 8192),  # head_dim 64
+    ModelShape("qwen2-7b", 28, 4, 128, 3584, 18944),  # GQA 7: padded group
+    ModelShape("llama-2-7b", 32, 32, 128, 4096, 11008),  # no GQA
+)
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    kernel: Any  # the JITFunction
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class _Recorder:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self, kernel: Any, launches: list[Launch]) -> None:
+        self.kernel = kernel
+        self.launches = launches
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches.append(Launch(self.kernel, args, kwargs))
+
+        return launch
+
+
+def record_launches(module: ModuleType, call: Callable[[], object]) -> list[Launch]:
+    """The kernel launches ``call`` makes through ``module``'s ``@triton.jit`` globals."""
+    launches: list[Launch] = []
+    kernels = {
+        name: value for name, value in vars(module).items() if isinstance(value, triton.JITFunction)
+    }
+    for name, kernel in kernels.items():
+        setattr(module, name, _Recorder(kernel, launches))
+    try:
+        call()
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+    return launches
+
+
+def _argument_type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return _POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for a launch argument of type {type(value).__name__}")
+
+
+def compile_launch(launch: Launch) -> Any:
+    """Compile one recorded launch for sm_90; returns Triton's CompiledKernel."""
+    params = launch.kernel.params
+    signature: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], Any] = {}
+    options = {key: launch.kwargs[key] for key in _LAUNCH_OPTIONS if key in launch.kwargs}
+    for index, param in enumerate(params):
+        if index < len(launch.args):
+            value = launch.args[index]
+        elif param.name in launch.kwargs:
+            value = launch.kwargs[param.name]
+        else:
+            value = param.default
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(index,)] = value
+        else:
+            signature[param.name] = _argument_type(value)
+    source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=HOPPER, options=options)
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, LOCAL (spilled bytes per thread), SHARED, STACK of the cubin's one function."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        report = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", file.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", report)
+    if match is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage:\n{report}")
+    registers, stack, shared, local = (int(group) for group in match.groups())
+    return {"registers": registers, "stack": stack, "static_shared": shared, "local": local}
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _kv_cache_layer(shape: ModelShape, dtype: torch.dtype) -> torch.Tensor:
+    return _meta(2, 4096, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, dtype=dtype)
+
+
+def _decode(
+    shape: ModelShape, dtype: torch.dtype, num_seqs: int, context: int
+) -> Callable[[], object]:
+    max_blocks = -(-context // BLOCK_SIZE)
+    return lambda: paged_decode_attention.paged_decode_attention(
+        _meta(num_seqs, shape.num_heads, shape.head_dim, dtype=dtype),
+        _kv_cache_layer(shape, dtype),
+        _meta(num_seqs, max_blocks, dtype=torch.int32),
+        _meta(num_seqs, dtype=torch.int32),
+        shape.head_dim**-0.5,
+        max_seq_len=context,
+    )
+
+
+def _prefill(shape: ModelShape, dtype: torch.dtype, num_tokens: int) -> Callable[[], object]:
+    max_blocks = -(-num_tokens // BLOCK_SIZE)
+    return lambda: paged_prefill_attention.paged_prefill_attention(
+        _meta(num_tokens, shape.num_heads, shape.head_dim, dtype=dtype),
+        _kv_cache_layer(shape, dtype),
+        _meta(2, dtype=torch.int32),
+        _meta(1, dtype=torch.int32),
+        _meta(1, max_blocks, dtype=torch.int32),
+        shape.head_dim**-0.5,
+        max_query_len=num_tokens,
+    )
+
+
+def _write(shape: ModelShape, dtype: torch.dtype, num_tokens: int) -> Callable[[], object]:
+    return lambda: kv_cache_write.write_kv_cache(
+        _kv_cache_layer(shape, dtype),
+        _meta(num_tokens, shape.num_kv_heads, shape.head_dim, dtype=dtype),
+        _meta(num_tokens, shape.num_kv_heads, shape.head_dim, dtype=dtype),
+        _meta(num_tokens, dtype=torch.int64),
+    )
+
+
+def _elementwise(shape: ModelShape, dtype: torch.dtype, num_tokens: int) -> Callable[[], object]:
+    def call() -> None:
+        hidden = _meta(num_tokens, shape.hidden_size, dtype=dtype)
+        weight = _meta(shape.hidden_size, dtype=dtype)
+        elementwise.rms_norm(hidden, weight, 1e-5)
+        elementwise.add_rms_norm(hidden, hidden, weight, 1e-5)
+        heads = _meta(num_tokens, shape.num_heads, shape.head_dim, dtype=dtype)
+        elementwise.rms_norm(heads, _meta(shape.head_dim, dtype=dtype), 1e-5)  # Qwen3's q norm
+        kv_heads = _meta(num_tokens, shape.num_kv_heads, shape.head_dim, dtype=dtype)
+        table = _meta(num_tokens, 1, shape.head_dim // 2, dtype=dtype)
+        elementwise.rotary_(heads, kv_heads, table, table)
+        elementwise.silu_and_mul(_meta(num_tokens, 2 * shape.intermediate_size, dtype=dtype))
+
+    return call
+
+
+def cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
+    """(label, kernel module, wrapper call) for the launches a GPU engine makes: every model
+    shape in bfloat16 (what GPUs serve), and the first in float16 and float32 too."""
+    for index, shape in enumerate(SHAPES):
+        dtypes = (torch.bfloat16, torch.float16, torch.float32) if index == 0 else (torch.bfloat16,)
+        for dtype in dtypes:
+            tag = f"{shape.name} {str(dtype).removeprefix('torch.')}"
+            # batch 1 at 1k splits the context; batch 64 at 1k does not
+            for num_seqs in (1, 64):
+                call = _decode(shape, dtype, num_seqs, 1024)
+                yield f"decode {tag} batch {num_seqs}", paged_decode_attention, call
+            yield f"prefill {tag}", paged_prefill_attention, _prefill(shape, dtype, 1024)
+            yield f"kv write {tag}", kv_cache_write, _write(shape, dtype, 64)
+            yield f"elementwise {tag}", elementwise, _elementwise(shape, dtype, 64)
+
+
+def _launch_key(launch: Launch) -> tuple[Any, ...]:
+    """What Triton compiles a launch by: the kernel, argument types and constexpr values."""
+    types = tuple(
+        value if not isinstance(value, (torch.Tensor, int, float)) else _argument_type(value)
+        for value in launch.args
+    )
+    return (launch.kernel.fn.__name__, types, tuple(sorted(launch.kwargs.items())))
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: the interpreter replaces the kernels", file=sys.stderr)
+        return 2
+    seen: set[tuple[Any, ...]] = set()
+    for label, module, call in cases():
+        for launch in record_launches(module, call):
+            key = _launch_key(launch)
+            if key in seen:
+                continue
+            seen.add(key)
+            result: dict[str, Any] = {"case": label, "kernel": launch.kernel.fn.__name__}
+            try:
+                compiled = compile_launch(launch)
+            except Exception as error:  # reported per launch; the test names the failure
+                result["error"] = f"{type(error).__name__}: {error}"[:2000]
+            else:
+                ptx = compiled.asm["ptx"]
+                result["tensor_core_instructions"] = len(_TENSOR_CORE_OP.findall(ptx))
+                result["shared"] = compiled.metadata.shared
+                result["num_warps"] = compiled.metadata.num_warps
+                result.update(resource_usage(compiled.asm["cubin"]))
+            print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""Every Triton kernel of the engine compiles for an H100 (sm_90) at real model shapes, here,
+without a GPU: the interpreter the other kernel tests run in never lowers a kernel, so only
+this catches a kernel that cannot compile (a dot's operand types, a layout, a shared-memory
+budget) before a GPU session does. See tests/engine/sm90_compile.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import triton
+
+import engine.kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+H100_SHARED_BYTES = 227 * 1024  # the most shared memory one block may opt into on sm_90
+PTXAS = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+
+
+def _kernel_names_in_engine() -> set[str]:
+    """Names of the ``@triton.jit`` functions under engine/kernels/ (helpers that kernels
+    call, like ``_attend_tile``, are compiled inside them)."""
+    names = set()
+    for path in Path(engine.kernels.__file__).parent.glob("*.py"):
+        lines = path.read_text().splitlines()
+        for decorator, definition in zip(lines, lines[1:]):
+            if decorator.strip() == "@triton.jit" and definition.startswith("def "):
+                names.add(definition.removeprefix("def ").split("(")[0])
+    return names
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict[str, Any]]:
+    if not PTXAS.exists():
+        pytest.skip(f"this Triton has no ptxas at {PTXAS}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, said aloud to silence its warning
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.engine.sm90_compile"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def test_every_launch_compiles_within_the_shared_memory_of_an_h100(
+    compiled: list[dict[str, Any]],
+) -> None:
+    failures = [f"{r['case']} / {r['kernel']}: {r['error']}" for r in compiled if "error" in r]
+    assert not failures, "\n".join(failures)
+    too_big = [r for r in compiled if r["shared"] + r["static_shared"] > H100_SHARED_BYTES]
+    assert not too_big, too_big
+
+
+def test_every_kernel_of_the_engine_is_compiled(compiled: list[dict[str, Any]]) -> None:
+    """A new kernel must join sm90_compile.cases(), or this fails."""
+    internal = {"_attend_tile", "_rotate_heads"}  # @triton.jit helpers inlined into kernels
+    assert {r["kernel"] for r in compiled} == _kernel_names_in_engine() - internal
+
+
+def test_bfloat16_attention_runs_on_tensor_cores(compiled: list[dict[str, Any]]) -> None:
+    """The attention dots lower to mma / wgmma in bfloat16, not to float32 FMAs (what an
+    upcast, or a precision the tensor cores lack, would give)."""
+    attention = [
+        r
+        for r in compiled
+        if "bfloat16" in r["case"]
+        and r["kernel"] in ("_decode_partition_kernel", "_paged_prefill_kernel")
+    ]
+    assert {r["kernel"] for r in attention} == {"_decode_partition_kernel", "_paged_prefill_kernel"}
+    assert all(r["tensor_core_instructions"] > 0 for r in attention), attention
