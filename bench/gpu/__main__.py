@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import bench.gpu
+from bench.gpu.elementwise import measure_elementwise
 from bench.gpu.engine_runs import max_model_len, run_pdserve
 from bench.gpu.hf_baseline import measure_transformers
 from bench.gpu.report import machine_info, print_report
@@ -101,8 +102,18 @@ def run_model(
     ceilings: dict[str, Any],
     run_transformers: bool,
 ) -> dict[str, Any]:
-    """pdserve, then transformers, on one written config; a failing half is recorded."""
+    """The elementwise steps, pdserve, then transformers, on one written config; a failing
+    part is recorded and the others go on."""
     result: dict[str, Any] = {"spec": dataclasses.asdict(spec), "num_params": spec.num_params}
+    read_bw = ceilings["copy"]["read_write_gb_per_s"] * 1e9
+    attempt(
+        result,
+        "elementwise",
+        lambda: measure_elementwise(
+            spec, device, dtype, preset.elementwise_tokens, preset.num_reps, read_bw
+        ),
+        device,
+    )
     with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{spec.name}-") as tmp:
         model_dir = spec.write_config(Path(tmp), max_model_len(preset) + 16, dtype)
         attempt(

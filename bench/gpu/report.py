@@ -52,6 +52,8 @@ def print_report(result: dict[str, Any]) -> None:
     if result["machine"]["device"] != "cuda":
         print("(not a GPU: these numbers only show that the script runs)")
     for name, model in result["models"].items():
+        if "elementwise" in model:
+            print_elementwise(name, model["elementwise"])
         if "pdserve" in model:
             print_model(name, model)
     if "kv_transfer" in result:
@@ -62,6 +64,18 @@ def print_report(result: dict[str, Any]) -> None:
         errors.update({f"{name} {key}": e for key, e in model.get("errors", {}).items()})
     for key, error in errors.items():
         print(f"  ERROR {key}: {error}")
+
+
+def print_elementwise(name: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{name}: one forward's elementwise steps (torch ops against fused Triton kernels)")
+    print(f"{'tokens':>6}{'torch ms':>10}{'fused ms':>10}{'speedup':>9}{'floor ms':>10}")
+    for r in rows:
+        fused = (
+            f"{r['fused_ms']:>10.3f}{r['speedup']:>8.2f}x"
+            if "fused_ms" in r
+            else f"{'-':>10}{'-':>9}"
+        )
+        print(f"{r['tokens']:>6}{r['torch_ms']:>10.3f}{fused}{r['floor_ms']:>10.3f}")
 
 
 def print_model(name: str, model: dict[str, Any]) -> None:

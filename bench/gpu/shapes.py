@@ -126,6 +126,7 @@ class Preset:
     hf_new_tokens: int  # tokens transformers decodes per request
     hf_continuous_batching: bool  # also try transformers' generate_batch
     transfer_tokens: tuple[int, ...]  # KV hand-off sizes for the transport measurement
+    elementwise_tokens: tuple[int, ...]  # batch tokens of the elementwise torch-vs-fused runs
     copy_bytes: int  # size of the device-to-device copy ceiling
     matmul_n: int  # n of the n x n x n matmul ceiling
     num_reps: int  # repetitions of the ceilings and transfers (median)
@@ -144,6 +145,7 @@ PRESETS = {
         hf_new_tokens=64,
         hf_continuous_batching=True,
         transfer_tokens=(1024, 8192),
+        elementwise_tokens=(1, 64, 8192),
         copy_bytes=GIB,
         matmul_n=8192,
         num_reps=10,
@@ -160,6 +162,7 @@ PRESETS = {
         hf_new_tokens=8,
         hf_continuous_batching=True,
         transfer_tokens=(64, 256),
+        elementwise_tokens=(1, 8),
         copy_bytes=64 * MIB,
         matmul_n=256,
         num_reps=3,

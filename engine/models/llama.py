@@ -21,8 +21,20 @@ from engine.models.fused_ops import kernels_for
 from engine.models.rope import RotaryEmbedding, apply_rotary
 
 
-class RMSNorm(nn.Module):
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, cast back, then scaled (transformers' LlamaRMSNorm order)."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, fused where a kernel takes the tensor, else torch_rms_norm."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -33,15 +45,12 @@ class RMSNorm(nn.Module):
         kernels = kernels_for(x)
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps)
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return torch_rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
@@ -54,8 +63,7 @@ class GatedMLP(nn.Module):
         kernels = kernels_for(gate_up)
         if kernels is not None:
             return self.down_proj(kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(torch_silu_and_mul(gate_up))
 
 
 class SelfAttention(nn.Module):

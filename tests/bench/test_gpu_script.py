@@ -1,0 +1,45 @@
+"""``python -m bench.gpu`` runs end to end on CPU (tiny preset), so a GPU session's short lease
+is not spent finding a crash: every section measured, none recorded under "errors"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_benchmark_runs_every_section_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # the fused kernels' path too
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "errors" not in result
+    model = result["models"]["tiny"]
+    assert "errors" not in model, model["errors"]
+    assert [row["tokens"] for row in model["elementwise"]] == [1, 8]
+    assert all(row["fused_ms"] > 0 and row["torch_ms"] > 0 for row in model["elementwise"])
+    assert [row["batch_size"] for row in model["pdserve"]["decode"]] == [1, 4, 8]
+    assert {t["target"] for t in result["targets"]} >= {"batch-1 decode / roofline"}
+    assert "one forward's elementwise steps" in run.stdout
