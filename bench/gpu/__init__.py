@@ -21,7 +21,9 @@ and a section that fails (out of memory, say) is recorded under "errors" and the
    rotary, residual adds and SiLU * up at 1, 64 and 8192 tokens, the model's torch ops against
    the fused Triton kernels, each replayed from one CUDA graph, beside the bytes the fused
    kernels move over the read bandwidth. This is what says where the fused kernels pay off.
-   Then (Llama-3-8B and Llama-3.2-1B shapes, dummy bf16 weights from a written config.json),
+   Then the Triton attention kernels alone under a few tilings each (``attention_tiling``):
+   decode at each batch size and the preset's context as KV GB/s, prefill of each prompt
+   length as causal FLOP/s, the engine's default tiling marked. Then (Llama-3-8B and Llama-3.2-1B shapes, dummy bf16 weights from a written config.json),
    pdserve (``engine.LLM``, Triton attention): the median decode step at batch 1, 8, 64, 256 with
    1k-token prompts (all prompts prefilled first, a few warm-up steps, then decode-only steps,
    synchronised around each); the prefill of one 1k and one 8k prompt (one engine step each).
@@ -49,8 +51,9 @@ wall-clock timers instead of CUDA events; its numbers only show that the script 
 
 Modules: ``__main__`` flags, presets and the order of sections; ``timing`` timers and the
 device's ceilings; ``transfer`` the KV-transfer section; ``elementwise`` torch ops against the
-fused kernels; ``engine_runs`` pdserve's decode and prefill; ``hf_baseline`` transformers'
-``generate`` / ``generate_batch``; ``shapes`` model shapes, presets and their byte / FLOP
-counts (no torch); ``targets`` the goals and verdicts; ``report`` the machine and the printed
-tables. The JSON goes through ``bench.results_json``.
+fused kernels; ``attention_tiling`` the attention kernels' tilings; ``engine_runs`` pdserve's
+decode and prefill; ``hf_baseline`` transformers' ``generate`` / ``generate_batch``;
+``shapes`` model shapes, presets and their byte / FLOP counts (no torch); ``targets`` the goals
+and verdicts; ``report`` the machine and the printed tables. The JSON goes through
+``bench.results_json``.
 """

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import bench.gpu
+from bench.gpu.attention_tiling import measure_decode_tilings, measure_prefill_tilings
 from bench.gpu.elementwise import measure_elementwise
 from bench.gpu.engine_runs import max_model_len, run_pdserve
 from bench.gpu.hf_baseline import measure_transformers
@@ -27,6 +28,7 @@ from bench.gpu.targets import verdicts
 from bench.gpu.timing import free_memory, log, measure_ceilings, seconds_since_start
 from bench.gpu.transfer import measure_transfer
 from bench.results_json import write_json
+from engine.kernels.checks import interpreted
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,6 +116,13 @@ def run_model(
         ),
         device,
     )
+    if device.type == "cuda" or interpreted():
+        attempt(
+            result,
+            "attention_tilings",
+            lambda: measure_attention_tilings(spec, device, dtype, preset, ceilings),
+            device,
+        )
     with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{spec.name}-") as tmp:
         model_dir = spec.write_config(Path(tmp), max_model_len(preset) + 16, dtype)
         attempt(
@@ -130,6 +139,22 @@ def run_model(
                 device,
             )
     return result
+
+
+def measure_attention_tilings(
+    spec: ModelSpec, device: torch.device, dtype: str, preset: Preset, ceilings: dict[str, Any]
+) -> dict[str, Any]:
+    read_bw = ceilings["copy"]["read_write_gb_per_s"] * 1e9
+    peak_flops = ceilings["matmul"]["flop_per_s"]
+    batch_sizes = list(preset.batch_sizes)
+    return {
+        "decode": measure_decode_tilings(
+            spec, device, dtype, batch_sizes, preset.context_len, preset.num_reps, read_bw
+        ),
+        "prefill": measure_prefill_tilings(
+            spec, device, dtype, preset.prefill_lens, preset.num_reps, peak_flops
+        ),
+    }
 
 
 def attempt(

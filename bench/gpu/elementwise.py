@@ -113,7 +113,7 @@ def measure_elementwise(
     read_bw: float,
 ) -> list[dict[str, Any]]:
     """For each token count: one forward's elementwise steps, torch against fused."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for num_tokens in token_counts:
         activations = _Activations(spec, num_tokens, device, dtype)
         torch_s = _time_forward(

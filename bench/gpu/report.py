@@ -54,6 +54,8 @@ def print_report(result: dict[str, Any]) -> None:
     for name, model in result["models"].items():
         if "elementwise" in model:
             print_elementwise(name, model["elementwise"])
+        if "attention_tilings" in model:
+            print_attention_tilings(name, model["attention_tilings"])
         if "pdserve" in model:
             print_model(name, model)
     if "kv_transfer" in result:
@@ -76,6 +78,27 @@ def print_elementwise(name: str, rows: list[dict[str, Any]]) -> None:
             else f"{'-':>10}{'-':>9}"
         )
         print(f"{r['tokens']:>6}{r['torch_ms']:>10.3f}{fused}{r['floor_ms']:>10.3f}")
+
+
+def print_attention_tilings(name: str, tilings: dict[str, list[dict[str, Any]]]) -> None:
+    def tiling(row: dict[str, Any]) -> str:
+        shown = " ".join(f"{k}={v}" for k, v in row["tiling"].items())
+        return shown + ("  (default)" if row["default"] else "")
+
+    print(f"\n{name}: decode attention, one layer (KV GB/s; copy = device copy read+write)")
+    print(f"{'batch':>6}{'us':>10}{'GB/s':>9}{'of copy':>9}  tiling")
+    for r in tilings["decode"]:
+        print(
+            f"{r['batch_size']:>6}{r['us']:>10.1f}{r['gb_per_s']:>9.0f}"
+            f"{r['fraction_of_copy']:>9.0%}  {tiling(r)}"
+        )
+    print(f"{name}: prefill attention, one layer of one prompt (causal FLOP/s)")
+    print(f"{'tokens':>6}{'us':>10}{'TFLOP/s':>9}{'of peak':>9}  tiling")
+    for r in tilings["prefill"]:
+        print(
+            f"{r['tokens']:>6}{r['us']:>10.1f}{r['flop_per_s'] / 1e12:>9.1f}"
+            f"{r['fraction_of_peak']:>9.0%}  {tiling(r)}"
+        )
 
 
 def print_model(name: str, model: dict[str, Any]) -> None:

@@ -23,6 +23,8 @@ With one partition the first kernel writes the output itself and the merge is sk
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,14 @@ _MAX_TILE = 64  # tokens per inner-loop tile
 _MIN_TOKENS_PER_SPLIT = 256  # the automatic choice gives each partition at least this much work
 _TARGET_PROGRAMS = 512  # ... and stops splitting once the grid has this many programs
 _MAX_SPLITS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTiling:
+    """How the partition kernel cuts its work; the defaults are what the engine runs."""
+
+    max_tile: int = _MAX_TILE  # tokens per inner-loop tile at most (a power of two >= 16)
+    num_warps: int = 4  # per program
 
 
 @triton.jit
@@ -183,13 +193,15 @@ def paged_decode_attention(
     num_splits: int | None = None,
     *,
     max_seq_len: int | None = None,
+    tiling: DecodeTiling = DecodeTiling(),
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
     """Attention of each sequence's one new token over its whole context in the paged cache.
 
     ``num_splits``: context partitions per sequence (None: ``default_num_splits``).
     ``max_seq_len``: an upper bound on ``seq_lens`` that sizes the partitions; None takes
     ``max_blocks * block_size``, which needs no device sync. Understating it drops tokens.
-    ``seq_lens`` values are not checked on the host (that would sync).
+    ``seq_lens`` values are not checked on the host (that would sync). ``tiling``: for
+    benchmarks that compare tilings; the default is the engine's.
 
     Raises ValueError naming the argument on a wrong shape, dtype, device or layout.
     """
@@ -206,11 +218,12 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(max_seq_len, num_seqs, num_kv_heads)
     require(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    _check_tiling(tiling)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
     raw_tokens_per_split = -(-max_seq_len // num_splits)
-    tile = min(_MAX_TILE, max(_MIN_DOT_DIM, triton.next_power_of_2(raw_tokens_per_split)))
+    tile = min(tiling.max_tile, max(_MIN_DOT_DIM, triton.next_power_of_2(raw_tokens_per_split)))
     tokens_per_split = -(-raw_tokens_per_split // tile) * tile
     # [num_seqs, num_heads, num_splits(, head_dim)] f32; unused (tiny) with one partition
     part_shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
@@ -244,6 +257,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         # Triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits
         DOT_FP32=interpreted() or query.dtype == torch.float32,
+        num_warps=tiling.num_warps,
     )
     if num_splits > 1:
         _merge_partitions_kernel[(num_seqs, num_heads)](
@@ -260,6 +274,17 @@ def paged_decode_attention(
             NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
     return out
+
+
+def _check_tiling(tiling: DecodeTiling) -> None:
+    for name, value, least in (
+        ("max_tile", tiling.max_tile, 16),
+        ("num_warps", tiling.num_warps, 1),
+    ):
+        require(
+            value >= least and value & (value - 1) == 0,
+            f"tiling.{name} must be a power of two >= {least}, got {value}",
+        )
 
 
 def _check_decode_args(

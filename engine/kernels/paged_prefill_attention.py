@@ -20,6 +20,8 @@ the longest programs start first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -34,9 +36,15 @@ from engine.kernels.checks import (
     require_same_device,
 )
 
-# rows (tokens x group heads) per program and KV positions per tile, float32 halves BLOCK_N
-_BLOCK_M = 128
-_BLOCK_N = 64
+
+@dataclass(frozen=True, slots=True)
+class PrefillTiling:
+    """How the kernel cuts its work; the defaults are what the engine runs."""
+
+    block_m: int = 128  # rows (new tokens x padded group heads) per program
+    block_n: int = 64  # KV positions per tile; halved for float32
+    num_warps: int | None = None  # None: 8 for tiles of >= 128 x 128 query elements, else 4
+    num_stages: int = 2  # software-pipelining depth of the KV loop
 
 
 def paged_prefill_attention(
@@ -47,15 +55,18 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32/int64, padded
     scale: float,
     max_query_len: int,
+    tiling: PrefillTiling = PrefillTiling(),
 ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim], query's dtype
     """Causal attention of each prefill sequence's new tokens over its whole paged context.
 
     Raises ValueError naming the argument when shapes, dtypes, devices, strides or the
     offsets disagree. The offsets' values are checked only on CPU (the interpreter): on a GPU
     reading them back would sync every call, so there they are the caller's contract.
+    ``tiling``: for benchmarks that compare tilings; the default is the engine's.
     """
     _check_tensors(query, kv_cache_layer, query_start_loc, seq_lens, block_tables)
     _check_offsets(query, kv_cache_layer, query_start_loc, seq_lens, block_tables, max_query_len)
+    _check_tiling(tiling)
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
     num_seqs = seq_lens.shape[0]
@@ -64,8 +75,9 @@ def paged_prefill_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q = max(1, _BLOCK_M // group_pad)  # new tokens per program
-    block_n = _BLOCK_N if query.element_size() <= 2 else max(16, _BLOCK_N // 2)
+    block_q = max(1, tiling.block_m // group_pad)  # new tokens per program
+    block_n = tiling.block_n if query.element_size() <= 2 else max(16, tiling.block_n // 2)
+    num_warps = tiling.num_warps or (8 if block_q * group_pad * head_dim >= 128 * 128 else 4)
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
         query,
@@ -93,10 +105,23 @@ def paged_prefill_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # the interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584)
         UPCAST_DOT=interpreted() and query.dtype == torch.bfloat16,
-        num_warps=8 if block_q * group_pad * head_dim >= 128 * 128 else 4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=tiling.num_stages,
     )
     return out
+
+
+def _check_tiling(tiling: PrefillTiling) -> None:
+    for name, value, least in (
+        ("block_m", tiling.block_m, 16),
+        ("block_n", tiling.block_n, 16),
+        ("num_warps", tiling.num_warps or 1, 1),
+    ):
+        require(
+            value >= least and value & (value - 1) == 0,
+            f"tiling.{name} must be a power of two >= {least}, got {value}",
+        )
+    require(tiling.num_stages >= 1, f"tiling.num_stages must be >= 1, got {tiling.num_stages}")
 
 
 def _check_tensors(

@@ -40,6 +40,9 @@ def test_the_gpu_benchmark_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert "errors" not in model, model["errors"]
     assert [row["tokens"] for row in model["elementwise"]] == [1, 8]
     assert all(row["fused_ms"] > 0 and row["torch_ms"] > 0 for row in model["elementwise"])
+    tilings = model["attention_tilings"]
+    assert {row["batch_size"] for row in tilings["decode"]} == {1, 4, 8}
+    assert sum(row["default"] for row in tilings["prefill"]) == 2  # one per prompt length
     assert [row["batch_size"] for row in model["pdserve"]["decode"]] == [1, 4, 8]
     assert {t["target"] for t in result["targets"]} >= {"batch-1 decode / roofline"}
     assert "one forward's elementwise steps" in run.stdout

@@ -15,7 +15,11 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.kv_cache_write import write_kv_cache
-from engine.kernels.paged_decode_attention import default_num_splits, paged_decode_attention
+from engine.kernels.paged_decode_attention import (
+    DecodeTiling,
+    default_num_splits,
+    paged_decode_attention,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -252,6 +256,18 @@ def test_bad_split_settings() -> None:
         paged_decode_attention(*args, num_splits=0)
     with pytest.raises(ValueError, match="max_seq_len"):
         paged_decode_attention(*args, max_seq_len=17)  # the tables hold 2 blocks of 8
+    with pytest.raises(ValueError, match="tiling.max_tile must be a power of two >= 16"):
+        paged_decode_attention(*args, tiling=DecodeTiling(max_tile=24))
+    with pytest.raises(ValueError, match="tiling.num_warps"):
+        paged_decode_attention(*args, tiling=DecodeTiling(num_warps=0))
+
+
+def test_a_smaller_tiling_gives_the_same_attention() -> None:
+    """The tilings bench.gpu compares: 16-token tiles walk a 150-token seq in ten."""
+    case = _make_case([3, 150, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4, seed=1)
+    args = (case.query, case.kv_cache_layer, case.block_tables, case.seq_lens, case.scale, 1)
+    out = paged_decode_attention(*args, tiling=DecodeTiling(max_tile=16, num_warps=8))
+    torch.testing.assert_close(out, _reference(case), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

@@ -15,12 +15,13 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
-from engine.kernels import paged_prefill_attention as kernel_module
-from engine.kernels.paged_prefill_attention import paged_prefill_attention
+from engine.kernels.paged_prefill_attention import PrefillTiling, paged_prefill_attention
 
 # (context length after this step, new tokens) per seq: fresh prompts have both equal; the last
 # has its first new token one short of a 16-position tile edge (the unmasked/diagonal split)
 MIXED_SEQS = [(37, 37), (50, 13), (1, 1), (19, 19), (46, 16)]
+# 32 rows per program and 16 KV positions per tile: short seqs still span several
+SMALL_TILES = PrefillTiling(block_m=32, block_n=16)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class PrefillCase:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     seqs: list[tuple[int, int]]  # (seq_len, query_len) per seq
     scale: float
+    tiling: PrefillTiling
 
     @property
     def max_query_len(self) -> int:
@@ -46,6 +48,7 @@ class PrefillCase:
             self.block_tables,
             self.scale,
             self.max_query_len,
+            self.tiling,
         )
 
 
@@ -58,6 +61,7 @@ def _make_case(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    tiling: PrefillTiling = SMALL_TILES,
 ) -> PrefillCase:
     """Random cache and queries; each seq's blocks drawn from a shuffled pool."""
     gen = torch.Generator().manual_seed(seed)
@@ -83,6 +87,7 @@ def _make_case(
         block_tables=block_tables.to(device),
         seqs=seqs,
         scale=head_dim**-0.5,
+        tiling=tiling,
     )
 
 
@@ -109,14 +114,6 @@ def _reference(case: PrefillCase) -> torch.Tensor:  # [num_tokens, num_heads, he
     return torch.cat(outputs)
 
 
-@pytest.fixture
-def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """32 rows per program and 16 KV positions per tile: short seqs still span several."""
-    monkeypatch.setattr(kernel_module, "_BLOCK_M", 32)
-    monkeypatch.setattr(kernel_module, "_BLOCK_N", 16)
-
-
-@pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(2, 2, 64, 16), (4, 2, 128, 8), (8, 2, 64, 32), (6, 2, 64, 16)],
@@ -132,11 +129,10 @@ def test_mixed_batch_matches_reference(
 
 def test_default_tiles_match_reference() -> None:
     """The GPU tile sizes (128 rows, 64 positions), in the interpreter: one query tile."""
-    case = _make_case([(70, 70), (90, 21)], 8, 2, 64, 16, seed=1)
+    case = _make_case([(70, 70), (90, 21)], 8, 2, 64, 16, seed=1, tiling=PrefillTiling())
     torch.testing.assert_close(case.run().double(), _reference(case), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_matches_reference(dtype: torch.dtype) -> None:
     case = _make_case(MIXED_SEQS, 4, 2, 64, 16, dtype=dtype, seed=2)
@@ -146,7 +142,6 @@ def test_half_precision_matches_reference(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double(), _reference(case), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.usefixtures("small_tiles")
 def test_strided_query_from_fused_projection() -> None:
     """Query as a slice of a fused qkv output: rows strided, head_dim contiguous."""
     case = _make_case([(29, 29), (40, 17)], 4, 2, 64, 8, seed=3)
@@ -158,7 +153,6 @@ def test_strided_query_from_fused_projection() -> None:
     torch.testing.assert_close(strided.run(), case.run())
 
 
-@pytest.mark.usefixtures("small_tiles")
 def test_matches_torch_backend() -> None:
     """Same output as the reference backend given prefill-only metadata."""
     seqs = [(45, 45), (33, 10)]
@@ -215,6 +209,8 @@ def test_int64_indices_accepted() -> None:
         (lambda c: {"block_tables": c.block_tables[:, :1].clone()}, "block_tables has"),
         (lambda c: {"block_tables": c.block_tables[:1]}, "block_tables must be"),
         (lambda c: {"block_tables": c.block_tables.mT.contiguous().mT}, "block_tables must be"),
+        (lambda c: {"tiling": PrefillTiling(block_n=48)}, "tiling.block_n must be a power of two"),
+        (lambda c: {"tiling": PrefillTiling(num_stages=0)}, "tiling.num_stages"),
     ],
 )
 def test_wrapper_rejects_bad_arguments(
@@ -246,7 +242,9 @@ def test_full_size_bf16_on_gpu() -> None:
     """4 seqs, 8k new tokens, two of them after a cached prefix; 32 heads / 8 kv heads."""
     seqs = [(3000, 3000), (2600, 1600), (2048, 2048), (2500, 1544)]
     assert sum(query_len for _, query_len in seqs) == 8192
-    case = _make_case(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, device="cuda", seed=6)
+    case = _make_case(
+        seqs, 32, 8, 128, 16, dtype=torch.bfloat16, device="cuda", seed=6, tiling=PrefillTiling()
+    )
     out = case.run()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.double(), _reference(case), atol=2e-2, rtol=2e-2)
