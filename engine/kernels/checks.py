@@ -21,6 +21,13 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def require_power_of_two(name: str, value: int, least: int) -> None:
+    require(
+        value >= least and value & (value - 1) == 0,
+        f"{name} must be a power of two >= {least}, got {value}",
+    )
+
+
 def require_kv_cache_layer(kv_cache_layer: torch.Tensor) -> None:
     """One layer's paged cache as every kernel reads it: [2, num_blocks, block_size,
     num_kv_heads, head_dim], contiguous, of a float dtype the kernels take."""

@@ -183,7 +183,10 @@ def rotary_(
     sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
 ) -> None:
     """Rotate-half rope of q and k in place (views into the fused qkv projection's output)."""
-    require(query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {query.shape}")
+    require(
+        query.dim() == 3,
+        f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}",
+    )
     num_tokens, num_heads, head_dim = query.shape
     require(head_dim % 2 == 0, f"query's head_dim must be even, got {head_dim}")
     require(

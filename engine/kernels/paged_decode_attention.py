@@ -35,6 +35,7 @@ from engine.kernels.checks import (
     interpreted,
     require,
     require_kv_cache_layer,
+    require_power_of_two,
     require_same_device,
 )
 
@@ -277,14 +278,8 @@ def paged_decode_attention(
 
 
 def _check_tiling(tiling: DecodeTiling) -> None:
-    for name, value, least in (
-        ("max_tile", tiling.max_tile, 16),
-        ("num_warps", tiling.num_warps, 1),
-    ):
-        require(
-            value >= least and value & (value - 1) == 0,
-            f"tiling.{name} must be a power of two >= {least}, got {value}",
-        )
+    require_power_of_two("tiling.max_tile", tiling.max_tile, 16)
+    require_power_of_two("tiling.num_warps", tiling.num_warps, 1)
 
 
 def _check_decode_args(

@@ -33,6 +33,7 @@ from engine.kernels.checks import (
     interpreted,
     require,
     require_kv_cache_layer,
+    require_power_of_two,
     require_same_device,
 )
 
@@ -112,15 +113,10 @@ def paged_prefill_attention(
 
 
 def _check_tiling(tiling: PrefillTiling) -> None:
-    for name, value, least in (
-        ("block_m", tiling.block_m, 16),
-        ("block_n", tiling.block_n, 16),
-        ("num_warps", tiling.num_warps or 1, 1),
-    ):
-        require(
-            value >= least and value & (value - 1) == 0,
-            f"tiling.{name} must be a power of two >= {least}, got {value}",
-        )
+    require_power_of_two("tiling.block_m", tiling.block_m, 16)
+    require_power_of_two("tiling.block_n", tiling.block_n, 16)
+    if tiling.num_warps is not None:
+        require_power_of_two("tiling.num_warps", tiling.num_warps, 1)
     require(tiling.num_stages >= 1, f"tiling.num_stages must be >= 1, got {tiling.num_stages}")
 
 
