@@ -53,7 +53,8 @@ class _Activations:
 def torch_layer(a: _Activations) -> None:
     """The model's torch path for one layer (engine/models/llama.py without fused kernels)."""
     torch_rms_norm(a.hidden, a.weight, EPS)
-    apply_rotary(a.query, a.cos, a.sin), apply_rotary(a.key, a.cos, a.sin)
+    apply_rotary(a.query, a.cos, a.sin)
+    apply_rotary(a.key, a.cos, a.sin)
     torch_rms_norm(a.hidden + a.attended, a.weight, EPS)
     torch_silu_and_mul(a.gate_up)
 
