@@ -8,6 +8,22 @@ from typing import Literal
 # What the decode side does when a request's KV does not arrive: run its prompt again
 # ("recompute"), or end it with a clear error ("fail").
 FailurePolicy = Literal["recompute", "fail"]
+CPU_TRANSPORTS = ("gloo", "shm")  # move caches held in host memory
+GPU_TRANSPORTS = ("nccl", "cuda_ipc")  # move caches held in GPU memory
+
+
+def transports_for(device_type: str) -> tuple[str, ...]:
+    """The transports that can move KV caches held on ``device_type`` ("fake" moves either)."""
+    return (*(GPU_TRANSPORTS if device_type == "cuda" else CPU_TRANSPORTS), "fake")
+
+
+def default_transport(device_type: str, gpus_per_worker: float) -> str:
+    """gloo for CPU caches. For GPU caches nccl, or cuda_ipc when each worker takes a fraction
+    of a GPU: then prefill and decode workers share GPUs on one host, and NCCL cannot pair two
+    ranks on one GPU."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda_ipc" if gpus_per_worker < 1 else "nccl"
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,11 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument("--address", default=None, help="'auto' joins a running Ray cluster")
     cluster.add_argument("--router-policy", default="least_loaded", choices=list(POLICY_NAMES))
     cluster.add_argument(
-        "--kv-transport", default="gloo", choices=["gloo", "shm", "nccl", "cuda_ipc"]
+        "--kv-transport",
+        default="auto",
+        choices=["auto", "gloo", "shm", "nccl", "cuda_ipc"],
+        help="auto: gloo on cpu; on cuda nccl, or cuda_ipc when --worker-num-gpus is a "
+        "fraction (workers share GPUs on one host)",
     )
     cluster.add_argument("--block-size", type=int, default=16)
     cluster.add_argument("--max-num-seqs", type=int, default=256)

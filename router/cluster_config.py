@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
 from engine.scheduler import SchedulerConfig
-from kv_transfer.policy import FailurePolicy, TransferConfig
+from kv_transfer.policy import FailurePolicy, TransferConfig, default_transport, transports_for
 from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
 
@@ -25,7 +25,7 @@ class ClusterConfig:
     enforce_eager: bool = False  # no CUDA graphs of decode steps (LoadConfig.enforce_eager)
     address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     router_policy: str = "least_loaded"
-    kv_transport: str = "gloo"
+    kv_transport: str = "auto"  # auto: kv_transfer.policy.default_transport for the device
     data_plane_host: str = "auto"  # auto: each worker binds to its node's cluster address
     block_size: int = 16
     max_num_seqs: int = 256
@@ -60,6 +60,12 @@ class ClusterConfig:
             raise ValueError(
                 "--bind-worker-cpus binds the workers of a Ray this command starts; "
                 "a joined cluster (--address) divides its nodes' cores itself"
+            )
+        usable = transports_for(self.device)
+        if self.kv_transport != "auto" and self.kv_transport not in usable:
+            raise ValueError(
+                f"--kv-transport {self.kv_transport} cannot move {self.device} KV caches; "
+                f"with --device {self.device} use auto, {', '.join(usable[:-1])}"
             )
         if self.router_policy not in POLICY_NAMES:
             raise ValueError(
@@ -96,9 +102,16 @@ class ClusterConfig:
         budget = self.prefill_max_num_batched_tokens
         return SchedulerConfig(self.max_num_seqs, budget or self.max_num_batched_tokens)
 
+    @property
+    def transport(self) -> str:
+        """The KV transport the workers use: ``kv_transport`` with "auto" resolved."""
+        if self.kv_transport == "auto":
+            return default_transport(self.device, self.worker_num_gpus)
+        return self.kv_transport
+
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
-            transport=self.kv_transport,
+            transport=self.transport,
             host=self.data_plane_host,
             timeout_s=self.transfer_timeout_s,
             failure_policy=self.failure_policy,

@@ -235,6 +235,15 @@ def test_serve_refuses_a_negative_prefill_queue_limit_naming_the_flag(llama_dir:
     assert "--max-prefill-queue-tokens must be >= 0, got -1" in output, output
 
 
+def test_serve_refuses_a_cpu_kv_transport_for_gpu_caches_naming_the_flag(llama_dir: Path) -> None:
+    process = _serve_process(
+        llama_dir, "--device", "cuda", "--kv-transport", "gloo", "--http-port", "0"
+    )
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert "--kv-transport gloo cannot move cuda KV caches" in output, output
+
+
 def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -> None:
     process = _serve_process(chat_model_dir, "--host", "0.0.0.0", "--http-port", "0")
     output, _ = process.communicate(timeout=60)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from kv_transfer.deadline import Deadline
 from kv_transfer.layout import KVCacheLayout
 from kv_transfer.messages import SUPPORTED_TRANSPORTS, ChannelRendezvous
+from kv_transfer.policy import CPU_TRANSPORTS, GPU_TRANSPORTS
 from kv_transfer.transports.base import Endpoint, ListenerBackend
 from kv_transfer.transports.cuda_ipc import CudaIpcListener, connect_cuda_ipc
 from kv_transfer.transports.fake import FakeListener, connect_fake
@@ -28,18 +29,16 @@ DEFAULT_CHUNK_BYTES: dict[str, int] = {
     "cuda_ipc": 32 << 20,
     "fake": 1 << 30,  # unused: the fake moves a transfer in one piece
 }
-_CPU_TRANSPORTS = ("gloo", "shm")
-_CUDA_TRANSPORTS = ("nccl", "cuda_ipc")
 
 
 def check_device(transport: str, device: torch.device) -> None:
     if transport not in SUPPORTED_TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r}; expected one of {SUPPORTED_TRANSPORTS}")
-    if transport in _CPU_TRANSPORTS and device.type != "cpu":
+    if transport in CPU_TRANSPORTS and device.type != "cpu":
         raise ValueError(f"the {transport} transport moves CPU caches, not {device}")
-    if transport in _CUDA_TRANSPORTS and device.type != "cuda":
+    if transport in GPU_TRANSPORTS and device.type != "cuda":
         raise ValueError(f"the {transport} transport moves CUDA caches, not {device}")
-    if transport in _CUDA_TRANSPORTS and not torch.cuda.is_available():
+    if transport in GPU_TRANSPORTS and not torch.cuda.is_available():
         raise RuntimeError(f"the {transport} transport needs CUDA; this torch has no GPU")
     if transport == "nccl" and not dist.is_nccl_available():
         raise RuntimeError("the nccl transport needs a torch build with NCCL")

@@ -1,0 +1,52 @@
+"""ClusterConfig's KV transport: "auto" resolves by device and GPU share, and a transport that
+cannot move the device's caches is refused at start-up, naming the flag (before, the server
+started and every hand-off failed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer.policy import default_transport, transports_for
+from router.cluster_config import ClusterConfig
+
+
+@pytest.mark.parametrize(
+    ("device", "gpus_per_worker", "expected"),
+    [("cpu", 0.0, "gloo"), ("cuda", 1.0, "nccl"), ("cuda", 2.0, "nccl"), ("cuda", 0.5, "cuda_ipc")],
+)
+def test_auto_picks_a_transport_for_the_device(
+    device: str, gpus_per_worker: float, expected: str
+) -> None:
+    config = ClusterConfig("model", device=device, worker_num_gpus=gpus_per_worker)
+    assert config.kv_transport == "auto"
+    assert (
+        config.transfer_config().transport == expected == default_transport(device, gpus_per_worker)
+    )
+
+
+def test_an_explicit_transport_is_kept() -> None:
+    config = ClusterConfig("model", device="cuda", worker_num_gpus=0.5, kv_transport="nccl")
+    assert config.transfer_config().transport == "nccl"
+    assert ClusterConfig("model", kv_transport="shm").transfer_config().transport == "shm"
+
+
+@pytest.mark.parametrize(
+    ("device", "transport", "usable"),
+    [
+        ("cuda", "gloo", "nccl, cuda_ipc"),
+        ("cuda", "shm", "nccl, cuda_ipc"),
+        ("cpu", "nccl", "gloo, shm"),
+    ],
+)
+def test_a_transport_for_the_other_device_is_refused_naming_the_flag(
+    device: str, transport: str, usable: str
+) -> None:
+    with pytest.raises(ValueError) as error:
+        ClusterConfig("model", device=device, kv_transport=transport)
+    message = str(error.value)
+    assert f"--kv-transport {transport} cannot move {device} KV caches" in message
+    assert f"use auto, {usable}" in message
+
+
+def test_every_transport_moves_one_kind_of_cache() -> None:
+    assert set(transports_for("cpu")) & set(transports_for("cuda")) == {"fake"}
