@@ -99,6 +99,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "nothing (one at a time; default: never)",
     )
     cluster.add_argument("--num-kv-blocks", type=int, default=None)
+    cluster.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="cuda: the fraction of each GPU the workers on it use together for weights, "
+        "activations and KV cache; a worker of --worker-num-gpus 0.5 takes half of it",
+    )
     cluster.add_argument("--max-model-len", type=int, default=None)
     cluster.add_argument("--worker-num-cpus", type=float, default=1.0)
     cluster.add_argument(
@@ -237,6 +244,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             args.max_local_prefill_length, args.max_prefill_queue_tokens
         ),
         num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         worker_num_cpus=args.worker_num_cpus,
         worker_num_gpus=num_gpus,

@@ -33,6 +33,7 @@ class ClusterConfig:
     prefill_max_num_batched_tokens: int | None = None  # the prefill pool's; None: as above
     local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)  # disaggregated
     num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9  # cuda: of each GPU, for the workers sharing it together
     max_model_len: int | None = None
     worker_num_cpus: float = 1.0  # Ray CPUs per worker actor (0 in tests)
     worker_num_gpus: float = 0.0  # GPUs per worker actor; fractions share a GPU
@@ -61,6 +62,10 @@ class ClusterConfig:
                 "--bind-worker-cpus binds the workers of a Ray this command starts; "
                 "a joined cluster (--address) divides its nodes' cores itself"
             )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         usable = transports_for(self.device)
         if self.kv_transport != "auto" and self.kv_transport not in usable:
             raise ValueError(
@@ -87,11 +92,14 @@ class ClusterConfig:
         )
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(
-            self.block_size,
-            budget=KVBudget(num_blocks=self.num_kv_blocks),
-            attention_backend=self.attention_backend,
+        """Each worker's cache; on cuda its memory is its GPU share of the utilization (two
+        workers of 0.5 GPU at 0.9 take 0.45 of the GPU each)."""
+        gpu_share = min(1.0, self.worker_num_gpus) if self.worker_num_gpus > 0 else 1.0
+        budget = KVBudget(
+            num_blocks=self.num_kv_blocks,
+            memory_fraction=self.gpu_memory_utilization * gpu_share,
         )
+        return CacheConfig(self.block_size, budget=budget, attention_backend=self.attention_backend)
 
     def scheduler_config(self) -> SchedulerConfig:
         """The decode (and colocated) workers' scheduler settings."""

@@ -41,7 +41,7 @@ class KVLayout:
 class KVBudget:
     num_blocks: int | None = None  # exact block count; wins over everything else
     memory_bytes: int | None = None  # bytes for the cache tensor
-    memory_fraction: float = 0.9  # CUDA: fraction of total GPU memory the worker may use in all
+    memory_fraction: float = 0.9  # CUDA: fraction of the GPU's memory this worker may use in all
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -72,6 +72,19 @@ def _cpu_default_bytes() -> int:
     return min(int(available_host_bytes() * _CPU_DEFAULT_FRACTION), _CPU_DEFAULT_MAX_BYTES)
 
 
+def gpu_kv_bytes(
+    total: int, free: int, own: int, memory_fraction: float, peak_activation_bytes: int
+) -> int:
+    """This worker's KV bytes on a GPU: its share of the GPU (``memory_fraction`` of ``total``)
+    less what it holds already (``own``: weights and buffers) and its peak activations, and
+    never more than is free now (other processes, a worker sharing the GPU included).
+
+    Counting only this worker's own memory against its share is what lets a prefill and a
+    decode worker share one GPU: the second to start is not charged for the first one's cache.
+    """
+    return min(int(total * memory_fraction) - own, free) - peak_activation_bytes
+
+
 def num_kv_blocks(
     budget: KVBudget, layout: KVLayout, device: torch.device, peak_activation_bytes: int = 0
 ) -> int:
@@ -84,8 +97,8 @@ def num_kv_blocks(
         import torch
 
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        memory = int(total * budget.memory_fraction) - used - peak_activation_bytes
+        own = torch.cuda.memory_reserved(device)
+        memory = gpu_kv_bytes(total, free, own, budget.memory_fraction, peak_activation_bytes)
     else:
         memory = _cpu_default_bytes() - peak_activation_bytes
     num_blocks = memory // layout.bytes_per_block

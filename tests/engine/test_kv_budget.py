@@ -5,7 +5,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kv_cache.budget import CPU_KV_CACHE_BYTES_ENV, KVBudget, KVLayout, num_kv_blocks
+from engine.kv_cache.budget import (
+    CPU_KV_CACHE_BYTES_ENV,
+    KVBudget,
+    KVLayout,
+    gpu_kv_bytes,
+    num_kv_blocks,
+)
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float32)
 CPU = torch.device("cpu")
@@ -40,6 +46,33 @@ def test_too_small_budget_is_a_clear_error() -> None:
         KVBudget(num_blocks=0)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         KVBudget(memory_fraction=1.5)
+
+
+GIB = 1 << 30
+
+
+def test_one_worker_on_a_gpu_gets_its_share_less_weights_and_activations() -> None:
+    # 80 GiB GPU: 0.5 GiB CUDA context, 16 GiB of weights; 2 GiB peak activations
+    free = 80 * GIB - GIB // 2 - 16 * GIB
+    assert gpu_kv_bytes(80 * GIB, free, 16 * GIB, 0.9, 2 * GIB) == 72 * GIB - 18 * GIB
+
+
+def test_two_workers_sharing_a_gpu_each_get_their_share() -> None:
+    """Prefill and decode workers of 0.5 GPU at utilization 0.9: 0.45 of the GPU each. The
+    second is charged for its own weights, not for the first one's cache."""
+    total, context, weights, peak, share = 80 * GIB, GIB // 2, 16 * GIB, 2 * GIB, 0.45
+    first = gpu_kv_bytes(total, total - context - weights, weights, share, peak)
+    assert first == int(total * share) - weights - peak
+    free_now = total - context - weights - first - context - weights  # and the second's own
+    second = gpu_kv_bytes(total, free_now, weights, share, peak)
+    assert second == first > 0
+    # charging the device-wide use instead (as before) left the second nothing
+    assert int(total * share) - (total - free_now) - peak < 0
+
+
+def test_a_share_is_capped_by_what_is_free() -> None:
+    """Another process holds most of the GPU: the cache fits what is left."""
+    assert gpu_kv_bytes(80 * GIB, 10 * GIB, 16 * GIB, 0.9, 2 * GIB) == 8 * GIB
 
 
 def test_worst_case_profile_step_runs_through_the_real_runner(llama_dir: Path) -> None:

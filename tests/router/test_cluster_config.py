@@ -1,6 +1,8 @@
-"""ClusterConfig's KV transport: "auto" resolves by device and GPU share, and a transport that
-cannot move the device's caches is refused at start-up, naming the flag (before, the server
-started and every hand-off failed)."""
+"""ClusterConfig's KV transport and GPU memory share.
+
+"auto" resolves the transport by device and GPU share, and a transport that cannot move the
+device's caches is refused at start-up, naming the flag (before, the server started and every
+hand-off failed). Workers that share a GPU each budget their share of it."""
 
 from __future__ import annotations
 
@@ -50,3 +52,16 @@ def test_a_transport_for_the_other_device_is_refused_naming_the_flag(
 
 def test_every_transport_moves_one_kind_of_cache() -> None:
     assert set(transports_for("cpu")) & set(transports_for("cuda")) == {"fake"}
+
+
+@pytest.mark.parametrize(("gpus_per_worker", "fraction"), [(1.0, 0.8), (2.0, 0.8), (0.5, 0.4)])
+def test_each_worker_budgets_its_share_of_the_gpu(gpus_per_worker: float, fraction: float) -> None:
+    config = ClusterConfig(
+        "model", device="cuda", worker_num_gpus=gpus_per_worker, gpu_memory_utilization=0.8
+    )
+    assert config.cache_config().budget.memory_fraction == pytest.approx(fraction)
+
+
+def test_gpu_memory_utilization_out_of_range_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization must be in \(0, 1\], got 1.2"):
+        ClusterConfig("model", device="cuda", gpu_memory_utilization=1.2)
