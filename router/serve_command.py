@@ -47,7 +47,9 @@ def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     cluster = Cluster.start(config)
     try:
         if args.prompt:
-            print(f"pdserve: cluster up ({_pools(config)} workers)", flush=True)
+            print(
+                f"pdserve: cluster up ({_pools(config)} workers{_kv_transport(config)})", flush=True
+            )
             return _generate_once(cluster, model, args.prompt, args.max_tokens, args.temperature)
         server = GatewayServer(
             Gateway(cluster, model, limits, keys, slo),
@@ -73,7 +75,8 @@ def _banner(config: ClusterConfig, model: ServedModel, server: GatewayServer, au
     if auth:
         curl += ' -H "Authorization: Bearer $PDSERVE_API_KEY"'
     lines = [
-        f"pdserve: serving {model.name!r} with {pools} workers (policy {config.router_policy})",
+        f"pdserve: serving {model.name!r} with {pools} workers "
+        f"(policy {config.router_policy}{_kv_transport(config)})",
         f"  OpenAI HTTP  {server.http_url}/v1   (health {server.http_url}/health)",
     ]
     if server.grpc_port is not None:
@@ -86,6 +89,10 @@ def _pools(config: ClusterConfig) -> str:
     if config.colocated:
         return f"{config.num_decode} colocated"
     return f"{config.num_prefill} prefill + {config.num_decode} decode"
+
+
+def _kv_transport(config: ClusterConfig) -> str:
+    return "" if config.colocated else f", KV over {config.transport}"
 
 
 def _wait_for_signal() -> None:
