@@ -1,4 +1,5 @@
-"""How workers use KV transfers: deadlines, where sockets bind, what happens on failure."""
+"""How workers use KV transfers: which transport moves which caches, deadlines, where sockets
+bind, what happens on failure."""
 
 from __future__ import annotations
 
