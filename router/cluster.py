@@ -31,6 +31,7 @@ from engine.sampling.params import SamplingParams
 from router.actors import remote_decode_actor, remote_prefill_actor
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import CpuBinding, bind_this_process, plan_cpu_binding, threads_per_worker
+from router.gpu_capacity import gpus_shortfall
 from router.load_ledger import LoadLedger
 from router.local_prefill import LOCAL_PREFILL_REASONS
 from router.policies import NoWorkerError, RoutingInfo, make_policy
@@ -101,6 +102,12 @@ class Cluster:
             if binding is not None:  # before Ray starts: its processes inherit the binding
                 bind_this_process(binding.other_cpus)
             ray.init(address=config.address, ignore_reinit_error=True, log_to_driver=False)
+        if config.address is None:  # a joined cluster may still grow: Ray waits for it
+            num_gpus = float(ray.cluster_resources().get("GPU", 0.0))
+            num_workers = config.num_prefill + config.num_decode
+            shortfall = gpus_shortfall(num_workers, config.worker_num_gpus, num_gpus)
+            if shortfall is not None:
+                raise ValueError(shortfall)
         workers = _start_actors(config, binding)
         ray.get([w.actor.ready.remote() for w in workers])
         cluster = cls(config, workers)

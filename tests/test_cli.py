@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 
 def _pdserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -242,6 +243,15 @@ def test_serve_refuses_a_cpu_kv_transport_for_gpu_caches_naming_the_flag(llama_d
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 2
     assert "--kv-transport gloo cannot move cuda KV caches" in output, output
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two GPUs hold the default pools")
+def test_serve_on_too_few_gpus_says_so_instead_of_waiting(llama_dir: Path) -> None:
+    """Ray would keep the second worker of one GPU pending for ever."""
+    process = _serve_process(llama_dir, "--device", "cuda", "--http-port", "0")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output
+    assert "2 workers of --worker-num-gpus 1 need 2 GPUs" in output, output
 
 
 def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -> None:

@@ -1,0 +1,45 @@
+"""Whether the GPUs of a Ray this process starts can hold the workers, said before start-up.
+
+Ray keeps an actor it cannot place pending for ever, and without this check `pdserve serve
+--device cuda` on one GPU with the default pools (two workers of one GPU each) would wait
+silently. A joined cluster (``--address``) may grow with its autoscaler, so it is not checked.
+Ray packs fractional GPU requests onto whole GPUs, a GPU holding ``floor(1 / share)`` actors
+of a share below one; a request of one or more GPUs takes that many whole GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+
+_EPSILON = 1e-6  # Ray's resource arithmetic is in 1e-4 units: 1 / 0.33 holds 3, not 3.03
+
+
+def gpus_shortfall(num_workers: int, gpus_per_worker: float, num_gpus: float) -> str | None:
+    """Why ``num_workers`` actors of ``gpus_per_worker`` GPUs do not fit ``num_gpus``, or None."""
+    if num_workers == 0 or gpus_per_worker <= 0:
+        return None
+    whole_gpus = math.floor(num_gpus + _EPSILON)
+    if gpus_per_worker < 1:
+        capacity = whole_gpus * math.floor(1 / gpus_per_worker + _EPSILON)
+    else:
+        capacity = whole_gpus // math.ceil(gpus_per_worker - _EPSILON)
+    if num_workers <= capacity:
+        return None
+    needed = (
+        math.ceil(num_workers / math.floor(1 / gpus_per_worker + _EPSILON))
+        if gpus_per_worker < 1
+        else num_workers * math.ceil(gpus_per_worker - _EPSILON)
+    )
+    if whole_gpus == 0:
+        advice = "use --device cpu, or run where Ray sees the GPUs"
+    elif gpus_per_worker >= 1:
+        advice = (
+            "share GPUs with --worker-num-gpus 0.5 (KV then goes over cuda_ipc), "
+            "or run colocated workers with --prefill 0"
+        )
+    else:
+        advice = "give each a smaller share with --worker-num-gpus, or use fewer workers"
+    return (
+        f"{num_workers} workers of --worker-num-gpus {gpus_per_worker:g} need {needed} "
+        f"GPU{'s' if needed != 1 else ''}; this machine's Ray has {whole_gpus}: {advice}"
+    )
