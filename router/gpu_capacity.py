@@ -20,16 +20,13 @@ def gpus_shortfall(num_workers: int, gpus_per_worker: float, num_gpus: float) ->
         return None
     whole_gpus = math.floor(num_gpus + _EPSILON)
     if gpus_per_worker < 1:
-        capacity = whole_gpus * math.floor(1 / gpus_per_worker + _EPSILON)
+        workers_per_gpu = math.floor(1 / gpus_per_worker + _EPSILON)
+        capacity, needed = whole_gpus * workers_per_gpu, math.ceil(num_workers / workers_per_gpu)
     else:
-        capacity = whole_gpus // math.ceil(gpus_per_worker - _EPSILON)
+        gpus_each = math.ceil(gpus_per_worker - _EPSILON)
+        capacity, needed = whole_gpus // gpus_each, num_workers * gpus_each
     if num_workers <= capacity:
         return None
-    needed = (
-        math.ceil(num_workers / math.floor(1 / gpus_per_worker + _EPSILON))
-        if gpus_per_worker < 1
-        else num_workers * math.ceil(gpus_per_worker - _EPSILON)
-    )
     if whole_gpus == 0:
         advice = "use --device cpu, or run where Ray sees the GPUs"
     elif gpus_per_worker >= 1:

@@ -25,7 +25,14 @@ from bench.gpu.hf_baseline import measure_transformers
 from bench.gpu.report import machine_info, print_report
 from bench.gpu.shapes import MODELS, PRESETS, ModelSpec, Preset
 from bench.gpu.targets import verdicts
-from bench.gpu.timing import free_memory, log, measure_ceilings, seconds_since_start
+from bench.gpu.timing import (
+    free_memory,
+    log,
+    measure_ceilings,
+    peak_flop_per_s,
+    read_bytes_per_s,
+    seconds_since_start,
+)
 from bench.gpu.transfer import measure_transfer
 from bench.results_json import write_json
 from engine.kernels.checks import interpreted
@@ -107,7 +114,7 @@ def run_model(
     """The elementwise steps, pdserve, then transformers, on one written config; a failing
     part is recorded and the others go on."""
     result: dict[str, Any] = {"spec": dataclasses.asdict(spec), "num_params": spec.num_params}
-    read_bw = ceilings["copy"]["read_write_gb_per_s"] * 1e9
+    read_bw, peak_flops = read_bytes_per_s(ceilings), peak_flop_per_s(ceilings)
     attempt(
         result,
         "elementwise",
@@ -120,7 +127,7 @@ def run_model(
         attempt(
             result,
             "attention_tilings",
-            lambda: measure_attention_tilings(spec, device, dtype, preset, ceilings),
+            lambda: measure_attention_tilings(spec, device, dtype, preset, read_bw, peak_flops),
             device,
         )
     with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{spec.name}-") as tmp:
@@ -142,10 +149,13 @@ def run_model(
 
 
 def measure_attention_tilings(
-    spec: ModelSpec, device: torch.device, dtype: str, preset: Preset, ceilings: dict[str, Any]
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: str,
+    preset: Preset,
+    read_bw: float,
+    peak_flops: float,
 ) -> dict[str, Any]:
-    read_bw = ceilings["copy"]["read_write_gb_per_s"] * 1e9
-    peak_flops = ceilings["matmul"]["flop_per_s"]
     batch_sizes = list(preset.batch_sizes)
     return {
         "decode": measure_decode_tilings(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from bench.gpu.shapes import BLOCK_SIZE, DTYPE_BYTES, ModelSpec, Preset, random_prompt
-from bench.gpu.timing import log, synchronize, timed_wall
+from bench.gpu.timing import log, peak_flop_per_s, read_bytes_per_s, synchronize, timed_wall
 
 MEMORY_HEADROOM_BYTES = 6 << 30  # activations, logits and the allocator's slack, on CUDA
 
@@ -210,8 +210,7 @@ def run_pdserve(
     log(f"{spec.name}: pdserve built in {build_s:.1f} s")
     engine = llm.engine
     param_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    read_bw = ceilings["copy"]["read_write_gb_per_s"] * 1e9
-    peak_flops = ceilings["matmul"]["flop_per_s"]
+    read_bw, peak_flops = read_bytes_per_s(ceilings), peak_flop_per_s(ceilings)
     measure_prefill(engine, spec, min(preset.prefill_lens), preset, peak_flops, "warm-up")
     decode = []
     for batch_size in batch_sizes:

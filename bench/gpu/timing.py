@@ -91,6 +91,15 @@ def measure_matmul(device: torch.device, n: int, dtype: str, reps: int) -> dict[
     return {"n": n, "dtype": dtype, "seconds": seconds, "flop_per_s": 2 * n**3 / seconds}
 
 
+def read_bytes_per_s(ceilings: dict[str, Any]) -> float:
+    """The streaming rate rooflines divide by: the copy's read+write bytes per second."""
+    return float(ceilings["copy"]["read_write_gb_per_s"]) * 1e9
+
+
+def peak_flop_per_s(ceilings: dict[str, Any]) -> float:
+    return float(ceilings["matmul"]["flop_per_s"])
+
+
 def measure_ceilings(device: torch.device, dtype: str, preset: Preset) -> dict[str, Any]:
     copy = measure_copy(device, preset.copy_bytes, preset.num_reps)
     log(f"copy {preset.copy_bytes / MIB:g} MiB: {copy['read_write_gb_per_s']:.0f} GB/s read+write")

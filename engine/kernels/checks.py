@@ -28,6 +28,16 @@ def require_power_of_two(name: str, value: int, least: int) -> None:
     )
 
 
+def require_contiguous_heads(name: str, tensor: torch.Tensor) -> None:
+    """``tensor`` is [num_tokens, num_heads, head_dim] with each token's heads side by side
+    (a view into a fused qkv projection's rows passes; its token stride is free)."""
+    head_dim = tensor.shape[2]
+    require(
+        tensor.stride(2) == 1 and tensor.stride(1) == head_dim,
+        f"{name}'s heads must be contiguous, got strides {tensor.stride()}",
+    )
+
+
 def require_kv_cache_layer(kv_cache_layer: torch.Tensor) -> None:
     """One layer's paged cache as every kernel reads it: [2, num_blocks, block_size,
     num_kv_heads, head_dim], contiguous, of a float dtype the kernels take."""

@@ -17,7 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.checks import FLOAT_DTYPES, require, require_same_device
+from engine.kernels.checks import (
+    FLOAT_DTYPES,
+    require,
+    require_contiguous_heads,
+    require_same_device,
+)
 
 _MAX_ROW = 65536  # elements of one row a program holds in registers
 _SILU_BLOCK = 1024  # output elements per SiLU * up program
@@ -193,11 +198,8 @@ def rotary_(
         key.dim() == 3 and key.shape[0] == num_tokens and key.shape[2] == head_dim,
         f"key must be [{num_tokens}, num_kv_heads, {head_dim}], got {tuple(key.shape)}",
     )
-    for name, tensor in (("query", query), ("key", key)):
-        require(
-            tensor.stride(2) == 1 and tensor.stride(1) == head_dim,
-            f"{name}'s heads must be contiguous, got strides {tensor.stride()}",
-        )
+    require_contiguous_heads("query", query)
+    require_contiguous_heads("key", key)
     for name, table in (("cos", cos), ("sin", sin)):
         require(
             table.shape == (num_tokens, 1, head_dim // 2),

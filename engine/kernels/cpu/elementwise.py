@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.kernels.checks import require_contiguous_heads
 from engine.kernels.cpu.build import FLOAT, INT64, POINTER, KernelUnavailableError, function, load
 
 logger = logging.getLogger(__name__)
@@ -86,9 +87,8 @@ def rotary_(
 ) -> None:
     """Rotate-half rope of q and k in place (views into the fused qkv projection's output)."""
     num_tokens, num_heads, head_dim = query.shape
-    for name, tensor in (("query", query), ("key", key)):
-        if tensor.stride(2) != 1 or tensor.stride(1) != head_dim:
-            raise ValueError(f"{name}'s heads must be contiguous, got strides {tensor.stride()}")
+    require_contiguous_heads("query", query)
+    require_contiguous_heads("key", key)
     cos, sin = cos.contiguous(), sin.contiguous()
     _kernels().rotary_f32(
         query.data_ptr(),
