@@ -4,26 +4,25 @@ In the cluster a decode worker is a Ray actor: its own process, typed method cal
 prefill worker and the gateway. This gives a test the same shape without Ray: the child process
 builds a real ``DecodeWorker`` and answers calls over ``multiprocessing.connection`` (one
 connection per call, each answered on its own thread, as a threaded actor would), and
-``DecodeProcess`` is the prefill worker's ``DecodePeer`` and the test gateway's output source.
+``DecodeProcess`` is ``LocalDecodePeer`` over a stand-in that makes those calls: the prefill
+worker's ``DecodePeer``, and through ``remote`` the test gateway's output source.
 Two processes on one GPU is what the ``cuda_ipc`` transport is for (CUDA IPC cannot open a
 handle in the process that made it).
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import secrets
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
+from decode_worker.local_peer import LocalDecodePeer
 from engine.engine_config import CacheConfig, LoadConfig
-from engine.handoff import PrefillResult
-from engine.messages import OutputBatch
 from engine.scheduler import SchedulerConfig
-from kv_transfer import ChannelRendezvous, TransferTicket
-from kv_transfer.policy import FailurePolicy, TransferConfig
+from kv_transfer.policy import TransferConfig
 
 # what the parent may call; each is a method of DecodeWorker
 _METHODS = frozenset(
@@ -70,8 +69,31 @@ def _answer(worker: Any, connection: Connection, name: str, args: tuple[Any, ...
             connection.send(("error", f"{type(error).__name__}: {error}"))
 
 
-class DecodeProcess:
-    """The parent's handle: a ``DecodePeer`` (futures) plus ``next_batch`` and ``load``."""
+class _RemoteDecodeWorker:
+    """The child's DecodeWorker as the parent sees it: each method of ``_METHODS`` is a call
+    over a connection of its own, raising RuntimeError where the child's call raised."""
+
+    def __init__(self, worker_id: str, address: Any, authkey: bytes) -> None:
+        self.worker_id = worker_id
+        self._address, self._authkey = address, authkey
+
+    def call(self, name: str, *args: Any) -> Any:
+        with Client(self._address, authkey=self._authkey) as connection:
+            connection.send((name, args))
+            status, value = connection.recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.worker_id}.{name}: {value}")
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _METHODS:
+            raise AttributeError(name)
+        return functools.partial(self.call, name)
+
+
+class DecodeProcess(LocalDecodePeer):
+    """The parent's handle: ``LocalDecodePeer``'s futures over the child's worker, which
+    ``worker`` also gives the test gateway (``next_batch``) and the test (``load``)."""
 
     def __init__(
         self,
@@ -82,59 +104,21 @@ class DecodeProcess:
         transfer: TransferConfig,
         start_timeout_s: float = 120.0,
     ) -> None:
-        self.worker_id = worker_id
-        self._authkey = secrets.token_bytes(16)
+        authkey = secrets.token_bytes(16)
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         ready = context.Queue()
         self._process = context.Process(
             target=_serve,
-            args=(ready, self._authkey, worker_id, load, cache, scheduler, transfer),
+            args=(ready, authkey, worker_id, load, cache, scheduler, transfer),
             daemon=True,
         )
         self._process.start()
-        self._address = ready.get(timeout=start_timeout_s)
-        self._executor = ThreadPoolExecutor(8, thread_name_prefix=f"peer-{worker_id}")
-
-    def _call(self, name: str, *args: Any) -> Any:
-        with Client(self._address, authkey=self._authkey) as connection:
-            connection.send((name, args))
-            status, value = connection.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.worker_id}.{name}: {value}")
-        return value
-
-    # ---- DecodePeer ---------------------------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
-        return self._executor.submit(self._call, "reserve", request_id, num_tokens)
-
-    def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]:
-        return self._executor.submit(self._call, "connect_channel", rendezvous)
-
-    def receive(
-        self,
-        channel_id: str,
-        result: PrefillResult,
-        ticket: TransferTicket,
-        block_ids: list[int],
-        gateway_id: str,
-        policy: FailurePolicy,
-    ) -> Future[bool]:
-        args = (channel_id, result, ticket, block_ids, gateway_id, policy)
-        return self._executor.submit(self._call, "receive", *args)
-
-    def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> Future[None]:
-        return self._executor.submit(self._call, "admit_without_kv", result, gateway_id)
-
-    # ---- the gateway's side -------------------------------------------------------------
-    def next_batch(self, gateway_id: str, timeout_s: float) -> OutputBatch | None:
-        batch: OutputBatch | None = self._call("next_batch", gateway_id, timeout_s)
-        return batch
-
-    def load(self) -> Any:
-        return self._call("load")
+        remote = _RemoteDecodeWorker(worker_id, ready.get(timeout=start_timeout_s), authkey)
+        super().__init__(remote)  # type: ignore[arg-type]  # a DecodeWorker's calls, remotely
+        self.remote = remote
 
     def close(self) -> None:
         if self._process.is_alive():
-            self._call("shutdown")
+            self.remote.call("shutdown")
             self._process.join(30)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        super().close()

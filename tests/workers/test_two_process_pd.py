@@ -46,7 +46,7 @@ def test_prefill_and_decode_processes_on_one_device_match_transformers(
     transfer = TransferConfig(transport=transport, timeout_s=30.0)
     decode = DecodeProcess("d0", load, cache, scheduler, transfer)
     prefill = PrefillWorker("p0", load, cache, scheduler, transfer, {"d0": decode})
-    collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
+    collector = OutputCollector([prefill.next_batch, decode.remote.next_batch], GATEWAY)
     try:
         prompts, params = make_prompts(seed=1), greedy_params()
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -59,8 +59,8 @@ def test_prefill_and_decode_processes_on_one_device_match_transformers(
         # every request that decodes past its first token took its KV across, once
         decoding = sum(1 for p in params if p.max_tokens > 1)
         sent = prefill.load().counters.num_kv_transfers
-        assert sent == decode.load().counters.num_kv_transfers == decoding
-        assert prefill.load().kv_usage == 0.0 and decode.load().kv_usage == 0.0
+        assert sent == decode.remote.load().counters.num_kv_transfers == decoding
+        assert prefill.load().kv_usage == 0.0 and decode.remote.load().kv_usage == 0.0
     finally:
         collector.close()
         prefill.shutdown()
