@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from decode_worker.worker import DecodeWorker
 from engine.handoff import PrefillResult
 from kv_transfer import ChannelRendezvous, TransferTicket
-from kv_transfer.policy import FailurePolicy
+from kv_transfer.policy import FailurePolicy, Locality
 
 
 class LocalDecodePeer:
@@ -24,6 +24,9 @@ class LocalDecodePeer:
 
     def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]:
         return self._executor.submit(self.worker.connect_channel, rendezvous)
+
+    def locality(self) -> Future[Locality]:
+        return self._executor.submit(self.worker.locality)
 
     def receive(
         self,

@@ -32,7 +32,8 @@ from kv_transfer import (
     TransferError,
     TransferTicket,
 )
-from kv_transfer.policy import FailurePolicy, TransferConfig
+from kv_transfer.locality import locality_of
+from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
 from kv_transfer.totals import TransferTotals
 
 
@@ -100,6 +101,10 @@ class DecodeWorker:
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Blocks for a prompt's KV, or None when they do not fit now (ask again later)."""
         return self.loop.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
+
+    def locality(self) -> Locality:
+        """Where this worker's KV cache lives: a prefill worker picks the transport by it."""
+        return locality_of(self.engine.device)
 
     def connect_channel(self, rendezvous: ChannelRendezvous) -> None:
         """Join the channel a prefill worker listens on (handshake checks the KV layout)."""

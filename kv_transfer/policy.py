@@ -18,18 +18,45 @@ def transports_for(device_type: str) -> tuple[str, ...]:
     return (*(GPU_TRANSPORTS if device_type == "cuda" else CPU_TRANSPORTS), "fake")
 
 
-def default_transport(device_type: str, gpus_per_worker: float) -> str:
-    """gloo for CPU caches. For GPU caches nccl, or cuda_ipc when each worker takes a fraction
-    of a GPU: then prefill and decode workers share GPUs on one host, and NCCL cannot pair two
-    ranks on one GPU."""
-    if device_type != "cuda":
-        return "gloo"
-    return "cuda_ipc" if gpus_per_worker < 1 else "nccl"
+@dataclass(frozen=True, slots=True)
+class Locality:
+    """Where a worker's KV cache lives, as far as the choice of transport goes.
+
+    ``shared_memory`` names the shared-memory filesystem the process sees (its machine's boot
+    and its ``/dev/shm`` mount): two processes with equal names can map each other's segments.
+    ``gpu`` is the UUID of the physical GPU that holds the cache ("" for a CPU cache)."""
+
+    shared_memory: str
+    gpu: str = ""
+
+
+def network_transport(device_type: str) -> str:
+    """The transport that reaches any peer: gloo for CPU caches, nccl for GPU ones."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def transport_between(device_type: str, sender: Locality, receiver: Locality) -> str:
+    """What ``--kv-transport auto`` picks for one prefill -> decode pair.
+
+    CPU caches: shm when both see one shared-memory filesystem, else gloo. GPU caches: cuda_ipc
+    when both caches sit on one GPU (NCCL cannot pair two ranks on one GPU, and Ray shows each
+    worker only its own GPU, so cuda_ipc cannot reach another one), else nccl."""
+    if device_type == "cuda":
+        return "cuda_ipc" if sender.gpu and sender.gpu == receiver.gpu else "nccl"
+    same_host = sender.shared_memory and sender.shared_memory == receiver.shared_memory
+    return "shm" if same_host else "gloo"
+
+
+def describe_auto(device_type: str) -> str:
+    """``transport_between``'s rule in words, for start-up lines."""
+    if device_type == "cuda":
+        return "cuda_ipc within a GPU, nccl between GPUs"
+    return "shm within a host, gloo between hosts"
 
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
-    transport: str = "gloo"  # gloo | shm | nccl | cuda_ipc | fake
+    transport: str = "gloo"  # gloo | shm | nccl | cuda_ipc | fake | auto (per pair: Locality)
     host: str = "127.0.0.1"  # this node's cluster address: data-plane sockets bind here only
     timeout_s: float = 30.0  # deadline of one transfer, and of a channel's handshake
     reserve_timeout_s: float = 10.0  # how long a prefill worker waits for decode-side blocks

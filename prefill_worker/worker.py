@@ -35,8 +35,9 @@ from kv_transfer import (
     TransferError,
     TransferTicket,
 )
-from kv_transfer.policy import FailurePolicy, TransferConfig
+from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
 from kv_transfer.totals import TransferTotals
+from prefill_worker.pair_transports import PairTransports
 
 logger = logging.getLogger(__name__)
 _RESERVE_RETRY_S = 0.01
@@ -48,6 +49,8 @@ class DecodePeer(Protocol):
     def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]: ...
 
     def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]: ...
+
+    def locality(self) -> Future[Locality]: ...
 
     def receive(
         self,
@@ -85,6 +88,7 @@ class PrefillWorker:
         # no decode graphs: a prefill worker's sequences stop after their first token
         self.engine = LLMEngine(replace(load, enforce_eager=True), cache, scheduler)
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
+        self._transports = PairTransports(transfer.transport, self.engine.device)
         self._peers = dict(decode_peers)
         self._targets: dict[str, _Target] = {}  # request id -> where it goes after prefill
         self._targets_lock = threading.Lock()
@@ -130,6 +134,13 @@ class PrefillWorker:
         with self._targets_lock:
             self._targets.pop(request_id, None)
         self.loop.abort(request_id)
+
+    def channel_transports(self) -> dict[str, str]:
+        """The transport of each open KV channel, by decode worker id."""
+        with self._channels_lock:
+            return {
+                wid: channel.rendezvous.transport for wid, (_, channel) in self._channels.items()
+            }
 
     def add_decode_peer(self, worker_id: str, peer: DecodePeer) -> None:
         self._peers[worker_id] = peer
@@ -248,10 +259,27 @@ class PrefillWorker:
             return existing
 
     def _open_channel(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:
-        """Listen, let the decode worker join, handshake (the layouts must match)."""
+        """Listen, let the decode worker join, handshake (the layouts must match). With
+        ``--kv-transport auto`` a pair whose local transport fails to set up tries the
+        network one."""
+        timeout_s = self.transfer.timeout_s
+        transport = self._transports.choose(
+            decode_worker_id, lambda: peer.locality().result(timeout=timeout_s)
+        )
+        try:
+            return self._join_channel(decode_worker_id, peer, transport)
+        except (TransferError, OSError) as error:  # a LayoutMismatchError is neither
+            fallback = self._transports.fall_back(decode_worker_id, transport, error)
+            if fallback is None:
+                raise
+            return self._join_channel(decode_worker_id, peer, fallback)
+
+    def _join_channel(
+        self, decode_worker_id: str, peer: DecodePeer, transport: str
+    ) -> tuple[str, KVChannel]:
         channel_id = f"{self.worker_id}->{decode_worker_id}/{next(self._transfer_ids)}"
         listener = KVChannel.listen(
-            self.transfer.transport, self.layout, self.transfer.host, channel_id, self.engine.device
+            transport, self.layout, self.transfer.host, channel_id, self.engine.device
         )
         try:
             joined = peer.connect_channel(listener.rendezvous)
@@ -259,6 +287,7 @@ class PrefillWorker:
             joined.result(timeout=self.transfer.timeout_s)
         finally:
             listener.close()
+        logger.info("KV channel %s open over %s", channel_id, transport)
         return channel_id, channel
 
     def _close_idle_channels(self) -> None:

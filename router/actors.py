@@ -18,7 +18,7 @@ import ray
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
-from kv_transfer.policy import FailurePolicy, TransferConfig
+from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
 from router.cpu_binding import bind_this_thread
 
 if TYPE_CHECKING:
@@ -66,6 +66,9 @@ class DecodeActor:
     def connect_channel(self, rendezvous: ChannelRendezvous) -> None:
         self.worker.connect_channel(rendezvous)
 
+    def locality(self) -> Locality:
+        return self.worker.locality()
+
     def receive(
         self,
         channel_id: str,
@@ -101,6 +104,9 @@ class RayDecodePeer:
 
     def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]:
         return self.handle.connect_channel.remote(rendezvous).future()
+
+    def locality(self) -> Future[Locality]:
+        return self.handle.locality.remote().future()
 
     def receive(
         self,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
 from engine.scheduler import SchedulerConfig
-from kv_transfer.policy import FailurePolicy, TransferConfig, default_transport, transports_for
+from kv_transfer.policy import FailurePolicy, TransferConfig, describe_auto, transports_for
 from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
 
@@ -25,7 +25,7 @@ class ClusterConfig:
     enforce_eager: bool = False  # no CUDA graphs of decode steps (LoadConfig.enforce_eager)
     address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     router_policy: str = "least_loaded"
-    kv_transport: str = "auto"  # auto: kv_transfer.policy.default_transport for the device
+    kv_transport: str = "auto"  # auto: per pair, kv_transfer.policy.transport_between
     data_plane_host: str = "auto"  # auto: each worker binds to its node's cluster address
     block_size: int = 16
     max_num_seqs: int = 256
@@ -111,15 +111,15 @@ class ClusterConfig:
         return SchedulerConfig(self.max_num_seqs, budget or self.max_num_batched_tokens)
 
     @property
-    def transport(self) -> str:
-        """The KV transport the workers use: ``kv_transport`` with "auto" resolved."""
+    def transport_in_words(self) -> str:
+        """The KV transport the workers use: the one named, or auto's per-pair rule."""
         if self.kv_transport == "auto":
-            return default_transport(self.device, self.worker_num_gpus)
+            return describe_auto(self.device)
         return self.kv_transport
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
-            transport=self.transport,
+            transport=self.kv_transport,
             host=self.data_plane_host,
             timeout_s=self.transfer_timeout_s,
             failure_policy=self.failure_policy,

@@ -92,7 +92,7 @@ def _pools(config: ClusterConfig) -> str:
 
 
 def _kv_transport(config: ClusterConfig) -> str:
-    return "" if config.colocated else f", KV over {config.transport}"
+    return "" if config.colocated else f", KV over {config.transport_in_words}"
 
 
 def _wait_for_signal() -> None:

@@ -97,7 +97,10 @@ def test_serve_starts_a_cluster_and_streams_completions(llama_dir: Path) -> None
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "cluster up (1 prefill + 1 decode workers, KV over gloo)" in result.stdout
+    assert (
+        "cluster up (1 prefill + 1 decode workers, KV over shm within a host, gloo between hosts)"
+        in result.stdout
+    )
     assert result.stdout.count(" tokens]") == 2  # one summary line per prompt
     assert "def main():" in result.stdout and "import os" in result.stdout
 
@@ -190,7 +193,10 @@ def _worker_niceness(serve_pid: int) -> dict[str, int]:
 def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: Path) -> None:
     extra = ("--http-port", "0", "--grpc-port", "0", "--served-model-name", "tiny")
     with _serving(chat_model_dir, *extra, "--dtype", "float32") as (text, url, pid):
-        assert "1 prefill + 1 decode workers (policy least_loaded, KV over gloo)" in text, text
+        assert (
+            "1 prefill + 1 decode workers (policy least_loaded, KV over shm within a host, gloo between hosts)"
+            in text
+        ), text
         assert "gRPC         127.0.0.1:" in text and "curl http://127.0.0.1:" in text
         body = {"model": "tiny", "prompt": "def main():", "max_tokens": 4}
         response = httpx.post(url + "/completions", json=body, timeout=60)

@@ -10,6 +10,7 @@ segment protocol → close unmaps.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import re
@@ -31,6 +32,20 @@ SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"pdserve-kv-[0-9]+-[0-9a-f]{16}")
 
 
+def require_room(nbytes: int, shm_dir: str = SHM_DIR) -> None:
+    """OSError (ENOSPC) unless ``shm_dir`` has ``nbytes`` free. Checked before a segment is
+    made: tmpfs hands out pages on first touch, and a page it has not got kills the process
+    with SIGBUS instead of failing a call (a container's /dev/shm is often 64 MiB)."""
+    stats = os.statvfs(shm_dir)
+    free = stats.f_bavail * stats.f_frsize
+    if free < nbytes:
+        raise OSError(
+            errno.ENOSPC,
+            f"{shm_dir} has {free / 2**20:.1f} MiB free and a shm channel needs "
+            f"{nbytes / 2**20:.1f} MiB: enlarge it (docker --shm-size) or use --kv-transport gloo",
+        )
+
+
 class HostSegment(Segment):
     """A shared-memory file mapped into this process, viewed as uint8 slots."""
 
@@ -45,6 +60,7 @@ class HostSegment(Segment):
     def create(cls, slot_bytes: int) -> HostSegment:
         name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
         nbytes = NUM_SLOTS * slot_bytes
+        require_room(nbytes)
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)

@@ -91,6 +91,17 @@ def test_concurrent_greedy_requests_match_offline_engine(
         local_cluster_config(llama_dir, num_prefill=num_prefill, num_decode=num_decode, **extra)
     )
     assert _run_all(cluster) == expected
+    # --kv-transport auto: every pair is on this host, so every channel is shared memory
+    transports = {w.worker_id: _channel_transports(w.actor) for w in cluster.workers.values()}
+    opened = [t for per_worker in transports.values() for t in per_worker.values()]
+    assert set(opened) == ({"shm"} if num_prefill else set()), transports
+
+
+def _channel_transports(actor: object) -> dict[str, str]:
+    ref = actor.__ray_call__.remote(  # type: ignore[attr-defined]
+        lambda self: getattr(self.worker, "channel_transports", dict)()
+    )
+    return dict(ray.get(ref))
 
 
 def _step_budget(actor: object) -> int:

@@ -1,34 +1,36 @@
 """ClusterConfig's KV transport and GPU memory share.
 
-"auto" resolves the transport by device and GPU share, and a transport that cannot move the
-device's caches is refused at start-up, naming the flag (before, the server started and every
-hand-off failed). Workers that share a GPU each budget their share of it."""
+"auto" reaches the workers as "auto" (each prefill worker picks per pair; the rule is tested in
+tests/kv_transfer/test_pair_transport.py), and a transport that cannot move the device's caches
+is refused at start-up, naming the flag (before, the server started and every hand-off
+failed). Workers that share a GPU each budget their share of it."""
 
 from __future__ import annotations
 
 import pytest
 
-from kv_transfer.policy import default_transport, transports_for
+from kv_transfer.policy import transports_for
 from router.cluster_config import ClusterConfig
 
 
 @pytest.mark.parametrize(
-    ("device", "gpus_per_worker", "expected"),
-    [("cpu", 0.0, "gloo"), ("cuda", 1.0, "nccl"), ("cuda", 2.0, "nccl"), ("cuda", 0.5, "cuda_ipc")],
+    ("device", "words"),
+    [
+        ("cpu", "shm within a host, gloo between hosts"),
+        ("cuda", "cuda_ipc within a GPU, nccl between GPUs"),
+    ],
 )
-def test_auto_picks_a_transport_for_the_device(
-    device: str, gpus_per_worker: float, expected: str
-) -> None:
-    config = ClusterConfig("model", device=device, worker_num_gpus=gpus_per_worker)
+def test_auto_is_picked_per_pair_by_the_workers(device: str, words: str) -> None:
+    config = ClusterConfig("model", device=device, worker_num_gpus=0.5 if device == "cuda" else 0)
     assert config.kv_transport == "auto"
-    assert (
-        config.transfer_config().transport == expected == default_transport(device, gpus_per_worker)
-    )
+    assert config.transfer_config().transport == "auto"
+    assert config.transport_in_words == words
 
 
 def test_an_explicit_transport_is_kept() -> None:
     config = ClusterConfig("model", device="cuda", worker_num_gpus=0.5, kv_transport="nccl")
     assert config.transfer_config().transport == "nccl"
+    assert config.transport_in_words == "nccl"
     assert ClusterConfig("model", kv_transport="shm").transfer_config().transport == "shm"
 
 

@@ -1,7 +1,8 @@
 """A prefill worker and a decode worker in two processes sharing one device, as the cluster runs
-them with fractional GPUs: on CPU over ``shm``, and on a GPU over ``cuda_ipc`` (marked ``gpu``;
-the GPU machine has no Ray, so tests/workers/decode_process.py stands in for the actor call
-layer). Greedy tokens must be transformers' in both."""
+them with fractional GPUs. ``--kv-transport auto`` picks ``shm`` on CPU and ``cuda_ipc`` on a
+GPU (marked ``gpu``; the GPU machine has no Ray, so tests/workers/decode_process.py stands in
+for the actor call layer) from the locality the decode process reports. Greedy tokens must be
+transformers' in both."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ GATEWAY = "test-gateway"
 
 
 @pytest.mark.parametrize(
-    ("device", "transport"),
+    ("device", "expected_transport"),
     [
         ("cpu", "shm"),
         pytest.param(
@@ -38,12 +39,12 @@ GATEWAY = "test-gateway"
     ],
 )
 def test_prefill_and_decode_processes_on_one_device_match_transformers(
-    llama_dir: Path, device: str, transport: str
+    llama_dir: Path, device: str, expected_transport: str
 ) -> None:
     load = LoadConfig(str(llama_dir), dtype="float32", device=device)
     cache = CacheConfig(block_size=8, budget=KVBudget(num_blocks=400))
     scheduler = SchedulerConfig(max_num_batched_tokens=128)
-    transfer = TransferConfig(transport=transport, timeout_s=30.0)
+    transfer = TransferConfig(transport="auto", timeout_s=30.0)
     decode = DecodeProcess("d0", load, cache, scheduler, transfer)
     prefill = PrefillWorker("p0", load, cache, scheduler, transfer, {"d0": decode})
     collector = OutputCollector([prefill.next_batch, decode.remote.next_batch], GATEWAY)
@@ -61,6 +62,7 @@ def test_prefill_and_decode_processes_on_one_device_match_transformers(
         sent = prefill.load().counters.num_kv_transfers
         assert sent == decode.remote.load().counters.num_kv_transfers == decoding
         assert prefill.load().kv_usage == 0.0 and decode.remote.load().kv_usage == 0.0
+        assert prefill.channel_transports() == {"d0": expected_transport}
     finally:
         collector.close()
         prefill.shutdown()
