@@ -1,9 +1,11 @@
-"""The CPU backend: C kernels (engine/kernels/cpu) for K/V writes and for decode, which reads
-each sequence's blocks in place; prefill through the torch reference.
+"""The CPU backend: C kernels (engine/kernels/cpu) for K/V writes, prefill and decode, each
+reading the sequences' blocks in place.
 
 Decode attention on CPU is bound by memory traffic; the reference gathers every decode
 sequence's blocks into a buffer each layer before SDPA reads them again, the kernel reads
-them once. Caches of other dtypes than float32 take the reference path throughout.
+them once. Prefill attention is bound by compute: the kernel runs the whole step's prefill
+sequences in one call, in register-blocked tiles (1.3-2x torch's flash attention for CPU,
+docs/benchmarks.md). Caches of other dtypes than float32 take the reference path throughout.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.cpu.kv_cache_write import write_kv_cache_cpu
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
+from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -30,6 +33,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
             write_kv_cache_cpu(kv_cache_layer, key, value, slot_mapping)
         else:
             super().write_kv(kv_cache_layer, key, value, slot_mapping)
+
+    def _prefill_all(
+        self,
+        query: torch.Tensor,  # [num_prefill_tokens, num_heads, head_dim]
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
+        if not _kernels_take(kv_cache_layer):
+            return super()._prefill_all(query, kv_cache_layer, metadata, scale)
+        return paged_prefill_attention_cpu(
+            query.contiguous(),
+            kv_cache_layer,
+            metadata.prefill_block_tables,
+            torch.tensor(metadata.prefill_query_start_loc, dtype=torch.int64),
+            torch.tensor(metadata.prefill_seq_lens, dtype=torch.int64),
+            scale,
+        )
 
     def _decode(
         self,

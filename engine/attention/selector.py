@@ -66,6 +66,7 @@ def _cpu_kernel_missing() -> str | None:
 
     try:
         load("paged_decode_attention")
+        load("paged_prefill_attention")
         load("kv_cache_write")
     except KernelUnavailableError as error:
         return str(error)

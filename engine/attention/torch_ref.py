@@ -85,15 +85,28 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        outputs = [
-            self._prefill(query, kv_cache_layer, metadata, i, scale)
-            for i in range(metadata.num_prefill_seqs)
-        ]
+        outputs = []
+        if metadata.num_prefill_seqs > 0:
+            prefill_query = query[: metadata.num_prefill_tokens]
+            outputs.append(self._prefill_all(prefill_query, kv_cache_layer, metadata, scale))
         if metadata.num_decode_seqs > 0:
             decode_query = query[metadata.num_prefill_tokens :]
             outputs.append(self._decode(decode_query, kv_cache_layer, metadata, scale))
         if not outputs:
             return torch.empty_like(query)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+    def _prefill_all(
+        self,
+        query: torch.Tensor,  # [num_prefill_tokens, num_heads, head_dim]
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
+        outputs = [
+            self._prefill(query, kv_cache_layer, metadata, i, scale)
+            for i in range(metadata.num_prefill_seqs)
+        ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
     def _prefill(

@@ -1,0 +1,310 @@
+/* Prefill attention on CPU, reading K/V in place from the paged cache (float32).
+ *
+ * Each prefill sequence's new tokens attend causally over its whole context: the cached
+ * prefix (a prefix-cache hit, or the earlier chunks of a chunked prefill) and the new tokens,
+ * whose K/V are already written. New token i of a sequence of seq_len positions, query_len of
+ * them new, sits at position seq_len - query_len + i and sees positions up to its own.
+ *
+ * Work is cut into items of one sequence, one KV head and a tile of up to Q_TILE new tokens;
+ * an item's rows are its tokens times the query heads of that KV head (GQA: each K/V row is
+ * read once per group). It walks the context in tiles of KV_TILE positions, whichever blocks
+ * they lie in: K is copied transposed into a small buffer (so a row of scores is one vector
+ * wide), V is read in place. Scores are in base 2 (the query is pre-scaled by scale * log2 e)
+ * with an online softmax per row; exp2 is a polynomial the compiler vectorises (within an ulp
+ * or two of exp2f). Items are shared out over ``num_threads`` OpenMP threads; each is computed
+ * by one thread alone, so the result does not depend on the number of threads.
+ *
+ * Layouts (all contiguous but the block table's rows):
+ *   query, out        [num_tokens, num_heads, head_dim] (the prefill sequences' rows, in order)
+ *   key, value        [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_tables      [num_seqs, table_stride]
+ *   query_start_loc   [num_seqs + 1] row offsets of each sequence in query
+ *   seq_lens          [num_seqs] context length after this step (cached + new)
+ * Returns 0, or -(1 + s) when sequence s has no new token, more new tokens than positions, a
+ * length over its block table's capacity or a block id outside [0, num_blocks) (nothing is
+ * written then), or -(1 + num_seqs) when scratch memory ran out.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define Q_TILE 64
+#define KV_TILE 32
+#define LOG2E 1.4426950408889634f
+
+/* 2^x for x <= 128 (0 below -126, where no normal float is left): x = n + f with n the nearest
+ * integer and |f| <= 0.5; 2^f by its Taylor series to degree 7 (truncation error < 1e-8). */
+static inline float exp2_poly(float x) {
+    const float clamped = x < -126.f ? -126.f : x;
+    const float n = rintf(clamped);
+    const float f = clamped - n;
+    float p = 1.5252734e-5f;
+    p = p * f + 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.f;
+    union {
+        int32_t bits;
+        float value;
+    } scale = {.bits = ((int32_t)n + 127) << 23};
+    return x < -126.f ? 0.f : p * scale.value;
+}
+
+/* One sequence's KV head over new tokens [first_token, first_token + num_tokens) (rows of
+ * query), the first at context position first_position. */
+typedef struct {
+    int64_t seq, kv_head, first_token, num_tokens, first_position;
+} item_t;
+
+typedef struct {
+    float *q;      /* [rows][head_dim] the item's queries, scaled */
+    float *acc;    /* [rows][head_dim] running output */
+    float *scores; /* [rows][KV_TILE] */
+    float *maxes;  /* [rows] running max (base 2) */
+    float *sums;   /* [rows] */
+    float *corrections; /* [rows] this tile's rescaling of the running output */
+    float *k_t;    /* [head_dim][KV_TILE] one tile of K, transposed */
+} scratch_t;
+
+static int scratch_alloc(scratch_t *s, int64_t rows, int64_t head_dim) {
+    s->q = malloc(sizeof(float) * rows * head_dim);
+    s->acc = malloc(sizeof(float) * rows * head_dim);
+    s->scores = malloc(sizeof(float) * rows * KV_TILE);
+    s->maxes = malloc(sizeof(float) * rows);
+    s->sums = malloc(sizeof(float) * rows);
+    s->corrections = malloc(sizeof(float) * rows);
+    s->k_t = malloc(sizeof(float) * head_dim * KV_TILE);
+    return s->q && s->acc && s->scores && s->maxes && s->sums && s->corrections && s->k_t;
+}
+
+static void scratch_free(scratch_t *s) {
+    free(s->q);
+    free(s->acc);
+    free(s->scores);
+    free(s->maxes);
+    free(s->sums);
+    free(s->corrections);
+    free(s->k_t);
+}
+
+/* Sixteen floats in one vector (GCC's vector extension: one AVX-512 register, or two AVX2
+ * ones). Loads and stores go through memcpy, which makes them unaligned-safe. */
+typedef float vec16 __attribute__((vector_size(64)));
+
+static inline vec16 load16(const float *p) {
+    vec16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
+
+/* scores[r][0:KV_TILE] = q[r] . k_t for rows [first, rows): four rows share each load of k_t,
+ * and their eight vectors of partial sums hide the FMA latency. */
+static inline __attribute__((always_inline)) void tile_scores(
+    const float *restrict q, const float *restrict k_t, float *restrict scores, int64_t first,
+    int64_t rows, int64_t head_dim) {
+    int64_t r = first;
+    for (; r + 4 <= rows; r += 4) {
+        const float *q0 = q + r * head_dim;
+        vec16 s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0},
+              s31 = {0};
+        for (int64_t d = 0; d < head_dim; d++) {
+            const vec16 k0 = load16(k_t + d * KV_TILE), k1 = load16(k_t + d * KV_TILE + 16);
+            const float x0 = q0[d], x1 = q0[head_dim + d], x2 = q0[2 * head_dim + d],
+                        x3 = q0[3 * head_dim + d];
+            s00 += x0 * k0, s01 += x0 * k1, s10 += x1 * k0, s11 += x1 * k1;
+            s20 += x2 * k0, s21 += x2 * k1, s30 += x3 * k0, s31 += x3 * k1;
+        }
+        float *o = scores + r * KV_TILE;
+        store16(o, s00), store16(o + 16, s01), store16(o + 32, s10), store16(o + 48, s11);
+        store16(o + 64, s20), store16(o + 80, s21), store16(o + 96, s30), store16(o + 112, s31);
+    }
+    for (; r < rows; r++) {
+        vec16 s0 = {0}, s1 = {0};
+        for (int64_t d = 0; d < head_dim; d++) {
+            const float x = q[r * head_dim + d];
+            s0 += x * load16(k_t + d * KV_TILE), s1 += x * load16(k_t + d * KV_TILE + 16);
+        }
+        store16(scores + r * KV_TILE, s0), store16(scores + r * KV_TILE + 16, s1);
+    }
+}
+
+/* acc[r] = acc[r] * corrections[r] + probs[r] . V for rows [first, rows): 32 columns of four
+ * rows at a time (eight vectors), sharing each load of a V row. */
+static inline __attribute__((always_inline)) void tile_values(
+    float *restrict acc, const float *restrict probs, const float *const *v_rows,
+    const float *restrict corrections, int64_t first, int64_t rows, int64_t head_dim) {
+    int64_t r = first;
+    for (; r + 4 <= rows && head_dim % 32 == 0; r += 4)
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            float *a = acc + r * head_dim + d;
+            const float *p = probs + r * KV_TILE;
+            const float c0 = corrections[r], c1 = corrections[r + 1], c2 = corrections[r + 2],
+                        c3 = corrections[r + 3];
+            vec16 a00 = load16(a) * c0, a01 = load16(a + 16) * c0;
+            vec16 a10 = load16(a + head_dim) * c1, a11 = load16(a + head_dim + 16) * c1;
+            vec16 a20 = load16(a + 2 * head_dim) * c2, a21 = load16(a + 2 * head_dim + 16) * c2;
+            vec16 a30 = load16(a + 3 * head_dim) * c3, a31 = load16(a + 3 * head_dim + 16) * c3;
+            for (int t = 0; t < KV_TILE; t++) {
+                const vec16 v0 = load16(v_rows[t] + d), v1 = load16(v_rows[t] + d + 16);
+                const float p0 = p[t], p1 = p[KV_TILE + t], p2 = p[2 * KV_TILE + t],
+                            p3 = p[3 * KV_TILE + t];
+                a00 += p0 * v0, a01 += p0 * v1, a10 += p1 * v0, a11 += p1 * v1;
+                a20 += p2 * v0, a21 += p2 * v1, a30 += p3 * v0, a31 += p3 * v1;
+            }
+            store16(a, a00), store16(a + 16, a01);
+            store16(a + head_dim, a10), store16(a + head_dim + 16, a11);
+            store16(a + 2 * head_dim, a20), store16(a + 2 * head_dim + 16, a21);
+            store16(a + 3 * head_dim, a30), store16(a + 3 * head_dim + 16, a31);
+        }
+    for (; r < rows; r++) /* the rows left over, or any head_dim */
+        for (int64_t d = 0; d < head_dim; d++) {
+            float a = acc[r * head_dim + d] * corrections[r];
+            for (int t = 0; t < KV_TILE; t++) a += probs[r * KV_TILE + t] * v_rows[t][d];
+            acc[r * head_dim + d] = a;
+        }
+}
+
+/* One item: its rows attend over context positions [0, last token's position]. */
+static inline __attribute__((always_inline)) void attend_item(
+    const item_t *item, const float *query, const float *key, const float *value,
+    const int64_t *table, float *out, const scratch_t *scratch, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t rows = item->num_tokens * group; /* row r: token r / group, head r % group */
+    const int64_t token_numel = num_kv_heads * head_dim;
+    float *restrict q = scratch->q, *restrict acc = scratch->acc;
+    float *restrict scores = scratch->scores, *restrict k_t = scratch->k_t;
+    float *restrict maxes = scratch->maxes, *restrict sums = scratch->sums;
+    float *restrict corrections = scratch->corrections;
+    const float q_scale = scale * LOG2E;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = query + (item->first_token + r / group) * num_heads * head_dim +
+                           (item->kv_head * group + r % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) {
+            q[r * head_dim + d] = src[d] * q_scale;
+            acc[r * head_dim + d] = 0.f;
+        }
+        maxes[r] = -INFINITY;
+        sums[r] = 0.f;
+    }
+    const int64_t first_position = item->first_position;
+    const int64_t end = first_position + item->num_tokens; /* the last token sees below end */
+    const float *v_rows[KV_TILE];
+    for (int64_t start = 0; start < end; start += KV_TILE) {
+        const int64_t n = end - start < KV_TILE ? end - start : KV_TILE;
+        /* positions past n repeat the tile's first: finite values their zero weights cancel */
+        for (int64_t t = 0; t < KV_TILE; t++) {
+            const int64_t position = start + (t < n ? t : 0);
+            const int64_t row = table[position / block_size] * block_size + position % block_size;
+            const float *k = key + row * token_numel + item->kv_head * head_dim;
+            v_rows[t] = value + row * token_numel + item->kv_head * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k[d];
+        }
+        /* rows whose token's position is below start see nothing of this tile */
+        const int64_t first_token = start > first_position ? start - first_position : 0;
+        const int64_t first_row = first_token * group;
+        tile_scores(q, k_t, scores, first_row, rows, head_dim);
+        for (int64_t r = first_row; r < rows; r++) {
+            float *s = scores + r * KV_TILE;
+            const int64_t visible = first_position + r / group - start + 1; /* positions seen */
+            for (int64_t t = visible < n ? visible : n; t < KV_TILE; t++) s[t] = -INFINITY;
+            float tile_max = maxes[r];
+            for (int t = 0; t < KV_TILE; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
+            float sum = 0.f;
+            for (int t = 0; t < KV_TILE; t++) {
+                s[t] = exp2_poly(s[t] - tile_max);
+                sum += s[t];
+            }
+            corrections[r] = exp2_poly(maxes[r] - tile_max); /* 0 on the first tile */
+            maxes[r] = tile_max;
+            sums[r] = sums[r] * corrections[r] + sum;
+        }
+        tile_values(acc, scores, v_rows, corrections, first_row, rows, head_dim);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = out + (item->first_token + r / group) * num_heads * head_dim +
+                     (item->kv_head * group + r % group) * head_dim;
+        const float inverse = 1.f / sums[r];
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[r * head_dim + d] * inverse;
+    }
+}
+
+/* ``attend_item`` compiled for the common head sizes, the general one for others. */
+static void attend_item_any(const item_t *item, const float *query, const float *key,
+                            const float *value, const int64_t *table, float *out,
+                            const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale) {
+#define ATTEND(HEAD_DIM)                                                                     \
+    attend_item(item, query, key, value, table, out, scratch, num_heads, num_kv_heads,      \
+                HEAD_DIM, block_size, scale)
+    switch (head_dim) {
+    case 64: ATTEND(64); break;
+    case 128: ATTEND(128); break;
+    default: ATTEND(head_dim);
+    }
+#undef ATTEND
+}
+
+static int check_seq(const int64_t *table, int64_t query_len, int64_t seq_len, int64_t capacity,
+                     int64_t block_size, int64_t num_blocks) {
+    if (query_len < 1 || seq_len < query_len || seq_len > capacity) return 0;
+    for (int64_t j = 0; j < (seq_len + block_size - 1) / block_size; j++)
+        if (table[j] < 0 || table[j] >= num_blocks) return 0;
+    return 1;
+}
+
+int64_t paged_prefill_attention_f32(
+    const float *query, const float *key, const float *value, const int64_t *block_tables,
+    int64_t table_stride, const int64_t *query_start_loc, const int64_t *seq_lens, float *out,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t num_blocks, float scale, int64_t num_threads) {
+    int64_t num_items = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t query_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (!check_seq(block_tables + s * table_stride, query_len, seq_lens[s],
+                       table_stride * block_size, block_size, num_blocks))
+            return -(1 + s);
+        num_items += (query_len + Q_TILE - 1) / Q_TILE * num_kv_heads;
+    }
+    item_t *items = malloc(sizeof(item_t) * (num_items ? num_items : 1));
+    if (!items) return -(1 + num_seqs);
+    int64_t next = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t begin = query_start_loc[s], stop = query_start_loc[s + 1];
+        const int64_t context_start = seq_lens[s] - (stop - begin); /* cached positions */
+        for (int64_t first = begin; first < stop; first += Q_TILE)
+            for (int64_t h = 0; h < num_kv_heads; h++)
+                items[next++] = (item_t){s, h, first, stop - first < Q_TILE ? stop - first : Q_TILE,
+                                         context_start + first - begin};
+    }
+    const int64_t rows = Q_TILE * (num_heads / num_kv_heads);
+    int out_of_memory = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
+    {
+        scratch_t scratch;
+        if (!scratch_alloc(&scratch, rows, head_dim)) {
+#pragma omp atomic write
+            out_of_memory = 1;
+        }
+#pragma omp barrier
+        int stop;
+#pragma omp atomic read
+        stop = out_of_memory;
+        if (!stop) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < num_items; i++)
+                attend_item_any(&items[i], query, key, value,
+                                block_tables + items[i].seq * table_stride, out, &scratch,
+                                num_heads, num_kv_heads, head_dim, block_size, scale);
+        }
+        scratch_free(&scratch);
+    }
+    free(items);
+    return out_of_memory ? -(1 + num_seqs) : 0;
+}

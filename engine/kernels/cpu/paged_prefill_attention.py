@@ -1,0 +1,144 @@
+"""Prefill attention over the paged KV cache on CPU, blocks read in place (the C kernel in
+``paged_prefill_attention.c``): each prefill sequence's new tokens attend causally over its
+cached prefix and themselves, with no gather of its blocks into a buffer first."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from engine.kernels.checks import require
+from engine.kernels.cpu.build import FLOAT, INT64, POINTER, function
+
+
+@functools.cache
+def _kernel() -> Any:
+    argtypes = [
+        *(POINTER,) * 4,  # query, key, value, block_tables
+        INT64,  # table_stride
+        *(POINTER,) * 3,  # query_start_loc, seq_lens, out
+        *(INT64,) * 6,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks
+        FLOAT,  # scale
+        INT64,  # num_threads
+    ]
+    return function("paged_prefill_attention", "paged_prefill_attention_f32", INT64, argtypes)
+
+
+def paged_prefill_attention_cpu(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32: the sequences' new tokens
+    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] float32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int64 row offsets, from 0 to num_tokens
+    seq_lens: torch.Tensor,  # [num_seqs] int64 context lengths (cached + new)
+    scale: float,
+    num_threads: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """New token i of sequence s (at position seq_lens[s] - query_len + i) attends over
+    positions up to its own, their K/V already written; work is shared out over
+    ``num_threads`` (default: torch's intra-op threads) and the result does not depend on how
+    many. ValueError naming the argument for anything the kernel cannot read safely."""
+    if num_threads is None:
+        num_threads = torch.get_num_threads()
+    require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
+    _check(query, kv_cache_layer, block_tables, query_start_loc, seq_lens)
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+    num_seqs = seq_lens.shape[0]
+    num_heads = query.shape[1]
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    status = _kernel()(
+        query.data_ptr(),
+        kv_cache_layer[0].data_ptr(),
+        kv_cache_layer[1].data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        scale,
+        num_threads,
+    )
+    if status == -(1 + num_seqs):
+        raise MemoryError("paged_prefill_attention_cpu: out of memory for its scratch buffers")
+    if status != 0:
+        seq = -status - 1
+        query_len = int(query_start_loc[seq + 1] - query_start_loc[seq])
+        raise ValueError(
+            f"sequence {seq}: its {query_len} new tokens (query_start_loc) must be >= 1 and "
+            f"<= seq_lens[{seq}] = {int(seq_lens[seq])}, which must be <= "
+            f"{block_tables.shape[1] * block_size} (block_tables' capacity), and its "
+            f"block_tables entries in [0, {num_blocks})"
+        )
+    return out
+
+
+def _check(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    tensors = {
+        "query": query,
+        "kv_cache_layer": kv_cache_layer,
+        "block_tables": block_tables,
+        "query_start_loc": query_start_loc,
+        "seq_lens": seq_lens,
+    }
+    for name, tensor in tensors.items():
+        require(tensor.device.type == "cpu", f"{name} must be on the CPU, got {tensor.device}")
+    for name, tensor in (("query", query), ("kv_cache_layer", kv_cache_layer)):
+        require(tensor.dtype == torch.float32, f"{name} must be float32, got {tensor.dtype}")
+        require(tensor.is_contiguous(), f"{name} must be contiguous")
+    for name in ("block_tables", "query_start_loc", "seq_lens"):
+        tensor = tensors[name]
+        require(tensor.dtype == torch.int64, f"{name} must be int64, got {tensor.dtype}")
+    require(
+        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
+        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got {tuple(kv_cache_layer.shape)}",
+    )
+    require(
+        query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {query.dim()}-D"
+    )
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache_layer.shape[3]
+    require(
+        head_dim == kv_cache_layer.shape[4],
+        f"query head_dim {head_dim} != kv_cache_layer head_dim {kv_cache_layer.shape[4]}",
+    )
+    require(
+        num_heads % num_kv_heads == 0,
+        f"query's {num_heads} heads must be a multiple of the cache's {num_kv_heads} KV heads",
+    )
+    require(seq_lens.dim() == 1 and seq_lens.is_contiguous(), "seq_lens must be a contiguous 1-D")
+    num_seqs = seq_lens.shape[0]
+    require(
+        query_start_loc.shape == (num_seqs + 1,) and query_start_loc.is_contiguous(),
+        f"query_start_loc must be a contiguous [{num_seqs + 1}], "
+        f"got {tuple(query_start_loc.shape)}",
+    )
+    if num_seqs:
+        require(
+            int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == num_tokens,
+            f"query_start_loc must run from 0 to query's {num_tokens} rows, got "
+            f"{int(query_start_loc[0])} to {int(query_start_loc[-1])}",
+        )
+    require(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+        f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}",
+    )
+    require(
+        block_tables.shape[1] == 0 or block_tables.stride(1) == 1,
+        "block_tables' rows must be contiguous",
+    )

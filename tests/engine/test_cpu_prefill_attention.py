@@ -1,0 +1,160 @@
+"""The C prefill-attention kernel (engine/kernels/cpu) against a float64 causal softmax over
+each sequence's gathered context (cached prefix + new tokens), and its argument checks.
+Greedy parity of the whole model on the CPU backend, which this kernel now serves for every
+prefill, is tests/engine/test_parity.py's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
+
+FLOAT32 = {"atol": 2e-5, "rtol": 2e-5}  # float32 results against a float64 reference
+
+
+def _case(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, cache, block tables (each seq's blocks a random pick, rows padded wider than
+    needed), query_start_loc and seq_lens; nothing is zero."""
+    generator = torch.Generator().manual_seed(sum(seq_lens) * 7 + block_size + head_dim)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
+    block_ids = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 2, dtype=torch.int64)
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = torch.tensor(block_ids[:count])
+        block_ids = block_ids[count:]
+    starts = torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0)
+    return query, cache, tables, starts, torch.tensor(seq_lens, dtype=torch.int64)
+
+
+def _expected(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> torch.Tensor:
+    num_heads, num_kv_heads, block_size = query.shape[1], cache.shape[3], cache.shape[2]
+    outputs = []
+    for row, seq_len in enumerate(seq_lens.tolist()):
+        rows = query[starts[row] : starts[row + 1]].double()  # [query_len, heads, dim]
+        positions = torch.arange(seq_len)
+        blocks = tables[row, positions // block_size]
+        key = cache[0, blocks, positions % block_size].double()  # [seq_len, kv_heads, dim]
+        value = cache[1, blocks, positions % block_size].double()
+        key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", rows, key) * query.shape[2] ** -0.5
+        query_positions = torch.arange(seq_len - rows.shape[0], seq_len)
+        hidden = positions[None, :] > query_positions[:, None]  # [query_len, seq_len]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), value))
+    return torch.cat(outputs)
+
+
+def _run(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    **kwargs: int,
+) -> None:
+    case = _case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size)
+    out = paged_prefill_attention_cpu(*case, head_dim**-0.5, **kwargs)
+    torch.testing.assert_close(out.double(), _expected(*case), **FLOAT32)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("head_dim", [48, 64, 128])
+def test_whole_prompts_match_a_float64_causal_softmax(
+    num_heads: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    rng = random.Random(num_heads * 1000 + block_size * 10 + head_dim)
+    # one-token prompts, exact multiples of the block size, and ragged lengths past the tiles
+    lens = [1, 2, block_size, 3 * block_size, *(rng.randint(2, 150) for _ in range(4))]
+    _run(lens, lens, num_heads, num_kv_heads, head_dim, block_size)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_new_tokens_after_a_cached_prefix_see_the_prefix(block_size: int) -> None:
+    """A prefix-cache hit or a later chunk of a chunked prefill: the new tokens sit at the
+    end of a longer context, mixed in one call with whole prompts."""
+    query_lens = [1, 7, 64, 100, 33, 5]
+    seq_lens = [9, 7, 200, 100, 97, 260]
+    _run(query_lens, seq_lens, 8, 2, 64, block_size)
+
+
+@pytest.mark.parametrize("num_threads", [2, 3, 8])
+def test_threads_share_the_work_and_change_no_bit(num_threads: int) -> None:
+    rng = random.Random(num_threads)
+    query_lens = [rng.randint(1, 150) for _ in range(6)]
+    seq_lens = [n + rng.randint(0, 90) for n in query_lens]
+    case = _case(query_lens, seq_lens, 8, 2, 64, 16)
+    alone = paged_prefill_attention_cpu(*case, 0.125, num_threads=1)
+    shared = paged_prefill_attention_cpu(*case, 0.125, num_threads=num_threads)
+    assert torch.equal(alone, shared)
+    torch.testing.assert_close(shared.double(), _expected(*case), **FLOAT32)
+
+
+def test_large_scores_stay_finite() -> None:
+    """Scores far beyond exp's range: the running max keeps the softmax exact."""
+    query, cache, tables, starts, lens = _case([40, 70], [40, 90], 4, 2, 64, 16)
+    query *= 60.0
+    out = paged_prefill_attention_cpu(query, cache, tables, starts, lens, 64**-0.5)
+    assert torch.isfinite(out).all()
+    expected = _expected(query, cache, tables, starts, lens)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_no_sequences_is_an_empty_result() -> None:
+    query, cache, tables, starts, lens = _case([3], [3], 4, 4, 64, 4)
+    out = paged_prefill_attention_cpu(query[:0], cache, tables[:0], starts[:1], lens[:0], 0.1)
+    assert out.shape == (0, 4, 64)
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    query, cache, tables, starts, lens = _case([20, 9], [20, 30], 4, 2, 64, 8)
+    out_of_range = tables.clone()
+    out_of_range[1, 1] = cache.shape[1]  # one past the last block, inside seq 1's length
+    too_long = lens.clone()
+    too_long[0] = tables.shape[1] * 8 + 1
+    fewer_positions = lens.clone()
+    fewer_positions[1] = 8  # 9 new tokens cannot sit in 8 positions
+    three_tables = torch.cat([tables, tables[:1]])  # for three sequences, one with no new token
+    cases = [
+        ((query, cache, out_of_range, starts, lens), r"sequence 1: .*entries in \[0, "),
+        ((query, cache, tables, starts, too_long), r"sequence 0: .*<= 48 \(block_tables"),
+        ((query, cache, tables, starts, fewer_positions), r"sequence 1: its 9 new tokens"),
+        (
+            (query, cache, three_tables, torch.tensor([0, 20, 20, 29]), torch.tensor([20, 5, 30])),
+            r"sequence 1: its 0 new tokens",
+        ),
+        ((query.double(), cache, tables, starts, lens), "query must be float32"),
+        ((query, cache.half(), tables, starts, lens), "kv_cache_layer must be float32"),
+        ((query, cache, tables.int(), starts, lens), "block_tables must be int64"),
+        ((query, cache, tables, starts.int(), lens), "query_start_loc must be int64"),
+        ((query, cache, tables, starts[:2], lens), r"query_start_loc must be a contiguous \[3\]"),
+        ((query, cache, tables, starts - 1, lens), "query_start_loc must run from 0 to query's 29"),
+        ((query[:, :3].contiguous(), cache, tables, starts, lens), "multiple of the cache's 2"),
+        ((query[:, :, :32].contiguous(), cache, tables, starts, lens), "head_dim 32 != "),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            paged_prefill_attention_cpu(*args, 0.1)
+    with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
+        paged_prefill_attention_cpu(query, cache, tables, starts, lens, 0.1, num_threads=0)
