@@ -4,7 +4,7 @@ reading the sequences' blocks in place.
 Decode attention on CPU is bound by memory traffic; the reference gathers every decode
 sequence's blocks into a buffer each layer before SDPA reads them again, the kernel reads
 them once. Prefill attention is bound by compute: the kernel runs the whole step's prefill
-sequences in one call, in register-blocked tiles (1.3-2x torch's flash attention for CPU,
+sequences in one call, in register-blocked tiles (1.2-2.2x torch's flash attention for CPU,
 docs/benchmarks.md). Caches of other dtypes than float32 take the reference path throughout.
 """
 
