@@ -10,7 +10,6 @@ from then on.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import torch
@@ -22,22 +21,22 @@ logger = logging.getLogger(__name__)
 
 
 class PairTransports:
+    """Not thread-safe: the prefill worker calls it under its channel lock."""
+
     def __init__(self, configured: str, device: torch.device) -> None:
         self.configured = configured
         self._device_type = device.type
         self._here = locality_of(device) if configured == "auto" else None
         self._network = network_transport(device.type)
         self._network_only: set[str] = set()  # decode workers whose local transport failed
-        self._lock = threading.Lock()
 
     def choose(self, decode_worker_id: str, peer_locality: Callable[[], Locality]) -> str:
         """The transport of a new channel to ``decode_worker_id``; ``peer_locality`` is asked
         only when the pick depends on it."""
         if self._here is None:
             return self.configured
-        with self._lock:
-            if decode_worker_id in self._network_only:
-                return self._network
+        if decode_worker_id in self._network_only:
+            return self._network
         return transport_between(self._device_type, self._here, peer_locality())
 
     def fall_back(self, decode_worker_id: str, failed: str, error: BaseException) -> str | None:
@@ -52,6 +51,5 @@ class PairTransports:
             error,
             self._network,
         )
-        with self._lock:
-            self._network_only.add(decode_worker_id)
+        self._network_only.add(decode_worker_id)
         return self._network

@@ -18,9 +18,17 @@ from engine.kernels.cpu.kv_cache_write import write_kv_cache_cpu
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
 
+PrefillIndex = tuple[torch.Tensor, torch.Tensor]  # query_start_loc, seq_lens (int64)
+
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        # this step's (query_start_loc, seq_lens) tensors, memoised on its metadata: every layer
+        # of the step reads the same
+        self._step_prefill: tuple[AttentionMetadata, PrefillIndex] | None = None
 
     def write_kv(
         self,
@@ -43,14 +51,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
         if not _kernels_take(kv_cache_layer):
             return super()._prefill_all(query, kv_cache_layer, metadata, scale)
+        starts, seq_lens = self._prefill_index(metadata)
         return paged_prefill_attention_cpu(
             query.contiguous(),
             kv_cache_layer,
             metadata.prefill_block_tables,
-            torch.tensor(metadata.prefill_query_start_loc, dtype=torch.int64),
-            torch.tensor(metadata.prefill_seq_lens, dtype=torch.int64),
+            starts,
+            seq_lens,
             scale,
         )
+
+    def _prefill_index(self, metadata: AttentionMetadata) -> PrefillIndex:
+        cached = self._step_prefill
+        if cached is not None and cached[0] is metadata:
+            return cached[1]
+        index = (
+            torch.tensor(metadata.prefill_query_start_loc, dtype=torch.int64),
+            torch.tensor(metadata.prefill_seq_lens, dtype=torch.int64),
+        )
+        self._step_prefill = (metadata, index)
+        return index
 
     def _decode(
         self,

@@ -14,6 +14,7 @@ from engine.attention.selector import resolve_attention_backend
 from engine.kernels.cpu import build
 from engine.kernels.cpu import paged_decode_attention as kernel_module
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
+from tests.engine.paged_tables import scattered_block_tables
 
 FLOAT32 = {"atol": 1e-5, "rtol": 1e-5}  # float32 results against a float64 reference
 
@@ -28,11 +29,7 @@ def _case(
     num_blocks = sum(blocks_per_seq) + 5
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator)
-    block_ids = torch.randperm(num_blocks, generator=generator).tolist()
-    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 2, dtype=torch.int64)
-    for row, count in enumerate(blocks_per_seq):
-        tables[row, :count] = torch.tensor(block_ids[:count])
-        block_ids = block_ids[count:]
+    tables = scattered_block_tables(seq_lens, block_size, num_blocks, generator)
     return query, cache, tables, torch.tensor(seq_lens, dtype=torch.int64)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
+from tests.engine.paged_tables import scattered_block_tables
 
 FLOAT32 = {"atol": 2e-5, "rtol": 2e-5}  # float32 results against a float64 reference
 
@@ -30,11 +31,7 @@ def _case(
     num_blocks = sum(blocks_per_seq) + 5
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
-    block_ids = torch.randperm(num_blocks, generator=generator).tolist()
-    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 2, dtype=torch.int64)
-    for row, count in enumerate(blocks_per_seq):
-        tables[row, :count] = torch.tensor(block_ids[:count])
-        block_ids = block_ids[count:]
+    tables = scattered_block_tables(seq_lens, block_size, num_blocks, generator)
     starts = torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0)
     return query, cache, tables, starts, torch.tensor(seq_lens, dtype=torch.int64)
 

@@ -10,6 +10,7 @@ import torch
 
 from engine.kernels.checks import require
 from engine.kernels.cpu.build import FLOAT, INT64, POINTER, function
+from engine.kernels.cpu.paged_inputs import check_paged_inputs
 
 
 @functools.cache
@@ -82,43 +83,8 @@ def _check(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    tensors = {
-        "query": query,
-        "kv_cache_layer": kv_cache_layer,
-        "block_tables": block_tables,
-        "seq_lens": seq_lens,
-    }
-    for name, tensor in tensors.items():
-        require(tensor.device.type == "cpu", f"{name} must be on the CPU, got {tensor.device}")
-    for name, tensor in (("query", query), ("kv_cache_layer", kv_cache_layer)):
-        require(tensor.dtype == torch.float32, f"{name} must be float32, got {tensor.dtype}")
-        require(tensor.is_contiguous(), f"{name} must be contiguous")
-    for name, tensor in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        require(tensor.dtype == torch.int64, f"{name} must be int64, got {tensor.dtype}")
-    require(
-        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
-        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-        f"got {tuple(kv_cache_layer.shape)}",
-    )
-    require(query.dim() == 3, f"query must be [num_seqs, num_heads, head_dim], got {query.dim()}-D")
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache_layer.shape[3]
-    require(
-        head_dim == kv_cache_layer.shape[4],
-        f"query head_dim {head_dim} != kv_cache_layer head_dim {kv_cache_layer.shape[4]}",
-    )
-    require(
-        num_heads % num_kv_heads == 0,
-        f"query's {num_heads} heads must be a multiple of the cache's {num_kv_heads} KV heads",
-    )
-    require(
-        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
-        f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}",
-    )
-    require(
-        block_tables.shape[1] == 0 or block_tables.stride(1) == 1,
-        "block_tables' rows must be contiguous",
-    )
+    check_paged_inputs(query, kv_cache_layer, block_tables, None, seq_lens=seq_lens)
+    num_seqs = query.shape[0]
     require(
         seq_lens.shape == (num_seqs,) and seq_lens.is_contiguous(),
         f"seq_lens must be a contiguous [{num_seqs}], got {tuple(seq_lens.shape)}",

@@ -11,6 +11,7 @@ import torch
 
 from engine.kernels.checks import require
 from engine.kernels.cpu.build import FLOAT, INT64, POINTER, function
+from engine.kernels.cpu.paged_inputs import check_paged_inputs
 
 
 @functools.cache
@@ -88,57 +89,25 @@ def _check(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    tensors = {
-        "query": query,
-        "kv_cache_layer": kv_cache_layer,
-        "block_tables": block_tables,
-        "query_start_loc": query_start_loc,
-        "seq_lens": seq_lens,
-    }
-    for name, tensor in tensors.items():
-        require(tensor.device.type == "cpu", f"{name} must be on the CPU, got {tensor.device}")
-    for name, tensor in (("query", query), ("kv_cache_layer", kv_cache_layer)):
-        require(tensor.dtype == torch.float32, f"{name} must be float32, got {tensor.dtype}")
-        require(tensor.is_contiguous(), f"{name} must be contiguous")
-    for name in ("block_tables", "query_start_loc", "seq_lens"):
-        tensor = tensors[name]
-        require(tensor.dtype == torch.int64, f"{name} must be int64, got {tensor.dtype}")
-    require(
-        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
-        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-        f"got {tuple(kv_cache_layer.shape)}",
-    )
-    require(
-        query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {query.dim()}-D"
-    )
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache_layer.shape[3]
-    require(
-        head_dim == kv_cache_layer.shape[4],
-        f"query head_dim {head_dim} != kv_cache_layer head_dim {kv_cache_layer.shape[4]}",
-    )
-    require(
-        num_heads % num_kv_heads == 0,
-        f"query's {num_heads} heads must be a multiple of the cache's {num_kv_heads} KV heads",
-    )
     require(seq_lens.dim() == 1 and seq_lens.is_contiguous(), "seq_lens must be a contiguous 1-D")
     num_seqs = seq_lens.shape[0]
+    check_paged_inputs(
+        query,
+        kv_cache_layer,
+        block_tables,
+        num_seqs,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+    )
     require(
         query_start_loc.shape == (num_seqs + 1,) and query_start_loc.is_contiguous(),
         f"query_start_loc must be a contiguous [{num_seqs + 1}], "
         f"got {tuple(query_start_loc.shape)}",
     )
     if num_seqs:
+        num_tokens = query.shape[0]
         require(
             int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == num_tokens,
             f"query_start_loc must run from 0 to query's {num_tokens} rows, got "
             f"{int(query_start_loc[0])} to {int(query_start_loc[-1])}",
         )
-    require(
-        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
-        f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}",
-    )
-    require(
-        block_tables.shape[1] == 0 or block_tables.stride(1) == 1,
-        "block_tables' rows must be contiguous",
-    )

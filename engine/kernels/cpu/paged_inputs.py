@@ -1,0 +1,51 @@
+"""Argument checks the CPU paged-attention kernels (prefill and decode) share: what both C
+kernels need to read the query, the cache and the block tables safely. Failures name the
+argument."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.checks import require
+
+
+def check_paged_inputs(
+    query: torch.Tensor,  # [rows, num_heads, head_dim] float32
+    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] float32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    num_seqs: int | None,  # None: one per query row (decode)
+    **indices: torch.Tensor,  # further int64 tensors by name (seq_lens, query_start_loc)
+) -> None:
+    tensors = {"query": query, "kv_cache_layer": kv_cache_layer, "block_tables": block_tables}
+    for name, tensor in {**tensors, **indices}.items():
+        require(tensor.device.type == "cpu", f"{name} must be on the CPU, got {tensor.device}")
+    for name, tensor in (("query", query), ("kv_cache_layer", kv_cache_layer)):
+        require(tensor.dtype == torch.float32, f"{name} must be float32, got {tensor.dtype}")
+        require(tensor.is_contiguous(), f"{name} must be contiguous")
+    for name, tensor in {"block_tables": block_tables, **indices}.items():
+        require(tensor.dtype == torch.int64, f"{name} must be int64, got {tensor.dtype}")
+    require(
+        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
+        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got {tuple(kv_cache_layer.shape)}",
+    )
+    require(query.dim() == 3, f"query must be [rows, num_heads, head_dim], got {query.dim()}-D")
+    num_rows, num_heads, head_dim = query.shape
+    num_seqs = num_rows if num_seqs is None else num_seqs
+    num_kv_heads = kv_cache_layer.shape[3]
+    require(
+        head_dim == kv_cache_layer.shape[4],
+        f"query head_dim {head_dim} != kv_cache_layer head_dim {kv_cache_layer.shape[4]}",
+    )
+    require(
+        num_heads % num_kv_heads == 0,
+        f"query's {num_heads} heads must be a multiple of the cache's {num_kv_heads} KV heads",
+    )
+    require(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+        f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}",
+    )
+    require(
+        block_tables.shape[1] == 0 or block_tables.stride(1) == 1,
+        "block_tables' rows must be contiguous",
+    )
