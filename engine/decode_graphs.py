@@ -279,6 +279,11 @@ class DecodeGraphs:
                 forward = functools.partial(self._forward, model, context, batch_size)
                 self._replays[batch_size], self._outputs[batch_size] = capturer.capture(forward)
 
+    def output_row_bytes(self) -> int:
+        """Bytes of one row of a graph's output (one sequence's hidden state)."""
+        output = self._outputs[self.batch_sizes[-1]]
+        return output.shape[1] * output.element_size()
+
     def _forward(self, model: CausalLM, context: ForwardContext, batch_size: int) -> torch.Tensor:
         with set_forward_context(context):
             return model.forward(

@@ -27,7 +27,7 @@ from engine.handoff import PrefillResult, SampleStart
 from engine.kernels.linear import resolve_linear_backend
 from engine.kv_cache.block_manager import BlockManager, num_blocks_for
 from engine.kv_cache.budget import KVLayout, num_kv_blocks
-from engine.memory_profile import peak_activation_bytes
+from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
 from engine.messages import TokenEvent, WorkerCounters
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model
@@ -95,7 +95,12 @@ class LLMEngine:
             dtype=self.dtype,
         )
         attn_backend = get_attention_backend(cache.attention_backend, self.device)
-        num_blocks = self._num_kv_blocks(cache, scheduler, layout, attn_backend)
+        graph_batch_sizes = None  # decode steps run eagerly
+        if use_decode_graphs(load.enforce_eager, self.device, attn_backend.name):
+            graph_batch_sizes = capture_batch_sizes(
+                min(load.max_capture_batch_size, scheduler.max_num_seqs)
+            )
+        num_blocks = self._num_kv_blocks(cache, scheduler, layout, attn_backend, graph_batch_sizes)
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=self.dtype, device=self.device)
         eos = frozenset(self.model_config.eos_token_ids)
@@ -107,7 +112,7 @@ class LLMEngine:
             attn_backend,
             eos,
             self.device,
-            self._capture_decode_graphs(load, scheduler.max_num_seqs, attn_backend),
+            self._capture_decode_graphs(graph_batch_sizes, attn_backend),
         )
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
@@ -363,10 +368,20 @@ class LLMEngine:
         scheduler: SchedulerConfig,
         layout: KVLayout,
         attn_backend: AttentionBackend,
+        graph_batch_sizes: tuple[int, ...] | None,
     ) -> int:
         activation_bytes = 0
         if cache.budget.num_blocks is None and cache.budget.memory_bytes is None:
-            activation_bytes = peak_activation_bytes(
+            if graph_batch_sizes is not None:
+                activation_bytes += decode_graph_bytes(
+                    self.model,
+                    layout,
+                    attn_backend,
+                    self.device,
+                    batch_sizes=graph_batch_sizes,
+                    max_model_len=self.max_model_len,
+                )
+            activation_bytes += peak_activation_bytes(
                 self.model,
                 layout,
                 attn_backend,
@@ -379,17 +394,17 @@ class LLMEngine:
         return num_kv_blocks(cache.budget, layout, self.device, activation_bytes)
 
     def _capture_decode_graphs(
-        self, load: LoadConfig, max_num_seqs: int, attn_backend: AttentionBackend
+        self, batch_sizes: tuple[int, ...] | None, attn_backend: AttentionBackend
     ) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps up to the largest batch the scheduler can run, or None."""
-        if not use_decode_graphs(load.enforce_eager, self.device, attn_backend.name):
+        """CUDA graphs of decode steps of ``batch_sizes``, or None (they run eagerly)."""
+        if batch_sizes is None:
             return None
         return DecodeGraphs(
             self.model,
             self.kv_cache,
             attn_backend,
             max_model_len=self.max_model_len,
-            batch_sizes=capture_batch_sizes(min(load.max_capture_batch_size, max_num_seqs)),
+            batch_sizes=batch_sizes,
             capturer=CudaGraphCapturer(self.device),
         )
 

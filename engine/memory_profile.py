@@ -1,10 +1,13 @@
-"""Peak activation memory of a worst-case step, measured once at start-up on CUDA.
+"""Memory a worker needs beside its weights and KV cache, measured once at start-up on CUDA.
 
-The KV cache gets what is left of the GPU budget after the weights and this peak: a dummy step
-that fills the per-step token budget with prompt tokens runs through the real runner against a
-temporary cache just big enough for it, and the allocator's high-water mark is read. Sampling
-a full batch of rows is added as an estimate (logits, probabilities, a sort's values and
-indices per row).
+The KV cache gets what is left of the GPU budget after the weights and two amounts:
+- the peak activations of a worst-case step: a dummy step that fills the per-step token budget
+  with prompt tokens runs through the real runner against a temporary cache just big enough for
+  it, and the allocator's high-water mark is read. Sampling a full batch of rows is added as an
+  estimate (logits, probabilities, a sort's values and indices per row);
+- what the CUDA graphs of decode steps hold, when they are captured: their static input
+  buffers, the largest graph's activations in the graphs' own memory pool (which the eager
+  steps cannot reuse; the smaller graphs reuse it) and every graph's output.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.decode_graphs import DecodeGraphs, EagerCapturer
 from engine.kv_cache.budget import KVLayout
 from engine.model_runner import ModelRunner
 from engine.models.registry import CausalLM
@@ -68,3 +72,59 @@ def run_worst_case_step(
         seq.block_table = list(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
         entries.append(ScheduledSequence(seq, 0, seq_len, (seq,)))
     runner.execute(SchedulerOutput(entries, [], num_seqs * seq_len, 0))
+
+
+def decode_graph_bytes(
+    model: CausalLM,
+    layout: KVLayout,
+    attn_backend: AttentionBackend,
+    device: torch.device,
+    *,
+    batch_sizes: tuple[int, ...],
+    max_model_len: int,
+) -> int:
+    """Bytes the decode graphs of ``batch_sizes`` (sorted) hold (0 off CUDA: not measurable).
+
+    The largest bucket's forward runs eagerly from the graphs' static buffers against a
+    one-block cache (every row is padding, reading block 0), so the attention metadata, and
+    with it the decode kernel's split count, is the one the graph is captured with. It runs on
+    a stream of its own, as the capture does: cuBLAS gives each stream its own workspace.
+    """
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+        graphs = build_largest_decode_graph(
+            model, layout, attn_backend, device, batch_sizes, max_model_len
+        )
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - layout.bytes_per_block
+    row_bytes = graphs.output_row_bytes()
+    del graphs
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:  # the side stream's workspace, counted above
+        clear_workspaces()
+    torch.cuda.empty_cache()
+    return int(peak + sum(batch_sizes[:-1]) * row_bytes)
+
+
+def build_largest_decode_graph(
+    model: CausalLM,
+    layout: KVLayout,
+    attn_backend: AttentionBackend,
+    device: torch.device,
+    batch_sizes: tuple[int, ...],
+    max_model_len: int,
+) -> DecodeGraphs:
+    """The largest bucket of ``batch_sizes`` run once, eagerly, against a one-block cache."""
+    cache = torch.zeros(layout.shape(1), dtype=layout.dtype, device=device)
+    return DecodeGraphs(
+        model,
+        cache,
+        attn_backend,
+        max_model_len=max_model_len,
+        batch_sizes=batch_sizes[-1:],
+        capturer=EagerCapturer(),
+    )

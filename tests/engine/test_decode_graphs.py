@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention.selector import get_attention_backend
 from engine.decode_graphs import (
     PAD_SLOT,
     DecodeGraphs,
@@ -25,12 +26,17 @@ from engine.decode_graphs import (
     use_decode_graphs,
 )
 from engine.engine_config import LoadConfig
+from engine.kv_cache.budget import KVLayout
+from engine.memory_profile import build_largest_decode_graph, decode_graph_bytes
+from engine.model_config import load_model_config
+from engine.model_loader import load_model
 from engine.scheduler.outputs import ScheduledSequence
 from engine.sequence import Sequence
 from router.cli import build_parser
 from router.cluster_config import ClusterConfig
 
 BLOCK_SIZE = 4
+CPU = torch.device("cpu")
 
 
 def _entry(
@@ -82,11 +88,11 @@ def test_graph_batch_size_takes_decode_only_steps_that_fit() -> None:
 
 
 def test_graphs_only_on_cuda_with_triton() -> None:
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cuda = torch.device("cuda")
     assert use_decode_graphs(False, cuda, "triton")
     assert not use_decode_graphs(True, cuda, "triton")
     assert not use_decode_graphs(False, cuda, "torch")
-    assert not use_decode_graphs(False, cpu, "triton")
+    assert not use_decode_graphs(False, CPU, "triton")
 
 
 def test_load_config_checks_max_capture_batch_size() -> None:
@@ -125,7 +131,7 @@ def test_pad_decode_inputs_rejects_a_step_larger_than_the_batch() -> None:
 
 
 def test_static_buffers_start_as_padding_and_take_a_step() -> None:
-    buffers = StaticDecodeBuffers.allocate(8, 5, torch.device("cpu"))
+    buffers = StaticDecodeBuffers.allocate(8, 5, CPU)
     assert buffers.slot_mapping.tolist() == [PAD_SLOT] * 8
     assert buffers.seq_lens.tolist() == [1] * 8
     assert not buffers.block_tables.any() and not buffers.input_ids.any()
@@ -146,13 +152,13 @@ def test_static_buffers_start_as_padding_and_take_a_step() -> None:
 
 
 def test_static_buffers_reject_inputs_that_do_not_fit() -> None:
-    buffers = StaticDecodeBuffers.allocate(4, 2, torch.device("cpu"))
+    buffers = StaticDecodeBuffers.allocate(4, 2, CPU)
     with pytest.raises(ValueError, match="exceed the static buffers"):
         buffers.fill(pad_decode_inputs([_decode(9, [1, 2, 3])], 1, BLOCK_SIZE))  # 3 blocks > 2
 
 
 def test_captured_metadata_views_the_static_buffers() -> None:
-    buffers = StaticDecodeBuffers.allocate(8, 5, torch.device("cpu"))
+    buffers = StaticDecodeBuffers.allocate(8, 5, CPU)
     metadata = buffers.metadata(4, max_seq_len=5 * BLOCK_SIZE)
     assert (metadata.num_prefill_seqs, metadata.num_prefill_tokens) == (0, 0)
     assert metadata.num_decode_seqs == metadata.num_tokens == 4
@@ -214,6 +220,22 @@ def _with_eager_graphs(llm: LLM, max_batch_size: int) -> DecodeGraphs:
     )
     engine.runner.decode_graphs = graphs
     return graphs
+
+
+def test_decode_graph_profile_runs_the_largest_bucket_of_padding_rows(llama_dir: Path) -> None:
+    config = load_model_config(llama_dir)
+    model = load_model(llama_dir, config, torch.float32, CPU)
+    backend = get_attention_backend("triton", CPU)
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, 16, torch.float32)
+    graphs = build_largest_decode_graph(model, layout, backend, CPU, (1, 2, 6), 200)
+    assert graphs.batch_sizes == (6,)  # only the largest: the smaller graphs reuse its memory
+    assert graphs.max_seq_len == 208  # the capacity the graph's attention metadata carries
+    assert graphs.output_row_bytes() == config.hidden_size * 4
+    assert (graphs.buffers.slot_mapping == -1).all()  # all padding: one cache block is enough
+    profiled = decode_graph_bytes(
+        model, layout, backend, CPU, batch_sizes=(1, 2, 6), max_model_len=200
+    )
+    assert profiled == 0  # only measured on CUDA
 
 
 def test_capture_writes_no_kv(llama_dir: Path) -> None:

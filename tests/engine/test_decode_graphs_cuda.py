@@ -18,8 +18,13 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
+from engine.attention.selector import get_attention_backend
+from engine.decode_graphs import CudaGraphCapturer, DecodeGraphs, capture_batch_sizes
 from engine.engine_config import CacheConfig, LoadConfig
-from engine.kv_cache.budget import KVBudget
+from engine.kv_cache.budget import KVBudget, KVLayout
+from engine.memory_profile import decode_graph_bytes
+from engine.model_config import load_model_config
+from engine.model_loader import load_model
 from engine.scheduler import SchedulerConfig
 
 pytestmark = [
@@ -122,3 +127,34 @@ def test_logits_with_graphs_match_eager(llama_dir: Path, monkeypatch: pytest.Mon
     assert [t.shape for t in graph_logits] == [t.shape for t in eager_logits]
     for graph_step, eager_step in zip(graph_logits, eager_logits, strict=True):
         torch.testing.assert_close(graph_step, eager_step, rtol=1.6e-2, atol=1e-2)
+
+
+def test_kv_budget_reserves_what_the_graphs_hold(llama_dir: Path) -> None:
+    """The start-up estimate of the graphs' memory (charged to the KV budget) against what
+    capturing every bucket allocates at its high-water mark: static buffers, the largest
+    graph's activations (the smaller ones reuse its pool) and each graph's output."""
+    device = torch.device("cuda")
+    config = load_model_config(llama_dir)
+    model = load_model(llama_dir, config, torch.bfloat16, device)
+    backend = get_attention_backend("triton", device)
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, 16, torch.bfloat16)
+    batch_sizes = capture_batch_sizes(256)
+    estimate = decode_graph_bytes(
+        model, layout, backend, device, batch_sizes=batch_sizes, max_model_len=MAX_MODEL_LEN
+    )
+    cache = torch.zeros(layout.shape(64), dtype=torch.bfloat16, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    graphs = DecodeGraphs(
+        model,
+        cache,
+        backend,
+        max_model_len=MAX_MODEL_LEN,
+        batch_sizes=batch_sizes,
+        capturer=CudaGraphCapturer(device),
+    )
+    torch.cuda.synchronize(device)
+    held = torch.cuda.max_memory_allocated(device) - before
+    assert graphs.batch_sizes == batch_sizes
+    assert 0.9 * held <= estimate <= 1.5 * held + (1 << 20), (estimate, held)
