@@ -12,6 +12,9 @@ The KV cache gets what is left of the GPU budget after the weights and two amoun
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from engine.attention.backend import AttentionBackend
@@ -24,6 +27,7 @@ from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 
 _SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 8  # logits, probs, sorted values, sort indices
+T = TypeVar("T")
 
 
 def peak_activation_bytes(
@@ -40,12 +44,12 @@ def peak_activation_bytes(
     """Bytes a worst-case step allocates beyond the weights (0 off CUDA: not measurable)."""
     if device.type != "cuda":
         return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    run_worst_case_step(model, layout, attn_backend, device, max_num_batched_tokens, max_model_len)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    peak, _ = _peak_allocated_bytes(
+        device,
+        lambda: run_worst_case_step(
+            model, layout, attn_backend, device, max_num_batched_tokens, max_model_len
+        ),
+    )
     torch.cuda.empty_cache()
     return int(peak + max_num_seqs * vocab_size * _SAMPLER_BYTES_PER_LOGIT)
 
@@ -92,15 +96,15 @@ def decode_graph_bytes(
     """
     if device.type != "cuda":
         return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-        graphs = build_largest_decode_graph(
-            model, layout, attn_backend, device, batch_sizes, max_model_len
-        )
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before - layout.bytes_per_block
+
+    def build_on_a_side_stream() -> DecodeGraphs:
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+            return build_largest_decode_graph(
+                model, layout, attn_backend, device, batch_sizes, max_model_len
+            )
+
+    peak, graphs = _peak_allocated_bytes(device, build_on_a_side_stream)
+    peak -= layout.bytes_per_block  # the one-block cache
     row_bytes = graphs.output_row_bytes()
     del graphs
     clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -128,3 +132,14 @@ def build_largest_decode_graph(
         batch_sizes=batch_sizes[-1:],
         capturer=EagerCapturer(),
     )
+
+
+def _peak_allocated_bytes(device: torch.device, run: Callable[[], T]) -> tuple[int, T]:
+    """How far ``run`` raised the device's allocated bytes at its high-water mark, and what it
+    returned."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before, result
