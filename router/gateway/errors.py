@@ -42,3 +42,9 @@ def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
 
 def unavailable(message: str, retry_after_s: int = 5) -> ApiError:
     return ApiError(503, message, "service_unavailable", retry_after_s=retry_after_s)
+
+
+def cluster_failed(error: Exception) -> ApiError:
+    """A 503 for a request the cluster failed (a worker died, a KV transfer failed): worth
+    retrying at once, as both front doors tell their clients."""
+    return ApiError(503, str(error), "service_unavailable", retry_after_s=1)

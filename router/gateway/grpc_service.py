@@ -22,7 +22,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cluster import RequestFailedError
 from router.gateway.auth import Caller
-from router.gateway.errors import ApiError
+from router.gateway.errors import ApiError, cluster_failed
 from router.gateway.grpc_messages import (
     aborted_message,
     chunk_message,
@@ -83,7 +83,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await self._generate(spec, caller, context)
         except RequestFailedError as error:  # as HTTP: 503, worth retrying
             self.gateway.record_outcome("failed")
-            await _abort(context, ApiError(503, str(error), "service_unavailable", retry_after_s=1))
+            await _abort(context, cluster_failed(error))
         except ApiError as error:
             await _abort(context, error)
         except Exception as error:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Literal
 
 import anyio
@@ -23,9 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from router.cluster import RequestFailedError
-from router.gateway.auth import Caller
 from router.gateway.dashboard import ASSETS, asset
-from router.gateway.errors import ApiError, invalid
+from router.gateway.errors import ApiError, cluster_failed, invalid
 from router.gateway.openai_request import OpenAIJob, parse_job
 from router.gateway.openai_response import (
     ChoiceText,
@@ -175,8 +174,10 @@ async def _generate(
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     header = ResponseHeader(new_request_id(prefix), int(time.time()), gateway.model.name)
     if job.stream:
-        gateway.check_admission()  # refuse with a status code while one can still be sent
-        return _EventStream(_stream(gateway, job, header, caller))
+        # admitted now, so that a refusal is still a status code; the stream gives the slot back
+        admission = contextlib.ExitStack()
+        live = admission.enter_context(gateway.admitted(header.id, caller))
+        return _EventStream(_stream(gateway, job, header, live), on_close=admission.close)
     with gateway.admitted(header.id, caller) as live:
         return await _respond_whole(gateway, request, job, header, live)
 
@@ -221,7 +222,7 @@ async def _respond_whole(
         task.result()
     except RequestFailedError as error:
         gateway.record_outcome("failed")
-        raise ApiError(503, str(error), "service_unavailable", retry_after_s=1) from error
+        raise cluster_failed(error) from error
     gateway.record_finished(generations)
     gateway.record_outcome("ok")
     logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
@@ -236,17 +237,15 @@ async def _client_disconnected(request: Request) -> None:
 
 
 async def _stream(
-    gateway: Gateway, job: OpenAIJob, header: ResponseHeader, caller: Caller
+    gateway: Gateway, job: OpenAIJob, header: ResponseHeader, live: LiveRequest
 ) -> AsyncGenerator[bytes, None]:
     try:
-        with gateway.admitted(header.id, caller) as live:
-            async with contextlib.aclosing(_chunks(gateway, job, header, live)) as chunks:
-                async for chunk in chunks:
-                    yield _sse(chunk)
-    except (ApiError, RequestFailedError) as error:
-        api_error = error if isinstance(error, ApiError) else ApiError(503, str(error))
-        gateway.record_outcome("failed" if isinstance(error, RequestFailedError) else "rejected")
-        yield _sse(api_error.body())
+        async with contextlib.aclosing(_chunks(gateway, job, header, live)) as chunks:
+            async for chunk in chunks:
+                yield _sse(chunk)
+    except RequestFailedError as error:  # after the 200: the error is the stream's last event
+        gateway.record_outcome("failed")
+        yield _sse(cluster_failed(error).body())
     yield b"data: [DONE]\n\n"
 
 
@@ -307,13 +306,14 @@ class _EventStream(StreamingResponse):
     requests would run on in the cluster until it came round.
     """
 
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], object]) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._events = events
+        self._on_close = on_close  # after the generator: gives the request's slot back
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -327,5 +327,8 @@ class _EventStream(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._events.aclose()
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._events.aclose()
+            finally:
+                self._on_close()

@@ -16,7 +16,8 @@ from router.gateway.server import _bound_socket
 def test_disconnect_during_a_send_closes_the_events_at_once() -> None:
     """The client leaves while a chunk is being written (a slow reader: the send waits on flow
     control). The events' generator must be closed when the response returns, not whenever
-    the garbage collector finds it: closing it is what aborts the requests in the cluster."""
+    the garbage collector finds it: closing it is what aborts the requests in the cluster.
+    Then, and only then, the request's slot is given back."""
     closed: list[str] = []
 
     async def events() -> AsyncGenerator[bytes, None]:
@@ -28,7 +29,7 @@ def test_disconnect_during_a_send_closes_the_events_at_once() -> None:
 
     async def run() -> list[str]:
         sending = asyncio.Event()
-        response = _EventStream(events())
+        response = _EventStream(events(), on_close=lambda: closed.append("slot given back"))
 
         async def send(message: Message) -> None:
             if message["type"] == "http.response.body":
@@ -43,7 +44,7 @@ def test_disconnect_during_a_send_closes_the_events_at_once() -> None:
         await asyncio.wait_for(response(scope, receive, send), timeout=10)
         return list(closed)  # before asyncio.run's own clean-up of unfinished generators
 
-    assert asyncio.run(run()) == ["closed"], "the events' generator was left open"
+    assert asyncio.run(run()) == ["closed", "slot given back"], "the events were left open"
 
 
 def test_http_connections_send_without_nagle_delay() -> None:

@@ -1,0 +1,186 @@
+"""Streams against a cluster that paces or fails its tokens on cue: a stream holds its slot from
+the moment it is accepted (so a refusal is still a status code, counted once) and gives it back
+however it ends, and a cluster failure reads the same streamed or whole.
+
+The cluster here is a scripted ``GenerationBackend`` (the gateway's one dependency), so the
+failures happen exactly when the test says; the real tokenizer and gateway run around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, Iterator, Sequence
+
+import httpx
+import pytest
+from starlette.requests import Request
+from starlette.types import Message
+
+from engine.messages import TokenEvent
+from engine.sampling import SamplingParams
+from router.cluster import RequestFailedError, WorkerStatus
+from router.gateway.auth import ApiKeys
+from router.gateway.errors import ApiError
+from router.gateway.http_app import _generate
+from router.gateway.limits import RequestLimits
+from router.gateway.served_model import ServedModel
+from router.gateway.server import GatewayServer
+from router.gateway.service import Gateway
+
+pytestmark = pytest.mark.timeout(120)
+
+DEMO_MODEL = "engine/demo_model/assets"
+TOKENS = (318, 264, 1400, 286, 4444, 13)
+
+
+class ScriptedCluster:
+    """Yields ``TOKENS`` one position every ``pace_s``; fails at position ``fail_at``."""
+
+    def __init__(self, pace_s: float, fail_at: int | None = None) -> None:
+        self.pace_s = pace_s
+        self.fail_at = fail_at
+
+    def worker_statuses(self) -> list[WorkerStatus]:
+        return [WorkerStatus("decode-0", "decode", True, None)]
+
+    def local_prefills(self) -> dict[str, int]:
+        return {}
+
+    def is_ready(self) -> bool:
+        return True
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[TokenEvent, None]:
+        num_tokens = min(params.max_tokens or len(TOKENS), len(TOKENS))
+        for position in range(num_tokens):
+            if position == self.fail_at:
+                raise RequestFailedError("decode worker decode-0 died and no other can resume")
+            finish = "length" if position == num_tokens - 1 else None
+            for sample in range(params.n):
+                yield TokenEvent(request_id or "", sample, position, TOKENS[position], None, finish)
+            await asyncio.sleep(self.pace_s)
+
+
+@pytest.fixture(scope="module")
+def served_demo() -> ServedModel:
+    return ServedModel.load(DEMO_MODEL, "pdserve-demo", None)
+
+
+@contextlib.contextmanager
+def _serve(
+    cluster: ScriptedCluster, model: ServedModel, **limits: int
+) -> Iterator[tuple[Gateway, str]]:
+    """The gateway over ``cluster``, and its completions URL."""
+    gateway = Gateway(
+        cluster, model, RequestLimits(max_model_len=model.max_model_len, **limits), ApiKeys([])
+    )
+    server = GatewayServer(gateway, "127.0.0.1", 0, None)
+    server.start()
+    try:
+        yield gateway, server.http_url + "/v1/completions"
+    finally:
+        server.stop()
+
+
+def _wait_until_idle(gateway: Gateway, timeout_s: float = 5.0) -> None:
+    started = time.monotonic()
+    while gateway.num_in_flight and time.monotonic() - started < timeout_s:
+        time.sleep(0.02)
+    assert gateway.num_in_flight == 0
+
+
+def _requests_by_status(gateway: Gateway) -> dict[str, float]:
+    """``pdserve:requests_total`` by status, the statuses counted at least once."""
+    counts: dict[str, float] = {}
+    for metric in gateway.metrics.registry.collect():
+        if metric.name == "pdserve:requests":
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    counts[sample.labels["status"]] = sample.value
+    return counts
+
+
+def _post(body: dict[str, object]) -> Request:
+    """A POST of ``body`` as the endpoint receives it."""
+    payload = json.dumps(body).encode()
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": payload, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    return Request(scope, receive)
+
+
+def test_a_stream_takes_its_slot_before_its_response_starts(served_demo: ServedModel) -> None:
+    """One slot: a second stream accepted before the first has sent a byte is refused with a
+    status code, 429 and Retry-After, counted once. (Before, the slot was taken only once the
+    first stream's body began, so streams arriving together all got a 200, the late ones with an
+    error event in it, each counted twice.) The slot comes back when the stream ends."""
+    limits = RequestLimits(max_model_len=served_demo.max_model_len, max_concurrent_requests=1)
+    gateway = Gateway(ScriptedCluster(pace_s=0.01), served_demo, limits, ApiKeys([]))
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+    sent: list[Message] = []
+
+    async def scenario() -> None:
+        first = await _generate(gateway, _post(body), "completion")
+        assert gateway.num_in_flight == 1
+        with pytest.raises(ApiError) as refused:
+            await _generate(gateway, _post(body), "completion")
+        assert (refused.value.status, refused.value.retry_after_s) == (429, 1)
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        async def client_stays() -> Message:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        await first({"type": "http", "asgi": {"spec_version": "2.4"}}, client_stays, send)
+
+    asyncio.run(scenario())
+    assert sent[0]["status"] == 200
+    assert sent[-2]["body"] == b"data: [DONE]\n\n"
+    assert gateway.num_in_flight == 0
+    assert _requests_by_status(gateway) == {"ok": 1.0, "rejected": 1.0}
+
+
+def test_a_stream_the_client_leaves_gives_its_slot_back(served_demo: ServedModel) -> None:
+    body = {"prompt": "hi", "max_tokens": 6, "stream": True}
+    cluster = ScriptedCluster(pace_s=0.5)
+    with (
+        _serve(cluster, served_demo, max_concurrent_requests=1) as (gateway, url),
+        httpx.Client(timeout=60) as client,
+    ):
+        with client.stream("POST", url, json=body) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())
+            assert gateway.num_in_flight == 1
+        _wait_until_idle(gateway)  # the client left after one event
+        assert client.post(url, json={**body, "max_tokens": 1}).status_code == 200
+
+
+def test_a_cluster_failure_reads_the_same_streamed_or_whole(served_demo: ServedModel) -> None:
+    body = {"prompt": "hi", "max_tokens": 6}
+    with _serve(ScriptedCluster(pace_s=0.01, fail_at=2), served_demo) as (gateway, url):
+        with httpx.Client(timeout=60) as client:
+            whole = client.post(url, json=body)
+            assert whole.status_code == 503 and whole.headers["Retry-After"] == "1"
+            assert whole.json()["error"]["type"] == "service_unavailable"
+            with client.stream("POST", url, json={**body, "stream": True}) as response:
+                lines = [line for line in response.iter_lines() if line]
+            assert response.status_code == 200  # sent with the first token, before the failure
+            assert lines[-1] == "data: [DONE]"
+            error = json.loads(lines[-2].removeprefix("data: "))["error"]
+            assert error["type"] == "service_unavailable"
+            assert "decode-0 died" in error["message"]
+        assert _requests_by_status(gateway) == {"failed": 2.0}
+        _wait_until_idle(gateway)
