@@ -76,7 +76,8 @@ class LLM:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        request_ids = []
+        request_ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):
                 request_id = str(next(self._request_ids))
@@ -84,17 +85,19 @@ class LLM:
                 token_ids = self._encode(prompt)
                 self.engine.add_request(request_id, token_ids, params, prompt=text)
                 request_ids.append(request_id)
-        except Exception:
+            mine = set(request_ids)  # the engine may hold others' requests too
+            while len(finished) < len(request_ids):
+                step = self.engine.step()
+                if not step.new_tokens and not step.finished and not self.engine.scheduler.running:
+                    raise RuntimeError(
+                        "the scheduler admitted nothing although requests are waiting"
+                    )
+                finished.update((o.request_id, o) for o in step.finished if o.request_id in mine)
+        except BaseException:  # bad input, a failed step, Ctrl-C: leave the engine empty
             for request_id in request_ids:
-                self.engine.abort_request(request_id)
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
             raise
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(request_ids):
-            step = self.engine.step()
-            if not step.new_tokens and not step.finished and not self.engine.scheduler.running:
-                raise RuntimeError("the scheduler admitted nothing although requests are waiting")
-            for output in step.finished:
-                finished[output.request_id] = output
         return [self._detokenized(finished[rid], p) for rid, p in zip(request_ids, params_list)]
 
     def _encode(self, prompt: Prompt) -> list[int]:

@@ -79,12 +79,20 @@ class BlockManager:
         return copies
 
     def commit_computed(self, seq: Sequence) -> None:
-        """Register newly filled blocks of ``seq`` in the prefix cache (call after a step)."""
+        """Register newly filled blocks of ``seq`` in the prefix cache (call after a step).
+
+        Only blocks whose every slot is computed: ``block_hashes`` may already hold the hash of
+        a block a chunked prefill has only half written (``attach_cached_prefix`` hashes the
+        whole prompt), and a cache hit on it would read the unwritten slots.
+        """
         if not self.enable_prefix_caching:
             return
         computed = seq.token_ids[: seq.num_computed_tokens]
         extend_block_hashes(seq.block_hashes, computed, self.block_size, seq.cache_salt)
-        for block_id, block_hash in zip(seq.block_table, seq.block_hashes, strict=False):
+        num_full_blocks = seq.num_computed_tokens // self.block_size
+        for block_id, block_hash in zip(
+            seq.block_table[:num_full_blocks], seq.block_hashes[:num_full_blocks], strict=True
+        ):
             self.pool.register(block_id, block_hash)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

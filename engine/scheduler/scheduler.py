@@ -162,11 +162,12 @@ class Scheduler:
     ) -> int:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            num_seqs_after = len(self.running) + (1 if seq.is_forked else seq.params.n)
-            if num_seqs_after > self.config.max_num_seqs:
+            if _num_seqs_to_come([*self.running, seq]) > self.config.max_num_seqs:
                 break
             if not seq.block_table:
-                seq.num_cached_prompt_tokens = self.block_manager.attach_cached_prefix(seq)
+                num_cached = self.block_manager.attach_cached_prefix(seq)
+                if seq.num_preemptions == 0:  # back from a preemption, it hits its own blocks
+                    seq.num_cached_prompt_tokens = num_cached
             num_new = min(seq.num_uncomputed_tokens, budget)
             chunk_refused = (
                 num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill
@@ -231,3 +232,8 @@ class Scheduler:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _num_seqs_to_come(seqs: Iterable[Sequence]) -> int:
+    """How many sequences ``seqs`` will be once those of n > 1 still prefilling have forked."""
+    return sum(1 if seq.is_forked else seq.params.n for seq in seqs)

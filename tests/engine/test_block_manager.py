@@ -45,6 +45,22 @@ def test_prefix_cache_hit_shares_full_blocks_and_leaves_one_token() -> None:
     assert manager.attach_cached_prefix(third) == 8
 
 
+def test_a_half_computed_block_is_not_cached() -> None:
+    """A chunk that ends inside a block (chunked prefill) leaves that block out of the cache,
+    though the prompt's hashes already name it; the sequence's end (abort, preemption) must not
+    hand its unwritten slots to the next request with the prompt."""
+    manager = BlockManager(16, block_size=4, enable_prefix_caching=True)
+    first = _seq(0, list(range(20)))
+    assert manager.attach_cached_prefix(first) == 0  # hashes all five full blocks of the prompt
+    _compute(manager, first, 6)  # block 0 full, block 1 holds 2 of its 4 tokens
+    manager.free(first)
+    assert manager.attach_cached_prefix(_seq(1, list(range(20)))) == 4
+    second = _seq(2, list(range(20)))
+    assert manager.attach_cached_prefix(second) == 4
+    _compute(manager, second, 4)  # blocks 1 full (and 2 half): block 1 is cached from here on
+    assert manager.attach_cached_prefix(_seq(3, list(range(20)))) == 8
+
+
 def test_cached_blocks_outlive_their_sequence_until_evicted() -> None:
     manager = BlockManager(4, block_size=4, enable_prefix_caching=True)
     first = _seq(0, list(range(9)))

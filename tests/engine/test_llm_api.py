@@ -164,3 +164,42 @@ def test_max_model_len_caps_generation(llama_dir: Path) -> None:
     )
     assert len(out.outputs[0].token_ids) == 10
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_cached_tokens_count_only_what_the_prefix_cache_served_at_first(llama_dir: Path) -> None:
+    """Distinct prompts and 16 blocks of 4: preempted sequences come back to a cache holding
+    their own blocks, which is not a prefix-cache hit on their prompt (usage would report up
+    to 20 cached tokens of a 5-token prompt)."""
+    prompts = [prompt[:5] for prompt in make_prompts(seed=7)[2:8]]
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=16)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert llm.engine.num_preemptions > 0
+    assert [output.num_cached_tokens for output in outputs] == [0] * len(prompts)
+
+
+def test_an_interrupted_generate_leaves_the_engine_empty(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the third step: the call's requests are aborted (their blocks freed), so the
+    next call counts only its own outputs."""
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
+    free_blocks = llm.engine.block_manager.num_free_blocks
+    step = llm.engine.step
+    num_steps = 0
+
+    def interrupted_step() -> object:
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    prompts = [prompt[:8] for prompt in make_prompts(seed=3)[3:6]]
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == free_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    outputs = llm.generate(prompts[:2], params)
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [30, 30]

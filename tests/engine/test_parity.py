@@ -120,3 +120,51 @@ def test_attention_backends_match_transformers(llama_dir: Path, backend: str, mo
     assert engine_tokens(llm, prompts) == reference(llama_dir, prompts, key)
     if mode == "prefix-cache":
         assert engine_tokens(llm, prompts) == reference(llama_dir, prompts, key)
+
+
+def test_a_prompt_aborted_mid_block_then_sent_again_matches_transformers(llama_dir: Path) -> None:
+    """The first chunk of a prompt ends inside its second block; the request is aborted (as a
+    client that disconnects) and sent again: only the full first block is a cache hit."""
+    prompt = make_prompts(seed=5)[3][:20]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=6)
+    llm.engine.add_request("first", prompt, params)
+    llm.engine.step()  # 6 prompt tokens: block 0 full, block 1 half written
+    llm.engine.abort_request("first")
+    (again,) = llm.generate([prompt], params)
+    assert again.num_cached_tokens == 4
+    assert again.outputs[0].token_ids == hf_greedy(llama_dir, prompt, 10)
+
+
+def test_preempted_chunked_prefills_with_shared_prefixes_match_transformers(
+    llama_dir: Path,
+) -> None:
+    """Chunks of 9 tokens end inside blocks of 4, and 12 blocks force preemptions: a preempted
+    sequence that comes back must find only fully written blocks of its own in the cache."""
+    rng = random.Random(9)
+    rng.choice([2, 4, 8]), rng.choice([3, 5, 6, 7, 9, 13]), rng.randrange(3, 7)  # the search that found it
+    base = [rng.randrange(3, 1024) for _ in range(40)]
+    prompts = []
+    for _ in range(5):
+        length = rng.randrange(1, 40)
+        shared = rng.random() < 0.5
+        prompts.append(base[:length] if shared else [rng.randrange(3, 1024) for _ in range(length)])
+    assert [len(p) for p in prompts] == [25, 27, 25, 2, 35]
+    max_tokens = (8, 6, 17, 2, 12)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, n=2 if i == 2 else 1)
+        for i, m in enumerate(max_tokens)
+    ]
+    llm = LLM(
+        str(llama_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        max_num_batched_tokens=9,
+        num_kv_blocks=12,
+    )
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.num_preemptions > 0
+    for prompt, num_tokens, output in zip(prompts, max_tokens, outputs, strict=True):
+        expected = hf_greedy(llama_dir, prompt, num_tokens)
+        assert [sample.token_ids for sample in output.outputs] == [expected] * len(output.outputs)

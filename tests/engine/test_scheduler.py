@@ -124,6 +124,22 @@ def test_max_num_seqs_caps_running_batch() -> None:
     assert max(len(out.scheduled) for out in outputs) == 2
 
 
+def test_max_num_seqs_counts_the_samples_a_prefilling_request_will_fork_into() -> None:
+    """Two n = 3 requests under max_num_seqs 4: the second waits until the first is done, also
+    when the first's prompt is still being prefilled (as one sequence) when it arrives."""
+    harness = Harness(max_num_seqs=4, max_num_batched_tokens=16)
+    first = harness.add(list(range(3, 15)), max_tokens=5, n=3)
+    second = harness.add(list(range(20, 32)), max_tokens=5, n=3)
+    most_running = 0
+    while harness.scheduler.num_unfinished:
+        out = harness.scheduler.schedule()
+        harness.scheduler.update(out, fake_run(out))
+        most_running = max(most_running, len(harness.scheduler.running))
+    assert most_running == 3
+    assert first.output_token_ids == expected_output(list(range(3, 15)), 5)
+    assert second.output_token_ids == expected_output(list(range(20, 32)), 5)
+
+
 def test_out_of_blocks_preempts_newest_and_recomputes_same_tokens() -> None:
     harness = Harness(num_blocks=10, block_size=4)
     prompts = [[3 + i] * 6 for i in range(4)]
