@@ -16,6 +16,9 @@ from dataclasses import dataclass, fields
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this mean greedy (argmax) decoding
 MAX_LOGPROBS = 20  # the most top-N logprobs a request may ask for
 MAX_PENALTY = 2.0  # presence/frequency penalties live in [-MAX_PENALTY, MAX_PENALTY]
+# Logits are divided or multiplied by the repetition penalty in float32: far outside these
+# bounds they overflow to inf (or the penalty itself rounds to 0 or inf), and sampling reads NaN.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,7 +64,12 @@ class SamplingParams:
         min_p = _as_float("min_p", self.min_p)
         _check(0 <= min_p <= 1, "min_p", "must be in [0, 1]", min_p)
         repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
-        _check(repetition_penalty > 0, "repetition_penalty", "must be > 0", repetition_penalty)
+        _check(
+            MIN_REPETITION_PENALTY <= repetition_penalty <= MAX_REPETITION_PENALTY,
+            "repetition_penalty",
+            "must be in [1e-6, 1e6]",
+            repetition_penalty,
+        )
         presence_penalty = _penalty("presence_penalty", self.presence_penalty)
         frequency_penalty = _penalty("frequency_penalty", self.frequency_penalty)
         seed = None if self.seed is None else _as_int("seed", self.seed)

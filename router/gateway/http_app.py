@@ -151,7 +151,7 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         raise invalid(f"the request body is not valid UTF-8 (byte {error.start})") from error
     try:
         return json.loads(text)
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, too many digits or levels
         raise invalid(f"the request body is not valid JSON: {error}") from error
 
 

@@ -64,11 +64,15 @@ def parse_job(
         max_tokens = _chat_max_tokens(body)
         logprobs = _chat_logprobs(body)
         prompt_param = "messages"
+        wire_names = {"logprobs": "top_logprobs"}
+        if body.get("max_completion_tokens") is not None:
+            wire_names["max_tokens"] = "max_completion_tokens"
     else:
         prompts = _completion_prompts(body, model, limits)
         max_tokens = _optional(body, "max_tokens", int, _COMPLETION_DEFAULT_MAX_TOKENS)
         logprobs = _optional(body, "logprobs", int)
         prompt_param = "prompt"
+        wire_names = {}
     sampling = _sampling_fields(body)
     sampling["max_tokens"] = max_tokens
     sampling["logprobs"] = logprobs
@@ -82,6 +86,7 @@ def parse_job(
             vocab_size=model.vocab_size,
             cache_salt=caller.tenant_salt,
             prompt_param=prompt_param,
+            wire_names=wire_names,
         )
         for prompt in prompts
     ]
@@ -244,7 +249,11 @@ def _optional(
     if value is None:
         return default
     if kind is float and _is_int(value):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            message = f"{param or name} is too large for a floating-point number"
+            raise invalid(message, param=param or name) from None
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)  # 16.0 is 16, as OpenAI's API accepts
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):

@@ -32,19 +32,29 @@ def make_spec(
     vocab_size: int,
     cache_salt: str | None,
     prompt_param: str = "prompt",
+    wire_names: Mapping[str, str] | None = None,
 ) -> GenerationSpec:
     """Check a request against the limits and build its spec; ApiError(400) names the field.
 
     ``sampling`` holds SamplingParams keywords; ``max_tokens`` None means "the context left".
+    ``wire_names`` maps a keyword to the request field it came from where the two differ (chat's
+    ``max_completion_tokens`` and ``top_logprobs``), so that errors name the field sent.
     """
+    names = wire_names or {}
     prompt = _checked_prompt(prompt_token_ids, limits, vocab_size, prompt_param)
     fields = dict(sampling)
-    fields["max_tokens"] = _max_tokens(fields.get("max_tokens"), len(prompt), limits)
-    _check_bounds(fields, stop, limits, vocab_size)
+    max_tokens_name = names.get("max_tokens", "max_tokens")
+    fields["max_tokens"] = _max_tokens(
+        fields.get("max_tokens"), len(prompt), limits, max_tokens_name
+    )
+    _check_bounds(fields, stop, limits, vocab_size, names.get("logprobs", "logprobs"))
     try:
         params = SamplingParams(**fields)
     except ValueError as error:
-        raise invalid(str(error), param=str(error).split(" ", 1)[0]) from error
+        keyword = str(error).split(" ", 1)[0]
+        wire_name = names.get(keyword, keyword)
+        message = str(error).replace(keyword, wire_name, 1)
+        raise invalid(message, param=wire_name) from error
     return GenerationSpec(prompt, params, tuple(stop), cache_salt)
 
 
@@ -72,32 +82,37 @@ def _checked_prompt(
     return prompt
 
 
-def _max_tokens(value: Any, num_prompt_tokens: int, limits: RequestLimits) -> int:
+def _max_tokens(
+    value: Any, num_prompt_tokens: int, limits: RequestLimits, name: str = "max_tokens"
+) -> int:
     room = limits.max_model_len - num_prompt_tokens
     cap = room if limits.max_tokens is None else min(room, limits.max_tokens)
     if value is None:
         return cap
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"max_tokens must be an integer, got {value!r}", param="max_tokens")
+        raise invalid(f"{name} must be an integer, got {value!r}", param=name)
     if value < 1:
-        raise invalid(f"max_tokens must be >= 1, got {value}", param="max_tokens")
+        raise invalid(f"{name} must be >= 1, got {value}", param=name)
     if limits.max_tokens is not None and value > limits.max_tokens:
         raise invalid(
-            f"max_tokens must be <= {limits.max_tokens} on this server, got {value}",
-            param="max_tokens",
+            f"{name} must be <= {limits.max_tokens} on this server, got {value}", param=name
         )
     if value > room:
         raise invalid(
             f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
-            f"has {num_prompt_tokens} and max_tokens asks for {value} more (at most {room} fit)",
-            param="max_tokens",
+            f"has {num_prompt_tokens} and {name} asks for {value} more (at most {room} fit)",
+            param=name,
             code="context_length_exceeded",
         )
     return value
 
 
 def _check_bounds(
-    fields: Mapping[str, Any], stop: Sequence[str], limits: RequestLimits, vocab_size: int
+    fields: Mapping[str, Any],
+    stop: Sequence[str],
+    limits: RequestLimits,
+    vocab_size: int,
+    logprobs_name: str = "logprobs",
 ) -> None:
     n = fields.get("n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > limits.max_n:
@@ -105,7 +120,8 @@ def _check_bounds(
     logprobs = fields.get("logprobs")
     if isinstance(logprobs, int) and logprobs > limits.max_logprobs:
         raise invalid(
-            f"top logprobs must be <= {limits.max_logprobs}, got {logprobs}", param="logprobs"
+            f"{logprobs_name} must be <= {limits.max_logprobs}, got {logprobs}",
+            param=logprobs_name,
         )
     if len(stop) > limits.max_stop_strings:
         raise invalid(
