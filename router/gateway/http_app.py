@@ -274,7 +274,8 @@ async def _chunks(
                         formatter.completion(delta.logprobs, offsets[index]) if formatter else None
                     )
                     chunk = completion_chunk(header, index, delta, logprobs)
-                offsets[index] += len(delta.text)
+                    if logprobs is not None:  # by the tokens' text, as the whole response does
+                        offsets[index] += sum(map(len, logprobs["tokens"]))
                 yield _with_usage(chunk, job)
     except (asyncio.CancelledError, anyio.get_cancelled_exc_class(), GeneratorExit):
         gateway.record_outcome("aborted")

@@ -1,6 +1,6 @@
 """Streams against a cluster that paces or fails its tokens on cue: a stream holds its slot from
 the moment it is accepted (so a refusal is still a status code, counted once) and gives it back
-however it ends, and a cluster failure reads the same streamed or whole.
+however it ends; a cluster failure, and logprobs' text offsets, read the same streamed or whole.
 
 The cluster here is a scripted ``GenerationBackend`` (the gateway's one dependency), so the
 failures happen exactly when the test says; the real tokenizer and gateway run around it.
@@ -21,6 +21,7 @@ from starlette.types import Message
 
 from engine.messages import TokenEvent
 from engine.sampling import SamplingParams
+from engine.sampling.messages import TokenLogprobs
 from router.cluster import RequestFailedError, WorkerStatus
 from router.gateway.auth import ApiKeys
 from router.gateway.errors import ApiError
@@ -33,7 +34,7 @@ from router.gateway.service import Gateway
 pytestmark = pytest.mark.timeout(120)
 
 DEMO_MODEL = "engine/demo_model/assets"
-TOKENS = (318, 264, 1400, 286, 4444, 13)
+TOKENS = (318, 264, 1400, 286, 4444, 13)  # "ic", " the", " trace", "ct", "", "+"
 
 
 class ScriptedCluster:
@@ -65,8 +66,12 @@ class ScriptedCluster:
             if position == self.fail_at:
                 raise RequestFailedError("decode worker decode-0 died and no other can resume")
             finish = "length" if position == num_tokens - 1 else None
+            token = TOKENS[position]
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = TokenLogprobs(token, -0.5 - position, 1, (token,), (-0.5 - position,))
             for sample in range(params.n):
-                yield TokenEvent(request_id or "", sample, position, TOKENS[position], None, finish)
+                yield TokenEvent(request_id or "", sample, position, token, logprobs, finish)
             await asyncio.sleep(self.pace_s)
 
 
@@ -184,3 +189,21 @@ def test_a_cluster_failure_reads_the_same_streamed_or_whole(served_demo: ServedM
             assert "decode-0 died" in error["message"]
         assert _requests_by_status(gateway) == {"failed": 2.0}
         _wait_until_idle(gateway)
+
+
+def test_streamed_text_offsets_are_the_whole_responses(served_demo: ServedModel) -> None:
+    """The stop string "e+" holds back the "e" that ends " the" and " trace" until the next
+    token rules it out, so those chunks carry a token's logprobs but only part of its text: the
+    offsets still follow the tokens' text (they once followed the text sent, and fell behind)."""
+    body = {"prompt": "hi", "max_tokens": 6, "logprobs": 1, "stop": ["e+"]}
+    with _serve(ScriptedCluster(pace_s=0.0), served_demo) as (_, url), httpx.Client() as client:
+        whole = client.post(url, json=body).json()["choices"][0]
+        assert whole["text"] == "ic the tracect+"
+        streamed_offsets: list[int] = []
+        with client.stream("POST", url, json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                        streamed_offsets += choice["logprobs"]["text_offset"]
+    assert whole["logprobs"]["text_offset"] == [0, 2, 6, 12, 14, 14]
+    assert streamed_offsets == whole["logprobs"]["text_offset"]
