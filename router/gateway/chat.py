@@ -25,7 +25,9 @@ def parse_messages(value: Any, limits: RequestLimits) -> list[dict[str, str]]:
             f"messages holds {len(value)} messages; at most {limits.max_messages} are allowed",
             param="messages",
         )
-    return [_parse_message(i, message) for i, message in enumerate(value)]
+    messages = [_parse_message(i, message) for i, message in enumerate(value)]
+    check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", limits.max_model_len)
+    return messages
 
 
 def _parse_message(index: int, message: Any) -> dict[str, str]:
@@ -77,6 +79,18 @@ def check_text(text: str, param: str) -> str:
             param=param,
         ) from error
     return text
+
+
+def check_prompt_chars(num_chars: int, param: str, max_model_len: int) -> None:
+    """A 400 for prompt text that cannot fit the context whatever the tokenizer (none yields
+    fewer than one token per 16 characters), before tokenizing it holds up the event loop."""
+    if num_chars > 16 * max_model_len + 1024:
+        raise invalid(
+            f"{param} is {num_chars} characters, far beyond this model's maximum context "
+            f"length of {max_model_len} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

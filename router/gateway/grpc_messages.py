@@ -13,7 +13,7 @@ from typing import Any
 from engine.sampling.messages import TokenLogprobs
 from pdserve.v1 import generation_pb2 as pb
 from router.gateway.auth import Caller
-from router.gateway.chat import check_text
+from router.gateway.chat import check_prompt_chars, check_text
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
 from router.gateway.openai_response import LogprobsFormatter, Usage
@@ -85,13 +85,7 @@ def _encode(model: ServedModel, text: str) -> list[int]:
     if not text:
         raise invalid("text must not be empty", param="text")
     check_text(text, "text")
-    if len(text) > 16 * model.max_model_len + 1024:  # no tokenizer yields < 1 token / 16 chars
-        raise invalid(
-            f"text is {len(text)} characters, far beyond this model's maximum context length "
-            f"of {model.max_model_len} tokens",
-            param="text",
-            code="context_length_exceeded",
-        )
+    check_prompt_chars(len(text), "text", model.max_model_len)
     return list(model.tokenizer.encode(text))
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from router.gateway.auth import Caller
-from router.gateway.chat import check_text, parse_messages, render_chat
+from router.gateway.chat import check_prompt_chars, check_text, parse_messages, render_chat
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
@@ -165,13 +165,7 @@ def _completion_prompts(
 
 def _encode(model: ServedModel, text: str, param: str) -> list[int]:
     check_text(text, param)
-    if len(text) > 16 * model.max_model_len + 1024:  # no tokenizer yields < 1 token / 16 chars
-        raise invalid(
-            f"{param} is {len(text)} characters, far beyond this model's maximum context "
-            f"length of {model.max_model_len} tokens",
-            param=param,
-            code="context_length_exceeded",
-        )
+    check_prompt_chars(len(text), param, model.max_model_len)
     return list(model.tokenizer.encode(text))
 
 

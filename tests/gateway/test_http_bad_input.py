@@ -204,6 +204,20 @@ CASES: list[tuple[str, str, bytes, dict[str, str], int, str, str | None]] = [
         "messages",
     ),
     ("huge stop list", COMPLETIONS, _completion(stop=["a"] * 1000), AUTH, 400, "at most", "stop"),
+    (
+        "chat text far beyond the context",
+        CHAT,
+        _chat(
+            messages=[
+                {"role": "system", "content": "x" * 9000},
+                {"role": "user", "content": "y" * 9000},
+            ]
+        ),
+        AUTH,
+        400,
+        "messages is 18000 characters, far beyond",
+        "messages",
+    ),
     ("stop too long", COMPLETIONS, _completion(stop=["x" * 300]), AUTH, 400, "characters", "stop"),
     ("stop wrong type", COMPLETIONS, _completion(stop=5), AUTH, 400, "stop must be", "stop"),
     (
