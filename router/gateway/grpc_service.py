@@ -14,15 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cluster import RequestFailedError
 from router.gateway.auth import Caller
-from router.gateway.errors import ApiError, cluster_failed
+from router.gateway.errors import ApiError, cluster_failed, invalid
 from router.gateway.grpc_messages import (
     aborted_message,
     chunk_message,
@@ -52,16 +56,69 @@ def build_grpc_server(gateway: Gateway, address: str) -> tuple[grpc.aio.Server, 
 
     Call it on the event loop that will run the server.
     """
+    max_bytes = gateway.limits.max_body_bytes
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", gateway.limits.max_body_bytes),
+            # up to twice the limit reaches _decoder, which refuses it as INVALID_ARGUMENT;
+            # beyond that gRPC itself answers RESOURCE_EXHAUSTED
+            ("grpc.max_receive_message_length", 2 * max_bytes),
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
         ]
     )
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(gateway), server)
+    service = GenerationService(gateway)
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate,
+            request_deserializer=_decoder(pb.GenerateRequest, max_bytes),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            service.Abort,
+            request_deserializer=_decoder(pb.AbortRequest, max_bytes),
+            response_serializer=pb.AbortResponse.SerializeToString,
+        ),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            service.Health,
+            request_deserializer=pb.HealthRequest.FromString,
+            response_serializer=pb.HealthResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels,
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(address)
     return server, port
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """A request whose bytes are no valid message, or too many: it reaches the method in place
+    of the message, which answers INVALID_ARGUMENT naming the reason. (The generated decoder
+    fails before the method runs, which a client sees as UNKNOWN.)"""
+
+    reason: str
+
+
+def _decoder(message: Any, max_bytes: int) -> Callable[[bytes], Any]:
+    """Decodes ``message`` requests of at most ``max_bytes``, else gives an ``Undecodable``."""
+
+    def decode(data: bytes) -> Any:
+        if len(data) > max_bytes:
+            return Undecodable(
+                f"the request is {len(data)} bytes, larger than this server's limit of "
+                f"{max_bytes} bytes"
+            )
+        try:
+            return message.FromString(data)
+        except DecodeError as error:  # e.g. a string field that is not UTF-8
+            return Undecodable(f"the request is not a valid {message.DESCRIPTOR.name}: {error}")
+
+    return decode
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -71,11 +128,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.gateway = gateway
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> None:
         try:
             caller = self._caller(context)
             try:
+                if isinstance(request, Undecodable):
+                    raise invalid(request.reason)
                 spec = generate_spec(request, self.gateway.model, self.gateway.limits, caller)
             except ApiError:
                 self.gateway.count_invalid()
@@ -92,9 +151,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {error}")
 
     async def Abort(
-        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+        self, request: pb.AbortRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         caller = await self._checked_caller(context)
+        if isinstance(request, Undecodable):
+            await _abort(context, invalid(request.reason))
+            raise AssertionError("not reached: abort raises")
         return pb.AbortResponse(aborted=self.gateway.abort(request.request_id, caller))
 
     async def Health(

@@ -445,3 +445,32 @@ def test_requests_from_threads_run_concurrently(stub: pb_grpc.GenerationStub) ->
         thread.join(timeout=60)
     assert sorted(results) == [0, 1, 2]
     assert len({r.request_id for r in results.values()}) == 3
+
+
+def test_undecodable_requests_are_invalid_arguments(gateway_server: GatewayServer) -> None:
+    """Bytes that are no GenerateRequest (a text field that is not UTF-8), or more than the
+    server's limit, get INVALID_ARGUMENT naming why (not UNKNOWN, nor RESOURCE_EXHAUSTED, which
+    tells a client to retry), and the server serves the next call."""
+    not_utf8 = bytes([2 << 3 | 2, 2, 0xFF, 0xFE])  # field 2 (text), length 2, invalid UTF-8
+    too_large = pb.GenerateRequest(text="x" * (LIMITS["max_body_bytes"] + 1)).SerializeToString()
+    with grpc.insecure_channel(gateway_server.grpc_target) as channel:
+        generate_raw = channel.unary_stream(
+            "/pdserve.v1.Generation/Generate",
+            request_serializer=lambda raw: raw,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
+        for raw, words in ((not_utf8, "not a valid GenerateRequest"), (too_large, "limit")):
+            with pytest.raises(grpc.RpcError) as raised:
+                list(generate_raw(raw, metadata=ALICE, timeout=10))
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in raised.value.details()
+        abort_raw = channel.unary_unary(
+            "/pdserve.v1.Generation/Abort",
+            request_serializer=lambda raw: raw,
+            response_deserializer=pb.AbortResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as raised:
+            abort_raw(bytes([1 << 3 | 2, 1, 0xFF]), metadata=ALICE, timeout=10)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        served = generate(pb_grpc.GenerationStub(channel), text="hi", max_tokens=1)
+        assert served.usage.completion_tokens == 1
