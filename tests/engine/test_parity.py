@@ -142,7 +142,8 @@ def test_preempted_chunked_prefills_with_shared_prefixes_match_transformers(
     """Chunks of 9 tokens end inside blocks of 4, and 12 blocks force preemptions: a preempted
     sequence that comes back must find only fully written blocks of its own in the cache."""
     rng = random.Random(9)
-    rng.choice([2, 4, 8]), rng.choice([3, 5, 6, 7, 9, 13]), rng.randrange(3, 7)  # the search that found it
+    # the draws of the random search that found this case, before it drew the prompts
+    rng.choice([2, 4, 8]), rng.choice([3, 5, 6, 7, 9, 13]), rng.randrange(3, 7)
     base = [rng.randrange(3, 1024) for _ in range(40)]
     prompts = []
     for _ in range(5):
