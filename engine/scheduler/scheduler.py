@@ -128,12 +128,15 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
             self.block_manager.commit_computed(seq)
+            # every child shares the prompt's blocks before any sample, the first included, can
+            # finish on its first token and free them
             for target in entry.sample_seqs:
                 if target is not seq:
                     self.block_manager.fork(seq, target)
                     target.status = SequenceStatus.RUNNING
                     self.running.append(target)
                     seq.is_forked = target.is_forked = True
+            for target in entry.sample_seqs:
                 target.token_ids.append(result.sampled_token_ids[target.seq_id])
                 updated.append(target)
                 reason = finish_reason_after_append(target, self.eos_token_ids)

@@ -203,3 +203,29 @@ def test_an_interrupted_generate_leaves_the_engine_empty(
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     outputs = llm.generate(prompts[:2], params)
     assert [len(output.outputs[0].token_ids) for output in outputs] == [30, 30]
+
+
+def test_parallel_samples_keep_the_prompt_when_the_first_ends_on_its_first_token(
+    llama_dir: Path,
+) -> None:
+    """n = 3, and sample 0's first token is a stop token: the other samples must be forked
+    from the prompt's blocks before sample 0 frees them (they were forked from an empty block
+    table, so each prefilled the prompt again, and a disaggregated hand-off had no KV to send)."""
+    prompt = make_prompts(seed=4)[2]
+    params = SamplingParams(temperature=1.0, n=3, seed=42, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
+    (free_run,) = llm.generate([prompt], params)
+    first_token = free_run.outputs[0].token_ids[0]
+    assert first_token not in free_run.outputs[1].token_ids[:1] + free_run.outputs[2].token_ids[:1]
+    stopping = SamplingParams(
+        temperature=1.0, n=3, seed=42, max_tokens=8, ignore_eos=True, stop_token_ids=[first_token]
+    )
+    fresh = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
+    (out,) = fresh.generate([prompt], stopping)
+    assert out.outputs[0].token_ids == [first_token] and out.outputs[0].finish_reason == "stop"
+    assert fresh.engine.stats.num_prefill_tokens == len(prompt)  # the prompt ran once
+    for sample in (1, 2):
+        expected = free_run.outputs[sample].token_ids
+        if first_token in expected:  # the stop token ends this sample too
+            expected = expected[: expected.index(first_token) + 1]
+        assert out.outputs[sample].token_ids == expected
