@@ -250,12 +250,14 @@ class PrefillWorker:
         """The open channel to a decode worker (built on first use), marked in use."""
         with self._channels_lock:
             existing = self._channels.get(decode_worker_id)
-            if existing is None or existing[1].broken:
+            opened = existing is None or existing[1].broken
+            if existing is None or opened:
                 existing = self._open_channel(decode_worker_id, peer)
                 self._channels[decode_worker_id] = existing
-                self._close_idle_channels()
             self._channels.move_to_end(decode_worker_id)
             self._channels_in_use[decode_worker_id] += 1
+            if opened:  # after marking it in use: the cap never closes the channel just opened
+                self._close_idle_channels()
             return existing
 
     def _open_channel(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:

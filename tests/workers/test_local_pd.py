@@ -139,6 +139,34 @@ def test_idle_channels_close_beyond_the_cap_and_reopen(cluster_factory, offline:
     assert len(prefill._channels) == 1
 
 
+def test_a_channel_opened_past_the_cap_while_the_others_are_busy_is_used(
+    cluster_factory,  # type: ignore[no-untyped-def]
+    offline: LLM,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cap 1: while the channel to d0 carries a slow transfer, a hand-off to d1 opens a second
+    channel. The cap closes idle channels only, so that one stays open for its hand-off (it
+    was closed the moment it opened, and the hand-off failed with a KeyError)."""
+    prompts, params = _workload(2)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    cluster = cluster_factory(1, 2, "gloo", 1, max_num_batched_tokens=64)
+    (prefill,) = cluster.prefills
+    slow_decode = cluster.decodes[0]
+    receive = slow_decode._recv
+
+    def slow_receive(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(1.0)  # keeps the channel to d0 in use
+        return receive(*args, **kwargs)
+
+    monkeypatch.setattr(slow_decode, "_recv", slow_receive)
+    prefill.submit(GenerateRequest("busy", prompts[0], params[0], GATEWAY), "d0")
+    time.sleep(0.3)
+    prefill.submit(GenerateRequest("other", prompts[1], params[1], GATEWAY), "d1")
+    cluster.collector.wait_finished([("busy", 0), ("other", 0)])
+    assert not cluster.collector.failures
+    assert [cluster.collector.output(rid) for rid in ("busy", "other")] == expected
+
+
 def test_colocated_decode_worker_matches_offline_engine(cluster_factory, offline: LLM) -> None:  # type: ignore[no-untyped-def]
     prompts, params = _workload(12)
     expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
