@@ -91,9 +91,9 @@ def test_disconnect_while_waiting_for_a_whole_response(
             timeout=httpx.Timeout(5.0, read=0.05),
         )
     generated = _num_generated_when_idle(http) - before
-    # Aborted on the disconnect itself: 8-48 of 1920 tokens on 2 cores. Polling for it every
-    # 250 ms let 820-990 through.
-    assert generated < requested / 8, (generated, requested)
+    # Aborted on the disconnect itself: 8-48 of 1920 tokens on 2 cores, once 260 in a full
+    # suite run on a loaded machine. Polling for it every 250 ms let 820-990 through.
+    assert generated < requested / 4, (generated, requested)
 
 
 def test_tenants_never_share_cached_prefixes(http: httpx.Client) -> None:
