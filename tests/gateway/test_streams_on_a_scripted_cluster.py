@@ -13,6 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
+from pathlib import Path
 
 import httpx
 import pytest
@@ -33,7 +34,7 @@ from router.gateway.service import Gateway
 
 pytestmark = pytest.mark.timeout(120)
 
-DEMO_MODEL = "engine/demo_model/assets"
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "engine" / "demo_model" / "assets"
 TOKENS = (318, 264, 1400, 286, 4444, 13)  # "ic", " the", " trace", "ct", "", "+"
 
 
@@ -77,7 +78,7 @@ class ScriptedCluster:
 
 @pytest.fixture(scope="module")
 def served_demo() -> ServedModel:
-    return ServedModel.load(DEMO_MODEL, "pdserve-demo", None)
+    return ServedModel.load(str(DEMO_MODEL), "pdserve-demo", None)
 
 
 @contextlib.contextmanager
@@ -167,7 +168,8 @@ def test_a_stream_the_client_leaves_gives_its_slot_back(served_demo: ServedModel
     ):
         with client.stream("POST", url, json=body) as response:
             assert response.status_code == 200
-            next(response.iter_lines())
+            lines = response.iter_lines()  # kept: a dropped iterator closes the response
+            next(lines)
             assert gateway.num_in_flight == 1
         _wait_until_idle(gateway)  # the client left after one event
         assert client.post(url, json={**body, "max_tokens": 1}).status_code == 200
