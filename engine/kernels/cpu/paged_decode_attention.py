@@ -9,21 +9,17 @@ from typing import Any
 import torch
 
 from engine.kernels.checks import require
-from engine.kernels.cpu.build import FLOAT, INT64, POINTER, function
-from engine.kernels.cpu.paged_inputs import check_paged_inputs
+from engine.kernels.cpu.build import INT64, function
+from engine.kernels.cpu.paged_kernel_call import (
+    check_paged_inputs,
+    paged_argtypes,
+    run_paged_kernel,
+)
 
 
 @functools.cache
 def _kernel() -> Any:
-    argtypes = [
-        *(POINTER,) * 4,  # query, key, value, block_tables
-        INT64,  # table_stride
-        POINTER,  # seq_lens
-        POINTER,  # out
-        *(INT64,) * 6,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks
-        FLOAT,  # scale
-        INT64,  # num_threads
-    ]
+    argtypes = paged_argtypes(1)  # seq_lens
     return function("paged_decode_attention", "paged_decode_attention_f32", INT64, argtypes)
 
 
@@ -39,40 +35,23 @@ def paged_decode_attention_cpu(
     written), the sequences shared out over ``num_threads`` (default: torch's intra-op
     threads); the result does not depend on how many. ValueError naming the argument for
     anything the kernel cannot read safely."""
-    if num_threads is None:
-        num_threads = torch.get_num_threads()
-    require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
     _check(query, kv_cache_layer, block_tables, seq_lens)
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
-    num_seqs, num_heads, _ = query.shape
-    out = torch.empty_like(query)
-    if num_seqs == 0:
-        return out
-    status = _kernel()(
-        query.data_ptr(),
-        kv_cache_layer[0].data_ptr(),
-        kv_cache_layer[1].data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        num_blocks,
+    out, seq = run_paged_kernel(  # seq: the sequence the kernel refused
+        _kernel(),
+        "paged_decode_attention_cpu",
+        query,
+        kv_cache_layer,
+        block_tables,
+        (seq_lens,),
+        query.shape[0],
         scale,
         num_threads,
     )
-    if status == -(1 + num_seqs):
-        raise MemoryError("paged_decode_attention_cpu: out of memory for its scratch buffers")
-    if status != 0:
-        seq = -status - 1
+    if seq is not None:
         raise ValueError(
             f"sequence {seq}: seq_lens[{seq}] = {int(seq_lens[seq])} must be in "
-            f"[1, {block_tables.shape[1] * block_size}] (block_tables' capacity), and its "
-            f"block_tables entries in [0, {num_blocks})"
+            f"[1, {block_tables.shape[1] * kv_cache_layer.shape[2]}] (block_tables' capacity), "
+            f"and its block_tables entries in [0, {kv_cache_layer.shape[1]})"
         )
     return out
 

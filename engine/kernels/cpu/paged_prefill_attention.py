@@ -10,20 +10,17 @@ from typing import Any
 import torch
 
 from engine.kernels.checks import require
-from engine.kernels.cpu.build import FLOAT, INT64, POINTER, function
-from engine.kernels.cpu.paged_inputs import check_paged_inputs
+from engine.kernels.cpu.build import INT64, function
+from engine.kernels.cpu.paged_kernel_call import (
+    check_paged_inputs,
+    paged_argtypes,
+    run_paged_kernel,
+)
 
 
 @functools.cache
 def _kernel() -> Any:
-    argtypes = [
-        *(POINTER,) * 4,  # query, key, value, block_tables
-        INT64,  # table_stride
-        *(POINTER,) * 3,  # query_start_loc, seq_lens, out
-        *(INT64,) * 6,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks
-        FLOAT,  # scale
-        INT64,  # num_threads
-    ]
+    argtypes = paged_argtypes(2)  # query_start_loc, seq_lens
     return function("paged_prefill_attention", "paged_prefill_attention_f32", INT64, argtypes)
 
 
@@ -40,44 +37,25 @@ def paged_prefill_attention_cpu(
     positions up to its own, their K/V already written; work is shared out over
     ``num_threads`` (default: torch's intra-op threads) and the result does not depend on how
     many. ValueError naming the argument for anything the kernel cannot read safely."""
-    if num_threads is None:
-        num_threads = torch.get_num_threads()
-    require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
     _check(query, kv_cache_layer, block_tables, query_start_loc, seq_lens)
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
-    num_seqs = seq_lens.shape[0]
-    num_heads = query.shape[1]
-    out = torch.empty_like(query)
-    if num_seqs == 0:
-        return out
-    status = _kernel()(
-        query.data_ptr(),
-        kv_cache_layer[0].data_ptr(),
-        kv_cache_layer[1].data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        query_start_loc.data_ptr(),
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        num_blocks,
+    out, seq = run_paged_kernel(  # seq: the sequence the kernel refused
+        _kernel(),
+        "paged_prefill_attention_cpu",
+        query,
+        kv_cache_layer,
+        block_tables,
+        (query_start_loc, seq_lens),
+        seq_lens.shape[0],
         scale,
         num_threads,
     )
-    if status == -(1 + num_seqs):
-        raise MemoryError("paged_prefill_attention_cpu: out of memory for its scratch buffers")
-    if status != 0:
-        seq = -status - 1
+    if seq is not None:
         query_len = int(query_start_loc[seq + 1] - query_start_loc[seq])
         raise ValueError(
             f"sequence {seq}: its {query_len} new tokens (query_start_loc) must be >= 1 and "
             f"<= seq_lens[{seq}] = {int(seq_lens[seq])}, which must be <= "
-            f"{block_tables.shape[1] * block_size} (block_tables' capacity), and its "
-            f"block_tables entries in [0, {num_blocks})"
+            f"{block_tables.shape[1] * kv_cache_layer.shape[2]} (block_tables' capacity), and "
+            f"its block_tables entries in [0, {kv_cache_layer.shape[1]})"
         )
     return out
 

@@ -1,12 +1,16 @@
-"""Argument checks the CPU paged-attention kernels (prefill and decode) share: what both C
-kernels need to read the query, the cache and the block tables safely. Failures name the
-argument."""
+"""What the CPU paged-attention kernels (prefill and decode) share around their C calls: the
+argument checks both need to read the query, the cache and the block tables safely (failures
+name the argument), their ctypes signature, and the call itself."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from engine.kernels.checks import require
+from engine.kernels.cpu.build import FLOAT, INT64, POINTER
 
 
 def check_paged_inputs(
@@ -49,3 +53,53 @@ def check_paged_inputs(
         block_tables.shape[1] == 0 or block_tables.stride(1) == 1,
         "block_tables' rows must be contiguous",
     )
+
+
+def paged_argtypes(num_indices: int) -> list[Any]:
+    """The C signature: query, key, value, block_tables, table_stride, ``num_indices`` int64
+    arrays, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+    num_threads."""
+    return [*(POINTER,) * 4, INT64, *(POINTER,) * num_indices, POINTER, *(INT64,) * 6, FLOAT, INT64]
+
+
+def run_paged_kernel(
+    kernel: Any,
+    name: str,
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    indices: Sequence[torch.Tensor],
+    num_seqs: int,
+    scale: float,
+    num_threads: int | None,
+) -> tuple[torch.Tensor, int | None]:
+    """Run a checked call of ``kernel`` (signed as ``paged_argtypes``) on ``num_threads``
+    (default: torch's intra-op threads). Returns the output and the sequence the kernel refused
+    (None: it ran them all), for the caller to word; MemoryError when its scratch ran out."""
+    if num_threads is None:
+        num_threads = torch.get_num_threads()
+    require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out, None
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+    status = kernel(
+        query.data_ptr(),
+        kv_cache_layer[0].data_ptr(),
+        kv_cache_layer[1].data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        *(index.data_ptr() for index in indices),
+        out.data_ptr(),
+        num_seqs,
+        query.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        scale,
+        num_threads,
+    )
+    if status == -(1 + num_seqs):
+        raise MemoryError(f"{name}: out of memory for its scratch buffers")
+    return out, None if status == 0 else -status - 1
