@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.per_step import PerStep
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.cpu.kv_cache_write import write_kv_cache_cpu
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
@@ -26,9 +27,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        # this step's (query_start_loc, seq_lens) tensors, memoised on its metadata: every layer
-        # of the step reads the same
-        self._step_prefill: tuple[AttentionMetadata, PrefillIndex] | None = None
+        self._prefill_index: PerStep[PrefillIndex] = PerStep()  # query_start_loc, seq_lens
 
     def write_kv(
         self,
@@ -51,7 +50,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
         if not _kernels_take(kv_cache_layer):
             return super()._prefill_all(query, kv_cache_layer, metadata, scale)
-        starts, seq_lens = self._prefill_index(metadata)
+        starts, seq_lens = self._prefill_index.get(metadata, lambda: _prefill_index(metadata))
         return paged_prefill_attention_cpu(
             query.contiguous(),
             kv_cache_layer,
@@ -60,17 +59,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             seq_lens,
             scale,
         )
-
-    def _prefill_index(self, metadata: AttentionMetadata) -> PrefillIndex:
-        cached = self._step_prefill
-        if cached is not None and cached[0] is metadata:
-            return cached[1]
-        index = (
-            torch.tensor(metadata.prefill_query_start_loc, dtype=torch.int64),
-            torch.tensor(metadata.prefill_seq_lens, dtype=torch.int64),
-        )
-        self._step_prefill = (metadata, index)
-        return index
 
     def _decode(
         self,
@@ -92,3 +80,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 def _kernels_take(kv_cache_layer: torch.Tensor) -> bool:
     return kv_cache_layer.dtype == torch.float32 and kv_cache_layer.device.type == "cpu"
+
+
+def _prefill_index(metadata: AttentionMetadata) -> PrefillIndex:
+    return (
+        torch.tensor(metadata.prefill_query_start_loc, dtype=torch.int64),
+        torch.tensor(metadata.prefill_seq_lens, dtype=torch.int64),
+    )

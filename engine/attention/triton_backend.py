@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.per_step import PerStep
 from engine.kernels.kv_cache_write import write_kv_cache
 from engine.kernels.paged_decode_attention import paged_decode_attention
 from engine.kernels.paged_prefill_attention import paged_prefill_attention
@@ -34,7 +35,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        self._step_prefill: tuple[AttentionMetadata, _PrefillIndex] | None = None
+        self._prefill_index: PerStep[_PrefillIndex] = PerStep()
 
     def write_kv(
         self,
@@ -55,7 +56,9 @@ class TritonAttentionBackend(AttentionBackend):
         num_prefill_tokens = metadata.num_prefill_tokens
         outputs = []
         if metadata.num_prefill_seqs > 0:
-            index = self._prefill_index(metadata, query.device)
+            index = self._prefill_index.get(
+                metadata, lambda: _prefill_index(metadata, query.device)
+            )
             outputs.append(
                 paged_prefill_attention(
                     query[:num_prefill_tokens],
@@ -82,15 +85,11 @@ class TritonAttentionBackend(AttentionBackend):
             return torch.empty_like(query)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
-    def _prefill_index(self, metadata: AttentionMetadata, device: torch.device) -> _PrefillIndex:
-        cached = self._step_prefill
-        if cached is not None and cached[0] is metadata:
-            return cached[1]
-        starts = metadata.prefill_query_start_loc
-        index = _PrefillIndex(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(metadata.prefill_seq_lens, dtype=torch.int32, device=device),
-            max_query_len=max(end - start for start, end in zip(starts[:-1], starts[1:])),
-        )
-        self._step_prefill = (metadata, index)
-        return index
+
+def _prefill_index(metadata: AttentionMetadata, device: torch.device) -> _PrefillIndex:
+    starts = metadata.prefill_query_start_loc
+    return _PrefillIndex(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(metadata.prefill_seq_lens, dtype=torch.int32, device=device),
+        max_query_len=max(end - start for start, end in zip(starts[:-1], starts[1:])),
+    )
