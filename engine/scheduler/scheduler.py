@@ -163,9 +163,11 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]]
     ) -> int:
+        # running sequences once those of n > 1 still prefilling have forked
+        num_seqs = sum(_num_seqs_to_come(seq) for seq in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if _num_seqs_to_come([*self.running, seq]) > self.config.max_num_seqs:
+            if num_seqs + _num_seqs_to_come(seq) > self.config.max_num_seqs:
                 break
             if not seq.block_table:
                 num_cached = self.block_manager.attach_cached_prefix(seq)
@@ -182,6 +184,7 @@ class Scheduler:
             copies += self.block_manager.allocate_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_seqs += _num_seqs_to_come(seq)
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
         return budget
@@ -237,6 +240,6 @@ class Scheduler:
         seq.finish_reason = reason
 
 
-def _num_seqs_to_come(seqs: Iterable[Sequence]) -> int:
-    """How many sequences ``seqs`` will be once those of n > 1 still prefilling have forked."""
-    return sum(1 if seq.is_forked else seq.params.n for seq in seqs)
+def _num_seqs_to_come(seq: Sequence) -> int:
+    """How many sequences ``seq`` will be: n while a request of n > 1 has not forked yet."""
+    return 1 if seq.is_forked else seq.params.n
