@@ -170,12 +170,10 @@ class DecodeWorker:
             if self._forget_receive(request_id):  # resumed here or aborted meanwhile
                 self.engine.cancel_reservation(request_id)
                 return False
-            self.loop.track(request_id, gateway_id)
             if error is None:
-                self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=True))
-                return True
+                return self._admit(result, gateway_id, kv_received=True)
             if policy == "recompute":
-                self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=False))
+                self._admit(result, gateway_id, kv_received=False)
             else:
                 self.loop.call(lambda engine: engine.cancel_reservation(result.request_id))
                 self.loop.fail(result.request_id, f"KV transfer failed: {error}", gateway_id)
@@ -221,8 +219,22 @@ class DecodeWorker:
         with self.loop.lock:
             if self._early_aborts.take(result.request_id):
                 return
-            self.loop.track(result.request_id, gateway_id)
-            self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=False))
+            self._admit(result, gateway_id, kv_received=False)
+
+    def _admit(self, result: PrefillResult, gateway_id: str, *, kv_received: bool) -> bool:
+        """Admit a prefilled request (loop lock held); its reserved blocks become its own.
+
+        False, with the request failed for good, when this worker can never run it: its cache
+        or ``max_num_seqs`` may be smaller than the prefill side's. Its blocks are given back.
+        """
+        try:
+            self.loop.call(lambda engine: engine.admit_prefilled(result, kv_received=kv_received))
+        except ValueError as refusal:
+            message = f"decode worker {self.worker_id} cannot run the request: {refusal}"
+            self.loop.fail(result.request_id, message, gateway_id)
+            return False
+        self.loop.track(result.request_id, gateway_id)
+        return True
 
     # ---- outputs and load ---------------------------------------------------------------
     def stream(self, gateway_id: str) -> Iterator[OutputBatch]:

@@ -312,20 +312,26 @@ class LLMEngine:
         """
         request_id = result.request_id
         blocks = self._reservations.pop(request_id, None)
-        if kv_received and blocks is None:
-            raise ValueError(f"request {request_id!r} has no reserved blocks to admit")
+        seqs: list[Sequence] = []
         try:
+            if kv_received and blocks is None:
+                raise ValueError(f"request {request_id!r} has no reserved blocks to admit")
             token_ids = self._validated_request(request_id, result.prompt_token_ids, result.params)
             samples = result.unfinished_samples
             if not samples:
                 raise ValueError(f"request {request_id!r} has no unfinished sample to decode")
+            for sample in samples:
+                seqs.append(self._admitted_sequence(result, token_ids, sample))
+                # before any block is adopted: this cache may be smaller than the prefill side's
+                self.scheduler.check_fits(seqs[-1])
         except ValueError:
+            for seq in seqs:
+                self.runner.forget(seq.seq_id)
             for block_id in blocks or []:
                 self.block_manager.pool.free(block_id)
             raise
         state = RequestState(request_id, None, result.params, num_samples=len(samples))
-        for position, sample in enumerate(samples):
-            seq = self._admitted_sequence(result, token_ids, sample)
+        for position, (seq, sample) in enumerate(zip(seqs, samples)):
             if kv_received and blocks is not None:
                 self._adopt_blocks(seq, blocks, share=position > 0)
                 self.scheduler.add_computed(seq)

@@ -60,10 +60,12 @@ class Scheduler:
         return next(self._seq_ids)
 
     def add(self, seq: Sequence) -> None:
-        self._check_fits(seq)
+        self.check_fits(seq)
         self.waiting.append(seq)
 
-    def _check_fits(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ValueError when ``seq`` could never run here: more samples than
+        ``max_num_seqs``, or more KV than the whole cache holds."""
         if seq.params.n > self.config.max_num_seqs:
             raise ValueError(
                 f"n ({seq.params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})"
@@ -149,7 +151,7 @@ class Scheduler:
     def add_computed(self, seq: Sequence) -> None:
         """Queue a sequence whose KV (all but its last token) already sits in its blocks."""
         assert seq.num_computed_tokens == seq.num_tokens - 1 and seq.block_table
-        self._check_fits(seq)
+        self.check_fits(seq)
         seq.is_forked = True
         self.waiting.append(seq)
 

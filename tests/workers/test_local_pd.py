@@ -34,8 +34,8 @@ def _load(model_dir: Path) -> LoadConfig:
     return LoadConfig(str(model_dir), dtype="float32", device="cpu")
 
 
-def _cache(block_size: int = 8) -> CacheConfig:
-    return CacheConfig(block_size=block_size, budget=KVBudget(num_blocks=400))
+def _cache(block_size: int = 8, num_blocks: int = 400) -> CacheConfig:
+    return CacheConfig(block_size=block_size, budget=KVBudget(num_blocks=num_blocks))
 
 
 def _workload(num_requests: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -192,10 +192,15 @@ def _one_pair(
     make_peer: Callable[[DecodeWorker], LocalDecodePeer] = LocalDecodePeer,
     prefill_block_size: int = 8,
     decode_block_size: int = 8,
+    decode_num_blocks: int = 400,
+    decode_scheduler: SchedulerConfig | None = None,
 ) -> Iterator[_Pair]:
     """One prefill worker "p0" handing off to one decode worker "d0", shut down afterwards."""
     scheduler = SchedulerConfig()
-    decode = DecodeWorker("d0", _load(model_dir), _cache(decode_block_size), scheduler, transfer)
+    decode_cache = _cache(decode_block_size, decode_num_blocks)
+    decode = DecodeWorker(
+        "d0", _load(model_dir), decode_cache, decode_scheduler or scheduler, transfer
+    )
     peer = make_peer(decode)
     prefill = PrefillWorker(
         "p0", _load(model_dir), _cache(prefill_block_size), scheduler, transfer, {"d0": peer}
@@ -219,6 +224,46 @@ def test_layout_mismatch_fails_the_request_naming_the_field(llama_dir: Path) -> 
         pair.collector.wait_finished([("m", 0)], timeout_s=30)
         assert "block_size" in pair.collector.failures["m"]
         assert pair.prefill.load().kv_usage == 0.0
+
+
+@pytest.mark.parametrize(
+    ("decode_num_blocks", "decode_max_num_seqs", "n", "limit"),
+    [(6, 256, 1, "KV cache"), (400, 1, 2, "max_num_seqs")],
+    ids=["smaller-cache", "fewer-seqs"],
+)
+def test_a_request_the_decode_worker_cannot_hold_fails_and_frees_its_blocks(
+    llama_dir: Path,
+    offline: LLM,
+    decode_num_blocks: int,
+    decode_max_num_seqs: int,
+    n: int,
+    limit: str,
+) -> None:
+    """The decode worker is smaller than the prefill worker (its own GPU budget, or its own
+    ``max_num_seqs``): a request that fits the prefill side only fails with an error naming the
+    limit, and the blocks reserved for its KV come back (they leaked, even past an abort)."""
+    transfer = TransferConfig(transport="gloo", timeout_s=10.0)
+    decode_scheduler = SchedulerConfig(max_num_seqs=decode_max_num_seqs)
+    with _one_pair(
+        llama_dir,
+        transfer,
+        decode_num_blocks=decode_num_blocks,
+        decode_scheduler=decode_scheduler,
+    ) as pair:
+        prompts, _ = _workload(2)
+        too_big = SamplingParams(n=n, temperature=1.0, max_tokens=48, ignore_eos=True, seed=3)
+        pair.prefill.submit(GenerateRequest("big", prompts[0], too_big, GATEWAY), "d0")
+        pair.collector.wait_finished([("big", 0)], timeout_s=30)
+        assert limit in pair.collector.failures["big"]
+        assert not pair.collector.retryable["big"]  # the same on every retry
+        assert pair.decode.load().kv_usage == 0.0
+        assert pair.prefill.load().kv_usage == 0.0
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        pair.prefill.submit(GenerateRequest("next", prompts[1], params, GATEWAY), "d0")
+        pair.collector.wait_finished([("next", 0)], timeout_s=30)
+        expected = offline.generate([prompts[1]], params)[0].outputs[0].token_ids
+        assert pair.collector.output("next") == expected
+        assert pair.decode.load().kv_usage == 0.0
 
 
 class _DeadDecodePeer(LocalDecodePeer):
