@@ -22,6 +22,9 @@ class LocalDecodePeer:
     def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
         return self._executor.submit(self.worker.reserve, request_id, num_tokens)
 
+    def cancel_reservation(self, request_id: str) -> Future[None]:
+        return self._executor.submit(self.worker.cancel_reservation, request_id)
+
     def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]:
         return self._executor.submit(self.worker.connect_channel, rendezvous)
 

@@ -102,6 +102,13 @@ class DecodeWorker:
         """Blocks for a prompt's KV, or None when they do not fit now (ask again later)."""
         return self.loop.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
 
+    def cancel_reservation(self, request_id: str) -> None:
+        """Give back the blocks reserved for a request whose KV will not come: its hand-off
+        failed before the transfer began (no channel, a layout mismatch, a deadline)."""
+        with self.loop.lock:
+            if request_id not in self._receiving:  # a receive in flight gives them back itself
+                self.loop.call(lambda engine: engine.cancel_reservation(request_id))
+
     def locality(self) -> Locality:
         """Where this worker's KV cache lives: a prefill worker picks the transport by it."""
         return locality_of(self.engine.device)

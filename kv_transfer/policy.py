@@ -62,7 +62,7 @@ class TransferConfig:
     reserve_timeout_s: float = 10.0  # how long a prefill worker waits for decode-side blocks
     failure_policy: FailurePolicy = "recompute"
     max_channels: int = 8  # open channels per worker; idle ones close, least recently used first
-    max_concurrent_handoffs: int = 4  # a prefill worker's hand-offs in flight at once
+    max_concurrent_handoffs: int = 4  # a prefill worker's hand-offs in flight to one decode worker
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.reserve_timeout_s < 0:

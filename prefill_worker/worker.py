@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -37,6 +37,7 @@ from kv_transfer import (
 )
 from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
 from kv_transfer.totals import TransferTotals
+from prefill_worker.handoff_lanes import HandoffLanes
 from prefill_worker.pair_transports import PairTransports
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class DecodePeer(Protocol):
     """How a prefill worker reaches one decode worker: a Ray actor handle or a local object."""
 
     def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]: ...
+
+    def cancel_reservation(self, request_id: str) -> Future[None]: ...
 
     def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]: ...
 
@@ -98,9 +101,7 @@ class PrefillWorker:
         self._channels_lock = threading.Lock()
         self._transfer_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._transfer_ids = itertools.count()
-        self._handoff_pool = ThreadPoolExecutor(
-            transfer.max_concurrent_handoffs, thread_name_prefix=f"handoff-{worker_id}"
-        )
+        self._handoffs = HandoffLanes(transfer.max_concurrent_handoffs, f"handoff-{worker_id}")
         self._transfer_totals = TransferTotals()  # KV hand-offs sent
         self.loop = EngineLoop(self.engine, worker_id, on_handed_off=self._schedule_handoff)
         self.loop.start()
@@ -158,7 +159,7 @@ class PrefillWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        self._handoff_pool.shutdown(wait=True, cancel_futures=True)
+        self._handoffs.shutdown()
         with self._channels_lock:
             for _, channel in self._channels.values():
                 channel.close()
@@ -166,7 +167,10 @@ class PrefillWorker:
 
     # ---- hand-off -----------------------------------------------------------------------
     def _schedule_handoff(self, result: PrefillResult) -> None:
-        self._handoff_pool.submit(self._run_handoff, result)
+        with self._targets_lock:
+            target = self._targets.get(result.request_id)
+        lane = "" if target is None else target.decode_worker_id  # aborted: released at once
+        self._handoffs.submit(lane, self._run_handoff, result)
 
     def _run_handoff(self, result: PrefillResult) -> None:
         with self._targets_lock:
@@ -176,7 +180,7 @@ class PrefillWorker:
             return
         try:
             self._hand_off(result, target)
-        except Exception as error:  # the peer is gone or broken: the request fails
+        except Exception as error:  # the peer is gone, hung or broken: the request fails
             logger.exception("hand-off of %s failed", result.request_id)
             self.loop.fail(
                 result.request_id,
@@ -188,20 +192,34 @@ class PrefillWorker:
             self.loop.release(result.request_id)
 
     def _hand_off(self, result: PrefillResult, target: _Target) -> None:
+        """Reserve blocks on the decode worker, move the KV into them, wait for the receipt.
+
+        Every wait on the decode worker has a deadline, so a hung one fails its hand-offs
+        instead of holding them (and their leases) for ever. Blocks reserved there are given
+        back when the hand-off fails before the decode worker was told to receive them.
+        """
         peer = self._peers[target.decode_worker_id]
-        block_ids = self._reserve(peer, result)
-        if block_ids is None:  # the decode worker stayed full: it recomputes the prompt later
-            peer.admit_without_kv(result, target.gateway_id).result()
-            return
-        channel_id, channel = self._acquire_channel(target.decode_worker_id, peer)
+        timeout_s = self.transfer.timeout_s
+        receipt: Future[bool] | None = None
         try:
-            # One transfer at a time per channel, so both ends take the tickets in one order;
-            # hand-offs to other decode workers proceed meanwhile.
+            block_ids = self._reserve(peer, result)
+            if block_ids is None:  # the decode worker stayed full: it recomputes the prompt
+                peer.admit_without_kv(result, target.gateway_id).result(timeout=timeout_s)
+                return
+            # One transfer at a time per decode worker, so both ends take the tickets in one
+            # order; the channel is taken under the same lock, after a failed transfer before
+            # it has been replaced.
             with self._transfer_locks[target.decode_worker_id]:
-                self._transfer(result, target, peer, channel_id, channel, block_ids)
+                channel_id, channel = self._acquire_channel(target.decode_worker_id, peer)
+                try:
+                    receipt = self._transfer(result, target, peer, channel_id, channel, block_ids)
+                finally:
+                    with self._channels_lock:
+                        self._channels_in_use[target.decode_worker_id] -= 1
+            receipt.result(timeout=2 * timeout_s)
         finally:
-            with self._channels_lock:
-                self._channels_in_use[target.decode_worker_id] -= 1
+            if receipt is None:  # the decode worker never heard of the KV: free its blocks
+                peer.cancel_reservation(result.request_id)
 
     def _transfer(
         self,
@@ -211,7 +229,8 @@ class PrefillWorker:
         channel_id: str,
         channel: KVChannel,
         block_ids: list[int],
-    ) -> None:
+    ) -> Future[bool]:
+        """Send the KV while the decode worker receives it; the decode worker's receipt."""
         ticket = TransferTicket(
             transfer_id=next(self._transfer_ids),
             request_id=result.request_id,
@@ -236,29 +255,41 @@ class PrefillWorker:
                 if self._channels.get(target.decode_worker_id, (None, None))[1] is channel:
                     del self._channels[target.decode_worker_id]
             channel.close()
-        receipt.result(timeout=2 * self.transfer.timeout_s)
+        return receipt
 
     def _reserve(self, peer: DecodePeer, result: PrefillResult) -> list[int] | None:
         deadline = time.monotonic() + self.transfer.reserve_timeout_s
         while True:
-            block_ids = peer.reserve(result.request_id, result.num_prompt_tokens).result()
+            block_ids = peer.reserve(result.request_id, result.num_prompt_tokens).result(
+                timeout=self.transfer.timeout_s
+            )
             if block_ids is not None or time.monotonic() >= deadline:
                 return block_ids
             time.sleep(_RESERVE_RETRY_S)
 
     def _acquire_channel(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:
-        """The open channel to a decode worker (built on first use), marked in use."""
+        """The open channel to a decode worker (built on first use), marked in use.
+
+        The caller holds the decode worker's transfer lock, so only this thread opens a channel
+        to it; the opening (seconds, up to the deadline for a dead peer) holds no lock that
+        hand-offs to other decode workers need.
+        """
         with self._channels_lock:
             existing = self._channels.get(decode_worker_id)
-            opened = existing is None or existing[1].broken
-            if existing is None or opened:
-                existing = self._open_channel(decode_worker_id, peer)
-                self._channels[decode_worker_id] = existing
-            self._channels.move_to_end(decode_worker_id)
+            if existing is not None and not existing[1].broken:
+                self._channels.move_to_end(decode_worker_id)
+                self._channels_in_use[decode_worker_id] += 1
+                return existing
+        opened = self._open_channel(decode_worker_id, peer)
+        with self._channels_lock:
+            replaced = self._channels.pop(decode_worker_id, None)
+            self._channels[decode_worker_id] = opened
             self._channels_in_use[decode_worker_id] += 1
-            if opened:  # after marking it in use: the cap never closes the channel just opened
-                self._close_idle_channels()
-            return existing
+            # after marking it in use: the cap never closes the channel just opened
+            closing = self._idle_channels_over_cap()
+        for _, channel in [*closing, *([replaced] if replaced is not None else [])]:
+            channel.close()
+        return opened
 
     def _open_channel(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:
         """Listen, let the decode worker join, handshake (the layouts must match). With
@@ -292,14 +323,16 @@ class PrefillWorker:
         logger.info("KV channel %s open over %s", channel_id, transport)
         return channel_id, channel
 
-    def _close_idle_channels(self) -> None:
-        """Keep at most ``max_channels`` open: close idle ones, least recently used first.
+    def _idle_channels_over_cap(self) -> list[tuple[str, KVChannel]]:
+        """Keep at most ``max_channels`` open: take idle ones out, least recently used first,
+        for the caller to close (``_channels_lock`` held).
 
         Each channel holds buffers (and on GPUs an NCCL communicator of 50-100 MB).
         """
+        closing = []
         for worker_id in list(self._channels):
             if len(self._channels) <= self.transfer.max_channels:
-                return
+                break
             if self._channels_in_use[worker_id] == 0:
-                _, channel = self._channels.pop(worker_id)
-                channel.close()
+                closing.append(self._channels.pop(worker_id))
+        return closing

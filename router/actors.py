@@ -63,6 +63,9 @@ class DecodeActor:
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         return self.worker.reserve(request_id, num_tokens)
 
+    def cancel_reservation(self, request_id: str) -> None:
+        self.worker.cancel_reservation(request_id)
+
     def connect_channel(self, rendezvous: ChannelRendezvous) -> None:
         self.worker.connect_channel(rendezvous)
 
@@ -101,6 +104,9 @@ class RayDecodePeer:
 
     def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
         return self.handle.reserve.remote(request_id, num_tokens).future()
+
+    def cancel_reservation(self, request_id: str) -> Future[None]:
+        return self.handle.cancel_reservation.remote(request_id).future()
 
     def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]:
         return self.handle.connect_channel.remote(rendezvous).future()

@@ -26,7 +26,16 @@ from kv_transfer.policy import TransferConfig
 
 # what the parent may call; each is a method of DecodeWorker
 _METHODS = frozenset(
-    {"reserve", "connect_channel", "locality", "receive", "admit_without_kv", "next_batch", "load"}
+    {
+        "reserve",
+        "cancel_reservation",
+        "connect_channel",
+        "locality",
+        "receive",
+        "admit_without_kv",
+        "next_batch",
+        "load",
+    }
 )
 
 

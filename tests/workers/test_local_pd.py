@@ -90,9 +90,13 @@ def cluster_factory(llama_dir: Path) -> Iterator:  # type: ignore[type-arg]
         num_decode: int,
         transport: str = "gloo",
         max_channels: int = 8,
+        transfer: TransferConfig | None = None,
         **kwargs: object,
     ) -> Cluster:
-        transfer = TransferConfig(transport=transport, timeout_s=10.0, max_channels=max_channels)
+        if transfer is None:
+            transfer = TransferConfig(
+                transport=transport, timeout_s=10.0, max_channels=max_channels
+            )
         made.append(_cluster(llama_dir, num_prefill, num_decode, transfer, **kwargs))  # type: ignore[arg-type]
         return made[-1]
 
@@ -224,6 +228,15 @@ def test_layout_mismatch_fails_the_request_naming_the_field(llama_dir: Path) -> 
         pair.collector.wait_finished([("m", 0)], timeout_s=30)
         assert "block_size" in pair.collector.failures["m"]
         assert pair.prefill.load().kv_usage == 0.0
+        # the blocks the decode worker reserved for the KV come back (they leaked)
+        _eventually(lambda: pair.decode.load().kv_usage == 0.0)
+
+
+def _eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize(
@@ -473,3 +486,91 @@ def test_abort_that_overtakes_the_hand_off_drops_the_request(
         assert decode.loop.call(lambda engine: engine.reserved_blocks("doomed")) is None
         assert pair.collector.output("doomed") == pair.collector.output("doomed")[:1]
         assert decode.load().kv_usage == 0.0
+
+
+def test_a_failed_transfer_leaves_the_hand_offs_queued_behind_it_a_working_channel(
+    cluster_factory,  # type: ignore[no-untyped-def]
+    offline: LLM,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode worker receives "slow" past the deadline: that transfer fails and breaks the
+    channel. The hand-off queued behind it to the same decode worker gets a new channel (it held
+    the broken one, and with policy "fail" it failed too)."""
+    transfer = TransferConfig(transport="gloo", timeout_s=1.0, failure_policy="fail")
+    cluster = cluster_factory(1, 1, transfer=transfer, max_num_batched_tokens=64)
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    receive = decode._recv
+
+    def late_for_slow(channel_id, channel, block_ids, ticket):  # type: ignore[no-untyped-def]
+        if ticket.request_id == "slow":
+            time.sleep(1.5)  # the sender has given up
+        return receive(channel_id, channel, block_ids, ticket)
+
+    monkeypatch.setattr(decode, "_recv", late_for_slow)
+    prompts, _ = _workload(2)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prefill.submit(GenerateRequest("slow", prompts[0], params, GATEWAY), "d0")
+    prefill.submit(GenerateRequest("next", prompts[1], params, GATEWAY), "d0")
+    cluster.collector.wait_finished([("slow", 0), ("next", 0)], timeout_s=30)
+    assert "KV transfer" in cluster.collector.failures["slow"]
+    assert "next" not in cluster.collector.failures
+    expected = offline.generate([prompts[1]], params)[0].outputs[0].token_ids
+    assert cluster.collector.output("next") == expected
+
+
+class _StuckDecodePeer(LocalDecodePeer):
+    """A decode worker that never answers a reserve ("hung") or never has room ("full")."""
+
+    def __init__(self, worker: DecodeWorker, how: str) -> None:
+        super().__init__(worker)
+        self.how = how
+
+    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
+        answer: Future[list[int] | None] = Future()
+        if self.how == "full":
+            answer.set_result(None)
+        return answer
+
+
+@pytest.mark.parametrize("how", ["hung", "full"])
+def test_a_stuck_decode_worker_does_not_hold_up_hand_offs_to_the_others(
+    llama_dir: Path, offline: LLM, how: str
+) -> None:
+    """One hand-off thread per decode worker: while d0 hangs on (or keeps refusing) a reserve,
+    a hand-off to d1 goes through at once (it waited behind d0's until that one gave up, for
+    ever for a hung d0). The stuck one ends after its deadline: failed for another worker to
+    retry, or prefilled again on d0 once that has room."""
+    transfer = TransferConfig(
+        transport="gloo", timeout_s=4.0, reserve_timeout_s=4.0, max_concurrent_handoffs=1
+    )
+    scheduler = SchedulerConfig()
+    decodes = [
+        DecodeWorker(f"d{i}", _load(llama_dir), _cache(), scheduler, transfer) for i in range(2)
+    ]
+    peers = {"d0": _StuckDecodePeer(decodes[0], how), "d1": LocalDecodePeer(decodes[1])}
+    prefill = PrefillWorker("p0", _load(llama_dir), _cache(), scheduler, transfer, peers)
+    collector = OutputCollector([prefill.next_batch, *(d.next_batch for d in decodes)], GATEWAY)
+    try:
+        prompts, _ = _workload(2)
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        prefill.submit(GenerateRequest("stuck", prompts[0], params, GATEWAY), "d0")
+        time.sleep(0.2)  # its hand-off is under way
+        began = time.monotonic()
+        prefill.submit(GenerateRequest("other", prompts[1], params, GATEWAY), "d1")
+        collector.wait_finished([("other", 0)], timeout_s=30)
+        assert time.monotonic() - began < 2.0  # well before d0's deadlines
+        expected = offline.generate(prompts, params)
+        assert collector.output("other") == expected[1].outputs[0].token_ids
+        collector.wait_finished([("stuck", 0)], timeout_s=30)
+        if how == "hung":
+            assert collector.retryable["stuck"]
+        else:
+            assert collector.output("stuck") == expected[0].outputs[0].token_ids
+        assert prefill.load().kv_usage == 0.0  # no lease is held for a stuck peer
+    finally:
+        collector.close()
+        prefill.shutdown()
+        for peer in peers.values():
+            peer.close()
+        for decode in decodes:
+            decode.shutdown()
