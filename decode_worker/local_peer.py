@@ -9,7 +9,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from decode_worker.worker import DecodeWorker
-from engine.handoff import PrefillResult
+from engine.handoff import PrefillResult, Reservation
 from kv_transfer import ChannelRendezvous, TransferTicket
 from kv_transfer.policy import FailurePolicy, Locality
 
@@ -19,8 +19,13 @@ class LocalDecodePeer:
         self.worker = worker
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="decode-peer")
 
-    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
-        return self._executor.submit(self.worker.reserve, request_id, num_tokens)
+    def reserve(
+        self, request_id: str, num_tokens: int, channel_id: str | None
+    ) -> Future[Reservation | None]:
+        return self._executor.submit(self.worker.reserve, request_id, num_tokens, channel_id)
+
+    def pin_channel(self, request_id: str, channel_id: str) -> Future[bool]:
+        return self._executor.submit(self.worker.pin_channel, request_id, channel_id)
 
     def cancel_reservation(self, request_id: str) -> Future[None]:
         return self._executor.submit(self.worker.cancel_reservation, request_id)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from decode_worker.early_aborts import EarlyAborts
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
-from engine.handoff import PrefillResult
+from engine.handoff import PrefillResult, Reservation
 from engine.llm_engine import LLMEngine
 from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
@@ -56,7 +56,9 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine, worker_id)
         # channel id -> channel from a prefill worker, least recently used first
         self._channels: OrderedDict[str, KVChannel] = OrderedDict()
-        self._channels_in_use: Counter[str] = Counter()  # channel id -> receives using it
+        # channel id -> receives using it, and reservations it is pinned open for
+        self._channels_in_use: Counter[str] = Counter()
+        self._pins: dict[str, str] = {}  # request id -> channel pinned open for its KV
         self._channels_lock = threading.Lock()
         self._receiving: set[str] = set()  # requests whose KV is arriving (under loop.lock)
         self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
@@ -98,13 +100,64 @@ class DecodeWorker:
         return self.loop.call(lambda engine: engine.has_request(request_id))
 
     # ---- hand-off from a prefill worker -------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Blocks for a prompt's KV, or None when they do not fit now (ask again later)."""
-        return self.loop.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
+    def reserve(
+        self, request_id: str, num_tokens: int, channel_id: str | None = None
+    ) -> Reservation | None:
+        """Blocks for a prompt's KV, or None when they do not fit now (ask again later).
+
+        ``channel_id``: the channel the prefill worker means to send on. While it is open here
+        it stays open (the cap does not close it) until the request's receive ends or the
+        reservation is cancelled; the answer names it. Otherwise the answer names no channel:
+        this side closed it (over the cap), so the prefill worker opens another.
+        """
+        block_ids = self.loop.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
+        if block_ids is None:
+            return None
+        pinned = channel_id is not None and self.pin_channel(request_id, channel_id)
+        return Reservation(block_ids, channel_id if pinned else None)
+
+    def pin_channel(self, request_id: str, channel_id: str) -> bool:
+        """Keep ``channel_id`` open for the transfer of ``request_id``'s KV; False if it is not
+        open here. A pin ends with the request's receive, or with its reservation's cancel."""
+        with self._channels_lock:
+            if channel_id not in self._channels:
+                return False
+            self._unpin_locked(request_id)
+            self._pins[request_id] = channel_id
+            self._channels_in_use[channel_id] += 1
+            self._channels.move_to_end(channel_id)
+            return True
+
+    def _unpin_locked(self, request_id: str) -> None:
+        channel_id = self._pins.pop(request_id, None)
+        if channel_id is not None:
+            self._unuse_locked(channel_id)
+
+    def _unuse_locked(self, channel_id: str) -> None:
+        self._channels_in_use[channel_id] -= 1
+        if self._channels_in_use[channel_id] <= 0:
+            del self._channels_in_use[channel_id]
+
+    def _take_channel(self, request_id: str, channel_id: str) -> KVChannel | None:
+        """The channel a receive uses, marked in use (the request's pin passes to the receive);
+        None when it is not open here."""
+        with self._channels_lock:
+            channel = self._channels.get(channel_id)
+            if self._pins.get(request_id) != channel_id or channel is None:
+                self._unpin_locked(request_id)
+                if channel is not None:
+                    self._channels_in_use[channel_id] += 1
+            else:
+                del self._pins[request_id]  # its count now stands for the receive
+            if channel is not None:
+                self._channels.move_to_end(channel_id)
+            return channel
 
     def cancel_reservation(self, request_id: str) -> None:
         """Give back the blocks reserved for a request whose KV will not come: its hand-off
         failed before the transfer began (no channel, a layout mismatch, a deadline)."""
+        with self._channels_lock:
+            self._unpin_locked(request_id)
         with self.loop.lock:
             if request_id not in self._receiving:  # a receive in flight gives them back itself
                 self.loop.call(lambda engine: engine.cancel_reservation(request_id))
@@ -121,7 +174,7 @@ class DecodeWorker:
         with self._channels_lock:
             previous = self._channels.pop(rendezvous.channel_id, None)
             self._channels[rendezvous.channel_id] = channel
-            idle = [
+            idle = [  # neither receiving nor pinned open for a reservation
                 cid
                 for cid in self._channels
                 if cid != rendezvous.channel_id and not self._channels_in_use[cid]
@@ -146,31 +199,28 @@ class DecodeWorker:
         On failure the request follows ``policy``: recompute here, or fail with a clear error.
         """
         request_id = result.request_id
-        with self.loop.lock:
-            if self._early_aborts.take(request_id):
-                self.engine.cancel_reservation(request_id)
-            reserved = self.engine.reserved_blocks(request_id) == block_ids
-            if reserved:
-                self._receiving.add(request_id)
-        if not reserved:  # given back (aborted, or resumed here): take the bytes, write nothing
-            self._discard(channel_id, ticket)
-            return False
-        with self._channels_lock:
-            channel = self._channels.get(channel_id)
-            if channel is not None:
-                self._channels.move_to_end(channel_id)
-                self._channels_in_use[channel_id] += 1
+        channel = self._take_channel(request_id, channel_id)
         try:
-            error = self._recv(channel_id, channel, block_ids, ticket)
-        except BaseException:
             with self.loop.lock:
-                self._forget_receive(request_id)
-                self.engine.cancel_reservation(request_id)
-            raise
+                if self._early_aborts.take(request_id):
+                    self.engine.cancel_reservation(request_id)
+                reserved = self.engine.reserved_blocks(request_id) == block_ids
+                if reserved:
+                    self._receiving.add(request_id)
+            if not reserved:  # given back (aborted, or resumed here): take the bytes, drop them
+                self._discard(channel_id, channel, ticket)
+                return False
+            try:
+                error = self._recv(channel_id, channel, block_ids, ticket)
+            except BaseException:
+                with self.loop.lock:
+                    self._forget_receive(request_id)
+                    self.engine.cancel_reservation(request_id)
+                raise
         finally:
             if channel is not None:
                 with self._channels_lock:
-                    self._channels_in_use[channel_id] -= 1
+                    self._unuse_locked(channel_id)
         # Decided under the loop's lock, so an abort lands either before (the copy is dropped
         # here) or after the request is admitted (and aborts it in the engine).
         with self.loop.lock:
@@ -211,9 +261,7 @@ class DecodeWorker:
             return str(failure)
         return None
 
-    def _discard(self, channel_id: str, ticket: TransferTicket) -> None:
-        with self._channels_lock:
-            channel = self._channels.get(channel_id)
+    def _discard(self, channel_id: str, channel: KVChannel | None, ticket: TransferTicket) -> None:
         if channel is None:
             return
         try:

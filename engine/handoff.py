@@ -38,3 +38,14 @@ class PrefillResult:
     @property
     def unfinished_samples(self) -> tuple[SampleStart, ...]:
         return tuple(s for s in self.samples if s.finish_reason is None)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A decode worker's answer to a prefill worker's reserve: blocks for the prompt's KV, and
+    the KV channel it keeps open for their transfer."""
+
+    block_ids: list[int]
+    # the channel the prefill worker asked for, pinned open on the decode side until the
+    # receive ends; None when the decode side has no such channel open (it closed it)
+    channel_id: str | None

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
-from engine.handoff import PrefillResult
+from engine.handoff import PrefillResult, Reservation
 from engine.llm_engine import LLMEngine
 from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
@@ -47,7 +47,11 @@ _RESERVE_RETRY_S = 0.01
 class DecodePeer(Protocol):
     """How a prefill worker reaches one decode worker: a Ray actor handle or a local object."""
 
-    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]: ...
+    def reserve(
+        self, request_id: str, num_tokens: int, channel_id: str | None
+    ) -> Future[Reservation | None]: ...
+
+    def pin_channel(self, request_id: str, channel_id: str) -> Future[bool]: ...
 
     def cancel_reservation(self, request_id: str) -> Future[None]: ...
 
@@ -198,24 +202,32 @@ class PrefillWorker:
         instead of holding them (and their leases) for ever. Blocks reserved there are given
         back when the hand-off fails before the decode worker was told to receive them.
         """
-        peer = self._peers[target.decode_worker_id]
+        decode_worker_id = target.decode_worker_id
+        peer = self._peers[decode_worker_id]
         timeout_s = self.transfer.timeout_s
         receipt: Future[bool] | None = None
         try:
-            block_ids = self._reserve(peer, result)
-            if block_ids is None:  # the decode worker stayed full: it recomputes the prompt
+            with self._channels_lock:
+                current = self._channels.get(decode_worker_id)
+            asked = None if current is None or current[1].broken else current[0]
+            reservation = self._reserve(peer, result, asked)
+            if reservation is None:  # the decode worker stayed full: it recomputes the prompt
                 peer.admit_without_kv(result, target.gateway_id).result(timeout=timeout_s)
                 return
             # One transfer at a time per decode worker, so both ends take the tickets in one
             # order; the channel is taken under the same lock, after a failed transfer before
             # it has been replaced.
-            with self._transfer_locks[target.decode_worker_id]:
-                channel_id, channel = self._acquire_channel(target.decode_worker_id, peer)
+            with self._transfer_locks[decode_worker_id]:
+                channel_id, channel = self._acquire_channel(
+                    decode_worker_id, peer, result.request_id, reservation.channel_id
+                )
                 try:
-                    receipt = self._transfer(result, target, peer, channel_id, channel, block_ids)
+                    receipt = self._transfer(
+                        result, target, peer, channel_id, channel, reservation.block_ids
+                    )
                 finally:
                     with self._channels_lock:
-                        self._channels_in_use[target.decode_worker_id] -= 1
+                        self._channels_in_use[decode_worker_id] -= 1
             receipt.result(timeout=2 * timeout_s)
         finally:
             if receipt is None:  # the decode worker never heard of the KV: free its blocks
@@ -257,39 +269,60 @@ class PrefillWorker:
             channel.close()
         return receipt
 
-    def _reserve(self, peer: DecodePeer, result: PrefillResult) -> list[int] | None:
+    def _reserve(
+        self, peer: DecodePeer, result: PrefillResult, channel_id: str | None
+    ) -> Reservation | None:
         deadline = time.monotonic() + self.transfer.reserve_timeout_s
         while True:
-            block_ids = peer.reserve(result.request_id, result.num_prompt_tokens).result(
-                timeout=self.transfer.timeout_s
-            )
-            if block_ids is not None or time.monotonic() >= deadline:
-                return block_ids
+            reservation = peer.reserve(
+                result.request_id, result.num_prompt_tokens, channel_id
+            ).result(timeout=self.transfer.timeout_s)
+            if reservation is not None or time.monotonic() >= deadline:
+                return reservation
             time.sleep(_RESERVE_RETRY_S)
 
-    def _acquire_channel(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:
-        """The open channel to a decode worker (built on first use), marked in use.
+    def _acquire_channel(
+        self, decode_worker_id: str, peer: DecodePeer, request_id: str, pinned: str | None
+    ) -> tuple[str, KVChannel]:
+        """The open channel to a decode worker, marked in use, and pinned open on the decode
+        side for ``request_id``'s transfer (the decode side closes idle channels over its cap).
 
-        The caller holds the decode worker's transfer lock, so only this thread opens a channel
-        to it; the opening (seconds, up to the deadline for a dead peer) holds no lock that
-        hand-offs to other decode workers need.
+        ``pinned``: the channel the reservation pinned. Another one (it was replaced since, or
+        the decode side had closed it) is pinned now, or a new channel is opened. The caller
+        holds the decode worker's transfer lock, so only this thread opens a channel to it; the
+        opening (seconds, up to the deadline for a dead peer) holds no lock that hand-offs to
+        other decode workers need.
         """
+        timeout_s = self.transfer.timeout_s
         with self._channels_lock:
             existing = self._channels.get(decode_worker_id)
-            if existing is not None and not existing[1].broken:
-                self._channels.move_to_end(decode_worker_id)
-                self._channels_in_use[decode_worker_id] += 1
+            if existing is not None and existing[1].broken:
+                existing = None
+            if existing is not None and existing[0] == pinned:
+                self._mark_in_use_locked(decode_worker_id)
                 return existing
+        if existing is not None and peer.pin_channel(request_id, existing[0]).result(timeout_s):
+            with self._channels_lock:
+                if self._channels.get(decode_worker_id) is existing:
+                    self._mark_in_use_locked(decode_worker_id)
+                    return existing
         opened = self._open_channel(decode_worker_id, peer)
+        if not peer.pin_channel(request_id, opened[0]).result(timeout_s):
+            opened[1].close()
+            raise TransferError(f"decode worker {decode_worker_id} closed channel {opened[0]!r}")
         with self._channels_lock:
             replaced = self._channels.pop(decode_worker_id, None)
             self._channels[decode_worker_id] = opened
-            self._channels_in_use[decode_worker_id] += 1
+            self._mark_in_use_locked(decode_worker_id)
             # after marking it in use: the cap never closes the channel just opened
             closing = self._idle_channels_over_cap()
         for _, channel in [*closing, *([replaced] if replaced is not None else [])]:
             channel.close()
         return opened
+
+    def _mark_in_use_locked(self, decode_worker_id: str) -> None:
+        self._channels.move_to_end(decode_worker_id)
+        self._channels_in_use[decode_worker_id] += 1
 
     def _open_channel(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:
         """Listen, let the decode worker join, handshake (the layouts must match). With

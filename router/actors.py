@@ -22,7 +22,7 @@ from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
 from router.cpu_binding import bind_this_thread
 
 if TYPE_CHECKING:
-    from engine.handoff import PrefillResult
+    from engine.handoff import PrefillResult, Reservation
     from kv_transfer import ChannelRendezvous, TransferTicket
 
 ACTOR_CONCURRENCY = 32
@@ -60,8 +60,13 @@ class DecodeActor:
     def has_request(self, request_id: str) -> bool:
         return self.worker.has_request(request_id)
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        return self.worker.reserve(request_id, num_tokens)
+    def reserve(
+        self, request_id: str, num_tokens: int, channel_id: str | None
+    ) -> Reservation | None:
+        return self.worker.reserve(request_id, num_tokens, channel_id)
+
+    def pin_channel(self, request_id: str, channel_id: str) -> bool:
+        return self.worker.pin_channel(request_id, channel_id)
 
     def cancel_reservation(self, request_id: str) -> None:
         self.worker.cancel_reservation(request_id)
@@ -102,8 +107,13 @@ class RayDecodePeer:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
-        return self.handle.reserve.remote(request_id, num_tokens).future()
+    def reserve(
+        self, request_id: str, num_tokens: int, channel_id: str | None
+    ) -> Future[Reservation | None]:
+        return self.handle.reserve.remote(request_id, num_tokens, channel_id).future()
+
+    def pin_channel(self, request_id: str, channel_id: str) -> Future[bool]:
+        return self.handle.pin_channel.remote(request_id, channel_id).future()
 
     def cancel_reservation(self, request_id: str) -> Future[None]:
         return self.handle.cancel_reservation.remote(request_id).future()

@@ -28,6 +28,7 @@ from kv_transfer.policy import TransferConfig
 _METHODS = frozenset(
     {
         "reserve",
+        "pin_channel",
         "cancel_reservation",
         "connect_channel",
         "locality",

@@ -18,7 +18,7 @@ from decode_worker.local_peer import LocalDecodePeer
 from decode_worker.worker import DecodeWorker
 from engine import LLM, GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
-from engine.handoff import PrefillResult
+from engine.handoff import PrefillResult, Reservation
 from engine.kv_cache.budget import KVBudget
 from engine.scheduler import SchedulerConfig
 from kv_transfer import KVChannel, TransferTicket
@@ -382,8 +382,9 @@ def test_decode_side_failure_policy_when_kv_never_arrives(
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         prefill_engine.add_request("s", prompt, params, prefill_only=True)
         (result,) = prefill_engine.step().handed_off
-        block_ids = decode.reserve("s", result.num_prompt_tokens)
-        assert block_ids is not None
+        reservation = decode.reserve("s", result.num_prompt_tokens, "silent")
+        assert reservation is not None and reservation.channel_id == "silent"
+        block_ids = reservation.block_ids
         ticket = TransferTicket(0, "s", len(block_ids), timeout_s=1.0)
         assert not decode.receive("silent", result, ticket, block_ids, GATEWAY, policy)
         collector.wait_finished([("s", 0)], timeout_s=30)
@@ -409,8 +410,10 @@ class _AbortAfterReservePeer(LocalDecodePeer):
         super().__init__(worker)
         self.doomed = doomed
 
-    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
-        reserved = super().reserve(request_id, num_tokens)
+    def reserve(
+        self, request_id: str, num_tokens: int, channel_id: str | None
+    ) -> Future[Reservation | None]:
+        reserved = super().reserve(request_id, num_tokens, channel_id)
         if request_id in self.doomed:
             reserved.result()
             self.worker.abort(request_id)
@@ -454,13 +457,15 @@ class _AbortBeforeReservePeer(LocalDecodePeer):
         self.doomed = doomed
         self.full = full
 
-    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
+    def reserve(
+        self, request_id: str, num_tokens: int, channel_id: str | None
+    ) -> Future[Reservation | None]:
         if request_id not in self.doomed:
-            return super().reserve(request_id, num_tokens)
+            return super().reserve(request_id, num_tokens, channel_id)
         self.worker.abort(request_id)
         if not self.full:
-            return super().reserve(request_id, num_tokens)
-        no_room: Future[list[int] | None] = Future()
+            return super().reserve(request_id, num_tokens, channel_id)
+        no_room: Future[Reservation | None] = Future()
         no_room.set_result(None)
         return no_room
 
@@ -525,8 +530,10 @@ class _StuckDecodePeer(LocalDecodePeer):
         super().__init__(worker)
         self.how = how
 
-    def reserve(self, request_id: str, num_tokens: int) -> Future[list[int] | None]:
-        answer: Future[list[int] | None] = Future()
+    def reserve(
+        self, request_id: str, num_tokens: int, channel_id: str | None
+    ) -> Future[Reservation | None]:
+        answer: Future[Reservation | None] = Future()
         if self.how == "full":
             answer.set_result(None)
         return answer
@@ -574,3 +581,62 @@ def test_a_stuck_decode_worker_does_not_hold_up_hand_offs_to_the_others(
             peer.close()
         for decode in decodes:
             decode.shutdown()
+
+
+def test_channels_the_decode_side_closes_over_its_cap_are_never_sent_on(
+    cluster_factory,  # type: ignore[no-untyped-def]
+    offline: LLM,
+) -> None:
+    """Two prefill workers take turns handing off to one decode worker that keeps one channel
+    open: each new channel closes the other's on the decode side. The reserve tells the prefill
+    worker its channel is gone, and a channel stays open from the reserve to the receive, so no
+    transfer goes to a closed end (two in eight failed, "no open KV channel")."""
+    transfer = TransferConfig(
+        transport="gloo", timeout_s=5.0, max_channels=1, failure_policy="fail"
+    )
+    cluster = cluster_factory(2, 1, transfer=transfer, max_num_batched_tokens=64)
+    (decode,) = cluster.decodes
+    prompts, _ = _workload(8)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    expected = offline.generate(prompts, params)
+    for i, prompt in enumerate(prompts):
+        request = GenerateRequest(f"t{i}", prompt, params, GATEWAY)
+        cluster.prefills[i % 2].submit(request, "d0")
+        cluster.collector.wait_finished([(f"t{i}", 0)], timeout_s=30)
+    assert not cluster.collector.failures
+    for i in range(len(prompts)):
+        assert cluster.collector.output(f"t{i}") == expected[i].outputs[0].token_ids
+    load = decode.load()
+    assert load.counters.num_kv_transfers == len(prompts)  # every prompt's KV arrived
+    assert load.kv_usage == 0.0
+    assert not decode._pins  # every pin ended with its receive
+
+
+def test_a_reservation_keeps_its_channel_open_past_the_cap_until_it_ends(llama_dir: Path) -> None:
+    """Cap 1 on the decode side: a channel named by a reservation is not closed when another
+    one opens (its KV is about to be sent on it); once the reservation ends, it is."""
+    transfer = TransferConfig(transport="fake", timeout_s=5.0, max_channels=1)
+    decode = DecodeWorker("d0", _load(llama_dir), _cache(), SchedulerConfig(), transfer)
+    listeners = []
+
+    def open_channel(channel_id: str) -> KVChannel:
+        listener = KVChannel.listen("fake", decode.layout, "127.0.0.1", channel_id, "cpu")
+        listeners.append(listener)
+        decode.connect_channel(listener.rendezvous)
+        return listener.accept(5.0)
+
+    try:
+        senders = [open_channel("a")]
+        reservation = decode.reserve("r", 20, "a")
+        assert reservation is not None and reservation.channel_id == "a"
+        senders.append(open_channel("b"))
+        assert set(decode._channels) == {"a", "b"}  # "a" is pinned for "r"
+        unknown = decode.reserve("s", 20, "gone")
+        assert unknown is not None and unknown.channel_id is None  # not open here: no pin
+        decode.cancel_reservation("r")
+        senders.append(open_channel("c"))
+        assert set(decode._channels) == {"c"}  # unpinned "a" and idle "b" closed
+    finally:
+        for listener in listeners:
+            listener.close()
+        decode.shutdown()
