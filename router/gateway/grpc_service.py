@@ -135,7 +135,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             try:
                 if isinstance(request, Undecodable):
                     raise invalid(request.reason)
-                spec = generate_spec(request, self.gateway.model, self.gateway.limits, caller)
+                spec = await self.gateway.parse(
+                    generate_spec, request, self.gateway.model, self.gateway.limits, caller
+                )
             except ApiError:
                 self.gateway.count_invalid()
                 raise

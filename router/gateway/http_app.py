@@ -167,7 +167,7 @@ async def _generate(
     caller = gateway.authenticate(request.headers.get("authorization"))
     try:
         body = await _read_json(request, gateway.limits.max_body_bytes)
-        job = parse_job(kind, body, gateway.model, gateway.limits, caller)
+        job = await gateway.parse(parse_job, kind, body, gateway.model, gateway.limits, caller)
     except ApiError:
         gateway.count_invalid()
         raise

@@ -33,6 +33,10 @@ class ServedModel:
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise ValueError(f"no tokenizer in {model_dir}: the gateway needs one")
+        # The first encode turns off any truncation or padding the tokenizer file sets: the one
+        # change to a fast tokenizer's state, done before threads share it (parsers encode
+        # while the event loop decodes; a change during either raises "Already borrowed").
+        tokenizer.encode("warm-up")
         return cls(
             name=name or Path(model_dir).resolve().name,
             model_dir=model_dir,

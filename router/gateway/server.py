@@ -72,6 +72,7 @@ class GatewayServer:
         asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        self.gateway.close()
 
     def wait(self) -> None:
         """Block until the HTTP server exits (Ctrl-C on the main thread stops waiting)."""

@@ -3,17 +3,23 @@ metrics it records, and the registry of live requests that ``Abort`` reaches.
 
 Admission answers 503 while the cluster cannot serve (no live prefill or decode worker) and 429
 once ``max_concurrent_requests`` are in flight through this gateway, both with Retry-After.
+
+Requests are parsed (chat template, tokenizer) on a few threads of their own, off the event loop
+that streams every client's tokens: a prompt at the character limit of a long-context model
+takes the tokenizer about a second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ParamSpec, Protocol, TypeVar
 
 from router.cluster import WorkerStatus
 from router.gateway.auth import ApiKeys, Caller
@@ -23,6 +29,12 @@ from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import GenerationBackend, TextGeneration
+
+P = ParamSpec("P")
+T = TypeVar("T")
+# Threads that parse requests. A fast tokenizer encodes without the GIL, so two let a short
+# prompt through while a long one is tokenized.
+_PARSER_THREADS = 2
 
 
 class ClusterBackend(GenerationBackend, Protocol):
@@ -59,6 +71,15 @@ class Gateway:
         )
         self.num_in_flight = 0
         self._live: dict[str, LiveRequest] = {}
+        self._parsers = ThreadPoolExecutor(_PARSER_THREADS, thread_name_prefix="gateway-parse")
+
+    async def parse(self, parse: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``parse(*args, **kwargs)`` on a parser thread, so the event loop streams on."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._parsers, functools.partial(parse, *args, **kwargs))
+
+    def close(self) -> None:
+        self._parsers.shutdown(wait=False, cancel_futures=True)
 
     def authenticate(self, authorization: str | None) -> Caller:
         try:

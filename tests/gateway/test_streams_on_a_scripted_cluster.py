@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import json
+import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from pathlib import Path
@@ -39,11 +42,13 @@ TOKENS = (318, 264, 1400, 286, 4444, 13)  # "ic", " the", " trace", "ct", "", "+
 
 
 class ScriptedCluster:
-    """Yields ``TOKENS`` one position every ``pace_s``; fails at position ``fail_at``."""
+    """Yields ``length`` positions of ``TOKENS`` (over again) one every ``pace_s``; fails at
+    position ``fail_at``."""
 
-    def __init__(self, pace_s: float, fail_at: int | None = None) -> None:
+    def __init__(self, pace_s: float, fail_at: int | None = None, length: int = len(TOKENS)):
         self.pace_s = pace_s
         self.fail_at = fail_at
+        self.length = length
 
     def worker_statuses(self) -> list[WorkerStatus]:
         return [WorkerStatus("decode-0", "decode", True, None)]
@@ -62,12 +67,12 @@ class ScriptedCluster:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
-        num_tokens = min(params.max_tokens or len(TOKENS), len(TOKENS))
+        num_tokens = min(params.max_tokens or self.length, self.length)
         for position in range(num_tokens):
             if position == self.fail_at:
                 raise RequestFailedError("decode worker decode-0 died and no other can resume")
             finish = "length" if position == num_tokens - 1 else None
-            token = TOKENS[position]
+            token = TOKENS[position % len(TOKENS)]
             logprobs = None
             if params.logprobs is not None:
                 logprobs = TokenLogprobs(token, -0.5 - position, 1, (token,), (-0.5 - position,))
@@ -209,3 +214,45 @@ def test_streamed_text_offsets_are_the_whole_responses(served_demo: ServedModel)
                         streamed_offsets += choice["logprobs"]["text_offset"]
     assert whole["logprobs"]["text_offset"] == [0, 2, 6, 12, 14, 14]
     assert streamed_offsets == whole["logprobs"]["text_offset"]
+
+
+def test_streams_flow_while_a_long_prompt_is_tokenized(served_demo: ServedModel) -> None:
+    """A prompt at the character limit of a long-context model takes the tokenizer about a
+    second. It is parsed on a thread of its own, so a stream already running keeps its pace
+    meanwhile (the whole second, every stream stood still)."""
+    text = "The quick brown fox jumps over the lazy dog, again and again. " * 8000
+    while True:  # long enough to take the tokenizer half a second on this machine
+        started = time.perf_counter()
+        served_demo.tokenizer.encode(text)
+        tokenize_s = time.perf_counter() - started
+        if tokenize_s >= 0.5:
+            break
+        text *= 2
+    model = dataclasses.replace(served_demo, max_model_len=len(text) // 16)  # within the limit
+    cluster = ScriptedCluster(pace_s=0.01, length=100_000)
+    arrivals: list[float] = []
+    with (
+        _serve(cluster, model, max_body_bytes=len(text) + 4096) as (_, url),
+        httpx.Client(timeout=60) as client,
+    ):
+        stream_body = {"prompt": "hi", "max_tokens": 100_000, "stream": True}
+        with client.stream("POST", url, json=stream_body) as response:
+            lines = response.iter_lines()
+            for _ in range(20):  # the stream is under way
+                next(lines)
+            outcome: list[int] = []
+            long_prompt = threading.Thread(
+                target=lambda: outcome.append(
+                    client.post(url, json={"prompt": text, "max_tokens": 1}).status_code
+                )
+            )
+            arrivals.append(time.perf_counter())
+            long_prompt.start()
+            while long_prompt.is_alive():
+                next(lines)
+                arrivals.append(time.perf_counter())
+            next(lines)  # the gap that spans the end of the tokenizing, if any
+            arrivals.append(time.perf_counter())
+    assert outcome == [400]  # longer than the context: refused, once tokenized
+    worst_gap = max(later - earlier for earlier, later in itertools.pairwise(arrivals))
+    assert worst_gap < tokenize_s / 2, (worst_gap, tokenize_s)
