@@ -14,10 +14,9 @@ with chunked prefill.
 
 from __future__ import annotations
 
-import threading
-from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
+from decode_worker.channel_table import ChannelTable
 from decode_worker.early_aborts import EarlyAborts
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
@@ -54,12 +53,7 @@ class DecodeWorker:
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
         self._transfer_totals = TransferTotals()  # KV hand-offs received
         self.loop = EngineLoop(self.engine, worker_id)
-        # channel id -> channel from a prefill worker, least recently used first
-        self._channels: OrderedDict[str, KVChannel] = OrderedDict()
-        # channel id -> receives using it, and reservations it is pinned open for
-        self._channels_in_use: Counter[str] = Counter()
-        self._pins: dict[str, str] = {}  # request id -> channel pinned open for its KV
-        self._channels_lock = threading.Lock()
+        self.channels = ChannelTable(transfer.max_channels)  # from prefill workers
         self._receiving: set[str] = set()  # requests whose KV is arriving (under loop.lock)
         self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
         self._aborted: set[str] = set()  # of those, the ones aborted meanwhile
@@ -119,45 +113,12 @@ class DecodeWorker:
     def pin_channel(self, request_id: str, channel_id: str) -> bool:
         """Keep ``channel_id`` open for the transfer of ``request_id``'s KV; False if it is not
         open here. A pin ends with the request's receive, or with its reservation's cancel."""
-        with self._channels_lock:
-            if channel_id not in self._channels:
-                return False
-            self._unpin_locked(request_id)
-            self._pins[request_id] = channel_id
-            self._channels_in_use[channel_id] += 1
-            self._channels.move_to_end(channel_id)
-            return True
-
-    def _unpin_locked(self, request_id: str) -> None:
-        channel_id = self._pins.pop(request_id, None)
-        if channel_id is not None:
-            self._unuse_locked(channel_id)
-
-    def _unuse_locked(self, channel_id: str) -> None:
-        self._channels_in_use[channel_id] -= 1
-        if self._channels_in_use[channel_id] <= 0:
-            del self._channels_in_use[channel_id]
-
-    def _take_channel(self, request_id: str, channel_id: str) -> KVChannel | None:
-        """The channel a receive uses, marked in use (the request's pin passes to the receive);
-        None when it is not open here."""
-        with self._channels_lock:
-            channel = self._channels.get(channel_id)
-            if self._pins.get(request_id) != channel_id or channel is None:
-                self._unpin_locked(request_id)
-                if channel is not None:
-                    self._channels_in_use[channel_id] += 1
-            else:
-                del self._pins[request_id]  # its count now stands for the receive
-            if channel is not None:
-                self._channels.move_to_end(channel_id)
-            return channel
+        return self.channels.pin(request_id, channel_id)
 
     def cancel_reservation(self, request_id: str) -> None:
         """Give back the blocks reserved for a request whose KV will not come: its hand-off
         failed before the transfer began (no channel, a layout mismatch, a deadline)."""
-        with self._channels_lock:
-            self._unpin_locked(request_id)
+        self.channels.unpin(request_id)
         with self.loop.lock:
             if request_id not in self._receiving:  # a receive in flight gives them back itself
                 self.loop.call(lambda engine: engine.cancel_reservation(request_id))
@@ -171,19 +132,8 @@ class DecodeWorker:
         channel = KVChannel.connect(
             rendezvous, self.layout, self.engine.device, self.transfer.timeout_s
         )
-        with self._channels_lock:
-            previous = self._channels.pop(rendezvous.channel_id, None)
-            self._channels[rendezvous.channel_id] = channel
-            idle = [  # neither receiving nor pinned open for a reservation
-                cid
-                for cid in self._channels
-                if cid != rendezvous.channel_id and not self._channels_in_use[cid]
-            ]
-            excess = len(self._channels) - self.transfer.max_channels
-            closing = [self._channels.pop(cid) for cid in idle[: max(excess, 0)]]
-        for old in [previous, *closing]:
-            if old is not None:
-                old.close()
+        for closing in self.channels.add(rendezvous.channel_id, channel):
+            closing.close()
 
     def receive(
         self,
@@ -199,7 +149,7 @@ class DecodeWorker:
         On failure the request follows ``policy``: recompute here, or fail with a clear error.
         """
         request_id = result.request_id
-        channel = self._take_channel(request_id, channel_id)
+        channel = self.channels.take(request_id, channel_id)
         try:
             with self.loop.lock:
                 if self._early_aborts.take(request_id):
@@ -219,8 +169,7 @@ class DecodeWorker:
                 raise
         finally:
             if channel is not None:
-                with self._channels_lock:
-                    self._unuse_locked(channel_id)
+                self.channels.release(channel_id)
         # Decided under the loop's lock, so an abort lands either before (the copy is dropped
         # here) or after the request is admitted (and aborts it in the engine).
         with self.loop.lock:
@@ -304,14 +253,9 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        with self._channels_lock:
-            channels = list(self._channels.values())
-            self._channels.clear()
-        for channel in channels:
+        for channel in self.channels.remove_all():
             channel.close()
 
     def _drop_channel(self, channel_id: str, channel: KVChannel) -> None:
-        with self._channels_lock:
-            if self._channels.get(channel_id) is channel:
-                del self._channels[channel_id]
+        self.channels.remove(channel_id, channel)
         channel.close()

@@ -205,13 +205,14 @@ class PrefillWorker:
         decode_worker_id = target.decode_worker_id
         peer = self._peers[decode_worker_id]
         timeout_s = self.transfer.timeout_s
-        receipt: Future[bool] | None = None
+        owes_cancel = True  # blocks may be reserved there, and no receive will take them
         try:
             with self._channels_lock:
                 current = self._channels.get(decode_worker_id)
             asked = None if current is None or current[1].broken else current[0]
             reservation = self._reserve(peer, result, asked)
             if reservation is None:  # the decode worker stayed full: it recomputes the prompt
+                owes_cancel = False
                 peer.admit_without_kv(result, target.gateway_id).result(timeout=timeout_s)
                 return
             # One transfer at a time per decode worker, so both ends take the tickets in one
@@ -222,41 +223,38 @@ class PrefillWorker:
                     decode_worker_id, peer, result.request_id, reservation.channel_id
                 )
                 try:
-                    receipt = self._transfer(
-                        result, target, peer, channel_id, channel, reservation.block_ids
+                    ticket = TransferTicket(
+                        transfer_id=next(self._transfer_ids),
+                        request_id=result.request_id,
+                        num_blocks=len(result.block_ids),
+                        timeout_s=timeout_s,
                     )
+                    receipt = peer.receive(
+                        channel_id,
+                        result,
+                        ticket,
+                        reservation.block_ids,
+                        target.gateway_id,
+                        self.transfer.failure_policy,
+                    )
+                    owes_cancel = False  # the receive gives the blocks back if it fails
+                    self._send(decode_worker_id, channel, result, ticket)
                 finally:
                     with self._channels_lock:
                         self._channels_in_use[decode_worker_id] -= 1
             receipt.result(timeout=2 * timeout_s)
         finally:
-            if receipt is None:  # the decode worker never heard of the KV: free its blocks
+            if owes_cancel:
                 peer.cancel_reservation(result.request_id)
 
-    def _transfer(
+    def _send(
         self,
-        result: PrefillResult,
-        target: _Target,
-        peer: DecodePeer,
-        channel_id: str,
+        decode_worker_id: str,
         channel: KVChannel,
-        block_ids: list[int],
-    ) -> Future[bool]:
-        """Send the KV while the decode worker receives it; the decode worker's receipt."""
-        ticket = TransferTicket(
-            transfer_id=next(self._transfer_ids),
-            request_id=result.request_id,
-            num_blocks=len(result.block_ids),
-            timeout_s=self.transfer.timeout_s,
-        )
-        receipt = peer.receive(
-            channel_id,
-            result,
-            ticket,
-            block_ids,
-            target.gateway_id,
-            self.transfer.failure_policy,
-        )
+        result: PrefillResult,
+        ticket: TransferTicket,
+    ) -> None:
+        """Send the prompt's KV; a failed transfer's channel is dropped (rebuilt on next use)."""
         try:
             self._transfer_totals.add(
                 channel.send_blocks(self.engine.kv_cache, result.block_ids, ticket)
@@ -264,10 +262,9 @@ class PrefillWorker:
         except TransferError:
             logger.warning("KV transfer of %s failed; channel rebuilt on next use", ticket)
             with self._channels_lock:
-                if self._channels.get(target.decode_worker_id, (None, None))[1] is channel:
-                    del self._channels[target.decode_worker_id]
+                if self._channels.get(decode_worker_id, (None, None))[1] is channel:
+                    del self._channels[decode_worker_id]
             channel.close()
-        return receipt
 
     def _reserve(
         self, peer: DecodePeer, result: PrefillResult, channel_id: str | None

@@ -609,7 +609,7 @@ def test_channels_the_decode_side_closes_over_its_cap_are_never_sent_on(
     load = decode.load()
     assert load.counters.num_kv_transfers == len(prompts)  # every prompt's KV arrived
     assert load.kv_usage == 0.0
-    assert not decode._pins  # every pin ended with its receive
+    assert decode.channels.num_pins == 0  # every pin ended with its receive
 
 
 def test_a_reservation_keeps_its_channel_open_past_the_cap_until_it_ends(llama_dir: Path) -> None:
@@ -630,12 +630,13 @@ def test_a_reservation_keeps_its_channel_open_past_the_cap_until_it_ends(llama_d
         reservation = decode.reserve("r", 20, "a")
         assert reservation is not None and reservation.channel_id == "a"
         senders.append(open_channel("b"))
-        assert set(decode._channels) == {"a", "b"}  # "a" is pinned for "r"
+        assert "a" in decode.channels and "b" in decode.channels  # "a" is pinned for "r"
         unknown = decode.reserve("s", 20, "gone")
         assert unknown is not None and unknown.channel_id is None  # not open here: no pin
         decode.cancel_reservation("r")
         senders.append(open_channel("c"))
-        assert set(decode._channels) == {"c"}  # unpinned "a" and idle "b" closed
+        assert "c" in decode.channels  # unpinned "a" and idle "b" closed
+        assert "a" not in decode.channels and "b" not in decode.channels
     finally:
         for listener in listeners:
             listener.close()
