@@ -239,18 +239,24 @@ class Cluster:
 
         The lock is taken to choose and to record, not while the worker accepts: a worker
         takes a request between two engine steps, and holding the lock meanwhile would stall
-        every other request's tokens for up to a step. While ``tracker.placing``, its tokens
-        are accepted, a failure report is held, and a worker's death does not see it; so once
-        the worker has accepted, the choice is checked again against deaths meanwhile. (A
-        re-route after a failure runs with the lock held by its caller; it is rare.)
+        every other request's tokens for up to a step. While ``tracker.placing``, tokens from
+        the workers being asked are accepted, their failure reports are held, and a worker's
+        death does not see the request; so once the worker has accepted, the choice is checked
+        again against deaths meanwhile. (A re-route after a failure runs with the lock held by
+        its caller; it is rare.)
 
         A chosen worker found dead on submission is taken out of rotation (its other requests
-        recovered) and the choice is made again among the live ones.
+        recovered) and the choice is made again among the live ones. A live worker that
+        accepted a placement given up (the other chosen worker died meanwhile) is told to drop
+        the request, unless the new placement uses it again.
         """
         tracker.placing = True
+        given_up: set[str] = set()  # live workers that accepted a placement given up
         try:
             for _ in range(len(self.workers)):
-                prefill_id, decode_id = self._choose(request)
+                prefill_id, decode_id, local = self._choose(request)
+                with self._lock:
+                    tracker.candidates = tuple(w for w in (prefill_id, decode_id) if w)
                 target = self.workers[prefill_id or decode_id]
                 try:
                     if prefill_id is None:
@@ -261,22 +267,27 @@ class Cluster:
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     self._on_worker_dead(target, skip=tracker)
                     continue
-                if self._record_placement(tracker, prefill_id, decode_id):
+                if self._record_placement(tracker, prefill_id, decode_id, local):
+                    given_up -= set(tracker.candidates)
                     return
+                given_up.add(target.worker_id)
                 request = tracker.resume_request()  # a chosen worker died after accepting
             raise RequestFailedError("no live worker accepted the request")
         finally:
             tracker.placing = False
+            tracker.candidates = ()
+            self._abort_on(given_up, tracker.request_id)
 
-    def _choose(self, request: GenerateRequest) -> tuple[str | None, str]:
-        """(prefill worker, decode worker) for the request, among the live ones; no prefill
-        worker when the decode worker prefills it (colocated, resumed, or a local prefill). The
-        choice counts towards their load at once, so requests routed meanwhile see it."""
+    def _choose(self, request: GenerateRequest) -> tuple[str | None, str, str | None]:
+        """(prefill worker, decode worker, why the decode worker prefills it) for the request,
+        among the live ones; no prefill worker when the decode worker prefills it (colocated,
+        resumed, or a local prefill: the reason). The choice counts towards their load at once,
+        so requests routed meanwhile see it."""
         info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
         with self._lock:
             try:
                 decode_id = self.policy.choose_decode(info, self.live_loads("decode"))
-                prefill_id = None
+                prefill_id = local = None
                 if not self.config.colocated and not request.resume_token_ids:
                     prefill_loads = self.live_loads("prefill")
                     local = self.config.local_prefill.reason(
@@ -284,15 +295,13 @@ class Cluster:
                     )
                     if local is None:
                         prefill_id = self.policy.choose_prefill(info, prefill_loads)
-                    else:
-                        self._local_prefills[local] += 1
             except NoWorkerError as error:
                 raise RequestFailedError(str(error)) from error
             self._charge_routed(prefill_id, decode_id, request)
-        return prefill_id, decode_id
+        return prefill_id, decode_id, local
 
     def _record_placement(
-        self, tracker: RequestTracker, prefill_id: str | None, decode_id: str
+        self, tracker: RequestTracker, prefill_id: str | None, decode_id: str, local: str | None
     ) -> bool:
         """Note where an accepted request runs; False if a chosen worker died meanwhile.
 
@@ -304,18 +313,25 @@ class Cluster:
             accepting.ledger.mark_held(tracker.request_id, accepted_at)
             if not all(self.workers[w].alive for w in (prefill_id, decode_id) if w is not None):
                 return False
+            if local is not None:
+                self._local_prefills[local] += 1
             if tracker.started_decoding:
                 prefill_id = None  # the prefill part is over already
             tracker.prefill_worker, tracker.decode_worker = prefill_id, decode_id
             tracker.placing = False
             held, tracker.held_failure = tracker.held_failure, None
             if tracker.closed:  # aborted while placing: the abort saw no workers yet
-                for worker_id in (prefill_id, decode_id):
-                    if worker_id is not None:
-                        self.workers[worker_id].actor.abort.remote(tracker.request_id)
+                self._abort_on({w for w in (prefill_id, decode_id) if w}, tracker.request_id)
             elif held is not None:
-                self._on_failure(held)
+                self._on_failure(*held)
         return True
+
+    def _abort_on(self, worker_ids: set[str], request_id: str) -> None:
+        """Tell the live ones of ``worker_ids`` to drop the request (not waiting for them)."""
+        for worker_id in sorted(worker_ids):
+            worker = self.workers[worker_id]
+            if worker.alive:
+                worker.actor.abort.remote(request_id)
 
     def _charge_routed(
         self, prefill_id: str | None, decode_id: str, request: GenerateRequest
@@ -352,7 +368,11 @@ class Cluster:
             for ref in stream:
                 if self._stopping.is_set():
                     return
-                self._dispatch(ray.get(ref))
+                batch = ray.get(ref)
+                try:
+                    self._dispatch(batch)
+                except Exception:  # a bug: the other requests' tokens keep flowing
+                    logger.exception("dispatching a batch of %s failed", worker.worker_id)
         except Exception:  # the worker died: the monitor takes it out of rotation
             logger.info("output stream of %s ended", worker.worker_id)
 
@@ -360,17 +380,17 @@ class Cluster:
         with self._lock:
             for event in batch.events:
                 tracker = self._trackers.get(event.request_id)
-                if tracker is None:
-                    continue
-                if tracker.prefill_worker is not None and event.position > 0:
-                    tracker.prefill_worker = None  # decoding has begun: the prefill part is over
+                if tracker is None or not tracker.sent_by_its_workers(batch.worker_id):
+                    continue  # finished, or from a placement given up
                 if event.position == 0 and event.sample_index == 0:
                     self._first_token_out(event.request_id)
                 tracker.accept(event)
+                if tracker.prefill_worker is not None and tracker.started_decoding:
+                    tracker.prefill_worker = None  # first tokens out, decoding begun: prefill over
                 if tracker.closed:
                     del self._trackers[event.request_id]
             for failure in batch.failures:
-                self._on_failure(failure)
+                self._on_failure(failure, batch.worker_id)
 
     def _first_token_out(self, request_id: str) -> None:
         """A prefill is done: its decode worker holds the request from here on (the KV
@@ -379,19 +399,32 @@ class Cluster:
         for worker in self.workers.values():
             worker.ledger.mark_held(request_id, now)
 
-    def _on_failure(self, failure: RequestFailure) -> None:
+    def _on_failure(self, failure: RequestFailure, worker_id: str) -> None:
+        """A worker gave up on a request: resume it elsewhere if the failure allows a retry
+        and its decode worker does not hold it after all, else fail it. Reports from a
+        placement given up meanwhile are stale: the request has moved on."""
         tracker = self._trackers.get(failure.request_id)
-        if tracker is None:
+        if tracker is None or not tracker.sent_by_its_workers(worker_id):
             return
         if tracker.placing:
-            tracker.held_failure = failure
+            tracker.held_failure = (failure, worker_id)
             return
-        if failure.retryable and tracker.num_retries < self.config.max_retries:
-            if not self._continues_on_decode_worker(tracker):
+        if failure.retryable:
+            if self._continues_on_decode_worker(tracker):
+                return
+            if self._trackers.get(failure.request_id) is not tracker:
+                return  # its decode worker was found dead, and that recovered it
+            if tracker.num_retries < self.config.max_retries:
                 self._resume(tracker)
-            return
-        del self._trackers[failure.request_id]
-        tracker.fail(failure.message)
+                return
+        self._fail(tracker, failure.message)
+
+    def _fail(self, tracker: RequestTracker, message: str) -> None:
+        """End a request for good: the client gets ``message``, its live workers drop it."""
+        self._trackers.pop(tracker.request_id, None)
+        tracker.fail(message)
+        workers = {w for w in (tracker.prefill_worker, tracker.decode_worker) if w}
+        self._abort_on(workers, tracker.request_id)
 
     def _continues_on_decode_worker(self, tracker: RequestTracker) -> bool:
         """Whether the request's decode worker holds it (a failure report came too late)."""
@@ -408,7 +441,10 @@ class Cluster:
     # ---- health -------------------------------------------------------------------------
     def _monitor(self) -> None:
         while not self._stopping.wait(self.config.report_interval_s):
-            self._poll_loads()
+            try:
+                self._poll_loads()
+            except Exception:  # a bug: keep watching the workers all the same
+                logger.exception("polling the workers' loads failed")
 
     def _poll_loads(self) -> None:
         live = [w for w in self.workers.values() if w.alive]
@@ -442,42 +478,62 @@ class Cluster:
                 if worker.worker_id in (t.prefill_worker, t.decode_worker) and t is not skip
             ]
             for tracker in affected:
-                self._recover(tracker, worker)
+                # A worker that stopped answering may only be stalled: it must drop the request.
+                worker.actor.abort.remote(tracker.request_id)
+                if self._on(tracker, worker):  # not recovered already, by a death found meanwhile
+                    self._recover(tracker, worker)
+
+    def _on(self, tracker: RequestTracker, worker: WorkerHandle) -> bool:
+        """The request is still tracked and still placed on ``worker``."""
+        placed_on = worker.worker_id in (tracker.prefill_worker, tracker.decode_worker)
+        return placed_on and self._trackers.get(tracker.request_id) is tracker
 
     def _recover(self, tracker: RequestTracker, dead: WorkerHandle) -> None:
-        if tracker.num_retries >= self.config.max_retries:
-            del self._trackers[tracker.request_id]
-            tracker.fail(f"{dead.role} worker {dead.worker_id} failed; retries exhausted")
-            return
-        if dead.role == "prefill":
+        if dead.role == "prefill" and tracker.has_delivered:
             # The first token left: the decode worker may hold the request already (and
             # recomputes it if its KV never comes). If it does not, resume it there.
-            if tracker.delivered and self._continues_on_decode_worker(tracker):
+            if self._continues_on_decode_worker(tracker):
                 tracker.prefill_worker = None
                 return
-        elif tracker.prefill_worker is not None and not tracker.delivered:
-            prefill = self.workers[tracker.prefill_worker]
-            if prefill.alive:  # still prefilling: point its hand-off at a live decode worker
-                info = RoutingInfo(tracker.request_id, tracker.request.prompt_token_ids)
-                decode_id = self.policy.choose_decode(info, self.live_loads("decode"))
-                ref = prefill.actor.retarget.remote(tracker.request_id, decode_id)
-                with contextlib.suppress(ray.exceptions.RayError):
-                    if ray.get(ref, timeout=_CALL_TIMEOUT_S):
-                        tracker.decode_worker = decode_id
-                        self.workers[decode_id].ledger.charge(
-                            tracker.request_id, num_sequences=tracker.request.params.n
-                        )
-                        return
+            if self._trackers.get(tracker.request_id) is not tracker:
+                return  # its decode worker was found dead too, and that recovered it
+        elif dead.role == "decode" and not tracker.has_delivered and self._retarget(tracker):
+            return
+        if tracker.num_retries >= self.config.max_retries:
+            self._fail(tracker, f"{dead.role} worker {dead.worker_id} failed; retries exhausted")
+            return
         self._resume(tracker)
 
+    def _retarget(self, tracker: RequestTracker) -> bool:
+        """Point a request still prefilling at another live decode worker; False if none
+        can take it or the prefill worker has handed it off already."""
+        prefill = self.workers.get(tracker.prefill_worker or "")
+        if prefill is None or not prefill.alive:
+            return False
+        info = RoutingInfo(tracker.request_id, tracker.request.prompt_token_ids)
+        try:
+            decode_id = self.policy.choose_decode(info, self.live_loads("decode"))
+        except NoWorkerError:
+            return False
+        ref = prefill.actor.retarget.remote(tracker.request_id, decode_id)
+        with contextlib.suppress(ray.exceptions.RayError):
+            if ray.get(ref, timeout=_CALL_TIMEOUT_S):
+                tracker.decode_worker = decode_id
+                self.workers[decode_id].ledger.charge(
+                    tracker.request_id, num_sequences=tracker.request.params.n
+                )
+                return True
+        return False
+
     def _resume(self, tracker: RequestTracker) -> None:
-        """Submit the request again, continuing after the tokens the client already has."""
+        """Submit the request again, continuing after the tokens the client already has; the
+        placement given up sends nothing more to the client."""
         tracker.num_retries += 1
+        tracker.prefill_worker, tracker.decode_worker = None, ""
         try:
             self._place(tracker, tracker.resume_request())
         except (RequestFailedError, ValueError, ray.exceptions.RayError) as error:
-            self._trackers.pop(tracker.request_id, None)
-            tracker.fail(f"could not re-route the request: {error}")
+            self._fail(tracker, f"could not re-route the request: {error}")
 
 
 def _unnice_local_workers() -> None:

@@ -34,7 +34,8 @@ class RequestTracker:
     num_retries: int = 0
     closed: bool = False
     placing: bool = False  # a worker is being asked to take it; its workers are not set yet
-    held_failure: RequestFailure | None = None  # reported while placing: handled after
+    candidates: tuple[str, ...] = ()  # while placing: the workers being asked
+    held_failure: tuple[RequestFailure, str] | None = None  # (failure, worker) while placing
 
     @property
     def request_id(self) -> str:
@@ -47,6 +48,19 @@ class RequestTracker:
     @property
     def started_decoding(self) -> bool:
         return any(len(tokens) > 1 for tokens in self.delivered.values())
+
+    @property
+    def has_delivered(self) -> bool:
+        """At least one token reached the client."""
+        return any(self.delivered.values())
+
+    def sent_by_its_workers(self, worker_id: str) -> bool:
+        """Whether events from ``worker_id`` belong to the request's current placement (or the
+        one being made); a placement given up (its worker stalled, or the request moved on)
+        may still send some, and they must not reach the client."""
+        if worker_id in (self.prefill_worker, self.decode_worker):
+            return True
+        return self.placing and worker_id in self.candidates
 
     def accept(self, event: TokenEvent) -> None:
         """Take one event from any worker; pass on what is new, in order."""
@@ -74,7 +88,11 @@ class RequestTracker:
             self.sink(item)
 
     def resume_request(self) -> GenerateRequest:
-        """The request as another worker should continue it: after the tokens already sent."""
+        """The request as another worker should continue it: after the tokens already sent.
+
+        Tokens held back from the placement given up are dropped: the new one samples its own.
+        """
+        self.early.clear()
         request = self.request
         resume = {
             index: list(self.delivered.get(index, []))

@@ -1,0 +1,174 @@
+"""The router's failover over fake actors: deaths found while recovering, reports from a
+placement given up, tokens from a worker taken out of rotation, tokens held across a resume.
+
+Each scenario drives the real ``Cluster`` and ``RequestTracker`` (no Ray: ``fake_actors``)
+through the calls its threads make: ``_poll_loads`` (the load monitor) and ``_dispatch`` (the
+output pumps). Every one hung a client, crashed a router thread or corrupted a stream before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import router.cluster
+from engine.messages import OutputBatch, RequestFailure
+from router.local_prefill import LocalPrefillRule
+from router.policies import NoWorkerError
+from router.request_tracker import RequestDone
+from tests.router.fake_actors import FakeRay, make_cluster, submit, token, token_ids
+
+
+@pytest.fixture(autouse=True)
+def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(router.cluster, "ray", FakeRay)
+    yield
+
+
+def _first_of(cluster: router.cluster.Cluster, *preferred: str) -> None:
+    """Route to the first live worker of ``preferred`` (then by name), deterministically."""
+
+    def choose(info: object, loads: list) -> str:  # type: ignore[type-arg]
+        live = sorted(load.worker_id for load in loads)
+        if not live:
+            raise NoWorkerError("no live worker")
+        return next((w for w in preferred if w in live), live[0])
+
+    cluster.policy.choose_decode = choose  # type: ignore[method-assign]
+    cluster.policy.choose_prefill = choose  # type: ignore[method-assign]
+
+
+def test_the_last_decode_worker_dying_fails_the_requests_still_prefilling() -> None:
+    """With no live decode worker to point a prefill at, the requests fail with a reason (the
+    NoWorkerError escaped the load monitor, which died, and both clients waited for ever)."""
+    cluster, actors = make_cluster(1, 1)
+    _, first = submit(cluster, "r1")
+    _, second = submit(cluster, "r2")
+    actors["decode-0"].dead = True
+    cluster._poll_loads()
+    for items in (first, second):
+        assert isinstance(items[-1], RequestFailure)
+        assert "could not re-route" in items[-1].message
+    assert not cluster._trackers
+
+
+def test_two_workers_dying_together_recover_each_request_once() -> None:
+    """The prefill and decode worker of two requests die together. Looking for r1's decode
+    worker finds it dead, and recovers r2 there and then; the prefill worker's pass must not
+    recover r2 again (a KeyError escaped, or r2 was resumed twice, or failed while running)."""
+    cluster, actors = make_cluster(1, 2, max_retries=1)
+    _first_of(cluster, "decode-0")
+    tracked = [submit(cluster, rid) for rid in ("r1", "r2")]
+    for rid in ("r1", "r2"):
+        cluster._dispatch(OutputBatch("prefill-0", [token(rid, 0, 11)]))
+    tracked[1][0].num_retries = 1  # r2 has no retry left
+    actors["prefill-0"].dead = actors["decode-0"].dead = True
+    cluster._poll_loads()
+    r1, r2 = (tracker for tracker, _ in tracked)
+    assert (r1.decode_worker, r1.num_retries, r1.closed) == ("decode-1", 1, False)
+    assert isinstance(tracked[1][1][-1], RequestFailure)  # retries exhausted: failed, once
+    assert sorted(actors["decode-1"].requests) == ["r1"]  # r2 runs nowhere
+
+
+def test_a_failure_from_a_placement_given_up_is_ignored() -> None:
+    """r1 moved to decode-1 when decode-0 died; the prefill worker's hand-off to decode-0
+    fails later. That report is about the old placement: r1 runs on (it was failed, or
+    resumed a second time while still running on decode-1)."""
+    cluster, actors = make_cluster(1, 2, max_retries=1)
+    _first_of(cluster, "decode-0")
+    tracker, items = submit(cluster, "r1", max_tokens=3)
+    cluster._dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
+    actors["decode-0"].dead = True
+    cluster._poll_loads()
+    assert tracker.decode_worker == "decode-1"
+    cluster._dispatch(OutputBatch("decode-1", [token("r1", 1, 12)]))
+    late = RequestFailure("r1", "hand-off failed: decode-0 is gone", retryable=True)
+    cluster._dispatch(OutputBatch("prefill-0", [], [late]))
+    cluster._dispatch(OutputBatch("decode-1", [token("r1", 2, 13, finish="length")]))
+    assert token_ids(items) == [11, 12, 13]
+    assert isinstance(items[-1], RequestDone)
+    assert tracker.num_retries == 1
+
+
+def test_a_worker_that_accepted_a_placement_given_up_drops_the_request() -> None:
+    """prefill-0 accepts r1, but r1's decode worker dies before the placement is recorded: r1
+    is placed again on prefill-1, and prefill-0 is told to drop it (it prefilled it for
+    nothing, and its failure later counted as one of r1's)."""
+    cluster, actors = make_cluster(2, 2)
+    _first_of(cluster, "prefill-0", "decode-0")
+    accept = actors["prefill-0"].do_submit
+
+    def accept_then_decode_dies(request, decode_id=None):  # type: ignore[no-untyped-def]
+        accepted = accept(request, decode_id)
+        actors["decode-0"].dead = True
+        cluster._on_worker_dead(cluster.workers["decode-0"])  # the monitor finds it meanwhile
+        _first_of(cluster, "prefill-1", "decode-1")
+        return accepted
+
+    actors["prefill-0"].do_submit = accept_then_decode_dies  # type: ignore[method-assign]
+    tracker, items = submit(cluster, "r1")
+    assert (tracker.prefill_worker, tracker.decode_worker) == ("prefill-1", "decode-1")
+    assert actors["prefill-0"].aborts() == ["r1"]
+    stale = RequestFailure("r1", "hand-off to decode-0 failed", retryable=True)
+    cluster._dispatch(OutputBatch("prefill-0", [], [stale]))
+    assert tracker.num_retries == 0 and not items
+
+
+def test_tokens_from_a_worker_taken_out_of_rotation_never_reach_the_client() -> None:
+    """decode-0 stalls past ``dead_after_s``: r1 resumes on decode-1 after the three tokens
+    the client has. decode-0 wakes up and sends its fourth; the client must get decode-1's
+    (it got a splice of the two samplings), and decode-0 is told to drop r1."""
+    cluster, actors = make_cluster(0, 2)
+    _first_of(cluster, "decode-0")
+    tracker, items = submit(cluster, "r1", max_tokens=6, temperature=1.0)
+    cluster._dispatch(OutputBatch("decode-0", [token("r1", p, 100 + p) for p in range(3)]))
+    actors["decode-0"].stalled = True
+    cluster.workers["decode-0"].last_report -= 2 * cluster.config.dead_after_s
+    cluster._poll_loads()
+    assert tracker.decode_worker == "decode-1"
+    assert actors["decode-0"].aborts() == ["r1"]
+    cluster._dispatch(OutputBatch("decode-0", [token("r1", 3, 103)]))
+    tail = [token("r1", 3, 203), token("r1", 4, 204), token("r1", 5, 205, finish="length")]
+    cluster._dispatch(OutputBatch("decode-1", tail))
+    assert token_ids(items) == [100, 101, 102, 203, 204, 205]
+
+
+def test_tokens_held_back_from_a_placement_given_up_are_dropped() -> None:
+    """decode-0's tokens 1 and 2 overtake prefill-0's token 0, then both workers die. r1
+    starts again from its prompt elsewhere; the held tokens belong to the old sampling (they
+    were released behind the new token 0, and the new worker's own dropped as duplicates)."""
+    cluster, actors = make_cluster(2, 2)
+    _first_of(cluster, "prefill-0", "decode-0")
+    tracker, items = submit(cluster, "r1", max_tokens=5)
+    cluster._dispatch(OutputBatch("decode-0", [token("r1", 1, 901), token("r1", 2, 902)]))
+    actors["prefill-0"].dead = actors["decode-0"].dead = True
+    cluster._poll_loads()
+    assert (tracker.prefill_worker, tracker.decode_worker) == ("prefill-1", "decode-1")
+    cluster._dispatch(OutputBatch("prefill-1", [token("r1", 0, 100)]))
+    rest = [token("r1", p, 100 + p, finish="length" if p == 4 else None) for p in range(1, 5)]
+    cluster._dispatch(OutputBatch("decode-1", rest))
+    assert token_ids(items) == [100, 101, 102, 103, 104]
+
+
+def test_the_prefill_worker_stays_in_charge_until_the_first_token_is_out() -> None:
+    """decode-0's tokens overtake prefill-0's first token, and prefill-0 dies before that one
+    is out. The request is still prefill-0's, so its death recovers it (it hung: decode-0
+    never sends position 0)."""
+    cluster, actors = make_cluster(2, 1)
+    _first_of(cluster, "prefill-0")
+    tracker, items = submit(cluster, "r1", max_tokens=3)
+    cluster._dispatch(OutputBatch("decode-0", [token("r1", 1, 901)]))
+    assert tracker.prefill_worker == "prefill-0"
+    actors["prefill-0"].dead = True
+    cluster._poll_loads()
+    assert tracker.prefill_worker == "prefill-1" and tracker.num_retries == 1
+
+
+def test_a_local_prefill_is_counted_once_however_many_tries_its_placement_takes() -> None:
+    cluster, actors = make_cluster(1, 2, local_prefill=LocalPrefillRule(max_local_prompt_tokens=64))
+    _first_of(cluster, "decode-0")
+    actors["decode-0"].dead = True  # not found yet: the first try submits to it
+    tracker, _ = submit(cluster, "r1", prompt=(1, 2, 3))
+    assert tracker.decode_worker == "decode-1"
+    assert cluster.local_prefills()["short"] == 1
