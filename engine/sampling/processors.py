@@ -33,7 +33,10 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     use_p = any(p < 1.0 for p in top_ps)
     if use_p:
         k = _column(top_ks, torch.long, device) if use_k else None
-        logits = apply_top_k_top_p(logits, k, _column(top_ps, torch.float32, device))
+        # 1 - p on the host in float64: in float32 1 - 0.6 is 0.39999998, which moved the
+        # boundary of a row whose mass reaches exactly p
+        drop_mass = _column([1.0 - p for p in top_ps], torch.float32, device)
+        logits = apply_top_k_top_p(logits, k, drop_mass)
     elif use_k:
         logits = apply_top_k(logits, top_ks)
     return logits.softmax(dim=-1)
@@ -63,28 +66,30 @@ def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+    logits: torch.Tensor, k: torch.Tensor | None, drop_mass: torch.Tensor | None
 ) -> torch.Tensor:
-    """Top-k (``k`` [B, 1], k = V disables) then top-p (``p`` [B, 1]) with one sort.
+    """Top-k (``k`` [B, 1], k = V disables) then top-p (``drop_mass`` [B, 1] = 1 - top_p) with
+    one sort.
 
-    Top-p keeps the smallest set of most likely tokens whose mass reaches p (always >= 1
-    token): in ascending order, a token is dropped when the mass up to and including it is
-    <= 1 - p. The kept tokens are a suffix of the sorted row, so the result is a per-row
-    threshold on the unsorted logits (no scatter back); tokens tied with the threshold stay.
+    Top-k keeps the k largest logits and any tied with the k-th (as Hugging Face and vLLM).
+    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p (always >= 1
+    token): in ascending order, a token is dropped while the mass up to and including it is
+    <= 1 - top_p. Tokens tied at that boundary are split by their place in a stable sort, as
+    Hugging Face and vLLM split them: keeping them all made the set larger than top_p asks.
     """
-    sorted_logits = logits.sort(dim=-1, descending=False).values  # [B, V] ascending
+    sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)  # [B, V]
     if k is not None:
         kth = sorted_logits.gather(1, logits.shape[1] - k)  # [B, 1] k-th largest logit
-        if p is None:
+        if drop_mass is None:
             return logits.masked_fill(logits < kth, float("-inf"))
         sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    if p is None:
+    if drop_mass is None:
         return logits
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
-    num_dropped = (cumulative <= 1 - p).sum(dim=-1, keepdim=True)  # [B, 1]
-    num_dropped.clamp_(max=logits.shape[1] - 1)  # the most likely token always survives
-    threshold = sorted_logits.gather(1, num_dropped)  # [B, 1] smallest kept logit
-    return logits.masked_fill(logits < threshold, float("-inf"))
+    dropped = cumulative <= drop_mass
+    dropped[:, -1] = False  # the most likely token always survives
+    sorted_logits.masked_fill_(dropped, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def _column(

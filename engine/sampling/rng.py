@@ -17,9 +17,17 @@ from engine.sampling.seeds import MASK64
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A generator on ``device`` seeded with ``seed`` (any int; reduced modulo 2**64)."""
+    """A generator on ``device`` seeded with ``seed`` (any int; reduced modulo 2**64).
+
+    A CPU generator (mt19937) keeps only the low 32 bits of its seed, so there the two halves
+    are folded together first: seeds that differ only above bit 32 (as ``derive_seed``'s
+    63-bit sample seeds mostly do) gave identical streams. Seeds below 2**32 are unchanged.
+    """
+    seed &= MASK64
+    if torch.device(device).type == "cpu":
+        seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed & MASK64)
+    generator.manual_seed(seed)
     return generator
 
 

@@ -145,6 +145,23 @@ def np_processed_probs(x: np.ndarray, params: SamplingParams) -> np.ndarray:
     return np.where(keep, probs, 0.0) / np.where(keep, probs, 0.0).sum()
 
 
+def test_top_p_keeps_the_smallest_set_even_through_a_tie() -> None:
+    """Two tokens tie at 0.40 each and top_p is 0.3: one of them is enough (both were kept,
+    so the set was larger than top_p asks; Hugging Face and vLLM keep one)."""
+    logits = torch.tensor([[1.0, 1.0, 0.0, -1.0]])
+    probs = sampling_probs(logits, [SamplingParams(top_p=0.3)])
+    assert (probs > 0).sum().item() == 1
+    assert probs[0, :2].max().item() == 1.0
+
+
+def test_top_p_reached_exactly_keeps_no_more() -> None:
+    """0.6 + 0.4 with top_p = 0.6: the first token's mass reaches p, so it alone is kept (1 - p
+    taken in float32 was 0.39999998, below the second token's mass, which then stayed)."""
+    logits = torch.tensor([[0.6, 0.4]]).log()
+    probs = sampling_probs(logits, [SamplingParams(top_p=0.6)])
+    assert probs.tolist() == [[1.0, 0.0]]
+
+
 @pytest.mark.parametrize("top_k", [3, 2000])
 def test_top_k_alone_with_and_without_sort(top_k: int) -> None:
     vocab_size = 3000
@@ -243,3 +260,18 @@ def test_make_generator_accepts_any_int_seed() -> None:
 def test_shape_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError, match="logits must be"):
         Sampler()(torch.randn(3, 10), [row(SamplingParams())])
+
+
+def test_cpu_seeds_that_differ_only_above_32_bits_draw_differently() -> None:
+    """A CPU generator keeps 32 bits of its seed: 7 and 7 + 2**32 (and most pairs of
+    ``derive_seed``'s 63-bit sample seeds) drew the same stream. Seeds below 2**32 draw as
+    plain ``manual_seed`` does."""
+
+    def draws(generator: torch.Generator) -> list[float]:
+        return torch.rand(4, generator=generator).tolist()
+
+    cpu = torch.device("cpu")
+    assert draws(make_generator(7, cpu)) != draws(make_generator(7 + 2**32, cpu))
+    assert draws(make_generator(7, cpu)) == draws(torch.Generator().manual_seed(7))
+    siblings = [make_generator(derive_seed(0, i), cpu) for i in range(1, 200)]
+    assert len({tuple(draws(g)) for g in siblings}) == len(siblings)
