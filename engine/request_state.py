@@ -71,9 +71,14 @@ class RequestState:
 
 
 def position_logprobs(lp: TokenLogprobs) -> PositionLogprobs:
-    position = {
-        token: Logprob(logprob, rank)
-        for rank, (token, logprob) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)
-    }
+    """One position's logprobs by token. A token's rank is 1 + the number of tokens strictly
+    more likely, as ``sampled_rank`` counts it: tied tokens share a rank (ranked by their
+    place in the top list, a sampled token tied for first read rank 2 here and 1 elsewhere)."""
+    position = {}
+    rank = 0
+    for place, (token, logprob) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
+        if place == 1 or logprob < lp.top_logprobs[place - 2]:  # the list is descending
+            rank = place
+        position[token] = Logprob(logprob, rank)
     position.setdefault(lp.sampled_token_id, Logprob(lp.sampled_logprob, lp.sampled_rank))
     return position

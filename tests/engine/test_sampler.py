@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.request_state import position_logprobs
 from engine.sampling import (
     Sampler,
     SamplingParams,
@@ -18,6 +19,7 @@ from engine.sampling import (
     derive_seed,
     make_generator,
 )
+from engine.sampling.logprobs import compute_logprobs
 from engine.sampling.penalties import apply_penalties
 from engine.sampling.processors import apply_top_k, sampling_probs
 
@@ -275,3 +277,15 @@ def test_cpu_seeds_that_differ_only_above_32_bits_draw_differently() -> None:
     assert draws(make_generator(7, cpu)) == draws(torch.Generator().manual_seed(7))
     siblings = [make_generator(derive_seed(0, i), cpu) for i in range(1, 200)]
     assert len({tuple(draws(g)) for g in siblings}) == len(siblings)
+
+
+def test_tied_tokens_share_a_rank_in_the_offline_logprobs() -> None:
+    """Logits [1, 2, 2, 0] and token 2 sampled: tokens 1 and 2 tie for first. Every API reads
+    the same rank for token 2 (the offline dict ranked it 2 by its place in the top list,
+    while ``sampled_rank`` and gRPC said 1)."""
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0]])
+    rows = [row(SamplingParams(logprobs=4, temperature=0))]
+    logprobs = compute_logprobs(logits, rows, torch.tensor([2]))[0]
+    assert logprobs is not None and logprobs.sampled_rank == 1
+    by_token = position_logprobs(logprobs)
+    assert {token: lp.rank for token, lp in by_token.items()} == {1: 1, 2: 1, 0: 3, 3: 4}
