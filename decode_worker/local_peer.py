@@ -20,18 +20,24 @@ class LocalDecodePeer:
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="decode-peer")
 
     def reserve(
-        self, request_id: str, num_tokens: int, channel_id: str | None
+        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
     ) -> Future[Reservation | None]:
-        return self._executor.submit(self.worker.reserve, request_id, num_tokens, channel_id)
+        return self._executor.submit(
+            self.worker.reserve, request_id, num_tokens, handoff_id, channel_id
+        )
 
-    def pin_channel(self, request_id: str, channel_id: str) -> Future[bool]:
-        return self._executor.submit(self.worker.pin_channel, request_id, channel_id)
+    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> Future[bool]:
+        return self._executor.submit(self.worker.pin_channel, request_id, handoff_id, channel_id)
 
-    def cancel_reservation(self, request_id: str) -> Future[None]:
-        return self._executor.submit(self.worker.cancel_reservation, request_id)
+    def cancel_reservation(self, request_id: str, handoff_id: str) -> Future[None]:
+        return self._executor.submit(self.worker.cancel_reservation, request_id, handoff_id)
 
-    def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]:
-        return self._executor.submit(self.worker.connect_channel, rendezvous)
+    def connect_channel(
+        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
+    ) -> Future[bool]:
+        return self._executor.submit(
+            self.worker.connect_channel, rendezvous, request_id, handoff_id
+        )
 
     def locality(self) -> Future[Locality]:
         return self._executor.submit(self.worker.locality)

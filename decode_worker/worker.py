@@ -58,6 +58,8 @@ class DecodeWorker:
         self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
         self._aborted: set[str] = set()  # of those, the ones aborted meanwhile
         self._early_aborts = EarlyAborts()  # aborted before their hand-off came (loop.lock)
+        self._handoff_of: dict[str, str] = {}  # request id -> hand-off of its reservation
+        self._cancelled_handoffs = EarlyAborts()  # hand-offs cancelled before their reserve
         self.loop.start()
 
     # ---- requests -----------------------------------------------------------------------
@@ -74,7 +76,7 @@ class DecodeWorker:
             if request.request_id in self._receiving:
                 self._superseded.add(request.request_id)
             else:
-                self.engine.cancel_reservation(request.request_id)
+                self._drop_reservation(request.request_id)
             return self.loop.submit(request)
 
     def abort(self, request_id: str) -> None:
@@ -87,15 +89,25 @@ class DecodeWorker:
                 return
             if not self.engine.has_request(request_id):
                 self._early_aborts.add(request_id)
+            self._drop_reservation(request_id)
             self.loop.abort(request_id)
+
+    def _drop_reservation(self, request_id: str) -> None:
+        """Give back a request's reserved blocks and their channel's pin (loop lock held)."""
+        self._handoff_of.pop(request_id, None)
+        self._close(self.channels.unpin(request_id))
+        self.loop.call(lambda engine: engine.cancel_reservation(request_id))
 
     def has_request(self, request_id: str) -> bool:
         """Whether this worker runs the request (queued or running; a reservation is not)."""
         return self.loop.call(lambda engine: engine.has_request(request_id))
 
     # ---- hand-off from a prefill worker -------------------------------------------------
+    # Each hand-off has its own id (``handoff_id``), which its reserve, pins and cancel carry:
+    # a cancel that overtakes a late reserve (the prefill side's deadline passed) is kept and
+    # refuses that reserve, and never touches a later hand-off of the same request.
     def reserve(
-        self, request_id: str, num_tokens: int, channel_id: str | None = None
+        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None = None
     ) -> Reservation | None:
         """Blocks for a prompt's KV, or None when they do not fit now (ask again later).
 
@@ -104,36 +116,56 @@ class DecodeWorker:
         reservation is cancelled; the answer names it. Otherwise the answer names no channel:
         this side closed it (over the cap), so the prefill worker opens another.
         """
-        block_ids = self.loop.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
-        if block_ids is None:
-            return None
-        pinned = channel_id is not None and self.pin_channel(request_id, channel_id)
+        with self.loop.lock:
+            if self._cancelled_handoffs.take(handoff_id):
+                return None  # the prefill worker gave up on this hand-off already
+            block_ids = self.loop.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
+            if block_ids is None:
+                return None
+            self._handoff_of[request_id] = handoff_id
+            pinned = channel_id is not None and self.channels.pin(request_id, channel_id)
         return Reservation(block_ids, channel_id if pinned else None)
 
-    def pin_channel(self, request_id: str, channel_id: str) -> bool:
+    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> bool:
         """Keep ``channel_id`` open for the transfer of ``request_id``'s KV; False if it is not
-        open here. A pin ends with the request's receive, or with its reservation's cancel."""
-        return self.channels.pin(request_id, channel_id)
-
-    def cancel_reservation(self, request_id: str) -> None:
-        """Give back the blocks reserved for a request whose KV will not come: its hand-off
-        failed before the transfer began (no channel, a layout mismatch, a deadline)."""
-        self.channels.unpin(request_id)
+        open here, or the hand-off's reservation is gone. A pin ends with the request's receive,
+        or with its reservation's cancel."""
         with self.loop.lock:
-            if request_id not in self._receiving:  # a receive in flight gives them back itself
-                self.loop.call(lambda engine: engine.cancel_reservation(request_id))
+            if self._handoff_of.get(request_id) != handoff_id:
+                return False
+            return self.channels.pin(request_id, channel_id)
+
+    def cancel_reservation(self, request_id: str, handoff_id: str) -> None:
+        """Give back the blocks reserved for a hand-off whose KV will not come: it failed before
+        the transfer began (no channel, a layout mismatch, a deadline)."""
+        with self.loop.lock:
+            if self._handoff_of.get(request_id) != handoff_id:
+                self._cancelled_handoffs.add(handoff_id)  # its reserve may be late: refuse it
+                return
+            self._drop_reservation(request_id)
 
     def locality(self) -> Locality:
         """Where this worker's KV cache lives: a prefill worker picks the transport by it."""
         return locality_of(self.engine.device)
 
-    def connect_channel(self, rendezvous: ChannelRendezvous) -> None:
-        """Join the channel a prefill worker listens on (handshake checks the KV layout)."""
+    def connect_channel(
+        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
+    ) -> bool:
+        """Join the channel a prefill worker listens on (handshake checks the KV layout), pinned
+        at once for the hand-off it opened for; False if that hand-off's reservation is gone
+        (the channel is open all the same)."""
         channel = KVChannel.connect(
             rendezvous, self.layout, self.engine.device, self.transfer.timeout_s
         )
-        for closing in self.channels.add(rendezvous.channel_id, channel):
-            closing.close()
+        with self.loop.lock:
+            pinned = self._handoff_of.get(request_id) == handoff_id
+            pin_for = request_id if pinned else None
+            self._close(self.channels.add(rendezvous.channel_id, channel, pin_for))
+        return pinned
+
+    def _close(self, channels: list[KVChannel]) -> None:
+        for channel in channels:
+            channel.close()
 
     def receive(
         self,
@@ -152,6 +184,7 @@ class DecodeWorker:
         channel = self.channels.take(request_id, channel_id)
         try:
             with self.loop.lock:
+                self._handoff_of.pop(request_id, None)  # the receive owns the reservation now
                 if self._early_aborts.take(request_id):
                     self.engine.cancel_reservation(request_id)
                 reserved = self.engine.reserved_blocks(request_id) == block_ids
@@ -169,7 +202,7 @@ class DecodeWorker:
                 raise
         finally:
             if channel is not None:
-                self.channels.release(channel_id)
+                self._close(self.channels.release(channel_id))
         # Decided under the loop's lock, so an abort lands either before (the copy is dropped
         # here) or after the request is admitted (and aborts it in the engine).
         with self.loop.lock:

@@ -48,14 +48,16 @@ class DecodePeer(Protocol):
     """How a prefill worker reaches one decode worker: a Ray actor handle or a local object."""
 
     def reserve(
-        self, request_id: str, num_tokens: int, channel_id: str | None
+        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
     ) -> Future[Reservation | None]: ...
 
-    def pin_channel(self, request_id: str, channel_id: str) -> Future[bool]: ...
+    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> Future[bool]: ...
 
-    def cancel_reservation(self, request_id: str) -> Future[None]: ...
+    def cancel_reservation(self, request_id: str, handoff_id: str) -> Future[None]: ...
 
-    def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]: ...
+    def connect_channel(
+        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
+    ) -> Future[bool]: ...
 
     def locality(self) -> Future[Locality]: ...
 
@@ -98,6 +100,7 @@ class PrefillWorker:
         self._transports = PairTransports(transfer.transport, self.engine.device)
         self._peers = dict(decode_peers)
         self._targets: dict[str, _Target] = {}  # request id -> where it goes after prefill
+        self._queued: dict[str, PrefillResult] = {}  # prefilled, hand-off not started yet
         self._targets_lock = threading.Lock()
         # decode worker -> (channel id, channel), least recently used first
         self._channels: OrderedDict[str, tuple[str, KVChannel]] = OrderedDict()
@@ -133,7 +136,11 @@ class PrefillWorker:
             if target is None:
                 return False
             self._targets[request_id] = _Target(decode_worker_id, target.gateway_id)
-            return True
+            queued = request_id in self._queued
+        if queued and decode_worker_id != target.decode_worker_id:
+            # its hand-off may wait behind the old decode worker's (hung ones among them)
+            self._handoffs.submit(decode_worker_id, self._run_handoff, request_id)
+        return True
 
     def abort(self, request_id: str) -> None:
         with self._targets_lock:
@@ -173,27 +180,29 @@ class PrefillWorker:
     def _schedule_handoff(self, result: PrefillResult) -> None:
         with self._targets_lock:
             target = self._targets.get(result.request_id)
+            self._queued[result.request_id] = result
         lane = "" if target is None else target.decode_worker_id  # aborted: released at once
-        self._handoffs.submit(lane, self._run_handoff, result)
+        self._handoffs.submit(lane, self._run_handoff, result.request_id)
 
-    def _run_handoff(self, result: PrefillResult) -> None:
+    def _run_handoff(self, request_id: str) -> None:
         with self._targets_lock:
-            target = self._targets.pop(result.request_id, None)
+            result = self._queued.pop(request_id, None)
+            if result is None:  # run already, from the lane of the decode worker it moved to
+                return
+            target = self._targets.pop(request_id, None)
         if target is None:  # aborted meanwhile
-            self.loop.release(result.request_id)
+            self.loop.release(request_id)
             return
         try:
             self._hand_off(result, target)
         except Exception as error:  # the peer is gone, hung or broken: the request fails
-            logger.exception("hand-off of %s failed", result.request_id)
+            logger.exception("hand-off of %s failed", request_id)
+            reason = str(error) or f"{type(error).__name__} (no answer within the deadline)"
             self.loop.fail(
-                result.request_id,
-                f"hand-off failed: {error}",
-                target.gateway_id,
-                retryable=True,
+                request_id, f"hand-off failed: {reason}", target.gateway_id, retryable=True
             )
         finally:
-            self.loop.release(result.request_id)
+            self.loop.release(request_id)
 
     def _hand_off(self, result: PrefillResult, target: _Target) -> None:
         """Reserve blocks on the decode worker, move the KV into them, wait for the receipt.
@@ -205,12 +214,13 @@ class PrefillWorker:
         decode_worker_id = target.decode_worker_id
         peer = self._peers[decode_worker_id]
         timeout_s = self.transfer.timeout_s
+        handoff_id = f"{self.worker_id}/{next(self._transfer_ids)}"
         owes_cancel = True  # blocks may be reserved there, and no receive will take them
         try:
             with self._channels_lock:
                 current = self._channels.get(decode_worker_id)
             asked = None if current is None or current[1].broken else current[0]
-            reservation = self._reserve(peer, result, asked)
+            reservation = self._reserve(peer, result, handoff_id, asked)
             if reservation is None:  # the decode worker stayed full: it recomputes the prompt
                 owes_cancel = False
                 peer.admit_without_kv(result, target.gateway_id).result(timeout=timeout_s)
@@ -220,7 +230,7 @@ class PrefillWorker:
             # it has been replaced.
             with self._transfer_locks[decode_worker_id]:
                 channel_id, channel = self._acquire_channel(
-                    decode_worker_id, peer, result.request_id, reservation.channel_id
+                    decode_worker_id, peer, result.request_id, handoff_id, reservation.channel_id
                 )
                 try:
                     ticket = TransferTicket(
@@ -242,10 +252,13 @@ class PrefillWorker:
                 finally:
                     with self._channels_lock:
                         self._channels_in_use[decode_worker_id] -= 1
+                        closing = self._idle_channels_over_cap()
+                    for _, idle in closing:
+                        idle.close()
             receipt.result(timeout=2 * timeout_s)
         finally:
-            if owes_cancel:
-                peer.cancel_reservation(result.request_id)
+            if owes_cancel:  # (a reserve answered late is refused by this cancel)
+                peer.cancel_reservation(result.request_id, handoff_id)
 
     def _send(
         self,
@@ -267,28 +280,33 @@ class PrefillWorker:
             channel.close()
 
     def _reserve(
-        self, peer: DecodePeer, result: PrefillResult, channel_id: str | None
+        self, peer: DecodePeer, result: PrefillResult, handoff_id: str, channel_id: str | None
     ) -> Reservation | None:
         deadline = time.monotonic() + self.transfer.reserve_timeout_s
         while True:
             reservation = peer.reserve(
-                result.request_id, result.num_prompt_tokens, channel_id
+                result.request_id, result.num_prompt_tokens, handoff_id, channel_id
             ).result(timeout=self.transfer.timeout_s)
             if reservation is not None or time.monotonic() >= deadline:
                 return reservation
             time.sleep(_RESERVE_RETRY_S)
 
     def _acquire_channel(
-        self, decode_worker_id: str, peer: DecodePeer, request_id: str, pinned: str | None
+        self,
+        decode_worker_id: str,
+        peer: DecodePeer,
+        request_id: str,
+        handoff_id: str,
+        pinned: str | None,
     ) -> tuple[str, KVChannel]:
         """The open channel to a decode worker, marked in use, and pinned open on the decode
-        side for ``request_id``'s transfer (the decode side closes idle channels over its cap).
+        side for this hand-off's transfer (the decode side closes idle channels over its cap).
 
         ``pinned``: the channel the reservation pinned. Another one (it was replaced since, or
-        the decode side had closed it) is pinned now, or a new channel is opened. The caller
-        holds the decode worker's transfer lock, so only this thread opens a channel to it; the
-        opening (seconds, up to the deadline for a dead peer) holds no lock that hand-offs to
-        other decode workers need.
+        the decode side had closed it) is pinned now, or a new channel is opened, pinned as the
+        decode worker joins it. The caller holds the decode worker's transfer lock, so only
+        this thread opens a channel to it; the opening (seconds, up to the deadline for a dead
+        peer) holds no lock that hand-offs to other decode workers need.
         """
         timeout_s = self.transfer.timeout_s
         with self._channels_lock:
@@ -298,15 +316,14 @@ class PrefillWorker:
             if existing is not None and existing[0] == pinned:
                 self._mark_in_use_locked(decode_worker_id)
                 return existing
-        if existing is not None and peer.pin_channel(request_id, existing[0]).result(timeout_s):
+        if existing is not None and peer.pin_channel(request_id, handoff_id, existing[0]).result(
+            timeout_s
+        ):
             with self._channels_lock:
                 if self._channels.get(decode_worker_id) is existing:
                     self._mark_in_use_locked(decode_worker_id)
                     return existing
-        opened = self._open_channel(decode_worker_id, peer)
-        if not peer.pin_channel(request_id, opened[0]).result(timeout_s):
-            opened[1].close()
-            raise TransferError(f"decode worker {decode_worker_id} closed channel {opened[0]!r}")
+        opened = self._open_channel(decode_worker_id, peer, request_id, handoff_id)
         with self._channels_lock:
             replaced = self._channels.pop(decode_worker_id, None)
             self._channels[decode_worker_id] = opened
@@ -321,35 +338,49 @@ class PrefillWorker:
         self._channels.move_to_end(decode_worker_id)
         self._channels_in_use[decode_worker_id] += 1
 
-    def _open_channel(self, decode_worker_id: str, peer: DecodePeer) -> tuple[str, KVChannel]:
-        """Listen, let the decode worker join, handshake (the layouts must match). With
-        ``--kv-transport auto`` a pair whose local transport fails to set up tries the
-        network one."""
+    def _open_channel(
+        self, decode_worker_id: str, peer: DecodePeer, request_id: str, handoff_id: str
+    ) -> tuple[str, KVChannel]:
+        """Listen, let the decode worker join (pinning the channel for the hand-off),
+        handshake (the layouts must match). With ``--kv-transport auto`` a pair whose local
+        transport fails to set up tries the network one."""
         timeout_s = self.transfer.timeout_s
         transport = self._transports.choose(
             decode_worker_id, lambda: peer.locality().result(timeout=timeout_s)
         )
+        join = (decode_worker_id, peer, request_id, handoff_id)
         try:
-            return self._join_channel(decode_worker_id, peer, transport)
+            return self._join_channel(*join, transport)
         except (TransferError, OSError) as error:  # a LayoutMismatchError is neither
             fallback = self._transports.fall_back(decode_worker_id, transport, error)
             if fallback is None:
                 raise
-            return self._join_channel(decode_worker_id, peer, fallback)
+            return self._join_channel(*join, fallback)
 
     def _join_channel(
-        self, decode_worker_id: str, peer: DecodePeer, transport: str
+        self,
+        decode_worker_id: str,
+        peer: DecodePeer,
+        request_id: str,
+        handoff_id: str,
+        transport: str,
     ) -> tuple[str, KVChannel]:
         channel_id = f"{self.worker_id}->{decode_worker_id}/{next(self._transfer_ids)}"
         listener = KVChannel.listen(
             transport, self.layout, self.transfer.host, channel_id, self.engine.device
         )
         try:
-            joined = peer.connect_channel(listener.rendezvous)
+            joined = peer.connect_channel(listener.rendezvous, request_id, handoff_id)
             channel = listener.accept(self.transfer.timeout_s)
-            joined.result(timeout=self.transfer.timeout_s)
         finally:
             listener.close()
+        try:
+            # False: the reservation is gone (aborted there); the send goes ahead all the same,
+            # and the decode worker's receive drops it, so both ends stay in step
+            joined.result(timeout=self.transfer.timeout_s)
+        except BaseException:
+            channel.close()
+            raise
         logger.info("KV channel %s open over %s", channel_id, transport)
         return channel_id, channel
 

@@ -61,18 +61,20 @@ class DecodeActor:
         return self.worker.has_request(request_id)
 
     def reserve(
-        self, request_id: str, num_tokens: int, channel_id: str | None
+        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
     ) -> Reservation | None:
-        return self.worker.reserve(request_id, num_tokens, channel_id)
+        return self.worker.reserve(request_id, num_tokens, handoff_id, channel_id)
 
-    def pin_channel(self, request_id: str, channel_id: str) -> bool:
-        return self.worker.pin_channel(request_id, channel_id)
+    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> bool:
+        return self.worker.pin_channel(request_id, handoff_id, channel_id)
 
-    def cancel_reservation(self, request_id: str) -> None:
-        self.worker.cancel_reservation(request_id)
+    def cancel_reservation(self, request_id: str, handoff_id: str) -> None:
+        self.worker.cancel_reservation(request_id, handoff_id)
 
-    def connect_channel(self, rendezvous: ChannelRendezvous) -> None:
-        self.worker.connect_channel(rendezvous)
+    def connect_channel(
+        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
+    ) -> bool:
+        return self.worker.connect_channel(rendezvous, request_id, handoff_id)
 
     def locality(self) -> Locality:
         return self.worker.locality()
@@ -108,18 +110,21 @@ class RayDecodePeer:
         self.handle = handle
 
     def reserve(
-        self, request_id: str, num_tokens: int, channel_id: str | None
+        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
     ) -> Future[Reservation | None]:
-        return self.handle.reserve.remote(request_id, num_tokens, channel_id).future()
+        ref = self.handle.reserve.remote(request_id, num_tokens, handoff_id, channel_id)
+        return ref.future()
 
-    def pin_channel(self, request_id: str, channel_id: str) -> Future[bool]:
-        return self.handle.pin_channel.remote(request_id, channel_id).future()
+    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> Future[bool]:
+        return self.handle.pin_channel.remote(request_id, handoff_id, channel_id).future()
 
-    def cancel_reservation(self, request_id: str) -> Future[None]:
-        return self.handle.cancel_reservation.remote(request_id).future()
+    def cancel_reservation(self, request_id: str, handoff_id: str) -> Future[None]:
+        return self.handle.cancel_reservation.remote(request_id, handoff_id).future()
 
-    def connect_channel(self, rendezvous: ChannelRendezvous) -> Future[None]:
-        return self.handle.connect_channel.remote(rendezvous).future()
+    def connect_channel(
+        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
+    ) -> Future[bool]:
+        return self.handle.connect_channel.remote(rendezvous, request_id, handoff_id).future()
 
     def locality(self) -> Future[Locality]:
         return self.handle.locality.remote().future()

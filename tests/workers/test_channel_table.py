@@ -36,9 +36,8 @@ def test_a_pinned_channel_stays_open_until_its_receive_ends() -> None:
     assert table.take("r", "a") is a  # the pin passes to the receive
     assert table.num_pins == 0
     assert table.add("c", _channel()) == [b]  # "a" is receiving
-    table.release("a")
-    closing = table.add("d", _channel())
-    assert a in closing and "a" not in table
+    assert table.release("a") == [a]  # idle now, and over the cap: closed at once
+    assert "c" in table and "a" not in table
 
 
 def test_a_cancelled_reservation_unpins_its_channel() -> None:
@@ -46,8 +45,8 @@ def test_a_cancelled_reservation_unpins_its_channel() -> None:
     a = _channel()
     table.add("a", a)
     table.pin("r", "a")
-    table.unpin("r")
-    assert table.add("b", _channel()) == [a]
+    assert table.add("b", _channel()) == []  # "a" is pinned
+    assert table.unpin("r") == [a]  # idle now, and over the cap
 
 
 def test_a_receive_on_another_channel_ends_the_pin_it_had() -> None:
@@ -57,7 +56,5 @@ def test_a_receive_on_another_channel_ends_the_pin_it_had() -> None:
     table.pin("r", "a")
     table.add("b", b)  # "a" stays: pinned
     assert table.take("r", "b") is b  # the receive came on "b": the pin of "a" ends
-    table.release("b")
     assert table.num_pins == 0
-    closing = table.add("c", _channel())
-    assert a in closing and b in closing
+    assert table.release("b") == [a]  # both idle: the least recently used goes

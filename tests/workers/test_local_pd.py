@@ -374,7 +374,9 @@ def test_decode_side_failure_policy_when_kv_never_arrives(
     layout = decode.layout
     listener = KVChannel.listen("gloo", layout, "127.0.0.1", "silent", torch.device("cpu"))
     try:
-        joining = threading.Thread(target=decode.connect_channel, args=(listener.rendezvous,))
+        joining = threading.Thread(
+            target=decode.connect_channel, args=(listener.rendezvous, "s", "h-s")
+        )
         joining.start()
         sender = listener.accept(5.0)
         joining.join()
@@ -382,7 +384,7 @@ def test_decode_side_failure_policy_when_kv_never_arrives(
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         prefill_engine.add_request("s", prompt, params, prefill_only=True)
         (result,) = prefill_engine.step().handed_off
-        reservation = decode.reserve("s", result.num_prompt_tokens, "silent")
+        reservation = decode.reserve("s", result.num_prompt_tokens, "h-s", "silent")
         assert reservation is not None and reservation.channel_id == "silent"
         block_ids = reservation.block_ids
         ticket = TransferTicket(0, "s", len(block_ids), timeout_s=1.0)
@@ -411,9 +413,9 @@ class _AbortAfterReservePeer(LocalDecodePeer):
         self.doomed = doomed
 
     def reserve(
-        self, request_id: str, num_tokens: int, channel_id: str | None
+        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
     ) -> Future[Reservation | None]:
-        reserved = super().reserve(request_id, num_tokens, channel_id)
+        reserved = super().reserve(request_id, num_tokens, handoff_id, channel_id)
         if request_id in self.doomed:
             reserved.result()
             self.worker.abort(request_id)
@@ -458,13 +460,13 @@ class _AbortBeforeReservePeer(LocalDecodePeer):
         self.full = full
 
     def reserve(
-        self, request_id: str, num_tokens: int, channel_id: str | None
+        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
     ) -> Future[Reservation | None]:
         if request_id not in self.doomed:
-            return super().reserve(request_id, num_tokens, channel_id)
+            return super().reserve(request_id, num_tokens, handoff_id, channel_id)
         self.worker.abort(request_id)
         if not self.full:
-            return super().reserve(request_id, num_tokens, channel_id)
+            return super().reserve(request_id, num_tokens, handoff_id, channel_id)
         no_room: Future[Reservation | None] = Future()
         no_room.set_result(None)
         return no_room
@@ -531,7 +533,7 @@ class _StuckDecodePeer(LocalDecodePeer):
         self.how = how
 
     def reserve(
-        self, request_id: str, num_tokens: int, channel_id: str | None
+        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
     ) -> Future[Reservation | None]:
         answer: Future[Reservation | None] = Future()
         if self.how == "full":
@@ -622,18 +624,18 @@ def test_a_reservation_keeps_its_channel_open_past_the_cap_until_it_ends(llama_d
     def open_channel(channel_id: str) -> KVChannel:
         listener = KVChannel.listen("fake", decode.layout, "127.0.0.1", channel_id, "cpu")
         listeners.append(listener)
-        decode.connect_channel(listener.rendezvous)
+        decode.connect_channel(listener.rendezvous, "", "")  # opened for no hand-off
         return listener.accept(5.0)
 
     try:
         senders = [open_channel("a")]
-        reservation = decode.reserve("r", 20, "a")
+        reservation = decode.reserve("r", 20, "h-r", "a")
         assert reservation is not None and reservation.channel_id == "a"
         senders.append(open_channel("b"))
         assert "a" in decode.channels and "b" in decode.channels  # "a" is pinned for "r"
-        unknown = decode.reserve("s", 20, "gone")
+        unknown = decode.reserve("s", 20, "h-s", "gone")
         assert unknown is not None and unknown.channel_id is None  # not open here: no pin
-        decode.cancel_reservation("r")
+        decode.cancel_reservation("r", "h-r")
         senders.append(open_channel("c"))
         assert "c" in decode.channels  # unpinned "a" and idle "b" closed
         assert "a" not in decode.channels and "b" not in decode.channels
@@ -641,3 +643,99 @@ def test_a_reservation_keeps_its_channel_open_past_the_cap_until_it_ends(llama_d
         for listener in listeners:
             listener.close()
         decode.shutdown()
+
+
+def test_a_reserve_answered_after_the_deadline_is_refused_by_its_cancel(
+    llama_dir: Path, offline: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode worker answers a reserve after the prefill worker's deadline: the hand-off
+    has failed and its cancel came first. The late reserve must not take blocks and a pin for
+    ever (they leaked, and the request's retry on that worker failed "already in use")."""
+    transfer = TransferConfig(transport="gloo", timeout_s=1.0, reserve_timeout_s=1.0)
+    with _one_pair(llama_dir, transfer) as pair:
+        prompts, _ = _workload(2)
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        pair.prefill.submit(GenerateRequest("warm", prompts[0], params, GATEWAY), "d0")
+        pair.collector.wait_finished([("warm", 0)], timeout_s=30)
+        reserve = pair.decode.reserve
+
+        def late_reserve(*args):  # type: ignore[no-untyped-def]
+            time.sleep(1.3)
+            return reserve(*args)
+
+        monkeypatch.setattr(pair.decode, "reserve", late_reserve)
+        pair.prefill.submit(GenerateRequest("late", prompts[1], params, GATEWAY), "d0")
+        pair.collector.wait_finished([("late", 0)], timeout_s=30)
+        assert "TimeoutError" in pair.collector.failures.pop("late")  # a reason, not ""
+        time.sleep(1.0)  # the late reserve has run
+        assert pair.decode.load().kv_usage == 0.0
+        assert pair.decode.channels.num_pins == 0
+        monkeypatch.setattr(pair.decode, "reserve", reserve)
+        pair.prefill.submit(GenerateRequest("late", prompts[1], params, GATEWAY), "d0")
+        pair.collector.wait_finished([("late", 0)], timeout_s=30)
+        assert "late" not in pair.collector.failures
+        expected = offline.generate([prompts[1]], params)[0].outputs[0].token_ids
+        assert pair.collector.output("late") == expected
+
+
+def test_many_prefill_workers_share_a_decode_worker_over_its_channel_cap(
+    cluster_factory,  # type: ignore[no-untyped-def]
+    offline: LLM,
+) -> None:
+    """Three prefill workers hand off at once to a decode worker that keeps one channel. A
+    channel is pinned as the decode worker joins it, so another's joining cannot close it
+    before its transfer (2-5 of 18 hand-offs failed "decode worker closed channel"); and once
+    the transfers are over, both sides are back within their cap (channels skipped while busy
+    stayed open)."""
+    transfer = TransferConfig(
+        transport="gloo", timeout_s=10.0, max_channels=1, failure_policy="fail"
+    )
+    cluster = cluster_factory(3, 1, transfer=transfer, max_num_batched_tokens=64)
+    prompts, _ = _workload(18)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    expected = offline.generate(prompts, params)
+    for i, prompt in enumerate(prompts):
+        cluster.prefills[i % 3].submit(GenerateRequest(f"s{i}", prompt, params, GATEWAY), "d0")
+    cluster.collector.wait_finished([(f"s{i}", 0) for i in range(len(prompts))], timeout_s=60)
+    assert not cluster.collector.failures
+    for i in range(len(prompts)):
+        assert cluster.collector.output(f"s{i}") == expected[i].outputs[0].token_ids
+    (decode,) = cluster.decodes
+    _eventually(lambda: decode.channels.num_pins == 0)
+    assert len(decode.channels.remove_all()) <= 1
+    for prefill in cluster.prefills:
+        assert len(prefill._channels) <= 1
+
+
+def test_a_retargeted_hand_off_leaves_the_hung_decode_workers_queue(llama_dir: Path) -> None:
+    """d0 hangs; "moved" waits for a hand-off thread of d0's behind "stuck". The router points
+    it at d1: it goes there at once (it waited out d0's deadline first)."""
+    transfer = TransferConfig(
+        transport="gloo", timeout_s=4.0, reserve_timeout_s=4.0, max_concurrent_handoffs=1
+    )
+    scheduler = SchedulerConfig()
+    decodes = [
+        DecodeWorker(f"d{i}", _load(llama_dir), _cache(), scheduler, transfer) for i in range(2)
+    ]
+    peers = {"d0": _StuckDecodePeer(decodes[0], "hung"), "d1": LocalDecodePeer(decodes[1])}
+    prefill = PrefillWorker("p0", _load(llama_dir), _cache(), scheduler, transfer, peers)
+    collector = OutputCollector([prefill.next_batch, *(d.next_batch for d in decodes)], GATEWAY)
+    try:
+        prompts, _ = _workload(2)
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        prefill.submit(GenerateRequest("stuck", prompts[0], params, GATEWAY), "d0")
+        prefill.submit(GenerateRequest("moved", prompts[1], params, GATEWAY), "d0")
+        _eventually(lambda: 0 in collector.tokens["moved"][0])  # prefilled: hand-off queued
+        began = time.monotonic()
+        assert prefill.retarget("moved", "d1")
+        collector.wait_finished([("moved", 0)], timeout_s=30)
+        assert time.monotonic() - began < 2.0  # well before d0's deadline
+        assert "moved" not in collector.failures
+        collector.wait_finished([("stuck", 0)], timeout_s=30)
+    finally:
+        collector.close()
+        prefill.shutdown()
+        for peer in peers.values():
+            peer.close()
+        for decode in decodes:
+            decode.shutdown()
