@@ -264,8 +264,11 @@ class Cluster:
                     else:
                         ref = target.actor.submit.remote(request, decode_id)
                     ray.get(ref, timeout=_CALL_TIMEOUT_S)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                except ray.exceptions.RayActorError:
                     self._on_worker_dead(target, skip=tracker)
+                    continue
+                except ray.exceptions.GetTimeoutError:
+                    self._on_worker_dead(target, skip=tracker, stalled=True)
                     continue
                 if self._record_placement(tracker, prefill_id, decode_id, local):
                     given_up -= set(tracker.candidates)
@@ -434,9 +437,11 @@ class Cluster:
         try:
             ref = decode.actor.has_request.remote(tracker.request_id)
             return bool(ray.get(ref, timeout=_CALL_TIMEOUT_S))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except ray.exceptions.RayActorError:
             self._on_worker_dead(decode, skip=tracker)
-            return False
+        except ray.exceptions.GetTimeoutError:
+            self._on_worker_dead(decode, skip=tracker, stalled=True)
+        return False
 
     # ---- health -------------------------------------------------------------------------
     def _monitor(self) -> None:
@@ -458,13 +463,17 @@ class Cluster:
                 continue
             except ray.exceptions.GetTimeoutError:
                 if now - worker.last_report > self.config.dead_after_s:
-                    self._on_worker_dead(worker)
+                    self._on_worker_dead(worker, stalled=True)
                 continue
             with self._lock:
                 worker.ledger.record(load, now, self._trackers.__contains__)
                 worker.last_report = time.monotonic()
 
-    def _on_worker_dead(self, worker: WorkerHandle, skip: RequestTracker | None = None) -> None:
+    def _on_worker_dead(
+        self, worker: WorkerHandle, skip: RequestTracker | None = None, *, stalled: bool = False
+    ) -> None:
+        """Take a worker out of rotation and recover its requests elsewhere. A ``stalled`` one
+        (it stopped answering; its process may live on) is told to drop them."""
         with self._lock:
             if not worker.alive:
                 return
@@ -478,8 +487,8 @@ class Cluster:
                 if worker.worker_id in (t.prefill_worker, t.decode_worker) and t is not skip
             ]
             for tracker in affected:
-                # A worker that stopped answering may only be stalled: it must drop the request.
-                worker.actor.abort.remote(tracker.request_id)
+                if stalled:
+                    worker.actor.abort.remote(tracker.request_id)
                 if self._on(tracker, worker):  # not recovered already, by a death found meanwhile
                     self._recover(tracker, worker)
 

@@ -51,6 +51,7 @@ def test_the_last_decode_worker_dying_fails_the_requests_still_prefilling() -> N
         assert isinstance(items[-1], RequestFailure)
         assert "could not re-route" in items[-1].message
     assert not cluster._trackers
+    assert actors["decode-0"].aborts() == []  # gone: no call is sent after it
 
 
 def test_two_workers_dying_together_recover_each_request_once() -> None:
