@@ -13,8 +13,8 @@ class EarlyAborts:
     overtakes it. Aborts of requests that never come (finished already, or ended on the prefill
     side) are forgotten oldest first beyond ``capacity``: request ids are unique, a hand-off
     trails its abort by at most seconds, and that many aborts do not land in that time.
-    The decode worker keeps a second one for hand-offs (by hand-off id) whose cancel overtook
-    their reserve: the same shape, an end that arrives before what it ends.
+    ``ReservedHandoffs`` uses the same shape for hand-offs whose cancel overtook their reserve,
+    and for reservations that expired before their transfer came.
     Not thread-safe: the decode worker calls it under its engine loop's lock.
     """
 

@@ -14,10 +14,12 @@ with chunked prefill.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from decode_worker.channel_table import ChannelTable
 from decode_worker.early_aborts import EarlyAborts
+from decode_worker.reserved_handoffs import ReservedHandoffs
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
 from engine.handoff import PrefillResult, Reservation
@@ -34,6 +36,8 @@ from kv_transfer import (
 from kv_transfer.locality import locality_of
 from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
 from kv_transfer.totals import TransferTotals
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeWorker:
@@ -58,8 +62,7 @@ class DecodeWorker:
         self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
         self._aborted: set[str] = set()  # of those, the ones aborted meanwhile
         self._early_aborts = EarlyAborts()  # aborted before their hand-off came (loop.lock)
-        self._handoff_of: dict[str, str] = {}  # request id -> hand-off of its reservation
-        self._cancelled_handoffs = EarlyAborts()  # hand-offs cancelled before their reserve
+        self._handoffs = ReservedHandoffs(transfer.reservation_ttl_s)  # (loop.lock)
         self.loop.start()
 
     # ---- requests -----------------------------------------------------------------------
@@ -94,7 +97,7 @@ class DecodeWorker:
 
     def _drop_reservation(self, request_id: str) -> None:
         """Give back a request's reserved blocks and their channel's pin (loop lock held)."""
-        self._handoff_of.pop(request_id, None)
+        self._handoffs.release(request_id)
         self._close(self.channels.unpin(request_id))
         self.loop.call(lambda engine: engine.cancel_reservation(request_id))
 
@@ -103,9 +106,7 @@ class DecodeWorker:
         return self.loop.call(lambda engine: engine.has_request(request_id))
 
     # ---- hand-off from a prefill worker -------------------------------------------------
-    # Each hand-off has its own id (``handoff_id``), which its reserve, pins and cancel carry:
-    # a cancel that overtakes a late reserve (the prefill side's deadline passed) is kept and
-    # refuses that reserve, and never touches a later hand-off of the same request.
+    # Each hand-off has its own id (``handoff_id``): see ``ReservedHandoffs``.
     def reserve(
         self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None = None
     ) -> Reservation | None:
@@ -117,12 +118,13 @@ class DecodeWorker:
         this side closed it (over the cap), so the prefill worker opens another.
         """
         with self.loop.lock:
-            if self._cancelled_handoffs.take(handoff_id):
+            self._expire_reservations()
+            if self._handoffs.refuses(handoff_id):
                 return None  # the prefill worker gave up on this hand-off already
             block_ids = self.loop.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
             if block_ids is None:
                 return None
-            self._handoff_of[request_id] = handoff_id
+            self._handoffs.hold(request_id, handoff_id)
             pinned = channel_id is not None and self.channels.pin(request_id, channel_id)
         return Reservation(block_ids, channel_id if pinned else None)
 
@@ -131,7 +133,7 @@ class DecodeWorker:
         open here, or the hand-off's reservation is gone. A pin ends with the request's receive,
         or with its reservation's cancel."""
         with self.loop.lock:
-            if self._handoff_of.get(request_id) != handoff_id:
+            if not self._handoffs.holds(request_id, handoff_id):
                 return False
             return self.channels.pin(request_id, channel_id)
 
@@ -139,8 +141,8 @@ class DecodeWorker:
         """Give back the blocks reserved for a hand-off whose KV will not come: it failed before
         the transfer began (no channel, a layout mismatch, a deadline)."""
         with self.loop.lock:
-            if self._handoff_of.get(request_id) != handoff_id:
-                self._cancelled_handoffs.add(handoff_id)  # its reserve may be late: refuse it
+            if not self._handoffs.holds(request_id, handoff_id):
+                self._handoffs.cancel_early(handoff_id)  # its reserve may be late: refuse it
                 return
             self._drop_reservation(request_id)
 
@@ -158,7 +160,7 @@ class DecodeWorker:
             rendezvous, self.layout, self.engine.device, self.transfer.timeout_s
         )
         with self.loop.lock:
-            pinned = self._handoff_of.get(request_id) == handoff_id
+            pinned = self._handoffs.holds(request_id, handoff_id)
             pin_for = request_id if pinned else None
             self._close(self.channels.add(rendezvous.channel_id, channel, pin_for))
         return pinned
@@ -184,14 +186,18 @@ class DecodeWorker:
         channel = self.channels.take(request_id, channel_id)
         try:
             with self.loop.lock:
-                self._handoff_of.pop(request_id, None)  # the receive owns the reservation now
+                self._handoffs.release(request_id)  # the receive owns the reservation now
                 if self._early_aborts.take(request_id):
                     self.engine.cancel_reservation(request_id)
                 reserved = self.engine.reserved_blocks(request_id) == block_ids
                 if reserved:
                     self._receiving.add(request_id)
-            if not reserved:  # given back (aborted, or resumed here): take the bytes, drop them
+                expired = not reserved and self._handoffs.take_expired(request_id)
+            if not reserved:  # given back (aborted, resumed here, expired): take the bytes
                 self._discard(channel_id, channel, ticket)
+                if expired:  # nobody else knows: the router places it again
+                    message = "the KV came after the decode worker's reservation for it expired"
+                    self.loop.fail(request_id, message, gateway_id, retryable=True)
                 return False
             try:
                 error = self._recv(channel_id, channel, block_ids, ticket)
@@ -282,7 +288,20 @@ class DecodeWorker:
         return self.loop.next_batch(gateway_id, timeout_s)
 
     def load(self) -> WorkerLoad:
+        with self.loop.lock:  # the router asks every report interval: a sweep for free
+            self._expire_reservations()
         return self.loop.load(self.role, self._transfer_totals.snapshot())
+
+    def _expire_reservations(self) -> None:
+        """Give back reservations whose transfer never began (loop lock held)."""
+        for request_id in self._handoffs.expire():
+            logger.warning(
+                "reservation of %s expired after %.0f s without its KV; blocks given back",
+                request_id,
+                self._handoffs.ttl_s,
+            )
+            self._close(self.channels.unpin(request_id))
+            self.engine.cancel_reservation(request_id)
 
     def shutdown(self) -> None:
         self.loop.stop()

@@ -64,6 +64,14 @@ class TransferConfig:
     max_channels: int = 8  # open channels per worker; idle ones close, least recently used first
     max_concurrent_handoffs: int = 4  # a prefill worker's hand-offs in flight to one decode worker
 
+    @property
+    def reservation_ttl_s(self) -> float:
+        """How long a decode worker keeps blocks reserved for a transfer that has not begun:
+        a prefill worker's hand-offs to it wait their turn (up to ``max_concurrent_handoffs``,
+        each with deadlines of ``timeout_s``) before theirs; past that, its prefill worker has
+        died or given up. (480 s at the defaults, as vLLM's abort timeout for remote KV.)"""
+        return 4 * self.timeout_s * self.max_concurrent_handoffs
+
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.reserve_timeout_s < 0:
             raise ValueError("transfer timeouts must be positive")

@@ -739,3 +739,31 @@ def test_a_retargeted_hand_off_leaves_the_hung_decode_workers_queue(llama_dir: P
             peer.close()
         for decode in decodes:
             decode.shutdown()
+
+
+def test_a_reservation_whose_transfer_never_comes_expires(llama_dir: Path) -> None:
+    """Its prefill worker died after reserving: the decode worker gives the blocks back once
+    the reservation outlives every deadline of a live prefill worker (they leaked for good).
+    A transfer that still comes after that fails its request for the router to place again."""
+    transfer = TransferConfig(transport="gloo", timeout_s=0.25, max_concurrent_handoffs=1)
+    assert transfer.reservation_ttl_s == 1.0
+    decode = DecodeWorker("d0", _load(llama_dir), _cache(), SchedulerConfig(), transfer)
+    prefill_engine = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8).engine
+    collector = OutputCollector([decode.next_batch], GATEWAY)
+    try:
+        prompt = make_prompts(seed=28)[5]
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        prefill_engine.add_request("x", prompt, params, prefill_only=True)
+        (result,) = prefill_engine.step().handed_off
+        reservation = decode.reserve("x", result.num_prompt_tokens, "h-x")
+        assert reservation is not None and decode.load().kv_usage > 0
+        time.sleep(1.2)
+        assert decode.load().kv_usage == 0.0  # the router's load poll swept it
+        ticket = TransferTicket(0, "x", len(reservation.block_ids), timeout_s=0.25)
+        late = decode.receive("p0->d0/0", result, ticket, reservation.block_ids, GATEWAY, "fail")
+        assert not late
+        collector.wait_finished([("x", 0)], timeout_s=10)
+        assert "expired" in collector.failures["x"] and collector.retryable["x"]
+    finally:
+        collector.close()
+        decode.shutdown()
