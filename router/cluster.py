@@ -489,10 +489,11 @@ class Cluster:
             for tracker in affected:
                 if stalled:
                     worker.actor.abort.remote(tracker.request_id)
-                if self._on(tracker, worker):  # not recovered already, by a death found meanwhile
+                # a death found while recovering an earlier one may have recovered it already
+                if self._still_placed_on(tracker, worker):
                     self._recover(tracker, worker)
 
-    def _on(self, tracker: RequestTracker, worker: WorkerHandle) -> bool:
+    def _still_placed_on(self, tracker: RequestTracker, worker: WorkerHandle) -> bool:
         """The request is still tracked and still placed on ``worker``."""
         placed_on = worker.worker_id in (tracker.prefill_worker, tracker.decode_worker)
         return placed_on and self._trackers.get(tracker.request_id) is tracker
