@@ -455,9 +455,11 @@ class Cluster:
         live = [w for w in self.workers.values() if w.alive]
         now = time.monotonic()
         refs = {w.worker_id: w.actor.load.remote() for w in live}
+        answer_by = now + self.config.dead_after_s  # one wait for all: hung ones do not add up
         for worker in live:
             try:
-                load = ray.get(refs[worker.worker_id], timeout=self.config.dead_after_s)
+                remaining_s = max(0.0, answer_by - time.monotonic())
+                load = ray.get(refs[worker.worker_id], timeout=remaining_s)
             except ray.exceptions.RayActorError:
                 self._on_worker_dead(worker)
                 continue

@@ -7,6 +7,7 @@ keep only what routing needs: which requests they hold and where a prefill hands
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,11 @@ class FakeRay:
     def get(ref: Ref | list[Ref], timeout: float | None = None) -> Any:
         if isinstance(ref, list):
             return [r.call() for r in ref]
-        return ref.call()
+        try:
+            return ref.call()
+        except ray.exceptions.GetTimeoutError:
+            time.sleep(timeout or 0.0)  # a stalled actor: the caller waits its whole timeout
+            raise
 
 
 class _Method:

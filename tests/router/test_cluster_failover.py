@@ -8,6 +8,7 @@ output pumps). Every one hung a client, crashed a router thread or corrupted a s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -120,7 +121,7 @@ def test_tokens_from_a_worker_taken_out_of_rotation_never_reach_the_client() -> 
     """decode-0 stalls past ``dead_after_s``: r1 resumes on decode-1 after the three tokens
     the client has. decode-0 wakes up and sends its fourth; the client must get decode-1's
     (it got a splice of the two samplings), and decode-0 is told to drop r1."""
-    cluster, actors = make_cluster(0, 2)
+    cluster, actors = make_cluster(0, 2, dead_after_s=0.1)
     _first_of(cluster, "decode-0")
     tracker, items = submit(cluster, "r1", max_tokens=6, temperature=1.0)
     cluster._dispatch(OutputBatch("decode-0", [token("r1", p, 100 + p) for p in range(3)]))
@@ -173,3 +174,16 @@ def test_a_local_prefill_is_counted_once_however_many_tries_its_placement_takes(
     tracker, _ = submit(cluster, "r1", prompt=(1, 2, 3))
     assert tracker.decode_worker == "decode-1"
     assert cluster.local_prefills()["short"] == 1
+
+
+def test_stalled_workers_are_found_in_one_wait_not_one_each() -> None:
+    """Three workers stop answering together: one load poll waits ``dead_after_s`` for all of
+    them (it waited that long for each in turn, so detection took three times as long)."""
+    cluster, actors = make_cluster(1, 2, dead_after_s=0.3)
+    for worker in cluster.workers.values():
+        actors[worker.worker_id].stalled = True
+        worker.last_report -= 1.0  # silent for longer than dead_after_s already
+    started = time.monotonic()
+    cluster._poll_loads()
+    assert time.monotonic() - started < 0.6
+    assert not any(worker.alive for worker in cluster.workers.values())
