@@ -300,8 +300,7 @@ class DecodeWorker:
                 request_id,
                 self._handoffs.ttl_s,
             )
-            self._close(self.channels.unpin(request_id))
-            self.engine.cancel_reservation(request_id)
+            self._drop_reservation(request_id)
 
     def shutdown(self) -> None:
         self.loop.stop()

@@ -541,6 +541,33 @@ class _StuckDecodePeer(LocalDecodePeer):
         return answer
 
 
+@contextlib.contextmanager
+def _stuck_d0_and_healthy_d1(
+    model_dir: Path, how: str
+) -> Iterator[tuple[PrefillWorker, OutputCollector]]:
+    """Prefill worker "p0" with one hand-off thread per decode worker, d0 stuck (``how``:
+    "hung" or "full", see ``_StuckDecodePeer``) and d1 healthy; deadlines of 4 s."""
+    transfer = TransferConfig(
+        transport="gloo", timeout_s=4.0, reserve_timeout_s=4.0, max_concurrent_handoffs=1
+    )
+    scheduler = SchedulerConfig()
+    decodes = [
+        DecodeWorker(f"d{i}", _load(model_dir), _cache(), scheduler, transfer) for i in range(2)
+    ]
+    peers = {"d0": _StuckDecodePeer(decodes[0], how), "d1": LocalDecodePeer(decodes[1])}
+    prefill = PrefillWorker("p0", _load(model_dir), _cache(), scheduler, transfer, peers)
+    collector = OutputCollector([prefill.next_batch, *(d.next_batch for d in decodes)], GATEWAY)
+    try:
+        yield prefill, collector
+    finally:
+        collector.close()
+        prefill.shutdown()
+        for peer in peers.values():
+            peer.close()
+        for decode in decodes:
+            decode.shutdown()
+
+
 @pytest.mark.parametrize("how", ["hung", "full"])
 def test_a_stuck_decode_worker_does_not_hold_up_hand_offs_to_the_others(
     llama_dir: Path, offline: LLM, how: str
@@ -549,17 +576,7 @@ def test_a_stuck_decode_worker_does_not_hold_up_hand_offs_to_the_others(
     a hand-off to d1 goes through at once (it waited behind d0's until that one gave up, for
     ever for a hung d0). The stuck one ends after its deadline: failed for another worker to
     retry, or prefilled again on d0 once that has room."""
-    transfer = TransferConfig(
-        transport="gloo", timeout_s=4.0, reserve_timeout_s=4.0, max_concurrent_handoffs=1
-    )
-    scheduler = SchedulerConfig()
-    decodes = [
-        DecodeWorker(f"d{i}", _load(llama_dir), _cache(), scheduler, transfer) for i in range(2)
-    ]
-    peers = {"d0": _StuckDecodePeer(decodes[0], how), "d1": LocalDecodePeer(decodes[1])}
-    prefill = PrefillWorker("p0", _load(llama_dir), _cache(), scheduler, transfer, peers)
-    collector = OutputCollector([prefill.next_batch, *(d.next_batch for d in decodes)], GATEWAY)
-    try:
+    with _stuck_d0_and_healthy_d1(llama_dir, how) as (prefill, collector):
         prompts, _ = _workload(2)
         params = SamplingParams(temperature=0.0, max_tokens=8)
         prefill.submit(GenerateRequest("stuck", prompts[0], params, GATEWAY), "d0")
@@ -576,13 +593,6 @@ def test_a_stuck_decode_worker_does_not_hold_up_hand_offs_to_the_others(
         else:
             assert collector.output("stuck") == expected[0].outputs[0].token_ids
         assert prefill.load().kv_usage == 0.0  # no lease is held for a stuck peer
-    finally:
-        collector.close()
-        prefill.shutdown()
-        for peer in peers.values():
-            peer.close()
-        for decode in decodes:
-            decode.shutdown()
 
 
 def test_channels_the_decode_side_closes_over_its_cap_are_never_sent_on(
@@ -710,17 +720,7 @@ def test_many_prefill_workers_share_a_decode_worker_over_its_channel_cap(
 def test_a_retargeted_hand_off_leaves_the_hung_decode_workers_queue(llama_dir: Path) -> None:
     """d0 hangs; "moved" waits for a hand-off thread of d0's behind "stuck". The router points
     it at d1: it goes there at once (it waited out d0's deadline first)."""
-    transfer = TransferConfig(
-        transport="gloo", timeout_s=4.0, reserve_timeout_s=4.0, max_concurrent_handoffs=1
-    )
-    scheduler = SchedulerConfig()
-    decodes = [
-        DecodeWorker(f"d{i}", _load(llama_dir), _cache(), scheduler, transfer) for i in range(2)
-    ]
-    peers = {"d0": _StuckDecodePeer(decodes[0], "hung"), "d1": LocalDecodePeer(decodes[1])}
-    prefill = PrefillWorker("p0", _load(llama_dir), _cache(), scheduler, transfer, peers)
-    collector = OutputCollector([prefill.next_batch, *(d.next_batch for d in decodes)], GATEWAY)
-    try:
+    with _stuck_d0_and_healthy_d1(llama_dir, "hung") as (prefill, collector):
         prompts, _ = _workload(2)
         params = SamplingParams(temperature=0.0, max_tokens=8)
         prefill.submit(GenerateRequest("stuck", prompts[0], params, GATEWAY), "d0")
@@ -732,13 +732,6 @@ def test_a_retargeted_hand_off_leaves_the_hung_decode_workers_queue(llama_dir: P
         assert time.monotonic() - began < 2.0  # well before d0's deadline
         assert "moved" not in collector.failures
         collector.wait_finished([("stuck", 0)], timeout_s=30)
-    finally:
-        collector.close()
-        prefill.shutdown()
-        for peer in peers.values():
-            peer.close()
-        for decode in decodes:
-            decode.shutdown()
 
 
 def test_a_reservation_whose_transfer_never_comes_expires(llama_dir: Path) -> None:
