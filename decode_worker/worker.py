@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from decode_worker.channel_table import ChannelTable
 from decode_worker.early_aborts import EarlyAborts
 from decode_worker.reserved_handoffs import ReservedHandoffs
 from engine.engine_config import CacheConfig, LoadConfig
@@ -33,6 +32,7 @@ from kv_transfer import (
     TransferError,
     TransferTicket,
 )
+from kv_transfer.channel_table import ChannelTable, close_channels
 from kv_transfer.locality import locality_of
 from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
 from kv_transfer.totals import TransferTotals
@@ -98,7 +98,7 @@ class DecodeWorker:
     def _drop_reservation(self, request_id: str) -> None:
         """Give back a request's reserved blocks and their channel's pin (loop lock held)."""
         self._handoffs.release(request_id)
-        self._close(self.channels.unpin(request_id))
+        close_channels(self.channels.unpin(request_id))
         self.loop.call(lambda engine: engine.cancel_reservation(request_id))
 
     def has_request(self, request_id: str) -> bool:
@@ -162,12 +162,8 @@ class DecodeWorker:
         with self.loop.lock:
             pinned = self._handoffs.holds(request_id, handoff_id)
             pin_for = request_id if pinned else None
-            self._close(self.channels.add(rendezvous.channel_id, channel, pin_for))
+            close_channels(self.channels.add(rendezvous.channel_id, channel, pin_for=pin_for))
         return pinned
-
-    def _close(self, channels: list[KVChannel]) -> None:
-        for channel in channels:
-            channel.close()
 
     def receive(
         self,
@@ -208,7 +204,7 @@ class DecodeWorker:
                 raise
         finally:
             if channel is not None:
-                self._close(self.channels.release(channel_id))
+                close_channels(self.channels.release(channel_id))
         # Decided under the loop's lock, so an abort lands either before (the copy is dropped
         # here) or after the request is admitted (and aborts it in the engine).
         with self.loop.lock:
@@ -304,8 +300,7 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        for channel in self.channels.remove_all():
-            channel.close()
+        close_channels(self.channels.remove_all())
 
     def _drop_channel(self, channel_id: str, channel: KVChannel) -> None:
         self.channels.remove(channel_id, channel)

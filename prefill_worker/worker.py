@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -35,6 +35,7 @@ from kv_transfer import (
     TransferError,
     TransferTicket,
 )
+from kv_transfer.channel_table import ChannelTable, close_channels
 from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
 from kv_transfer.totals import TransferTotals
 from prefill_worker.handoff_lanes import HandoffLanes
@@ -102,10 +103,7 @@ class PrefillWorker:
         self._targets: dict[str, _Target] = {}  # request id -> where it goes after prefill
         self._queued: dict[str, PrefillResult] = {}  # prefilled, hand-off not started yet
         self._targets_lock = threading.Lock()
-        # decode worker -> (channel id, channel), least recently used first
-        self._channels: OrderedDict[str, tuple[str, KVChannel]] = OrderedDict()
-        self._channels_in_use: Counter[str] = Counter()  # decode worker -> hand-offs using it
-        self._channels_lock = threading.Lock()
+        self.channels = ChannelTable(transfer.max_channels)  # by decode worker
         self._transfer_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._transfer_ids = itertools.count()
         self._handoffs = HandoffLanes(transfer.max_concurrent_handoffs, f"handoff-{worker_id}")
@@ -149,10 +147,7 @@ class PrefillWorker:
 
     def channel_transports(self) -> dict[str, str]:
         """The transport of each open KV channel, by decode worker id."""
-        with self._channels_lock:
-            return {
-                wid: channel.rendezvous.transport for wid, (_, channel) in self._channels.items()
-            }
+        return {wid: channel.rendezvous.transport for wid, channel in self.channels.items()}
 
     def add_decode_peer(self, worker_id: str, peer: DecodePeer) -> None:
         self._peers[worker_id] = peer
@@ -171,10 +166,7 @@ class PrefillWorker:
     def shutdown(self) -> None:
         self.loop.stop()
         self._handoffs.shutdown()
-        with self._channels_lock:
-            for _, channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+        close_channels(self.channels.remove_all())
 
     # ---- hand-off -----------------------------------------------------------------------
     def _schedule_handoff(self, result: PrefillResult) -> None:
@@ -217,9 +209,8 @@ class PrefillWorker:
         handoff_id = f"{self.worker_id}/{next(self._transfer_ids)}"
         owes_cancel = True  # blocks may be reserved there, and no receive will take them
         try:
-            with self._channels_lock:
-                current = self._channels.get(decode_worker_id)
-            asked = None if current is None or current[1].broken else current[0]
+            current = self.channels.get(decode_worker_id)
+            asked = None if current is None or current.broken else current.rendezvous.channel_id
             reservation = self._reserve(peer, result, handoff_id, asked)
             if reservation is None:  # the decode worker stayed full: it recomputes the prompt
                 owes_cancel = False
@@ -250,11 +241,7 @@ class PrefillWorker:
                     owes_cancel = False  # the receive gives the blocks back if it fails
                     self._send(decode_worker_id, channel, result, ticket)
                 finally:
-                    with self._channels_lock:
-                        self._channels_in_use[decode_worker_id] -= 1
-                        closing = self._idle_channels_over_cap()
-                    for _, idle in closing:
-                        idle.close()
+                    close_channels(self.channels.release(decode_worker_id))
             receipt.result(timeout=2 * timeout_s)
         finally:
             if owes_cancel:  # (a reserve answered late is refused by this cancel)
@@ -274,9 +261,7 @@ class PrefillWorker:
             )
         except TransferError:
             logger.warning("KV transfer of %s failed; channel rebuilt on next use", ticket)
-            with self._channels_lock:
-                if self._channels.get(decode_worker_id, (None, None))[1] is channel:
-                    del self._channels[decode_worker_id]
+            self.channels.remove(decode_worker_id, channel)
             channel.close()
 
     def _reserve(
@@ -308,35 +293,17 @@ class PrefillWorker:
         this thread opens a channel to it; the opening (seconds, up to the deadline for a dead
         peer) holds no lock that hand-offs to other decode workers need.
         """
-        timeout_s = self.transfer.timeout_s
-        with self._channels_lock:
-            existing = self._channels.get(decode_worker_id)
-            if existing is not None and existing[1].broken:
-                existing = None
-            if existing is not None and existing[0] == pinned:
-                self._mark_in_use_locked(decode_worker_id)
-                return existing
-        if existing is not None and peer.pin_channel(request_id, handoff_id, existing[0]).result(
-            timeout_s
-        ):
-            with self._channels_lock:
-                if self._channels.get(decode_worker_id) is existing:
-                    self._mark_in_use_locked(decode_worker_id)
-                    return existing
-        opened = self._open_channel(decode_worker_id, peer, request_id, handoff_id)
-        with self._channels_lock:
-            replaced = self._channels.pop(decode_worker_id, None)
-            self._channels[decode_worker_id] = opened
-            self._mark_in_use_locked(decode_worker_id)
-            # after marking it in use: the cap never closes the channel just opened
-            closing = self._idle_channels_over_cap()
-        for _, channel in [*closing, *([replaced] if replaced is not None else [])]:
-            channel.close()
-        return opened
-
-    def _mark_in_use_locked(self, decode_worker_id: str) -> None:
-        self._channels.move_to_end(decode_worker_id)
-        self._channels_in_use[decode_worker_id] += 1
+        existing = self.channels.get(decode_worker_id)
+        if existing is not None and not existing.broken:
+            existing_id = existing.rendezvous.channel_id
+            pinned_here = existing_id == pinned or peer.pin_channel(
+                request_id, handoff_id, existing_id
+            ).result(self.transfer.timeout_s)
+            if pinned_here and self.channels.use(decode_worker_id, existing):
+                return existing_id, existing
+        opened_id, opened = self._open_channel(decode_worker_id, peer, request_id, handoff_id)
+        close_channels(self.channels.add(decode_worker_id, opened, in_use=True))
+        return opened_id, opened
 
     def _open_channel(
         self, decode_worker_id: str, peer: DecodePeer, request_id: str, handoff_id: str
@@ -383,17 +350,3 @@ class PrefillWorker:
             raise
         logger.info("KV channel %s open over %s", channel_id, transport)
         return channel_id, channel
-
-    def _idle_channels_over_cap(self) -> list[tuple[str, KVChannel]]:
-        """Keep at most ``max_channels`` open: take idle ones out, least recently used first,
-        for the caller to close (``_channels_lock`` held).
-
-        Each channel holds buffers (and on GPUs an NCCL communicator of 50-100 MB).
-        """
-        closing = []
-        for worker_id in list(self._channels):
-            if len(self._channels) <= self.transfer.max_channels:
-                break
-            if self._channels_in_use[worker_id] == 0:
-                closing.append(self._channels.pop(worker_id))
-        return closing

@@ -140,7 +140,7 @@ def test_idle_channels_close_beyond_the_cap_and_reopen(cluster_factory, offline:
         prefill.submit(GenerateRequest(f"c{i}", prompt, p, GATEWAY), decode_id)
         cluster.collector.wait_finished([(f"c{i}", 0)])  # one at a time: channels alternate
     assert [cluster.collector.output(f"c{i}") for i in range(12)] == expected
-    assert len(prefill._channels) == 1
+    assert len(prefill.channels) == 1
 
 
 def test_a_channel_opened_past_the_cap_while_the_others_are_busy_is_used(
@@ -714,7 +714,7 @@ def test_many_prefill_workers_share_a_decode_worker_over_its_channel_cap(
     _eventually(lambda: decode.channels.num_pins == 0)
     assert len(decode.channels.remove_all()) <= 1
     for prefill in cluster.prefills:
-        assert len(prefill._channels) <= 1
+        assert len(prefill.channels) <= 1
 
 
 def test_a_retargeted_hand_off_leaves_the_hung_decode_workers_queue(llama_dir: Path) -> None:

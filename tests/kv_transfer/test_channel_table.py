@@ -1,10 +1,10 @@
-"""The decode worker's channel table: only channels neither receiving nor pinned close over the
-cap, least recently used first; a request's pin passes to its receive."""
+"""A worker's channel table: only channels neither in use nor pinned close over the cap, least
+recently used first; a request's pin passes to its receive."""
 
 from __future__ import annotations
 
-from decode_worker.channel_table import ChannelTable
 from kv_transfer import KVChannel
+from kv_transfer.channel_table import ChannelTable
 
 
 class _Channel:
@@ -58,3 +58,16 @@ def test_a_receive_on_another_channel_ends_the_pin_it_had() -> None:
     assert table.take("r", "b") is b  # the receive came on "b": the pin of "a" ends
     assert table.num_pins == 0
     assert table.release("b") == [a]  # both idle: the least recently used goes
+
+
+def test_a_channel_marked_in_use_as_it_opens_stays_until_released() -> None:
+    """The prefill side's way: ``add(..., in_use=True)``, then ``use`` for later transfers."""
+    table = ChannelTable(max_channels=1)
+    a, b = _channel(), _channel()
+    table.add("d0", a, in_use=True)
+    assert table.add("d1", b, in_use=True) == []  # "d0" is sending
+    assert table.release("d0") == [a]
+    assert not table.use("d0", a)  # closed over the cap: a new one must open
+    assert table.use("d1", b)
+    assert table.release("d1") == [] and table.release("d1") == []  # both its transfers end
+    assert len(table) == 1

@@ -1,0 +1,153 @@
+"""A worker's open KV channels, by key: which are in use, which are pinned open for a coming
+transfer, and which close when the count is over the cap.
+
+A prefill worker keys its channels by decode worker (one each), a decode worker by channel id
+(one per prefill worker that sends to it). A channel is in use while a transfer runs on it. On
+the decode side it is also pinned from a prefill worker's reserve (or its joining, or ``pin``)
+until that request's receive ends or its reservation is cancelled: its KV is on the way, so
+closing it would leave the sender writing to a closed end. Only channels neither in use nor
+pinned close over the cap, least recently used first: when one opens, and when one stops being
+used (so the count comes back under the cap at rest). Each channel holds buffers, and on GPUs
+an NCCL communicator of 50-100 MB. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+
+from kv_transfer.channel import KVChannel
+
+
+class ChannelTable:
+    def __init__(self, max_channels: int) -> None:
+        self.max_channels = max_channels
+        self._channels: OrderedDict[str, KVChannel] = OrderedDict()  # least recently used first
+        self._users: Counter[str] = Counter()  # key -> transfers on its channel, and pins
+        self._pins: dict[str, str] = {}  # request id -> key of the channel pinned for its KV
+        self._lock = threading.Lock()
+
+    def add(
+        self, key: str, channel: KVChannel, *, in_use: bool = False, pin_for: str | None = None
+    ) -> list[KVChannel]:
+        """Open ``channel`` under ``key``: in use until ``release`` if ``in_use``, pinned for
+        request ``pin_for`` if given. The channels the caller must close (one it replaces, idle
+        ones over the cap)."""
+        with self._lock:
+            previous = self._channels.pop(key, None)
+            self._channels[key] = channel
+            if in_use:
+                self._users[key] += 1
+            if pin_for is not None:
+                self._pin_locked(pin_for, key)
+            closing = self._over_cap_locked(keep=key)
+        return [*([previous] if previous is not None else []), *closing]
+
+    def get(self, key: str) -> KVChannel | None:
+        with self._lock:
+            return self._channels.get(key)
+
+    def use(self, key: str, channel: KVChannel) -> bool:
+        """Mark ``channel`` in use until ``release``; False if it is no longer open under
+        ``key`` (closed over the cap, or replaced)."""
+        with self._lock:
+            if self._channels.get(key) is not channel:
+                return False
+            self._users[key] += 1
+            self._channels.move_to_end(key)
+            return True
+
+    def pin(self, request_id: str, key: str) -> bool:
+        """Keep the channel under ``key`` open for ``request_id``'s KV; False if none is open."""
+        with self._lock:
+            if key not in self._channels:
+                return False
+            self._pin_locked(request_id, key)
+            return True
+
+    def unpin(self, request_id: str) -> list[KVChannel]:
+        """End a request's pin; the channels the caller must close (now idle over the cap)."""
+        with self._lock:
+            self._unpin_locked(request_id)
+            return self._over_cap_locked()
+
+    def take(self, request_id: str, key: str) -> KVChannel | None:
+        """The channel for ``request_id``'s receive, in use until ``release``; None when it is
+        not open. The request's pin passes to the receive."""
+        with self._lock:
+            channel = self._channels.get(key)
+            if channel is not None and self._pins.get(request_id) == key:
+                del self._pins[request_id]  # its count now stands for the receive
+            else:
+                self._unpin_locked(request_id)
+                if channel is not None:
+                    self._users[key] += 1
+            if channel is not None:
+                self._channels.move_to_end(key)
+            return channel
+
+    def release(self, key: str) -> list[KVChannel]:
+        """A transfer on the channel under ``key`` (from ``take``, ``use`` or ``add``) has
+        ended; the channels the caller must close (now idle over the cap)."""
+        with self._lock:
+            self._drop_user_locked(key)
+            return self._over_cap_locked()
+
+    def remove(self, key: str, channel: KVChannel) -> None:
+        """Forget a broken channel (if still the one open under its key); the caller closes it."""
+        with self._lock:
+            if self._channels.get(key) is channel:
+                del self._channels[key]
+
+    def remove_all(self) -> list[KVChannel]:
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        return channels
+
+    def items(self) -> list[tuple[str, KVChannel]]:
+        with self._lock:
+            return list(self._channels.items())
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._channels
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._channels)
+
+    @property
+    def num_pins(self) -> int:
+        with self._lock:
+            return len(self._pins)
+
+    def _pin_locked(self, request_id: str, key: str) -> None:
+        self._unpin_locked(request_id)
+        self._pins[request_id] = key
+        self._users[key] += 1
+        self._channels.move_to_end(key)
+
+    def _over_cap_locked(self, keep: str | None = None) -> list[KVChannel]:
+        """Take idle channels out (but ``keep``) while over the cap, least recently used first."""
+        excess = len(self._channels) - self.max_channels
+        if excess <= 0:
+            return []
+        idle = [key for key in self._channels if key != keep and not self._users[key]]
+        return [self._channels.pop(key) for key in idle[:excess]]
+
+    def _unpin_locked(self, request_id: str) -> None:
+        key = self._pins.pop(request_id, None)
+        if key is not None:
+            self._drop_user_locked(key)
+
+    def _drop_user_locked(self, key: str) -> None:
+        self._users[key] -= 1
+        if self._users[key] <= 0:
+            del self._users[key]
+
+
+def close_channels(channels: list[KVChannel]) -> None:
+    """Close what a ``ChannelTable`` call handed back (outside its lock)."""
+    for channel in channels:
+        channel.close()
