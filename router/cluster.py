@@ -21,7 +21,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -43,6 +43,7 @@ _CALL_TIMEOUT_S = 10.0  # control calls to a worker; one that does not answer co
 # worker does between engine steps (up to a few hundred ms on CPU). asyncio's default executor
 # has os.cpu_count() + 4 threads, 6 on a 2-core node, so bursts queued behind each other there.
 _MAX_PLACEMENTS_IN_FLIGHT = 64
+_PLACEMENT_SEPARATOR = "#"  # a later placement's id: request id, separator, placement number
 
 
 class RequestFailedError(RuntimeError):
@@ -79,7 +80,8 @@ class Cluster:
         self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
         self.workers = {w.worker_id: w for w in workers}
         self.policy = make_policy(config.router_policy, config.block_size)
-        self._trackers: dict[str, RequestTracker] = {}
+        self._trackers: dict[str, RequestTracker] = {}  # by request id
+        self._placed: dict[str, RequestTracker] = {}  # by placement id (what workers know)
         self._local_prefills: Counter[str] = Counter()  # reason -> prompts (LocalPrefillRule)
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -160,7 +162,7 @@ class Cluster:
         except asyncio.CancelledError:  # the client left while routing: abort once it is placed
 
             def abort_once_placed(done: asyncio.Future[RequestTracker]) -> None:
-                if done.exception() is None:
+                if not done.cancelled() and done.exception() is None:  # (cancelled: shut down)
                     self.abort(request.request_id)
 
             submitted.add_done_callback(abort_once_placed)
@@ -183,7 +185,7 @@ class Cluster:
     ) -> RequestTracker:
         """Route and submit a request; its events go to ``sink`` (from other threads)."""
         with self._lock:
-            if request.request_id in self._trackers:
+            if request.request_id in self._trackers or request.request_id in self._placed:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
             tracker = RequestTracker(request, sink, None, "")
             self._trackers[request.request_id] = tracker
@@ -191,20 +193,27 @@ class Cluster:
             self._place(tracker, request)
         except BaseException:
             with self._lock:
-                self._trackers.pop(request.request_id, None)
+                self._forget(tracker)
             raise
         return tracker
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            tracker = self._trackers.pop(request_id, None)
-        if tracker is None:
-            return
-        tracker.closed = True
-        for worker_id in (tracker.prefill_worker, tracker.decode_worker):
-            worker = self.workers.get(worker_id or "")
-            if worker is not None and worker.alive:
-                worker.actor.abort.remote(request_id)
+            tracker = self._trackers.get(request_id)
+            if tracker is None:
+                return
+            self._forget(tracker)
+            tracker.closed = True
+            workers = {w for w in (tracker.prefill_worker, tracker.decode_worker) if w}
+            self._abort_on(workers, tracker.placement_id)
+
+    def _forget(self, tracker: RequestTracker) -> None:
+        """Stop tracking a request that ended (lock held): late events about it are dropped."""
+        if self._trackers.get(tracker.request_id) is tracker:
+            del self._trackers[tracker.request_id]
+        for placement_id in tracker.placement_ids:
+            if self._placed.get(placement_id) is tracker:
+                del self._placed[placement_id]
 
     def worker_statuses(self) -> list[WorkerStatus]:
         with self._lock:
@@ -246,40 +255,63 @@ class Cluster:
         its caller; it is rare.)
 
         A chosen worker found dead on submission is taken out of rotation (its other requests
-        recovered) and the choice is made again among the live ones. A live worker that
-        accepted a placement given up (the other chosen worker died meanwhile) is told to drop
-        the request, unless the new placement uses it again.
+        recovered) and the choice is made again among the live ones. Each try is a placement
+        of its own (``_new_placement``): a live worker that accepted a placement given up (the
+        other chosen worker died meanwhile) is told to drop that one.
         """
         tracker.placing = True
-        given_up: set[str] = set()  # live workers that accepted a placement given up
+        given_up: list[tuple[str, str]] = []  # (worker, placement id): accepted, given up
         try:
             for _ in range(len(self.workers)):
                 prefill_id, decode_id, local = self._choose(request)
                 with self._lock:
+                    placement_id = self._new_placement(tracker)
                     tracker.candidates = tuple(w for w in (prefill_id, decode_id) if w)
                 target = self.workers[prefill_id or decode_id]
+                placed = replace(request, request_id=placement_id)
                 try:
                     if prefill_id is None:
-                        ref = target.actor.submit.remote(request)
+                        ref = target.actor.submit.remote(placed)
                     else:
-                        ref = target.actor.submit.remote(request, decode_id)
+                        ref = target.actor.submit.remote(placed, decode_id)
                     ray.get(ref, timeout=_CALL_TIMEOUT_S)
                 except ray.exceptions.RayActorError:
                     self._on_worker_dead(target, skip=tracker)
                     continue
                 except ray.exceptions.GetTimeoutError:
                     self._on_worker_dead(target, skip=tracker, stalled=True)
+                    target.actor.abort.remote(placement_id)  # it may take it when it wakes
                     continue
                 if self._record_placement(tracker, prefill_id, decode_id, local):
-                    given_up -= set(tracker.candidates)
                     return
-                given_up.add(target.worker_id)
+                given_up.append((target.worker_id, placement_id))
                 request = tracker.resume_request()  # a chosen worker died after accepting
             raise RequestFailedError("no live worker accepted the request")
         finally:
             tracker.placing = False
             tracker.candidates = ()
-            self._abort_on(given_up, tracker.request_id)
+            for worker_id, placement_id in given_up:
+                self._abort_on({worker_id}, placement_id)
+
+    def _new_placement(self, tracker: RequestTracker) -> str:
+        """A fresh placement id for the request, the one its workers will know it by (lock
+        held): the request id for the first placement, then ``<request id>#<n>``, never an id
+        in use. Reports about an earlier placement are stale from now on."""
+        request_id = tracker.request_id
+        number = len(tracker.placement_ids)
+        while True:
+            placement_id = f"{request_id}{_PLACEMENT_SEPARATOR}{number}" if number else request_id
+            if placement_id not in self._placed and (
+                not number or placement_id not in self._trackers
+            ):
+                break
+            number += 1
+        tracker.placement_id = placement_id
+        tracker.held_failure = None  # it was about the placement given up
+        if self._trackers.get(request_id) is tracker:  # (not aborted meanwhile)
+            tracker.placement_ids.append(placement_id)
+            self._placed[placement_id] = tracker
+        return placement_id
 
     def _choose(self, request: GenerateRequest) -> tuple[str | None, str, str | None]:
         """(prefill worker, decode worker, why the decode worker prefills it) for the request,
@@ -324,17 +356,17 @@ class Cluster:
             tracker.placing = False
             held, tracker.held_failure = tracker.held_failure, None
             if tracker.closed:  # aborted while placing: the abort saw no workers yet
-                self._abort_on({w for w in (prefill_id, decode_id) if w}, tracker.request_id)
+                self._abort_on({w for w in (prefill_id, decode_id) if w}, tracker.placement_id)
             elif held is not None:
                 self._on_failure(*held)
         return True
 
-    def _abort_on(self, worker_ids: set[str], request_id: str) -> None:
-        """Tell the live ones of ``worker_ids`` to drop the request (not waiting for them)."""
+    def _abort_on(self, worker_ids: set[str], placement_id: str) -> None:
+        """Tell the live ones of ``worker_ids`` to drop a placement (not waiting for them)."""
         for worker_id in sorted(worker_ids):
             worker = self.workers[worker_id]
             if worker.alive:
-                worker.actor.abort.remote(request_id)
+                worker.actor.abort.remote(placement_id)
 
     def _charge_routed(
         self, prefill_id: str | None, decode_id: str, request: GenerateRequest
@@ -382,16 +414,18 @@ class Cluster:
     def _dispatch(self, batch: OutputBatch) -> None:
         with self._lock:
             for event in batch.events:
-                tracker = self._trackers.get(event.request_id)
-                if tracker is None or not tracker.sent_by_its_workers(batch.worker_id):
+                tracker = self._placed.get(event.request_id)
+                if tracker is None or not tracker.sent_by_its_workers(
+                    batch.worker_id, event.request_id
+                ):
                     continue  # finished, or from a placement given up
                 if event.position == 0 and event.sample_index == 0:
-                    self._first_token_out(event.request_id)
+                    self._first_token_out(tracker.request_id)
                 tracker.accept(event)
                 if tracker.prefill_worker is not None and tracker.started_decoding:
                     tracker.prefill_worker = None  # first tokens out, decoding begun: prefill over
                 if tracker.closed:
-                    del self._trackers[event.request_id]
+                    self._forget(tracker)
             for failure in batch.failures:
                 self._on_failure(failure, batch.worker_id)
 
@@ -406,8 +440,8 @@ class Cluster:
         """A worker gave up on a request: resume it elsewhere if the failure allows a retry
         and its decode worker does not hold it after all, else fail it. Reports from a
         placement given up meanwhile are stale: the request has moved on."""
-        tracker = self._trackers.get(failure.request_id)
-        if tracker is None or not tracker.sent_by_its_workers(worker_id):
+        tracker = self._placed.get(failure.request_id)
+        if tracker is None or not tracker.sent_by_its_workers(worker_id, failure.request_id):
             return
         if tracker.placing:
             tracker.held_failure = (failure, worker_id)
@@ -415,7 +449,7 @@ class Cluster:
         if failure.retryable:
             if self._continues_on_decode_worker(tracker):
                 return
-            if self._trackers.get(failure.request_id) is not tracker:
+            if self._trackers.get(tracker.request_id) is not tracker:
                 return  # its decode worker was found dead, and that recovered it
             if tracker.num_retries < self.config.max_retries:
                 self._resume(tracker)
@@ -424,10 +458,10 @@ class Cluster:
 
     def _fail(self, tracker: RequestTracker, message: str) -> None:
         """End a request for good: the client gets ``message``, its live workers drop it."""
-        self._trackers.pop(tracker.request_id, None)
+        self._forget(tracker)
         tracker.fail(message)
         workers = {w for w in (tracker.prefill_worker, tracker.decode_worker) if w}
-        self._abort_on(workers, tracker.request_id)
+        self._abort_on(workers, tracker.placement_id)
 
     def _continues_on_decode_worker(self, tracker: RequestTracker) -> bool:
         """Whether the request's decode worker holds it (a failure report came too late)."""
@@ -435,7 +469,7 @@ class Cluster:
         if decode is None or not decode.alive:
             return False
         try:
-            ref = decode.actor.has_request.remote(tracker.request_id)
+            ref = decode.actor.has_request.remote(tracker.placement_id)
             return bool(ray.get(ref, timeout=_CALL_TIMEOUT_S))
         except ray.exceptions.RayActorError:
             self._on_worker_dead(decode, skip=tracker)
@@ -490,7 +524,7 @@ class Cluster:
             ]
             for tracker in affected:
                 if stalled:
-                    worker.actor.abort.remote(tracker.request_id)
+                    worker.actor.abort.remote(tracker.placement_id)
                 # a death found while recovering an earlier one may have recovered it already
                 if self._still_placed_on(tracker, worker):
                     self._recover(tracker, worker)
@@ -527,7 +561,7 @@ class Cluster:
             decode_id = self.policy.choose_decode(info, self.live_loads("decode"))
         except NoWorkerError:
             return False
-        ref = prefill.actor.retarget.remote(tracker.request_id, decode_id)
+        ref = prefill.actor.retarget.remote(tracker.placement_id, decode_id)
         with contextlib.suppress(ray.exceptions.RayError):
             if ray.get(ref, timeout=_CALL_TIMEOUT_S):
                 tracker.decode_worker = decode_id
@@ -538,8 +572,12 @@ class Cluster:
         return False
 
     def _resume(self, tracker: RequestTracker) -> None:
-        """Submit the request again, continuing after the tokens the client already has; the
-        placement given up sends nothing more to the client."""
+        """Submit the request again, continuing after the tokens the client already has. The
+        placement given up sends nothing more to the client, and its live workers drop it: a
+        decode worker may still admit its copy (a hand-off that failed late, or whose prefill
+        worker died before its first token got out), and that copy would run unseen."""
+        given_up = {w for w in (tracker.prefill_worker, tracker.decode_worker) if w}
+        self._abort_on(given_up, tracker.placement_id)
         tracker.num_retries += 1
         tracker.prefill_worker, tracker.decode_worker = None, ""
         try:

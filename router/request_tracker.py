@@ -9,7 +9,7 @@ that arrive early until the gap before them fills.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.messages import GenerateRequest, RequestFailure, TokenEvent
 
@@ -36,6 +36,11 @@ class RequestTracker:
     placing: bool = False  # a worker is being asked to take it; its workers are not set yet
     candidates: tuple[str, ...] = ()  # while placing: the workers being asked
     held_failure: tuple[RequestFailure, str] | None = None  # (failure, worker) while placing
+    # The id the workers know the request by in its current placement (or the one being made):
+    # the request id at first, a new one for every later placement, so a placement given up
+    # can be told apart from (and aborted without touching) the one that replaced it.
+    placement_id: str = ""
+    placement_ids: list[str] = field(default_factory=list)  # every one it has had
 
     @property
     def request_id(self) -> str:
@@ -54,10 +59,12 @@ class RequestTracker:
         """At least one token reached the client."""
         return any(self.delivered.values())
 
-    def sent_by_its_workers(self, worker_id: str) -> bool:
-        """Whether events from ``worker_id`` belong to the request's current placement (or the
-        one being made); a placement given up (its worker stalled, or the request moved on)
-        may still send some, and they must not reach the client."""
+    def sent_by_its_workers(self, worker_id: str, placement_id: str) -> bool:
+        """Whether events from ``worker_id`` about ``placement_id`` belong to the request's
+        current placement (or the one being made); a placement given up (its worker stalled,
+        or the request moved on) may still send some, and they must not reach the client."""
+        if placement_id != self.placement_id:
+            return False
         if worker_id in (self.prefill_worker, self.decode_worker):
             return True
         return self.placing and worker_id in self.candidates
@@ -66,6 +73,8 @@ class RequestTracker:
         """Take one event from any worker; pass on what is new, in order."""
         if self.closed or event.sample_index in self.finished:
             return
+        if event.request_id != self.request_id:  # a later placement's: the client knows one id
+            event = replace(event, request_id=self.request_id)
         tokens = self.delivered.setdefault(event.sample_index, [])
         if event.position < len(tokens):
             return  # a duplicate (a retried worker re-sent it)

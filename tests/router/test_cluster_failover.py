@@ -70,7 +70,7 @@ def test_two_workers_dying_together_recover_each_request_once() -> None:
     r1, r2 = (tracker for tracker, _ in tracked)
     assert (r1.decode_worker, r1.num_retries, r1.closed) == ("decode-1", 1, False)
     assert isinstance(tracked[1][1][-1], RequestFailure)  # retries exhausted: failed, once
-    assert sorted(actors["decode-1"].requests) == ["r1"]  # r2 runs nowhere
+    assert sorted(actors["decode-1"].requests) == ["r1#1"]  # r2 runs nowhere
 
 
 def test_a_failure_from_a_placement_given_up_is_ignored() -> None:
@@ -83,11 +83,11 @@ def test_a_failure_from_a_placement_given_up_is_ignored() -> None:
     cluster._dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
     actors["decode-0"].dead = True
     cluster._poll_loads()
-    assert tracker.decode_worker == "decode-1"
-    cluster._dispatch(OutputBatch("decode-1", [token("r1", 1, 12)]))
+    assert (tracker.decode_worker, tracker.placement_id) == ("decode-1", "r1#1")
+    cluster._dispatch(OutputBatch("decode-1", [token("r1#1", 1, 12)]))
     late = RequestFailure("r1", "hand-off failed: decode-0 is gone", retryable=True)
     cluster._dispatch(OutputBatch("prefill-0", [], [late]))
-    cluster._dispatch(OutputBatch("decode-1", [token("r1", 2, 13, finish="length")]))
+    cluster._dispatch(OutputBatch("decode-1", [token("r1#1", 2, 13, finish="length")]))
     assert token_ids(items) == [11, 12, 13]
     assert isinstance(items[-1], RequestDone)
     assert tracker.num_retries == 1
@@ -128,10 +128,10 @@ def test_tokens_from_a_worker_taken_out_of_rotation_never_reach_the_client() -> 
     actors["decode-0"].stalled = True
     cluster.workers["decode-0"].last_report -= 2 * cluster.config.dead_after_s
     cluster._poll_loads()
-    assert tracker.decode_worker == "decode-1"
+    assert (tracker.decode_worker, tracker.placement_id) == ("decode-1", "r1#1")
     assert actors["decode-0"].aborts() == ["r1"]
     cluster._dispatch(OutputBatch("decode-0", [token("r1", 3, 103)]))
-    tail = [token("r1", 3, 203), token("r1", 4, 204), token("r1", 5, 205, finish="length")]
+    tail = [token("r1#1", 3, 203), token("r1#1", 4, 204), token("r1#1", 5, 205, finish="length")]
     cluster._dispatch(OutputBatch("decode-1", tail))
     assert token_ids(items) == [100, 101, 102, 203, 204, 205]
 
@@ -147,8 +147,8 @@ def test_tokens_held_back_from_a_placement_given_up_are_dropped() -> None:
     actors["prefill-0"].dead = actors["decode-0"].dead = True
     cluster._poll_loads()
     assert (tracker.prefill_worker, tracker.decode_worker) == ("prefill-1", "decode-1")
-    cluster._dispatch(OutputBatch("prefill-1", [token("r1", 0, 100)]))
-    rest = [token("r1", p, 100 + p, finish="length" if p == 4 else None) for p in range(1, 5)]
+    cluster._dispatch(OutputBatch("prefill-1", [token("r1#1", 0, 100)]))
+    rest = [token("r1#1", p, 100 + p, finish="length" if p == 4 else None) for p in range(1, 5)]
     cluster._dispatch(OutputBatch("decode-1", rest))
     assert token_ids(items) == [100, 101, 102, 103, 104]
 
@@ -187,3 +187,53 @@ def test_stalled_workers_are_found_in_one_wait_not_one_each() -> None:
     cluster._poll_loads()
     assert time.monotonic() - started < 0.6
     assert not any(worker.alive for worker in cluster.workers.values())
+
+
+def test_a_hand_off_that_fails_late_leaves_no_copy_running_on_its_decode_worker() -> None:
+    """prefill-0's receipt from decode-0 times out after the KV went out: decode-0 does not
+    hold r1 yet, but may admit it any moment. r1 resumes (here on decode-0 itself) under a
+    new placement id, and decode-0 is told to drop the old copy (it ran on unseen, to its last
+    token). The abort names the old placement only, so it cannot catch the new one."""
+    cluster, actors = make_cluster(1, 2)
+    _first_of(cluster, "decode-0")
+    tracker, items = submit(cluster, "r1", max_tokens=3)
+    cluster._dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
+    late = RequestFailure("r1", "hand-off failed: TimeoutError", retryable=True)
+    cluster._dispatch(OutputBatch("prefill-0", [], [late]))
+    assert (tracker.decode_worker, tracker.placement_id) == ("decode-0", "r1#1")
+    assert actors["decode-0"].aborts() == ["r1"]
+    assert sorted(actors["decode-0"].requests) == ["r1#1"]
+    cluster._dispatch(OutputBatch("decode-0", [token("r1", 1, 901)]))  # the old copy: dropped
+    tail = [token("r1#1", 1, 12), token("r1#1", 2, 13, finish="length")]
+    cluster._dispatch(OutputBatch("decode-0", tail))
+    assert token_ids(items) == [11, 12, 13]
+    assert {item.request_id for item in items} == {"r1"}  # the client knows one id
+    assert not cluster._trackers and not cluster._placed
+
+
+def test_a_prefill_worker_dying_before_its_first_token_is_out_leaves_no_copy_running() -> None:
+    """prefill-0 handed r1 off to decode-0 and died before its first token reached the router.
+    r1 starts again from its prompt on prefill-1, and decode-0 drops the copy it admitted
+    (it generated on, unseen, to its last token)."""
+    cluster, actors = make_cluster(2, 1)
+    _first_of(cluster, "prefill-0")
+    tracker, items = submit(cluster, "r1", max_tokens=2)
+    actors["decode-0"].requests["r1"] = tracker.request  # admitted from the hand-off
+    actors["prefill-0"].dead = True
+    cluster._poll_loads()
+    assert (tracker.prefill_worker, tracker.placement_id) == ("prefill-1", "r1#1")
+    assert actors["decode-0"].aborts() == ["r1"]
+    cluster._dispatch(OutputBatch("prefill-1", [token("r1#1", 0, 21)]))
+    cluster._dispatch(OutputBatch("decode-0", [token("r1#1", 1, 22, finish="length")]))
+    assert token_ids(items) == [21, 22] and isinstance(items[-1], RequestDone)
+
+
+def test_a_request_id_in_use_as_a_placement_id_is_refused() -> None:
+    cluster, _ = make_cluster(1, 1)
+    _first_of(cluster, "decode-0")
+    tracker, _ = submit(cluster, "r1")
+    cluster._dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
+    cluster._dispatch(OutputBatch("prefill-0", [], [RequestFailure("r1", "x", retryable=True)]))
+    assert tracker.placement_id == "r1#1"
+    with pytest.raises(ValueError, match="already in use"):
+        submit(cluster, "r1#1")
