@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, DecodeSizing
 from engine.attention.selector import get_attention_backend
 from engine.decode_graphs import (
     CudaGraphCapturer,
@@ -94,12 +94,18 @@ class LLMEngine:
             block_size=cache.block_size,
             dtype=self.dtype,
         )
-        attn_backend = get_attention_backend(cache.attention_backend, self.device)
+        # decode steps of these batch sizes replay CUDA graphs; eager ones are sized alike
+        padded_batch_sizes = capture_batch_sizes(
+            min(load.max_capture_batch_size, scheduler.max_num_seqs)
+        )
+        attn_backend = get_attention_backend(
+            cache.attention_backend,
+            self.device,
+            DecodeSizing(self.max_model_len, padded_batch_sizes),
+        )
         graph_batch_sizes = None  # decode steps run eagerly
         if use_decode_graphs(load.enforce_eager, self.device, attn_backend.name):
-            graph_batch_sizes = capture_batch_sizes(
-                min(load.max_capture_batch_size, scheduler.max_num_seqs)
-            )
+            graph_batch_sizes = padded_batch_sizes
         num_blocks = self._num_kv_blocks(cache, scheduler, layout, attn_backend, graph_batch_sizes)
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=self.dtype, device=self.device)

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, DecodeSizing
 from engine.engine_config import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -45,12 +45,15 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device, decode_sizing: DecodeSizing | None = None
+) -> AttentionBackend:
+    """``decode_sizing``: the engine's, for the backends that size decode work by it."""
     resolved = resolve_attention_backend(name, device)
     if resolved == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(decode_sizing)
     if resolved == "cpu":
         from engine.attention.cpu_backend import CpuAttentionBackend
 

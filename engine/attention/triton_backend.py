@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, DecodeSizing
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.per_step import PerStep
+from engine.decode_graphs import padded_batch_size
 from engine.kernels.kv_cache_write import write_kv_cache
-from engine.kernels.paged_decode_attention import paged_decode_attention
+from engine.kernels.paged_decode_attention import default_tokens_per_split, paged_decode_attention
 from engine.kernels.paged_prefill_attention import paged_prefill_attention
 
 
@@ -34,8 +35,12 @@ class _PrefillIndex:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, decode_sizing: DecodeSizing | None = None) -> None:
+        """``decode_sizing``: the engine's, which fixes the decode kernel's partition size per
+        batch-size bucket; None sizes each call by its own bound and batch."""
         self._prefill_index: PerStep[_PrefillIndex] = PerStep()
+        self._decode_sizing = decode_sizing
+        self._tokens_per_split: dict[tuple[int, int], int] = {}  # (bucket, KV heads) -> size
 
     def write_kv(
         self,
@@ -79,11 +84,28 @@ class TritonAttentionBackend(AttentionBackend):
                     metadata.decode_seq_lens,
                     scale,
                     max_seq_len=metadata.max_decode_seq_len,
+                    tokens_per_split=self._decode_tokens_per_split(
+                        metadata.num_decode_seqs, kv_cache_layer.shape[3]
+                    ),
                 )
             )
         if not outputs:
             return torch.empty_like(query)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+    def _decode_tokens_per_split(self, num_seqs: int, num_kv_heads: int) -> int | None:
+        """The partition size of the bucket a decode batch pads to in a CUDA graph (whether or
+        not it runs from one): the same for a graph replay and the step run eagerly."""
+        sizing = self._decode_sizing
+        if sizing is None:
+            return None
+        bucket = padded_batch_size(num_seqs, sizing.batch_sizes) or num_seqs
+        key = (bucket, num_kv_heads)
+        size = self._tokens_per_split.get(key)
+        if size is None:
+            size = default_tokens_per_split(sizing.max_context, bucket, num_kv_heads)
+            self._tokens_per_split[key] = size
+        return size
 
 
 def _prefill_index(metadata: AttentionMetadata, device: torch.device) -> _PrefillIndex:

@@ -16,7 +16,9 @@ Flash-decoding, two kernels:
    partition's normalised output, max logit and sum of exp. A partition past a shorter
    sequence's end runs no tile and writes max -inf, sum 0.
 2. ``_merge_partitions_kernel``, grid ``(num_seqs, num_heads)``: the log-sum-exp merge of the
-   sequence's non-empty partitions into the output, in the query's dtype.
+   sequence's non-empty partitions into the output, in the query's dtype, one partition after
+   another: a sequence's bits depend on the partition size, never on how many partitions the
+   grid has (``default_tokens_per_split`` keeps the size fixed per batch-size bucket).
 
 With one partition the first kernel writes the output itself and the merge is skipped.
 """
@@ -154,26 +156,33 @@ def _merge_partitions_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    NUM_SPLITS_PAD: tl.constexpr,  # next power of two of NUM_SPLITS
 ):
+    # One partition after another, in order, over the sequence's own partitions only: the
+    # result does not depend on NUM_SPLITS (a graph's grid covers the static capacity, an eager
+    # step's only its longest context), and a single partition is passed through unchanged.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    splits = tl.arange(0, NUM_SPLITS_PAD)
-    # partitions that hold tokens of this seq; partition 0 always does
-    valid = (splits < NUM_SPLITS) & (splits * tokens_per_split < seq_len)
-    part_rows = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits  # [NUM_SPLITS_PAD]
-    part_max = tl.load(part_max_ptr + part_rows, mask=valid, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + part_rows, mask=valid, other=0.0)
-    weights = tl.exp2(part_max - tl.max(part_max, axis=0)) * part_sum  # 0 where not valid
+    num_parts = tl.minimum(tl.cdiv(seq_len, tokens_per_split), NUM_SPLITS)  # >= 1
+    first = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    part_out = tl.load(
-        part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
-        mask=valid[:, None] & dim_mask[None, :],
-        other=0.0,
-    )  # [NUM_SPLITS_PAD, HEAD_DIM_PAD]
-    out = tl.sum(part_out * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    max_logit = tl.load(part_max_ptr + first)
+    for part in range(1, num_parts):
+        max_logit = tl.maximum(max_logit, tl.load(part_max_ptr + first + part))
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    for part in range(0, num_parts):
+        weight = tl.exp2(tl.load(part_max_ptr + first + part) - max_logit) * tl.load(
+            part_sum_ptr + first + part
+        )
+        part_out = tl.load(
+            part_out_ptr + (first + part) * HEAD_DIM + dims, mask=dim_mask, other=0.0
+        )
+        acc += part_out * weight
+        total += weight
+    only = tl.load(part_out_ptr + first * HEAD_DIM + dims, mask=dim_mask, other=0.0)
+    out = tl.where(num_parts == 1, only, acc / total)
     out_offsets = (seq.to(tl.int64) * NUM_HEADS + head) * HEAD_DIM + dims
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
@@ -185,6 +194,30 @@ def default_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int) -> in
     return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
 
 
+def default_tokens_per_split(
+    max_context: int, num_seqs: int, num_kv_heads: int, max_tile: int = _MAX_TILE
+) -> int:
+    """Partition size for decode steps of ``num_seqs`` sequences whose contexts reach
+    ``max_context`` at most (``default_num_splits`` partitions of the longest context).
+
+    An engine fixes it per batch-size bucket: a sequence's partitions then do not depend on the
+    step's longest context, so a CUDA graph (sized for the static capacity) and the eager
+    forward of the same step compute the same bits.
+    """
+    num_splits = default_num_splits(max_context, num_seqs, num_kv_heads)
+    return _whole_tiles(-(-max_context // num_splits), max_tile)
+
+
+def _tile(tokens_per_split: int, max_tile: int) -> int:
+    return min(max_tile, max(_MIN_DOT_DIM, triton.next_power_of_2(tokens_per_split)))
+
+
+def _whole_tiles(tokens_per_split: int, max_tile: int) -> int:
+    """``tokens_per_split`` rounded up to whole tiles (unchanged when it is already)."""
+    tile = _tile(tokens_per_split, max_tile)
+    return -(-tokens_per_split // tile) * tile
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -194,15 +227,20 @@ def paged_decode_attention(
     num_splits: int | None = None,
     *,
     max_seq_len: int | None = None,
+    tokens_per_split: int | None = None,
     tiling: DecodeTiling = DecodeTiling(),
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
     """Attention of each sequence's one new token over its whole context in the paged cache.
 
-    ``num_splits``: context partitions per sequence (None: ``default_num_splits``).
-    ``max_seq_len``: an upper bound on ``seq_lens`` that sizes the partitions; None takes
-    ``max_blocks * block_size``, which needs no device sync. Understating it drops tokens.
-    ``seq_lens`` values are not checked on the host (that would sync). ``tiling``: for
-    benchmarks that compare tilings; the default is the engine's.
+    ``max_seq_len``: an upper bound on ``seq_lens``; None takes ``max_blocks * block_size``,
+    which needs no device sync. Understating it drops tokens.
+    The context is cut into partitions of ``tokens_per_split`` tokens (rounded up to whole
+    tiles), as many as ``max_seq_len`` needs; a sequence's result depends only on its own
+    partitions, so any bound gives the same bits. Or ``num_splits`` partitions of the bound
+    (None, and no ``tokens_per_split``: ``default_num_splits``).
+    ``seq_lens`` values are checked on the host only when they are there already (on CPU);
+    on a GPU that would sync. ``tiling``: for benchmarks that compare tilings; the default is
+    the engine's.
 
     Raises ValueError naming the argument on a wrong shape, dtype, device or layout.
     """
@@ -216,16 +254,23 @@ def paged_decode_attention(
         1 <= max_seq_len <= capacity,
         f"max_seq_len must be in [1, max_blocks * block_size = {capacity}], got {max_seq_len}",
     )
-    if num_splits is None:
-        num_splits = default_num_splits(max_seq_len, num_seqs, num_kv_heads)
-    require(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
     _check_tiling(tiling)
+    if tokens_per_split is not None:
+        require(num_splits is None, "give num_splits or tokens_per_split, not both")
+        require(tokens_per_split >= 1, f"tokens_per_split must be >= 1, got {tokens_per_split}")
+        tokens_per_split = _whole_tiles(tokens_per_split, tiling.max_tile)
+        num_splits = -(-max_seq_len // tokens_per_split)
+    else:
+        if num_splits is None:
+            num_splits = default_num_splits(max_seq_len, num_seqs, num_kv_heads)
+        require(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+        tokens_per_split = _whole_tiles(-(-max_seq_len // num_splits), tiling.max_tile)
+    tile = _tile(tokens_per_split, tiling.max_tile)
+    if seq_lens.device.type == "cpu":  # (on a GPU the check would wait for the device)
+        _check_seq_lens_values(seq_lens, max_seq_len)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    raw_tokens_per_split = -(-max_seq_len // num_splits)
-    tile = min(tiling.max_tile, max(_MIN_DOT_DIM, triton.next_power_of_2(raw_tokens_per_split)))
-    tokens_per_split = -(-raw_tokens_per_split // tile) * tile
     # [num_seqs, num_heads, num_splits(, head_dim)] f32; unused (tiny) with one partition
     part_shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
     part_out = query.new_empty((*part_shape, head_dim), dtype=torch.float32)
@@ -272,9 +317,20 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits,
-            NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
     return out
+
+
+def _check_seq_lens_values(seq_lens: torch.Tensor, max_seq_len: int) -> None:
+    if len(seq_lens) == 0:
+        return
+    shortest, longest = int(seq_lens.min()), int(seq_lens.max())
+    require(shortest >= 1, f"seq_lens must be >= 1, got {shortest}")
+    require(
+        longest <= max_seq_len,
+        f"seq_lens must be <= max_seq_len = {max_seq_len} (max_blocks * block_size when not "
+        f"given), got {longest}",
+    )
 
 
 def _check_tiling(tiling: DecodeTiling) -> None:

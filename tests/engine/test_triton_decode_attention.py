@@ -18,6 +18,7 @@ from engine.kernels.kv_cache_write import write_kv_cache
 from engine.kernels.paged_decode_attention import (
     DecodeTiling,
     default_num_splits,
+    default_tokens_per_split,
     paged_decode_attention,
 )
 
@@ -204,6 +205,59 @@ def test_default_num_splits() -> None:
     assert default_num_splits(max_seq_len=1024, num_seqs=64, num_kv_heads=8) == 1  # busy grid
     assert default_num_splits(max_seq_len=4096, num_seqs=2, num_kv_heads=8) == 16
     assert default_num_splits(max_seq_len=1 << 20, num_seqs=1, num_kv_heads=1) == 64  # capped
+
+
+def test_default_tokens_per_split() -> None:
+    """Whole tiles, as many as the longest context needs for ``default_num_splits``."""
+    assert default_tokens_per_split(512, num_seqs=1, num_kv_heads=2) == 256  # two partitions
+    assert default_tokens_per_split(4096, num_seqs=2, num_kv_heads=8) == 256  # sixteen
+    assert default_tokens_per_split(1000, num_seqs=1, num_kv_heads=8) == 256  # 250 -> tiles
+    assert default_tokens_per_split(1024, num_seqs=64, num_kv_heads=8) == 1024  # one
+    assert default_tokens_per_split(100, num_seqs=1, num_kv_heads=1) == 128
+    assert default_tokens_per_split(10, num_seqs=1, num_kv_heads=1) == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_gets_the_same_bits_whatever_the_bound(dtype: torch.dtype) -> None:
+    """A CUDA graph bounds the contexts by the static capacity, an eager step by its longest
+    one: with the same partition size, each sequence's output is the same to the bit (one
+    partition, several, a context ending on a partition's edge), only the grid differs."""
+    seq_lens = [1, 31, 32, 33, 64, 70, 97]
+    case = _make_case(seq_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=4, dtype=dtype)
+    args = (case.query, case.kv_cache_layer, case.block_tables, case.seq_lens, case.scale)
+    capacity = case.block_tables.shape[1] * 4
+    by_longest = paged_decode_attention(*args, max_seq_len=max(seq_lens), tokens_per_split=32)
+    by_capacity = paged_decode_attention(*args, max_seq_len=capacity, tokens_per_split=32)
+    assert torch.equal(by_longest, by_capacity)
+    short = [0, 1, 2]  # one partition each: written by the first kernel without a merge
+    alone = paged_decode_attention(
+        case.query[short],
+        case.kv_cache_layer,
+        case.block_tables[short],
+        case.seq_lens[short],
+        case.scale,
+        max_seq_len=32,
+        tokens_per_split=32,
+    )
+    assert torch.equal(alone, by_capacity[short])
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(by_capacity.float(), _reference(case), atol=tolerance, rtol=0)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checked on the host only (a GPU would sync)")
+def test_seq_lens_outside_the_tables_are_refused_on_the_host() -> None:
+    """On CPU the values are there to check: a context longer than its table row read the next
+    row's blocks, one of 0 gave NaN, an understated bound dropped tokens, all silently."""
+    case = _make_case([5, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    args = (case.query, case.kv_cache_layer, case.block_tables)
+    with pytest.raises(ValueError, match="seq_lens must be <= max_seq_len = 16"):
+        paged_decode_attention(*args, torch.tensor([5, 20], device=DEVICE), 0.1)
+    with pytest.raises(ValueError, match="seq_lens must be >= 1, got 0"):
+        paged_decode_attention(*args, torch.tensor([0, 9], device=DEVICE), 0.1)
+    with pytest.raises(ValueError, match="seq_lens must be <= max_seq_len = 6"):
+        paged_decode_attention(*args, case.seq_lens, 0.1, max_seq_len=6)
+    with pytest.raises(ValueError, match="num_splits or tokens_per_split"):
+        paged_decode_attention(*args, case.seq_lens, 0.1, 2, tokens_per_split=16)
 
 
 def _bad_case(argument: str) -> tuple[list[object], str]:
