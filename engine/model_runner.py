@@ -70,6 +70,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        # Triton launches on the thread's current CUDA device, not the tensors': an engine on
+        # cuda:1 launched every kernel on cuda:0 ("cannot access pointer")
+        if self.device.type != "cuda":
+            return self._execute(output)
+        with torch.cuda.device(self.device):
+            return self._execute(output)
+
+    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         if output.block_copies:
             self._copy_blocks(output.block_copies)
         prefills = [e for e in output.scheduled if e.num_new_tokens > 1]

@@ -69,14 +69,21 @@ def write_kv_cache(
     """Write ``key``/``value`` into ``kv_cache_layer`` in place at ``slot_mapping``'s slots
     (``block_id * block_size + offset``); tokens with a negative slot are skipped.
 
-    Raises ValueError naming the argument on a wrong shape, dtype, device or layout. Slots are
-    not range-checked on the host (that would sync); each must be < num_blocks * block_size.
+    Raises ValueError naming the argument on a wrong shape, dtype, device or layout. Slots
+    must be < num_blocks * block_size: checked on the host only when they are there already
+    (on CPU); on a GPU the check would sync.
     """
     _check_write_args(kv_cache_layer, key, value, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     num_slots = kv_cache_layer.shape[1] * kv_cache_layer.shape[2]
+    if slot_mapping.device.type == "cpu":
+        highest = int(slot_mapping.max())
+        require(
+            highest < num_slots,
+            f"slot_mapping must be < num_blocks * block_size = {num_slots}, got {highest}",
+        )
     _write_kv_kernel[(num_tokens,)](
         kv_cache_layer,
         key,

@@ -102,6 +102,7 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=block_size,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # the interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584)
@@ -138,10 +139,7 @@ def _check_tensors(
         cache_head_dim == head_dim,
         f"kv_cache_layer head_dim {cache_head_dim} differs from query's {head_dim}",
     )
-    require(
-        head_dim >= 16 and head_dim & (head_dim - 1) == 0,
-        f"query head_dim must be a power of two >= 16, got {head_dim}",
-    )
+    require(head_dim >= 1, f"query head_dim must be >= 1, got {head_dim}")
     require(
         num_kv_heads > 0 and num_heads % num_kv_heads == 0,
         f"query num_heads {num_heads} is not a multiple of kv_cache_layer's {num_kv_heads}",
@@ -160,7 +158,9 @@ def _check_tensors(
         ("block_tables", block_tables),
     ):
         require(index.dtype in INDEX_DTYPES, f"{name} must be int32/int64, got {index.dtype}")
-        require(index.is_contiguous(), f"{name} must be contiguous")
+    require(query_start_loc.is_contiguous(), "query_start_loc must be contiguous")
+    require(seq_lens.is_contiguous(), "seq_lens must be contiguous")
+    require(block_tables.stride(-1) == 1, "block_tables must be contiguous in each row")
     require_same_device(
         kv_cache_layer,
         query=query,
@@ -241,6 +241,7 @@ def _paged_prefill_kernel(
     BLOCK_Q: tl.constexpr,  # new tokens per program
     BLOCK_N: tl.constexpr,  # KV positions per tile
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # power of two >= max(HEAD_DIM, 16); the extra dims are masked
     PAGE_SIZE: tl.constexpr,  # tokens per cache block
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # run the dots in float32 (the interpreter's bfloat16 dot is wrong)
@@ -261,9 +262,11 @@ def _paged_prefill_kernel(
     head_in_group = rows % GROUP_PAD
     row_valid = (token < q_len) & (head_in_group < GROUP)
     head = kv_head * GROUP + head_in_group
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
     q_rows = (q_start + token) * stride_q_tok + head * stride_q_head  # [BLOCK_M] int64
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
     query_pos = prefix_len + token  # [BLOCK_M] absolute position; rows past q_len see all
@@ -277,30 +280,30 @@ def _paged_prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (base-2 logits)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     for tile_start in range(0, diag_start, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
             stride_kv_side, stride_kv_block, stride_kv_slot,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, False,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, False,
         )  # fmt: skip
     for tile_start in range(diag_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
             stride_kv_side, stride_kv_block, stride_kv_slot,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, True,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, True,
         )  # fmt: skip
 
     acc = acc / l_i[:, None]
     out_rows = (q_start + token) * stride_o_tok + head * stride_o_head
     out_ptrs = out_ptr + out_rows[:, None] + dims[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
 def _attend_tile(
-    q,  # [BLOCK_M, HEAD_DIM]
-    acc,  # [BLOCK_M, HEAD_DIM] float32
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] float32
     m_i,  # [BLOCK_M] float32
     l_i,  # [BLOCK_M] float32
     query_pos,  # [BLOCK_M]
@@ -314,6 +317,7 @@ def _attend_tile(
     stride_kv_slot,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -324,10 +328,12 @@ def _attend_tile(
     pos_valid = pos < kv_end
     block = tl.load(table + pos // PAGE_SIZE, mask=pos_valid, other=0).to(tl.int64)
     slot = block * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_slot  # [BLOCK_N] int64
-    dims = tl.arange(0, HEAD_DIM)
-    k = tl.load(kv_base + slot[None, :] + dims[:, None], mask=pos_valid[None, :], other=0.0)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    k_mask = pos_valid[None, :] & dim_valid[:, None]
+    k = tl.load(kv_base + slot[None, :] + dims[:, None], mask=k_mask, other=0.0)
     v_ptrs = kv_base + stride_kv_side + slot[:, None] + dims[None, :]
-    v = tl.load(v_ptrs, mask=pos_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    v = tl.load(v_ptrs, mask=pos_valid[:, None] & dim_valid[None, :], other=0.0)
     if UPCAST_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)

@@ -97,6 +97,17 @@ def test_no_tokens_is_a_no_op() -> None:
     assert torch.equal(cache, before)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="checked on the host only (a GPU would sync)")
+def test_a_slot_past_the_cache_is_refused_and_nothing_is_written() -> None:
+    """Slot num_slots wrote K into V's slot 0 (the torch backend raises IndexError there)."""
+    cache, key, value, slots = _inputs(4, 2, 8, 2, 64)
+    before = cache.clone()
+    slots[2] = 2 * 8
+    with pytest.raises(ValueError, match="slot_mapping must be < num_blocks \\* block_size = 16"):
+        write_kv_cache(cache, key, value, slots)
+    assert torch.equal(cache, before)
+
+
 def _bad_args(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cache, key, value, slots = _inputs(4, 2, 8, 2, 64)
     if case == "cache_shape":

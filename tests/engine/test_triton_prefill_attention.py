@@ -116,8 +116,9 @@ def _reference(case: PrefillCase) -> torch.Tensor:  # [num_tokens, num_heads, he
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(2, 2, 64, 16), (4, 2, 128, 8), (8, 2, 64, 32), (6, 2, 64, 16)],
-    ids=["mha", "gqa2", "gqa4", "gqa3-padded"],
+    [(2, 2, 64, 16), (4, 2, 128, 8), (8, 2, 64, 32), (6, 2, 64, 16), (16, 2, 64, 16)]
+    + [(4, 2, 48, 16), (2, 1, 80, 8)],
+    ids=["mha", "gqa2", "gqa4", "gqa3-padded", "gqa8", "head-dim-48", "head-dim-80"],
 )
 def test_mixed_batch_matches_reference(
     num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
@@ -125,6 +126,16 @@ def test_mixed_batch_matches_reference(
     """Fresh prompts, a chunk after a cached prefix and a 1-token prompt in one batch."""
     case = _make_case(MIXED_SEQS, num_heads, num_kv_heads, head_dim, block_size)
     torch.testing.assert_close(case.run().double(), _reference(case), atol=1e-5, rtol=1e-5)
+
+
+def test_a_column_slice_of_the_block_tables_is_read_in_place() -> None:
+    """Rows strided past their width, each row contiguous (what decode accepts too)."""
+    case = _make_case([(30, 30), (40, 10)], 4, 2, 64, 16)
+    wide = torch.zeros(2, 2 * case.block_tables.shape[1], dtype=torch.int32)
+    wide[:, : case.block_tables.shape[1]] = case.block_tables
+    sliced = replace(case, block_tables=wide[:, : case.block_tables.shape[1]])
+    assert not sliced.block_tables.is_contiguous()
+    torch.testing.assert_close(sliced.run(), case.run(), atol=0, rtol=0)
 
 
 def test_default_tiles_match_reference() -> None:
