@@ -95,6 +95,8 @@ def _run(case: DecodeCase, num_splits: int | None = None) -> torch.Tensor:
         (8, 2, 16, 128, 2),  # group 4
         (4, 1, 8, 64, 4),  # MQA (group 4, one KV head)
         (6, 2, 8, 48, 2),  # group 3 and head_dim 48: neither a power of two
+        (16, 2, 16, 64, 2),  # group 8 (Llama-3-70B)
+        (32, 1, 4, 64, 3),  # MQA of 32 heads: more padded rows than the 16 a dot needs
     ],
 )
 def test_matches_reference(
@@ -150,10 +152,12 @@ def test_strided_query() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_half_precision(dtype: torch.dtype, num_splits: int) -> None:
+@pytest.mark.parametrize(("num_splits", "head_dim"), [(1, 64), (3, 64), (2, 128)])
+def test_half_precision(dtype: torch.dtype, num_splits: int, head_dim: int) -> None:
     seq_lens = [5, 40, 17]
-    case = _make_case(seq_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=8, dtype=dtype)
+    case = _make_case(
+        seq_lens, num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=8, dtype=dtype
+    )
     out = _run(case, num_splits)
     assert out.dtype == dtype
     # bf16 keeps 8 mantissa bits: the probabilities are rounded before the P @ V product

@@ -128,6 +128,13 @@ def test_mixed_batch_matches_reference(
     torch.testing.assert_close(case.run().double(), _reference(case), atol=1e-5, rtol=1e-5)
 
 
+def test_prefix_cache_hits_on_block_edges_match_reference() -> None:
+    """What a prefix-cache hit looks like: the cached prefix is whole blocks (32 and 48 of
+    16-token blocks), then the rest of the prompt; and a 2-token chunk after a long prefix."""
+    case = _make_case([(48, 16), (64, 16), (90, 2)], 8, 2, 64, 16, seed=2)
+    torch.testing.assert_close(case.run().double(), _reference(case), atol=1e-5, rtol=1e-5)
+
+
 def test_a_column_slice_of_the_block_tables_is_read_in_place() -> None:
     """Rows strided past their width, each row contiguous (what decode accepts too)."""
     case = _make_case([(30, 30), (40, 10)], 4, 2, 64, 16)
