@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ray.exceptions import RayTaskError
+
 
 @dataclass
 class ApiError(Exception):  # not frozen: raising sets __cause__ / __traceback__ on it
@@ -48,3 +50,11 @@ def cluster_failed(error: Exception) -> ApiError:
     """A 503 for a request the cluster failed (a worker died, a KV transfer failed): worth
     retrying at once, as both front doors tell their clients."""
     return ApiError(503, str(error), "service_unavailable", retry_after_s=1)
+
+
+def refused(error: ValueError) -> ApiError:
+    """A 400 for a request the workers refuse (``n`` above their max_num_seqs, more tokens than
+    the KV cache holds). A refusal raised in a Ray actor arrives as a task error that is also a
+    ValueError; its message is the traceback, so the worker's own message is used."""
+    cause = error.cause if isinstance(error, RayTaskError) else error
+    return invalid(str(cause))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +131,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> None:
+        arrived_at = time.monotonic()  # TTFT and e2e include the parse and its thread's queue
         try:
             caller = self._caller(context)
             try:
@@ -141,7 +143,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             except ApiError:
                 self.gateway.count_invalid()
                 raise
-            await self._generate(spec, caller, context)
+            await self._generate(spec, caller, context, arrived_at)
         except RequestFailedError as error:  # as HTTP: 503, worth retrying
             self.gateway.record_outcome("failed")
             await _abort(context, cluster_failed(error))
@@ -184,12 +186,16 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
     async def _generate(
-        self, spec: GenerationSpec, caller: Caller, context: grpc.aio.ServicerContext
+        self,
+        spec: GenerationSpec,
+        caller: Caller,
+        context: grpc.aio.ServicerContext,
+        arrived_at: float,
     ) -> None:
         request_id = new_request_id("gen")
         with self.gateway.admitted(request_id, caller) as live:
             await context.write(started_message(request_id, self.gateway.model.name))
-            generation = self.gateway.generation(spec, request_id)
+            generation = self.gateway.generation(spec, request_id, arrived_at)
             formatter = (
                 LogprobsFormatter(self.gateway.model.tokenizer)
                 if spec.params.logprobs is not None
@@ -207,6 +213,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                             unfinished.discard(delta.index)
             except asyncio.CancelledError:  # the client cancelled or its deadline passed
                 self.gateway.record_outcome("aborted")
+                raise
+            except ApiError:  # the workers refused the request (text_stream.refused)
+                self.gateway.count_invalid()
                 raise
             for index in sorted(unfinished):
                 await context.write(aborted_message(index))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Literal
@@ -38,7 +39,9 @@ from router.gateway.openai_response import (
     usage_chunk,
 )
 from router.gateway.service import Gateway, LiveRequest, new_request_id
-from router.gateway.text_stream import TextGeneration, merged_deltas
+from router.gateway.text_stream import SampleDelta, TextGeneration, merged_deltas
+
+logger = logging.getLogger(__name__)
 
 
 def build_http_app(gateway: Gateway) -> FastAPI:
@@ -59,12 +62,12 @@ def build_http_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        gateway.authenticate(request.headers.get("authorization"))
+        gateway.authenticate(request.headers.get("authorization"), counted=False)
         return JSONResponse({"object": "list", "data": [_model_card(gateway)]})
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str, request: Request) -> Response:
-        gateway.authenticate(request.headers.get("authorization"))
+        gateway.authenticate(request.headers.get("authorization"), counted=False)
         if name != gateway.model.name:
             raise ApiError(
                 404, f"the model {name!r} does not exist", param="model", code="model_not_found"
@@ -73,7 +76,8 @@ def build_http_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        gateway.authenticate(request.headers.get("authorization"))
+        # not counted: the dashboard's first poll, without its key, would count as a request
+        gateway.authenticate(request.headers.get("authorization"), counted=False)
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/dashboard")
@@ -86,11 +90,11 @@ def build_http_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(gateway, request, "completion")
+        return await _generate(gateway, request, "completion", time.monotonic())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(gateway, request, "chat")
+        return await _generate(gateway, request, "chat", time.monotonic())
 
     return app
 
@@ -162,8 +166,10 @@ def _too_large(max_bytes: int) -> ApiError:
 
 
 async def _generate(
-    gateway: Gateway, request: Request, kind: Literal["completion", "chat"]
+    gateway: Gateway, request: Request, kind: Literal["completion", "chat"], arrived_at: float
 ) -> Response:
+    """``arrived_at``: ``time.monotonic()`` at the route's entry, so that TTFT and e2e latency
+    include reading the body, waiting for a parser thread and tokenizing."""
     caller = gateway.authenticate(request.headers.get("authorization"))
     try:
         body = await _read_json(request, gateway.limits.max_body_bytes)
@@ -177,13 +183,20 @@ async def _generate(
         # admitted now, so that a refusal is still a status code; the stream gives the slot back
         admission = contextlib.ExitStack()
         live = admission.enter_context(gateway.admitted(header.id, caller))
-        return _EventStream(_stream(gateway, job, header, live), on_close=admission.close)
+        generations = _generations(gateway, job, header, arrived_at)
+        events = _stream(gateway, job, header, generations, live)
+        return _EventStream(events, on_close=admission.close)
     with gateway.admitted(header.id, caller) as live:
-        return await _respond_whole(gateway, request, job, header, live)
+        generations = _generations(gateway, job, header, arrived_at)
+        return await _respond_whole(gateway, request, job, header, generations, live)
 
 
-def _generations(gateway: Gateway, job: OpenAIJob, header: ResponseHeader) -> list[TextGeneration]:
-    return [gateway.generation(spec, f"{header.id}-{i}") for i, spec in enumerate(job.specs)]
+def _generations(
+    gateway: Gateway, job: OpenAIJob, header: ResponseHeader, arrived_at: float
+) -> list[TextGeneration]:
+    return [
+        gateway.generation(spec, f"{header.id}-{i}", arrived_at) for i, spec in enumerate(job.specs)
+    ]
 
 
 def _usage(generations: list[TextGeneration]) -> Usage:
@@ -195,9 +208,13 @@ def _usage(generations: list[TextGeneration]) -> Usage:
 
 
 async def _respond_whole(
-    gateway: Gateway, request: Request, job: OpenAIJob, header: ResponseHeader, live: LiveRequest
+    gateway: Gateway,
+    request: Request,
+    job: OpenAIJob,
+    header: ResponseHeader,
+    generations: list[TextGeneration],
+    live: LiveRequest,
 ) -> Response:
-    generations = _generations(gateway, job, header)
     choices = [ChoiceText() for _ in range(len(generations) * job.n)]
 
     async def collect() -> None:
@@ -223,8 +240,20 @@ async def _respond_whole(
     except RequestFailedError as error:
         gateway.record_outcome("failed")
         raise cluster_failed(error) from error
-    gateway.record_finished(generations)
-    gateway.record_outcome("ok")
+    except ApiError:  # the workers refused the request (text_stream.refused)
+        gateway.count_invalid()
+        raise
+    except Exception as error:  # a 500 as an ApiError: uvicorn then keeps the connection open
+        logger.exception("request %s failed", header.id)
+        gateway.record_outcome("failed")
+        raise _internal_error(error) from error
+    if live.aborted.is_set():  # an Abort call cut it short: what was generated, as gRPC sends
+        for choice in choices:
+            choice.finish_reason = choice.finish_reason or "abort"
+        gateway.record_outcome("aborted")
+    else:
+        gateway.record_finished(generations)
+        gateway.record_outcome("ok")
     logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     build = chat_response if job.kind == "chat" else completion_response
     return JSONResponse(build(header, choices, _usage(generations), logprobs))
@@ -237,24 +266,40 @@ async def _client_disconnected(request: Request) -> None:
 
 
 async def _stream(
-    gateway: Gateway, job: OpenAIJob, header: ResponseHeader, live: LiveRequest
+    gateway: Gateway,
+    job: OpenAIJob,
+    header: ResponseHeader,
+    generations: list[TextGeneration],
+    live: LiveRequest,
 ) -> AsyncGenerator[bytes, None]:
-    try:
-        async with contextlib.aclosing(_chunks(gateway, job, header, live)) as chunks:
+    chunks = _chunks(gateway, job, header, generations, live)
+    try:  # after the 200, an error is the stream's last event before [DONE]
+        async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield _sse(chunk)
-    except RequestFailedError as error:  # after the 200: the error is the stream's last event
+    except RequestFailedError as error:
         gateway.record_outcome("failed")
         yield _sse(cluster_failed(error).body())
+    except ApiError as error:  # the workers refused the request (text_stream.refused)
+        gateway.count_invalid()
+        yield _sse(error.body())
+    except Exception as error:
+        logger.exception("stream %s failed", header.id)
+        gateway.record_outcome("failed")
+        yield _sse(_internal_error(error).body())
     yield b"data: [DONE]\n\n"
 
 
 async def _chunks(
-    gateway: Gateway, job: OpenAIJob, header: ResponseHeader, live: LiveRequest
+    gateway: Gateway,
+    job: OpenAIJob,
+    header: ResponseHeader,
+    generations: list[TextGeneration],
+    live: LiveRequest,
 ) -> AsyncGenerator[dict[str, Any], None]:
-    generations = _generations(gateway, job, header)
     formatter = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     offsets = [0] * (len(generations) * job.n)  # text offsets for completion logprobs
+    unfinished = set(range(len(offsets)))
     if job.kind == "chat":
         for index in range(len(offsets)):
             yield _with_usage(
@@ -265,6 +310,8 @@ async def _chunks(
         async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
             async for prompt_index, delta in deltas:
                 index = prompt_index * job.n + delta.index
+                if delta.finish_reason is not None:
+                    unfinished.discard(index)
                 if job.kind == "chat":
                     logprobs = formatter.chat(delta.logprobs) if formatter else None
                     content = {"content": delta.text} if delta.text else {}
@@ -280,11 +327,27 @@ async def _chunks(
     except (asyncio.CancelledError, anyio.get_cancelled_exc_class(), GeneratorExit):
         gateway.record_outcome("aborted")
         raise
-    gateway.record_finished(generations)
-    gateway.record_outcome("ok")
+    if live.aborted.is_set():  # an Abort call cut it short: end each choice as gRPC does
+        for index in sorted(unfinished):
+            yield _with_usage(_aborted_chunk(job, header, index), job)
+        gateway.record_outcome("aborted")
+    else:
+        gateway.record_finished(generations)
+        gateway.record_outcome("ok")
     if job.include_usage:
         name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         yield usage_chunk(header, name, _usage(generations))
+
+
+def _internal_error(error: Exception) -> ApiError:
+    return ApiError(500, f"internal error: {error}", "internal_error")
+
+
+def _aborted_chunk(job: OpenAIJob, header: ResponseHeader, index: int) -> dict[str, Any]:
+    """The last chunk of a choice that an Abort call ended: no text, finish_reason "abort"."""
+    if job.kind == "chat":
+        return chat_chunk(header, index, {}, "abort", None)
+    return completion_chunk(header, index, SampleDelta(index % job.n, "", [], [], "abort"), None)
 
 
 def _with_usage(chunk: dict[str, Any], job: OpenAIJob) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Two sources, one endpoint:
 - request-level histograms and counters measured here, at the gateway (TTFT, inter-token
-  latency, time per output token, end-to-end and queue time; requests by outcome; tokens;
-  goodput as ``slo_met_total`` against the configured TTFT and TPOT targets);
+  latency, time per output token, end-to-end and queue time, per prompt; generation requests
+  by outcome; prompts sent to the cluster; tokens; goodput as ``slo_met_total``, the requests
+  whose every prompt met the configured TTFT and TPOT targets);
 - worker-level gauges and counters labelled ``role`` and ``worker``, read at scrape time from
   the load reports the router already polls from every worker (running, waiting, KV usage,
   prefix-cache hit rate, preemptions, KV transfer bytes and seconds). So ``/metrics`` covers
@@ -135,13 +136,20 @@ class GatewayMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"pdserve:{name}", doc, buckets=buckets, registry=r)
 
-        self.requests = Counter("pdserve:requests", "Requests by outcome", ["status"], registry=r)
+        self.requests = Counter(
+            "pdserve:requests", "Generation requests by outcome", ["status"], registry=r
+        )
+        self.prompts = Counter(
+            "pdserve:prompts", "Prompts of admitted requests sent to the cluster", registry=r
+        )
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(
             "pdserve:generation_tokens", "Generated tokens delivered", registry=r
         )
         self.slo_met = Counter(
-            "pdserve:slo_met", "Finished prompts that met both SLOs (goodput)", registry=r
+            "pdserve:slo_met",
+            "Requests finished ok whose every prompt met both SLOs (goodput, in requests)",
+            registry=r,
         )
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS
@@ -172,18 +180,24 @@ class GatewayMetrics:
     def next_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
 
-    def finished(self, generation: FinishedGeneration) -> None:
-        """One prompt's generation ended normally: its latencies, tokens and SLO outcome."""
+    def finished(self, generations: Sequence[FinishedGeneration]) -> None:
+        """One request ended normally: each prompt's latencies and tokens; goodput when every
+        prompt met both SLOs (so that goodput and ``requests_total{status="ok"}`` agree)."""
+        met = [self._prompt_finished(generation) for generation in generations]  # each one
+        if all(met):
+            self.slo_met.inc()
+
+    def _prompt_finished(self, generation: FinishedGeneration) -> bool:
+        """Record one prompt's latencies and tokens; whether it met both SLOs."""
         self.e2e_request_latency.observe(generation.e2e_seconds)
         self.request_queue_time.observe(generation.queue_seconds)
         self.prompt_tokens.inc(generation.num_prompt_tokens)
         self.generation_tokens.inc(generation.num_completion_tokens)
         ttft, tpot = generation.time_to_first_token, generation.time_per_output_token
         if ttft is None or tpot is None:
-            return  # no token arrived
+            return False  # no token arrived
         self.time_per_output_token.observe(tpot)
-        if ttft <= self.slo.ttft_s and tpot <= self.slo.tpot_s:
-            self.slo_met.inc()
+        return ttft <= self.slo.ttft_s and tpot <= self.slo.tpot_s
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

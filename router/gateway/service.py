@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -81,11 +80,14 @@ class Gateway:
     def close(self) -> None:
         self._parsers.shutdown(wait=False, cancel_futures=True)
 
-    def authenticate(self, authorization: str | None) -> Caller:
+    def authenticate(self, authorization: str | None, *, counted: bool = True) -> Caller:
+        """The caller the key names. A refusal is counted in ``pdserve:requests_total`` unless
+        ``counted`` is False: that counts generation requests, not /metrics or model polls."""
         try:
             return self.keys.authenticate(authorization)
         except ApiError:
-            self.metrics.requests.labels(status="unauthorized").inc()
+            if counted:
+                self.metrics.requests.labels(status="unauthorized").inc()
             raise
 
     def count_invalid(self) -> None:
@@ -123,15 +125,24 @@ class Gateway:
         live.aborted.set()
         return True
 
-    def generation(self, spec: GenerationSpec, request_id: str) -> TextGeneration:
+    def generation(
+        self, spec: GenerationSpec, request_id: str, arrived_at: float
+    ) -> TextGeneration:
+        """One prompt of an admitted request that reached the front door at ``arrived_at``
+        (``time.monotonic()``, taken before its body was read and parsed)."""
+        self.metrics.prompts.inc()
         return TextGeneration(
-            self.backend, self.model.tokenizer, spec, request_id, timing=self.metrics
+            self.backend,
+            self.model.tokenizer,
+            spec,
+            request_id,
+            timing=self.metrics,
+            arrived_at=arrived_at,
         )
 
     def record_finished(self, generations: Sequence[TextGeneration]) -> None:
-        now = time.monotonic()
-        for generation in generations:
-            self.metrics.finished(generation.finished(now))
+        """A request whose every prompt ended normally: each prompt's latencies, and goodput."""
+        self.metrics.finished([generation.finished() for generation in generations])
 
     def record_outcome(self, status: str) -> None:
         self.metrics.requests.labels(status=status).inc()

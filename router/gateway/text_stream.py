@@ -19,6 +19,7 @@ from engine.messages import TokenEvent
 from engine.sampling.messages import TokenLogprobs
 from engine.sampling.params import SamplingParams
 from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from router.gateway.errors import refused
 from router.gateway.spec import GenerationSpec
 
 
@@ -32,7 +33,10 @@ class GenerationBackend(Protocol):
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncGenerator[TokenEvent, None]: ...
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Raises ValueError for a request the workers refuse (e.g. ``n`` above their
+        max_num_seqs), possibly as a Ray task error that wraps it."""
+        ...
 
 
 class TokenTimingObserver(Protocol):
@@ -67,7 +71,7 @@ class _Sample:
 class FinishedGeneration:
     """What the metrics record of one prompt's generation once it ended."""
 
-    e2e_seconds: float  # arrival at the gateway to the end
+    e2e_seconds: float  # arrival at the gateway to the prompt's last token
     queue_seconds: float  # waiting at the first worker before its first step
     time_to_first_token: float | None  # arrival to sample 0's first token; None: no token
     time_per_output_token: float | None  # mean gap between sample 0's later tokens (0 for one)
@@ -84,7 +88,8 @@ class TextGeneration:
     spec: GenerationSpec
     request_id: str
     timing: TokenTimingObserver | None = None
-    arrived_at: float = field(default_factory=time.monotonic)
+    arrived_at: float = field(default_factory=time.monotonic)  # when the request reached the
+    # front door, before its body was read and parsed: TTFT and e2e count from here
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     queue_seconds: float = 0.0  # waiting at the first worker before its first step
     _samples: list[_Sample] = field(default_factory=list, init=False)
@@ -124,18 +129,23 @@ class TextGeneration:
                     yield delta
                 if all(s.finished for s in samples):
                     break
+        except ValueError as error:  # the workers refused it: a client error, not a failure
+            raise refused(error) from error
         finally:
             await events.aclose()  # aborts the request wherever it still runs
 
-    def finished(self, now: float) -> FinishedGeneration:
+    def finished(self) -> FinishedGeneration:
+        """The prompt's latencies, its end being its last sample's last token (the time it
+        finished, not the time the whole request did)."""
         first = self._samples[0] if self._samples else None
         ttft = tpot = None
         if first is not None and first.first_token_at is not None:
             ttft = first.first_token_at - self.arrived_at
             gaps = first.num_tokens - 1
             tpot = (first.last_token_at - first.first_token_at) / gaps if gaps > 0 else 0.0
+        ended_at = max((s.last_token_at for s in self._samples), default=0.0)
         return FinishedGeneration(
-            now - self.arrived_at,
+            (ended_at or time.monotonic()) - self.arrived_at,
             self.queue_seconds,
             ttft,
             tpot,

@@ -151,10 +151,13 @@ def test_dashboard_renders_live_data_in_a_real_browser(
 
 class _ScriptedMetrics(BaseHTTPRequestHandler):
     """Serves the dashboard's files, and a /metrics whose counters grow by the same amount at
-    every scrape: 10 requests, of which ``backlog`` were prefilled on a decode worker because
-    the prefill pool was backed up (and 5 short prompts, which say nothing about the pool)."""
+    every scrape: 10 requests of one prompt, of which ``backlog`` were prefilled on a decode
+    worker because the prefill pool was backed up (and 5 short prompts, which say nothing about
+    the pool); and ``refused`` requests refused with 429 and as many with 401, which place no
+    prompt."""
 
     backlog = 0
+    refused = 0
     scrapes = 0
 
     def do_GET(self) -> None:  # noqa: N802 (the http.server hook's name)
@@ -165,6 +168,9 @@ class _ScriptedMetrics(BaseHTTPRequestHandler):
                 'pdserve:worker_alive{role="prefill",worker="prefill-0"} 1\n'
                 'pdserve:worker_alive{role="decode",worker="decode-0"} 1\n'
                 f'pdserve:requests_total{{status="ok"}} {10 * n}\n'
+                f'pdserve:requests_total{{status="rejected"}} {self.refused * n}\n'
+                f'pdserve:requests_total{{status="unauthorized"}} {self.refused * n}\n'
+                f"pdserve:prompts_total {10 * n}\n"
                 f'pdserve:local_prefills_total{{reason="backlog"}} {self.backlog * n}\n'
                 f'pdserve:local_prefills_total{{reason="short"}} {5 * n}\n'
             ).encode()
@@ -182,14 +188,19 @@ class _ScriptedMetrics(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize(("backlog", "advised"), [(3, True), (0, False)])
+@pytest.mark.parametrize(
+    ("backlog", "refused", "advised"), [(3, 0, True), (3, 100, True), (0, 0, False)]
+)
 def test_dashboard_advises_prefill_workers_while_decode_workers_absorb_a_backlog(
-    tmp_path: Path, backlog: int, advised: bool
+    tmp_path: Path, backlog: int, refused: int, advised: bool
 ) -> None:
     """30% of the prompts prefilled on decode workers for want of prefill capacity: the page
-    names the prefill pool as the one to grow. Short prompts prefilled there do not count."""
+    names the prefill pool as the one to grow. Short prompts prefilled there do not count, nor
+    do refused requests, which place no prompt: the share is of the prompts sent. (It was of
+    requests of every status, so under overload, 429s outnumbering the rest hid the advice.)"""
     _chromium()
-    handler = type("Handler", (_ScriptedMetrics,), {"backlog": backlog, "scrapes": 0})
+    attributes = {"backlog": backlog, "refused": refused, "scrapes": 0}
+    handler = type("Handler", (_ScriptedMetrics,), attributes)
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

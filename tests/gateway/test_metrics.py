@@ -1,5 +1,5 @@
 """/metrics: every metric the design names is exported, worker counters move with the traffic,
-goodput counts only requests within both SLOs, and label values stay bounded."""
+goodput counts only requests whose every prompt met both SLOs, and label values stay bounded."""
 
 from __future__ import annotations
 
@@ -134,17 +134,21 @@ def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewaySer
 
 
 def test_goodput_counts_only_requests_within_both_slos() -> None:
+    """Goodput is in requests: one counts when every one of its prompts met both SLOs; each
+    prompt's latencies are observed all the same."""
     metrics = GatewayMetrics(lambda: [], dict, SloTargets(ttft_s=0.5, tpot_s=0.05))
 
-    def finished(ttft: float, tpot: float, num_tokens: int = 5) -> None:
+    def prompt(ttft: float, tpot: float, num_tokens: int = 5) -> FinishedGeneration:
         e2e = ttft + tpot * (num_tokens - 1)
-        metrics.finished(FinishedGeneration(e2e, 0.0, ttft, tpot, 2, num_tokens))
+        return FinishedGeneration(e2e, 0.0, ttft, tpot, 2, num_tokens)
 
-    finished(0.2, 0.01)  # meets both
-    finished(0.9, 0.01)  # TTFT too slow
-    finished(0.2, 0.2)  # TPOT too slow
-    finished(0.5, 0.0, num_tokens=1)  # one token, exactly on the TTFT target
+    metrics.finished([prompt(0.2, 0.01)])  # meets both
+    metrics.finished([prompt(0.9, 0.01)])  # TTFT too slow
+    metrics.finished([prompt(0.2, 0.2)])  # TPOT too slow
+    metrics.finished([prompt(0.5, 0.0, num_tokens=1)])  # one token, exactly on the TTFT target
+    metrics.finished([prompt(0.2, 0.01), prompt(0.2, 0.01)])  # both prompts meet both
+    metrics.finished([prompt(0.2, 0.3), prompt(0.2, 0.01)])  # one prompt's TPOT too slow
     value = metrics.registry.get_sample_value
-    assert value("pdserve:slo_met_total") == 2
-    assert value("pdserve:time_per_output_token_seconds_count") == 4
-    assert value("pdserve:time_per_output_token_seconds_sum") == pytest.approx(0.22)
+    assert value("pdserve:slo_met_total") == 3
+    assert value("pdserve:time_per_output_token_seconds_count") == 8
+    assert value("pdserve:time_per_output_token_seconds_sum") == pytest.approx(0.55)

@@ -142,10 +142,10 @@ def test_a_stream_takes_its_slot_before_its_response_starts(served_demo: ServedM
     sent: list[Message] = []
 
     async def scenario() -> None:
-        first = await _generate(gateway, _post(body), "completion")
+        first = await _generate(gateway, _post(body), "completion", time.monotonic())
         assert gateway.num_in_flight == 1
         with pytest.raises(ApiError) as refused:
-            await _generate(gateway, _post(body), "completion")
+            await _generate(gateway, _post(body), "completion", time.monotonic())
         assert (refused.value.status, refused.value.retry_after_s) == (429, 1)
 
         async def send(message: Message) -> None:

@@ -22,6 +22,7 @@ DASHBOARD_METRICS = (
     "pdserve:slo_target_seconds",
     "pdserve:generation_tokens",
     "pdserve:requests",
+    "pdserve:prompts",
     "pdserve:slo_met",
     "pdserve:num_requests_waiting",
     "pdserve:num_requests_running",

@@ -140,10 +140,11 @@ function advice(latest) {
     notes.push(decodeKv > 0.9
       ? "Inter-token latency p90 is over the TPOT SLO and decode KV is nearly full: add decode workers."
       : "Inter-token latency p90 is over the TPOT SLO: the decode batches are too large; add decode workers.");
+  // out of the prompts sent to the cluster: refused requests (429, 400, 401) place none
   const backlog = rate(last, "pdserve:local_prefills_total", { reason: "backlog" });
-  const requests = rate(last, "pdserve:requests_total");
-  if (backlog !== null && requests > 0 && backlog >= 0.1 * requests)
-    notes.push(`Decode workers prefilled ${Math.round(100 * Math.min(1, backlog / requests))}% ` +
+  const prompts = rate(last, "pdserve:prompts_total");
+  if (backlog !== null && prompts > 0 && backlog >= 0.1 * prompts)
+    notes.push(`Decode workers prefilled ${Math.round(100 * Math.min(1, backlog / prompts))}% ` +
       "of the prompts over the last 30 s because the prefill pool was backed up: add prefill workers.");
   const box = document.getElementById("advice");
   box.innerHTML = "";
@@ -165,8 +166,8 @@ function render() {
   drawChart("itl", quantiles("pdserve:inter_token_latency_seconds"), [{ label: "SLO", value: slo("tpot") }]);
   drawChart("throughput", [
     series("tokens/s", (i) => rate(i, "pdserve:generation_tokens_total")),
-    series("requests/s", (i) => rate(i, "pdserve:requests_total", { status: "ok" })),
-    series("goodput", (i) => rate(i, "pdserve:slo_met_total")),
+    series("ok req/s", (i) => rate(i, "pdserve:requests_total", { status: "ok" })),
+    series("goodput req/s", (i) => rate(i, "pdserve:slo_met_total")),
   ]);
   drawChart("waiting", workerSeries("pdserve:num_requests_waiting"));
   drawChart("running", workerSeries("pdserve:num_requests_running"));
