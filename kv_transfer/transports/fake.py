@@ -5,7 +5,9 @@ checks token and layout (a mismatch raises `LayoutMismatchError` here and in the
 `accept`), builds a `FakeLink` and leaves the sender end for `accept` → transfers: the sender
 gathers into a fresh tensor, hands it over and blocks until the receiver scattered it and
 answered (so a receiver that never comes makes the sender time out, as on a real wire) →
-`abort` / `close` break the link: the peer's next wait fails at once.
+`abort` / `close` break the link: the peer's next wait fails at once. A parcel not yet taken
+when its sender gives up (timeout, abort, close) is withdrawn, so a late receiver fails as it
+would on a torn-down wire instead of landing a transfer nobody waits for.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ class FakeLink:
             raise ConnectionError("the peer closed the fake channel")
 
     def break_link(self) -> None:
+        """Fail every wait on the link; a parcel still in flight is lost with it."""
         with self.changed:
             self.broken = True
+            self.parcel = None
             self.changed.notify_all()
 
 
@@ -75,11 +79,17 @@ class FakeEndpoint(Endpoint):
         link, start = self._link, time.perf_counter()
         with link.changed:
             link.wait_for(lambda: link.parcel is None, move.deadline, "waiting for a free link")
-            link.parcel, link.answer = _Parcel(move.ticket, payload, crc), None
+            parcel = _Parcel(move.ticket, payload, crc)
+            link.parcel, link.answer = parcel, None
             link.changed.notify_all()
-            link.wait_for(
-                lambda: link.answer is not None, move.deadline, "waiting for the receiver"
-            )
+            try:
+                link.wait_for(
+                    lambda: link.answer is not None, move.deadline, "waiting for the receiver"
+                )
+            except BaseException:
+                if link.parcel is parcel:  # not taken yet: withdraw it, still holding the lock
+                    link.parcel = None
+                raise
             answer, link.answer = link.answer, None
         timer.wire_s = time.perf_counter() - start
         if answer:

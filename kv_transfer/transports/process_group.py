@@ -7,13 +7,17 @@ exchange (creates NCCL's pair communicator while the store is still served) → 
 connection closed → transfers → `close` aborts the group.
 
 One transfer of n chunks uses tags base+1 … base+n+3 (`_Tags`; both ends derive them from the
-transfer count and their own ticket, so small fixed-size receives are posted early):
-  sender   posts ACK receive → HEADER int64[5] → chunk 0, 1, … (two staging slots: the gather
-           of k+1 overlaps the wire of k) → TRAILER int64[2] (transfer id, crc32) → waits ACK
-  receiver posts HEADER and TRAILER receives → checks HEADER against its ticket → posts chunk
-           0 and 1 (never before: a message larger than its posted buffer aborts gloo) →
-           scatters each chunk, reposting its slot for chunk k+2 → checks the checksum →
-           ACK int64[2] (transfer id, status)
+transfer count and their own ticket). NCCL ignores tags and pairs each end's sends with the
+other's receives in issue order, on one stream per peer, so both ends issue the same sequence:
+  sender   HEADER int64[5] → chunk 0, 1, … (two staging slots: the gather of k+1 overlaps the
+           wire of k) → TRAILER int64[2] (transfer id, crc32) → ACK receive, waited on
+  receiver HEADER receive → checks it against its ticket → chunk 0 and 1 receives (never
+           before: a message larger than its posted buffer aborts gloo) → scatters each chunk,
+           reposting its slot for chunk k+2 → TRAILER receive → checks the checksum → ACK
+           int64[2] (transfer id, status)
+The group's own timeout (`GROUP_TIMEOUT`) is far longer than any transfer: every wait carries
+the transfer's deadline, and NCCL's watchdog kills the process when an operation outlives the
+group's timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,16 +49,18 @@ from kv_transfer.transports.base import Endpoint, Move, PhaseTimer
 _MAGIC = 0x4B565846  # "KVXF"
 _TAG_SPACE = 1 << 30
 _STATUS_OK, _STATUS_BAD_CHECKSUM = 0, 1
+GROUP_TIMEOUT = timedelta(hours=2)  # past any transfer's deadline; see the module docstring
 
 
 def make_group(
     backend: str, store: dist.Store, rank: int, host: str, device: torch.device, deadline: Deadline
 ) -> Any:
-    """A 2-rank process group without a global world; gloo's listener is bound to `host`."""
-    timeout = deadline.timedelta("building the process group")
+    """A 2-rank process group without a global world; gloo's listener is bound to `host`.
+    gloo connects while it is built, within `deadline`; NCCL builds its communicator at the
+    first operation (the warm-up, which waits with the deadline)."""
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._timeout = timeout
+        options._timeout = deadline.timedelta("building the process group")
         try:
             gloo_device = dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=False)
         except TypeError:  # torch without lazy gloo init
@@ -66,7 +73,7 @@ def make_group(
     if device.type != "cuda":
         raise ValueError(f"the nccl transport moves CUDA caches, not {device}")
     options = nccl.Options()
-    options._timeout = timeout
+    options._timeout = GROUP_TIMEOUT
     return nccl(store, rank, 2, options)
 
 
@@ -153,8 +160,6 @@ class GroupEndpoint(Endpoint):
         ticket, timer = move.ticket, PhaseTimer()
         plan = plan_chunks(self.layout, ticket.num_blocks, self._chunk_bytes)
         tags = self._tags(len(plan))
-        ack = self._small([0, 0])
-        ack_work = self._irecv(ack, tags.ack())
         header = self._small(
             [_MAGIC, ticket.transfer_id, ticket.num_blocks, self._chunk_bytes, int(ticket.checksum)]
         )
@@ -162,6 +167,8 @@ class GroupEndpoint(Endpoint):
         crc = self._stream_out(move, plan, tags, timer)
         trailer = self._small([ticket.transfer_id, crc])
         trailer_work = self._isend(trailer, tags.trailer())
+        ack = self._small([0, 0])
+        ack_work = self._irecv(ack, tags.ack())
         for work, what in ((header_work, "header"), (trailer_work, "trailer")):
             self._timed_wait(work, move.deadline, timer, f"sending the {what}")
         self._timed_wait(ack_work, move.deadline, timer, "waiting for the receiver")
@@ -200,15 +207,16 @@ class GroupEndpoint(Endpoint):
         ticket, timer = move.ticket, PhaseTimer()
         plan = plan_chunks(self.layout, ticket.num_blocks, self._chunk_bytes)
         tags = self._tags(len(plan))
-        header, trailer = self._small([0] * 5), self._small([0, 0])
+        header = self._small([0] * 5)
         header_work = self._irecv(header, tags.header())
-        trailer_work = self._irecv(trailer, tags.trailer())
         self._timed_wait(header_work, move.deadline, timer, "waiting for the header")
         # Chunk receives only once the header matched: gloo aborts the whole process when a
         # message does not fit the buffer posted for its tag.
         self._check_header([int(v) for v in header.tolist()], ticket)
         posted = [self._post_chunk(plan, k, tags) for k in range(min(2, len(plan)))]
         crc = self._stream_in(move, plan, tags, posted, timer)
+        trailer = self._small([0, 0])
+        trailer_work = self._irecv(trailer, tags.trailer())
         self._timed_wait(trailer_work, move.deadline, timer, "waiting for the trailer")
         sent_id, sent_crc = (int(v) for v in trailer.tolist())
         if sent_id != ticket.transfer_id:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kv_transfer import ChannelRendezvous, KVCacheLayout, KVChannel, TransferTicket
+from kv_transfer.transports.process_group import GroupEndpoint
 from tests.kv_transfer.helpers import CPU, SETUP_TIMEOUT_S, random_cache
 
 
@@ -23,8 +24,12 @@ def receiver_main(
     jobs: list[tuple[dict[str, Any], list[int]]],
     num_blocks: int,
     results: Any,
+    header_gate: Any = None,
 ) -> None:
-    """Connect; then receive `jobs` (mode "receive") or idle until killed (mode "idle")."""
+    """Connect; then receive `jobs` (mode "receive") or idle until killed (mode "idle").
+    `header_gate`: see `hold_header_checks`."""
+    if header_gate is not None:
+        hold_header_checks(header_gate)
     rendezvous["extra"] = tuple(tuple(pair) for pair in rendezvous["extra"])
     kv_layout = KVCacheLayout(**layout)
     try:
@@ -48,12 +53,26 @@ def receiver_main(
     channel.close()
 
 
+def hold_header_checks(gate: Any) -> None:
+    """In this process, a gloo / nccl endpoint checks a transfer's header only once `gate` (a
+    multiprocessing Event) is set: what the sender posts meanwhile meets the receives already
+    posted here, as it would on a slow receiver."""
+    check_header = GroupEndpoint._check_header
+
+    def held(self: GroupEndpoint, header: list[int], ticket: TransferTicket) -> None:
+        gate.wait(SETUP_TIMEOUT_S)
+        check_header(self, header, ticket)
+
+    GroupEndpoint._check_header = held  # type: ignore[method-assign]
+
+
 def start_receiver(
     rendezvous: ChannelRendezvous,
     layout: KVCacheLayout,
     mode: str,
     jobs: list[tuple[TransferTicket, list[int]]],
     num_blocks: int,
+    header_gate: Any = None,
 ) -> tuple[Any, Any]:
     """Spawn `receiver_main`; return (process, results queue)."""
     context = multiprocessing.get_context("spawn")
@@ -80,7 +99,15 @@ def start_receiver(
     }
     process = context.Process(
         target=receiver_main,
-        args=(plain_rendezvous, layout.to_json(), mode, plain_jobs, num_blocks, results),
+        args=(
+            plain_rendezvous,
+            layout.to_json(),
+            mode,
+            plain_jobs,
+            num_blocks,
+            results,
+            header_gate,
+        ),
         daemon=True,
     )
     process.start()

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+import multiprocessing
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
 
 from kv_transfer import KVChannel, TransferError, TransferTicket, TransferTimeoutError
 from kv_transfer.chunking import BlockIds
+from kv_transfer.transports.process_group import GroupEndpoint
 from tests.kv_transfer.helpers import (
     CPU,
     HOST,
@@ -119,6 +124,70 @@ def test_tickets_that_disagree_are_refused(transport: str) -> None:
         with pytest.raises(TransferError, match="transfer 4.*3 blocks.*transfer 5"):
             receiving.result()
         assert sender.broken and receiver.broken
+
+
+@pytest.mark.parametrize("receiver_blocks", [2, 3])  # 1 chunk of 3072 B, 2 chunks
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_tickets_that_disagree_on_the_number_of_chunks_are_refused(
+    transport: str, receiver_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender's ticket needs 3 chunks, the receiver's fewer. The receiver runs in its own
+    process: gloo kills a process whose posted receive is smaller than the message under its
+    tag (a receiver of 1 chunk once posted its 16-byte trailer under the sender's chunk 1 tag).
+    The receiver checks the header only once the sender has posted chunk 1 (gloo)."""
+    header_gate = multiprocessing.get_context("spawn").Event()
+    num_sends = itertools.count(1)
+    isend = GroupEndpoint._isend
+
+    def isend_then_open_the_gate(self: GroupEndpoint, tensor: torch.Tensor, tag: int) -> Any:
+        work = isend(self, tensor, tag)
+        if next(num_sends) == 3:  # header, chunk 0, chunk 1
+            header_gate.set()
+        return work
+
+    monkeypatch.setattr(GroupEndpoint, "_isend", isend_then_open_the_gate)
+    layout = small_layout()  # 1536 B a block: two blocks a 4096-byte chunk
+    listener = KVChannel.listen(
+        transport, layout, HOST, f"chunks-{transport}-{receiver_blocks}", CPU, chunk_bytes=4096
+    )
+    receiver_ticket = TransferTicket(5, "req-b", receiver_blocks, 10.0)
+    receiver_block_ids = list(range(4, 4 + receiver_blocks))
+    with listener:
+        process, results = start_receiver(
+            listener.rendezvous,
+            layout,
+            "receive",
+            [(receiver_ticket, receiver_block_ids)],
+            8,
+            header_gate,
+        )
+        sender = listener.accept(60.0)
+    assert results.get(timeout=60)[0] == "connected"
+    with sender, pytest.raises(TransferError):  # 3 chunks
+        sender.send_blocks(
+            random_cache(layout, 8, 0), [0, 1, 2, 3, 5], TransferTicket(4, "a", 5, 2.0)
+        )
+    process.join(30)
+    assert process.exitcode == 0, f"the receiver died (exit code {process.exitcode})"
+    outcome, detail = results.get(timeout=10)
+    assert outcome == "error"
+    expected = rf"TransferError: .*transfer 4.*5 blocks.*transfer 5.*{receiver_blocks} blocks"
+    assert re.search(expected, detail)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_receiver_after_the_sender_gave_up_fails(transport: str) -> None:
+    """The sender timed out and tore its end down: the transfer is over, even if all it sent
+    is still in reach (the fake's parcel), so the late receiver must not report success."""
+    layout = small_layout()
+    src, dst = random_cache(layout, 4, 0), random_cache(layout, 4, 1)
+    sender, receiver = open_pair(transport, layout, f"late-{transport}")
+    with sender, receiver:
+        with pytest.raises(TransferTimeoutError):
+            sender.send_blocks(src, [0], TransferTicket(0, "req-late", 1, 0.3))
+        with pytest.raises(TransferError):
+            receiver.recv_blocks(dst, [2], TransferTicket(0, "req-late", 1, 5.0))
+        assert receiver.broken
 
 
 @pytest.mark.parametrize(
