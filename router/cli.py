@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.engine_config import ATTENTION_BACKENDS
+from kv_transfer.policy import describe_auto
 from router.cluster_config import ClusterConfig
 from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
+
+# --max-body-bytes at most: the gRPC server's receive limit is twice it, in a C int
+# (router/gateway/grpc_service.py), and 1 GiB overflowed it
+MAX_BODY_BYTES = 512 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +75,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--kv-transport",
         default="auto",
         choices=["auto", "gloo", "shm", "nccl", "cuda_ipc"],
-        help="auto: gloo on cpu; on cuda nccl, or cuda_ipc when --worker-num-gpus is a "
-        "fraction (workers share GPUs on one host)",
+        help=f"auto: per prefill -> decode pair, on cpu {describe_auto('cpu')}; "
+        f"on cuda {describe_auto('cuda')}",
     )
     cluster.add_argument("--block-size", type=int, default=16)
     cluster.add_argument("--max-num-seqs", type=int, default=256)
@@ -132,8 +137,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     )
     front = serve.add_argument_group("front doors")
     front.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
-    front.add_argument("--http-port", type=int, default=8000)
-    front.add_argument("--grpc-port", type=int, default=50051, help="-1 disables gRPC")
+    front.add_argument("--http-port", type=_int_in(0, 65535), default=8000, help="0: any free port")
+    front.add_argument(
+        "--grpc-port",
+        type=_int_in(-1, 65535),
+        default=50051,
+        help="-1 disables gRPC; 0: any free port",
+    )
     front.add_argument("--served-model-name", default=None, help="the model id clients send")
     front.add_argument("--api-key", action="append", default=None, help="a bearer key (repeatable)")
     front.add_argument("--api-key-file", default=None, help="one API key per line")
@@ -149,14 +159,19 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--slo-tpot-ms", type=float, default=100.0, help="time-per-output-token SLO (goodput)"
     )
     limits = serve.add_argument_group("request limits")
-    limits.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    limits.add_argument("--max-body-bytes", type=_int_in(1, MAX_BODY_BYTES), default=4 << 20)
     limits.add_argument(
-        "--max-output-tokens", type=int, default=None, help="cap on a request's max_tokens"
+        "--max-output-tokens", type=_int_in(1), default=None, help="cap on a request's max_tokens"
     )
-    limits.add_argument("--max-n", type=int, default=16)
-    limits.add_argument("--max-stop-strings", type=int, default=16)
-    limits.add_argument("--max-messages", type=int, default=256)
-    limits.add_argument("--max-concurrent-requests", type=int, default=512)
+    limits.add_argument(
+        "--max-n",
+        type=_int_in(1),
+        default=None,
+        help="samples per prompt, at most --max-num-seqs (default: 16, or --max-num-seqs if fewer)",
+    )
+    limits.add_argument("--max-stop-strings", type=_int_in(1), default=16)
+    limits.add_argument("--max-messages", type=_int_in(1), default=256)
+    limits.add_argument("--max-concurrent-requests", type=_int_in(1), default=512)
     oneshot = serve.add_argument_group("one-shot mode")
     oneshot.add_argument(
         "--prompt",
@@ -164,8 +179,24 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="generate for these prompts through the cluster and exit (no servers)",
     )
-    oneshot.add_argument("--max-tokens", type=int, default=64)
+    oneshot.add_argument("--max-tokens", type=_int_in(1), default=64)
     oneshot.add_argument("--temperature", type=float, default=0.0)
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (argparse's error names the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

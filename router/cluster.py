@@ -31,7 +31,7 @@ from engine.sampling.params import SamplingParams
 from router.actors import remote_decode_actor, remote_prefill_actor
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import CpuBinding, bind_this_process, plan_cpu_binding, threads_per_worker
-from router.gpu_capacity import gpus_shortfall
+from router.gpu_capacity import gpus_shortfall, resources_shortfall
 from router.load_ledger import LoadLedger
 from router.local_prefill import LOCAL_PREFILL_REASONS
 from router.policies import NoWorkerError, RoutingInfo, make_policy
@@ -105,9 +105,11 @@ class Cluster:
                 bind_this_process(binding.other_cpus)
             ray.init(address=config.address, ignore_reinit_error=True, log_to_driver=False)
         if config.address is None:  # a joined cluster may still grow: Ray waits for it
-            num_gpus = float(ray.cluster_resources().get("GPU", 0.0))
+            resources = ray.cluster_resources()
             num_workers = config.num_prefill + config.num_decode
-            shortfall = gpus_shortfall(num_workers, config.worker_num_gpus, num_gpus)
+            shortfall = gpus_shortfall(
+                num_workers, config.worker_num_gpus, float(resources.get("GPU", 0.0))
+            ) or resources_shortfall(config, resources)
             if shortfall is not None:
                 raise ValueError(shortfall)
         workers = _start_actors(config, binding)

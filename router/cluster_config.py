@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from engine.engine_config import CacheConfig, LoadConfig
@@ -77,6 +78,21 @@ class ClusterConfig:
                 f"router_policy must be one of {', '.join(POLICY_NAMES)}; "
                 f"got {self.router_policy!r}"
             )
+        self._check_engine_configs()
+
+    def _check_engine_configs(self) -> None:
+        """Build what every worker builds, so that a bad engine flag is refused here, naming
+        the flag, rather than by each worker once Ray has started."""
+        try:
+            self.load_config()
+            self.cache_config()
+            self.scheduler_config()
+            self.prefill_scheduler_config()
+        except ValueError as error:  # "max_num_seqs must be >= 1" -> "--max-num-seqs must ..."
+            message = re.sub(
+                r"^(\w+) must", lambda m: f"--{m[1].replace('_', '-')} must", str(error)
+            )
+            raise ValueError(message) from None
 
     @property
     def colocated(self) -> bool:

@@ -1,15 +1,20 @@
-"""Whether the GPUs of a Ray this process starts can hold the workers, said before start-up.
+"""Whether the GPUs and custom resources of a Ray this process starts can hold the workers,
+said before start-up.
 
-Ray keeps an actor it cannot place pending for ever, and without this check `pdserve serve
---device cuda` on one GPU with the default pools (two workers of one GPU each) would wait
-silently. A joined cluster (``--address``) may grow with its autoscaler, so it is not checked.
-Ray packs fractional GPU requests onto whole GPUs, a GPU holding ``floor(1 / share)`` actors
-of a share below one; a request of one or more GPUs takes that many whole GPUs.
+Ray keeps an actor it cannot place pending for ever, and without these checks `pdserve serve
+--device cuda` on one GPU with the default pools (two workers of one GPU each), or with
+``--prefill-resource`` on a Ray that has no such resource, would wait silently. A joined
+cluster (``--address``) may grow with its autoscaler, so it is not checked. Ray packs
+fractional GPU requests onto whole GPUs, a GPU holding ``floor(1 / share)`` actors of a share
+below one; a request of one or more GPUs takes that many whole GPUs.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+
+from router.cluster_config import ClusterConfig
 
 _EPSILON = 1e-6  # Ray's resource arithmetic is in 1e-4 units: 1 / 0.33 holds 3, not 3.03
 
@@ -40,3 +45,28 @@ def gpus_shortfall(num_workers: int, gpus_per_worker: float, num_gpus: float) ->
         f"{num_workers} workers of --worker-num-gpus {gpus_per_worker:g} need {needed} "
         f"GPU{'s' if needed != 1 else ''}; this machine's Ray has {whole_gpus}: {advice}"
     )
+
+
+def resources_shortfall(
+    config: ClusterConfig, cluster_resources: Mapping[str, float]
+) -> str | None:
+    """Why the custom Ray resources of ``--prefill-resource`` / ``--decode-resource`` (one
+    unit per worker) are not in ``cluster_resources`` (``ray.cluster_resources()``), or None."""
+    needed: dict[str, float] = {}
+    flags: dict[str, str] = {}  # resource -> the flag that asked for it first
+    for flag, num_workers, resources in (
+        ("--prefill-resource", config.num_prefill, config.prefill_resources),
+        ("--decode-resource", config.num_decode, config.decode_resources),
+    ):
+        for name, amount in resources.items():
+            needed[name] = needed.get(name, 0.0) + num_workers * amount
+            flags.setdefault(name, flag)
+    for name, amount in needed.items():
+        have = float(cluster_resources.get(name, 0.0))
+        if amount > have + _EPSILON:
+            return (
+                f"{flags[name]} {name}: the workers need {amount:g} of Ray resource {name!r}; "
+                f"this machine's Ray has {have:g}: join a cluster whose nodes declare it "
+                f"(--address auto), or leave the flag out"
+            )
+    return None

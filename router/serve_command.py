@@ -12,6 +12,7 @@ import asyncio
 import json
 import shlex
 import signal
+import socket
 import threading
 import time
 from types import FrameType
@@ -27,6 +28,8 @@ from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer, check_bind_address
 from router.gateway.service import Gateway
 
+_DEFAULT_MAX_N = 16  # --max-n, when --max-num-seqs is at least this
+
 
 def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     keys = ApiKeys.from_sources(args.api_key or [], args.api_key_file)
@@ -34,16 +37,11 @@ def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     model = ServedModel.load(
         config.model_dir, args.served_model_name, config.max_model_len, int(time.time())
     )
-    limits = RequestLimits(
-        max_model_len=model.max_model_len,
-        max_body_bytes=args.max_body_bytes,
-        max_tokens=args.max_output_tokens,
-        max_n=args.max_n,
-        max_stop_strings=args.max_stop_strings,
-        max_messages=args.max_messages,
-        max_concurrent_requests=args.max_concurrent_requests,
-    )
+    limits = request_limits(args, config, model.max_model_len)
     slo = SloTargets(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)
+    grpc_port = None if args.grpc_port < 0 else args.grpc_port
+    if not args.prompt:  # before the workers load, which takes minutes on GPUs
+        check_ports_free(args.host, args.http_port, grpc_port)
     cluster = Cluster.start(config)
     try:
         if args.prompt:
@@ -52,12 +50,9 @@ def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
             )
             return _generate_once(cluster, model, args.prompt, args.max_tokens, args.temperature)
         server = GatewayServer(
-            Gateway(cluster, model, limits, keys, slo),
-            args.host,
-            args.http_port,
-            None if args.grpc_port < 0 else args.grpc_port,
+            Gateway(cluster, model, limits, keys, slo), args.host, args.http_port, grpc_port
         )
-        server.start()
+        start_server(server)
         try:
             print(_banner(config, model, server, keys.enabled), flush=True)
             _wait_for_signal()
@@ -66,6 +61,66 @@ def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     finally:
         cluster.shutdown()
     return 0
+
+
+def request_limits(
+    args: argparse.Namespace, config: ClusterConfig, max_model_len: int
+) -> RequestLimits:
+    """The gateway's limits from the flags. A request's ``n`` samples run together on one
+    worker, so ``--max-n`` is at most ``--max-num-seqs`` (the workers refused more)."""
+    max_n = args.max_n if args.max_n is not None else min(_DEFAULT_MAX_N, config.max_num_seqs)
+    if max_n > config.max_num_seqs:
+        raise ValueError(
+            f"--max-n {max_n} is above --max-num-seqs {config.max_num_seqs}: a request's "
+            "samples run at once on one worker; lower --max-n or raise --max-num-seqs"
+        )
+    return RequestLimits(
+        max_model_len=max_model_len,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens=args.max_output_tokens,
+        max_n=max_n,
+        max_stop_strings=args.max_stop_strings,
+        max_messages=args.max_messages,
+        max_concurrent_requests=args.max_concurrent_requests,
+    )
+
+
+def check_ports_free(host: str, http_port: int, grpc_port: int | None) -> None:
+    """Refuse, naming its flag, a port that cannot be listened on (taken, or both servers
+    on it), before the cluster starts. 0 (any free port) and None (no server) always pass."""
+    if http_port and http_port == grpc_port:
+        raise ValueError(f"--http-port and --grpc-port are both {http_port}")
+    for flag, port in (("--http-port", http_port), ("--grpc-port", grpc_port)):
+        if port:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+                try:
+                    sock.bind((host, port))
+                except OSError as error:
+                    raise ValueError(_cannot_listen(flag, host, port, error)) from None
+
+
+def start_server(server: GatewayServer) -> None:
+    """``server.start()``, a port taken since ``check_ports_free`` refused naming its flag:
+    the HTTP server raises OSError, the gRPC one RuntimeError."""
+    try:
+        server.start()
+    except TimeoutError:  # an OSError too, but no port's fault
+        raise
+    except (OSError, RuntimeError) as error:
+        server.stop()
+        port: int | None
+        if isinstance(error, OSError):
+            flag, port = "--http-port", server.http_port
+        else:
+            flag, port = "--grpc-port", server.grpc_port
+        raise ValueError(_cannot_listen(flag, server.host, port, error)) from None
+
+
+def _cannot_listen(flag: str, host: str, port: int | None, error: Exception) -> str:
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+    return f"{flag} {port}: cannot listen on {host}: {reason}"
 
 
 def _banner(config: ClusterConfig, model: ServedModel, server: GatewayServer, auth: bool) -> str:
@@ -111,15 +166,18 @@ def _wait_for_signal() -> None:
 def _generate_once(
     cluster: Cluster, model: ServedModel, prompts: list[str], max_tokens: int, temperature: float
 ) -> int:
+    """Exit status 1 if any prompt failed (the KubeRay smoke test's verdict), else 0."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    num_failed = 0
     for prompt in prompts:
-        asyncio.run(_complete(cluster, model.tokenizer, prompt, params))
-    return 0
+        num_failed += not asyncio.run(_complete(cluster, model.tokenizer, prompt, params))
+    return 1 if num_failed else 0
 
 
 async def _complete(
     cluster: Cluster, tokenizer: object, prompt: str, params: SamplingParams
-) -> None:
+) -> bool:
+    """Print a completion of ``prompt``; False if the cluster failed it."""
     detokenizer = IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
     num_tokens = 0
     print(prompt, end="", flush=True)
@@ -129,6 +187,7 @@ async def _complete(
             print(detokenizer.push(event.token_id), end="", flush=True)
     except RequestFailedError as error:
         print(f"\n[failed: {error}]", flush=True)
-        return
+        return False
     print(detokenizer.flush(), end="")
     print(f"\n[{num_tokens} tokens]", flush=True)
+    return True

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+
+from engine.messages import TokenEvent
+from engine.sampling.params import SamplingParams
+from kv_transfer.policy import describe_auto
+from router.cli import build_parser
+from router.cluster import RequestFailedError, WorkerStatus
+from router.cluster_config import ClusterConfig
+from router.gateway.auth import ApiKeys
+from router.gateway.limits import RequestLimits
+from router.gateway.served_model import ServedModel
+from router.gateway.server import GatewayServer
+from router.gateway.service import Gateway
+from router.serve_command import _generate_once, check_ports_free, request_limits, start_server
 
 
 def _pdserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -260,6 +275,16 @@ def test_serve_on_too_few_gpus_says_so_instead_of_waiting(llama_dir: Path) -> No
     assert "2 workers of --worker-num-gpus 1 need 2 GPUs" in output, output
 
 
+def test_serve_with_a_resource_this_ray_lacks_says_so_instead_of_waiting(llama_dir: Path) -> None:
+    """A local Ray declares no custom resources: the workers would stay pending for ever."""
+    process = _serve_process(
+        llama_dir, "--device", "cpu", "--decode-resource", "decode_node", "--http-port", "0"
+    )
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output
+    assert "--decode-resource decode_node: the workers need 1 of Ray resource" in output, output
+
+
 def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -> None:
     process = _serve_process(chat_model_dir, "--host", "0.0.0.0", "--http-port", "0")
     output, _ = process.communicate(timeout=60)
@@ -276,3 +301,131 @@ def test_serve_without_a_model_serves_the_bundled_demo() -> None:
         assert response.status_code == 200, response.text
         words = re.findall(r"[a-z]+", response.json()["choices"][0]["text"].lower())
         assert {"the", "is", "of", "a"} & set(words), words
+
+
+# ---- serve's flags, refused before the cluster starts (no Ray in these) ----------------------
+
+
+def _serve_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *flags])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--http-port", "70000"), "argument --http-port: must be in 0..65535, got 70000"),
+        (("--grpc-port", "70000"), "argument --grpc-port: must be in -1..65535, got 70000"),
+        (("--grpc-port", "-2"), "argument --grpc-port: must be in -1..65535, got -2"),
+        (("--max-body-bytes", str(1 << 30)), f"must be in 1..{512 << 20}, got {1 << 30}"),
+        (("--max-output-tokens", "0"), "argument --max-output-tokens: must be >= 1, got 0"),
+        (("--max-n", "0"), "argument --max-n: must be >= 1, got 0"),
+        (("--max-tokens", "0"), "argument --max-tokens: must be >= 1, got 0"),
+        (("--max-concurrent-requests", "0"), "argument --max-concurrent-requests: must be >= 1"),
+    ],
+)
+def test_serve_refuses_flags_out_of_range_naming_the_flag(
+    flags: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, --http-port 70000 started the cluster and then died with an OverflowError,
+    --grpc-port 70000 served on 4464, and --max-body-bytes 1 GiB overflowed a gRPC option."""
+    with pytest.raises(SystemExit) as exit_:
+        _serve_args(*flags)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_accepts_the_ends_of_the_ranges() -> None:
+    args = _serve_args("--http-port", "65535", "--grpc-port", "-1", "--max-body-bytes", "1")
+    assert (args.http_port, args.grpc_port, args.max_body_bytes) == (65535, -1, 1)
+
+
+def _limits(*flags: str) -> RequestLimits:
+    args = _serve_args(*flags)
+    config = ClusterConfig("model", max_num_seqs=args.max_num_seqs)
+    return request_limits(args, config, max_model_len=64)
+
+
+def test_max_n_defaults_to_16_or_max_num_seqs_if_fewer() -> None:
+    assert _limits().max_n == 16
+    assert _limits("--max-num-seqs", "4").max_n == 4  # before: 16, and n=8 failed on a worker
+    assert _limits("--max-num-seqs", "4", "--max-n", "4").max_n == 4
+
+
+def test_max_n_above_max_num_seqs_is_refused_naming_both_flags() -> None:
+    with pytest.raises(ValueError, match="--max-n 8 is above --max-num-seqs 4"):
+        _limits("--max-num-seqs", "4", "--max-n", "8")
+
+
+@contextlib.contextmanager
+def _listening() -> Iterator[int]:
+    """A port another socket listens on."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        yield busy.getsockname()[1]
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_a_taken_port_is_refused_before_the_cluster_starts(flag: str) -> None:
+    with _listening() as port:
+        ports = (port, None) if flag == "--http-port" else (0, port)
+        with pytest.raises(ValueError, match=f"^{flag} {port}: cannot listen on 127.0.0.1: "):
+            check_ports_free("127.0.0.1", *ports)
+    check_ports_free("127.0.0.1", 0, 0)  # any free port
+    with pytest.raises(ValueError, match="--http-port and --grpc-port are both 8123"):
+        check_ports_free("127.0.0.1", 8123, 8123)
+
+
+class _IdleCluster:
+    """A backend with no workers: enough for the servers to start."""
+
+    def worker_statuses(self) -> list[WorkerStatus]:
+        return []
+
+    def local_prefills(self) -> dict[str, int]:
+        return {}
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_a_port_taken_after_the_check_is_one_error_naming_the_flag(
+    flag: str, llama_dir: Path
+) -> None:
+    """The HTTP server raised OSError and the gRPC one RuntimeError, which cli.main did not
+    catch: a traceback after the workers had loaded."""
+    model = ServedModel.load(str(llama_dir), "tiny", None)
+    limits = RequestLimits(max_model_len=model.max_model_len)
+    gateway = Gateway(_IdleCluster(), model, limits, ApiKeys([]))  # type: ignore[arg-type]
+    with _listening() as port:
+        ports = (port, None) if flag == "--http-port" else (0, port)
+        server = GatewayServer(gateway, "127.0.0.1", *ports)
+        with pytest.raises(ValueError, match=f"^{flag} {port}: cannot listen on 127.0.0.1"):
+            start_server(server)
+
+
+def test_kv_transport_help_states_the_rule_auto_follows(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        _serve_args("--help")
+    help_text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert f"on cpu {describe_auto('cpu')}; on cuda {describe_auto('cuda')}" in help_text
+
+
+class _FailingCluster:
+    """A cluster whose workers fail every request after its first token."""
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        yield TokenEvent("r", 0, 0, 1, None, None, 0, 0.0)
+        raise RequestFailedError("decode worker decode-0 died")
+
+
+def test_one_shot_serve_exits_non_zero_when_a_prompt_fails(
+    llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The KubeRay smoke test (deploy/kuberay/pdserve-rayjob.yaml) reads this exit status."""
+    model = ServedModel.load(str(llama_dir), "tiny", None)
+    status = _generate_once(_FailingCluster(), model, ["a", "b"], 4, 0.0)  # type: ignore[arg-type]
+    assert status == 1
+    assert capsys.readouterr().out.count("[failed: decode worker decode-0 died]") == 2

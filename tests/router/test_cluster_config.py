@@ -67,3 +67,22 @@ def test_each_worker_budgets_its_share_of_the_gpu(gpus_per_worker: float, fracti
 def test_gpu_memory_utilization_out_of_range_is_refused_naming_the_flag() -> None:
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization must be in \(0, 1\], got 1.2"):
         ClusterConfig("model", device="cuda", gpu_memory_utilization=1.2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("block_size", 0, "--block-size must be >= 1, got 0"),
+        ("max_num_seqs", 0, "--max-num-seqs must be >= 1, got 0"),
+        ("max_num_batched_tokens", 0, "--max-num-batched-tokens must be >= 1, got 0"),
+        ("num_kv_blocks", 0, "--num-kv-blocks must be >= 1, got 0"),
+        ("max_model_len", 1, "--max-model-len must be >= 2, got 1"),
+    ],
+)
+def test_engine_settings_are_refused_here_naming_the_flag(
+    field: str, value: int, message: str
+) -> None:
+    """Each worker refused these, once Ray had started (9-14 s in), naming the field."""
+    with pytest.raises(ValueError) as error:
+        ClusterConfig("model", **{field: value})  # type: ignore[arg-type]
+    assert str(error.value) == message

@@ -1,11 +1,12 @@
-"""A local Ray's GPUs against the workers' GPU shares: a clear error before start-up instead of
-actors Ray keeps pending for ever."""
+"""A local Ray's GPUs and custom resources against the workers' needs: a clear error before
+start-up instead of actors Ray keeps pending for ever."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.gpu_capacity import gpus_shortfall
+from router.cluster_config import ClusterConfig
+from router.gpu_capacity import gpus_shortfall, resources_shortfall
 
 
 @pytest.mark.parametrize(
@@ -37,3 +38,44 @@ def test_shortfalls_count_whole_gpus(
 def test_no_gpu_at_all_points_at_the_cpu() -> None:
     message = gpus_shortfall(2, 0.5, 0)
     assert message is not None and "--device cpu" in message
+
+
+def _pools(prefill: str | None, decode: str | None, num_prefill: int = 1) -> ClusterConfig:
+    return ClusterConfig(
+        "model",
+        num_prefill=num_prefill,
+        num_decode=2,
+        prefill_resources={prefill: 1.0} if prefill else {},
+        decode_resources={decode: 1.0} if decode else {},
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "resources"),
+    [
+        (_pools(None, None), {"CPU": 2.0}),
+        (_pools("prefill", "decode"), {"prefill": 1.0, "decode": 2.0}),
+        (_pools("pd", "pd"), {"pd": 3.0}),  # one resource for both pools: 1 + 2
+        (_pools("prefill", "decode", num_prefill=0), {"decode": 2.0}),  # colocated: no prefill
+    ],
+)
+def test_custom_resources_that_are_there(
+    config: ClusterConfig, resources: dict[str, float]
+) -> None:
+    assert resources_shortfall(config, resources) is None
+
+
+def test_a_custom_resource_a_local_ray_lacks_is_refused_naming_the_flag() -> None:
+    """A local Ray has no custom resources: Ray kept the workers pending for ever."""
+    message = resources_shortfall(_pools("prefill", "decode"), {"CPU": 2.0, "prefill": 1.0})
+    assert message is not None
+    assert message.startswith(
+        "--decode-resource decode: the workers need 2 of Ray resource 'decode'; "
+        "this machine's Ray has 0"
+    )
+    assert "--address auto" in message
+
+
+def test_a_resource_shared_by_both_pools_counts_both() -> None:
+    message = resources_shortfall(_pools("pd", "pd"), {"pd": 2.0})
+    assert message is not None and "--prefill-resource pd: the workers need 3" in message
