@@ -59,7 +59,6 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine, worker_id)
         self.channels = ChannelTable(transfer.max_channels)  # from prefill workers
         self._receiving: set[str] = set()  # requests whose KV is arriving (under loop.lock)
-        self._superseded: set[str] = set()  # of those, the ones resumed here meanwhile
         self._aborted: set[str] = set()  # of those, the ones aborted meanwhile
         self._early_aborts = EarlyAborts()  # aborted before their hand-off came (loop.lock)
         self._handoffs = ReservedHandoffs(transfer.reservation_ttl_s)  # (loop.lock)
@@ -70,16 +69,19 @@ class DecodeWorker:
         """Colocated mode, or a resume after a failure: run the request here.
 
         False when the request runs here already (a repeated resume is a no-op). Blocks
-        reserved for its KV from a prefill worker are given back (after a receive in flight
-        ends): the request now starts from its prompt and the tokens already delivered.
+        reserved for its KV from a prefill worker are given back: the request now starts from
+        its prompt and the tokens already delivered. A request whose KV is arriving here is
+        refused (ValueError): each placement has its own id (the router resumes a request
+        under a new one), so the same id twice at once is the caller's error.
         """
         with self.loop.lock:
+            if request.request_id in self._receiving:
+                raise ValueError(
+                    f"request_id {request.request_id!r} is already receiving its KV here"
+                )
             # The router aborts a request it submits directly only once this call has returned.
             self._early_aborts.take(request.request_id)
-            if request.request_id in self._receiving:
-                self._superseded.add(request.request_id)
-            else:
-                self._drop_reservation(request.request_id)
+            self._drop_reservation(request.request_id)
             return self.loop.submit(request)
 
     def abort(self, request_id: str) -> None:
@@ -208,7 +210,7 @@ class DecodeWorker:
         # Decided under the loop's lock, so an abort lands either before (the copy is dropped
         # here) or after the request is admitted (and aborts it in the engine).
         with self.loop.lock:
-            if self._forget_receive(request_id):  # resumed here or aborted meanwhile
+            if self._forget_receive(request_id):  # aborted meanwhile
                 self.engine.cancel_reservation(request_id)
                 return False
             if error is None:
@@ -221,12 +223,11 @@ class DecodeWorker:
             return False
 
     def _forget_receive(self, request_id: str) -> bool:
-        """End a receive's bookkeeping (loop lock held); True if its copy is to be dropped."""
+        """End a receive's bookkeeping (loop lock held); True if it was aborted meanwhile."""
         self._receiving.discard(request_id)
-        dropped = request_id in self._superseded or request_id in self._aborted
-        self._superseded.discard(request_id)
+        aborted = request_id in self._aborted
         self._aborted.discard(request_id)
-        return dropped
+        return aborted
 
     def _recv(
         self,

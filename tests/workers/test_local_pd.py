@@ -760,3 +760,33 @@ def test_a_reservation_whose_transfer_never_comes_expires(llama_dir: Path) -> No
     finally:
         collector.close()
         decode.shutdown()
+
+
+def test_a_request_whose_kv_is_arriving_is_refused_a_second_submission(
+    cluster_factory,  # type: ignore[no-untyped-def]
+    offline: LLM,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each placement has its own id, so the same id submitted while its KV arrives is the
+    caller's error: refused, naming the field, and the hand-off lands as if it had not come."""
+    prompts, params = _workload(1)
+    expected = offline.generate(prompts, params)[0].outputs[0].token_ids
+    cluster = cluster_factory(1, 1, "gloo")
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    receive, receiving, release = decode._recv, threading.Event(), threading.Event()
+
+    def held_receive(*args, **kwargs):  # type: ignore[no-untyped-def]
+        receiving.set()
+        release.wait(10)
+        return receive(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "_recv", held_receive)
+    request = GenerateRequest("r", prompts[0], params[0], GATEWAY)
+    prefill.submit(request, "d0")
+    assert receiving.wait(30)
+    with pytest.raises(ValueError, match="request_id 'r' is already receiving its KV here"):
+        decode.submit(request)
+    release.set()
+    cluster.collector.wait_finished([("r", 0)])
+    assert not cluster.collector.failures
+    assert cluster.collector.output("r") == expected
