@@ -6,12 +6,72 @@ checked first (roles, text content, count), so a template never sees malformed i
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.gateway.errors import invalid
 from router.gateway.limits import RequestLimits
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+# names chat_template_kwargs may not set: apply_chat_template's own arguments and the messages
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    [
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    ]
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateOptions:
+    """How a conversation is rendered (vLLM's chat-request extras of the same names)."""
+
+    add_generation_prompt: bool = True  # open the assistant's turn after the last message
+    continue_final_message: bool = False  # leave the last (assistant) message open to extend
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
+
+
+def parse_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
+    """The chat request's template options, checked; 400 naming the field otherwise."""
+    flags = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise invalid(f"{name} must be a boolean, got {type(value).__name__}", param=name)
+        flags[name] = default if value is None else value
+    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+        raise invalid(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise invalid(
+            f"chat_template_kwargs may not set {', '.join(reserved)}",
+            param="chat_template_kwargs",
+        )
+    return ChatTemplateOptions(
+        flags["add_generation_prompt"], flags["continue_final_message"], kwargs
+    )
 
 
 def parse_messages(value: Any, limits: RequestLimits) -> list[dict[str, str]]:
@@ -42,7 +102,10 @@ def _parse_message(index: int, message: Any) -> dict[str, str]:
         )
     if "tool_calls" in message or "function_call" in message:
         raise invalid(f"{param}: tool calls are not supported", param=param)
-    content = _text_content(message.get("content"), f"{param}.content")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""  # OpenAI's clients send null content on assistant turns
+    content = _text_content(content, f"{param}.content")
     name = message.get("name")
     if name is not None and not isinstance(name, str):
         raise invalid(f"{param}.name must be a string", param=f"{param}.name")
@@ -93,12 +156,26 @@ def check_prompt_chars(num_chars: int, param: str, max_model_len: int) -> None:
         )
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt token ids of a conversation, ready for the assistant's reply."""
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, str]], options: ChatTemplateOptions | None = None
+) -> list[int]:
+    """The prompt token ids of a conversation, ready for the assistant's reply (by default)."""
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("this model has no chat template; use /v1/completions", param="messages")
+    options = options or ChatTemplateOptions()
+    if options.continue_final_message and messages[-1]["role"] != "assistant":
+        raise invalid(
+            "continue_final_message needs the last message to be the assistant's",
+            param="continue_final_message",
+        )
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **options.template_kwargs,
+        )
     except Exception as error:  # the template rejected the conversation (raise_exception)
         raise invalid(f"messages cannot be rendered by the chat template: {error}") from error
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -185,7 +185,7 @@ async def _generate(
         live = admission.enter_context(gateway.admitted(header.id, caller))
         generations = _generations(gateway, job, header, arrived_at)
         events = _stream(gateway, job, header, generations, live)
-        return _EventStream(events, on_close=admission.close)
+        return _EventStream(events, on_close=admission.close, request_id=header.id)
     with gateway.admitted(header.id, caller) as live:
         generations = _generations(gateway, job, header, arrived_at)
         return await _respond_whole(gateway, request, job, header, generations, live)
@@ -256,7 +256,9 @@ async def _respond_whole(
         gateway.record_outcome("ok")
     logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     build = chat_response if job.kind == "chat" else completion_response
-    return JSONResponse(build(header, choices, _usage(generations), logprobs))
+    body = build(header, choices, _usage(generations), logprobs)
+    # the response's id in X-Request-Id, as OpenAI sends (openai's client reads _request_id)
+    return JSONResponse(body, headers={"X-Request-Id": header.id})
 
 
 async def _client_disconnected(request: Request) -> None:
@@ -370,12 +372,16 @@ class _EventStream(StreamingResponse):
     requests would run on in the cluster until it came round.
     """
 
-    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], object]) -> None:
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        on_close: Callable[[], object],
+        request_id: str | None = None,
+    ) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if request_id is not None:  # the response's id, as OpenAI's x-request-id
+            headers["X-Request-Id"] = request_id
+        super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
         self._on_close = on_close  # after the generator: gives the request's slot back
 

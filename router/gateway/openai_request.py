@@ -1,9 +1,10 @@
 """OpenAI request bodies (parsed JSON) to validated jobs: the HTTP gateway's edge.
 
 Every field is type-checked by hand so each error names the field and the rule it broke.
-Fields OpenAI defines but pdserve does not implement are refused when they would change the
-output (``echo``, ``logit_bias``, tools ...), never silently ignored; unknown fields are
-ignored, as OpenAI's own API does. vLLM's extra sampling fields are accepted in the body.
+Fields OpenAI or vLLM define but pdserve does not implement are refused when they would change
+the output (``echo``, ``logit_bias``, tools, guided decoding ...: ``unsupported``), never
+silently ignored; unknown fields are ignored, as vLLM does. vLLM's extra sampling fields and
+chat-template options are accepted in the body.
 """
 
 from __future__ import annotations
@@ -12,27 +13,21 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from router.gateway.auth import Caller
-from router.gateway.chat import check_prompt_chars, check_text, parse_messages, render_chat
+from router.gateway.chat import (
+    check_prompt_chars,
+    check_text,
+    parse_messages,
+    parse_template_options,
+    render_chat,
+)
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec, make_spec
+from router.gateway.unsupported import check_unsupported
 
 _SEED_RANGE = (-(2**63), 2**63 - 1)
 _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat has none
-# (field, value that means "off"): accepted only when off, since pdserve does not implement them
-_UNSUPPORTED = {
-    "echo": False,
-    "suffix": None,
-    "logit_bias": None,
-    "tools": None,
-    "tool_choice": None,
-    "functions": None,
-    "function_call": None,
-    "response_format": None,
-    "audio": None,
-    "prediction": None,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +50,13 @@ def parse_job(
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     _check_model(body, model)
-    _check_unsupported(body)
+    check_unsupported(kind, body)
     _optional(body, "user", str)
     stream = _optional(body, "stream", bool) or False
     include_usage = _stream_options(body, stream)
     if kind == "chat":
-        prompts = [render_chat(model.tokenizer, parse_messages(body.get("messages"), limits))]
+        messages = parse_messages(body.get("messages"), limits)
+        prompts = [render_chat(model.tokenizer, messages, parse_template_options(body))]
         max_tokens = _chat_max_tokens(body)
         logprobs = _chat_logprobs(body)
         prompt_param = "messages"
@@ -102,20 +98,6 @@ def _check_model(body: dict[str, Any], model: ServedModel) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def _check_unsupported(body: dict[str, Any]) -> None:
-    for name, off in _UNSUPPORTED.items():
-        value = body.get(name, off)
-        if value not in (off, None, {}, []) and not _is_text_format(name, value):
-            raise invalid(f"{name} is not supported by this server", param=name)
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
-        raise invalid("best_of is not supported by this server (use n)", param="best_of")
-
-
-def _is_text_format(name: str, value: Any) -> bool:
-    return name == "response_format" and isinstance(value, dict) and value.get("type") == "text"
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:

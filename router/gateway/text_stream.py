@@ -2,7 +2,8 @@
 
 Life of one prompt here: the spec goes to the cluster -> token events come back in order per
 sample -> each sample's tokens are detokenized incrementally (never a broken character) and
-checked for stop strings (held back while they might be one; trimmed when matched) -> a
+checked for stop strings (held back while they might be one; trimmed when matched; an eos or
+``stop_token_ids`` token that ends a sample is counted but not shown, as vLLM does) -> a
 ``SampleDelta`` leaves whenever text became final or the sample ended. When every sample has
 ended, leaving the cluster's stream aborts whatever still runs (a sample cut by a stop string).
 """
@@ -21,6 +22,8 @@ from engine.sampling.params import SamplingParams
 from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from router.gateway.errors import refused
 from router.gateway.spec import GenerationSpec
+
+_REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
 
 class GenerationBackend(Protocol):
@@ -172,10 +175,12 @@ class TextGeneration:
         sample.pending_token_ids.append(event.token_id)
         if event.logprobs is not None:
             sample.pending_logprobs.append(event.logprobs)
-        text = sample.stops.feed(sample.detokenizer.push(event.token_id))
+        # an eos or stop_token_ids token ended it: counted, but not shown (as vLLM does)
+        shown = "" if event.finish_reason == "stop" else sample.detokenizer.push(event.token_id)
+        text = sample.stops.feed(shown)
         finish_reason = "stop" if sample.stops.stopped else event.finish_reason
         if finish_reason is not None and not sample.stops.stopped:
-            text += sample.stops.feed(sample.detokenizer.flush())
+            text += sample.stops.feed(_whole_characters(sample.detokenizer.flush()))
             text += sample.stops.flush()
             finish_reason = "stop" if sample.stops.stopped else finish_reason
         if not text and finish_reason is None:
@@ -190,6 +195,12 @@ class TextGeneration:
         )
         sample.pending_token_ids, sample.pending_logprobs = [], []
         return delta
+
+
+def _whole_characters(text: str) -> str:
+    """``text`` without the replacement characters that a character cut short by the end of
+    the sample (max_tokens inside an emoji) decodes to: never a U+FFFD at the end, as vLLM."""
+    return text.rstrip(_REPLACEMENT)
 
 
 async def merged_deltas(

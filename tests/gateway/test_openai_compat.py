@@ -1,0 +1,259 @@
+"""Where OpenAI's API and vLLM's server agree, the gateway does as they do: fields it does not
+implement are refused naming the field, vLLM's chat-template options reach the template, a stop
+token is not shown, a character cut by max_tokens leaves no U+FFFD, and every response names its
+id in X-Request-Id.
+
+The cluster here is a scripted ``GenerationBackend`` that records what it was asked and answers
+the tokens a test chooses; the demo model's real byte-level BPE tokenizer runs around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.messages import TokenEvent
+from engine.sampling import SamplingParams
+from router.cluster import WorkerStatus
+from router.gateway.auth import ApiKeys
+from router.gateway.limits import RequestLimits
+from router.gateway.served_model import ServedModel
+from router.gateway.server import GatewayServer
+from router.gateway.service import Gateway
+
+pytestmark = pytest.mark.timeout(120)
+
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "engine" / "demo_model" / "assets"
+# the demo template, plus a variable that only chat_template_kwargs sets
+CHAT_TEMPLATE = (
+    "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{%- for message in messages %}{{ message['role'] | capitalize }}: "
+    "{{ message['content'] }}{{ '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}Assistant:{% endif %}"
+)
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+class ScriptedCluster:
+    """Answers every sample with ``tokens``, the last one ending it with ``finish_reason``."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.finish_reason = "length"
+        self.prompts: list[list[int]] = []  # prompt token ids, as asked
+
+    def worker_statuses(self) -> list[WorkerStatus]:
+        return [WorkerStatus("decode-0", "decode", True, None)]
+
+    def local_prefills(self) -> dict[str, int]:
+        return {}
+
+    def is_ready(self) -> bool:
+        return True
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[TokenEvent, None]:
+        self.prompts.append(list(prompt_token_ids))
+        num_tokens = min(params.max_tokens or len(self.tokens), len(self.tokens))
+        for position in range(num_tokens):
+            finish = None
+            if position == num_tokens - 1:
+                finish = self.finish_reason if num_tokens == len(self.tokens) else "length"
+            for sample in range(params.n):
+                token = self.tokens[position]
+                yield TokenEvent(request_id or "", sample, position, token, None, finish)
+            await asyncio.sleep(0)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> ScriptedCluster:
+    return ScriptedCluster()
+
+
+@pytest.fixture(scope="module")
+def model() -> ServedModel:
+    served = ServedModel.load(str(DEMO_MODEL), "pdserve-demo", None)
+    served.tokenizer.chat_template = CHAT_TEMPLATE  # this module's own copy of the tokenizer
+    return served
+
+
+@pytest.fixture(scope="module")
+def http(cluster: ScriptedCluster, model: ServedModel) -> Iterator[httpx.Client]:
+    limits = RequestLimits(max_model_len=model.max_model_len)
+    gateway = Gateway(cluster, model, limits, ApiKeys([]))
+    server = GatewayServer(gateway, "127.0.0.1", 0, None)
+    server.start()
+    try:
+        with httpx.Client(base_url=server.http_url, timeout=30) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+def _completion(http: httpx.Client, **fields: Any) -> httpx.Response:
+    return http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 16, **fields})
+
+
+def _chat(http: httpx.Client, **fields: Any) -> httpx.Response:
+    return http.post("/v1/chat/completions", json={"messages": USER_HI, **fields})
+
+
+def _streamed_text(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        payloads = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    if path.endswith("/chat/completions"):
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    return "".join(c["choices"][0]["text"] for c in chunks)
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/completions", "include_stop_str_in_output", True),
+        ("/v1/completions", "guided_json", {"type": "object"}),
+        ("/v1/completions", "guided_choice", ["a", "b"]),
+        ("/v1/completions", "structured_outputs", {"regex": "a+"}),
+        ("/v1/completions", "prompt_logprobs", 1),
+        ("/v1/completions", "use_beam_search", True),
+        ("/v1/completions", "truncate_prompt_tokens", 4),
+        ("/v1/completions", "allowed_token_ids", [5, 6]),
+        ("/v1/completions", "bad_words", ["x"]),
+        ("/v1/completions", "return_tokens_as_token_ids", True),
+        ("/v1/completions", "add_special_tokens", False),
+        ("/v1/chat/completions", "add_special_tokens", True),
+        ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+        ("/v1/chat/completions", "tool_choice", "auto"),
+        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", "documents", [{"title": "t", "text": "x"}]),
+    ],
+)
+def test_fields_that_would_change_the_output_are_refused_by_name(
+    http: httpx.Client, path: str, field: str, value: object
+) -> None:
+    send = _chat if path.endswith("/chat/completions") else _completion
+    response = send(http, **{field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field
+    assert field in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_off_values_of_unimplemented_fields_are_accepted(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    cluster.tokens, cluster.finish_reason = model.tokenizer.encode("ok"), "length"
+    off = {
+        "tool_choice": "none",
+        "tools": [],
+        "logit_bias": {},
+        "include_stop_str_in_output": False,
+        "use_beam_search": False,
+        "add_special_tokens": False,
+        "response_format": {"type": "text"},
+    }
+    assert _chat(http, **off).status_code == 200
+    assert _completion(http, echo=False, suffix="", add_special_tokens=True).status_code == 200
+
+
+def test_an_assistant_turn_with_null_content_is_accepted(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    cluster.tokens, cluster.finish_reason = model.tokenizer.encode("ok"), "length"
+    messages = [*USER_HI, {"role": "assistant", "content": None}, {"role": "user", "content": "?"}]
+    response = http.post("/v1/chat/completions", json={"messages": messages})
+    assert response.status_code == 200, response.text
+
+
+def test_chat_template_options_reach_the_template(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    cluster.tokens, cluster.finish_reason = model.tokenizer.encode("ok"), "length"
+
+    def rendered(**fields: Any) -> str:
+        response = _chat(http, **fields)
+        assert response.status_code == 200, response.text
+        return str(model.tokenizer.decode(cluster.prompts[-1], skip_special_tokens=True))
+
+    assert rendered() == "User: hi\nAssistant:"
+    assert rendered(add_generation_prompt=False) == "User: hi\n"
+    assert rendered(chat_template_kwargs={"greeting": "Howdy"}) == "Howdy\nUser: hi\nAssistant:"
+    reserved = _chat(http, chat_template_kwargs={"tokenize": True})
+    assert reserved.status_code == 400
+    assert reserved.json()["error"]["param"] == "chat_template_kwargs"
+    messages = [*USER_HI, {"role": "assistant", "content": "Sure, the"}]
+    response = http.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert response.status_code == 200, response.text
+    prompt = model.tokenizer.decode(cluster.prompts[-1], skip_special_tokens=True)
+    assert prompt.endswith("Assistant: Sure, the")  # left open for the reply to extend
+
+
+def test_a_stop_token_is_counted_but_not_shown(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    """vLLM drops the eos or stop_token_ids token that ended a sample from its text."""
+    cluster.tokens = model.tokenizer.encode("Hello world.")
+    cluster.finish_reason = "stop"  # the engine's "stop": the last token is a stop token
+    stop_id = cluster.tokens[-1]
+    body = {"prompt": "hi", "max_tokens": 16, "stop_token_ids": [stop_id]}
+    whole = _completion(http, stop_token_ids=[stop_id]).json()
+    assert whole["choices"][0]["text"] == "Hello world"
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == len(cluster.tokens)
+    assert _streamed_text(http, "/v1/completions", body) == "Hello world"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_character_cut_by_max_tokens_leaves_no_replacement_character(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel, path: str
+) -> None:
+    cluster.tokens, cluster.finish_reason = model.tokenizer.encode("Hi 🦊 狐狸"), "stop"
+    whole_text = model.tokenizer.decode(cluster.tokens)
+    # every cut: inside the fox (4 bytes over several tokens), between, inside 狐 and 狸
+    for max_tokens in range(1, len(cluster.tokens)):
+        cut = str(model.tokenizer.decode(cluster.tokens[:max_tokens]))
+        expected = cut.rstrip("\ufffd")
+        assert whole_text.startswith(expected)
+        body: dict[str, Any] = {"max_tokens": max_tokens}
+        if path == "/v1/completions":
+            body["prompt"] = "hi"
+            response = http.post(path, json=body).json()
+            text = response["choices"][0]["text"]
+        else:
+            body["messages"] = USER_HI
+            response = http.post(path, json=body).json()
+            text = response["choices"][0]["message"]["content"]
+        assert text == expected, max_tokens
+        assert response["choices"][0]["finish_reason"] == "length"
+        assert _streamed_text(http, path, body) == expected, max_tokens
+
+
+def test_responses_name_their_id_in_x_request_id(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    cluster.tokens, cluster.finish_reason = model.tokenizer.encode("ok"), "length"
+    whole = _completion(http)
+    assert whole.headers["x-request-id"] == whole.json()["id"]
+    with http.stream(
+        "POST", "/v1/chat/completions", json={"messages": USER_HI, "stream": True}
+    ) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+        assert r.headers["x-request-id"] == first["id"]
