@@ -60,8 +60,14 @@ class CudaSegment(Segment):
             offset = int(handle["offset"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed CUDA IPC handle: {exc}") from exc
+        if len(fields) != 8:  # (device, handle, size, offset, ref counter, its offset, event, sync)
+            raise ProtocolError(f"malformed CUDA IPC handle: {len(fields)} fields, not 8")
         torch.cuda._lazy_init()
-        with torch.cuda.device(device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        # fields[0] is the sender's index of the GPU, which the receiver may number otherwise
+        # (another CUDA_VISIBLE_DEVICES); _new_shared_cuda maps the buffer on the device it names
+        fields[0] = index
+        with torch.cuda.device(index):
             storage = torch.UntypedStorage._new_shared_cuda(*fields)
             buffer = torch.empty(0, dtype=torch.uint8, device=device)
             buffer.set_(storage, offset, (NUM_SLOTS * slot_bytes,), (1,))

@@ -17,12 +17,14 @@ other's receives in issue order, on one stream per peer, so both ends issue the 
            int64[2] (transfer id, status)
 The group's own timeout (`GROUP_TIMEOUT`) is far longer than any transfer: every wait carries
 the transfer's deadline, and NCCL's watchdog kills the process when an operation outlives the
-group's timeout.
+group's timeout. Errors the watchdog sees (a dead peer, a comm aborted by a timed-out wait) are
+left to the waits (`NCCL_ERROR_HANDLING_ENV`): by default it would kill the process for them too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,6 +52,11 @@ _MAGIC = 0x4B565846  # "KVXF"
 _TAG_SPACE = 1 << 30
 _STATUS_OK, _STATUS_BAD_CHECKSUM = 0, 1
 GROUP_TIMEOUT = timedelta(hours=2)  # past any transfer's deadline; see the module docstring
+# By default (3) NCCL's watchdog takes the whole process down on any error it sees: a peer that
+# died, or the comm that a timed-out wait aborted, under the channel's other in-flight operations.
+# 0 leaves the error to the wait that carries the deadline, so only the channel fails.
+NCCL_ERROR_HANDLING_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+_MIN_WAIT = timedelta(milliseconds=1)  # a wait of 0 ms is a wait without a timeout
 
 
 def make_group(
@@ -74,12 +81,14 @@ def make_group(
         raise ValueError(f"the nccl transport moves CUDA caches, not {device}")
     options = nccl.Options()
     options._timeout = GROUP_TIMEOUT
+    os.environ.setdefault(*NCCL_ERROR_HANDLING_ENV)  # read by each group as it is built
     return nccl(store, rank, 2, options)
 
 
 def _wait(work: Any, deadline: Deadline, what: str) -> None:
     try:
-        work.wait(deadline.timedelta(what))
+        # torch rounds the timeout down to whole ms, and 0 ms means none: NCCL would not block
+        work.wait(max(deadline.timedelta(what), _MIN_WAIT))
     except RuntimeError as exc:
         if deadline.expired() or "Timed out" in str(exc):
             raise TimeoutError(f"{what}: {exc}") from exc

@@ -3,6 +3,7 @@ in (NCCL ignores tags and pairs sends with receives in issue order) and the grou
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from kv_transfer import KVChannel, TransferTicket
 from kv_transfer.deadline import Deadline
-from kv_transfer.transports.process_group import GROUP_TIMEOUT, make_group
+from kv_transfer.transports.process_group import GROUP_TIMEOUT, _wait, make_group
 from tests.kv_transfer.helpers import HOST, open_pair, random_cache, small_layout, transfer
 
 
@@ -80,3 +81,42 @@ def test_an_nccl_group_outlasts_every_transfer_deadline(monkeypatch: pytest.Monk
     (options,) = _FakeNccl.built_with
     assert options._timeout == GROUP_TIMEOUT
     assert timedelta(hours=1) <= GROUP_TIMEOUT  # far past any transfer's timeout_s
+
+
+def test_an_nccl_group_leaves_errors_to_the_waits_not_the_watchdog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With TORCH_NCCL_ASYNC_ERROR_HANDLING at its default (3) NCCL's watchdog kills the process
+    on any error it sees: a dead peer, or the comm a timed-out wait aborted under the channel's
+    other operations. Each group is built with it at 0 unless the deployment set it."""
+    seen: list[str | None] = []
+
+    class _EnvRecordingNccl(_FakeNccl):
+        def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
+            seen.append(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _EnvRecordingNccl, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    make_group("nccl", dist.HashStore(), 0, HOST, torch.device("cuda", 0), Deadline.after(5.0))
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the deployment's choice wins
+    make_group("nccl", dist.HashStore(), 1, HOST, torch.device("cuda", 0), Deadline.after(5.0))
+    assert seen == ["0", "1"]
+
+
+class _TimeoutRecordingWork:
+    def __init__(self) -> None:
+        self.timeouts: list[timedelta] = []
+
+    def wait(self, timeout: timedelta) -> bool:
+        self.timeouts.append(timeout)
+        return True
+
+
+def test_a_wait_under_a_millisecond_from_its_deadline_still_has_a_timeout() -> None:
+    """torch truncates a wait's timeout to whole milliseconds, and 0 ms is no timeout: an NCCL
+    wait would then not block (nor time out) at all."""
+    work = _TimeoutRecordingWork()
+    _wait(work, Deadline.after(0.0004), "the last chunk")
+    (timeout,) = work.timeouts
+    assert timeout >= timedelta(milliseconds=1)
