@@ -4,14 +4,16 @@ Lifecycle: listen (control socket on host) → receiver connects, handshake → 
 allocates a two-slot staging buffer on its GPU and puts the buffer's CUDA IPC handle (torch's
 `_share_cuda_`, base64 in JSON, never pickled) in WELCOME → the receiver opens it
 (`_new_shared_cuda`) and answers ATTACHED → transfers by the segment protocol, each side
-synchronising its stream before signalling → close drops the mapping (the receiver's) and
-the buffer (the sender's; torch's IPC ref counter keeps it until the receiver let go).
+copying on its own stream (`CopyStream`, not the engine's) and synchronising it before
+signalling → close drops the mapping (the receiver's) and the buffer (the sender's; torch's
+IPC ref counter keeps it until the receiver let go).
 NCCL cannot pair two ranks on one GPU; this is the same-GPU path. Needs two processes.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from kv_transfer.layout import KVCacheLayout
 from kv_transfer.messages import ChannelRendezvous
 from kv_transfer.transports.base import Endpoint
 from kv_transfer.transports.control import ControlListener, open_control
+from kv_transfer.transports.copy_stream import CopyStream
 from kv_transfer.transports.segment import NUM_SLOTS, Segment, SegmentEndpoint, slot_size
 from kv_transfer.wire import FramedConnection, Kind
 
@@ -38,6 +41,7 @@ class CudaSegment(Segment):
         self._device = buffer.device
         self._buffer: torch.Tensor | None = buffer  # uint8 [NUM_SLOTS * slot_bytes]
         self._slots = list(buffer.split(slot_bytes))
+        self._stream = CopyStream(self._device)
 
     @classmethod
     def create(cls, slot_bytes: int, device: torch.device) -> CudaSegment:
@@ -76,8 +80,11 @@ class CudaSegment(Segment):
     def slot(self, index: int) -> torch.Tensor:
         return self._slots[index]
 
+    def copies(self) -> contextlib.AbstractContextManager[None]:
+        return self._stream.active()
+
     def sync(self) -> None:
-        torch.cuda.current_stream(self._device).synchronize()
+        self._stream.synchronize()
 
     def close(self) -> None:
         self._slots = []

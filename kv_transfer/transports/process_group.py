@@ -47,6 +47,7 @@ from kv_transfer.errors import ProtocolError, TransferError
 from kv_transfer.layout import KVCacheLayout
 from kv_transfer.messages import TransferStats, TransferTicket
 from kv_transfer.transports.base import Endpoint, Move, PhaseTimer
+from kv_transfer.transports.copy_stream import CopyStream
 
 _MAGIC = 0x4B565846  # "KVXF"
 _TAG_SPACE = 1 << 30
@@ -131,6 +132,7 @@ class GroupEndpoint(Endpoint):
         self._chunk_bytes = chunk_bytes
         self._next_base = 0  # tags used so far
         self._slots: list[torch.Tensor] = []
+        self._stream = CopyStream(device)  # transfers run on it: copies, and NCCL's waits
 
     def warm_up(self, deadline: Deadline) -> None:
         """One round trip, so both ends know the group works (and NCCL builds its comm)."""
@@ -166,6 +168,10 @@ class GroupEndpoint(Endpoint):
         return self._slots[index][:nbytes]
 
     def send(self, move: Move) -> TransferStats:
+        with self._stream.active():
+            return self._send(move)
+
+    def _send(self, move: Move) -> TransferStats:
         ticket, timer = move.ticket, PhaseTimer()
         plan = plan_chunks(self.layout, ticket.num_blocks, self._chunk_bytes)
         tags = self._tags(len(plan))
@@ -199,8 +205,7 @@ class GroupEndpoint(Endpoint):
             slot = self._slot(k % 2, chunk.nbytes)
             start = time.perf_counter()
             gather_chunk(planes, move.block_ids, chunk, chunk_view(slot, chunk, self.layout))
-            if self._device.type == "cuda":
-                torch.cuda.current_stream(self._device).synchronize()
+            self._stream.synchronize()
             timer.gather_s += time.perf_counter() - start
             if crc is not None:
                 start = time.perf_counter()
@@ -213,6 +218,10 @@ class GroupEndpoint(Endpoint):
         return crc.value if crc is not None else 0
 
     def recv(self, move: Move) -> TransferStats:
+        with self._stream.active():
+            return self._recv(move)
+
+    def _recv(self, move: Move) -> TransferStats:
         ticket, timer = move.ticket, PhaseTimer()
         plan = plan_chunks(self.layout, ticket.num_blocks, self._chunk_bytes)
         tags = self._tags(len(plan))
@@ -224,6 +233,7 @@ class GroupEndpoint(Endpoint):
         self._check_header([int(v) for v in header.tolist()], ticket)
         posted = [self._post_chunk(plan, k, tags) for k in range(min(2, len(plan)))]
         crc = self._stream_in(move, plan, tags, posted, timer)
+        self._stream.synchronize()  # the engine reads these blocks on its own stream
         trailer = self._small([0, 0])
         trailer_work = self._irecv(trailer, tags.trailer())
         self._timed_wait(trailer_work, move.deadline, timer, "waiting for the trailer")

@@ -16,6 +16,7 @@ transfers → `abort` (shuts the control socket: any blocked wait fails at once)
 from __future__ import annotations
 
 import abc
+import contextlib
 import struct
 import time
 from typing import Any
@@ -70,6 +71,11 @@ class Segment(abc.ABC):
     def slot(self, index: int) -> torch.Tensor:
         """Slot `index` as a uint8 tensor of `slot_bytes`."""
 
+    def copies(self) -> contextlib.AbstractContextManager[None]:
+        """Where this side's copies into / out of the segment run (CUDA: the channel's own
+        stream, `CopyStream`); nothing to set up on CPU."""
+        return contextlib.nullcontext()
+
     @abc.abstractmethod
     def sync(self) -> None:
         """Make this side's copies into / out of the segment complete (CUDA: stream sync)."""
@@ -89,6 +95,10 @@ class SegmentEndpoint(Endpoint):
         return plan_chunks(self.layout, num_blocks, self._segment.slot_bytes)
 
     def send(self, move: Move) -> TransferStats:
+        with self._segment.copies():
+            return self._send(move)
+
+    def _send(self, move: Move) -> TransferStats:
         ticket, deadline, timer = move.ticket, move.deadline, PhaseTimer()
         plan = self._plan(ticket.num_blocks)
         begin = {
@@ -141,6 +151,10 @@ class SegmentEndpoint(Endpoint):
         return payload
 
     def recv(self, move: Move) -> TransferStats:
+        with self._segment.copies():
+            return self._recv(move)
+
+    def _recv(self, move: Move) -> TransferStats:
         ticket, deadline, timer = move.ticket, move.deadline, PhaseTimer()
         self._check_begin(decode_json(self._await(Kind.BEGIN, deadline, timer)), ticket, deadline)
         plan = self._plan(ticket.num_blocks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
 from typing import Any
 
 import pytest
@@ -68,3 +69,44 @@ def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
 )
 def test_nccl_between_two_gpus() -> None:
     _run_pair("nccl", "cuda:0", "cuda:1")
+
+
+def _busy_default_stream(seconds: float) -> None:
+    """Queue about `seconds` of GPU work on the default stream (the engine's)."""
+    clock_hz = torch.cuda.get_device_properties(0).clock_rate * 1000
+    torch.cuda._sleep(int(seconds * clock_hz))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("transport", ["cuda_ipc"])
+def test_a_transfer_does_not_wait_for_the_engines_queued_steps(transport: str) -> None:
+    """The channel copies on its own stream: with seconds of work queued on the default stream,
+    a send finishes long before that work does (it synchronised the default stream before)."""
+    layout = small_layout("bfloat16")
+    src = random_cache(layout, 40, seed=4).to("cuda:0")
+    listener = KVChannel.listen(
+        transport, layout, HOST, f"busy-{transport}", torch.device("cuda:0"), chunk_bytes=4096
+    )
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    r = listener.rendezvous
+    plain = {
+        "transport": r.transport,
+        "channel_id": r.channel_id,
+        "host": r.host,
+        "port": r.port,
+        "extra": [list(pair) for pair in r.extra],
+    }
+    process = context.Process(target=_receive, args=(plain, "cuda:0", [2, 8, 31, 0, 14], results))
+    process.start()
+    with listener, listener.accept(120.0) as sender:
+        sender.send_blocks(src, [3, 17, 9, 30, 1], TransferTicket(0, "r0", 5, 60.0, checksum=True))
+        torch.cuda.synchronize()
+        _busy_default_stream(5.0)
+        start = time.perf_counter()
+        sender.send_blocks(src, [3, 17, 9, 30, 1], TransferTicket(1, "r1", 5, 60.0, checksum=True))
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+    results.get(timeout=120)
+    process.join(60)
+    assert elapsed < 2.0, f"the send took {elapsed:.2f} s behind 5 s of queued work"
