@@ -102,6 +102,9 @@ class Scheduler:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_allocate(seq, num_new):
+                # the last one running: before it preempts itself, the queue's blocks
+                if self.running[-1] is seq and self._reclaim_waiting_blocks(seq, num_new):
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 num_preempted += 1
@@ -179,7 +182,10 @@ class Scheduler:
             chunk_refused = (
                 num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill
             )
-            if chunk_refused or not self.block_manager.can_allocate(seq, num_new):
+            fits = not chunk_refused and self.block_manager.can_allocate(seq, num_new)
+            if not fits and not chunk_refused and not self.running:
+                fits = self._reclaim_waiting_blocks(seq, num_new)
+            if not fits:
                 self.block_manager.free(seq)
                 break
             self.waiting.popleft()
@@ -190,6 +196,26 @@ class Scheduler:
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
         return budget
+
+    def _reclaim_waiting_blocks(self, seq: Sequence, num_new: int) -> bool:
+        """Free the blocks that queued sequences hold (KV received from a prefill worker),
+        newest first, until ``seq`` has room for ``num_new`` tokens; returns whether it has.
+
+        Those blocks come free only once their sequences run, and they queue behind ``seq``.
+        Kept, they hung the engine: every step ran nothing, or ``seq`` filled the other blocks
+        chunk by chunk, preempted itself and started again, for ever. So when nothing else
+        could give blocks back (``seq`` is the only one running, or none is), they are taken.
+        A sequence that loses its blocks here counts as preempted: its KV is recomputed when
+        it is admitted.
+        """
+        for queued in reversed(self.waiting):
+            if self.block_manager.can_allocate(seq, num_new):
+                break
+            if queued is not seq and queued.block_table:
+                self.block_manager.free(queued)
+                queued.num_preemptions += 1
+                self.num_preemptions += 1
+        return self.block_manager.can_allocate(seq, num_new)
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         reaches_end = seq.num_computed_tokens + num_new == seq.num_tokens

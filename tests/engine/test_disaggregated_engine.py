@@ -13,7 +13,8 @@ from tests.engine.test_parity import OUTPUT_LENGTHS, make_prompts
 
 
 def _engine(model_dir: Path, **kwargs: object) -> LLMEngine:
-    return LLM(str(model_dir), dtype="float32", device="cpu", block_size=8, **kwargs).engine  # type: ignore[arg-type]
+    kwargs.setdefault("block_size", 8)
+    return LLM(str(model_dir), dtype="float32", device="cpu", **kwargs).engine  # type: ignore[arg-type]
 
 
 def _prefill_all(prefill: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):  # type: ignore[no-untyped-def]
@@ -141,3 +142,36 @@ def test_resumed_request_continues_exactly(llama_dir: Path, params: SamplingPara
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in full.outputs]
     with pytest.raises(ValueError, match="nothing left to generate"):
         engine.add_request("done", prompt, params, resume_token_ids={0: full.outputs[0].token_ids})
+
+
+@pytest.mark.parametrize("chunk", [2048, 8], ids=["whole-prompt", "chunked"])
+def test_received_kv_waiting_behind_a_recompute_does_not_hang(llama_dir: Path, chunk: int) -> None:
+    """The head of the queue recomputes its prompt (its transfer failed) and needs 9 of the 10
+    blocks; the request queued behind it holds 3, received. Nothing else runs, so those blocks
+    come free only if the scheduler takes them back: every step ran nothing (the whole prompt
+    never fit), or the head, chunk by chunk, filled the 7 free blocks, preempted itself and
+    started again, for ever."""
+    prompts = [make_prompts(seed=17)[4][:30], make_prompts(seed=17)[3][:12]]
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    prefill = _engine(llama_dir, block_size=4)
+    handed, _ = _prefill_all(prefill, prompts, [params] * 2)
+    decode = _engine(
+        llama_dir,
+        block_size=4,
+        num_kv_blocks=10,
+        max_num_batched_tokens=chunk,
+        enable_prefix_caching=False,  # a head admitted again would find its chunks cached
+    )
+    decode.admit_prefilled(handed[0], kv_received=False)
+    dst = decode.reserve_blocks(handed[1].request_id, len(prompts[1]))
+    assert dst is not None and len(dst) == 3
+    decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, handed[1].block_ids]
+    decode.admit_prefilled(handed[1], kv_received=True)
+    outputs = {}
+    for _ in range(100):
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in decode.step().finished)
+        if not decode.has_unfinished_requests():
+            break
+    assert outputs == {f"r{i}": hf_greedy(llama_dir, p, 5) for i, p in enumerate(prompts)}
+    assert decode.block_manager.usage == 0
+    assert decode.num_preemptions > 0  # the received KV was dropped and recomputed
