@@ -14,7 +14,7 @@ from typing import Any
 from engine.engine_config import CacheConfig, LoadConfig, LoadFormat
 from engine.kv_cache.budget import KVBudget
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.tokenizer import load_tokenizer
@@ -111,14 +111,23 @@ class LLM:
         if self.tokenizer is None:
             return output
         for completion in output.outputs:
-            completion.text = self.tokenizer.decode(
-                completion.token_ids, skip_special_tokens=params.skip_special_tokens
-            )
+            completion.text = self._completion_text(completion, params)
             for position in completion.logprobs or []:
                 for token_id, logprob in position.items():
                     decoded = self.tokenizer.decode([token_id])
                     position[token_id] = replace(logprob, decoded_token=decoded)
         return output
+
+    def _completion_text(self, completion: CompletionOutput, params: SamplingParams) -> str:
+        """The text a client of the gateway reads for these tokens (router/gateway/text_stream):
+        the eos or stop id that ended the sample is not shown, nor a character that the end
+        cut short (as vLLM does); both are still in ``token_ids``."""
+        assert self.tokenizer is not None
+        token_ids = completion.token_ids
+        if completion.finish_reason == "stop":  # only eos or a stop id ends a sample so
+            token_ids = token_ids[:-1]
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+        return text.rstrip("\ufffd")
 
     @staticmethod
     def _params_per_prompt(

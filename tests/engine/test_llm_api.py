@@ -229,3 +229,26 @@ def test_parallel_samples_keep_the_prompt_when_the_first_ends_on_its_first_token
         if first_token in expected:  # the stop token ends this sample too
             expected = expected[: expected.index(first_token) + 1]
         assert out.outputs[sample].token_ids == expected
+
+
+def test_text_leaves_out_the_stop_token_and_a_character_cut_short(llm: LLM) -> None:
+    """As the gateway's text and vLLM's: the eos or stop id that ended a sample, and the bytes
+    of a character the end cut short, are in ``token_ids`` but not in ``text``."""
+    tokenizer = llm.tokenizer
+    assert tokenizer is not None
+    prompt = "def main():"
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    (out,) = llm.generate([prompt], free)
+    tokens = out.outputs[0].token_ids
+    first = tokens.index(tokens[3])
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[tokens[3]])
+    (out,) = llm.generate([prompt], params)
+    assert out.outputs[0].token_ids == tokens[: first + 1]
+    assert out.outputs[0].text == tokenizer.decode(tokens[:first])
+    cuts = [n for n in range(1, 41) if tokenizer.decode(tokens[:n]).endswith("\ufffd")]
+    assert cuts, "this model's greedy output never ends inside a character"
+    for n in cuts:
+        (out,) = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
+        assert out.outputs[0].text == tokenizer.decode(tokens[:n]).rstrip("\ufffd")
