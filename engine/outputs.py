@@ -20,7 +20,7 @@ PositionLogprobs = dict[int, Logprob]
 @dataclass(slots=True)
 class CompletionOutput:
     index: int  # which of the request's n samples
-    text: str  # detokenized token_ids ("" without a tokenizer)
+    text: str  # token_ids as text, less the stop token and a cut character ("" untokenized)
     token_ids: list[int]  # generated tokens
     cumulative_logprob: float | None  # sum of sampled tokens' logprobs when logprobs were asked
     logprobs: list[PositionLogprobs] | None  # per generated position, when asked
