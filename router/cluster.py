@@ -519,6 +519,7 @@ class Cluster:
                 "%s worker %s is gone; re-routing its requests", worker.role, worker.worker_id
             )
             worker.alive = False
+            worker.ledger.drop_all()  # its reports stopped: nothing else would drop them
             affected = [
                 t
                 for t in self._trackers.values()

@@ -46,6 +46,10 @@ class LoadLedger:
         """Forget a request's charge (it is being routed again)."""
         self._charges.pop(request_id, None)
 
+    def drop_all(self) -> None:
+        """Forget every charge (the worker is out of rotation: no report will drop them)."""
+        self._charges.clear()
+
     def record(
         self, report: WorkerLoad, requested_at: float, is_open: Callable[[str], bool]
     ) -> None:

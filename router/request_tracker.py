@@ -52,7 +52,12 @@ class RequestTracker:
 
     @property
     def started_decoding(self) -> bool:
-        return any(len(tokens) > 1 for tokens in self.delivered.values())
+        """The prefill phase is over: every sample's first token is out and decoding has begun.
+        With n > 1 the prefill worker sends every sample's first token, and a decode worker's
+        tokens may overtake them: one sample decoding does not mean the others' are out."""
+        n = self.request.params.n
+        all_first_tokens_out = all(self.delivered.get(index) for index in range(n))
+        return all_first_tokens_out and any(len(tokens) > 1 for tokens in self.delivered.values())
 
     @property
     def has_delivered(self) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 import router.cluster
-from engine.messages import OutputBatch, RequestFailure
+from engine.messages import OutputBatch, RequestFailure, TokenEvent
 from router.local_prefill import LocalPrefillRule
 from router.policies import NoWorkerError
 from router.request_tracker import RequestDone
@@ -237,3 +237,33 @@ def test_a_request_id_in_use_as_a_placement_id_is_refused() -> None:
     assert tracker.placement_id == "r1#1"
     with pytest.raises(ValueError, match="already in use"):
         submit(cluster, "r1#1")
+
+
+def test_every_samples_first_token_from_the_prefill_worker_reaches_the_client() -> None:
+    """n=2: decode-0's tokens overtake prefill-0's first tokens. Sample 0's first token releases
+    its decode tokens; the router took that as the prefill phase over and dropped prefill-0 from
+    the request in the middle of its batch, so sample 1's first token was discarded and the
+    client waited for ever."""
+    cluster, _ = make_cluster(1, 1)
+    tracker, items = submit(cluster, "r1", n=2, max_tokens=2)
+    overtaking = [
+        TokenEvent("r1", sample, 1, 12 + 10 * sample, None, "length") for sample in (0, 1)
+    ]
+    cluster._dispatch(OutputBatch("decode-0", overtaking))
+    first = [TokenEvent("r1", sample, 0, 11 + 10 * sample, None, None) for sample in (0, 1)]
+    cluster._dispatch(OutputBatch("prefill-0", first))
+    assert tracker.delivered == {0: [11, 12], 1: [21, 22]}
+    assert isinstance(items[-1], RequestDone)
+    assert not cluster._trackers and not cluster._placed
+
+
+def test_a_worker_out_of_rotation_keeps_no_charges() -> None:
+    """A dead worker's report never comes again, and only a report dropped the charges of the
+    requests it held: they stayed in its ledger for good (and in its status's load)."""
+    cluster, actors = make_cluster(1, 2)
+    _first_of(cluster, "decode-0")
+    submit(cluster, "r1")
+    submit(cluster, "r2")
+    actors["decode-0"].dead = True
+    cluster._poll_loads()
+    assert cluster.workers["decode-0"].ledger.num_charges == 0

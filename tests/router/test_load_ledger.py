@@ -79,3 +79,10 @@ def test_routing_a_request_again_replaces_or_drops_its_charge() -> None:
     assert _running(ledger) == 3
     ledger.drop("a")
     assert _running(ledger) == 0
+
+
+def test_drop_all_forgets_every_charge() -> None:
+    ledger = _ledger_routed_a()
+    ledger.charge("b", num_prompt_tokens=5)
+    ledger.drop_all()
+    assert ledger.num_charges == 0 and _running(ledger) == 0
