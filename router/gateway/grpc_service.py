@@ -80,12 +80,12 @@ def build_grpc_server(gateway: Gateway, address: str) -> tuple[grpc.aio.Server, 
         ),
         "Health": grpc.unary_unary_rpc_method_handler(
             service.Health,
-            request_deserializer=pb.HealthRequest.FromString,
+            request_deserializer=_decoder(pb.HealthRequest, max_bytes),
             response_serializer=pb.HealthResponse.SerializeToString,
         ),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             service.ListModels,
-            request_deserializer=pb.ListModelsRequest.FromString,
+            request_deserializer=_decoder(pb.ListModelsRequest, max_bytes),
             response_serializer=pb.ListModelsResponse.SerializeToString,
         ),
     }
@@ -143,6 +143,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             except ApiError:
                 self.gateway.count_invalid()
                 raise
+            except asyncio.CancelledError:  # the client left while its request was parsed
+                self.gateway.record_outcome("aborted")  # as HTTP counts one that leaves then
+                raise
             await self._generate(spec, caller, context, arrived_at)
         except RequestFailedError as error:  # as HTTP: 503, worth retrying
             self.gateway.record_outcome("failed")
@@ -157,15 +160,17 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Abort(
         self, request: pb.AbortRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        caller = await self._checked_caller(context)
+        caller = await self._checked_caller(context)  # not counted: no generation request
         if isinstance(request, Undecodable):
             await _abort(context, invalid(request.reason))
             raise AssertionError("not reached: abort raises")
         return pb.AbortResponse(aborted=self.gateway.abort(request.request_id, caller))
 
     async def Health(
-        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+        self, request: pb.HealthRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.HealthResponse:
+        if isinstance(request, Undecodable):
+            await _abort(context, invalid(request.reason))
         backend = self.gateway.backend
         live_roles = [s.role for s in backend.worker_statuses() if s.alive]
         return pb.HealthResponse(
@@ -175,9 +180,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
     async def ListModels(
-        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListModelsRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        await self._checked_caller(context)
+        await self._checked_caller(context)  # not counted, as HTTP's /v1/models is not
+        if isinstance(request, Undecodable):
+            await _abort(context, invalid(request.reason))
         model = self.gateway.model
         return pb.ListModelsResponse(
             models=[
@@ -194,7 +201,6 @@ class GenerationService(pb_grpc.GenerationServicer):
     ) -> None:
         request_id = new_request_id("gen")
         with self.gateway.admitted(request_id, caller) as live:
-            await context.write(started_message(request_id, self.gateway.model.name))
             generation = self.gateway.generation(spec, request_id, arrived_at)
             formatter = (
                 LogprobsFormatter(self.gateway.model.tokenizer)
@@ -204,6 +210,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             unfinished = set(range(spec.params.n))
             num_sent_tokens = 0  # what usage reports, also when an Abort cut the run short
             try:
+                await context.write(started_message(request_id, self.gateway.model.name))
                 deltas = merged_deltas([generation], live.aborted)
                 async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
                     async for _, delta in deltas:
@@ -217,27 +224,32 @@ class GenerationService(pb_grpc.GenerationServicer):
             except ApiError:  # the workers refused the request (text_stream.refused)
                 self.gateway.count_invalid()
                 raise
-            for index in sorted(unfinished):
-                await context.write(aborted_message(index))
-            if live.aborted.is_set():
+            if live.aborted.is_set():  # counted before the writes below, which may be cancelled
                 self.gateway.record_outcome("aborted")
             else:
                 self.gateway.record_finished([generation])
                 self.gateway.record_outcome("ok")
+            for index in sorted(unfinished):
+                await context.write(aborted_message(index))
             usage = Usage(
                 generation.num_prompt_tokens, num_sent_tokens, generation.num_cached_tokens
             )
             await context.write(usage_message(usage))
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+    def _caller(self, context: grpc.aio.ServicerContext, *, counted: bool = True) -> Caller:
+        """The caller the ``authorization`` metadata names; a refusal is counted in
+        ``requests_total`` only when ``counted`` (Generate), as HTTP counts only generations."""
+        authorization = None
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
-                return self.gateway.authenticate(value)
-        return self.gateway.authenticate(None)
+                authorization = value
+                break
+        return self.gateway.authenticate(authorization, counted=counted)
 
     async def _checked_caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """The caller of a call that generates nothing (Abort, ListModels): not counted."""
         try:
-            return self._caller(context)
+            return self._caller(context, counted=False)
         except ApiError as error:
             await _abort(context, error)
             raise  # not reached: abort raises

@@ -449,7 +449,7 @@ def test_requests_from_threads_run_concurrently(stub: pb_grpc.GenerationStub) ->
 
 def test_undecodable_requests_are_invalid_arguments(gateway_server: GatewayServer) -> None:
     """Bytes that are no GenerateRequest (a text field that is not UTF-8), or more than the
-    server's limit, get INVALID_ARGUMENT naming why (not UNKNOWN, nor RESOURCE_EXHAUSTED, which
+    server's limit, or no message of any method, get INVALID_ARGUMENT naming why (not UNKNOWN, nor RESOURCE_EXHAUSTED, which
     tells a client to retry), and the server serves the next call."""
     not_utf8 = bytes([2 << 3 | 2, 2, 0xFF, 0xFE])  # field 2 (text), length 2, invalid UTF-8
     too_large = pb.GenerateRequest(text="x" * (LIMITS["max_body_bytes"] + 1)).SerializeToString()
@@ -472,5 +472,18 @@ def test_undecodable_requests_are_invalid_arguments(gateway_server: GatewayServe
         with pytest.raises(grpc.RpcError) as raised:
             abort_raw(bytes([1 << 3 | 2, 1, 0xFF]), metadata=ALICE, timeout=10)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for method, response in (
+            ("Health", pb.HealthResponse),
+            ("ListModels", pb.ListModelsResponse),
+        ):
+            call_raw = channel.unary_unary(  # a truncated varint: no message at all (was UNKNOWN)
+                f"/pdserve.v1.Generation/{method}",
+                request_serializer=lambda raw: raw,
+                response_deserializer=response.FromString,
+            )
+            with pytest.raises(grpc.RpcError) as raised:
+                call_raw(b"\x08", metadata=ALICE, timeout=10)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert f"not a valid {method}Request" in raised.value.details()
         served = generate(pb_grpc.GenerationStub(channel), text="hi", max_tokens=1)
         assert served.usage.completion_tokens == 1

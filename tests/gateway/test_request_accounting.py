@@ -282,3 +282,41 @@ def test_metrics_polls_without_a_key_are_not_counted_as_requests(
         assert http.get("/v1/models").status_code == 401
         assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 401
     assert _requests_by_status(gateway) == {"unauthorized": 1.0}
+
+
+def test_grpc_calls_that_generate_nothing_are_not_counted_as_requests(
+    served_demo: ServedModel,
+) -> None:
+    """As HTTP's /v1/models: a ListModels or Abort call without a valid key is refused but is
+    no generation request (each counted unauthorized); a Generate without one is."""
+    gateway = _gateway(ScriptedCluster(pace_s=0.0), served_demo, ApiKeys(["sk-test-0123456789"]))
+    wrong = (("authorization", "Bearer sk-wrong"),)
+    with _serve(gateway) as (_, stub):
+        for call in (
+            lambda: stub.ListModels(pb.ListModelsRequest(), metadata=wrong),
+            lambda: stub.Abort(pb.AbortRequest(request_id="gen-x"), metadata=wrong),
+            lambda: stub.ListModels(pb.ListModelsRequest()),
+            lambda: list(stub.Generate(pb.GenerateRequest(text="hi"), metadata=wrong)),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _requests_by_status(gateway) == {"unauthorized": 1.0}
+
+
+def test_a_grpc_call_whose_deadline_passes_while_parsed_is_counted_aborted(
+    served_demo: ServedModel,
+) -> None:
+    """A client that gives up while its request is parsed is counted aborted, as HTTP counts
+    one that leaves then (the call was counted nowhere)."""
+    limits = RequestLimits(max_model_len=served_demo.max_model_len)
+    gateway = _SlowParseGateway(ScriptedCluster(pace_s=0.0), served_demo, limits, ApiKeys([]))
+    with _serve(gateway) as (_, stub):
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=PARSE_S / 3))
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 10
+        while not _requests_by_status(gateway) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _wait_until_idle(gateway)
+    assert _requests_by_status(gateway) == {"aborted": 1.0}
