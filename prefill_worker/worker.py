@@ -116,20 +116,35 @@ class PrefillWorker:
         """Queue a prompt; its decode continues on ``decode_worker_id``."""
         if decode_worker_id not in self._peers:
             raise ValueError(f"unknown decode worker {decode_worker_id!r}")
-        with self._targets_lock:
+        # Both locks: a sweep never sees the target without its request (one wait for a step)
+        with self._targets_lock, self.loop.lock:
+            self._forget_finished_locked()
             self._targets[request.request_id] = _Target(decode_worker_id, request.gateway_id)
-        try:
-            self.loop.submit(request, prefill_only=True)
-        except ValueError:
-            with self._targets_lock:
-                self._targets.pop(request.request_id, None)
-            raise
+            try:
+                self.loop.submit(request, prefill_only=True)
+            except ValueError:
+                del self._targets[request.request_id]
+                raise
+
+    def _forget_finished_locked(self) -> None:
+        """Drop the targets of requests that ended here without a hand-off (targets lock held).
+
+        A request whose every sample finished on its first token (max_tokens=1, eos, a stop
+        token) never reaches ``_run_handoff``, where targets are dropped: kept, each one leaked
+        and ``retarget`` answered True for it. A handed-off request stays in the engine, under
+        its lease, until its hand-off has taken the target.
+        """
+        with self.loop.lock:
+            ended = [rid for rid in self._targets if not self.engine.has_request(rid)]
+        for request_id in ended:
+            del self._targets[request_id]
 
     def retarget(self, request_id: str, decode_worker_id: str) -> bool:
         """Send a not-yet-handed-off request to another decode worker; False if too late."""
         if decode_worker_id not in self._peers:
             raise ValueError(f"unknown decode worker {decode_worker_id!r}")
         with self._targets_lock:
+            self._forget_finished_locked()
             target = self._targets.get(request_id)
             if target is None:
                 return False
@@ -161,7 +176,10 @@ class PrefillWorker:
         return self.loop.next_batch(gateway_id, timeout_s)
 
     def load(self) -> WorkerLoad:
-        return self.loop.load(self.role, self._transfer_totals.snapshot())
+        # the router asks every report interval: a sweep for free (one wait for a step)
+        with self._targets_lock, self.loop.lock:
+            self._forget_finished_locked()
+            return self.loop.load(self.role, self._transfer_totals.snapshot())
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -336,9 +354,23 @@ class PrefillWorker:
         listener = KVChannel.listen(
             transport, self.layout, self.transfer.host, channel_id, self.engine.device
         )
+
+        def stop_waiting_if_failed(joined: Future[bool]) -> None:
+            if _failed(joined):
+                listener.close()  # wakes the accept below
+
         try:
             joined = peer.connect_channel(listener.rendezvous, request_id, handoff_id)
-            channel = listener.accept(self.transfer.timeout_s)
+            # A decode worker that cannot join (its side of the transport failed, or it is
+            # gone) ends the wait at once, and its error is the one reported: the accept alone
+            # waited out the whole deadline and failed with a bare timeout.
+            joined.add_done_callback(stop_waiting_if_failed)
+            try:
+                channel = listener.accept(self.transfer.timeout_s)
+            except TransferError:
+                if _failed(joined):
+                    joined.result()  # raises the decode worker's error
+                raise
         finally:
             listener.close()
         try:
@@ -350,3 +382,8 @@ class PrefillWorker:
             raise
         logger.info("KV channel %s open over %s", channel_id, transport)
         return channel_id, channel
+
+
+def _failed(future: Future[bool]) -> bool:
+    """Whether ``future`` has ended without a result."""
+    return future.done() and (future.cancelled() or future.exception() is not None)
