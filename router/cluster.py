@@ -423,13 +423,26 @@ class Cluster:
                     continue  # finished, or from a placement given up
                 if event.position == 0 and event.sample_index == 0:
                     self._first_token_out(tracker.request_id)
-                tracker.accept(event)
+                try:
+                    tracker.accept(event)
+                except Exception:  # its client cannot be reached (its event loop closed)
+                    logger.exception("client of %s unreachable; aborting it", tracker.request_id)
+                    self._drop_unreachable(tracker)
+                    continue
                 if tracker.prefill_worker is not None and tracker.started_decoding:
                     tracker.prefill_worker = None  # first tokens out, decoding begun: prefill over
                 if tracker.closed:
                     self._forget(tracker)
             for failure in batch.failures:
                 self._on_failure(failure, batch.worker_id)
+
+    def _drop_unreachable(self, tracker: RequestTracker) -> None:
+        """End a request whose client cannot take its events (lock held): nobody reads it, so
+        its workers drop it, and the batch's other requests go on."""
+        self._forget(tracker)
+        tracker.closed = True
+        workers = {w for w in (tracker.prefill_worker, tracker.decode_worker) if w}
+        self._abort_on(workers, tracker.placement_id)
 
     def _first_token_out(self, request_id: str) -> None:
         """A prefill is done: its decode worker holds the request from here on (the KV

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 import router.cluster
-from engine.messages import OutputBatch, RequestFailure, TokenEvent
+from engine.messages import GenerateRequest, OutputBatch, RequestFailure, TokenEvent
+from engine.sampling.params import SamplingParams
 from router.local_prefill import LocalPrefillRule
 from router.policies import NoWorkerError
 from router.request_tracker import RequestDone
@@ -267,3 +268,22 @@ def test_a_worker_out_of_rotation_keeps_no_charges() -> None:
     actors["decode-0"].dead = True
     cluster._poll_loads()
     assert cluster.workers["decode-0"].ledger.num_charges == 0
+
+
+def test_a_client_that_cannot_take_its_tokens_does_not_cost_the_others_theirs() -> None:
+    """r1's client is gone (its event loop closed: handing it a token raises). The same batch's
+    token for r2 still reaches r2, r1 is forgotten and its worker told to drop it (the error
+    escaped ``_dispatch`` mid-batch: r2's token was lost)."""
+    cluster, actors = make_cluster(1, 1)
+    request = GenerateRequest("r1", [1, 2, 3], SamplingParams(), cluster.gateway_id)
+
+    def closed_loop(item: object) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    cluster.submit(request, closed_loop)
+    _, second = submit(cluster, "r2")
+    batch = OutputBatch("prefill-0", [token("r1", 0, 11), token("r2", 0, 12)])
+    cluster._dispatch(batch)
+    assert token_ids(second) == [12]
+    assert "r1" not in cluster._trackers and "r1" not in cluster._placed
+    assert "r1" in actors["prefill-0"].aborts()
