@@ -202,12 +202,8 @@ class Cluster:
     def abort(self, request_id: str) -> None:
         with self._lock:
             tracker = self._trackers.get(request_id)
-            if tracker is None:
-                return
-            self._forget(tracker)
-            tracker.closed = True
-            workers = {w for w in (tracker.prefill_worker, tracker.decode_worker) if w}
-            self._abort_on(workers, tracker.placement_id)
+            if tracker is not None:
+                self._end(tracker)
 
     def _forget(self, tracker: RequestTracker) -> None:
         """Stop tracking a request that ended (lock held): late events about it are dropped."""
@@ -425,9 +421,10 @@ class Cluster:
                     self._first_token_out(tracker.request_id)
                 try:
                     tracker.accept(event)
-                except Exception:  # its client cannot be reached (its event loop closed)
+                except Exception:  # its client cannot be reached (its event loop closed):
+                    # nobody reads it, and the batch's other requests go on
                     logger.exception("client of %s unreachable; aborting it", tracker.request_id)
-                    self._drop_unreachable(tracker)
+                    self._end(tracker)
                     continue
                 if tracker.prefill_worker is not None and tracker.started_decoding:
                     tracker.prefill_worker = None  # first tokens out, decoding begun: prefill over
@@ -435,14 +432,6 @@ class Cluster:
                     self._forget(tracker)
             for failure in batch.failures:
                 self._on_failure(failure, batch.worker_id)
-
-    def _drop_unreachable(self, tracker: RequestTracker) -> None:
-        """End a request whose client cannot take its events (lock held): nobody reads it, so
-        its workers drop it, and the batch's other requests go on."""
-        self._forget(tracker)
-        tracker.closed = True
-        workers = {w for w in (tracker.prefill_worker, tracker.decode_worker) if w}
-        self._abort_on(workers, tracker.placement_id)
 
     def _first_token_out(self, request_id: str) -> None:
         """A prefill is done: its decode worker holds the request from here on (the KV
@@ -473,10 +462,17 @@ class Cluster:
 
     def _fail(self, tracker: RequestTracker, message: str) -> None:
         """End a request for good: the client gets ``message``, its live workers drop it."""
+        self._end(tracker, message)
+
+    def _end(self, tracker: RequestTracker, failure: str | None = None) -> None:
+        """Stop a request (lock held): untracked, its client sent ``failure`` (None: it left or
+        aborted, nothing is sent), and its live workers told to drop its placement."""
         self._forget(tracker)
-        tracker.fail(message)
-        workers = {w for w in (tracker.prefill_worker, tracker.decode_worker) if w}
-        self._abort_on(workers, tracker.placement_id)
+        if failure is None:
+            tracker.closed = True
+        else:
+            tracker.fail(failure)
+        self._abort_on(tracker.workers, tracker.placement_id)
 
     def _continues_on_decode_worker(self, tracker: RequestTracker) -> bool:
         """Whether the request's decode worker holds it (a failure report came too late)."""
@@ -592,8 +588,7 @@ class Cluster:
         placement given up sends nothing more to the client, and its live workers drop it: a
         decode worker may still admit its copy (a hand-off that failed late, or whose prefill
         worker died before its first token got out), and that copy would run unseen."""
-        given_up = {w for w in (tracker.prefill_worker, tracker.decode_worker) if w}
-        self._abort_on(given_up, tracker.placement_id)
+        self._abort_on(tracker.workers, tracker.placement_id)
         tracker.num_retries += 1
         tracker.prefill_worker, tracker.decode_worker = None, ""
         try:

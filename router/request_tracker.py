@@ -51,6 +51,11 @@ class RequestTracker:
         return len(self.finished) == self.request.params.n
 
     @property
+    def workers(self) -> set[str]:
+        """The workers of its current placement (none yet while it is being placed)."""
+        return {w for w in (self.prefill_worker, self.decode_worker) if w}
+
+    @property
     def started_decoding(self) -> bool:
         """The prefill phase is over: every sample's first token is out and decoding has begun.
         With n > 1 the prefill worker sends every sample's first token, and a decode worker's
