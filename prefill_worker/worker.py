@@ -116,9 +116,9 @@ class PrefillWorker:
         """Queue a prompt; its decode continues on ``decode_worker_id``."""
         if decode_worker_id not in self._peers:
             raise ValueError(f"unknown decode worker {decode_worker_id!r}")
-        # Both locks: a sweep never sees the target without its request (one wait for a step)
-        with self._targets_lock, self.loop.lock:
-            self._forget_finished_locked()
+        # The target and its request come in under one hold of the targets lock: a sweep
+        # (``_forget_finished_locked``) never sees the one without the other.
+        with self._targets_lock:
             self._targets[request.request_id] = _Target(decode_worker_id, request.gateway_id)
             try:
                 self.loop.submit(request, prefill_only=True)
@@ -176,10 +176,9 @@ class PrefillWorker:
         return self.loop.next_batch(gateway_id, timeout_s)
 
     def load(self) -> WorkerLoad:
-        # the router asks every report interval: a sweep for free (one wait for a step)
-        with self._targets_lock, self.loop.lock:
+        with self._targets_lock:  # the router asks every report interval: a sweep for free
             self._forget_finished_locked()
-            return self.loop.load(self.role, self._transfer_totals.snapshot())
+        return self.loop.load(self.role, self._transfer_totals.snapshot())
 
     def shutdown(self) -> None:
         self.loop.stop()
