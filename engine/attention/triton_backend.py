@@ -40,7 +40,6 @@ class TritonAttentionBackend(AttentionBackend):
         batch-size bucket; None sizes each call by its own bound and batch."""
         self._prefill_index: PerStep[_PrefillIndex] = PerStep()
         self._decode_sizing = decode_sizing
-        self._tokens_per_split: dict[tuple[int, int], int] = {}  # (bucket, KV heads) -> size
 
     def write_kv(
         self,
@@ -100,12 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
         if sizing is None:
             return None
         bucket = padded_batch_size(num_seqs, sizing.batch_sizes) or num_seqs
-        key = (bucket, num_kv_heads)
-        size = self._tokens_per_split.get(key)
-        if size is None:
-            size = default_tokens_per_split(sizing.max_context, bucket, num_kv_heads)
-            self._tokens_per_split[key] = size
-        return size
+        return default_tokens_per_split(sizing.max_context, bucket, num_kv_heads)
 
 
 def _prefill_index(metadata: AttentionMetadata, device: torch.device) -> _PrefillIndex:

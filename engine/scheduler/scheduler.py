@@ -212,9 +212,7 @@ class Scheduler:
             if self.block_manager.can_allocate(seq, num_new):
                 break
             if queued is not seq and queued.block_table:
-                self.block_manager.free(queued)
-                queued.num_preemptions += 1
-                self.num_preemptions += 1
+                self._drop_kv(queued)
         return self.block_manager.can_allocate(seq, num_new)
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
@@ -249,11 +247,15 @@ class Scheduler:
         seq.status = SequenceStatus.HANDED_OFF
 
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self._drop_kv(seq)
         seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; a preemption: its KV is recomputed when it runs again."""
+        self.block_manager.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.is_finished:
