@@ -224,11 +224,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             except ApiError:  # the workers refused the request (text_stream.refused)
                 self.gateway.count_invalid()
                 raise
-            if live.aborted.is_set():  # counted before the writes below, which may be cancelled
-                self.gateway.record_outcome("aborted")
-            else:
-                self.gateway.record_finished([generation])
-                self.gateway.record_outcome("ok")
+            # counted before the writes below, which may be cancelled
+            self.gateway.record_ended([generation], aborted=live.aborted.is_set())
             for index in sorted(unfinished):
                 await context.write(aborted_message(index))
             usage = Usage(

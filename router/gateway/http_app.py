@@ -250,10 +250,7 @@ async def _respond_whole(
     if live.aborted.is_set():  # an Abort call cut it short: what was generated, as gRPC sends
         for choice in choices:
             choice.finish_reason = choice.finish_reason or "abort"
-        gateway.record_outcome("aborted")
-    else:
-        gateway.record_finished(generations)
-        gateway.record_outcome("ok")
+    gateway.record_ended(generations, aborted=live.aborted.is_set())
     logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     build = chat_response if job.kind == "chat" else completion_response
     body = build(header, choices, _usage(generations), logprobs)
@@ -332,10 +329,7 @@ async def _chunks(
     if live.aborted.is_set():  # an Abort call cut it short: end each choice as gRPC does
         for index in sorted(unfinished):
             yield _with_usage(_aborted_chunk(job, header, index), job)
-        gateway.record_outcome("aborted")
-    else:
-        gateway.record_finished(generations)
-        gateway.record_outcome("ok")
+    gateway.record_ended(generations, aborted=live.aborted.is_set())
     if job.include_usage:
         name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         yield usage_chunk(header, name, _usage(generations))

@@ -140,9 +140,14 @@ class Gateway:
             arrived_at=arrived_at,
         )
 
-    def record_finished(self, generations: Sequence[TextGeneration]) -> None:
-        """A request whose every prompt ended normally: each prompt's latencies, and goodput."""
+    def record_ended(self, generations: Sequence[TextGeneration], aborted: bool) -> None:
+        """A request that ended without an error: counted "aborted" if an Abort call cut it
+        short, else "ok" with each prompt's latencies and goodput."""
+        if aborted:
+            self.record_outcome("aborted")
+            return
         self.metrics.finished([generation.finished() for generation in generations])
+        self.record_outcome("ok")
 
     def record_outcome(self, status: str) -> None:
         self.metrics.requests.labels(status=status).inc()
