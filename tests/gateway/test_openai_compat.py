@@ -20,12 +20,12 @@ import pytest
 
 from engine.messages import TokenEvent
 from engine.sampling import SamplingParams
-from router.cluster import WorkerStatus
 from router.gateway.auth import ApiKeys
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
+from tests.gateway.one_live_worker import OneLiveWorker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,22 +40,13 @@ CHAT_TEMPLATE = (
 USER_HI = [{"role": "user", "content": "hi"}]
 
 
-class ScriptedCluster:
+class ScriptedCluster(OneLiveWorker):
     """Answers every sample with ``tokens``, the last one ending it with ``finish_reason``."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.finish_reason = "length"
         self.prompts: list[list[int]] = []  # prompt token ids, as asked
-
-    def worker_statuses(self) -> list[WorkerStatus]:
-        return [WorkerStatus("decode-0", "decode", True, None)]
-
-    def local_prefills(self) -> dict[str, int]:
-        return {}
-
-    def is_ready(self) -> bool:
-        return True
 
     async def generate(
         self,

@@ -26,7 +26,7 @@ from starlette.types import Message
 from engine.messages import TokenEvent
 from engine.sampling import SamplingParams
 from engine.sampling.messages import TokenLogprobs
-from router.cluster import RequestFailedError, WorkerStatus
+from router.cluster import RequestFailedError
 from router.gateway.auth import ApiKeys
 from router.gateway.errors import ApiError
 from router.gateway.http_app import _generate
@@ -34,6 +34,7 @@ from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
+from tests.gateway.one_live_worker import OneLiveWorker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,7 +42,7 @@ DEMO_MODEL = Path(__file__).resolve().parents[2] / "engine" / "demo_model" / "as
 TOKENS = (318, 264, 1400, 286, 4444, 13)  # "ic", " the", " trace", "ct", "", "+"
 
 
-class ScriptedCluster:
+class ScriptedCluster(OneLiveWorker):
     """Yields ``length`` positions of ``TOKENS`` (over again) one every ``pace_s``; fails at
     position ``fail_at``."""
 
@@ -49,15 +50,6 @@ class ScriptedCluster:
         self.pace_s = pace_s
         self.fail_at = fail_at
         self.length = length
-
-    def worker_statuses(self) -> list[WorkerStatus]:
-        return [WorkerStatus("decode-0", "decode", True, None)]
-
-    def local_prefills(self) -> dict[str, int]:
-        return {}
-
-    def is_ready(self) -> bool:
-        return True
 
     async def generate(
         self,

@@ -66,6 +66,17 @@ def hold_header_checks(gate: Any) -> None:
     GroupEndpoint._check_header = held  # type: ignore[method-assign]
 
 
+def plain_rendezvous(rendezvous: ChannelRendezvous) -> dict[str, Any]:
+    """The rendezvous as plain data, for a spawned process's arguments."""
+    return {
+        "transport": rendezvous.transport,
+        "channel_id": rendezvous.channel_id,
+        "host": rendezvous.host,
+        "port": rendezvous.port,
+        "extra": [list(pair) for pair in rendezvous.extra],
+    }
+
+
 def start_receiver(
     rendezvous: ChannelRendezvous,
     layout: KVCacheLayout,
@@ -90,17 +101,10 @@ def start_receiver(
         )
         for t, ids in jobs
     ]
-    plain_rendezvous = {
-        "transport": rendezvous.transport,
-        "channel_id": rendezvous.channel_id,
-        "host": rendezvous.host,
-        "port": rendezvous.port,
-        "extra": [list(pair) for pair in rendezvous.extra],
-    }
     process = context.Process(
         target=receiver_main,
         args=(
-            plain_rendezvous,
+            plain_rendezvous(rendezvous),
             layout.to_json(),
             mode,
             plain_jobs,

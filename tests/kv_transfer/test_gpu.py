@@ -11,6 +11,7 @@ import torch
 
 from kv_transfer import ChannelRendezvous, KVChannel, TransferTicket
 from tests.kv_transfer.helpers import HOST, random_cache, small_layout
+from tests.kv_transfer.peer import plain_rendezvous
 
 pytestmark = pytest.mark.gpu
 
@@ -23,38 +24,42 @@ def _receive(rendezvous: dict[str, Any], device: str, ids: list[int], results: A
         ChannelRendezvous(**rendezvous), layout, torch.device(device), 60.0
     ) as channel:
         for transfer_id in range(2):
-            ticket = TransferTicket(transfer_id, f"r{transfer_id}", len(ids), 60.0, checksum=True)
-            channel.recv_blocks(cache, ids, ticket)
+            channel.recv_blocks(cache, ids, _ticket(transfer_id))
     results.put(cache.cpu().view(torch.int16).numpy())
+
+
+SRC_IDS, DST_IDS = [3, 17, 9, 30, 1], [2, 8, 31, 0, 14]
+
+
+def _spawn_receiver(listener: Any, receiver_device: str) -> tuple[Any, Any]:
+    """A process that receives two transfers into `DST_IDS`; (process, its results queue)."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    rendezvous = plain_rendezvous(listener.rendezvous)
+    args = (rendezvous, receiver_device, DST_IDS, results)
+    process = context.Process(target=_receive, args=args)
+    process.start()
+    return process, results
+
+
+def _ticket(transfer_id: int) -> TransferTicket:
+    return TransferTicket(transfer_id, f"r{transfer_id}", len(SRC_IDS), 60.0, checksum=True)
 
 
 def _run_pair(transport: str, sender_device: str, receiver_device: str) -> None:
     layout = small_layout("bfloat16")
     src = random_cache(layout, 40, seed=4).to(sender_device)
-    src_ids, dst_ids = [3, 17, 9, 30, 1], [2, 8, 31, 0, 14]
     listener = KVChannel.listen(
         transport, layout, HOST, f"gpu-{transport}", torch.device(sender_device), chunk_bytes=4096
     )
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    r = listener.rendezvous
-    plain = {
-        "transport": r.transport,
-        "channel_id": r.channel_id,
-        "host": r.host,
-        "port": r.port,
-        "extra": [list(pair) for pair in r.extra],
-    }
-    process = context.Process(target=_receive, args=(plain, receiver_device, dst_ids, results))
-    process.start()
+    process, results = _spawn_receiver(listener, receiver_device)
     with listener, listener.accept(120.0) as sender:
         for transfer_id in range(2):
-            ticket = TransferTicket(transfer_id, f"r{transfer_id}", 5, 60.0, checksum=True)
-            sender.send_blocks(src, src_ids, ticket)
+            sender.send_blocks(src, SRC_IDS, _ticket(transfer_id))
     received = torch.from_numpy(results.get(timeout=120))
     process.join(60)
     expected = random_cache(layout, 32, seed=5)
-    expected[:, :, dst_ids] = src.cpu()[:, :, src_ids]
+    expected[:, :, DST_IDS] = src.cpu()[:, :, SRC_IDS]
     assert torch.equal(received, expected.view(torch.int16))
 
 
@@ -78,33 +83,21 @@ def _busy_default_stream(seconds: float) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("transport", ["cuda_ipc"])
-def test_a_transfer_does_not_wait_for_the_engines_queued_steps(transport: str) -> None:
+def test_a_transfer_does_not_wait_for_the_engines_queued_steps() -> None:
     """The channel copies on its own stream: with seconds of work queued on the default stream,
     a send finishes long before that work does (it synchronised the default stream before)."""
     layout = small_layout("bfloat16")
     src = random_cache(layout, 40, seed=4).to("cuda:0")
     listener = KVChannel.listen(
-        transport, layout, HOST, f"busy-{transport}", torch.device("cuda:0"), chunk_bytes=4096
+        "cuda_ipc", layout, HOST, "busy-cuda_ipc", torch.device("cuda:0"), chunk_bytes=4096
     )
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    r = listener.rendezvous
-    plain = {
-        "transport": r.transport,
-        "channel_id": r.channel_id,
-        "host": r.host,
-        "port": r.port,
-        "extra": [list(pair) for pair in r.extra],
-    }
-    process = context.Process(target=_receive, args=(plain, "cuda:0", [2, 8, 31, 0, 14], results))
-    process.start()
+    process, results = _spawn_receiver(listener, "cuda:0")
     with listener, listener.accept(120.0) as sender:
-        sender.send_blocks(src, [3, 17, 9, 30, 1], TransferTicket(0, "r0", 5, 60.0, checksum=True))
+        sender.send_blocks(src, SRC_IDS, _ticket(0))
         torch.cuda.synchronize()
         _busy_default_stream(5.0)
         start = time.perf_counter()
-        sender.send_blocks(src, [3, 17, 9, 30, 1], TransferTicket(1, "r1", 5, 60.0, checksum=True))
+        sender.send_blocks(src, SRC_IDS, _ticket(1))
         elapsed = time.perf_counter() - start
         torch.cuda.synchronize()
     results.get(timeout=120)

@@ -1,0 +1,17 @@
+"""What a scripted stand-in for the cluster answers besides ``generate``: one live decode
+worker, no local prefills, ready."""
+
+from __future__ import annotations
+
+from router.cluster import WorkerStatus
+
+
+class OneLiveWorker:
+    def worker_statuses(self) -> list[WorkerStatus]:
+        return [WorkerStatus("decode-0", "decode", True, None)]
+
+    def local_prefills(self) -> dict[str, int]:
+        return {}
+
+    def is_ready(self) -> bool:
+        return True
