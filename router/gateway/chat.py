@@ -45,33 +45,27 @@ class ChatTemplateOptions:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
 
 
-def parse_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
-    """The chat request's template options, checked; 400 naming the field otherwise."""
-    flags = {}
-    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
-        value = body.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise invalid(f"{name} must be a boolean, got {type(value).__name__}", param=name)
-        flags[name] = default if value is None else value
-    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+def template_options(
+    add_generation_prompt: bool, continue_final_message: bool, template_kwargs: Any
+) -> ChatTemplateOptions:
+    """The chat request's template options (flags already type-checked), checked together;
+    400 naming the field otherwise."""
+    if add_generation_prompt and continue_final_message:
         raise invalid(
             "continue_final_message and add_generation_prompt cannot both be true",
             param="continue_final_message",
         )
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, dict):
+    if template_kwargs is None:
+        template_kwargs = {}
+    if not isinstance(template_kwargs, dict):
         raise invalid("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
     if reserved:
         raise invalid(
             f"chat_template_kwargs may not set {', '.join(reserved)}",
             param="chat_template_kwargs",
         )
-    return ChatTemplateOptions(
-        flags["add_generation_prompt"], flags["continue_final_message"], kwargs
-    )
+    return ChatTemplateOptions(add_generation_prompt, continue_final_message, template_kwargs)
 
 
 def parse_messages(value: Any, limits: RequestLimits) -> list[dict[str, str]]:

@@ -17,8 +17,8 @@ from router.gateway.chat import (
     check_prompt_chars,
     check_text,
     parse_messages,
-    parse_template_options,
     render_chat,
+    template_options,
 )
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
@@ -56,7 +56,12 @@ def parse_job(
     include_usage = _stream_options(body, stream)
     if kind == "chat":
         messages = parse_messages(body.get("messages"), limits)
-        prompts = [render_chat(model.tokenizer, messages, parse_template_options(body))]
+        options = template_options(
+            _optional(body, "add_generation_prompt", bool, True),
+            _optional(body, "continue_final_message", bool, False),
+            body.get("chat_template_kwargs"),
+        )
+        prompts = [render_chat(model.tokenizer, messages, options)]
         max_tokens = _chat_max_tokens(body)
         logprobs = _chat_logprobs(body)
         prompt_param = "messages"
