@@ -2,6 +2,8 @@
 
 Lifecycle of a sequence:
   waiting --(admitted: cached prefix attached, blocks allocated)--> running
+  (a sequence whose KV was received from a prefill worker waits holding its blocks; only
+   ``_reclaim_waiting_blocks`` takes them, when nothing else could give blocks back)
   running --(every step: its next chunk or its next token is scheduled)--> running
   running --(out of blocks: newest running sequence is preempted, blocks freed)--> waiting (front)
   running --(stop token / max tokens / abort)--> finished (blocks freed)
@@ -102,8 +104,8 @@ class Scheduler:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_allocate(seq, num_new):
-                # the last one running: before it preempts itself, the queue's blocks
-                if self.running[-1] is seq and self._reclaim_waiting_blocks(seq, num_new):
+                # the only one running: before it preempts itself, the queue's blocks
+                if len(self.running) == 1 and self._reclaim_waiting_blocks(seq, num_new):
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -168,13 +170,23 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]]
     ) -> int:
+        """Admit queued sequences, head first, while budget, blocks and ``max_num_seqs`` allow.
+
+        A head that does not fit gives back the cached prefix it attached here (its blocks stay
+        cached) but keeps the KV it was queued with (received from a prefill worker: freed, its
+        partial last block would be recomputed). It waits while running sequences finish or are
+        preempted, which queue ahead of it without blocks. Its blocks cannot hang the engine:
+        the only running sequence, before it preempts itself, and a head that finds nothing
+        running take them (``_reclaim_waiting_blocks``).
+        """
         # running sequences once those of n > 1 still prefilling have forked
         num_seqs = sum(_num_seqs_to_come(seq) for seq in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if num_seqs + _num_seqs_to_come(seq) > self.config.max_num_seqs:
                 break
-            if not seq.block_table:
+            holds_received_kv = bool(seq.block_table)
+            if not holds_received_kv:
                 num_cached = self.block_manager.attach_cached_prefix(seq)
                 if seq.num_preemptions == 0:  # back from a preemption, it hits its own blocks
                     seq.num_cached_prompt_tokens = num_cached
@@ -186,7 +198,8 @@ class Scheduler:
             if not fits and not chunk_refused and not self.running:
                 fits = self._reclaim_waiting_blocks(seq, num_new)
             if not fits:
-                self.block_manager.free(seq)
+                if not holds_received_kv:
+                    self.block_manager.free(seq)
                 break
             self.waiting.popleft()
             copies += self.block_manager.allocate_slots(seq, num_new)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.block_manager import BlockManager, num_blocks_for
 from engine.sampling import SamplingParams
 from engine.scheduler import (
     ModelRunnerOutput,
@@ -54,6 +54,35 @@ class Harness:
         )
         self.scheduler.add(seq)
         return seq
+
+    def add_received(self, prompt: list[int], max_tokens: int, n: int = 1) -> list[Sequence]:
+        """Queue a request's n samples as a decode engine does once the prompt's KV arrived:
+        every sample shares the prompt's blocks and holds the first token the prefill side
+        sampled."""
+        num_blocks = num_blocks_for(len(prompt), self.manager.block_size)
+        block_ids = [self.manager.pool.allocate() for _ in range(num_blocks)]
+        params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
+        request_id = f"r{next(self.ids)}"
+        samples = []
+        for index in range(n):
+            seq = Sequence(
+                self.scheduler.new_seq_id(),
+                request_id,
+                prompt,
+                params,
+                len(prompt) + max_tokens,
+                sample_index=index,
+            )
+            if index > 0:
+                for block_id in block_ids:
+                    self.manager.pool.incref(block_id)
+            seq.block_table = list(block_ids)
+            seq.num_computed_tokens = len(prompt)
+            self.manager.commit_computed(seq)
+            seq.token_ids.append(fake_next_token(seq))
+            self.scheduler.add_computed(seq)
+            samples.append(seq)
+        return samples
 
     def run_to_completion(self, max_steps: int = 1000) -> list[SchedulerOutput]:
         outputs = []
@@ -195,3 +224,80 @@ def test_more_parallel_samples_than_max_num_seqs_is_refused() -> None:
     harness = Harness(max_num_seqs=2)
     with pytest.raises(ValueError, match="max_num_seqs"):
         harness.add([3] * 4, max_tokens=4, n=3)
+
+
+def test_received_kv_waits_holding_its_blocks_and_is_never_recomputed() -> None:
+    """Two samples arrive with their 6-token prompt's KV (a full block and a partial one,
+    shared) while a running sequence holds the other 4 blocks. The first sample needs a block
+    to copy the shared partial one into: it waits, blocks held, until the running one is done.
+    Had it given them back, this decode engine would have computed its prompt again."""
+    harness = Harness(num_blocks=6, block_size=4)
+    running = harness.add(list(range(3, 18)), max_tokens=2)  # 4 blocks for its 16 tokens
+    out = harness.scheduler.schedule()
+    harness.scheduler.update(out, fake_run(out))
+    prompt = list(range(20, 26))
+    samples = harness.add_received(prompt, max_tokens=5, n=2)
+    assert harness.manager.num_free_blocks == 0
+    outputs = harness.run_to_completion()
+    assert samples[0] not in [e.seq for e in outputs[0].scheduled]  # it waited
+    for out in outputs:
+        for entry in out.scheduled:
+            if entry.seq in samples:
+                assert entry.start_position >= len(prompt) and entry.num_new_tokens == 1
+    assert harness.scheduler.num_preemptions == 0
+    assert running.output_token_ids == expected_output(list(range(3, 18)), 2)
+    for seq in samples:
+        assert seq.output_token_ids == expected_output(prompt, 5, seq.sample_index)
+    assert harness.manager.num_free_blocks == 6
+
+
+def _two_decodes_then_received(harness: Harness, received_prompt: list[int]) -> list[Sequence]:
+    """Two sequences of 4 prompt tokens decode (a block each so far, 4 each at the end), then
+    a request for 3 tokens arrives with its prompt's KV. Returns the two and its sample."""
+    decoding = [harness.add([3 + i] * 4, max_tokens=12) for i in range(2)]
+    out = harness.scheduler.schedule()
+    harness.scheduler.update(out, fake_run(out))
+    return [*decoding, *harness.add_received(received_prompt, max_tokens=3)]
+
+
+def test_received_kv_keeps_its_blocks_while_running_sequences_preempt_each_other() -> None:
+    """The received prompt fills 2 blocks, so its next token needs a third; the two decoding
+    sequences take the other 4 and run out. The newer one is preempted (not the received KV
+    taken), the older decodes to its end, and only then the received sample runs, from its
+    prompt's end."""
+    harness = Harness(num_blocks=6, block_size=4)
+    received_prompt = list(range(30, 38))
+    older, newer, received = _two_decodes_then_received(harness, received_prompt)
+    outputs = harness.run_to_completion()
+    assert (older.num_preemptions, newer.num_preemptions, received.num_preemptions) == (0, 1, 0)
+    steps = [(i, e) for i, out in enumerate(outputs) for e in out.scheduled]
+    older_end = max(i for i, e in steps if e.seq is older)
+    first_step, first = next((i, e) for i, e in steps if e.seq is received)
+    assert first_step > older_end and first.start_position == len(received_prompt)
+    for i, seq in enumerate((older, newer)):
+        assert seq.output_token_ids == expected_output([3 + i] * 4, 12)
+    assert received.output_token_ids == expected_output(received_prompt, 3)
+    assert harness.manager.num_free_blocks == 6
+
+
+def test_received_kv_waiting_gives_its_blocks_to_the_only_running_sequence() -> None:
+    """As above, but the received prompt holds 3 blocks: once the newer decode is preempted, the
+    older, running alone, still runs out. It takes the received KV's blocks rather than
+    preempting itself (nothing else could give blocks back), and every sequence ends."""
+    harness = Harness(num_blocks=6, block_size=4)
+    received_prompt = list(range(30, 42))
+    older, newer, received = _two_decodes_then_received(harness, received_prompt)
+    for _ in range(20):  # until its blocks are taken, while it waits
+        running = list(harness.scheduler.running)
+        out = harness.scheduler.schedule()
+        harness.scheduler.update(out, fake_run(out))
+        if not received.block_table:
+            break
+    assert running == [older] and out.scheduled[0].seq is older and out.num_preempted == 0
+    assert newer.num_preemptions == 1 and received.num_preemptions == 1
+    harness.run_to_completion()
+    assert older.num_preemptions == 0
+    for i, seq in enumerate((older, newer)):
+        assert seq.output_token_ids == expected_output([3 + i] * 4, 12)
+    assert received.output_token_ids == expected_output(received_prompt, 3)
+    assert harness.manager.num_free_blocks == 6
