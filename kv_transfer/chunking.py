@@ -75,12 +75,14 @@ def chunk_view(staging: torch.Tensor, chunk: Chunk, layout: KVCacheLayout) -> to
     return staging[: chunk.nbytes].view(layout.torch_dtype).view(shape)
 
 
-@dataclass(frozen=True, slots=True)
 class BlockIds:
-    """A transfer's block ids, as an index tensor (gathers) and as Python ints (CPU scatters)."""
+    """A transfer's block ids, as Python ints (CPU scatters, the wire) and as an index tensor
+    on the cache's device (gathers, GPU scatters)."""
 
-    tensor: torch.Tensor  # int64 [num_blocks] on the cache's device
-    values: tuple[int, ...]  # the same ids
+    def __init__(self, values: tuple[int, ...], device: torch.device) -> None:
+        self.values = values
+        self.device = device
+        self._tensor: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -93,7 +95,16 @@ class BlockIds:
         bad = [b for b in values if not 0 <= b < num_cache_blocks]
         if bad:
             raise ValueError(f"block ids {bad[:4]} out of range for a cache of {num_cache_blocks}")
-        return cls(torch.tensor(values, dtype=torch.int64, device=device), values)
+        return cls(values, device)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The ids as int64 ``[num_blocks]`` on the device, uploaded on first use on the
+        calling thread's current stream: a channel end's own (`CopyStream`). Uploaded on the
+        engine's stream, the copy would wait for every step the engine had queued there."""
+        if self._tensor is None:
+            self._tensor = torch.tensor(self.values, dtype=torch.int64, device=self.device)
+        return self._tensor
 
 
 def runs(values: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -1,33 +1,47 @@
-"""`cuda_ipc` transport: same-host GPU caches through a CUDA IPC-shared staging buffer.
+"""`cuda_ipc` transport: the receiver copies the blocks straight out of the sender's KV cache.
 
-Lifecycle: listen (control socket on host) → receiver connects, handshake → the sender
-allocates a two-slot staging buffer on its GPU and puts the buffer's CUDA IPC handle (torch's
-`_share_cuda_`, base64 in JSON, never pickled) in WELCOME → the receiver opens it
-(`_new_shared_cuda`) and answers ATTACHED → transfers by the segment protocol, each side
-copying on its own stream (`CopyStream`, not the engine's) and synchronising it before
-signalling → close drops the mapping (the receiver's) and the buffer (the sender's; torch's
-IPC ref counter keeps it until the receiver let go).
+Lifecycle: listen (control socket on host) → receiver connects, handshake → per transfer:
+
+  sender   BEGIN (JSON: the ticket's ids, its block ids, the CRC32 of its blocks when the
+           ticket asks for a checksum, and the first time it sends from a cache that cache's
+           CUDA IPC handle) → waits for DONE; its blocks are leased until then
+  receiver checks BEGIN (a mismatch answers DONE with the reason) → maps the sender's cache
+           (once per channel and cache: torch's ``_new_shared_cuda``, on the receiver's index
+           of the GPU) → copies every block pair in one kernel (`block_copy`) on its own
+           stream (`CopyStream`) and synchronises it → (checksum: CRC32 of what landed) →
+           DONE (JSON ok / reason)
+
+→ close drops the mapping (torch's IPC reference counter keeps the sender's cache allocated
+until every receiver let go). Each byte is read once and written once, what a device-to-device
+copy of the same bytes costs; a staged design (gather into a shared buffer, scatter out of it)
+moves every byte twice. The sender does no GPU work unless the ticket asks for a checksum: its
+blocks were written by a prefill step whose output the host has read back, so they are there.
 NCCL cannot pair two ranks on one GPU; this is the same-GPU path. Needs two processes.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
+import time
 from typing import Any
 
 import torch
 
+from kv_transfer.block_copy import copy_blocks
+from kv_transfer.checksum import StreamingCrc32
+from kv_transfer.chunking import BlockIds, gather_chunk, plan_chunks, planes_view
 from kv_transfer.deadline import Deadline
-from kv_transfer.errors import ProtocolError
+from kv_transfer.errors import ProtocolError, TransferError
 from kv_transfer.handshake import send_welcome, welcome_field
 from kv_transfer.layout import KVCacheLayout
-from kv_transfer.messages import ChannelRendezvous
-from kv_transfer.transports.base import Endpoint
+from kv_transfer.messages import ChannelRendezvous, TransferStats
+from kv_transfer.transports.base import Endpoint, Move, PhaseTimer
 from kv_transfer.transports.control import ControlListener, open_control
 from kv_transfer.transports.copy_stream import CopyStream
-from kv_transfer.transports.segment import NUM_SLOTS, Segment, SegmentEndpoint, slot_size
-from kv_transfer.wire import FramedConnection, Kind
+from kv_transfer.wire import FramedConnection, Kind, decode_json
+
+_HANDLE_FIELDS = 8  # torch's _share_cuda_: device, handle, size, offset, ref counter, its
+# offset, event, event sync
 
 
 def _require_cuda(device: torch.device) -> None:
@@ -35,60 +49,52 @@ def _require_cuda(device: torch.device) -> None:
         raise RuntimeError(f"the cuda_ipc transport needs a CUDA device, got {device}")
 
 
-class CudaSegment(Segment):
-    def __init__(self, buffer: torch.Tensor, slot_bytes: int) -> None:
-        self.slot_bytes = slot_bytes
-        self._device = buffer.device
-        self._buffer: torch.Tensor | None = buffer  # uint8 [NUM_SLOTS * slot_bytes]
-        self._slots = list(buffer.split(slot_bytes))
-        self._stream = CopyStream(self._device)
+def share_cache(kv_cache: torch.Tensor) -> dict[str, Any]:
+    """The CUDA IPC handle of ``kv_cache`` (contiguous) as JSON-able data for `map_cache`."""
+    fields = kv_cache.untyped_storage()._share_cuda_()
+    return {
+        "fields": [_encode(value) for value in fields],
+        "offset": kv_cache.storage_offset(),  # in elements
+        "num_blocks": int(kv_cache.shape[2]),
+    }
 
-    @classmethod
-    def create(cls, slot_bytes: int, device: torch.device) -> CudaSegment:
-        buffer = torch.zeros(NUM_SLOTS * slot_bytes, dtype=torch.uint8, device=device)
-        return cls(buffer, slot_bytes)
 
-    def handle(self) -> dict[str, Any]:
-        """The buffer's IPC handle as JSON-able data."""
-        assert self._buffer is not None
-        fields = self._buffer.untyped_storage()._share_cuda_()
-        return {
-            "fields": [_encode(value) for value in fields],
-            "offset": self._buffer.storage_offset(),
-        }
+def map_cache(handle: dict[str, Any], layout: KVCacheLayout, device: torch.device) -> torch.Tensor:
+    """The sender's cache, mapped into this process on ``device``; `ProtocolError` for a
+    malformed handle or one whose memory cannot hold the cache it describes."""
+    try:
+        fields = [_decode(value) for value in handle["fields"]]
+        offset, num_blocks = int(handle["offset"]), int(handle["num_blocks"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed CUDA IPC handle: {exc}") from exc
+    if len(fields) != _HANDLE_FIELDS:
+        raise ProtocolError(f"malformed CUDA IPC handle: {len(fields)} fields, not 8")
+    shape = layout.cache_shape(num_blocks)
+    itemsize = layout.torch_dtype.itemsize
+    needed = (offset + layout.block_nbytes // itemsize * num_blocks) * itemsize
+    if offset < 0 or num_blocks <= 0 or not isinstance(fields[2], int) or fields[2] < needed:
+        raise ProtocolError(
+            f"the sender's CUDA IPC handle maps {fields[2]!r} B, not the {needed} B of a "
+            f"{num_blocks}-block cache at element {offset}"
+        )
+    torch.cuda._lazy_init()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    # fields[0] is the sender's index of the GPU, which the receiver may number otherwise
+    # (another CUDA_VISIBLE_DEVICES); _new_shared_cuda maps the memory on the device it names
+    fields[0] = index
+    with torch.cuda.device(index):
+        storage = torch.UntypedStorage._new_shared_cuda(*fields)
+        cache = torch.empty(0, dtype=layout.torch_dtype, device=torch.device("cuda", index))
+        cache.set_(storage, offset, shape, _contiguous_strides(shape))
+    return cache
 
-    @classmethod
-    def open(cls, handle: dict[str, Any], slot_bytes: int, device: torch.device) -> CudaSegment:
-        try:
-            fields = [_decode(value) for value in handle["fields"]]
-            offset = int(handle["offset"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed CUDA IPC handle: {exc}") from exc
-        if len(fields) != 8:  # (device, handle, size, offset, ref counter, its offset, event, sync)
-            raise ProtocolError(f"malformed CUDA IPC handle: {len(fields)} fields, not 8")
-        torch.cuda._lazy_init()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        # fields[0] is the sender's index of the GPU, which the receiver may number otherwise
-        # (another CUDA_VISIBLE_DEVICES); _new_shared_cuda maps the buffer on the device it names
-        fields[0] = index
-        with torch.cuda.device(index):
-            storage = torch.UntypedStorage._new_shared_cuda(*fields)
-            buffer = torch.empty(0, dtype=torch.uint8, device=device)
-            buffer.set_(storage, offset, (NUM_SLOTS * slot_bytes,), (1,))
-        return cls(buffer, slot_bytes)
 
-    def slot(self, index: int) -> torch.Tensor:
-        return self._slots[index]
-
-    def copies(self) -> contextlib.AbstractContextManager[None]:
-        return self._stream.active()
-
-    def sync(self) -> None:
-        self._stream.synchronize()
-
-    def close(self) -> None:
-        self._slots = []
-        self._buffer = None
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _encode(value: object) -> object:
@@ -103,6 +109,140 @@ def _decode(value: object) -> object:
     return value
 
 
+def _crc_of_blocks(
+    planes: torch.Tensor, block_ids: BlockIds, layout: KVCacheLayout, chunk_bytes: int
+) -> int:
+    """CRC32 of the blocks in transfer order (each chunk gathered into one scratch buffer)."""
+    crc = StreamingCrc32()
+    scratch = torch.empty(chunk_bytes, dtype=torch.uint8, device=planes.device)
+    for chunk in plan_chunks(layout, len(block_ids.values), chunk_bytes):
+        shape = (chunk.plane_stop - chunk.plane_start, chunk.block_stop - chunk.block_start, -1)
+        out = scratch[: chunk.nbytes].view(layout.torch_dtype).view(shape)
+        gather_chunk(planes, block_ids, chunk, out)
+        crc.update(out)
+    return crc.value
+
+
+class CudaIpcEndpoint(Endpoint):
+    """Either end of a cuda_ipc channel: the sender's remembers which cache it shared, the
+    receiver's holds the mapping of it."""
+
+    def __init__(
+        self, layout: KVCacheLayout, conn: FramedConnection, device: torch.device, chunk_bytes: int
+    ) -> None:
+        super().__init__(layout)
+        self._conn = conn
+        self._device = device
+        self._chunk_bytes = chunk_bytes  # checksum scratch: the CRC is over chunks this size
+        self._stream = CopyStream(device)
+        self._shared: tuple[int, int] | None = None  # sender: (address, blocks) it shared
+        self._mapped: torch.Tensor | None = None  # receiver: the sender's cache
+
+    def send(self, move: Move) -> TransferStats:
+        ticket, deadline, timer = move.ticket, move.deadline, PhaseTimer()
+        begin: dict[str, Any] = {
+            "transfer_id": ticket.transfer_id,
+            "request_id": ticket.request_id,
+            "num_blocks": ticket.num_blocks,
+            "checksum": ticket.checksum,
+            "block_ids": list(move.block_ids.values),
+        }
+        cache_key = (move.kv_cache.data_ptr(), int(move.kv_cache.shape[2]))
+        if self._shared != cache_key:
+            begin["cache"] = share_cache(move.kv_cache)
+            self._shared = cache_key
+        if ticket.checksum:
+            start = time.perf_counter()
+            with self._stream.active():
+                planes = planes_view(move.kv_cache, self.layout)
+                begin["crc"] = _crc_of_blocks(
+                    planes, move.block_ids, self.layout, self._chunk_bytes
+                )
+            timer.checksum_s += time.perf_counter() - start
+        self._conn.send_json(Kind.BEGIN, begin, deadline)
+        start = time.perf_counter()
+        kind, payload = self._conn.recv(deadline)
+        timer.wire_s += time.perf_counter() - start
+        if kind != Kind.DONE:
+            raise ProtocolError(f"expected DONE from the peer, got {kind.name}")
+        outcome = decode_json(payload)
+        if not outcome.get("ok"):
+            raise TransferError(f"the receiver failed the transfer: {outcome.get('reason')}")
+        return timer.stats(ticket, ticket.num_blocks * self.layout.block_nbytes, 1)
+
+    def recv(self, move: Move) -> TransferStats:
+        ticket, deadline, timer = move.ticket, move.deadline, PhaseTimer()
+        start = time.perf_counter()
+        begin = decode_json(self._conn.expect(Kind.BEGIN, deadline))
+        timer.wire_s += time.perf_counter() - start
+        src_ids = self._check_begin(begin, move, deadline)
+        assert self._mapped is not None
+        with self._stream.active():
+            start = time.perf_counter()
+            src = planes_view(self._mapped, self.layout)
+            dst = planes_view(move.kv_cache, self.layout)
+            copy_blocks(src, src_ids.tensor, dst, move.block_ids.tensor)
+            self._stream.synchronize()
+            timer.scatter_s += time.perf_counter() - start
+            reason = None
+            if ticket.checksum:  # read back what landed in the cache
+                start = time.perf_counter()
+                crc = _crc_of_blocks(dst, move.block_ids, self.layout, self._chunk_bytes)
+                timer.checksum_s += time.perf_counter() - start
+                if crc != begin.get("crc"):
+                    reason = f"checksum mismatch: sender {begin.get('crc')}, received {crc}"
+        self._conn.send_json(Kind.DONE, {"ok": reason is None, "reason": reason}, deadline)
+        if reason is not None:
+            raise TransferError(reason)
+        return timer.stats(ticket, ticket.num_blocks * self.layout.block_nbytes, 1)
+
+    def _check_begin(self, begin: dict[str, Any], move: Move, deadline: Deadline) -> BlockIds:
+        """The sender's block ids, on this device. A BEGIN that is not the transfer this side
+        expects, or names blocks its cache lacks, is refused (DONE with the reason)."""
+        reason = self._refusal(begin, move)
+        if reason is not None:
+            self._conn.send_json(Kind.DONE, {"ok": False, "reason": reason}, deadline)
+            raise ProtocolError(reason)
+        assert self._mapped is not None
+        return BlockIds.build(begin["block_ids"], self._mapped.shape[2], self._device)
+
+    def _refusal(self, begin: dict[str, Any], move: Move) -> str | None:
+        """Why this BEGIN cannot be received, or None; maps a cache it carries."""
+        ticket = move.ticket
+        if "cache" in begin:  # first, so that a refused transfer still leaves the cache mapped
+            self._mapped = None
+            try:
+                self._mapped = map_cache(begin["cache"], self.layout, self._device)
+            except (ProtocolError, RuntimeError) as exc:
+                return f"cannot map the sender's cache: {exc}"
+        theirs = (begin.get("transfer_id"), begin.get("num_blocks"), begin.get("checksum"))
+        if theirs != (ticket.transfer_id, ticket.num_blocks, ticket.checksum):
+            return (
+                f"the sender started transfer {theirs[0]} (request {begin.get('request_id')!r}, "
+                f"{theirs[1]} blocks, checksum={theirs[2]}), the receiver expects "
+                f"{ticket.label} ({ticket.num_blocks} blocks, checksum={ticket.checksum})"
+            )
+        if self._mapped is None:
+            return "the sender's first BEGIN carried no CUDA IPC handle of its cache"
+        block_ids, cache_blocks = begin.get("block_ids"), int(self._mapped.shape[2])
+        if not isinstance(block_ids, list) or len(block_ids) != ticket.num_blocks:
+            return (
+                f"the sender's block_ids are not a list of {ticket.num_blocks}: {block_ids!r:.200}"
+            )
+        if not all(type(b) is int and 0 <= b < cache_blocks for b in block_ids):
+            return f"the sender's block_ids are not all in [0, {cache_blocks}): {block_ids!r:.200}"
+        if len(set(block_ids)) != len(block_ids):
+            return "the sender's block_ids repeat"
+        return None
+
+    def abort(self) -> None:
+        self._conn.shutdown()
+
+    def close(self) -> None:
+        self._conn.close()
+        self._mapped = None
+
+
 class CudaIpcListener(ControlListener):
     def __init__(
         self,
@@ -115,18 +255,11 @@ class CudaIpcListener(ControlListener):
         _require_cuda(device)
         super().__init__("cuda_ipc", layout, host, channel_id)
         self._device = device
-        self._slot_bytes = slot_size(chunk_bytes, layout)
+        self._chunk_bytes = chunk_bytes
 
     def establish(self, conn: FramedConnection, deadline: Deadline) -> Endpoint:
-        segment = CudaSegment.create(self._slot_bytes, self._device)
-        try:
-            extra = {"handle": segment.handle(), "slot_bytes": self._slot_bytes}
-            send_welcome(conn, self.layout, extra, deadline)
-            conn.expect(Kind.ATTACHED, deadline)
-        except BaseException:
-            segment.close()
-            raise
-        return SegmentEndpoint(self.layout, conn, segment)
+        send_welcome(conn, self.layout, {"chunk_bytes": self._chunk_bytes}, deadline)
+        return CudaIpcEndpoint(self.layout, conn, self._device, self._chunk_bytes)
 
 
 def connect_cuda_ipc(
@@ -135,10 +268,8 @@ def connect_cuda_ipc(
     _require_cuda(device)
     conn, welcome = open_control(rendezvous, layout, deadline)
     try:
-        handle = welcome_field(welcome, "handle", dict)
-        segment = CudaSegment.open(handle, welcome_field(welcome, "slot_bytes", int), device)
-        conn.send(Kind.ATTACHED, b"", deadline)
+        chunk_bytes = welcome_field(welcome, "chunk_bytes", int)
     except BaseException:
         conn.close()
         raise
-    return SegmentEndpoint(layout, conn, segment)
+    return CudaIpcEndpoint(layout, conn, device, chunk_bytes)

@@ -1,4 +1,4 @@
-"""Transfers staged through a shared two-slot segment: the protocol of `shm` and `cuda_ipc`.
+"""Transfers staged through a shared two-slot segment: the protocol of `shm`.
 
 The sender gathers chunk k straight into slot k % 2 of memory both processes map, the receiver
 scatters straight out of it: one copy on each side, no socket carries payload. The control
@@ -16,7 +16,6 @@ transfers → `abort` (shuts the control socket: any blocked wait fails at once)
 from __future__ import annotations
 
 import abc
-import contextlib
 import struct
 import time
 from typing import Any
@@ -71,15 +70,6 @@ class Segment(abc.ABC):
     def slot(self, index: int) -> torch.Tensor:
         """Slot `index` as a uint8 tensor of `slot_bytes`."""
 
-    def copies(self) -> contextlib.AbstractContextManager[None]:
-        """Where this side's copies into / out of the segment run (CUDA: the channel's own
-        stream, `CopyStream`); nothing to set up on CPU."""
-        return contextlib.nullcontext()
-
-    @abc.abstractmethod
-    def sync(self) -> None:
-        """Make this side's copies into / out of the segment complete (CUDA: stream sync)."""
-
     @abc.abstractmethod
     def close(self) -> None:
         """Unmap. Idempotent."""
@@ -95,10 +85,6 @@ class SegmentEndpoint(Endpoint):
         return plan_chunks(self.layout, num_blocks, self._segment.slot_bytes)
 
     def send(self, move: Move) -> TransferStats:
-        with self._segment.copies():
-            return self._send(move)
-
-    def _send(self, move: Move) -> TransferStats:
         ticket, deadline, timer = move.ticket, move.deadline, PhaseTimer()
         plan = self._plan(ticket.num_blocks)
         begin = {
@@ -116,7 +102,6 @@ class SegmentEndpoint(Endpoint):
             slot = self._segment.slot(k % NUM_SLOTS)
             start = time.perf_counter()
             gather_chunk(planes, move.block_ids, chunk, chunk_view(slot, chunk, self.layout))
-            self._segment.sync()
             timer.gather_s += time.perf_counter() - start
             if crc is not None:
                 start = time.perf_counter()
@@ -151,10 +136,6 @@ class SegmentEndpoint(Endpoint):
         return payload
 
     def recv(self, move: Move) -> TransferStats:
-        with self._segment.copies():
-            return self._recv(move)
-
-    def _recv(self, move: Move) -> TransferStats:
         ticket, deadline, timer = move.ticket, move.deadline, PhaseTimer()
         self._check_begin(decode_json(self._await(Kind.BEGIN, deadline, timer)), ticket, deadline)
         plan = self._plan(ticket.num_blocks)
@@ -175,7 +156,6 @@ class SegmentEndpoint(Endpoint):
                 gather_chunk(planes, move.block_ids, chunk, chunk_view(slot, chunk, self.layout))
                 crc.update(slot[: chunk.nbytes])
                 timer.checksum_s += time.perf_counter() - start
-            self._segment.sync()
             self._conn.send(Kind.FREE, _SIGNAL.pack(ticket.transfer_id, k), deadline)
         sent_crc = decode_json(self._await(Kind.END, deadline, timer)).get("crc")
         ok = crc is None or crc.value == sent_crc

@@ -93,9 +93,6 @@ class HostSegment(Segment):
     def slot(self, index: int) -> torch.Tensor:
         return self._slots[index]
 
-    def sync(self) -> None:
-        """CPU copies are complete when they return."""
-
     def close(self) -> None:
         self._slots = []
         mapping, self._map = self._map, None

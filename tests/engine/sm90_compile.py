@@ -1,4 +1,5 @@
-"""Compile every Triton kernel the engine launches on a GPU for Hopper (sm_90), without one.
+"""Compile every Triton kernel the engine (and kv_transfer's cuda_ipc receiver) launches on a
+GPU for Hopper (sm_90), without one.
 
 Run as ``python -m tests.engine.sm90_compile`` with TRITON_INTERPRET unset (the interpreter
 replaces ``@triton.jit`` at import time): each kernel wrapper is called with ``meta`` tensors
@@ -35,16 +36,20 @@ from engine.kernels import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from kv_transfer import block_copy
 
 HOPPER = GPUTarget("cuda", 90, 32)
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")
 _TENSOR_CORE_OP = re.compile(r"\b(?:wgmma\.mma_async|mma\.sync)\b")
+_VECTOR_STORE = re.compile(r"\bst\.global(?:\.\w+)*\.v[24]\.")  # 2 or 4 words per thread
 _POINTER_TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",
     torch.float32: "*fp32",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.int16: "*i16",
+    torch.uint8: "*u8",
 }
 
 
@@ -123,6 +128,10 @@ def compile_launch(launch: Launch) -> Any:
     params = launch.kernel.params
     signature: dict[str, str] = {}
     constexprs: dict[tuple[int, ...], Any] = {}
+    # what Triton's launcher specialises an argument to when it is a multiple of 16 (an
+    # integer) or 16-byte aligned (a tensor's address: every allocation, and the views the
+    # wrappers pass): vector loads and stores need to know it
+    aligned: dict[tuple[int, ...], list[list[Any]]] = {}
     options = {key: launch.kwargs[key] for key in _LAUNCH_OPTIONS if key in launch.kwargs}
     for index, param in enumerate(params):
         if index < len(launch.args):
@@ -136,7 +145,11 @@ def compile_launch(launch: Launch) -> Any:
             constexprs[(index,)] = value
         else:
             signature[param.name] = _argument_type(value)
-    source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs)
+            if isinstance(value, torch.Tensor) or (
+                type(value) is int and value % 16 == 0 and value != 0
+            ):
+                aligned[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=HOPPER, options=options)
 
 
@@ -219,6 +232,17 @@ def _elementwise(shape: ModelShape, dtype: torch.dtype, num_tokens: int) -> Call
     return call
 
 
+def _block_copy(shape: ModelShape, dtype: torch.dtype, num_blocks: int) -> Callable[[], object]:
+    """A cuda_ipc receiver's copy of ``num_blocks`` blocks out of the sender's cache."""
+    planes = (2 * 32, 4096, BLOCK_SIZE * shape.num_kv_heads * shape.head_dim)  # 32 layers
+    return lambda: block_copy.copy_blocks(
+        _meta(*planes, dtype=dtype),
+        _meta(num_blocks, dtype=torch.int64),
+        _meta(*planes, dtype=dtype),
+        _meta(num_blocks, dtype=torch.int64),
+    )
+
+
 def cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
     """(label, kernel module, wrapper call) for the launches a GPU engine makes: every model
     shape in bfloat16 (what GPUs serve), and the first in float16 and float32 too."""
@@ -233,6 +257,7 @@ def cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
             yield f"prefill {tag}", paged_prefill_attention, _prefill(shape, dtype, 1024)
             yield f"kv write {tag}", kv_cache_write, _write(shape, dtype, 64)
             yield f"elementwise {tag}", elementwise, _elementwise(shape, dtype, 64)
+            yield f"kv block copy {tag}", block_copy, _block_copy(shape, dtype, 512)
 
 
 def _launch_key(launch: Launch) -> tuple[Any, ...]:
@@ -263,6 +288,7 @@ def main() -> int:
             else:
                 ptx = compiled.asm["ptx"]
                 result["tensor_core_instructions"] = len(_TENSOR_CORE_OP.findall(ptx))
+                result["vector_stores"] = len(_VECTOR_STORE.findall(ptx))
                 result["shared"] = compiled.metadata.shared
                 result["num_warps"] = compiled.metadata.num_warps
                 result.update(resource_usage(compiled.asm["cubin"]))

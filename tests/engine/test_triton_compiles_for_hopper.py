@@ -22,11 +22,12 @@ H100_SHARED_BYTES = 227 * 1024  # the most shared memory one block may opt into 
 PTXAS = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
 
 
-def _kernel_names_in_engine() -> set[str]:
-    """Names of the ``@triton.jit`` functions under engine/kernels/ (helpers that kernels
-    call, like ``_attend_tile``, are compiled inside them)."""
+def _kernel_names() -> set[str]:
+    """Names of the ``@triton.jit`` functions under engine/kernels/ and in kv_transfer's block
+    copy (helpers that kernels call, like ``_attend_tile``, are compiled inside them)."""
     names = set()
-    for path in Path(engine.kernels.__file__).parent.glob("*.py"):
+    paths = [*Path(engine.kernels.__file__).parent.glob("*.py"), ROOT / "kv_transfer/block_copy.py"]
+    for path in paths:
         lines = path.read_text().splitlines()
         for decorator, definition in zip(lines, lines[1:]):
             if decorator.strip() == "@triton.jit" and definition.startswith("def "):
@@ -62,10 +63,10 @@ def test_every_launch_compiles_within_the_shared_memory_of_an_h100(
     assert not too_big, too_big
 
 
-def test_every_kernel_of_the_engine_is_compiled(compiled: list[dict[str, Any]]) -> None:
+def test_every_kernel_is_compiled(compiled: list[dict[str, Any]]) -> None:
     """A new kernel must join sm90_compile.cases(), or this fails."""
     internal = {"_attend_tile", "_rotate_heads"}  # @triton.jit helpers inlined into kernels
-    assert {r["kernel"] for r in compiled} == _kernel_names_in_engine() - internal
+    assert {r["kernel"] for r in compiled} == _kernel_names() - internal
 
 
 def test_bfloat16_attention_runs_on_tensor_cores(compiled: list[dict[str, Any]]) -> None:
@@ -79,3 +80,10 @@ def test_bfloat16_attention_runs_on_tensor_cores(compiled: list[dict[str, Any]])
     ]
     assert {r["kernel"] for r in attention} == {"_decode_partition_kernel", "_paged_prefill_kernel"}
     assert all(r["tensor_core_instructions"] > 0 for r in attention), attention
+
+
+def test_the_kv_block_copy_stores_in_vectors(compiled: list[dict[str, Any]]) -> None:
+    """The cuda_ipc receiver's copy reaches a device copy's bandwidth only with 16-byte
+    accesses (two 8-byte words per thread), which a tile's contiguous, aligned words allow."""
+    copies = [r for r in compiled if r["kernel"] == "_copy_blocks_kernel"]
+    assert copies and all(r["vector_stores"] > 0 for r in copies), copies
