@@ -73,6 +73,7 @@ def map_cache(handle: dict[str, Any], layout: KVCacheLayout, device: torch.devic
     itemsize = layout.torch_dtype.itemsize
     needed = (offset + layout.block_nbytes // itemsize * num_blocks) * itemsize
     if offset < 0 or num_blocks <= 0 or not isinstance(fields[2], int) or fields[2] < needed:
+        _release_ref_counter(fields)
         raise ProtocolError(
             f"the sender's CUDA IPC handle maps {fields[2]!r} B, not the {needed} B of a "
             f"{num_blocks}-block cache at element {offset}"
@@ -83,10 +84,27 @@ def map_cache(handle: dict[str, Any], layout: KVCacheLayout, device: torch.devic
     # (another CUDA_VISIBLE_DEVICES); _new_shared_cuda maps the memory on the device it names
     fields[0] = index
     with torch.cuda.device(index):
-        storage = torch.UntypedStorage._new_shared_cuda(*fields)
+        try:
+            # waits for the sender's event on the calling thread's current stream: the caller
+            # maps under the stream that reads the mapping (CudaIpcEndpoint.recv)
+            storage = torch.UntypedStorage._new_shared_cuda(*fields)
+        except Exception:  # no storage, so no deleter to give the counter back
+            _release_ref_counter(fields)
+            raise
         cache = torch.empty(0, dtype=layout.torch_dtype, device=torch.device("cuda", index))
         cache.set_(storage, offset, shape, _contiguous_strides(shape))
     return cache
+
+
+def _release_ref_counter(fields: list[object]) -> None:
+    """Give back the reference the sender's ``_share_cuda_`` counted for this mapping, when no
+    storage was built from it (a storage's deleter gives it back when the storage is freed).
+    torch's own ``rebuild_cuda_tensor`` does the same on its path that builds none: while a
+    share's counter is above zero, the sender's allocator keeps the memory out of use even after
+    the sender frees it. Best effort, as in torch (a sender that exited has no counter)."""
+    handle, slot = fields[4], fields[5]
+    if isinstance(handle, bytes) and type(slot) is int and torch.cuda.is_available():
+        torch.UntypedStorage._release_ipc_counter_cuda(handle, slot)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -149,7 +167,11 @@ class CudaIpcEndpoint(Endpoint):
         }
         cache_key = (move.kv_cache.data_ptr(), int(move.kv_cache.shape[2]))
         if self._shared != cache_key:
-            begin["cache"] = share_cache(move.kv_cache)
+            # _share_cuda_ records the event the receiver waits for on the current stream (past
+            # 1000 live shares it synchronises that stream instead): this channel's, so neither
+            # waits for the engine's queued steps; the blocks were ready before (see the top)
+            with self._stream.active():
+                begin["cache"] = share_cache(move.kv_cache)
             self._shared = cache_key
         if ticket.checksum:
             start = time.perf_counter()
@@ -175,9 +197,12 @@ class CudaIpcEndpoint(Endpoint):
         start = time.perf_counter()
         begin = decode_json(self._conn.expect(Kind.BEGIN, deadline))
         timer.wire_s += time.perf_counter() - start
-        src_ids = self._check_begin(begin, move, deadline)
-        assert self._mapped is not None
+        # Mapping makes the current stream wait for the sender's event, and dropping a mapping
+        # (a new cache) synchronises the current stream (torch's _new_shared_cuda and its
+        # deleter): the copy's stream, a non-blocking one the default stream does not order
         with self._stream.active():
+            src_ids = self._check_begin(begin, move, deadline)
+            assert self._mapped is not None
             start = time.perf_counter()
             src = planes_view(self._mapped, self.layout)
             dst = planes_view(move.kv_cache, self.layout)
@@ -213,8 +238,8 @@ class CudaIpcEndpoint(Endpoint):
             self._mapped = None
             try:
                 self._mapped = map_cache(begin["cache"], self.layout, self._device)
-            except (ProtocolError, RuntimeError) as exc:
-                return f"cannot map the sender's cache: {exc}"
+            except (ProtocolError, RuntimeError, TypeError, ValueError) as exc:  # torch's own
+                return f"cannot map the sender's cache: {exc}"  # checks of the fields raise these
         theirs = (begin.get("transfer_id"), begin.get("num_blocks"), begin.get("checksum"))
         if theirs != (ticket.transfer_id, ticket.num_blocks, ticket.checksum):
             return (
@@ -240,7 +265,8 @@ class CudaIpcEndpoint(Endpoint):
 
     def close(self) -> None:
         self._conn.close()
-        self._mapped = None
+        with self._stream.active():  # the mapping's deleter synchronises the current stream
+            self._mapped = None
 
 
 class CudaIpcListener(ControlListener):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +25,7 @@ from kv_transfer.deadline import Deadline
 from kv_transfer.errors import ProtocolError
 from kv_transfer.transports import cuda_ipc
 from kv_transfer.transports.base import Move
+from kv_transfer.transports.copy_stream import CopyStream
 from kv_transfer.transports.cuda_ipc import CudaIpcEndpoint, map_cache
 from kv_transfer.wire import FramedConnection, Kind, accept, bind_listener, connect, decode_json
 from tests.kv_transfer.helpers import CPU, HOST, random_cache, small_layout
@@ -124,6 +126,41 @@ def test_blocks_land_in_their_own_ids_and_the_cache_is_shared_once(
         assert len(shared_caches) == 2
 
 
+def test_the_cache_is_shared_and_mapped_under_the_channels_stream(
+    shared_caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's _share_cuda_ records the event the receiver waits for on the current stream, and
+    _new_shared_cuda makes the current stream wait for it: both must be the channel's own (the
+    copy runs there; the engine's default stream does not order it, nor should it wait)."""
+    active: set[int] = set()  # the threads inside a CopyStream.active block
+    seen: list[tuple[str, bool]] = []
+    share, open_shared = cuda_ipc.share_cache, cuda_ipc.map_cache
+
+    @contextlib.contextmanager
+    def track(stream: CopyStream) -> Iterator[None]:
+        active.add(threading.get_ident())
+        try:
+            yield
+        finally:
+            active.discard(threading.get_ident())
+
+    def shared(kv_cache: torch.Tensor) -> dict[str, Any]:
+        seen.append(("share", threading.get_ident() in active))
+        return share(kv_cache)
+
+    def mapped(handle: dict[str, Any], layout: KVCacheLayout, device: Any) -> torch.Tensor:
+        seen.append(("map", threading.get_ident() in active))
+        return open_shared(handle, layout, device)
+
+    monkeypatch.setattr(CopyStream, "active", track)
+    monkeypatch.setattr(cuda_ipc, "share_cache", shared)
+    monkeypatch.setattr(cuda_ipc, "map_cache", mapped)
+    src, dst = random_cache(LAYOUT, 8, seed=1), random_cache(LAYOUT, 8, seed=2)
+    with endpoints() as (sender, receiver):
+        _transfer(sender, receiver, (src, [1]), (dst, [2]), TransferTicket(0, "r0", 1, 10.0))
+    assert sorted(seen) == [("map", True), ("share", True)]
+
+
 def test_a_transfer_the_receiver_does_not_expect_is_refused_with_the_reason(
     shared_caches: list[torch.Tensor],
 ) -> None:
@@ -193,6 +230,27 @@ def test_a_begin_naming_blocks_the_senders_cache_lacks_is_refused(
     assert torch.equal(dst, before)
 
 
+@pytest.mark.parametrize("error", [ProtocolError, RuntimeError, TypeError])
+def test_a_cache_the_receiver_cannot_map_is_refused_with_the_reason(
+    shared_caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch, error: type[Exception]
+) -> None:
+    """Whatever torch raises on a bad handle, the sender hears why at once (DONE), rather than
+    when the receiver's channel is torn down."""
+
+    def unmappable(handle: dict[str, Any], layout: KVCacheLayout, device: Any) -> torch.Tensor:
+        raise error("no such handle")
+
+    monkeypatch.setattr(cuda_ipc, "map_cache", unmappable)
+    src, dst = random_cache(LAYOUT, 8, seed=1), random_cache(LAYOUT, 8, seed=2)
+    ticket = TransferTicket(0, "r0", 1, 10.0)
+    with endpoints() as (sender, receiver), ThreadPoolExecutor(1) as pool:
+        received = pool.submit(receiver.recv, _move(dst, [2], ticket))
+        with pytest.raises(TransferError, match="cannot map the sender's cache: no such handle"):
+            sender.send(_move(src, [1], ticket))
+        with pytest.raises(ProtocolError, match="cannot map"):
+            received.result()
+
+
 def test_a_receiver_waiting_for_a_transfer_is_unblocked_by_abort(
     shared_caches: list[torch.Tensor],
 ) -> None:
@@ -218,7 +276,22 @@ def _handle(sender_index: int, size: int = 1 << 20, num_blocks: int = 4) -> dict
 
 
 @pytest.fixture
-def mapped_on(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def released(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, int]]:
+    """The sender's reference counters the receiver gave back without mapping."""
+    calls: list[tuple[bytes, int]] = []
+
+    def release_ipc_counter_cuda(handle: bytes, slot: int) -> None:
+        calls.append((handle, slot))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.UntypedStorage, "_release_ipc_counter_cuda", release_ipc_counter_cuda, raising=False
+    )
+    return calls
+
+
+@pytest.fixture
+def mapped_on(monkeypatch: pytest.MonkeyPatch, released: list[tuple[bytes, int]]) -> list[int]:
     """The device index each ``_new_shared_cuda`` call named."""
     calls: list[int] = []
 
@@ -256,11 +329,22 @@ def test_a_handle_without_its_eight_fields_is_a_protocol_error(mapped_on: list[i
 
 
 def test_a_handle_to_less_memory_than_the_cache_it_describes_is_refused(
-    mapped_on: list[int],
+    mapped_on: list[int], released: list[tuple[bytes, int]]
 ) -> None:
     needed = 4 * LAYOUT.block_nbytes
     with pytest.raises(ProtocolError, match=f"not the {needed} B of a 4-block cache"):
         map_cache(_handle(0, size=needed - 2), LAYOUT, torch.device("cuda", 0))
+    assert released == [(b"h", 0)]  # the sender's counter for this share, given back
     with pytest.raises(_Mapped):
         map_cache(_handle(0, size=needed), LAYOUT, torch.device("cuda", 0))
     assert mapped_on == [0]
+
+
+def test_a_handle_torch_cannot_map_gives_the_senders_reference_back(
+    mapped_on: list[int], released: list[tuple[bytes, int]]
+) -> None:
+    """Each _share_cuda_ counts one reference that only the storage built from it gives back;
+    one never built would keep the sender's memory out of use after the sender frees it."""
+    with pytest.raises(_Mapped):  # the stub's failure stands for torch's (cudaIpcOpenMemHandle)
+        map_cache(_handle(0), LAYOUT, torch.device("cuda", 0))
+    assert released == [(b"h", 0)]
