@@ -238,8 +238,9 @@ class CudaIpcEndpoint(Endpoint):
             self._mapped = None
             try:
                 self._mapped = map_cache(begin["cache"], self.layout, self._device)
-            except (ProtocolError, RuntimeError, TypeError, ValueError) as exc:  # torch's own
-                return f"cannot map the sender's cache: {exc}"  # checks of the fields raise these
+            except (ProtocolError, RuntimeError, TypeError, ValueError) as exc:
+                # TypeError, ValueError: torch's own checks of the handle's fields
+                return f"cannot map the sender's cache: {exc}"
         theirs = (begin.get("transfer_id"), begin.get("num_blocks"), begin.get("checksum"))
         if theirs != (ticket.transfer_id, ticket.num_blocks, ticket.checksum):
             return (
