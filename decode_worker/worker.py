@@ -41,8 +41,6 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeWorker:
-    role = "decode"
-
     def __init__(
         self,
         worker_id: str,
@@ -287,7 +285,7 @@ class DecodeWorker:
     def load(self) -> WorkerLoad:
         with self.loop.lock:  # the router asks every report interval: a sweep for free
             self._expire_reservations()
-        return self.loop.load(self.role, self._transfer_totals.snapshot())
+        return self.loop.load(self._transfer_totals.snapshot())
 
     def _expire_reservations(self) -> None:
         """Give back reservations whose transfer never began (loop lock held)."""

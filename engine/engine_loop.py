@@ -134,7 +134,7 @@ class EngineLoop:
         except queue.Empty:
             return None
 
-    def load(self, role: str, kv_transfers: tuple[int, int, float] = (0, 0, 0.0)) -> WorkerLoad:
+    def load(self, kv_transfers: tuple[int, int, float] = (0, 0, 0.0)) -> WorkerLoad:
         """This worker's load report for the router; ``kv_transfers`` are the worker's KV
         hand-off totals (transfers, bytes, seconds), which the engine does not see."""
         with self.lock:
@@ -144,12 +144,10 @@ class EngineLoop:
             )
             return WorkerLoad(
                 worker_id=self.worker_id,
-                role=role,
                 num_waiting=len(scheduler.waiting),
                 num_running=len(scheduler.running),
                 num_queued_prompt_tokens=queued,
                 kv_usage=self.engine.block_manager.usage,
-                num_free_blocks=self.engine.block_manager.num_free_blocks,
                 counters=self.engine.counters(*kv_transfers),
             )
 

@@ -220,10 +220,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> StepResult:
         """Run one scheduling step: the tokens it produced and the requests it finished."""

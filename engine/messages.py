@@ -69,10 +69,8 @@ class WorkerLoad:
     """What a worker reports to the router for routing decisions."""
 
     worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
     num_waiting: int  # sequences queued, not yet running
     num_running: int  # sequences in the running batch
     num_queued_prompt_tokens: int  # prompt tokens not yet computed (prefill load)
     kv_usage: float  # fraction of KV blocks in use, 0..1
-    num_free_blocks: int
     counters: WorkerCounters = field(default_factory=WorkerCounters)

@@ -82,8 +82,6 @@ class _Target:
 
 
 class PrefillWorker:
-    role = "prefill"
-
     def __init__(
         self,
         worker_id: str,
@@ -164,9 +162,6 @@ class PrefillWorker:
         """The transport of each open KV channel, by decode worker id."""
         return {wid: channel.rendezvous.transport for wid, channel in self.channels.items()}
 
-    def add_decode_peer(self, worker_id: str, peer: DecodePeer) -> None:
-        self._peers[worker_id] = peer
-
     # ---- outputs and load ---------------------------------------------------------------
     def stream(self, gateway_id: str) -> Iterator[OutputBatch]:
         """Output batches for one gateway, as steps produce them, until shutdown."""
@@ -178,7 +173,7 @@ class PrefillWorker:
     def load(self) -> WorkerLoad:
         with self._targets_lock:  # the router asks every report interval: a sweep for free
             self._forget_finished_locked()
-        return self.loop.load(self.role, self._transfer_totals.snapshot())
+        return self.loop.load(self._transfer_totals.snapshot())
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -246,6 +241,7 @@ class PrefillWorker:
                         request_id=result.request_id,
                         num_blocks=len(result.block_ids),
                         timeout_s=timeout_s,
+                        checksum=self.transfer.checksum,
                     )
                     receipt = peer.receive(
                         channel_id,

@@ -176,9 +176,6 @@ class PrefillActor:
     def retarget(self, request_id: str, decode_worker_id: str) -> bool:
         return self.worker.retarget(request_id, decode_worker_id)
 
-    def add_decode_peer(self, worker_id: str, handle: Any) -> None:
-        self.worker.add_decode_peer(worker_id, RayDecodePeer(handle))
-
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
 

@@ -64,7 +64,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=list(ATTENTION_BACKENDS),
-        help="auto: Triton kernels on cuda; on cpu the C decode kernel (built with cc on first use), else the torch reference",
+        help="auto: Triton kernels on cuda; on cpu the C prefill and decode kernels (built with cc on first use), else the torch reference",
     )
     cluster.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs of decode steps (cuda only)"
@@ -77,6 +77,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         choices=["auto", "gloo", "shm", "nccl", "cuda_ipc"],
         help=f"auto: per prefill -> decode pair, on cpu {describe_auto('cpu')}; "
         f"on cuda {describe_auto('cuda')}",
+    )
+    cluster.add_argument(
+        "--kv-transfer-checksum",
+        action="store_true",
+        help="the decode worker checks a CRC32 of every KV transfer against the prefill "
+        "worker's and fails the transfer on a mismatch (verification runs: it reads the KV "
+        "back to the host on both ends)",
     )
     cluster.add_argument("--block-size", type=int, default=16)
     cluster.add_argument("--max-num-seqs", type=int, default=256)
@@ -267,6 +274,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         address=args.address,
         router_policy=args.router_policy,
         kv_transport=args.kv_transport,
+        kv_transfer_checksum=args.kv_transfer_checksum,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

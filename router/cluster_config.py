@@ -42,6 +42,7 @@ class ClusterConfig:
     prefill_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"prefill": 1}
     decode_resources: dict[str, float] = field(default_factory=dict)
     transfer_timeout_s: float = 30.0
+    kv_transfer_checksum: bool = False  # receivers check a CRC32 of each transfer (TransferConfig)
     failure_policy: FailurePolicy = "recompute"
     report_interval_s: float = 0.5  # how often the router polls worker load
     dead_after_s: float = 5.0  # a worker silent this long is out of rotation
@@ -139,4 +140,5 @@ class ClusterConfig:
             host=self.data_plane_host,
             timeout_s=self.transfer_timeout_s,
             failure_policy=self.failure_policy,
+            checksum=self.kv_transfer_checksum,
         )

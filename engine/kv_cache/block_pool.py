@@ -88,14 +88,6 @@ class BlockPool:
         self._hash_of_block[block_id] = block_hash
         self._block_of_hash[block_hash] = block_id
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use keep their content)."""
-        for block_id in list(self._evictable):
-            self._free.append(block_id)
-        self._evictable.clear()
-        self._hash_of_block.clear()
-        self._block_of_hash.clear()
-
     def _forget_hash(self, block_id: int) -> None:
         block_hash = self._hash_of_block.pop(block_id, None)
         if block_hash is not None:

@@ -12,7 +12,6 @@ from engine.model_config import load_model_config
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     name: str  # the id clients pass as ``model`` (``--served-model-name``)
-    model_dir: str  # the Hugging Face model directory the workers load
     max_model_len: int  # prompt + output tokens per sequence
     vocab_size: int  # token ids must lie in [0, vocab_size)
     tokenizer: Any  # a transformers tokenizer (encode, decode, apply_chat_template)
@@ -39,7 +38,6 @@ class ServedModel:
         tokenizer.encode("warm-up")
         return cls(
             name=name or Path(model_dir).resolve().name,
-            model_dir=model_dir,
             max_model_len=max_model_len or config.max_position_embeddings,
             vocab_size=config.vocab_size,
             tokenizer=tokenizer,

@@ -74,11 +74,6 @@ class GatewayServer:
         self._thread.join(timeout=10)
         self.gateway.close()
 
-    def wait(self) -> None:
-        """Block until the HTTP server exits (Ctrl-C on the main thread stops waiting)."""
-        while self._thread.is_alive():
-            self._thread.join(timeout=0.5)
-
     async def _start(self) -> None:
         if self.grpc_port is not None:
             from router.gateway.grpc_service import build_grpc_server

@@ -55,7 +55,7 @@ class GatedWorker:
             yield self.outputs.get()
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(self.worker_id, "decode", 0, 0, 0, 0.0, 100)
+        return WorkerLoad(self.worker_id, 0, 0, 0, 0.0)
 
     def abort(self, request_id: str) -> None:
         pass

@@ -19,7 +19,7 @@ _SUFFIXES = ("_total", "_bucket", "_count", "_sum")
 
 
 def _exported_families() -> set[str]:
-    load = WorkerLoad("decode-0", "decode", 1, 2, 3, 0.5, 10, WorkerCounters(num_kv_transfers=1))
+    load = WorkerLoad("decode-0", 1, 2, 3, 0.5, WorkerCounters(num_kv_transfers=1))
     statuses = [WorkerStatus("decode-0", "decode", True, load)]
     metrics = GatewayMetrics(lambda: statuses, lambda: {"backlog": 1}, SloTargets())
     metrics.first_token(0.1)

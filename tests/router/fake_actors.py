@@ -96,7 +96,7 @@ class FakeActor:
         return True
 
     def do_load(self) -> WorkerLoad:
-        return WorkerLoad(self.worker_id, self.role, 0, 0, 0, 0.0, 100)
+        return WorkerLoad(self.worker_id, 0, 0, 0, 0.0)
 
 
 def make_cluster(

@@ -7,7 +7,7 @@ from router.load_ledger import LoadLedger
 
 
 def _report(num_running: int = 0, num_queued_prompt_tokens: int = 0) -> WorkerLoad:
-    return WorkerLoad("decode-0", "decode", 0, num_running, num_queued_prompt_tokens, 0.0, 100)
+    return WorkerLoad("decode-0", 0, num_running, num_queued_prompt_tokens, 0.0)
 
 
 def _open(request_id: str) -> bool:

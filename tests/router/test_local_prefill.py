@@ -13,8 +13,7 @@ from router.local_prefill import LocalPrefillRule
 
 
 def _load(worker_id: str, num_queued_prompt_tokens: int) -> WorkerLoad:
-    role = worker_id.split("-")[0]
-    return WorkerLoad(worker_id, role, 0, 0, num_queued_prompt_tokens, 0.0, 100)
+    return WorkerLoad(worker_id, 0, 0, num_queued_prompt_tokens, 0.0)
 
 
 def test_by_default_every_prompt_goes_to_the_prefill_pool() -> None:

@@ -16,7 +16,7 @@ from router.policies import (
 
 
 def load(worker_id: str, queued: int = 0, kv: float = 0.0, running: int = 0) -> WorkerLoad:
-    return WorkerLoad(worker_id, "x", 0, running, queued, kv, 100)
+    return WorkerLoad(worker_id, 0, running, queued, kv)
 
 
 def req(tokens: list[int], salt: str | None = None) -> RoutingInfo:
