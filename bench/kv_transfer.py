@@ -5,8 +5,9 @@
 
 For each transport this machine has (gloo and shm on CPU; cuda_ipc with one GPU, nccl with
 two), a sender (this process) and a receiver (a spawned process) open a channel and move
-random, non-contiguous block lists of each size: gather + wire + scatter, timed by the sender
-(`send_blocks` returns once the receiver has scattered). The baseline is torch `copy_` of one
+random, non-contiguous block lists of each size, timed by the sender (`send_blocks` returns
+once the blocks are in the receiver's cache): gather + wire + scatter for gloo, shm and nccl,
+one copy out of the sender's mapped cache for cuda_ipc. The baseline is torch `copy_` of one
 contiguous tensor of the same size into another, in the same run and on the same device.
 Sweep layout: bf16, block 16, 8 layers, 8 KV heads, head_dim 128 (0.5 MiB per block).
 

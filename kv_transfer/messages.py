@@ -45,10 +45,11 @@ class TransferStats:
 
     transfer_id: int  # the ticket's transfer id
     nbytes: int  # payload bytes moved: num_blocks * layout.block_nbytes
-    num_chunks: int  # pieces the payload was staged in
-    gather_s: float  # sender: copying blocks into staging (0.0 on the receiver)
+    num_chunks: int  # pieces the payload was staged in (cuda_ipc: 1, it stages nothing)
+    gather_s: float  # sender: copying blocks into staging (0.0 on the receiver, and cuda_ipc)
     wire_s: float  # blocked on the transport or the peer (send or receive)
-    scatter_s: float  # receiver: copying staging into blocks (0.0 on the sender)
+    scatter_s: float  # receiver: copying into its blocks, from staging or (cuda_ipc) the sender's
+    # cache (0.0 on the sender)
     checksum_s: float  # computing checksums (0.0 unless ticket.checksum)
     total_s: float  # wall time of the whole call
 

@@ -15,7 +15,8 @@ and a section that fails (out of memory, say) is recorded under "errors" and the
    an 8192^3 bf16 ``torch.mm`` after warm-up, median, as FLOP/s (2 n^3 / time).
 2. KV transfer: ``cuda_ipc`` between this process and a spawned one on the same GPU, random
    block lists of 1k- and 8k-token prompts in the first model's KV layout, through
-   ``bench.kv_transfer`` (gather + IPC staging + scatter, timed by the sender), beside a
+   ``bench.kv_transfer`` (the receiver copies the blocks straight out of the sender's mapped
+   cache; timed by the sender, until the receiver's DONE), beside a
    ``copy_`` of the same payload. Both as payload bytes per second.
 3. Per model, first its elementwise steps alone (``elementwise``): one forward's RMSNorms,
    rotary, residual adds and SiLU * up at 1, 64 and 8192 tokens, the model's torch ops against
