@@ -63,6 +63,7 @@ class TransferConfig:
     failure_policy: FailurePolicy = "recompute"
     max_channels: int = 8  # open channels per worker; idle ones close, least recently used first
     max_concurrent_handoffs: int = 4  # a prefill worker's hand-offs in flight to one decode worker
+    checksum: bool = False  # every transfer's receiver checks a CRC32 of what landed (slower)
 
     @property
     def reservation_ttl_s(self) -> float:

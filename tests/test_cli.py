@@ -20,7 +20,7 @@ import torch
 from engine.messages import TokenEvent
 from engine.sampling.params import SamplingParams
 from kv_transfer.policy import describe_auto
-from router.cli import build_parser
+from router.cli import build_parser, main
 from router.cluster import RequestFailedError, WorkerStatus
 from router.cluster_config import ClusterConfig
 from router.gateway.auth import ApiKeys
@@ -429,3 +429,18 @@ def test_one_shot_serve_exits_non_zero_when_a_prompt_fails(
     status = _generate_once(_FailingCluster(), model, ["a", "b"], 4, 0.0)  # type: ignore[arg-type]
     assert status == 1
     assert capsys.readouterr().out.count("[failed: decode worker decode-0 died]") == 2
+
+
+def test_kv_transfer_checksum_reaches_the_workers_transfer_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    configs: list[ClusterConfig] = []
+
+    def run_serve(args: object, config: ClusterConfig) -> int:
+        configs.append(config)
+        return 0
+
+    monkeypatch.setattr("router.serve_command.run_serve", run_serve)
+    assert main(["serve", "--kv-transfer-checksum"]) == 0
+    assert main(["serve"]) == 0
+    assert [c.transfer_config().checksum for c in configs] == [True, False]

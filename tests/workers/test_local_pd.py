@@ -315,6 +315,7 @@ class _CheckingDecodePeer(LocalDecodePeer):
         super().__init__(worker)
         self.prefill_cache = prefill_cache
         self.num_checked = 0
+        self.tickets: list[TransferTicket] = []
 
     def receive(  # type: ignore[override]
         self,
@@ -325,6 +326,8 @@ class _CheckingDecodePeer(LocalDecodePeer):
         gateway_id: str,
         policy: FailurePolicy,
     ) -> Future[bool]:
+        self.tickets.append(ticket)
+
         def receive_and_check() -> bool:
             ok = self.worker.receive(channel_id, result, ticket, block_ids, gateway_id, policy)
             assert ok, f"KV of {result.request_id} did not arrive"
@@ -344,9 +347,14 @@ def _prompt_slots(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int)
     return slots[:, :, :num_tokens]
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
-def test_received_kv_equals_the_prefill_sides_bitwise(llama_dir: Path, transport: str) -> None:
-    transfer = TransferConfig(transport=transport, timeout_s=10.0)
+@pytest.mark.parametrize(
+    ("transport", "checksum"), [("gloo", False), ("shm", False), ("shm", True)]
+)
+def test_received_kv_equals_the_prefill_sides_bitwise(
+    llama_dir: Path, transport: str, checksum: bool
+) -> None:
+    """And with ``--kv-transfer-checksum`` every ticket asks the receiver to check a CRC32."""
+    transfer = TransferConfig(transport=transport, timeout_s=10.0, checksum=checksum)
     prefill_cache: list[torch.Tensor] = []
     with _one_pair(
         llama_dir, transfer, lambda decode: _CheckingDecodePeer(decode, prefill_cache)
@@ -360,6 +368,7 @@ def test_received_kv_equals_the_prefill_sides_bitwise(llama_dir: Path, transport
         assert not pair.collector.failures
         assert isinstance(pair.peer, _CheckingDecodePeer)
         assert pair.peer.num_checked == len(prompts)
+        assert [t.checksum for t in pair.peer.tickets] == [checksum] * len(prompts)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
