@@ -19,10 +19,10 @@ import threading
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-from decode_worker.local_peer import LocalDecodePeer
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.scheduler import SchedulerConfig
 from kv_transfer.policy import TransferConfig
+from tests.workers.local_peer import LocalDecodePeer
 
 # what the parent may call; each is a method of DecodeWorker
 _METHODS = frozenset(

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_worker.local_peer import LocalDecodePeer
 from decode_worker.worker import DecodeWorker
 from engine import LLM, GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
@@ -25,6 +24,7 @@ from kv_transfer import KVChannel, TransferTicket
 from kv_transfer.policy import FailurePolicy, TransferConfig
 from prefill_worker.worker import PrefillWorker
 from tests.engine.test_parity import make_prompts
+from tests.workers.local_peer import LocalDecodePeer
 from tests.workers.output_collector import OutputCollector
 
 GATEWAY = "test-gateway"

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_worker.local_peer import LocalDecodePeer
 from decode_worker.worker import DecodeWorker
 from engine import LLM, GenerateRequest
 from kv_transfer.locality import locality_of
 from kv_transfer.policy import Locality, TransferConfig
 from kv_transfer.transports.shm import SHM_DIR
 from prefill_worker.pair_transports import PairTransports
+from tests.workers.local_peer import LocalDecodePeer
 from tests.workers.test_local_pd import GATEWAY, _one_pair, _Pair, _workload
 
 AUTO = TransferConfig(transport="auto", timeout_s=10.0)

@@ -6,11 +6,11 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from decode_worker.local_peer import LocalDecodePeer
 from engine import GenerateRequest, SamplingParams
 from kv_transfer import ChannelRendezvous, TransferError
 from kv_transfer.policy import TransferConfig
 from tests.engine.test_parity import make_prompts
+from tests.workers.local_peer import LocalDecodePeer
 from tests.workers.test_local_pd import GATEWAY, _cluster, _eventually, _one_pair
 
 

@@ -1,7 +1,8 @@
-"""A prefill worker's handle on a decode worker in the same process (tests, single-process runs).
+"""A prefill worker's handle on a decode worker in the same process, for tests that run the
+workers without Ray.
 
-The Ray launcher gives prefill workers actor handles instead; both answer with futures, so the
-prefill worker's hand-off code is the same either way.
+The Ray launcher gives prefill workers actor handles instead (router/actors.RayDecodePeer); both
+answer with futures, so the prefill worker's hand-off code is the same either way.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from kv_transfer.policy import FailurePolicy, Locality
 
 
 class LocalDecodePeer:
-    def __init__(self, worker: DecodeWorker, max_concurrency: int = 8) -> None:
+    def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
-        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="decode-peer")
+        self._executor = ThreadPoolExecutor(8, thread_name_prefix="decode-peer")
 
     def reserve(
         self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
