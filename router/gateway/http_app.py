@@ -21,6 +21,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from router.cluster import RequestFailedError
@@ -174,6 +175,9 @@ async def _generate(
     try:
         body = await _read_json(request, gateway.limits.max_body_bytes)
         job = await gateway.parse(parse_job, kind, body, gateway.model, gateway.limits, caller)
+    except ClientDisconnect:  # gone before it finished sending the body: not a server failure
+        gateway.record_outcome("aborted")
+        return Response(status_code=499)
     except ApiError:
         gateway.count_invalid()
         raise

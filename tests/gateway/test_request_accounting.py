@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import socket
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
@@ -320,3 +321,27 @@ def test_a_grpc_call_whose_deadline_passes_while_parsed_is_counted_aborted(
             time.sleep(0.02)
         _wait_until_idle(gateway)
     assert _requests_by_status(gateway) == {"aborted": 1.0}
+
+
+def test_a_client_gone_while_its_body_is_read_is_aborted_not_failed(
+    served_demo: ServedModel,
+) -> None:
+    """A client that closes its connection before the body it announced has arrived (a short
+    client timeout under load) ends as aborted: it was counted failed, answered 500 and logged
+    as an ASGI traceback."""
+    gateway = _gateway(ScriptedCluster(0.01), served_demo)
+    with _serve(gateway) as (http, _):
+        host, port = str(http.base_url).removeprefix("http://").rstrip("/").rsplit(":", 1)
+        body = b'{"model": "pdserve-demo", "prompt": "The os module", "max_tokens": 8}'
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body) + 100, body)  # 100 bytes short
+            )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _value(
+            gateway, "pdserve:requests_total", status="aborted"
+        ):
+            time.sleep(0.02)
+        assert _value(gateway, "pdserve:requests_total", status="aborted") == 1
+        assert _value(gateway, "pdserve:requests_total", status="failed") == 0
