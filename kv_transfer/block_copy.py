@@ -61,10 +61,8 @@ def copy_blocks(
     num_pairs, (num_planes, src_blocks, _), dst_blocks = len(src_ids), src.shape, dst.shape[1]
     if num_pairs == 0 or src.numel() == 0:
         return
-    src_words, dst_words = _as_words(src), _as_words(dst)
-    if src_words.dtype != dst_words.dtype:  # one is less aligned: both move in its words
-        narrower = min(src_words.dtype.itemsize, dst_words.dtype.itemsize)
-        src_words, dst_words = _as_words(src, narrower), _as_words(dst, narrower)
+    word = min(_word_size(src), _word_size(dst))  # the less aligned one's words, for both
+    src_words, dst_words = _as_words(src, word), _as_words(dst, word)
     words = src_words.shape[2]
     tile = min(TILE_BYTES // src_words.dtype.itemsize, triton.next_power_of_2(words))
     _copy_blocks_kernel[(num_pairs, num_planes, triton.cdiv(words, tile))](
@@ -82,16 +80,22 @@ def copy_blocks(
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def _as_words(planes: torch.Tensor, widest: int = 8) -> torch.Tensor:
-    """``planes`` as ``[num_planes, num_blocks, words]`` of the widest integer word (at most
-    ``widest`` bytes) that divides a plane's bytes and the tensor's start (its address, and
-    its offset into its storage, which is what ``Tensor.view(dtype)`` checks)."""
-    as_bytes = planes.view(torch.uint8)
+def _word_size(planes: torch.Tensor) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that divides a plane's bytes and the tensor's start
+    (its address, and its offset into its storage, which is what ``Tensor.view(dtype)`` checks)."""
+    plane_nbytes = planes.shape[2] * planes.element_size()
     starts = (planes.data_ptr(), planes.storage_offset() * planes.element_size())
-    for size, dtype in _WORD_DTYPES.items():
-        if size <= widest and as_bytes.shape[2] % size == 0 and all(s % size == 0 for s in starts):
-            return as_bytes.view(dtype)
-    raise AssertionError("every tensor is a whole number of bytes")
+    return next(
+        size
+        for size in _WORD_DTYPES
+        if plane_nbytes % size == 0 and all(start % size == 0 for start in starts)
+    )
+
+
+def _as_words(planes: torch.Tensor, widest: int = 8) -> torch.Tensor:
+    """``planes`` as ``[num_planes, num_blocks, words]`` of the widest integer word of at most
+    ``widest`` bytes that `_word_size` allows (a narrower power of two divides too)."""
+    return planes.view(torch.uint8).view(_WORD_DTYPES[min(widest, _word_size(planes))])
 
 
 def _check_args(

@@ -22,6 +22,7 @@ NCCL cannot pair two ranks on one GPU; this is the same-GPU path. Needs two proc
 from __future__ import annotations
 
 import base64
+import math
 import time
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 
 from kv_transfer.block_copy import copy_blocks
 from kv_transfer.checksum import StreamingCrc32
-from kv_transfer.chunking import BlockIds, gather_chunk, plan_chunks, planes_view
+from kv_transfer.chunking import BlockIds, chunk_view, gather_chunk, plan_chunks, planes_view
 from kv_transfer.deadline import Deadline
 from kv_transfer.errors import ProtocolError, TransferError
 from kv_transfer.handshake import send_welcome, welcome_field
@@ -70,8 +71,8 @@ def map_cache(handle: dict[str, Any], layout: KVCacheLayout, device: torch.devic
     if len(fields) != _HANDLE_FIELDS:
         raise ProtocolError(f"malformed CUDA IPC handle: {len(fields)} fields, not 8")
     shape = layout.cache_shape(num_blocks)
-    itemsize = layout.torch_dtype.itemsize
-    needed = (offset + layout.block_nbytes // itemsize * num_blocks) * itemsize
+    numel = math.prod(shape)
+    needed = (offset + numel) * layout.torch_dtype.itemsize
     if offset < 0 or num_blocks <= 0 or not isinstance(fields[2], int) or fields[2] < needed:
         _release_ref_counter(fields)
         raise ProtocolError(
@@ -91,9 +92,9 @@ def map_cache(handle: dict[str, Any], layout: KVCacheLayout, device: torch.devic
         except Exception:  # no storage, so no deleter to give the counter back
             _release_ref_counter(fields)
             raise
-        cache = torch.empty(0, dtype=layout.torch_dtype, device=torch.device("cuda", index))
-        cache.set_(storage, offset, shape, _contiguous_strides(shape))
-    return cache
+        flat = torch.empty(0, dtype=layout.torch_dtype, device=torch.device("cuda", index))
+        flat.set_(storage)  # every element of the sender's storage
+    return flat[offset : offset + numel].view(shape)
 
 
 def _release_ref_counter(fields: list[object]) -> None:
@@ -105,14 +106,6 @@ def _release_ref_counter(fields: list[object]) -> None:
     handle, slot = fields[4], fields[5]
     if isinstance(handle, bytes) and type(slot) is int and torch.cuda.is_available():
         torch.UntypedStorage._release_ipc_counter_cuda(handle, slot)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def _encode(value: object) -> object:
@@ -134,8 +127,7 @@ def _crc_of_blocks(
     crc = StreamingCrc32()
     scratch = torch.empty(chunk_bytes, dtype=torch.uint8, device=planes.device)
     for chunk in plan_chunks(layout, len(block_ids.values), chunk_bytes):
-        shape = (chunk.plane_stop - chunk.plane_start, chunk.block_stop - chunk.block_start, -1)
-        out = scratch[: chunk.nbytes].view(layout.torch_dtype).view(shape)
+        out = chunk_view(scratch, chunk, layout)
         gather_chunk(planes, block_ids, chunk, out)
         crc.update(out)
     return crc.value
@@ -228,8 +220,7 @@ class CudaIpcEndpoint(Endpoint):
         if reason is not None:
             self._conn.send_json(Kind.DONE, {"ok": False, "reason": reason}, deadline)
             raise ProtocolError(reason)
-        assert self._mapped is not None
-        return BlockIds.build(begin["block_ids"], self._mapped.shape[2], self._device)
+        return BlockIds(tuple(begin["block_ids"]), self._device)  # checked by _refusal
 
     def _refusal(self, begin: dict[str, Any], move: Move) -> str | None:
         """Why this BEGIN cannot be received, or None; maps a cache it carries."""
