@@ -39,6 +39,8 @@ from engine.sampling.seeds import derive_seed
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from engine.sequence import SequenceStatus
 
+_ENDED_STATUSES = (SequenceStatus.FINISHED, SequenceStatus.HANDED_OFF)
+
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -232,11 +234,12 @@ class LLMEngine:
         result = self.runner.execute(output)
         updated = self.scheduler.update(output, result)
         new_tokens: list[TokenEvent] = []
-        touched: dict[str, RequestState] = {}
+        ended: dict[str, RequestState] = {}  # requests with a sample finished or handed off
         for seq in updated:
             state = self._requests[seq.request_id]
             token_logprobs = result.logprobs.get(seq.seq_id)
             state.record(seq, token_logprobs)
+            first = seq.num_output_tokens == 1
             new_tokens.append(
                 TokenEvent(
                     request_id=seq.request_id,
@@ -245,19 +248,17 @@ class LLMEngine:
                     token_id=seq.token_ids[-1],
                     logprobs=token_logprobs,
                     finish_reason=seq.finish_reason,
-                    num_cached_tokens=(
-                        state.parent.num_cached_prompt_tokens if seq.num_output_tokens == 1 else 0
-                    ),
-                    queue_seconds=(state.queue_seconds or 0.0)
-                    if seq.num_output_tokens == 1
-                    else 0.0,
+                    num_cached_tokens=state.parent.num_cached_prompt_tokens if first else 0,
+                    queue_seconds=(state.queue_seconds or 0.0) if first else 0.0,
                 )
             )
-            touched[state.request_id] = state
-        finished = [self._finish(state) for state in touched.values() if state.is_finished]
+            if seq.status in _ENDED_STATUSES:
+                ended[state.request_id] = state
+        # only a request one of whose samples ended in this step can have ended in it
+        finished = [self._finish(state) for state in ended.values() if state.is_finished]
         handed_off = [
             self._prefill_result(state)
-            for state in touched.values()
+            for state in ended.values()
             if not state.is_finished and state.is_handed_off
         ]
         self.stats.num_steps += 1
@@ -472,6 +473,7 @@ class LLMEngine:
                 self.block_manager.pool.incref(block_id)
         seq.block_table = list(blocks)
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_committed_blocks = 0
         self.block_manager.commit_computed(seq)
 
     def _max_total_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:

@@ -37,6 +37,7 @@ class Sequence:
         "num_computed_tokens",
         "block_table",
         "block_hashes",
+        "num_committed_blocks",
         "status",
         "finish_reason",
         "num_cached_prompt_tokens",
@@ -70,6 +71,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []  # physical block per logical block
         self.block_hashes: list[BlockHash] = []  # prefix hash per full block of token_ids
+        self.num_committed_blocks = 0  # leading blocks of block_table offered to the prefix cache
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache

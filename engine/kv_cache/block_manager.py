@@ -83,17 +83,21 @@ class BlockManager:
 
         Only blocks whose every slot is computed: ``block_hashes`` may already hold the hash of
         a block a chunked prefill has only half written (``attach_cached_prefix`` hashes the
-        whole prompt), and a cache hit on it would read the unwritten slots.
+        whole prompt), and a cache hit on it would read the unwritten slots. Blocks committed
+        by an earlier step are not visited again, so a step costs what it filled, not the
+        sequence's length.
         """
         if not self.enable_prefix_caching:
             return
-        computed = seq.token_ids[: seq.num_computed_tokens]
-        extend_block_hashes(seq.block_hashes, computed, self.block_size, seq.cache_salt)
         num_full_blocks = seq.num_computed_tokens // self.block_size
-        for block_id, block_hash in zip(
-            seq.block_table[:num_full_blocks], seq.block_hashes[:num_full_blocks], strict=True
-        ):
-            self.pool.register(block_id, block_hash)
+        if num_full_blocks <= seq.num_committed_blocks:
+            return
+        extend_block_hashes(
+            seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt, num_full_blocks
+        )
+        for index in range(seq.num_committed_blocks, num_full_blocks):
+            self.pool.register(seq.block_table[index], seq.block_hashes[index])
+        seq.num_committed_blocks = num_full_blocks
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s blocks (copy-on-write on the partial one)."""
@@ -101,6 +105,7 @@ class BlockManager:
             self.pool.incref(block_id)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        child.num_committed_blocks = parent.num_committed_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
@@ -109,6 +114,7 @@ class BlockManager:
             self.pool.free(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
 
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
         """The block the next token lands in is partially filled and shared."""

@@ -32,9 +32,13 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None,
+    num_blocks: int | None = None,
 ) -> None:
-    """Append the hashes of every full block of ``token_ids`` not yet in ``block_hashes``."""
+    """Append the hashes of every full block of ``token_ids`` not yet in ``block_hashes``, or
+    of its first ``num_blocks`` blocks only."""
     num_full_blocks = len(token_ids) // block_size
+    if num_blocks is not None:
+        num_full_blocks = min(num_full_blocks, num_blocks)
     for block_index in range(len(block_hashes), num_full_blocks):
         start = block_index * block_size
         parent = block_hashes[-1] if block_hashes else None

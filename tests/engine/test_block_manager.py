@@ -119,3 +119,46 @@ def test_fork_at_block_boundary_needs_no_copy() -> None:
     assert manager.allocate_slots(child, 1) == []
     assert child.block_table[:2] == parent.block_table
     assert len(child.block_table) == 3
+
+
+def test_a_step_registers_only_the_blocks_it_filled() -> None:
+    """A decode step costs what it filled, not the sequence's length: blocks committed by an
+    earlier step are not offered to the prefix cache again (at batch 256 x 1k tokens that was
+    16k dictionary probes a step)."""
+    manager = BlockManager(64, block_size=4, enable_prefix_caching=True)
+    registered: list[int] = []
+    register = manager.pool.register
+    manager.pool.register = lambda block_id, block_hash: (  # type: ignore[method-assign]
+        registered.append(block_id),
+        register(block_id, block_hash),
+    )[-1]
+    seq = _seq(0, list(range(40)))
+    _compute(manager, seq, 40)
+    assert registered == seq.block_table  # the prompt's ten full blocks, once each
+    registered.clear()
+    for token in range(40, 48):
+        seq.token_ids.append(token)
+        _compute(manager, seq, 1)
+    assert registered == seq.block_table[10:12]  # the two blocks the decode steps filled
+
+    # a preempted sequence starts again: its new blocks are committed again
+    manager.free(seq)
+    registered.clear()
+    manager.attach_cached_prefix(seq)
+    _compute(manager, seq, seq.num_uncomputed_tokens)
+    assert registered == seq.block_table
+
+
+def test_a_fork_commits_from_where_its_parent_stood() -> None:
+    manager = BlockManager(64, block_size=4, enable_prefix_caching=True)
+    parent = _seq(0, list(range(10)))
+    _compute(manager, parent, 10)
+    child = _seq(1, list(range(10)))
+    manager.fork(parent, child)
+    assert child.num_committed_blocks == 2
+    for token in (10, 11):
+        child.token_ids.append(token)
+        _compute(manager, child, 1)
+    assert child.num_committed_blocks == 3
+    # the block the child filled serves a prompt that shares its tokens
+    assert manager.attach_cached_prefix(_seq(2, list(range(12)) + [99])) == 12
