@@ -11,6 +11,10 @@ decode steps are timed: the step's wall time, the time spent inside the model's 
 (``forward`` and ``compute_logits``, wrapped), and the difference, the host time. The same
 steps run with the prefix cache on (the default) and off in the same run: its bookkeeping must
 cost a step what the step filled, not the sequences' lengths. Writes JSON.
+
+On cuda (bf16) the decode steps replay CUDA graphs, whose forward the wrapper does not see:
+there the host time includes the one-layer model's GPU time (tens of microseconds), an upper
+bound on what the engine costs.
 """
 
 from __future__ import annotations
