@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# What a session lent a GPU runs, in two device calls (each under the 10-minute limit):
+#   bash bench/gpu/lease.sh tests   # the gpu-marked tests: kernels at full size, graphs, transports
+#   bash bench/gpu/lease.sh bench   # bench.gpu --quick, then bench.engine_overhead on cuda
+# Logs and JSON go to $OUT (the device tool brings them back), else to bench/results/lease.
+# The GPU machine has python3 with torch, triton and transformers, and no ray, fastapi or
+# uvicorn: the tests and benchmarks drive the engine, kernels and kv_transfer directly.
+set -uo pipefail
+out="${OUT:-bench/results/lease}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+python="${PYTHON:-python3}"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u; git rev-parse --short HEAD 2>/dev/null; } | tee "$out/device.txt"
+case "${1:-}" in
+tests)
+    "$python" -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 540 \
+        tests/engine tests/kv_transfer tests/workers 2>&1 | tee "$out/gpu_tests.log"
+    ;;
+bench)
+    timeout 420 "$python" -m bench.gpu --quick --out "$out/gpu.json" 2>&1 | tee "$out/bench_gpu.log"
+    timeout 120 "$python" -m bench.engine_overhead --device cuda --batch-sizes 1,8,64,256 \
+        --out "$out/engine_overhead.json" 2>&1 | tee "$out/engine_overhead.log"
+    ;;
+*)
+    echo "usage: bash bench/gpu/lease.sh tests|bench" >&2
+    exit 2
+    ;;
+esac
