@@ -208,12 +208,15 @@ def summarize_sweep(
     rows = []
     for size_mb in sorted({job.size_mb for job in session.jobs}):
         timed = [
-            (job, s)
-            for job, (s, _) in zip(session.jobs, pairs)
+            (s, r)
+            for job, (s, r) in zip(session.jobs, pairs)
             if job.size_mb == size_mb and job.label == "timed"
         ]
-        nbytes = timed[0][1].nbytes
-        seconds = statistics.median(s.total_s for _, s in timed)
+        nbytes = timed[0][0].nbytes
+        seconds = statistics.median(s.total_s for s, _ in timed)
+        # the receiver's copy into its blocks (cuda_ipc: the block-copy kernel, synchronised),
+        # and the time the sender's call spent outside it: the control round trip and staging
+        scatter_s = statistics.median(r["scatter_s"] for _, r in timed)
         memcpy = memcpy_gbps(nbytes, device, reps)
         rows.append(
             {
@@ -223,6 +226,9 @@ def summarize_sweep(
                 "gb_per_s": nbytes / seconds / 1e9,
                 "memcpy_gb_per_s": memcpy,
                 "fraction_of_memcpy": nbytes / seconds / 1e9 / memcpy,
+                "receiver_scatter_ms": scatter_s * 1e3,
+                "scatter_gb_per_s": nbytes / scatter_s / 1e9 if scatter_s > 0 else None,
+                "outside_scatter_ms": (seconds - scatter_s) * 1e3,
             }
         )
     return rows

@@ -146,12 +146,21 @@ def print_transformers(name: str, hf: dict[str, Any], pdserve: dict[str, Any]) -
 
 
 def print_transfer(transfer: dict[str, Any]) -> None:
-    print(f"\nKV transfer ({transfer['transport']}; payload GB/s, copy = same-size copy_)")
-    print(f"{'tokens':>6}{'MiB':>8}{'GB/s':>9}{'copy':>9}{'ratio':>7}")
+    print(
+        f"\nKV transfer ({transfer['transport']}; payload GB/s, copy = same-size copy_; "
+        "scatter = the receiver's copy into its blocks, other = the rest of the sender's call)"
+    )
+    print(
+        f"{'tokens':>6}{'MiB':>8}{'GB/s':>9}{'copy':>9}{'ratio':>7}"
+        f"{'scatter GB/s':>14}{'other ms':>10}"
+    )
     for r in transfer["rows"]:
+        scatter = r.get("scatter_gb_per_s")
         print(
             f"{r['tokens']:>6}{r['nbytes'] / MIB:>8.1f}{r['gb_per_s']:>9.2f}"
             f"{r['copy_gb_per_s']:>9.2f}{r['fraction_of_copy']:>7.0%}"
+            f"{'n/a' if scatter is None else f'{scatter:.2f}':>14}"
+            f"{r.get('outside_scatter_ms', float('nan')):>10.3f}"
         )
 
 
