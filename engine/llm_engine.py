@@ -490,6 +490,9 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self._validated_prompt(prompt_token_ids)
         self._validate_token_ids("stop_token_ids", params.stop_token_ids)
+        # SamplingParams checked these ids are ints >= 0; only the model knows its vocabulary
+        self._validate_token_ids("allowed_token_ids", params.allowed_token_ids or ())
+        self._validate_token_ids("logit_bias", list(params.logit_bias or ()))
         return token_ids
 
     def _validated_prompt(self, prompt_token_ids: SequenceOf[int]) -> list[int]:

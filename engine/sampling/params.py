@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this mean greedy (argmax) decoding
@@ -19,6 +19,10 @@ MAX_PENALTY = 2.0  # presence/frequency penalties live in [-MAX_PENALTY, MAX_PEN
 # Logits are divided or multiplied by the repetition penalty in float32: far outside these
 # bounds they overflow to inf (or the penalty itself rounds to 0 or inf), and sampling reads NaN.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+MAX_LOGIT_BIAS = 100.0  # logit_bias values live in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
+# The most logit_bias entries one request may hold: each costs a little per row every step, and
+# a bound keeps an untrusted client from making that cost the size of the vocabulary.
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +35,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF rule over prompt + output tokens; 1 disables it
     presence_penalty: float = 0.0  # subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    # token id -> bias added to its logit before penalties and sampling (greedy too); each in
+    # [-100, 100], at most MAX_LOGIT_BIAS_ENTRIES; stored as a LogitBias (immutable), {} as None
+    logit_bias: Mapping[int, float] | None = None
+    # only these token ids may be sampled (every other logit -> -inf); None allows all. At least
+    # one id; stored as a sorted tuple without duplicates
+    allowed_token_ids: Sequence[int] | None = None
     seed: int | None = None  # per-request RNG seed; None uses the engine's global RNG
     stop_token_ids: Sequence[int] = ()  # extra ids that end generation (stored as a tuple)
     max_tokens: int | None = 16  # most tokens to generate; None means up to the model's limit
@@ -84,6 +94,8 @@ class SamplingParams:
             "frequency_penalty": frequency_penalty,
             "seed": seed,
             "stop_token_ids": _token_ids("stop_token_ids", self.stop_token_ids),
+            "logit_bias": _logit_bias(self.logit_bias),
+            "allowed_token_ids": _allowed_token_ids(self.allowed_token_ids),
             **self._normalized_lengths(),
             "ignore_eos": _as_bool("ignore_eos", self.ignore_eos),
             "skip_special_tokens": _as_bool("skip_special_tokens", self.skip_special_tokens),
@@ -129,6 +141,39 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
+class LogitBias(Mapping[int, float]):
+    """An immutable, hashable, picklable ``{token id: bias}`` (what ``logit_bias`` is stored as).
+
+    Reads like the dict vLLM keeps (``params.logit_bias[50256]``) and compares equal to one,
+    but the frozen ``SamplingParams`` that holds it stays hashable and travels through Ray.
+    Iterates in ascending token id order.
+    """
+
+    __slots__ = ("_biases", "_pairs")
+
+    def __init__(self, pairs: Mapping[int, float]) -> None:
+        self._pairs = tuple(sorted(pairs.items()))  # ((token id, bias), ...) ascending
+        self._biases = dict(self._pairs)
+
+    def __getitem__(self, token_id: int) -> float:
+        return self._biases[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._biases)
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def __hash__(self) -> int:
+        return hash(self._pairs)
+
+    def __repr__(self) -> str:
+        return f"LogitBias({self._biases!r})"
+
+    def __reduce__(self) -> tuple[type[LogitBias], tuple[dict[int, float]]]:
+        return (LogitBias, (self._biases,))
+
+
 def _check(ok: bool, name: str, limit: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{name} {limit}, got {value!r}")
@@ -172,3 +217,41 @@ def _token_ids(name: str, value: object) -> tuple[int, ...]:
     for i, token_id in enumerate(token_ids):
         _check(token_id >= 0, f"{name}[{i}]", "must be >= 0", token_id)
     return token_ids
+
+
+def _logit_bias(value: object) -> LogitBias | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"logit_bias must be a mapping of token id -> bias, got {_describe(value)}"
+        )
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(
+            f"logit_bias must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}"
+        )
+    biases: dict[int, float] = {}
+    for key, bias in value.items():
+        token_id = _as_int("logit_bias keys", key)
+        _check(token_id >= 0, "logit_bias keys", "must be token ids >= 0", token_id)
+        name = f"logit_bias[{token_id}]"
+        biases[token_id] = _as_float(name, bias)
+        _check(
+            -MAX_LOGIT_BIAS <= biases[token_id] <= MAX_LOGIT_BIAS,
+            name,
+            "must be in [-100, 100]",
+            biases[token_id],
+        )
+    return LogitBias(biases) if biases else None
+
+
+def _allowed_token_ids(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    token_ids = _token_ids("allowed_token_ids", value)
+    if not token_ids:
+        raise ValueError(
+            f"allowed_token_ids must hold at least 1 token id, got {value!r} "
+            "(None allows every token)"
+        )
+    return tuple(sorted(set(token_ids)))

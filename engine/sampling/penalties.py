@@ -19,8 +19,11 @@ from engine.sampling.messages import SamplingRow
 from engine.sampling.params import SamplingParams
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Return ``logits`` [B, V] with bans and penalties applied; the input is never modified.
+def apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], *, inplace: bool = False
+) -> torch.Tensor:
+    """Return ``logits`` [B, V] with bans and penalties applied; the input is modified only
+    with ``inplace`` (for a caller that owns a copy already).
 
     Work is sparse: only the (row, token) pairs named by the rows are read and written, so
     the cost grows with the number of context tokens, not with B * V.
@@ -34,9 +37,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     ]
     if not (banned or repeated or counted):
         return logits
-    logits = logits.clone()
+    if not inplace:
+        logits = logits.clone()
     if banned:
-        row_idx, token_idx = _flat_index(banned, [rows[i].banned_token_ids for i in banned], logits)
+        row_idx, token_idx = flat_index(banned, [rows[i].banned_token_ids for i in banned], logits)
         logits[row_idx, token_idx] = float("-inf")
     if repeated:
         _apply_repetition(logits, rows, repeated)
@@ -47,7 +51,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
 def _apply_repetition(logits: torch.Tensor, rows: Sequence[SamplingRow], use: list[int]) -> None:
     seen = [[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in use]
-    row_idx, token_idx = _flat_index(use, seen, logits)  # [n] pairs, duplicates allowed
+    row_idx, token_idx = flat_index(use, seen, logits)  # [n] pairs, duplicates allowed
     penalty = _per_row(rows, lambda p: p.repetition_penalty, logits)[row_idx]  # [n]
     values = logits[row_idx, token_idx]  # [n]
     # A duplicate pair writes the same value twice, so no dedup is needed.
@@ -58,7 +62,7 @@ def _apply_presence_frequency(
     logits: torch.Tensor, rows: Sequence[SamplingRow], use: list[int]
 ) -> None:
     vocab_size = logits.shape[1]
-    row_idx, token_idx = _flat_index(use, [rows[i].output_token_ids for i in use], logits)
+    row_idx, token_idx = flat_index(use, [rows[i].output_token_ids for i in use], logits)
     pairs, counts = torch.unique(row_idx * vocab_size + token_idx, return_counts=True)  # [m]
     row_idx, token_idx = pairs // vocab_size, pairs % vocab_size
     frequency = _per_row(rows, lambda p: p.frequency_penalty, logits)[row_idx]  # [m]
@@ -66,10 +70,11 @@ def _apply_presence_frequency(
     logits[row_idx, token_idx] -= frequency * counts.to(logits.dtype) + presence
 
 
-def _flat_index(
+def flat_index(
     positions: list[int], token_id_lists: Sequence[Sequence[int]], like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) pairs [total] for the ragged token id lists of rows ``positions``."""
+    """(row index, token id) pairs [total] for the ragged token id lists of rows ``positions``
+    (also used by ``logit_bias``)."""
     lengths = [len(ids) for ids in token_id_lists]
     flat_ids = itertools.chain.from_iterable(token_id_lists)
     flat = np.fromiter(flat_ids, dtype=np.int64, count=sum(lengths))

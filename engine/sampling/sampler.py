@@ -1,20 +1,27 @@
 """The batched sampler the model runner calls once per step: logits [B, V] -> one token per row.
 
-Processing order (as vLLM v1):
+Processing order (as vLLM v1, ``vllm/v1/sample/sampler.py``):
 
 1. Logprobs, for rows with ``params.logprobs`` set, come from the RAW distribution:
-   ``log_softmax`` of the unprocessed logits (``logprobs.py``).
-2. Banned token ids -> -inf (the engine bans eos + stop ids while under ``min_tokens``).
-3. Repetition penalty over prompt + output tokens (HF rule: divide positive logits, multiply
+   ``log_softmax`` of the unprocessed logits (``logprobs.py``), before the allowed-token mask,
+   the logit bias, bans and penalties. That is vLLM's default, ``logprobs_mode="raw_logprobs"``
+   (``ModelConfig`` in ``vllm/config/model.py``: "Raw means the values before applying any
+   logit processors, like bad words"); its sampler computes them before
+   ``apply_logits_processors``. So a token's logprob does not move with its bias, and a token
+   outside ``allowed_token_ids`` keeps its raw logprob in the top-N.
+2. ``allowed_token_ids``: every other token -> -inf; then ``logit_bias`` added (``logit_bias.py``).
+3. Banned token ids -> -inf (the engine bans eos + stop ids while under ``min_tokens``).
+4. Repetition penalty over prompt + output tokens (HF rule: divide positive logits, multiply
    negative ones), then presence / frequency penalties over output tokens (``penalties.py``).
-4. Greedy rows (``params.greedy``) take the argmax of the penalised logits. Sampled rows go on:
-5. temperature, min_p, top_k, top_p, softmax (``processors.py``);
-6. an exact draw from that distribution by the exponential race (``rng.py``). A seeded row
+5. Greedy rows (``params.greedy``) take the argmax of the penalised logits. Sampled rows go on:
+6. temperature, min_p, top_k, top_p, softmax (``processors.py``);
+7. an exact draw from that distribution by the exponential race (``rng.py``). A seeded row
    consumes one [V] draw from its own generator per step, so its tokens do not depend on the
    rest of the batch; unseeded rows share one batched draw from the global RNG.
 
-Fast paths: an all-greedy batch without bans or penalties is one argmax; penalty, min_p and
-top-k/top-p work is skipped when no row asks for it. The input logits are never modified.
+Fast paths: an all-greedy batch without allowed tokens, bias, bans or penalties is one argmax;
+mask, bias, penalty, min_p and top-k/top-p work is skipped (no tensor built) when no row asks for
+it. The input logits are never modified.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.sampling.logit_bias import apply_allowed_and_bias
 from engine.sampling.logprobs import compute_logprobs
 from engine.sampling.messages import SamplerOutput, SamplingRow
 from engine.sampling.penalties import apply_penalties
@@ -39,7 +47,9 @@ class Sampler:
                 f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}"
             )
         logits = logits.float()  # [B, V]; a no-op for float32
-        penalised = apply_penalties(logits, rows)  # [B, V]
+        constrained = apply_allowed_and_bias(logits, rows)  # [B, V]; logits itself when unused
+        # a copy made above is ours to modify in place
+        penalised = apply_penalties(constrained, rows, inplace=constrained is not logits)
         sampled_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not sampled_rows:
             token_ids = penalised.argmax(dim=-1)  # [B]

@@ -70,6 +70,10 @@ def generate_spec(
     sampling.setdefault("max_tokens", None)  # unset: the context left
     if request.stop_token_ids:
         sampling["stop_token_ids"] = list(request.stop_token_ids)
+    if request.logit_bias:  # checked in make_spec, with the HTTP API's messages
+        sampling["logit_bias"] = dict(request.logit_bias)
+    if request.allowed_token_ids:
+        sampling["allowed_token_ids"] = list(request.allowed_token_ids)
     return make_spec(
         prompt_token_ids,
         sampling,

@@ -2,9 +2,10 @@
 
 Every field is type-checked by hand so each error names the field and the rule it broke.
 Fields OpenAI or vLLM define but pdserve does not implement are refused when they would change
-the output (``echo``, ``logit_bias``, tools, guided decoding ...: ``unsupported``), never
-silently ignored; unknown fields are ignored, as vLLM does. vLLM's extra sampling fields and
-chat-template options are accepted in the body.
+the output (``echo``, tools, guided decoding ...: ``unsupported``), never silently ignored;
+unknown fields are ignored, as vLLM does. vLLM's extra sampling fields (``allowed_token_ids``
+among them) and chat-template options are accepted in the body, and so is OpenAI's
+``logit_bias`` (checked in ``logit_fields``).
 """
 
 from __future__ import annotations
@@ -200,6 +201,9 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
             raise invalid("stop_token_ids must be a list of integers", param="stop_token_ids")
         fields["stop_token_ids"] = stop_token_ids
+    for name in ("logit_bias", "allowed_token_ids"):  # checked in make_spec, as gRPC's are
+        if body.get(name) is not None:
+            fields[name] = body[name]
     return fields
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from engine.sampling.params import SamplingParams
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
+from router.gateway.logit_fields import checked_allowed_token_ids, checked_logit_bias
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,8 @@ def make_spec(
 ) -> GenerationSpec:
     """Check a request against the limits and build its spec; ApiError(400) names the field.
 
-    ``sampling`` holds SamplingParams keywords; ``max_tokens`` None means "the context left".
+    ``sampling`` holds SamplingParams keywords; ``max_tokens`` None means "the context left";
+    ``logit_bias`` and ``allowed_token_ids`` come as the wire sent them (``logit_fields``).
     ``wire_names`` maps a keyword to the request field it came from where the two differ (chat's
     ``max_completion_tokens`` and ``top_logprobs``), so that errors name the field sent.
     """
@@ -48,6 +50,12 @@ def make_spec(
         fields.get("max_tokens"), len(prompt), limits, max_tokens_name
     )
     _check_bounds(fields, stop, limits, vocab_size, names.get("logprobs", "logprobs"))
+    if fields.get("logit_bias") is not None:
+        fields["logit_bias"] = checked_logit_bias(fields["logit_bias"], vocab_size)
+    if fields.get("allowed_token_ids") is not None:
+        fields["allowed_token_ids"] = checked_allowed_token_ids(
+            fields["allowed_token_ids"], vocab_size
+        )
     try:
         params = SamplingParams(**fields)
     except ValueError as error:

@@ -18,7 +18,6 @@ _OFF: Mapping[str, tuple[Any, ...]] = {
     # OpenAI
     "echo": (False,),
     "suffix": ("",),
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),  # "none" with no tools is what every client means by default
     "functions": ([],),
@@ -29,7 +28,6 @@ _OFF: Mapping[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (),
-    "allowed_token_ids": (),
     "bad_words": ([],),
     "prompt_logprobs": (),
     "return_tokens_as_token_ids": (False,),

@@ -175,3 +175,37 @@ def test_received_kv_waiting_behind_a_recompute_does_not_hang(llama_dir: Path, c
     assert outputs == {f"r{i}": hf_greedy(llama_dir, p, 5) for i, p in enumerate(prompts)}
     assert decode.block_manager.usage == 0
     assert decode.num_preemptions > 0  # the received KV was dropped and recomputed
+
+
+def test_split_honours_logit_bias_and_allowed_token_ids(llama_dir: Path) -> None:
+    """The prefill side samples each first token and the decode side the rest, both with the
+    same Sampler: a bias and an allowed set bind both sides, as on one engine."""
+    prompts = make_prompts(seed=18)[2:5]
+    forced, allowed = 77, [40, 41, 300, 777]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={forced: 100}),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(
+            temperature=1.3,
+            max_tokens=8,
+            ignore_eos=True,
+            n=2,
+            seed=5,
+            allowed_token_ids=allowed,
+            logit_bias={300: -100, 41: 1.5},
+        ),
+    ]
+    colocated = LLM(str(llama_dir), dtype="float32", device="cpu").generate(prompts, params)
+    prefill = _engine(llama_dir)
+    decode = _engine(llama_dir)
+    handed, finished = _prefill_all(prefill, prompts, params)
+    assert not finished and len(handed) == 3
+    first_tokens = {r.request_id: [s.first_token_id for s in r.samples] for r in handed}
+    assert first_tokens["r0"] == [forced]
+    assert set(first_tokens["r1"] + first_tokens["r2"]) <= set(allowed)
+    outputs = _decode_all(prefill, decode, handed, transfer=True)
+    assert outputs["r0"] == [[forced] * 8]
+    assert all(set(tokens) <= set(allowed) for tokens in outputs["r1"] + outputs["r2"])
+    assert all(300 not in tokens for tokens in outputs["r2"])
+    for i, out in enumerate(colocated):
+        assert outputs[f"r{i}"] == [c.token_ids for c in out.outputs]

@@ -252,3 +252,45 @@ def test_text_leaves_out_the_stop_token_and_a_character_cut_short(llm: LLM) -> N
             [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         )
         assert out.outputs[0].text == tokenizer.decode(tokens[:n]).rstrip("\ufffd")
+
+
+def test_logit_bias_steers_greedy_output(llm: LLM) -> None:
+    prompt = make_prompts(seed=11)[3]
+    free = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    (natural,) = llm.generate([prompt], free)
+    forced_token = next(t for t in range(3, 1024) if t not in natural.outputs[0].token_ids)
+    forced = SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True, logit_bias={forced_token: 100}
+    )
+    (out,) = llm.generate([prompt], forced)
+    assert out.outputs[0].token_ids == [forced_token] * 10
+    first = natural.outputs[0].token_ids[0]
+    avoided = SamplingParams(temperature=0, max_tokens=1, logit_bias={first: -100})
+    (out,) = llm.generate([prompt], avoided)
+    assert out.outputs[0].token_ids != [first]
+
+
+def test_allowed_token_ids_confine_sampled_output(llm: LLM) -> None:
+    allowed = [40, 41, 300, 777]
+    params = SamplingParams(
+        temperature=1.5, max_tokens=40, ignore_eos=True, seed=3, allowed_token_ids=allowed
+    )
+    (out,) = llm.generate([make_prompts(seed=11)[4]], params)
+    assert len(out.outputs[0].token_ids) == 40
+    assert set(out.outputs[0].token_ids) <= set(allowed)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (SamplingParams(logit_bias={5: 1.0, 1024: -5.0}), "logit_bias holds token id 1024"),
+        (SamplingParams(allowed_token_ids=[5, 4096]), "allowed_token_ids holds token id 4096"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(
+    llm: LLM, params: SamplingParams, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message) as raised:
+        llm.generate([[5, 6, 7]], params)
+    assert "outside the vocabulary [0, 1024)" in str(raised.value)
+    assert not llm.engine.has_unfinished_requests()

@@ -139,6 +139,58 @@ def test_all_knobs_with_bans_and_seeded_rows() -> None:
     assert_matches(counts, expected)
 
 
+# Moderate biases, so that every token keeps enough mass for the chi-square test.
+BIAS = {6: 3.0, 2: -1.5, 14: 1.2, 9: -0.6}
+ALLOWED = [0, 3, 5, 6, 11, 14]
+
+
+def biased(x: np.ndarray, bias: dict[int, float]) -> np.ndarray:
+    x = x.copy()
+    for token, value in bias.items():
+        x[token] += value
+    return x
+
+
+@pytest.mark.parametrize(("temperature", "seeded"), [(1.0, False), (0.7, True)])
+def test_logit_bias(temperature: float, seeded: bool) -> None:
+    counts = draw_counts(SamplingParams(temperature=temperature, logit_bias=BIAS), seeded=seeded)
+    assert_matches(counts, softmax(biased(LOGITS, BIAS) / temperature))
+
+
+def test_allowed_token_ids_is_the_renormalised_distribution() -> None:
+    """No other token in 20k draws, and the allowed ones in their renormalised proportions."""
+    counts = draw_counts(SamplingParams(allowed_token_ids=ALLOWED), seeded=True)
+    keep = np.isin(np.arange(VOCAB_SIZE), ALLOWED)
+    assert_matches(counts, keep_renormalised(softmax(LOGITS), keep))
+
+
+def test_allowed_and_bias_before_bans_penalties_and_top_k() -> None:
+    """Order check: allowed mask, bias, bans, repetition penalty, temperature, top_k. Token 14
+    (-1.5, biased +2, in the prompt) makes the top 4 at (-1.5 + 2) / 1.5 = 0.33; with the
+    penalty before the bias it would read -1.5 * 1.5 + 2 = -0.25, and token 3 would instead."""
+    bias = {**BIAS, 14: 2.0}
+    params = SamplingParams(
+        allowed_token_ids=ALLOWED,
+        logit_bias=bias,
+        repetition_penalty=1.5,
+        temperature=0.8,
+        top_k=4,
+    )
+    counts = draw_counts(params, prompt=[3, 14], banned=[11])
+    x = np.where(np.isin(np.arange(VOCAB_SIZE), ALLOWED), LOGITS, -np.inf)
+    x = biased(x, bias)
+    x[11] = -np.inf
+    x[[3, 14]] = np.where(x[[3, 14]] > 0, x[[3, 14]] / 1.5, x[[3, 14]] * 1.5)
+    keep = x >= np.sort(x)[-4]
+    assert keep.sum() == 4 and keep[14] and not keep[3]
+    assert_matches(counts, keep_renormalised(softmax(x / 0.8), keep))
+
+
+def test_negative_control_an_ignored_bias_is_rejected() -> None:
+    counts = draw_counts(SamplingParams(logit_bias=BIAS))
+    assert chi_square_pvalue(counts, softmax(LOGITS)) < ALPHA
+
+
 def test_negative_control_wrong_temperature_is_rejected() -> None:
     counts = draw_counts(SamplingParams(temperature=1.0))
     assert chi_square_pvalue(counts, softmax(LOGITS / 0.7)) < ALPHA

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from engine.sampling import SamplingParams
+from engine.sampling.params import MAX_LOGIT_BIAS_ENTRIES, LogitBias
 
 
 def make(**kwargs: Any) -> SamplingParams:
@@ -51,6 +52,16 @@ def test_defaults_match_vllm() -> None:
         ({"stop_token_ids": [3, -1]}, "stop_token_ids[1] must be >= 0, got -1"),
         ({"temperature": float("nan")}, "temperature must be finite"),
         ({"top_p": float("inf")}, "top_p must be finite"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias[5] must be in [-100, 100], got 100.5"),
+        ({"logit_bias": {5: -101}}, "logit_bias[5] must be in [-100, 100], got -101.0"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias[5] must be finite"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids >= 0, got -1"),
+        (
+            {"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}},
+            "logit_bias must hold at most 1024 entries, got 1025",
+        ),
+        ({"allowed_token_ids": []}, "allowed_token_ids must hold at least 1 token id"),
+        ({"allowed_token_ids": [4, -2]}, "allowed_token_ids[1] must be >= 0, got -2"),
     ],
 )
 def test_each_bound_is_enforced(kwargs: dict[str, Any], message: str) -> None:
@@ -67,6 +78,8 @@ def test_each_bound_is_enforced(kwargs: dict[str, Any], message: str) -> None:
         {"presence_penalty": -2, "frequency_penalty": 2, "max_tokens": 1, "min_tokens": 1},
         {"max_tokens": None, "min_tokens": 10_000, "logprobs": 0, "seed": -5},
         {"logprobs": 20, "stop_token_ids": (0, 7), "seed": 2**70},
+        {"logit_bias": {0: -100, 7: 100, 9: 0}, "allowed_token_ids": [0]},
+        {"logit_bias": {i: 1 for i in range(MAX_LOGIT_BIAS_ENTRIES)}, "allowed_token_ids": None},
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict[str, Any]) -> None:
@@ -107,6 +120,14 @@ def test_positional_arguments_are_a_value_error() -> None:
         ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"skip_special_tokens": "yes"}, "skip_special_tokens"),
+        ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {5: "1"}}, "logit_bias[5]"),
+        ({"logit_bias": {5: None}}, "logit_bias[5]"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids"),
+        ({"allowed_token_ids": "5"}, "allowed_token_ids"),
+        ({"allowed_token_ids": [5.0]}, "allowed_token_ids[0]"),
     ],
 )
 def test_wrong_types_are_value_errors_naming_the_field(kwargs: dict[str, Any], field: str) -> None:
@@ -137,3 +158,24 @@ def test_immutable_hashable_picklable_and_replace_validates() -> None:
     assert dataclasses.replace(params, top_k=4).top_k == 4
     with pytest.raises(ValueError, match="top_k"):
         dataclasses.replace(params, top_k=-3)
+
+
+def test_logit_bias_and_allowed_token_ids_are_stored_frozen_and_travel() -> None:
+    """As the params go to workers through Ray: hashable, picklable, equal after the trip."""
+    params = SamplingParams(logit_bias={9: 1, 3: -100.0}, allowed_token_ids=[7, 3, 7, 9])
+    assert isinstance(params.logit_bias, LogitBias)
+    assert params.logit_bias == {3: -100.0, 9: 1.0} and params.logit_bias[9] == 1.0
+    assert list(params.logit_bias) == [3, 9]  # ascending token ids
+    assert isinstance(params.logit_bias[9], float)
+    assert params.allowed_token_ids == (3, 7, 9)  # sorted, without duplicates
+    with pytest.raises(TypeError):
+        params.logit_bias[3] = 0.0  # type: ignore[index]
+    same = SamplingParams(logit_bias={3: -100, 9: 1.0}, allowed_token_ids=(9, 3, 7))
+    assert params == same and hash(params) == hash(same)
+    assert params != SamplingParams(logit_bias={3: -100, 9: 2.0}, allowed_token_ids=(9, 3, 7))
+    travelled = pickle.loads(pickle.dumps(params))
+    assert travelled == params and hash(travelled) == hash(params)
+    assert isinstance(travelled.logit_bias, LogitBias)
+    assert dataclasses.replace(params, top_k=4).logit_bias == params.logit_bias
+    assert SamplingParams(logit_bias={}) == SamplingParams()  # an empty bias is no bias
+    assert SamplingParams().logit_bias is None and SamplingParams().allowed_token_ids is None

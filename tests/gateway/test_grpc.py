@@ -379,9 +379,29 @@ def test_server_reflection_lists_the_service(gateway_server: GatewayServer) -> N
         assert found.package == "pdserve.v1"
 
 
+@pytest.mark.parametrize(
+    "constraint",
+    [{"logit_bias": {77: 100.0}}, {"allowed_token_ids": [40, 41, 300, 777]}],
+    ids=["logit_bias", "allowed_token_ids"],
+)
+def test_logit_bias_and_allowed_token_ids_bind_every_token(
+    stub: pb_grpc.GenerationStub, llm: LLM, constraint: dict[str, Any]
+) -> None:
+    common: dict[str, Any] = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    result = generate(stub, token_ids=pb.TokenIds(ids=PROMPT_TOKEN_IDS), **common, **constraint)
+    [expected] = offline(llm, PROMPT_TOKEN_IDS, **common, **constraint)
+    [free] = offline(llm, PROMPT_TOKEN_IDS, **common)
+    assert result.samples[0].token_ids == expected != free
+    if "logit_bias" in constraint:
+        assert expected == [77] * 8
+    else:
+        assert set(expected) <= set(constraint["allowed_token_ids"])
+
+
 # ---------------------------------------------------------------- bad input
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+NAN = float("nan")
 TOO_LONG = list(range(3, 3 + 512))  # max_model_len tokens: no room for one output token
 
 
@@ -411,6 +431,33 @@ BAD_REQUESTS = [
     bad("top-p-zero", "top_p", text="hi", top_p=0.0),
     bad("min-over-max-tokens", "min_tokens", text="hi", max_tokens=4, min_tokens=8),
     bad("penalty-out-of-range", "presence_penalty", text="hi", presence_penalty=3.0),
+    bad(
+        "logit-bias-out-of-vocab",
+        "logit_bias[5000] is outside the vocabulary [0, 1024)",
+        text="hi",
+        logit_bias={5: 1.0, 5000: 1.0},
+    ),
+    bad("logit-bias-negative-id", "logit_bias[-3]", text="hi", logit_bias={-3: 1.0}),
+    bad(
+        "logit-bias-over-100",
+        "logit_bias[5] must be in [-100, 100], got 100.5",
+        text="hi",
+        logit_bias={5: 100.5},
+    ),
+    bad("logit-bias-nan", "logit_bias[5] must be in [-100, 100]", text="hi", logit_bias={5: NAN}),
+    bad(
+        "logit-bias-too-many",
+        "logit_bias holds 1025 entries; at most 1024 are allowed",
+        text="hi",
+        logit_bias={i: 1.0 for i in range(1025)},
+    ),
+    bad(
+        "allowed-out-of-vocab",
+        "allowed_token_ids[1] is token id 5000, outside the vocabulary [0, 1024)",
+        text="hi",
+        allowed_token_ids=[5, 5000],
+    ),
+    bad("allowed-negative", "allowed_token_ids[0]", text="hi", allowed_token_ids=[-1]),
 ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -205,3 +206,103 @@ def test_chat_top_logprobs(client: openai.OpenAI) -> None:
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert math.isclose(entry.logprob, entry.top_logprobs[0].logprob, abs_tol=1e-6)
+
+
+FORCED_TOKEN = 77  # a +100 bias makes greedy decoding pick it at every position
+ALLOWED = [40, 41, 300, 777]
+# field -> (what the openai client sends, the SamplingParams keywords that mean the same)
+CONSTRAINTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "logit_bias": ({"logit_bias": {str(FORCED_TOKEN): 100}}, {"logit_bias": {FORCED_TOKEN: 100}}),
+    "allowed_token_ids": (
+        {"extra_body": {"allowed_token_ids": ALLOWED, "ignore_eos": True}},
+        {"allowed_token_ids": ALLOWED},
+    ),
+}
+
+
+def _expected_under(
+    offline: LLM, prompt_ids: list[int], constraint: str, **params: object
+) -> tuple[list[int], str]:
+    """The offline engine's greedy tokens and text under ``constraint``, checked to differ from
+    those without it (so the HTTP answer matching them shows the field took effect)."""
+    [free] = offline.generate([prompt_ids], _greedy(8, ignore_eos=True))
+    [out] = offline.generate([prompt_ids], _greedy(8, ignore_eos=True, **params))
+    tokens = out.outputs[0].token_ids
+    if constraint == "logit_bias":
+        assert tokens == [FORCED_TOKEN] * 8
+    else:
+        assert set(tokens) <= set(ALLOWED)
+    assert out.outputs[0].text != free.outputs[0].text
+    return tokens, out.outputs[0].text
+
+
+def _request(constraint: str, stream: bool, **fields: Any) -> dict[str, Any]:
+    """Keywords of an ``openai`` client call: ``fields``, greedy, 8 tokens, the constraint."""
+    request: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0}
+    request["stream"] = stream
+    request.update(fields)
+    request.update(CONSTRAINTS[constraint][0])
+    request.setdefault("extra_body", {"ignore_eos": True})
+    return request
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("constraint", sorted(CONSTRAINTS))
+def test_completions_honour_logit_bias_and_allowed_token_ids(
+    client: openai.OpenAI, offline: LLM, constraint: str, stream: bool
+) -> None:
+    prompt_ids = offline.tokenizer.encode(PROMPTS[0])
+    _, text = _expected_under(offline, prompt_ids, constraint, **CONSTRAINTS[constraint][1])
+    request = _request(constraint, stream, prompt=PROMPTS[0])
+    if stream:
+        chunks = client.completions.create(**request)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    else:
+        response = client.completions.create(**request)
+        assert response.choices[0].text == text
+        assert response.usage is not None and response.usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("constraint", sorted(CONSTRAINTS))
+def test_chat_honours_logit_bias_and_allowed_token_ids(
+    client: openai.OpenAI, offline: LLM, constraint: str, stream: bool
+) -> None:
+    messages = [{"role": "user", "content": "Name a prime."}]
+    rendered = offline.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids = offline.tokenizer.encode(rendered, add_special_tokens=False)
+    _, text = _expected_under(offline, prompt_ids, constraint, **CONSTRAINTS[constraint][1])
+    request = _request(constraint, stream, messages=messages)
+    if stream:
+        chunks = client.chat.completions.create(**request)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    else:
+        response = client.chat.completions.create(**request)
+        assert response.choices[0].message.content == text
+
+
+def test_logprobs_under_a_bias_are_the_raw_ones(client: openai.OpenAI, offline: LLM) -> None:
+    """As vLLM's default (raw_logprobs): the forced token keeps its unbiased logprob."""
+    params = _greedy(4, ignore_eos=True, logprobs=2, logit_bias={FORCED_TOKEN: 100})
+    [expected] = offline.generate([PROMPTS[0]], params)
+    response = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[0],
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        logit_bias={str(FORCED_TOKEN): 100},
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = response.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert logprobs.top_logprobs is not None
+    completion = expected.outputs[0]
+    assert completion.token_ids == [FORCED_TOKEN] * 4 and completion.logprobs is not None
+    for position, token_logprob in enumerate(logprobs.token_logprobs):
+        raw = completion.logprobs[position][FORCED_TOKEN]
+        assert raw.rank > 1  # not the model's own choice: its logprob was not biased
+        assert math.isclose(token_logprob, raw.logprob, abs_tol=1e-4)
+        assert max(logprobs.top_logprobs[position].values()) > token_logprob

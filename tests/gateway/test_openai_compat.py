@@ -1,7 +1,8 @@
 """Where OpenAI's API and vLLM's server agree, the gateway does as they do: fields it does not
-implement are refused naming the field, vLLM's chat-template options reach the template, a stop
-token is not shown, a character cut by max_tokens leaves no U+FFFD, and every response names its
-id in X-Request-Id.
+implement are refused naming the field, ``logit_bias`` (string keys) and ``allowed_token_ids``
+reach the engine's params, vLLM's chat-template options reach the template, a stop token is not
+shown, a character cut by max_tokens leaves no U+FFFD, and every response names its id in
+X-Request-Id.
 
 The cluster here is a scripted ``GenerationBackend`` that records what it was asked and answers
 the tokens a test chooses; the demo model's real byte-level BPE tokenizer runs around it.
@@ -47,6 +48,7 @@ class ScriptedCluster(OneLiveWorker):
         self.tokens: list[int] = []
         self.finish_reason = "length"
         self.prompts: list[list[int]] = []  # prompt token ids, as asked
+        self.params: list[SamplingParams] = []  # sampling params, as asked
 
     async def generate(
         self,
@@ -57,6 +59,7 @@ class ScriptedCluster(OneLiveWorker):
         cache_salt: str | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         self.prompts.append(list(prompt_token_ids))
+        self.params.append(params)
         num_tokens = min(params.max_tokens or len(self.tokens), len(self.tokens))
         for position in range(num_tokens):
             finish = None
@@ -122,7 +125,6 @@ def _streamed_text(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
         ("/v1/completions", "prompt_logprobs", 1),
         ("/v1/completions", "use_beam_search", True),
         ("/v1/completions", "truncate_prompt_tokens", 4),
-        ("/v1/completions", "allowed_token_ids", [5, 6]),
         ("/v1/completions", "bad_words", ["x"]),
         ("/v1/completions", "return_tokens_as_token_ids", True),
         ("/v1/completions", "add_special_tokens", False),
@@ -152,7 +154,6 @@ def test_off_values_of_unimplemented_fields_are_accepted(
     off = {
         "tool_choice": "none",
         "tools": [],
-        "logit_bias": {},
         "include_stop_str_in_output": False,
         "use_beam_search": False,
         "add_special_tokens": False,
@@ -160,6 +161,23 @@ def test_off_values_of_unimplemented_fields_are_accepted(
     }
     assert _chat(http, **off).status_code == 200
     assert _completion(http, echo=False, suffix="", add_special_tokens=True).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_logit_bias_and_allowed_token_ids_reach_the_sampling_params(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel, path: str
+) -> None:
+    """OpenAI's string keys become token ids; an empty bias is no bias, as OpenAI reads it."""
+    cluster.tokens, cluster.finish_reason = model.tokenizer.encode("ok"), "length"
+    send = _chat if path.endswith("/chat/completions") else _completion
+    fields = {"logit_bias": {"50": 2.5, "7": -100, "1000": 100}, "allowed_token_ids": [9, 3, 9]}
+    response = send(http, **fields)
+    assert response.status_code == 200, response.text
+    params = cluster.params[-1]
+    assert params.logit_bias == {7: -100.0, 50: 2.5, 1000: 100.0}
+    assert params.allowed_token_ids == (3, 9)
+    assert send(http, logit_bias={}).status_code == 200
+    assert cluster.params[-1].logit_bias is None and cluster.params[-1].allowed_token_ids is None
 
 
 def test_an_assistant_turn_with_null_content_is_accepted(

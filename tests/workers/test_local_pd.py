@@ -181,6 +181,31 @@ def test_colocated_decode_worker_matches_offline_engine(cluster_factory, offline
     assert [cluster.collector.output(f"c{i}") for i in range(12)] == expected
 
 
+def test_split_workers_honour_logit_bias_and_allowed_token_ids(
+    cluster_factory,  # type: ignore[no-untyped-def]
+    offline: LLM,
+) -> None:
+    """The prefill worker samples the first token, the decode worker the rest: a bias and an
+    allowed set hold for both, and the tokens are the offline engine's."""
+    prompts = make_prompts(seed=26)[2:4]
+    allowed = [40, 41, 300, 777]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={77: 100}),
+        SamplingParams(
+            temperature=1.3, max_tokens=6, ignore_eos=True, seed=9, allowed_token_ids=allowed
+        ),
+    ]
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    cluster = cluster_factory(1, 1, "gloo")
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        cluster.prefills[0].submit(GenerateRequest(f"b{i}", prompt, p, GATEWAY), "d0")
+    cluster.collector.wait_finished([("b0", 0), ("b1", 0)])
+    assert not cluster.collector.failures
+    outputs = [cluster.collector.output(f"b{i}") for i in range(2)]
+    assert outputs == expected
+    assert outputs[0] == [77] * 6 and set(outputs[1]) <= set(allowed)
+
+
 @dataclass
 class _Pair:
     prefill: PrefillWorker
