@@ -57,7 +57,11 @@ class WorkerHandle:
     actor: Any  # the Ray actor handle
     ledger: LoadLedger = field(default_factory=LoadLedger)  # latest report + routed since
     last_report: float = 0.0  # monotonic time of the latest report
-    alive: bool = True
+    alive: bool = True  # in rotation
+    # out of rotation because it stopped answering (its process may live on): each load poll
+    # asks again, and an answer puts it back in rotation
+    stalled: bool = False
+    probe: Any = None  # the load call a stalled worker has not answered yet (one at a time)
 
     @property
     def load(self) -> WorkerLoad | None:
@@ -509,12 +513,43 @@ class Cluster:
                 self._on_worker_dead(worker)
                 continue
             except ray.exceptions.GetTimeoutError:
-                if now - worker.last_report > self.config.dead_after_s:
+                # silent for dead_after_s by the end of this wait (measured from the round's
+                # start, a stall was found only in the round after, at twice dead_after_s)
+                if time.monotonic() - worker.last_report >= self.config.dead_after_s:
                     self._on_worker_dead(worker, stalled=True)
                 continue
             with self._lock:
                 worker.ledger.record(load, now, self._trackers.__contains__)
                 worker.last_report = time.monotonic()
+        self._probe_stalled()
+
+    def _probe_stalled(self) -> None:
+        """Put back in rotation a worker that stopped answering and answers again (a long GC
+        pause, swapping, a stopped process continued). Its requests were re-routed and it was
+        told to drop them when it went out, so it comes back empty-handed as far as the router
+        knows. Never waits: a probe not answered yet is looked at again next round."""
+        for worker in [w for w in self.workers.values() if w.stalled]:
+            if worker.probe is None:
+                worker.probe = worker.actor.load.remote()
+            requested_at = time.monotonic()
+            try:
+                load = ray.get(worker.probe, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayActorError:  # its process is gone after all: out for good
+                worker.stalled, worker.probe = False, None
+                continue
+            except ray.exceptions.RayError:  # the call failed (not the worker): ask again
+                worker.probe = None
+                continue
+            with self._lock:
+                worker.probe = None
+                worker.ledger.record(load, requested_at, self._trackers.__contains__)
+                worker.last_report = time.monotonic()
+                worker.stalled, worker.alive = False, True
+            logger.warning(
+                "%s worker %s answers again; back in rotation", worker.role, worker.worker_id
+            )
 
     def _on_worker_dead(
         self, worker: WorkerHandle, skip: RequestTracker | None = None, *, stalled: bool = False
@@ -528,6 +563,7 @@ class Cluster:
                 "%s worker %s is gone; re-routing its requests", worker.role, worker.worker_id
             )
             worker.alive = False
+            worker.stalled = stalled
             worker.ledger.drop_all()  # its reports stopped: nothing else would drop them
             affected = [
                 t

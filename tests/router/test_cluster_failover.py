@@ -287,3 +287,66 @@ def test_a_client_that_cannot_take_its_tokens_does_not_cost_the_others_theirs() 
     assert token_ids(second) == [12]
     assert "r1" not in cluster._trackers and "r1" not in cluster._placed
     assert "r1" in actors["prefill-0"].aborts()
+
+
+def test_a_stalled_worker_that_answers_again_is_back_in_rotation() -> None:
+    """decode-0 stops answering (a long pause; its process lives on), goes out of rotation and
+    its request resumes on decode-1. Once it answers a load poll again it takes new requests:
+    before, it stayed out for good, and a pool whose only worker paused for 10 s answered 503
+    until the server was restarted."""
+    cluster, actors = make_cluster(1, 2, dead_after_s=0.1)
+    _first_of(cluster, "decode-0")
+    tracker, _ = submit(cluster, "r1", max_tokens=4)
+    actors["decode-0"].stalled = True
+    cluster._poll_loads()
+    handle = cluster.workers["decode-0"]
+    assert not handle.alive and tracker.decode_worker == "decode-1"
+    assert actors["decode-0"].aborts() == ["r1"]
+
+    def load_calls() -> int:
+        return sum(name == "load" for name, _ in actors["decode-0"].calls)
+
+    before = load_calls()
+    for _ in range(3):  # still silent: one probe at a time, never a wait
+        started = time.monotonic()
+        cluster._poll_loads()
+        assert time.monotonic() - started < 0.05 and not handle.alive
+    assert load_calls() == before  # the probe sent when it went out is the only one
+    actors["decode-0"].stalled = False
+    cluster._poll_loads()
+    assert handle.alive and not handle.stalled
+    assert {s.worker_id for s in cluster.worker_statuses() if s.alive} == {
+        "prefill-0",
+        "decode-0",
+        "decode-1",
+    }
+    second, _ = submit(cluster, "r2")
+    assert second.decode_worker == "decode-0"
+
+
+def test_a_dead_worker_stays_out_and_is_not_asked_again() -> None:
+    """A worker whose process is gone (its calls fail, they do not time out) is never probed;
+    a stalled one found dead by its probe is out for good too."""
+    cluster, actors = make_cluster(1, 2, dead_after_s=0.1)
+    actors["decode-0"].dead = True
+    actors["decode-1"].stalled = True
+    cluster._poll_loads()
+    assert not cluster.workers["decode-1"].alive and cluster.workers["decode-1"].stalled
+    actors["decode-1"].dead = True
+    cluster._poll_loads()
+    calls = {w: len(actors[w].calls) for w in ("decode-0", "decode-1")}
+    for _ in range(2):
+        cluster._poll_loads()
+    assert {w: len(actors[w].calls) for w in calls} == calls
+    assert not any(cluster.workers[w].alive or cluster.workers[w].stalled for w in calls)
+
+
+def test_a_stall_is_found_after_dead_after_s_not_twice_that() -> None:
+    """A worker that reported just now and then stops answering is out of rotation after one
+    poll's wait of ``dead_after_s`` (the silence was measured from the poll's start, so the
+    first poll never counted it and requests on it waited two rounds)."""
+    cluster, actors = make_cluster(1, 1, dead_after_s=0.2)
+    cluster.workers["decode-0"].last_report = time.monotonic()
+    actors["decode-0"].stalled = True
+    cluster._poll_loads()
+    assert not cluster.workers["decode-0"].alive
