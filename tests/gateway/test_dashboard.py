@@ -120,10 +120,12 @@ def test_dashboard_renders_live_data_in_a_real_browser(
     def traffic() -> None:
         with httpx.Client(base_url=server.http_url, timeout=60) as client:
             while not stop.is_set():
-                client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8})
+                client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
 
-    # Four clients: first tokens keep arriving in every window of the page's virtual time,
-    # which can run faster than the real one
+    # Four clients of two-token requests: first tokens keep arriving in every window of the
+    # page's virtual time, which can run far faster than the real one (with 8-token requests
+    # on a loaded machine, a page's whole real lifetime once fell inside the requests' decode
+    # steps: inter-token latency had points, time to first token none)
     clients = [threading.Thread(target=traffic, daemon=True) for _ in range(4)]
     for client in clients:
         client.start()
