@@ -57,15 +57,22 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Ends a sample at the first stop string, trimmed from the output as OpenAI does.
+    """Ends a sample at the first stop string: trimmed from the output as OpenAI does, or kept at
+    its end with ``include_in_output`` (vLLM's ``include_stop_str_in_output``). Text after the
+    stop string, in the token that completed it, is dropped either way, as vLLM does.
 
-    While streaming, text that might be the start of a stop string is held back until the
-    next tokens show it is not.
+    While streaming, trimmed stop strings hold back text that might be the start of one until
+    the next tokens show it is not. A kept stop string needs no holding back (vLLM holds none
+    then): the text goes out at once, and its tail is only remembered, so that a stop string
+    that began in text already sent is still found.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_in_output: bool = False) -> None:
         self.stop = [s for s in stop if s]
-        self._pending = ""  # text held back: a possible stop-string prefix
+        self.include_in_output = include_in_output
+        # the text's tail that may begin a stop string: held back (trimmed) or already sent
+        # (kept)
+        self._pending = ""
         self.stopped = False
 
     def feed(self, delta: str) -> str:
@@ -73,19 +80,22 @@ class StopStringMatcher:
         if self.stopped:
             return ""
         text = self._pending + delta
-        cut = min((i for s in self.stop if (i := text.find(s)) >= 0), default=-1)
-        if cut >= 0:
+        sent = len(self._pending) if self.include_in_output else 0  # already out
+        # the stop string that starts first (the shorter of two that start together)
+        match = min(((i, len(s)) for s in self.stop if (i := text.find(s)) >= 0), default=None)
+        if match is not None:
             self.stopped = True
             self._pending = ""
-            return text[:cut]
+            start, length = match
+            return text[sent : start + length if self.include_in_output else start]
         hold = self._longest_stop_prefix_suffix(text)
         self._pending = text[len(text) - hold :] if hold else ""
-        return text[: len(text) - hold]
+        return text[sent:] if self.include_in_output else text[: len(text) - hold]
 
     def flush(self) -> str:
         """The sample ended without a stop string: release what was held back."""
         pending, self._pending = self._pending, ""
-        return "" if self.stopped else pending
+        return "" if self.stopped or self.include_in_output else pending
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:
         best = 0

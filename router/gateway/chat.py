@@ -68,8 +68,13 @@ def template_options(
     return ChatTemplateOptions(add_generation_prompt, continue_final_message, template_kwargs)
 
 
-def parse_messages(value: Any, limits: RequestLimits) -> list[dict[str, str]]:
-    """``messages`` from a request body as [{"role", "content"}] with text content."""
+def parse_messages(
+    value: Any, limits: RequestLimits, check_length: bool = True
+) -> list[dict[str, str]]:
+    """``messages`` from a request body as [{"role", "content"}] with text content.
+
+    ``check_length``: refuse text far too long for the context before it is rendered; off when
+    the prompt is to be truncated (``truncate_prompt_tokens``), which may make it fit."""
     if not isinstance(value, list):
         raise invalid("messages must be a list of message objects", param="messages")
     if not value:
@@ -80,7 +85,9 @@ def parse_messages(value: Any, limits: RequestLimits) -> list[dict[str, str]]:
             param="messages",
         )
     messages = [_parse_message(i, message) for i, message in enumerate(value)]
-    check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", limits.max_model_len)
+    if check_length:
+        num_chars = sum(len(m["content"]) for m in messages)
+        check_prompt_chars(num_chars, "messages", limits.max_model_len)
     return messages
 
 

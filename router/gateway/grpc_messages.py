@@ -20,6 +20,8 @@ from router.gateway.openai_response import LogprobsFormatter, Usage
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec, make_spec
 from router.gateway.text_stream import SampleDelta
+from router.gateway.truncation import NAME as TRUNCATE
+from router.gateway.truncation import checked_truncation, encode_truncated, keep_last
 
 # GenerateRequest fields passed to SamplingParams under the same name when set
 _SAMPLING_FIELDS = (
@@ -60,14 +62,16 @@ def generate_spec(
     prompt_kind = request.WhichOneof("prompt")
     if prompt_kind is None:
         raise invalid("prompt is required: set text or token_ids", param="prompt")
-    if prompt_kind == "text":
-        prompt_token_ids = _encode(model, request.text)
-    else:
-        prompt_token_ids = list(request.token_ids.ids)
     sampling: dict[str, Any] = {
         name: getattr(request, name) for name in _SAMPLING_FIELDS if request.HasField(name)
     }
     sampling.setdefault("max_tokens", None)  # unset: the context left
+    truncate = request.truncate_prompt_tokens if request.HasField(TRUNCATE) else None
+    keep = checked_truncation(truncate, sampling["max_tokens"], model.max_model_len)
+    if prompt_kind == "text":
+        prompt_token_ids = _encode(model, request.text, keep)
+    else:
+        prompt_token_ids = keep_last(request.token_ids.ids, keep)
     if request.stop_token_ids:
         sampling["stop_token_ids"] = list(request.stop_token_ids)
     if request.logit_bias:  # checked in make_spec, with the HTTP API's messages
@@ -82,15 +86,17 @@ def generate_spec(
         vocab_size=model.vocab_size,
         cache_salt=caller.tenant_salt,
         prompt_param=prompt_kind,
+        include_stop_str_in_output=request.include_stop_str_in_output,
     )
 
 
-def _encode(model: ServedModel, text: str) -> list[int]:
+def _encode(model: ServedModel, text: str, keep: int | None) -> list[int]:
     if not text:
         raise invalid("text must not be empty", param="text")
     check_text(text, "text")
-    check_prompt_chars(len(text), "text", model.max_model_len)
-    return list(model.tokenizer.encode(text))
+    if keep is None:  # one to be truncated may be longer: the message size limit bounds it
+        check_prompt_chars(len(text), "text", model.max_model_len)
+    return encode_truncated(model.tokenizer, text, keep)
 
 
 def started_message(request_id: str, model_name: str) -> pb.GenerateResponse:

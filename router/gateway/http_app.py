@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from router.gateway.errors import ApiError, cluster_failed, invalid
 from router.gateway.openai_request import OpenAIJob, parse_job
 from router.gateway.openai_response import (
     ChoiceText,
+    Echo,
     LogprobsFormatter,
     ResponseHeader,
     Usage,
@@ -219,7 +221,8 @@ async def _respond_whole(
     generations: list[TextGeneration],
     live: LiveRequest,
 ) -> Response:
-    choices = [ChoiceText() for _ in range(len(generations) * job.n)]
+    echo = Echo(job.echo_texts, job.n)
+    choices = [ChoiceText(echo.first(i)) for i in range(len(generations) * job.n)]
 
     async def collect() -> None:
         deltas = merged_deltas(generations, live.aborted)
@@ -303,11 +306,15 @@ async def _chunks(
     formatter = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     offsets = [0] * (len(generations) * job.n)  # text offsets for completion logprobs
     unfinished = set(range(len(offsets)))
+    echo = Echo(job.echo_texts, job.n)
     if job.kind == "chat":
         for index in range(len(offsets)):
             yield _with_usage(
                 chat_chunk(header, index, {"role": "assistant", "content": ""}, None, None), job
             )
+        for index in range(len(offsets)):  # then the echoed last message, as vLLM sends it
+            if text := echo.first(index):
+                yield _with_usage(chat_chunk(header, index, {"content": text}, None, None), job)
     deltas = merged_deltas(generations, live.aborted)
     try:
         async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
@@ -320,6 +327,7 @@ async def _chunks(
                     content = {"content": delta.text} if delta.text else {}
                     chunk = chat_chunk(header, index, content, delta.finish_reason, logprobs)
                 else:
+                    delta = dataclasses.replace(delta, text=echo.first(index) + delta.text)
                     logprobs = (
                         formatter.completion(delta.logprobs, offsets[index]) if formatter else None
                     )
@@ -332,7 +340,7 @@ async def _chunks(
         raise
     if live.aborted.is_set():  # an Abort call cut it short: end each choice as gRPC does
         for index in sorted(unfinished):
-            yield _with_usage(_aborted_chunk(job, header, index), job)
+            yield _with_usage(_aborted_chunk(job, header, index, echo.first(index)), job)
     gateway.record_ended(generations, aborted=live.aborted.is_set())
     if job.include_usage:
         name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
@@ -343,11 +351,13 @@ def _internal_error(error: Exception) -> ApiError:
     return ApiError(500, f"internal error: {error}", "internal_error")
 
 
-def _aborted_chunk(job: OpenAIJob, header: ResponseHeader, index: int) -> dict[str, Any]:
-    """The last chunk of a choice that an Abort call ended: no text, finish_reason "abort"."""
+def _aborted_chunk(job: OpenAIJob, header: ResponseHeader, index: int, echo: str) -> dict[str, Any]:
+    """The last chunk of a choice that an Abort call ended: no text but its echo, if it had not
+    been sent yet; finish_reason "abort"."""
     if job.kind == "chat":
         return chat_chunk(header, index, {}, "abort", None)
-    return completion_chunk(header, index, SampleDelta(index % job.n, "", [], [], "abort"), None)
+    delta = SampleDelta(index % job.n, echo, [], [], "abort")
+    return completion_chunk(header, index, delta, None)
 
 
 def _with_usage(chunk: dict[str, Any], job: OpenAIJob) -> dict[str, Any]:

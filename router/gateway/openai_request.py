@@ -2,10 +2,11 @@
 
 Every field is type-checked by hand so each error names the field and the rule it broke.
 Fields OpenAI or vLLM define but pdserve does not implement are refused when they would change
-the output (``echo``, tools, guided decoding ...: ``unsupported``), never silently ignored;
+the output (``suffix``, tools, guided decoding ...: ``unsupported``), never silently ignored;
 unknown fields are ignored, as vLLM does. vLLM's extra sampling fields (``allowed_token_ids``
 among them) and chat-template options are accepted in the body, and so is OpenAI's
-``logit_bias`` (checked in ``logit_fields``).
+``logit_bias`` (checked in ``logit_fields``). Prompts are cut to ``truncate_prompt_tokens``
+(``truncation``) as they are tokenized; ``echo`` is kept on the job for the response to apply.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec, make_spec
+from router.gateway.truncation import NAME as TRUNCATE
+from router.gateway.truncation import checked_truncation, encode_truncated, keep_last
 from router.gateway.unsupported import check_unsupported
 
 _SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -39,6 +42,20 @@ class OpenAIJob:
     stream: bool
     include_usage: bool  # stream a final usage chunk (stream_options.include_usage)
     logprobs: int | None  # top-N logprobs to return per token; None: no logprobs
+    # echo: per prompt, the text each of its choices starts with; None: no echo
+    echo_texts: list[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompts:
+    """A request's prompts as token ids, and what its other fields need of them."""
+
+    token_ids: list[list[int]]  # one list per prompt, already truncated
+    texts: list[str | None]  # each prompt's text as sent; None: sent as token ids
+    max_tokens: int | None  # the request's max_tokens (max_completion_tokens), None: unset
+    logprobs: int | None  # top-N logprobs asked for; None: none
+    echo: bool  # the request's echo
+    chat_echo: str = ""  # chat: the text vLLM's echo starts each choice with
 
 
 def parse_job(
@@ -55,29 +72,18 @@ def parse_job(
     _optional(body, "user", str)
     stream = _optional(body, "stream", bool) or False
     include_usage = _stream_options(body, stream)
+    include_stop = _optional(body, "include_stop_str_in_output", bool, False)
+    wire_names: dict[str, str] = {}
     if kind == "chat":
-        messages = parse_messages(body.get("messages"), limits)
-        options = template_options(
-            _optional(body, "add_generation_prompt", bool, True),
-            _optional(body, "continue_final_message", bool, False),
-            body.get("chat_template_kwargs"),
-        )
-        prompts = [render_chat(model.tokenizer, messages, options)]
-        max_tokens = _chat_max_tokens(body)
-        logprobs = _chat_logprobs(body)
-        prompt_param = "messages"
-        wire_names = {"logprobs": "top_logprobs"}
+        wire_names["logprobs"] = "top_logprobs"
         if body.get("max_completion_tokens") is not None:
             wire_names["max_tokens"] = "max_completion_tokens"
+        prompts = _chat_prompts(body, model, limits, wire_names.get("max_tokens", "max_tokens"))
     else:
         prompts = _completion_prompts(body, model, limits)
-        max_tokens = _optional(body, "max_tokens", int, _COMPLETION_DEFAULT_MAX_TOKENS)
-        logprobs = _optional(body, "logprobs", int)
-        prompt_param = "prompt"
-        wire_names = {}
     sampling = _sampling_fields(body)
-    sampling["max_tokens"] = max_tokens
-    sampling["logprobs"] = logprobs
+    sampling["max_tokens"] = prompts.max_tokens
+    sampling["logprobs"] = prompts.logprobs
     stop = _stop_strings(body)
     specs = [
         make_spec(
@@ -87,12 +93,76 @@ def parse_job(
             limits=limits,
             vocab_size=model.vocab_size,
             cache_salt=caller.tenant_salt,
-            prompt_param=prompt_param,
+            prompt_param="messages" if kind == "chat" else "prompt",
             wire_names=wire_names,
+            include_stop_str_in_output=include_stop,
         )
-        for prompt in prompts
+        for prompt in prompts.token_ids
     ]
-    return OpenAIJob(kind, specs, specs[0].params.n, stream, include_usage, logprobs)
+    echo_texts = _echo_texts(kind, prompts, specs, model) if prompts.echo else None
+    n = specs[0].params.n
+    return OpenAIJob(kind, specs, n, stream, include_usage, prompts.logprobs, echo_texts)
+
+
+def _chat_prompts(
+    body: dict[str, Any], model: ServedModel, limits: RequestLimits, max_tokens_name: str
+) -> _Prompts:
+    max_tokens = _chat_max_tokens(body)
+    keep = checked_truncation(body.get(TRUNCATE), max_tokens, model.max_model_len, max_tokens_name)
+    messages = parse_messages(body.get("messages"), limits, check_length=keep is None)
+    options = template_options(
+        _optional(body, "add_generation_prompt", bool, True),
+        _optional(body, "continue_final_message", bool, False),
+        body.get("chat_template_kwargs"),
+    )
+    token_ids = keep_last(render_chat(model.tokenizer, messages, options), keep)
+    echo = _optional(body, "echo", bool) or False
+    logprobs = _chat_logprobs(body)
+    # vLLM's chat echo: the reply starts with the last message when it is in the reply's role
+    # (the assistant's, or the last message's own when no generation prompt opens a new turn)
+    last = messages[-1]
+    echoed = not options.add_generation_prompt or last["role"] == "assistant"
+    chat_echo = last["content"] if echoed else ""
+    return _Prompts([token_ids], [None], max_tokens, logprobs, echo, chat_echo)
+
+
+def _completion_prompts(
+    body: dict[str, Any], model: ServedModel, limits: RequestLimits
+) -> _Prompts:
+    max_tokens = _optional(body, "max_tokens", int, _COMPLETION_DEFAULT_MAX_TOKENS)
+    logprobs = _optional(body, "logprobs", int)
+    echo = _optional(body, "echo", bool) or False
+    if echo and logprobs is not None:
+        raise invalid(
+            "echo cannot be combined with logprobs: OpenAI then returns the prompt tokens' "
+            "logprobs too, which this server does not compute (send echo without logprobs, or "
+            "logprobs without echo)",
+            param="echo",
+        )
+    keep = checked_truncation(body.get(TRUNCATE), max_tokens, model.max_model_len)
+    items = _prompt_items(body, limits)
+    token_ids = [
+        _encode(model, item, param, keep) if isinstance(item, str) else keep_last(item, keep)
+        for param, item in items
+    ]
+    texts = [item if isinstance(item, str) else None for _, item in items]
+    return _Prompts(token_ids, texts, max_tokens, logprobs, echo)
+
+
+def _echo_texts(
+    kind: Literal["completion", "chat"],
+    prompts: _Prompts,
+    specs: list[GenerationSpec],
+    model: ServedModel,
+) -> list[str]:
+    """What each prompt's choices start with: the prompt's text as sent, or (token ids) the
+    ones generated from decoded, special tokens included, as vLLM echoes them."""
+    if kind == "chat":
+        return [prompts.chat_echo]
+    return [
+        text if text is not None else str(model.tokenizer.decode(spec.prompt_token_ids))
+        for text, spec in zip(prompts.texts, specs)
+    ]
 
 
 def _check_model(body: dict[str, Any], model: ServedModel) -> None:
@@ -117,14 +187,13 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return _optional(options, "include_usage", bool, False, "stream_options.include_usage")
 
 
-def _completion_prompts(
-    body: dict[str, Any], model: ServedModel, limits: RequestLimits
-) -> list[list[int]]:
+def _prompt_items(body: dict[str, Any], limits: RequestLimits) -> list[tuple[str, str | list[int]]]:
+    """``prompt``'s prompts, each a string or a list of token ids (ints), with its field name."""
     prompt = body.get("prompt")
     if prompt is None:
         raise invalid("prompt is required", param="prompt")
     if isinstance(prompt, str):
-        return [_encode(model, prompt, "prompt")]
+        return [("prompt", check_text(prompt, "prompt"))]
     if not isinstance(prompt, list) or not prompt:
         raise invalid(
             "prompt must be a string, a list of strings, a list of token ids or a list of "
@@ -132,18 +201,18 @@ def _completion_prompts(
             param="prompt",
         )
     if all(_is_int(t) for t in prompt):
-        return [prompt]
+        return [("prompt", prompt)]
     if len(prompt) > limits.max_prompts:
         raise invalid(
             f"prompt holds {len(prompt)} prompts; at most {limits.max_prompts} are allowed",
             param="prompt",
         )
-    prompts = []
+    prompts: list[tuple[str, str | list[int]]] = []
     for i, item in enumerate(prompt):
         if isinstance(item, str):
-            prompts.append(_encode(model, item, f"prompt[{i}]"))
+            prompts.append((f"prompt[{i}]", check_text(item, f"prompt[{i}]")))
         elif isinstance(item, list) and all(_is_int(t) for t in item):
-            prompts.append(item)
+            prompts.append((f"prompt[{i}]", item))
         else:
             raise invalid(
                 f"prompt[{i}] must be a string or a list of token ids", param=f"prompt[{i}]"
@@ -151,10 +220,10 @@ def _completion_prompts(
     return prompts
 
 
-def _encode(model: ServedModel, text: str, param: str) -> list[int]:
-    check_text(text, param)
-    check_prompt_chars(len(text), param, model.max_model_len)
-    return list(model.tokenizer.encode(text))
+def _encode(model: ServedModel, text: str, param: str, keep: int | None) -> list[int]:
+    if keep is None:  # one to be truncated may be longer: the body's size bounds it
+        check_prompt_chars(len(text), param, model.max_model_len)
+    return encode_truncated(model.tokenizer, text, keep)
 
 
 def _chat_max_tokens(body: dict[str, Any]) -> int | None:

@@ -46,6 +46,23 @@ class ChoiceText:
         self.finish_reason = delta.finish_reason or self.finish_reason
 
 
+@dataclass(slots=True)
+class Echo:
+    """What ``echo`` puts at the start of each choice's text, handed out once per choice: a
+    stream sends it in the choice's first chunk (with that chunk's text, as vLLM does)."""
+
+    texts: list[str] | None  # per prompt (choice index // n); None: no echo
+    n: int  # choices per prompt
+    _sent: set[int] = field(default_factory=set)  # choices that had theirs
+
+    def first(self, index: int) -> str:
+        """Choice ``index``'s echo the first time it is asked for; "" after, or without echo."""
+        if self.texts is None or index in self._sent:
+            return ""
+        self._sent.add(index)
+        return self.texts[index // self.n]
+
+
 class LogprobsFormatter:
     """Token logprobs as OpenAI shows them: token text, logprob, top alternatives."""
 

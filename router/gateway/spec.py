@@ -18,10 +18,13 @@ from router.gateway.logit_fields import checked_allowed_token_ids, checked_logit
 
 @dataclass(frozen=True, slots=True)
 class GenerationSpec:
-    prompt_token_ids: list[int]  # the tokenized prompt (chat template already applied)
+    prompt_token_ids: list[int]  # the tokenized prompt (chat template applied, truncated)
     params: SamplingParams  # validated; max_tokens resolved against the context left
-    stop: tuple[str, ...]  # stop strings: generation ends at the first, which is trimmed
+    stop: tuple[str, ...]  # stop strings: generation ends at the first, trimmed (or kept, below)
     cache_salt: str | None  # the tenant's prefix-cache salt (set by the gateway, not the client)
+    # vLLM's include_stop_str_in_output: a stop string that ends a sample is kept at the end of
+    # its text, and so is the text of an eos or stop_token_ids token that ends it
+    include_stop_str_in_output: bool = False
 
 
 def make_spec(
@@ -34,6 +37,7 @@ def make_spec(
     cache_salt: str | None,
     prompt_param: str = "prompt",
     wire_names: Mapping[str, str] | None = None,
+    include_stop_str_in_output: bool = False,
 ) -> GenerationSpec:
     """Check a request against the limits and build its spec; ApiError(400) names the field.
 
@@ -63,7 +67,7 @@ def make_spec(
         wire_name = names.get(keyword, keyword)
         message = str(error).replace(keyword, wire_name, 1)
         raise invalid(message, param=wire_name) from error
-    return GenerationSpec(prompt, params, tuple(stop), cache_salt)
+    return GenerationSpec(prompt, params, tuple(stop), cache_salt, include_stop_str_in_output)
 
 
 def _checked_prompt(

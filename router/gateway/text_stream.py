@@ -3,9 +3,10 @@
 Life of one prompt here: the spec goes to the cluster -> token events come back in order per
 sample -> each sample's tokens are detokenized incrementally (never a broken character) and
 checked for stop strings (held back while they might be one; trimmed when matched; an eos or
-``stop_token_ids`` token that ends a sample is counted but not shown, as vLLM does) -> a
-``SampleDelta`` leaves whenever text became final or the sample ended. When every sample has
-ended, leaving the cluster's stream aborts whatever still runs (a sample cut by a stop string).
+``stop_token_ids`` token that ends a sample is counted but not shown, as vLLM does; with vLLM's
+``include_stop_str_in_output`` both are shown and nothing is held back) -> a ``SampleDelta``
+leaves whenever text became final or the sample ended. When every sample has ended, leaving
+the cluster's stream aborts whatever still runs (a sample cut by a stop string).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class TokenTimingObserver(Protocol):
 @dataclass(frozen=True, slots=True)
 class SampleDelta:
     index: int  # the sample (0 .. n-1) of its prompt
-    text: str  # newly final text: no partial characters, stop strings trimmed
+    text: str  # newly final text: no partial characters, stop strings trimmed (unless kept)
     token_ids: list[int]  # the tokens behind it, since the sample's previous delta
     logprobs: list[TokenLogprobs]  # one per token in token_ids when the request asked for them
     finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last delta
@@ -111,7 +112,7 @@ class TextGeneration:
         self._samples = samples = [
             _Sample(
                 IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                StopStringMatcher(self.spec.stop),
+                StopStringMatcher(self.spec.stop, self.spec.include_stop_str_in_output),
             )
             for _ in range(params.n)
         ]
@@ -175,8 +176,11 @@ class TextGeneration:
         sample.pending_token_ids.append(event.token_id)
         if event.logprobs is not None:
             sample.pending_logprobs.append(event.logprobs)
-        # an eos or stop_token_ids token ended it: counted, but not shown (as vLLM does)
-        shown = "" if event.finish_reason == "stop" else sample.detokenizer.push(event.token_id)
+        # an eos or stop_token_ids token ended it: counted, but shown only with
+        # include_stop_str_in_output (as vLLM does; an eos is a special token, shown only with
+        # skip_special_tokens false)
+        hidden = event.finish_reason == "stop" and not sample.stops.include_in_output
+        shown = "" if hidden else sample.detokenizer.push(event.token_id)
         text = sample.stops.feed(shown)
         finish_reason = "stop" if sample.stops.stopped else event.finish_reason
         if finish_reason is not None and not sample.stops.stopped:

@@ -16,7 +16,6 @@ from router.gateway.errors import invalid
 # field -> the values that mean "off" (accepted, since they change nothing)
 _OFF: Mapping[str, tuple[Any, ...]] = {
     # OpenAI
-    "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),  # "none" with no tools is what every client means by default
@@ -26,8 +25,6 @@ _OFF: Mapping[str, tuple[Any, ...]] = {
     "prediction": (),
     # vLLM's extras
     "use_beam_search": (False,),
-    "include_stop_str_in_output": (False,),
-    "truncate_prompt_tokens": (),
     "bad_words": ([],),
     "prompt_logprobs": (),
     "return_tokens_as_token_ids": (False,),

@@ -240,7 +240,10 @@ def test_logprobs(stub: pb_grpc.GenerationStub, llm: LLM, served_model: ServedMo
             assert top.logprob == pytest.approx(position[top.token_id].logprob, abs=1e-4)
 
 
-def test_stop_string_trims_the_text(stub: pb_grpc.GenerationStub) -> None:
+@pytest.mark.parametrize("include", [False, True], ids=["trimmed", "include_stop_str_in_output"])
+def test_a_stop_string_ends_the_text(stub: pb_grpc.GenerationStub, include: bool) -> None:
+    """The stop string is trimmed from the text, or kept at its end with
+    ``include_stop_str_in_output`` (what follows it is dropped either way)."""
     fields: dict[str, Any] = {
         "token_ids": pb.TokenIds(ids=PROMPT_TOKEN_IDS),
         "max_tokens": 40,
@@ -250,10 +253,38 @@ def test_stop_string_trims_the_text(stub: pb_grpc.GenerationStub) -> None:
     full = generate(stub, **fields).samples[0].text
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), f"pick another slice of {full!r}"
+    if include:
+        fields["include_stop_str_in_output"] = True
     result = generate(stub, stop=[stop], **fields)
-    assert result.samples[0].text == full[: full.index(stop)]
+    assert result.samples[0].text == full[: full.index(stop) + (len(stop) if include else 0)]
     assert result.samples[0].finish_reason == "stop"
     assert result.usage.completion_tokens == len(result.samples[0].token_ids) < 40
+
+
+def test_truncated_prompt_generates_from_its_last_tokens(
+    stub: pb_grpc.GenerationStub, llm: LLM, served_model: ServedModel
+) -> None:
+    """A prompt longer than the context is accepted once cut to fit (-1: the context less
+    max_tokens); usage counts the tokens kept."""
+    fields: dict[str, Any] = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    [expected] = offline(llm, PROMPT_TOKEN_IDS[-5:], temperature=0.0, max_tokens=8, ignore_eos=True)
+    for prompt in ({"token_ids": pb.TokenIds(ids=PROMPT_TOKEN_IDS)}, {"text": PROMPT_TEXT}):
+        result = generate(stub, truncate_prompt_tokens=5, **prompt, **fields)
+        if "text" in prompt:
+            [expected] = offline(
+                llm,
+                list(served_model.tokenizer.encode(PROMPT_TEXT))[-5:],
+                temperature=0.0,
+                max_tokens=8,
+                ignore_eos=True,
+            )
+        assert result.samples[0].token_ids == expected
+        assert result.usage.prompt_tokens == 5
+    result = generate(
+        stub, token_ids=pb.TokenIds(ids=TOO_LONG), truncate_prompt_tokens=-1, **fields
+    )
+    assert result.usage.prompt_tokens == 512 - 8
+    assert len(result.samples[0].token_ids) == 8
 
 
 def test_repeated_prompt_reports_cached_tokens(stub: pb_grpc.GenerationStub) -> None:
@@ -458,6 +489,26 @@ BAD_REQUESTS = [
         allowed_token_ids=[5, 5000],
     ),
     bad("allowed-negative", "allowed_token_ids[0]", text="hi", allowed_token_ids=[-1]),
+    bad(
+        "truncate-0",
+        "truncate_prompt_tokens must be >= 1, or -1 for the context less max_tokens; got 0",
+        text="hi",
+        truncate_prompt_tokens=0,
+    ),
+    bad(
+        "truncate-negative",
+        "truncate_prompt_tokens must be >= 1",
+        text="hi",
+        truncate_prompt_tokens=-2,
+    ),
+    bad(
+        "truncate-beyond-context",
+        "truncate_prompt_tokens must be <= 508 (the context length of 512 tokens less "
+        "max_tokens (4)), got 509",
+        text="hi",
+        max_tokens=4,
+        truncate_prompt_tokens=509,
+    ),
 ]
 
 

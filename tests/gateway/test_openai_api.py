@@ -166,6 +166,65 @@ def test_stop_string_ends_and_is_trimmed(client: openai.OpenAI, offline: LLM) ->
     assert "".join(c.choices[0].text for c in streamed) == choice.text
 
 
+def test_stop_string_kept_with_include_stop_str_in_output(
+    client: openai.OpenAI, offline: LLM
+) -> None:
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, streamed or not."""
+    full = offline.generate([PROMPTS[1]], _greedy(40, ignore_eos=True))[0].outputs[0].text
+    stop = full[10:13]
+    assert stop.strip() and full.index(stop) == 10, f"pick another stop string from {full!r}"
+    request: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": PROMPTS[1],
+        "max_tokens": 40,
+        "temperature": 0,
+        "stop": stop,
+        "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True},
+    }
+    response = client.completions.create(**request)
+    assert response.choices[0].text == full[:13]
+    assert response.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(**request, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == full[:13]
+
+
+def test_truncated_prompt_generates_from_its_last_tokens(
+    client: openai.OpenAI, offline: LLM
+) -> None:
+    """truncate_prompt_tokens: the output is the offline engine's from the prompt's last k
+    tokens, and usage counts those k."""
+    prompt_ids = offline.tokenizer.encode(PROMPTS[2])
+    expected = offline.generate([prompt_ids[-5:]], _greedy(12, ignore_eos=True))[0].outputs[0]
+    whole = offline.generate([prompt_ids], _greedy(12, ignore_eos=True))[0].outputs[0]
+    assert expected.text != whole.text, "the cut must change the output for this to show"
+    for prompt in (PROMPTS[2], prompt_ids):
+        response = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5},
+        )
+        assert response.choices[0].text == expected.text
+        assert response.usage is not None and response.usage.prompt_tokens == 5
+
+
+def test_echo_prepends_the_prompt(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline.generate([PROMPTS[0]], _greedy(8, ignore_eos=True))[0].outputs[0].text
+    request: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": PROMPTS[0],
+        "max_tokens": 8,
+        "temperature": 0,
+        "echo": True,
+        "extra_body": {"ignore_eos": True},
+    }
+    response = client.completions.create(**request)
+    assert response.choices[0].text == PROMPTS[0] + expected
+    chunks = [c.choices[0].text for c in client.completions.create(**request, stream=True)]
+    assert chunks[0].startswith(PROMPTS[0]) and "".join(chunks) == PROMPTS[0] + expected
+
+
 def test_completion_logprobs_match_the_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
     expected = offline.generate([PROMPTS[0]], _greedy(8, logprobs=3, ignore_eos=True))[0]
     response = client.completions.create(

@@ -10,23 +10,16 @@ the tokens a test chooses; the demo model's real byte-level BPE tokenizer runs a
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from engine.messages import TokenEvent
-from engine.sampling import SamplingParams
-from router.gateway.auth import ApiKeys
-from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
-from router.gateway.server import GatewayServer
-from router.gateway.service import Gateway
-from tests.gateway.one_live_worker import OneLiveWorker
+from tests.gateway.token_script import ScriptedCluster, http_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,36 +32,6 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}Assistant:{% endif %}"
 )
 USER_HI = [{"role": "user", "content": "hi"}]
-
-
-class ScriptedCluster(OneLiveWorker):
-    """Answers every sample with ``tokens``, the last one ending it with ``finish_reason``."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.finish_reason = "length"
-        self.prompts: list[list[int]] = []  # prompt token ids, as asked
-        self.params: list[SamplingParams] = []  # sampling params, as asked
-
-    async def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-    ) -> AsyncGenerator[TokenEvent, None]:
-        self.prompts.append(list(prompt_token_ids))
-        self.params.append(params)
-        num_tokens = min(params.max_tokens or len(self.tokens), len(self.tokens))
-        for position in range(num_tokens):
-            finish = None
-            if position == num_tokens - 1:
-                finish = self.finish_reason if num_tokens == len(self.tokens) else "length"
-            for sample in range(params.n):
-                token = self.tokens[position]
-                yield TokenEvent(request_id or "", sample, position, token, None, finish)
-            await asyncio.sleep(0)
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +48,8 @@ def model() -> ServedModel:
 
 @pytest.fixture(scope="module")
 def http(cluster: ScriptedCluster, model: ServedModel) -> Iterator[httpx.Client]:
-    limits = RequestLimits(max_model_len=model.max_model_len)
-    gateway = Gateway(cluster, model, limits, ApiKeys([]))
-    server = GatewayServer(gateway, "127.0.0.1", 0, None)
-    server.start()
-    try:
-        with httpx.Client(base_url=server.http_url, timeout=30) as client:
-            yield client
-    finally:
-        server.stop()
+    with http_client(cluster, model) as client:
+        yield client
 
 
 def _completion(http: httpx.Client, **fields: Any) -> httpx.Response:
@@ -118,13 +74,11 @@ def _streamed_text(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        ("/v1/completions", "include_stop_str_in_output", True),
         ("/v1/completions", "guided_json", {"type": "object"}),
         ("/v1/completions", "guided_choice", ["a", "b"]),
         ("/v1/completions", "structured_outputs", {"regex": "a+"}),
         ("/v1/completions", "prompt_logprobs", 1),
         ("/v1/completions", "use_beam_search", True),
-        ("/v1/completions", "truncate_prompt_tokens", 4),
         ("/v1/completions", "bad_words", ["x"]),
         ("/v1/completions", "return_tokens_as_token_ids", True),
         ("/v1/completions", "add_special_tokens", False),
@@ -154,13 +108,12 @@ def test_off_values_of_unimplemented_fields_are_accepted(
     off = {
         "tool_choice": "none",
         "tools": [],
-        "include_stop_str_in_output": False,
         "use_beam_search": False,
         "add_special_tokens": False,
         "response_format": {"type": "text"},
     }
     assert _chat(http, **off).status_code == 200
-    assert _completion(http, echo=False, suffix="", add_special_tokens=True).status_code == 200
+    assert _completion(http, suffix="", add_special_tokens=True).status_code == 200
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
