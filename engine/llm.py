@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerConfig
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer import bad_words_token_ids, load_tokenizer
 
 Prompt = str | SequenceOf[int]
 
@@ -83,6 +83,7 @@ class LLM:
                 request_id = str(next(self._request_ids))
                 text = prompt if isinstance(prompt, str) else None
                 token_ids = self._encode(prompt)
+                params = self._with_bad_words_token_ids(params)
                 self.engine.add_request(request_id, token_ids, params, prompt=text)
                 request_ids.append(request_id)
             mine = set(request_ids)  # the engine may hold others' requests too
@@ -106,6 +107,16 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("prompt is text but no tokenizer is loaded; pass token ids instead")
         return list(self.tokenizer.encode(prompt))
+
+    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its ``bad_words`` text tokenized as vLLM does, into a copy's
+        ``bad_words_token_ids`` (the engine reads only ids)."""
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words is text but no tokenizer is loaded; pass token ids instead")
+        token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        return replace(params, bad_words_token_ids=token_ids)
 
     def _detokenized(self, output: RequestOutput, params: SamplingParams) -> RequestOutput:
         if self.tokenizer is None:

@@ -493,6 +493,13 @@ class LLMEngine:
         # SamplingParams checked these ids are ints >= 0; only the model knows its vocabulary
         self._validate_token_ids("allowed_token_ids", params.allowed_token_ids or ())
         self._validate_token_ids("logit_bias", list(params.logit_bias or ()))
+        if params.bad_words and not params.bad_words_token_ids:
+            raise ValueError(
+                "bad_words must be tokenized into bad_words_token_ids before they reach the "
+                "engine (LLM.generate and the gateway do it)"
+            )
+        for i, bad_word in enumerate(params.bad_words_token_ids):
+            self._validate_token_ids(f"bad_words_token_ids[{i}]", bad_word)
         return token_ids
 
     def _validated_prompt(self, prompt_token_ids: SequenceOf[int]) -> list[int]:

@@ -1,7 +1,9 @@
-"""Loading a Hugging Face tokenizer from a model directory (offline only)."""
+"""Loading a Hugging Face tokenizer from a model directory (offline only); vLLM's encoding of
+``bad_words`` with it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,3 +18,23 @@ def load_tokenizer(path: str | Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: Sequence[str]) -> list[list[int]]:
+    """vLLM's tokenization of ``bad_words`` (``SamplingParams.update_from_tokenizer``).
+
+    Each word is encoded without special tokens twice: as it is after ``lstrip()``, and with one
+    leading space. The spaced form is kept only when it starts with a different token than the
+    plain form and has as many tokens (it is then the same word in mid-text, not a split of it).
+    ValueError names a word that encodes to no token at all.
+    """
+    sequences: list[list[int]] = []
+    for i, word in enumerate(bad_words):
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise ValueError(f"bad_words[{i}] ({word!r}) must encode to at least one token")
+        sequences.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return sequences

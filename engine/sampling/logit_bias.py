@@ -1,6 +1,9 @@
-"""The request's own edits of the logits, applied first: ``allowed_token_ids``, then ``logit_bias``.
+"""The request's own edits of the logits, applied first: ``allowed_token_ids``, bad words, then
+``logit_bias``.
 
 ``allowed_token_ids`` (vLLM's): every token of the row not in the list gets -inf.
+``bad_words_token_ids`` (vLLM's ``bad_words``, ``bad_words.py``): the token that would complete a
+bad word gets -inf.
 ``logit_bias`` (OpenAI's): each named token's logit gets its bias added (a bias of -100 all but
 bans a token, +100 all but forces it). Both change the argmax, so greedy rows see them too.
 
@@ -11,7 +14,7 @@ words, then the non-argmax-invariant logits processors - min_tokens, then logit 
 penalties). Our min_tokens bans come after the bias rather than before it; both orders give the
 same logits, since a banned or disallowed logit is -inf and -inf plus a finite bias stays -inf.
 
-Rows that use neither field are not touched, and when no row uses them the logits are returned
+Rows that use none of the fields are not touched, and when no row uses them the logits are returned
 as they are: no tensor is built and nothing is copied.
 """
 
@@ -21,23 +24,28 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.sampling.bad_words import ban_bad_words
 from engine.sampling.messages import SamplingRow
 from engine.sampling.penalties import flat_index
 
 
 def apply_allowed_and_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Return ``logits`` [B, V] with each row's allowed-token mask and logit bias applied.
+    """Return ``logits`` [B, V] with each row's allowed-token mask, bad words and logit bias
+    applied, in that order (vLLM v1's).
 
-    The input is never modified: a copy is made when some row uses either field. Work is sparse,
-    over the (row, token) pairs the rows name, plus one -inf fill per restricted row.
+    The input is never modified: a copy is made when some row uses any of the fields. Work is
+    sparse, over the (row, token) pairs the rows name, plus one -inf fill per restricted row.
     """
     restricted = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    barred = [i for i, row in enumerate(rows) if row.params.bad_words_token_ids]
     biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
-    if not (restricted or biased):
+    if not (restricted or barred or biased):
         return logits
     logits = logits.clone()
     if restricted:
         _keep_allowed(logits, rows, restricted)
+    if barred:
+        ban_bad_words(logits, rows, barred)
     if biased:
         _add_bias(logits, rows, biased)
     return logits

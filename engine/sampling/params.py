@@ -23,6 +23,10 @@ MAX_LOGIT_BIAS = 100.0  # logit_bias values live in [-MAX_LOGIT_BIAS, MAX_LOGIT_
 # The most logit_bias entries one request may hold: each costs a little per row every step, and
 # a bound keeps an untrusted client from making that cost the size of the vocabulary.
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Bad words bounds, as vLLM v1's GPU sampler (``vllm/v1/worker/gpu/sample/bad_words.py``): at
+# most this many token sequences per request, holding at most this many token ids in all.
+MAX_NUM_BAD_WORDS = 128
+MAX_BAD_WORDS_TOTAL_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,6 +45,13 @@ class SamplingParams:
     # only these token ids may be sampled (every other logit -> -inf); None allows all. At least
     # one id; stored as a sorted tuple without duplicates
     allowed_token_ids: Sequence[int] | None = None
+    # vLLM's bad words, as text: ``LLM.generate`` tokenizes them into ``bad_words_token_ids``
+    # (``engine.tokenizer.bad_words_token_ids``); the engine reads only the ids. Stored as a tuple
+    bad_words: Sequence[str] | None = None
+    # token sequences never completed in the output: the last id of each is banned whenever the
+    # output ends with the others (a one-token sequence is always banned). At most
+    # MAX_NUM_BAD_WORDS sequences, MAX_BAD_WORDS_TOTAL_TOKENS ids in all; tuple of tuples
+    bad_words_token_ids: Sequence[Sequence[int]] = ()
     seed: int | None = None  # per-request RNG seed; None uses the engine's global RNG
     stop_token_ids: Sequence[int] = ()  # extra ids that end generation (stored as a tuple)
     max_tokens: int | None = 16  # most tokens to generate; None means up to the model's limit
@@ -96,6 +107,8 @@ class SamplingParams:
             "stop_token_ids": _token_ids("stop_token_ids", self.stop_token_ids),
             "logit_bias": _logit_bias(self.logit_bias),
             "allowed_token_ids": _allowed_token_ids(self.allowed_token_ids),
+            "bad_words": _bad_words(self.bad_words),
+            "bad_words_token_ids": _bad_words_token_ids(self.bad_words_token_ids),
             **self._normalized_lengths(),
             "ignore_eos": _as_bool("ignore_eos", self.ignore_eos),
             "skip_special_tokens": _as_bool("skip_special_tokens", self.skip_special_tokens),
@@ -128,11 +141,13 @@ class SamplingParams:
 
     @property
     def uses_token_history(self) -> bool:
-        """Whether sampling reads the prompt and output tokens (repetition/presence/frequency)."""
+        """Whether sampling reads the prompt and output tokens (repetition/presence/frequency
+        penalties, bad words)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
+            or len(self.bad_words_token_ids) > 0
         )
 
     @property
@@ -255,3 +270,36 @@ def _allowed_token_ids(value: object) -> tuple[int, ...] | None:
             "(None allows every token)"
         )
     return tuple(sorted(set(token_ids)))
+
+
+def _bad_words(value: object) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"bad_words must be a list of strings, got {_describe(value)}")
+    if len(value) > MAX_NUM_BAD_WORDS:
+        raise ValueError(f"bad_words must hold at most {MAX_NUM_BAD_WORDS} words, got {len(value)}")
+    for i, word in enumerate(value):
+        if not isinstance(word, str):
+            raise ValueError(f"bad_words[{i}] must be a string, got {_describe(word)}")
+    return tuple(value) or None
+
+
+def _bad_words_token_ids(value: object) -> tuple[tuple[int, ...], ...]:
+    name = "bad_words_token_ids"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a list of token id lists, got {_describe(value)}")
+    if len(value) > MAX_NUM_BAD_WORDS:
+        raise ValueError(
+            f"{name} must hold at most {MAX_NUM_BAD_WORDS} sequences, got {len(value)}"
+        )
+    sequences = tuple(_token_ids(f"{name}[{i}]", ids) for i, ids in enumerate(value))
+    for i, ids in enumerate(sequences):
+        _check(len(ids) > 0, f"{name}[{i}]", "must hold at least 1 token id", ids)
+    num_tokens = sum(len(ids) for ids in sequences)
+    if num_tokens > MAX_BAD_WORDS_TOTAL_TOKENS:
+        raise ValueError(
+            f"{name} must hold at most {MAX_BAD_WORDS_TOTAL_TOKENS} token ids in all, "
+            f"got {num_tokens}"
+        )
+    return sequences

@@ -4,12 +4,15 @@ Processing order (as vLLM v1, ``vllm/v1/sample/sampler.py``):
 
 1. Logprobs, for rows with ``params.logprobs`` set, come from the RAW distribution:
    ``log_softmax`` of the unprocessed logits (``logprobs.py``), before the allowed-token mask,
-   the logit bias, bans and penalties. That is vLLM's default, ``logprobs_mode="raw_logprobs"``
-   (``ModelConfig`` in ``vllm/config/model.py``: "Raw means the values before applying any
-   logit processors, like bad words"); its sampler computes them before
-   ``apply_logits_processors``. So a token's logprob does not move with its bias, and a token
-   outside ``allowed_token_ids`` keeps its raw logprob in the top-N.
-2. ``allowed_token_ids``: every other token -> -inf; then ``logit_bias`` added (``logit_bias.py``).
+   bad words, the logit bias, bans and penalties. That is vLLM's default,
+   ``logprobs_mode="raw_logprobs"`` (``ModelConfig`` in ``vllm/config/model.py``: "Raw means the
+   values before applying any logit processors, like bad words"); its sampler computes them
+   before ``apply_logits_processors``. So a token's logprob does not move with its bias, and a
+   token outside ``allowed_token_ids`` keeps its raw logprob in the top-N.
+2. ``allowed_token_ids``: every other token -> -inf; then bad words: the token that would
+   complete one of ``bad_words_token_ids`` after the output so far -> -inf (``bad_words.py``);
+   then ``logit_bias`` added (``logit_bias.py``). vLLM's order: the allowed-token mask, bad words,
+   then the logits processors that include the bias.
 3. Banned token ids -> -inf (the engine bans eos + stop ids while under ``min_tokens``).
 4. Repetition penalty over prompt + output tokens (HF rule: divide positive logits, multiply
    negative ones), then presence / frequency penalties over output tokens (``penalties.py``).
@@ -19,9 +22,9 @@ Processing order (as vLLM v1, ``vllm/v1/sample/sampler.py``):
    consumes one [V] draw from its own generator per step, so its tokens do not depend on the
    rest of the batch; unseeded rows share one batched draw from the global RNG.
 
-Fast paths: an all-greedy batch without allowed tokens, bias, bans or penalties is one argmax;
-mask, bias, penalty, min_p and top-k/top-p work is skipped (no tensor built) when no row asks for
-it. The input logits are never modified.
+Fast paths: an all-greedy batch without allowed tokens, bad words, bias, bans or penalties is one
+argmax; mask, bad words, bias, penalty, min_p and top-k/top-p work is skipped (no tensor built)
+when no row asks for it. The input logits are never modified.
 """
 
 from __future__ import annotations

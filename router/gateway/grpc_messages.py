@@ -16,6 +16,7 @@ from router.gateway.auth import Caller
 from router.gateway.chat import check_prompt_chars, check_text
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
+from router.gateway.logit_fields import checked_bad_words
 from router.gateway.openai_response import LogprobsFormatter, Usage
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec, make_spec
@@ -78,6 +79,10 @@ def generate_spec(
         sampling["logit_bias"] = dict(request.logit_bias)
     if request.allowed_token_ids:
         sampling["allowed_token_ids"] = list(request.allowed_token_ids)
+    if request.bad_words:
+        sampling["bad_words_token_ids"] = checked_bad_words(
+            list(request.bad_words), model.tokenizer, model.vocab_size
+        )
     return make_spec(
         prompt_token_ids,
         sampling,

@@ -1,11 +1,13 @@
-"""``logit_bias`` and ``allowed_token_ids`` as either front door sends them, checked.
+"""``logit_bias``, ``allowed_token_ids`` and ``bad_words`` as either front door sends them,
+checked.
 
 OpenAI's ``logit_bias`` is a JSON object whose keys are token ids written as strings
 (``{"50256": -100}``); gRPC's is a ``map<int32, double>``. Both become ``{token id: bias}``
 here, each id in the model's vocabulary, each bias in [-100, 100], at most
 ``MAX_LOGIT_BIAS_ENTRIES`` of them. vLLM's ``allowed_token_ids`` is a non-empty list of ids in
 the vocabulary. An error names the entry as the client wrote it (``logit_bias["99999"]``) and
-the limit it broke; ``param`` is the field.
+the limit it broke; ``param`` is the field. vLLM's ``bad_words`` is a list of strings, tokenized
+here with the served model's tokenizer as vLLM does (``engine.tokenizer.bad_words_token_ids``).
 """
 
 from __future__ import annotations
@@ -14,11 +16,19 @@ import json
 import re
 from typing import Any
 
-from engine.sampling.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+from engine.sampling.params import (
+    MAX_BAD_WORDS_TOTAL_TOKENS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_NUM_BAD_WORDS,
+)
+from engine.tokenizer import bad_words_token_ids
+from router.gateway.chat import check_text
 from router.gateway.errors import invalid
 
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # what a JSON key naming a token id may look like
 _MAX_KEY_CHARS = 20  # a signed 64-bit integer's digits
+MAX_BAD_WORD_CHARS = 256  # characters in one bad word: bounds the tokenizer's work before it runs
 
 
 def checked_logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
@@ -60,6 +70,47 @@ def checked_allowed_token_ids(value: Any, vocab_size: int) -> list[int]:
                 param="allowed_token_ids",
             )
     return value
+
+
+def checked_bad_words(value: Any, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """The token sequences of a list of at most ``MAX_NUM_BAD_WORDS`` strings, as vLLM makes
+    them; at most ``MAX_NUM_BAD_WORDS`` sequences and ``MAX_BAD_WORDS_TOTAL_TOKENS`` ids."""
+    if not isinstance(value, list) or not all(isinstance(word, str) for word in value):
+        raise invalid("bad_words must be a list of strings", param="bad_words")
+    if len(value) > MAX_NUM_BAD_WORDS:
+        raise invalid(
+            f"bad_words holds {len(value)} words; at most {MAX_NUM_BAD_WORDS} are allowed",
+            param="bad_words",
+        )
+    for i, word in enumerate(value):
+        check_text(word, "bad_words")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            raise invalid(
+                f"bad_words[{i}] is {len(word)} characters; at most {MAX_BAD_WORD_CHARS} are "
+                "allowed",
+                param="bad_words",
+            )
+    try:
+        sequences = bad_words_token_ids(tokenizer, value)
+    except ValueError as error:  # a word that encodes to no token
+        raise invalid(str(error), param="bad_words") from error
+    num_tokens = sum(len(ids) for ids in sequences)
+    if len(sequences) > MAX_NUM_BAD_WORDS or num_tokens > MAX_BAD_WORDS_TOTAL_TOKENS:
+        raise invalid(
+            f"bad_words encode to {len(sequences)} token sequences of {num_tokens} tokens in all; "
+            f"at most {MAX_NUM_BAD_WORDS} sequences and {MAX_BAD_WORDS_TOTAL_TOKENS} tokens are "
+            "allowed",
+            param="bad_words",
+        )
+    for ids in sequences:
+        for token_id in ids:
+            if not 0 <= token_id < vocab_size:
+                raise invalid(
+                    f"bad_words encode to token id {token_id}, outside the vocabulary "
+                    f"[0, {vocab_size})",
+                    param="bad_words",
+                )
+    return sequences
 
 
 def _token_id(key: Any, label: str, vocab_size: int) -> int:

@@ -5,8 +5,9 @@ Fields OpenAI or vLLM define but pdserve does not implement are refused when the
 the output (``suffix``, tools, guided decoding ...: ``unsupported``), never silently ignored;
 unknown fields are ignored, as vLLM does. vLLM's extra sampling fields (``allowed_token_ids``
 among them) and chat-template options are accepted in the body, and so is OpenAI's
-``logit_bias`` (checked in ``logit_fields``). Prompts are cut to ``truncate_prompt_tokens``
-(``truncation``) as they are tokenized; ``echo`` is kept on the job for the response to apply.
+``logit_bias`` (checked in ``logit_fields``, which also tokenizes vLLM's ``bad_words``). Prompts
+are cut to ``truncate_prompt_tokens`` (``truncation``) as they are tokenized; ``echo`` is kept
+on the job for the response to apply.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from router.gateway.chat import (
 )
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
+from router.gateway.logit_fields import checked_bad_words
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec, make_spec
 from router.gateway.truncation import NAME as TRUNCATE
@@ -82,6 +84,10 @@ def parse_job(
     else:
         prompts = _completion_prompts(body, model, limits)
     sampling = _sampling_fields(body)
+    if body.get("bad_words") is not None:  # tokenized once for every prompt
+        sampling["bad_words_token_ids"] = checked_bad_words(
+            body["bad_words"], model.tokenizer, model.vocab_size
+        )
     sampling["max_tokens"] = prompts.max_tokens
     sampling["logprobs"] = prompts.logprobs
     stop = _stop_strings(body)

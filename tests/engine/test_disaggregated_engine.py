@@ -209,3 +209,27 @@ def test_split_honours_logit_bias_and_allowed_token_ids(llama_dir: Path) -> None
     assert all(300 not in tokens for tokens in outputs["r2"])
     for i, out in enumerate(colocated):
         assert outputs[f"r{i}"] == [c.token_ids for c in out.outputs]
+
+
+def test_split_bad_words_see_the_first_token_sampled_by_prefill(llama_dir: Path) -> None:
+    """A bad word whose prefix is the first token (sampled on the prefill side) bans its last
+    token at the decode side's first step: the decode side's history holds that first token."""
+    prompts = make_prompts(seed=19)[1:3]
+    common = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+    colocated = LLM(str(llama_dir), dtype="float32", device="cpu")
+    natural = [
+        o.outputs[0].token_ids for o in colocated.generate(prompts, SamplingParams(**common))
+    ]
+    params = [
+        SamplingParams(**common, bad_words_token_ids=[natural[0][:2]]),
+        SamplingParams(**common, bad_words_token_ids=[natural[1][:2], [natural[1][3]]]),
+    ]
+    expected = [o.outputs[0].token_ids for o in colocated.generate(prompts, params)]
+    prefill, decode = _engine(llama_dir), _engine(llama_dir)
+    handed, finished = _prefill_all(prefill, prompts, params)
+    assert not finished and len(handed) == 2
+    outputs = _decode_all(prefill, decode, handed, transfer=True)
+    assert [outputs["r0"][0], outputs["r1"][0]] == expected
+    for out, free in zip(expected, natural, strict=True):
+        assert out[0] == free[0] and out[1] != free[1]  # banned on the decode side's first step
+    assert natural[1][3] not in expected[1]

@@ -429,6 +429,19 @@ def test_logit_bias_and_allowed_token_ids_bind_every_token(
         assert set(expected) <= set(constraint["allowed_token_ids"])
 
 
+def test_bad_words_are_tokenized_as_offline_and_never_completed(
+    stub: pb_grpc.GenerationStub, llm: LLM
+) -> None:
+    assert llm.tokenizer is not None
+    common: dict[str, Any] = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    [free] = offline(llm, PROMPT_TOKEN_IDS, **common)
+    words = [llm.tokenizer.decode(free[:1]), llm.tokenizer.decode(free[3:5])]
+    result = generate(stub, token_ids=pb.TokenIds(ids=PROMPT_TOKEN_IDS), **common, bad_words=words)
+    [expected] = offline(llm, PROMPT_TOKEN_IDS, **common, bad_words=words)
+    assert result.samples[0].token_ids == expected != free
+    assert free[0] not in expected
+
+
 # ---------------------------------------------------------------- bad input
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -489,6 +502,30 @@ BAD_REQUESTS = [
         allowed_token_ids=[5, 5000],
     ),
     bad("allowed-negative", "allowed_token_ids[0]", text="hi", allowed_token_ids=[-1]),
+    bad(
+        "bad-words-too-many",
+        "bad_words holds 129 words; at most 128 are allowed",
+        text="hi",
+        bad_words=["a"] * 129,
+    ),
+    bad(
+        "bad-words-too-long",
+        "bad_words[0] is 257 characters; at most 256 are allowed",
+        text="hi",
+        bad_words=["x" * 257],
+    ),
+    bad(
+        "bad-words-empty",
+        "bad_words[1] ('') must encode to at least one token",
+        text="hi",
+        bad_words=["a", ""],
+    ),
+    bad(
+        "bad-words-too-many-tokens",
+        "at most 128 sequences and 1024 tokens are allowed",
+        text="hi",
+        bad_words=["x" * 200] * 10,
+    ),
     bad(
         "truncate-0",
         "truncate_prompt_tokens must be >= 1, or -1 for the context less max_tokens; got 0",

@@ -1,8 +1,8 @@
 """Where OpenAI's API and vLLM's server agree, the gateway does as they do: fields it does not
-implement are refused naming the field, ``logit_bias`` (string keys) and ``allowed_token_ids``
-reach the engine's params, vLLM's chat-template options reach the template, a stop token is not
-shown, a character cut by max_tokens leaves no U+FFFD, and every response names its id in
-X-Request-Id.
+implement are refused naming the field, ``logit_bias`` (string keys), ``allowed_token_ids`` and
+``bad_words`` (tokenized as vLLM does) reach the engine's params, vLLM's chat-template options
+reach the template, a stop token is not shown, a character cut by max_tokens leaves no U+FFFD,
+and every response names its id in X-Request-Id.
 
 The cluster here is a scripted ``GenerationBackend`` that records what it was asked and answers
 the tokens a test chooses; the demo model's real byte-level BPE tokenizer runs around it.
@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from router.gateway.served_model import ServedModel
+from tests.engine.test_bad_words import vllm_reference
 from tests.gateway.token_script import ScriptedCluster, http_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,7 +80,6 @@ def _streamed_text(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
         ("/v1/completions", "structured_outputs", {"regex": "a+"}),
         ("/v1/completions", "prompt_logprobs", 1),
         ("/v1/completions", "use_beam_search", True),
-        ("/v1/completions", "bad_words", ["x"]),
         ("/v1/completions", "return_tokens_as_token_ids", True),
         ("/v1/completions", "add_special_tokens", False),
         ("/v1/chat/completions", "add_special_tokens", True),
@@ -131,6 +131,49 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampling_params(
     assert params.allowed_token_ids == (3, 9)
     assert send(http, logit_bias={}).status_code == 200
     assert cluster.params[-1].logit_bias is None and cluster.params[-1].allowed_token_ids is None
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_words_reach_the_sampling_params_tokenized_as_vllm_does(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel, path: str
+) -> None:
+    cluster.tokens, cluster.finish_reason = model.tokenizer.encode("ok"), "length"
+    send = _chat if path.endswith("/chat/completions") else _completion
+    words = ["hello", " world", "def main", "x"]
+    response = send(http, bad_words=words)
+    assert response.status_code == 200, response.text
+    expected = vllm_reference(model.tokenizer, words)
+    assert cluster.params[-1].bad_words_token_ids == tuple(tuple(ids) for ids in expected)
+    assert len(expected) > len(words)  # spaced forms were added
+    assert send(http, bad_words=[]).status_code == 200
+    assert cluster.params[-1].bad_words_token_ids == ()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("word", "bad_words must be a list of strings"),
+        ([1], "bad_words must be a list of strings"),
+        (["a"] * 129, "bad_words holds 129 words; at most 128 are allowed"),
+        (["a", "x" * 257], "bad_words[1] is 257 characters; at most 256 are allowed"),
+        (["a", "  "], "bad_words[1] ('  ') must encode to at least one token"),
+        (
+            ["x" * 200] * 10,
+            "bad_words encode to 20 token sequences of 4000 tokens in all; at most 128 "
+            "sequences and 1024 tokens are allowed",
+        ),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_bad_words_are_refused_naming_the_field_and_the_limit(
+    http: httpx.Client, path: str, value: object, message: str
+) -> None:
+    send = _chat if path.endswith("/chat/completions") else _completion
+    response = send(http, bad_words=value)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "bad_words"
+    assert message in error["message"]
 
 
 def test_an_assistant_turn_with_null_content_is_accepted(
