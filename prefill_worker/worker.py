@@ -153,6 +153,12 @@ class PrefillWorker:
             self._handoffs.submit(decode_worker_id, self._run_handoff, request_id)
         return True
 
+    def add_decode_peers(self, decode_peers: Mapping[str, DecodePeer]) -> None:
+        """Learn decode workers that joined the pool after this worker started (replacements of
+        dead ones); ids known already keep their peer. The map is replaced, never changed in
+        place, so a hand-off reading it meanwhile sees the old one or the new one."""
+        self._peers = {**decode_peers, **self._peers}
+
     def abort(self, request_id: str) -> None:
         with self._targets_lock:
             self._targets.pop(request_id, None)

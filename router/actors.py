@@ -161,7 +161,7 @@ class PrefillActor:
         from prefill_worker.worker import PrefillWorker
 
         transfer = _bind_to_node(transfer)
-        peers = {wid: RayDecodePeer(handle) for wid, handle in decode_handles.items()}
+        peers = _decode_peers(decode_handles)
         self.worker = PrefillWorker(worker_id, load, cache, scheduler, transfer, peers)
 
     def ready(self) -> str:
@@ -176,6 +176,15 @@ class PrefillActor:
     def retarget(self, request_id: str, decode_worker_id: str) -> bool:
         return self.worker.retarget(request_id, decode_worker_id)
 
+    def add_decode_peers(self, decode_handles: Mapping[str, Any]) -> None:
+        self.worker.add_decode_peers(_decode_peers(decode_handles))
+
+    def rejoin(self, decode_handles: Mapping[str, Any]) -> WorkerLoad:
+        """Learn the decode workers that joined while this one was out of rotation (stalled),
+        then report load: the router's probe before it takes this worker back."""
+        self.add_decode_peers(decode_handles)
+        return self.worker.load()
+
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
 
@@ -187,6 +196,10 @@ class PrefillActor:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+def _decode_peers(decode_handles: Mapping[str, Any]) -> dict[str, RayDecodePeer]:
+    return {worker_id: RayDecodePeer(handle) for worker_id, handle in decode_handles.items()}
 
 
 def _bind_to_node(transfer: TransferConfig) -> TransferConfig:

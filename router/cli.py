@@ -110,6 +110,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "queued, a new prompt is prefilled on its decode worker if that one is prefilling "
         "nothing (one at a time; default: never)",
     )
+    cluster.add_argument(
+        "--max-worker-restarts",
+        type=_int_in(0),
+        default=10,
+        help="a worker whose process dies is replaced by a new one, up to this many times per "
+        "worker (0: never); a failed start doubles the wait before the next (1 s up to 60 s)",
+    )
     cluster.add_argument("--num-kv-blocks", type=int, default=None)
     cluster.add_argument(
         "--gpu-memory-utilization",
@@ -283,6 +290,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             args.max_local_prefill_length, args.max_prefill_queue_tokens
         ),
         num_kv_blocks=args.num_kv_blocks,
+        max_worker_restarts=args.max_worker_restarts,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         worker_num_cpus=args.worker_num_cpus,

@@ -28,14 +28,14 @@ import ray
 
 from engine.messages import GenerateRequest, OutputBatch, RequestFailure, TokenEvent, WorkerLoad
 from engine.sampling.params import SamplingParams
-from router.actors import remote_decode_actor, remote_prefill_actor
 from router.cluster_config import ClusterConfig
-from router.cpu_binding import CpuBinding, bind_this_process, plan_cpu_binding, threads_per_worker
+from router.cpu_binding import bind_this_process, plan_cpu_binding, threads_per_worker
 from router.gpu_capacity import gpus_shortfall, resources_shortfall
 from router.load_ledger import LoadLedger
 from router.local_prefill import LOCAL_PREFILL_REASONS
 from router.policies import NoWorkerError, RoutingInfo, make_policy
 from router.request_tracker import ClientItem, RequestTracker
+from router.worker_slots import WorkerLauncher, WorkerSlot, plan_slots
 
 logger = logging.getLogger(__name__)
 _CALL_TIMEOUT_S = 10.0  # control calls to a worker; one that does not answer counts as dead
@@ -62,6 +62,8 @@ class WorkerHandle:
     # asks again, and an answer puts it back in rotation
     stalled: bool = False
     probe: Any = None  # the load call a stalled worker has not answered yet (one at a time)
+    probe_roster: int = 0  # a prefill worker's probe: the decode roster version it carried
+    slot: str = ""  # its slot in the pool (router.worker_slots); "": its worker id
 
     @property
     def load(self) -> WorkerLoad | None:
@@ -79,10 +81,29 @@ class WorkerStatus:
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig, workers: Sequence[WorkerHandle]) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        workers: Sequence[WorkerHandle],
+        launcher: WorkerLauncher | None = None,
+        slots: Sequence[WorkerSlot] = (),
+    ) -> None:
+        """``launcher`` starts a worker in the slot of one whose process died (None: never);
+        ``slots`` are the workers' (default: a slot named after each, bound to no cores)."""
         self.config = config
         self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
+        for worker in workers:
+            worker.slot = worker.slot or worker.worker_id
+        # Replaced, never changed in place, when a worker joins: threads iterate it unlocked.
         self.workers = {w.worker_id: w for w in workers}
+        self._slots = {w.slot: WorkerSlot(w.slot, w.role) for w in workers}
+        self._slots.update((slot.name, slot) for slot in slots)
+        self._launcher = launcher
+        # Held while a worker joins the pools and while a stalled prefill worker is taken back,
+        # so that every prefill worker in rotation knows every decode worker (``_join``);
+        # taken before ``_lock``, never while holding it.
+        self._membership = threading.Lock()
+        self._decode_roster = 0  # version of the decode workers' list: +1 when one joins
         self.policy = make_policy(config.router_policy, config.block_size)
         self._trackers: dict[str, RequestTracker] = {}  # by request id
         self._placed: dict[str, RequestTracker] = {}  # by placement id (what workers know)
@@ -116,16 +137,27 @@ class Cluster:
             ) or resources_shortfall(config, resources)
             if shortfall is not None:
                 raise ValueError(shortfall)
-        workers = _start_actors(config, binding)
+        launcher = WorkerLauncher(config)
+        slots = plan_slots(config, binding)
+        decode_handles: dict[str, Any] = {}
+        workers = []
+        for slot in slots:  # decode workers first: the prefill ones are given their handles
+            actor = launcher.launch(slot, slot.name, decode_handles)
+            if slot.role == "decode":
+                decode_handles[slot.name] = actor
+            workers.append(WorkerHandle(slot.name, slot.role, actor, slot=slot.name))
         ray.get([w.actor.ready.remote() for w in workers])
-        cluster = cls(config, workers)
+        workers.sort(key=lambda w: w.role != "prefill")  # listed prefill first
+        cluster = cls(config, workers, launcher, slots)
         cluster._start_threads()
         cluster._poll_loads()
         return cluster
 
     def shutdown(self) -> None:
         self._stopping.set()
-        for worker in self.workers.values():
+        with self._membership:  # a worker joining now joins first, and is stopped here too
+            workers = list(self.workers.values())
+        for worker in workers:
             if worker.alive:
                 with contextlib.suppress(Exception):  # already gone
                     ray.get(worker.actor.shutdown.remote(), timeout=10)
@@ -530,7 +562,7 @@ class Cluster:
         knows. Never waits: a probe not answered yet is looked at again next round."""
         for worker in [w for w in self.workers.values() if w.stalled]:
             if worker.probe is None:
-                worker.probe = worker.actor.load.remote()
+                worker.probe = self._probe(worker)
             requested_at = time.monotonic()
             try:
                 load = ray.get(worker.probe, timeout=0)
@@ -538,18 +570,42 @@ class Cluster:
                 continue
             except ray.exceptions.RayActorError:  # its process is gone after all: out for good
                 worker.stalled, worker.probe = False, None
+                self._replace_later(worker)
                 continue
             except ray.exceptions.RayError:  # the call failed (not the worker): ask again
                 worker.probe = None
                 continue
+            if not self._take_back(worker, load, requested_at):
+                worker.probe = None  # decode workers joined since it was asked: ask again
+                continue
+            logger.warning(
+                "%s worker %s answers again; back in rotation", worker.role, worker.worker_id
+            )
+
+    def _probe(self, worker: WorkerHandle) -> Any:
+        """Ask a stalled worker for its load; a prefill worker is also given the decode
+        workers, so that it knows those that joined while it was out."""
+        if worker.role == "decode":
+            return worker.actor.load.remote()
+        worker.probe_roster = self._decode_roster
+        return worker.actor.rejoin.remote(self._decode_handles())
+
+    def _take_back(self, worker: WorkerHandle, load: WorkerLoad, requested_at: float) -> bool:
+        """Put a stalled worker that answered back in rotation; False (it stays out) for a
+        prefill worker whose probe predates a decode worker's joining, or while one joins."""
+        if not self._membership.acquire(blocking=False):
+            return False
+        try:
+            if worker.role == "prefill" and worker.probe_roster != self._decode_roster:
+                return False
             with self._lock:
                 worker.probe = None
                 worker.ledger.record(load, requested_at, self._trackers.__contains__)
                 worker.last_report = time.monotonic()
                 worker.stalled, worker.alive = False, True
-            logger.warning(
-                "%s worker %s answers again; back in rotation", worker.role, worker.worker_id
-            )
+            return True
+        finally:
+            self._membership.release()
 
     def _on_worker_dead(
         self, worker: WorkerHandle, skip: RequestTracker | None = None, *, stalled: bool = False
@@ -565,6 +621,8 @@ class Cluster:
             worker.alive = False
             worker.stalled = stalled
             worker.ledger.drop_all()  # its reports stopped: nothing else would drop them
+            if not stalled:
+                self._replace_later(worker)
             affected = [
                 t
                 for t in self._trackers.values()
@@ -632,6 +690,152 @@ class Cluster:
         except (RequestFailedError, ValueError, ray.exceptions.RayError) as error:
             self._fail(tracker, f"could not re-route the request: {error}")
 
+    # ---- replacing dead workers ---------------------------------------------------------
+    def _replace_later(self, dead: WorkerHandle) -> None:
+        """Start a worker in the slot of ``dead``, whose process is gone, from a thread of its
+        own (a model takes minutes to load on a GPU). Nothing happens if the slot is starting
+        one already or has used its ``max_worker_restarts``."""
+        slot = self._slots.get(dead.slot)
+        if slot is None or self._launcher is None or self._stopping.is_set():
+            return
+        with self._lock:
+            if slot.replacing:
+                return
+            if slot.restarts >= self.config.max_worker_restarts:
+                logger.error(
+                    "%s worker %s is gone and its slot has used its %d restarts; "
+                    "the %s pool stays one worker short",
+                    dead.role,
+                    dead.worker_id,
+                    self.config.max_worker_restarts,
+                    dead.role,
+                )
+                return
+            slot.replacing = True
+        self._spawn(self._replace, slot, name=f"replace-{slot.name}")
+
+    def _replace(self, slot: WorkerSlot) -> None:
+        """Start workers in ``slot`` until one joins the pools, the slot's restarts are used up,
+        or the cluster stops; each failed start doubles the wait before the next."""
+        try:
+            while slot.restarts < self.config.max_worker_restarts:
+                if self._stopping.wait(slot.delay_before_next_start_s(self.config.restart_delay_s)):
+                    break
+                slot.restarts += 1
+                worker = self._start_in(slot)
+                if worker is not None and self._join(worker, slot):
+                    slot.failed_starts_in_a_row = 0
+                    return  # (the join ended the slot's replacing)
+                slot.failed_starts_in_a_row += 1
+            else:
+                logger.error(
+                    "%s: no worker started in %d restarts; the %s pool stays one worker short",
+                    slot.name,
+                    slot.restarts,
+                    slot.role,
+                )
+        except Exception:  # a bug: the slot stays empty, the rest of the cluster goes on
+            logger.exception("replacing the worker of %s failed", slot.name)
+        with self._lock:
+            slot.replacing = False
+
+    def _start_in(self, slot: WorkerSlot) -> WorkerHandle | None:
+        """A new worker in ``slot``, once it is ready; None if it failed to start (or the
+        cluster stopped first). It may wait long for Ray to place it: its node may be gone,
+        and a new one takes the autoscaler minutes."""
+        assert self._launcher is not None
+        worker_id = slot.worker_id(slot.restarts)
+        logger.warning(
+            "starting %s worker %s in slot %s (restart %d of at most %d)",
+            slot.role,
+            worker_id,
+            slot.name,
+            slot.restarts,
+            self.config.max_worker_restarts,
+        )
+        actor = self._launcher.launch(slot, worker_id, self._decode_handles())
+        ready = actor.ready.remote()
+        while not ray.wait([ready], timeout=1.0)[0]:
+            if self._stopping.is_set():
+                _kill(actor)
+                return None
+        try:
+            ray.get(ready)
+        except ray.exceptions.RayError as error:
+            logger.error("%s worker %s failed to start: %s", slot.role, worker_id, error)
+            _kill(actor)
+            return None
+        return WorkerHandle(worker_id, slot.role, actor, slot=slot.name)
+
+    def _join(self, worker: WorkerHandle, slot: WorkerSlot) -> bool:
+        """Put a started worker in rotation; False (and it is stopped) if it cannot join.
+
+        Every prefill worker in rotation must know every decode worker in rotation (it hands
+        off to the one the router picks). So a new decode worker is first announced to the
+        prefill workers in rotation (a stalled one is given the list when it answers again,
+        ``_probe``), and a new prefill worker is given the decode workers'. Joins are one at
+        a time, under ``_membership``, and a stalled prefill worker is taken back only outside
+        them, so none is missed.
+        """
+        with self._membership:
+            if self._stopping.is_set():
+                _kill(worker.actor)
+                return False
+            try:
+                if worker.role == "decode":
+                    self._announce(worker)
+                else:
+                    ref = worker.actor.add_decode_peers.remote(self._decode_handles())
+                    ray.get(ref, timeout=_CALL_TIMEOUT_S)
+            except ray.exceptions.RayError as error:
+                logger.error(
+                    "%s worker %s could not join: %s", worker.role, worker.worker_id, error
+                )
+                _kill(worker.actor)
+                return False
+            self._spawn(self._pump, worker, name=f"pump-{worker.worker_id}")
+            with self._lock:
+                self.workers = {**self.workers, worker.worker_id: worker}
+                if worker.role == "decode":
+                    self._decode_roster += 1
+                slot.replacing = False
+        logger.warning(
+            "%s worker %s started in slot %s; in rotation from its first load report",
+            worker.role,
+            worker.worker_id,
+            slot.name,
+        )
+        return True
+
+    def _announce(self, decode: WorkerHandle) -> None:
+        """Tell the prefill workers in rotation of a new decode worker; one that does not
+        answer goes out of rotation (and learns of it when it answers again)."""
+        prefills = [w for w in self.workers.values() if w.role == "prefill" and w.alive]
+        handles = {decode.worker_id: decode.actor}
+        refs = [(w, w.actor.add_decode_peers.remote(handles)) for w in prefills]
+        answer_by = time.monotonic() + _CALL_TIMEOUT_S
+        for prefill, ref in refs:
+            try:
+                ray.get(ref, timeout=max(0.0, answer_by - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                self._on_worker_dead(prefill)
+            except ray.exceptions.GetTimeoutError:
+                self._on_worker_dead(prefill, stalled=True)
+
+    def _decode_handles(self) -> dict[str, Any]:
+        """The decode workers a prefill worker may be pointed at: in rotation, or stalled
+        (they may come back)."""
+        return {
+            w.worker_id: w.actor
+            for w in self.workers.values()
+            if w.role == "decode" and (w.alive or w.stalled)
+        }
+
+
+def _kill(actor: Any) -> None:
+    with contextlib.suppress(Exception):  # gone already
+        ray.kill(actor)
+
 
 def _unnice_local_workers() -> None:
     """Worker processes of a Ray this process starts run at niceness 0, unless the operator
@@ -643,42 +847,3 @@ def _unnice_local_workers() -> None:
     req/s on the demo model 13.3 -> 16.2 req/s, mean of 9 runs each).
     """
     os.environ.setdefault("RAY_worker_niceness", "0")
-
-
-def _start_actors(config: ClusterConfig, binding: CpuBinding | None) -> list[WorkerHandle]:
-    """The pools' actors, decode workers first; ``binding`` gives each its cores, in that
-    order."""
-    cpus = list(binding.worker_cpus) if binding is not None else []
-    cpus += [()] * (config.num_decode + config.num_prefill - len(cpus))
-    load, cache = config.load_config(), config.cache_config()
-    scheduler, transfer = config.scheduler_config(), config.transfer_config()
-    prefill_scheduler = config.prefill_scheduler_config()
-    common = {"num_cpus": config.worker_num_cpus, "num_gpus": config.worker_num_gpus}
-    decode_cls = remote_decode_actor(**common, resources=config.decode_resources or None)
-    decodes = [
-        WorkerHandle(
-            f"decode-{i}",
-            "decode",
-            decode_cls.remote(f"decode-{i}", load, cache, scheduler, transfer, cpus[i]),
-        )
-        for i in range(config.num_decode)
-    ]
-    handles = {w.worker_id: w.actor for w in decodes}
-    prefill_cls = remote_prefill_actor(**common, resources=config.prefill_resources or None)
-    prefills = [
-        WorkerHandle(
-            f"prefill-{i}",
-            "prefill",
-            prefill_cls.remote(
-                f"prefill-{i}",
-                load,
-                cache,
-                prefill_scheduler,
-                transfer,
-                handles,
-                cpus[config.num_decode + i],
-            ),
-        )
-        for i in range(config.num_prefill)
-    ]
-    return [*prefills, *decodes]

@@ -47,6 +47,10 @@ class ClusterConfig:
     report_interval_s: float = 0.5  # how often the router polls worker load
     dead_after_s: float = 5.0  # a worker silent this long is out of rotation
     max_retries: int = 3  # re-routes per request after worker failures
+    # times each worker slot gets a new worker after its worker's process died (0: never); the
+    # first start waits restart_delay_s, each failed start doubles the wait (at most 60 s)
+    max_worker_restarts: int = 10
+    restart_delay_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -59,6 +63,12 @@ class ClusterConfig:
                 "--prefill-max-num-batched-tokens must be >= 1, "
                 f"got {self.prefill_max_num_batched_tokens}"
             )
+        if self.max_worker_restarts < 0:
+            raise ValueError(
+                f"--max-worker-restarts must be >= 0 (0: never), got {self.max_worker_restarts}"
+            )
+        if self.restart_delay_s < 0:
+            raise ValueError(f"restart_delay_s must be >= 0, got {self.restart_delay_s}")
         if self.bind_worker_cpus and self.address is not None:
             raise ValueError(
                 "--bind-worker-cpus binds the workers of a Ray this command starts; "

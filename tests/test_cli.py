@@ -321,6 +321,7 @@ def _serve_args(*flags: str) -> argparse.Namespace:
         (("--max-n", "0"), "argument --max-n: must be >= 1, got 0"),
         (("--max-tokens", "0"), "argument --max-tokens: must be >= 1, got 0"),
         (("--max-concurrent-requests", "0"), "argument --max-concurrent-requests: must be >= 1"),
+        (("--max-worker-restarts", "-1"), "argument --max-worker-restarts: must be >= 0, got -1"),
     ],
 )
 def test_serve_refuses_flags_out_of_range_naming_the_flag(
@@ -444,3 +445,16 @@ def test_kv_transfer_checksum_reaches_the_workers_transfer_config(
     assert main(["serve", "--kv-transfer-checksum"]) == 0
     assert main(["serve"]) == 0
     assert [c.transfer_config().checksum for c in configs] == [True, False]
+
+
+def test_max_worker_restarts_reaches_the_cluster_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    configs: list[ClusterConfig] = []
+
+    def run_serve(args: object, config: ClusterConfig) -> int:
+        configs.append(config)
+        return 0
+
+    monkeypatch.setattr("router.serve_command.run_serve", run_serve)
+    assert main(["serve", "--max-worker-restarts", "0"]) == 0
+    assert main(["serve"]) == 0
+    assert [c.max_worker_restarts for c in configs] == [0, 10]

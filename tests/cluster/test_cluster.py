@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -226,3 +227,30 @@ def test_killed_prefill_worker_queued_requests_are_rerouted(
 
     assert asyncio.run(main()) == expected_long
     assert not cluster.workers["prefill-0"].alive
+
+
+def test_killed_workers_are_replaced_and_the_new_pair_serves_exactly(
+    start_cluster,
+    llama_dir: Path,
+    expected: list[list[int]],  # type: ignore[no-untyped-def]
+) -> None:
+    """A pool of one loses its worker: a new one starts in its slot (a new actor, a new id),
+    and requests are served exactly again, the KV handed off over channels to the new worker;
+    then the same for the prefill pool's only worker, whose replacement must know the decode
+    worker that joined before it. Before, the cluster answered nothing until restarted."""
+    cluster = start_cluster(
+        local_cluster_config(llama_dir, num_prefill=1, num_decode=1, restart_delay_s=0.0)
+    )
+
+    def in_rotation(worker_id: str) -> bool:
+        return any(
+            s.worker_id == worker_id and s.alive and s.load for s in cluster.worker_statuses()
+        )
+
+    for dead, new in (("decode-0", "decode-0-r1"), ("prefill-0", "prefill-0-r1")):
+        ray.kill(cluster.workers[dead].actor)
+        asyncio.run(_wait_for(functools.partial(in_rotation, new), timeout_s=120))
+        assert not cluster.workers[dead].alive and cluster.is_ready()
+        assert _run_all(cluster) == expected
+    transports = _channel_transports(cluster.workers["prefill-0-r1"].actor)
+    assert transports == {"decode-0-r1": "shm"}

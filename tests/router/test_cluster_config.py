@@ -86,3 +86,12 @@ def test_engine_settings_are_refused_here_naming_the_flag(
     with pytest.raises(ValueError) as error:
         ClusterConfig("model", **{field: value})  # type: ignore[arg-type]
     assert str(error.value) == message
+
+
+def test_negative_worker_restarts_are_refused_naming_the_flag() -> None:
+    with pytest.raises(
+        ValueError, match=r"--max-worker-restarts must be >= 0 \(0: never\), got -1"
+    ):
+        ClusterConfig("model", max_worker_restarts=-1)
+    with pytest.raises(ValueError, match="restart_delay_s must be >= 0, got -0.5"):
+        ClusterConfig("model", restart_delay_s=-0.5)

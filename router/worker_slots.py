@@ -1,0 +1,82 @@
+"""Starting the pools' worker actors: each in a slot of its pool, at cluster start and again
+when a slot's worker died.
+
+A slot is a place in a pool (``decode-0``): its first worker has the slot's name as its id, and
+a worker started in its place after it died gets a new one (``decode-0-r1``, ``decode-0-r2``
+...). A new id gives it fresh KV channels and load history, and tokens or failure reports from
+an earlier worker of the slot can never pass for its own. Restarts per slot are bounded, and a
+start that fails waits twice as long before the next try, so a worker that cannot start (its
+model directory gone, a broken GPU) is not restarted in a tight loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.actors import remote_decode_actor, remote_prefill_actor
+from router.cluster_config import ClusterConfig
+from router.cpu_binding import CpuBinding
+
+MAX_RESTART_DELAY_S = 60.0  # the longest wait before a slot's next start
+
+
+@dataclass(slots=True)
+class WorkerSlot:
+    name: str  # "decode-0": the id of the slot's first worker, the prefix of the others'
+    role: str  # "prefill" | "decode"
+    cpus: tuple[int, ...] = ()  # the cores its worker is bound to (none: not bound)
+    restarts: int = 0  # workers started in it after its first one died
+    failed_starts_in_a_row: int = 0  # starts that failed since its last worker came up
+    replacing: bool = False  # a new worker is being started in it
+
+    def worker_id(self, restart: int) -> str:
+        return self.name if restart == 0 else f"{self.name}-r{restart}"
+
+    def delay_before_next_start_s(self, first_delay_s: float) -> float:
+        """The wait before the next start: ``first_delay_s``, doubled by each failed start."""
+        return min(first_delay_s * 2**self.failed_starts_in_a_row, MAX_RESTART_DELAY_S)
+
+
+def plan_slots(config: ClusterConfig, binding: CpuBinding | None) -> list[WorkerSlot]:
+    """The pools' slots, decode first; ``binding`` gives each its cores, in that order."""
+    cpus = list(binding.worker_cpus) if binding is not None else []
+    cpus += [()] * (config.num_decode + config.num_prefill - len(cpus))
+    decodes = [WorkerSlot(f"decode-{i}", "decode", cpus[i]) for i in range(config.num_decode)]
+    prefills = [
+        WorkerSlot(f"prefill-{i}", "prefill", cpus[config.num_decode + i])
+        for i in range(config.num_prefill)
+    ]
+    return [*decodes, *prefills]
+
+
+class WorkerLauncher:
+    """Creates the worker actors of a cluster's slots (Ray places them; none waits here)."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self._load, self._cache = config.load_config(), config.cache_config()
+        self._scheduler, self._transfer = config.scheduler_config(), config.transfer_config()
+        self._prefill_scheduler = config.prefill_scheduler_config()
+        common = {"num_cpus": config.worker_num_cpus, "num_gpus": config.worker_num_gpus}
+        self._decode_cls = remote_decode_actor(**common, resources=config.decode_resources or None)
+        self._prefill_cls = remote_prefill_actor(
+            **common, resources=config.prefill_resources or None
+        )
+
+    def launch(self, slot: WorkerSlot, worker_id: str, decode_handles: Mapping[str, Any]) -> Any:
+        """A new actor for ``slot``; a prefill one reaches the decode workers of
+        ``decode_handles`` (by id)."""
+        if slot.role == "decode":
+            return self._decode_cls.remote(
+                worker_id, self._load, self._cache, self._scheduler, self._transfer, slot.cpus
+            )
+        return self._prefill_cls.remote(
+            worker_id,
+            self._load,
+            self._cache,
+            self._prefill_scheduler,
+            self._transfer,
+            dict(decode_handles),
+            slot.cpus,
+        )

@@ -1,0 +1,189 @@
+"""A worker whose process dies is replaced: a new worker starts in its slot, under a new id, and
+joins the pools so that every prefill worker in rotation knows every decode worker in rotation.
+
+The router is the real ``Cluster`` over fake actors (``fake_actors``: no Ray); replacements run
+in the cluster's own threads, as in production, and the tests wait for them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import router.cluster
+from router.cluster import Cluster
+from router.worker_slots import MAX_RESTART_DELAY_S, WorkerSlot
+from tests.router.fake_actors import FakeLauncher, FakeRay, make_cluster, submit
+
+
+@pytest.fixture(autouse=True)
+def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(router.cluster, "ray", FakeRay)
+    yield
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def _alive(cluster: Cluster) -> set[str]:
+    return {s.worker_id for s in cluster.worker_statuses() if s.alive}
+
+
+def _launcher(cluster: Cluster) -> FakeLauncher:
+    assert isinstance(cluster._launcher, FakeLauncher)
+    return cluster._launcher
+
+
+def _replaced(cluster: Cluster, worker_id: str) -> None:
+    """Wait until ``worker_id`` has joined, then let a load poll put it in rotation."""
+    _wait_for(lambda: worker_id in cluster.workers)
+    cluster._poll_loads()
+    assert worker_id in _alive(cluster)
+
+
+def _only(cluster: Cluster, prefill: str, decode: str) -> None:
+    """Route every request to these two workers."""
+    cluster.policy.choose_prefill = lambda info, loads: prefill  # type: ignore[method-assign]
+    cluster.policy.choose_decode = lambda info, loads: decode  # type: ignore[method-assign]
+
+
+def test_a_dead_decode_worker_is_replaced_and_the_prefill_workers_hand_off_to_it() -> None:
+    """Before, a decode worker whose process died left its pool one worker short until the
+    cluster was restarted; a pool of one answered 503 for good."""
+    cluster, actors = make_cluster(2, 1, launcher=True, restart_delay_s=0)
+    actors["decode-0"].dead = True
+    cluster._poll_loads()
+    assert _alive(cluster) == {"prefill-0", "prefill-1"}
+    _replaced(cluster, "decode-0-r1")
+    assert _launcher(cluster).launched == ["decode-0-r1"]
+    assert all("decode-0-r1" in actors[p].peers for p in ("prefill-0", "prefill-1"))
+    for prefill in ("prefill-0", "prefill-1"):
+        _only(cluster, prefill, "decode-0-r1")
+        tracker, _ = submit(cluster, f"via-{prefill}")
+        assert (tracker.prefill_worker, tracker.decode_worker) == (prefill, "decode-0-r1")
+    assert cluster.is_ready()
+
+
+def test_a_dead_prefill_worker_is_replaced_knowing_the_decode_workers_that_joined_since() -> None:
+    cluster, actors = make_cluster(1, 2, launcher=True, restart_delay_s=0)
+    actors["decode-1"].dead = True
+    cluster._poll_loads()
+    _replaced(cluster, "decode-1-r1")
+    actors["prefill-0"].dead = True
+    cluster._poll_loads()
+    _replaced(cluster, "prefill-0-r1")
+    assert set(actors["prefill-0-r1"].peers) >= {"decode-0", "decode-1-r1"}
+    _only(cluster, "prefill-0-r1", "decode-1-r1")
+    tracker, _ = submit(cluster, "r1")
+    assert tracker.prefill_worker == "prefill-0-r1"
+
+
+def test_a_stalled_prefill_worker_comes_back_knowing_a_decode_worker_that_joined_meanwhile() -> (
+    None
+):
+    """prefill-0 is out of rotation (stalled) when decode-0's replacement joins: it was not
+    told. Its probe carries the decode workers; a probe sent before the join is not enough."""
+    cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0, dead_after_s=0.05)
+    actors["prefill-0"].stalled = True
+    cluster._poll_loads()
+    assert "prefill-0" not in _alive(cluster)
+    assert cluster.workers["prefill-0"].probe is not None  # sent before the join
+    actors["decode-0"].dead = True
+    cluster._poll_loads()
+    _wait_for(lambda: "decode-0-r1" in cluster.workers)
+    assert "decode-0-r1" not in actors["prefill-0"].peers
+    actors["prefill-0"].stalled = False
+    cluster._poll_loads()  # the old probe answers, without the new decode worker: asked again
+    cluster._poll_loads()
+    assert _alive(cluster) == {"prefill-0", "decode-0-r1"}
+    assert "decode-0-r1" in actors["prefill-0"].peers
+    _only(cluster, "prefill-0", "decode-0-r1")
+    submit(cluster, "r1")
+
+
+def test_a_stalled_worker_is_not_replaced_but_one_found_dead_by_its_probe_is() -> None:
+    cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0, dead_after_s=0.05)
+    actors["decode-0"].stalled = True
+    cluster._poll_loads()
+    time.sleep(0.05)
+    assert _launcher(cluster).launched == []  # its process lives: it may answer again
+    actors["decode-0"].dead = True
+    cluster._poll_loads()
+    _replaced(cluster, "decode-0-r1")
+
+
+def test_restarts_are_bounded_and_a_failed_start_is_tried_again() -> None:
+    """Every start fails (the model directory is gone, say): the slot gets exactly
+    max_worker_restarts tries, then stays empty; a worker that starts later resets nothing."""
+    cluster, actors = make_cluster(1, 2, launcher=True, restart_delay_s=0, max_worker_restarts=3)
+    _launcher(cluster).failing_starts = 10
+    actors["decode-1"].dead = True
+    cluster._poll_loads()
+    slot = cluster._slots["decode-1"]
+    _wait_for(lambda: not slot.replacing)
+    assert _launcher(cluster).launched == ["decode-1-r1", "decode-1-r2", "decode-1-r3"]
+    assert all(actors[w].dead for w in _launcher(cluster).launched)  # killed, never joined
+    assert slot.failed_starts_in_a_row == 3
+    assert _alive(cluster) == {"prefill-0", "decode-0"}
+
+
+def test_a_start_that_fails_once_is_followed_by_one_that_joins() -> None:
+    cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0)
+    _launcher(cluster).failing_starts = 1
+    actors["decode-0"].dead = True
+    cluster._poll_loads()
+    _replaced(cluster, "decode-0-r2")
+    assert "decode-0-r1" not in cluster.workers
+    assert cluster._slots["decode-0"].failed_starts_in_a_row == 0
+
+
+def test_a_replacement_that_dies_is_replaced_in_turn() -> None:
+    cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0)
+    for restart in (1, 2):
+        actors[cluster.workers["decode-0"].worker_id if restart == 1 else "decode-0-r1"].dead = True
+        cluster._poll_loads()
+        _replaced(cluster, f"decode-0-r{restart}")
+    assert _alive(cluster) == {"prefill-0", "decode-0-r2"}
+    assert {"decode-0-r1", "decode-0-r2"} <= set(actors["prefill-0"].peers)
+
+
+def test_no_restarts_leave_a_dead_worker_out() -> None:
+    cluster, actors = make_cluster(1, 2, launcher=True, restart_delay_s=0, max_worker_restarts=0)
+    actors["decode-0"].dead = True
+    cluster._poll_loads()
+    time.sleep(0.05)
+    assert _launcher(cluster).launched == [] and not cluster._slots["decode-0"].replacing
+
+
+def test_a_worker_started_while_the_cluster_shuts_down_is_stopped_not_joined() -> None:
+    cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0)
+    shutting_down = threading.Event()
+
+    def shut_down_first() -> None:  # the start begins, and the cluster is asked to stop
+        cluster._stopping.set()
+        shutting_down.set()
+
+    _launcher(cluster).before_launch = shut_down_first
+    actors["decode-0"].dead = True
+    cluster._poll_loads()
+    assert shutting_down.wait(5)
+    _wait_for(lambda: not cluster._slots["decode-0"].replacing)
+    assert actors["decode-0-r1"].dead and "decode-0-r1" not in cluster.workers
+
+
+def test_the_wait_before_a_start_doubles_with_each_failed_start() -> None:
+    slot = WorkerSlot("decode-0", "decode")
+    waits = []
+    for failed in range(10):
+        slot.failed_starts_in_a_row = failed
+        waits.append(slot.delay_before_next_start_s(1.0))
+    assert waits[:4] == [1.0, 2.0, 4.0, 8.0]
+    assert max(waits) == MAX_RESTART_DELAY_S == waits[-1]
+    assert [slot.worker_id(r) for r in (0, 1, 2)] == ["decode-0", "decode-0-r1", "decode-0-r2"]
