@@ -30,10 +30,10 @@ from engine.messages import GenerateRequest, OutputBatch, RequestFailure, TokenE
 from engine.sampling.params import SamplingParams
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import bind_this_process, plan_cpu_binding, threads_per_worker
-from router.gpu_capacity import gpus_shortfall, resources_shortfall
 from router.load_ledger import LoadLedger
 from router.local_prefill import LOCAL_PREFILL_REASONS
 from router.policies import NoWorkerError, RoutingInfo, make_policy
+from router.ray_capacity import cpus_shortfall, gpus_shortfall, resources_shortfall
 from router.request_tracker import ClientItem, RequestTracker
 from router.worker_slots import WorkerLauncher, WorkerSlot, plan_slots
 
@@ -132,9 +132,13 @@ class Cluster:
         if config.address is None:  # a joined cluster may still grow: Ray waits for it
             resources = ray.cluster_resources()
             num_workers = config.num_prefill + config.num_decode
-            shortfall = gpus_shortfall(
-                num_workers, config.worker_num_gpus, float(resources.get("GPU", 0.0))
-            ) or resources_shortfall(config, resources)
+            shortfall = (
+                cpus_shortfall(num_workers, config.worker_num_cpus, float(resources.get("CPU", 0)))
+                or gpus_shortfall(
+                    num_workers, config.worker_num_gpus, float(resources.get("GPU", 0))
+                )
+                or resources_shortfall(config, resources)
+            )
             if shortfall is not None:
                 raise ValueError(shortfall)
         launcher = WorkerLauncher(config)

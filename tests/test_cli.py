@@ -285,6 +285,19 @@ def test_serve_with_a_resource_this_ray_lacks_says_so_instead_of_waiting(llama_d
     assert "--decode-resource decode_node: the workers need 1 of Ray resource" in output, output
 
 
+def test_serve_with_more_worker_cpus_than_this_ray_has_says_so_instead_of_waiting(
+    llama_dir: Path,
+) -> None:
+    """Ray would start the workers that fit and keep the rest pending for ever (`--prefill 2
+    --decode 2` on a 2-core machine waited silently)."""
+    num_decode = (os.cpu_count() or 1) + 1
+    flags = ("--prefill", "0", "--decode", str(num_decode), "--worker-num-cpus", "1")
+    process = _serve_process(llama_dir, *flags, "--http-port", "0", "--grpc-port", "-1")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output
+    assert f"{num_decode} workers of --worker-num-cpus 1 need {num_decode} CPUs" in output, output
+
+
 def test_serve_refuses_a_public_address_without_api_keys(chat_model_dir: Path) -> None:
     process = _serve_process(chat_model_dir, "--host", "0.0.0.0", "--http-port", "0")
     output, _ = process.communicate(timeout=60)

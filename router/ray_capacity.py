@@ -1,9 +1,10 @@
-"""Whether the GPUs and custom resources of a Ray this process starts can hold the workers,
-said before start-up.
+"""Whether the CPUs, GPUs and custom resources of a Ray this process starts can hold the
+workers, said before start-up.
 
 Ray keeps an actor it cannot place pending for ever, and without these checks `pdserve serve
---device cuda` on one GPU with the default pools (two workers of one GPU each), or with
-``--prefill-resource`` on a Ray that has no such resource, would wait silently. A joined
+--device cuda` on one GPU with the default pools (two workers of one GPU each), `--prefill 2
+--decode 2` on a 2-core machine (four workers of one CPU each), or ``--prefill-resource`` on a
+Ray that has no such resource, would wait silently. A joined
 cluster (``--address``) may grow with its autoscaler, so it is not checked. Ray packs
 fractional GPU requests onto whole GPUs, a GPU holding ``floor(1 / share)`` actors of a share
 below one; a request of one or more GPUs takes that many whole GPUs.
@@ -44,6 +45,21 @@ def gpus_shortfall(num_workers: int, gpus_per_worker: float, num_gpus: float) ->
     return (
         f"{num_workers} workers of --worker-num-gpus {gpus_per_worker:g} need {needed} "
         f"GPU{'s' if needed != 1 else ''}; this machine's Ray has {whole_gpus}: {advice}"
+    )
+
+
+def cpus_shortfall(num_workers: int, cpus_per_worker: float, num_cpus: float) -> str | None:
+    """Why ``num_workers`` actors of ``cpus_per_worker`` CPUs do not fit ``num_cpus`` (Ray
+    divides CPUs freely), or None."""
+    needed = num_workers * cpus_per_worker
+    if needed <= num_cpus + _EPSILON:
+        return None
+    share = math.floor(100 * num_cpus / num_workers) / 100 if num_workers else 0.0
+    smaller = f"--worker-num-cpus {share:g}" if share > 0 else "--worker-num-cpus 0"
+    return (
+        f"{num_workers} workers of --worker-num-cpus {cpus_per_worker:g} need {needed:g} CPUs; "
+        f"this machine's Ray has {num_cpus:g}: give each a smaller share with {smaller} "
+        "(0: no reservation), or use fewer workers"
     )
 
 

@@ -1,4 +1,4 @@
-"""A local Ray's GPUs and custom resources against the workers' needs: a clear error before
+"""A local Ray's CPUs, GPUs and custom resources against the workers' needs: a clear error before
 start-up instead of actors Ray keeps pending for ever."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.cluster_config import ClusterConfig
-from router.gpu_capacity import gpus_shortfall, resources_shortfall
+from router.ray_capacity import cpus_shortfall, gpus_shortfall, resources_shortfall
 
 
 @pytest.mark.parametrize(
@@ -79,3 +79,22 @@ def test_a_custom_resource_a_local_ray_lacks_is_refused_naming_the_flag() -> Non
 def test_a_resource_shared_by_both_pools_counts_both() -> None:
     message = resources_shortfall(_pools("pd", "pd"), {"pd": 2.0})
     assert message is not None and "--prefill-resource pd: the workers need 3" in message
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "cpus_per_worker", "num_cpus"),
+    [(2, 1, 2), (4, 0.5, 2), (4, 0, 2), (3, 0.33, 1), (0, 1, 0)],
+)
+def test_cpu_shares_that_fit(num_workers: int, cpus_per_worker: float, num_cpus: float) -> None:
+    assert cpus_shortfall(num_workers, cpus_per_worker, num_cpus) is None
+
+
+def test_four_workers_of_one_cpu_on_two_cores_are_refused_with_the_way_out() -> None:
+    """Before, `pdserve serve --prefill 2 --decode 2` on a 2-core machine started the decode
+    workers and waited for ever for the prefill ones, saying nothing."""
+    message = cpus_shortfall(4, 1.0, 2)
+    assert message == (
+        "4 workers of --worker-num-cpus 1 need 4 CPUs; this machine's Ray has 2: give each a "
+        "smaller share with --worker-num-cpus 0.5 (0: no reservation), or use fewer workers"
+    )
+    assert "--worker-num-cpus 0.33" in (cpus_shortfall(3, 0.5, 1) or "")
