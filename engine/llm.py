@@ -121,12 +121,14 @@ class LLM:
     def _detokenized(self, output: RequestOutput, params: SamplingParams) -> RequestOutput:
         if self.tokenizer is None:
             return output
+        positions = [p for p in output.prompt_logprobs or [] if p is not None]
         for completion in output.outputs:
             completion.text = self._completion_text(completion, params)
-            for position in completion.logprobs or []:
-                for token_id, logprob in position.items():
-                    decoded = self.tokenizer.decode([token_id])
-                    position[token_id] = replace(logprob, decoded_token=decoded)
+            positions += completion.logprobs or []
+        for position in positions:
+            for token_id, logprob in position.items():
+                decoded = self.tokenizer.decode([token_id])
+                position[token_id] = replace(logprob, decoded_token=decoded)
         return output
 
     def _completion_text(self, completion: CompletionOutput, params: SamplingParams) -> str:

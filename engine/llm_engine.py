@@ -36,7 +36,13 @@ from engine.outputs import RequestOutput
 from engine.request_state import RequestState
 from engine.sampling import SamplingParams
 from engine.sampling.seeds import derive_seed
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from engine.scheduler import (
+    ModelRunnerOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    Sequence,
+)
 from engine.sequence import SequenceStatus
 
 _ENDED_STATUSES = (SequenceStatus.FINISHED, SequenceStatus.HANDED_OFF)
@@ -121,6 +127,8 @@ class LLMEngine:
             eos,
             self.device,
             self._capture_decode_graphs(graph_batch_sizes, attn_backend),
+            # a pass of prompt logits fits in what the memory profile keeps for sampling
+            max_prompt_logits_rows=scheduler.max_num_seqs,
         )
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
@@ -158,9 +166,12 @@ class LLMEngine:
             seed=params.seed,
             cache_salt=cache_salt,
             prefill_only=prefill_only,
+            prompt_logprobs=params.prompt_logprobs is not None,
         )
         self.scheduler.add(seq)
         state = RequestState(request_id, prompt, params, num_samples=params.n)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs_chunks = []
         state.record(seq, None)
         self._requests[request_id] = state
 
@@ -233,6 +244,7 @@ class LLMEngine:
         self.stats.num_prefill_tokens += _num_prefill_tokens(output)
         result = self.runner.execute(output)
         updated = self.scheduler.update(output, result)
+        self._record_prompt_logprobs(output, result)
         new_tokens: list[TokenEvent] = []
         ended: dict[str, RequestState] = {}  # requests with a sample finished or handed off
         for seq in updated:
@@ -250,6 +262,9 @@ class LLMEngine:
                     finish_reason=seq.finish_reason,
                     num_cached_tokens=state.parent.num_cached_prompt_tokens if first else 0,
                     queue_seconds=(state.queue_seconds or 0.0) if first else 0.0,
+                    prompt_logprobs=(
+                        state.prompt_logprobs if first and seq.sample_index == 0 else None
+                    ),
                 )
             )
             if seq.status in _ENDED_STATUSES:
@@ -266,6 +281,15 @@ class LLMEngine:
         self.stats.forward_seconds += result.forward_seconds
         self.stats.step_seconds += time.perf_counter() - started
         return StepResult(new_tokens, finished, handed_off)
+
+    def _record_prompt_logprobs(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        if not result.prompt_logprobs:
+            return
+        for entry in output.scheduled:
+            chunk = result.prompt_logprobs.get(entry.seq.seq_id)
+            state = self._requests.get(entry.seq.request_id)
+            if chunk is not None and state is not None:  # None: aborted while the step ran
+                state.record_prompt_logprobs(chunk)
 
     def _note_first_scheduled(self, output: SchedulerOutput, now: float) -> None:
         for entry in output.scheduled:

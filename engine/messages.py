@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling.messages import TokenLogprobs
+from engine.sampling.messages import PromptTokenLogprobs, TokenLogprobs
 from engine.sampling.params import SamplingParams
 
 
@@ -34,6 +34,9 @@ class TokenEvent:
     finish_reason: str | None  # set on the sample's last token: "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # on position 0: prompt tokens served by the prefix cache
     queue_seconds: float = 0.0  # on position 0: arrival at the worker to first scheduled
+    # on sample 0's position 0, when the request asked for prompt logprobs: those of every
+    # prompt position from 1 (once per request, from the worker that ran the prompt)
+    prompt_logprobs: PromptTokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

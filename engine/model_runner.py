@@ -2,8 +2,10 @@
 
 Per step: copy-on-write block copies -> flatten the scheduled tokens (prompt chunks first, then
 single-token decodes) -> attention metadata -> forward under the forward context -> logits of
-the last token of every sequence that samples -> sampler. A decode-only step replays a captured
-CUDA graph of the forward instead, when the runner has them (engine/decode_graphs.py).
+the last token of every sequence that samples -> sampler -> logits of the prompt positions of
+sequences that owe prompt logprobs, only theirs (engine/prompt_logprobs.py). A decode-only step
+replays a captured CUDA graph of the forward instead, when the runner has them
+(engine/decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -20,6 +23,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.decode_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.models.registry import CausalLM
+from engine.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_spans
 from engine.sampling import Sampler, SamplingRow, make_generator
 from engine.sampling.rng import advance_generator
 from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
@@ -37,6 +41,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
+        max_prompt_logits_rows: int = 256,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -45,6 +50,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.decode_graphs = decode_graphs  # None: every step runs eagerly
+        # prompt positions turned into logits at once, for prompt logprobs: bounds their memory
+        self.max_prompt_logits_rows = max_prompt_logits_rows
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
 
@@ -85,8 +92,25 @@ class ModelRunner:
         ordered = prefills + decodes
         forward = self._prepare_forward(prefills, decodes)
         sample_rows, row_entries = self._sample_rows(ordered)
+        spans = prompt_logprobs_spans(ordered)  # empty unless a sequence owes prompt logprobs
         started = time.perf_counter()
         hidden = forward()  # [num_tokens, hidden]
+        result = self._sample(hidden, sample_rows, row_entries, started)
+        if spans:
+            prompt_logprobs = compute_prompt_logprobs(
+                self.model, hidden, spans, self.max_prompt_logits_rows
+            )
+            result = replace(result, prompt_logprobs=prompt_logprobs)
+        return result
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        sample_rows: list[int],
+        row_entries: list[Sequence],
+        started: float,
+    ) -> ModelRunnerOutput:
+        """Logits of the sample rows, then a token (and its logprobs) for each."""
         if not sample_rows:
             return ModelRunnerOutput({}, {}, time.perf_counter() - started)
         row_index = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

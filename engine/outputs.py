@@ -15,6 +15,10 @@ class Logprob:
 
 # One dict per generated position: token id -> Logprob (the sampled token plus the top-N).
 PositionLogprobs = dict[int, Logprob]
+# One entry per prompt token, as vLLM's: None for the first (nothing comes before it), then the
+# prompt token's Logprob plus the top-N of the distribution it was drawn from (see
+# ``request_state.prompt_position_logprobs``).
+PromptLogprobs = list[PositionLogprobs | None]
 
 
 @dataclass(slots=True)
@@ -35,3 +39,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # one per sample, in index order
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs is set

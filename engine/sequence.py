@@ -44,6 +44,7 @@ class Sequence:
         "num_preemptions",
         "is_forked",
         "prefill_only",
+        "num_prompt_logprob_positions",
     )
 
     def __init__(
@@ -58,6 +59,7 @@ class Sequence:
         seed: int | None = None,
         cache_salt: str | None = None,
         prefill_only: bool = False,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.seq_id = seq_id  # unique per engine
         self.request_id = request_id
@@ -78,6 +80,11 @@ class Sequence:
         self.num_preemptions = 0
         self.is_forked = params.n == 1  # n > 1: becomes True once the n samples exist
         self.prefill_only = prefill_only  # stop after the first token and keep the KV (P/D split)
+        # Leading prompt positions whose prompt logprobs exist (position 0 has none to give):
+        # the runner computes the rest as the prompt's chunks run, once, even across a
+        # recompute. All of them for a sequence that owes none (it was not asked, or is an
+        # n > 1 child, a resumed or a received sequence: the request's first one gives them).
+        self.num_prompt_logprob_positions = 1 if prompt_logprobs else self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +105,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still to compute: the prompt's KV must be computed here, not
+        taken from the prefix cache (cached positions have no logits)."""
+        return self.num_prompt_logprob_positions < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -10,13 +10,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.sampling.messages import SamplerOutput, SamplingRow, TokenLogprobs
+    from engine.sampling.messages import (
+        PromptTokenLogprobs,
+        SamplerOutput,
+        SamplingRow,
+        TokenLogprobs,
+    )
     from engine.sampling.params import SamplingParams
     from engine.sampling.rng import make_generator
     from engine.sampling.sampler import Sampler
     from engine.sampling.seeds import derive_seed
 
 _EXPORTS = {
+    "PromptTokenLogprobs": "engine.sampling.messages",
     "Sampler": "engine.sampling.sampler",
     "SamplerOutput": "engine.sampling.messages",
     "SamplingParams": "engine.sampling.params",
@@ -27,6 +33,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "PromptTokenLogprobs",
     "Sampler",
     "SamplerOutput",
     "SamplingParams",

@@ -1,4 +1,5 @@
-"""Logprobs of the sampled tokens under the RAW model distribution (before any processing)."""
+"""Logprobs under the RAW model distribution (before any processing): of the sampled tokens, and
+of given tokens (a prompt's, for ``prompt_logprobs``)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,20 @@ def compute_logprobs(
             top_logprobs=tuple(top_lp_list[j][:n]),
         )
     return result
+
+
+def token_and_top_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``logits`` [R, V] (raw): the logprob [R] and vLLM's rank [R] of the row's
+    token in ``token_ids`` [R], and the ``num_top`` most likely tokens [R, N] with their
+    logprobs [R, N], descending (N = min(num_top, V)).
+
+    vLLM's rank (``batched_count_greater_than``): the number of tokens at least as likely as
+    the given one, itself included; a token tied with others ranks below all of them.
+    """
+    logprobs = logits.float().log_softmax(dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [R, 1]
+    ranks = (logprobs >= chosen).sum(dim=-1)  # [R]
+    top_logprobs, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)  # [R, N]
+    return chosen[:, 0], ranks, top_ids, top_logprobs

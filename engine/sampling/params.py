@@ -58,6 +58,10 @@ class SamplingParams:
     min_tokens: int = 0  # eos and stop ids are banned until this many tokens exist
     ignore_eos: bool = False  # keep generating past eos
     logprobs: int | None = None  # return the sampled token's logprob plus the top-N (N <= 20)
+    # vLLM's prompt logprobs: per prompt position after the first, the prompt token's logprob
+    # plus the top-N (N <= 20) given the tokens before it; None: off. vLLM's -1 (the whole
+    # vocabulary) is refused
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # drop special tokens when detokenizing
 
     def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
@@ -110,6 +114,7 @@ class SamplingParams:
             "bad_words": _bad_words(self.bad_words),
             "bad_words_token_ids": _bad_words_token_ids(self.bad_words_token_ids),
             **self._normalized_lengths(),
+            "prompt_logprobs": _prompt_logprobs(self.prompt_logprobs),
             "ignore_eos": _as_bool("ignore_eos", self.ignore_eos),
             "skip_special_tokens": _as_bool("skip_special_tokens", self.skip_special_tokens),
         }
@@ -217,6 +222,22 @@ def _as_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {_describe(value)}")
     return value
+
+
+def _prompt_logprobs(value: object) -> int | None:
+    if value is None:
+        return None
+    limit = f"must be an int in [0, {MAX_LOGPROBS}] or None"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"prompt_logprobs {limit}, got {_describe(value)}")
+    num_top = int(value)
+    if num_top == -1:
+        raise ValueError(
+            f"prompt_logprobs=-1 (logprobs of the whole vocabulary, as vLLM allows) is not "
+            f"supported: prompt_logprobs {limit}"
+        )
+    _check(0 <= num_top <= MAX_LOGPROBS, "prompt_logprobs", limit, num_top)
+    return num_top
 
 
 def _penalty(name: str, value: object) -> float:

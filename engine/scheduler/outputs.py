@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.sampling import TokenLogprobs
+    from engine.sampling import PromptTokenLogprobs, TokenLogprobs
     from engine.sequence import Sequence
 
 
@@ -38,3 +38,5 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[int, int]  # seq_id -> token sampled this step
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq_id -> its logprobs
     forward_seconds: float = 0.0  # wall time of the model forward + logits (for overhead stats)
+    # seq_id -> prompt logprobs of the positions this step's chunk gave, for sequences owing them
+    prompt_logprobs: dict[int, PromptTokenLogprobs] = field(default_factory=dict)

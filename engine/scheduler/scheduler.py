@@ -134,6 +134,11 @@ class Scheduler:
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
+            if seq.owes_prompt_logprobs:  # the runner gave those of this chunk's positions
+                seq.num_prompt_logprob_positions = max(
+                    seq.num_prompt_logprob_positions,
+                    min(seq.num_computed_tokens + 1, seq.num_prompt_tokens),
+                )
             self.block_manager.commit_computed(seq)
             # every child shares the prompt's blocks before any sample, the first included, can
             # finish on its first token and free them
@@ -186,7 +191,8 @@ class Scheduler:
             if num_seqs + _num_seqs_to_come(seq) > self.config.max_num_seqs:
                 break
             holds_received_kv = bool(seq.block_table)
-            if not holds_received_kv:
+            # a sequence owing prompt logprobs computes its prompt (it still fills the cache)
+            if not holds_received_kv and not seq.owes_prompt_logprobs:
                 num_cached = self.block_manager.attach_cached_prefix(seq)
                 if seq.num_preemptions == 0:  # back from a preemption, it hits its own blocks
                     seq.num_cached_prompt_tokens = num_cached

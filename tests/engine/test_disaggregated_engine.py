@@ -8,6 +8,9 @@ import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.handoff import PrefillResult
+from engine.messages import TokenEvent
+from engine.outputs import PromptLogprobs, RequestOutput
+from engine.request_state import prompt_position_logprobs
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_parity import OUTPUT_LENGTHS, make_prompts
 
@@ -233,3 +236,57 @@ def test_split_bad_words_see_the_first_token_sampled_by_prefill(llama_dir: Path)
     for out, free in zip(expected, natural, strict=True):
         assert out[0] == free[0] and out[1] != free[1]  # banned on the decode side's first step
     assert natural[1][3] not in expected[1]
+
+
+def test_prefill_side_gives_the_prompt_logprobs_of_a_colocated_engine(llama_dir: Path) -> None:
+    """Prefill only: the first-token event of sample 0 carries the prompt logprobs, once per
+    request (what a prefill worker streams to the gateway), equal to a colocated engine's; a
+    request that ends on its first token has them in its RequestOutput too."""
+    prompts = make_prompts(seed=20)[2:6]  # 17, 40, 64 and 100 tokens: chunked by 32
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=3),
+        SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=9, prompt_logprobs=0),
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5),  # ends on prefill
+        SamplingParams(temperature=0.0, max_tokens=6),  # does not ask
+    ]
+    colocated = LLM(
+        str(llama_dir), dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=32
+    ).generate(prompts, params)
+    prefill = _engine(llama_dir, max_num_batched_tokens=32)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        prefill.add_request(f"r{i}", prompt, p, prefill_only=True)
+    events: list[TokenEvent] = []
+    handed: list[PrefillResult] = []
+    finished: list[RequestOutput] = []
+    while len(handed) + len(finished) < len(prompts):
+        step = prefill.step()
+        events += step.new_tokens
+        handed += step.handed_off
+        finished += step.finished
+    shipped = {e.request_id: e.prompt_logprobs for e in events if e.prompt_logprobs is not None}
+    assert sorted(shipped) == ["r0", "r1", "r2"]
+    for i in range(3):
+        assert _logprob_values(prompt_position_logprobs(shipped[f"r{i}"])) == pytest.approx(
+            _logprob_values(colocated[i].prompt_logprobs), abs=1e-5
+        )
+    (ended,) = finished
+    assert ended.request_id == "r2" and ended.prompt_logprobs is not None
+    assert _logprob_values(ended.prompt_logprobs) == _logprob_values(
+        prompt_position_logprobs(shipped["r2"])
+    )
+    outputs = _decode_all(prefill, _engine(llama_dir), handed, transfer=True)
+    for i in (0, 1, 3):
+        assert outputs[f"r{i}"] == [c.token_ids for c in colocated[i].outputs]
+
+
+def _logprob_values(prompt_logprobs: PromptLogprobs | None) -> list[object]:
+    """Token ids, ranks and logprobs by position, without the decoded text."""
+    assert prompt_logprobs is not None
+    values: list[object] = []
+    for position in prompt_logprobs:
+        if position is None:
+            values.append(None)
+            continue
+        for token_id, logprob in position.items():
+            values += [token_id, logprob.rank, logprob.logprob]
+    return values
