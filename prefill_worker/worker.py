@@ -159,6 +159,17 @@ class PrefillWorker:
         place, so a hand-off reading it meanwhile sees the old one or the new one."""
         self._peers = {**decode_peers, **self._peers}
 
+    def forget_decode_peer(self, decode_worker_id: str) -> None:
+        """Drop a decode worker whose process is gone: it is never handed a request again, and
+        its channel is closed (an NCCL one holds GPU memory; the cap would close it only once
+        it is idle and over). Waits for a transfer to it in progress, which its deadline ends."""
+        self._peers = {wid: p for wid, p in self._peers.items() if wid != decode_worker_id}
+        with self._transfer_locks[decode_worker_id]:
+            channel = self.channels.get(decode_worker_id)
+            if channel is not None:
+                self.channels.remove(decode_worker_id, channel)
+                channel.close()
+
     def abort(self, request_id: str) -> None:
         with self._targets_lock:
             self._targets.pop(request_id, None)

@@ -179,6 +179,9 @@ class PrefillActor:
     def add_decode_peers(self, decode_handles: Mapping[str, Any]) -> None:
         self.worker.add_decode_peers(_decode_peers(decode_handles))
 
+    def forget_decode_peer(self, decode_worker_id: str) -> None:
+        self.worker.forget_decode_peer(decode_worker_id)
+
     def rejoin(self, decode_handles: Mapping[str, Any]) -> WorkerLoad:
         """Learn the decode workers that joined while this one was out of rotation (stalled),
         then report load: the router's probe before it takes this worker back."""

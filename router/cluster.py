@@ -574,7 +574,7 @@ class Cluster:
                 continue
             except ray.exceptions.RayActorError:  # its process is gone after all: out for good
                 worker.stalled, worker.probe = False, None
-                self._replace_later(worker)
+                self._on_process_gone(worker)
                 continue
             except ray.exceptions.RayError:  # the call failed (not the worker): ask again
                 worker.probe = None
@@ -626,7 +626,7 @@ class Cluster:
             worker.stalled = stalled
             worker.ledger.drop_all()  # its reports stopped: nothing else would drop them
             if not stalled:
-                self._replace_later(worker)
+                self._on_process_gone(worker)
             affected = [
                 t
                 for t in self._trackers.values()
@@ -695,6 +695,15 @@ class Cluster:
             self._fail(tracker, f"could not re-route the request: {error}")
 
     # ---- replacing dead workers ---------------------------------------------------------
+    def _on_process_gone(self, dead: WorkerHandle) -> None:
+        """A worker's process is gone (not stalled): the prefill workers forget a decode one
+        (its channels close; they are not waited for), and a new worker starts in its slot."""
+        if dead.role == "decode":
+            for prefill in self.workers.values():
+                if prefill.role == "prefill" and (prefill.alive or prefill.stalled):
+                    prefill.actor.forget_decode_peer.remote(dead.worker_id)
+        self._replace_later(dead)
+
     def _replace_later(self, dead: WorkerHandle) -> None:
         """Start a worker in the slot of ``dead``, whose process is gone, from a thread of its
         own (a model takes minutes to load on a GPU). Nothing happens if the slot is starting

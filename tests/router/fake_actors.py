@@ -102,6 +102,9 @@ class FakeActor:
     def do_add_decode_peers(self, handles: dict[str, Any]) -> None:
         self.peers = {**handles, **self.peers}
 
+    def do_forget_decode_peer(self, decode_id: str) -> None:
+        self.peers.pop(decode_id, None)
+
     def do_rejoin(self, handles: dict[str, Any]) -> WorkerLoad:
         self.do_add_decode_peers(handles)
         return self.do_load()

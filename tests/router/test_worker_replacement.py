@@ -187,3 +187,18 @@ def test_the_wait_before_a_start_doubles_with_each_failed_start() -> None:
     assert waits[:4] == [1.0, 2.0, 4.0, 8.0]
     assert max(waits) == MAX_RESTART_DELAY_S == waits[-1]
     assert [slot.worker_id(r) for r in (0, 1, 2)] == ["decode-0", "decode-0-r1", "decode-0-r2"]
+
+
+def test_the_prefill_workers_forget_a_dead_decode_worker_but_not_a_stalled_one() -> None:
+    """Its channels hold memory (GPU memory, for NCCL) until forgotten."""
+    cluster, actors = make_cluster(2, 2, dead_after_s=0.05)
+    actors["decode-0"].dead = True
+    actors["decode-1"].stalled = True
+    cluster._poll_loads()
+    for prefill in ("prefill-0", "prefill-1"):
+        forgotten = [args for name, args in actors[prefill].calls if name == "forget_decode_peer"]
+        assert forgotten == [("decode-0",)]
+    actors["decode-1"].dead = True  # found by its probe
+    cluster._poll_loads()
+    forgotten = [args for name, args in actors["prefill-0"].calls if name == "forget_decode_peer"]
+    assert forgotten == [("decode-0",), ("decode-1",)]

@@ -143,6 +143,28 @@ def test_idle_channels_close_beyond_the_cap_and_reopen(cluster_factory, offline:
     assert len(prefill.channels) == 1
 
 
+def test_a_forgotten_decode_worker_gets_no_request_and_its_channel_is_closed(
+    cluster_factory,  # type: ignore[no-untyped-def]
+    offline: LLM,
+) -> None:
+    """The router tells the prefill workers when a decode worker's process is gone: before,
+    its channel stayed open (an NCCL one holding GPU memory) until the cap closed it."""
+    prompts, params = _workload(2)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    cluster = cluster_factory(1, 2, "gloo")
+    (prefill,) = cluster.prefills
+    prefill.submit(GenerateRequest("f0", prompts[0], params[0], GATEWAY), "d0")
+    cluster.collector.wait_finished([("f0", 0)])
+    (channel,) = [channel for worker_id, channel in prefill.channels.items() if worker_id == "d0"]
+    prefill.forget_decode_peer("d0")
+    assert "d0" not in prefill.channels and channel.broken  # closed
+    with pytest.raises(ValueError, match="unknown decode worker 'd0'"):
+        prefill.submit(GenerateRequest("f1", prompts[1], params[1], GATEWAY), "d0")
+    prefill.submit(GenerateRequest("f1", prompts[1], params[1], GATEWAY), "d1")
+    cluster.collector.wait_finished([("f1", 0)])
+    assert [cluster.collector.output(f"f{i}") for i in range(2)] == expected
+
+
 def test_a_channel_opened_past_the_cap_while_the_others_are_busy_is_used(
     cluster_factory,  # type: ignore[no-untyped-def]
     offline: LLM,
