@@ -15,8 +15,14 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation by ``generate``; stops after eos like the engine does."""
+def hf_greedy(
+    model_dir: Path,
+    prompt: list[int],
+    max_new_tokens: int,
+    bad_words_ids: list[list[int]] | None = None,
+) -> list[int]:
+    """Greedy continuation by ``generate`` (never completing one of ``bad_words_ids``); stops
+    after eos like the engine does."""
     model = hf_model(model_dir)
     with torch.no_grad():
         out = model.generate(
@@ -25,6 +31,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
+            bad_words_ids=bad_words_ids,
         )
     return [int(t) for t in out[0, len(prompt) :]]
 

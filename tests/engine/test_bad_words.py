@@ -16,7 +16,7 @@ from engine.sampling import Sampler, SamplingParams, SamplingRow
 from engine.sampling import logit_bias as logit_bias_module
 from engine.sampling.logit_bias import apply_allowed_and_bias
 from engine.tokenizer import bad_words_token_ids
-from tests.engine.hf_reference import hf_model
+from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_parity import make_prompts
 
 NEG_INF = float("-inf")
@@ -166,22 +166,6 @@ def llm(llama_dir: Path) -> LLM:
     return LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
 
 
-def hf_greedy_without(
-    model_dir: Path, prompt: list[int], max_new_tokens: int, bad: list[list[int]]
-) -> list[int]:
-    model = hf_model(model_dir)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            bad_words_ids=bad,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
-
-
 def test_greedy_output_matches_transformers_bad_words_ids(llm: LLM, llama_dir: Path) -> None:
     prompt = make_prompts(seed=13)[2]
     common: dict[str, Any] = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
@@ -196,7 +180,7 @@ def test_greedy_output_matches_transformers_bad_words_ids(llm: LLM, llama_dir: P
     bad = [*one, two]
     params = SamplingParams(**common, bad_words_token_ids=bad)
     out = llm.generate([prompt], params)[0].outputs[0].token_ids
-    assert out == hf_greedy_without(llama_dir, prompt, 12, bad)
+    assert out == hf_greedy(llama_dir, prompt, 12, bad_words_ids=bad)
     assert out[:3] == without_one[:3] != natural[:3]  # both bans took effect where they should
     assert out != without_one and natural[0] not in out
     assert all(out[i : i + 2] != two for i in range(len(out) - 1))
