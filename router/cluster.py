@@ -800,6 +800,8 @@ class Cluster:
                 else:
                     ref = worker.actor.add_decode_peers.remote(self._decode_handles())
                     ray.get(ref, timeout=_CALL_TIMEOUT_S)
+                asked_at = time.monotonic()  # routing reads loads: it joins with its first
+                load = ray.get(worker.actor.load.remote(), timeout=_CALL_TIMEOUT_S)
             except ray.exceptions.RayError as error:
                 logger.error(
                     "%s worker %s could not join: %s", worker.role, worker.worker_id, error
@@ -808,12 +810,14 @@ class Cluster:
                 return False
             self._spawn(self._pump, worker, name=f"pump-{worker.worker_id}")
             with self._lock:
+                worker.ledger.record(load, asked_at, self._trackers.__contains__)
+                worker.last_report = time.monotonic()
                 self.workers = {**self.workers, worker.worker_id: worker}
                 if worker.role == "decode":
                     self._decode_roster += 1
                 slot.replacing = False
         logger.warning(
-            "%s worker %s started in slot %s; in rotation from its first load report",
+            "%s worker %s started in slot %s; in rotation",
             worker.role,
             worker.worker_id,
             slot.name,

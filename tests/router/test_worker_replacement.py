@@ -42,10 +42,10 @@ def _launcher(cluster: Cluster) -> FakeLauncher:
 
 
 def _replaced(cluster: Cluster, worker_id: str) -> None:
-    """Wait until ``worker_id`` has joined, then let a load poll put it in rotation."""
+    """Wait until ``worker_id`` has joined: in rotation at once, with its first load."""
     _wait_for(lambda: worker_id in cluster.workers)
-    cluster._poll_loads()
     assert worker_id in _alive(cluster)
+    assert cluster.workers[worker_id].load is not None  # routable before any load poll
 
 
 def _only(cluster: Cluster, prefill: str, decode: str) -> None:
@@ -60,7 +60,7 @@ def test_a_dead_decode_worker_is_replaced_and_the_prefill_workers_hand_off_to_it
     cluster, actors = make_cluster(2, 1, launcher=True, restart_delay_s=0)
     actors["decode-0"].dead = True
     cluster._poll_loads()
-    assert _alive(cluster) == {"prefill-0", "prefill-1"}
+    assert "decode-0" not in _alive(cluster)
     _replaced(cluster, "decode-0-r1")
     assert _launcher(cluster).launched == ["decode-0-r1"]
     assert all("decode-0-r1" in actors[p].peers for p in ("prefill-0", "prefill-1"))
