@@ -18,6 +18,7 @@ from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
 from router.gateway.logit_fields import checked_bad_words
 from router.gateway.openai_response import LogprobsFormatter, Usage
+from router.gateway.prompt_logprobs import ScoredPrompt, TokenText
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec, make_spec
 from router.gateway.text_stream import SampleDelta
@@ -39,6 +40,7 @@ _SAMPLING_FIELDS = (
     "min_tokens",
     "ignore_eos",
     "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
 )
 _FINISH_REASONS = {
@@ -118,6 +120,36 @@ def chunk_message(delta: SampleDelta, formatter: LogprobsFormatter | None) -> pb
             finish_reason=_FINISH_REASONS[delta.finish_reason],
         )
     )
+
+
+def with_prompt_logprobs(
+    message: pb.GenerateResponse, prompt: ScoredPrompt, token_text: TokenText
+) -> pb.GenerateResponse:
+    """``message`` (a Chunk) carrying the prompt's logprobs, as the stream's first Chunk does."""
+    message.chunk.prompt_logprobs.CopyFrom(
+        pb.PromptLogprobs(
+            tokens=[
+                pb.TokenLogprob(
+                    token_id=token_id,
+                    text=token_text(token_id),
+                    logprob=logprob,
+                    rank=rank,
+                    top=[
+                        pb.TopLogprob(token_id=t, text=token_text(t), logprob=v)
+                        for t, v in zip(top_ids, top_logprobs)
+                    ],
+                )
+                for token_id, logprob, rank, top_ids, top_logprobs in zip(
+                    prompt.logprobs.token_ids,
+                    prompt.logprobs.logprobs,
+                    prompt.logprobs.ranks,
+                    prompt.logprobs.top_token_ids,
+                    prompt.logprobs.top_logprobs,
+                )
+            ]
+        )
+    )
+    return message
 
 
 def aborted_message(sample_index: int) -> pb.GenerateResponse:

@@ -4,7 +4,8 @@ Life of a Generate call: the ``authorization`` metadata names the caller's tenan
 (UNAUTHENTICATED) -> the request is checked into a spec by the HTTP API's rules
 (INVALID_ARGUMENT / NOT_FOUND) -> admission (UNAVAILABLE / RESOURCE_EXHAUSTED, with trailing
 ``retry-after``) -> ``Started`` with the server's request id -> one ``Chunk`` per sample delta
--> ``Usage``. An Abort call ends the stream with FINISH_REASON_ABORT chunks; a client that
+(the first carries the prompt's logprobs when they were asked for: they come with the first
+token) -> ``Usage``. An Abort call ends the stream with FINISH_REASON_ABORT chunks; a client that
 cancels, or whose deadline passes, has its handler cancelled by the gRPC runtime. Either way,
 leaving the delta stream aborts the request in the cluster and frees its KV blocks.
 """
@@ -34,11 +35,12 @@ from router.gateway.grpc_messages import (
     generate_spec,
     started_message,
     usage_message,
+    with_prompt_logprobs,
 )
 from router.gateway.openai_response import LogprobsFormatter, Usage
 from router.gateway.service import Gateway, new_request_id
 from router.gateway.spec import GenerationSpec
-from router.gateway.text_stream import merged_deltas
+from router.gateway.text_stream import TextGeneration, merged_deltas
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"
@@ -209,12 +211,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             )
             unfinished = set(range(spec.params.n))
             num_sent_tokens = 0  # what usage reports, also when an Abort cut the run short
+            first_chunk = _FirstChunk(generation, self.gateway.model.tokenizer)
             try:
                 await context.write(started_message(request_id, self.gateway.model.name))
                 deltas = merged_deltas([generation], live.aborted)
                 async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
                     async for _, delta in deltas:
-                        await context.write(chunk_message(delta, formatter))
+                        await context.write(first_chunk.apply(chunk_message(delta, formatter)))
                         num_sent_tokens += len(delta.token_ids)
                         if delta.finish_reason is not None:
                             unfinished.discard(delta.index)
@@ -227,7 +230,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             # counted before the writes below, which may be cancelled
             self.gateway.record_ended([generation], aborted=live.aborted.is_set())
             for index in sorted(unfinished):
-                await context.write(aborted_message(index))
+                await context.write(first_chunk.apply(aborted_message(index)))
             usage = Usage(
                 generation.num_prompt_tokens, num_sent_tokens, generation.num_cached_tokens
             )
@@ -250,6 +253,25 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ApiError as error:
             await _abort(context, error)
             raise  # not reached: abort raises
+
+
+class _FirstChunk:
+    """Puts the prompt's logprobs, when asked for, on the first Chunk a stream sends."""
+
+    def __init__(self, generation: TextGeneration, tokenizer: Any) -> None:
+        self.generation = generation
+        self.token_text = LogprobsFormatter(tokenizer).token_text
+        self.pending = generation.spec.params.prompt_logprobs is not None
+
+    def apply(self, message: pb.GenerateResponse) -> pb.GenerateResponse:
+        if not self.pending:
+            return message
+        if self.generation.prompt_logprobs is None and message.chunk.finish_reason == (
+            pb.FINISH_REASON_ABORT
+        ):
+            return message  # aborted before the first token: there are none to send
+        self.pending = False
+        return with_prompt_logprobs(message, self.generation.scored_prompt(), self.token_text)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> None:

@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from router.cluster import RequestFailedError
+from router.gateway.choice_prompts import add_prompt_logprobs, echoed_logprobs, shown
 from router.gateway.dashboard import ASSETS, asset
 from router.gateway.errors import ApiError, cluster_failed, invalid
 from router.gateway.openai_request import OpenAIJob, parse_job
@@ -228,7 +229,9 @@ async def _respond_whole(
         deltas = merged_deltas(generations, live.aborted)
         async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
             async for index, delta in deltas:
-                choices[index * job.n + delta.index].add(delta)
+                choices[index * job.n + delta.index].add(shown(job, delta))
+        token_text = LogprobsFormatter(gateway.model.tokenizer).token_text
+        add_prompt_logprobs(job, choices, generations, token_text, live.aborted.is_set())
 
     task = asyncio.create_task(collect())
     client_gone = asyncio.create_task(_client_disconnected(request))
@@ -327,13 +330,10 @@ async def _chunks(
                     content = {"content": delta.text} if delta.text else {}
                     chunk = chat_chunk(header, index, content, delta.finish_reason, logprobs)
                 else:
-                    delta = dataclasses.replace(delta, text=echo.first(index) + delta.text)
-                    logprobs = (
-                        formatter.completion(delta.logprobs, offsets[index]) if formatter else None
+                    generation = generations[prompt_index]
+                    chunk = _completion_chunk(
+                        job, header, index, delta, echo, generation, formatter, offsets
                     )
-                    chunk = completion_chunk(header, index, delta, logprobs)
-                    if logprobs is not None:  # by the tokens' text, as the whole response does
-                        offsets[index] += sum(map(len, logprobs["tokens"]))
                 yield _with_usage(chunk, job)
     except (asyncio.CancelledError, anyio.get_cancelled_exc_class(), GeneratorExit):
         gateway.record_outcome("aborted")
@@ -345,6 +345,30 @@ async def _chunks(
     if job.include_usage:
         name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         yield usage_chunk(header, name, _usage(generations))
+
+
+def _completion_chunk(
+    job: OpenAIJob,
+    header: ResponseHeader,
+    index: int,
+    delta: SampleDelta,
+    echo: Echo,
+    generation: TextGeneration,
+    formatter: LogprobsFormatter | None,
+    offsets: list[int],
+) -> dict[str, Any]:
+    """Choice ``index``'s chunk of ``delta``: its first carries the echo (and, with logprobs,
+    the prompt's entries first); ``offsets[index]`` moves on by the tokens' text, as the whole
+    response counts it."""
+    delta = shown(job, delta)
+    logprobs = None
+    if formatter is not None:
+        offset = offsets[index]
+        head = echoed_logprobs(job, echo, index, generation, formatter.token_text, offset)
+        logprobs = formatter.completion(delta.logprobs, offset, head)
+        offsets[index] += sum(map(len, logprobs["tokens"]))
+    delta = dataclasses.replace(delta, text=echo.first(index) + delta.text)
+    return completion_chunk(header, index, delta, logprobs)
 
 
 def _internal_error(error: Exception) -> ApiError:

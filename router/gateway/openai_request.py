@@ -7,7 +7,8 @@ unknown fields are ignored, as vLLM does. vLLM's extra sampling fields (``allowe
 among them) and chat-template options are accepted in the body, and so is OpenAI's
 ``logit_bias`` (checked in ``logit_fields``, which also tokenizes vLLM's ``bad_words``). Prompts
 are cut to ``truncate_prompt_tokens`` (``truncation``) as they are tokenized; ``echo`` is kept
-on the job for the response to apply.
+on the job for the response to apply. vLLM's ``prompt_logprobs``, and ``echo`` with ``logprobs``
+on completions, ask the workers for the prompt's logprobs (``prompt_logprobs``) as vLLM does.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ class OpenAIJob:
     logprobs: int | None  # top-N logprobs to return per token; None: no logprobs
     # echo: per prompt, the text each of its choices starts with; None: no echo
     echo_texts: list[str] | None = None
+    # completions' echo with logprobs: each choice's logprobs start with its prompt's tokens
+    echo_logprobs: bool = False
+    # completions' echo with max_tokens 0: each choice is its prompt alone. The workers generate
+    # one token (they need max_tokens >= 1, as vLLM's engine does), which is not shown
+    echo_only: bool = False
+    # whole responses carry vLLM's prompt_logprobs (asked for, or computed for echo_logprobs)
+    show_prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,7 @@ class _Prompts:
     logprobs: int | None  # top-N logprobs asked for; None: none
     echo: bool  # the request's echo
     chat_echo: str = ""  # chat: the text vLLM's echo starts each choice with
+    echo_only: bool = False  # completions: echo with max_tokens 0 (max_tokens is then 1)
 
 
 def parse_job(
@@ -90,6 +99,8 @@ def parse_job(
         )
     sampling["max_tokens"] = prompts.max_tokens
     sampling["logprobs"] = prompts.logprobs
+    echo_logprobs = kind == "completion" and prompts.echo and prompts.logprobs is not None
+    sampling["prompt_logprobs"] = _prompt_logprobs(body, stream, echo_logprobs, prompts.logprobs)
     stop = _stop_strings(body)
     specs = [
         make_spec(
@@ -107,7 +118,18 @@ def parse_job(
     ]
     echo_texts = _echo_texts(kind, prompts, specs, model) if prompts.echo else None
     n = specs[0].params.n
-    return OpenAIJob(kind, specs, n, stream, include_usage, prompts.logprobs, echo_texts)
+    return OpenAIJob(
+        kind,
+        specs,
+        n,
+        stream,
+        include_usage,
+        prompts.logprobs,
+        echo_texts,
+        echo_logprobs=echo_logprobs,
+        echo_only=prompts.echo_only,
+        show_prompt_logprobs=not stream and sampling["prompt_logprobs"] is not None,
+    )
 
 
 def _chat_prompts(
@@ -138,12 +160,14 @@ def _completion_prompts(
     max_tokens = _optional(body, "max_tokens", int, _COMPLETION_DEFAULT_MAX_TOKENS)
     logprobs = _optional(body, "logprobs", int)
     echo = _optional(body, "echo", bool) or False
-    if echo and logprobs is not None:
+    echo_only = echo and max_tokens == 0  # the prompt alone, as vLLM (lm-eval's scoring)
+    if echo_only:
+        max_tokens = 1  # what vLLM asks its engine for; the token is not shown
+    elif max_tokens == 0:
         raise invalid(
-            "echo cannot be combined with logprobs: OpenAI then returns the prompt tokens' "
-            "logprobs too, which this server does not compute (send echo without logprobs, or "
-            "logprobs without echo)",
-            param="echo",
+            "max_tokens must be >= 1, got 0 (0 is allowed only with echo, which then returns "
+            "the prompt alone)",
+            param="max_tokens",
         )
     keep = checked_truncation(body.get(TRUNCATE), max_tokens, model.max_model_len)
     items = _prompt_items(body, limits)
@@ -152,7 +176,25 @@ def _completion_prompts(
         for param, item in items
     ]
     texts = [item if isinstance(item, str) else None for _, item in items]
-    return _Prompts(token_ids, texts, max_tokens, logprobs, echo)
+    return _Prompts(token_ids, texts, max_tokens, logprobs, echo, echo_only=echo_only)
+
+
+def _prompt_logprobs(
+    body: dict[str, Any], stream: bool, echo_logprobs: bool, logprobs: int | None
+) -> int | None:
+    """The N of the prompt logprobs the workers are asked for (bounds checked in make_spec):
+    vLLM's ``prompt_logprobs``, else ``logprobs``' N when echo shows the prompt's, as vLLM
+    sets them; None: none. A stream cannot show them: > 0 is refused there, as vLLM does."""
+    value: int | None = _optional(body, "prompt_logprobs", int)
+    if stream and value is not None and value > 0:
+        raise invalid(
+            "prompt_logprobs is not available with stream: true (as in vLLM); send it without "
+            "stream",
+            param="prompt_logprobs",
+        )
+    if value is None and echo_logprobs:
+        return logprobs
+    return value
 
 
 def _echo_texts(

@@ -1,4 +1,5 @@
-"""Response objects and stream chunks in OpenAI's JSON shapes, built from sample deltas."""
+"""Response objects and stream chunks in OpenAI's JSON shapes, built from sample deltas (and
+vLLM's ``prompt_logprobs``, formatted in ``prompt_logprobs``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class ChoiceText:
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    # vLLM's prompt_logprobs of the choice's prompt (``vllm_prompt_logprobs``), when shown
+    prompt_logprobs: list[Any] | None = None
+    # completions' echo with logprobs: the prompt's entries, which lead the choice's logprobs
+    echo_logprobs: dict[str, list[Any]] | None = None
 
     def add(self, delta: SampleDelta) -> None:
         self.text += delta.text
@@ -54,6 +59,10 @@ class Echo:
     texts: list[str] | None  # per prompt (choice index // n); None: no echo
     n: int  # choices per prompt
     _sent: set[int] = field(default_factory=set)  # choices that had theirs
+
+    def pending(self, index: int) -> bool:
+        """Whether choice ``index`` has an echo that ``first`` has not handed out yet."""
+        return self.texts is not None and index not in self._sent
 
     def first(self, index: int) -> str:
         """Choice ``index``'s echo the first time it is asked for; "" after, or without echo."""
@@ -72,9 +81,25 @@ class LogprobsFormatter:
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
-    def completion(self, logprobs: Sequence[TokenLogprobs], offset: int) -> dict[str, Any]:
-        """The legacy completions shape: parallel lists, plus text offsets from ``offset``."""
-        tokens, token_logprobs, top, text_offset = [], [], [], []
+    def completion(
+        self,
+        logprobs: Sequence[TokenLogprobs],
+        offset: int,
+        echoed: dict[str, list[Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The legacy completions shape: parallel lists, plus text offsets from ``offset``.
+
+        ``echoed``: the prompt's entries under echo (``echo_completion_logprobs`` from the same
+        ``offset``), which come first; the generated tokens' offsets go on after them.
+        """
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        if echoed is not None:
+            tokens, token_logprobs = list(echoed["tokens"]), list(echoed["token_logprobs"])
+            top, text_offset = list(echoed["top_logprobs"]), list(echoed["text_offset"])
+            offset += sum(map(len, tokens))
         for lp in logprobs:
             text = self.token_text(lp.sampled_token_id)
             tokens.append(text)
@@ -127,15 +152,19 @@ def completion_response(
     usage: Usage,
     logprobs: LogprobsFormatter | None,
 ) -> dict[str, Any]:
-    body = [
-        {
+    body = []
+    for i, choice in enumerate(choices):
+        entry = {
             "index": i,
             "text": choice.text,
-            "logprobs": logprobs.completion(choice.logprobs, 0) if logprobs else None,
+            "logprobs": (
+                logprobs.completion(choice.logprobs, 0, choice.echo_logprobs) if logprobs else None
+            ),
             "finish_reason": choice.finish_reason,
         }
-        for i, choice in enumerate(choices)
-    ]
+        if choice.prompt_logprobs is not None:  # vLLM's extra field, on each choice
+            entry["prompt_logprobs"] = choice.prompt_logprobs
+        body.append(entry)
     return {**_envelope(header, "text_completion", body), "usage": usage.body()}
 
 
@@ -154,7 +183,11 @@ def chat_response(
         }
         for i, choice in enumerate(choices)
     ]
-    return {**_envelope(header, "chat.completion", body), "usage": usage.body()}
+    response = {**_envelope(header, "chat.completion", body), "usage": usage.body()}
+    prompt_logprobs = choices[0].prompt_logprobs if choices else None
+    if prompt_logprobs is not None:  # vLLM's extra field, on the response: one prompt for all
+        response["prompt_logprobs"] = prompt_logprobs
+    return response
 
 
 def completion_chunk(

@@ -119,6 +119,18 @@ def _max_tokens(
     return value
 
 
+def _check_prompt_logprobs(value: Any, limit: int) -> None:
+    name = "prompt_logprobs"
+    bounds = f"{name} must be an integer in [0, {limit}]"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{bounds}, got {type(value).__name__}", param=name)
+    if value == -1:
+        whole_vocabulary = "vLLM's -1, the logprobs of the whole vocabulary, is not supported"
+        raise invalid(f"{bounds}, got -1 ({whole_vocabulary})", param=name)
+    if not 0 <= value <= limit:
+        raise invalid(f"{bounds}, got {value}", param=name)
+
+
 def _check_bounds(
     fields: Mapping[str, Any],
     stop: Sequence[str],
@@ -135,6 +147,10 @@ def _check_bounds(
             f"{logprobs_name} must be <= {limits.max_logprobs}, got {logprobs}",
             param=logprobs_name,
         )
+    if isinstance(logprobs, int) and logprobs < 0:  # before prompt_logprobs, which echo sets
+        raise invalid(f"{logprobs_name} must be >= 0, got {logprobs}", param=logprobs_name)
+    if fields.get("prompt_logprobs") is not None:
+        _check_prompt_logprobs(fields["prompt_logprobs"], limits.max_logprobs)
     if len(stop) > limits.max_stop_strings:
         raise invalid(
             f"stop holds {len(stop)} strings; at most {limits.max_stop_strings} are allowed",

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.messages import TokenEvent
-from engine.sampling.messages import TokenLogprobs
+from engine.sampling.messages import PromptTokenLogprobs, TokenLogprobs
 from engine.sampling.params import SamplingParams
 from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from router.gateway.errors import refused
+from router.gateway.prompt_logprobs import ScoredPrompt, scored_prompt
 from router.gateway.spec import GenerationSpec
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
@@ -96,6 +97,9 @@ class TextGeneration:
     # front door, before its body was read and parsed: TTFT and e2e count from here
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     queue_seconds: float = 0.0  # waiting at the first worker before its first step
+    # the prompt's logprobs (positions 1 ..), once the first token brought them; None until
+    # then, or when the spec's params do not ask for them
+    prompt_logprobs: PromptTokenLogprobs | None = None
     _samples: list[_Sample] = field(default_factory=list, init=False)
 
     @property
@@ -127,6 +131,8 @@ class TextGeneration:
                 if event.position == 0 and event.sample_index == 0:
                     self.num_cached_tokens = event.num_cached_tokens
                     self.queue_seconds = event.queue_seconds
+                if event.prompt_logprobs is not None:  # once, with sample 0's first token
+                    self.prompt_logprobs = event.prompt_logprobs
                 self._time(samples[event.sample_index], event.sample_index)
                 delta = self._advance(samples[event.sample_index], event)
                 if delta is not None:
@@ -137,6 +143,11 @@ class TextGeneration:
             raise refused(error) from error
         finally:
             await events.aclose()  # aborts the request wherever it still runs
+
+    def scored_prompt(self) -> ScoredPrompt:
+        """The prompt with the logprobs the workers sent for it; a RuntimeError (a server
+        fault) when the params asked for them and none came with the first token."""
+        return scored_prompt(self.spec.prompt_token_ids, self.prompt_logprobs)
 
     def finished(self) -> FinishedGeneration:
         """The prompt's latencies, its end being its last sample's last token (the time it

@@ -240,6 +240,39 @@ def test_logprobs(stub: pb_grpc.GenerationStub, llm: LLM, served_model: ServedMo
             assert top.logprob == pytest.approx(position[top.token_id].logprob, abs=1e-4)
 
 
+def test_prompt_logprobs_come_on_the_first_chunk_as_offline(
+    stub: pb_grpc.GenerationStub, llm: LLM, served_model: ServedModel
+) -> None:
+    """Each prompt token from the second: its logprob, rank and the top 3, as the offline
+    engine's prompt_logprobs; once, on the stream's first Chunk."""
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=PROMPT_TOKEN_IDS), max_tokens=4, n=2, prompt_logprobs=3
+    )
+    messages = list(stub.Generate(request, metadata=ALICE, timeout=60))
+    chunks = [m.chunk for m in messages if m.WhichOneof("event") == "chunk"]
+    assert chunks[0].HasField("prompt_logprobs")
+    assert not any(c.HasField("prompt_logprobs") for c in chunks[1:])
+    [output] = llm.generate([PROMPT_TOKEN_IDS], SamplingParams(max_tokens=1, prompt_logprobs=3))
+    assert output.prompt_logprobs is not None
+    tokens = chunks[0].prompt_logprobs.tokens
+    assert len(tokens) == len(PROMPT_TOKEN_IDS) - 1
+    for entry, token_id, position in zip(tokens, PROMPT_TOKEN_IDS[1:], output.prompt_logprobs[1:]):
+        assert position is not None
+        assert entry.token_id == token_id
+        assert entry.text == served_model.tokenizer.decode([token_id])
+        assert entry.logprob == pytest.approx(position[token_id].logprob, abs=1e-4)
+        assert entry.rank == position[token_id].rank
+        top = sorted((lp.rank, t) for t, lp in position.items() if lp.rank <= 3)
+        assert [t.token_id for t in entry.top] == [t for _, t in top]
+        for t in entry.top:
+            assert t.logprob == pytest.approx(position[t.token_id].logprob, abs=1e-4)
+            assert t.text == served_model.tokenizer.decode([t.token_id])
+    plain = list(
+        stub.Generate(pb.GenerateRequest(text="hi", max_tokens=2), metadata=ALICE, timeout=60)
+    )
+    assert not any(m.chunk.HasField("prompt_logprobs") for m in plain)
+
+
 @pytest.mark.parametrize("include", [False, True], ids=["trimmed", "include_stop_str_in_output"])
 def test_a_stop_string_ends_the_text(stub: pb_grpc.GenerationStub, include: bool) -> None:
     """The stop string is trimmed from the text, or kept at its end with
@@ -462,6 +495,24 @@ BAD_REQUESTS = [
     bad("n-over-cap", "n must be", text="hi", n=LIMITS["max_n"] + 1),
     bad("logprobs-21", "logprobs", text="hi", logprobs=21),
     bad("logprobs-negative", "logprobs", text="hi", logprobs=-1),
+    bad(
+        "prompt-logprobs-21",
+        "prompt_logprobs must be an integer in [0, 20], got 21",
+        text="hi",
+        prompt_logprobs=21,
+    ),
+    bad(
+        "prompt-logprobs-minus-1",
+        "prompt_logprobs must be an integer in [0, 20], got -1 (vLLM's -1",
+        text="hi",
+        prompt_logprobs=-1,
+    ),
+    bad(
+        "prompt-logprobs-negative",
+        "prompt_logprobs must be an integer in [0, 20], got -3",
+        text="hi",
+        prompt_logprobs=-3,
+    ),
     bad("max-tokens-0", "max_tokens", text="hi", max_tokens=0),
     bad("max-tokens-negative", "max_tokens", text="hi", max_tokens=-5),
     bad("max-tokens-huge", "max_tokens", text="hi", max_tokens=2**31 - 1),

@@ -78,7 +78,6 @@ def _streamed_text(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
         ("/v1/completions", "guided_json", {"type": "object"}),
         ("/v1/completions", "guided_choice", ["a", "b"]),
         ("/v1/completions", "structured_outputs", {"regex": "a+"}),
-        ("/v1/completions", "prompt_logprobs", 1),
         ("/v1/completions", "use_beam_search", True),
         ("/v1/completions", "return_tokens_as_token_ids", True),
         ("/v1/completions", "add_special_tokens", False),

@@ -1,5 +1,7 @@
 """A scripted ``GenerationBackend`` for gateway tests: it records what it was asked and answers
-every sample with the tokens a test chooses, so the real tokenizer and gateway run around it."""
+every sample with the tokens a test chooses, so the real tokenizer and gateway run around it.
+Asked for logprobs, each token has made-up ones (``scripted_logprobs``); asked for prompt
+logprobs, it sends ``scripted_prompt_logprobs`` on the first token, as the workers do."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import AsyncGenerator, Iterator, Sequence
 import httpx
 
 from engine.messages import TokenEvent
-from engine.sampling import SamplingParams
+from engine.sampling import PromptTokenLogprobs, SamplingParams, TokenLogprobs
 from router.gateway.auth import ApiKeys
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
@@ -27,6 +29,7 @@ class ScriptedCluster(OneLiveWorker):
         self.finish_reason = "length"
         self.prompts: list[list[int]] = []  # prompt token ids, as asked
         self.params: list[SamplingParams] = []  # sampling params, as asked
+        self.first_prompt_logprob: float | None = None  # replaces position 1's logprob when set
 
     async def generate(
         self,
@@ -45,8 +48,71 @@ class ScriptedCluster(OneLiveWorker):
                 finish = self.finish_reason if num_tokens == len(self.tokens) else "length"
             for sample in range(params.n):
                 token = self.tokens[position]
-                yield TokenEvent(request_id or "", sample, position, token, None, finish)
+                prompt_logprobs = None
+                if position == 0 and sample == 0 and params.prompt_logprobs is not None:
+                    prompt_logprobs = scripted_prompt_logprobs(
+                        prompt_token_ids, params.prompt_logprobs, self.first_prompt_logprob
+                    )
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = scripted_logprobs(token, position, params.logprobs)
+                yield TokenEvent(
+                    request_id or "",
+                    sample,
+                    position,
+                    token,
+                    logprobs,
+                    finish,
+                    prompt_logprobs=prompt_logprobs,
+                )
             await asyncio.sleep(0)
+
+
+SCRIPTED_TOP_TOKEN_ID = 900  # the scripted top tokens are 901, 902 ...
+
+
+def scripted_logprobs(token: int, position: int, num_top: int) -> TokenLogprobs:
+    """Made-up logprobs of an output token: -(position + 1) / 4, the most likely, then 901 ..."""
+    logprob = -(position + 1) / 4
+    top_ids = [token, *(SCRIPTED_TOP_TOKEN_ID + j for j in range(1, num_top))]
+    top_lps = [logprob - j for j in range(num_top)]
+    return TokenLogprobs(token, logprob, 1, tuple(top_ids[:num_top]), tuple(top_lps))
+
+
+def scripted_prompt_logprobs(
+    prompt_token_ids: Sequence[int], num_top: int, first_logprob: float | None = None
+) -> PromptTokenLogprobs:
+    """Made-up prompt logprobs of every position from 1: position p's token has logprob -p / 2.
+    At odd positions it is the most likely token (rank 1, first of the top ``num_top``, then
+    901, 902 ...); at even ones it is not among them (rank num_top + 5) and 901, 902 ... are,
+    each more likely.
+    ``first_logprob`` replaces position 1's logprob (and its top logprobs) when set."""
+    token_ids, logprobs, ranks, top_ids, top_logprobs = [], [], [], [], []
+    for position in range(1, len(prompt_token_ids)):
+        token = prompt_token_ids[position]
+        logprob = -position / 2 if position > 1 or first_logprob is None else first_logprob
+        others = [SCRIPTED_TOP_TOKEN_ID + j for j in range(1, num_top + 1)]
+        if position % 2:
+            ids = [token, *others][:num_top]
+            lps = [logprob - j for j in range(num_top)]
+            rank = 1
+        else:
+            ids = others
+            lps = [logprob * (j + 1) / (num_top + 1) for j in range(num_top)]
+            rank = num_top + 5
+        token_ids.append(token)
+        logprobs.append(logprob)
+        ranks.append(rank)
+        top_ids.append(tuple(ids))
+        top_logprobs.append(tuple(lps))
+    return PromptTokenLogprobs(
+        first_position=1,
+        token_ids=tuple(token_ids),
+        logprobs=tuple(logprobs),
+        ranks=tuple(ranks),
+        top_token_ids=tuple(top_ids),
+        top_logprobs=tuple(top_logprobs),
+    )
 
 
 @contextlib.contextmanager
