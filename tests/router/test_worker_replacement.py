@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import router.cluster
+import router.worker_replacement
 from router.cluster import Cluster
 from router.worker_slots import MAX_RESTART_DELAY_S, WorkerSlot
 from tests.router.fake_actors import FakeLauncher, FakeRay, make_cluster, submit
@@ -22,6 +23,7 @@ from tests.router.fake_actors import FakeLauncher, FakeRay, make_cluster, submit
 @pytest.fixture(autouse=True)
 def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(router.cluster, "ray", FakeRay)
+    monkeypatch.setattr(router.worker_replacement, "ray", FakeRay)
     yield
 
 

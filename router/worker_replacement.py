@@ -1,0 +1,209 @@
+"""Replacing dead workers: a new worker in the slot of one whose process is gone, joined to
+the pools so that every prefill worker in rotation knows every decode worker in rotation.
+
+``WorkerReplacement`` is a part of ``router.cluster.Cluster`` (its base class), kept here for
+its one job; it reads the cluster's workers, slots, locks and launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from router.worker_slots import WorkerLauncher, WorkerSlot
+
+if TYPE_CHECKING:
+    from router.cluster import WorkerHandle
+    from router.cluster_config import ClusterConfig
+
+logger = logging.getLogger("router.cluster")
+_CALL_TIMEOUT_S = 10.0  # as router.cluster's: a worker that does not answer counts as dead
+
+
+class WorkerReplacement:
+    config: ClusterConfig
+    workers: dict[str, WorkerHandle]
+    _slots: dict[str, WorkerSlot]
+    _launcher: WorkerLauncher | None
+    _membership: threading.Lock
+    _decode_roster: int
+    _lock: threading.RLock
+    _stopping: threading.Event
+    _trackers: dict[str, Any]
+
+    def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
+        raise NotImplementedError
+
+    def _pump(self, worker: WorkerHandle) -> None:
+        raise NotImplementedError
+
+    def _on_worker_dead(
+        self, worker: WorkerHandle, skip: Any = None, *, stalled: bool = False
+    ) -> None:
+        raise NotImplementedError
+
+    def _on_process_gone(self, dead: WorkerHandle) -> None:
+        """A worker's process is gone (not stalled): the prefill workers forget a decode one
+        (its channels close; they are not waited for), and a new worker starts in its slot."""
+        if dead.role == "decode":
+            for prefill in self.workers.values():
+                if prefill.role == "prefill" and (prefill.alive or prefill.stalled):
+                    prefill.actor.forget_decode_peer.remote(dead.worker_id)
+        self._replace_later(dead)
+
+    def _replace_later(self, dead: WorkerHandle) -> None:
+        """Start a worker in the slot of ``dead``, whose process is gone, from a thread of its
+        own (a model takes minutes to load on a GPU). Nothing happens if the slot is starting
+        one already or has used its ``max_worker_restarts``."""
+        slot = self._slots.get(dead.slot)
+        if slot is None or self._launcher is None or self._stopping.is_set():
+            return
+        with self._lock:
+            if slot.replacing:
+                return
+            if slot.restarts >= self.config.max_worker_restarts:
+                logger.error(
+                    "%s worker %s is gone and its slot has used its %d restarts; "
+                    "the %s pool stays one worker short",
+                    dead.role,
+                    dead.worker_id,
+                    self.config.max_worker_restarts,
+                    dead.role,
+                )
+                return
+            slot.replacing = True
+        self._spawn(self._replace, slot, name=f"replace-{slot.name}")
+
+    def _replace(self, slot: WorkerSlot) -> None:
+        """Start workers in ``slot`` until one joins the pools, the slot's restarts are used up,
+        or the cluster stops; each failed start doubles the wait before the next."""
+        try:
+            while slot.restarts < self.config.max_worker_restarts:
+                if self._stopping.wait(slot.delay_before_next_start_s(self.config.restart_delay_s)):
+                    break
+                slot.restarts += 1
+                worker = self._start_in(slot)
+                if worker is not None and self._join(worker, slot):
+                    slot.failed_starts_in_a_row = 0
+                    return  # (the join ended the slot's replacing)
+                slot.failed_starts_in_a_row += 1
+            else:
+                logger.error(
+                    "%s: no worker started in %d restarts; the %s pool stays one worker short",
+                    slot.name,
+                    slot.restarts,
+                    slot.role,
+                )
+        except Exception:  # a bug: the slot stays empty, the rest of the cluster goes on
+            logger.exception("replacing the worker of %s failed", slot.name)
+        with self._lock:
+            slot.replacing = False
+
+    def _start_in(self, slot: WorkerSlot) -> WorkerHandle | None:
+        """A new worker in ``slot``, once it is ready; None if it failed to start (or the
+        cluster stopped first). It may wait long for Ray to place it: its node may be gone,
+        and a new one takes the autoscaler minutes."""
+        assert self._launcher is not None
+        worker_id = slot.worker_id(slot.restarts)
+        logger.warning(
+            "starting %s worker %s in slot %s (restart %d of at most %d)",
+            slot.role,
+            worker_id,
+            slot.name,
+            slot.restarts,
+            self.config.max_worker_restarts,
+        )
+        actor = self._launcher.launch(slot, worker_id, self._decode_handles())
+        ready = actor.ready.remote()
+        while not ray.wait([ready], timeout=1.0)[0]:
+            if self._stopping.is_set():
+                _kill(actor)
+                return None
+        try:
+            ray.get(ready)
+        except ray.exceptions.RayError as error:
+            logger.error("%s worker %s failed to start: %s", slot.role, worker_id, error)
+            _kill(actor)
+            return None
+        from router.cluster import WorkerHandle  # (that module imports this one)
+
+        return WorkerHandle(worker_id, slot.role, actor, slot=slot.name)
+
+    def _join(self, worker: WorkerHandle, slot: WorkerSlot) -> bool:
+        """Put a started worker in rotation; False (and it is stopped) if it cannot join.
+
+        Every prefill worker in rotation must know every decode worker in rotation (it hands
+        off to the one the router picks). So a new decode worker is first announced to the
+        prefill workers in rotation (a stalled one is given the list when it answers again,
+        ``_probe``), and a new prefill worker is given the decode workers'. Joins are one at
+        a time, under ``_membership``, and a stalled prefill worker is taken back only outside
+        them, so none is missed.
+        """
+        with self._membership:
+            if self._stopping.is_set():
+                _kill(worker.actor)
+                return False
+            try:
+                if worker.role == "decode":
+                    self._announce(worker)
+                else:
+                    ref = worker.actor.add_decode_peers.remote(self._decode_handles())
+                    ray.get(ref, timeout=_CALL_TIMEOUT_S)
+                asked_at = time.monotonic()  # routing reads loads: it joins with its first
+                load = ray.get(worker.actor.load.remote(), timeout=_CALL_TIMEOUT_S)
+            except ray.exceptions.RayError as error:
+                logger.error(
+                    "%s worker %s could not join: %s", worker.role, worker.worker_id, error
+                )
+                _kill(worker.actor)
+                return False
+            self._spawn(self._pump, worker, name=f"pump-{worker.worker_id}")
+            with self._lock:
+                worker.ledger.record(load, asked_at, self._trackers.__contains__)
+                worker.last_report = time.monotonic()
+                self.workers = {**self.workers, worker.worker_id: worker}
+                if worker.role == "decode":
+                    self._decode_roster += 1
+                slot.replacing = False
+        logger.warning(
+            "%s worker %s started in slot %s; in rotation",
+            worker.role,
+            worker.worker_id,
+            slot.name,
+        )
+        return True
+
+    def _announce(self, decode: WorkerHandle) -> None:
+        """Tell the prefill workers in rotation of a new decode worker; one that does not
+        answer goes out of rotation (and learns of it when it answers again)."""
+        prefills = [w for w in self.workers.values() if w.role == "prefill" and w.alive]
+        handles = {decode.worker_id: decode.actor}
+        refs = [(w, w.actor.add_decode_peers.remote(handles)) for w in prefills]
+        answer_by = time.monotonic() + _CALL_TIMEOUT_S
+        for prefill, ref in refs:
+            try:
+                ray.get(ref, timeout=max(0.0, answer_by - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                self._on_worker_dead(prefill)
+            except ray.exceptions.GetTimeoutError:
+                self._on_worker_dead(prefill, stalled=True)
+
+    def _decode_handles(self) -> dict[str, Any]:
+        """The decode workers a prefill worker may be pointed at: in rotation, or stalled
+        (they may come back)."""
+        return {
+            w.worker_id: w.actor
+            for w in self.workers.values()
+            if w.role == "decode" and (w.alive or w.stalled)
+        }
+
+
+def _kill(actor: Any) -> None:
+    with contextlib.suppress(Exception):  # gone already
+        ray.kill(actor)
