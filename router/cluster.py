@@ -35,7 +35,7 @@ from router.local_prefill import LOCAL_PREFILL_REASONS
 from router.policies import NoWorkerError, RoutingInfo, make_policy
 from router.ray_capacity import cpus_shortfall, gpus_shortfall, resources_shortfall
 from router.request_tracker import ClientItem, RequestTracker
-from router.worker_replacement import WorkerReplacement
+from router.worker_replacement import WorkerReplacement, decode_handles
 from router.worker_slots import CALL_TIMEOUT_S, WorkerLauncher, WorkerSlot, plan_slots
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class SlotRestarts:
     restarts: int  # starts of a new worker, joined or not
 
 
-class Cluster(WorkerReplacement):
+class Cluster:
     def __init__(
         self,
         config: ClusterConfig,
@@ -108,10 +108,9 @@ class Cluster(WorkerReplacement):
         self.workers = {w.worker_id: w for w in workers}
         self._slots = {w.slot: WorkerSlot(w.slot, w.role) for w in workers}
         self._slots.update((slot.name, slot) for slot in slots)
-        self._launcher = launcher
         # Held while a worker joins the pools and while a stalled prefill worker is taken back,
-        # so that every prefill worker in rotation knows every decode worker (``_join``);
-        # taken before ``_lock``, never while holding it.
+        # so that every prefill worker in rotation knows every decode worker
+        # (``WorkerReplacement._join``); taken before ``_lock``, never while holding it.
         self._membership = threading.Lock()
         self._decode_roster = 0  # version of the decode workers' list: +1 when one joins
         self.policy = make_policy(config.router_policy, config.block_size)
@@ -123,6 +122,20 @@ class Cluster(WorkerReplacement):
         self._threads: list[threading.Thread] = []
         self._placements = ThreadPoolExecutor(
             _MAX_PLACEMENTS_IN_FLIGHT, thread_name_prefix="placement"
+        )
+        self._replacement = WorkerReplacement(
+            launcher,
+            self._slots,
+            max_restarts=config.max_worker_restarts,
+            first_delay_s=config.restart_delay_s,
+            workers=lambda: self.workers,
+            admit=self._admit,
+            start_pump=self._start_pump,
+            on_worker_dead=self._on_worker_dead,
+            spawn=self._spawn,
+            lock=self._lock,
+            membership=self._membership,
+            stopping=self._stopping,
         )
 
     # ---- start and stop -----------------------------------------------------------------
@@ -445,13 +458,16 @@ class Cluster(WorkerReplacement):
     # ---- outputs ------------------------------------------------------------------------
     def _start_threads(self) -> None:
         for worker in self.workers.values():
-            self._spawn(self._pump, worker, name=f"pump-{worker.worker_id}")
+            self._start_pump(worker)
         self._spawn(self._monitor, name="load-monitor")
 
     def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
+
+    def _start_pump(self, worker: WorkerHandle) -> None:
+        self._spawn(self._pump, worker, name=f"pump-{worker.worker_id}")
 
     def _pump(self, worker: WorkerHandle) -> None:
         """Carry one worker's output stream for this gateway into the request trackers."""
@@ -593,7 +609,7 @@ class Cluster(WorkerReplacement):
                 continue
             except ray.exceptions.RayActorError:  # its process is gone after all: out for good
                 worker.stalled, worker.probe = False, None
-                self._on_process_gone(worker)
+                self._replacement.on_process_gone(worker)
                 continue
             except ray.exceptions.RayError:  # the call failed (not the worker): ask again
                 worker.probe = None
@@ -611,7 +627,7 @@ class Cluster(WorkerReplacement):
         if worker.role == "decode":
             return worker.actor.load.remote()
         worker.probe_roster = self._decode_roster
-        return worker.actor.rejoin.remote(self._decode_handles())
+        return worker.actor.rejoin.remote(decode_handles(self.workers.values()))
 
     def _take_back(self, worker: WorkerHandle, load: WorkerLoad, requested_at: float) -> bool:
         """Put a stalled worker that answered back in rotation; False (it stays out) for a
@@ -630,6 +646,19 @@ class Cluster(WorkerReplacement):
         finally:
             self._membership.release()
 
+    def _admit(self, worker: WorkerHandle, load: WorkerLoad, asked_at: float) -> None:
+        """Put a worker started in a slot in rotation, with its first load, asked for at
+        ``asked_at`` (lock held, under ``_membership``); the slot's earlier workers whose
+        process is gone count as replaced."""
+        worker.ledger.record(load, asked_at, self._trackers.__contains__)
+        worker.last_report = time.monotonic()
+        for earlier in self.workers.values():  # a stalled one may still come back
+            if earlier.slot == worker.slot and not (earlier.alive or earlier.stalled):
+                earlier.replaced = True
+        self.workers = {**self.workers, worker.worker_id: worker}
+        if worker.role == "decode":
+            self._decode_roster += 1
+
     def _on_worker_dead(
         self, worker: WorkerHandle, skip: RequestTracker | None = None, *, stalled: bool = False
     ) -> None:
@@ -645,7 +674,7 @@ class Cluster(WorkerReplacement):
             worker.stalled = stalled
             worker.ledger.drop_all()  # its reports stopped: nothing else would drop them
             if not stalled:
-                self._on_process_gone(worker)
+                self._replacement.on_process_gone(worker)
             affected = [
                 t
                 for t in self._trackers.values()

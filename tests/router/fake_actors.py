@@ -159,7 +159,8 @@ def make_cluster(
     num_prefill: int, num_decode: int, *, launcher: bool = False, **config: Any
 ) -> tuple[Cluster, dict[str, FakeActor]]:
     """A router over fake actors (no threads started), after its first load poll. With
-    ``launcher``, dead workers are replaced (``cluster._launcher`` is the FakeLauncher)."""
+    ``launcher``, dead workers are replaced (``cluster._replacement._launcher`` is the
+    FakeLauncher)."""
     actors: dict[str, FakeActor] = {}
     handles = []
     for role, count in (("decode", num_decode), ("prefill", num_prefill)):

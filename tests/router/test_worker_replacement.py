@@ -39,8 +39,9 @@ def _alive(cluster: Cluster) -> set[str]:
 
 
 def _launcher(cluster: Cluster) -> FakeLauncher:
-    assert isinstance(cluster._launcher, FakeLauncher)
-    return cluster._launcher
+    launcher = cluster._replacement._launcher
+    assert isinstance(launcher, FakeLauncher)
+    return launcher
 
 
 def _replaced(cluster: Cluster, worker_id: str) -> None:
