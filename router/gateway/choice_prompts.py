@@ -16,6 +16,7 @@ from router.gateway.openai_request import OpenAIJob
 from router.gateway.openai_response import ChoiceText, Echo
 from router.gateway.prompt_logprobs import (
     TokenText,
+    decode_prompt,
     echo_completion_logprobs,
     vllm_prompt_logprobs,
 )
@@ -37,7 +38,9 @@ def add_prompt_logprobs(
     token_text: TokenText,
     aborted: bool,
 ) -> None:
-    """Give each choice of a whole response its prompt's logprobs, where the job shows them.
+    """Give each choice of a whole response its prompt's logprobs, where the job shows them;
+    each prompt is decoded once for both views (vLLM's list and echo's entries) and all its
+    choices.
 
     A request an Abort call cut short before its first token has none to give; otherwise a
     prompt the workers sent none for is a server fault (RuntimeError)."""
@@ -46,11 +49,11 @@ def add_prompt_logprobs(
     for prompt_index, generation in enumerate(generations):
         if aborted and generation.prompt_logprobs is None:
             continue
-        prompt = generation.scored_prompt()
-        listed = vllm_prompt_logprobs(prompt, token_text) if job.show_prompt_logprobs else None
+        prompt = decode_prompt(generation.scored_prompt(), token_text)
+        listed = vllm_prompt_logprobs(prompt) if job.show_prompt_logprobs else None
         echoed = None
         if job.echo_logprobs and job.logprobs is not None:
-            echoed = echo_completion_logprobs(prompt, job.logprobs, token_text)
+            echoed = echo_completion_logprobs(prompt, job.logprobs)
         for choice in choices[prompt_index * job.n : (prompt_index + 1) * job.n]:
             choice.prompt_logprobs, choice.echo_logprobs = listed, echoed
 
@@ -68,4 +71,5 @@ def echoed_logprobs(
     is handed out (``echo.first``)."""
     if not job.echo_logprobs or job.logprobs is None or not echo.pending(index):
         return None
-    return echo_completion_logprobs(generation.scored_prompt(), job.logprobs, token_text, offset)
+    prompt = decode_prompt(generation.scored_prompt(), token_text)
+    return echo_completion_logprobs(prompt, job.logprobs, offset)

@@ -68,28 +68,48 @@ def scored_prompt(token_ids: Sequence[int], logprobs: PromptTokenLogprobs | None
     return ScoredPrompt(token_ids, logprobs)
 
 
-def vllm_prompt_logprobs(
-    prompt: ScoredPrompt, token_text: TokenText
-) -> list[dict[str, dict[str, Any]] | None]:
+PromptEntry = tuple[int, str, float, int]  # (token id, its text, logprob, rank)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedPrompt:
+    """A scored prompt with its tokens' texts, decoded once for both of its views (vLLM's
+    ``prompt_logprobs`` list and the echo's entries)."""
+
+    token_texts: list[str]  # [num_prompt_tokens] each prompt token's text
+    positions: list[list[PromptEntry]]  # per position from 1, as ``ScoredPrompt.positions``
+
+
+def decode_prompt(prompt: ScoredPrompt, token_text: TokenText) -> DecodedPrompt:
+    """``prompt`` with the text of each of its tokens and their alternatives."""
+    positions = [
+        [(token, token_text(token), logprob, rank) for token, logprob, rank in entries]
+        for entries in prompt.positions()
+    ]
+    first = [token_text(token) for token in prompt.token_ids[:1]]  # (nothing before it)
+    return DecodedPrompt([*first, *(entries[0][1] for entries in positions)], positions)
+
+
+def vllm_prompt_logprobs(prompt: DecodedPrompt) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs`` in JSON: None, then per position the token id (a string key)
     -> its logprob, rank and decoded text."""
     result: list[dict[str, dict[str, Any]] | None] = [None]
-    for entries in prompt.positions():
+    for entries in prompt.positions:
         result.append(
             {
                 str(token): {
                     "logprob": shown_logprob(logprob),
                     "rank": rank,
-                    "decoded_token": token_text(token),
+                    "decoded_token": text,
                 }
-                for token, logprob, rank in entries
+                for token, text, logprob, rank in entries
             }
         )
     return result
 
 
 def echo_completion_logprobs(
-    prompt: ScoredPrompt, num_top: int, token_text: TokenText, offset: int = 0
+    prompt: DecodedPrompt, num_top: int, offset: int = 0
 ) -> dict[str, list[Any]]:
     """The prompt's entries of a completion choice's ``logprobs`` (echo), text offsets from
     ``offset`` by each token's text, as the generated tokens' are."""
@@ -97,9 +117,8 @@ def echo_completion_logprobs(
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
-    positions: list[list[tuple[int, float, int]] | None] = [None, *prompt.positions()]
-    for token_id, entries in zip(prompt.token_ids, positions):
-        text = token_text(token_id)
+    positions: list[list[PromptEntry] | None] = [None, *prompt.positions]
+    for text, entries in zip(prompt.token_texts, positions):
         tokens.append(text)
         text_offset.append(offset)
         offset += len(text)
@@ -107,10 +126,8 @@ def echo_completion_logprobs(
             token_logprobs.append(None)
             top_logprobs.append(None)
             continue
-        token_logprobs.append(shown_logprob(entries[0][1]))
-        top_logprobs.append(
-            {token_text(t): shown_logprob(lp) for t, lp, _ in entries[: num_top + 1]}
-        )
+        token_logprobs.append(shown_logprob(entries[0][2]))
+        top_logprobs.append({t: shown_logprob(lp) for _, t, lp, _ in entries[: num_top + 1]})
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,

@@ -17,7 +17,13 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.sampling.params import SamplingParams
+from router.gateway.choice_prompts import add_prompt_logprobs
+from router.gateway.openai_request import OpenAIJob
+from router.gateway.openai_response import ChoiceText
 from router.gateway.served_model import ServedModel
+from router.gateway.spec import GenerationSpec
+from router.gateway.text_stream import TextGeneration
 from tests.gateway.token_script import (
     USER_HI,
     ScriptedCluster,
@@ -25,6 +31,7 @@ from tests.gateway.token_script import (
     demo_model,  # noqa: F401 (the "model" fixture)
     post_json,
     scripted_gateway_client,  # noqa: F401 (the "http" fixture)
+    scripted_prompt_logprobs,
     stream_chunks,
 )
 
@@ -302,3 +309,36 @@ def test_minus_infinity_is_shown_as_minus_9999_as_vllm_does(
     assert choice["logprobs"]["token_logprobs"][1] == -9999.0
     assert list(choice["logprobs"]["top_logprobs"][1].values()) == [-9999.0]
     assert [e["logprob"] for e in choice["prompt_logprobs"][1].values()] == [-9999.0]
+
+
+def test_echo_with_logprobs_decodes_each_prompt_token_and_alternative_once() -> None:
+    """A whole response shows the prompt twice (vLLM's prompt_logprobs and the echo's entries)
+    on each of its n choices. Before, every prompt token and alternative was decoded once for
+    each of the two; now once in all."""
+    prompt = [5, 6, 7, 8]
+    spec = GenerationSpec(prompt, SamplingParams(logprobs=2, prompt_logprobs=2), (), None)
+    generation = TextGeneration(None, None, spec, "r")
+    generation.prompt_logprobs = scripted_prompt_logprobs(prompt, 2)
+    job = OpenAIJob(
+        "completion", [spec], 2, False, False, 2, ["echo"], True, show_prompt_logprobs=True
+    )
+    choices = [ChoiceText(), ChoiceText()]
+    decoded: list[int] = []
+
+    def token_text(token_id: int) -> str:
+        decoded.append(token_id)
+        return f"<{token_id}>"
+
+    add_prompt_logprobs(job, choices, [generation], token_text, aborted=False)
+    # position 1 and 3: the prompt token then 901 (the top 2); position 2: itself, 901, 902
+    assert sorted(decoded) == sorted([5, 6, 901, 7, 901, 902, 8, 901])
+    for choice in choices:
+        assert choice.echo_logprobs is not None and choice.prompt_logprobs is not None
+        assert choice.echo_logprobs["tokens"] == ["<5>", "<6>", "<7>", "<8>"]
+        assert choice.echo_logprobs["text_offset"] == [0, 3, 6, 9]
+        assert choice.echo_logprobs["top_logprobs"][2] == {
+            "<7>": -1.0,
+            "<901>": -1 / 3,
+            "<902>": -2 / 3,
+        }
+        assert choice.prompt_logprobs[2]["902"]["decoded_token"] == "<902>"
