@@ -211,9 +211,10 @@ def _describe(value: object) -> str:
     return f"{type(value).__name__} ({value!r})"
 
 
-def _as_int(name: str, value: object) -> int:
+def _as_int(name: str, value: object, expected: str = "an int") -> int:
+    """``value`` as an int; else a ValueError: ``name`` must be ``expected`` (a bool is none)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {_describe(value)}")
+        raise ValueError(f"{name} must be {expected}, got {_describe(value)}")
     return int(value)
 
 
@@ -253,16 +254,14 @@ def _structured_outputs(value: object, ignore_eos: object) -> StructuredOutputSp
 def _prompt_logprobs(value: object) -> int | None:
     if value is None:
         return None
-    limit = f"must be an int in [0, {MAX_LOGPROBS}] or None"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"prompt_logprobs {limit}, got {_describe(value)}")
-    num_top = int(value)
+    expected = f"an int in [0, {MAX_LOGPROBS}] or None"
+    num_top = _as_int("prompt_logprobs", value, expected)
     if num_top == -1:
         raise ValueError(
             f"prompt_logprobs=-1 (logprobs of the whole vocabulary, as vLLM allows) is not "
-            f"supported: prompt_logprobs {limit}"
+            f"supported: prompt_logprobs must be {expected}"
         )
-    _check(0 <= num_top <= MAX_LOGPROBS, "prompt_logprobs", limit, num_top)
+    _check(0 <= num_top <= MAX_LOGPROBS, "prompt_logprobs", f"must be {expected}", num_top)
     return num_top
 
 
