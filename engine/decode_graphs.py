@@ -84,7 +84,7 @@ def graph_batch_size(
     ``max_seq_len`` (the static block table's capacity) and that have at most the largest
     bucket's number of sequences run from a graph.
     """
-    if any(entry.num_new_tokens != 1 for entry in step):
+    if any(entry.num_query_tokens != 1 for entry in step):
         return None
     if any(entry.start_position >= max_seq_len for entry in step):
         return None

@@ -7,6 +7,7 @@ outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import replace
 from typing import Any
@@ -17,6 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerConfig
+from engine.speculative.config import SpeculativeConfig
 from engine.tokenizer import bad_words_token_ids, load_tokenizer
 
 Prompt = str | SequenceOf[int]
@@ -45,7 +47,10 @@ class LLM:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         enforce_eager: bool = False,
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
     ) -> None:
+        if isinstance(speculative_config, Mapping):  # vLLM's dict
+            speculative_config = SpeculativeConfig.from_mapping(speculative_config)
         self.engine = LLMEngine(
             LoadConfig(
                 model,
@@ -64,6 +69,7 @@ class LLM:
                 attention_backend,
             ),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            speculative_config,
         )
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
         self._request_ids = itertools.count()

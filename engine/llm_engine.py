@@ -34,7 +34,7 @@ from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request_state import RequestState
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sampling.seeds import derive_seed
 from engine.scheduler import (
     ModelRunnerOutput,
@@ -44,6 +44,8 @@ from engine.scheduler import (
     Sequence,
 )
 from engine.sequence import SequenceStatus
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.ngram import NgramProposer
 from engine.structured.cursors import GrammarCursors
 from engine.structured.model_grammars import ModelGrammars
 
@@ -64,10 +66,18 @@ class EngineStats:
     num_prefill_tokens: int = 0  # tokens computed for prompts (and recomputes), not decodes
     step_seconds: float = 0.0  # wall time of step() calls that ran the model
     forward_seconds: float = 0.0  # of which model forward + logits
+    num_draft_tokens: int = 0  # speculative decoding: drafts computed and checked
+    num_accepted_draft_tokens: int = 0  # of which stood
 
 
 class LLMEngine:
-    def __init__(self, load: LoadConfig, cache: CacheConfig, scheduler: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        load: LoadConfig,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         self.model_config: ModelConfig = load_model_config(load.model_dir)
         self.device = load.torch_device()
         self.dtype = load.torch_dtype(self.model_config.checkpoint_dtype)
@@ -121,7 +131,8 @@ class LLMEngine:
         self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=self.dtype, device=self.device)
         eos = frozenset(self.model_config.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler, self.block_manager, eos)
+        proposer = None if speculative is None else NgramProposer(speculative)
+        self.scheduler = Scheduler(scheduler, self.block_manager, eos, proposer)
         # structured outputs: compiled on the first request that asks (and checked there)
         self.grammars = ModelGrammars(load.model_dir, self.model_config.vocab_size, eos)
         self.runner = ModelRunner(
@@ -252,26 +263,15 @@ class LLMEngine:
         self._record_prompt_logprobs(output, result)
         new_tokens: list[TokenEvent] = []
         ended: dict[str, RequestState] = {}  # requests with a sample finished or handed off
-        for seq in updated:
+        for appended in updated:
+            seq, num_tokens = appended.seq, appended.num_tokens
             state = self._requests[seq.request_id]
-            token_logprobs = result.logprobs.get(seq.seq_id)
-            state.record(seq, token_logprobs)
-            first = seq.num_output_tokens == 1
-            new_tokens.append(
-                TokenEvent(
-                    request_id=seq.request_id,
-                    sample_index=seq.sample_index,
-                    position=seq.num_output_tokens - 1,
-                    token_id=seq.token_ids[-1],
-                    logprobs=token_logprobs,
-                    finish_reason=seq.finish_reason,
-                    num_cached_tokens=state.parent.num_cached_prompt_tokens if first else 0,
-                    queue_seconds=(state.queue_seconds or 0.0) if first else 0.0,
-                    prompt_logprobs=(
-                        state.prompt_logprobs if first and seq.sample_index == 0 else None
-                    ),
-                )
-            )
+            for token_logprobs, position in zip(
+                _appended_logprobs(result, seq.seq_id, num_tokens),
+                range(seq.num_output_tokens - num_tokens, seq.num_output_tokens),
+            ):
+                state.record(seq, token_logprobs)
+                new_tokens.append(self._token_event(state, seq, position, token_logprobs))
             if seq.status in _ENDED_STATUSES:
                 ended[state.request_id] = state
         # only a request one of whose samples ended in this step can have ended in it
@@ -282,10 +282,35 @@ class LLMEngine:
             if not state.is_finished and state.is_handed_off
         ]
         self.stats.num_steps += 1
-        self.stats.num_generated_tokens += len(updated)
+        self.stats.num_generated_tokens += len(new_tokens)
+        for drafts in result.accepted_drafts.values():
+            self.stats.num_draft_tokens += drafts.num_drafts
+            self.stats.num_accepted_draft_tokens += len(drafts.token_ids)
         self.stats.forward_seconds += result.forward_seconds
         self.stats.step_seconds += time.perf_counter() - started
         return StepResult(new_tokens, finished, handed_off)
+
+    def _token_event(
+        self,
+        state: RequestState,
+        seq: Sequence,
+        position: int,
+        token_logprobs: TokenLogprobs | None,
+    ) -> TokenEvent:
+        """The event of ``seq``'s output token at ``position``; the newest carries the finish."""
+        first = position == 0
+        newest = position == seq.num_output_tokens - 1
+        return TokenEvent(
+            request_id=seq.request_id,
+            sample_index=seq.sample_index,
+            position=position,
+            token_id=seq.token_ids[seq.num_prompt_tokens + position],
+            logprobs=token_logprobs,
+            finish_reason=seq.finish_reason if newest else None,
+            num_cached_tokens=state.parent.num_cached_prompt_tokens if first else 0,
+            queue_seconds=(state.queue_seconds or 0.0) if first else 0.0,
+            prompt_logprobs=state.prompt_logprobs if first and seq.sample_index == 0 else None,
+        )
 
     def _record_prompt_logprobs(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
         if not result.prompt_logprobs:
@@ -397,6 +422,8 @@ class LLMEngine:
             num_kv_transfers=num_kv_transfers,
             num_kv_transfer_bytes=num_kv_transfer_bytes,
             kv_transfer_seconds=kv_transfer_seconds,
+            num_draft_tokens=self.stats.num_draft_tokens,
+            num_accepted_draft_tokens=self.stats.num_accepted_draft_tokens,
         )
 
     # ---- helpers ------------------------------------------------------------------------
@@ -556,6 +583,23 @@ class LLMEngine:
                 raise ValueError(
                     f"{field_name} holds token id {token}, outside the vocabulary [0, {vocab_size})"
                 )
+
+
+def _appended_logprobs(
+    result: ModelRunnerOutput, seq_id: int, num_tokens: int
+) -> list[TokenLogprobs | None]:
+    """The logprobs of a sequence's ``num_tokens`` newest tokens, oldest first: drafts that
+    stood, then the token sampled after them (which a finish on a draft leaves out)."""
+    drafts = result.accepted_drafts.get(seq_id)
+    if drafts is None:
+        return [result.logprobs.get(seq_id)]
+    per_token: list[TokenLogprobs | None] = []
+    if drafts.logprobs is None:
+        per_token.extend([None] * len(drafts.token_ids))
+    else:
+        per_token.extend(drafts.logprobs)
+    per_token.append(result.logprobs.get(seq_id))
+    return per_token[:num_tokens]
 
 
 def _num_prefill_tokens(output: SchedulerOutput) -> int:

@@ -65,6 +65,8 @@ class WorkerCounters:
     num_kv_transfers: int = 0  # KV hand-offs sent (prefill) or received (decode)
     num_kv_transfer_bytes: int = 0  # their payload bytes
     kv_transfer_seconds: float = 0.0  # their wall time
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens computed and checked
+    num_accepted_draft_tokens: int = 0  # of those, the ones that stood (emitted as output)
 
 
 @dataclass(frozen=True, slots=True)

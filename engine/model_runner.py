@@ -5,7 +5,9 @@ single-token decodes) -> attention metadata -> forward under the forward context
 the last token of every sequence that samples -> sampler -> logits of the prompt positions of
 sequences that owe prompt logprobs, only theirs (engine/prompt_logprobs.py). A decode-only step
 replays a captured CUDA graph of the forward instead, when the runner has them
-(engine/decode_graphs.py).
+(engine/decode_graphs.py). A sequence with draft tokens (speculative decoding) runs its token
+and drafts like a prompt chunk, gives logits at each of them, and has its drafts checked
+(engine/speculative/rejection.py) instead of sampling once.
 """
 
 from __future__ import annotations
@@ -26,9 +28,15 @@ from engine.models.registry import CausalLM
 from engine.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_spans
 from engine.sampling import Sampler, SamplingRow, make_generator
 from engine.sampling.rng import advance_generator
-from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.scheduler.outputs import (
+    AcceptedDrafts,
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from engine.scheduler.stop import banned_token_ids
 from engine.sequence import Sequence
+from engine.speculative.rejection import NO_DRAFT, check_drafts
 from engine.step_inputs import decode_tokens
 from engine.structured.cursors import GrammarCursors
 
@@ -93,8 +101,8 @@ class ModelRunner:
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         if output.block_copies:
             self._copy_blocks(output.block_copies)
-        prefills = [e for e in output.scheduled if e.num_new_tokens > 1]
-        decodes = [e for e in output.scheduled if e.num_new_tokens == 1]
+        prefills = [e for e in output.scheduled if e.num_query_tokens > 1]
+        decodes = [e for e in output.scheduled if e.num_query_tokens == 1]
         ordered = prefills + decodes
         forward = self._prepare_forward(prefills, decodes)
         sample_rows, row_entries = self._sample_rows(ordered)
@@ -102,6 +110,8 @@ class ModelRunner:
         started = time.perf_counter()
         hidden = forward()  # [num_tokens, hidden]
         result = self._sample(hidden, sample_rows, row_entries, started)
+        if any(e.draft_token_ids for e in prefills):
+            result = self._check_drafts(hidden, prefills, result)
         if spans:
             prompt_logprobs = compute_prompt_logprobs(
                 self.model, hidden, spans, self.max_prompt_logits_rows
@@ -131,6 +141,55 @@ class ModelRunner:
             seq.seq_id: lp for seq, lp in zip(row_entries, sampled.logprobs) if lp is not None
         }
         return ModelRunnerOutput(token_ids, logprobs, forward_seconds)
+
+    def _check_drafts(
+        self, hidden: torch.Tensor, prefills: list[ScheduledSequence], result: ModelRunnerOutput
+    ) -> ModelRunnerOutput:
+        """Logits at each position of the entries with drafts (their token, then each draft),
+        the drafts checked against them; adds each entry's drafts that stood and the token
+        after them to ``result``."""
+        hidden_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        draft_ids: list[int] = []
+        speculating: list[ScheduledSequence] = []
+        first_row = 0  # prefills lead the step's tokens
+        for entry in prefills:
+            if entry.draft_token_ids:
+                speculating.append(entry)
+                drafts = entry.draft_token_ids
+                hidden_rows.extend(range(first_row, first_row + entry.num_query_tokens))
+                rows.extend(
+                    self._sampling_row(entry.seq, drafts[:j]) for j in range(len(drafts) + 1)
+                )
+                draft_ids.extend((*drafts, NO_DRAFT))
+            first_row += entry.num_query_tokens
+        row_index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
+        checked = check_drafts(logits, rows, draft_ids)
+        tokens, logprobs = dict(result.sampled_token_ids), dict(result.logprobs)
+        accepted_drafts: dict[int, AcceptedDrafts] = {}
+        row = 0
+        for entry in speculating:
+            seq_id, num_drafts = entry.seq.seq_id, len(entry.draft_token_ids)
+            num_accepted = 0  # the drafts stand up to the first that fell
+            while num_accepted < num_drafts and checked.accepted[row + num_accepted]:
+                num_accepted += 1
+            kept = range(row, row + num_accepted)
+            kept_logprobs = [lp for lp in (checked.logprobs[i] for i in kept) if lp is not None]
+            accepted_drafts[seq_id] = AcceptedDrafts(
+                token_ids=[checked.token_ids[i] for i in kept],
+                logprobs=kept_logprobs if entry.seq.params.logprobs is not None else None,
+                num_drafts=num_drafts,
+            )
+            last = row + num_accepted  # the row whose token follows the drafts that stood
+            tokens[seq_id] = checked.token_ids[last]
+            last_logprobs = checked.logprobs[last]
+            if last_logprobs is not None:
+                logprobs[seq_id] = last_logprobs
+            row += num_drafts + 1
+        return replace(
+            result, sampled_token_ids=tokens, logprobs=logprobs, accepted_drafts=accepted_drafts
+        )
 
     def _prepare_forward(
         self, prefills: list[ScheduledSequence], decodes: list[ScheduledSequence]
@@ -164,13 +223,13 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         query_start_loc = [0]
         for entry in prefills:
-            start, end = entry.start_position, entry.start_position + entry.num_new_tokens
-            input_ids.extend(entry.seq.token_ids[start:end])
+            start, end = entry.start_position, entry.start_position + entry.num_query_tokens
+            input_ids.extend(entry.query_token_ids())
             pos = np.arange(start, end, dtype=np.int64)
             table = np.asarray(entry.seq.block_table, dtype=np.int64)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + entry.num_new_tokens)
+            query_start_loc.append(query_start_loc[-1] + entry.num_query_tokens)
         decode = decode_tokens(decodes, bs)
         input_ids.extend(decode.input_ids.tolist())
         positions.append(decode.positions)
@@ -182,7 +241,7 @@ class ModelRunner:
             num_decode_seqs=len(decodes),
             slot_mapping=self._to_device(np.concatenate(slots)),
             prefill_query_start_loc=query_start_loc,
-            prefill_seq_lens=[e.start_position + e.num_new_tokens for e in prefills],
+            prefill_seq_lens=[e.start_position + e.num_query_tokens for e in prefills],
             prefill_block_tables=self._block_tables([e.seq for e in prefills]),
             decode_seq_lens=self._to_device(decode_lens),
             decode_block_tables=self._block_tables([e.seq for e in decodes]),
@@ -202,18 +261,23 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _sample_rows(self, ordered: list[ScheduledSequence]) -> tuple[list[int], list[Sequence]]:
-        """Hidden-state row to take logits from, and the sequence receiving each sample."""
+        """Hidden-state row to take logits from, and the sequence receiving each sample (an
+        entry with drafts samples in ``_check_drafts`` instead)."""
         rows: list[int] = []
         targets: list[Sequence] = []
         last_row = -1
         for entry in ordered:
-            last_row += entry.num_new_tokens
+            last_row += entry.num_query_tokens
+            if entry.draft_token_ids:
+                continue
             for target in entry.sample_seqs:
                 rows.append(last_row)
                 targets.append(target)
         return rows, targets
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, drafts_before: tuple[int, ...] = ()) -> SamplingRow:
+        """The row that samples ``seq``'s next token, or, with ``drafts_before``, the token
+        after those of the step's drafts (as if they were already its output)."""
         generator = None
         if seq.seed is not None:
             generator = self._generators.get(seq.seq_id)
@@ -221,10 +285,13 @@ class ModelRunner:
                 generator = make_generator(seq.seed, self.device)
                 self._generators[seq.seq_id] = generator
         history = seq.params.uses_token_history  # copying the token lists costs O(context)
+        output_token_ids: SequenceOf[int] = ()
+        if history:
+            output_token_ids = seq.output_token_ids + list(drafts_before)
         return SamplingRow(
             params=seq.params,
             prompt_token_ids=seq.prompt_token_ids if history else (),
-            output_token_ids=seq.output_token_ids if history else (),
+            output_token_ids=output_token_ids,
             generator=generator,
-            banned_token_ids=banned_token_ids(seq, self.eos_token_ids),
+            banned_token_ids=banned_token_ids(seq, self.eos_token_ids, len(drafts_before)),
         )

@@ -58,7 +58,7 @@ def prompt_logprobs_spans(ordered: SequenceOf[ScheduledSequence]) -> list[Prompt
                         num_top=num_top,
                     )
                 )
-        first_row += entry.num_new_tokens
+        first_row += entry.num_query_tokens
     return spans
 
 

@@ -50,9 +50,7 @@ class Sampler:
                 f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}"
             )
         logits = logits.float()  # [B, V]; a no-op for float32
-        constrained = apply_allowed_and_bias(logits, rows)  # [B, V]; logits itself when unused
-        # a copy made above is ours to modify in place
-        penalised = apply_penalties(constrained, rows, inplace=constrained is not logits)
+        penalised = self.processed_logits(logits, rows)
         sampled_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not sampled_rows:
             token_ids = penalised.argmax(dim=-1)  # [B]
@@ -62,6 +60,14 @@ class Sampler:
             sampled_token_ids=token_ids.tolist(),
             logprobs=compute_logprobs(logits, rows, token_ids),
         )
+
+    @staticmethod
+    def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Steps 2-4 above: float ``logits`` [B, V] after the allowed-token mask, bad words,
+        bias, bans and penalties; ``logits`` itself when no row asks for any of them."""
+        constrained = apply_allowed_and_bias(logits, rows)  # [B, V]; logits itself when unused
+        # a copy made above is ours to modify in place
+        return apply_penalties(constrained, rows, inplace=constrained is not logits)
 
     def _sample(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], sampled_rows: list[int]

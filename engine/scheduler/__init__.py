@@ -1,10 +1,16 @@
 """The per-worker batch scheduler: pure CPU logic, no torch."""
 
-from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.scheduler.outputs import (
+    AppendedTokens,
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = [
+    "AppendedTokens",
     "FinishReason",
     "ModelRunnerOutput",
     "ScheduledSequence",

@@ -19,13 +19,32 @@ class ScheduledSequence:
     # chunk that does not reach the end; (seq,) normally; (seq, *children) when an n > 1
     # request forks into its samples.
     sample_seqs: tuple[Sequence, ...]
+    # Speculative decoding: tokens proposed to follow the sequence's last token, computed
+    # after it this step and checked against the model's own choices (engine/speculative/).
+    # Only a decoding sequence (num_new_tokens == 1, sample_seqs == (seq,)) has any.
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens the forward runs for this entry: the new ones, then the drafts."""
+        return self.num_new_tokens + len(self.draft_token_ids)
+
+    def query_token_ids(self) -> list[int]:
+        start = self.start_position
+        return self.seq.token_ids[start : start + self.num_new_tokens] + list(self.draft_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class AppendedTokens:
+    seq: Sequence  # a sequence that received tokens in a step
+    num_tokens: int  # how many: its last num_tokens token ids (more than 1 only with drafts)
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]  # in scheduling order
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before forward
-    num_batched_tokens: int  # sum of num_new_tokens
+    num_batched_tokens: int  # sum of num_query_tokens (drafts included)
     num_preempted: int  # sequences preempted while building this step
 
     @property
@@ -40,3 +59,13 @@ class ModelRunnerOutput:
     forward_seconds: float = 0.0  # wall time of the model forward + logits (for overhead stats)
     # seq_id -> prompt logprobs of the positions this step's chunk gave, for sequences owing them
     prompt_logprobs: dict[int, PromptTokenLogprobs] = field(default_factory=dict)
+    # seq_id -> the leading drafts that stood, for sequences that had drafts; the sequence
+    # takes them, then its token in sampled_token_ids (drawn where the next draft fell)
+    accepted_drafts: dict[int, AcceptedDrafts] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptedDrafts:
+    token_ids: list[int]  # the drafts that stood, in order (possibly none)
+    logprobs: list[TokenLogprobs] | None  # each one's raw logprobs; None unless asked
+    num_drafts: int  # drafts the sequence had this step

@@ -11,6 +11,11 @@ Lifecycle of a sequence:
 Each step, sequences already running are served first in arrival order (decodes and unfinished
 prompt chunks alike), each taking what it needs from the step's token budget; waiting sequences
 are admitted after them while budget, blocks and ``max_num_seqs`` allow.
+
+With a draft proposer (speculative decoding), a running sequence that decodes also asks it for
+draft tokens, which take budget and slots like its own token (a sequence short of blocks drops
+its drafts before anyone is preempted). ``update`` advances it past its token and the drafts
+that stood; the slots of the drafts that fell are written over by the tokens that follow.
 """
 
 from __future__ import annotations
@@ -22,9 +27,15 @@ from dataclasses import dataclass
 
 from engine.kv_cache.block_manager import BlockManager, num_blocks_for
 from engine.sampling.seeds import derive_seed
-from engine.scheduler.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.scheduler.outputs import (
+    AppendedTokens,
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from engine.scheduler.stop import finish_reason_after_append
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.speculative.ngram import NgramProposer
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +59,10 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         eos_token_ids: Collection[int],
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.config = config
+        self.proposer = proposer  # None: no speculative decoding
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -103,7 +116,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, num_new):
+            drafts = self._drafts(seq, budget)
+            while not self.block_manager.can_allocate(seq, num_new + len(drafts)):
+                if drafts:  # drafts are the first thing to go
+                    drafts = ()
+                    continue
                 # the only one running: before it preempts itself, the queue's blocks
                 if len(self.running) == 1 and self._reclaim_waiting_blocks(seq, num_new):
                     continue
@@ -113,9 +130,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                copies += self.block_manager.allocate_slots(seq, num_new)
-                scheduled.append(self._entry(seq, num_new))
-                budget -= num_new
+                copies += self.block_manager.allocate_slots(seq, num_new + len(drafts))
+                scheduled.append(self._entry(seq, num_new, drafts))
+                budget -= num_new + len(drafts)
                 index += 1
         if num_preempted == 0:
             budget = self._admit_waiting(budget, scheduled, copies)
@@ -126,12 +143,15 @@ class Scheduler:
             num_preempted=num_preempted,
         )
 
-    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
-        """Apply a step's results; returns the sequences that received a token."""
-        updated: list[Sequence] = []
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[AppendedTokens]:
+        """Apply a step's results; returns the sequences that received tokens, and how many."""
+        updated: list[AppendedTokens] = []
         for entry in output.scheduled:
             seq = entry.seq
             if seq.is_finished:  # aborted while the step ran
+                continue
+            if entry.draft_token_ids:
+                updated.append(self._take_checked_drafts(entry, result))
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
             if seq.owes_prompt_logprobs:  # the runner gave those of this chunk's positions
@@ -150,13 +170,35 @@ class Scheduler:
                     seq.is_forked = target.is_forked = True
             for target in entry.sample_seqs:
                 target.token_ids.append(result.sampled_token_ids[target.seq_id])
-                updated.append(target)
+                updated.append(AppendedTokens(target, 1))
                 reason = finish_reason_after_append(target, self.eos_token_ids)
                 if reason is not None:
                     self._finish(target, reason)
                 elif target.prefill_only:
                     self._hand_off(target)
         return updated
+
+    def _take_checked_drafts(
+        self, entry: ScheduledSequence, result: ModelRunnerOutput
+    ) -> AppendedTokens:
+        """A speculating sequence takes the drafts that stood, then the token drawn after them,
+        stopping early at a token that finishes it."""
+        seq = entry.seq
+        accepted = result.accepted_drafts[seq.seq_id].token_ids
+        reason: FinishReason | None = None
+        num_appended = 0
+        for token in [*accepted, result.sampled_token_ids[seq.seq_id]]:
+            seq.token_ids.append(token)
+            num_appended += 1
+            reason = finish_reason_after_append(seq, self.eos_token_ids)
+            if reason is not None:
+                break
+        # the step computed its token and the drafts that stood: the KV of all but the newest
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.commit_computed(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+        return AppendedTokens(seq, num_appended)
 
     def add_computed(self, seq: Sequence) -> None:
         """Queue a sequence whose KV (all but its last token) already sits in its blocks."""
@@ -234,7 +276,26 @@ class Scheduler:
                 self._drop_kv(queued)
         return self.block_manager.can_allocate(seq, num_new)
 
-    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a running sequence to compute after its next token this step: ()
+        unless it decodes, speculates, and has room (budget, max tokens) for one at least."""
+        if (
+            self.proposer is None
+            or seq.num_uncomputed_tokens != 1
+            or not seq.is_forked
+            or seq.prefill_only
+            or not speculates(seq)
+        ):
+            return ()
+        # a sequence ends at max_total_tokens; the token drawn after the drafts needs a place
+        room = min(budget - 1, seq.max_total_tokens - seq.num_tokens - 1)
+        if room < 1:
+            return ()
+        return self.proposer.propose(seq.token_ids, room)
+
+    def _entry(
+        self, seq: Sequence, num_new: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledSequence:
         reaches_end = seq.num_computed_tokens + num_new == seq.num_tokens
         sample_seqs: tuple[Sequence, ...] = ()
         if reaches_end:
@@ -244,6 +305,7 @@ class Scheduler:
             start_position=seq.num_computed_tokens,
             num_new_tokens=num_new,
             sample_seqs=sample_seqs,
+            draft_token_ids=drafts,
         )
 
     def _make_children(self, parent: Sequence) -> Iterable[Sequence]:
@@ -287,6 +349,16 @@ class Scheduler:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether the sequence may take drafts: not under structured outputs (its grammar state
+    follows its output token by token) and not seeded sampling (its stream is one draw per
+    token, replayed when a request resumes elsewhere)."""
+    params = seq.params
+    if params.structured_outputs is not None:
+        return False
+    return seq.seed is None or params.greedy
 
 
 def _num_seqs_to_come(seq: Sequence) -> int:

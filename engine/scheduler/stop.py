@@ -23,10 +23,13 @@ def finish_reason_after_append(
     return None
 
 
-def banned_token_ids(seq: Sequence, eos_token_ids: Collection[int]) -> tuple[int, ...]:
-    """Tokens that may not be sampled yet because ``min_tokens`` is not reached."""
+def banned_token_ids(
+    seq: Sequence, eos_token_ids: Collection[int], num_drafts_before: int = 0
+) -> tuple[int, ...]:
+    """Tokens that may not be sampled yet because ``min_tokens`` is not reached (at the
+    position after ``num_drafts_before`` of a step's draft tokens)."""
     params = seq.params
-    if seq.num_output_tokens >= params.min_tokens:
+    if seq.num_output_tokens + num_drafts_before >= params.min_tokens:
         return ()
     banned = set(params.stop_token_ids)
     if not params.ignore_eos:

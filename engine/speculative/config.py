@@ -1,0 +1,70 @@
+"""What speculative decoding the user asks for: vLLM's ``speculative_config`` for the ngram
+(prompt lookup) method, checked on construction; torch-free, so the router builds it too."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_DEFAULT_LOOKUP = 5  # vLLM's window when neither bound is given
+MAX_SPECULATIVE_TOKENS = 16  # drafts per sequence per step, at most
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int  # drafts proposed per decoding sequence per step, at most
+    prompt_lookup_max: int = _DEFAULT_LOOKUP  # longest n-gram looked up in the context
+    prompt_lookup_min: int = _DEFAULT_LOOKUP  # shortest n-gram that may give a proposal
+    method: str = "ngram"  # the only method: drafts copied from the sequence's own context
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r}")
+        for name in _KEYS[1:]:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"speculative_config.{name} must be an int, got {type(value).__name__}"
+                )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min < 1:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}"
+            )
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
+                f"prompt_lookup_min ({self.prompt_lookup_min})"
+            )
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
+        """From vLLM's dict: ``method`` "ngram", ``num_speculative_tokens`` (required),
+        ``prompt_lookup_max`` / ``prompt_lookup_min`` (one given: the other is the same;
+        neither: both 5, as vLLM)."""
+        unknown = sorted(set(raw) - set(_KEYS))
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {', '.join(unknown)}; "
+                f"accepted: {', '.join(_KEYS)}"
+            )
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        lookup_max = raw.get("prompt_lookup_max")
+        lookup_min = raw.get("prompt_lookup_min")
+        if lookup_max is None:
+            lookup_max = _DEFAULT_LOOKUP if lookup_min is None else lookup_min
+        if lookup_min is None:
+            lookup_min = lookup_max
+        return cls(
+            num_speculative_tokens=raw["num_speculative_tokens"],
+            prompt_lookup_max=lookup_max,
+            prompt_lookup_min=lookup_min,
+            method=raw.get("method", "ngram"),
+        )

@@ -1,0 +1,49 @@
+"""Prompt lookup: the draft tokens for a sequence are those that followed the latest earlier
+occurrence of its last n tokens in its own context (prompt and output), for the longest n in
+[prompt_lookup_min, prompt_lookup_max] that occurs. Pure Python; the search is ``bytes.rfind``
+over the token ids packed four bytes each, so it runs in C.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from engine.speculative.config import SpeculativeConfig
+
+_WIDTH = 4  # bytes a token id takes in the packed context ("I": unsigned 32-bit)
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self.num_speculative_tokens = config.num_speculative_tokens
+
+    def propose(self, token_ids: Sequence[int], max_num_drafts: int) -> tuple[int, ...]:
+        """Up to ``min(max_num_drafts, num_speculative_tokens)`` draft tokens to follow
+        ``token_ids``; () when no n-gram of the allowed sizes recurs."""
+        limit = min(max_num_drafts, self.num_speculative_tokens)
+        num_tokens = len(token_ids)
+        if limit < 1 or num_tokens <= self.min_n:
+            return ()
+        packed = array("I", token_ids).tobytes()
+        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
+            start = _latest_earlier_occurrence(packed, n)
+            if start is not None:
+                return tuple(token_ids[start + n : start + n + limit])
+        return ()
+
+
+def _latest_earlier_occurrence(packed: bytes, n: int) -> int | None:
+    """Token index where the last ``n`` tokens of ``packed`` last occurred before, with at
+    least one token after that occurrence inside the context; None if they did not."""
+    pattern = packed[-n * _WIDTH :]
+    end = len(packed) - _WIDTH  # an occurrence must end before the last token
+    while True:
+        found = packed.rfind(pattern, 0, end)
+        if found < 0:
+            return None
+        if found % _WIDTH == 0:
+            return found // _WIDTH
+        end = found + len(pattern) - 1  # misaligned: look again just left of it

@@ -1,0 +1,329 @@
+"""Speculative decoding (ngram prompt lookup): the proposer, the draft check, and the engine.
+
+Greedy output must be the tokens transformers' ``generate`` gives, in every engine mode, with
+drafts that stand and drafts that fall; sampled output must follow the target's distribution
+exactly. The engine tests use the bundled demo model: its text repeats, so prompt lookup
+proposes drafts that often stand (the tiny random models almost never repeat themselves).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampling import SamplingRow
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.rejection import NO_DRAFT, check_drafts
+from engine.structured.spec import StructuredOutputSpec
+from tests.engine.hf_reference import hf_greedy, hf_log_softmax
+from tests.engine.test_sampler_statistics import LOGITS, VOCAB_SIZE, assert_matches, softmax
+
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "engine" / "demo_model" / "assets"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+TEXTS = (
+    "Return a copy of the string with leading and trailing whitespace removed. Return a copy",
+    "Open a file and return a stream. Open a file",
+    "The os module provides a portable way of using operating system dependent functionality.",
+    "Sort a list",
+    "If the file is not specified, the file is returned.\n\nIf the file",
+)
+MAX_TOKENS = (48, 40, 33, 1, 64)
+
+
+def proposer(num_tokens: int = 3, lookup_min: int = 1, lookup_max: int = 3) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig(num_tokens, lookup_max, lookup_min))
+
+
+# ---- the proposer --------------------------------------------------------------------------
+def test_the_longest_recurring_ngram_proposes_what_followed_its_latest_occurrence() -> None:
+    context = [5, 6, 7, 1, 2, 9, 6, 7, 3, 4, 8, 5, 6, 7]
+    # "5 6 7" (n = 3) occurred at 0 and is followed by 1 2 9; the shorter "6 7" later at 6 is
+    # not used while a longer n-gram recurs
+    assert proposer().propose(context, 8) == (1, 2, 9)
+    # with n at most 2, "6 7" at 6 is the latest occurrence: 3 4 8 follow it
+    assert proposer(lookup_max=2).propose(context, 8) == (3, 4, 8)
+
+
+def test_proposals_stop_at_the_limits_and_the_end_of_the_context() -> None:
+    context = [1, 2, 3, 4, 1, 2]
+    assert proposer(num_tokens=5).propose(context, 8) == (3, 4, 1, 2)  # the context ends
+    assert proposer(num_tokens=5).propose(context, 2) == (3, 4)  # room for 2
+    assert proposer(num_tokens=1).propose(context, 8) == (3,)
+    assert proposer().propose(context, 0) == ()
+
+
+def test_no_proposal_without_a_recurring_ngram_of_the_allowed_sizes() -> None:
+    assert proposer().propose([1, 2, 3, 4, 5], 4) == ()
+    assert proposer(lookup_min=2).propose([1, 2, 3, 9, 1], 4) == ()  # only "1" recurs
+    assert proposer().propose([7], 4) == ()
+    assert proposer().propose([7, 7], 4) == (7,)
+
+
+def test_a_match_across_token_boundaries_of_the_packed_context_is_not_an_occurrence() -> None:
+    # packed little-endian, 256 then 0 reads 00 01 00 00 00 00 00 00: token 1's bytes
+    # (01 00 00 00) sit at byte offset 1, inside no token
+    assert proposer().propose([256, 0, 7, 1], 4) == ()
+    assert proposer().propose([256, 0, 1, 7, 1], 4) == (7, 1)
+
+
+def test_speculative_config_takes_vllms_dict_and_names_bad_fields() -> None:
+    config = SpeculativeConfig.from_mapping({"method": "ngram", "num_speculative_tokens": 3})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    config = SpeculativeConfig.from_mapping({"num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+    config = SpeculativeConfig.from_mapping({"num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 2)
+    bad = [
+        ({"prompt_lookup_max": 3}, "num_speculative_tokens is required"),
+        ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 16\], got 0"),
+        ({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an int, got float"),
+        ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be 'ngram'"),
+        ({"num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            r"prompt_lookup_max \(2\) must be >= prompt_lookup_min \(4\)",
+        ),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be >= 1"),
+    ]
+    for raw, message in bad:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.from_mapping(raw)
+
+
+# ---- the draft check -----------------------------------------------------------------------
+def rows_of(params: SamplingParams, num_rows: int) -> list[SamplingRow]:
+    return [SamplingRow(params, (), (), None) for _ in range(num_rows)]
+
+
+def test_greedy_drafts_stand_exactly_where_they_are_the_argmax() -> None:
+    logits = torch.randn(6, 50)
+    argmax = logits.argmax(dim=-1).tolist()
+    drafts = [argmax[0], (argmax[1] + 1) % 50, argmax[2], NO_DRAFT, argmax[4], 7]
+    checked = check_drafts(logits, rows_of(SamplingParams(temperature=0.0), 6), drafts)
+    assert checked.accepted == [True, False, True, False, True, argmax[5] == 7]
+    assert checked.token_ids == argmax
+
+
+@pytest.mark.parametrize("draft", [2, 9, 6, NO_DRAFT])  # most likely, 3rd, 1.3 %, none
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)]
+)
+def test_each_rows_token_follows_the_target_distribution(
+    params: SamplingParams, draft: int
+) -> None:
+    """Whatever the draft, a row's token (the draft where it stands, else the token drawn in
+    its place) is distributed as the target's processed distribution; top-k 5 gives token 6
+    probability 0, so there the draft always falls."""
+    torch.manual_seed(7)
+    num_rows, num_calls = 4000, 5
+    logits = torch.tensor(LOGITS, dtype=torch.float32).expand(num_rows, VOCAB_SIZE)
+    counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
+    num_accepted = 0
+    for _ in range(num_calls):
+        checked = check_drafts(logits, rows_of(params, num_rows), [draft] * num_rows)
+        counts += np.bincount(checked.token_ids, minlength=VOCAB_SIZE)
+        num_accepted += sum(checked.accepted)
+    scaled = LOGITS / params.temperature
+    if params.top_k > 0:
+        scaled = np.where(scaled >= np.sort(scaled)[-params.top_k], scaled, -np.inf)
+    expected = softmax(scaled)
+    assert_matches(counts, expected)
+    # a draft stands with the target's probability of it
+    probability = 0.0 if draft == NO_DRAFT else expected[draft]
+    assert abs(num_accepted / (num_rows * num_calls) - probability) < 0.02
+
+
+def test_seeded_sampled_rows_are_refused() -> None:
+    generator = torch.Generator().manual_seed(1)
+    rows = [SamplingRow(SamplingParams(temperature=1.0), (), (), generator)]
+    with pytest.raises(ValueError, match="seeded sampled rows cannot check drafts"):
+        check_drafts(torch.randn(1, 8), rows, [3])
+
+
+# ---- the engine ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    llm = LLM(str(DEMO_MODEL), dtype="float32", device="cpu", num_kv_blocks=8)
+    assert llm.tokenizer is not None
+    return [llm.tokenizer.encode(text) for text in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def expected(prompts: list[list[int]]) -> list[list[int]]:
+    return [hf_greedy(DEMO_MODEL, p, n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
+
+
+def greedy(**extra: object) -> list[SamplingParams]:
+    """Greedy params per prompt; a ``min_tokens`` is capped at each one's max_tokens."""
+    params = []
+    for max_tokens in MAX_TOKENS:
+        fields = dict(extra)
+        if "min_tokens" in fields:
+            fields["min_tokens"] = min(max_tokens, fields["min_tokens"])  # type: ignore[call-overload]
+        params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, **fields))  # type: ignore[arg-type]
+    return params
+
+
+def speculating_llm(**engine_args: object) -> LLM:
+    return LLM(
+        str(DEMO_MODEL), dtype="float32", device="cpu", speculative_config=NGRAM, **engine_args
+    )  # type: ignore[arg-type]
+
+
+def assert_drafts_stood_and_fell(llm: LLM) -> None:
+    stats = llm.engine.stats
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens, stats
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["batched", "chunked", "preempted", "prefix-cache", "one-at-a-time"],
+)
+def test_greedy_output_matches_transformers(
+    prompts: list[list[int]], expected: list[list[int]], mode: str
+) -> None:
+    engine_args: dict[str, object] = {}
+    if mode == "chunked":  # drafts compete with prompt chunks for a 12-token step
+        engine_args = {"max_num_batched_tokens": 12}
+    elif mode == "preempted":
+        engine_args = {"block_size": 4, "num_kv_blocks": 40}
+    llm = speculating_llm(**engine_args)
+    if mode == "one-at-a-time":
+        outputs = [llm.generate([p], [s])[0] for p, s in zip(prompts, greedy(), strict=True)]
+    else:
+        outputs = llm.generate(prompts, greedy())
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    if mode == "prefix-cache":
+        again = llm.generate(prompts, greedy())
+        assert [o.outputs[0].token_ids for o in again] == expected
+        assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 16)
+    if mode == "preempted":
+        assert llm.engine.num_preemptions > 0
+    assert_drafts_stood_and_fell(llm)
+
+
+def test_fewer_steps_than_tokens(prompts: list[list[int]]) -> None:
+    """One request decoding alone: drafts that stand save steps (the reason for drafts)."""
+    llm = speculating_llm()
+    (out,) = llm.generate([prompts[4]], SamplingParams(temperature=0.0, max_tokens=64))
+    stats = llm.engine.stats
+    assert stats.num_generated_tokens == 64
+    assert stats.num_steps == 64 - stats.num_accepted_draft_tokens
+    assert stats.num_steps < 48
+
+
+def test_parallel_greedy_samples_each_speculate(
+    prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    llm = speculating_llm(block_size=4)
+    (out,) = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=48, n=3))
+    assert [c.token_ids for c in out.outputs] == [expected[0]] * 3
+    assert_drafts_stood_and_fell(llm)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"repetition_penalty": 1.3},
+        {"presence_penalty": 0.8, "frequency_penalty": 0.4},
+        {"min_tokens": 30},
+        {"logit_bias": {198: -3.0}},
+        {"bad_words": ["the file"]},
+        {"ignore_eos": True},
+    ],
+    ids=["repetition", "presence-frequency", "min-tokens", "logit-bias", "bad-words", "ignore-eos"],
+)
+def test_each_draft_is_checked_with_the_history_before_it(
+    prompts: list[list[int]], extra: dict[str, object]
+) -> None:
+    """Penalties, bans and bad words depend on the output so far: a draft's row sees the drafts
+    before it as output. The engine without drafts (itself checked against transformers in
+    tests/engine) gives the reference."""
+    plain = LLM(str(DEMO_MODEL), dtype="float32", device="cpu")
+    llm = speculating_llm()
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(**extra))]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(**extra))]
+    assert got == expected
+    assert llm.engine.stats.num_draft_tokens > 0
+
+
+def test_stop_tokens_and_max_tokens_inside_drafts_end_the_output_there(
+    prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    """A stop token or the last allowed token may come among the drafts that stand: the
+    output ends there, the drafts after it are dropped, as without drafts."""
+    llm = speculating_llm()
+    stop_token = expected[4][20]
+    stopped = expected[4][: expected[4].index(stop_token) + 1]
+    (out,) = llm.generate(
+        [prompts[4]], SamplingParams(temperature=0.0, stop_token_ids=[stop_token], max_tokens=64)
+    )
+    assert out.outputs[0].token_ids == stopped
+    assert out.outputs[0].finish_reason == "stop"
+    for max_tokens in (2, 5, 13, 29):
+        (out,) = llm.generate([prompts[4]], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        assert out.outputs[0].token_ids == expected[4][:max_tokens]
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_logprobs_of_tokens_from_drafts_are_the_models(
+    prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    llm = speculating_llm()
+    (out,) = llm.generate([prompts[4]], SamplingParams(temperature=0.0, max_tokens=40, logprobs=2))
+    tokens = out.outputs[0].token_ids
+    assert tokens == expected[4][:40]
+    reference = hf_log_softmax(DEMO_MODEL, prompts[4] + tokens)[len(prompts[4]) - 1 :]
+    assert out.outputs[0].logprobs is not None and len(out.outputs[0].logprobs) == 40
+    for position, (token, logprobs) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+        assert logprobs[token].logprob == pytest.approx(float(reference[position, token]), abs=1e-4)
+        assert len(logprobs) in (2, 3)
+    assert_drafts_stood_and_fell(llm)
+
+
+def test_seeded_sampling_and_structured_outputs_do_not_speculate(
+    prompts: list[list[int]],
+) -> None:
+    llm = speculating_llm()
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24)
+    plain = LLM(str(DEMO_MODEL), dtype="float32", device="cpu")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)] == [
+        o.outputs[0].token_ids for o in plain.generate(prompts, seeded)
+    ]
+    choice = StructuredOutputSpec(choice=("the file", "the file is returned"))
+    llm.generate(prompts, SamplingParams(temperature=0.0, structured_outputs=choice, max_tokens=8))
+    assert llm.engine.stats.num_draft_tokens == 0
+
+
+def test_sampled_output_follows_the_models_distribution(prompts: list[list[int]]) -> None:
+    """Three tokens of top-k 2 sampling: eight possible outputs, whose probabilities come
+    from transformers. Many requests at once, each sampled with drafts from its context
+    (unseeded: seeded requests do not speculate), must hit them in those proportions."""
+    # the model's top two tokens after "the" are " file" and " it"; after " the file", prompt
+    # lookup drafts " is", one of the model's top two there
+    prompt = prompts[4] + prompts[4][3:8]  # "... If the file is not specified, the"
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
+    expected: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(3):
+        grown: dict[tuple[int, ...], float] = {}
+        for prefix, probability in expected.items():
+            logprobs = hf_log_softmax(DEMO_MODEL, prompt + list(prefix))[-1]
+            top = logprobs.topk(2)
+            kept = top.values.softmax(dim=-1)
+            for token, p in zip(top.indices.tolist(), kept.tolist(), strict=True):
+                grown[(*prefix, token)] = probability * p
+        expected = grown
+    outcomes = sorted(expected)
+    torch.manual_seed(11)
+    llm = speculating_llm(max_num_seqs=512)
+    counts = np.zeros(len(outcomes), dtype=np.int64)
+    for _ in range(2):
+        for out in llm.generate([prompt] * 1000, params):
+            counts[outcomes.index(tuple(out.outputs[0].token_ids))] += 1
+    assert_matches(counts, np.array([expected[o] for o in outcomes]))
+    assert_drafts_stood_and_fell(llm)
