@@ -126,7 +126,16 @@ class LLMEngine:
         graph_batch_sizes = None  # decode steps run eagerly
         if use_decode_graphs(load.enforce_eager, self.device, attn_backend.name):
             graph_batch_sizes = padded_batch_sizes
-        num_blocks = self._num_kv_blocks(cache, scheduler, layout, attn_backend, graph_batch_sizes)
+        # a step samples a row per sequence, and with drafts a row per draft besides
+        max_num_sample_rows = scheduler.max_num_seqs
+        if speculative is not None:
+            max_num_sample_rows = min(
+                scheduler.max_num_batched_tokens,
+                scheduler.max_num_seqs * (1 + speculative.num_speculative_tokens),
+            )
+        num_blocks = self._num_kv_blocks(
+            cache, scheduler, layout, attn_backend, graph_batch_sizes, max_num_sample_rows
+        )
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=self.dtype, device=self.device)
         eos = frozenset(self.model_config.eos_token_ids)
@@ -434,6 +443,7 @@ class LLMEngine:
         layout: KVLayout,
         attn_backend: AttentionBackend,
         graph_batch_sizes: tuple[int, ...] | None,
+        max_num_sample_rows: int,
     ) -> int:
         activation_bytes = 0
         if cache.budget.num_blocks is None and cache.budget.memory_bytes is None:
@@ -452,7 +462,7 @@ class LLMEngine:
                 attn_backend,
                 self.device,
                 max_num_batched_tokens=scheduler.max_num_batched_tokens,
-                max_num_seqs=scheduler.max_num_seqs,
+                max_num_sample_rows=max_num_sample_rows,
                 max_model_len=self.max_model_len,
                 vocab_size=self.model_config.vocab_size,
             )

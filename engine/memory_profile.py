@@ -37,11 +37,13 @@ def peak_activation_bytes(
     device: torch.device,
     *,
     max_num_batched_tokens: int,
-    max_num_seqs: int,
+    max_num_sample_rows: int,
     max_model_len: int,
     vocab_size: int,
 ) -> int:
-    """Bytes a worst-case step allocates beyond the weights (0 off CUDA: not measurable)."""
+    """Bytes a worst-case step allocates beyond the weights (0 off CUDA: not measurable);
+    ``max_num_sample_rows``: rows of logits a step samples from at most (a sequence's token
+    and each of its drafts take one)."""
     if device.type != "cuda":
         return 0
     peak, _ = _peak_allocated_bytes(
@@ -51,7 +53,7 @@ def peak_activation_bytes(
         ),
     )
     torch.cuda.empty_cache()
-    return int(peak + max_num_seqs * vocab_size * _SAMPLER_BYTES_PER_LOGIT)
+    return int(peak + max_num_sample_rows * vocab_size * _SAMPLER_BYTES_PER_LOGIT)
 
 
 def run_worst_case_step(

@@ -95,7 +95,7 @@ def test_worst_case_profile_step_runs_through_the_real_runner(llama_dir: Path) -
             TorchAttentionBackend(),
             CPU,
             max_num_batched_tokens=64,
-            max_num_seqs=4,
+            max_num_sample_rows=4,
             max_model_len=512,
             vocab_size=1024,
         )
