@@ -1,15 +1,18 @@
 """Streamed JSON call objects (``{"name": ..., <arguments key>: ...}``) read as they arrive, as
 tool_calls stream entries: a call's header (its index, id, type and name) once its name's
 string closed, then the text of its arguments value, first character to last, as argument
-deltas. The "required" array (``tool_calls``), hermes ``<tool_call>`` blocks
-(``hermes_tool_calls``), llama3_json objects (``llama_tool_calls``) and mistral's
-``[TOOL_CALLS]`` array (``mistral_tool_calls``) stream through it.
+deltas. Calls are numbered as their headers are announced, 0, 1, 2 ...: a call object whose
+name never comes (none, or not a string) takes no index and sends nothing. The "required" array
+(``tool_calls``), hermes ``<tool_call>`` blocks (``hermes_tool_calls``), llama3_json objects
+(``llama_tool_calls``) and mistral's ``[TOOL_CALLS]`` array (``mistral_tool_calls``) stream
+through it.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,16 +32,19 @@ def call_entry(name: str, arguments: str, call_id: str | None = None) -> dict[st
     }
 
 
-def header_entry(call_index: int, name: str, arguments: str) -> dict[str, Any]:
-    """A streamed call's first entry: its index, id, type and name, with its first text."""
-    return {"index": call_index, **call_entry(name, arguments)}
+def header_entry(
+    call_index: int, name: str, arguments: str, call_id: str | None = None
+) -> dict[str, Any]:
+    """A streamed call's first entry: its index, id (None: a new ``chatcmpl-tool-`` one), type
+    and name, with its first text."""
+    return {"index": call_index, **call_entry(name, arguments, call_id)}
 
 
 @dataclass(slots=True)
 class _Call:
     """A call object being scanned."""
 
-    name: str | None = None  # once its name's string closed
+    index: int | None = None  # its tool_calls index, once its name's string closed
     pending_arguments: str = ""  # argument text scanned before the name was (not sent yet)
 
 
@@ -49,14 +55,17 @@ class CallScanner:
     escapes, and in each call object the key a value belongs to. The value of one of the
     ``arguments_keys``, its text first character to last, is the call's arguments; its name's
     string, once closed, announces the call (with the arguments scanned before it, when they
-    came first)."""
+    came first) under the next index; a second name in the same object is not read."""
 
     # the call object's keys whose value is the arguments
     arguments_keys: tuple[str, ...] = ("parameters",)
     # True: between call objects any text but "{" is skipped (llama3_json's "; " separators and
     # whatever else the model writes there); False: JSON, an array's commas
     separated_by_text: bool = False
-    num_headers: int = 0  # calls whose header was announced
+    new_call_id: Callable[[], str] = new_tool_call_id  # a new call's id, in the format's form
+    # calls whose header was announced: the next one's index (a scanner that goes on with
+    # another's numbering starts at that one's count)
+    num_headers: int = 0
     _stack: list[str] = field(default_factory=list)  # open containers, "[" or "{"
     _in_string: bool = False
     _escaped: bool = False  # the string's last character was an unescaped backslash
@@ -75,7 +84,7 @@ class CallScanner:
         for char in text:
             if self._value is None or not self._value_char(char, events):
                 self._structure_char(char, events)
-        return _merged(events)
+        return _merged(events, self.new_call_id)
 
     @property
     def depth(self) -> int:
@@ -96,7 +105,7 @@ class CallScanner:
             if self._in_call():
                 if not self._after_colon:
                     self._key_text = char
-                elif self._key == "name":
+                elif self._key == "name" and self._calls[-1].index is None:
                     self._name_text = char
         elif char in "[{":
             if self._stack == ["["] and char == "{":
@@ -124,9 +133,9 @@ class CallScanner:
             self._name_text += char
             if closing:
                 call = self._calls[-1]
-                call.name = _json_string(self._name_text) or ""
+                call.index, name = self.num_headers, _json_string(self._name_text) or ""
                 self._name_text = None
-                events.append((len(self._calls) - 1, call.name, call.pending_arguments))
+                events.append((call.index, name, call.pending_arguments))
                 call.pending_arguments = ""
                 self.num_headers += 1
         if closing:
@@ -170,10 +179,10 @@ class CallScanner:
 
     def _argument(self, text: str, events: list[tuple[int, str | None, str]]) -> None:
         call = self._calls[-1]
-        if call.name is None:
+        if call.index is None:
             call.pending_arguments += text
         else:
-            events.append((len(self._calls) - 1, None, text))
+            events.append((call.index, None, text))
 
 
 def _json_string(text: str) -> str | None:
@@ -184,13 +193,15 @@ def _json_string(text: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _merged(events: list[tuple[int, str | None, str]]) -> list[dict[str, Any]]:
-    """Scan events as tool_calls entries: a header where a name was announced, then the
-    arguments of one call run together."""
+def _merged(
+    events: list[tuple[int, str | None, str]], new_call_id: Callable[[], str]
+) -> list[dict[str, Any]]:
+    """Scan events as tool_calls entries: a header where a name was announced (with a new id),
+    then the arguments of one call run together."""
     entries: list[dict[str, Any]] = []
     for call_index, name, arguments in events:
         if name is not None:
-            entries.append(header_entry(call_index, name, arguments))
+            entries.append(header_entry(call_index, name, arguments, new_call_id()))
         elif entries and entries[-1]["index"] == call_index:
             entries[-1]["function"]["arguments"] += arguments
         else:

@@ -27,7 +27,7 @@ import re
 from typing import Any
 
 from router.gateway.call_scanner import CallScanner
-from router.gateway.tag_scan import partial_tag_len
+from router.gateway.tag_scan import TagCutter
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -62,9 +62,9 @@ class HermesCallStream:
     def __init__(self) -> None:
         self.num_calls = 0  # calls whose header was sent
         self._after_first_block = False  # a <tool_call> came: later text is not content
-        self._held = ""  # text held back: it may be the start of a tag
         self._block: CallScanner | None = None  # the open block's scanner; None: outside one
-        self._block_calls: dict[int, int] = {}  # the open block's call index -> the choice's
+        # the text cut at the tag that opens a block, or within one at the tag that closes it
+        self._cutter = TagCutter(lambda: (START,) if self._block is None else (END,))
 
     @property
     def block_open(self) -> bool:
@@ -75,42 +75,32 @@ class HermesCallStream:
         """The content and the tool_calls entries of a delta of ``text``."""
         content: list[str] = []
         entries: list[dict[str, Any]] = []
-        rest = self._held + text
-        while True:
-            tag = END if self._block is not None else START
-            found = rest.find(tag)
-            upto = found if found >= 0 else len(rest) - partial_tag_len(rest, (tag,))
+        for piece, tag in self._cutter.feed(text):
             if self._block is not None:
-                entries += self._scan(rest[:upto])
+                entries += self._scan(piece)
             elif not self._after_first_block:
-                content.append(rest[:upto])
-            if found < 0:
-                self._held = rest[upto:]
-                return "".join(content), entries
-            rest = rest[found + len(tag) :]
+                content.append(piece)
             if tag == START:
                 self._open_block()
-            else:
+            elif tag == END:
                 self._block = None
+        return "".join(content), entries
 
     def end(self) -> str:
         """The content still held back once the sample ended: a partial tag that never
         completed, before any block (within or after one, it is dropped)."""
-        held, self._held = self._held, ""
+        held = self._cutter.end()
         return "" if self._after_first_block else held
 
     def _open_block(self) -> None:
         self._after_first_block = True
-        self._block = CallScanner(arguments_keys=("arguments",))
+        # its calls are numbered on from the earlier blocks' (one block, one scan: a block cut
+        # short leaves no state in the next)
+        self._block = CallScanner(arguments_keys=("arguments",), num_headers=self.num_calls)
         self._block.feed("[")  # the block's object scans as an array's call
-        self._block_calls = {}
 
     def _scan(self, text: str) -> list[dict[str, Any]]:
         assert self._block is not None
         entries = self._block.feed(text)
-        for entry in entries:
-            if "id" in entry:  # a header: the choice's next call
-                self._block_calls[entry["index"]] = self.num_calls
-                self.num_calls += 1
-            entry["index"] = self._block_calls[entry["index"]]
+        self.num_calls = self._block.num_headers
         return entries

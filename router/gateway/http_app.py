@@ -34,6 +34,7 @@ from router.gateway.openai_response import (
     ResponseHeader,
     chat_response,
     completion_response,
+    output_decoder,
     total_usage,
 )
 from router.gateway.service import Gateway, LiveRequest, new_request_id
@@ -253,7 +254,10 @@ async def _respond_whole(
     logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     if job.kind == "chat":
         usage = total_usage(generations)
-        body = chat_response(header, choices, usage, logprobs, job.tool_calls, job.reasoning)
+        decode = output_decoder(generations[0])
+        body = chat_response(
+            header, choices, usage, logprobs, job.tool_calls, job.reasoning, decode
+        )
     else:
         body = completion_response(header, choices, total_usage(generations), logprobs)
     # the response's id in X-Request-Id, as OpenAI sends (openai's client reads _request_id)

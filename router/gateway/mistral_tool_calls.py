@@ -33,7 +33,7 @@ import string
 from typing import Any
 
 from router.gateway.call_scanner import CallScanner
-from router.gateway.tag_scan import partial_tag_len
+from router.gateway.tag_scan import TagCutter
 
 TOOL_CALLS = "[TOOL_CALLS]"
 V11_ARGS = "[ARGS]"  # in the vocabulary of v11+ tokenizers, whose format this is not
@@ -90,8 +90,8 @@ class MistralCallStream:
 
     def __init__(self) -> None:
         self.num_calls = 0  # calls whose header was sent
-        self._held = ""  # content held back: it may be the start of the tag
         self._scanner: CallScanner | None = None  # once [TOOL_CALLS] came
+        self._cutter = TagCutter(lambda: (TOOL_CALLS,) if self._scanner is None else ())
 
     @property
     def block_open(self) -> bool:
@@ -100,29 +100,26 @@ class MistralCallStream:
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """The content and the tool_calls entries of a delta of ``text``."""
-        if self._scanner is not None:
-            return "", self._scan(text)
-        rest = self._held + text
-        found = rest.find(TOOL_CALLS)
-        if found < 0:
-            upto = len(rest) - partial_tag_len(rest, (TOOL_CALLS,))
-            self._held = rest[upto:]
-            return rest[:upto], []
-        self._held = ""
-        self._scanner = CallScanner(arguments_keys=("arguments",))
-        return rest[:found], self._scan(rest[found + len(TOOL_CALLS) :])
+        content: list[str] = []
+        entries: list[dict[str, Any]] = []
+        for piece, tag in self._cutter.feed(text):
+            if self._scanner is None:
+                content.append(piece)
+            else:
+                entries += self._scan(piece)
+            if tag == TOOL_CALLS:
+                self._scanner = CallScanner(
+                    arguments_keys=("arguments",), new_call_id=new_mistral_tool_call_id
+                )
+        return "".join(content), entries
 
     def end(self) -> str:
         """The content still held back once the sample ended: a partial tag that never
         completed."""
-        held, self._held = self._held, ""
-        return held
+        return self._cutter.end()
 
     def _scan(self, text: str) -> list[dict[str, Any]]:
         assert self._scanner is not None
         entries = self._scanner.feed(text)
-        for entry in entries:
-            if "id" in entry:
-                entry["id"] = new_mistral_tool_call_id()
         self.num_calls = self._scanner.num_headers
         return entries

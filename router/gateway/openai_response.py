@@ -4,13 +4,14 @@ in ``tool_calls``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling.messages import TokenLogprobs
 from router.gateway.prompt_logprobs import shown_logprob
-from router.gateway.reasoning import ReasoningMode
+from router.gateway.reasoning import ReasoningMode, num_thought_tokens
 from router.gateway.text_stream import SampleDelta, TextGeneration
 from router.gateway.tool_calls import ToolCallMode, chat_message
 
@@ -22,19 +23,27 @@ class ResponseHeader:
     model: str
 
 
+Decode = Callable[[Sequence[int]], str]  # output token ids to text, as the output was decoded
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens the prefix cache served
+    # completion tokens that were the thought (chat under a reasoning parser); None: not counted
+    reasoning_tokens: int | None = None
 
     def body(self) -> dict[str, Any]:
-        return {
+        body = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.reasoning_tokens is not None:
+            body["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return body
 
 
 def total_usage(generations: Sequence[TextGeneration]) -> Usage:
@@ -48,9 +57,11 @@ def total_usage(generations: Sequence[TextGeneration]) -> Usage:
 
 @dataclass(slots=True)
 class ChoiceText:
-    """One choice accumulated for a non-streaming response."""
+    """One choice's output accumulated: for a non-streaming response, and for a stream's usage
+    under a reasoning parser."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the tokens behind it, counted in usage
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     # vLLM's prompt_logprobs of the choice's prompt (``vllm_prompt_logprobs``), when shown
@@ -60,8 +71,29 @@ class ChoiceText:
 
     def add(self, delta: SampleDelta) -> None:
         self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+def output_decoder(generation: TextGeneration) -> Decode:
+    """How ``generation``'s output token ids were decoded to its text."""
+    skip_special_tokens = generation.spec.params.skip_special_tokens
+    tokenizer = generation.tokenizer
+    return lambda token_ids: str(
+        tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    )
+
+
+def with_reasoning_tokens(
+    usage: Usage, choices: Sequence[ChoiceText], reasoning: ReasoningMode | None, decode: Decode
+) -> Usage:
+    """``usage`` with the completion tokens that were the choices' thought, under a reasoning
+    parser (``reasoning``); as it is without one."""
+    if reasoning is None:
+        return usage
+    num_tokens = sum(num_thought_tokens(reasoning, c.text, c.token_ids, decode) for c in choices)
+    return dataclasses.replace(usage, reasoning_tokens=num_tokens)
 
 
 @dataclass(slots=True)
@@ -194,9 +226,14 @@ def chat_response(
     logprobs: LogprobsFormatter | None,
     tool_calls: ToolCallMode | None = None,
     reasoning: ReasoningMode | None = None,
+    decode: Decode | None = None,
 ) -> dict[str, Any]:
     """``tool_calls``: how each choice's text is returned as tool calls; None: as content.
-    ``reasoning``: how its reasoning is split off first; None: it is not."""
+    ``reasoning``: how its reasoning is split off first; None: it is not. ``decode``: how the
+    choices' tokens were decoded (``output_decoder``), to count the thought's tokens in the
+    usage under a reasoning parser; None: not counted."""
+    if decode is not None:
+        usage = with_reasoning_tokens(usage, choices, reasoning, decode)
     body = []
     for i, choice in enumerate(choices):
         message, finish_reason = chat_message(

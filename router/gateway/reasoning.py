@@ -22,14 +22,20 @@ The response carries it as current vLLM does: ``message.reasoning`` (null when n
 A stream sends the reasoning as it comes, then the content, split where the whole text is:
 text that may be the start of a tag is held back until the next text shows whether it is, and
 released as reasoning at the end of the sample if the tag never completes.
+
+The usage's ``completion_tokens_details.reasoning_tokens`` counts the thought's tokens where
+the split is (``num_thought_tokens``): up to and including the one that completed
+``</think>``, those before a qwen3 ``<tool_call>`` that ended it, all without an end tag, none
+with thinking off.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.gateway.hermes_tool_calls import START as TOOL_CALL_START
-from router.gateway.tag_scan import first_tag, partial_tag_len
+from router.gateway.tag_scan import TagCutter
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the formats --reasoning-parser reads
 THINK_START = "<think>"
@@ -77,32 +83,59 @@ class ReasoningStream:
 
     def __init__(self, mode: ReasoningMode) -> None:
         self._in_reasoning = mode.thinking
-        self._tags = (THINK_START, *mode.end_tags)
-        self._held = ""  # reasoning held back: it may be the start of a tag
+        self._end_tags = mode.end_tags
         self.ended_by: str | None = None  # the tag that ended the reasoning; None: not yet
+        # the text's characters read as the thought so far, its tags (not a <tool_call>) in
+        self.num_thought_chars = 0
+        tags = (THINK_START, *mode.end_tags)  # looked for in the reasoning only
+        self._cutter = TagCutter(lambda: tags if self._in_reasoning else ())
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the content of a delta of ``text``."""
-        if not self._in_reasoning:
-            return "", text
-        rest = self._held + text
-        reasoning = []
-        while (found := first_tag(rest, self._tags)) is not None:
-            at, tag = found
-            reasoning.append(rest[:at])
-            if tag == THINK_START:  # dropped, within the thought
-                rest = rest[at + len(tag) :]
+        reasoning: list[str] = []
+        content: list[str] = []
+        for piece, tag in self._cutter.feed(text):
+            if not self._in_reasoning:
+                content.append(piece)
                 continue
-            self._in_reasoning, self._held, self.ended_by = False, "", tag
-            content = rest[at + len(THINK_END) :] if tag == THINK_END else rest[at:]
-            return "".join(reasoning), content
-        upto = len(rest) - partial_tag_len(rest, self._tags)
-        reasoning.append(rest[:upto])
-        self._held = rest[upto:]
-        return "".join(reasoning), ""
+            reasoning.append(piece)
+            self.num_thought_chars += len(piece)
+            if tag == TOOL_CALL_START:  # it stays in the content, for the tool-call parser
+                content.append(tag)
+            elif tag is not None:  # </think>, or a <think> within the thought (dropped)
+                self.num_thought_chars += len(tag)
+            if tag in self._end_tags:
+                self._in_reasoning, self.ended_by = False, tag
+        return "".join(reasoning), "".join(content)
 
     def end(self) -> str:
         """The reasoning still held back once the sample ended: a partial tag that never
         completed."""
-        held, self._held = self._held, ""
-        return held
+        return self._cutter.end()
+
+
+def num_thought_tokens(
+    mode: ReasoningMode,
+    text: str,
+    token_ids: Sequence[int],
+    decode: Callable[[Sequence[int]], str],
+) -> int:
+    """How many of a choice's completion tokens (``token_ids``, its output ``text``) were its
+    thought: the fewest whose text (``decode``, as the output was decoded) holds the thought
+    the split reads, up to and including ``</think>`` (qwen3: up to a ``<tool_call>`` that
+    ended it); all of them when no tag ended the thought; none with thinking off."""
+    if not mode.thinking:
+        return 0
+    stream = ReasoningStream(mode)
+    stream.feed(text)
+    if stream.ended_by is None:
+        return len(token_ids)
+    thought = text[: stream.num_thought_chars]
+    low, high = 0, len(token_ids)  # the first high tokens hold the thought
+    while low < high:  # (fewer tokens decode to a prefix of the text, or a partial character)
+        middle = (low + high) // 2
+        if decode(token_ids[:middle]).startswith(thought):
+            high = middle
+        else:
+            low = middle + 1
+    return high

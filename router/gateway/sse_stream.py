@@ -27,13 +27,17 @@ from router.gateway.choice_prompts import echoed_logprobs, shown
 from router.gateway.errors import ApiError, cluster_failed, internal_error
 from router.gateway.openai_request import OpenAIJob
 from router.gateway.openai_response import (
+    ChoiceText,
     Echo,
     LogprobsFormatter,
     ResponseHeader,
+    Usage,
     chat_chunk,
     completion_chunk,
+    output_decoder,
     total_usage,
     usage_chunk,
+    with_reasoning_tokens,
 )
 from router.gateway.service import Gateway, LiveRequest
 from router.gateway.text_stream import SampleDelta, TextGeneration, merged_deltas
@@ -79,6 +83,9 @@ async def _chunks(
     unfinished = set(range(len(offsets)))
     echo = Echo(job.echo_texts, job.n)
     chat_deltas = ChatDeltas(job.tool_calls, job.reasoning)  # reasoning, content or calls
+    # under a reasoning parser, each choice's output, whose thought's tokens the usage counts
+    counted = job.reasoning is not None and job.include_usage
+    outputs = [ChoiceText() for _ in offsets] if counted else None
     if job.kind == "chat":
         for index in range(len(offsets)):
             yield _with_usage(
@@ -94,6 +101,8 @@ async def _chunks(
                 index = prompt_index * job.n + delta.index
                 if delta.finish_reason is not None:
                     unfinished.discard(index)
+                if outputs is not None:
+                    outputs[index].add(delta)
                 if job.kind == "chat":
                     logprobs = formatter.chat(delta.logprobs) if formatter else None
                     message, finish = chat_deltas.delta(index, delta.text, delta.finish_reason)
@@ -113,7 +122,18 @@ async def _chunks(
     gateway.record_ended(generations, aborted=live.aborted.is_set())
     if job.include_usage:
         name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-        yield usage_chunk(header, name, total_usage(generations))
+        yield usage_chunk(header, name, _usage(job, generations, outputs))
+
+
+def _usage(
+    job: OpenAIJob, generations: list[TextGeneration], outputs: list[ChoiceText] | None
+) -> Usage:
+    """The request's usage, with the tokens of the choices' thought under a reasoning parser
+    (``outputs``: the choices' outputs then)."""
+    usage = total_usage(generations)
+    if outputs is None:
+        return usage
+    return with_reasoning_tokens(usage, outputs, job.reasoning, output_decoder(generations[0]))
 
 
 def _completion_chunk(

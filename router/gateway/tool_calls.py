@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from router.gateway.call_scanner import CallScanner, call_entry, header_entry
+from router.gateway.call_scanner import CallScanner, call_entry, header_entry, new_tool_call_id
 from router.gateway.hermes_tool_calls import HermesCallStream, parse_hermes
 from router.gateway.llama_tool_calls import Llama3JsonCallStream, parse_llama3_json
 from router.gateway.mistral_tool_calls import (
@@ -68,15 +68,23 @@ class AutoCallStream(Protocol):
         ...
 
 
-# each parser's whole-text reader, (content, [(name, arguments JSON)]), and its stream
-_AUTO_PARSERS: dict[
-    str,
-    tuple[Callable[[str], tuple[str | None, list[tuple[str, str]]]], Callable[[], AutoCallStream]],
-] = {
-    "hermes": (parse_hermes, HermesCallStream),
-    "llama3_json": (parse_llama3_json, Llama3JsonCallStream),
-    "llama4_json": (parse_llama3_json, Llama3JsonCallStream),  # vLLM's other name for it
-    "mistral": (parse_mistral, MistralCallStream),
+@dataclass(frozen=True, slots=True)
+class _AutoParser:
+    """A tool-call parser's readers."""
+
+    # a whole text's content and calls, (name, arguments JSON) each
+    parse: Callable[[str], tuple[str | None, list[tuple[str, str]]]]
+    stream: Callable[[], AutoCallStream]  # a new reader of one choice's stream
+    # a whole response's new call id (a stream's reader makes its own)
+    new_call_id: Callable[[], str] = new_tool_call_id
+
+
+_AUTO_PARSERS = {
+    "hermes": _AutoParser(parse_hermes, HermesCallStream),
+    "llama3_json": _AutoParser(parse_llama3_json, Llama3JsonCallStream),
+    # vLLM's other name for it
+    "llama4_json": _AutoParser(parse_llama3_json, Llama3JsonCallStream),
+    "mistral": _AutoParser(parse_mistral, MistralCallStream, new_mistral_tool_call_id),
 }
 TOOL_CALL_PARSERS = tuple(_AUTO_PARSERS)  # the formats "auto" tool choice can read calls in
 
@@ -130,9 +138,9 @@ def tool_call_choice(
     reasoning), and its finish_reason (the sample's, ``tool_calls`` where "auto" found calls,
     as vLLM)."""
     if isinstance(mode, AutoToolCalls):
-        parse = _AUTO_PARSERS[mode.parser][0]
-        content, parsed = parse(text) if text is not None else (None, [])
-        calls = [call_entry(name, arguments, _call_id(mode.parser)) for name, arguments in parsed]
+        parser = _AUTO_PARSERS[mode.parser]
+        content, parsed = parser.parse(text) if text is not None else (None, [])
+        calls = [call_entry(name, arguments, parser.new_call_id()) for name, arguments in parsed]
         if calls and finish_reason in ("stop", "length"):
             finish_reason = "tool_calls"
         return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
@@ -145,11 +153,6 @@ def tool_call_choice(
             return {"role": "assistant", "content": text, "tool_calls": []}, finish_reason
         calls = [call_entry(name, json.dumps(params, ensure_ascii=False)) for name, params in items]
     return {"role": "assistant", "content": "", "tool_calls": calls}, finish_reason
-
-
-def _call_id(parser: str) -> str | None:
-    """A new call's id in ``parser``'s form; None: vLLM's usual ``chatcmpl-tool-`` one."""
-    return new_mistral_tool_call_id() if parser == "mistral" else None
 
 
 def _parsed_calls(text: str) -> list[tuple[str, Any]] | None:
@@ -232,7 +235,7 @@ class ChatDeltas:
     ) -> tuple[dict[str, Any], str | None]:
         assert isinstance(self._mode, AutoToolCalls)
         if index not in self._parsed:
-            self._parsed[index] = _AUTO_PARSERS[self._mode.parser][1]()
+            self._parsed[index] = _AUTO_PARSERS[self._mode.parser].stream()
         stream = self._parsed[index]
         content, calls = stream.feed(text)
         if finish_reason is not None:

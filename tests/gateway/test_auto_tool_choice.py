@@ -296,18 +296,43 @@ def test_any_split_of_the_text_streams_what_the_whole_text_holds(text: str) -> N
     """Two deltas, split at every point: the content and calls the whole response has."""
     whole, finish_reason = _whole_choice(text)
     for split in range(len(text) + 1):
-        deltas = ChatDeltas(AutoToolCalls("hermes"))
-        chunks = []
-        for piece, finish in ((text[:split], None), (text[split:], "stop")):
-            delta, shown_finish = deltas.delta(0, piece, finish)
-            chunks.append(
-                {"choices": [{"index": 0, "delta": delta, "finish_reason": shown_finish}]}
-            )
-        streamed = _streamed(chunks)
+        streamed = _split_stream("hermes", text, split)
         assert streamed.content == (whole["content"] or ""), split
         calls = [(c["name"], json.loads(c["arguments"])) for c in streamed.calls]
         assert calls == [(n, json.loads(a)) for n, a in _calls(whole)], split
         assert streamed.finish_reason == finish_reason, split
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        (
+            f'<tool_call>\n{{"arguments": {{}}}}\n</tool_call>\n{_block("get_time", {})}',
+            ["get_time"],
+        ),
+        (
+            f'<tool_call>{{"name": 5}} {{"name": "get_time", "arguments": {{}}}}</tool_call>'
+            f"{_block('get_weather', PARIS)}",
+            ["get_time", "get_weather"],
+        ),
+    ],
+)
+def test_streamed_calls_are_numbered_on_across_blocks(text: str, names: list[str]) -> None:
+    """The calls a stream sends are numbered 0, 1, 2 ... across blocks (``_streamed`` checks
+    each header's index), a call object whose name never comes taking no index."""
+    for split in range(len(text) + 1):
+        streamed = _split_stream("hermes", text, split)
+        assert [c["name"] for c in streamed.calls] == names, split
+
+
+def _split_stream(parser: str, text: str, split: int) -> _Streamed:
+    """``text`` streamed in two deltas, split at ``split``, as a client puts it together."""
+    deltas = ChatDeltas(AutoToolCalls(parser))
+    chunks = []
+    for piece, finish in ((text[:split], None), (text[split:], "stop")):
+        delta, shown_finish = deltas.delta(0, piece, finish)
+        chunks.append({"choices": [{"index": 0, "delta": delta, "finish_reason": shown_finish}]})
+    return _streamed(chunks)
 
 
 def _whole_choice(text: str) -> tuple[dict[str, Any], str | None]:

@@ -16,8 +16,14 @@ import httpx
 import pytest
 
 from router.gateway.served_model import ServedModel
-from router.gateway.tool_calls import AutoToolCalls, ChatDeltas, tool_call_choice
-from tests.gateway.test_auto_tool_choice import PARIS, TOOLS, _Streamed, _streamed
+from router.gateway.tool_calls import AutoToolCalls, tool_call_choice
+from tests.gateway.test_auto_tool_choice import (
+    PARIS,
+    TOOLS,
+    _split_stream,
+    _Streamed,
+    _streamed,
+)
 from tests.gateway.token_script import (
     DEMO_MODEL,
     USER_HI,
@@ -276,13 +282,23 @@ def test_any_split_of_the_text_streams_what_the_whole_text_holds(parser: str, te
         assert streamed.finish_reason == finish_reason, split
 
 
-def _split_stream(parser: str, text: str, split: int) -> _Streamed:
-    deltas = ChatDeltas(AutoToolCalls(parser))
-    chunks = []
-    for piece, finish in ((text[:split], None), (text[split:], "stop")):
-        delta, shown_finish = deltas.delta(0, piece, finish)
-        chunks.append({"choices": [{"index": 0, "delta": delta, "finish_reason": shown_finish}]})
-    return _streamed(chunks)
+# a call object whose name never comes, then a call: (the whole response reads such a text as
+# content; a stream has sent the call by the time it could know)
+NAMELESS_THEN_A_CALL = {
+    "llama3_json": '{"city": "Paris"}; ' + _llama("get_time", {}),
+    "mistral": "[TOOL_CALLS] "
+    + json.dumps([{"name": 5, "arguments": PARIS}, {"name": "get_time", "arguments": {}}]),
+}
+
+
+@pytest.mark.parametrize("parser", list(NAMELESS_THEN_A_CALL))
+def test_a_call_object_without_a_name_takes_no_index(parser: str) -> None:
+    """The calls a stream sends are numbered 0, 1, 2 ... (``_streamed`` checks each header's
+    index): an object whose name never comes sends nothing and leaves no gap."""
+    text = NAMELESS_THEN_A_CALL[parser]
+    for split in range(len(text) + 1):
+        streamed = _split_stream(parser, text, split)
+        assert [(c["name"], c["arguments"]) for c in streamed.calls] == [TIME_CALL], split
 
 
 def test_mistral_is_refused_for_a_v11_tokenizer() -> None:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from engine.structured.spec import StructuredOutputSpec
+from router.gateway.call_scanner import CallScanner
 from router.gateway.served_model import ServedModel
 from router.gateway.tool_calls import ChatDeltas, ForcedToolCalls
 from tests.gateway.token_script import (
@@ -268,6 +269,19 @@ def test_the_required_stream_scanner_reads_any_cut_of_the_array() -> None:
         calls = _streamed_calls(chunks, 0)
         assert [(c["name"], json.loads(c["arguments"])) for c in calls] == expected, size
         assert calls[1]["arguments"] == "12"  # no space around the value
+
+
+def test_a_call_is_announced_once_under_its_first_name() -> None:
+    """A second "name" in a call object (not JSON the constraint admits) is not read: the call
+    has one header, and the next call the next index."""
+    scanner = CallScanner()
+    entries = scanner.feed(
+        '[{"name": "a", "name": "b", "parameters": {}}, {"name": "c", "parameters": 1}]'
+    )
+    assert [(e["index"], e["function"]["name"], e["function"]["arguments"]) for e in entries] == [
+        (0, "a", "{}"),
+        (1, "c", "1"),
+    ]
 
 
 def test_required_without_tools_is_none_as_vllm_reads_it(
