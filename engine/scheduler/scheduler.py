@@ -113,10 +113,11 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         num_preempted = 0
         index = 0
+        drafting = self.proposer is not None and self.proposer.proposes_for(len(self.running))
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            drafts = self._drafts(seq, budget)
+            drafts = self._drafts(seq, budget) if drafting else ()
             while not self.block_manager.can_allocate(seq, num_new + len(drafts)):
                 if drafts:  # drafts are the first thing to go
                     drafts = ()

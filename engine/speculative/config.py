@@ -9,7 +9,13 @@ from typing import Any
 
 _DEFAULT_LOOKUP = 5  # vLLM's window when neither bound is given
 MAX_SPECULATIVE_TOKENS = 16  # drafts per sequence per step, at most
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,12 +24,17 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _DEFAULT_LOOKUP  # longest n-gram looked up in the context
     prompt_lookup_min: int = _DEFAULT_LOOKUP  # shortest n-gram that may give a proposal
     method: str = "ngram"  # the only method: drafts copied from the sequence's own context
+    # no drafts in a step while more sequences than this are running (None: always drafts):
+    # a large batch already keeps the hardware busy, and its drafts cost more than they save
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
             raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r}")
         for name in _KEYS[1:]:
             value = getattr(self, name)
+            if value is None and name == "disable_by_batch_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(
                     f"speculative_config.{name} must be an int, got {type(value).__name__}"
@@ -32,6 +43,11 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config.num_speculative_tokens must be in "
                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                "speculative_config.disable_by_batch_size must be >= 1, got "
+                f"{self.disable_by_batch_size}"
             )
         if self.prompt_lookup_min < 1:
             raise ValueError(
@@ -47,7 +63,7 @@ class SpeculativeConfig:
     def from_mapping(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
         """From vLLM's dict: ``method`` "ngram", ``num_speculative_tokens`` (required),
         ``prompt_lookup_max`` / ``prompt_lookup_min`` (one given: the other is the same;
-        neither: both 5, as vLLM)."""
+        neither: both 5, as vLLM), ``disable_by_batch_size``."""
         unknown = sorted(set(raw) - set(_KEYS))
         if unknown:
             raise ValueError(
@@ -67,4 +83,5 @@ class SpeculativeConfig:
             prompt_lookup_max=lookup_max,
             prompt_lookup_min=lookup_min,
             method=raw.get("method", "ngram"),
+            disable_by_batch_size=raw.get("disable_by_batch_size"),
         )

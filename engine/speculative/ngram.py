@@ -19,6 +19,11 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.num_speculative_tokens = config.num_speculative_tokens
+        self.disable_by_batch_size = config.disable_by_batch_size  # None: propose at any size
+
+    def proposes_for(self, num_running: int) -> bool:
+        """Whether a step with ``num_running`` sequences running takes drafts at all."""
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
 
     def propose(self, token_ids: Sequence[int], max_num_drafts: int) -> tuple[int, ...]:
         """Up to ``min(max_num_drafts, num_speculative_tokens)`` draft tokens to follow

@@ -78,6 +78,11 @@ def test_speculative_config_takes_vllms_dict_and_names_bad_fields() -> None:
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
     config = SpeculativeConfig.from_mapping({"num_speculative_tokens": 3, "prompt_lookup_min": 2})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 2)
+    assert config.disable_by_batch_size is None
+    config = SpeculativeConfig.from_mapping(
+        {"num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    )
+    assert config.disable_by_batch_size == 8
     bad = [
         ({"prompt_lookup_max": 3}, "num_speculative_tokens is required"),
         ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 16\], got 0"),
@@ -89,6 +94,8 @@ def test_speculative_config_takes_vllms_dict_and_names_bad_fields() -> None:
             r"prompt_lookup_max \(2\) must be >= prompt_lookup_min \(4\)",
         ),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be >= 1"),
+        ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must"),
+        ({"num_speculative_tokens": 2, "disable_by_batch_size": "4"}, "must be an int, got str"),
     ]
     for raw, message in bad:
         with pytest.raises(ValueError, match=message):

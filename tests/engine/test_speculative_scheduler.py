@@ -126,3 +126,21 @@ def test_drafts_take_only_the_budget_left() -> None:
     out = scheduler.schedule()
     (entry,) = out.scheduled
     assert entry.num_query_tokens == 3 and len(entry.draft_token_ids) == 2
+
+
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size() -> None:
+    manager = BlockManager(64, 4, enable_prefix_caching=True)
+    config = SpeculativeConfig(4, prompt_lookup_max=3, prompt_lookup_min=1, disable_by_batch_size=1)
+    scheduler = Scheduler(SchedulerConfig(8, 64), manager, [EOS], NgramProposer(config))
+    first = add(scheduler, [5, 6, 7, 8, 9, 10, 5, 6], max_tokens=12)
+    second = add(scheduler, [5, 6, 7, 8, 9, 10, 5, 6], max_tokens=2)
+    drafted: list[bool] = []
+    while scheduler.num_unfinished:
+        out = scheduler.schedule()
+        if all(e.num_new_tokens == 1 for e in out.scheduled):
+            drafted.append(any(e.draft_token_ids for e in out.scheduled))
+        scheduler.update(out, fake_run(out))
+    # two running: no drafts until the second finishes after its two tokens
+    assert drafted[0] is False and all(drafted[1:])
+    assert first.output_token_ids == [7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]
+    assert second.output_token_ids == [7, 8]
