@@ -5,7 +5,8 @@ Lifecycle of a request here (queue names are the request's states):
                   prefill worker keeps its lease and asks again, or falls back to recompute)
   transferring -- the KV arrives over the pairwise channel into the reserved blocks
   decoding     -- admitted into the running batch; every step's tokens for all requests of a
-                  gateway leave as one OutputBatch
+                  gateway leave as one OutputBatch (with speculative decoding a step checks a
+                  sequence's ngram drafts too, and may emit several tokens of it)
   recomputing  -- the KV never arrived (or the worker was preempted): the prompt runs here
   finished     -- stop token, max tokens, abort; blocks freed
 In colocated mode (no prefill pool) requests are submitted here directly and run both phases
@@ -25,6 +26,7 @@ from engine.handoff import PrefillResult, Reservation
 from engine.llm_engine import LLMEngine
 from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
+from engine.speculative.config import SpeculativeConfig
 from kv_transfer import (
     ChannelRendezvous,
     KVCacheLayout,
@@ -48,10 +50,11 @@ class DecodeWorker:
         cache: CacheConfig,
         scheduler: SchedulerConfig,
         transfer: TransferConfig,
+        speculative: SpeculativeConfig | None = None,  # ngram drafts checked each step; None: off
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
-        self.engine = LLMEngine(load, cache, scheduler)
+        self.engine = LLMEngine(load, cache, scheduler, speculative)
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
         self._transfer_totals = TransferTotals()  # KV hand-offs received
         self.loop = EngineLoop(self.engine, worker_id)

@@ -18,6 +18,7 @@ import ray
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
+from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
 from router.cpu_binding import bind_this_thread
 
@@ -37,13 +38,14 @@ class DecodeActor:
         scheduler: SchedulerConfig,
         transfer: TransferConfig,
         cpus: tuple[int, ...] = (),
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if cpus:  # before the engine and its threads start
             bind_this_thread(cpus)
         from decode_worker.worker import DecodeWorker
 
         transfer = _bind_to_node(transfer)
-        self.worker = DecodeWorker(worker_id, load, cache, scheduler, transfer)
+        self.worker = DecodeWorker(worker_id, load, cache, scheduler, transfer, speculative)
 
     def ready(self) -> str:
         return self.worker.worker_id

@@ -11,10 +11,12 @@ stays importable on a CPU head node without torch.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 
 from engine.engine_config import ATTENTION_BACKENDS
+from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import describe_auto
 from router.cluster_config import ClusterConfig
 from router.gateway.reasoning import REASONING_PARSERS
@@ -25,6 +27,15 @@ from router.policies import POLICY_NAMES
 # --max-body-bytes at most: the gRPC server's receive limit is twice it, in a C int
 # (router/gateway/grpc_service.py), and 1 GiB overflowed it
 MAX_BODY_BYTES = 512 << 20
+
+_SPECULATIVE_HELP = (
+    "speculative decoding, as vLLM's JSON: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' drafts up '
+    "to num_speculative_tokens tokens per step, those that followed the latest earlier "
+    "occurrence of the sequence's last n tokens in its prompt and output (n from "
+    "prompt_lookup_max down to prompt_lookup_min; either alone sets both, neither: 5), and "
+    "keeps the ones the model agrees with (greedy output is unchanged; default: off)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--n", type=int, default=1)
     _add_engine_args(gen)
+    gen.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        metavar="JSON",
+        help=_SPECULATIVE_HELP,
+    )
 
     serve = commands.add_parser(
         "serve", help="start the cluster with its OpenAI HTTP gateway and gRPC service"
@@ -151,6 +169,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="Ray custom resource each decode worker needs one unit of (e.g. 'decode')",
     )
+    cluster.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        metavar="JSON",
+        help=_SPECULATIVE_HELP + "; the decode workers (colocated ones too) speculate",
+    )
     front = serve.add_argument_group("front doors")
     front.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
     front.add_argument("--http-port", type=_int_in(0, 65535), default=8000, help="0: any free port")
@@ -225,6 +250,24 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     oneshot.add_argument("--temperature", type=float, default=0.0)
 
 
+def speculative_config(text: str) -> SpeculativeConfig:
+    """An argparse type: vLLM's ``speculative_config`` JSON object, checked (argparse's error
+    names the flag; ours the field)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"num_speculative_tokens\": 4}}', "
+            f"got {type(raw).__name__}"
+        )
+    try:
+        return SpeculativeConfig.from_mapping(raw)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer in [low, high] (argparse's error names the flag)."""
 
@@ -267,6 +310,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
+        speculative_config=args.speculative_config,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -326,6 +370,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         bind_worker_cpus=args.bind_worker_cpus,
         prefill_resources={args.prefill_resource: 1.0} if args.prefill_resource else {},
         decode_resources={args.decode_resource: 1.0} if args.decode_resource else {},
+        speculative=args.speculative_config,
     )
     return run_serve(args, config)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
 from engine.scheduler import SchedulerConfig
+from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import FailurePolicy, TransferConfig, describe_auto, transports_for
 from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
@@ -36,6 +37,9 @@ class ClusterConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9  # cuda: of each GPU, for the workers sharing it together
     max_model_len: int | None = None
+    # ngram speculative decoding on the decode (and colocated) workers; None: off. Prefill
+    # workers sample only each prompt's first token, so they never speculate.
+    speculative: SpeculativeConfig | None = None
     worker_num_cpus: float = 1.0  # Ray CPUs per worker actor (0 in tests)
     worker_num_gpus: float = 0.0  # GPUs per worker actor; fractions share a GPU
     bind_worker_cpus: bool = False  # local Ray only: each worker on cores of its own

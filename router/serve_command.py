@@ -53,7 +53,9 @@ def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     try:
         if args.prompt:
             print(
-                f"pdserve: cluster up ({_pools(config)} workers{_kv_transport(config)})", flush=True
+                f"pdserve: cluster up ({_pools(config)} workers{_kv_transport(config)}"
+                f"{_speculation(config)})",
+                flush=True,
             )
             return _generate_once(cluster, model, args.prompt, args.max_tokens, args.temperature)
         server = GatewayServer(
@@ -153,7 +155,7 @@ def _banner(config: ClusterConfig, model: ServedModel, server: GatewayServer, au
         curl += ' -H "Authorization: Bearer $PDSERVE_API_KEY"'
     lines = [
         f"pdserve: serving {model.name!r} with {pools} workers "
-        f"(policy {config.router_policy}{_kv_transport(config)})",
+        f"(policy {config.router_policy}{_kv_transport(config)}{_speculation(config)})",
         f"  OpenAI HTTP  {server.http_url}/v1   (health {server.http_url}/health)",
     ]
     if server.grpc_port is not None:
@@ -170,6 +172,13 @@ def _pools(config: ClusterConfig) -> str:
 
 def _kv_transport(config: ClusterConfig) -> str:
     return "" if config.colocated else f", KV over {config.transport_in_words}"
+
+
+def _speculation(config: ClusterConfig) -> str:
+    spec = config.speculative
+    if spec is None:
+        return ""
+    return f", {spec.method} speculation of up to {spec.num_speculative_tokens} tokens"
 
 
 def _wait_for_signal() -> None:

@@ -59,6 +59,7 @@ class WorkerLauncher:
         self._load, self._cache = config.load_config(), config.cache_config()
         self._scheduler, self._transfer = config.scheduler_config(), config.transfer_config()
         self._prefill_scheduler = config.prefill_scheduler_config()
+        self._speculative = config.speculative  # the decode pool's only: prefill never drafts
         common = {"num_cpus": config.worker_num_cpus, "num_gpus": config.worker_num_gpus}
         self._decode_cls = remote_decode_actor(**common, resources=config.decode_resources or None)
         self._prefill_cls = remote_prefill_actor(
@@ -70,7 +71,13 @@ class WorkerLauncher:
         ``decode_handles`` (by id)."""
         if slot.role == "decode":
             return self._decode_cls.remote(
-                worker_id, self._load, self._cache, self._scheduler, self._transfer, slot.cpus
+                worker_id,
+                self._load,
+                self._cache,
+                self._scheduler,
+                self._transfer,
+                slot.cpus,
+                self._speculative,
             )
         return self._prefill_cls.remote(
             worker_id,

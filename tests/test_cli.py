@@ -19,6 +19,7 @@ import torch
 
 from engine.messages import TokenEvent
 from engine.sampling.params import SamplingParams
+from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import describe_auto
 from router.cli import build_parser, main
 from router.cluster import RequestFailedError, SlotRestarts, WorkerStatus
@@ -546,3 +547,71 @@ def test_max_worker_restarts_reaches_the_cluster_config(monkeypatch: pytest.Monk
     assert main(["serve", "--max-worker-restarts", "0"]) == 0
     assert main(["serve"]) == 0
     assert [c.max_worker_restarts for c in configs] == [0, 10]
+
+
+# ---- --speculative-config: vLLM's JSON, checked before anything starts -----------------------
+
+_NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"num_speculative_tokens": 4', "not valid JSON (Expecting ',' delimiter"),
+        ("4", "must be a JSON object such as"),
+        ('{"num_speculative_tokens": 4, "model": "x"}', "unknown key(s) model; accepted: method"),
+        ('{"prompt_lookup_max": 4}', "speculative_config.num_speculative_tokens is required"),
+        (
+            '{"num_speculative_tokens": 0}',
+            "speculative_config.num_speculative_tokens must be in [1, 16], got 0",
+        ),
+        (
+            '{"num_speculative_tokens": 17}',
+            "speculative_config.num_speculative_tokens must be in [1, 16], got 17",
+        ),
+        ('{"num_speculative_tokens": "4"}', "num_speculative_tokens must be an int, got str"),
+        (
+            '{"method": "eagle", "num_speculative_tokens": 4}',
+            "speculative_config.method must be 'ngram', got 'eagle'",
+        ),
+        (
+            '{"num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+            "prompt_lookup_max (2) must be >= prompt_lookup_min (3)",
+        ),
+    ],
+)
+def test_a_bad_speculative_config_is_refused_naming_the_flag_and_the_field(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the model, Ray or the servers start (exit status 2, as argparse's errors)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--speculative-config", value])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --speculative-config: " in error and message in error, error
+
+
+def test_the_speculative_config_reaches_the_cluster_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    configs: list[ClusterConfig] = []
+
+    def run_serve(args: object, config: ClusterConfig) -> int:
+        configs.append(config)
+        return 0
+
+    monkeypatch.setattr("router.serve_command.run_serve", run_serve)
+    assert main(["serve", "--speculative-config", _NGRAM_4]) == 0
+    colocated = ["--prefill", "0", "--decode", "2"]
+    assert main(["serve", *colocated, "--speculative-config", '{"num_speculative_tokens": 2}']) == 0
+    assert main(["serve"]) == 0
+    assert [c.speculative for c in configs] == [
+        SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=4),
+        SpeculativeConfig(num_speculative_tokens=2),  # vLLM's lookup window: 5 both ways
+        None,  # off by default
+    ]
+
+
+def test_generate_takes_the_same_speculative_config() -> None:
+    flags = ["generate", "--model", "m", "--prompt", "x"]
+    args = build_parser().parse_args([*flags, "--speculative-config", _NGRAM_4])
+    assert args.speculative_config == SpeculativeConfig(4, 4, 4)
+    assert build_parser().parse_args(flags).speculative_config is None

@@ -7,8 +7,9 @@ Two sources, one endpoint:
   whose every prompt met the configured TTFT and TPOT targets);
 - worker-level gauges and counters labelled ``role`` and ``worker``, read at scrape time from
   the load reports the router already polls from every worker (running, waiting, KV usage,
-  prefix-cache hit rate, preemptions, KV transfer bytes and seconds). So ``/metrics`` covers
-  every worker, however many there are, without Ray's metrics export.
+  prefix-cache hit rate, preemptions, KV transfer bytes and seconds, speculative decoding's draft
+  tokens and those accepted). So ``/metrics`` covers every worker, however many there are,
+  without Ray's metrics export.
 
 Label values are bounded: worker ids and roles come from the cluster; statuses from a fixed set.
 """
@@ -73,6 +74,12 @@ class _WorkerCollector(Collector):
         queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         transfer_bytes = counter("kv_transfer_bytes", "KV bytes sent (prefill) or received")
+        drafts = counter(
+            "spec_decode_num_draft_tokens", "Speculative draft tokens the worker checked"
+        )
+        accepted = counter(
+            "spec_decode_num_accepted_tokens", "Of those draft tokens, the ones that stood"
+        )
         transfer_seconds = SummaryMetricFamily(
             "pdserve:kv_transfer_seconds", "Wall time of KV transfers", labels=labels
         )
@@ -98,8 +105,10 @@ class _WorkerCollector(Collector):
             transfer_seconds.add_metric(
                 values, count_value=totals.num_kv_transfers, sum_value=totals.kv_transfer_seconds
             )
+            drafts.add_metric(values, totals.num_draft_tokens)
+            accepted.add_metric(values, totals.num_accepted_draft_tokens)
         yield from (alive, running, waiting, kv_usage, hit_rate, generated, prefilled, preemptions)
-        yield from (queries, hits, transfer_bytes, transfer_seconds)
+        yield from (queries, hits, transfer_bytes, transfer_seconds, drafts, accepted)
 
 
 class _RouterCollector(Collector):

@@ -1,6 +1,7 @@
 // Runs the dashboard's script in Node, without a browser: a stand-in DOM (canvases draw
 // nothing) and a fetch that answers /metrics with the scripted bodies, one per poll, 20 s
-// apart. Prints what the page shows: {"pools": header text, "advice": advice text}.
+// apart. Prints what the page shows: {"pools": header text, "advice": advice text, "points":
+// {canvas id: points its chart drew}}.
 // Usage: node dashboard_harness.js dashboard.js scrapes.json
 "use strict";
 const fs = require("fs");
@@ -42,5 +43,8 @@ vm.runInContext(fs.readFileSync(scriptPath, "utf8") + "\nthis.poll = poll;", con
 (async () => {
   for (let i = 1; i < scrapes.length; i++) await context.poll(); // the script polled once
   const advice = element("advice").children.map((c) => c.textContent).join(" ");
-  process.stdout.write(JSON.stringify({ pools: element("pools").textContent, advice }));
+  const points = {};
+  for (const [id, el] of Object.entries(elements))
+    if (el.dataset.points !== undefined) points[id] = Number(el.dataset.points);
+  process.stdout.write(JSON.stringify({ pools: element("pools").textContent, advice, points }));
 })();

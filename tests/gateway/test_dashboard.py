@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -216,7 +217,7 @@ def test_dashboard_advises_prefill_workers_while_decode_workers_absorb_a_backlog
     assert ("add prefill workers" in advice.group(0)) is advised
 
 
-def _in_node(scrapes: list[str], tmp: Path) -> dict[str, str]:
+def _in_node(scrapes: list[str], tmp: Path) -> dict[str, Any]:
     """What the page shows after polling ``scrapes`` (one /metrics body per poll), its script
     run in Node (``dashboard_harness.js``: a stand-in DOM; no browser needed)."""
     import json
@@ -236,7 +237,7 @@ def _in_node(scrapes: list[str], tmp: Path) -> dict[str, str]:
         timeout=60,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    shown: dict[str, str] = json.loads(run.stdout)
+    shown: dict[str, Any] = json.loads(run.stdout)
     return shown
 
 
@@ -257,7 +258,26 @@ def test_dashboard_shows_restarts_and_names_the_slots_restarted_lately(tmp_path:
     assert "Workers restarted in the last 2 min: decode-0 (1):" in shown["advice"]
     assert "prefill-0" not in shown["advice"]
     quiet = _in_node([body(1)] * 6, tmp_path)  # restarted before the page opened only
-    assert quiet == {
-        "pools": "pools: 1 prefill · 1 decode · 1 worker restart since start",
-        "advice": "Within SLOs (p90 over the last 30 s).",
-    }
+    assert quiet["pools"] == "pools: 1 prefill · 1 decode · 1 worker restart since start"
+    assert quiet["advice"] == "Within SLOs (p90 over the last 30 s)."
+
+
+def test_dashboard_draws_draft_acceptance_for_workers_that_speculate(tmp_path: Path) -> None:
+    """A line per worker whose draft tokens grow (decode-0 here); none for a worker that
+    checks no drafts (prefill-0), so a cluster without --speculative-config draws none."""
+
+    def body(n: int, drafts_per_scrape: int) -> str:
+        return (
+            'pdserve:worker_alive{role="prefill",worker="prefill-0"} 1\n'
+            'pdserve:worker_alive{role="decode",worker="decode-0"} 1\n'
+            'pdserve:spec_decode_num_draft_tokens_total{role="prefill",worker="prefill-0"} 0\n'
+            'pdserve:spec_decode_num_accepted_tokens_total{role="prefill",worker="prefill-0"} 0\n'
+            "pdserve:spec_decode_num_draft_tokens_total"
+            f'{{role="decode",worker="decode-0"}} {drafts_per_scrape * n}\n'
+            "pdserve:spec_decode_num_accepted_tokens_total"
+            f'{{role="decode",worker="decode-0"}} {drafts_per_scrape // 2 * n}\n'
+        )
+
+    speculating = _in_node([body(n, 10) for n in range(1, 5)], tmp_path)
+    assert speculating["points"]["spec"] == 3  # one per scrape after the first
+    assert _in_node([body(n, 0) for n in range(1, 5)], tmp_path)["points"]["spec"] == 0

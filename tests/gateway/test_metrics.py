@@ -11,7 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.cluster import SlotRestarts
+from engine.messages import WorkerCounters, WorkerLoad
+from router.cluster import SlotRestarts, WorkerStatus
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.server import GatewayServer
 from router.gateway.text_stream import FinishedGeneration
@@ -116,6 +117,11 @@ def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -
     for reason in LOCAL_PREFILL_REASONS:  # exported, though this cluster prefills none locally
         assert ("pdserve:local_prefills_total", (("reason", reason),)) in after
         assert delta("pdserve:local_prefills_total", reason=reason) == 0
+    # exported per worker, though this cluster does not speculate (no --speculative-config)
+    for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+        for role in ("prefill", "decode"):
+            assert any(n == f"pdserve:{name}_total" and ("role", role) in ls for n, ls in after)
+        assert delta(f"pdserve:{name}_total") == 0
 
 
 def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewayServer) -> None:
@@ -165,3 +171,32 @@ def test_worker_restarts_are_counted_per_slot() -> None:
     value = metrics.registry.get_sample_value
     assert value("pdserve:worker_restarts_total", {"role": "decode", "slot": "decode-0"}) == 2
     assert value("pdserve:worker_restarts_total", {"role": "prefill", "slot": "prefill-0"}) == 0
+
+
+def test_speculative_decoding_counters_are_exported_per_worker() -> None:
+    """vLLM's ``spec_decode_num_draft_tokens`` / ``_accepted_tokens``, labelled as the other
+    worker counters: read from each live worker's latest load report."""
+
+    def status(worker_id: str, role: str, alive: bool, **counters: int) -> WorkerStatus:
+        load = WorkerLoad(worker_id, 0, 0, 0, 0.0, WorkerCounters(**counters))
+        return WorkerStatus(worker_id, role, alive, load)
+
+    statuses = [
+        status("decode-0", "decode", True, num_draft_tokens=40, num_accepted_draft_tokens=12),
+        status("decode-1", "decode", False, num_draft_tokens=9),  # out of rotation: not exported
+        status("prefill-0", "prefill", True),
+    ]
+    metrics = GatewayMetrics(lambda: statuses, dict, list, SloTargets())
+    value = metrics.registry.get_sample_value
+    drafts, accepted = (
+        "pdserve:spec_decode_num_draft_tokens",
+        "pdserve:spec_decode_num_accepted_tokens",
+    )
+    decode_0 = {"role": "decode", "worker": "decode-0"}
+    assert value(f"{drafts}_total", decode_0) == 40
+    assert value(f"{accepted}_total", decode_0) == 12
+    assert value(f"{drafts}_total", {"role": "decode", "worker": "decode-1"}) is None
+    prefill_0 = {"role": "prefill", "worker": "prefill-0"}
+    assert value(f"{drafts}_total", prefill_0) == value(f"{accepted}_total", prefill_0) == 0
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    assert families[drafts].type == families[accepted].type == "counter"

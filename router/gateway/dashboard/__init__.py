@@ -32,6 +32,8 @@ DASHBOARD_METRICS = (
     "pdserve:local_prefills",
     "pdserve:worker_alive",
     "pdserve:worker_restarts",
+    "pdserve:spec_decode_num_draft_tokens",
+    "pdserve:spec_decode_num_accepted_tokens",
 )
 
 

@@ -83,6 +83,14 @@ function counterRate(i, name, worker) {
   return rate(i, name, { worker });
 }
 
+// speculative decoding: the share of a worker's draft tokens that stood, over the window
+// (null while it checked none: prefill workers, or no --speculative-config)
+function acceptanceRate(i, name, worker) {
+  const drafted = rate(i, name, { worker });
+  const accepted = rate(i, "pdserve:spec_decode_num_accepted_tokens_total", { worker });
+  return drafted ? accepted / drafted : null;
+}
+
 // one line per worker: a gauge's value (or, with counterRate, a counter's rate) over time
 function workerSeries(name, valueAt = gaugeValue) {
   const last = history[history.length - 1];
@@ -194,6 +202,8 @@ function render() {
     return r === null ? null : r / 1e9;
   })]);
   drawChart("prefill", workerSeries("pdserve:worker_prefill_tokens_total", counterRate));
+  drawChart("spec", workerSeries("pdserve:spec_decode_num_draft_tokens_total", acceptanceRate)
+    .filter((line) => line.points.length));
   advice(latest);
 }
 

@@ -1,0 +1,84 @@
+"""Speculative decoding on the cluster (``--speculative-config``): greedy output is the offline
+engine's without speculation, token for token, and the decode workers draft while the prefill
+workers never do. Prompts repeat a random block three times, so prompt lookup finds n-grams."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from engine.speculative.config import SpeculativeConfig
+from router.cluster import Cluster
+from tests.fixtures.local_cluster import local_cluster_config
+
+pytestmark = pytest.mark.timeout(180)
+
+SPECULATIVE = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1)
+
+
+def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    blocks = [[random.Random(seed).randrange(3, 1000) for _ in range(8)] for seed in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    return [block * 3 for block in blocks], [params] * len(blocks)
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir: Path) -> list[list[int]]:
+    """The offline engine's greedy tokens, without speculation."""
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
+    return [o.outputs[0].token_ids for o in llm.generate(*_workload())]
+
+
+@pytest.fixture
+def cluster(
+    request: pytest.FixtureRequest, ray_session: None, llama_dir: Path
+) -> Iterator[Cluster]:
+    num_prefill = request.param
+    config = local_cluster_config(
+        llama_dir, num_prefill=num_prefill, num_decode=1, speculative=SPECULATIVE
+    )
+    started = Cluster.start(config)
+    yield started
+    started.shutdown()
+
+
+def _run_all(cluster: Cluster) -> list[list[int]]:
+    async def collect(prompt: list[int], params: SamplingParams) -> list[int]:
+        return [event.token_id async for event in cluster.generate(prompt, params)]
+
+    async def main() -> list[list[int]]:
+        return list(await asyncio.gather(*(collect(p, s) for p, s in zip(*_workload()))))
+
+    return asyncio.run(main())
+
+
+def _speculates(actor: object) -> bool:
+    ref = actor.__ray_call__.remote(  # type: ignore[attr-defined]
+        lambda self: self.worker.loop.engine.scheduler.proposer is not None
+    )
+    return bool(ray.get(ref))
+
+
+@pytest.mark.parametrize("cluster", [1, 0], ids=["1p1d", "colocated"], indirect=True)
+def test_greedy_requests_match_the_offline_engine_and_the_decode_worker_drafts(
+    cluster: Cluster, expected: list[list[int]]
+) -> None:
+    assert _run_all(cluster) == expected
+    workers = cluster.workers.values()
+    assert {w.worker_id: _speculates(w.actor) for w in workers} == {
+        w.worker_id: w.role == "decode" for w in workers
+    }
+    cluster._poll_loads()
+    counters = {s.worker_id: s.load.counters for s in cluster.worker_statuses() if s.load}
+    decode = counters["decode-0"]
+    # drafts were checked and some stood: those steps emitted several tokens of a request
+    assert decode.num_draft_tokens > 0 and decode.num_accepted_draft_tokens > 0, decode
+    assert decode.num_accepted_draft_tokens <= decode.num_draft_tokens
+    if "prefill-0" in counters:
+        assert counters["prefill-0"].num_draft_tokens == 0

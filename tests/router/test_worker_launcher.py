@@ -1,0 +1,61 @@
+"""The launcher hands each pool's actors their settings: speculative decoding goes to the decode
+pool only (a prefill worker samples each prompt's first token, never a draft), the same for a
+worker started in a dead one's slot. Actor classes are recorders here; no Ray."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.speculative.config import SpeculativeConfig
+from router.cluster_config import ClusterConfig
+from router.worker_slots import WorkerLauncher, plan_slots
+
+
+class _RecordingActor:
+    def __init__(self, role: str, started: list[tuple[str, tuple[Any, ...]]]) -> None:
+        self.role, self.started = role, started
+
+    def remote(self, *args: Any) -> str:
+        self.started.append((self.role, args))
+        return f"{self.role}-actor"
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[Any, ...]]]:
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    monkeypatch.setattr(
+        "router.worker_slots.remote_decode_actor", lambda **_: _RecordingActor("decode", calls)
+    )
+    monkeypatch.setattr(
+        "router.worker_slots.remote_prefill_actor", lambda **_: _RecordingActor("prefill", calls)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("num_prefill", [1, 0], ids=["disaggregated", "colocated"])
+def test_the_speculative_config_reaches_decode_actors_only(
+    started: list[tuple[str, tuple[Any, ...]]], num_prefill: int
+) -> None:
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
+    config = ClusterConfig("model", num_prefill=num_prefill, num_decode=2, speculative=spec)
+    launcher = WorkerLauncher(config)
+    for slot in plan_slots(config, None):
+        launcher.launch(slot, slot.worker_id(0), {})
+    assert [role for role, _ in started] == ["decode", "decode"] + ["prefill"] * num_prefill
+    for role, args in started:
+        if role == "decode":  # DecodeActor(worker_id, load, cache, scheduler, transfer, cpus, spec)
+            assert args[-1] is spec
+        else:
+            assert spec not in args
+
+
+def test_without_a_speculative_config_decode_actors_get_none(
+    started: list[tuple[str, tuple[Any, ...]]],
+) -> None:
+    config = ClusterConfig("model", num_prefill=0, num_decode=1)
+    (slot,) = plan_slots(config, None)
+    WorkerLauncher(config).launch(slot, slot.worker_id(1), {})  # a replacement, the same way
+    ((_, args),) = started
+    assert args[0] == "decode-0-r1" and args[-1] is None
