@@ -2,7 +2,8 @@
 
     .venv/bin/python -m bench.speculative [--model engine/demo_model/assets] [--device cpu]
         [--batch-sizes 1,8,32] [--output-len 128] [--num-speculative-tokens 2,4]
-        [--prompt-lookup-min 1] [--prompt-lookup-max 3] [--repeats 3] [--threads 1]
+        [--prompt-lookup-min 1] [--prompt-lookup-max 3] [--disable-by-batch-size N]
+        [--repeats 3] [--threads 1]
 
 Two workloads of greedy requests (``ignore_eos``, ``--output-len`` tokens each):
 - ``docstrings``: the first 24 tokens of docstrings from the demo model's own corpus (Python's
@@ -55,6 +56,7 @@ def make_engine(args: argparse.Namespace, num_speculative_tokens: int) -> LLM:
             "num_speculative_tokens": num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max,
+            "disable_by_batch_size": args.disable_by_batch_size,
         }
     return LLM(
         args.model,
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", default="2,4")
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
     parser.add_argument("--prompt-lookup-max", type=int, default=3)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)

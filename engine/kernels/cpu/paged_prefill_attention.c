@@ -162,7 +162,16 @@ static inline __attribute__((always_inline)) void tile_values(
             store16(a + 2 * head_dim, a20), store16(a + 2 * head_dim + 16, a21);
             store16(a + 3 * head_dim, a30), store16(a + 3 * head_dim + 16, a31);
         }
-    for (; r < rows; r++) /* the rows left over, or any head_dim */
+    for (; r < rows && head_dim % 32 == 0; r++) /* the rows left over, one at a time */
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            float *a = acc + r * head_dim + d;
+            const float *p = probs + r * KV_TILE;
+            vec16 a0 = load16(a) * corrections[r], a1 = load16(a + 16) * corrections[r];
+            for (int t = 0; t < KV_TILE; t++)
+                a0 += p[t] * load16(v_rows[t] + d), a1 += p[t] * load16(v_rows[t] + d + 16);
+            store16(a, a0), store16(a + 16, a1);
+        }
+    for (; r < rows; r++) /* any head_dim */
         for (int64_t d = 0; d < head_dim; d++) {
             float a = acc[r * head_dim + d] * corrections[r];
             for (int t = 0; t < KV_TILE; t++) a += probs[r * KV_TILE + t] * v_rows[t][d];
