@@ -334,3 +334,16 @@ def test_sampled_output_follows_the_models_distribution(prompts: list[list[int]]
             counts[outcomes.index(tuple(out.outputs[0].token_ids))] += 1
     assert_matches(counts, np.array([expected[o] for o in outcomes]))
     assert_drafts_stood_and_fell(llm)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_other_attention_backends_check_drafts_too(
+    prompts: list[list[int]], expected: list[list[int]], backend: str
+) -> None:
+    """The torch reference and Triton (its interpreter without a GPU) run a sequence's token
+    and drafts through their prefill path, over its paged context."""
+    llm = speculating_llm(attention_backend=backend)
+    assert llm.engine.runner.attn_backend.name == backend
+    (out,) = llm.generate([prompts[4]], SamplingParams(temperature=0.0, max_tokens=24))
+    assert out.outputs[0].token_ids == expected[4][:24]
+    assert_drafts_stood_and_fell(llm)
