@@ -3,6 +3,7 @@
 #   bash bench/gpu/lease.sh tests   # the gpu-marked tests (kernels at full size, graphs,
 #                                   # transports), then bench.structured_masks on cuda
 #   bash bench/gpu/lease.sh bench   # bench.gpu --quick, then bench.engine_overhead on cuda
+#   bash bench/gpu/lease.sh speculative  # bench.speculative on cuda (drafts against none)
 # Logs and JSON go to $OUT (the device tool brings them back), else to bench/results/lease.
 # The GPU machine has python3 with torch, triton and transformers, and no ray, fastapi or
 # uvicorn: the tests and benchmarks drive the engine, kernels and kv_transfer directly.
@@ -25,8 +26,12 @@ bench)
     timeout 120 "$python" -m bench.engine_overhead --device cuda --batch-sizes 1,8,64,256 \
         --out "$out/engine_overhead.json" 2>&1 | tee "$out/engine_overhead.log"
     ;;
+speculative)
+    timeout 500 "$python" -m bench.speculative --device cuda --batch-sizes 1,8,32,128 \
+        --repeats 2 --out "$out/speculative.json" 2>&1 | tee "$out/speculative.log"
+    ;;
 *)
-    echo "usage: bash bench/gpu/lease.sh tests|bench" >&2
+    echo "usage: bash bench/gpu/lease.sh tests|bench|speculative" >&2
     exit 2
     ;;
 esac

@@ -347,3 +347,16 @@ def test_the_other_attention_backends_check_drafts_too(
     (out,) = llm.generate([prompts[4]], SamplingParams(temperature=0.0, max_tokens=24))
     assert out.outputs[0].token_ids == expected[4][:24]
     assert_drafts_stood_and_fell(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_drafts_give_the_tokens_of_the_engine_without_them(
+    prompts: list[list[int]],
+) -> None:
+    """Triton's prefill kernel checks the drafts; steps without drafts replay CUDA graphs."""
+    plain = LLM(str(DEMO_MODEL), dtype="float32", device="cuda")
+    llm = LLM(str(DEMO_MODEL), dtype="float32", device="cuda", speculative_config=NGRAM)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy())]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == expected
+    assert_drafts_stood_and_fell(llm)
