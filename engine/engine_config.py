@@ -38,6 +38,9 @@ class LoadConfig:
     # backend: elsewhere every step is eager anyway (engine/decode_graphs.py).
     enforce_eager: bool = False  # never capture CUDA graphs of decode steps
     max_capture_batch_size: int = 256  # largest decode batch captured (also <= max_num_seqs)
+    # where the tokenizer is, when not in model_dir (vLLM's ``tokenizer``); the engine reads it
+    # only to compile structured outputs against the vocabulary
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "dummy"):

@@ -61,6 +61,7 @@ class LLM:
                 max_model_len,
                 linear_backend,
                 enforce_eager=enforce_eager,
+                tokenizer=tokenizer,
             ),
             CacheConfig(
                 block_size,

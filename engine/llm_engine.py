@@ -143,7 +143,9 @@ class LLMEngine:
         proposer = None if speculative is None else NgramProposer(speculative)
         self.scheduler = Scheduler(scheduler, self.block_manager, eos, proposer)
         # structured outputs: compiled on the first request that asks (and checked there)
-        self.grammars = ModelGrammars(load.model_dir, self.model_config.vocab_size, eos)
+        self.grammars = ModelGrammars(
+            load.tokenizer or load.model_dir, self.model_config.vocab_size, eos
+        )
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,

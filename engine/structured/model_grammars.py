@@ -18,8 +18,10 @@ from engine.tokenizer import load_tokenizer
 
 
 class ModelGrammars:
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: Collection[int]):
-        self._model_dir = model_dir
+    def __init__(
+        self, tokenizer_dir: str | Path, vocab_size: int, eos_token_ids: Collection[int]
+    ) -> None:
+        self._tokenizer_dir = tokenizer_dir  # the model's, or LLM(tokenizer=...)
         self._vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
         self._eos_token_ids = frozenset(eos_token_ids)
         self._cache: GrammarCache | None = None
@@ -33,10 +35,10 @@ class ModelGrammars:
     def _grammar_cache(self) -> GrammarCache:
         with self._lock:
             if self._cache is None:
-                tokenizer = load_tokenizer(self._model_dir)
+                tokenizer = load_tokenizer(self._tokenizer_dir)
                 if tokenizer is None:
                     raise ValueError(
-                        f"structured_outputs needs the model's tokenizer; {self._model_dir} "
+                        f"structured_outputs needs the model's tokenizer; {self._tokenizer_dir} "
                         "has none"
                     )
                 vocabulary = TokenVocabulary.from_tokenizer(

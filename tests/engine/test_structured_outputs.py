@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -339,3 +340,23 @@ def test_vllms_structured_outputs_params_reads_the_same(llama_dir: Path) -> None
     )
     (output,) = _llm(llama_dir).generate([[5, 6, 7]], params)
     assert output.outputs[0].text in ("x", "y")
+
+
+def test_a_tokenizer_given_apart_from_the_model_compiles_the_grammars(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """``LLM(tokenizer=...)`` (vLLM's): a model directory without tokenizer files compiles
+    structured outputs against the tokenizer given, as the one beside it would."""
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for item in llama_dir.iterdir():
+        if item.suffix in (".json", ".safetensors") and "token" not in item.name:
+            shutil.copy(item, bare / item.name)
+    prompts = make_prompts(seed=29)[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=SPECS["regex"])
+    expected = _tokens(_llm(llama_dir).generate(prompts, params))
+    without = LLM(str(bare), dtype="float32", device="cpu", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        without.generate(prompts, params)
+    given = LLM(str(bare), dtype="float32", device="cpu", tokenizer=str(llama_dir))
+    assert _tokens(given.generate(prompts, params)) == expected
