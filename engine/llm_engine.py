@@ -603,15 +603,8 @@ def _appended_logprobs(
     """The logprobs of a sequence's ``num_tokens`` newest tokens, oldest first: drafts that
     stood, then the token sampled after them (which a finish on a draft leaves out)."""
     drafts = result.accepted_drafts.get(seq_id)
-    if drafts is None:
-        return [result.logprobs.get(seq_id)]
-    per_token: list[TokenLogprobs | None] = []
-    if drafts.logprobs is None:
-        per_token.extend([None] * len(drafts.token_ids))
-    else:
-        per_token.extend(drafts.logprobs)
-    per_token.append(result.logprobs.get(seq_id))
-    return per_token[:num_tokens]
+    before = [] if drafts is None else drafts.logprobs
+    return [*before, result.logprobs.get(seq_id)][:num_tokens]
 
 
 def _num_prefill_tokens(output: SchedulerOutput) -> int:

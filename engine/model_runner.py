@@ -174,12 +174,9 @@ class ModelRunner:
             num_accepted = 0  # the drafts stand up to the first that fell
             while num_accepted < num_drafts and checked.accepted[row + num_accepted]:
                 num_accepted += 1
-            kept = range(row, row + num_accepted)
-            kept_logprobs = [lp for lp in (checked.logprobs[i] for i in kept) if lp is not None]
+            kept = slice(row, row + num_accepted)
             accepted_drafts[seq_id] = AcceptedDrafts(
-                token_ids=[checked.token_ids[i] for i in kept],
-                logprobs=kept_logprobs if entry.seq.params.logprobs is not None else None,
-                num_drafts=num_drafts,
+                checked.token_ids[kept], checked.logprobs[kept], num_drafts
             )
             last = row + num_accepted  # the row whose token follows the drafts that stood
             tokens[seq_id] = checked.token_ids[last]

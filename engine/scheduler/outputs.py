@@ -67,5 +67,5 @@ class ModelRunnerOutput:
 @dataclass(frozen=True, slots=True)
 class AcceptedDrafts:
     token_ids: list[int]  # the drafts that stood, in order (possibly none)
-    logprobs: list[TokenLogprobs] | None  # each one's raw logprobs; None unless asked
+    logprobs: list[TokenLogprobs | None]  # each one's raw logprobs (None entries unless asked)
     num_drafts: int  # drafts the sequence had this step

@@ -43,7 +43,9 @@ def fake_run(output: SchedulerOutput, wrong_from: int | None = None) -> ModelRun
                 break
             stood.append(draft)
             last = draft
-        accepted[seq.seq_id] = AcceptedDrafts(stood, None, len(entry.draft_token_ids))
+        accepted[seq.seq_id] = AcceptedDrafts(
+            stood, [None] * len(stood), len(entry.draft_token_ids)
+        )
     return ModelRunnerOutput(sampled, accepted_drafts=accepted)
 
 
