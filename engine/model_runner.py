@@ -158,9 +158,7 @@ class ModelRunner:
                 speculating.append(entry)
                 drafts = entry.draft_token_ids
                 hidden_rows.extend(range(first_row, first_row + entry.num_query_tokens))
-                rows.extend(
-                    self._sampling_row(entry.seq, drafts[:j]) for j in range(len(drafts) + 1)
-                )
+                rows.extend(self._draft_rows(entry.seq, drafts))
                 draft_ids.extend((*drafts, NO_DRAFT))
             first_row += entry.num_query_tokens
         row_index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
@@ -272,9 +270,20 @@ class ModelRunner:
                 targets.append(target)
         return rows, targets
 
-    def _sampling_row(self, seq: Sequence, drafts_before: tuple[int, ...] = ()) -> SamplingRow:
-        """The row that samples ``seq``'s next token, or, with ``drafts_before``, the token
-        after those of the step's drafts (as if they were already its output)."""
+    def _draft_rows(self, seq: Sequence, drafts: tuple[int, ...]) -> list[SamplingRow]:
+        """The rows of ``seq``'s token and each of its drafts: row j samples the token after
+        ``drafts[:j]``, as if they were already its output (its history and min_tokens)."""
+        first = self._sampling_row(seq)
+        rows = [first]
+        for j in range(1, len(drafts) + 1):
+            output_token_ids = first.output_token_ids
+            if seq.params.uses_token_history:
+                output_token_ids = [*output_token_ids, *drafts[:j]]
+            banned = banned_token_ids(seq, self.eos_token_ids, num_drafts_before=j)
+            rows.append(replace(first, output_token_ids=output_token_ids, banned_token_ids=banned))
+        return rows
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
         generator = None
         if seq.seed is not None:
             generator = self._generators.get(seq.seq_id)
@@ -282,13 +291,10 @@ class ModelRunner:
                 generator = make_generator(seq.seed, self.device)
                 self._generators[seq.seq_id] = generator
         history = seq.params.uses_token_history  # copying the token lists costs O(context)
-        output_token_ids: SequenceOf[int] = ()
-        if history:
-            output_token_ids = seq.output_token_ids + list(drafts_before)
         return SamplingRow(
             params=seq.params,
             prompt_token_ids=seq.prompt_token_ids if history else (),
-            output_token_ids=output_token_ids,
+            output_token_ids=seq.output_token_ids if history else (),
             generator=generator,
-            banned_token_ids=banned_token_ids(seq, self.eos_token_ids, len(drafts_before)),
+            banned_token_ids=banned_token_ids(seq, self.eos_token_ids),
         )
