@@ -1,20 +1,30 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured at engine start.
 
+A graph's batch is its rows, one per token the step computes: a decoding sequence takes one
+row, and with speculative decoding one more per draft token, at the positions after its newest
+token. Every row is a query of one token attending to its own context, as the decode kernel
+computes it: a draft's row has a context one longer than the row before it, and the same
+block table. So a step of drafts (a verify step) replays the same graphs as a plain decode step.
+
 Lifecycle, per engine:
   start: static input buffers allocated, every row padding -> per captured batch size, largest
          first (smaller graphs reuse its pool memory): warm-up forwards (they compile the Triton
          kernels), then a capture of the model forward into one shared memory pool
-  step:  graph_batch_size (decode-only? fits?) -> pad_decode_inputs (host arrays padded to the
-         bucket) -> StaticDecodeBuffers.fill (one copy per buffer) -> replay -> the real rows'
-         hidden states; logits and sampling run eagerly after it, as for any step
-  a step that does not fit (a prompt chunk of more than one token, more sequences than the
-  largest bucket, a context beyond the static block table) runs the eager forward instead
+  step:  graph_batch_size (decoding sequences only? fits?) -> pad_decode_inputs (host arrays
+         padded to the bucket) -> StaticDecodeBuffers.fill (one copy per buffer) -> replay ->
+         the real rows' hidden states, in the step's order; logits, sampling and the drafts'
+         check run eagerly after it, as for any step
+  a step that does not fit (a prompt chunk of more than one token, more rows than the largest
+  bucket, a context beyond the static block table) runs the eager forward instead
 
 Padding rows hold token 0 at position 0 with slot -1 (the KV write skips negative slots) and a
 context of 1 token in block 0; their outputs are discarded. Nothing inside a graph depends on a
 host value: the attention metadata points at the static buffers, and its max_decode_seq_len is
 the static capacity (block-table width * block_size), so the decode kernel's partition count
 (default_num_splits of capacity, batch size, KV heads) is fixed per bucket at capture.
+
+A verify step's rows read their sequence's context once per row, where the eager step's
+prefill kernel reads it once per tile of query rows: the price of one graph shape for both.
 
 Graphs run only on CUDA with the Triton attention backend (``use_decode_graphs``).
 ``EagerCapturer`` stands in for CUDA graphs elsewhere, so CPU tests run everything around the
@@ -44,7 +54,9 @@ from engine.step_inputs import decode_tokens
 
 PAD_SLOT = -1  # slot_mapping of a padding row: its K/V are not written
 _SMALL_BATCH_SIZES = (1, 2, 4)
-_BATCH_SIZE_STEP = 8  # above the small sizes, every multiple of this is captured
+_BATCH_SIZE_STEP = 8  # above the small sizes, every multiple of this is captured ...
+_LARGE_BATCH_SIZE = 256  # ... up to this one; above it every multiple of _LARGE_BATCH_SIZE_STEP
+_LARGE_BATCH_SIZE_STEP = 16
 _NUM_WARMUPS = 2
 # torch allows one graph capture at a time per process; engines of several workers may share one
 _CAPTURE_LOCK = threading.Lock()
@@ -58,20 +70,30 @@ def use_decode_graphs(enforce_eager: bool, device: torch.device, attention_backe
 
 
 def capture_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
-    """The buckets: 1, 2, 4, every multiple of 8, and ``max_batch_size`` itself (none above)."""
+    """The buckets: 1, 2, 4, every multiple of 8 to 256, of 16 above, and ``max_batch_size``
+    itself (none above it)."""
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     sizes = {size for size in _SMALL_BATCH_SIZES if size <= max_batch_size}
-    sizes.update(range(_BATCH_SIZE_STEP, max_batch_size + 1, _BATCH_SIZE_STEP))
+    sizes.update(
+        range(_BATCH_SIZE_STEP, min(max_batch_size, _LARGE_BATCH_SIZE) + 1, _BATCH_SIZE_STEP)
+    )
+    sizes.update(range(_LARGE_BATCH_SIZE, max_batch_size + 1, _LARGE_BATCH_SIZE_STEP))
     sizes.add(max_batch_size)
     return tuple(sorted(sizes))
 
 
-def padded_batch_size(num_seqs: int, batch_sizes: SequenceOf[int]) -> int | None:
-    """The smallest of the sorted ``batch_sizes`` >= ``num_seqs``; None if 0 or above them."""
-    if num_seqs < 1:
+def max_decode_rows(max_num_seqs: int, rows_per_seq: int, max_num_batched_tokens: int) -> int:
+    """The most rows a decode step can have: ``max_num_seqs`` sequences of ``rows_per_seq``
+    rows each (1 + num_speculative_tokens with drafts), within the step's token budget."""
+    return min(max_num_seqs * rows_per_seq, max_num_batched_tokens)
+
+
+def padded_batch_size(num_rows: int, batch_sizes: SequenceOf[int]) -> int | None:
+    """The smallest of the sorted ``batch_sizes`` >= ``num_rows``; None if 0 or above them."""
+    if num_rows < 1:
         return None
-    index = bisect.bisect_left(batch_sizes, num_seqs)
+    index = bisect.bisect_left(batch_sizes, num_rows)
     return batch_sizes[index] if index < len(batch_sizes) else None
 
 
@@ -80,28 +102,29 @@ def graph_batch_size(
 ) -> int | None:
     """The bucket a step replays at; None: it runs eagerly.
 
-    Only decode-only steps (every sequence computes exactly one new token) whose contexts fit
-    ``max_seq_len`` (the static block table's capacity) and that have at most the largest
-    bucket's number of sequences run from a graph.
+    Only steps of decoding sequences (each computes its newest token, and its drafts if it has
+    any) whose contexts, drafts included, fit ``max_seq_len`` (the static block table's
+    capacity) and whose rows fit the largest bucket run from a graph.
     """
-    if any(entry.num_query_tokens != 1 for entry in step):
+    if any(entry.num_new_tokens != 1 for entry in step):
         return None
-    if any(entry.start_position >= max_seq_len for entry in step):
+    if any(entry.start_position + entry.num_query_tokens > max_seq_len for entry in step):
         return None
-    return padded_batch_size(len(step), batch_sizes)
+    return padded_batch_size(sum(entry.num_query_tokens for entry in step), batch_sizes)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeInputs:
-    """One decode-only step's inputs on the host, padded to a captured batch size."""
+    """One decode step's inputs on the host, padded to a captured batch size."""
 
-    num_seqs: int  # real sequences: rows [0, num_seqs); the rows after them are padding
-    input_ids: np.ndarray  # [batch_size] int64: each sequence's new token; 0 for padding
-    positions: np.ndarray  # [batch_size] int64: the new token's position; 0 for padding
+    num_rows: int  # real rows, one per token computed: [0, num_rows); the rows after are padding
+    input_ids: np.ndarray  # [batch_size] int64: the row's token; 0 for padding
+    positions: np.ndarray  # [batch_size] int64: its position; 0 for padding
     slot_mapping: np.ndarray  # [batch_size] int64: its KV slot; PAD_SLOT for padding
-    seq_lens: np.ndarray  # [batch_size] int64: context incl. the new token; 1 for padding
-    # [batch_size, num_columns] int64: the blocks holding each context (num_columns: the most
-    # any row needs), padded with block 0, which padding rows read
+    seq_lens: np.ndarray  # [batch_size] int64: its context, itself included; 1 for padding
+    # [batch_size, num_columns] int64: the blocks holding each row's context (num_columns: the
+    # most any row needs), padded with block 0, which padding rows read; a sequence's rows all
+    # get the blocks of its last one
     block_tables: np.ndarray
 
     @property
@@ -112,24 +135,29 @@ class DecodeInputs:
 def pad_decode_inputs(
     step: SequenceOf[ScheduledSequence], batch_size: int, block_size: int
 ) -> DecodeInputs:
-    """The inputs of a decode-only ``step`` padded to ``batch_size`` rows."""
-    num_seqs = len(step)
-    if not 1 <= num_seqs <= batch_size:
-        raise ValueError(f"a step of {num_seqs} sequences does not pad to {batch_size}")
+    """The inputs of a decode ``step`` (entries as ``graph_batch_size`` takes them) padded to
+    ``batch_size`` rows."""
     real = decode_tokens(step, block_size)
+    num_rows = len(real.positions)
+    if not 1 <= num_rows <= batch_size:
+        raise ValueError(f"a step of {num_rows} rows does not pad to {batch_size}")
     positions = np.zeros(batch_size, dtype=np.int64)
-    positions[:num_seqs] = real.positions
+    positions[:num_rows] = real.positions
     input_ids = np.zeros(batch_size, dtype=np.int64)
-    input_ids[:num_seqs] = real.input_ids
+    input_ids[:num_rows] = real.input_ids
     slot_mapping = np.full(batch_size, PAD_SLOT, dtype=np.int64)
-    slot_mapping[:num_seqs] = real.slot_mapping
+    slot_mapping[:num_rows] = real.slot_mapping
     seq_lens = np.ones(batch_size, dtype=np.int64)
-    seq_lens[:num_seqs] = real.positions + 1
+    seq_lens[:num_rows] = real.positions + 1
     blocks_needed = -(-seq_lens // block_size)  # [batch_size]
     block_tables = np.zeros((batch_size, int(blocks_needed.max())), dtype=np.int64)
-    for row, entry in enumerate(step):
-        block_tables[row, : blocks_needed[row]] = entry.seq.block_table[: blocks_needed[row]]
-    return DecodeInputs(num_seqs, input_ids, positions, slot_mapping, seq_lens, block_tables)
+    first_row = 0
+    for entry in step:
+        end = first_row + entry.num_query_tokens
+        needed = blocks_needed[end - 1]  # the sequence's last row has the longest context
+        block_tables[first_row:end, :needed] = entry.seq.block_table[:needed]
+        first_row = end
+    return DecodeInputs(num_rows, input_ids, positions, slot_mapping, seq_lens, block_tables)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +277,9 @@ class EagerCapturer:
 
 
 class DecodeGraphs:
-    """The model forward of decode-only steps, captured once per batch size in ``batch_sizes``
-    (sorted, as ``capture_batch_sizes`` gives them) and replayed from static inputs."""
+    """The model forward of decode steps (drafts included), captured once per batch size in
+    ``batch_sizes`` (rows, sorted, as ``capture_batch_sizes`` gives them) and replayed from
+    static inputs."""
 
     def __init__(
         self,
@@ -280,7 +309,7 @@ class DecodeGraphs:
                 self._replays[batch_size], self._outputs[batch_size] = capturer.capture(forward)
 
     def output_row_bytes(self) -> int:
-        """Bytes of one row of a graph's output (one sequence's hidden state)."""
+        """Bytes of one row of a graph's output (one token's hidden state)."""
         output = self._outputs[self.batch_sizes[-1]]
         return output.shape[1] * output.element_size()
 
@@ -292,15 +321,17 @@ class DecodeGraphs:
 
     def prepare(self, step: SequenceOf[ScheduledSequence]) -> Callable[[], torch.Tensor] | None:
         """Copy a step's padded inputs into the static buffers; the call returned replays its
-        graph and gives the real rows' hidden states, [num_seqs, hidden_size] (valid until the
-        next replay). None: the step cannot run from a graph (see graph_batch_size)."""
+        graph and gives the real rows' hidden states, [num_rows, hidden_size] in the step's
+        order (valid until the next replay). None: the step cannot run from a graph (see
+        graph_batch_size)."""
         batch_size = graph_batch_size(step, self.batch_sizes, self.max_seq_len)
         if batch_size is None:
             return None
-        self.buffers.fill(pad_decode_inputs(step, batch_size, self.block_size))
-        return functools.partial(self._replay, batch_size, len(step))
+        inputs = pad_decode_inputs(step, batch_size, self.block_size)
+        self.buffers.fill(inputs)
+        return functools.partial(self._replay, batch_size, inputs.num_rows)
 
-    def _replay(self, batch_size: int, num_seqs: int) -> torch.Tensor:
+    def _replay(self, batch_size: int, num_rows: int) -> torch.Tensor:
         self._replays[batch_size]()
         self.num_replays[batch_size] += 1
-        return self._outputs[batch_size][:num_seqs]
+        return self._outputs[batch_size][:num_rows]

@@ -37,7 +37,9 @@ class LoadConfig:
     # worker through ClusterConfig.load_config(). Graphs need CUDA and the Triton attention
     # backend: elsewhere every step is eager anyway (engine/decode_graphs.py).
     enforce_eager: bool = False  # never capture CUDA graphs of decode steps
-    max_capture_batch_size: int = 256  # largest decode batch captured (also <= max_num_seqs)
+    # largest decode batch captured, in sequences (also <= max_num_seqs); with speculative
+    # decoding its graph has a row per draft besides (engine/decode_graphs.py)
+    max_capture_batch_size: int = 256
     # where the tokenizer is, when not in model_dir (vLLM's ``tokenizer``); the engine reads it
     # only to compile structured outputs against the vocabulary
     tokenizer: str | None = None

@@ -20,6 +20,7 @@ from engine.decode_graphs import (
     CudaGraphCapturer,
     DecodeGraphs,
     capture_batch_sizes,
+    max_decode_rows,
     use_decode_graphs,
 )
 from engine.engine_config import CacheConfig, LoadConfig
@@ -114,9 +115,15 @@ class LLMEngine:
             block_size=cache.block_size,
             dtype=self.dtype,
         )
-        # decode steps of these batch sizes replay CUDA graphs; eager ones are sized alike
+        # decode steps of these batch sizes (rows: a token each, drafts included) replay CUDA
+        # graphs; eager ones are sized alike
+        rows_per_seq = 1 if speculative is None else 1 + speculative.num_speculative_tokens
         padded_batch_sizes = capture_batch_sizes(
-            min(load.max_capture_batch_size, scheduler.max_num_seqs)
+            max_decode_rows(
+                min(load.max_capture_batch_size, scheduler.max_num_seqs),
+                rows_per_seq,
+                scheduler.max_num_batched_tokens,
+            )
         )
         attn_backend = get_attention_backend(
             cache.attention_backend,
@@ -130,8 +137,7 @@ class LLMEngine:
         max_num_sample_rows = scheduler.max_num_seqs
         if speculative is not None:
             max_num_sample_rows = min(
-                scheduler.max_num_batched_tokens,
-                scheduler.max_num_seqs * (1 + speculative.num_speculative_tokens),
+                scheduler.max_num_batched_tokens, scheduler.max_num_seqs * rows_per_seq
             )
         num_blocks = self._num_kv_blocks(
             cache, scheduler, layout, attn_backend, graph_batch_sizes, max_num_sample_rows

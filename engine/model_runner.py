@@ -3,11 +3,11 @@
 Per step: copy-on-write block copies -> flatten the scheduled tokens (prompt chunks first, then
 single-token decodes) -> attention metadata -> forward under the forward context -> logits of
 the last token of every sequence that samples -> sampler -> logits of the prompt positions of
-sequences that owe prompt logprobs, only theirs (engine/prompt_logprobs.py). A decode-only step
-replays a captured CUDA graph of the forward instead, when the runner has them
-(engine/decode_graphs.py). A sequence with draft tokens (speculative decoding) runs its token
-and drafts like a prompt chunk, gives logits at each of them, and has its drafts checked
-(engine/speculative/rejection.py) instead of sampling once.
+sequences that owe prompt logprobs, only theirs (engine/prompt_logprobs.py). A decode step
+(no prompt chunk; drafts allowed) replays a captured CUDA graph of the forward instead, when
+the runner has them and it fits (engine/decode_graphs.py). A sequence with draft tokens
+(speculative decoding) runs its token and drafts like a prompt chunk, gives logits at each of
+them, and has its drafts checked (engine/speculative/rejection.py) instead of sampling once.
 """
 
 from __future__ import annotations
@@ -191,8 +191,8 @@ class ModelRunner:
     ) -> Callable[[], torch.Tensor]:
         """Put the step's inputs on the device; the call returned runs the forward and gives
         the hidden states of its tokens, [num_tokens, hidden_size]."""
-        if self.decode_graphs is not None and not prefills:
-            replay = self.decode_graphs.prepare(decodes)
+        if self.decode_graphs is not None:  # decode steps, drafts included; None if it won't fit
+            replay = self.decode_graphs.prepare(prefills + decodes)
             if replay is not None:
                 return replay
         input_ids, positions, metadata = self._prepare_inputs(prefills, decodes)

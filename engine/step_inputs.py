@@ -1,5 +1,5 @@
-"""Host-side arrays of a step's single-token (decode) sequences, as the eager runner and the
-CUDA-graph runner both feed them to the model."""
+"""Host-side arrays of a step's tokens, one row per token the forward runs, as the eager
+runner and the CUDA-graph runner both feed them to the model."""
 
 from __future__ import annotations
 
@@ -13,20 +13,46 @@ from engine.scheduler.outputs import ScheduledSequence
 
 @dataclass(frozen=True, slots=True)
 class DecodeTokens:
-    """Per decode sequence, in step order: the token it feeds, where, and the slot its K/V go."""
+    """Per row, in step order: the token it feeds, where, and the slot its K/V go. An entry
+    takes a row per query token: a decoding sequence one (its newest token) and one more per
+    draft (speculative decoding), at the positions after it."""
 
-    input_ids: np.ndarray  # [num_seqs] int64: the sequence's newest token
-    positions: np.ndarray  # [num_seqs] int64: that token's position (context length - 1)
-    slot_mapping: np.ndarray  # [num_seqs] int64: block_id * block_size + offset of that position
+    input_ids: np.ndarray  # [num_rows] int64
+    positions: np.ndarray  # [num_rows] int64: the token's position (its context length - 1)
+    slot_mapping: np.ndarray  # [num_rows] int64: block_id * block_size + offset of that position
+    entry_index: np.ndarray  # [num_rows] int64: which entry of the step the row belongs to
 
 
-def decode_tokens(decodes: SequenceOf[ScheduledSequence], block_size: int) -> DecodeTokens:
-    num_seqs = len(decodes)
-    positions = np.fromiter((e.start_position for e in decodes), np.int64, num_seqs)
-    input_ids = np.fromiter(
-        (e.seq.token_ids[e.start_position] for e in decodes), np.int64, num_seqs
-    )
-    blocks = np.fromiter(
-        (e.seq.block_table[e.start_position // block_size] for e in decodes), np.int64, num_seqs
-    )
-    return DecodeTokens(input_ids, positions, blocks * block_size + positions % block_size)
+def decode_tokens(entries: SequenceOf[ScheduledSequence], block_size: int) -> DecodeTokens:
+    num_entries = len(entries)
+    if all(e.num_query_tokens == 1 for e in entries):  # a decode step without drafts
+        positions = np.fromiter((e.start_position for e in entries), np.int64, num_entries)
+        input_ids = np.fromiter(
+            (e.seq.token_ids[e.start_position] for e in entries), np.int64, num_entries
+        )
+        blocks = np.fromiter(
+            (e.seq.block_table[e.start_position // block_size] for e in entries),
+            np.int64,
+            num_entries,
+        )
+        entry_index = np.arange(num_entries, dtype=np.int64)
+    else:
+        counts = np.fromiter((e.num_query_tokens for e in entries), np.int64, num_entries)
+        entry_index = np.repeat(np.arange(num_entries, dtype=np.int64), counts)
+        starts = np.fromiter((e.start_position for e in entries), np.int64, num_entries)
+        first_rows = np.cumsum(counts) - counts
+        rows = np.arange(len(entry_index), dtype=np.int64)
+        positions = starts[entry_index] + rows - first_rows[entry_index]
+        input_ids = np.fromiter(
+            (token for e in entries for token in e.query_token_ids()), np.int64, len(rows)
+        )
+        blocks = np.fromiter(
+            (
+                entries[entry].seq.block_table[position // block_size]
+                for entry, position in zip(entry_index.tolist(), positions.tolist())
+            ),
+            np.int64,
+            len(rows),
+        )
+    slot_mapping = blocks * block_size + positions % block_size
+    return DecodeTokens(input_ids, positions, slot_mapping, entry_index)

@@ -13,11 +13,12 @@ from engine.attention.metadata import AttentionMetadata
 @dataclass(frozen=True, slots=True)
 class DecodeSizing:
     """What an engine fixes about its decode steps, for a backend that sizes its work by them:
-    the longest context, and the batch sizes decode steps are padded to in CUDA graphs. An
-    eager step is sized as its graph would be, so the two compute the same bits."""
+    the longest context, and the batch sizes (rows: a token each, drafts included) decode
+    steps are padded to in CUDA graphs. An eager step is sized as its graph would be, so the
+    two compute the same bits."""
 
     max_context: int  # max_model_len
-    batch_sizes: tuple[int, ...]  # sorted; a step of more sequences is sized by its own count
+    batch_sizes: tuple[int, ...]  # sorted; a step of more rows is sized by its own count
 
 
 class AttentionBackend(ABC):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from engine.decode_graphs import (
     StaticDecodeBuffers,
     capture_batch_sizes,
     graph_batch_size,
+    max_decode_rows,
     pad_decode_inputs,
     padded_batch_size,
     use_decode_graphs,
@@ -58,6 +60,10 @@ def test_capture_batch_sizes() -> None:
     assert sizes[:6] == (1, 2, 4, 8, 16, 24)
     assert sizes[-1] == 256 and len(sizes) == 3 + 32
     assert all(size % 8 == 0 for size in sizes[3:])
+    # above 256 every multiple of 16 (a verify step has a row per draft besides its token)
+    larger = capture_batch_sizes(300)
+    assert larger[: len(sizes)] == sizes
+    assert larger[len(sizes) :] == (272, 288, 300)
     assert capture_batch_sizes(20) == (1, 2, 4, 8, 16, 20)  # the maximum itself is a bucket
     assert capture_batch_sizes(3) == (1, 2, 3)
     assert capture_batch_sizes(1) == (1,)
@@ -85,6 +91,30 @@ def test_graph_batch_size_takes_decode_only_steps_that_fit() -> None:
     assert graph_batch_size(decodes * 3, sizes, max_seq_len=16) is None  # 6 > largest bucket
     assert graph_batch_size(decodes, sizes, max_seq_len=8) is None  # context 9 > capacity 8
     assert graph_batch_size([], sizes, max_seq_len=16) is None
+
+
+def _drafting(
+    num_tokens: int, block_table: list[int], drafts: tuple[int, ...]
+) -> ScheduledSequence:
+    """A sequence of ``num_tokens`` tokens computing its last one, then ``drafts``."""
+    entry = _decode(num_tokens, block_table)
+    return replace(entry, draft_token_ids=drafts)
+
+
+def test_the_largest_bucket_has_a_row_per_draft_within_the_token_budget() -> None:
+    assert max_decode_rows(256, 1, 8192) == 256
+    assert max_decode_rows(256, 1 + 4, 8192) == 1280
+    assert max_decode_rows(256, 1 + 4, 1024) == 1024
+
+
+def test_a_sequence_with_drafts_takes_a_row_per_token() -> None:
+    sizes = capture_batch_sizes(8)
+    step = [_drafting(5, [7, 3], (1, 2, 3)), _decode(9, [1, 2, 6])]
+    assert graph_batch_size(step, sizes, max_seq_len=16) == 8  # 4 + 1 rows
+    assert graph_batch_size(step * 2, sizes, max_seq_len=16) is None  # 10 rows > 8
+    # the last draft sits at position 7: a context of 8 fits a capacity of 8, not of 7
+    assert graph_batch_size(step[:1], sizes, max_seq_len=8) == 4
+    assert graph_batch_size(step[:1], sizes, max_seq_len=7) is None
 
 
 def test_graphs_only_on_cuda_with_triton() -> None:
@@ -115,7 +145,7 @@ def test_pad_decode_inputs() -> None:
         _decode(9, [5, 2, 7]),  # position 8: block 7, offset 0
     ]
     inputs = pad_decode_inputs(step, batch_size=4, block_size=BLOCK_SIZE)
-    assert inputs.num_seqs == 3 and inputs.batch_size == 4
+    assert inputs.num_rows == 3 and inputs.batch_size == 4
     assert inputs.input_ids.tolist() == [105, 100, 108, 0]
     assert inputs.positions.tolist() == [5, 0, 8, 0]
     assert inputs.seq_lens.tolist() == [6, 1, 9, 1]
@@ -125,8 +155,24 @@ def test_pad_decode_inputs() -> None:
     assert all(a.dtype == np.int64 for a in (inputs.input_ids, inputs.block_tables))
 
 
+def test_pad_decode_inputs_gives_each_draft_a_row_after_its_sequences_token() -> None:
+    step = [
+        _drafting(3, [9, 4], (50, 51, 52)),  # positions 2..5: blocks 9 (2, 3) and 4 (4, 5)
+        _decode(6, [3, 5]),  # position 5: block 5, offset 1
+        _drafting(1, [8], (60,)),  # positions 0, 1: block 8
+    ]
+    inputs = pad_decode_inputs(step, batch_size=8, block_size=BLOCK_SIZE)
+    assert inputs.num_rows == 7 and inputs.batch_size == 8
+    assert inputs.input_ids.tolist() == [102, 50, 51, 52, 105, 100, 60, 0]
+    assert inputs.positions.tolist() == [2, 3, 4, 5, 5, 0, 1, 0]
+    assert inputs.seq_lens.tolist() == [3, 4, 5, 6, 6, 1, 2, 1]
+    assert inputs.slot_mapping.tolist() == [38, 39, 16, 17, 21, 32, 33, PAD_SLOT]
+    # a sequence's rows share the blocks of its last row (each reads only its own context)
+    assert inputs.block_tables.tolist() == [[9, 4]] * 4 + [[3, 5], [8, 0], [8, 0], [0, 0]]
+
+
 def test_pad_decode_inputs_rejects_a_step_larger_than_the_batch() -> None:
-    with pytest.raises(ValueError, match="does not pad"):
+    with pytest.raises(ValueError, match="3 rows does not pad to 2"):
         pad_decode_inputs([_decode(2, [1])] * 3, batch_size=2, block_size=BLOCK_SIZE)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.decode_graphs import DecodeGraphs, EagerCapturer
 from engine.sampling import SamplingRow
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
@@ -349,14 +350,53 @@ def test_the_other_attention_backends_check_drafts_too(
     assert_drafts_stood_and_fell(llm)
 
 
+def test_steps_with_drafts_replay_decode_graphs(
+    prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    """A verify step runs from the decode graphs (EagerCapturer standing in for CUDA graphs,
+    Triton's interpreter for the GPU): a row per token, drafts included, each attending to its
+    own context through the decode kernel."""
+    llm = speculating_llm(attention_backend="triton", max_model_len=128)
+    engine = llm.engine
+    graphs = DecodeGraphs(
+        engine.model,
+        engine.kv_cache,
+        engine.runner.attn_backend,
+        max_model_len=engine.max_model_len,
+        batch_sizes=(1, 2, 4, 6, 8, 10),  # 2 sequences of 1 + 4 rows at most
+        capturer=EagerCapturer(),
+    )
+    engine.runner.decode_graphs = graphs
+    chosen = (0, 4)
+    params = [SamplingParams(temperature=0.0, max_tokens=32) for _ in chosen]
+    outputs = llm.generate([prompts[i] for i in chosen], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[i][:32] for i in chosen]
+    assert_drafts_stood_and_fell(llm)
+    # every step after the one of the prompts replays a graph, some with more rows than the
+    # 2 sequences (a plain decode step's rows)
+    assert sum(graphs.num_replays.values()) == engine.stats.num_steps - 1
+    assert max(graphs.num_replays) > 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_drafts_give_the_tokens_of_the_engine_without_them(
     prompts: list[list[int]],
 ) -> None:
-    """Triton's prefill kernel checks the drafts; steps without drafts replay CUDA graphs."""
+    """Every step after the prompts' replays a CUDA graph, those with drafts included: with 5
+    sequences at most, the buckets reach 5 x (1 + 4) rows."""
     plain = LLM(str(DEMO_MODEL), dtype="float32", device="cuda")
-    llm = LLM(str(DEMO_MODEL), dtype="float32", device="cuda", speculative_config=NGRAM)
+    llm = LLM(
+        str(DEMO_MODEL),
+        dtype="float32",
+        device="cuda",
+        speculative_config=NGRAM,
+        max_num_seqs=len(prompts),
+    )
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy())]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == expected
     assert_drafts_stood_and_fell(llm)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None
+    assert sum(graphs.num_replays.values()) == llm.engine.stats.num_steps - 1
+    assert max(graphs.num_replays) > 8
