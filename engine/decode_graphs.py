@@ -23,8 +23,8 @@ host value: the attention metadata points at the static buffers, and its max_dec
 the static capacity (block-table width * block_size), so the decode kernel's partition count
 (default_num_splits of capacity, batch size, KV heads) is fixed per bucket at capture.
 
-A verify step's rows read their sequence's context once per row, where the eager step's
-prefill kernel reads it once per tile of query rows: the price of one graph shape for both.
+With drafts, a graph's attention metadata also groups each sequence's rows
+(``row_starts``), so the decode kernel reads a sequence's K/V once for its token and drafts.
 
 Graphs run only on CUDA with the Triton attention backend (``use_decode_graphs``).
 ``EagerCapturer`` stands in for CUDA graphs elsewhere, so CPU tests run everything around the
@@ -98,15 +98,21 @@ def padded_batch_size(num_rows: int, batch_sizes: SequenceOf[int]) -> int | None
 
 
 def graph_batch_size(
-    step: SequenceOf[ScheduledSequence], batch_sizes: SequenceOf[int], max_seq_len: int
+    step: SequenceOf[ScheduledSequence],
+    batch_sizes: SequenceOf[int],
+    max_seq_len: int,
+    max_rows_per_seq: int = 1,
 ) -> int | None:
     """The bucket a step replays at; None: it runs eagerly.
 
     Only steps of decoding sequences (each computes its newest token, and its drafts if it has
-    any) whose contexts, drafts included, fit ``max_seq_len`` (the static block table's
-    capacity) and whose rows fit the largest bucket run from a graph.
+    any: ``max_rows_per_seq`` rows at most) whose contexts, drafts included, fit
+    ``max_seq_len`` (the static block table's capacity) and whose rows fit the largest bucket
+    run from a graph.
     """
-    if any(entry.num_new_tokens != 1 for entry in step):
+    if any(
+        entry.num_new_tokens != 1 or entry.num_query_tokens > max_rows_per_seq for entry in step
+    ):
         return None
     if any(entry.start_position + entry.num_query_tokens > max_seq_len for entry in step):
         return None
@@ -126,6 +132,9 @@ class DecodeInputs:
     # most any row needs), padded with block 0, which padding rows read; a sequence's rows all
     # get the blocks of its last one
     block_tables: np.ndarray
+    # [batch_size + 1] int64: rows row_starts[g] .. [g + 1] are one sequence's (its token, then
+    # its drafts), then each padding row alone, then empty groups up to batch_size of them
+    row_starts: np.ndarray
 
     @property
     def batch_size(self) -> int:
@@ -157,7 +166,14 @@ def pad_decode_inputs(
         needed = blocks_needed[end - 1]  # the sequence's last row has the longest context
         block_tables[first_row:end, :needed] = entry.seq.block_table[:needed]
         first_row = end
-    return DecodeInputs(num_rows, input_ids, positions, slot_mapping, seq_lens, block_tables)
+    row_starts = np.full(batch_size + 1, batch_size, dtype=np.int64)
+    num_groups = len(step) + batch_size - num_rows  # the sequences, then the padding rows
+    row_starts[1 : len(step) + 1] = np.cumsum([entry.num_query_tokens for entry in step])
+    row_starts[len(step) + 1 : num_groups + 1] = np.arange(num_rows + 1, batch_size + 1)
+    row_starts[0] = 0
+    return DecodeInputs(
+        num_rows, input_ids, positions, slot_mapping, seq_lens, block_tables, row_starts
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +188,7 @@ class StaticDecodeBuffers:
     # [max_batch_size, max_blocks_per_seq] int64; columns past a row's context may hold blocks
     # of an earlier step: the decode kernel reads no block beyond seq_lens
     block_tables: torch.Tensor
+    row_starts: torch.Tensor  # [max_batch_size + 1] int64: a graph of b reads the first b + 1
     no_prefill_block_tables: torch.Tensor  # [0, max_blocks_per_seq] int64
 
     @classmethod
@@ -187,6 +204,7 @@ class StaticDecodeBuffers:
             slot_mapping=filled((max_batch_size,), PAD_SLOT),
             seq_lens=filled((max_batch_size,), 1),
             block_tables=filled((max_batch_size, max_blocks_per_seq), 0),
+            row_starts=torch.arange(max_batch_size + 1, dtype=torch.int64, device=device),
             no_prefill_block_tables=filled((0, max_blocks_per_seq), 0),
         )
 
@@ -204,9 +222,13 @@ class StaticDecodeBuffers:
         _copy(self.slot_mapping[:rows], inputs.slot_mapping)
         _copy(self.seq_lens[:rows], inputs.seq_lens)
         _copy(self.block_tables[:rows, :columns], inputs.block_tables)
+        _copy(self.row_starts[: rows + 1], inputs.row_starts)
 
-    def metadata(self, batch_size: int, max_seq_len: int) -> AttentionMetadata:
-        """The batch layout a graph of ``batch_size`` rows is captured with."""
+    def metadata(
+        self, batch_size: int, max_seq_len: int, max_rows_per_seq: int = 1
+    ) -> AttentionMetadata:
+        """The batch layout a graph of ``batch_size`` rows is captured with; a sequence's rows
+        are grouped for the attention when it may have drafts (``max_rows_per_seq`` > 1)."""
         return AttentionMetadata(
             num_prefill_seqs=0,
             num_prefill_tokens=0,
@@ -218,6 +240,8 @@ class StaticDecodeBuffers:
             decode_seq_lens=self.seq_lens[:batch_size],
             decode_block_tables=self.block_tables[:batch_size],
             max_decode_seq_len=max_seq_len,  # a bound, not the step's max: no host value inside
+            decode_row_starts=self.row_starts[: batch_size + 1] if max_rows_per_seq > 1 else None,
+            max_decode_rows_per_seq=max_rows_per_seq,
         )
 
 
@@ -290,9 +314,13 @@ class DecodeGraphs:
         max_model_len: int,
         batch_sizes: SequenceOf[int],
         capturer: GraphCapturer,
+        max_rows_per_seq: int = 1,
     ) -> None:
+        """``max_rows_per_seq``: 1 + num_speculative_tokens with drafts; above 1, the attention
+        takes a sequence's rows together (engine/kernels/paged_decode_attention.py)."""
         self.block_size = kv_cache.shape[3]
         self.batch_sizes = tuple(batch_sizes)
+        self.max_rows_per_seq = max_rows_per_seq
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.max_seq_len = max_blocks_per_seq * self.block_size  # the static capacity
         self.buffers = StaticDecodeBuffers.allocate(
@@ -303,7 +331,7 @@ class DecodeGraphs:
         self._outputs: dict[int, torch.Tensor] = {}  # batch size -> [batch_size, hidden_size]
         with torch.inference_mode():
             for batch_size in reversed(self.batch_sizes):
-                metadata = self.buffers.metadata(batch_size, self.max_seq_len)
+                metadata = self.buffers.metadata(batch_size, self.max_seq_len, max_rows_per_seq)
                 context = ForwardContext(metadata, kv_cache, attn_backend)
                 forward = functools.partial(self._forward, model, context, batch_size)
                 self._replays[batch_size], self._outputs[batch_size] = capturer.capture(forward)
@@ -324,7 +352,9 @@ class DecodeGraphs:
         graph and gives the real rows' hidden states, [num_rows, hidden_size] in the step's
         order (valid until the next replay). None: the step cannot run from a graph (see
         graph_batch_size)."""
-        batch_size = graph_batch_size(step, self.batch_sizes, self.max_seq_len)
+        batch_size = graph_batch_size(
+            step, self.batch_sizes, self.max_seq_len, self.max_rows_per_seq
+        )
         if batch_size is None:
             return None
         inputs = pad_decode_inputs(step, batch_size, self.block_size)

@@ -158,7 +158,7 @@ class LLMEngine:
             attn_backend,
             eos,
             self.device,
-            self._capture_decode_graphs(graph_batch_sizes, attn_backend),
+            self._capture_decode_graphs(graph_batch_sizes, attn_backend, rows_per_seq),
             # a pass of prompt logits fits in what the memory profile keeps for sampling
             max_prompt_logits_rows=scheduler.max_num_seqs,
             grammar_cursors=GrammarCursors(self.grammars, eos, self.device),
@@ -477,7 +477,10 @@ class LLMEngine:
         return num_kv_blocks(cache.budget, layout, self.device, activation_bytes)
 
     def _capture_decode_graphs(
-        self, batch_sizes: tuple[int, ...] | None, attn_backend: AttentionBackend
+        self,
+        batch_sizes: tuple[int, ...] | None,
+        attn_backend: AttentionBackend,
+        rows_per_seq: int,
     ) -> DecodeGraphs | None:
         """CUDA graphs of decode steps of ``batch_sizes``, or None (they run eagerly)."""
         if batch_sizes is None:
@@ -489,6 +492,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             batch_sizes=batch_sizes,
             capturer=CudaGraphCapturer(self.device),
+            max_rows_per_seq=rows_per_seq,
         )
 
     def _finish(self, state: RequestState) -> RequestOutput:

@@ -29,6 +29,13 @@ class AttentionMetadata:
     # a bound on decode_seq_lens known on the host: their max (0 when there are no decodes), or
     # for a captured decode graph the static block table's capacity (engine/decode_graphs.py)
     max_decode_seq_len: int
+    # In a decode graph a sequence's drafts (speculative decoding) are decode rows too, after
+    # its newest token, each with its own context (one token longer than the row before). Rows
+    # decode_row_starts[g] .. [g + 1] are then one sequence's ([num_groups + 1] int32 from 0 to
+    # num_decode_seqs; a group of at most max_decode_rows_per_seq rows, maybe none), which a
+    # backend may attend to together, reading the sequence's K/V once. None: each row alone.
+    decode_row_starts: torch.Tensor | None = None
+    max_decode_rows_per_seq: int = 1
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,8 @@
 
 ``write_kv`` scatters the step's new K/V with one kernel. ``forward`` runs the prefill kernel
 over the prefill rows (varlen, causal, reading cached prefixes through the block tables) and
-the flash-decoding kernel over the decode rows, each reading the paged cache in place.
+the flash-decoding kernel over the decode rows (a sequence's rows together when the metadata
+groups them: a decode graph's drafts), each reading the paged cache in place.
 
 On CPU the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how
 the tests check this backend against the torch reference.
@@ -86,6 +87,8 @@ class TritonAttentionBackend(AttentionBackend):
                     tokens_per_split=self._decode_tokens_per_split(
                         metadata.num_decode_seqs, kv_cache_layer.shape[3]
                     ),
+                    row_starts=metadata.decode_row_starts,
+                    max_rows_per_seq=metadata.max_decode_rows_per_seq,
                 )
             )
         if not outputs:

@@ -1,23 +1,27 @@
-"""Triton kernels: decode attention (one new token per sequence) over a paged KV cache.
+"""Triton kernels: decode attention (one new token per query row) over a paged KV cache.
 
-For sequence ``s`` and query head ``h`` (KV head ``h // group``, ``group = num_heads //
-num_kv_heads``): ``softmax(scale * q[s, h] @ K_s.T) @ V_s`` over the first ``seq_lens[s]``
-tokens of the sequence's blocks in ``block_tables[s]``.
+For query row ``r`` and query head ``h`` (KV head ``h // group``, ``group = num_heads //
+num_kv_heads``): ``softmax(scale * q[r, h] @ K_r.T) @ V_r`` over the first ``seq_lens[r]``
+tokens of the blocks in ``block_tables[r]``. A row is usually a sequence's newest token; with
+speculative decoding a sequence also has a row per draft token after it, each seeing one token
+more than the row before. Given ``row_starts``, the rows of one sequence are folded into one
+program, so its K/V are loaded once for all of them, not once per row.
 
 Flash-decoding, two kernels:
 
-1. ``_decode_partition_kernel``, grid ``(num_seqs, num_kv_heads, num_splits)``. The context is
-   cut into ``num_splits`` partitions of ``tokens_per_split`` tokens; a program takes one
-   (seq, KV head, partition) and all ``group`` query heads sharing that KV head, as the rows of
-   a ``[GROUP_PAD, head_dim]`` tile (padded to >= 16 rows for ``tl.dot``), so each K/V token is
-   loaded once per group. It walks its partition in tiles of ``TILE`` tokens, each token's slot
-   looked up through the block table (so a tile may span several blocks and any block size
-   works), with an online softmax in float32 (logits in log2 units, ``exp2``). It writes the
-   partition's normalised output, max logit and sum of exp. A partition past a shorter
-   sequence's end runs no tile and writes max -inf, sum 0.
-2. ``_merge_partitions_kernel``, grid ``(num_seqs, num_heads)``: the log-sum-exp merge of the
-   sequence's non-empty partitions into the output, in the query's dtype, one partition after
-   another: a sequence's bits depend on the partition size, never on how many partitions the
+1. ``_decode_partition_kernel``, grid ``(num_groups, num_kv_heads, num_splits)``, a group
+   being a sequence's rows (one row without ``row_starts``). The context is cut into
+   ``num_splits`` partitions of ``tokens_per_split`` tokens; a program takes one (group, KV
+   head, partition) and all ``group`` query heads sharing that KV head of each of its rows, as
+   the rows of a ``[TILE_ROWS, head_dim]`` tile (padded to >= 16 rows for ``tl.dot``), so each
+   K/V token is loaded once per group. It walks its partition in tiles of ``TILE`` tokens,
+   each token's slot looked up through the block table (so a tile may span several blocks and
+   any block size works), with an online softmax in float32 (logits in log2 units, ``exp2``),
+   each tile row masked to its own context. It writes the partition's normalised output, max
+   logit and sum of exp per row. A partition past a row's end writes max -inf, sum 0.
+2. ``_merge_partitions_kernel``, grid ``(num_rows, num_heads)``: the log-sum-exp merge of the
+   row's non-empty partitions into the output, in the query's dtype, one partition after
+   another: a row's bits depend on the partition size, never on how many partitions the
    grid has (``default_tokens_per_split`` keeps the size fixed per batch-size bucket).
 
 With one partition the first kernel writes the output itself and the merge is skipped.
@@ -58,52 +62,70 @@ class DecodeTiling:
 
 @triton.jit
 def _decode_partition_kernel(
-    query_ptr,  # [num_seqs, num_heads, head_dim], last dim contiguous
+    query_ptr,  # [num_rows, num_heads, head_dim], last dim contiguous
     cache_ptr,  # [2, num_blocks * block_size, num_kv_heads, head_dim], contiguous
-    block_tables_ptr,  # [num_seqs, max_blocks], last dim contiguous
-    seq_lens_ptr,  # [num_seqs]
-    out_ptr,  # [num_seqs, num_heads, head_dim]: written only when NUM_SPLITS == 1
-    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] f32, normalised per partition
-    part_max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] f32: max logit * log2(e)
-    part_sum_ptr,  # [num_seqs, num_heads, NUM_SPLITS] f32: sum of exp2(logit - max)
-    query_stride_seq,
+    block_tables_ptr,  # [num_rows, max_blocks], last dim contiguous
+    seq_lens_ptr,  # [num_rows]: each row's context, itself included
+    row_starts_ptr,  # [num_groups + 1]: the rows of each sequence (read only when FOLDED)
+    out_ptr,  # [num_rows, num_heads, head_dim]: written only when NUM_SPLITS == 1
+    part_out_ptr,  # [num_rows, num_heads, NUM_SPLITS, head_dim] f32, normalised per partition
+    part_max_ptr,  # [num_rows, num_heads, NUM_SPLITS] f32: max logit * log2(e)
+    part_sum_ptr,  # [num_rows, num_heads, NUM_SPLITS] f32: sum of exp2(logit - max)
+    query_stride_row,
     query_stride_head,
-    block_tables_stride_seq,
+    block_tables_stride_row,
     v_cache_offset,  # num_blocks * block_size * num_kv_heads * head_dim: where V starts
     scale_log2,  # softmax scale * log2(e)
     tokens_per_split,  # a multiple of TILE
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
-    GROUP_PAD: tl.constexpr,  # power of two >= max(GROUP_SIZE, 16)
+    # power of two >= max(rows per group * GROUP_SIZE, 16); rows per group: 1 unless FOLDED
+    TILE_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # power of two >= max(HEAD_DIM, 16)
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,  # power of two >= 16
     NUM_SPLITS: tl.constexpr,
+    FOLDED: tl.constexpr,  # a program takes a sequence's rows; else a row alone
     DOT_FP32: tl.constexpr,  # upcast dot operands (fp32 inputs, or the interpreter)
 ):
-    seq = tl.program_id(0)
+    group = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    if FOLDED:
+        first_row = tl.load(row_starts_ptr + group).to(tl.int32)
+        num_rows = tl.load(row_starts_ptr + group + 1).to(tl.int32) - first_row
+    else:
+        first_row = group
+        num_rows = group * 0 + 1  # (a tensor, as the loaded one)
+    last_row = first_row + tl.maximum(num_rows, 1) - 1
+    # the sequence's context: its last row's (an empty group has none)
+    seq_len = tl.where(num_rows > 0, tl.load(seq_lens_ptr + last_row).to(tl.int32), 0)
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
 
-    rows = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP_SIZE + rows  # [GROUP_PAD]: this group's query heads
-    row_mask = rows < GROUP_SIZE
+    # tile row r: query token r // GROUP_SIZE of the sequence, query head r % GROUP_SIZE of
+    # this KV head's group
+    tile_rows = tl.arange(0, TILE_ROWS)
+    query_rows = first_row + tile_rows // GROUP_SIZE  # [TILE_ROWS]
+    heads = kv_head * GROUP_SIZE + tile_rows % GROUP_SIZE  # [TILE_ROWS]
+    row_mask = tile_rows < num_rows * GROUP_SIZE
+    # each row attends to its own context: a draft's row sees one token more than the row
+    # before it (a plain decode row sees the whole context)
+    row_lens = tl.load(seq_lens_ptr + query_rows, mask=row_mask, other=0).to(tl.int32)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    q_offsets = seq.to(tl.int64) * query_stride_seq + heads[:, None] * query_stride_head
+    q_offsets = query_rows.to(tl.int64)[:, None] * query_stride_row
+    q_offsets += heads[:, None] * query_stride_head
     q_mask = row_mask[:, None] & dim_mask[None, :]
     q = tl.load(query_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
     if DOT_FP32:
-        q = q.to(tl.float32)  # [GROUP_PAD, HEAD_DIM_PAD]
+        q = q.to(tl.float32)  # [TILE_ROWS, HEAD_DIM_PAD]
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max logit (log2 units)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(logit - m_i)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride_seq
+    m_i = tl.full([TILE_ROWS], float("-inf"), tl.float32)  # running max logit (log2 units)
+    l_i = tl.zeros([TILE_ROWS], tl.float32)  # running sum of exp2(logit - m_i)
+    acc = tl.zeros([TILE_ROWS, HEAD_DIM_PAD], tl.float32)
+    block_table = block_tables_ptr + last_row.to(tl.int64) * block_tables_stride_row
     for tile_start in range(split_start, split_end, TILE):
         positions = tile_start + tl.arange(0, TILE)  # [TILE]
         token_mask = positions < split_end
@@ -117,25 +139,33 @@ def _decode_partition_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [GROUP_PAD, TILE]
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        # [TILE_ROWS, TILE]
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        seen = token_mask[None, :] & (positions[None, :] < row_lens[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        # a row whose context ended before this tile has seen nothing yet: no NaN from it
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # p rounded to the cache dtype, as a tensor-core dot takes it
         p = p.to(cache_ptr.dtype.element_ty).to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
 
+    out_rows = query_rows.to(tl.int64) * NUM_KV_HEADS * GROUP_SIZE + heads  # [TILE_ROWS]
     if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]  # seq_len >= 1: never empty
-        out_offsets = (seq.to(tl.int64) * NUM_KV_HEADS * GROUP_SIZE + heads[:, None]) * HEAD_DIM
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # 0 only in rows masked off
         tl.store(
-            out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask
+            out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
         )
     else:
-        part_rows = (seq.to(tl.int64) * NUM_KV_HEADS * GROUP_SIZE + heads) * NUM_SPLITS + split
+        # a partition past a row's own context (within its sequence's) is written empty; the
+        # merge reads only the row's own partitions
+        part_rows = out_rows * NUM_SPLITS + split
         part_out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], part_out, mask=q_mask
@@ -146,25 +176,25 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _merge_partitions_kernel(
-    out_ptr,  # [num_seqs, num_heads, head_dim]
-    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] f32
-    part_max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] f32
-    part_sum_ptr,  # [num_seqs, num_heads, NUM_SPLITS] f32
-    seq_lens_ptr,  # [num_seqs]
+    out_ptr,  # [num_rows, num_heads, head_dim]
+    part_out_ptr,  # [num_rows, num_heads, NUM_SPLITS, head_dim] f32
+    part_max_ptr,  # [num_rows, num_heads, NUM_SPLITS] f32
+    part_sum_ptr,  # [num_rows, num_heads, NUM_SPLITS] f32
+    seq_lens_ptr,  # [num_rows]
     tokens_per_split,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
-    # One partition after another, in order, over the sequence's own partitions only: the
+    # One partition after another, in order, over the row's own partitions only: the
     # result does not depend on NUM_SPLITS (a graph's grid covers the static capacity, an eager
     # step's only its longest context), and a single partition is passed through unchanged.
-    seq = tl.program_id(0)
+    row = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + row).to(tl.int32)
     num_parts = tl.minimum(tl.cdiv(seq_len, tokens_per_split), NUM_SPLITS)  # >= 1
-    first = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+    first = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     max_logit = tl.load(part_max_ptr + first)
@@ -183,7 +213,7 @@ def _merge_partitions_kernel(
         total += weight
     only = tl.load(part_out_ptr + first * HEAD_DIM + dims, mask=dim_mask, other=0.0)
     out = tl.where(num_parts == 1, only, acc / total)
-    out_offsets = (seq.to(tl.int64) * NUM_HEADS + head) * HEAD_DIM + dims
+    out_offsets = (row.to(tl.int64) * NUM_HEADS + head) * HEAD_DIM + dims
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
@@ -219,18 +249,25 @@ def _whole_tiles(tokens_per_split: int, max_tile: int) -> int:
 
 
 def paged_decode_attention(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    query: torch.Tensor,  # [num_rows, num_heads, head_dim]
     kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64, padded
-    seq_lens: torch.Tensor,  # [num_seqs] int32 or int64, each in [1, max_blocks * block_size]
+    block_tables: torch.Tensor,  # [num_rows, max_blocks] int32 or int64, padded
+    seq_lens: torch.Tensor,  # [num_rows] int32 or int64, each in [1, max_blocks * block_size]
     scale: float,
     num_splits: int | None = None,
     *,
     max_seq_len: int | None = None,
     tokens_per_split: int | None = None,
     tiling: DecodeTiling = DecodeTiling(),
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
-    """Attention of each sequence's one new token over its whole context in the paged cache.
+    row_starts: torch.Tensor | None = None,  # [num_groups + 1] int32 or int64
+    max_rows_per_seq: int = 1,
+) -> torch.Tensor:  # [num_rows, num_heads, head_dim], query's dtype
+    """Attention of each row's new token over its whole context in the paged cache.
+
+    ``row_starts``: rows ``row_starts[g] .. row_starts[g + 1]`` are one sequence's successive
+    tokens, at most ``max_rows_per_seq`` of them (a group may be empty), each row's context one
+    longer than the row before, all in the blocks of the last row's table; from 0 to num_rows.
+    One program then takes the whole group. None: every row is a sequence of its own.
 
     ``max_seq_len``: an upper bound on ``seq_lens``; None takes ``max_blocks * block_size``,
     which needs no device sync. Understating it drops tokens.
@@ -245,7 +282,7 @@ def paged_decode_attention(
     Raises ValueError naming the argument on a wrong shape, dtype, device or layout.
     """
     _check_decode_args(query, kv_cache_layer, block_tables, seq_lens)
-    num_seqs, num_heads, head_dim = query.shape
+    num_rows, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
     capacity = block_tables.shape[1] * block_size
     if max_seq_len is None:
@@ -255,6 +292,10 @@ def paged_decode_attention(
         f"max_seq_len must be in [1, max_blocks * block_size = {capacity}], got {max_seq_len}",
     )
     _check_tiling(tiling)
+    num_groups = num_rows if row_starts is None else len(row_starts) - 1
+    require(max_rows_per_seq >= 1, f"max_rows_per_seq must be >= 1, got {max_rows_per_seq}")
+    if row_starts is not None:
+        _check_row_starts(row_starts, seq_lens, max_rows_per_seq)
     if tokens_per_split is not None:
         require(num_splits is None, "give num_splits or tokens_per_split, not both")
         require(tokens_per_split >= 1, f"tokens_per_split must be >= 1, got {tokens_per_split}")
@@ -262,27 +303,30 @@ def paged_decode_attention(
         num_splits = -(-max_seq_len // tokens_per_split)
     else:
         if num_splits is None:
-            num_splits = default_num_splits(max_seq_len, num_seqs, num_kv_heads)
+            num_splits = default_num_splits(max_seq_len, num_groups, num_kv_heads)
         require(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
         tokens_per_split = _whole_tiles(-(-max_seq_len // num_splits), tiling.max_tile)
     tile = _tile(tokens_per_split, tiling.max_tile)
     if seq_lens.device.type == "cpu":  # (on a GPU the check would wait for the device)
         _check_seq_lens_values(seq_lens, max_seq_len)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if num_seqs == 0:
+    if num_rows == 0:
         return out
-    # [num_seqs, num_heads, num_splits(, head_dim)] f32; unused (tiny) with one partition
-    part_shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
+    # [num_rows, num_heads, num_splits(, head_dim)] f32; unused (tiny) with one partition
+    part_shape = (num_rows, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
     part_out = query.new_empty((*part_shape, head_dim), dtype=torch.float32)
     part_max = query.new_empty(part_shape, dtype=torch.float32)
     part_sum = query.new_empty(part_shape, dtype=torch.float32)
     group_size = num_heads // num_kv_heads
     head_dim_pad = max(_MIN_DOT_DIM, triton.next_power_of_2(head_dim))
-    _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
+    folded = row_starts is not None
+    rows_per_seq = max_rows_per_seq if folded else 1
+    _decode_partition_kernel[(num_groups, num_kv_heads, num_splits)](
         query,
         kv_cache_layer,
         block_tables,
         seq_lens,
+        seq_lens if row_starts is None else row_starts,  # (not read unless folded)
         out,
         part_out,
         part_max,
@@ -295,18 +339,19 @@ def paged_decode_attention(
         tokens_per_split,
         NUM_KV_HEADS=num_kv_heads,
         GROUP_SIZE=group_size,
-        GROUP_PAD=max(_MIN_DOT_DIM, triton.next_power_of_2(group_size)),
+        TILE_ROWS=max(_MIN_DOT_DIM, triton.next_power_of_2(rows_per_seq * group_size)),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         TILE=tile,
         NUM_SPLITS=num_splits,
+        FOLDED=folded,
         # Triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits
         DOT_FP32=interpreted() or query.dtype == torch.float32,
         num_warps=tiling.num_warps,
     )
     if num_splits > 1:
-        _merge_partitions_kernel[(num_seqs, num_heads)](
+        _merge_partitions_kernel[(num_rows, num_heads)](
             out,
             part_out,
             part_max,
@@ -331,6 +376,42 @@ def _check_seq_lens_values(seq_lens: torch.Tensor, max_seq_len: int) -> None:
         f"seq_lens must be <= max_seq_len = {max_seq_len} (max_blocks * block_size when not "
         f"given), got {longest}",
     )
+
+
+def _check_row_starts(
+    row_starts: torch.Tensor, seq_lens: torch.Tensor, max_rows_per_seq: int
+) -> None:
+    num_rows = seq_lens.shape[0]
+    require(
+        row_starts.dim() == 1 and row_starts.shape[0] >= 1,
+        f"row_starts must be [num_groups + 1], got {tuple(row_starts.shape)}",
+    )
+    require(
+        row_starts.dtype in INDEX_DTYPES,
+        f"row_starts must be int32 or int64, got {row_starts.dtype}",
+    )
+    require(row_starts.is_contiguous(), "row_starts must be contiguous")
+    require_same_device(seq_lens, row_starts=row_starts)
+    if row_starts.device.type != "cpu":  # (on a GPU the values would wait for the device)
+        return
+    starts = row_starts.tolist()
+    sizes = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    require(
+        starts[0] == 0 and starts[-1] == num_rows and all(size >= 0 for size in sizes),
+        f"row_starts must rise from 0 to num_rows = {num_rows}, got {starts}",
+    )
+    require(
+        max(sizes, default=0) <= max_rows_per_seq,
+        f"a group of row_starts has {max(sizes, default=0)} rows > max_rows_per_seq = "
+        f"{max_rows_per_seq}",
+    )
+    lens = seq_lens.tolist()
+    for start, end in zip(starts[:-1], starts[1:]):
+        require(
+            all(lens[row + 1] == lens[row] + 1 for row in range(start, end - 1)),
+            f"the rows {start}..{end} of a group must see one token more each, got "
+            f"seq_lens {lens[start:end]}",
+        )
 
 
 def _check_tiling(tiling: DecodeTiling) -> None:

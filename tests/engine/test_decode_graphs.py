@@ -110,11 +110,14 @@ def test_the_largest_bucket_has_a_row_per_draft_within_the_token_budget() -> Non
 def test_a_sequence_with_drafts_takes_a_row_per_token() -> None:
     sizes = capture_batch_sizes(8)
     step = [_drafting(5, [7, 3], (1, 2, 3)), _decode(9, [1, 2, 6])]
-    assert graph_batch_size(step, sizes, max_seq_len=16) == 8  # 4 + 1 rows
-    assert graph_batch_size(step * 2, sizes, max_seq_len=16) is None  # 10 rows > 8
+    assert graph_batch_size(step, sizes, 16, max_rows_per_seq=4) == 8  # 4 + 1 rows
+    assert graph_batch_size(step * 2, sizes, 16, max_rows_per_seq=4) is None  # 10 rows > 8
     # the last draft sits at position 7: a context of 8 fits a capacity of 8, not of 7
-    assert graph_batch_size(step[:1], sizes, max_seq_len=8) == 4
-    assert graph_batch_size(step[:1], sizes, max_seq_len=7) is None
+    assert graph_batch_size(step[:1], sizes, 8, max_rows_per_seq=4) == 4
+    assert graph_batch_size(step[:1], sizes, 7, max_rows_per_seq=4) is None
+    # more drafts than the graphs group per sequence: eager
+    assert graph_batch_size(step, sizes, 16, max_rows_per_seq=3) is None
+    assert graph_batch_size(step, sizes, 16) is None
 
 
 def test_graphs_only_on_cuda_with_triton() -> None:
@@ -152,6 +155,7 @@ def test_pad_decode_inputs() -> None:
     assert inputs.slot_mapping.tolist() == [4 * 4 + 1, 3 * 4, 7 * 4, PAD_SLOT]
     # columns: the most blocks a context needs (3); each row only the blocks its context uses
     assert inputs.block_tables.tolist() == [[9, 4, 0], [3, 0, 0], [5, 2, 7], [0, 0, 0]]
+    assert inputs.row_starts.tolist() == [0, 1, 2, 3, 4]  # each row alone
     assert all(a.dtype == np.int64 for a in (inputs.input_ids, inputs.block_tables))
 
 
@@ -169,6 +173,8 @@ def test_pad_decode_inputs_gives_each_draft_a_row_after_its_sequences_token() ->
     assert inputs.slot_mapping.tolist() == [38, 39, 16, 17, 21, 32, 33, PAD_SLOT]
     # a sequence's rows share the blocks of its last row (each reads only its own context)
     assert inputs.block_tables.tolist() == [[9, 4]] * 4 + [[3, 5], [8, 0], [8, 0], [0, 0]]
+    # groups: the three sequences' rows, the padding row alone, then empty ones up to 8
+    assert inputs.row_starts.tolist() == [0, 4, 5, 7, 8, 8, 8, 8, 8]
 
 
 def test_pad_decode_inputs_rejects_a_step_larger_than_the_batch() -> None:
@@ -216,6 +222,14 @@ def test_captured_metadata_views_the_static_buffers() -> None:
     ):
         assert view.shape[0] == 4 and view.data_ptr() == buffer.data_ptr()
     assert tuple(metadata.decode_block_tables.shape) == (4, 5)
+    assert metadata.decode_row_starts is None  # no drafts: rows are not grouped
+    # with drafts, the rows are grouped by the step's row starts (each row alone until filled)
+    grouped = buffers.metadata(4, max_seq_len=5 * BLOCK_SIZE, max_rows_per_seq=3)
+    assert grouped.max_decode_rows_per_seq == 3 and grouped.decode_row_starts is not None
+    assert grouped.decode_row_starts.tolist() == [0, 1, 2, 3, 4]
+    assert grouped.decode_row_starts.data_ptr() == buffers.row_starts.data_ptr()
+    buffers.fill(pad_decode_inputs([_drafting(5, [7, 3], (1, 2))], 4, BLOCK_SIZE))
+    assert grouped.decode_row_starts.tolist() == [0, 3, 4, 4, 4]
 
 
 # ---- the graph path end to end, with EagerCapturer ----------------------------------------

@@ -355,7 +355,7 @@ def test_steps_with_drafts_replay_decode_graphs(
 ) -> None:
     """A verify step runs from the decode graphs (EagerCapturer standing in for CUDA graphs,
     Triton's interpreter for the GPU): a row per token, drafts included, each attending to its
-    own context through the decode kernel."""
+    own context through the decode kernel, which takes a sequence's rows together."""
     llm = speculating_llm(attention_backend="triton", max_model_len=128)
     engine = llm.engine
     graphs = DecodeGraphs(
@@ -365,6 +365,7 @@ def test_steps_with_drafts_replay_decode_graphs(
         max_model_len=engine.max_model_len,
         batch_sizes=(1, 2, 4, 6, 8, 10),  # 2 sequences of 1 + 4 rows at most
         capturer=EagerCapturer(),
+        max_rows_per_seq=1 + NGRAM["num_speculative_tokens"],
     )
     engine.runner.decode_graphs = graphs
     chosen = (0, 4)

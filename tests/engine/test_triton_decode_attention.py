@@ -328,6 +328,124 @@ def test_a_smaller_tiling_gives_the_same_attention() -> None:
     torch.testing.assert_close(out, _reference(case), atol=2e-5, rtol=1e-5)
 
 
+# ---- a sequence's rows folded into one program (speculative decoding's verify rows) --------
+def _verify_rows(
+    case: DecodeCase, rows_per_seq: list[int], seed: int = 5
+) -> tuple[DecodeCase, torch.Tensor]:
+    """``case``'s sequences as ``rows_per_seq[i]`` rows each: the last ones of its context,
+    each seeing one token more than the row before, all with the sequence's block table; and
+    the row starts of the sequences (an entry of 0 rows gives an empty group)."""
+    generator = torch.Generator().manual_seed(seed)
+    lens, tables, starts = [], [], [0]
+    for seq_len, table, num_rows in zip(
+        case.seq_lens.tolist(), case.block_tables, rows_per_seq, strict=True
+    ):
+        lens.extend(range(seq_len - num_rows + 1, seq_len + 1))
+        tables.extend([table] * num_rows)
+        starts.append(starts[-1] + num_rows)
+    _, num_heads, head_dim = case.query.shape
+    query = torch.randn(len(lens), num_heads, head_dim, generator=generator)
+    expanded = DecodeCase(
+        query=query.to(dtype=case.query.dtype, device=DEVICE),
+        kv_cache_layer=case.kv_cache_layer,
+        block_tables=torch.stack(tables),
+        seq_lens=torch.tensor(lens, dtype=torch.int64, device=DEVICE),
+        scale=case.scale,
+    )
+    return expanded, torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+
+
+def _run_folded(
+    case: DecodeCase, row_starts: torch.Tensor, max_rows: int, num_splits: int | None = None
+) -> torch.Tensor:
+    return paged_decode_attention(
+        case.query,
+        case.kv_cache_layer,
+        case.block_tables,
+        case.seq_lens,
+        case.scale,
+        num_splits,
+        row_starts=row_starts,
+        max_rows_per_seq=max_rows,
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "block_size", "max_rows", "num_splits"),
+    [
+        (4, 4, 4, 5, None),  # group 1: 5 rows of a tile of 16
+        (8, 2, 8, 4, 3),  # group 4 x 4 rows: exactly 16
+        (6, 2, 8, 5, 2),  # group 3 x 5 rows = 15: a row's heads straddle no tile boundary
+        (16, 2, 16, 3, 4),  # group 8 x 3 = 24 rows of a tile of 32
+    ],
+)
+def test_folded_rows_match_each_row_alone(
+    num_heads: int, num_kv_heads: int, block_size: int, max_rows: int, num_splits: int | None
+) -> None:
+    """Sequences of max_rows rows, of fewer, of one, and an empty group: each row's output is
+    its own attention (and the kernel's without folding)."""
+    base = _make_case([9, 70, 3 * block_size, 40], num_heads, num_kv_heads, 64, block_size)
+    rows_per_seq = [max_rows, 2, 1, 0]
+    case, starts = _verify_rows(base, rows_per_seq)
+    folded = _run_folded(case, starts, max_rows, num_splits)
+    assert folded.shape == case.query.shape
+    torch.testing.assert_close(folded, _reference(case), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(folded, _run(case, num_splits), atol=2e-6, rtol=1e-6)
+
+
+def test_folded_rows_whose_contexts_end_on_both_sides_of_a_partition() -> None:
+    """Partitions of 16 tokens: rows of contexts 30..34 end in the second and third; the
+    first rows' partitions past their own context are written empty and never merged."""
+    base = _make_case([34, 17], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4, seed=6)
+    case, starts = _verify_rows(base, [5, 3])
+    out = paged_decode_attention(
+        case.query,
+        case.kv_cache_layer,
+        case.block_tables,
+        case.seq_lens,
+        case.scale,
+        tokens_per_split=16,
+        row_starts=starts,
+        max_rows_per_seq=5,
+    )
+    torch.testing.assert_close(out, _reference(case), atol=2e-5, rtol=1e-5)
+
+
+def test_trailing_empty_groups_and_padding_rows() -> None:
+    """A graph's layout: the sequences' groups, padding rows alone, then empty groups."""
+    base = _make_case([12, 5, 1, 1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4)
+    case, _ = _verify_rows(base, [3, 2, 1, 1])
+    starts = torch.tensor([0, 3, 5, 6, 7, 7, 7], dtype=torch.int32, device=DEVICE)
+    out = _run_folded(case, starts, max_rows=3, num_splits=2)
+    torch.testing.assert_close(out, _reference(case), atol=2e-5, rtol=1e-5)
+
+
+def test_bad_row_starts_are_named() -> None:
+    base = _make_case([12, 5], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4)
+    case, starts = _verify_rows(base, [3, 2])
+    bad = [
+        (starts.float(), 3, "row_starts must be int32 or int64"),
+        (starts[1:], 3, "row_starts must rise from 0 to num_rows = 5"),
+        (torch.tensor([0, 3, 2, 5], dtype=torch.int32), 3, "must rise from 0"),
+        (starts, 2, "a group of row_starts has 3 rows > max_rows_per_seq = 2"),
+        (torch.tensor([0, 2, 5], dtype=torch.int32), 3, r"must see one token more each"),
+        (starts, 0, "max_rows_per_seq must be >= 1"),
+    ]
+    for row_starts, max_rows, message in bad:
+        with pytest.raises(ValueError, match=message):
+            _run_folded(case, row_starts.to(DEVICE), max_rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_folded_rows_full_size_on_gpu() -> None:
+    """32 sequences of about 1k tokens with 1 + 4 rows each, bf16, 32 query heads over 8."""
+    base = _make_case([1024 - 9 * i for i in range(32)], 32, 8, 128, 16, dtype=torch.bfloat16)
+    case, starts = _verify_rows(base, [5, 3, 1, 5] * 8)
+    out = _run_folded(case, starts, max_rows=5)
+    torch.testing.assert_close(out.float(), _reference(case), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_splits", [None, 4])
