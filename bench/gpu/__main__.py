@@ -18,7 +18,11 @@ from typing import Any
 import torch
 
 import bench.gpu
-from bench.gpu.attention_tiling import measure_decode_tilings, measure_prefill_tilings
+from bench.gpu.attention_tiling import (
+    measure_decode_tilings,
+    measure_prefill_tilings,
+    measure_verify_attention,
+)
 from bench.gpu.elementwise import measure_elementwise
 from bench.gpu.engine_runs import max_model_len, run_pdserve
 from bench.gpu.hf_baseline import measure_transformers
@@ -163,6 +167,9 @@ def measure_attention_tilings(
         ),
         "prefill": measure_prefill_tilings(
             spec, device, dtype, preset.prefill_lens, preset.num_reps, peak_flops
+        ),
+        "verify": measure_verify_attention(
+            spec, device, dtype, batch_sizes, preset.context_len, preset.num_reps, read_bw
         ),
     }
 

@@ -6,7 +6,11 @@ fastest, so this section times each candidate once per run and marks the engine'
 - decode (``paged_decode_attention``), one layer at each decode batch size with the preset's
   context, as KV bytes read per second beside the device copy's read bandwidth;
 - prefill (``paged_prefill_attention``), one layer of one prompt of each prefill length, as
-  causal attention FLOP/s beside the matmul peak.
+  causal attention FLOP/s beside the matmul peak;
+- verify (speculative decoding): one layer of each batch with a token and 4 drafts per
+  sequence, the ways it can run: the decode kernel with a sequence's rows folded into one
+  program (what a decode graph replays), each row alone, and the prefill kernel (what an eager
+  step runs); beside a plain decode of one row per sequence, whose KV bytes they all read.
 Off CUDA it runs only under ``TRITON_INTERPRET=1`` (a smoke run).
 """
 
@@ -31,6 +35,7 @@ DECODE_TILINGS = (
     DecodeTiling(max_tile=32, num_warps=8),
     DecodeTiling(max_tile=16, num_warps=2),
 )
+VERIFY_ROWS_PER_SEQ = 5  # a token and 4 drafts
 PREFILL_TILINGS = (
     PrefillTiling(),  # the engine's
     PrefillTiling(num_warps=4),
@@ -133,4 +138,65 @@ def measure_prefill_tilings(
             )
         best = min((r for r in rows if r["tokens"] == num_tokens), key=lambda r: r["us"])
         log(f"{spec.name}: prefill attention, {num_tokens} tokens: best {best['tiling']}")
+    return rows
+
+
+def measure_verify_attention(
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: str,
+    batch_sizes: list[int],
+    context_len: int,
+    reps: int,
+    read_bw: float,
+) -> list[dict[str, Any]]:
+    """Each batch's verify step (VERIFY_ROWS_PER_SEQ rows per sequence, its context ending at
+    ``context_len``) per way of running it, and the plain decode step of the same sequences."""
+    rows: list[dict[str, Any]] = []
+    per_seq = VERIFY_ROWS_PER_SEQ
+    scale = spec.head_dim**-0.5
+    for batch_size in batch_sizes:
+        cache, tables = _paged_layer(spec, batch_size, context_len, device, dtype)
+        num_rows = batch_size * per_seq
+        query = torch.randn(num_rows, spec.num_heads, spec.head_dim, device=device).to(cache.dtype)
+        # row j of a sequence sees context_len - per_seq + 1 + j tokens
+        row_lens = torch.arange(context_len - per_seq + 1, context_len + 1, device=device)
+        row_lens = row_lens.repeat(batch_size).to(torch.int32)
+        row_tables = tables.repeat_interleave(per_seq, dim=0)
+        row_starts = torch.arange(0, num_rows + 1, per_seq, dtype=torch.int32, device=device)
+        seq_lens = torch.full((batch_size,), context_len, dtype=torch.int32, device=device)
+        ways = {
+            "decode, one row per sequence": partial(
+                paged_decode_attention, query[::per_seq], cache, tables, seq_lens, scale,
+                max_seq_len=context_len,
+            ),
+            "verify, rows folded (graph)": partial(
+                paged_decode_attention, query, cache, row_tables, row_lens, scale,
+                max_seq_len=context_len, row_starts=row_starts, max_rows_per_seq=per_seq,
+            ),
+            "verify, each row alone": partial(
+                paged_decode_attention, query, cache, row_tables, row_lens, scale,
+                max_seq_len=context_len,
+            ),
+            "verify, prefill kernel (eager)": partial(
+                paged_prefill_attention, query, cache, row_starts, seq_lens, tables, scale,
+                per_seq,
+            ),
+        }  # fmt: skip
+        kv_bytes = batch_size * context_len * 2 * spec.num_kv_heads * spec.head_dim
+        kv_bytes *= DTYPE_BYTES[dtype]
+        for way, call in ways.items():
+            seconds = statistics.median(time_op(call, device, reps))
+            rows.append(
+                {
+                    "batch_size": batch_size,
+                    "context_len": context_len,
+                    "rows_per_seq": per_seq,
+                    "way": way,
+                    "us": seconds * 1e6,
+                    "gb_per_s": kv_bytes / seconds / 1e9,  # the sequences' KV, read once
+                    "fraction_of_copy": kv_bytes / seconds / read_bw,
+                }
+            )
+        log(f"{spec.name}: verify attention, batch {batch_size}: measured")
     return rows

@@ -92,6 +92,14 @@ def print_attention_tilings(name: str, tilings: dict[str, list[dict[str, Any]]])
             f"{r['batch_size']:>6}{r['us']:>10.1f}{r['gb_per_s']:>9.0f}"
             f"{r['fraction_of_copy']:>9.0%}  {tiling(r)}"
         )
+    if "verify" in tilings:
+        print(f"{name}: verify attention (a token + 4 drafts per sequence), one layer")
+        print(f"{'batch':>6}{'us':>10}{'GB/s':>9}{'of copy':>9}  way (KV read once = GB/s)")
+        for r in tilings["verify"]:
+            print(
+                f"{r['batch_size']:>6}{r['us']:>10.1f}{r['gb_per_s']:>9.0f}"
+                f"{r['fraction_of_copy']:>9.0%}  {r['way']}"
+            )
     print(f"{name}: prefill attention, one layer of one prompt (causal FLOP/s)")
     print(f"{'tokens':>6}{'us':>10}{'TFLOP/s':>9}{'of peak':>9}  tiling")
     for r in tilings["prefill"]:

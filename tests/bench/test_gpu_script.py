@@ -43,6 +43,9 @@ def test_the_gpu_benchmark_runs_every_section_on_cpu(tmp_path: Path) -> None:
     tilings = model["attention_tilings"]
     assert {row["batch_size"] for row in tilings["decode"]} == {1, 4, 8}
     assert sum(row["default"] for row in tilings["prefill"]) == 2  # one per prompt length
+    assert len(tilings["verify"]) == 3 * 4  # each batch size, each way
+    assert all(row["us"] > 0 for row in tilings["verify"])
+    assert "verify, rows folded (graph)" in run.stdout
     assert [row["batch_size"] for row in model["pdserve"]["decode"]] == [1, 4, 8]
     assert {t["target"] for t in result["targets"]} >= {"batch-1 decode / roofline"}
     assert "one forward's elementwise steps" in run.stdout
