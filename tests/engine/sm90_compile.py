@@ -181,16 +181,23 @@ def _kv_cache_layer(shape: ModelShape, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _decode(
-    shape: ModelShape, dtype: torch.dtype, num_seqs: int, context: int
+    shape: ModelShape, dtype: torch.dtype, num_seqs: int, context: int, rows_per_seq: int = 1
 ) -> Callable[[], object]:
+    """``rows_per_seq`` > 1: a verify step's rows (a token and its drafts), folded per
+    sequence, as a decode graph of a drafting engine runs them."""
     max_blocks = -(-context // BLOCK_SIZE)
+    num_rows = num_seqs * rows_per_seq
+    folded = rows_per_seq > 1
+    index = torch.int64 if folded else torch.int32  # (the decode graphs' buffers are int64)
     return lambda: paged_decode_attention.paged_decode_attention(
-        _meta(num_seqs, shape.num_heads, shape.head_dim, dtype=dtype),
+        _meta(num_rows, shape.num_heads, shape.head_dim, dtype=dtype),
         _kv_cache_layer(shape, dtype),
-        _meta(num_seqs, max_blocks, dtype=torch.int32),
-        _meta(num_seqs, dtype=torch.int32),
+        _meta(num_rows, max_blocks, dtype=index),
+        _meta(num_rows, dtype=index),
         shape.head_dim**-0.5,
         max_seq_len=context,
+        row_starts=_meta(num_rows + 1, dtype=index) if folded else None,
+        max_rows_per_seq=rows_per_seq,
     )
 
 
@@ -254,6 +261,8 @@ def cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
             for num_seqs in (1, 64):
                 call = _decode(shape, dtype, num_seqs, 1024)
                 yield f"decode {tag} batch {num_seqs}", paged_decode_attention, call
+            call = _decode(shape, dtype, 8, 1024, rows_per_seq=5)
+            yield f"decode verify {tag} batch 8 x 5 rows", paged_decode_attention, call
             yield f"prefill {tag}", paged_prefill_attention, _prefill(shape, dtype, 1024)
             yield f"kv write {tag}", kv_cache_write, _write(shape, dtype, 64)
             yield f"elementwise {tag}", elementwise, _elementwise(shape, dtype, 64)
