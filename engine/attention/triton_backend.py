@@ -76,6 +76,8 @@ class TritonAttentionBackend(AttentionBackend):
                 )
             )
         if metadata.num_decode_seqs > 0:
+            grouped = metadata.decode_row_starts is not None
+            rows_per_seq = metadata.max_decode_rows_per_seq if grouped else 1
             outputs.append(
                 paged_decode_attention(
                     query[num_prefill_tokens:],
@@ -84,8 +86,11 @@ class TritonAttentionBackend(AttentionBackend):
                     metadata.decode_seq_lens,
                     scale,
                     max_seq_len=metadata.max_decode_seq_len,
-                    tokens_per_split=self._decode_tokens_per_split(
-                        metadata.num_decode_seqs, kv_cache_layer.shape[3]
+                    tokens_per_split=decode_tokens_per_split(
+                        self._decode_sizing,
+                        metadata.num_decode_seqs,
+                        kv_cache_layer.shape[3],
+                        rows_per_seq,
                     ),
                     row_starts=metadata.decode_row_starts,
                     max_rows_per_seq=metadata.max_decode_rows_per_seq,
@@ -95,14 +100,21 @@ class TritonAttentionBackend(AttentionBackend):
             return torch.empty_like(query)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
-    def _decode_tokens_per_split(self, num_seqs: int, num_kv_heads: int) -> int | None:
-        """The partition size of the bucket a decode batch pads to in a CUDA graph (whether or
-        not it runs from one): the same for a graph replay and the step run eagerly."""
-        sizing = self._decode_sizing
-        if sizing is None:
-            return None
-        bucket = padded_batch_size(num_seqs, sizing.batch_sizes) or num_seqs
-        return default_tokens_per_split(sizing.max_context, bucket, num_kv_heads)
+
+def decode_tokens_per_split(
+    sizing: DecodeSizing | None, num_rows: int, num_kv_heads: int, rows_per_seq: int = 1
+) -> int | None:
+    """The partition size of the bucket a decode batch of ``num_rows`` pads to in a CUDA graph
+    (whether or not it runs from one): the same for a graph replay and the step run eagerly.
+    With a sequence's rows grouped (``rows_per_seq`` > 1: its token and drafts in one
+    program), the bucket is sized as the sequences it holds: a verify step splits a long
+    context about as finely as a plain decode step of its sequences does, not as one of
+    ``rows_per_seq`` times as many. None: the kernel sizes the call."""
+    if sizing is None:
+        return None
+    bucket = padded_batch_size(num_rows, sizing.batch_sizes) or num_rows
+    num_seqs = -(-bucket // rows_per_seq)
+    return default_tokens_per_split(sizing.max_context, num_seqs, num_kv_heads)
 
 
 def _prefill_index(metadata: AttentionMetadata, device: torch.device) -> _PrefillIndex:

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention.backend import DecodeSizing
 from engine.attention.selector import get_attention_backend
+from engine.attention.triton_backend import decode_tokens_per_split
 from engine.decode_graphs import (
     PAD_SLOT,
     DecodeGraphs,
@@ -105,6 +107,17 @@ def test_the_largest_bucket_has_a_row_per_draft_within_the_token_budget() -> Non
     assert max_decode_rows(256, 1, 8192) == 256
     assert max_decode_rows(256, 1 + 4, 8192) == 1280
     assert max_decode_rows(256, 1 + 4, 1024) == 1024
+
+
+def test_grouped_rows_are_split_as_the_sequences_they_hold() -> None:
+    """8k contexts of 8 KV heads: a batch of 1 (bucket 1) splits its context into 32
+    partitions of 256; 5 verify rows (bucket 8) taken one program per row would get 8, taken
+    per sequence (2 of 5 rows in a bucket of 8) again 32."""
+    sizing = DecodeSizing(max_context=8192, batch_sizes=capture_batch_sizes(64))
+    assert decode_tokens_per_split(sizing, 1, num_kv_heads=8) == 256
+    assert decode_tokens_per_split(sizing, 5, num_kv_heads=8) == 1024
+    assert decode_tokens_per_split(sizing, 5, num_kv_heads=8, rows_per_seq=5) == 256
+    assert decode_tokens_per_split(None, 5, num_kv_heads=8) is None
 
 
 def test_a_sequence_with_drafts_takes_a_row_per_token() -> None:
