@@ -62,6 +62,11 @@ def _paged_layer(
     return cache, tables.to(torch.int32)
 
 
+def _kv_bytes(spec: ModelSpec, num_seqs: int, context_len: int, dtype: str) -> int:
+    """One layer's K and V of ``num_seqs`` contexts of ``context_len`` tokens."""
+    return num_seqs * context_len * 2 * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]
+
+
 def measure_decode_tilings(
     spec: ModelSpec,
     device: torch.device,
@@ -78,8 +83,7 @@ def measure_decode_tilings(
             cache.dtype
         )
         seq_lens = torch.full((batch_size,), context_len, dtype=torch.int32, device=device)
-        kv_bytes = batch_size * context_len * 2 * spec.num_kv_heads * spec.head_dim
-        kv_bytes *= DTYPE_BYTES[dtype]
+        kv_bytes = _kv_bytes(spec, batch_size, context_len, dtype)
         for tiling in DECODE_TILINGS:
             call = partial(
                 paged_decode_attention, query, cache, tables, seq_lens, spec.head_dim**-0.5,
@@ -183,8 +187,7 @@ def measure_verify_attention(
                 per_seq,
             ),
         }  # fmt: skip
-        kv_bytes = batch_size * context_len * 2 * spec.num_kv_heads * spec.head_dim
-        kv_bytes *= DTYPE_BYTES[dtype]
+        kv_bytes = _kv_bytes(spec, batch_size, context_len, dtype)
         for way, call in ways.items():
             seconds = statistics.median(time_op(call, device, reps))
             rows.append(
