@@ -146,7 +146,9 @@ class LLMEngine:
         self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=self.dtype, device=self.device)
         eos = frozenset(self.model_config.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        proposer = None if speculative is None else NgramProposer(speculative)
+        proposer = None
+        if speculative is not None:
+            proposer = NgramProposer(speculative, max_contexts=scheduler.max_num_seqs)
         self.scheduler = Scheduler(scheduler, self.block_manager, eos, proposer)
         # structured outputs: compiled on the first request that asks (and checked there)
         self.grammars = ModelGrammars(

@@ -292,7 +292,7 @@ class Scheduler:
         room = min(budget - 1, seq.max_total_tokens - seq.num_tokens - 1)
         if room < 1:
             return ()
-        return self.proposer.propose(seq.token_ids, room)
+        return self.proposer.propose(seq.token_ids, room, seq.seq_id)
 
     def _entry(
         self, seq: Sequence, num_new: int, drafts: tuple[int, ...] = ()

@@ -8,6 +8,7 @@ proposes drafts that often stand (the tiny random models almost never repeat the
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,21 @@ def test_a_match_across_token_boundaries_of_the_packed_context_is_not_an_occurre
     # (01 00 00 00) sit at byte offset 1, inside no token
     assert proposer().propose([256, 0, 7, 1], 4) == ()
     assert proposer().propose([256, 0, 1, 7, 1], 4) == (7, 1)
+
+
+def test_a_sequences_packed_context_is_kept_and_extended() -> None:
+    """With a seq id the packed context carries over: proposals are those of the whole
+    context packed afresh, as it grows; the least recently asked sequence's is dropped."""
+    kept = NgramProposer(SpeculativeConfig(3, 3, 1), max_contexts=2)
+    fresh = proposer()
+    rng = np.random.default_rng(3)
+    contexts = {seq_id: rng.integers(0, 6, size=4).tolist() for seq_id in (7, 8, 9)}
+    for _ in range(30):
+        for seq_id, context in contexts.items():
+            context.extend(rng.integers(0, 6, size=int(rng.integers(1, 4))).tolist())
+            assert kept.propose(context, 3, seq_id) == fresh.propose(context, 3)
+    assert list(kept._packed) == [8, 9]  # 7 asked least recently: dropped
+    assert bytes(kept._packed[9]) == array("I", contexts[9]).tobytes()
 
 
 def test_speculative_config_takes_vllms_dict_and_names_bad_fields() -> None:
