@@ -140,7 +140,13 @@ class LLMEngine:
                 scheduler.max_num_batched_tokens, scheduler.max_num_seqs * rows_per_seq
             )
         num_blocks = self._num_kv_blocks(
-            cache, scheduler, layout, attn_backend, graph_batch_sizes, max_num_sample_rows
+            cache,
+            scheduler,
+            layout,
+            attn_backend,
+            graph_batch_sizes,
+            max_num_sample_rows,
+            rows_per_seq,
         )
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=self.dtype, device=self.device)
@@ -454,6 +460,7 @@ class LLMEngine:
         attn_backend: AttentionBackend,
         graph_batch_sizes: tuple[int, ...] | None,
         max_num_sample_rows: int,
+        rows_per_seq: int,
     ) -> int:
         activation_bytes = 0
         if cache.budget.num_blocks is None and cache.budget.memory_bytes is None:
@@ -465,6 +472,7 @@ class LLMEngine:
                     self.device,
                     batch_sizes=graph_batch_sizes,
                     max_model_len=self.max_model_len,
+                    max_rows_per_seq=rows_per_seq,
                 )
             activation_bytes += peak_activation_bytes(
                 self.model,

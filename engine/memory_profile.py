@@ -88,6 +88,7 @@ def decode_graph_bytes(
     *,
     batch_sizes: tuple[int, ...],
     max_model_len: int,
+    max_rows_per_seq: int = 1,
 ) -> int:
     """Bytes the decode graphs of ``batch_sizes`` (sorted) hold (0 off CUDA: not measurable).
 
@@ -102,7 +103,7 @@ def decode_graph_bytes(
     def build_on_a_side_stream() -> DecodeGraphs:
         with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
             return build_largest_decode_graph(
-                model, layout, attn_backend, device, batch_sizes, max_model_len
+                model, layout, attn_backend, device, batch_sizes, max_model_len, max_rows_per_seq
             )
 
     peak, graphs = _peak_allocated_bytes(device, build_on_a_side_stream)
@@ -123,8 +124,10 @@ def build_largest_decode_graph(
     device: torch.device,
     batch_sizes: tuple[int, ...],
     max_model_len: int,
+    max_rows_per_seq: int = 1,
 ) -> DecodeGraphs:
-    """The largest bucket of ``batch_sizes`` run once, eagerly, against a one-block cache."""
+    """The largest bucket of ``batch_sizes`` run once, eagerly, against a one-block cache (with
+    the graphs' grouping of a sequence's rows: ``max_rows_per_seq``)."""
     cache = torch.zeros(layout.shape(1), dtype=layout.dtype, device=device)
     return DecodeGraphs(
         model,
@@ -133,6 +136,7 @@ def build_largest_decode_graph(
         max_model_len=max_model_len,
         batch_sizes=batch_sizes[-1:],
         capturer=EagerCapturer(),
+        max_rows_per_seq=max_rows_per_seq,
     )
 
 

@@ -305,6 +305,9 @@ def test_decode_graph_profile_runs_the_largest_bucket_of_padding_rows(llama_dir:
     assert graphs.max_seq_len == 208  # the capacity the graph's attention metadata carries
     assert graphs.output_row_bytes() == config.hidden_size * 4
     assert (graphs.buffers.slot_mapping == -1).all()  # all padding: one cache block is enough
+    # a drafting engine's graphs group a sequence's rows: the profile runs them so too
+    grouped = build_largest_decode_graph(model, layout, backend, CPU, (1, 10), 200, 5)
+    assert grouped.max_rows_per_seq == 5
     profiled = decode_graph_bytes(
         model, layout, backend, CPU, batch_sizes=(1, 2, 6), max_model_len=200
     )
