@@ -214,7 +214,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="the format the model writes tool calls in, for --enable-auto-tool-choice: hermes "
         '(<tool_call>{"name": ..., "arguments": ...}</tool_call>, as Hermes, Qwen2.5 and Qwen3 '
         'write them), llama3_json or llama4_json ({"name": ..., "parameters": ...}, Llama 3.1+ '
-        "and 4), mistral ([TOOL_CALLS][{...}], Mistral tokenizers before v11)",
+        "and 4), mistral ([TOOL_CALLS][{...}] before v11 tokenizers, [TOOL_CALLS]name[ARGS]{...} "
+        "from v11)",
     )
     reasoning = serve.add_argument_group("reasoning")
     reasoning.add_argument(

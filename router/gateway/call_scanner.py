@@ -5,7 +5,8 @@ deltas. Calls are numbered as their headers are announced, 0, 1, 2 ...: a call o
 name never comes (none, or not a string) takes no index and sends nothing. The "required" array
 (``tool_calls``), hermes ``<tool_call>`` blocks (``hermes_tool_calls``), llama3_json objects
 (``llama_tool_calls``) and mistral's ``[TOOL_CALLS]`` array (``mistral_tool_calls``) stream
-through it.
+through it; mistral's v11 calls (``[TOOL_CALLS]name[ARGS]{...}``) send their entries through
+``merged_entries``.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class CallScanner:
         for char in text:
             if self._value is None or not self._value_char(char, events):
                 self._structure_char(char, events)
-        return _merged(events, self.new_call_id)
+        return merged_entries(events, self.new_call_id)
 
     @property
     def depth(self) -> int:
@@ -193,11 +194,12 @@ def _json_string(text: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _merged(
+def merged_entries(
     events: list[tuple[int, str | None, str]], new_call_id: Callable[[], str]
 ) -> list[dict[str, Any]]:
-    """Scan events as tool_calls entries: a header where a name was announced (with a new id),
-    then the arguments of one call run together."""
+    """Scan events, (call index, name announced or None, arguments text) each, as tool_calls
+    entries: a header where a name was announced (with a new id), then the arguments of one
+    call run together."""
     entries: list[dict[str, Any]] = []
     for call_index, name, arguments in events:
         if name is not None:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from engine.model_config import load_model_config
-from router.gateway.mistral_tool_calls import V11_ARGS
 from router.gateway.reasoning import THINK_END, ReasoningMode
 from router.gateway.tool_calls import AutoToolCalls
 
@@ -32,12 +31,6 @@ class ServedModel:
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
             AutoToolCalls(self.tool_call_parser)  # a ValueError naming the supported ones
-        if self.tool_call_parser == "mistral" and V11_ARGS in self.tokenizer.get_vocab():
-            raise ValueError(
-                "tool-call parser 'mistral': this tokenizer has [ARGS], so the model writes "
-                "Mistral's v11 format ([TOOL_CALLS]name[ARGS]{...}), which is not supported; "
-                "only the [TOOL_CALLS][{...}] array is"
-            )
         if self.reasoning_parser is not None:
             ReasoningMode(self.reasoning_parser)  # a ValueError naming the supported ones
             end = tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))

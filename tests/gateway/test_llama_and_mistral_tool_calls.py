@@ -299,11 +299,3 @@ def test_a_call_object_without_a_name_takes_no_index(parser: str) -> None:
     for split in range(len(text) + 1):
         streamed = _split_stream(parser, text, split)
         assert [(c["name"], c["arguments"]) for c in streamed.calls] == [TIME_CALL], split
-
-
-def test_mistral_is_refused_for_a_v11_tokenizer() -> None:
-    """A vocabulary with [ARGS] means vLLM reads v11's [TOOL_CALLS]name[ARGS]{...} format."""
-    model = _model("mistral")
-    model.tokenizer.add_special_tokens({"additional_special_tokens": ["[ARGS]"]})
-    with pytest.raises(ValueError, match=r"\[ARGS\].*v11"):
-        ServedModel("m", 16, model.vocab_size, model.tokenizer, tool_call_parser="mistral")
