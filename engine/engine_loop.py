@@ -78,6 +78,7 @@ class EngineLoop:
                 request.params,
                 cache_salt=request.cache_salt,
                 prefill_only=prefill_only,
+                priority=request.priority,
                 resume_token_ids=request.resume_token_ids or None,
             )
             self._gateway_of[request.request_id] = request.gateway_id

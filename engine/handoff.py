@@ -30,6 +30,7 @@ class PrefillResult:
     samples: tuple[SampleStart, ...]  # one per sample, in index order
     block_ids: list[int]  # prefill-side blocks holding the prompt's KV, under lease
     num_cached_tokens: int  # prompt tokens the prefill side served from its prefix cache
+    priority: int = 0  # the request's scheduling priority, kept on the decode side
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,7 +17,7 @@ from engine.kv_cache.budget import KVBudget
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.scheduler import SchedulerConfig, SchedulingPolicy
 from engine.speculative.config import SpeculativeConfig
 from engine.tokenizer import bad_words_token_ids, load_tokenizer
 
@@ -48,6 +48,7 @@ class LLM:
         linear_backend: str = "auto",
         enforce_eager: bool = False,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
+        scheduling_policy: SchedulingPolicy = "fcfs",
     ) -> None:
         if isinstance(speculative_config, Mapping):  # vLLM's dict
             speculative_config = SpeculativeConfig.from_mapping(speculative_config)
@@ -69,7 +70,9 @@ class LLM:
                 KVBudget(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization),
                 attention_backend,
             ),
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            SchedulerConfig(
+                max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
+            ),
             speculative_config,
         )
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
@@ -79,19 +82,25 @@ class LLM:
         self,
         prompts: Prompt | SequenceOf[Prompt],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        priority: SequenceOf[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; returns one finished RequestOutput per prompt, in order."""
+        """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
+        ``priority``: one per prompt (lower runs first), under the scheduling policy
+        "priority" (vLLM's)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
         request_ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, params in zip(prompt_list, params_list, strict=True):
+            for prompt, params, rank in zip(prompt_list, params_list, priorities, strict=True):
                 request_id = str(next(self._request_ids))
                 text = prompt if isinstance(prompt, str) else None
                 token_ids = self._encode(prompt)
                 params = self._with_bad_words_token_ids(params)
-                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank)
                 request_ids.append(request_id)
             mine = set(request_ids)  # the engine may hold others' requests too
             while len(finished) < len(request_ids):

@@ -186,6 +186,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         prefill_only: bool = False,
         resume_token_ids: Mapping[int, SequenceOf[int]] | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request; raises ValueError naming the bad field.
 
@@ -193,10 +194,13 @@ class LLMEngine:
         a lease; the step that gets there reports a PrefillResult instead of tokens to come.
         ``resume_token_ids``: output tokens (by sample index) that were already generated
         elsewhere; only those samples continue, after them, as if they had never stopped.
+        ``priority``: lower runs first under the scheduling policy "priority"; only 0 under
+        "fcfs".
         """
         token_ids = self._validated_request(request_id, prompt_token_ids, params)
+        self._validate_priority(priority)
         if resume_token_ids:
-            self._add_resumed(request_id, token_ids, params, resume_token_ids, cache_salt)
+            self._add_resumed(request_id, token_ids, params, resume_token_ids, cache_salt, priority)
             return
         seq = Sequence(
             self.scheduler.new_seq_id(),
@@ -208,6 +212,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             prefill_only=prefill_only,
             prompt_logprobs=params.prompt_logprobs is not None,
+            priority=priority,
         )
         self.scheduler.add(seq)
         state = RequestState(request_id, prompt, params, num_samples=params.n)
@@ -223,8 +228,10 @@ class LLMEngine:
         params: SamplingParams,
         resume_token_ids: Mapping[int, SequenceOf[int]],
         cache_salt: str | None,
+        priority: int,
     ) -> None:
         state = RequestState(request_id, None, params, num_samples=len(resume_token_ids))
+        arrival: int | None = None  # the request's samples arrive together
         for index, outputs in sorted(resume_token_ids.items()):
             if not 0 <= index < params.n:
                 raise ValueError(f"resume_token_ids has sample index {index}; n is {params.n}")
@@ -239,7 +246,10 @@ class LLMEngine:
                 sample_index=index,
                 seed=seed,
                 cache_salt=cache_salt,
+                priority=priority,
+                arrival=arrival,
             )
+            arrival = seq.arrival
             seq.token_ids.extend(outputs)
             if seq.num_tokens >= seq.max_total_tokens:
                 raise ValueError(
@@ -399,11 +409,13 @@ class LLMEngine:
             if kv_received and blocks is None:
                 raise ValueError(f"request {request_id!r} has no reserved blocks to admit")
             token_ids = self._validated_request(request_id, result.prompt_token_ids, result.params)
+            self._validate_priority(result.priority)
             samples = result.unfinished_samples
             if not samples:
                 raise ValueError(f"request {request_id!r} has no unfinished sample to decode")
             for sample in samples:
-                seqs.append(self._admitted_sequence(result, token_ids, sample))
+                arrival = seqs[0].arrival if seqs else None  # the samples arrive together
+                seqs.append(self._admitted_sequence(result, token_ids, sample, arrival))
                 # before any block is adopted: this cache may be smaller than the prefill side's
                 self.scheduler.check_fits(seqs[-1])
         except ValueError:
@@ -531,10 +543,15 @@ class LLMEngine:
             samples=samples,
             block_ids=list(handed_off[0].block_table),
             num_cached_tokens=state.parent.num_cached_prompt_tokens,
+            priority=state.parent.priority,
         )
 
     def _admitted_sequence(
-        self, result: PrefillResult, token_ids: list[int], sample: SampleStart
+        self,
+        result: PrefillResult,
+        token_ids: list[int],
+        sample: SampleStart,
+        arrival: int | None,
     ) -> Sequence:
         params = result.params
         seed = None if params.seed is None else derive_seed(params.seed, sample.index)
@@ -547,6 +564,8 @@ class LLMEngine:
             sample_index=sample.index,
             seed=seed,
             cache_salt=result.cache_salt,
+            priority=result.priority,
+            arrival=arrival,
         )
         seq.token_ids.append(sample.first_token_id)
         seq.is_forked = True
@@ -568,6 +587,16 @@ class LLMEngine:
         if params.max_tokens is None:
             return self.max_model_len
         return min(self.max_model_len, num_prompt_tokens + params.max_tokens)
+
+    def _validate_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {type(priority).__name__}")
+        policy = self.scheduler.config.policy
+        if priority != 0 and policy != "priority":
+            raise ValueError(
+                f"priority must be 0 under the scheduling policy {policy!r}, got {priority}; "
+                "set the scheduling policy 'priority' to order requests by it"
+            )
 
     def _validated_request(
         self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams

@@ -19,6 +19,8 @@ class GenerateRequest:
     params: SamplingParams
     gateway_id: str = "default"  # which gateway's output stream receives the tokens
     cache_salt: str | None = None  # tenant salt for prefix-cache isolation
+    # lower runs first under the scheduling policy "priority" (vLLM's); only 0 under "fcfs"
+    priority: int = 0
     # Tokens a client already received per sample (sample index -> token ids), when a request
     # is recomputed after the worker that ran it died: generation continues after them.
     resume_token_ids: dict[int, list[int]] = field(default_factory=dict)

@@ -45,6 +45,8 @@ class Sequence:
         "is_forked",
         "prefill_only",
         "num_prompt_logprob_positions",
+        "priority",
+        "arrival",
     )
 
     def __init__(
@@ -60,6 +62,8 @@ class Sequence:
         cache_salt: str | None = None,
         prefill_only: bool = False,
         prompt_logprobs: bool = False,
+        priority: int = 0,
+        arrival: int | None = None,
     ) -> None:
         self.seq_id = seq_id  # unique per engine
         self.request_id = request_id
@@ -85,6 +89,11 @@ class Sequence:
         # recompute. All of them for a sequence that owes none (it was not asked, or is an
         # n > 1 child, a resumed or a received sequence: the request's first one gives them).
         self.num_prompt_logprob_positions = 1 if prompt_logprobs else self.num_prompt_tokens
+        # the scheduling policy "priority" serves lower values first, then earlier arrivals:
+        # its request's order of arrival at this engine (the first sequence's id by default;
+        # a request's other samples share it)
+        self.priority = priority
+        self.arrival = seq_id if arrival is None else arrival
 
     @property
     def num_tokens(self) -> int:

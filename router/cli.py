@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from engine.engine_config import ATTENTION_BACKENDS
+from engine.scheduler import SCHEDULING_POLICIES
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import describe_auto
 from router.cluster_config import ClusterConfig
@@ -108,6 +109,14 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument("--block-size", type=int, default=16)
     cluster.add_argument("--max-num-seqs", type=int, default=256)
     cluster.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    cluster.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=list(SCHEDULING_POLICIES),
+        help="the order each worker serves its requests in, as vLLM's: fcfs (arrival; a "
+        "request's priority must be 0) or priority (the request's priority field, lower "
+        "first, then arrival)",
+    )
     cluster.add_argument(
         "--prefill-max-num-batched-tokens",
         type=int,
@@ -358,6 +367,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
         prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
         local_prefill=LocalPrefillRule(
             args.max_local_prefill_length, args.max_prefill_queue_tokens

@@ -201,9 +201,12 @@ class Cluster:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Token events of every sample, in order per sample, each exactly once.
 
+        ``priority`` orders the request on its workers under ``scheduling_policy`` "priority"
+        (lower first, then arrival; kept when it is resumed elsewhere); "fcfs" takes only 0.
         Raises ValueError for an invalid request and RequestFailedError when the cluster
         cannot complete it. Leaving the iterator early aborts the request everywhere.
         """
@@ -215,6 +218,7 @@ class Cluster:
             params,
             self.gateway_id,
             cache_salt,
+            priority=priority,
         )
 
         def sink(item: ClientItem) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
-from engine.scheduler import SchedulerConfig
+from engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig, SchedulingPolicy
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import FailurePolicy, TransferConfig, describe_auto, transports_for
 from router.local_prefill import LocalPrefillRule
@@ -32,6 +32,9 @@ class ClusterConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # the order each worker serves its requests in: "fcfs" (arrival) or "priority" (each
+    # request's priority, lower first, then arrival; as vLLM's --scheduling-policy)
+    scheduling_policy: SchedulingPolicy = "fcfs"
     prefill_max_num_batched_tokens: int | None = None  # the prefill pool's; None: as above
     local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)  # disaggregated
     num_kv_blocks: int | None = None
@@ -93,6 +96,11 @@ class ClusterConfig:
                 f"router_policy must be one of {', '.join(POLICY_NAMES)}; "
                 f"got {self.router_policy!r}"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                f"got {self.scheduling_policy!r}"
+            )
         self._check_engine_configs()
 
     def _check_engine_configs(self) -> None:
@@ -134,12 +142,18 @@ class ClusterConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         """The decode (and colocated) workers' scheduler settings."""
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+        return SchedulerConfig(
+            self.max_num_seqs, self.max_num_batched_tokens, policy=self.scheduling_policy
+        )
 
     def prefill_scheduler_config(self) -> SchedulerConfig:
         """The prefill workers' scheduler settings: their own step budget, if given."""
         budget = self.prefill_max_num_batched_tokens
-        return SchedulerConfig(self.max_num_seqs, budget or self.max_num_batched_tokens)
+        return SchedulerConfig(
+            self.max_num_seqs,
+            budget or self.max_num_batched_tokens,
+            policy=self.scheduling_policy,
+        )
 
     @property
     def transport_in_words(self) -> str:

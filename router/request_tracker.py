@@ -118,11 +118,5 @@ class RequestTracker:
             for index in range(request.params.n)
             if index not in self.finished
         }
-        return GenerateRequest(
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            request.gateway_id,
-            request.cache_salt,
-            resume_token_ids=resume if any(resume.values()) else {},
-        )
+        # everything else (its salt, its priority ...) as first submitted
+        return replace(request, resume_token_ids=resume if any(resume.values()) else {})

@@ -76,7 +76,8 @@ def request_limits(
     args: argparse.Namespace, config: ClusterConfig, max_model_len: int
 ) -> RequestLimits:
     """The gateway's limits from the flags. A request's ``n`` samples run together on one
-    worker, so ``--max-n`` is at most ``--max-num-seqs`` (the workers refused more)."""
+    worker, so ``--max-n`` is at most ``--max-num-seqs`` (the workers refused more); a
+    ``priority`` is refused unless the workers schedule by it."""
     max_n = args.max_n if args.max_n is not None else min(_DEFAULT_MAX_N, config.max_num_seqs)
     if max_n > config.max_num_seqs:
         raise ValueError(
@@ -91,6 +92,7 @@ def request_limits(
         max_stop_strings=args.max_stop_strings,
         max_messages=args.max_messages,
         max_concurrent_requests=args.max_concurrent_requests,
+        scheduling_policy=config.scheduling_policy,
     )
 
 
@@ -155,7 +157,8 @@ def _banner(config: ClusterConfig, model: ServedModel, server: GatewayServer, au
         curl += ' -H "Authorization: Bearer $PDSERVE_API_KEY"'
     lines = [
         f"pdserve: serving {model.name!r} with {pools} workers "
-        f"(policy {config.router_policy}{_kv_transport(config)}{_speculation(config)})",
+        f"(policy {config.router_policy}{_scheduling(config)}{_kv_transport(config)}"
+        f"{_speculation(config)})",
         f"  OpenAI HTTP  {server.http_url}/v1   (health {server.http_url}/health)",
     ]
     if server.grpc_port is not None:
@@ -168,6 +171,10 @@ def _pools(config: ClusterConfig) -> str:
     if config.colocated:
         return f"{config.num_decode} colocated"
     return f"{config.num_prefill} prefill + {config.num_decode} decode"
+
+
+def _scheduling(config: ClusterConfig) -> str:
+    return ", scheduling by priority" if config.scheduling_policy == "priority" else ""
 
 
 def _kv_transport(config: ClusterConfig) -> str:

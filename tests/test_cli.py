@@ -549,6 +549,43 @@ def test_max_worker_restarts_reaches_the_cluster_config(monkeypatch: pytest.Monk
     assert [c.max_worker_restarts for c in configs] == [0, 10]
 
 
+def test_the_scheduling_policy_reaches_every_workers_scheduler_and_the_gateway(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--scheduling-policy reaches the ClusterConfig, both pools' SchedulerConfigs, and the
+    gateway's limits (which refuse a priority under fcfs)."""
+    configs: list[ClusterConfig] = []
+    limits: list[RequestLimits] = []
+
+    def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
+        configs.append(config)
+        limits.append(request_limits(args, config, max_model_len=64))
+        return 0
+
+    monkeypatch.setattr("router.serve_command.run_serve", run_serve)
+    assert main(["serve", "--scheduling-policy", "priority"]) == 0
+    assert main(["serve", "--prefill", "0", "--scheduling-policy", "priority"]) == 0
+    assert main(["serve", "--scheduling-policy", "fcfs"]) == 0
+    assert main(["serve"]) == 0
+    assert [c.scheduling_policy for c in configs] == ["priority", "priority", "fcfs", "fcfs"]
+    assert [c.scheduler_config().policy for c in configs] == [c.scheduling_policy for c in configs]
+    assert [c.prefill_scheduler_config().policy for c in configs] == [
+        c.scheduling_policy for c in configs
+    ]
+    assert [lim.scheduling_policy for lim in limits] == ["priority", "priority", "fcfs", "fcfs"]
+
+
+def test_an_unknown_scheduling_policy_is_refused_listing_vllms(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _serve_args("--scheduling-policy", "lifo")
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --scheduling-policy: invalid choice: 'lifo'" in error, error
+    assert "'fcfs'" in error and "'priority'" in error
+
+
 # ---- --speculative-config: vLLM's JSON, checked before anything starts -----------------------
 
 _NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'

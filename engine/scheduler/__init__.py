@@ -6,10 +6,16 @@ from engine.scheduler.outputs import (
     ScheduledSequence,
     SchedulerOutput,
 )
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.scheduler import (
+    SCHEDULING_POLICIES,
+    Scheduler,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = [
+    "SCHEDULING_POLICIES",
     "AppendedTokens",
     "FinishReason",
     "ModelRunnerOutput",
@@ -17,6 +23,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SchedulingPolicy",
     "Sequence",
     "SequenceStatus",
 ]

@@ -12,6 +12,12 @@ Each step, sequences already running are served first in arrival order (decodes 
 prompt chunks alike), each taking what it needs from the step's token budget; waiting sequences
 are admitted after them while budget, blocks and ``max_num_seqs`` allow.
 
+Policies (vLLM's ``scheduling_policy``): "fcfs" keeps both queues in order of arrival (a
+preempted sequence first in the waiting queue). "priority" keeps both in order of (priority,
+arrival), lower first: the running are served, and waiting admitted, in that order, and the
+last running (lowest priority, latest arrival) is the one preempted. A waiting sequence never
+preempts a running one, whatever their priorities (as vLLM).
+
 With a draft proposer (speculative decoding), a running sequence that decodes also asks it for
 draft tokens, which take budget and slots like its own token (a sequence short of blocks drops
 its drafts before anyone is preempted). ``update`` advances it past its token and the drafts
@@ -20,10 +26,12 @@ that stood; the slots of the drafts that fell are written over by the tokens tha
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from engine.kv_cache.block_manager import BlockManager, num_blocks_for
 from engine.sampling.seeds import derive_seed
@@ -37,14 +45,23 @@ from engine.scheduler.stop import finish_reason_after_append
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.speculative.ngram import NgramProposer
 
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences at most
     max_num_batched_tokens: int = 2048  # tokens per step (prompt chunks + decodes)
     enable_chunked_prefill: bool = True  # split prompts longer than the step budget
+    policy: SchedulingPolicy = "fcfs"  # "priority": by (request priority, arrival)
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.policy!r}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -76,7 +93,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
-        self.waiting.append(seq)
+        self._enqueue(seq)
 
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError when ``seq`` could never run here: more samples than
@@ -167,7 +184,7 @@ class Scheduler:
                 if target is not seq:
                     self.block_manager.fork(seq, target)
                     target.status = SequenceStatus.RUNNING
-                    self.running.append(target)
+                    self._add_running(target)
                     seq.is_forked = target.is_forked = True
             for target in entry.sample_seqs:
                 target.token_ids.append(result.sampled_token_ids[target.seq_id])
@@ -206,7 +223,7 @@ class Scheduler:
         assert seq.num_computed_tokens == seq.num_tokens - 1 and seq.block_table
         self.check_fits(seq)
         seq.is_forked = True
-        self.waiting.append(seq)
+        self._enqueue(seq)
 
     def release(self, seq: Sequence) -> None:
         """End a handed-off sequence's lease: its blocks are freed (full ones stay cached)."""
@@ -253,7 +270,7 @@ class Scheduler:
             self.waiting.popleft()
             copies += self.block_manager.allocate_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._add_running(seq)
             num_seqs += _num_seqs_to_come(seq)
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
@@ -319,6 +336,8 @@ class Scheduler:
                 parent.params,
                 parent.max_total_tokens,
                 sample_index=index,
+                priority=parent.priority,
+                arrival=parent.arrival,
                 seed=seed,
                 cache_salt=parent.cache_salt,
                 prefill_only=parent.prefill_only,
@@ -331,7 +350,22 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._drop_kv(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_queue_key)
+        else:
+            self.waiting.appendleft(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        if self.config.policy == "priority":  # after those of its priority that came before
+            bisect.insort(self.waiting, seq, key=_queue_key)
+        else:
+            self.waiting.append(seq)
+
+    def _add_running(self, seq: Sequence) -> None:
+        if self.config.policy == "priority":
+            bisect.insort(self.running, seq, key=_queue_key)
+        else:
+            self.running.append(seq)
 
     def _drop_kv(self, seq: Sequence) -> None:
         """Free the sequence's blocks; a preemption: its KV is recomputed when it runs again."""
@@ -360,6 +394,11 @@ def speculates(seq: Sequence) -> bool:
     if params.structured_outputs is not None:
         return False
     return seq.seed is None or params.greedy
+
+
+def _queue_key(seq: Sequence) -> tuple[int, int]:
+    """The order of the "priority" policy: lower priority value first, then earlier arrival."""
+    return seq.priority, seq.arrival
 
 
 def _num_seqs_to_come(seq: Sequence) -> int:

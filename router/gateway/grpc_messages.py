@@ -97,6 +97,7 @@ def generate_spec(
         cache_salt=caller.tenant_salt,
         prompt_param=prompt_kind,
         include_stop_str_in_output=request.include_stop_str_in_output,
+        priority=request.priority,
     )
 
 

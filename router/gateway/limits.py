@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sampling.params import MAX_LOGPROBS
+from engine.scheduler import SCHEDULING_POLICIES, SchedulingPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,9 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_messages: int = 256  # messages in one chat request
     max_concurrent_requests: int = 512  # in flight through this gateway (429 above)
+    # the workers' --scheduling-policy: a request may ask for a priority other than 0 only
+    # under "priority" (vLLM refuses one under "fcfs" too)
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         for name in (
@@ -39,3 +43,8 @@ class RequestLimits:
             raise ValueError(f"max_tokens must be >= 1 (or None), got {self.max_tokens}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )

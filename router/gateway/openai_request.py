@@ -9,6 +9,7 @@ among them) and chat-template options are accepted in the body, and so is OpenAI
 are cut to ``truncate_prompt_tokens`` (``truncation``) as they are tokenized; ``echo`` is kept
 on the job for the response to apply. vLLM's ``prompt_logprobs``, and ``echo`` with ``logprobs``
 on completions, ask the workers for the prompt's logprobs (``prompt_logprobs``) as vLLM does.
+vLLM's ``priority`` goes with every prompt's job (0 unless the workers schedule by priority).
 Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) are checked in
 ``structured_fields``; chat's ``tools`` and ``tool_choice``, which may constrain the output
 instead, in ``tool_fields``; under ``--reasoning-parser``, chat's reasoning options and the
@@ -98,6 +99,7 @@ def parse_job(
     stream = optional_field(body, "stream", bool) or False
     include_usage = _stream_options(body, stream)
     include_stop = optional_field(body, "include_stop_str_in_output", bool, False)
+    priority = optional_field(body, "priority", int, 0)  # checked in make_spec, as gRPC's
     wire_names: dict[str, str] = {}
     tools = checked_tools(body, model.tool_call_parser) if kind == "chat" else None
     reasoning = checked_reasoning(body, model.reasoning_parser) if kind == "chat" else None
@@ -137,6 +139,7 @@ def parse_job(
             prompt_param="messages" if kind == "chat" else "prompt",
             wire_names=wire_names,
             include_stop_str_in_output=include_stop,
+            priority=priority,
         )
         for prompt in prompts.token_ids
     ]

@@ -15,6 +15,8 @@ from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
 from router.gateway.logit_fields import checked_allowed_token_ids, checked_logit_bias
 
+_INT64_RANGE = (-(2**63), 2**63 - 1)
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationSpec:
@@ -25,6 +27,9 @@ class GenerationSpec:
     # vLLM's include_stop_str_in_output: a stop string that ends a sample is kept at the end of
     # its text, and so is the text of an eos or stop_token_ids token that ends it
     include_stop_str_in_output: bool = False
+    # vLLM's priority: under --scheduling-policy priority, lower is served first (ties by
+    # arrival); always 0 under fcfs
+    priority: int = 0
 
 
 def make_spec(
@@ -38,6 +43,7 @@ def make_spec(
     prompt_param: str = "prompt",
     wire_names: Mapping[str, str] | None = None,
     include_stop_str_in_output: bool = False,
+    priority: int = 0,
 ) -> GenerationSpec:
     """Check a request against the limits and build its spec; ApiError(400) names the field.
 
@@ -47,6 +53,7 @@ def make_spec(
     ``max_completion_tokens`` and ``top_logprobs``), so that errors name the field sent.
     """
     names = wire_names or {}
+    _check_priority(priority, limits)
     prompt = _checked_prompt(prompt_token_ids, limits, vocab_size, prompt_param)
     fields = dict(sampling)
     max_tokens_name = names.get("max_tokens", "max_tokens")
@@ -67,7 +74,25 @@ def make_spec(
         wire_name = names.get(keyword, keyword)
         message = str(error).replace(keyword, wire_name, 1)
         raise invalid(message, param=wire_name) from error
-    return GenerationSpec(prompt, params, tuple(stop), cache_salt, include_stop_str_in_output)
+    return GenerationSpec(
+        prompt, params, tuple(stop), cache_salt, include_stop_str_in_output, priority
+    )
+
+
+def _check_priority(priority: int, limits: RequestLimits) -> None:
+    """A priority fits in a signed 64-bit integer (bounded as ``seed`` is: a client's integer
+    is unbounded in JSON), and is 0 unless the workers schedule by priority (as vLLM's)."""
+    if not _INT64_RANGE[0] <= priority <= _INT64_RANGE[1]:
+        raise invalid(
+            f"priority must fit in a signed 64-bit integer, got {priority}", param="priority"
+        )
+    if priority != 0 and limits.scheduling_policy != "priority":
+        raise invalid(
+            f"priority must be 0 on this server, got {priority}: it serves requests in order "
+            f"of arrival (--scheduling-policy {limits.scheduling_policy}); a priority needs "
+            "pdserve serve --scheduling-policy priority",
+            param="priority",
+        )
 
 
 def _checked_prompt(

@@ -38,6 +38,7 @@ class GenerationBackend(Protocol):
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Raises ValueError for a request the workers refuse (e.g. ``n`` above their
         max_num_seqs), possibly as a Ray task error that wraps it."""
@@ -125,6 +126,7 @@ class TextGeneration:
             params,
             request_id=self.request_id,
             cache_salt=self.spec.cache_salt,
+            priority=self.spec.priority,
         )
         try:
             async for event in events:

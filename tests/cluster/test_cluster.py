@@ -54,8 +54,10 @@ def start_cluster(ray_session: None) -> Iterator:  # type: ignore[type-arg]
         cluster.shutdown()
 
 
-async def _collect(cluster: Cluster, prompt: list[int], params: SamplingParams) -> list[int]:
-    return [event.token_id async for event in cluster.generate(prompt, params)]
+async def _collect(
+    cluster: Cluster, prompt: list[int], params: SamplingParams, priority: int = 0
+) -> list[int]:
+    return [event.token_id async for event in cluster.generate(prompt, params, priority=priority)]
 
 
 def _run_all(cluster: Cluster) -> list[list[int]]:
@@ -151,6 +153,83 @@ def test_short_prompts_are_prefilled_on_their_decode_worker(
         "prefill-0": sum(long),
         "decode-0": sum(short),
     }
+
+
+def _scheduling_policy(actor: object) -> str:
+    ref = actor.__ray_call__.remote(  # type: ignore[attr-defined]
+        lambda self: self.worker.loop.engine.scheduler.config.policy
+    )
+    return str(ray.get(ref))
+
+
+def test_a_priority_cluster_serves_requests_of_every_priority_as_the_offline_engine(
+    start_cluster,
+    llama_dir: Path,
+    expected: list[list[int]],  # type: ignore[no-untyped-def]
+) -> None:
+    """--scheduling-policy priority reaches both pools' schedulers, and requests of mixed
+    priorities (negative ones too) come out token for token as offline."""
+    config = local_cluster_config(
+        llama_dir, num_prefill=1, num_decode=1, scheduling_policy="priority"
+    )
+    cluster = start_cluster(config)
+    policies = {w.worker_id: _scheduling_policy(w.actor) for w in cluster.workers.values()}
+    assert policies == {"prefill-0": "priority", "decode-0": "priority"}
+    prompts, params = _workload()
+
+    async def main() -> list[list[int]]:
+        outputs = [
+            _collect(cluster, prompt, sampling, priority=i % 3 - 1)
+            for i, (prompt, sampling) in enumerate(zip(prompts, params))
+        ]
+        return list(await asyncio.gather(*outputs))
+
+    assert asyncio.run(main()) == expected
+
+
+def test_waiting_requests_start_in_order_of_priority_not_arrival(
+    start_cluster,
+    llama_dir: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """One sequence at a time: while a request runs to the end of the context, with two more
+    of its priority queued behind it (about 2 s of work in all, so the rest queue in time on a
+    slow machine), "late" (priority 5) arrives, then "urgent" (-5). Urgent starts before late
+    (in order of arrival, late would)."""
+    config = local_cluster_config(
+        llama_dir, num_prefill=0, num_decode=1, max_num_seqs=1, scheduling_policy="priority"
+    )
+    cluster = start_cluster(config)
+    prompt = make_prompts(seed=31)[0]
+    started: list[str] = []
+
+    async def run(name: str, priority: int, max_tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        async for event in cluster.generate(prompt, params, request_id=name, priority=priority):
+            if event.position == 0:
+                started.append(name)
+
+    def placed(name: str) -> bool:  # its worker holds it: running, or waiting for a turn
+        with cluster._lock:
+            tracker = cluster._trackers.get(name)
+            return tracker is not None and bool(tracker.workers)
+
+    async def main() -> None:
+        long = 511 - len(prompt)  # to the end of the context: about 0.5 s each
+        first = asyncio.create_task(run("first", -10, long))
+        await _wait_for(lambda: started == ["first"])
+        queued = []
+        for i in range(2):
+            queued.append(asyncio.create_task(run(f"queued-{i}", -10, long)))
+            await _wait_for(functools.partial(placed, f"queued-{i}"))
+        late = asyncio.create_task(run("late", 5, 2))
+        await _wait_for(functools.partial(placed, "late"))
+        urgent = asyncio.create_task(run("urgent", -5, 2))
+        await _wait_for(functools.partial(placed, "urgent"))
+        assert not queued[-1].done(), "the long requests ended before the others queued"
+        await asyncio.wait_for(asyncio.gather(first, *queued, late, urgent), timeout=90)
+
+    asyncio.run(main())
+    assert started == ["first", "queued-0", "queued-1", "urgent", "late"]
 
 
 def _long_workload() -> tuple[list[list[int]], list[SamplingParams]]:

@@ -513,6 +513,12 @@ BAD_REQUESTS = [
         text="hi",
         prompt_logprobs=-3,
     ),
+    bad(
+        "priority-under-fcfs",
+        "priority must be 0 on this server, got 1",
+        text="hi",
+        priority=1,
+    ),
     bad("max-tokens-0", "max_tokens", text="hi", max_tokens=0),
     bad("max-tokens-negative", "max_tokens", text="hi", max_tokens=-5),
     bad("max-tokens-huge", "max_tokens", text="hi", max_tokens=2**31 - 1),

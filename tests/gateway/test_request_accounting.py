@@ -71,6 +71,7 @@ class _ByPromptLength(ScriptedCluster):
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[TokenEvent, None]:
         self.request_ids.append(request_id or "")
         max_tokens = min(params.max_tokens or self.length, len(prompt_token_ids))
@@ -89,6 +90,7 @@ class _Refusing(ScriptedCluster):
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[TokenEvent, None]:
         if params.n > 4:
             cause = ValueError(f"n ({params.n}) must be <= max_num_seqs (4)")
@@ -108,6 +110,7 @@ class _Broken(ScriptedCluster):
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[TokenEvent, None]:
         async for event in super().generate(prompt_token_ids, params, request_id=request_id):
             if event.position == 2:

@@ -58,6 +58,7 @@ class ScriptedCluster(OneLiveWorker):
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[TokenEvent, None]:
         num_tokens = min(params.max_tokens or self.length, self.length)
         for position in range(num_tokens):

@@ -42,6 +42,7 @@ class ScriptedCluster(OneLiveWorker):
         self.finish_reason = "length"
         self.prompts: list[list[int]] = []  # prompt token ids, as asked
         self.params: list[SamplingParams] = []  # sampling params, as asked
+        self.priorities: list[int] = []  # request priorities, as asked
         self.first_prompt_logprob: float | None = None  # replaces position 1's logprob when set
 
     async def generate(
@@ -51,9 +52,11 @@ class ScriptedCluster(OneLiveWorker):
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[TokenEvent, None]:
         self.prompts.append(list(prompt_token_ids))
         self.params.append(params)
+        self.priorities.append(priority)
         num_tokens = min(params.max_tokens or len(self.tokens), len(self.tokens))
         for position in range(num_tokens):
             finish = None
@@ -129,9 +132,13 @@ def scripted_prompt_logprobs(
 
 
 @contextlib.contextmanager
-def http_client(cluster: ScriptedCluster, model: ServedModel) -> Iterator[httpx.Client]:
-    """A client of a gateway serving ``model`` over ``cluster``, without API keys."""
-    gateway = Gateway(cluster, model, RequestLimits(max_model_len=model.max_model_len), ApiKeys([]))
+def http_client(
+    cluster: ScriptedCluster, model: ServedModel, limits: RequestLimits | None = None
+) -> Iterator[httpx.Client]:
+    """A client of a gateway serving ``model`` over ``cluster``, without API keys (``limits``
+    default: the model's context, the rest as RequestLimits' defaults)."""
+    limits = limits or RequestLimits(max_model_len=model.max_model_len)
+    gateway = Gateway(cluster, model, limits, ApiKeys([]))
     server = GatewayServer(gateway, "127.0.0.1", 0, None)
     server.start()
     try:

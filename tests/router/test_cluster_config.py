@@ -3,7 +3,8 @@
 "auto" reaches the workers as "auto" (each prefill worker picks per pair; the rule is tested in
 tests/kv_transfer/test_pair_transport.py), and a transport that cannot move the device's caches
 is refused at start-up, naming the flag (before, the server started and every hand-off
-failed). Workers that share a GPU each budget their share of it."""
+failed). Workers that share a GPU each budget their share of it. Both pools' schedulers
+follow the scheduling policy."""
 
 from __future__ import annotations
 
@@ -95,3 +96,18 @@ def test_negative_worker_restarts_are_refused_naming_the_flag() -> None:
         ClusterConfig("model", max_worker_restarts=-1)
     with pytest.raises(ValueError, match="restart_delay_s must be >= 0, got -0.5"):
         ClusterConfig("model", restart_delay_s=-0.5)
+
+
+def test_the_scheduling_policy_reaches_both_pools_schedulers() -> None:
+    for policy in ("fcfs", "priority"):
+        config = ClusterConfig("model", scheduling_policy=policy, prefill_max_num_batched_tokens=8)
+        assert config.scheduler_config().policy == policy
+        assert config.prefill_scheduler_config().policy == policy
+        assert config.prefill_scheduler_config().max_num_batched_tokens == 8
+    assert ClusterConfig("model").scheduler_config().policy == "fcfs"  # vLLM's default
+
+
+def test_an_unknown_scheduling_policy_is_refused_naming_the_flag_and_the_choices() -> None:
+    with pytest.raises(ValueError) as error:
+        ClusterConfig("model", scheduling_policy="lifo")  # type: ignore[arg-type]
+    assert str(error.value) == "--scheduling-policy must be one of fcfs, priority; got 'lifo'"

@@ -8,8 +8,9 @@ output pumps). Every one hung a client, crashed a router thread or corrupted a s
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -350,3 +351,40 @@ def test_a_stall_is_found_after_dead_after_s_not_twice_that() -> None:
     actors["decode-0"].stalled = True
     cluster._poll_loads()
     assert not cluster.workers["decode-0"].alive
+
+
+def test_a_request_keeps_its_priority_on_every_worker_it_is_placed_on() -> None:
+    """Under the scheduling policy "priority", ``generate``'s priority goes with the request to
+    its prefill worker (which hands it to the decode worker), and with the resumed request to
+    the decode worker that takes it over after the first one died (it was rebuilt without it,
+    and ran there as 0)."""
+    cluster, actors = make_cluster(1, 2, scheduling_policy="priority")
+    _first_of(cluster, "decode-0")
+
+    def placed() -> bool:
+        tracker = cluster._trackers.get("r1")
+        return tracker is not None and bool(tracker.workers)
+
+    async def client() -> list[int]:
+        params = SamplingParams(max_tokens=2)
+        stream = cluster.generate([1, 2, 3, 4], params, request_id="r1", priority=-3)
+        reading = asyncio.ensure_future(_token_ids_from(stream))
+        deadline = time.monotonic() + 5
+        while not placed():  # in the cluster's placement thread
+            assert time.monotonic() < deadline, "r1 was never placed"
+            await asyncio.sleep(0.01)
+        cluster._dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
+        actors["decode-0"].dead = True
+        cluster._poll_loads()
+        cluster._dispatch(OutputBatch("decode-1", [token("r1#1", 1, 12, finish="length")]))
+        return await asyncio.wait_for(reading, 5)
+
+    assert asyncio.run(client()) == [11, 12]
+    first = actors["prefill-0"].requests["r1"]
+    assert (first.priority, actors["prefill-0"].targets["r1"]) == (-3, "decode-0")
+    resumed = actors["decode-1"].requests["r1#1"]
+    assert (resumed.priority, resumed.resume_token_ids) == (-3, {0: [11]})
+
+
+async def _token_ids_from(stream: AsyncIterator[TokenEvent]) -> list[int]:
+    return [event.token_id async for event in stream]

@@ -1,5 +1,7 @@
 """The gateway's per-request tracker: order, exactly-once delivery, resume."""
 
+from dataclasses import replace
+
 from engine.messages import GenerateRequest, RequestFailure, TokenEvent
 from engine.sampling.params import SamplingParams
 from router.request_tracker import ClientItem, RequestDone, RequestTracker
@@ -41,6 +43,15 @@ def test_resume_request_carries_delivered_tokens_of_unfinished_samples() -> None
     t.accept(ev(0, 8, sample=1))
     t.accept(ev(1, 9, sample=1))
     assert t.resume_request().resume_token_ids == {1: [8, 9]}
+
+
+def test_resume_request_keeps_the_rest_of_the_request() -> None:
+    """Its tenant's salt and its scheduling priority above all (the priority was dropped)."""
+    items: list[ClientItem] = []
+    request = GenerateRequest("r", [1, 2], SamplingParams(max_tokens=5), "g", "salt", priority=4)
+    t = RequestTracker(request, items.append, "p0", "d0")
+    t.accept(ev(0, 7))
+    assert t.resume_request() == replace(request, resume_token_ids={0: [7]})
 
 
 def test_failure_closes_once() -> None:

@@ -35,6 +35,7 @@ class ScriptedTokens:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[TokenEvent, None]:
         num_sent = 0
         total = sum(len(s) for s in self.samples)

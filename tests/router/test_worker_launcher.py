@@ -1,6 +1,7 @@
 """The launcher hands each pool's actors their settings: speculative decoding goes to the decode
 pool only (a prefill worker samples each prompt's first token, never a draft), the same for a
-worker started in a dead one's slot. Actor classes are recorders here; no Ray."""
+worker started in a dead one's slot; every worker schedules by the cluster's scheduling policy.
+Actor classes are recorders here; no Ray."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 from router.cluster_config import ClusterConfig
 from router.worker_slots import WorkerLauncher, plan_slots
@@ -59,3 +61,18 @@ def test_without_a_speculative_config_decode_actors_get_none(
     WorkerLauncher(config).launch(slot, slot.worker_id(1), {})  # a replacement, the same way
     ((_, args),) = started
     assert args[0] == "decode-0-r1" and args[-1] is None
+
+
+@pytest.mark.parametrize("num_prefill", [1, 0], ids=["disaggregated", "colocated"])
+def test_every_actor_schedules_by_the_clusters_policy(
+    started: list[tuple[str, tuple[Any, ...]]], num_prefill: int
+) -> None:
+    config = ClusterConfig(
+        "model", num_prefill=num_prefill, num_decode=2, scheduling_policy="priority"
+    )
+    launcher = WorkerLauncher(config)
+    for slot in plan_slots(config, None):
+        launcher.launch(slot, slot.worker_id(0), {})
+    schedulers = [a for _, args in started for a in args if isinstance(a, SchedulerConfig)]
+    assert len(schedulers) == len(started) == 2 + num_prefill
+    assert {s.policy for s in schedulers} == {"priority"}
