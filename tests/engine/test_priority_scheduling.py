@@ -14,20 +14,6 @@ from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_scheduler import Harness, expected_output, fake_run
 
 
-def _add(harness: Harness, prompt: list[int], max_tokens: int, priority: int) -> Sequence:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    seq = Sequence(
-        harness.scheduler.new_seq_id(),
-        f"p{priority}-{len(harness.scheduler.waiting)}",
-        prompt,
-        params,
-        len(prompt) + max_tokens,
-        priority=priority,
-    )
-    harness.scheduler.add(seq)
-    return seq
-
-
 def _finish_order(harness: Harness) -> list[Sequence]:
     order: list[Sequence] = []
     running = {s.seq_id: s for s in harness.scheduler.waiting}
@@ -41,7 +27,7 @@ def _finish_order(harness: Harness) -> list[Sequence]:
 def test_one_at_a_time_they_run_by_priority_then_arrival(policy: str) -> None:
     harness = Harness(max_num_seqs=1, policy=policy)  # type: ignore[arg-type]
     priorities = [5, 0, 3, 0, -2] if policy == "priority" else [0] * 5
-    seqs = [_add(harness, [7 + i] * 6, 4, p) for i, p in enumerate(priorities)]
+    seqs = [harness.add([7 + i] * 6, 4, priority=p) for i, p in enumerate(priorities)]
     order = _finish_order(harness)
     expected = [4, 1, 3, 2, 0] if policy == "priority" else [0, 1, 2, 3, 4]
     assert order == [seqs[i] for i in expected]
@@ -53,8 +39,8 @@ def test_the_lowest_priority_running_is_preempted_not_the_newest() -> None:
     """Three sequences fill the cache; the first admitted has the lowest priority (9). When
     the others need blocks, it is the one preempted, then recomputed: its tokens unchanged."""
     harness = Harness(num_blocks=12, block_size=4, max_num_seqs=3, policy="priority")  # type: ignore[arg-type]
-    low = _add(harness, [3] * 12, 12, priority=9)
-    high = [_add(harness, [4 + i] * 12, 12, priority=1) for i in range(2)]
+    low = harness.add([3] * 12, 12, priority=9)
+    high = [harness.add([4 + i] * 12, 12, priority=1) for i in range(2)]
     first = harness.scheduler.schedule()
     assert [e.seq for e in first.scheduled] == [*high, low]  # served in priority order
     harness.scheduler.update(first, fake_run(first))
@@ -69,7 +55,7 @@ def test_samples_of_a_request_share_its_priority_and_arrival() -> None:
     params = SamplingParams(max_tokens=3, n=3, ignore_eos=True)
     parent = Sequence(harness.scheduler.new_seq_id(), "n3", [5] * 4, params, 7, priority=2)
     harness.scheduler.add(parent)
-    later = _add(harness, [6] * 4, 3, priority=2)
+    later = harness.add([6] * 4, 3, priority=2)
     out = harness.scheduler.schedule()
     harness.scheduler.update(out, fake_run(out))
     running = harness.scheduler.running

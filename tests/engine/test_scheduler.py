@@ -41,7 +41,12 @@ class Harness:
         self.ids = itertools.count()
 
     def add(
-        self, prompt: list[int], max_tokens: int, n: int = 1, seed: int | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        n: int = 1,
+        seed: int | None = None,
+        priority: int = 0,
     ) -> Sequence:
         params = SamplingParams(max_tokens=max_tokens, n=n, seed=seed, ignore_eos=True)
         seq = Sequence(
@@ -51,6 +56,7 @@ class Harness:
             params,
             len(prompt) + max_tokens,
             seed=seed,
+            priority=priority,
         )
         self.scheduler.add(seq)
         return seq
