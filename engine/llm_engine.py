@@ -155,10 +155,13 @@ class LLMEngine:
         proposer = None
         if speculative is not None:
             proposer = NgramProposer(speculative, max_contexts=scheduler.max_num_seqs)
-        self.scheduler = Scheduler(scheduler, self.block_manager, eos, proposer)
         # structured outputs: compiled on the first request that asks (and checked there)
         self.grammars = ModelGrammars(
             load.tokenizer or load.model_dir, self.model_config.vocab_size, eos
+        )
+        grammar_cursors = GrammarCursors(self.grammars, eos, self.device)
+        self.scheduler = Scheduler(
+            scheduler, self.block_manager, eos, proposer, grammar_cursors.valid_drafts
         )
         self.runner = ModelRunner(
             self.model,
@@ -169,7 +172,7 @@ class LLMEngine:
             self._capture_decode_graphs(graph_batch_sizes, attn_backend, rows_per_seq),
             # a pass of prompt logits fits in what the memory profile keeps for sampling
             max_prompt_logits_rows=scheduler.max_num_seqs,
-            grammar_cursors=GrammarCursors(self.grammars, eos, self.device),
+            grammar_cursors=grammar_cursors,
         )
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}

@@ -163,6 +163,12 @@ class ModelRunner:
             first_row += entry.num_query_tokens
         row_index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
+        if self.grammar_cursors is not None:  # structured outputs: each row by its own state
+            seqs = [e.seq for e in speculating for _ in range(e.num_query_tokens)]
+            drafts_before = [
+                e.draft_token_ids[:j] for e in speculating for j in range(e.num_query_tokens)
+            ]
+            self.grammar_cursors.mask_logits(logits, rows, seqs, drafts_before)
         checked = check_drafts(logits, rows, draft_ids)
         tokens, logprobs = dict(result.sampled_token_ids), dict(result.logprobs)
         accepted_drafts: dict[int, AcceptedDrafts] = {}

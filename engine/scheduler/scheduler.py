@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -45,6 +45,8 @@ from engine.scheduler.stop import finish_reason_after_append
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.speculative.ngram import NgramProposer
 
+# (sequence, its drafts) -> the leading drafts it may take
+DraftFilter = Callable[[Sequence, tuple[int, ...]], tuple[int, ...]]
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 
@@ -77,9 +79,13 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids: Collection[int],
         proposer: NgramProposer | None = None,
+        draft_filter: DraftFilter | None = None,
     ) -> None:
+        """``draft_filter``: the leading drafts a sequence may take (its structured output's
+        grammar allows them); None: all the proposer gives."""
         self.config = config
         self.proposer = proposer  # None: no speculative decoding
+        self.draft_filter = draft_filter
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -309,7 +315,10 @@ class Scheduler:
         room = min(budget - 1, seq.max_total_tokens - seq.num_tokens - 1)
         if room < 1:
             return ()
-        return self.proposer.propose(seq.token_ids, room, seq.seq_id)
+        drafts = self.proposer.propose(seq.token_ids, room, seq.seq_id)
+        if drafts and self.draft_filter is not None:
+            drafts = self.draft_filter(seq, drafts)
+        return drafts
 
     def _entry(
         self, seq: Sequence, num_new: int, drafts: tuple[int, ...] = ()
@@ -387,13 +396,9 @@ class Scheduler:
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether the sequence may take drafts: not under structured outputs (its grammar state
-    follows its output token by token) and not seeded sampling (its stream is one draw per
+    """Whether the sequence may take drafts: not seeded sampling (its stream is one draw per
     token, replayed when a request resumes elsewhere)."""
-    params = seq.params
-    if params.structured_outputs is not None:
-        return False
-    return seq.seed is None or params.greedy
+    return seq.seed is None or seq.params.greedy
 
 
 def _queue_key(seq: Sequence) -> tuple[int, int]:

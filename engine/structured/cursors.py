@@ -15,6 +15,11 @@ the output free until those tokens appear in a row, and constrains what follows 
 runner masks the logits of constrained rows before its sampler
 (``mask_logits``), as vLLM does, so logprobs are those of the masked distribution. On a GPU a
 state's mask is copied there once and kept (the most recently used 256), not every step.
+
+Speculative decoding: the scheduler keeps only the leading drafts the grammar allows
+(``valid_drafts``), up to one that would end the output; the row of the token after
+``drafts[:j]`` is masked by the state those drafts lead to (``mask_logits``'s
+``drafts_before``), so a draft stands only where the grammar allows it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -91,9 +96,12 @@ class GrammarCursors:
         logits: torch.Tensor,  # [rows, vocab] on the device; masked in place
         rows: SequenceOf[SamplingRow],
         seqs: SequenceOf[Sequence],
+        drafts_before: SequenceOf[tuple[int, ...]] | None = None,
     ) -> None:
         """Set -inf, in place, wherever a row's grammar forbids a token, and set each
-        constrained row's min_tokens ban to what the grammar leaves of it."""
+        constrained row's min_tokens ban to what the grammar leaves of it. ``drafts_before``:
+        per row, the drafts its sequence's output is taken to end with (speculative decoding;
+        as ``valid_drafts`` kept them)."""
         positions = [i for i, seq in enumerate(seqs) if seq.params.structured_outputs is not None]
         if not positions:  # (the common batch: one cheap pass)
             return
@@ -101,7 +109,8 @@ class GrammarCursors:
         masks: list[torch.Tensor] = []
         for position in positions:
             row = rows[position]
-            constraint = self.constraint(seqs[position], tuple(row.banned_token_ids))
+            drafts = () if drafts_before is None else drafts_before[position]
+            constraint = self.constraint(seqs[position], tuple(row.banned_token_ids), drafts)
             if constraint is None:  # reasoning: not constrained yet
                 continue
             constrained.append(position)
@@ -116,12 +125,19 @@ class GrammarCursors:
         index = torch.tensor(constrained, dtype=torch.long, device=logits.device)
         logits[index] = logits.index_select(0, index).masked_fill_(forbidden, float("-inf"))
 
-    def constraint(self, seq: Sequence, banned_token_ids: tuple[int, ...]) -> RowConstraint | None:
-        """The row's mask for ``seq`` (None: unconstrained), its output replayed first."""
+    def constraint(
+        self, seq: Sequence, banned_token_ids: tuple[int, ...], drafts: tuple[int, ...] = ()
+    ) -> RowConstraint | None:
+        """The row's mask for ``seq`` (None: unconstrained), its output replayed first, then
+        ``drafts`` (allowed ones: see ``valid_drafts``)."""
         spec = seq.params.structured_outputs
         if spec is None:
             return None
         cursor = self._cursor(seq, spec)
+        if drafts:
+            cursor = replace(cursor)  # the sequence's own stays where its output is
+            for token_id in drafts:
+                cursor.consume(token_id)
         if not cursor.started:
             return None  # still reasoning: free until its end
         grammar, state = cursor.grammar, cursor.state
@@ -132,6 +148,29 @@ class GrammarCursors:
         if banned_token_ids and grammar.is_finished(state):
             banned_token_ids = ()  # nothing but the end may follow: the grammar wins
         return RowConstraint(allowed, banned_token_ids)
+
+    def valid_drafts(self, seq: Sequence, drafts: tuple[int, ...]) -> tuple[int, ...]:
+        """The leading ``drafts`` that ``seq``'s grammar allows, each after those before it,
+        through the first that would end the output (eos, or a stop id where the output is
+        complete): a draft the grammar forbids could not stand, and the rows after it would
+        have no state. All of them for a sequence without structured outputs."""
+        spec = seq.params.structured_outputs
+        if spec is None or not drafts:
+            return drafts
+        cursor = replace(self._cursor(seq, spec))
+        stop_ids = self._eos_token_ids | set(seq.params.stop_token_ids)
+        for index, token_id in enumerate(drafts):
+            if cursor.started:
+                grammar, state = cursor.grammar, cursor.state
+                allowed = bool(grammar.allowed_tokens(state)[token_id]) or (
+                    token_id in stop_ids and grammar.is_accepting(state)
+                )
+                if not allowed:
+                    return drafts[:index]
+            if token_id in stop_ids:  # the output would end there (still reasoning or not)
+                return drafts[: index + 1]
+            cursor.consume(token_id)
+        return drafts
 
     def forget(self, seq_id: int) -> None:
         self._cursors.pop(seq_id, None)

@@ -18,6 +18,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.decode_graphs import DecodeGraphs, EagerCapturer
 from engine.sampling import SamplingRow
+from engine.sequence import Sequence
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.rejection import NO_DRAFT, check_drafts
@@ -310,18 +311,73 @@ def test_logprobs_of_tokens_from_drafts_are_the_models(
     assert_drafts_stood_and_fell(llm)
 
 
-def test_seeded_sampling_and_structured_outputs_do_not_speculate(
-    prompts: list[list[int]],
-) -> None:
+def test_seeded_sampling_does_not_speculate(prompts: list[list[int]]) -> None:
     llm = speculating_llm()
     seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24)
     plain = LLM(str(DEMO_MODEL), dtype="float32", device="cpu")
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)] == [
         o.outputs[0].token_ids for o in plain.generate(prompts, seeded)
     ]
-    choice = StructuredOutputSpec(choice=("the file", "the file is returned"))
-    llm.generate(prompts, SamplingParams(temperature=0.0, structured_outputs=choice, max_tokens=8))
     assert llm.engine.stats.num_draft_tokens == 0
+
+
+STRUCTURED = {
+    # the text repeats what the prompt holds: prompt lookup drafts it, the grammar allows it
+    "regex": StructuredOutputSpec(regex=r"( and return a stream\. Open a file)+"),
+    "choice": StructuredOutputSpec(
+        choice=(" and return a stream. Open a file and return", " and close it")
+    ),
+    "json": StructuredOutputSpec.from_json_schema(
+        {
+            "type": "object",
+            "properties": {"file": {"type": "string"}, "stream": {"type": "string"}},
+            "required": ["file", "stream"],
+        }
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(STRUCTURED))
+def test_structured_outputs_speculate_within_their_grammar(
+    prompts: list[list[int]], kind: str
+) -> None:
+    """Drafts are cut to what the grammar allows and each row is masked by the state its
+    drafts lead to: the output is the engine's without drafts, token for token, and the
+    drafts that stood are the grammar's."""
+    spec = STRUCTURED[kind]
+    params = SamplingParams(temperature=0.0, structured_outputs=spec, max_tokens=40)
+    llm = speculating_llm()
+    plain = LLM(str(DEMO_MODEL), dtype="float32", device="cpu")
+    got = llm.generate([prompts[1]], params)[0].outputs[0]
+    want = plain.generate([prompts[1]], params)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert llm.engine.stats.num_accepted_draft_tokens > 0, llm.engine.stats
+
+
+def test_drafts_are_cut_where_the_grammar_forbids_them_or_the_output_ends() -> None:
+    llm = speculating_llm()
+    assert llm.tokenizer is not None
+    cursors = llm.engine.runner.grammar_cursors
+    assert cursors is not None
+    eos = next(iter(llm.engine.model_config.eos_token_ids))
+    spec = StructuredOutputSpec(regex="(ab)+")
+    params = SamplingParams(structured_outputs=spec, stop_token_ids=[7])
+    seq = Sequence(0, "r", [5, 6], params, 64)
+
+    def ids(text: str) -> tuple[int, ...]:
+        assert llm.tokenizer is not None
+        return tuple(llm.tokenizer.encode(text))
+
+    ab, c = ids("ab"), ids("c")
+    assert cursors.valid_drafts(seq, (*ab, *ab)) == (*ab, *ab)
+    assert cursors.valid_drafts(seq, (*ab, *c, *ab)) == ab
+    assert cursors.valid_drafts(seq, ()) == ()
+    # eos where the output is complete: kept, and nothing after it; where it is not: cut
+    assert cursors.valid_drafts(seq, (*ids("ab"), eos, *ids("ab"))) == (*ids("ab"), eos)
+    assert cursors.valid_drafts(seq, (*ids("a"), eos)) == ids("a")
+    assert cursors.valid_drafts(seq, (*ids("ab"), 7, *ids("ab"))) == (*ids("ab"), 7)
+    unconstrained = Sequence(1, "s", [5, 6], SamplingParams(), 64)
+    assert cursors.valid_drafts(unconstrained, (eos, 9, 9)) == (eos, 9, 9)
 
 
 def test_sampled_output_follows_the_models_distribution(prompts: list[list[int]]) -> None:
