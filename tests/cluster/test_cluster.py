@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
+from engine.scheduler import SchedulerConfig
 from router.cluster import Cluster
 from router.cluster_config import ClusterConfig
 from router.local_prefill import LocalPrefillRule
@@ -107,11 +108,11 @@ def _channel_transports(actor: object) -> dict[str, str]:
     return dict(ray.get(ref))
 
 
-def _step_budget(actor: object) -> int:
+def _scheduler_config(actor: object) -> SchedulerConfig:
     ref = actor.__ray_call__.remote(  # type: ignore[attr-defined]
-        lambda self: self.worker.loop.engine.scheduler.config.max_num_batched_tokens
+        lambda self: self.worker.loop.engine.scheduler.config
     )
-    return int(ray.get(ref))
+    return ray.get(ref)  # type: ignore[no-any-return]
 
 
 def test_the_prefill_pool_runs_its_own_step_budget(
@@ -123,7 +124,10 @@ def test_the_prefill_pool_runs_its_own_step_budget(
         llama_dir, num_prefill=1, num_decode=1, prefill_max_num_batched_tokens=16
     )
     cluster = start_cluster(config)
-    budgets = {w.worker_id: _step_budget(w.actor) for w in cluster.workers.values()}
+    budgets = {
+        w.worker_id: _scheduler_config(w.actor).max_num_batched_tokens
+        for w in cluster.workers.values()
+    }
     assert budgets == {"prefill-0": 16, "decode-0": 2048}
     assert _run_all(cluster) == expected  # prompts over 16 tokens prefill in chunks
 
@@ -155,13 +159,6 @@ def test_short_prompts_are_prefilled_on_their_decode_worker(
     }
 
 
-def _scheduling_policy(actor: object) -> str:
-    ref = actor.__ray_call__.remote(  # type: ignore[attr-defined]
-        lambda self: self.worker.loop.engine.scheduler.config.policy
-    )
-    return str(ray.get(ref))
-
-
 def test_a_priority_cluster_serves_requests_of_every_priority_as_the_offline_engine(
     start_cluster,
     llama_dir: Path,
@@ -173,7 +170,7 @@ def test_a_priority_cluster_serves_requests_of_every_priority_as_the_offline_eng
         llama_dir, num_prefill=1, num_decode=1, scheduling_policy="priority"
     )
     cluster = start_cluster(config)
-    policies = {w.worker_id: _scheduling_policy(w.actor) for w in cluster.workers.values()}
+    policies = {w.worker_id: _scheduler_config(w.actor).policy for w in cluster.workers.values()}
     assert policies == {"prefill-0": "priority", "decode-0": "priority"}
     prompts, params = _workload()
 
