@@ -409,6 +409,66 @@ def test_sampled_output_follows_the_models_distribution(prompts: list[list[int]]
     assert_drafts_stood_and_fell(llm)
 
 
+def masked_outcome_probabilities(
+    llm: LLM, prompt: list[int], params: SamplingParams
+) -> dict[tuple[int, ...], float]:
+    """Every output ``params`` can give after ``prompt``, with its probability: at each step the
+    model's logits (transformers) masked to what the engine's compiled grammar allows (eos
+    where the output is a whole match), then temperature and top-k over what is left; a path
+    ends at eos or at max_tokens."""
+    assert params.structured_outputs is not None and params.max_tokens is not None
+    grammar = llm.engine.grammars(params.structured_outputs)
+    eos_token_ids = llm.engine.model_config.eos_token_ids
+    ended: dict[tuple[int, ...], float] = {}
+    # (output so far, its grammar state) -> probability
+    growing: dict[tuple[tuple[int, ...], int], float] = {((), grammar.initial_state()): 1.0}
+    for _ in range(params.max_tokens):
+        grown: dict[tuple[tuple[int, ...], int], float] = {}
+        for (output, state), probability in growing.items():
+            logits = hf_log_softmax(DEMO_MODEL, prompt + list(output))[-1] / params.temperature
+            logits = logits.masked_fill(~grammar.allowed_tokens(state), float("-inf"))
+            kth = logits.topk(params.top_k).values[-1]
+            probs = logits.masked_fill(logits < kth, float("-inf")).softmax(dim=-1)
+            for token in probs.nonzero().flatten().tolist():
+                path, p = (*output, token), probability * float(probs[token])
+                if token in eos_token_ids:
+                    ended[path] = p
+                else:
+                    grown[(path, grammar.advance(state, token))] = p
+        growing = grown
+    return ended | {output: p for (output, _), p in growing.items()}
+
+
+def test_sampled_structured_output_follows_the_masked_distribution() -> None:
+    """Three tokens of top-k 2 sampling under a grammar: at each step the model's distribution
+    masked to what the grammar allows, then temperature and top-k. Drafts come from the prompt
+    (" and" -> " return", " or" -> " close"); a draft row is masked by the state the drafts
+    before it lead to, so a draft stands with its masked probability, and the token drawn where
+    it falls is one the grammar allows. Unseeded: seeded requests do not speculate."""
+    llm = speculating_llm(max_num_seqs=512)
+    assert llm.tokenizer is not None
+    prompt = llm.tokenizer.encode(
+        "Open a file and return a stream. Open a file or close it. Open a file"
+    )
+    spec = StructuredOutputSpec(regex=r"( and| or)( return| close)( it)?")
+    params = SamplingParams(temperature=1.5, top_k=2, max_tokens=3, structured_outputs=spec)
+    expected = masked_outcome_probabilities(llm, prompt, params)
+    # the model's top two allowed first tokens are " or" and " and"; after " or" its top two
+    # allowed are " return" and " c" (the draft " close" always falls), after " and" " return"
+    # and " close"; eos may end the output after two tokens
+    eos_token_ids = llm.engine.model_config.eos_token_ids
+    assert len(expected) == 8 and any(o[-1] in eos_token_ids for o in expected)
+    outcomes = sorted(expected)
+    torch.manual_seed(11)
+    counts = np.zeros(len(outcomes) + 1, dtype=np.int64)  # the last: outputs it cannot give
+    for _ in range(2):
+        for out in llm.generate([prompt] * 2000, params):
+            token_ids = tuple(out.outputs[0].token_ids)
+            counts[outcomes.index(token_ids) if token_ids in expected else -1] += 1
+    assert_matches(counts, np.array([expected[o] for o in outcomes] + [0.0]))
+    assert_drafts_stood_and_fell(llm)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_other_attention_backends_check_drafts_too(
     prompts: list[list[int]], expected: list[list[int]], backend: str
