@@ -354,6 +354,34 @@ def test_structured_outputs_speculate_within_their_grammar(
     assert llm.engine.stats.num_accepted_draft_tokens > 0, llm.engine.stats
 
 
+def test_a_grammar_whose_states_grow_between_runner_and_scheduler() -> None:
+    """A schema with enough states that its table grows while the runner masks (in torch's
+    inference mode) and is filled further while the scheduler cuts drafts (not): torch refused
+    the second ("Inplace update to inference tensor outside InferenceMode")."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "path": {"type": "string", "maxLength": 30},
+            "mode": {"enum": ["read", "write", "append"]},
+        },
+        "required": ["name", "path", "mode"],
+    }
+    spec = StructuredOutputSpec.from_json_schema(schema)
+    text = (
+        'Open a file. {"name": "open", "path": "/tmp/file.txt", "mode": "read"} Close a '
+        'file. {"name": "close", "path": "/tmp/file.txt", "mode": "write"} Read a file.'
+    )
+    params = SamplingParams(temperature=0.0, structured_outputs=spec, max_tokens=64)
+    llm = speculating_llm()
+    plain = LLM(str(DEMO_MODEL), dtype="float32", device="cpu")
+    assert llm.tokenizer is not None
+    prompt = llm.tokenizer.encode(text)
+    got = llm.generate([prompt], params)[0].outputs[0]
+    assert got.token_ids == plain.generate([prompt], params)[0].outputs[0].token_ids
+    assert llm.engine.stats.num_accepted_draft_tokens > 0
+
+
 def test_drafts_are_cut_where_the_grammar_forbids_them_or_the_output_ends() -> None:
     llm = speculating_llm()
     assert llm.tokenizer is not None
