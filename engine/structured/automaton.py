@@ -69,8 +69,9 @@ class StateTable:
             return state
         state = len(self._keys)
         if state == self.transitions.shape[0]:
-            grown = torch.full((2 * state, 256), UNKNOWN_STATE, dtype=torch.int32)
-            grown[:state] = self.transitions
+            with torch.inference_mode():  # (see _fill)
+                grown = torch.full((2 * state, 256), UNKNOWN_STATE, dtype=torch.int32)
+                grown[:state] = self.transitions
             self.transitions = grown
         self._ids[key] = state
         self._keys.append(key)
@@ -86,8 +87,16 @@ class StateTable:
             DEAD_STATE if key is None else self.intern(key)
             for key in self._automaton.successors(self._keys[state])
         ]
-        self.transitions[state] = torch.tensor(row, dtype=torch.int32)
+        self._fill(state, row)
         self._rows[state] = row
+
+    def _fill(self, state: int, row: list[int]) -> None:
+        """Write a row of the table, in inference mode: the table grows (and is filled) from
+        the model runner, under ``torch.inference_mode``, and from callers that are not
+        (the scheduler's draft filter, a compile); torch refuses to write outside inference
+        mode to a tensor made in it, so the table is always made and written in it."""
+        with torch.inference_mode():
+            self.transitions[state] = torch.tensor(row, dtype=torch.int32)
 
     def step(self, state: int, byte: int) -> int:
         """The state after ``byte``, expanding ``state`` first if needed."""

@@ -43,13 +43,7 @@ MIN_CACHED_MASKS = 16
 
 
 class CompiledGrammar:
-    """One constraint over one vocabulary. Safe to share between threads.
-
-    The state table grows as states are reached, from the model runner (under
-    ``torch.inference_mode``) and from the scheduler's draft filter (not): a table grown in
-    inference mode is an inference tensor, which torch forbids writing to outside it. So every
-    call that may grow or fill the table runs in inference mode, wherever it is called from.
-    """
+    """One constraint over one vocabulary. Safe to share between threads."""
 
     def __init__(self, automaton: ByteAutomaton, vocabulary: TokenVocabulary) -> None:
         self.vocab_size = vocabulary.vocab_size
@@ -70,7 +64,7 @@ class CompiledGrammar:
     def allowed_tokens(self, state: int) -> torch.Tensor:
         """[vocab_size] bool on CPU: the tokens after which the output can still be completed,
         and eos iff ``state`` is accepting. Cached: callers must not modify it."""
-        with self._lock, torch.inference_mode():  # (see the class docstring)
+        with self._lock:
             self._check(state)
             mask = self._masks.get(state)
             if mask is not None:
@@ -89,7 +83,7 @@ class CompiledGrammar:
 
     def advance(self, state: int, token_id: int) -> int:
         """The state after ``token_id``; ValueError if ``state`` does not allow it."""
-        with self._lock, torch.inference_mode():  # (see the class docstring)
+        with self._lock:
             self._check(state)
             if token_id in self._vocabulary.eos_token_ids:
                 if not self._table.is_accepting(state):
