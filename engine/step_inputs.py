@@ -20,7 +20,6 @@ class DecodeTokens:
     input_ids: np.ndarray  # [num_rows] int64
     positions: np.ndarray  # [num_rows] int64: the token's position (its context length - 1)
     slot_mapping: np.ndarray  # [num_rows] int64: block_id * block_size + offset of that position
-    entry_index: np.ndarray  # [num_rows] int64: which entry of the step the row belongs to
 
 
 def decode_tokens(entries: SequenceOf[ScheduledSequence], block_size: int) -> DecodeTokens:
@@ -35,7 +34,6 @@ def decode_tokens(entries: SequenceOf[ScheduledSequence], block_size: int) -> De
             np.int64,
             num_entries,
         )
-        entry_index = np.arange(num_entries, dtype=np.int64)
     else:
         counts = np.fromiter((e.num_query_tokens for e in entries), np.int64, num_entries)
         entry_index = np.repeat(np.arange(num_entries, dtype=np.int64), counts)
@@ -55,4 +53,4 @@ def decode_tokens(entries: SequenceOf[ScheduledSequence], block_size: int) -> De
             len(rows),
         )
     slot_mapping = blocks * block_size + positions % block_size
-    return DecodeTokens(input_ids, positions, slot_mapping, entry_index)
+    return DecodeTokens(input_ids, positions, slot_mapping)
