@@ -31,6 +31,7 @@ from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
 from router.gateway.tokenizer_endpoints import _source_version, package_version
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
+from tests.gateway.test_streams_on_a_scripted_cluster import _requests_by_status
 from tests.gateway.token_script import (
     DEMO_MODEL,
     USER_HI,
@@ -295,17 +296,6 @@ def _keyed_gateway(model: ServedModel) -> Iterator[tuple[Gateway, httpx.Client]]
         server.stop()
 
 
-def _requests_total(gateway: Gateway) -> dict[str, float]:
-    """``pdserve:requests_total`` by status, the statuses counted at least once."""
-    counts: dict[str, float] = {}
-    for metric in gateway.metrics.registry.collect():
-        if metric.name == "pdserve:requests":
-            for sample in metric.samples:
-                if sample.name.endswith("_total") and sample.value:
-                    counts[sample.labels["status"]] = sample.value
-    return counts
-
-
 def test_keys_are_asked_and_nothing_counts_as_a_generation_request(model: ServedModel) -> None:
     key = {"Authorization": "Bearer sk-test-0123456789"}
     calls = [
@@ -322,10 +312,10 @@ def test_keys_are_asked_and_nothing_counts_as_a_generation_request(model: Served
             assert http.request(method, path, json=body, headers=key).status_code == 200
         assert http.post("/tokenize", json={"prompt": 1}, headers=key).status_code == 400
         assert http.post("/detokenize", json={"model": "x"}, headers=key).status_code == 404
-        assert _requests_total(gateway) == {}
+        assert _requests_by_status(gateway) == {}
         completion = http.post("/v1/completions", json={"prompt": "hi"}, headers=key)
         assert completion.status_code == 200  # while a generation request is counted
-        assert _requests_total(gateway) == {"ok": 1.0}
+        assert _requests_by_status(gateway) == {"ok": 1.0}
 
 
 class _ThreadRecordingTokenizer:
