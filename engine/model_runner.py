@@ -163,7 +163,8 @@ class ModelRunner:
             first_row += entry.num_query_tokens
         row_index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
-        if self.grammar_cursors is not None:  # structured outputs: each row by its own state
+        constrained = any(e.seq.params.structured_outputs is not None for e in speculating)
+        if constrained and self.grammar_cursors is not None:  # each row by its own state
             seqs = [e.seq for e in speculating for _ in range(e.num_query_tokens)]
             drafts_before = [
                 e.draft_token_ids[:j] for e in speculating for j in range(e.num_query_tokens)
