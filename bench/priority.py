@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from bench.results_json import write_json
+from bench.serving.metrics import latency_stats
 from engine import LLM, SamplingParams
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "engine" / "demo_model" / "assets"
@@ -59,12 +60,6 @@ def run(
             outputs[finished.request_id] = list(finished.outputs[0].token_ids)
     seconds = time.perf_counter() - started
     return {"ttft": ttft, "outputs": outputs, "seconds": seconds}
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50_ms": pick(0.5) * 1e3, "p90_ms": pick(0.9) * 1e3, "p99_ms": pick(0.99) * 1e3}
 
 
 def main() -> None:
@@ -123,8 +118,9 @@ def main() -> None:
                 for i, p in enumerate(priorities)
                 if p == wanted
             ]
-            row = {"policy": policy, "class": name, **percentiles(ttfts)}
-            row["tokens_per_s"] = tokens_per_s
+            stats = latency_stats(ttfts, (50.0, 90.0, 99.0))
+            row = {"policy": policy, "class": name, "tokens_per_s": tokens_per_s}
+            row.update({f"{key}_ms": value for key, value in stats.percentiles_ms.items()})
             rows.append(row)
             print(
                 f"{policy:>9}{name:>8}{row['p50_ms']:>13.0f}{row['p90_ms']:>9.0f}"
