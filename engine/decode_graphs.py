@@ -347,11 +347,16 @@ class DecodeGraphs:
                 self.buffers.input_ids[:batch_size], self.buffers.positions[:batch_size]
             )  # [batch_size, hidden_size]
 
-    def prepare(self, step: SequenceOf[ScheduledSequence]) -> Callable[[], torch.Tensor] | None:
+    def prepare(
+        self,
+        step: SequenceOf[ScheduledSequence],
+        awaited: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Callable[[], torch.Tensor] | None:
         """Copy a step's padded inputs into the static buffers; the call returned replays its
         graph and gives the real rows' hidden states, [num_rows, hidden_size] in the step's
-        order (valid until the next replay). None: the step cannot run from a graph (see
-        graph_batch_size)."""
+        order (valid until the next replay). ``awaited``: rows [r] and their token ids [r] on
+        the device, written over those rows' placeholders (async scheduling). None: the step
+        cannot run from a graph (see graph_batch_size)."""
         batch_size = graph_batch_size(
             step, self.batch_sizes, self.max_seq_len, self.max_rows_per_seq
         )
@@ -359,6 +364,8 @@ class DecodeGraphs:
             return None
         inputs = pad_decode_inputs(step, batch_size, self.block_size)
         self.buffers.fill(inputs)
+        if awaited is not None:
+            self.buffers.input_ids.index_copy_(0, *awaited)
         return functools.partial(self._replay, batch_size, inputs.num_rows)
 
     def _replay(self, batch_size: int, num_rows: int) -> torch.Tensor:

@@ -49,6 +49,7 @@ class LLM:
         enforce_eager: bool = False,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
         scheduling_policy: SchedulingPolicy = "fcfs",
+        async_scheduling: bool = False,
     ) -> None:
         if isinstance(speculative_config, Mapping):  # vLLM's dict
             speculative_config = SpeculativeConfig.from_mapping(speculative_config)
@@ -71,7 +72,11 @@ class LLM:
                 attention_backend,
             ),
             SchedulerConfig(
-                max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
+                max_num_seqs,
+                max_num_batched_tokens,
+                enable_chunked_prefill,
+                scheduling_policy,
+                async_scheduling,
             ),
             speculative_config,
         )

@@ -32,7 +32,7 @@ from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
 from engine.messages import TokenEvent, WorkerCounters
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import RequestOutput
 from engine.request_state import RequestState
 from engine.sampling import SamplingParams, TokenLogprobs
@@ -96,6 +96,11 @@ class LLMEngine:
             raise ValueError(
                 f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
+            )
+        if scheduler.async_scheduling and speculative is not None:
+            raise ValueError(
+                "async_scheduling does not combine with speculative decoding "
+                "(num_speculative_tokens): drafts are proposed from the tokens of the step before"
             )
         torch.manual_seed(load.seed)
         linear_backend = resolve_linear_backend(load.linear_backend, self.device, self.dtype)
@@ -175,6 +180,9 @@ class LLMEngine:
             grammar_cursors=grammar_cursors,
         )
         self.stats = EngineStats()
+        # async scheduling: the step launched ahead, to be sampled and applied by the next step()
+        self.async_scheduling = scheduler.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._requests: dict[str, RequestState] = {}
         self._reservations: dict[str, list[int]] = {}  # request id -> blocks awaiting KV
 
@@ -285,18 +293,51 @@ class LLMEngine:
         return request_id in self._requests
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or self._in_flight is not None
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> StepResult:
-        """Run one scheduling step: the tokens it produced and the requests it finished."""
+        """Run one scheduling step: the tokens it produced and the requests it finished.
+
+        With async scheduling the step's forward was launched by the step before, and this one
+        launches the next (scheduled before this step's tokens are known) before it waits for
+        them: the host's scheduling, input building and bookkeeping overlap the GPU's forward.
+        """
         started = time.perf_counter()
+        if self.async_scheduling:
+            return self._step_ahead(started)
         output = self.scheduler.schedule()
         if output.is_empty:
             return StepResult([], [], [])
+        self._note_scheduled(output)
+        return self._apply(output, self.runner.execute(output), started)
+
+    def _step_ahead(self, started: float) -> StepResult:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:  # nothing launched ahead: schedule and launch this step now
+            in_flight = self._launch(self.scheduler.schedule())
+            if in_flight is None:
+                return StepResult([], [], [])
+        output, launched = in_flight
+        sampled = self.runner.sample(launched)
+        # the next step, ahead of this one's tokens (empty where it would have to preempt)
+        self._in_flight = self._launch(self.scheduler.schedule(step_in_flight=True))
+        return self._apply(output, sampled.result(), started)
+
+    def _launch(self, output: SchedulerOutput) -> tuple[SchedulerOutput, LaunchedStep] | None:
+        if output.is_empty:
+            return None
+        self._note_scheduled(output)
+        return output, self.runner.launch(output)
+
+    def _note_scheduled(self, output: SchedulerOutput) -> None:
         self._note_first_scheduled(output, time.monotonic())
         self.stats.num_prefill_tokens += _num_prefill_tokens(output)
-        result = self.runner.execute(output)
+
+    def _apply(
+        self, output: SchedulerOutput, result: ModelRunnerOutput, started: float
+    ) -> StepResult:
+        """A step's results into the sequences; its tokens and the requests it ended."""
         updated = self.scheduler.update(output, result)
         self._record_prompt_logprobs(output, result)
         new_tokens: list[TokenEvent] = []

@@ -12,10 +12,11 @@ them, and has its drafts checked (engine/speculative/rejection.py) instead of sa
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -24,9 +25,10 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.decode_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, set_forward_context
+from engine.host_to_device import to_device
 from engine.models.registry import CausalLM
 from engine.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_spans
-from engine.sampling import Sampler, SamplingRow, make_generator
+from engine.sampling import PromptTokenLogprobs, Sampler, SamplingRow, make_generator
 from engine.sampling.rng import advance_generator
 from engine.scheduler.outputs import (
     AcceptedDrafts,
@@ -39,6 +41,39 @@ from engine.sequence import Sequence
 from engine.speculative.rejection import NO_DRAFT, check_drafts
 from engine.step_inputs import decode_tokens
 from engine.structured.cursors import GrammarCursors
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A step whose forward is launched."""
+
+    prefills: list[ScheduledSequence]  # entries of more than one token (drafts included)
+    ordered: list[ScheduledSequence]  # the prefills, then the decodes: the order of the rows
+    hidden: torch.Tensor  # [num_tokens, hidden]; a graph's output lasts until its next replay
+    started: float  # perf_counter at the forward's launch
+
+
+@dataclass(frozen=True, slots=True)
+class SampledStep:
+    """A step's tokens drawn on the device; ``result`` brings them to the host."""
+
+    logits: torch.Tensor | None  # [rows, vocab] raw logits of the sample rows; None: no rows
+    rows: list[SamplingRow]
+    targets: list[Sequence]  # the sequence receiving each row's token
+    token_ids: torch.Tensor | None  # [rows]
+    forward_seconds: float
+    prompt_logprobs: dict[int, PromptTokenLogprobs]
+
+    def result(self) -> ModelRunnerOutput:
+        """Waits for the tokens."""
+        if self.logits is None or self.token_ids is None:
+            return ModelRunnerOutput({}, {}, self.forward_seconds, self.prompt_logprobs)
+        with torch.inference_mode():
+            sampled = Sampler.outputs(self.logits, self.rows, self.token_ids)
+        targets = self.targets
+        token_ids = {seq.seq_id: tok for seq, tok in zip(targets, sampled.sampled_token_ids)}
+        logprobs = {seq.seq_id: lp for seq, lp in zip(targets, sampled.logprobs) if lp is not None}
+        return ModelRunnerOutput(token_ids, logprobs, self.forward_seconds, self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -66,6 +101,8 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
         # structured outputs: each constrained sequence's grammar state (None: none allowed)
         self.grammar_cursors = grammar_cursors
+        # the tokens the last ``sample`` drew, on the device, and each sequence's row of them
+        self._drawn: tuple[torch.Tensor, dict[int, int]] | None = None
 
     def generator_state(self, seq_id: int) -> bytes | None:
         """The RNG state of a seeded sequence, to continue its stream on another worker."""
@@ -89,58 +126,65 @@ class ModelRunner:
         if self.grammar_cursors is not None:
             self.grammar_cursors.forget(seq_id)
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        # Triton launches on the thread's current CUDA device, not the tensors': an engine on
-        # cuda:1 launched every kernel on cuda:0 ("cannot access pointer")
-        if self.device.type != "cuda":
-            return self._execute(output)
-        with torch.cuda.device(self.device):
-            return self._execute(output)
-
-    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        if output.block_copies:
-            self._copy_blocks(output.block_copies)
-        prefills = [e for e in output.scheduled if e.num_query_tokens > 1]
-        decodes = [e for e in output.scheduled if e.num_query_tokens == 1]
-        ordered = prefills + decodes
-        forward = self._prepare_forward(prefills, decodes)
-        sample_rows, row_entries = self._sample_rows(ordered)
-        spans = prompt_logprobs_spans(ordered)  # empty unless a sequence owes prompt logprobs
-        started = time.perf_counter()
-        hidden = forward()  # [num_tokens, hidden]
-        result = self._sample(hidden, sample_rows, row_entries, started)
-        if any(e.draft_token_ids for e in prefills):
-            result = self._check_drafts(hidden, prefills, result)
-        if spans:
-            prompt_logprobs = compute_prompt_logprobs(
-                self.model, hidden, spans, self.max_prompt_logits_rows
-            )
-            result = replace(result, prompt_logprobs=prompt_logprobs)
+        """Run a step and wait for its results."""
+        launched = self.launch(output)
+        result = self.sample(launched).result()
+        if any(e.draft_token_ids for e in launched.prefills):
+            with self._on_device():
+                result = self._check_drafts(launched.hidden, launched.prefills, result)
         return result
 
-    def _sample(
-        self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
-        sample_rows: list[int],
-        row_entries: list[Sequence],
-        started: float,
-    ) -> ModelRunnerOutput:
-        """Logits of the sample rows, then a token (and its logprobs) for each."""
-        if not sample_rows:
-            return ModelRunnerOutput({}, {}, time.perf_counter() - started)
-        row_index = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
-        forward_seconds = time.perf_counter() - started
-        rows = [self._sampling_row(seq) for seq in row_entries]
-        if self.grammar_cursors is not None:  # structured outputs: masked before sampling,
-            self.grammar_cursors.mask_logits(logits, rows, row_entries)  # as vLLM does
-        sampled = self.sampler(logits, rows)
-        token_ids = {seq.seq_id: tok for seq, tok in zip(row_entries, sampled.sampled_token_ids)}
-        logprobs = {
-            seq.seq_id: lp for seq, lp in zip(row_entries, sampled.logprobs) if lp is not None
-        }
-        return ModelRunnerOutput(token_ids, logprobs, forward_seconds)
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        """Start a step's forward (on a GPU it runs on while the host goes on). An entry that
+        awaits its token takes it from the tokens the last ``sample`` drew, on the device."""
+        with self._on_device():
+            if output.block_copies:
+                self._copy_blocks(output.block_copies)
+            prefills = [e for e in output.scheduled if e.num_query_tokens > 1]
+            decodes = [e for e in output.scheduled if e.num_query_tokens == 1]
+            forward = self._prepare_forward(prefills, decodes)
+            started = time.perf_counter()
+            hidden = forward()  # [num_tokens, hidden]
+            return LaunchedStep(prefills, prefills + decodes, hidden, started)
+
+    def sample(self, step: LaunchedStep) -> SampledStep:
+        """Draw the step's tokens on the device, from the sequences' state now (async
+        scheduling calls it once the step before is applied: penalties, min_tokens and
+        grammars see that step's tokens). Call before the next ``launch``: a graph's hidden
+        states last until the next replay."""
+        with self._on_device():
+            sample_rows, targets = self._sample_rows(step.ordered)
+            spans = prompt_logprobs_spans(step.ordered)  # empty unless a sequence owes them
+            prompt_logprobs = {}
+            if spans:
+                prompt_logprobs = compute_prompt_logprobs(
+                    self.model, step.hidden, spans, self.max_prompt_logits_rows
+                )
+            if not sample_rows:
+                self._drawn = None
+                seconds = time.perf_counter() - step.started
+                return SampledStep(None, [], [], None, seconds, prompt_logprobs)
+            row_index = self._to_device(np.asarray(sample_rows, dtype=np.int64))
+            logits = self.model.compute_logits(step.hidden.index_select(0, row_index))
+            forward_seconds = time.perf_counter() - step.started
+            rows = [self._sampling_row(seq) for seq in targets]
+            if self.grammar_cursors is not None:  # structured outputs: masked before sampling,
+                self.grammar_cursors.mask_logits(logits, rows, targets)  # as vLLM does
+            token_ids = self.sampler.draw(logits, rows)  # [rows]
+            self._drawn = token_ids, {seq.seq_id: row for row, seq in enumerate(targets)}
+            return SampledStep(logits, rows, targets, token_ids, forward_seconds, prompt_logprobs)
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        # Triton launches on the thread's current CUDA device, not the tensors': an engine on
+        # cuda:1 launched every kernel on cuda:0 ("cannot access pointer")
+        with torch.inference_mode():
+            if self.device.type != "cuda":
+                yield
+                return
+            with torch.cuda.device(self.device):
+                yield
 
     def _check_drafts(
         self, hidden: torch.Tensor, prefills: list[ScheduledSequence], result: ModelRunnerOutput
@@ -161,7 +205,7 @@ class ModelRunner:
                 rows.extend(self._draft_rows(entry.seq, drafts))
                 draft_ids.extend((*drafts, NO_DRAFT))
             first_row += entry.num_query_tokens
-        row_index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
+        row_index = to_device(hidden_rows, torch.long, self.device)
         logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
         constrained = any(e.seq.params.structured_outputs is not None for e in speculating)
         if constrained and self.grammar_cursors is not None:  # each row by its own state
@@ -198,11 +242,14 @@ class ModelRunner:
     ) -> Callable[[], torch.Tensor]:
         """Put the step's inputs on the device; the call returned runs the forward and gives
         the hidden states of its tokens, [num_tokens, hidden_size]."""
+        awaited = self._awaited_tokens(prefills + decodes)
         if self.decode_graphs is not None:  # decode steps, drafts included; None if it won't fit
-            replay = self.decode_graphs.prepare(prefills + decodes)
+            replay = self.decode_graphs.prepare(prefills + decodes, awaited)
             if replay is not None:
                 return replay
         input_ids, positions, metadata = self._prepare_inputs(prefills, decodes)
+        if awaited is not None:
+            input_ids.index_copy_(0, *awaited)
         context = ForwardContext(metadata, self.kv_cache, self.attn_backend)
 
         def forward() -> torch.Tensor:
@@ -211,9 +258,33 @@ class ModelRunner:
 
         return forward
 
+    def _awaited_tokens(
+        self, ordered: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows of entries that await their token, and those tokens as the last ``sample``
+        drew them, both on the device; None when no entry awaits one."""
+        rows: list[int] = []
+        sources: list[int] = []
+        row = 0
+        for entry in ordered:
+            if entry.awaits_sampled_token:
+                drawn_row = None if self._drawn is None else self._drawn[1].get(entry.seq.seq_id)
+                if drawn_row is None:
+                    raise RuntimeError(
+                        f"sequence {entry.seq.seq_id} awaits a token the last step did not draw"
+                    )
+                rows.append(row)
+                sources.append(drawn_row)
+            row += entry.num_query_tokens
+        if not rows:
+            return None
+        assert self._drawn is not None
+        tokens = self._drawn[0].index_select(0, self._to_device(np.asarray(sources)))
+        return self._to_device(np.asarray(rows, dtype=np.int64)), tokens
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        src = self._to_device(np.asarray([s for s, _ in copies], dtype=np.int64))
+        dst = self._to_device(np.asarray([d for _, d in copies], dtype=np.int64))
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def _prepare_inputs(
@@ -249,7 +320,7 @@ class ModelRunner:
             decode_block_tables=self._block_tables([e.seq for e in decodes]),
             max_decode_seq_len=int(decode_lens.max()) if len(decodes) else 0,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = to_device(input_ids, torch.long, self.device)
         return ids, self._to_device(np.concatenate(positions)), metadata
 
     def _block_tables(self, seqs: SequenceOf[Sequence]) -> torch.Tensor:
@@ -273,8 +344,9 @@ class ModelRunner:
             if entry.draft_token_ids:
                 continue
             for target in entry.sample_seqs:
-                rows.append(last_row)
-                targets.append(target)
+                if not target.is_finished:  # (async scheduling: ended while the step ran)
+                    rows.append(last_row)
+                    targets.append(target)
         return rows, targets
 
     def _draft_rows(self, seq: Sequence, drafts: tuple[int, ...]) -> list[SamplingRow]:

@@ -35,6 +35,7 @@ class Sequence:
         "num_prompt_tokens",
         "max_total_tokens",
         "num_computed_tokens",
+        "num_pending_tokens",
         "block_table",
         "block_hashes",
         "num_committed_blocks",
@@ -74,7 +75,13 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)  # prompt then generated tokens
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_total_tokens = max_total_tokens  # prompt + max output, capped by max_model_len
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # tokens whose KV is in the cache, or is computed by a step already scheduled (the
+        # scheduler counts a step's tokens when it schedules them)
+        self.num_computed_tokens = 0
+        # tokens that scheduled steps are to sample, not in token_ids until their results are
+        # applied: 1 from a step's scheduling to its update; with async scheduling the next
+        # step is scheduled before then (and computes that token's KV, fed from the device)
+        self.num_pending_tokens = 0
         self.block_table: list[int] = []  # physical block per logical block
         self.block_hashes: list[BlockHash] = []  # prefix hash per full block of token_ids
         self.num_committed_blocks = 0  # leading blocks of block_table offered to the prefix cache
@@ -113,7 +120,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def owes_prompt_logprobs(self) -> bool:

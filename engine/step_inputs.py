@@ -26,9 +26,7 @@ def decode_tokens(entries: SequenceOf[ScheduledSequence], block_size: int) -> De
     num_entries = len(entries)
     if all(e.num_query_tokens == 1 for e in entries):  # a decode step without drafts
         positions = np.fromiter((e.start_position for e in entries), np.int64, num_entries)
-        input_ids = np.fromiter(
-            (e.seq.token_ids[e.start_position] for e in entries), np.int64, num_entries
-        )
+        input_ids = np.fromiter((e.newest_token_id for e in entries), np.int64, num_entries)
         blocks = np.fromiter(
             (e.seq.block_table[e.start_position // block_size] for e in entries),
             np.int64,

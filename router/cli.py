@@ -118,6 +118,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "first, then arrival)",
     )
     cluster.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="each worker schedules and launches a step before the step before it has given "
+        "its tokens, as vLLM's: the host's work overlaps the forward (not with "
+        "--speculative-config)",
+    )
+    cluster.add_argument(
         "--prefill-max-num-batched-tokens",
         type=int,
         default=None,
@@ -368,6 +375,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
         prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
         local_prefill=LocalPrefillRule(
             args.max_local_prefill_length, args.max_prefill_queue_tokens

@@ -35,6 +35,10 @@ class ClusterConfig:
     # the order each worker serves its requests in: "fcfs" (arrival) or "priority" (each
     # request's priority, lower first, then arrival; as vLLM's --scheduling-policy)
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # every worker schedules and launches each step before the one before it has given its
+    # tokens, overlapping host work with the forward (vLLM's --async-scheduling); not with
+    # speculative decoding
+    async_scheduling: bool = False
     prefill_max_num_batched_tokens: int | None = None  # the prefill pool's; None: as above
     local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)  # disaggregated
     num_kv_blocks: int | None = None
@@ -101,6 +105,12 @@ class ClusterConfig:
                 f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                 f"got {self.scheduling_policy!r}"
             )
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError(
+                "--async-scheduling does not combine with --speculative-config: drafts are "
+                "proposed from the tokens of the step before, which async scheduling has not "
+                "yet seen"
+            )
         self._check_engine_configs()
 
     def _check_engine_configs(self) -> None:
@@ -143,7 +153,10 @@ class ClusterConfig:
     def scheduler_config(self) -> SchedulerConfig:
         """The decode (and colocated) workers' scheduler settings."""
         return SchedulerConfig(
-            self.max_num_seqs, self.max_num_batched_tokens, policy=self.scheduling_policy
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            policy=self.scheduling_policy,
+            async_scheduling=self.async_scheduling,
         )
 
     def prefill_scheduler_config(self) -> SchedulerConfig:
@@ -153,6 +166,7 @@ class ClusterConfig:
             self.max_num_seqs,
             budget or self.max_num_batched_tokens,
             policy=self.scheduling_policy,
+            async_scheduling=self.async_scheduling,
         )
 
     @property

@@ -174,7 +174,8 @@ def _pools(config: ClusterConfig) -> str:
 
 
 def _scheduling(config: ClusterConfig) -> str:
-    return ", scheduling by priority" if config.scheduling_policy == "priority" else ""
+    by_priority = ", scheduling by priority" if config.scheduling_policy == "priority" else ""
+    return by_priority + (", async scheduling" if config.async_scheduling else "")
 
 
 def _kv_transport(config: ClusterConfig) -> str:

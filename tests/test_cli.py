@@ -586,6 +586,33 @@ def test_an_unknown_scheduling_policy_is_refused_listing_vllms(
     assert "'fcfs'" in error and "'priority'" in error
 
 
+def test_async_scheduling_reaches_every_workers_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    configs: list[ClusterConfig] = []
+
+    def run_serve(args: object, config: ClusterConfig) -> int:
+        configs.append(config)
+        return 0
+
+    monkeypatch.setattr("router.serve_command.run_serve", run_serve)
+    assert main(["serve", "--async-scheduling"]) == 0
+    assert main(["serve", "--prefill", "0", "--async-scheduling"]) == 0
+    assert main(["serve"]) == 0
+    assert [c.async_scheduling for c in configs] == [True, True, False]  # off by default
+    assert [c.scheduler_config().async_scheduling for c in configs] == [True, True, False]
+    assert [c.prefill_scheduler_config().async_scheduling for c in configs] == [True, True, False]
+
+
+def test_async_scheduling_with_a_speculative_config_is_refused_at_start_naming_both_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the model, the workers or the servers start (each worker's engine refused it)."""
+    monkeypatch.setattr("router.serve_command.run_serve", lambda *_: pytest.fail("started"))
+    spec = '{"num_speculative_tokens": 2}'
+    assert main(["serve", "--async-scheduling", "--speculative-config", spec]) == 2
+    error = capsys.readouterr().err
+    assert "--async-scheduling does not combine with --speculative-config" in error, error
+
+
 # ---- --speculative-config: vLLM's JSON, checked before anything starts -----------------------
 
 _NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# What a session lent a GPU runs, in two device calls (each under the 10-minute limit):
+# What a session lent a GPU runs, one device call each (each under the 10-minute limit):
 #   bash bench/gpu/lease.sh tests   # the gpu-marked tests (kernels at full size, graphs,
 #                                   # transports), then bench.structured_masks on cuda
 #   bash bench/gpu/lease.sh bench   # bench.gpu --quick, then bench.engine_overhead on cuda
 #   bash bench/gpu/lease.sh speculative  # bench.speculative on cuda (drafts against none)
+#   bash bench/gpu/lease.sh async   # bench.async_scheduling on cuda (1B, then 8B shapes)
 # Logs and JSON go to $OUT (the device tool brings them back), else to bench/results/lease.
 # The GPU machine has python3 with torch, triton and transformers, and no ray, fastapi or
 # uvicorn: the tests and benchmarks drive the engine, kernels and kv_transfer directly.
@@ -30,8 +31,16 @@ speculative)
     timeout 500 "$python" -m bench.speculative --device cuda --batch-sizes 1,8,32,128 \
         --repeats 2 --out "$out/speculative.json" 2>&1 | tee "$out/speculative.log"
     ;;
+async)
+    timeout 270 "$python" -m bench.async_scheduling --device cuda --model 1b \
+        --batch-sizes 1,8,64,256 --context-len 1000 \
+        --out "$out/async_scheduling_1b.json" 2>&1 | tee "$out/async_scheduling_1b.log"
+    timeout 300 "$python" -m bench.async_scheduling --device cuda --model 8b \
+        --batch-sizes 1,64,256 --context-len 1000 \
+        --out "$out/async_scheduling_8b.json" 2>&1 | tee "$out/async_scheduling_8b.log"
+    ;;
 *)
-    echo "usage: bash bench/gpu/lease.sh tests|bench|speculative" >&2
+    echo "usage: bash bench/gpu/lease.sh tests|bench|speculative|async" >&2
     exit 2
     ;;
 esac

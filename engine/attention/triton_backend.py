@@ -19,6 +19,7 @@ from engine.attention.backend import AttentionBackend, DecodeSizing
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.per_step import PerStep
 from engine.decode_graphs import padded_batch_size
+from engine.host_to_device import to_device
 from engine.kernels.kv_cache_write import write_kv_cache
 from engine.kernels.paged_decode_attention import default_tokens_per_split, paged_decode_attention
 from engine.kernels.paged_prefill_attention import paged_prefill_attention
@@ -120,7 +121,7 @@ def decode_tokens_per_split(
 def _prefill_index(metadata: AttentionMetadata, device: torch.device) -> _PrefillIndex:
     starts = metadata.prefill_query_start_loc
     return _PrefillIndex(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(metadata.prefill_seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=to_device(starts, torch.int32, device),
+        seq_lens=to_device(metadata.prefill_seq_lens, torch.int32, device),
         max_query_len=max(end - start for start, end in zip(starts[:-1], starts[1:])),
     )

@@ -78,8 +78,10 @@ class BlockManager:
             seq.block_table.append(self.pool.allocate())
         return copies
 
-    def commit_computed(self, seq: Sequence) -> None:
-        """Register newly filled blocks of ``seq`` in the prefix cache (call after a step).
+    def commit_computed(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Register newly filled blocks of ``seq`` in the prefix cache (call after a step):
+        those within its first ``num_computed`` tokens (default: ``seq.num_computed_tokens``;
+        with async scheduling the step scheduled after it counts there already).
 
         Only blocks whose every slot is computed: ``block_hashes`` may already hold the hash of
         a block a chunked prefill has only half written (``attach_cached_prefix`` hashes the
@@ -89,7 +91,9 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        num_full_blocks = seq.num_computed_tokens // self.block_size
+        if num_computed is None or num_computed > seq.num_computed_tokens:  # (recomputing)
+            num_computed = seq.num_computed_tokens
+        num_full_blocks = num_computed // self.block_size
         if num_full_blocks <= seq.num_committed_blocks:
             return
         extend_block_hashes(

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.host_to_device import to_device
 from engine.sampling.bad_words import ban_bad_words
 from engine.sampling.messages import SamplingRow
 from engine.sampling.penalties import flat_index
@@ -55,7 +56,7 @@ def _keep_allowed(logits: torch.Tensor, rows: Sequence[SamplingRow], use: list[i
     allowed = [rows[i].params.allowed_token_ids or () for i in use]
     row_idx, token_idx = flat_index(use, allowed, logits)  # [n] pairs, unique per row
     kept = logits[row_idx, token_idx]  # [n]
-    logits.index_fill_(0, torch.tensor(use, device=logits.device), float("-inf"))
+    logits.index_fill_(0, to_device(use, torch.long, logits.device), float("-inf"))
     logits[row_idx, token_idx] = kept
 
 
@@ -63,5 +64,5 @@ def _add_bias(logits: torch.Tensor, rows: Sequence[SamplingRow], use: list[int])
     biases = [rows[i].params.logit_bias or {} for i in use]
     row_idx, token_idx = flat_index(use, [list(b) for b in biases], logits)  # [n], unique pairs
     values = [bias for b in biases for bias in b.values()]  # same order as the keys above
-    bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)  # [n]
+    bias = to_device(values, logits.dtype, logits.device)  # [n]
     logits[row_idx, token_idx] += bias

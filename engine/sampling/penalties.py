@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from engine.host_to_device import to_device
 from engine.sampling.messages import SamplingRow
 from engine.sampling.params import SamplingParams
 
@@ -78,9 +79,9 @@ def flat_index(
     lengths = [len(ids) for ids in token_id_lists]
     flat_ids = itertools.chain.from_iterable(token_id_lists)
     flat = np.fromiter(flat_ids, dtype=np.int64, count=sum(lengths))
-    token_idx = torch.from_numpy(flat).to(like.device)
-    repeats = torch.tensor(lengths, device=like.device)
-    row_idx = torch.tensor(positions, device=like.device).repeat_interleave(
+    token_idx = to_device(flat, torch.long, like.device)
+    repeats = to_device(lengths, torch.long, like.device)
+    row_idx = to_device(positions, torch.long, like.device).repeat_interleave(
         repeats,
         output_size=len(flat),  # known size: no device sync
     )
@@ -91,4 +92,4 @@ def _per_row(
     rows: Sequence[SamplingRow], value: Callable[[SamplingParams], float], like: torch.Tensor
 ) -> torch.Tensor:
     """One value per row [B], as a tensor beside ``like``."""
-    return torch.tensor([value(row.params) for row in rows], dtype=like.dtype, device=like.device)
+    return to_device([value(row.params) for row in rows], like.dtype, like.device)

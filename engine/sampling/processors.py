@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.host_to_device import to_device
 from engine.sampling.params import SamplingParams
 
 # Top-k alone uses torch.topk (cheaper than a full sort) when the largest k is at most this.
@@ -95,4 +96,4 @@ def apply_top_k_top_p(
 def _column(
     values: Sequence[float | int | bool], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)  # [B, 1]
+    return to_device(values, dtype, device).unsqueeze(1)  # [B, 1]

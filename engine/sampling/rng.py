@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.host_to_device import to_device
 from engine.sampling.seeds import MASK64
 
 
@@ -48,7 +49,7 @@ def sample_from_probs(
         unseeded = [row for row, gen in enumerate(generators) if gen is None]
         if unseeded:
             shared = torch.empty((len(unseeded), vocab_size), device=probs.device).exponential_()
-            q[torch.tensor(unseeded, device=probs.device)] = shared
+            q[to_device(unseeded, torch.long, probs.device)] = shared
         for row, gen in seeded:
             q[row].exponential_(generator=gen)
     # Exp(1) can round to 0; a tiny floor keeps p / q finite (and 0 / q == 0 for banned tokens).

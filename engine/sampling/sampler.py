@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.host_to_device import to_device
 from engine.sampling.logit_bias import apply_allowed_and_bias
 from engine.sampling.logprobs import compute_logprobs
 from engine.sampling.messages import SamplerOutput, SamplingRow
@@ -45,6 +46,11 @@ class Sampler:
     """Stateless; per-request state (generators, token history) arrives in the rows."""
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.outputs(logits, rows, self.draw(logits, rows))
+
+    def draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Token ids [B] on the logits' device, without waiting for them (async scheduling
+        feeds them to the next step before they reach the host)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}"
@@ -53,12 +59,18 @@ class Sampler:
         penalised = self.processed_logits(logits, rows)
         sampled_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not sampled_rows:
-            token_ids = penalised.argmax(dim=-1)  # [B]
-        else:
-            token_ids = self._sample(penalised, rows, sampled_rows)
+            return penalised.argmax(dim=-1)  # [B]
+        return self._sample(penalised, rows, sampled_rows)
+
+    @staticmethod
+    def outputs(
+        logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+    ) -> SamplerOutput:
+        """The host-side output of ``draw``'s ``token_ids`` [B]: the ids, and the logprobs the
+        rows ask for, from the raw ``logits`` [B, V]."""
         return SamplerOutput(
             sampled_token_ids=token_ids.tolist(),
-            logprobs=compute_logprobs(logits, rows, token_ids),
+            logprobs=compute_logprobs(logits.float(), rows, token_ids),
         )
 
     @staticmethod
@@ -76,7 +88,7 @@ class Sampler:
         if len(sampled_rows) == len(rows):
             probs = sampling_probs(logits, [row.params for row in rows])
             return sample_from_probs(probs, [row.generator for row in rows])
-        sel = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+        sel = to_device(sampled_rows, torch.long, logits.device)
         subset = [rows[i] for i in sampled_rows]
         probs = sampling_probs(logits.index_select(0, sel), [row.params for row in subset])
         drawn = sample_from_probs(probs, [row.generator for row in subset])  # [b]

@@ -10,10 +10,14 @@ if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 
+# the input id of an awaited token until the runner writes the sampled one over it
+AWAITED_TOKEN_PLACEHOLDER = 0
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledSequence:
     seq: Sequence  # the sequence whose tokens are computed this step
-    start_position: int  # first new token's position (== seq.num_computed_tokens before update)
+    start_position: int  # first new token's position (seq.num_computed_tokens when scheduled)
     num_new_tokens: int  # tokens computed this step: token_ids[start : start + num_new_tokens]
     # Sequences that receive a token sampled from this entry's last logits: () for a prompt
     # chunk that does not reach the end; (seq,) normally; (seq, *children) when an n > 1
@@ -23,6 +27,10 @@ class ScheduledSequence:
     # after it this step and checked against the model's own choices (engine/speculative/).
     # Only a decoding sequence (num_new_tokens == 1, sample_seqs == (seq,)) has any.
     draft_token_ids: tuple[int, ...] = ()
+    # Async scheduling: the entry's one new token is the one the step in flight samples for
+    # the sequence, not in token_ids yet; the runner feeds it from that step's sampled tokens
+    # on the device (the query token id below is a placeholder)
+    awaits_sampled_token: bool = False
 
     @property
     def num_query_tokens(self) -> int:
@@ -30,8 +38,17 @@ class ScheduledSequence:
         return self.num_new_tokens + len(self.draft_token_ids)
 
     def query_token_ids(self) -> list[int]:
+        if self.awaits_sampled_token:
+            return [AWAITED_TOKEN_PLACEHOLDER]
         start = self.start_position
         return self.seq.token_ids[start : start + self.num_new_tokens] + list(self.draft_token_ids)
+
+    @property
+    def newest_token_id(self) -> int:
+        """The token a decoding entry (one new token) feeds; the placeholder if awaited."""
+        if self.awaits_sampled_token:
+            return AWAITED_TOKEN_PLACEHOLDER
+        return self.seq.token_ids[self.start_position]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,14 @@ arrival), lower first: the running are served, and waiting admitted, in that ord
 last running (lowest priority, latest arrival) is the one preempted. A waiting sequence never
 preempts a running one, whatever their priorities (as vLLM).
 
+A step's tokens count as computed when it is scheduled (``num_computed_tokens``), and a
+sequence whose next token the step samples holds a pending token until ``update`` applies the
+step. With async scheduling the engine schedules the next step before then
+(``schedule(step_in_flight=True)``): a sequence with a pending token decodes it, its id fed
+from the device; one whose pending token may end its run here (hand-off, fork, length) waits a
+step; and where blocks are short the schedule is empty rather than preempt anyone, so the
+engine applies the step in flight and schedules again.
+
 With a draft proposer (speculative decoding), a running sequence that decodes also asks it for
 draft tokens, which take budget and slots like its own token (a sequence short of blocks drops
 its drafts before anyone is preempted). ``update`` advances it past its token and the drafts
@@ -57,6 +65,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens per step (prompt chunks + decodes)
     enable_chunked_prefill: bool = True  # split prompts longer than the step budget
     policy: SchedulingPolicy = "fcfs"  # "priority": by (request priority, arrival)
+    # schedule and launch each step before the step before it has given its tokens (vLLM's
+    # async scheduling): the host's work overlaps the GPU's; not with speculative decoding
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -130,15 +141,28 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- one step -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, step_in_flight: bool = False) -> SchedulerOutput:
+        """The next step. ``step_in_flight``: the step scheduled last is not applied yet (async
+        scheduling; see the module's docstring)."""
+        if step_in_flight and not self._fits_ahead():
+            return SchedulerOutput(
+                scheduled=[], block_copies=[], num_batched_tokens=0, num_preempted=0
+            )
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         copies: list[tuple[int, int]] = []
         num_preempted = 0
         index = 0
-        drafting = self.proposer is not None and self.proposer.proposes_for(len(self.running))
+        drafting = (
+            not step_in_flight
+            and self.proposer is not None
+            and self.proposer.proposes_for(len(self.running))
+        )
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if step_in_flight and not runs_ahead(seq):
+                index += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             drafts = self._drafts(seq, budget) if drafting else ()
             while not self.block_manager.can_allocate(seq, num_new + len(drafts)):
@@ -177,13 +201,14 @@ class Scheduler:
             if entry.draft_token_ids:
                 updated.append(self._take_checked_drafts(entry, result))
                 continue
-            seq.num_computed_tokens += entry.num_new_tokens
+            computed = entry.start_position + entry.num_new_tokens  # KV up to this step's
             if seq.owes_prompt_logprobs:  # the runner gave those of this chunk's positions
                 seq.num_prompt_logprob_positions = max(
-                    seq.num_prompt_logprob_positions,
-                    min(seq.num_computed_tokens + 1, seq.num_prompt_tokens),
+                    seq.num_prompt_logprob_positions, min(computed + 1, seq.num_prompt_tokens)
                 )
-            self.block_manager.commit_computed(seq)
+            self.block_manager.commit_computed(seq, computed)
+            if entry.sample_seqs:
+                seq.num_pending_tokens -= 1
             # every child shares the prompt's blocks before any sample, the first included, can
             # finish on its first token and free them
             for target in entry.sample_seqs:
@@ -218,6 +243,7 @@ class Scheduler:
             if reason is not None:
                 break
         # the step computed its token and the drafts that stood: the KV of all but the newest
+        seq.num_pending_tokens -= 1
         seq.num_computed_tokens = seq.num_tokens - 1
         self.block_manager.commit_computed(seq)
         if reason is not None:
@@ -300,6 +326,25 @@ class Scheduler:
                 self._drop_kv(queued)
         return self.block_manager.can_allocate(seq, num_new)
 
+    def _fits_ahead(self) -> bool:
+        """Whether the running sequences a schedule ahead of the step in flight would take
+        have blocks for their tokens (ahead of it, nobody is preempted)."""
+        budget = self.config.max_num_batched_tokens
+        manager = self.block_manager
+        # at most: the budget's tokens in new blocks, plus a block each for a sequence's
+        # partly filled one and a copy-on-write (a roomy cache skips the count)
+        if manager.num_free_blocks >= -(-budget // manager.block_size) + 2 * len(self.running):
+            return True
+        needed = 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if runs_ahead(seq):
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                needed += manager.num_blocks_needed(seq, num_new)
+                budget -= num_new
+        return needed <= manager.num_free_blocks
+
     def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Draft tokens for a running sequence to compute after its next token this step: ()
         unless it decodes, speculates, and has room (budget, max tokens) for one at least."""
@@ -323,17 +368,24 @@ class Scheduler:
     def _entry(
         self, seq: Sequence, num_new: int, drafts: tuple[int, ...] = ()
     ) -> ScheduledSequence:
-        reaches_end = seq.num_computed_tokens + num_new == seq.num_tokens
+        """The sequence's entry in the step; its tokens count as computed from now on."""
+        start = seq.num_computed_tokens
+        reaches_end = start + num_new == seq.num_tokens + seq.num_pending_tokens
         sample_seqs: tuple[Sequence, ...] = ()
         if reaches_end:
             sample_seqs = (seq,) if seq.is_forked else (seq, *self._make_children(seq))
-        return ScheduledSequence(
+        entry = ScheduledSequence(
             seq=seq,
-            start_position=seq.num_computed_tokens,
+            start_position=start,
             num_new_tokens=num_new,
             sample_seqs=sample_seqs,
             draft_token_ids=drafts,
+            awaits_sampled_token=seq.num_pending_tokens > 0,
         )
+        seq.num_computed_tokens += num_new
+        if reaches_end:
+            seq.num_pending_tokens += 1
+        return entry
 
     def _make_children(self, parent: Sequence) -> Iterable[Sequence]:
         for index in range(1, parent.params.n):
@@ -393,6 +445,21 @@ class Scheduler:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def runs_ahead(seq: Sequence) -> bool:
+    """Whether a running sequence may be scheduled before the step in flight is applied: yes
+    unless that step samples its next token and the token may end its run here (a prefill-only
+    sequence hands off on it, an n > 1 request forks on it, a sequence one token short of its
+    limit finishes on it). One that samples a stop token computes a token that is thrown away.
+    """
+    if not seq.num_pending_tokens:
+        return True
+    return (
+        seq.is_forked
+        and not seq.prefill_only
+        and seq.num_tokens + seq.num_pending_tokens < seq.max_total_tokens
+    )
 
 
 def speculates(seq: Sequence) -> bool:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.host_to_device import to_device
 from engine.sampling.messages import SamplingRow
 from engine.sequence import Sequence
 from engine.structured.grammar import CompiledGrammar
@@ -122,7 +123,7 @@ class GrammarCursors:
         if len(constrained) == logits.shape[0]:
             logits.masked_fill_(forbidden, float("-inf"))
             return
-        index = torch.tensor(constrained, dtype=torch.long, device=logits.device)
+        index = to_device(constrained, torch.long, logits.device)
         logits[index] = logits.index_select(0, index).masked_fill_(forbidden, float("-inf"))
 
     def constraint(

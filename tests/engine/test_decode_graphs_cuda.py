@@ -38,7 +38,12 @@ OUTPUT_LENGTHS = (50, 5, 16, 1, 33, 8, 40, 20)
 
 
 def _engine(
-    llama_dir: Path, *, enforce_eager: bool, max_num_seqs: int = 16, max_capture: int = 256
+    llama_dir: Path,
+    *,
+    enforce_eager: bool,
+    max_num_seqs: int = 16,
+    max_capture: int = 256,
+    async_scheduling: bool = False,
 ) -> LLMEngine:
     return LLMEngine(
         LoadConfig(
@@ -50,7 +55,7 @@ def _engine(
             max_capture_batch_size=max_capture,
         ),
         CacheConfig(block_size=16, budget=KVBudget(num_blocks=512), attention_backend="triton"),
-        SchedulerConfig(max_num_seqs=max_num_seqs),
+        SchedulerConfig(max_num_seqs=max_num_seqs, async_scheduling=async_scheduling),
     )
 
 
@@ -127,6 +132,51 @@ def test_logits_with_graphs_match_eager(llama_dir: Path, monkeypatch: pytest.Mon
     assert [t.shape for t in graph_logits] == [t.shape for t in eager_logits]
     for graph_step, eager_step in zip(graph_logits, eager_logits, strict=True):
         torch.testing.assert_close(graph_step, eager_step, rtol=1.6e-2, atol=1e-2)
+
+
+def test_async_scheduling_gives_the_tokens_of_stepping_in_turn(llama_dir: Path) -> None:
+    """Each decode step replays its graph with its tokens fed on the device from the step
+    before, launched before that step's tokens reached the host."""
+    in_turn = _engine(llama_dir, enforce_eager=False)
+    ahead = _engine(llama_dir, enforce_eager=False, async_scheduling=True)
+    prompts = _prompts(PROMPT_LENGTHS)
+    assert _generate(ahead, prompts, OUTPUT_LENGTHS) == _generate(in_turn, prompts, OUTPUT_LENGTHS)
+    assert ahead.runner.decode_graphs is not None
+    assert sum(ahead.runner.decode_graphs.num_replays.values()) >= max(OUTPUT_LENGTHS) - 1
+
+
+def test_a_decode_step_launches_and_samples_without_waiting_for_the_gpu(
+    llama_dir: Path,
+) -> None:
+    """What async scheduling's overlap needs: building, launching and sampling a graphed
+    decode step (greedy, sampled, seeded and penalised rows) never synchronises with the
+    device; only the tokens' trip to the host does."""
+    engine = _engine(llama_dir, enforce_eager=False)
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2, max_tokens=8, ignore_eos=True),
+    ]
+    for index, (prompt, params) in enumerate(zip(_prompts((40, 57, 64, 90)), kinds)):
+        engine.add_request(str(index), prompt, params)
+    engine.step()  # the prompts
+    runner, scheduler = engine.runner, engine.scheduler
+    first = scheduler.schedule()
+    launched = runner.launch(first)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # the work of an async step while the GPU runs the step before
+        sampled = runner.sample(launched)
+        ahead = scheduler.schedule(step_in_flight=True)
+        launched_ahead = runner.launch(ahead)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(entry.awaits_sampled_token for entry in ahead.scheduled) and ahead.scheduled
+    scheduler.update(first, sampled.result())
+    scheduler.update(ahead, runner.sample(launched_ahead).result())
+    assert all(seq.num_output_tokens == 3 for seq in scheduler.running)
+    assert runner.decode_graphs is not None and sum(runner.decode_graphs.num_replays.values()) == 2
 
 
 def test_kv_budget_reserves_what_the_graphs_hold(llama_dir: Path) -> None:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 import engine.model_runner
 from engine.model_runner import ModelRunner
-from engine.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
+from engine.sequence import Sequence
 
 
 def test_a_step_on_cuda_1_runs_with_cuda_1_current(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,11 +32,19 @@ def test_a_step_on_cuda_1_runs_with_cuda_1_current(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(engine.model_runner.torch.cuda, "device", switch_to)
     runner = ModelRunner.__new__(ModelRunner)
     runner.device = torch.device("cuda", 1)
+    runner._drawn = None
 
-    def step(output: SchedulerOutput) -> ModelRunnerOutput:
+    def prepare_forward(
+        prefills: list[ScheduledSequence], decodes: list[ScheduledSequence]
+    ) -> Callable[[], torch.Tensor]:
         seen.append(list(current))
-        return ModelRunnerOutput({}, {}, 0.0)
+        return lambda: torch.empty(0, 8)
 
-    monkeypatch.setattr(runner, "_execute", step)
-    runner.execute(SchedulerOutput([], [], 0, 0))
-    assert seen == [[torch.device("cuda", 1)]]
+    def sample_rows(ordered: list[ScheduledSequence]) -> tuple[list[int], list[Sequence]]:
+        seen.append(list(current))
+        return [], []
+
+    monkeypatch.setattr(runner, "_prepare_forward", prepare_forward)
+    monkeypatch.setattr(runner, "_sample_rows", sample_rows)
+    runner.execute(SchedulerOutput([], [], 0, 0))  # the launch, then the sampling
+    assert seen == [[torch.device("cuda", 1)]] * 2

@@ -28,7 +28,7 @@ def fake_next_token(seq: Sequence) -> int:
 def fake_run(output: SchedulerOutput) -> ModelRunnerOutput:
     sampled = {}
     for entry in output.scheduled:
-        assert entry.start_position == entry.seq.num_computed_tokens
+        assert entry.start_position + entry.num_new_tokens == entry.seq.num_computed_tokens
         for target in entry.sample_seqs:
             sampled[target.seq_id] = fake_next_token(target)
     return ModelRunnerOutput(sampled)

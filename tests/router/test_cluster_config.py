@@ -4,12 +4,13 @@
 tests/kv_transfer/test_pair_transport.py), and a transport that cannot move the device's caches
 is refused at start-up, naming the flag (before, the server started and every hand-off
 failed). Workers that share a GPU each budget their share of it. Both pools' schedulers
-follow the scheduling policy."""
+follow the scheduling policy and async scheduling, which is refused with speculative decoding."""
 
 from __future__ import annotations
 
 import pytest
 
+from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import transports_for
 from router.cluster_config import ClusterConfig
 
@@ -111,3 +112,22 @@ def test_an_unknown_scheduling_policy_is_refused_naming_the_flag_and_the_choices
     with pytest.raises(ValueError) as error:
         ClusterConfig("model", scheduling_policy="lifo")  # type: ignore[arg-type]
     assert str(error.value) == "--scheduling-policy must be one of fcfs, priority; got 'lifo'"
+
+
+def test_async_scheduling_reaches_both_pools_schedulers() -> None:
+    for async_scheduling in (True, False):
+        config = ClusterConfig("model", async_scheduling=async_scheduling, num_prefill=1)
+        assert config.scheduler_config().async_scheduling is async_scheduling
+        assert config.prefill_scheduler_config().async_scheduling is async_scheduling
+    assert ClusterConfig("model").scheduler_config().async_scheduling is False  # vLLM's default
+
+
+def test_async_scheduling_with_speculative_decoding_is_refused_naming_both_flags() -> None:
+    """At start-up, before the workers (each of whose engines would refuse it)."""
+    spec = SpeculativeConfig(num_speculative_tokens=2)
+    with pytest.raises(ValueError) as error:
+        ClusterConfig("model", async_scheduling=True, speculative=spec)
+    assert str(error.value).startswith(
+        "--async-scheduling does not combine with --speculative-config"
+    )
+    assert ClusterConfig("model", speculative=spec).speculative is spec  # either alone is fine

@@ -1,7 +1,7 @@
 """The launcher hands each pool's actors their settings: speculative decoding goes to the decode
 pool only (a prefill worker samples each prompt's first token, never a draft), the same for a
-worker started in a dead one's slot; every worker schedules by the cluster's scheduling policy.
-Actor classes are recorders here; no Ray."""
+worker started in a dead one's slot; every worker schedules by the cluster's scheduling policy,
+asynchronously if it says so. Actor classes are recorders here; no Ray."""
 
 from __future__ import annotations
 
@@ -76,3 +76,16 @@ def test_every_actor_schedules_by_the_clusters_policy(
     schedulers = [a for _, args in started for a in args if isinstance(a, SchedulerConfig)]
     assert len(schedulers) == len(started) == 2 + num_prefill
     assert {s.policy for s in schedulers} == {"priority"}
+
+
+@pytest.mark.parametrize("num_prefill", [1, 0], ids=["disaggregated", "colocated"])
+def test_every_actor_schedules_asynchronously_if_the_cluster_does(
+    started: list[tuple[str, tuple[Any, ...]]], num_prefill: int
+) -> None:
+    config = ClusterConfig("model", num_prefill=num_prefill, num_decode=2, async_scheduling=True)
+    launcher = WorkerLauncher(config)
+    for slot in plan_slots(config, None):
+        launcher.launch(slot, slot.worker_id(0), {})
+    schedulers = [a for _, args in started for a in args if isinstance(a, SchedulerConfig)]
+    assert len(schedulers) == len(started) == 2 + num_prefill
+    assert {s.async_scheduling for s in schedulers} == {True}
