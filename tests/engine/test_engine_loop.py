@@ -6,7 +6,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine import GenerateRequest, SamplingParams
+from engine import LLM, GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
 from engine.kv_cache.budget import KVBudget
@@ -97,3 +97,48 @@ def test_a_structured_output_grammar_compiles_while_the_engine_steps_on(llama_di
     finally:
         loop.stop()
     assert len(steps_while_compiling) == 1 and steps_while_compiling[0] >= 3
+
+
+def test_an_async_scheduling_loop_streams_each_request_the_tokens_of_stepping_in_turn(
+    llama_dir: Path,
+) -> None:
+    """Requests arrive on another thread while the loop steps ahead of its results; every
+    token is published once, in order, as the engine stepping in turn gives them."""
+    engine = LLMEngine(
+        LoadConfig(str(llama_dir), dtype="float32", device="cpu"),
+        CacheConfig(block_size=8, budget=KVBudget(num_blocks=256)),
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, async_scheduling=True),
+    )
+    prompts = {f"r{i}": [3 + i, 7, 11 + 2 * i, 5][: 1 + i % 4] * (2 + i) for i in range(6)}
+    params = {
+        request_id: SamplingParams(temperature=0.0, max_tokens=3 + 5 * i, ignore_eos=True)
+        for i, request_id in enumerate(prompts)
+    }
+    in_turn = LLM(str(llama_dir), dtype="float32", device="cpu", max_num_batched_tokens=32)
+    expected = {
+        request_id: output.outputs[0].token_ids
+        for request_id, output in zip(
+            prompts, in_turn.generate(list(prompts.values()), list(params.values())), strict=True
+        )
+    }
+    loop = EngineLoop(engine, "worker-0")
+    loop.start()
+    streamed: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    finished: dict[str, str] = {}
+    try:
+        for request_id, prompt in prompts.items():
+            loop.submit(GenerateRequest(request_id, prompt, params[request_id], GATEWAY))
+            time.sleep(0.002)  # arrivals spread over the loop's steps
+        deadline = time.monotonic() + 60
+        while len(finished) < len(prompts) and time.monotonic() < deadline:
+            batch = loop.next_batch(GATEWAY, 0.05)
+            for event in [] if batch is None else batch.events:
+                assert event.position == len(streamed[event.request_id])
+                streamed[event.request_id].append(event.token_id)
+                if event.finish_reason is not None:
+                    finished[event.request_id] = event.finish_reason
+    finally:
+        loop.stop()
+    assert streamed == expected
+    assert finished == dict.fromkeys(prompts, "length")
+    assert engine.stats.num_steps > max(p.max_tokens for p in params.values())
