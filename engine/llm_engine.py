@@ -287,13 +287,20 @@ class LLMEngine:
         for seq in state.seqs.values():
             self.scheduler.release(seq)
             self.runner.forget(seq.seq_id)
+        self._drop_step_of_ended_requests()
+
+    def _drop_step_of_ended_requests(self) -> None:
+        """Async scheduling: with no request left, the step launched ahead computes only
+        sequences that have ended; nothing of it is wanted (it is left to run out)."""
+        if not self._requests:
+            self._in_flight = None
 
     def has_request(self, request_id: str) -> bool:
         """The request is queued, running or handed off here (a mere reservation is not)."""
         return request_id in self._requests
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self._in_flight is not None
+        return bool(self._requests)
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -367,6 +374,7 @@ class LLMEngine:
             self.stats.num_accepted_draft_tokens += len(drafts.token_ids)
         self.stats.forward_seconds += result.forward_seconds
         self.stats.step_seconds += time.perf_counter() - started
+        self._drop_step_of_ended_requests()
         return StepResult(new_tokens, finished, handed_off)
 
     def _token_event(
