@@ -335,7 +335,9 @@ class LLMEngine:
         if output.is_empty:
             return None
         self._note_scheduled(output)
-        return output, self.runner.launch(output)
+        launched = self.runner.launch(output)
+        self.scheduler.commit_launched(output)  # a prompt admitted ahead finds its blocks
+        return output, launched
 
     def _note_scheduled(self, output: SchedulerOutput) -> None:
         self._note_first_scheduled(output, time.monotonic())

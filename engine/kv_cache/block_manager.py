@@ -79,9 +79,10 @@ class BlockManager:
         return copies
 
     def commit_computed(self, seq: Sequence, num_computed: int | None = None) -> None:
-        """Register newly filled blocks of ``seq`` in the prefix cache (call after a step):
-        those within its first ``num_computed`` tokens (default: ``seq.num_computed_tokens``;
-        with async scheduling the step scheduled after it counts there already).
+        """Register newly filled blocks of ``seq`` in the prefix cache (call after a step, or
+        once a step is launched: the device runs steps in order, so a later step reading the
+        blocks runs after this one's writes): those within its first ``num_computed`` tokens
+        (default: ``seq.num_computed_tokens``) whose token ids are known.
 
         Only blocks whose every slot is computed: ``block_hashes`` may already hold the hash of
         a block a chunked prefill has only half written (``attach_cached_prefix`` hashes the
@@ -93,6 +94,7 @@ class BlockManager:
             return
         if num_computed is None or num_computed > seq.num_computed_tokens:  # (recomputing)
             num_computed = seq.num_computed_tokens
+        num_computed = min(num_computed, seq.num_tokens)  # not a token still to be sampled
         num_full_blocks = num_computed // self.block_size
         if num_full_blocks <= seq.num_committed_blocks:
             return

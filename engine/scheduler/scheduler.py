@@ -21,7 +21,8 @@ preempts a running one, whatever their priorities (as vLLM).
 A step's tokens count as computed when it is scheduled (``num_computed_tokens``), and a
 sequence whose next token the step samples holds a pending token until ``update`` applies the
 step. With async scheduling the engine schedules the next step before then
-(``schedule(step_in_flight=True)``): a sequence with a pending token decodes it, its id fed
+(``schedule(step_in_flight=True)``), once the step in flight is launched and its blocks are in
+the prefix cache (``commit_launched``): a sequence with a pending token decodes it, its id fed
 from the device; one whose pending token may end its run here (hand-off, fork, length) waits a
 step; and where blocks are short the schedule is empty rather than preempt anyone, so the
 engine applies the step in flight and schedules again.
@@ -226,6 +227,15 @@ class Scheduler:
                 elif target.prefill_only:
                     self._hand_off(target)
         return updated
+
+    def commit_launched(self, output: SchedulerOutput) -> None:
+        """A scheduled step is launched: the blocks it fills enter the prefix cache now, not at
+        its update, so a prompt admitted by a schedule ahead of that update (async scheduling)
+        finds them. Only after the launch: a step that never ran must leave no cached block."""
+        for entry in output.scheduled:
+            if not entry.seq.is_finished:
+                computed = entry.start_position + entry.num_new_tokens
+                self.block_manager.commit_computed(entry.seq, computed)
 
     def _take_checked_drafts(
         self, entry: ScheduledSequence, result: ModelRunnerOutput

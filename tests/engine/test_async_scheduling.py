@@ -207,6 +207,10 @@ def test_prefix_cache_hits_match_transformers(llama_dir: Path) -> None:
     assert sum(o.num_cached_tokens > 0 for o in first) >= 4  # shared prefixes within one batch
     assert all(o.num_cached_tokens >= 64 for o in second)  # everything seen before
     log.assert_ran_ahead()
+    # a prompt admitted ahead finds the blocks the step in flight fills, as stepping in turn
+    in_turn = _llm(llama_dir, async_scheduling=False, max_num_batched_tokens=96)
+    in_turn_first = in_turn.generate(prompts, greedy_params())
+    assert [o.num_cached_tokens for o in first] == [o.num_cached_tokens for o in in_turn_first]
 
 
 def test_preemption_matches_transformers(llama_dir: Path) -> None:

@@ -29,17 +29,20 @@ def run_ahead_to_completion(h: Harness, max_steps: int = 1000) -> list[Scheduler
     an empty schedule ahead means the next one is scheduled after the update."""
     scheduler = h.scheduler
     in_flight = scheduler.schedule()
+    scheduler.commit_launched(in_flight)
     steps = [in_flight]
     for _ in range(max_steps):
         if in_flight.is_empty:
             if not scheduler.num_unfinished:
                 return steps
             in_flight = scheduler.schedule()
+            scheduler.commit_launched(in_flight)
             steps.append(in_flight)
             continue
         result = sample(in_flight)
         ahead = scheduler.schedule(step_in_flight=True)
         assert ahead.num_preempted == 0
+        scheduler.commit_launched(ahead)
         scheduler.update(in_flight, result)
         if not ahead.is_empty:
             h.check_invariants(ahead)
@@ -135,12 +138,20 @@ def test_short_of_blocks_ahead_the_schedule_is_empty_and_nobody_is_preempted() -
     assert h.scheduler.schedule().num_preempted == 1
 
 
-def test_blocks_enter_the_prefix_cache_once_the_step_that_filled_them_is_applied() -> None:
+def test_blocks_enter_the_prefix_cache_once_the_step_that_fills_them_is_launched() -> None:
+    """A prompt admitted ahead finds the blocks the step in flight fills (the device runs it
+    first); a block whose last token is still being sampled waits for that token."""
     h = Harness(block_size=4)
-    seq = h.add([5, 6, 7], max_tokens=4)
+    seq = h.add([5, 6, 7, 8, 9, 10, 11], max_tokens=4)
     first = h.scheduler.schedule()
-    second = h.scheduler.schedule(step_in_flight=True)  # fills the block: position 3
-    h.scheduler.update(first, sample(first))
-    assert seq.num_committed_blocks == 0  # its last slot is still being written
-    h.scheduler.update(second, sample(second))
+    assert seq.num_committed_blocks == 0  # scheduled, not launched
+    h.scheduler.commit_launched(first)
+    assert seq.num_committed_blocks == 1  # tokens 0-3; 4-6 fill half of the next block
+    twin = h.add([5, 6, 7, 8, 9, 10, 11, 12], max_tokens=2)
+    second = h.scheduler.schedule(step_in_flight=True)
+    assert twin.num_cached_prompt_tokens == 4  # the in-flight step's block
+    h.scheduler.commit_launched(second)  # seq's position 7: its token is not drawn yet
     assert seq.num_committed_blocks == 1
+    h.scheduler.update(first, sample(first))
+    h.scheduler.update(second, sample(second))
+    assert seq.num_committed_blocks == 2
