@@ -48,6 +48,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.forward_context import ForwardContext, set_forward_context
+from engine.host_to_device import copy_to_device
 from engine.models.registry import CausalLM
 from engine.scheduler.outputs import ScheduledSequence
 from engine.step_inputs import decode_tokens
@@ -217,12 +218,12 @@ class StaticDecodeBuffers:
                 f"inputs of {rows} rows x {columns} blocks exceed the static buffers' "
                 f"{max_rows} x {max_columns}"
             )
-        _copy(self.input_ids[:rows], inputs.input_ids)
-        _copy(self.positions[:rows], inputs.positions)
-        _copy(self.slot_mapping[:rows], inputs.slot_mapping)
-        _copy(self.seq_lens[:rows], inputs.seq_lens)
-        _copy(self.block_tables[:rows, :columns], inputs.block_tables)
-        _copy(self.row_starts[: rows + 1], inputs.row_starts)
+        copy_to_device(self.input_ids[:rows], inputs.input_ids)
+        copy_to_device(self.positions[:rows], inputs.positions)
+        copy_to_device(self.slot_mapping[:rows], inputs.slot_mapping)
+        copy_to_device(self.seq_lens[:rows], inputs.seq_lens)
+        copy_to_device(self.block_tables[:rows, :columns], inputs.block_tables)
+        copy_to_device(self.row_starts[: rows + 1], inputs.row_starts)
 
     def metadata(
         self, batch_size: int, max_seq_len: int, max_rows_per_seq: int = 1
@@ -243,10 +244,6 @@ class StaticDecodeBuffers:
             decode_row_starts=self.row_starts[: batch_size + 1] if max_rows_per_seq > 1 else None,
             max_decode_rows_per_seq=max_rows_per_seq,
         )
-
-
-def _copy(target: torch.Tensor, source: np.ndarray) -> None:
-    target.copy_(torch.from_numpy(source), non_blocking=True)
 
 
 class GraphCapturer(Protocol):

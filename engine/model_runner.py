@@ -331,7 +331,7 @@ class ModelRunner:
         return self._to_device(table)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return to_device(array, None, self.device)
 
     def _sample_rows(self, ordered: list[ScheduledSequence]) -> tuple[list[int], list[Sequence]]:
         """Hidden-state row to take logits from, and the sequence receiving each sample (an
