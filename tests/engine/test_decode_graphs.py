@@ -340,3 +340,21 @@ def test_graph_steps_match_eager_steps(llama_dir: Path, monkeypatch: pytest.Monk
     assert [t.shape for t in graph_logits] == [t.shape for t in eager_logits]
     for graph_step, eager_step in zip(graph_logits, eager_logits, strict=True):
         assert torch.equal(graph_step, eager_step)
+
+
+def test_async_scheduled_steps_replay_with_their_awaited_tokens(llama_dir: Path) -> None:
+    """With async scheduling a graphed decode step is launched before the step before has
+    given its tokens: they are written into the static input buffer on the device."""
+    eager = _triton_llm(llama_dir)
+    ahead = LLM(
+        str(llama_dir),
+        dtype="float32",
+        device="cpu",
+        attention_backend="triton",
+        async_scheduling=True,
+    )
+    graphs = _with_eager_graphs(ahead, max_batch_size=4)
+    prompts = _prompts()
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, _params())]
+    assert [o.outputs[0].token_ids for o in ahead.generate(prompts, _params())] == expected
+    assert sum(graphs.num_replays.values()) >= sum(EXPECTED_REPLAYS.values())
