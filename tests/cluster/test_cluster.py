@@ -159,6 +159,22 @@ def test_short_prompts_are_prefilled_on_their_decode_worker(
     }
 
 
+def test_an_async_scheduling_cluster_serves_every_request_as_the_offline_engine(
+    start_cluster,
+    llama_dir: Path,
+    expected: list[list[int]],  # type: ignore[no-untyped-def]
+) -> None:
+    """--async-scheduling reaches both pools' schedulers; prefill hands off and decode steps
+    ahead of its results, token for token as offline."""
+    config = local_cluster_config(llama_dir, num_prefill=1, num_decode=1, async_scheduling=True)
+    cluster = start_cluster(config)
+    modes = {
+        w.worker_id: _scheduler_config(w.actor).async_scheduling for w in cluster.workers.values()
+    }
+    assert modes == {"prefill-0": True, "decode-0": True}
+    assert _run_all(cluster) == expected
+
+
 def test_a_priority_cluster_serves_requests_of_every_priority_as_the_offline_engine(
     start_cluster,
     llama_dir: Path,
