@@ -70,7 +70,7 @@ class Sampler:
         rows ask for, from the raw ``logits`` [B, V]."""
         return SamplerOutput(
             sampled_token_ids=token_ids.tolist(),
-            logprobs=compute_logprobs(logits.float(), rows, token_ids),
+            logprobs=compute_logprobs(logits, rows, token_ids),
         )
 
     @staticmethod
