@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from engine import LLM, GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
 from engine.kv_cache.budget import KVBudget
 from engine.llm_engine import LLMEngine
+from engine.model_runner import LaunchedStep, SampledStep
 from engine.scheduler import SchedulerConfig
 
 GATEWAY = "gw"
@@ -142,3 +146,69 @@ def test_an_async_scheduling_loop_streams_each_request_the_tokens_of_stepping_in
     assert streamed == expected
     assert finished == dict.fromkeys(prompts, "length")
     assert engine.stats.num_steps > max(p.max_tokens for p in params.values())
+
+
+def _stream_until_done(
+    loop: EngineLoop, request_ids: set[str], timeout_s: float = 60
+) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Each request's streamed tokens, and the failure message of those that failed."""
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+    failed: dict[str, str] = {}
+    done: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while done != request_ids and time.monotonic() < deadline:
+        batch = loop.next_batch(GATEWAY, 0.05)
+        if batch is None:
+            continue
+        for event in batch.events:
+            tokens[event.request_id].append(event.token_id)
+            if event.finish_reason is not None:
+                done.add(event.request_id)
+        for failure in batch.failures:
+            failed[failure.request_id] = failure.message
+            done.add(failure.request_id)
+    assert done == request_ids, f"still running: {request_ids - done}"
+    return tokens, failed
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-turn", "async"])
+def test_after_a_failed_step_the_loop_serves_new_requests_exactly(
+    llama_dir: Path, async_scheduling: bool
+) -> None:
+    """A step that raises fails the requests in flight, not the worker: with async
+    scheduling the step launched ahead goes with them, and requests sent afterwards get the
+    tokens they would have got from a fresh engine, with every block given back."""
+    engine = LLMEngine(
+        LoadConfig(str(llama_dir), dtype="float32", device="cpu"),
+        CacheConfig(block_size=8, budget=KVBudget(num_blocks=128)),
+        SchedulerConfig(max_num_seqs=8, async_scheduling=async_scheduling),
+    )
+    sample = engine.runner.sample
+    calls = itertools.count()
+
+    def sample_failing_once(step: LaunchedStep) -> SampledStep:
+        if next(calls) == 3:
+            raise RuntimeError("injected fault")
+        return sample(step)
+
+    engine.runner.sample = sample_failing_once  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = {f"first-{i}": [5 + i, 9, 13, 2 + i] * (1 + i) for i in range(3)}
+    later = {f"later-{i}": [7, 3 + i, 11] * (2 + i) for i in range(2)}
+    loop = EngineLoop(engine, "worker-0")
+    loop.start()
+    try:
+        for request_id, prompt in prompts.items():
+            loop.submit(GenerateRequest(request_id, prompt, params, GATEWAY))
+        _, failed = _stream_until_done(loop, set(prompts))
+        assert failed == dict.fromkeys(prompts, "internal error in the engine step")
+        for request_id, prompt in later.items():
+            loop.submit(GenerateRequest(request_id, prompt, params, GATEWAY))
+        tokens, failed = _stream_until_done(loop, set(later))
+    finally:
+        loop.stop()
+    assert failed == {}
+    fresh = LLM(str(llama_dir), dtype="float32", device="cpu")
+    expected = [o.outputs[0].token_ids for o in fresh.generate(list(later.values()), params)]
+    assert [tokens[request_id] for request_id in later] == expected
+    assert engine.block_manager.usage == 0.0 and not engine.has_unfinished_requests()
