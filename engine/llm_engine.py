@@ -181,7 +181,6 @@ class LLMEngine:
         )
         self.stats = EngineStats()
         # async scheduling: the step launched ahead, to be sampled and applied by the next step()
-        self.async_scheduling = scheduler.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._requests: dict[str, RequestState] = {}
         self._reservations: dict[str, list[int]] = {}  # request id -> blocks awaiting KV
@@ -311,7 +310,7 @@ class LLMEngine:
         them: the host's scheduling, input building and bookkeeping overlap the GPU's forward.
         """
         started = time.perf_counter()
-        if self.async_scheduling:
+        if self.scheduler.config.async_scheduling:
             return self._step_ahead(started)
         output = self.scheduler.schedule()
         if output.is_empty:

@@ -101,8 +101,8 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
         # structured outputs: each constrained sequence's grammar state (None: none allowed)
         self.grammar_cursors = grammar_cursors
-        # the tokens the last ``sample`` drew, on the device, and each sequence's row of them
-        self._drawn: tuple[torch.Tensor, dict[int, int]] | None = None
+        # the tokens the last ``sample`` drew, on the device, and the sequence of each row
+        self._drawn: tuple[torch.Tensor, list[Sequence]] | None = None
 
     def generator_state(self, seq_id: int) -> bytes | None:
         """The RNG state of a seeded sequence, to continue its stream on another worker."""
@@ -172,7 +172,7 @@ class ModelRunner:
             if self.grammar_cursors is not None:  # structured outputs: masked before sampling,
                 self.grammar_cursors.mask_logits(logits, rows, targets)  # as vLLM does
             token_ids = self.sampler.draw(logits, rows)  # [rows]
-            self._drawn = token_ids, {seq.seq_id: row for row, seq in enumerate(targets)}
+            self._drawn = token_ids, targets
             return SampledStep(logits, rows, targets, token_ids, forward_seconds, prompt_logprobs)
 
     @contextlib.contextmanager
@@ -263,23 +263,24 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows of entries that await their token, and those tokens as the last ``sample``
         drew them, both on the device; None when no entry awaits one."""
+        if not any(entry.awaits_sampled_token for entry in ordered):
+            return None
+        drawn_tokens, drawn_seqs = self._drawn or (None, [])
+        drawn_row = {seq.seq_id: row for row, seq in enumerate(drawn_seqs)}
         rows: list[int] = []
         sources: list[int] = []
         row = 0
         for entry in ordered:
             if entry.awaits_sampled_token:
-                drawn_row = None if self._drawn is None else self._drawn[1].get(entry.seq.seq_id)
-                if drawn_row is None:
+                if entry.seq.seq_id not in drawn_row:
                     raise RuntimeError(
                         f"sequence {entry.seq.seq_id} awaits a token the last step did not draw"
                     )
                 rows.append(row)
-                sources.append(drawn_row)
+                sources.append(drawn_row[entry.seq.seq_id])
             row += entry.num_query_tokens
-        if not rows:
-            return None
-        assert self._drawn is not None
-        tokens = self._drawn[0].index_select(0, self._to_device(np.asarray(sources)))
+        assert drawn_tokens is not None
+        tokens = drawn_tokens.index_select(0, self._to_device(np.asarray(sources)))
         return self._to_device(np.asarray(rows, dtype=np.int64)), tokens
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
