@@ -32,6 +32,7 @@ from tests.engine.test_parity import (
     greedy_params,
     make_prompts,
     reference,
+    run_shared_prefixes_twice,
     shared_prefix_prompts,
 )
 from tests.engine.test_prompt_logprobs import assert_matches_transformers
@@ -200,12 +201,7 @@ def test_prefix_cache_hits_match_transformers(llama_dir: Path) -> None:
     expected = reference(llama_dir, prompts, "shared-prefix")
     llm = _llm(llama_dir, max_num_batched_tokens=96)
     log = StepLog(llm.engine)
-    first = llm.generate(prompts, greedy_params())
-    second = llm.generate(prompts, greedy_params())
-    assert [o.outputs[0].token_ids for o in first] == expected
-    assert [o.outputs[0].token_ids for o in second] == expected
-    assert sum(o.num_cached_tokens > 0 for o in first) >= 4  # shared prefixes within one batch
-    assert all(o.num_cached_tokens >= 64 for o in second)  # everything seen before
+    first = run_shared_prefixes_twice(llm, prompts, expected)
     log.assert_ran_ahead()
     # a prompt admitted ahead finds the blocks the step in flight fills, as stepping in turn
     in_turn = _llm(llama_dir, async_scheduling=False, max_num_batched_tokens=96)

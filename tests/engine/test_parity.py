@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.outputs import RequestOutput
 from tests.conftest import ARCHITECTURES
 from tests.engine.hf_reference import hf_greedy
 
@@ -77,12 +78,21 @@ def test_prefix_cache_hits_match_transformers(model_dirs: dict[str, Path], arch:
     llm = LLM(
         str(model_dir), dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=96
     )
+    run_shared_prefixes_twice(llm, prompts, expected)
+
+
+def run_shared_prefixes_twice(
+    llm: LLM, prompts: list[list[int]], expected: list[list[int]]
+) -> list[RequestOutput]:
+    """Generate the shared-prefix prompts twice, checking the tokens and the prefix-cache hits
+    (within the first batch, then of everything); returns the first run's outputs."""
     first = llm.generate(prompts, greedy_params())
     second = llm.generate(prompts, greedy_params())
     assert [o.outputs[0].token_ids for o in first] == expected
     assert [o.outputs[0].token_ids for o in second] == expected
     assert sum(o.num_cached_tokens > 0 for o in first) >= 4  # shared prefixes within one batch
     assert all(o.num_cached_tokens >= 64 for o in second)  # everything seen before
+    return first
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
