@@ -165,7 +165,7 @@ def pad_decode_inputs(
     for entry in step:
         end = first_row + entry.num_query_tokens
         needed = blocks_needed[end - 1]  # the sequence's last row has the longest context
-        block_tables[first_row:end, :needed] = entry.seq.block_table[:needed]
+        block_tables[first_row:end, :needed] = entry.seq.block_table.array[:needed]
         first_row = end
     row_starts = np.full(batch_size + 1, batch_size, dtype=np.int64)
     num_groups = len(step) + batch_size - num_rows  # the sequences, then the padding rows

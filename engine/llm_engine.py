@@ -480,7 +480,7 @@ class LLMEngine:
         state = RequestState(request_id, None, result.params, num_samples=len(samples))
         for position, (seq, sample) in enumerate(zip(seqs, samples)):
             if kv_received and blocks is not None:
-                self._adopt_blocks(seq, blocks, share=position > 0)
+                self.block_manager.adopt(seq, blocks, share=position > 0)
                 self.scheduler.add_computed(seq)
             else:
                 self.scheduler.add(seq)
@@ -625,16 +625,6 @@ class LLMEngine:
         if sample.generator_state is not None and seed is not None:
             self.runner.restore_generator(seq.seq_id, seed, sample.generator_state)
         return seq
-
-    def _adopt_blocks(self, seq: Sequence, blocks: list[int], *, share: bool) -> None:
-        """Give ``seq`` the received prompt blocks (another reference when ``share``)."""
-        if share:
-            for block_id in blocks:
-                self.block_manager.pool.incref(block_id)
-        seq.block_table = list(blocks)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.num_committed_blocks = 0
-        self.block_manager.commit_computed(seq)
 
     def _max_total_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         if params.max_tokens is None:

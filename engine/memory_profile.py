@@ -19,6 +19,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.decode_graphs import DecodeGraphs, EagerCapturer
+from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.budget import KVLayout
 from engine.model_runner import ModelRunner
 from engine.models.registry import CausalLM
@@ -75,7 +76,7 @@ def run_worst_case_step(
     entries = []
     for index in range(num_seqs):
         seq = Sequence(-1 - index, "profile", [0] * seq_len, params, seq_len + 1)
-        seq.block_table = list(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
+        seq.block_table = BlockTable(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
         entries.append(ScheduledSequence(seq, 0, seq_len, (seq,)))
     runner.execute(SchedulerOutput(entries, [], num_seqs * seq_len, 0))
 

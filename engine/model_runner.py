@@ -300,7 +300,7 @@ class ModelRunner:
             start, end = entry.start_position, entry.start_position + entry.num_query_tokens
             input_ids.extend(entry.query_token_ids())
             pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(entry.seq.block_table, dtype=np.int64)
+            table = entry.seq.block_table.array
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             query_start_loc.append(query_start_loc[-1] + entry.num_query_tokens)
@@ -328,7 +328,7 @@ class ModelRunner:
         width = max((len(s.block_table) for s in seqs), default=0)
         table = np.zeros((len(seqs), width), dtype=np.int64)
         for row, seq in enumerate(seqs):
-            table[row, : len(seq.block_table)] = seq.block_table
+            table[row, : len(seq.block_table)] = seq.block_table.array
         return self._to_device(table)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Literal
 
+from engine.kv_cache.block_table import BlockTable
+
 if TYPE_CHECKING:
     from engine.kv_cache.prefix_hash import BlockHash
     from engine.sampling import SamplingParams
@@ -82,7 +84,7 @@ class Sequence:
         # applied: 1 from a step's scheduling to its update; with async scheduling the next
         # step is scheduled before then (and computes that token's KV, fed from the device)
         self.num_pending_tokens = 0
-        self.block_table: list[int] = []  # physical block per logical block
+        self.block_table = BlockTable()  # physical block per logical block
         self.block_hashes: list[BlockHash] = []  # prefix hash per full block of token_ids
         self.num_committed_blocks = 0  # leading blocks of block_table offered to the prefix cache
         self.status = SequenceStatus.WAITING

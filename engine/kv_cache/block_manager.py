@@ -1,12 +1,16 @@
 """Maps sequences onto physical blocks: prefix-cache lookup, slot allocation, copy-on-write.
 
 Verbs, in the order a sequence meets them:
-  attach_cached_prefix -> can_allocate / allocate_slots (every step) -> fork (n > 1) -> free
+  attach_cached_prefix (or adopt, for KV received) -> can_allocate / allocate_slots (every
+  step) -> fork (n > 1) -> free
+
+They are the only writers of a sequence's block table.
 """
 
 from __future__ import annotations
 
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.prefix_hash import extend_block_hashes
 from engine.sequence import Sequence
 
@@ -105,11 +109,24 @@ class BlockManager:
             self.pool.register(seq.block_table[index], seq.block_hashes[index])
         seq.num_committed_blocks = num_full_blocks
 
+    def adopt(self, seq: Sequence, block_ids: list[int], *, share: bool) -> None:
+        """Give a sequence with no blocks the blocks holding its prompt's KV, received from
+        elsewhere (a prefill worker's hand-off); ``share``: they are another sample's too, so
+        take another reference."""
+        assert not seq.block_table
+        if share:
+            for block_id in block_ids:
+                self.pool.incref(block_id)
+        seq.block_table = BlockTable(block_ids)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_committed_blocks = 0
+        self.commit_computed(seq)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s blocks (copy-on-write on the partial one)."""
         for block_id in parent.block_table:
             self.pool.incref(block_id)
-        child.block_table = list(parent.block_table)
+        child.block_table = BlockTable(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_committed_blocks = parent.num_committed_blocks
         child.num_computed_tokens = parent.num_computed_tokens
@@ -118,7 +135,7 @@ class BlockManager:
         """Release a sequence's blocks (newest first, so older prefix blocks stay cached longer)."""
         for block_id in reversed(seq.block_table):
             self.pool.free(block_id)
-        seq.block_table = []
+        seq.block_table = BlockTable()
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
 

@@ -30,6 +30,7 @@ from engine.decode_graphs import (
     use_decode_graphs,
 )
 from engine.engine_config import LoadConfig
+from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.budget import KVLayout
 from engine.memory_profile import build_largest_decode_graph, decode_graph_bytes
 from engine.model_config import load_model_config
@@ -47,7 +48,7 @@ def _entry(
     token_ids: list[int], block_table: list[int], start: int, num_new: int = 1
 ) -> ScheduledSequence:
     seq = Sequence(0, "r", token_ids, SamplingParams(), len(token_ids) + 8)
-    seq.block_table = block_table
+    seq.block_table = BlockTable(block_table)
     return ScheduledSequence(seq, start, num_new, (seq,))
 
 

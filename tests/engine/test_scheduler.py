@@ -79,12 +79,7 @@ class Harness:
                 len(prompt) + max_tokens,
                 sample_index=index,
             )
-            if index > 0:
-                for block_id in block_ids:
-                    self.manager.pool.incref(block_id)
-            seq.block_table = list(block_ids)
-            seq.num_computed_tokens = len(prompt)
-            self.manager.commit_computed(seq)
+            self.manager.adopt(seq, block_ids, share=index > 0)
             seq.token_ids.append(fake_next_token(seq))
             self.scheduler.add_computed(seq)
             samples.append(seq)

@@ -1,0 +1,112 @@
+"""Block tables: the numpy copy the runner reads always equals the list the block manager
+writes, whichever verbs changed it."""
+
+import random
+
+import numpy as np
+import pytest
+
+from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.block_table import BlockTable
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+
+
+def _assert_mirrored(table: BlockTable) -> None:
+    assert table.array.dtype == np.int64
+    assert table.array.tolist() == list(table)
+
+
+def test_append_past_the_capacity_and_assign_keep_the_array_equal() -> None:
+    table = BlockTable([7, 3])
+    _assert_mirrored(table)
+    for block_id in range(100, 140):  # past the first capacity, twice
+        table.append(block_id)
+        _assert_mirrored(table)
+    table[1] = 55
+    table[-1] = 66  # from the end of the list, not of the array's capacity
+    _assert_mirrored(table)
+    assert table[:2] == [7, 55] and table[-1] == 66
+    with pytest.raises(IndexError):
+        table[len(table)] = 1
+    _assert_mirrored(table)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda t: t.extend([1]),
+        lambda t: t.insert(0, 1),
+        lambda t: t.pop(),
+        lambda t: t.remove(7),
+        lambda t: t.clear(),
+        lambda t: t.sort(),
+        lambda t: t.reverse(),
+        lambda t: t.__delitem__(0),
+        lambda t: t.__iadd__([1]),
+        lambda t: t.__imul__(2),
+        lambda t: t.__setitem__(slice(0, 1), [1]),
+    ],
+)
+def test_every_other_mutator_is_refused(mutate: object) -> None:
+    table = BlockTable([7, 3, 9])
+    with pytest.raises(TypeError, match="block table"):
+        mutate(table)  # type: ignore[operator]
+    assert table == [7, 3, 9]
+    _assert_mirrored(table)
+
+
+def test_the_block_managers_verbs_keep_every_table_mirrored() -> None:
+    """A random walk of prefix hits, decode steps, n > 1 forks (copy-on-write), adoption of
+    received blocks and frees, checking every live sequence's array after each verb."""
+    rng = random.Random(0)
+    manager = BlockManager(256, block_size=4, enable_prefix_caching=True)
+    prompts = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    live: list[Sequence] = []
+    next_id = 0
+
+    def new_seq(tokens: list[int]) -> Sequence:
+        nonlocal next_id
+        next_id += 1
+        return Sequence(next_id, f"r{next_id}", tokens, SamplingParams(), 10_000)
+
+    def step(seq: Sequence) -> None:
+        num_new = seq.num_uncomputed_tokens
+        if manager.can_allocate(seq, num_new):
+            manager.allocate_slots(seq, num_new)
+            seq.num_computed_tokens += num_new
+            manager.commit_computed(seq)
+            seq.token_ids.append(rng.randrange(50))
+
+    num_copies = 0
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.25 or not live:
+            seq = new_seq(list(rng.choice(prompts)))
+            manager.attach_cached_prefix(seq)
+            live.append(seq)
+        elif action < 0.6:
+            step(rng.choice(live))
+        elif action < 0.75:
+            parent = rng.choice(live)
+            child = new_seq(list(parent.token_ids))
+            manager.fork(parent, child)
+            live.append(child)
+            before = list(child.block_table)
+            step(child)  # writes into the shared partial block: copy-on-write
+            num_copies += child.block_table[: len(before)] != before
+        elif action < 0.85:
+            donor = rng.choice(live)
+            full = donor.num_computed_tokens // manager.block_size
+            if full:
+                received = new_seq(donor.token_ids[: full * manager.block_size])
+                manager.adopt(received, donor.block_table[:full], share=True)
+                live.append(received)
+        else:
+            manager.free(live.pop(rng.randrange(len(live))))
+        for seq in live:
+            _assert_mirrored(seq.block_table)
+    assert num_copies > 0  # the walk did assign into tables, not only append
+    for seq in live:
+        manager.free(seq)
+    assert manager.num_free_blocks == 256
