@@ -353,12 +353,14 @@ class LLMEngine:
         for appended in updated:
             seq, num_tokens = appended.seq, appended.num_tokens
             state = self._requests[seq.request_id]
+            num_output = seq.num_output_tokens
             for token_logprobs, position in zip(
                 _appended_logprobs(result, seq.seq_id, num_tokens),
-                range(seq.num_output_tokens - num_tokens, seq.num_output_tokens),
+                range(num_output - num_tokens, num_output),
             ):
                 state.record(seq, token_logprobs)
-                new_tokens.append(self._token_event(state, seq, position, token_logprobs))
+                newest = position == num_output - 1
+                new_tokens.append(self._token_event(state, seq, position, newest, token_logprobs))
             if seq.status in _ENDED_STATUSES:
                 ended[state.request_id] = state
         # only a request one of whose samples ended in this step can have ended in it
@@ -383,11 +385,12 @@ class LLMEngine:
         state: RequestState,
         seq: Sequence,
         position: int,
+        newest: bool,
         token_logprobs: TokenLogprobs | None,
     ) -> TokenEvent:
-        """The event of ``seq``'s output token at ``position``; the newest carries the finish."""
+        """The event of ``seq``'s output token at ``position``; the ``newest`` carries the
+        finish."""
         first = position == 0
-        newest = position == seq.num_output_tokens - 1
         return TokenEvent(
             request_id=seq.request_id,
             sample_index=seq.sample_index,
@@ -695,8 +698,9 @@ def _appended_logprobs(
     """The logprobs of a sequence's ``num_tokens`` newest tokens, oldest first: drafts that
     stood, then the token sampled after them (which a finish on a draft leaves out)."""
     drafts = result.accepted_drafts.get(seq_id)
-    before = [] if drafts is None else drafts.logprobs
-    return [*before, result.logprobs.get(seq_id)][:num_tokens]
+    if drafts is None:  # one token (a finish cannot cut it)
+        return [result.logprobs.get(seq_id)]
+    return [*drafts.logprobs, result.logprobs.get(seq_id)][:num_tokens]
 
 
 def _num_prefill_tokens(output: SchedulerOutput) -> int:

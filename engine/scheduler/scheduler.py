@@ -286,6 +286,8 @@ class Scheduler:
         the only running sequence, before it preempts itself, and a head that finds nothing
         running take them (``_reclaim_waiting_blocks``).
         """
+        if not self.waiting:
+            return budget
         # running sequences once those of n > 1 still prefilling have forked
         num_seqs = sum(_num_seqs_to_come(seq) for seq in self.running)
         while self.waiting and budget > 0:
