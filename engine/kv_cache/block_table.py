@@ -27,6 +27,11 @@ class BlockTable(list[int]):
         self._array = np.zeros(max(_MIN_CAPACITY, 2 * len(self)), dtype=np.int64)
         self._array[: len(self)] = self
 
+    def __reduce__(self) -> tuple[type[BlockTable], tuple[list[int]]]:
+        """Pickled and copied as its list: rebuilt by ``__init__`` (list's own way would
+        ``extend`` an empty one)."""
+        return BlockTable, (list(self),)
+
     @property
     def array(self) -> np.ndarray:
         """[len(self)] int64: the block ids, as an array (a view: read it, don't keep it)."""

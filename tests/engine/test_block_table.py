@@ -1,6 +1,8 @@
 """Block tables: the numpy copy the runner reads always equals the list the block manager
 writes, whichever verbs changed it."""
 
+import copy
+import pickle
 import random
 
 import numpy as np
@@ -30,6 +32,16 @@ def test_append_past_the_capacity_and_assign_keep_the_array_equal() -> None:
     with pytest.raises(IndexError):
         table[len(table)] = 1
     _assert_mirrored(table)
+
+
+def test_pickled_and_copied_tables_keep_their_arrays() -> None:
+    table = BlockTable(range(20))
+    table[3] = 99
+    for twin in (pickle.loads(pickle.dumps(table)), copy.copy(table), copy.deepcopy(table)):
+        assert type(twin) is BlockTable and twin == table
+        _assert_mirrored(twin)
+        twin.append(7)  # a copy of its own
+        assert len(table) == 20
 
 
 @pytest.mark.parametrize(
