@@ -143,10 +143,11 @@ class ModelRunner:
                 self._copy_blocks(output.block_copies)
             prefills = [e for e in output.scheduled if e.num_query_tokens > 1]
             decodes = [e for e in output.scheduled if e.num_query_tokens == 1]
-            forward = self._prepare_forward(prefills, decodes)
+            ordered = prefills + decodes
+            forward = self._prepare_forward(prefills, decodes, ordered)
             started = time.perf_counter()
             hidden = forward()  # [num_tokens, hidden]
-            return LaunchedStep(prefills, prefills + decodes, hidden, started)
+            return LaunchedStep(prefills, ordered, hidden, started)
 
     def sample(self, step: LaunchedStep) -> SampledStep:
         """Draw the step's tokens on the device, from the sequences' state now (async
@@ -238,13 +239,16 @@ class ModelRunner:
         )
 
     def _prepare_forward(
-        self, prefills: list[ScheduledSequence], decodes: list[ScheduledSequence]
+        self,
+        prefills: list[ScheduledSequence],
+        decodes: list[ScheduledSequence],
+        ordered: list[ScheduledSequence],  # prefills + decodes: the rows' order
     ) -> Callable[[], torch.Tensor]:
         """Put the step's inputs on the device; the call returned runs the forward and gives
         the hidden states of its tokens, [num_tokens, hidden_size]."""
-        awaited = self._awaited_tokens(prefills + decodes)
+        awaited = self._awaited_tokens(ordered)
         if self.decode_graphs is not None:  # decode steps, drafts included; None if it won't fit
-            replay = self.decode_graphs.prepare(prefills + decodes, awaited)
+            replay = self.decode_graphs.prepare(ordered, awaited)
             if replay is not None:
                 return replay
         input_ids, positions, metadata = self._prepare_inputs(prefills, decodes)

@@ -35,7 +35,9 @@ def test_a_step_on_cuda_1_runs_with_cuda_1_current(monkeypatch: pytest.MonkeyPat
     runner._drawn = None
 
     def prepare_forward(
-        prefills: list[ScheduledSequence], decodes: list[ScheduledSequence]
+        prefills: list[ScheduledSequence],
+        decodes: list[ScheduledSequence],
+        ordered: list[ScheduledSequence],
     ) -> Callable[[], torch.Tensor]:
         seen.append(list(current))
         return lambda: torch.empty(0, 8)
