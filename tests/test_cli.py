@@ -521,9 +521,9 @@ def test_one_shot_serve_exits_non_zero_when_a_prompt_fails(
     assert capsys.readouterr().out.count("[failed: decode worker decode-0 died]") == 2
 
 
-def test_kv_transfer_checksum_reaches_the_workers_transfer_config(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _served_configs(monkeypatch: pytest.MonkeyPatch, *flag_lists: list[str]) -> list[ClusterConfig]:
+    """The ClusterConfig each ``pdserve serve <flags>`` would launch (the launch replaced), one
+    per flag list; each command must exit 0."""
     configs: list[ClusterConfig] = []
 
     def run_serve(args: object, config: ClusterConfig) -> int:
@@ -531,21 +531,20 @@ def test_kv_transfer_checksum_reaches_the_workers_transfer_config(
         return 0
 
     monkeypatch.setattr("router.serve_command.run_serve", run_serve)
-    assert main(["serve", "--kv-transfer-checksum"]) == 0
-    assert main(["serve"]) == 0
+    for flags in flag_lists:
+        assert main(["serve", *flags]) == 0
+    return configs
+
+
+def test_kv_transfer_checksum_reaches_the_workers_transfer_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    configs = _served_configs(monkeypatch, ["--kv-transfer-checksum"], [])
     assert [c.transfer_config().checksum for c in configs] == [True, False]
 
 
 def test_max_worker_restarts_reaches_the_cluster_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    configs: list[ClusterConfig] = []
-
-    def run_serve(args: object, config: ClusterConfig) -> int:
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr("router.serve_command.run_serve", run_serve)
-    assert main(["serve", "--max-worker-restarts", "0"]) == 0
-    assert main(["serve"]) == 0
+    configs = _served_configs(monkeypatch, ["--max-worker-restarts", "0"], [])
     assert [c.max_worker_restarts for c in configs] == [0, 10]
 
 
@@ -587,16 +586,9 @@ def test_an_unknown_scheduling_policy_is_refused_listing_vllms(
 
 
 def test_async_scheduling_reaches_every_workers_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
-    configs: list[ClusterConfig] = []
-
-    def run_serve(args: object, config: ClusterConfig) -> int:
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr("router.serve_command.run_serve", run_serve)
-    assert main(["serve", "--async-scheduling"]) == 0
-    assert main(["serve", "--prefill", "0", "--async-scheduling"]) == 0
-    assert main(["serve"]) == 0
+    configs = _served_configs(
+        monkeypatch, ["--async-scheduling"], ["--prefill", "0", "--async-scheduling"], []
+    )
     assert [c.async_scheduling for c in configs] == [True, True, False]  # off by default
     assert [c.scheduler_config().async_scheduling for c in configs] == [True, True, False]
     assert [c.prefill_scheduler_config().async_scheduling for c in configs] == [True, True, False]
@@ -656,17 +648,13 @@ def test_a_bad_speculative_config_is_refused_naming_the_flag_and_the_field(
 
 
 def test_the_speculative_config_reaches_the_cluster_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    configs: list[ClusterConfig] = []
-
-    def run_serve(args: object, config: ClusterConfig) -> int:
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr("router.serve_command.run_serve", run_serve)
-    assert main(["serve", "--speculative-config", _NGRAM_4]) == 0
     colocated = ["--prefill", "0", "--decode", "2"]
-    assert main(["serve", *colocated, "--speculative-config", '{"num_speculative_tokens": 2}']) == 0
-    assert main(["serve"]) == 0
+    configs = _served_configs(
+        monkeypatch,
+        ["--speculative-config", _NGRAM_4],
+        [*colocated, "--speculative-config", '{"num_speculative_tokens": 2}'],
+        [],
+    )
     assert [c.speculative for c in configs] == [
         SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=4),
         SpeculativeConfig(num_speculative_tokens=2),  # vLLM's lookup window: 5 both ways
