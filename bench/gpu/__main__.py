@@ -87,69 +87,98 @@ def main(argv: list[str] | None = None) -> None:
         "preset": dataclasses.asdict(preset),
     }
     log(f"{result['machine']['name']}, torch {torch.__version__}, preset {preset_name}")
+
+    def save() -> None:
+        """Rewrites the JSON, verdicts included: a run cut short keeps what it measured."""
+        result["targets"] = verdicts(result)
+        write_json(args.out, result)
+
     result["ceilings"] = measure_ceilings(device, dtype, preset)
-    write_json(args.out, result)  # after every section: a run cut short keeps what it measured
+    result["models"] = {}
+    save()
+    # What the targets need first (a lease's time box may end the run), then what tunes.
+    for name in preset.models:
+        result["models"][name] = {}
+        run_model_targets(
+            MODELS[name], device, dtype, preset, result, not args.no_transformers, save
+        )
     if not args.no_transfer:
         first = MODELS[preset.models[0]]
         attempt(
             result, "kv_transfer", lambda: measure_transfer(first, device, dtype, preset), device
         )
-        write_json(args.out, result)
-    result["models"] = {}
+        save()
     for name in preset.models:
-        result["models"][name] = run_model(
-            MODELS[name], device, dtype, preset, result["ceilings"], not args.no_transformers
-        )
-        write_json(args.out, result)
-    result["targets"] = verdicts(result)
+        run_model_tuning(MODELS[name], device, dtype, preset, result, save)
     result["seconds"] = seconds_since_start()
+    save()
     print_report(result)
-    print(f"-> {write_json(args.out, result)}")
+    print(f"-> {args.out}")
 
 
-def run_model(
+def run_model_targets(
     spec: ModelSpec,
     device: torch.device,
     dtype: str,
     preset: Preset,
-    ceilings: dict[str, Any],
+    result: dict[str, Any],
     run_transformers: bool,
-) -> dict[str, Any]:
-    """The elementwise steps, pdserve, then transformers, on one written config; a failing
-    part is recorded and the others go on."""
-    result: dict[str, Any] = {"spec": dataclasses.asdict(spec), "num_params": spec.num_params}
-    read_bw, peak_flops = read_bytes_per_s(ceilings), peak_flop_per_s(ceilings)
+    save: Callable[[], None],
+) -> None:
+    """pdserve, then transformers, on one written config, into ``result["models"][name]``;
+    a failing part is recorded and the other goes on; saved after each."""
+    model: dict[str, Any] = result["models"][spec.name]
+    model.update(spec=dataclasses.asdict(spec), num_params=spec.num_params)
+    with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{spec.name}-") as tmp:
+        model_dir = spec.write_config(Path(tmp), max_model_len(preset) + 16, dtype)
+        ceilings = result["ceilings"]
+        attempt(
+            model,
+            "pdserve",
+            lambda: run_pdserve(spec, model_dir, device, dtype, preset, ceilings),
+            device,
+        )
+        save()
+        if run_transformers:
+            attempt(
+                model,
+                "transformers",
+                lambda: measure_transformers(spec, model_dir, device, dtype, preset),
+                device,
+            )
+            save()
+
+
+def run_model_tuning(
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: str,
+    preset: Preset,
+    result: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """The sections that pick defaults (fused elementwise kernels, attention tilings) into
+    ``result["models"][name]``; saved after each."""
+    model: dict[str, Any] = result["models"][spec.name]
+    read_bw = read_bytes_per_s(result["ceilings"])
+    peak_flops = peak_flop_per_s(result["ceilings"])
     attempt(
-        result,
+        model,
         "elementwise",
         lambda: measure_elementwise(
             spec, device, dtype, preset.elementwise_tokens, preset.num_reps, read_bw
         ),
         device,
     )
+    save()
     if device.type == "cuda" or interpreted():
         attempt(
-            result,
+            model,
             "attention_tilings",
             lambda: measure_attention_tilings(spec, device, dtype, preset, read_bw, peak_flops),
             device,
         )
-    with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{spec.name}-") as tmp:
-        model_dir = spec.write_config(Path(tmp), max_model_len(preset) + 16, dtype)
-        attempt(
-            result,
-            "pdserve",
-            lambda: run_pdserve(spec, model_dir, device, dtype, preset, ceilings),
-            device,
-        )
-        if run_transformers:
-            attempt(
-                result,
-                "transformers",
-                lambda: measure_transformers(spec, model_dir, device, dtype, preset),
-                device,
-            )
-    return result
+        save()
 
 
 def measure_attention_tilings(

@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# What a session lent a GPU runs, one device call each (each under the 10-minute limit):
+# What a session lent a GPU runs, one device call each (each under the 10-minute limit).
+# A task is lent 15 minutes of device time in all, the machine's start included, so `first`
+# is the one call to make (timeout_s 590): the gpu-marked tests, the targets of bench.gpu
+# --quick, and the engine's host time, each cut short by its own time box so the next still runs.
+#   bash bench/gpu/lease.sh first   # ~9 min at most: what a task's device time holds
+# The longer calls, for device time left over or a later task:
 #   bash bench/gpu/lease.sh tests   # the gpu-marked tests (kernels at full size, graphs,
 #                                   # transports), then bench.structured_masks on cuda
 #   bash bench/gpu/lease.sh bench   # bench.gpu --quick, then bench.engine_overhead on cuda
@@ -15,6 +20,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 python="${PYTHON:-python3}"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u; git rev-parse --short HEAD 2>/dev/null; } | tee "$out/device.txt"
 case "${1:-}" in
+first)
+    # -v: each test's verdict is in the log as it ends, even if the time box cuts the run short
+    timeout 230 "$python" -m pytest -m gpu -v -rs -p no:cacheprovider --timeout 120 \
+        tests/engine tests/kv_transfer tests/workers 2>&1 | tee "$out/gpu_tests.log"
+    timeout 250 "$python" -m bench.gpu --quick --out "$out/gpu.json" 2>&1 | tee "$out/bench_gpu.log"
+    timeout 60 "$python" -m bench.engine_overhead --device cuda --batch-sizes 1,64,256 \
+        --out "$out/engine_overhead.json" 2>&1 | tee "$out/engine_overhead.log"
+    ;;
 tests)
     "$python" -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 540 \
         tests/engine tests/kv_transfer tests/workers 2>&1 | tee "$out/gpu_tests.log"
@@ -40,7 +53,7 @@ async)
         --out "$out/async_scheduling_8b.json" 2>&1 | tee "$out/async_scheduling_8b.log"
     ;;
 *)
-    echo "usage: bash bench/gpu/lease.sh tests|bench|speculative|async" >&2
+    echo "usage: bash bench/gpu/lease.sh first|tests|bench|speculative|async" >&2
     exit 2
     ;;
 esac

@@ -30,7 +30,9 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for name, model in result["models"].items():
         if "pdserve" not in model:
-            out.append(verdict("pdserve measured", name, None, "-", None, "failed: see errors"))
+            failed = "pdserve" in model.get("errors", {})
+            note = "failed: see errors" if failed else "not run yet"
+            out.append(verdict("pdserve measured", name, None, "-", None, note))
             continue
         out += _decode_verdicts(name, model["pdserve"])
         out += _speedup_verdicts(name, model)
