@@ -98,9 +98,17 @@ def main(argv: list[str] | None = None) -> None:
     save()
     # What the targets need first (a lease's time box may end the run), then what tunes.
     for name in preset.models:
-        result["models"][name] = {}
+        model: dict[str, Any] = {}
+        result["models"][name] = model
         run_model_targets(
-            MODELS[name], device, dtype, preset, result, not args.no_transformers, save
+            MODELS[name],
+            device,
+            dtype,
+            preset,
+            result["ceilings"],
+            model,
+            not args.no_transformers,
+            save,
         )
     if not args.no_transfer:
         first = MODELS[preset.models[0]]
@@ -109,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         save()
     for name in preset.models:
-        run_model_tuning(MODELS[name], device, dtype, preset, result, save)
+        run_model_tuning(
+            MODELS[name], device, dtype, preset, result["ceilings"], result["models"][name], save
+        )
     result["seconds"] = seconds_since_start()
     save()
     print_report(result)
@@ -121,17 +131,16 @@ def run_model_targets(
     device: torch.device,
     dtype: str,
     preset: Preset,
-    result: dict[str, Any],
+    ceilings: dict[str, Any],
+    model: dict[str, Any],
     run_transformers: bool,
     save: Callable[[], None],
 ) -> None:
-    """pdserve, then transformers, on one written config, into ``result["models"][name]``;
-    a failing part is recorded and the other goes on; saved after each."""
-    model: dict[str, Any] = result["models"][spec.name]
+    """pdserve, then transformers, on one written config, into ``model``; a failing part is
+    recorded and the other goes on; saved after each."""
     model.update(spec=dataclasses.asdict(spec), num_params=spec.num_params)
     with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{spec.name}-") as tmp:
         model_dir = spec.write_config(Path(tmp), max_model_len(preset) + 16, dtype)
-        ceilings = result["ceilings"]
         attempt(
             model,
             "pdserve",
@@ -154,14 +163,13 @@ def run_model_tuning(
     device: torch.device,
     dtype: str,
     preset: Preset,
-    result: dict[str, Any],
+    ceilings: dict[str, Any],
+    model: dict[str, Any],
     save: Callable[[], None],
 ) -> None:
     """The sections that pick defaults (fused elementwise kernels, attention tilings) into
-    ``result["models"][name]``; saved after each."""
-    model: dict[str, Any] = result["models"][spec.name]
-    read_bw = read_bytes_per_s(result["ceilings"])
-    peak_flops = peak_flop_per_s(result["ceilings"])
+    ``model``; saved after each."""
+    read_bw, peak_flops = read_bytes_per_s(ceilings), peak_flop_per_s(ceilings)
     attempt(
         model,
         "elementwise",
