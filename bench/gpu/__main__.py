@@ -12,6 +12,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,106 +88,88 @@ def main(argv: list[str] | None = None) -> None:
         "preset": dataclasses.asdict(preset),
     }
     log(f"{result['machine']['name']}, torch {torch.__version__}, preset {preset_name}")
-
-    def save() -> None:
-        """Rewrites the JSON, verdicts included: a run cut short keeps what it measured."""
-        result["targets"] = verdicts(result)
-        write_json(args.out, result)
-
     result["ceilings"] = measure_ceilings(device, dtype, preset)
     result["models"] = {}
-    save()
+    run = BenchRun(device, dtype, preset, result, args.out)
+    run.save()
     # What the targets need first (a lease's time box may end the run), then what tunes.
-    for name in preset.models:
-        model: dict[str, Any] = {}
-        result["models"][name] = model
-        run_model_targets(
-            MODELS[name],
-            device,
-            dtype,
-            preset,
-            result["ceilings"],
-            model,
-            not args.no_transformers,
-            save,
-        )
+    specs = [MODELS[name] for name in preset.models]
+    for spec in specs:
+        result["models"][spec.name] = {}  # keyed by the spec's name, as the sections read it
+        run_model_targets(run, spec, not args.no_transformers)
     if not args.no_transfer:
-        first = MODELS[preset.models[0]]
-        attempt(
-            result, "kv_transfer", lambda: measure_transfer(first, device, dtype, preset), device
+        run.section(
+            result, "kv_transfer", lambda: measure_transfer(specs[0], device, dtype, preset)
         )
-        save()
-    for name in preset.models:
-        run_model_tuning(
-            MODELS[name], device, dtype, preset, result["ceilings"], result["models"][name], save
-        )
+    for spec in specs:
+        run_model_tuning(run, spec)
     result["seconds"] = seconds_since_start()
-    save()
+    run.save()
     print_report(result)
     print(f"-> {args.out}")
 
 
-def run_model_targets(
-    spec: ModelSpec,
-    device: torch.device,
-    dtype: str,
-    preset: Preset,
-    ceilings: dict[str, Any],
-    model: dict[str, Any],
-    run_transformers: bool,
-    save: Callable[[], None],
-) -> None:
-    """pdserve, then transformers, on one written config, into ``model``; a failing part is
-    recorded and the other goes on; saved after each."""
+@dataclass(frozen=True, slots=True)
+class BenchRun:
+    """One run's device, dtype and preset, and the result it writes after every section."""
+
+    device: torch.device
+    dtype: str
+    preset: Preset
+    result: dict[str, Any]
+    out: str
+
+    def section(self, into: dict[str, Any], key: str, measure: Callable[[], Any]) -> None:
+        """``into[key] = measure()`` (a failure recorded instead: ``attempt``), then saved."""
+        attempt(into, key, measure, self.device)
+        self.save()
+
+    def save(self) -> None:
+        """Rewrites the JSON, verdicts included: a run cut short keeps what it measured."""
+        self.result["targets"] = verdicts(self.result)
+        write_json(self.out, self.result)
+
+
+def run_model_targets(run: BenchRun, spec: ModelSpec, run_transformers: bool) -> None:
+    """pdserve, then transformers, on one written config, into the model's result; a failing
+    part is recorded and the other goes on."""
+    device, dtype, preset = run.device, run.dtype, run.preset
+    ceilings = run.result["ceilings"]
+    model: dict[str, Any] = run.result["models"][spec.name]
     model.update(spec=dataclasses.asdict(spec), num_params=spec.num_params)
     with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{spec.name}-") as tmp:
         model_dir = spec.write_config(Path(tmp), max_model_len(preset) + 16, dtype)
-        attempt(
-            model,
-            "pdserve",
-            lambda: run_pdserve(spec, model_dir, device, dtype, preset, ceilings),
-            device,
+        run.section(
+            model, "pdserve", lambda: run_pdserve(spec, model_dir, device, dtype, preset, ceilings)
         )
-        save()
         if run_transformers:
-            attempt(
+            run.section(
                 model,
                 "transformers",
                 lambda: measure_transformers(spec, model_dir, device, dtype, preset),
-                device,
             )
-            save()
 
 
-def run_model_tuning(
-    spec: ModelSpec,
-    device: torch.device,
-    dtype: str,
-    preset: Preset,
-    ceilings: dict[str, Any],
-    model: dict[str, Any],
-    save: Callable[[], None],
-) -> None:
-    """The sections that pick defaults (fused elementwise kernels, attention tilings) into
-    ``model``; saved after each."""
-    read_bw, peak_flops = read_bytes_per_s(ceilings), peak_flop_per_s(ceilings)
-    attempt(
+def run_model_tuning(run: BenchRun, spec: ModelSpec) -> None:
+    """The sections that pick defaults (fused elementwise kernels, attention tilings) into the
+    model's result."""
+    device, dtype, preset = run.device, run.dtype, run.preset
+    model: dict[str, Any] = run.result["models"][spec.name]
+    read_bw = read_bytes_per_s(run.result["ceilings"])
+    peak_flops = peak_flop_per_s(run.result["ceilings"])
+    run.section(
         model,
         "elementwise",
         lambda: measure_elementwise(
             spec, device, dtype, preset.elementwise_tokens, preset.num_reps, read_bw
         ),
-        device,
     )
-    save()
     if device.type == "cuda" or interpreted():
-        attempt(
+        run.section(
             model,
             "attention_tilings",
             lambda: measure_attention_tilings(spec, device, dtype, preset, read_bw, peak_flops),
-            device,
         )
-        save()
 
 
 def measure_attention_tilings(

@@ -19,26 +19,33 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 python="${PYTHON:-python3}"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u; git rev-parse --short HEAD 2>/dev/null; } | tee "$out/device.txt"
+# Each run in its own time box (seconds), so a run cut short still leaves the next its turn.
+gpu_tests() {  # $1 box, $2 limit per test, $3 -q or -v (-v: each verdict logged as it ends)
+    timeout "$1" "$python" -m pytest -m gpu "$3" -rs -p no:cacheprovider --timeout "$2" \
+        tests/engine tests/kv_transfer tests/workers 2>&1 | tee "$out/gpu_tests.log"
+}
+bench_gpu_quick() {  # $1 box
+    timeout "$1" "$python" -m bench.gpu --quick --out "$out/gpu.json" 2>&1 | tee "$out/bench_gpu.log"
+}
+engine_overhead() {  # $1 box, $2 batch sizes
+    timeout "$1" "$python" -m bench.engine_overhead --device cuda --batch-sizes "$2" \
+        --out "$out/engine_overhead.json" 2>&1 | tee "$out/engine_overhead.log"
+}
 case "${1:-}" in
 first)
-    # -v: each test's verdict is in the log as it ends, even if the time box cuts the run short
-    timeout 230 "$python" -m pytest -m gpu -v -rs -p no:cacheprovider --timeout 120 \
-        tests/engine tests/kv_transfer tests/workers 2>&1 | tee "$out/gpu_tests.log"
-    timeout 250 "$python" -m bench.gpu --quick --out "$out/gpu.json" 2>&1 | tee "$out/bench_gpu.log"
-    timeout 60 "$python" -m bench.engine_overhead --device cuda --batch-sizes 1,64,256 \
-        --out "$out/engine_overhead.json" 2>&1 | tee "$out/engine_overhead.log"
+    gpu_tests 230 120 -v
+    bench_gpu_quick 250
+    engine_overhead 60 1,64,256
     ;;
 tests)
-    "$python" -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 540 \
-        tests/engine tests/kv_transfer tests/workers 2>&1 | tee "$out/gpu_tests.log"
+    gpu_tests 600 540 -q  # 600: the device call's own limit
     # structured outputs' per-step masking on the GPU (a state's mask copied there once)
     timeout 60 "$python" -m bench.structured_masks --device cuda --walks 2 \
         --out "$out/structured_masks.json" 2>&1 | tee "$out/structured_masks.log"
     ;;
 bench)
-    timeout 420 "$python" -m bench.gpu --quick --out "$out/gpu.json" 2>&1 | tee "$out/bench_gpu.log"
-    timeout 120 "$python" -m bench.engine_overhead --device cuda --batch-sizes 1,8,64,256 \
-        --out "$out/engine_overhead.json" 2>&1 | tee "$out/engine_overhead.log"
+    bench_gpu_quick 420
+    engine_overhead 120 1,8,64,256
     ;;
 speculative)
     timeout 500 "$python" -m bench.speculative --device cuda --batch-sizes 1,8,32,128 \
