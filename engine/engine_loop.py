@@ -9,6 +9,7 @@ gateway (never one message per token); prefill-only requests that reach their ha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -49,6 +50,10 @@ class EngineLoop:
         self._outputs: defaultdict[str, queue.Queue[OutputBatch]] = defaultdict(queue.Queue)
         self._outputs_lock = threading.Lock()
         self._stopping = False
+        # The load as of the last change made under ``lock``: ``load`` answers with it without
+        # waiting for the lock, so a long step never holds back a report (replaced, never
+        # changed in place: readers take the reference without a lock).
+        self._load_report = self._measure_load_locked()
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -82,6 +87,7 @@ class EngineLoop:
                 resume_token_ids=request.resume_token_ids or None,
             )
             self._gateway_of[request.request_id] = request.gateway_id
+            self._load_report = self._measure_load_locked()
             self._work.notify()
             return True
 
@@ -97,6 +103,7 @@ class EngineLoop:
         """Run ``fn(engine)`` under the lock, then let the loop look for new work."""
         with self.lock:
             result = fn(self.engine)
+            self._load_report = self._measure_load_locked()
             self._work.notify()
             return result
 
@@ -147,21 +154,33 @@ class EngineLoop:
             return None
 
     def load(self, kv_transfers: tuple[int, int, float] = (0, 0, 0.0)) -> WorkerLoad:
-        """This worker's load report for the router; ``kv_transfers`` are the worker's KV
-        hand-off totals (transfers, bytes, seconds), which the engine does not see."""
-        with self.lock:
-            scheduler = self.engine.scheduler
-            queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting) + sum(
-                s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1
-            )
-            return WorkerLoad(
-                worker_id=self.worker_id,
-                num_waiting=len(scheduler.waiting),
-                num_running=len(scheduler.running),
-                num_queued_prompt_tokens=queued,
-                kv_usage=self.engine.block_manager.usage,
-                counters=self.engine.counters(*kv_transfers),
-            )
+        """This worker's load report for the router, as of the last change made under the lock
+        (never waiting for the step in progress); ``kv_transfers`` are the worker's KV hand-off
+        totals (transfers, bytes, seconds), which the engine does not see."""
+        report = self._load_report
+        num_transfers, num_bytes, seconds = kv_transfers
+        counters = dataclasses.replace(
+            report.counters,
+            num_kv_transfers=num_transfers,
+            num_kv_transfer_bytes=num_bytes,
+            kv_transfer_seconds=seconds,
+        )
+        return dataclasses.replace(report, counters=counters)
+
+    def _measure_load_locked(self) -> WorkerLoad:
+        """The engine's load now (lock held), without the worker's KV transfer totals."""
+        scheduler = self.engine.scheduler
+        queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting) + sum(
+            s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1
+        )
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_queued_prompt_tokens=queued,
+            kv_usage=self.engine.block_manager.usage,
+            counters=self.engine.counters(),
+        )
 
     # ---- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -169,6 +188,8 @@ class EngineLoop:
             with self.lock.loop_turn():
                 while not self._stopping and not self.engine.scheduler.num_unfinished:
                     self._work.wait(_IDLE_WAIT_S)
+                    # (callers that change the engine under the lock without ``call``)
+                    self._load_report = self._measure_load_locked()
                 if self._stopping:
                     return
                 try:
@@ -177,6 +198,8 @@ class EngineLoop:
                     logger.exception("engine step failed on %s", self.worker_id)
                     self._fail_all_locked("internal error in the engine step")
                     continue
+                finally:
+                    self._load_report = self._measure_load_locked()
                 batches = self._batches_locked(step)
             for gateway, batch in batches.items():
                 self._queue(gateway).put(batch)

@@ -153,6 +153,14 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="a worker whose process dies is replaced by a new one, up to this many times per "
         "worker (0: never); a failed start doubles the wait before the next (1 s up to 60 s)",
     )
+    cluster.add_argument(
+        "--worker-dead-after-s",
+        type=float,
+        default=30.0,
+        help="a worker silent this long is taken out of rotation and its requests re-routed "
+        "(one whose process is gone is out at once; one merely slow to report is routed to "
+        "last, and while a whole pool is slow, requests wait for it)",
+    )
     cluster.add_argument("--num-kv-blocks", type=int, default=None)
     cluster.add_argument(
         "--gpu-memory-utilization",
@@ -382,6 +390,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         ),
         num_kv_blocks=args.num_kv_blocks,
         max_worker_restarts=args.max_worker_restarts,
+        dead_after_s=args.worker_dead_after_s,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         worker_num_cpus=args.worker_num_cpus,

@@ -56,7 +56,14 @@ class ClusterConfig:
     kv_transfer_checksum: bool = False  # receivers check a CRC32 of each transfer (TransferConfig)
     failure_policy: FailurePolicy = "recompute"
     report_interval_s: float = 0.5  # how often the router polls worker load
-    dead_after_s: float = 5.0  # a worker silent this long is out of rotation
+    # a worker whose latest load report is older is late: routed to only when its pool has no
+    # worker that reported in time
+    late_after_s: float = 2.0
+    # a worker silent this long is out of rotation (its requests recovered elsewhere); one whose
+    # process is gone is out at once
+    dead_after_s: float = 30.0
+    # requests held by the router while every live worker of a pool is late (more: 503)
+    max_waiting_requests: int = 1024
     max_retries: int = 3  # re-routes per request after worker failures
     # times each worker slot gets a new worker after its worker's process died (0: never); the
     # first start waits restart_delay_s, each failed start doubles the wait (at most 60 s)
@@ -74,6 +81,8 @@ class ClusterConfig:
                 "--prefill-max-num-batched-tokens must be >= 1, "
                 f"got {self.prefill_max_num_batched_tokens}"
             )
+        if self.dead_after_s <= 0:
+            raise ValueError(f"--worker-dead-after-s must be > 0, got {self.dead_after_s}")
         if self.max_worker_restarts < 0:
             raise ValueError(
                 f"--max-worker-restarts must be >= 0 (0: never), got {self.max_worker_restarts}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import time
@@ -96,7 +97,7 @@ def test_concurrent_greedy_requests_match_offline_engine(
     )
     assert _run_all(cluster) == expected
     # --kv-transport auto: every pair is on this host, so every channel is shared memory
-    transports = {w.worker_id: _channel_transports(w.actor) for w in cluster.workers.values()}
+    transports = {w.worker_id: _channel_transports(w.actor) for w in cluster.pool.workers.values()}
     opened = [t for per_worker in transports.values() for t in per_worker.values()]
     assert set(opened) == ({"shm"} if num_prefill else set()), transports
 
@@ -126,7 +127,7 @@ def test_the_prefill_pool_runs_its_own_step_budget(
     cluster = start_cluster(config)
     budgets = {
         w.worker_id: _scheduler_config(w.actor).max_num_batched_tokens
-        for w in cluster.workers.values()
+        for w in cluster.pool.workers.values()
     }
     assert budgets == {"prefill-0": 16, "decode-0": 2048}
     assert _run_all(cluster) == expected  # prompts over 16 tokens prefill in chunks
@@ -142,7 +143,7 @@ def test_short_prompts_are_prefilled_on_their_decode_worker(
         local_cluster_config(llama_dir, num_prefill=1, num_decode=1, local_prefill=rule)
     )
     assert _run_all(cluster) == expected
-    cluster._poll_loads()
+    cluster.poll()
     counters = {s.worker_id: s.load.counters for s in cluster.worker_statuses()}
     prompts, _ = _workload()
     long = [len(p) for p in prompts if len(p) > 40]
@@ -169,7 +170,8 @@ def test_an_async_scheduling_cluster_serves_every_request_as_the_offline_engine(
     config = local_cluster_config(llama_dir, num_prefill=1, num_decode=1, async_scheduling=True)
     cluster = start_cluster(config)
     modes = {
-        w.worker_id: _scheduler_config(w.actor).async_scheduling for w in cluster.workers.values()
+        w.worker_id: _scheduler_config(w.actor).async_scheduling
+        for w in cluster.pool.workers.values()
     }
     assert modes == {"prefill-0": True, "decode-0": True}
     assert _run_all(cluster) == expected
@@ -186,7 +188,9 @@ def test_a_priority_cluster_serves_requests_of_every_priority_as_the_offline_eng
         llama_dir, num_prefill=1, num_decode=1, scheduling_policy="priority"
     )
     cluster = start_cluster(config)
-    policies = {w.worker_id: _scheduler_config(w.actor).policy for w in cluster.workers.values()}
+    policies = {
+        w.worker_id: _scheduler_config(w.actor).policy for w in cluster.pool.workers.values()
+    }
     assert policies == {"prefill-0": "priority", "decode-0": "priority"}
     prompts, params = _workload()
 
@@ -222,9 +226,8 @@ def test_waiting_requests_start_in_order_of_priority_not_arrival(
                 started.append(name)
 
     def placed(name: str) -> bool:  # its worker holds it: running, or waiting for a turn
-        with cluster._lock:
-            tracker = cluster._trackers.get(name)
-            return tracker is not None and bool(tracker.workers)
+        tracker = cluster.placements.tracker(name)
+        return tracker is not None and bool(tracker.workers)
 
     async def main() -> None:
         long = 511 - len(prompt)  # to the end of the context: about 0.5 s each
@@ -243,6 +246,64 @@ def test_waiting_requests_start_in_order_of_priority_not_arrival(
 
     asyncio.run(main())
     assert started == ["first", "queued-0", "queued-1", "urgent", "late"]
+
+
+def _hold_the_cpu_in_the_next_step(actor: object, seconds: float) -> None:
+    """Make the worker's next engine step spin on the CPU for ``seconds`` first (holding the
+    engine's lock, and the GIL but for the interpreter's switches), as a step slowed by a busy
+    machine, a long prompt or a grammar compile would."""
+
+    def install(actor_self: object, seconds: float) -> None:
+        engine = actor_self.worker.loop.engine  # type: ignore[attr-defined]
+        step = engine.step
+
+        def held_step() -> object:
+            engine.step = step
+            actor_self.held_s = 0.0  # type: ignore[attr-defined]
+            started = time.monotonic()
+            while time.monotonic() - started < seconds:
+                pass
+            actor_self.held_s = time.monotonic() - started  # type: ignore[attr-defined]
+            return step()
+
+        engine.step = held_step
+
+    ray.get(actor.__ray_call__.remote(install, seconds))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("slow_worker", ["prefill-0", "decode-0"])
+def test_a_worker_whose_step_holds_the_cpu_for_8_s_stays_in_rotation(
+    start_cluster,
+    llama_dir: Path,
+    expected: list[list[int]],  # type: ignore[no-untyped-def]
+    slow_worker: str,
+) -> None:
+    """Slow is not dead. One step of a worker spins for 8 s, longer than the 5 s after which
+    the router used to take a worker out when a load report was late (its report waited for
+    the step; one prefill worker out answered 503 to a healthy cluster). With the default
+    ``dead_after_s``, the worker stays in rotation the whole time, the cluster stays ready,
+    and every request completes token for token as the offline engine."""
+    config = local_cluster_config(llama_dir, num_prefill=1, num_decode=1)
+    config = dataclasses.replace(config, dead_after_s=ClusterConfig.dead_after_s)
+    cluster = start_cluster(config)
+    actor = cluster.pool.workers[slow_worker].actor
+    _hold_the_cpu_in_the_next_step(actor, 8.0)
+    not_ready: list[float] = []
+    prompts, params = _workload()
+
+    async def main() -> list[list[int]]:
+        tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
+        while not all(task.done() for task in tasks):
+            if not cluster.is_ready():
+                not_ready.append(time.monotonic())
+            await asyncio.sleep(0.05)
+        return [task.result() for task in tasks]
+
+    assert asyncio.run(main()) == expected
+    held_s = ray.get(actor.__ray_call__.remote(lambda actor_self: actor_self.held_s))
+    assert held_s >= 8.0  # the step did hold the CPU
+    assert not not_ready
+    assert all(status.alive for status in cluster.worker_statuses())
 
 
 def _long_workload() -> tuple[list[list[int]], list[SamplingParams]]:
@@ -269,10 +330,10 @@ async def _wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> N
 
 
 def _num_decoding_on(cluster: Cluster, worker_id: str) -> int:
-    with cluster._lock:
-        return sum(
-            t.decode_worker == worker_id and t.started_decoding for t in cluster._trackers.values()
-        )
+    return sum(
+        t.decode_worker == worker_id and t.started_decoding
+        for t in cluster.placements.open_trackers()
+    )
 
 
 def test_killed_decode_worker_requests_finish_elsewhere_exactly_once(
@@ -286,11 +347,11 @@ def test_killed_decode_worker_requests_finish_elsewhere_exactly_once(
     async def main() -> list[list[int]]:
         tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
         await _wait_for(lambda: _num_decoding_on(cluster, "decode-1") >= 3)
-        ray.kill(cluster.workers["decode-1"].actor)
+        ray.kill(cluster.pool.workers["decode-1"].actor)
         return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=90))
 
     assert asyncio.run(main()) == expected_long
-    assert not cluster.workers["decode-1"].alive
+    assert not cluster.pool.workers["decode-1"].alive
 
 
 def test_killed_prefill_worker_queued_requests_are_rerouted(
@@ -303,22 +364,21 @@ def test_killed_prefill_worker_queued_requests_are_rerouted(
     prompts, params = _long_workload()
 
     def queued_on_prefill_0() -> int:
-        with cluster._lock:
-            return sum(
-                t.prefill_worker == "prefill-0" and not t.delivered
-                for t in cluster._trackers.values()
-            )
+        return sum(
+            t.prefill_worker == "prefill-0" and not t.delivered
+            for t in cluster.placements.open_trackers()
+        )
 
     async def main() -> list[list[int]]:
         tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
-        await _wait_for(lambda: len(cluster._trackers) == len(prompts))
-        await _wait_for(lambda: not any(t.placing for t in list(cluster._trackers.values())))
+        await _wait_for(lambda: cluster.placements.num_open() == len(prompts))
+        await _wait_for(lambda: not any(t.placing for t in cluster.placements.open_trackers()))
         assert queued_on_prefill_0() >= 1
-        ray.kill(cluster.workers["prefill-0"].actor)
+        ray.kill(cluster.pool.workers["prefill-0"].actor)
         return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=90))
 
     assert asyncio.run(main()) == expected_long
-    assert not cluster.workers["prefill-0"].alive
+    assert not cluster.pool.workers["prefill-0"].alive
 
 
 def test_killed_workers_are_replaced_and_the_new_pair_serves_exactly(
@@ -340,11 +400,11 @@ def test_killed_workers_are_replaced_and_the_new_pair_serves_exactly(
         )
 
     for dead, new in (("decode-0", "decode-0-r1"), ("prefill-0", "prefill-0-r1")):
-        ray.kill(cluster.workers[dead].actor)
+        ray.kill(cluster.pool.workers[dead].actor)
         asyncio.run(_wait_for(functools.partial(in_rotation, new), timeout_s=120))
-        assert not cluster.workers[dead].alive and cluster.is_ready()
+        assert not cluster.pool.workers[dead].alive and cluster.is_ready()
         assert _run_all(cluster) == expected
-    transports = _channel_transports(cluster.workers["prefill-0-r1"].actor)
+    transports = _channel_transports(cluster.pool.workers["prefill-0-r1"].actor)
     assert transports == {"decode-0-r1": "shm"}
 
 
@@ -379,8 +439,8 @@ def test_constrained_requests_resume_elsewhere_in_their_grammar(
     async def main() -> list[list[int]]:
         tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
         await _wait_for(lambda: _num_decoding_on(cluster, "decode-1") >= 3)
-        ray.kill(cluster.workers["decode-1"].actor)
+        ray.kill(cluster.pool.workers["decode-1"].actor)
         return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=90))
 
     assert asyncio.run(main()) == expected
-    assert not cluster.workers["decode-1"].alive
+    assert not cluster.pool.workers["decode-1"].alive

@@ -38,7 +38,7 @@ config = ClusterConfig(
     prefill_resources={"prefill": 1}, decode_resources={"decode": 1},
 )
 cluster = Cluster.start(config)
-placed = {w.worker_id: ray.get(w.actor.node_id.remote()) for w in cluster.workers.values()}
+placed = {w.worker_id: ray.get(w.actor.node_id.remote()) for w in cluster.pool.workers.values()}
 resources = {n["NodeID"]: sorted(k for k in n["Resources"] if k in ("prefill", "decode"))
              for n in ray.nodes() if n["Alive"]}
 

@@ -68,8 +68,8 @@ def _colocated_cluster(*workers: WorkerHandle) -> Cluster:
     """A router over the given worker actors, its output pumps and load reports running."""
     config = ClusterConfig(model_dir="unused", num_prefill=0, num_decode=len(workers))
     cluster = Cluster(config, list(workers))
-    cluster._start_threads()
-    cluster._poll_loads()
+    cluster.start_threads()
+    cluster.poll()
     return cluster
 
 
@@ -93,7 +93,7 @@ def test_a_worker_slow_to_accept_does_not_stall_other_requests(ray_session: None
             await asyncio.sleep(0.01)
         # A load report taken now does not show the request waiting at decode-0's door;
         # the router still counts it there.
-        cluster._poll_loads()
+        cluster.poll()
         # routed to decode-1 and answered while decode-0 still holds the first request
         assert await asyncio.wait_for(first_token([4, 5]), timeout=10) == 7
         assert not slow.done()

@@ -70,11 +70,11 @@ def test_greedy_requests_match_the_offline_engine_and_the_decode_worker_drafts(
     cluster: Cluster, expected: list[list[int]]
 ) -> None:
     assert _run_all(cluster) == expected
-    workers = cluster.workers.values()
+    workers = cluster.pool.workers.values()
     assert {w.worker_id: _speculates(w.actor) for w in workers} == {
         w.worker_id: w.role == "decode" for w in workers
     }
-    cluster._poll_loads()
+    cluster.poll()
     counters = {s.worker_id: s.load.counters for s in cluster.worker_statuses() if s.load}
     decode = counters["decode-0"]
     # drafts were checked and some stood: those steps emitted several tokens of a request

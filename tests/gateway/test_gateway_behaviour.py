@@ -146,7 +146,7 @@ def test_no_live_worker_answers_503(
     try:
         with httpx.Client(base_url=server.http_url, timeout=60) as client:
             assert client.get("/health").status_code == 200
-            for worker in cluster.workers.values():
+            for worker in cluster.pool.workers.values():
                 ray.kill(worker.actor)
             _wait_for(lambda: client.get("/health").status_code == 503, 15)
             response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})

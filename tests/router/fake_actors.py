@@ -13,8 +13,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import ray
 
+import router.cluster
+import router.output_pump
+import router.placements
+import router.worker_pool
 from engine.messages import GenerateRequest, TokenEvent, WorkerLoad
 from engine.sampling.params import SamplingParams
 from router.cluster import Cluster, WorkerHandle
@@ -50,6 +55,12 @@ class FakeRay:
         except ray.exceptions.GetTimeoutError:
             time.sleep(timeout or 0.0)  # a stalled actor: the caller waits its whole timeout
             raise
+
+
+def use_fake_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the router's parts call ``FakeRay`` instead of Ray."""
+    for module in (router.cluster, router.worker_pool, router.placements, router.output_pump):
+        monkeypatch.setattr(module, "ray", FakeRay)
 
 
 class _Method:
@@ -159,7 +170,7 @@ def make_cluster(
     num_prefill: int, num_decode: int, *, launcher: bool = False, **config: Any
 ) -> tuple[Cluster, dict[str, FakeActor]]:
     """A router over fake actors (no threads started), after its first load poll. With
-    ``launcher``, dead workers are replaced (``cluster._replacement._launcher`` is the
+    ``launcher``, dead workers are replaced (``cluster.pool._launcher`` is the
     FakeLauncher)."""
     actors: dict[str, FakeActor] = {}
     handles = []
@@ -176,8 +187,14 @@ def make_cluster(
     )
     fake_launcher: Any = FakeLauncher(actors) if launcher else None
     cluster = Cluster(cluster_config, handles, fake_launcher)
-    cluster._poll_loads()
+    cluster.poll()
     return cluster, actors
+
+
+def stall(cluster: Cluster, actors: dict[str, FakeActor], worker_id: str) -> None:
+    """``worker_id`` stops answering, and has been silent for longer than ``dead_after_s``."""
+    actors[worker_id].stalled = True
+    cluster.pool.workers[worker_id].last_report -= 2 * cluster.config.dead_after_s
 
 
 def submit(

@@ -10,14 +10,13 @@ from typing import Any
 
 import pytest
 
-import router.cluster
 from engine.sampling.params import SamplingParams
-from tests.router.fake_actors import FakeRay, make_cluster
+from tests.router.fake_actors import make_cluster, use_fake_ray
 
 
 @pytest.fixture(autouse=True)
 def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(router.cluster, "ray", FakeRay)
+    use_fake_ray(monkeypatch)
     yield
 
 
@@ -27,8 +26,8 @@ def test_a_placement_cancelled_at_shutdown_after_its_client_left_logs_no_error()
     its exception, which raised inside the event loop ("Exception in callback")."""
     cluster, _ = make_cluster(1, 1)
     busy = threading.Event()
-    cluster._placements = ThreadPoolExecutor(1)  # one placement thread, kept busy below
-    cluster._placements.submit(busy.wait, 5.0)
+    cluster._placing = ThreadPoolExecutor(1)  # one placement thread, kept busy below
+    cluster._placing.submit(busy.wait, 5.0)
     loop_errors: list[dict[str, Any]] = []
 
     async def client_leaves_then_router_stops() -> None:
@@ -39,7 +38,7 @@ def test_a_placement_cancelled_at_shutdown_after_its_client_left_logs_no_error()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        cluster._placements.shutdown(wait=False, cancel_futures=True)
+        cluster._placing.shutdown(wait=False, cancel_futures=True)
         await asyncio.sleep(0.05)  # the cancelled placement's callbacks run
 
     try:
@@ -47,4 +46,4 @@ def test_a_placement_cancelled_at_shutdown_after_its_client_left_logs_no_error()
     finally:
         busy.set()
     assert loop_errors == []
-    assert not cluster._trackers
+    assert not cluster.placements.num_open()

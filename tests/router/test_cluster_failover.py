@@ -20,12 +20,12 @@ from engine.sampling.params import SamplingParams
 from router.local_prefill import LocalPrefillRule
 from router.policies import NoWorkerError
 from router.request_tracker import RequestDone
-from tests.router.fake_actors import FakeRay, make_cluster, submit, token, token_ids
+from tests.router.fake_actors import make_cluster, stall, submit, token, token_ids, use_fake_ray
 
 
 @pytest.fixture(autouse=True)
 def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(router.cluster, "ray", FakeRay)
+    use_fake_ray(monkeypatch)
     yield
 
 
@@ -38,8 +38,8 @@ def _first_of(cluster: router.cluster.Cluster, *preferred: str) -> None:
             raise NoWorkerError("no live worker")
         return next((w for w in preferred if w in live), live[0])
 
-    cluster.policy.choose_decode = choose  # type: ignore[method-assign]
-    cluster.policy.choose_prefill = choose  # type: ignore[method-assign]
+    cluster.placements.policy.choose_decode = choose  # type: ignore[method-assign]
+    cluster.placements.policy.choose_prefill = choose  # type: ignore[method-assign]
 
 
 def test_the_last_decode_worker_dying_fails_the_requests_still_prefilling() -> None:
@@ -49,11 +49,11 @@ def test_the_last_decode_worker_dying_fails_the_requests_still_prefilling() -> N
     _, first = submit(cluster, "r1")
     _, second = submit(cluster, "r2")
     actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     for items in (first, second):
         assert isinstance(items[-1], RequestFailure)
         assert "could not re-route" in items[-1].message
-    assert not cluster._trackers
+    assert not cluster.placements.num_open()
     assert actors["decode-0"].aborts() == []  # gone: no call is sent after it
 
 
@@ -65,10 +65,10 @@ def test_two_workers_dying_together_recover_each_request_once() -> None:
     _first_of(cluster, "decode-0")
     tracked = [submit(cluster, rid) for rid in ("r1", "r2")]
     for rid in ("r1", "r2"):
-        cluster._dispatch(OutputBatch("prefill-0", [token(rid, 0, 11)]))
+        cluster.placements.dispatch(OutputBatch("prefill-0", [token(rid, 0, 11)]))
     tracked[1][0].num_retries = 1  # r2 has no retry left
     actors["prefill-0"].dead = actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     r1, r2 = (tracker for tracker, _ in tracked)
     assert (r1.decode_worker, r1.num_retries, r1.closed) == ("decode-1", 1, False)
     assert isinstance(tracked[1][1][-1], RequestFailure)  # retries exhausted: failed, once
@@ -82,14 +82,14 @@ def test_a_failure_from_a_placement_given_up_is_ignored() -> None:
     cluster, actors = make_cluster(1, 2, max_retries=1)
     _first_of(cluster, "decode-0")
     tracker, items = submit(cluster, "r1", max_tokens=3)
-    cluster._dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
+    cluster.placements.dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
     actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     assert (tracker.decode_worker, tracker.placement_id) == ("decode-1", "r1#1")
-    cluster._dispatch(OutputBatch("decode-1", [token("r1#1", 1, 12)]))
+    cluster.placements.dispatch(OutputBatch("decode-1", [token("r1#1", 1, 12)]))
     late = RequestFailure("r1", "hand-off failed: decode-0 is gone", retryable=True)
-    cluster._dispatch(OutputBatch("prefill-0", [], [late]))
-    cluster._dispatch(OutputBatch("decode-1", [token("r1#1", 2, 13, finish="length")]))
+    cluster.placements.dispatch(OutputBatch("prefill-0", [], [late]))
+    cluster.placements.dispatch(OutputBatch("decode-1", [token("r1#1", 2, 13, finish="length")]))
     assert token_ids(items) == [11, 12, 13]
     assert isinstance(items[-1], RequestDone)
     assert tracker.num_retries == 1
@@ -106,7 +106,7 @@ def test_a_worker_that_accepted_a_placement_given_up_drops_the_request() -> None
     def accept_then_decode_dies(request, decode_id=None):  # type: ignore[no-untyped-def]
         accepted = accept(request, decode_id)
         actors["decode-0"].dead = True
-        cluster._on_worker_dead(cluster.workers["decode-0"])  # the monitor finds it meanwhile
+        cluster.placements._lose(cluster.pool.workers["decode-0"])  # the monitor finds it meanwhile
         _first_of(cluster, "prefill-1", "decode-1")
         return accepted
 
@@ -115,7 +115,7 @@ def test_a_worker_that_accepted_a_placement_given_up_drops_the_request() -> None
     assert (tracker.prefill_worker, tracker.decode_worker) == ("prefill-1", "decode-1")
     assert actors["prefill-0"].aborts() == ["r1"]
     stale = RequestFailure("r1", "hand-off to decode-0 failed", retryable=True)
-    cluster._dispatch(OutputBatch("prefill-0", [], [stale]))
+    cluster.placements.dispatch(OutputBatch("prefill-0", [], [stale]))
     assert tracker.num_retries == 0 and not items
 
 
@@ -126,15 +126,16 @@ def test_tokens_from_a_worker_taken_out_of_rotation_never_reach_the_client() -> 
     cluster, actors = make_cluster(0, 2, dead_after_s=0.1)
     _first_of(cluster, "decode-0")
     tracker, items = submit(cluster, "r1", max_tokens=6, temperature=1.0)
-    cluster._dispatch(OutputBatch("decode-0", [token("r1", p, 100 + p) for p in range(3)]))
-    actors["decode-0"].stalled = True
-    cluster.workers["decode-0"].last_report -= 2 * cluster.config.dead_after_s
-    cluster._poll_loads()
+    cluster.placements.dispatch(
+        OutputBatch("decode-0", [token("r1", p, 100 + p) for p in range(3)])
+    )
+    stall(cluster, actors, "decode-0")
+    cluster.poll()
     assert (tracker.decode_worker, tracker.placement_id) == ("decode-1", "r1#1")
     assert actors["decode-0"].aborts() == ["r1"]
-    cluster._dispatch(OutputBatch("decode-0", [token("r1", 3, 103)]))
+    cluster.placements.dispatch(OutputBatch("decode-0", [token("r1", 3, 103)]))
     tail = [token("r1#1", 3, 203), token("r1#1", 4, 204), token("r1#1", 5, 205, finish="length")]
-    cluster._dispatch(OutputBatch("decode-1", tail))
+    cluster.placements.dispatch(OutputBatch("decode-1", tail))
     assert token_ids(items) == [100, 101, 102, 203, 204, 205]
 
 
@@ -145,13 +146,13 @@ def test_tokens_held_back_from_a_placement_given_up_are_dropped() -> None:
     cluster, actors = make_cluster(2, 2)
     _first_of(cluster, "prefill-0", "decode-0")
     tracker, items = submit(cluster, "r1", max_tokens=5)
-    cluster._dispatch(OutputBatch("decode-0", [token("r1", 1, 901), token("r1", 2, 902)]))
+    cluster.placements.dispatch(OutputBatch("decode-0", [token("r1", 1, 901), token("r1", 2, 902)]))
     actors["prefill-0"].dead = actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     assert (tracker.prefill_worker, tracker.decode_worker) == ("prefill-1", "decode-1")
-    cluster._dispatch(OutputBatch("prefill-1", [token("r1#1", 0, 100)]))
+    cluster.placements.dispatch(OutputBatch("prefill-1", [token("r1#1", 0, 100)]))
     rest = [token("r1#1", p, 100 + p, finish="length" if p == 4 else None) for p in range(1, 5)]
-    cluster._dispatch(OutputBatch("decode-1", rest))
+    cluster.placements.dispatch(OutputBatch("decode-1", rest))
     assert token_ids(items) == [100, 101, 102, 103, 104]
 
 
@@ -162,10 +163,10 @@ def test_the_prefill_worker_stays_in_charge_until_the_first_token_is_out() -> No
     cluster, actors = make_cluster(2, 1)
     _first_of(cluster, "prefill-0")
     tracker, items = submit(cluster, "r1", max_tokens=3)
-    cluster._dispatch(OutputBatch("decode-0", [token("r1", 1, 901)]))
+    cluster.placements.dispatch(OutputBatch("decode-0", [token("r1", 1, 901)]))
     assert tracker.prefill_worker == "prefill-0"
     actors["prefill-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     assert tracker.prefill_worker == "prefill-1" and tracker.num_retries == 1
 
 
@@ -178,17 +179,17 @@ def test_a_local_prefill_is_counted_once_however_many_tries_its_placement_takes(
     assert cluster.local_prefills()["short"] == 1
 
 
-def test_stalled_workers_are_found_in_one_wait_not_one_each() -> None:
-    """Three workers stop answering together: one load poll waits ``dead_after_s`` for all of
-    them (it waited that long for each in turn, so detection took three times as long)."""
-    cluster, actors = make_cluster(1, 2, dead_after_s=0.3)
-    for worker in cluster.workers.values():
-        actors[worker.worker_id].stalled = True
-        worker.last_report -= 1.0  # silent for longer than dead_after_s already
+def test_stalled_workers_are_found_in_one_poll_that_never_waits() -> None:
+    """Three workers stop answering together: one load poll takes them all out, without
+    waiting for any (a poll that waited for each in turn held up every other worker's report,
+    and detection took three times as long)."""
+    cluster, actors = make_cluster(1, 2, dead_after_s=5.0)
+    for worker_id in list(cluster.pool.workers):
+        stall(cluster, actors, worker_id)
     started = time.monotonic()
-    cluster._poll_loads()
-    assert time.monotonic() - started < 0.6
-    assert not any(worker.alive for worker in cluster.workers.values())
+    cluster.poll()
+    assert time.monotonic() - started < 1.0
+    assert not any(worker.alive for worker in cluster.pool.workers.values())
 
 
 def test_a_hand_off_that_fails_late_leaves_no_copy_running_on_its_decode_worker() -> None:
@@ -199,18 +200,20 @@ def test_a_hand_off_that_fails_late_leaves_no_copy_running_on_its_decode_worker(
     cluster, actors = make_cluster(1, 2)
     _first_of(cluster, "decode-0")
     tracker, items = submit(cluster, "r1", max_tokens=3)
-    cluster._dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
+    cluster.placements.dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
     late = RequestFailure("r1", "hand-off failed: TimeoutError", retryable=True)
-    cluster._dispatch(OutputBatch("prefill-0", [], [late]))
+    cluster.placements.dispatch(OutputBatch("prefill-0", [], [late]))
     assert (tracker.decode_worker, tracker.placement_id) == ("decode-0", "r1#1")
     assert actors["decode-0"].aborts() == ["r1"]
     assert sorted(actors["decode-0"].requests) == ["r1#1"]
-    cluster._dispatch(OutputBatch("decode-0", [token("r1", 1, 901)]))  # the old copy: dropped
+    cluster.placements.dispatch(
+        OutputBatch("decode-0", [token("r1", 1, 901)])
+    )  # the old copy: dropped
     tail = [token("r1#1", 1, 12), token("r1#1", 2, 13, finish="length")]
-    cluster._dispatch(OutputBatch("decode-0", tail))
+    cluster.placements.dispatch(OutputBatch("decode-0", tail))
     assert token_ids(items) == [11, 12, 13]
     assert {item.request_id for item in items} == {"r1"}  # the client knows one id
-    assert not cluster._trackers and not cluster._placed
+    assert not cluster.placements.num_open() and not cluster.placements._placed
 
 
 def test_a_prefill_worker_dying_before_its_first_token_is_out_leaves_no_copy_running() -> None:
@@ -222,11 +225,11 @@ def test_a_prefill_worker_dying_before_its_first_token_is_out_leaves_no_copy_run
     tracker, items = submit(cluster, "r1", max_tokens=2)
     actors["decode-0"].requests["r1"] = tracker.request  # admitted from the hand-off
     actors["prefill-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     assert (tracker.prefill_worker, tracker.placement_id) == ("prefill-1", "r1#1")
     assert actors["decode-0"].aborts() == ["r1"]
-    cluster._dispatch(OutputBatch("prefill-1", [token("r1#1", 0, 21)]))
-    cluster._dispatch(OutputBatch("decode-0", [token("r1#1", 1, 22, finish="length")]))
+    cluster.placements.dispatch(OutputBatch("prefill-1", [token("r1#1", 0, 21)]))
+    cluster.placements.dispatch(OutputBatch("decode-0", [token("r1#1", 1, 22, finish="length")]))
     assert token_ids(items) == [21, 22] and isinstance(items[-1], RequestDone)
 
 
@@ -234,8 +237,10 @@ def test_a_request_id_in_use_as_a_placement_id_is_refused() -> None:
     cluster, _ = make_cluster(1, 1)
     _first_of(cluster, "decode-0")
     tracker, _ = submit(cluster, "r1")
-    cluster._dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
-    cluster._dispatch(OutputBatch("prefill-0", [], [RequestFailure("r1", "x", retryable=True)]))
+    cluster.placements.dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
+    cluster.placements.dispatch(
+        OutputBatch("prefill-0", [], [RequestFailure("r1", "x", retryable=True)])
+    )
     assert tracker.placement_id == "r1#1"
     with pytest.raises(ValueError, match="already in use"):
         submit(cluster, "r1#1")
@@ -251,12 +256,12 @@ def test_every_samples_first_token_from_the_prefill_worker_reaches_the_client() 
     overtaking = [
         TokenEvent("r1", sample, 1, 12 + 10 * sample, None, "length") for sample in (0, 1)
     ]
-    cluster._dispatch(OutputBatch("decode-0", overtaking))
+    cluster.placements.dispatch(OutputBatch("decode-0", overtaking))
     first = [TokenEvent("r1", sample, 0, 11 + 10 * sample, None, None) for sample in (0, 1)]
-    cluster._dispatch(OutputBatch("prefill-0", first))
+    cluster.placements.dispatch(OutputBatch("prefill-0", first))
     assert tracker.delivered == {0: [11, 12], 1: [21, 22]}
     assert isinstance(items[-1], RequestDone)
-    assert not cluster._trackers and not cluster._placed
+    assert not cluster.placements.num_open() and not cluster.placements._placed
 
 
 def test_a_worker_out_of_rotation_keeps_no_charges() -> None:
@@ -267,8 +272,8 @@ def test_a_worker_out_of_rotation_keeps_no_charges() -> None:
     submit(cluster, "r1")
     submit(cluster, "r2")
     actors["decode-0"].dead = True
-    cluster._poll_loads()
-    assert cluster.workers["decode-0"].ledger.num_charges == 0
+    cluster.poll()
+    assert cluster.pool.workers["decode-0"].ledger.num_charges == 0
 
 
 def test_a_client_that_cannot_take_its_tokens_does_not_cost_the_others_theirs() -> None:
@@ -284,9 +289,9 @@ def test_a_client_that_cannot_take_its_tokens_does_not_cost_the_others_theirs() 
     cluster.submit(request, closed_loop)
     _, second = submit(cluster, "r2")
     batch = OutputBatch("prefill-0", [token("r1", 0, 11), token("r2", 0, 12)])
-    cluster._dispatch(batch)
+    cluster.placements.dispatch(batch)
     assert token_ids(second) == [12]
-    assert "r1" not in cluster._trackers and "r1" not in cluster._placed
+    assert cluster.placements.tracker("r1") is None and "r1" not in cluster.placements._placed
     assert "r1" in actors["prefill-0"].aborts()
 
 
@@ -298,9 +303,9 @@ def test_a_stalled_worker_that_answers_again_is_back_in_rotation() -> None:
     cluster, actors = make_cluster(1, 2, dead_after_s=0.1)
     _first_of(cluster, "decode-0")
     tracker, _ = submit(cluster, "r1", max_tokens=4)
-    actors["decode-0"].stalled = True
-    cluster._poll_loads()
-    handle = cluster.workers["decode-0"]
+    stall(cluster, actors, "decode-0")
+    handle = cluster.pool.workers["decode-0"]
+    cluster.poll()
     assert not handle.alive and tracker.decode_worker == "decode-1"
     assert actors["decode-0"].aborts() == ["r1"]
 
@@ -310,11 +315,11 @@ def test_a_stalled_worker_that_answers_again_is_back_in_rotation() -> None:
     before = load_calls()
     for _ in range(3):  # still silent: one probe at a time, never a wait
         started = time.monotonic()
-        cluster._poll_loads()
+        cluster.poll()
         assert time.monotonic() - started < 0.05 and not handle.alive
     assert load_calls() == before  # the probe sent when it went out is the only one
     actors["decode-0"].stalled = False
-    cluster._poll_loads()
+    cluster.poll()
     assert handle.alive and not handle.stalled
     assert {s.worker_id for s in cluster.worker_statuses() if s.alive} == {
         "prefill-0",
@@ -330,27 +335,42 @@ def test_a_dead_worker_stays_out_and_is_not_asked_again() -> None:
     a stalled one found dead by its probe is out for good too."""
     cluster, actors = make_cluster(1, 2, dead_after_s=0.1)
     actors["decode-0"].dead = True
-    actors["decode-1"].stalled = True
-    cluster._poll_loads()
-    assert not cluster.workers["decode-1"].alive and cluster.workers["decode-1"].stalled
+    stall(cluster, actors, "decode-1")
+    cluster.poll()
+    assert not cluster.pool.workers["decode-1"].alive and cluster.pool.workers["decode-1"].stalled
     actors["decode-1"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     calls = {w: len(actors[w].calls) for w in ("decode-0", "decode-1")}
     for _ in range(2):
-        cluster._poll_loads()
+        cluster.poll()
     assert {w: len(actors[w].calls) for w in calls} == calls
-    assert not any(cluster.workers[w].alive or cluster.workers[w].stalled for w in calls)
+    assert not any(cluster.pool.workers[w].alive or cluster.pool.workers[w].stalled for w in calls)
 
 
-def test_a_stall_is_found_after_dead_after_s_not_twice_that() -> None:
-    """A worker that reported just now and then stops answering is out of rotation after one
-    poll's wait of ``dead_after_s`` (the silence was measured from the poll's start, so the
-    first poll never counted it and requests on it waited two rounds)."""
-    cluster, actors = make_cluster(1, 1, dead_after_s=0.2)
-    cluster.workers["decode-0"].last_report = time.monotonic()
+def test_a_late_worker_is_routed_to_last_and_taken_out_only_after_dead_after_s() -> None:
+    """Slow is not dead. decode-0 stops answering: while its silence is shorter than
+    ``dead_after_s`` it stays in rotation with its request (before, a report 5 s late took a
+    live worker out and the client got 503), and new requests go to decode-1, which reports in
+    time. Only once it has been silent for ``dead_after_s`` is it out, its request resumed."""
+    cluster, actors = make_cluster(1, 2, dead_after_s=30.0, late_after_s=2.0)
+    _first_of(cluster, "decode-0")
+    first, items = submit(cluster, "r1", max_tokens=4)
+    assert first.decode_worker == "decode-0"
     actors["decode-0"].stalled = True
-    cluster._poll_loads()
-    assert not cluster.workers["decode-0"].alive
+    decode_0 = cluster.pool.workers["decode-0"]
+    decode_0.last_report -= 10.0  # late, not dead
+    cluster.poll()
+    assert decode_0.alive and first.decode_worker == "decode-0" and not items
+    second, _ = submit(cluster, "r2")
+    assert second.decode_worker == "decode-1"  # decode-0 is late: routed to last
+    actors["decode-1"].stalled = True
+    cluster.pool.workers["decode-1"].last_report -= 10.0
+    third, _ = submit(cluster, "r3")  # both late: still placed, on the policy's choice
+    assert third.decode_worker == "decode-0"
+    decode_0.last_report -= 30.0  # silent for dead_after_s
+    cluster.poll()
+    assert not decode_0.alive and decode_0.stalled
+    assert first.decode_worker == "decode-1"  # its prefill worker hands it off there
 
 
 def test_a_request_keeps_its_priority_on_every_worker_it_is_placed_on() -> None:
@@ -362,7 +382,7 @@ def test_a_request_keeps_its_priority_on_every_worker_it_is_placed_on() -> None:
     _first_of(cluster, "decode-0")
 
     def placed() -> bool:
-        tracker = cluster._trackers.get("r1")
+        tracker = cluster.placements.tracker("r1")
         return tracker is not None and bool(tracker.workers)
 
     async def client() -> list[int]:
@@ -373,10 +393,12 @@ def test_a_request_keeps_its_priority_on_every_worker_it_is_placed_on() -> None:
         while not placed():  # in the cluster's placement thread
             assert time.monotonic() < deadline, "r1 was never placed"
             await asyncio.sleep(0.01)
-        cluster._dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
+        cluster.placements.dispatch(OutputBatch("prefill-0", [token("r1", 0, 11)]))
         actors["decode-0"].dead = True
-        cluster._poll_loads()
-        cluster._dispatch(OutputBatch("decode-1", [token("r1#1", 1, 12, finish="length")]))
+        cluster.poll()
+        cluster.placements.dispatch(
+            OutputBatch("decode-1", [token("r1#1", 1, 12, finish="length")])
+        )
         return await asyncio.wait_for(reading, 5)
 
     assert asyncio.run(client()) == [11, 12]

@@ -13,17 +13,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-import router.cluster
-import router.worker_replacement
 from router.cluster import Cluster
 from router.worker_slots import MAX_RESTART_DELAY_S, WorkerSlot
-from tests.router.fake_actors import FakeLauncher, FakeRay, make_cluster, submit
+from tests.router.fake_actors import FakeLauncher, make_cluster, stall, submit, use_fake_ray
 
 
 @pytest.fixture(autouse=True)
 def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(router.cluster, "ray", FakeRay)
-    monkeypatch.setattr(router.worker_replacement, "ray", FakeRay)
+    use_fake_ray(monkeypatch)
     yield
 
 
@@ -39,22 +36,22 @@ def _alive(cluster: Cluster) -> set[str]:
 
 
 def _launcher(cluster: Cluster) -> FakeLauncher:
-    launcher = cluster._replacement._launcher
+    launcher = cluster.pool._launcher
     assert isinstance(launcher, FakeLauncher)
     return launcher
 
 
 def _replaced(cluster: Cluster, worker_id: str) -> None:
     """Wait until ``worker_id`` has joined: in rotation at once, with its first load."""
-    _wait_for(lambda: worker_id in cluster.workers)
+    _wait_for(lambda: worker_id in cluster.pool.workers)
     assert worker_id in _alive(cluster)
-    assert cluster.workers[worker_id].load is not None  # routable before any load poll
+    assert cluster.pool.workers[worker_id].load is not None  # routable before any load poll
 
 
 def _only(cluster: Cluster, prefill: str, decode: str) -> None:
     """Route every request to these two workers."""
-    cluster.policy.choose_prefill = lambda info, loads: prefill  # type: ignore[method-assign]
-    cluster.policy.choose_decode = lambda info, loads: decode  # type: ignore[method-assign]
+    cluster.placements.policy.choose_prefill = lambda info, loads: prefill  # type: ignore[method-assign]
+    cluster.placements.policy.choose_decode = lambda info, loads: decode  # type: ignore[method-assign]
 
 
 def test_a_dead_decode_worker_is_replaced_and_the_prefill_workers_hand_off_to_it() -> None:
@@ -62,7 +59,7 @@ def test_a_dead_decode_worker_is_replaced_and_the_prefill_workers_hand_off_to_it
     cluster was restarted; a pool of one answered 503 for good."""
     cluster, actors = make_cluster(2, 1, launcher=True, restart_delay_s=0)
     actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     assert "decode-0" not in _alive(cluster)
     _replaced(cluster, "decode-0-r1")
     assert _launcher(cluster).launched == ["decode-0-r1"]
@@ -77,10 +74,10 @@ def test_a_dead_decode_worker_is_replaced_and_the_prefill_workers_hand_off_to_it
 def test_a_dead_prefill_worker_is_replaced_knowing_the_decode_workers_that_joined_since() -> None:
     cluster, actors = make_cluster(1, 2, launcher=True, restart_delay_s=0)
     actors["decode-1"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     _replaced(cluster, "decode-1-r1")
     actors["prefill-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     _replaced(cluster, "prefill-0-r1")
     assert set(actors["prefill-0-r1"].peers) >= {"decode-0", "decode-1-r1"}
     _only(cluster, "prefill-0-r1", "decode-1-r1")
@@ -94,17 +91,17 @@ def test_a_stalled_prefill_worker_comes_back_knowing_a_decode_worker_that_joined
     """prefill-0 is out of rotation (stalled) when decode-0's replacement joins: it was not
     told. Its probe carries the decode workers; a probe sent before the join is not enough."""
     cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0, dead_after_s=0.05)
-    actors["prefill-0"].stalled = True
-    cluster._poll_loads()
+    stall(cluster, actors, "prefill-0")
+    cluster.poll()
     assert "prefill-0" not in _alive(cluster)
-    assert cluster.workers["prefill-0"].probe is not None  # sent before the join
+    assert cluster.pool.workers["prefill-0"].probe is not None  # sent before the join
     actors["decode-0"].dead = True
-    cluster._poll_loads()
-    _wait_for(lambda: "decode-0-r1" in cluster.workers)
+    cluster.poll()
+    _wait_for(lambda: "decode-0-r1" in cluster.pool.workers)
     assert "decode-0-r1" not in actors["prefill-0"].peers
     actors["prefill-0"].stalled = False
-    cluster._poll_loads()  # the old probe answers, without the new decode worker: asked again
-    cluster._poll_loads()
+    cluster.poll()  # the old probe answers, without the new decode worker: asked again
+    cluster.poll()
     assert _alive(cluster) == {"prefill-0", "decode-0-r1"}
     assert "decode-0-r1" in actors["prefill-0"].peers
     _only(cluster, "prefill-0", "decode-0-r1")
@@ -113,12 +110,12 @@ def test_a_stalled_prefill_worker_comes_back_knowing_a_decode_worker_that_joined
 
 def test_a_stalled_worker_is_not_replaced_but_one_found_dead_by_its_probe_is() -> None:
     cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0, dead_after_s=0.05)
-    actors["decode-0"].stalled = True
-    cluster._poll_loads()
+    stall(cluster, actors, "decode-0")
+    cluster.poll()
     time.sleep(0.05)
     assert _launcher(cluster).launched == []  # its process lives: it may answer again
     actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     _replaced(cluster, "decode-0-r1")
 
 
@@ -128,8 +125,8 @@ def test_restarts_are_bounded_and_a_failed_start_is_tried_again() -> None:
     cluster, actors = make_cluster(1, 2, launcher=True, restart_delay_s=0, max_worker_restarts=3)
     _launcher(cluster).failing_starts = 10
     actors["decode-1"].dead = True
-    cluster._poll_loads()
-    slot = cluster._slots["decode-1"]
+    cluster.poll()
+    slot = cluster.pool._slots["decode-1"]
     _wait_for(lambda: not slot.replacing)
     assert _launcher(cluster).launched == ["decode-1-r1", "decode-1-r2", "decode-1-r3"]
     assert all(actors[w].dead for w in _launcher(cluster).launched)  # killed, never joined
@@ -141,17 +138,19 @@ def test_a_start_that_fails_once_is_followed_by_one_that_joins() -> None:
     cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0)
     _launcher(cluster).failing_starts = 1
     actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     _replaced(cluster, "decode-0-r2")
-    assert "decode-0-r1" not in cluster.workers
-    assert cluster._slots["decode-0"].failed_starts_in_a_row == 0
+    assert "decode-0-r1" not in cluster.pool.workers
+    assert cluster.pool._slots["decode-0"].failed_starts_in_a_row == 0
 
 
 def test_a_replacement_that_dies_is_replaced_in_turn() -> None:
     cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0)
     for restart in (1, 2):
-        actors[cluster.workers["decode-0"].worker_id if restart == 1 else "decode-0-r1"].dead = True
-        cluster._poll_loads()
+        actors[
+            cluster.pool.workers["decode-0"].worker_id if restart == 1 else "decode-0-r1"
+        ].dead = True
+        cluster.poll()
         _replaced(cluster, f"decode-0-r{restart}")
     assert _alive(cluster) == {"prefill-0", "decode-0-r2"}
     assert {"decode-0-r1", "decode-0-r2"} <= set(actors["prefill-0"].peers)
@@ -163,10 +162,10 @@ def test_statuses_leave_out_replaced_workers_and_restarts_are_counted_per_slot()
     cluster, actors = make_cluster(1, 2, launcher=True, restart_delay_s=0)
     _launcher(cluster).failing_starts = 1
     actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     _replaced(cluster, "decode-0-r2")
     actors["decode-0-r2"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     _replaced(cluster, "decode-0-r3")
     statuses = {s.worker_id: s.alive for s in cluster.worker_statuses()}
     assert statuses == {"prefill-0": True, "decode-0-r3": True, "decode-1": True}
@@ -181,7 +180,7 @@ def test_statuses_leave_out_replaced_workers_and_restarts_are_counted_per_slot()
 def test_a_dead_worker_stays_in_the_statuses_until_its_slot_has_a_new_one() -> None:
     cluster, actors = make_cluster(1, 1, launcher=True, restart_delay_s=0, max_worker_restarts=0)
     actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     assert {s.worker_id: s.alive for s in cluster.worker_statuses()} == {
         "prefill-0": True,
         "decode-0": False,
@@ -191,9 +190,9 @@ def test_a_dead_worker_stays_in_the_statuses_until_its_slot_has_a_new_one() -> N
 def test_no_restarts_leave_a_dead_worker_out() -> None:
     cluster, actors = make_cluster(1, 2, launcher=True, restart_delay_s=0, max_worker_restarts=0)
     actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     time.sleep(0.05)
-    assert _launcher(cluster).launched == [] and not cluster._slots["decode-0"].replacing
+    assert _launcher(cluster).launched == [] and not cluster.pool._slots["decode-0"].replacing
 
 
 def test_a_worker_started_while_the_cluster_shuts_down_is_stopped_not_joined() -> None:
@@ -201,15 +200,15 @@ def test_a_worker_started_while_the_cluster_shuts_down_is_stopped_not_joined() -
     shutting_down = threading.Event()
 
     def shut_down_first() -> None:  # the start begins, and the cluster is asked to stop
-        cluster._stopping.set()
+        cluster.pool.stopping.set()
         shutting_down.set()
 
     _launcher(cluster).before_launch = shut_down_first
     actors["decode-0"].dead = True
-    cluster._poll_loads()
+    cluster.poll()
     assert shutting_down.wait(5)
-    _wait_for(lambda: not cluster._slots["decode-0"].replacing)
-    assert actors["decode-0-r1"].dead and "decode-0-r1" not in cluster.workers
+    _wait_for(lambda: not cluster.pool._slots["decode-0"].replacing)
+    assert actors["decode-0-r1"].dead and "decode-0-r1" not in cluster.pool.workers
 
 
 def test_the_wait_before_a_start_doubles_with_each_failed_start() -> None:
@@ -227,12 +226,12 @@ def test_the_prefill_workers_forget_a_dead_decode_worker_but_not_a_stalled_one()
     """Its channels hold memory (GPU memory, for NCCL) until forgotten."""
     cluster, actors = make_cluster(2, 2, dead_after_s=0.05)
     actors["decode-0"].dead = True
-    actors["decode-1"].stalled = True
-    cluster._poll_loads()
+    stall(cluster, actors, "decode-1")
+    cluster.poll()
     for prefill in ("prefill-0", "prefill-1"):
         forgotten = [args for name, args in actors[prefill].calls if name == "forget_decode_peer"]
         assert forgotten == [("decode-0",)]
     actors["decode-1"].dead = True  # found by its probe
-    cluster._poll_loads()
+    cluster.poll()
     forgotten = [args for name, args in actors["prefill-0"].calls if name == "forget_decode_peer"]
     assert forgotten == [("decode-0",), ("decode-1",)]

@@ -1,0 +1,397 @@
+"""Where each request runs: its placement on a prefill and a decode worker, its tokens into its
+tracker, and its recovery when a worker it was on is lost.
+
+Life of a placement (``RequestTracker.placing`` while it is being made):
+  choosing   -- the policy picks among the routable workers' loads; the choice counts towards
+                their load at once
+  submitting -- the chosen worker is asked to take it (outside the lock: a worker takes a
+                request between two engine steps); a worker found dead here is taken out of
+                rotation and the choice made again, each try a placement id of its own
+  placed     -- tokens flow in through ``dispatch``; a retryable failure resumes the request
+                elsewhere, after the tokens its client already has
+  ended      -- finished, failed or aborted: untracked, its workers told to drop it
+Trackers change only through this class's methods.
+
+Locks: ``_lock`` guards the trackers; it is taken before the pool's (``router.worker_pool``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+
+import ray
+
+from engine.messages import GenerateRequest, OutputBatch, RequestFailure
+from router.cluster_config import ClusterConfig
+from router.local_prefill import LOCAL_PREFILL_REASONS
+from router.policies import NoWorkerError, RoutingInfo, make_policy
+from router.request_tracker import ClientItem, RequestTracker
+from router.worker_pool import WorkerHandle, WorkerPool
+from router.worker_slots import CALL_TIMEOUT_S
+
+logger = logging.getLogger("router.cluster")
+_PLACEMENT_SEPARATOR = "#"  # a later placement's id: request id, separator, placement number
+
+
+class RequestFailedError(RuntimeError):
+    """The cluster could not complete a request; the message says why."""
+
+
+class Placements:
+    def __init__(self, config: ClusterConfig, pool: WorkerPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.policy = make_policy(config.router_policy, config.block_size)
+        self._lock = threading.RLock()
+        self._trackers: dict[str, RequestTracker] = {}  # by request id
+        self._placed: dict[str, RequestTracker] = {}  # by placement id (what workers know)
+        self._local_prefills: Counter[str] = Counter()  # reason -> prompts (LocalPrefillRule)
+
+    # ---- requests -----------------------------------------------------------------------
+    def submit(
+        self, request: GenerateRequest, sink: Callable[[ClientItem], None]
+    ) -> RequestTracker:
+        """Route and submit a request; its events go to ``sink`` (from other threads)."""
+        with self._lock:
+            if request.request_id in self._trackers or request.request_id in self._placed:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            tracker = RequestTracker(request, sink, None, "")
+            self._trackers[request.request_id] = tracker
+        try:
+            self._place(tracker, request)
+        except BaseException:
+            with self._lock:
+                self._forget(tracker)
+            raise
+        return tracker
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            tracker = self._trackers.get(request_id)
+            if tracker is not None:
+                self._end(tracker)
+
+    def is_open(self, request_id: str) -> bool:
+        """Whether a request has not ended yet (read without the lock: one dict lookup)."""
+        return request_id in self._trackers
+
+    def tracker(self, request_id: str) -> RequestTracker | None:
+        with self._lock:
+            return self._trackers.get(request_id)
+
+    def open_trackers(self) -> list[RequestTracker]:
+        """The requests not ended yet."""
+        with self._lock:
+            return list(self._trackers.values())
+
+    def num_open(self) -> int:
+        return len(self._trackers)
+
+    def local_prefills(self) -> dict[str, int]:
+        """Prompts routed to be prefilled on their decode worker so far, by reason."""
+        with self._lock:
+            return {reason: self._local_prefills[reason] for reason in LOCAL_PREFILL_REASONS}
+
+    def _forget(self, tracker: RequestTracker) -> None:
+        """Stop tracking a request that ended (lock held): late events about it are dropped."""
+        if self._trackers.get(tracker.request_id) is tracker:
+            del self._trackers[tracker.request_id]
+        for placement_id in tracker.placement_ids:
+            if self._placed.get(placement_id) is tracker:
+                del self._placed[placement_id]
+
+    # ---- placing ----------------------------------------------------------------------------
+    def _place(self, tracker: RequestTracker, request: GenerateRequest) -> None:
+        """Pick workers for a (re)submitted request and send it there.
+
+        The lock is taken to choose and to record, not while the worker accepts: holding it
+        meanwhile would stall every other request's tokens for up to a step. While
+        ``tracker.placing``, tokens from the workers being asked are accepted, their failure
+        reports are held, and a worker's loss does not see the request; so once the worker has
+        accepted, the choice is checked again against losses meanwhile. (A re-route after a
+        failure runs with the lock held by its caller; it is rare.)
+        """
+        tracker.placing = True
+        given_up: list[tuple[str, str]] = []  # (worker, placement id): accepted, given up
+        try:
+            for _ in range(len(self.pool.workers)):
+                prefill_id, decode_id, local = self._choose(request)
+                with self._lock:
+                    placement_id = self._new_placement(tracker)
+                    tracker.candidates = tuple(w for w in (prefill_id, decode_id) if w)
+                target = self.pool.get(prefill_id or decode_id)
+                if not self._submit_to(
+                    target,
+                    replace(request, request_id=placement_id),
+                    decode_id if prefill_id else None,
+                ):
+                    continue
+                if self._record_placement(tracker, prefill_id, decode_id, local):
+                    return
+                given_up.append((target.worker_id, placement_id))
+                request = tracker.resume_request()  # a chosen worker died after accepting
+            raise RequestFailedError("no live worker accepted the request")
+        finally:
+            tracker.placing = False
+            tracker.candidates = ()
+            for worker_id, placement_id in given_up:
+                self._abort_on({worker_id}, placement_id)
+
+    def _submit_to(
+        self, target: WorkerHandle, placed: GenerateRequest, decode_id: str | None
+    ) -> bool:
+        """Ask ``target`` to take a placement (a prefill worker: for ``decode_id``); False if
+        it is lost (out of rotation, its requests recovered). A slow worker is waited for up
+        to ``dead_after_s``: slow is not dead."""
+        try:
+            if decode_id is None:
+                ref = target.actor.submit.remote(placed)
+            else:
+                ref = target.actor.submit.remote(placed, decode_id)
+            ray.get(ref, timeout=self.config.dead_after_s)
+        except ray.exceptions.RayActorError:
+            self._lose(target)
+            return False
+        except ray.exceptions.GetTimeoutError:
+            self._lose(target, stalled=True)
+            target.actor.abort.remote(placed.request_id)  # it may take it when it wakes
+            return False
+        return True
+
+    def _new_placement(self, tracker: RequestTracker) -> str:
+        """A fresh placement id for the request, the one its workers will know it by (lock
+        held): the request id for the first placement, then ``<request id>#<n>``, never an id
+        in use. Reports about an earlier placement are stale from now on."""
+        request_id = tracker.request_id
+        number = len(tracker.placement_ids)
+        while True:
+            placement_id = f"{request_id}{_PLACEMENT_SEPARATOR}{number}" if number else request_id
+            if placement_id not in self._placed and (
+                not number or placement_id not in self._trackers
+            ):
+                break
+            number += 1
+        tracker.placement_id = placement_id
+        tracker.held_failure = None  # it was about the placement given up
+        if self._trackers.get(request_id) is tracker:  # (not aborted meanwhile)
+            tracker.placement_ids.append(placement_id)
+            self._placed[placement_id] = tracker
+        return placement_id
+
+    def _choose(self, request: GenerateRequest) -> tuple[str | None, str, str | None]:
+        """(prefill worker, decode worker, why the decode worker prefills it) for the request,
+        among the routable ones; no prefill worker when the decode worker prefills it
+        (colocated, resumed, or a local prefill: the reason). The choice counts towards their
+        load at once, so requests routed meanwhile see it."""
+        info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
+        with self._lock:
+            try:
+                decode_id = self.policy.choose_decode(info, self.pool.routable_loads("decode"))
+                prefill_id = local = None
+                if not self.config.colocated and not request.resume_token_ids:
+                    prefill_loads = self.pool.routable_loads("prefill")
+                    local = self.config.local_prefill.reason(
+                        len(request.prompt_token_ids),
+                        prefill_loads,
+                        self.pool.get(decode_id).load,
+                    )
+                    if local is None:
+                        prefill_id = self.policy.choose_prefill(info, prefill_loads)
+            except NoWorkerError as error:
+                raise RequestFailedError(str(error)) from error
+            self.pool.charge_routed(prefill_id, decode_id, request)
+        return prefill_id, decode_id, local
+
+    def _record_placement(
+        self, tracker: RequestTracker, prefill_id: str | None, decode_id: str, local: str | None
+    ) -> bool:
+        """Note where an accepted request runs; False if a chosen worker was lost meanwhile.
+
+        The worker that accepted it holds it from now on: load reports asked for later show it.
+        """
+        accepted_at = time.monotonic()
+        with self._lock:
+            self.pool.mark_held(tracker.request_id, accepted_at, prefill_id or decode_id)
+            if not all(self.pool.is_alive(w) for w in (prefill_id, decode_id) if w is not None):
+                return False
+            if local is not None:
+                self._local_prefills[local] += 1
+            if tracker.started_decoding:
+                prefill_id = None  # the prefill part is over already
+            tracker.prefill_worker, tracker.decode_worker = prefill_id, decode_id
+            tracker.placing = False
+            held, tracker.held_failure = tracker.held_failure, None
+            if tracker.closed:  # aborted while placing: the abort saw no workers yet
+                self._abort_on({w for w in (prefill_id, decode_id) if w}, tracker.placement_id)
+            elif held is not None:
+                self._on_failure(*held)
+        return True
+
+    def _abort_on(self, worker_ids: set[str], placement_id: str) -> None:
+        """Tell the live ones of ``worker_ids`` to drop a placement (not waiting for them)."""
+        for worker_id in sorted(worker_ids):
+            worker = self.pool.get(worker_id)
+            if worker.alive:
+                worker.actor.abort.remote(placement_id)
+
+    # ---- outputs ------------------------------------------------------------------------
+    def dispatch(self, batch: OutputBatch) -> None:
+        """Carry one output batch of a worker into the trackers of its requests."""
+        with self._lock:
+            for event in batch.events:
+                tracker = self._placed.get(event.request_id)
+                if tracker is None or not tracker.sent_by_its_workers(
+                    batch.worker_id, event.request_id
+                ):
+                    continue  # finished, or from a placement given up
+                if event.position == 0 and event.sample_index == 0:
+                    # A prefill is done: its decode worker holds the request from here on (the
+                    # KV hand-off leaves with the first token; colocated, it held it already).
+                    self.pool.mark_held(tracker.request_id, time.monotonic())
+                try:
+                    tracker.accept(event)
+                except Exception:  # its client cannot be reached (its event loop closed):
+                    # nobody reads it, and the batch's other requests go on
+                    logger.exception("client of %s unreachable; aborting it", tracker.request_id)
+                    self._end(tracker)
+                    continue
+                if tracker.prefill_worker is not None and tracker.started_decoding:
+                    tracker.prefill_worker = None  # first tokens out, decoding begun: prefill over
+                if tracker.closed:
+                    self._forget(tracker)
+            for failure in batch.failures:
+                self._on_failure(failure, batch.worker_id)
+
+    def _on_failure(self, failure: RequestFailure, worker_id: str) -> None:
+        """A worker gave up on a request: resume it elsewhere if the failure allows a retry
+        and its decode worker does not hold it after all, else fail it. Reports from a
+        placement given up meanwhile are stale: the request has moved on."""
+        tracker = self._placed.get(failure.request_id)
+        if tracker is None or not tracker.sent_by_its_workers(worker_id, failure.request_id):
+            return
+        if tracker.placing:
+            tracker.held_failure = (failure, worker_id)
+            return
+        if failure.retryable:
+            if self._continues_on_decode_worker(tracker):
+                return
+            if self._trackers.get(tracker.request_id) is not tracker:
+                return  # its decode worker was found dead, and that recovered it
+            if tracker.num_retries < self.config.max_retries:
+                self._resume(tracker)
+                return
+        self._end(tracker, failure.message)
+
+    def _end(self, tracker: RequestTracker, failure: str | None = None) -> None:
+        """Stop a request (lock held): untracked, its client sent ``failure`` (None: it left or
+        aborted, nothing is sent), and its live workers told to drop its placement."""
+        self._forget(tracker)
+        if failure is None:
+            tracker.closed = True
+        else:
+            tracker.fail(failure)
+        self._abort_on(tracker.workers, tracker.placement_id)
+
+    def _continues_on_decode_worker(self, tracker: RequestTracker) -> bool:
+        """Whether the request's decode worker holds it (a failure report came too late)."""
+        decode = self.pool.workers.get(tracker.decode_worker)
+        if decode is None or not decode.alive:
+            return False
+        try:
+            ref = decode.actor.has_request.remote(tracker.placement_id)
+            return bool(ray.get(ref, timeout=CALL_TIMEOUT_S))
+        except ray.exceptions.RayActorError:
+            self._lose(decode, skip=tracker)
+        except ray.exceptions.GetTimeoutError:
+            self._lose(decode, skip=tracker, stalled=True)
+        return False
+
+    # ---- recovery -----------------------------------------------------------------------
+    def recover(self, lost: list[WorkerHandle]) -> None:
+        """Recover the requests on workers the pool took out of rotation."""
+        for worker in lost:
+            with self._lock:
+                self._recover_all(worker)
+
+    def _lose(
+        self, worker: WorkerHandle, skip: RequestTracker | None = None, *, stalled: bool = False
+    ) -> None:
+        """Take a worker found dead here out of rotation and recover its requests but ``skip``
+        (the one being placed)."""
+        with self._lock:
+            if self.pool.take_out(worker, stalled=stalled):
+                self._recover_all(worker, skip)
+
+    def _recover_all(self, worker: WorkerHandle, skip: RequestTracker | None = None) -> None:
+        """Recover every request on a worker taken out of rotation (lock held). A stalled one
+        (its process may live on) is told to drop them."""
+        affected = [
+            t
+            for t in self._trackers.values()
+            if worker.worker_id in (t.prefill_worker, t.decode_worker) and t is not skip
+        ]
+        for tracker in affected:
+            if worker.stalled:
+                worker.actor.abort.remote(tracker.placement_id)
+            # a loss found while recovering an earlier one may have recovered it already
+            if self._still_placed_on(tracker, worker):
+                self._recover(tracker, worker)
+
+    def _still_placed_on(self, tracker: RequestTracker, worker: WorkerHandle) -> bool:
+        """The request is still tracked and still placed on ``worker``."""
+        placed_on = worker.worker_id in (tracker.prefill_worker, tracker.decode_worker)
+        return placed_on and self._trackers.get(tracker.request_id) is tracker
+
+    def _recover(self, tracker: RequestTracker, lost: WorkerHandle) -> None:
+        if lost.role == "prefill" and tracker.has_delivered:
+            # The first token left: the decode worker may hold the request already (and
+            # recomputes it if its KV never comes). If it does not, resume it there.
+            if self._continues_on_decode_worker(tracker):
+                tracker.prefill_worker = None
+                return
+            if self._trackers.get(tracker.request_id) is not tracker:
+                return  # its decode worker was found dead too, and that recovered it
+        elif lost.role == "decode" and not tracker.has_delivered and self._retarget(tracker):
+            return
+        if tracker.num_retries >= self.config.max_retries:
+            self._end(tracker, f"{lost.role} worker {lost.worker_id} failed; retries exhausted")
+            return
+        self._resume(tracker)
+
+    def _retarget(self, tracker: RequestTracker) -> bool:
+        """Point a request still prefilling at another live decode worker; False if none
+        can take it or the prefill worker has handed it off already."""
+        prefill = self.pool.workers.get(tracker.prefill_worker or "")
+        if prefill is None or not prefill.alive:
+            return False
+        info = RoutingInfo(tracker.request_id, tracker.request.prompt_token_ids)
+        try:
+            decode_id = self.policy.choose_decode(info, self.pool.routable_loads("decode"))
+        except NoWorkerError:
+            return False
+        ref = prefill.actor.retarget.remote(tracker.placement_id, decode_id)
+        with contextlib.suppress(ray.exceptions.RayError):
+            if ray.get(ref, timeout=CALL_TIMEOUT_S):
+                tracker.decode_worker = decode_id
+                self.pool.charge_decode(decode_id, tracker.request_id, tracker.request.params.n)
+                return True
+        return False
+
+    def _resume(self, tracker: RequestTracker) -> None:
+        """Submit the request again, continuing after the tokens the client already has. The
+        placement given up sends nothing more to the client, and its live workers drop it: a
+        decode worker may still admit its copy (a hand-off that failed late, or whose prefill
+        worker died before its first token got out), and that copy would run unseen."""
+        self._abort_on(tracker.workers, tracker.placement_id)
+        tracker.num_retries += 1
+        tracker.prefill_worker, tracker.decode_worker = None, ""
+        try:
+            self._place(tracker, tracker.resume_request())
+        except (RequestFailedError, ValueError, ray.exceptions.RayError) as error:
+            self._end(tracker, f"could not re-route the request: {error}")

@@ -1,0 +1,524 @@
+"""The worker pools: each worker's handle, slot, health and load, and a new worker started in
+the slot of one whose process is gone.
+
+A worker's health, as the load poll sees it (slow is not dead):
+  prompt  -- its latest load report is at most ``late_after_s`` old: routed to first
+  late    -- no report for ``late_after_s``: routed to only when its role has no prompt worker
+  stalled -- silent for ``dead_after_s`` while its process may live on: out of rotation, its
+             requests recovered elsewhere; probed every round, and back in rotation once it
+             answers
+  gone    -- its process is gone (Ray says so): out for good; a new worker starts in its slot
+The pool finds deaths and reports them (``PoolChanges``); recovering the requests that were
+on a worker is the placements' job (``router.placements``), never the pool's.
+
+Locks, in the one order they are taken: ``Placements._lock`` -> ``WorkerPool._membership`` ->
+``WorkerPool._lock``. The pool never calls into the placements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import ray
+
+from engine.messages import GenerateRequest, WorkerLoad
+from router.cluster_config import ClusterConfig
+from router.load_ledger import LoadLedger
+from router.worker_slots import CALL_TIMEOUT_S, WorkerLauncher, WorkerSlot
+
+logger = logging.getLogger("router.cluster")
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    """One worker as the pool knows it; its fields change only through ``WorkerPool``."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    actor: Any  # the Ray actor handle
+    ledger: LoadLedger = field(default_factory=LoadLedger)  # latest report + routed since
+    # monotonic time of the latest report (at first: when the handle was made, so a worker
+    # is silent from then on until it answers)
+    last_report: float = field(default_factory=time.monotonic)
+    alive: bool = True  # in rotation
+    # out of rotation because it stopped answering (its process may live on): each poll looks
+    # at its probe, and an answer puts it back in rotation
+    stalled: bool = False
+    load_call: Any = None  # the load call sent and not answered yet (one at a time)
+    load_asked_at: float = 0.0  # monotonic time ``load_call`` was sent
+    probe: Any = None  # the load call a stalled worker has not answered yet (one at a time)
+    probe_roster: int = 0  # a prefill worker's probe: the decode roster version it carried
+    slot: str = ""  # its slot in the pool (router.worker_slots); "": its worker id
+    replaced: bool = False  # its process is gone and a new worker took its slot
+
+    @property
+    def load(self) -> WorkerLoad | None:
+        return self.ledger.load
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A snapshot of one worker as the router sees it (for health checks and metrics)."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" (a colocated worker reports "decode")
+    alive: bool  # still in rotation
+    load: WorkerLoad | None  # latest load report, None before the first
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRestarts:
+    """How many workers were started in one slot of a pool after its first one died."""
+
+    slot: str  # "decode-0"
+    role: str  # "prefill" | "decode"
+    restarts: int  # starts of a new worker, joined or not
+
+
+@dataclass(frozen=True, slots=True)
+class PoolChanges:
+    """What one poll found, for the cluster to act on."""
+
+    lost: list[WorkerHandle]  # taken out of rotation: their requests are to be recovered
+    joined: list[WorkerHandle]  # started in a slot and in rotation: their outputs to be read
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        workers: Iterable[WorkerHandle],
+        launcher: WorkerLauncher | None = None,  # None: a dead worker's slot stays empty
+        slots: Iterable[WorkerSlot] = (),  # default: a slot named after each, bound to no cores
+    ) -> None:
+        self.config = config
+        workers = list(workers)
+        for worker in workers:
+            worker.slot = worker.slot or worker.worker_id
+        # Replaced, never changed in place, when a worker joins: threads iterate it unlocked.
+        self.workers: dict[str, WorkerHandle] = {w.worker_id: w for w in workers}
+        self._slots = {w.slot: WorkerSlot(w.slot, w.role) for w in workers}
+        self._slots.update((slot.name, slot) for slot in slots)
+        self._launcher = launcher
+        # Held while a worker joins and while a stalled prefill worker is taken back, so that
+        # every prefill worker in rotation knows every decode worker (``_join``).
+        self._membership = threading.Lock()
+        self._lock = threading.RLock()  # the workers' health and ledgers, the slots
+        self._decode_roster = 0  # version of the decode workers' list: +1 when one joins
+        self._lost: list[WorkerHandle] = []  # taken out by the pool's own threads, not reported
+        self._joined: list[WorkerHandle] = []  # joined, not reported yet
+        self.stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---- routing's view -----------------------------------------------------------------
+    def get(self, worker_id: str) -> WorkerHandle:
+        return self.workers[worker_id]
+
+    def live_loads(self, role: str) -> list[WorkerLoad]:
+        """The loads of the workers of ``role`` in rotation, late ones included."""
+        with self._lock:
+            return [
+                w.load
+                for w in self.workers.values()
+                if w.role == role and w.alive and w.load is not None
+            ]
+
+    def routable_loads(self, role: str) -> list[WorkerLoad]:
+        """The loads routing chooses among: the prompt workers of ``role``, or its late ones
+        when none is prompt (slow is not dead: a late worker is routed to last)."""
+        late_before = time.monotonic() - self.config.late_after_s
+        with self._lock:
+            live = [w for w in self.workers.values() if w.role == role and w.alive and w.load]
+            prompt = [w for w in live if w.last_report >= late_before]
+            return [w.load for w in prompt or live if w.load is not None]
+
+    def has_prompt_worker(self, role: str) -> bool:
+        late_before = time.monotonic() - self.config.late_after_s
+        with self._lock:
+            return any(
+                w.role == role and w.alive and w.last_report >= late_before
+                for w in self.workers.values()
+            )
+
+    def has_live_worker(self, role: str) -> bool:
+        with self._lock:
+            return any(w.role == role and w.alive for w in self.workers.values())
+
+    def is_alive(self, worker_id: str) -> bool:
+        worker = self.workers.get(worker_id)
+        return worker is not None and worker.alive
+
+    # ---- the ledgers ----------------------------------------------------------------------
+    def charge_routed(
+        self, prefill_id: str | None, decode_id: str, request: GenerateRequest
+    ) -> None:
+        """Count a routed request towards its workers' load (any earlier routing of it no
+        longer counts) until their reports show it."""
+        request_id, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
+        with self._lock:
+            for worker in self.workers.values():
+                worker.ledger.drop(request_id)
+            decode = self.workers[decode_id].ledger
+            if prefill_id is None:  # the decode worker prefills the prompt itself
+                decode.charge(
+                    request_id, num_sequences=request.params.n, num_prompt_tokens=num_prompt_tokens
+                )
+            else:
+                prefill = self.workers[prefill_id].ledger
+                prefill.charge(request_id, num_prompt_tokens=num_prompt_tokens)
+                decode.charge(request_id, num_sequences=request.params.n)
+
+    def charge_decode(self, decode_id: str, request_id: str, num_sequences: int) -> None:
+        """Count a request pointed at another decode worker towards it."""
+        with self._lock:
+            self.workers[decode_id].ledger.charge(request_id, num_sequences=num_sequences)
+
+    def mark_held(self, request_id: str, now: float, worker_id: str | None = None) -> None:
+        """``worker_id`` (None: every worker) holds the request from ``now`` on: its reports
+        asked for later show it."""
+        with self._lock:
+            for worker in self.workers.values():
+                if worker_id is None or worker.worker_id == worker_id:
+                    worker.ledger.mark_held(request_id, now)
+
+    # ---- health ---------------------------------------------------------------------------
+    def poll(self, is_open: Callable[[str], bool]) -> PoolChanges:
+        """One round of the load poll, never waiting: record the reports that came, ask again,
+        take out the workers whose process is gone or that were silent for ``dead_after_s``,
+        and probe the stalled ones. ``is_open`` says whether a request has not ended yet."""
+        lost = [w for w in list(self.workers.values()) if w.alive and self._poll_one(w, is_open)]
+        self._probe_stalled(is_open)
+        with self._lock:
+            lost += self._lost
+            joined, self._lost, self._joined = self._joined, [], []
+        return PoolChanges([w for w in lost if not w.alive], joined)
+
+    def _poll_one(self, worker: WorkerHandle, is_open: Callable[[str], bool]) -> bool:
+        """Look at one worker's load call (sending it if none is out); True if it was taken
+        out of rotation."""
+        if worker.load_call is None:
+            worker.load_call, worker.load_asked_at = worker.actor.load.remote(), time.monotonic()
+        try:
+            load = _answer(worker.load_call)
+        except ray.exceptions.RayActorError:
+            return self.take_out(worker)
+        except ray.exceptions.RayError:  # the call failed, not the worker: ask again
+            worker.load_call = None
+            load = None
+        if load is None:
+            silent_s = time.monotonic() - worker.last_report
+            return silent_s >= self.config.dead_after_s and self.take_out(worker, stalled=True)
+        worker.load_call = None
+        with self._lock:
+            worker.ledger.record(load, worker.load_asked_at, is_open)
+            worker.last_report = time.monotonic()
+        return False
+
+    def take_out(self, worker: WorkerHandle, *, stalled: bool = False) -> bool:
+        """Take a worker out of rotation; True if it was in rotation (the caller recovers its
+        requests). A ``stalled`` one (silent; its process may live on) is probed to come back;
+        one whose process is gone is replaced in its slot."""
+        with self._lock:
+            if not worker.alive:
+                return False
+            logger.warning(
+                "%s worker %s is %s; re-routing its requests",
+                worker.role,
+                worker.worker_id,
+                f"silent for {self.config.dead_after_s:.0f} s" if stalled else "gone",
+            )
+            worker.alive, worker.stalled = False, stalled
+            worker.load_call = None
+            worker.ledger.drop_all()  # its reports stopped: nothing else would drop them
+        if not stalled:
+            self._on_process_gone(worker)
+        return True
+
+    def _probe_stalled(self, is_open: Callable[[str], bool]) -> None:
+        """Put back in rotation a worker that stopped answering and answers again (a long GC
+        pause, swapping, a stopped process continued). Its requests were recovered and it was
+        told to drop them when it went out, so it comes back empty-handed as far as the router
+        knows."""
+        for worker in [w for w in self.workers.values() if w.stalled]:
+            if worker.probe is None:
+                worker.probe = self._probe(worker)
+            requested_at = time.monotonic()
+            try:
+                load = _answer(worker.probe)
+            except ray.exceptions.RayActorError:  # its process is gone after all: out for good
+                worker.stalled, worker.probe = False, None
+                self._on_process_gone(worker)
+                continue
+            except ray.exceptions.RayError:  # the call failed (not the worker): ask again
+                worker.probe = None
+                continue
+            if load is None:
+                continue
+            if not self._take_back(worker, load, requested_at, is_open):
+                worker.probe = None  # decode workers joined since it was asked: ask again
+                continue
+            logger.warning(
+                "%s worker %s answers again; back in rotation", worker.role, worker.worker_id
+            )
+
+    def _probe(self, worker: WorkerHandle) -> Any:
+        """Ask a stalled worker for its load; a prefill worker is also given the decode
+        workers, so that it knows those that joined while it was out."""
+        if worker.role == "decode":
+            return worker.actor.load.remote()
+        worker.probe_roster = self._decode_roster
+        return worker.actor.rejoin.remote(self.decode_handles())
+
+    def _take_back(
+        self,
+        worker: WorkerHandle,
+        load: WorkerLoad,
+        requested_at: float,
+        is_open: Callable[[str], bool],
+    ) -> bool:
+        """Put a stalled worker that answered back in rotation; False (it stays out) for a
+        prefill worker whose probe predates a decode worker's joining, or while one joins."""
+        if not self._membership.acquire(blocking=False):
+            return False
+        try:
+            if worker.role == "prefill" and worker.probe_roster != self._decode_roster:
+                return False
+            with self._lock:
+                worker.probe = None
+                worker.ledger.record(load, requested_at, is_open)
+                worker.last_report = time.monotonic()
+                worker.stalled, worker.alive = False, True
+            return True
+        finally:
+            self._membership.release()
+
+    def decode_handles(self) -> dict[str, Any]:
+        """The decode workers a prefill worker may be pointed at, by id: in rotation, or
+        stalled (they may come back)."""
+        return {
+            w.worker_id: w.actor
+            for w in self.workers.values()
+            if w.role == "decode" and (w.alive or w.stalled)
+        }
+
+    # ---- statuses ---------------------------------------------------------------------------
+    def statuses(self) -> list[WorkerStatus]:
+        """The workers in the pools: in rotation or not, leaving out those whose slot has a
+        newer worker."""
+        with self._lock:
+            return [
+                WorkerStatus(w.worker_id, w.role, w.alive, w.load)
+                for w in self.workers.values()
+                if not w.replaced
+            ]
+
+    def restarts(self) -> list[SlotRestarts]:
+        """Each slot's restarts so far (``--max-worker-restarts`` bounds them)."""
+        with self._lock:
+            return [SlotRestarts(s.name, s.role, s.restarts) for s in self._slots.values()]
+
+    # ---- replacement ------------------------------------------------------------------------
+    def _on_process_gone(self, dead: WorkerHandle) -> None:
+        """A worker's process is gone (not stalled): the prefill workers forget a decode one
+        (its channels close; they are not waited for), and a new worker starts in its slot."""
+        if dead.role == "decode":
+            for prefill in list(self.workers.values()):
+                if prefill.role == "prefill" and (prefill.alive or prefill.stalled):
+                    prefill.actor.forget_decode_peer.remote(dead.worker_id)
+        self._replace_later(dead)
+
+    def _replace_later(self, dead: WorkerHandle) -> None:
+        """Start a worker in the slot of ``dead``, whose process is gone, from a thread of its
+        own (a model takes minutes to load on a GPU). Nothing happens if the slot is starting
+        one already or has used its ``max_worker_restarts``."""
+        slot = self._slots.get(dead.slot)
+        if slot is None or self._launcher is None or self.stopping.is_set():
+            return
+        with self._lock:
+            if slot.replacing:
+                return
+            if slot.restarts >= self.config.max_worker_restarts:
+                logger.error(
+                    "%s worker %s is gone and its slot has used its %d restarts; "
+                    "the %s pool stays one worker short",
+                    dead.role,
+                    dead.worker_id,
+                    self.config.max_worker_restarts,
+                    dead.role,
+                )
+                return
+            slot.replacing = True
+        self.spawn(self._replace, slot, name=f"replace-{slot.name}")
+
+    def _replace(self, slot: WorkerSlot) -> None:
+        """Start workers in ``slot`` until one joins the pools, the slot's restarts are used up,
+        or the cluster stops; each failed start doubles the wait before the next."""
+        max_restarts = self.config.max_worker_restarts
+        try:
+            while slot.restarts < max_restarts:
+                delay_s = slot.delay_before_next_start_s(self.config.restart_delay_s)
+                if self.stopping.wait(delay_s):
+                    break
+                slot.restarts += 1
+                worker = self._start_in(slot)
+                if worker is not None and self._join(worker, slot):
+                    slot.failed_starts_in_a_row = 0
+                    return  # (the join ended the slot's replacing)
+                slot.failed_starts_in_a_row += 1
+            else:
+                logger.error(
+                    "%s: no worker started in %d restarts; the %s pool stays one worker short",
+                    slot.name,
+                    slot.restarts,
+                    slot.role,
+                )
+        except Exception:  # a bug: the slot stays empty, the rest of the cluster goes on
+            logger.exception("replacing the worker of %s failed", slot.name)
+        with self._lock:
+            slot.replacing = False
+
+    def _start_in(self, slot: WorkerSlot) -> WorkerHandle | None:
+        """A new worker in ``slot``, once it is ready; None if it failed to start (or the
+        cluster stopped first). It may wait long for Ray to place it: its node may be gone,
+        and a new one takes the autoscaler minutes."""
+        assert self._launcher is not None
+        worker_id = slot.worker_id(slot.restarts)
+        logger.warning(
+            "starting %s worker %s in slot %s (restart %d of at most %d)",
+            slot.role,
+            worker_id,
+            slot.name,
+            slot.restarts,
+            self.config.max_worker_restarts,
+        )
+        actor = self._launcher.launch(slot, worker_id, self.decode_handles())
+        ready = actor.ready.remote()
+        while not ray.wait([ready], timeout=1.0)[0]:
+            if self.stopping.is_set():
+                _kill(actor)
+                return None
+        try:
+            ray.get(ready)
+        except ray.exceptions.RayError as error:
+            logger.error("%s worker %s failed to start: %s", slot.role, worker_id, error)
+            _kill(actor)
+            return None
+        return WorkerHandle(worker_id, slot.role, actor, slot=slot.name)
+
+    def _join(self, worker: WorkerHandle, slot: WorkerSlot) -> bool:
+        """Put a started worker in rotation; False (and it is stopped) if it cannot join.
+
+        Every prefill worker in rotation must know every decode worker in rotation (it hands
+        off to the one the router picks). So a new decode worker is first announced to the
+        prefill workers in rotation (a stalled one is given the list when it answers again,
+        ``_probe``), and a new prefill worker is given the decode workers'. Joins are one at a
+        time, under ``_membership``, and a stalled prefill worker is taken back only outside
+        them, so none is missed.
+        """
+        with self._membership:
+            if self.stopping.is_set():
+                _kill(worker.actor)
+                return False
+            try:
+                if worker.role == "decode":
+                    self._announce(worker)
+                else:
+                    ref = worker.actor.add_decode_peers.remote(self.decode_handles())
+                    ray.get(ref, timeout=CALL_TIMEOUT_S)
+                asked_at = time.monotonic()  # routing reads loads: it joins with its first
+                load = ray.get(worker.actor.load.remote(), timeout=CALL_TIMEOUT_S)
+            except ray.exceptions.RayError as error:
+                logger.error(
+                    "%s worker %s could not join: %s", worker.role, worker.worker_id, error
+                )
+                _kill(worker.actor)
+                return False
+            with self._lock:
+                self._admit(worker, load, asked_at)
+                slot.replacing = False
+        logger.warning(
+            "%s worker %s started in slot %s; in rotation",
+            worker.role,
+            worker.worker_id,
+            slot.name,
+        )
+        return True
+
+    def _admit(self, worker: WorkerHandle, load: WorkerLoad, asked_at: float) -> None:
+        """Put a worker started in a slot in rotation, with its first load, asked for at
+        ``asked_at`` (``_lock`` held, under ``_membership``); the slot's earlier workers whose
+        process is gone count as replaced."""
+        worker.ledger.record(load, asked_at, lambda request_id: True)  # (it holds none yet)
+        worker.last_report = time.monotonic()
+        for earlier in self.workers.values():  # a stalled one may still come back
+            if earlier.slot == worker.slot and not (earlier.alive or earlier.stalled):
+                earlier.replaced = True
+        self.workers = {**self.workers, worker.worker_id: worker}
+        self._joined.append(worker)
+        if worker.role == "decode":
+            self._decode_roster += 1
+
+    def _announce(self, decode: WorkerHandle) -> None:
+        """Tell the prefill workers in rotation of a new decode worker; one whose process is
+        gone goes out of rotation (reported by the next poll). One that does not answer in
+        time learns of it from the next poll's probe, once it has gone silent for good."""
+        prefills = [w for w in self.workers.values() if w.role == "prefill" and w.alive]
+        handles = {decode.worker_id: decode.actor}
+        refs = [(w, w.actor.add_decode_peers.remote(handles)) for w in prefills]
+        answer_by = time.monotonic() + self.config.dead_after_s
+        for prefill, ref in refs:
+            try:
+                ray.get(ref, timeout=max(0.0, answer_by - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                self._report_lost(prefill, stalled=False)
+            except ray.exceptions.GetTimeoutError:
+                self._report_lost(prefill, stalled=True)
+
+    def _report_lost(self, worker: WorkerHandle, *, stalled: bool) -> None:
+        """Take out a worker found dead on a pool thread; the next poll reports it."""
+        if self.take_out(worker, stalled=stalled):
+            with self._lock:
+                self._lost.append(worker)
+
+    # ---- threads and shutdown ---------------------------------------------------------------
+    def spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
+        """Run ``target(*args)`` on a daemon thread of the cluster's."""
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop_workers(self) -> None:
+        """Stop every worker (a worker joining now joins first, and is stopped here too)."""
+        self.stopping.set()
+        with self._membership:
+            workers = list(self.workers.values())
+        for worker in workers:
+            if worker.alive:
+                with contextlib.suppress(Exception):  # already gone
+                    ray.get(worker.actor.shutdown.remote(), timeout=10)
+                ray.kill(worker.actor)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+def _answer(call: Any) -> WorkerLoad | None:
+    """The answer to a load call, or None while it has none; raises the call's Ray error."""
+    if not ray.wait([call], timeout=0)[0]:
+        return None
+    try:
+        load: WorkerLoad = ray.get(call, timeout=0)
+    except ray.exceptions.GetTimeoutError:
+        return None
+    return load
+
+
+def _kill(actor: Any) -> None:
+    with contextlib.suppress(Exception):  # gone already
+        ray.kill(actor)
