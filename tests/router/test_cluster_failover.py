@@ -18,6 +18,7 @@ import router.cluster
 from engine.messages import GenerateRequest, OutputBatch, RequestFailure, TokenEvent
 from engine.sampling.params import SamplingParams
 from router.local_prefill import LocalPrefillRule
+from router.placements import RequestFailedError
 from router.policies import NoWorkerError
 from router.request_tracker import RequestDone
 from tests.router.fake_actors import make_cluster, stall, submit, token, token_ids, use_fake_ray
@@ -410,3 +411,33 @@ def test_a_request_keeps_its_priority_on_every_worker_it_is_placed_on() -> None:
 
 async def _token_ids_from(stream: AsyncIterator[TokenEvent]) -> list[int]:
     return [event.token_id async for event in stream]
+
+
+def test_requests_wait_for_a_late_pool_in_a_bounded_queue() -> None:
+    """Every worker of a pool is late (its reports overdue, its process alive): a request
+    waits in the router instead of failing, and is placed once a worker reports in time. The
+    queue is bounded: a request beyond ``max_waiting_requests`` fails at once (503 with
+    Retry-After at the front doors), never piling up."""
+    cluster, _ = make_cluster(
+        1, 1, late_after_s=1.0, report_interval_s=0.01, max_waiting_requests=1
+    )
+    for worker in cluster.pool.workers.values():
+        worker.last_report -= 5.0  # late, not dead (dead_after_s is 30 s)
+
+    async def main() -> None:
+        waiting = asyncio.ensure_future(_token_ids_from(cluster.generate([1, 2], SamplingParams())))
+        deadline = time.monotonic() + 10
+        while cluster._num_waiting < 1:
+            assert time.monotonic() < deadline, "the request never waited"
+            await asyncio.sleep(0.005)
+        assert not cluster.placements.num_open()  # not placed yet
+        with pytest.raises(RequestFailedError, match="already waiting for a worker"):
+            await _token_ids_from(cluster.generate([3, 4], SamplingParams()))
+        cluster.poll()  # both workers report in time again
+        while not cluster.placements.num_open():
+            assert time.monotonic() < deadline, "the request was never placed"
+            await asyncio.sleep(0.005)
+        assert cluster._num_waiting == 0
+        waiting.cancel()
+
+    asyncio.run(main())
