@@ -3,7 +3,8 @@
 Lifecycle: start() -> any thread submits, aborts or calls into the engine under ``lock``; the
 loop steps while there is work and publishes each step's tokens as one ``OutputBatch`` per
 gateway (never one message per token); prefill-only requests that reach their hand-off go to
-``on_handed_off`` -> stop().
+``on_handed_off`` -> stop(). A method whose name ends in ``_locked`` expects its caller to
+hold ``lock``.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class EngineLoop:
         return dataclasses.replace(report, counters=counters)
 
     def _measure_load_locked(self) -> WorkerLoad:
-        """The engine's load now (lock held), without the worker's KV transfer totals."""
+        """The engine's load now, without the worker's KV transfer totals."""
         scheduler = self.engine.scheduler
         queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting) + sum(
             s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1

@@ -13,6 +13,7 @@ Life of a placement (``RequestTracker.placing`` while it is being made):
 Trackers change only through this class's methods.
 
 Locks: ``_lock`` guards the trackers; it is taken before the pool's (``router.worker_pool``).
+A method whose name ends in ``_locked`` expects its caller to hold ``_lock``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Placements:
             self._place(tracker, request)
         except BaseException:
             with self._lock:
-                self._forget(tracker)
+                self._forget_locked(tracker)
             raise
         return tracker
 
@@ -75,7 +76,7 @@ class Placements:
         with self._lock:
             tracker = self._trackers.get(request_id)
             if tracker is not None:
-                self._end(tracker)
+                self._end_locked(tracker)
 
     def is_open(self, request_id: str) -> bool:
         """Whether a request has not ended yet (read without the lock: one dict lookup)."""
@@ -98,8 +99,8 @@ class Placements:
         with self._lock:
             return {reason: self._local_prefills[reason] for reason in LOCAL_PREFILL_REASONS}
 
-    def _forget(self, tracker: RequestTracker) -> None:
-        """Stop tracking a request that ended (lock held): late events about it are dropped."""
+    def _forget_locked(self, tracker: RequestTracker) -> None:
+        """Stop tracking a request that ended ; late events about it are dropped."""
         if self._trackers.get(tracker.request_id) is tracker:
             del self._trackers[tracker.request_id]
         for placement_id in tracker.placement_ids:
@@ -123,7 +124,7 @@ class Placements:
             for _ in range(len(self.pool.workers)):
                 prefill_id, decode_id, local = self._choose(request)
                 with self._lock:
-                    placement_id = self._new_placement(tracker)
+                    placement_id = self._new_placement_locked(tracker)
                     tracker.candidates = tuple(w for w in (prefill_id, decode_id) if w)
                 target = self.pool.get(prefill_id or decode_id)
                 if not self._submit_to(
@@ -164,10 +165,9 @@ class Placements:
             return False
         return True
 
-    def _new_placement(self, tracker: RequestTracker) -> str:
-        """A fresh placement id for the request, the one its workers will know it by (lock
-        held): the request id for the first placement, then ``<request id>#<n>``, never an id
-        in use. Reports about an earlier placement are stale from now on."""
+    def _new_placement_locked(self, tracker: RequestTracker) -> str:
+        """A fresh placement id for the request, the one its workers will know it by: the
+        request id for the first placement, then ``<request id>#<n>``, never an id in use. Reports about an earlier placement are stale from now on."""
         request_id = tracker.request_id
         number = len(tracker.placement_ids)
         while True:
@@ -230,7 +230,7 @@ class Placements:
             if tracker.closed:  # aborted while placing: the abort saw no workers yet
                 self._abort_on({w for w in (prefill_id, decode_id) if w}, tracker.placement_id)
             elif held is not None:
-                self._on_failure(*held)
+                self._on_failure_locked(*held)
         return True
 
     def _abort_on(self, worker_ids: set[str], placement_id: str) -> None:
@@ -259,16 +259,16 @@ class Placements:
                 except Exception:  # its client cannot be reached (its event loop closed):
                     # nobody reads it, and the batch's other requests go on
                     logger.exception("client of %s unreachable; aborting it", tracker.request_id)
-                    self._end(tracker)
+                    self._end_locked(tracker)
                     continue
                 if tracker.prefill_worker is not None and tracker.started_decoding:
                     tracker.prefill_worker = None  # first tokens out, decoding begun: prefill over
                 if tracker.closed:
-                    self._forget(tracker)
+                    self._forget_locked(tracker)
             for failure in batch.failures:
-                self._on_failure(failure, batch.worker_id)
+                self._on_failure_locked(failure, batch.worker_id)
 
-    def _on_failure(self, failure: RequestFailure, worker_id: str) -> None:
+    def _on_failure_locked(self, failure: RequestFailure, worker_id: str) -> None:
         """A worker gave up on a request: resume it elsewhere if the failure allows a retry
         and its decode worker does not hold it after all, else fail it. Reports from a
         placement given up meanwhile are stale: the request has moved on."""
@@ -279,26 +279,26 @@ class Placements:
             tracker.held_failure = (failure, worker_id)
             return
         if failure.retryable:
-            if self._continues_on_decode_worker(tracker):
+            if self._continues_on_decode_worker_locked(tracker):
                 return
             if self._trackers.get(tracker.request_id) is not tracker:
                 return  # its decode worker was found dead, and that recovered it
             if tracker.num_retries < self.config.max_retries:
-                self._resume(tracker)
+                self._resume_locked(tracker)
                 return
-        self._end(tracker, failure.message)
+        self._end_locked(tracker, failure.message)
 
-    def _end(self, tracker: RequestTracker, failure: str | None = None) -> None:
-        """Stop a request (lock held): untracked, its client sent ``failure`` (None: it left or
+    def _end_locked(self, tracker: RequestTracker, failure: str | None = None) -> None:
+        """Stop a request: untracked, its client sent ``failure`` (None: it left or
         aborted, nothing is sent), and its live workers told to drop its placement."""
-        self._forget(tracker)
+        self._forget_locked(tracker)
         if failure is None:
             tracker.closed = True
         else:
             tracker.fail(failure)
         self._abort_on(tracker.workers, tracker.placement_id)
 
-    def _continues_on_decode_worker(self, tracker: RequestTracker) -> bool:
+    def _continues_on_decode_worker_locked(self, tracker: RequestTracker) -> bool:
         """Whether the request's decode worker holds it (a failure report came too late)."""
         decode = self.pool.workers.get(tracker.decode_worker)
         if decode is None or not decode.alive:
@@ -317,7 +317,7 @@ class Placements:
         """Recover the requests on workers the pool took out of rotation."""
         for worker in lost:
             with self._lock:
-                self._recover_all(worker)
+                self._recover_all_locked(worker)
 
     def _lose(
         self, worker: WorkerHandle, skip: RequestTracker | None = None, *, stalled: bool = False
@@ -326,10 +326,10 @@ class Placements:
         (the one being placed)."""
         with self._lock:
             if self.pool.take_out(worker, stalled=stalled):
-                self._recover_all(worker, skip)
+                self._recover_all_locked(worker, skip)
 
-    def _recover_all(self, worker: WorkerHandle, skip: RequestTracker | None = None) -> None:
-        """Recover every request on a worker taken out of rotation (lock held). A stalled one
+    def _recover_all_locked(self, worker: WorkerHandle, skip: RequestTracker | None = None) -> None:
+        """Recover every request on a worker taken out of rotation. A stalled one
         (its process may live on) is told to drop them."""
         affected = [
             t
@@ -340,31 +340,33 @@ class Placements:
             if worker.stalled:
                 worker.actor.abort.remote(tracker.placement_id)
             # a loss found while recovering an earlier one may have recovered it already
-            if self._still_placed_on(tracker, worker):
-                self._recover(tracker, worker)
+            if self._still_placed_on_locked(tracker, worker):
+                self._recover_locked(tracker, worker)
 
-    def _still_placed_on(self, tracker: RequestTracker, worker: WorkerHandle) -> bool:
+    def _still_placed_on_locked(self, tracker: RequestTracker, worker: WorkerHandle) -> bool:
         """The request is still tracked and still placed on ``worker``."""
         placed_on = worker.worker_id in (tracker.prefill_worker, tracker.decode_worker)
         return placed_on and self._trackers.get(tracker.request_id) is tracker
 
-    def _recover(self, tracker: RequestTracker, lost: WorkerHandle) -> None:
+    def _recover_locked(self, tracker: RequestTracker, lost: WorkerHandle) -> None:
         if lost.role == "prefill" and tracker.has_delivered:
             # The first token left: the decode worker may hold the request already (and
             # recomputes it if its KV never comes). If it does not, resume it there.
-            if self._continues_on_decode_worker(tracker):
+            if self._continues_on_decode_worker_locked(tracker):
                 tracker.prefill_worker = None
                 return
             if self._trackers.get(tracker.request_id) is not tracker:
                 return  # its decode worker was found dead too, and that recovered it
-        elif lost.role == "decode" and not tracker.has_delivered and self._retarget(tracker):
+        elif lost.role == "decode" and not tracker.has_delivered and self._retarget_locked(tracker):
             return
         if tracker.num_retries >= self.config.max_retries:
-            self._end(tracker, f"{lost.role} worker {lost.worker_id} failed; retries exhausted")
+            self._end_locked(
+                tracker, f"{lost.role} worker {lost.worker_id} failed; retries exhausted"
+            )
             return
-        self._resume(tracker)
+        self._resume_locked(tracker)
 
-    def _retarget(self, tracker: RequestTracker) -> bool:
+    def _retarget_locked(self, tracker: RequestTracker) -> bool:
         """Point a request still prefilling at another live decode worker; False if none
         can take it or the prefill worker has handed it off already."""
         prefill = self.pool.workers.get(tracker.prefill_worker or "")
@@ -383,7 +385,7 @@ class Placements:
                 return True
         return False
 
-    def _resume(self, tracker: RequestTracker) -> None:
+    def _resume_locked(self, tracker: RequestTracker) -> None:
         """Submit the request again, continuing after the tokens the client already has. The
         placement given up sends nothing more to the client, and its live workers drop it: a
         decode worker may still admit its copy (a hand-off that failed late, or whose prefill
@@ -394,4 +396,4 @@ class Placements:
         try:
             self._place(tracker, tracker.resume_request())
         except (RequestFailedError, ValueError, ray.exceptions.RayError) as error:
-            self._end(tracker, f"could not re-route the request: {error}")
+            self._end_locked(tracker, f"could not re-route the request: {error}")

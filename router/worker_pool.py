@@ -12,7 +12,8 @@ The pool finds deaths and reports them (``PoolChanges``); recovering the request
 on a worker is the placements' job (``router.placements``), never the pool's.
 
 Locks, in the one order they are taken: ``Placements._lock`` -> ``WorkerPool._membership`` ->
-``WorkerPool._lock``. The pool never calls into the placements.
+``WorkerPool._lock``. The pool never calls into the placements. A method whose name ends in
+``_locked`` expects its caller to hold ``_lock``.
 """
 
 from __future__ import annotations
@@ -441,7 +442,7 @@ class WorkerPool:
                 _kill(worker.actor)
                 return False
             with self._lock:
-                self._admit(worker, load, asked_at)
+                self._admit_locked(worker, load, asked_at)
                 slot.replacing = False
         logger.warning(
             "%s worker %s started in slot %s; in rotation",
@@ -451,9 +452,9 @@ class WorkerPool:
         )
         return True
 
-    def _admit(self, worker: WorkerHandle, load: WorkerLoad, asked_at: float) -> None:
+    def _admit_locked(self, worker: WorkerHandle, load: WorkerLoad, asked_at: float) -> None:
         """Put a worker started in a slot in rotation, with its first load, asked for at
-        ``asked_at`` (``_lock`` held, under ``_membership``); the slot's earlier workers whose
+        ``asked_at`` (under ``_membership`` too); the slot's earlier workers whose
         process is gone count as replaced."""
         worker.ledger.record(load, asked_at, lambda request_id: True)  # (it holds none yet)
         worker.last_report = time.monotonic()
