@@ -24,12 +24,11 @@ from engine.decode_graphs import (
     use_decode_graphs,
 )
 from engine.engine_config import CacheConfig, LoadConfig
-from engine.handoff import PrefillResult, SampleStart
 from engine.kernels.linear import resolve_linear_backend
-from engine.kv_cache.block_manager import BlockManager, num_blocks_for
+from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.budget import KVLayout, num_kv_blocks
 from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
-from engine.messages import TokenEvent, WorkerCounters
+from engine.messages import PrefillResult, SampleStart, TokenEvent, WorkerCounters
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model
 from engine.model_runner import LaunchedStep, ModelRunner
@@ -183,7 +182,9 @@ class LLMEngine:
         # async scheduling: the step launched ahead, to be sampled and applied by the next step()
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._requests: dict[str, RequestState] = {}
-        self._reservations: dict[str, list[int]] = {}  # request id -> blocks awaiting KV
+        # decode side: request id -> blocks its KV comes into (which hand-off holds them, and
+        # until when, is the decode worker's: decode_worker/handoffs.py)
+        self._reservations: dict[str, list[int]] = {}
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -435,11 +436,9 @@ class LLMEngine:
         """Decode side: fresh blocks to receive a prompt's KV into; None if they don't fit now."""
         if request_id in self._reservations or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        num_blocks = num_blocks_for(num_tokens, self.block_manager.block_size)
-        pool = self.block_manager.pool
-        if num_blocks > pool.num_free_blocks:
+        blocks = self.block_manager.reserve(num_tokens)
+        if blocks is None:
             return None
-        blocks = [pool.allocate() for _ in range(num_blocks)]
         self._reservations[request_id] = blocks
         return list(blocks)
 
@@ -448,8 +447,7 @@ class LLMEngine:
         return None if blocks is None else list(blocks)
 
     def cancel_reservation(self, request_id: str) -> None:
-        for block_id in self._reservations.pop(request_id, []):
-            self.block_manager.pool.free(block_id)
+        self.block_manager.release(self._reservations.pop(request_id, []))
 
     def admit_prefilled(self, result: PrefillResult, *, kv_received: bool) -> None:
         """Decode side: continue the unfinished samples of a request prefilled elsewhere.
@@ -477,8 +475,7 @@ class LLMEngine:
         except ValueError:
             for seq in seqs:
                 self.runner.forget(seq.seq_id)
-            for block_id in blocks or []:
-                self.block_manager.pool.free(block_id)
+            self.block_manager.release(blocks or [])
             raise
         state = RequestState(request_id, None, result.params, num_samples=len(samples))
         for position, (seq, sample) in enumerate(zip(seqs, samples)):
@@ -489,8 +486,7 @@ class LLMEngine:
                 self.scheduler.add(seq)
             state.record(seq, sample.logprobs)
         if not kv_received:
-            for block_id in blocks or []:
-                self.block_manager.pool.free(block_id)
+            self.block_manager.release(blocks or [])
         self._requests[request_id] = state
 
     @property

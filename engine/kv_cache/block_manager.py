@@ -4,7 +4,9 @@ Verbs, in the order a sequence meets them:
   attach_cached_prefix (or adopt, for KV received) -> can_allocate / allocate_slots (every
   step) -> fork (n > 1) -> free
 
-They are the only writers of a sequence's block table.
+They are the only writers of a sequence's block table. Blocks for KV that has yet to arrive (a
+decode worker's hand-off) are taken with ``reserve`` and, unless a sequence adopts them, given
+back with ``release``.
 """
 
 from __future__ import annotations
@@ -121,6 +123,18 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_committed_blocks = 0
         self.commit_computed(seq)
+
+    def reserve(self, num_tokens: int) -> list[int] | None:
+        """Fresh blocks for ``num_tokens`` tokens' KV, or None when they do not fit now."""
+        num_blocks = num_blocks_for(num_tokens, self.block_size)
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        return [self.pool.allocate() for _ in range(num_blocks)]
+
+    def release(self, block_ids: list[int]) -> None:
+        """Give back blocks taken with ``reserve`` that no sequence adopted."""
+        for block_id in block_ids:
+            self.pool.free(block_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s blocks (copy-on-write on the partial one)."""

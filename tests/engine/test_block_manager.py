@@ -162,3 +162,24 @@ def test_a_fork_commits_from_where_its_parent_stood() -> None:
     assert child.num_committed_blocks == 3
     # the block the child filled serves a prompt that shares its tokens
     assert manager.attach_cached_prefix(_seq(2, list(range(12)) + [99])) == 12
+
+
+def test_reserve_takes_fresh_blocks_for_the_tokens_or_none_when_they_do_not_fit() -> None:
+    manager = BlockManager(4, block_size=4, enable_prefix_caching=False)
+    reserved = manager.reserve(9)  # 3 blocks
+    assert reserved is not None and len(set(reserved)) == 3
+    assert manager.num_free_blocks == 1
+    assert manager.reserve(5) is None  # 2 blocks: they do not fit, and none is taken
+    assert manager.num_free_blocks == 1
+    manager.release(reserved)
+    assert manager.num_free_blocks == 4
+
+
+def test_reserved_blocks_a_sequence_adopts_are_freed_with_it() -> None:
+    manager = BlockManager(8, block_size=4, enable_prefix_caching=True)
+    seq = _seq(0, list(range(8)))
+    reserved = manager.reserve(seq.num_prompt_tokens)
+    assert reserved is not None
+    manager.adopt(seq, reserved, share=False)
+    manager.free(seq)
+    assert manager.num_free_blocks == 8

@@ -1,0 +1,52 @@
+"""Every message that crosses a process boundary, defined once. Torch-free: the router, both
+workers and the engine import it.
+
+  requests  -- router -> worker: ``GenerateRequest``; worker -> gateway: ``TokenEvent``s in one
+               ``OutputBatch`` per step, ``RequestFailure``s
+  load      -- worker -> router: ``WorkerLoad`` with its ``WorkerCounters``
+  handoff   -- prefill worker -> decode worker, directly: the hand-off calls (``ReserveBlocks``
+               ... ``ReceiveKV``, carrying the ``PrefillResult``) and their answers
+               (``Reservation``)
+The KV transfer's own messages (``TransferTicket``, ``ChannelRendezvous``) live in
+``kv_transfer.messages``, which depends on nothing of the engine; the hand-off carries them.
+"""
+
+from engine.messages.handoff import (
+    AdmitWithoutKV,
+    CancelReservation,
+    DecodePeer,
+    GetLocality,
+    HandoffCall,
+    HandoffReceiver,
+    JoinChannel,
+    PinChannel,
+    PrefillResult,
+    ReceiveKV,
+    Reservation,
+    ReserveBlocks,
+    SampleStart,
+)
+from engine.messages.load import WorkerCounters, WorkerLoad
+from engine.messages.requests import GenerateRequest, OutputBatch, RequestFailure, TokenEvent
+
+__all__ = [
+    "AdmitWithoutKV",
+    "CancelReservation",
+    "DecodePeer",
+    "GenerateRequest",
+    "GetLocality",
+    "HandoffCall",
+    "HandoffReceiver",
+    "JoinChannel",
+    "OutputBatch",
+    "PinChannel",
+    "PrefillResult",
+    "ReceiveKV",
+    "RequestFailure",
+    "Reservation",
+    "ReserveBlocks",
+    "SampleStart",
+    "TokenEvent",
+    "WorkerCounters",
+    "WorkerLoad",
+]

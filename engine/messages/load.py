@@ -1,0 +1,36 @@
+"""What a worker reports to the router: its load, for routing, and its totals, for metrics.
+
+The router asks each worker for a ``WorkerLoad`` every report interval (an actor call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCounters:
+    """Totals since the worker started; the router exports them as Prometheus counters."""
+
+    num_generated_tokens: int = 0  # tokens sampled
+    num_prefill_tokens: int = 0  # tokens computed for prompts (and recomputes), not decodes
+    num_preemptions: int = 0  # sequences preempted for lack of KV blocks (recomputed later)
+    num_prefix_cache_queried_tokens: int = 0  # prompt tokens (full blocks) looked up in the cache
+    num_prefix_cache_hit_tokens: int = 0  # of those, the tokens found
+    num_kv_transfers: int = 0  # KV hand-offs sent (prefill) or received (decode)
+    num_kv_transfer_bytes: int = 0  # their payload bytes
+    kv_transfer_seconds: float = 0.0  # their wall time
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens computed and checked
+    num_accepted_draft_tokens: int = 0  # of those, the ones that stood (emitted as output)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What a worker reports to the router for routing decisions."""
+
+    worker_id: str
+    num_waiting: int  # sequences queued, not yet running
+    num_running: int  # sequences in the running batch
+    num_queued_prompt_tokens: int  # prompt tokens not yet computed (prefill load)
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
