@@ -4,6 +4,7 @@ Lifecycle of a request here (queue names are the request's states):
   reserving    -- a prefill worker asks for blocks for the prompt's KV (refused when full: the
                   prefill worker keeps its lease and asks again, or falls back to recompute)
   transferring -- the KV arrives over the pairwise channel into the reserved blocks
+                  (from the reserve to the admission, the hand-off's state is DecodeHandoffs')
   decoding     -- admitted into the running batch; every step's tokens for all requests of a
                   gateway leave as one OutputBatch (with speculative decoding a step checks a
                   sequence's ngram drafts too, and may emit several tokens of it)
@@ -18,31 +19,38 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from decode_worker.early_aborts import EarlyAborts
-from decode_worker.reserved_handoffs import ReservedHandoffs
+from decode_worker.handoffs import DecodeHandoffs
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
-from engine.handoff import PrefillResult, Reservation
 from engine.llm_engine import LLMEngine
-from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
+from engine.messages import (
+    AdmitWithoutKV,
+    CancelReservation,
+    GenerateRequest,
+    JoinChannel,
+    OutputBatch,
+    PinChannel,
+    PrefillResult,
+    ReceiveKV,
+    Reservation,
+    ReserveBlocks,
+    WorkerLoad,
+)
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
-from kv_transfer import (
-    ChannelRendezvous,
-    KVCacheLayout,
-    KVChannel,
-    TransferError,
-    TransferTicket,
-)
+from kv_transfer import KVCacheLayout, KVChannel, TransferError, TransferTicket
 from kv_transfer.channel_table import ChannelTable, close_channels
 from kv_transfer.locality import locality_of
-from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
+from kv_transfer.policy import Locality, TransferConfig
 from kv_transfer.totals import TransferTotals
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeWorker:
+    """A decode worker; its hand-off verbs answer a prefill worker's calls
+    (``engine.messages.HandoffReceiver``)."""
+
     def __init__(
         self,
         worker_id: str,
@@ -59,10 +67,8 @@ class DecodeWorker:
         self._transfer_totals = TransferTotals()  # KV hand-offs received
         self.loop = EngineLoop(self.engine, worker_id)
         self.channels = ChannelTable(transfer.max_channels)  # from prefill workers
-        self._receiving: set[str] = set()  # requests whose KV is arriving (under loop.lock)
-        self._aborted: set[str] = set()  # of those, the ones aborted meanwhile
-        self._early_aborts = EarlyAborts()  # aborted before their hand-off came (loop.lock)
-        self._handoffs = ReservedHandoffs(transfer.reservation_ttl_s)  # (loop.lock)
+        # every hand-off's state; called under self.loop.lock only (see DecodeHandoffs)
+        self.handoffs = DecodeHandoffs(self.loop, self.channels, transfer.reservation_ttl_s)
         self.loop.start()
 
     # ---- requests -----------------------------------------------------------------------
@@ -76,13 +82,7 @@ class DecodeWorker:
         under a new one), so the same id twice at once is the caller's error.
         """
         with self.loop.lock:
-            if request.request_id in self._receiving:
-                raise ValueError(
-                    f"request_id {request.request_id!r} is already receiving its KV here"
-                )
-            # The router aborts a request it submits directly only once this call has returned.
-            self._early_aborts.take(request.request_id)
-            self._drop_reservation(request.request_id)
+            self.handoffs.submitted(request.request_id)
             return self.loop.submit(request)
 
     def abort(self, request_id: str) -> None:
@@ -90,146 +90,92 @@ class DecodeWorker:
         landed (the channel must stay in step with the sender), then gives them back. One not
         here yet is dropped when its hand-off arrives."""
         with self.loop.lock:
-            if request_id in self._receiving:
-                self._aborted.add(request_id)
-                return
-            if not self.engine.has_request(request_id):
-                self._early_aborts.add(request_id)
-            self._drop_reservation(request_id)
-            self.loop.abort(request_id)
-
-    def _drop_reservation(self, request_id: str) -> None:
-        """Give back a request's reserved blocks and their channel's pin (loop lock held)."""
-        self._handoffs.release(request_id)
-        close_channels(self.channels.unpin(request_id))
-        self.loop.call(lambda engine: engine.cancel_reservation(request_id))
+            if not self.handoffs.abort(request_id):
+                self.loop.abort(request_id)
 
     def has_request(self, request_id: str) -> bool:
         """Whether this worker runs the request (queued or running; a reservation is not)."""
         return self.loop.call(lambda engine: engine.has_request(request_id))
 
-    # ---- hand-off from a prefill worker -------------------------------------------------
-    # Each hand-off has its own id (``handoff_id``): see ``ReservedHandoffs``.
-    def reserve(
-        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None = None
-    ) -> Reservation | None:
+    # ---- hand-off from a prefill worker (engine.messages.handoff) -----------------------
+    def reserve(self, call: ReserveBlocks) -> Reservation | None:
         """Blocks for a prompt's KV, or None when they do not fit now (ask again later).
 
-        ``channel_id``: the channel the prefill worker means to send on. While it is open here
-        it stays open (the cap does not close it) until the request's receive ends or the
+        ``call.channel_id``: the channel the prefill worker means to send on. While it is open
+        here it stays open (the cap does not close it) until the request's receive ends or the
         reservation is cancelled; the answer names it. Otherwise the answer names no channel:
         this side closed it (over the cap), so the prefill worker opens another.
         """
         with self.loop.lock:
             self._expire_reservations()
-            if self._handoffs.refuses(handoff_id):
-                return None  # the prefill worker gave up on this hand-off already
-            block_ids = self.loop.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
-            if block_ids is None:
-                return None
-            self._handoffs.hold(request_id, handoff_id)
-            pinned = channel_id is not None and self.channels.pin(request_id, channel_id)
-        return Reservation(block_ids, channel_id if pinned else None)
+            return self.handoffs.reserve(call)
 
-    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> bool:
-        """Keep ``channel_id`` open for the transfer of ``request_id``'s KV; False if it is not
-        open here, or the hand-off's reservation is gone. A pin ends with the request's receive,
-        or with its reservation's cancel."""
+    def pin_channel(self, call: PinChannel) -> bool:
+        """Keep a channel open for the transfer of a hand-off's KV; False if it is not open
+        here, or the hand-off's reservation is gone. A pin ends with the request's receive, or
+        with its reservation's cancel."""
         with self.loop.lock:
-            if not self._handoffs.holds(request_id, handoff_id):
-                return False
-            return self.channels.pin(request_id, channel_id)
+            return self.handoffs.pin(call)
 
-    def cancel_reservation(self, request_id: str, handoff_id: str) -> None:
+    def cancel_reservation(self, call: CancelReservation) -> None:
         """Give back the blocks reserved for a hand-off whose KV will not come: it failed before
         the transfer began (no channel, a layout mismatch, a deadline)."""
         with self.loop.lock:
-            if not self._handoffs.holds(request_id, handoff_id):
-                self._handoffs.cancel_early(handoff_id)  # its reserve may be late: refuse it
-                return
-            self._drop_reservation(request_id)
+            self.handoffs.cancel(call)
 
     def locality(self) -> Locality:
         """Where this worker's KV cache lives: a prefill worker picks the transport by it."""
         return locality_of(self.engine.device)
 
-    def connect_channel(
-        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
-    ) -> bool:
+    def connect_channel(self, call: JoinChannel) -> bool:
         """Join the channel a prefill worker listens on (handshake checks the KV layout), pinned
         at once for the hand-off it opened for; False if that hand-off's reservation is gone
         (the channel is open all the same)."""
         channel = KVChannel.connect(
-            rendezvous, self.layout, self.engine.device, self.transfer.timeout_s
+            call.rendezvous, self.layout, self.engine.device, self.transfer.timeout_s
         )
         with self.loop.lock:
-            pinned = self._handoffs.holds(request_id, handoff_id)
-            pin_for = request_id if pinned else None
-            close_channels(self.channels.add(rendezvous.channel_id, channel, pin_for=pin_for))
-        return pinned
+            return self.handoffs.join(call, channel)
 
-    def receive(
-        self,
-        channel_id: str,
-        result: PrefillResult,
-        ticket: TransferTicket,
-        block_ids: list[int],
-        gateway_id: str,
-        policy: FailurePolicy,
-    ) -> bool:
+    def receive(self, call: ReceiveKV) -> bool:
         """Receive a request's KV into its reserved blocks and admit it; False if it failed.
 
-        On failure the request follows ``policy``: recompute here, or fail with a clear error.
+        On failure the request follows ``call.policy``: recompute here, or fail with a clear
+        error.
         """
+        result, gateway_id = call.result, call.gateway_id
         request_id = result.request_id
         self.loop.prepare(result.params)  # (outside the loop's lock: steps go on)
-        channel = self.channels.take(request_id, channel_id)
+        with self.loop.lock:
+            channel, start = self.handoffs.begin_receive(call)
         try:
-            with self.loop.lock:
-                self._handoffs.release(request_id)  # the receive owns the reservation now
-                if self._early_aborts.take(request_id):
-                    self.engine.cancel_reservation(request_id)
-                reserved = self.engine.reserved_blocks(request_id) == block_ids
-                if reserved:
-                    self._receiving.add(request_id)
-                expired = not reserved and self._handoffs.take_expired(request_id)
-            if not reserved:  # given back (aborted, resumed here, expired): take the bytes
-                self._discard(channel_id, channel, ticket)
-                if expired:  # nobody else knows: the router places it again
+            if start != "receive":  # given back (aborted, resumed here, expired): take the bytes
+                self._discard(call.channel_id, channel, call.ticket)
+                if start == "expired":  # nobody else knows: the router places it again
                     message = "the KV came after the decode worker's reservation for it expired"
                     self.loop.fail(request_id, message, gateway_id, retryable=True)
                 return False
             try:
-                error = self._recv(channel_id, channel, block_ids, ticket)
+                error = self._recv(call.channel_id, channel, call.block_ids, call.ticket)
             except BaseException:
                 with self.loop.lock:
-                    self._forget_receive(request_id)
-                    self.engine.cancel_reservation(request_id)
+                    self.handoffs.end_receive(request_id, keep_blocks=False)
                 raise
         finally:
             if channel is not None:
-                close_channels(self.channels.release(channel_id))
+                close_channels(self.channels.release(call.channel_id))
         # Decided under the loop's lock, so an abort lands either before (the copy is dropped
         # here) or after the request is admitted (and aborts it in the engine).
         with self.loop.lock:
-            if self._forget_receive(request_id):  # aborted meanwhile
-                self.engine.cancel_reservation(request_id)
-                return False
+            if not self.handoffs.end_receive(request_id, keep_blocks=error is None):
+                return False  # aborted meanwhile
             if error is None:
                 return self._admit(result, gateway_id, kv_received=True)
-            if policy == "recompute":
+            if call.policy == "recompute":
                 self._admit(result, gateway_id, kv_received=False)
             else:
-                self.loop.call(lambda engine: engine.cancel_reservation(result.request_id))
-                self.loop.fail(result.request_id, f"KV transfer failed: {error}", gateway_id)
+                self.loop.fail(request_id, f"KV transfer failed: {error}", gateway_id)
             return False
-
-    def _forget_receive(self, request_id: str) -> bool:
-        """End a receive's bookkeeping (loop lock held); True if it was aborted meanwhile."""
-        self._receiving.discard(request_id)
-        aborted = request_id in self._aborted
-        self._aborted.discard(request_id)
-        return aborted
 
     def _recv(
         self,
@@ -256,13 +202,12 @@ class DecodeWorker:
         except TransferError:
             self._drop_channel(channel_id, channel)
 
-    def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> None:
+    def admit_without_kv(self, call: AdmitWithoutKV) -> None:
         """Take a prefilled request without its KV (no blocks could be reserved): recompute."""
-        self.loop.prepare(result.params)
+        self.loop.prepare(call.result.params)
         with self.loop.lock:
-            if self._early_aborts.take(result.request_id):
-                return
-            self._admit(result, gateway_id, kv_received=False)
+            if self.handoffs.arrive_without_kv(call.result.request_id):
+                self._admit(call.result, call.gateway_id, kv_received=False)
 
     def _admit(self, result: PrefillResult, gateway_id: str, *, kv_received: bool) -> bool:
         """Admit a prefilled request (loop lock held); its reserved blocks become its own.
@@ -294,13 +239,12 @@ class DecodeWorker:
 
     def _expire_reservations(self) -> None:
         """Give back reservations whose transfer never began (loop lock held)."""
-        for request_id in self._handoffs.expire():
+        for request_id in self.handoffs.expire():
             logger.warning(
                 "reservation of %s expired after %.0f s without its KV; blocks given back",
                 request_id,
-                self._handoffs.ttl_s,
+                self.handoffs.ttl_s,
             )
-            self._drop_reservation(request_id)
 
     def shutdown(self) -> None:
         self.loop.stop()

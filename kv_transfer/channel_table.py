@@ -3,20 +3,22 @@ transfer, and which close when the count is over the cap.
 
 A prefill worker keys its channels by decode worker (one each), a decode worker by channel id
 (one per prefill worker that sends to it). A channel is in use while a transfer runs on it. On
-the decode side it is also pinned from a prefill worker's reserve (or its joining, or ``pin``)
-until that request's receive ends or its reservation is cancelled: its KV is on the way, so
-closing it would leave the sender writing to a closed end. Only channels neither in use nor
-pinned close over the cap, least recently used first: when one opens, and when one stops being
-used (so the count comes back under the cap at rest). Each channel holds buffers, and on GPUs
-an NCCL communicator of 50-100 MB. Thread-safe.
+the decode side it is also pinned for a request whose KV is on the way on it (closing it would
+leave the sender writing to a closed end); when pins start and end is the hand-off's state
+machine's to say (decode_worker/handoffs.py). Only channels neither in use nor pinned close
+over the cap, least recently used first: when one opens, and when one stops being used (so the
+count comes back under the cap at rest). Each channel holds buffers, and on GPUs an NCCL
+communicator of 50-100 MB. Thread-safe; torch-free (it only holds channels).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
+from typing import TYPE_CHECKING
 
-from kv_transfer.channel import KVChannel
+if TYPE_CHECKING:
+    from kv_transfer.channel import KVChannel
 
 
 class ChannelTable:

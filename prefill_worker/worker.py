@@ -6,7 +6,8 @@ Lifecycle of a request here (queue names are the request's states):
                   chunked; cached prefix blocks are reused)
   first token  -- sampled and streamed to the request's gateway at once (that is TTFT)
   handing off  -- the prompt's KV waits under a lease while the decode worker reserves blocks
-                  and the pairwise channel moves it (gather -> one send -> scatter)
+                  and the pairwise channel moves it (gather -> one send -> scatter); the calls
+                  to the decode worker are engine.messages.handoff's
   released     -- the decode worker confirmed (or gave up): blocks freed, full ones stay cached
 """
 
@@ -20,59 +21,35 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
-from engine.handoff import PrefillResult, Reservation
 from engine.llm_engine import LLMEngine
-from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
-from engine.scheduler import SchedulerConfig
-from kv_transfer import (
-    ChannelRendezvous,
-    KVCacheLayout,
-    KVChannel,
-    TransferError,
-    TransferTicket,
+from engine.messages import (
+    AdmitWithoutKV,
+    CancelReservation,
+    DecodePeer,
+    GenerateRequest,
+    GetLocality,
+    JoinChannel,
+    OutputBatch,
+    PinChannel,
+    PrefillResult,
+    ReceiveKV,
+    Reservation,
+    ReserveBlocks,
+    WorkerLoad,
 )
+from engine.scheduler import SchedulerConfig
+from kv_transfer import KVCacheLayout, KVChannel, TransferError, TransferTicket
 from kv_transfer.channel_table import ChannelTable, close_channels
-from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
+from kv_transfer.policy import TransferConfig
 from kv_transfer.totals import TransferTotals
 from prefill_worker.handoff_lanes import HandoffLanes
 from prefill_worker.pair_transports import PairTransports
 
 logger = logging.getLogger(__name__)
 _RESERVE_RETRY_S = 0.01
-
-
-class DecodePeer(Protocol):
-    """How a prefill worker reaches one decode worker: a Ray actor handle or a local object."""
-
-    def reserve(
-        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
-    ) -> Future[Reservation | None]: ...
-
-    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> Future[bool]: ...
-
-    def cancel_reservation(self, request_id: str, handoff_id: str) -> Future[None]: ...
-
-    def connect_channel(
-        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
-    ) -> Future[bool]: ...
-
-    def locality(self) -> Future[Locality]: ...
-
-    def receive(
-        self,
-        channel_id: str,
-        result: PrefillResult,
-        ticket: TransferTicket,
-        block_ids: list[int],
-        gateway_id: str,
-        policy: FailurePolicy,
-    ) -> Future[bool]: ...
-
-    def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> Future[None]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +220,7 @@ class PrefillWorker:
             reservation = self._reserve(peer, result, handoff_id, asked)
             if reservation is None:  # the decode worker stayed full: it recomputes the prompt
                 owes_cancel = False
-                peer.admit_without_kv(result, target.gateway_id).result(timeout=timeout_s)
+                peer.send(AdmitWithoutKV(result, target.gateway_id)).result(timeout=timeout_s)
                 return
             # One transfer at a time per decode worker, so both ends take the tickets in one
             # order; the channel is taken under the same lock, after a failed transfer before
@@ -260,14 +237,16 @@ class PrefillWorker:
                         timeout_s=timeout_s,
                         checksum=self.transfer.checksum,
                     )
-                    receipt = peer.receive(
-                        channel_id,
-                        result,
-                        ticket,
-                        reservation.block_ids,
-                        target.gateway_id,
-                        self.transfer.failure_policy,
+                    receive = ReceiveKV(
+                        channel_id=channel_id,
+                        handoff_id=handoff_id,
+                        result=result,
+                        ticket=ticket,
+                        block_ids=reservation.block_ids,
+                        gateway_id=target.gateway_id,
+                        policy=self.transfer.failure_policy,
                     )
+                    receipt = peer.send(receive)
                     owes_cancel = False  # the receive gives the blocks back if it fails
                     self._send(decode_worker_id, channel, result, ticket)
                 finally:
@@ -275,7 +254,7 @@ class PrefillWorker:
             receipt.result(timeout=2 * timeout_s)
         finally:
             if owes_cancel:  # (a reserve answered late is refused by this cancel)
-                peer.cancel_reservation(result.request_id, handoff_id)
+                peer.send(CancelReservation(result.request_id, handoff_id))
 
     def _send(
         self,
@@ -297,11 +276,10 @@ class PrefillWorker:
     def _reserve(
         self, peer: DecodePeer, result: PrefillResult, handoff_id: str, channel_id: str | None
     ) -> Reservation | None:
+        reserve = ReserveBlocks(result.request_id, handoff_id, result.num_prompt_tokens, channel_id)
         deadline = time.monotonic() + self.transfer.reserve_timeout_s
         while True:
-            reservation = peer.reserve(
-                result.request_id, result.num_prompt_tokens, handoff_id, channel_id
-            ).result(timeout=self.transfer.timeout_s)
+            reservation = peer.send(reserve).result(timeout=self.transfer.timeout_s)
             if reservation is not None or time.monotonic() >= deadline:
                 return reservation
             time.sleep(_RESERVE_RETRY_S)
@@ -326,9 +304,8 @@ class PrefillWorker:
         existing = self.channels.get(decode_worker_id)
         if existing is not None and not existing.broken:
             existing_id = existing.rendezvous.channel_id
-            pinned_here = existing_id == pinned or peer.pin_channel(
-                request_id, handoff_id, existing_id
-            ).result(self.transfer.timeout_s)
+            pin = PinChannel(request_id, handoff_id, existing_id)
+            pinned_here = existing_id == pinned or peer.send(pin).result(self.transfer.timeout_s)
             if pinned_here and self.channels.use(decode_worker_id, existing):
                 return existing_id, existing
         opened_id, opened = self._open_channel(decode_worker_id, peer, request_id, handoff_id)
@@ -343,7 +320,7 @@ class PrefillWorker:
         transport fails to set up tries the network one."""
         timeout_s = self.transfer.timeout_s
         transport = self._transports.choose(
-            decode_worker_id, lambda: peer.locality().result(timeout=timeout_s)
+            decode_worker_id, lambda: peer.send(GetLocality()).result(timeout=timeout_s)
         )
         join = (decode_worker_id, peer, request_id, handoff_id)
         try:
@@ -372,7 +349,7 @@ class PrefillWorker:
                 listener.close()  # wakes the accept below
 
         try:
-            joined = peer.connect_channel(listener.rendezvous, request_id, handoff_id)
+            joined = peer.send(JoinChannel(listener.rendezvous, request_id, handoff_id))
             # A decode worker that cannot join (its side of the transport failed, or it is
             # gone) ends the wait at once, and its error is the one reported: the accept alone
             # waited out the whole deadline and failed with a bare timeout.

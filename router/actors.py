@@ -2,8 +2,10 @@
 
 The worker classes (and torch) are imported inside the actor processes only, so this module,
 like the rest of the router, imports without torch on a CPU head node. Every method is a typed
-pass-through; actors are threaded (``max_concurrency``) so a blocking KV receive, an output
-stream and load reports proceed side by side.
+pass-through; a decode actor answers every hand-off call through one, ``handoff``, which runs
+the typed call (``engine.messages.handoff``) on its worker. Actors are threaded
+(``max_concurrency``) so a blocking KV receive, an output stream and load reports proceed side
+by side.
 """
 
 from __future__ import annotations
@@ -11,22 +13,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import ray
 
 from engine.engine_config import CacheConfig, LoadConfig
-from engine.messages import GenerateRequest, OutputBatch, WorkerLoad
+from engine.messages import GenerateRequest, HandoffCall, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
-from kv_transfer.policy import FailurePolicy, Locality, TransferConfig
+from kv_transfer.policy import TransferConfig
 from router.cpu_binding import bind_this_thread
 
-if TYPE_CHECKING:
-    from engine.handoff import PrefillResult, Reservation
-    from kv_transfer import ChannelRendezvous, TransferTicket
-
 ACTOR_CONCURRENCY = 32
+T = TypeVar("T")
 
 
 class DecodeActor:
@@ -62,38 +61,9 @@ class DecodeActor:
     def has_request(self, request_id: str) -> bool:
         return self.worker.has_request(request_id)
 
-    def reserve(
-        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
-    ) -> Reservation | None:
-        return self.worker.reserve(request_id, num_tokens, handoff_id, channel_id)
-
-    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> bool:
-        return self.worker.pin_channel(request_id, handoff_id, channel_id)
-
-    def cancel_reservation(self, request_id: str, handoff_id: str) -> None:
-        self.worker.cancel_reservation(request_id, handoff_id)
-
-    def connect_channel(
-        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
-    ) -> bool:
-        return self.worker.connect_channel(rendezvous, request_id, handoff_id)
-
-    def locality(self) -> Locality:
-        return self.worker.locality()
-
-    def receive(
-        self,
-        channel_id: str,
-        result: PrefillResult,
-        ticket: TransferTicket,
-        block_ids: list[int],
-        gateway_id: str,
-        policy: FailurePolicy,
-    ) -> bool:
-        return self.worker.receive(channel_id, result, ticket, block_ids, gateway_id, policy)
-
-    def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> None:
-        self.worker.admit_without_kv(result, gateway_id)
+    def handoff(self, call: HandoffCall[T]) -> T:
+        """Answer a prefill worker's hand-off call (sent by ``RayDecodePeer``)."""
+        return call.run_on(self.worker)
 
     def load(self) -> WorkerLoad:
         return self.worker.load()
@@ -106,45 +76,14 @@ class DecodeActor:
 
 
 class RayDecodePeer:
-    """A prefill worker's handle on a decode actor; every call answers with a future."""
+    """A prefill worker's handle on a decode actor (``engine.messages.DecodePeer``)."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def reserve(
-        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
-    ) -> Future[Reservation | None]:
-        ref = self.handle.reserve.remote(request_id, num_tokens, handoff_id, channel_id)
-        return ref.future()
-
-    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> Future[bool]:
-        return self.handle.pin_channel.remote(request_id, handoff_id, channel_id).future()
-
-    def cancel_reservation(self, request_id: str, handoff_id: str) -> Future[None]:
-        return self.handle.cancel_reservation.remote(request_id, handoff_id).future()
-
-    def connect_channel(
-        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
-    ) -> Future[bool]:
-        return self.handle.connect_channel.remote(rendezvous, request_id, handoff_id).future()
-
-    def locality(self) -> Future[Locality]:
-        return self.handle.locality.remote().future()
-
-    def receive(
-        self,
-        channel_id: str,
-        result: PrefillResult,
-        ticket: TransferTicket,
-        block_ids: list[int],
-        gateway_id: str,
-        policy: FailurePolicy,
-    ) -> Future[bool]:
-        ref = self.handle.receive.remote(channel_id, result, ticket, block_ids, gateway_id, policy)
-        return ref.future()
-
-    def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> Future[None]:
-        return self.handle.admit_without_kv.remote(result, gateway_id).future()
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        future: Future[T] = self.handle.handoff.remote(call).future()
+        return future
 
 
 class PrefillActor:

@@ -8,11 +8,12 @@ answer with futures, so the prefill worker's hand-off code is the same either wa
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 from decode_worker.worker import DecodeWorker
-from engine.handoff import PrefillResult, Reservation
-from kv_transfer import ChannelRendezvous, TransferTicket
-from kv_transfer.policy import FailurePolicy, Locality
+from engine.messages import HandoffCall
+
+T = TypeVar("T")
 
 
 class LocalDecodePeer:
@@ -20,44 +21,15 @@ class LocalDecodePeer:
         self.worker = worker
         self._executor = ThreadPoolExecutor(8, thread_name_prefix="decode-peer")
 
-    def reserve(
-        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
-    ) -> Future[Reservation | None]:
-        return self._executor.submit(
-            self.worker.reserve, request_id, num_tokens, handoff_id, channel_id
-        )
-
-    def pin_channel(self, request_id: str, handoff_id: str, channel_id: str) -> Future[bool]:
-        return self._executor.submit(self.worker.pin_channel, request_id, handoff_id, channel_id)
-
-    def cancel_reservation(self, request_id: str, handoff_id: str) -> Future[None]:
-        return self._executor.submit(self.worker.cancel_reservation, request_id, handoff_id)
-
-    def connect_channel(
-        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
-    ) -> Future[bool]:
-        return self._executor.submit(
-            self.worker.connect_channel, rendezvous, request_id, handoff_id
-        )
-
-    def locality(self) -> Future[Locality]:
-        return self._executor.submit(self.worker.locality)
-
-    def receive(
-        self,
-        channel_id: str,
-        result: PrefillResult,
-        ticket: TransferTicket,
-        block_ids: list[int],
-        gateway_id: str,
-        policy: FailurePolicy,
-    ) -> Future[bool]:
-        return self._executor.submit(
-            self.worker.receive, channel_id, result, ticket, block_ids, gateway_id, policy
-        )
-
-    def admit_without_kv(self, result: PrefillResult, gateway_id: str) -> Future[None]:
-        return self._executor.submit(self.worker.admit_without_kv, result, gateway_id)
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        return self._executor.submit(call.run_on, self.worker)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def answered(value: T) -> Future[T]:
+    """A future that holds ``value`` already: a peer's answer made up by a test."""
+    answer: Future[T] = Future()
+    answer.set_result(value)
+    return answer

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -17,17 +18,24 @@ import torch
 from decode_worker.worker import DecodeWorker
 from engine import LLM, GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
-from engine.handoff import PrefillResult, Reservation
 from engine.kv_cache.budget import KVBudget
+from engine.messages import (
+    CancelReservation,
+    HandoffCall,
+    JoinChannel,
+    ReceiveKV,
+    ReserveBlocks,
+)
 from engine.scheduler import SchedulerConfig
 from kv_transfer import KVChannel, TransferTicket
 from kv_transfer.policy import FailurePolicy, TransferConfig
 from prefill_worker.worker import PrefillWorker
 from tests.engine.test_parity import make_prompts
-from tests.workers.local_peer import LocalDecodePeer
+from tests.workers.local_peer import LocalDecodePeer, answered
 from tests.workers.output_collector import OutputCollector
 
 GATEWAY = "test-gateway"
+T = TypeVar("T")
 
 
 def _load(model_dir: Path) -> LoadConfig:
@@ -330,16 +338,10 @@ def test_a_request_the_decode_worker_cannot_hold_fails_and_frees_its_blocks(
 class _DeadDecodePeer(LocalDecodePeer):
     """Reserves blocks, joins the channel, then never receives: a peer that died mid-transfer."""
 
-    def receive(  # type: ignore[override]
-        self,
-        channel_id: str,
-        result: PrefillResult,
-        ticket: TransferTicket,
-        block_ids: list[int],
-        gateway_id: str,
-        policy: FailurePolicy,
-    ) -> Future[bool]:
-        return Future()
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        if isinstance(call, ReceiveKV):
+            return Future()
+        return super().send(call)
 
 
 def test_transfer_to_a_dead_peer_times_out_and_fails_cleanly(llama_dir: Path) -> None:
@@ -365,28 +367,25 @@ class _CheckingDecodePeer(LocalDecodePeer):
         self.num_checked = 0
         self.tickets: list[TransferTicket] = []
 
-    def receive(  # type: ignore[override]
-        self,
-        channel_id: str,
-        result: PrefillResult,
-        ticket: TransferTicket,
-        block_ids: list[int],
-        gateway_id: str,
-        policy: FailurePolicy,
-    ) -> Future[bool]:
-        self.tickets.append(ticket)
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        if not isinstance(call, ReceiveKV):
+            return super().send(call)
+        receive = call
+        self.tickets.append(receive.ticket)
 
         def receive_and_check() -> bool:
-            ok = self.worker.receive(channel_id, result, ticket, block_ids, gateway_id, policy)
+            ok = self.worker.receive(receive)
+            result = receive.result
             assert ok, f"KV of {result.request_id} did not arrive"
             num_tokens = result.num_prompt_tokens
             sent = _prompt_slots(self.prefill_cache[0], result.block_ids, num_tokens)
-            got = _prompt_slots(self.worker.engine.kv_cache, block_ids, num_tokens)
+            got = _prompt_slots(self.worker.engine.kv_cache, receive.block_ids, num_tokens)
             assert torch.equal(sent, got), f"KV of {result.request_id} differs"
             self.num_checked += 1
             return ok
 
-        return self._executor.submit(receive_and_check)
+        checked: Future[Any] = self._executor.submit(receive_and_check)
+        return checked
 
 
 def _prompt_slots(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
@@ -432,7 +431,7 @@ def test_decode_side_failure_policy_when_kv_never_arrives(
     listener = KVChannel.listen("gloo", layout, "127.0.0.1", "silent", torch.device("cpu"))
     try:
         joining = threading.Thread(
-            target=decode.connect_channel, args=(listener.rendezvous, "s", "h-s")
+            target=decode.connect_channel, args=(JoinChannel(listener.rendezvous, "s", "h-s"),)
         )
         joining.start()
         sender = listener.accept(5.0)
@@ -441,11 +440,12 @@ def test_decode_side_failure_policy_when_kv_never_arrives(
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         prefill_engine.add_request("s", prompt, params, prefill_only=True)
         (result,) = prefill_engine.step().handed_off
-        reservation = decode.reserve("s", result.num_prompt_tokens, "h-s", "silent")
+        reservation = decode.reserve(ReserveBlocks("s", "h-s", result.num_prompt_tokens, "silent"))
         assert reservation is not None and reservation.channel_id == "silent"
         block_ids = reservation.block_ids
         ticket = TransferTicket(0, "s", len(block_ids), timeout_s=1.0)
-        assert not decode.receive("silent", result, ticket, block_ids, GATEWAY, policy)
+        receive = ReceiveKV("silent", "h-s", result, ticket, block_ids, GATEWAY, policy)
+        assert not decode.receive(receive)
         collector.wait_finished([("s", 0)], timeout_s=30)
         if policy == "fail":
             assert "KV transfer failed" in collector.failures["s"]
@@ -469,14 +469,12 @@ class _AbortAfterReservePeer(LocalDecodePeer):
         super().__init__(worker)
         self.doomed = doomed
 
-    def reserve(
-        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
-    ) -> Future[Reservation | None]:
-        reserved = super().reserve(request_id, num_tokens, handoff_id, channel_id)
-        if request_id in self.doomed:
-            reserved.result()
-            self.worker.abort(request_id)
-        return reserved
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        answer = super().send(call)
+        if isinstance(call, ReserveBlocks) and call.request_id in self.doomed:
+            answer.result()
+            self.worker.abort(call.request_id)
+        return answer
 
 
 @pytest.mark.parametrize("transport", ["gloo", "shm"])
@@ -516,17 +514,13 @@ class _AbortBeforeReservePeer(LocalDecodePeer):
         self.doomed = doomed
         self.full = full
 
-    def reserve(
-        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
-    ) -> Future[Reservation | None]:
-        if request_id not in self.doomed:
-            return super().reserve(request_id, num_tokens, handoff_id, channel_id)
-        self.worker.abort(request_id)
-        if not self.full:
-            return super().reserve(request_id, num_tokens, handoff_id, channel_id)
-        no_room: Future[Reservation | None] = Future()
-        no_room.set_result(None)
-        return no_room
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        if isinstance(call, ReserveBlocks) and call.request_id in self.doomed:
+            self.worker.abort(call.request_id)
+            if self.full:
+                no_room: Future[Any] = answered(None)
+                return no_room
+        return super().send(call)
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["with-kv", "without-kv"])
@@ -589,12 +583,10 @@ class _StuckDecodePeer(LocalDecodePeer):
         super().__init__(worker)
         self.how = how
 
-    def reserve(
-        self, request_id: str, num_tokens: int, handoff_id: str, channel_id: str | None
-    ) -> Future[Reservation | None]:
-        answer: Future[Reservation | None] = Future()
-        if self.how == "full":
-            answer.set_result(None)
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        if not isinstance(call, ReserveBlocks):
+            return super().send(call)
+        answer: Future[Any] = answered(None) if self.how == "full" else Future()
         return answer
 
 
@@ -691,18 +683,18 @@ def test_a_reservation_keeps_its_channel_open_past_the_cap_until_it_ends(llama_d
     def open_channel(channel_id: str) -> KVChannel:
         listener = KVChannel.listen("fake", decode.layout, "127.0.0.1", channel_id, "cpu")
         listeners.append(listener)
-        decode.connect_channel(listener.rendezvous, "", "")  # opened for no hand-off
+        decode.connect_channel(JoinChannel(listener.rendezvous, "", ""))  # for no hand-off
         return listener.accept(5.0)
 
     try:
         senders = [open_channel("a")]
-        reservation = decode.reserve("r", 20, "h-r", "a")
+        reservation = decode.reserve(ReserveBlocks("r", "h-r", 20, "a"))
         assert reservation is not None and reservation.channel_id == "a"
         senders.append(open_channel("b"))
         assert "a" in decode.channels and "b" in decode.channels  # "a" is pinned for "r"
-        unknown = decode.reserve("s", 20, "h-s", "gone")
+        unknown = decode.reserve(ReserveBlocks("s", "h-s", 20, "gone"))
         assert unknown is not None and unknown.channel_id is None  # not open here: no pin
-        decode.cancel_reservation("r", "h-r")
+        decode.cancel_reservation(CancelReservation("r", "h-r"))
         senders.append(open_channel("c"))
         assert "c" in decode.channels  # unpinned "a" and idle "b" closed
         assert "a" not in decode.channels and "b" not in decode.channels
@@ -805,13 +797,14 @@ def test_a_reservation_whose_transfer_never_comes_expires(llama_dir: Path) -> No
         params = SamplingParams(temperature=0.0, max_tokens=6)
         prefill_engine.add_request("x", prompt, params, prefill_only=True)
         (result,) = prefill_engine.step().handed_off
-        reservation = decode.reserve("x", result.num_prompt_tokens, "h-x")
+        reservation = decode.reserve(ReserveBlocks("x", "h-x", result.num_prompt_tokens, None))
         assert reservation is not None and decode.load().kv_usage > 0
         time.sleep(1.2)
         assert decode.load().kv_usage == 0.0  # the router's load poll swept it
         ticket = TransferTicket(0, "x", len(reservation.block_ids), timeout_s=0.25)
-        late = decode.receive("p0->d0/0", result, ticket, reservation.block_ids, GATEWAY, "fail")
-        assert not late
+        block_ids = reservation.block_ids
+        late = ReceiveKV("p0->d0/0", "h-x", result, ticket, block_ids, GATEWAY, "fail")
+        assert not decode.receive(late)
         collector.wait_finished([("x", 0)], timeout_s=10)
         assert "expired" in collector.failures["x"] and collector.retryable["x"]
     finally:

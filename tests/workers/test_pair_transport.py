@@ -8,20 +8,23 @@ from __future__ import annotations
 import errno
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from decode_worker.worker import DecodeWorker
 from engine import LLM, GenerateRequest
+from engine.messages import GetLocality, HandoffCall
 from kv_transfer.locality import locality_of
 from kv_transfer.policy import Locality, TransferConfig
 from kv_transfer.transports.shm import SHM_DIR
 from prefill_worker.pair_transports import PairTransports
-from tests.workers.local_peer import LocalDecodePeer
+from tests.workers.local_peer import LocalDecodePeer, answered
 from tests.workers.test_local_pd import GATEWAY, _one_pair, _Pair, _workload
 
 AUTO = TransferConfig(transport="auto", timeout_s=10.0)
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -37,10 +40,11 @@ class _OtherHostPeer(LocalDecodePeer):
         super().__init__(worker)
         self.asked = 0
 
-    def locality(self) -> Future[Locality]:
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        if not isinstance(call, GetLocality):
+            return super().send(call)
         self.asked += 1
-        answer: Future[Locality] = Future()
-        answer.set_result(Locality("another-boot:7"))
+        answer: Future[Any] = answered(Locality("another-boot:7"))
         return answer
 
 
@@ -57,7 +61,7 @@ def _run_three(pair: _Pair, offline: LLM, prefix: str) -> None:
 
 def test_auto_opens_shm_to_a_decode_worker_on_this_host(llama_dir: Path, offline: LLM) -> None:
     with _one_pair(llama_dir, AUTO) as pair:
-        assert pair.decode.locality() == pair.peer.locality().result()
+        assert pair.decode.locality() == pair.peer.send(GetLocality()).result()
         _run_three(pair, offline, "same-host")
         assert pair.prefill.channel_transports() == {"d0": "shm"}
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 from engine import GenerateRequest, SamplingParams
-from kv_transfer import ChannelRendezvous, TransferError
+from engine.messages import HandoffCall, JoinChannel
+from kv_transfer import TransferError
 from kv_transfer.policy import TransferConfig
 from tests.engine.test_parity import make_prompts
 from tests.workers.local_peer import LocalDecodePeer
 from tests.workers.test_local_pd import GATEWAY, _cluster, _eventually, _one_pair
+
+T = TypeVar("T")
 
 
 def test_a_request_that_ends_on_its_first_token_is_forgotten(llama_dir: Path) -> None:
@@ -35,13 +39,15 @@ def test_a_request_that_ends_on_its_first_token_is_forgotten(llama_dir: Path) ->
 class _UnjoinableDecodePeer(LocalDecodePeer):
     """Its end of every new channel fails at once (a full /dev/shm, say)."""
 
-    def connect_channel(
-        self, rendezvous: ChannelRendezvous, request_id: str, handoff_id: str
-    ) -> Future[bool]:
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        if not isinstance(call, JoinChannel):
+            return super().send(call)
+
         def fail() -> bool:
             raise TransferError("cannot map the sender's shared-memory segment")
 
-        return self._executor.submit(fail)
+        failed: Future[Any] = self._executor.submit(fail)
+        return failed
 
 
 def test_a_decode_worker_that_cannot_join_the_channel_fails_the_hand_off_at_once(
