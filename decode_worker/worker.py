@@ -17,6 +17,7 @@ with chunked prefill.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 from decode_worker.handoffs import DecodeHandoffs
@@ -69,7 +70,12 @@ class DecodeWorker:
         self.channels = ChannelTable(transfer.max_channels)  # from prefill workers
         # every hand-off's state; called under self.loop.lock only (see DecodeHandoffs)
         self.handoffs = DecodeHandoffs(self.loop, self.channels, transfer.reservation_ttl_s)
+        self._stopping = threading.Event()
+        self._sweeper = threading.Thread(
+            target=self._sweep_expired_reservations, name=f"sweep-{worker_id}", daemon=True
+        )
         self.loop.start()
+        self._sweeper.start()
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, request: GenerateRequest) -> bool:
@@ -107,7 +113,7 @@ class DecodeWorker:
         this side closed it (over the cap), so the prefill worker opens another.
         """
         with self.loop.lock:
-            self._expire_reservations()
+            self._expire_reservations_locked()
             return self.handoffs.reserve(call)
 
     def pin_channel(self, call: PinChannel) -> bool:
@@ -233,12 +239,19 @@ class DecodeWorker:
         return self.loop.next_batch(gateway_id, timeout_s)
 
     def load(self) -> WorkerLoad:
-        with self.loop.lock:  # the router asks every report interval: a sweep for free
-            self._expire_reservations()
+        """This worker's load report; never waits for the engine (see ``EngineLoop.load``)."""
         return self.loop.load(self._transfer_totals.snapshot())
 
-    def _expire_reservations(self) -> None:
-        """Give back reservations whose transfer never began (loop lock held)."""
+    def _sweep_expired_reservations(self) -> None:
+        """Give back expired reservations a few times per TTL, on a thread of their own (so
+        that waiting for the engine's lock holds up no load report), until shutdown."""
+        interval_s = min(self.handoffs.ttl_s / 4, 1.0)
+        while not self._stopping.wait(interval_s):
+            with self.loop.lock:
+                self._expire_reservations_locked()
+
+    def _expire_reservations_locked(self) -> None:
+        """Give back reservations whose transfer never began."""
         for request_id in self.handoffs.expire():
             logger.warning(
                 "reservation of %s expired after %.0f s without its KV; blocks given back",
@@ -247,6 +260,7 @@ class DecodeWorker:
             )
 
     def shutdown(self) -> None:
+        self._stopping.set()
         self.loop.stop()
         close_channels(self.channels.remove_all())
 

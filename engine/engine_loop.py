@@ -18,11 +18,11 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from engine.handoff import PrefillResult
 from engine.llm_engine import LLMEngine, StepResult
 from engine.messages import (
     GenerateRequest,
     OutputBatch,
+    PrefillResult,
     RequestFailure,
     TokenEvent,
     WorkerLoad,
@@ -75,7 +75,7 @@ class EngineLoop:
         Raises ValueError (nothing queued) when the request is invalid.
         """
         self.prepare(request.params)
-        with self.lock:
+        with self._changing():
             if self.engine.has_request(request.request_id):
                 return False
             self.engine.add_request(
@@ -88,7 +88,6 @@ class EngineLoop:
                 resume_token_ids=request.resume_token_ids or None,
             )
             self._gateway_of[request.request_id] = request.gateway_id
-            self._load_report = self._measure_load_locked()
             self._work.notify()
             return True
 
@@ -102,9 +101,8 @@ class EngineLoop:
 
     def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` under the lock, then let the loop look for new work."""
-        with self.lock:
+        with self._changing():
             result = fn(self.engine)
-            self._load_report = self._measure_load_locked()
             self._work.notify()
             return result
 
@@ -115,14 +113,23 @@ class EngineLoop:
 
     def release(self, request_id: str) -> None:
         """End a handed-off request here: its lease is released, its outputs go elsewhere."""
-        with self.lock:
+        with self._changing():
             self.engine.release_lease(request_id)
             self._gateway_of.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        with self.lock:
+        with self._changing():
             self.engine.abort_request(request_id)
             self._gateway_of.pop(request_id, None)
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Hold the lock to change the engine; the load report is taken again on the way out."""
+        with self.lock:
+            try:
+                yield
+            finally:
+                self._load_report = self._measure_load_locked()
 
     def fail(
         self,
@@ -133,7 +140,7 @@ class EngineLoop:
         retryable: bool = False,
     ) -> None:
         """Drop a request and tell its gateway why (and whether another worker may retry it)."""
-        with self.lock:
+        with self._changing():
             self.engine.abort_request(request_id)
             gateway = self._gateway_of.pop(request_id, gateway_id)
         if gateway is not None:

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
-from engine.handoff import PrefillResult
-from engine.messages import TokenEvent
+from engine.messages import PrefillResult, TokenEvent
 from engine.outputs import PromptLogprobs, RequestOutput
 from engine.request_state import prompt_position_logprobs
 from tests.engine.hf_reference import hf_greedy

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
-from engine.handoff import PrefillResult
+from engine.messages import PrefillResult
 from engine.scheduler import SchedulerConfig, Sequence
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_scheduler import Harness, expected_output, fake_run
