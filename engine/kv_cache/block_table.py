@@ -3,9 +3,8 @@
 A list, as the block manager reads and writes it, that keeps a numpy copy of itself up to date
 as it changes: a step's block tables are then copied into the runner's arrays a row per
 sequence, instead of converting every sequence's Python list, element by element, every step
-(padding a graphed decode step's inputs at batch 256 with 63-block tables: 0.43 ms before,
-0.21 ms with these; docs/benchmarks.md). Only
-``append`` and assignment to one index change it; every other list mutator raises, so the
+(docs/benchmarks.md, "Block tables kept as arrays"). Only ``append`` and assignment to one
+index change it; every other list mutator raises, so the
 copy cannot fall behind.
 """
 

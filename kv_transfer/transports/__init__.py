@@ -20,8 +20,8 @@ from kv_transfer.transports.shm import ShmListener, connect_shm
 
 # Staging unit per transport: a transfer moves in chunks of at most this, through two slots.
 # shm: small enough that a slot is still in the CPU cache when the receiver copies it out;
-# gloo: large, since each message costs a rendezvous on loopback TCP (measured in
-# bench/kv_transfer.py). Staging memory per channel end is two chunks. cuda_ipc stages
+# gloo: large, since each message costs a rendezvous on loopback TCP (bench/kv_transfer.py).
+# Staging memory per channel end is two chunks. cuda_ipc stages
 # nothing (the receiver copies out of the sender's cache): its chunk is what a checksum reads
 # at a time.
 DEFAULT_CHUNK_BYTES: dict[str, int] = {
