@@ -216,10 +216,11 @@ class WorkerPool:
         if load is None:
             silent_s = time.monotonic() - worker.last_report
             return silent_s >= self.config.dead_after_s and self.take_out(worker, stalled=True)
-        worker.load_call = None
         with self._lock:
             worker.ledger.record(load, worker.load_asked_at, is_open)
             worker.last_report = time.monotonic()
+        # the next report is asked for now, so that the next round finds it answered
+        worker.load_call, worker.load_asked_at = worker.actor.load.remote(), time.monotonic()
         return False
 
     def take_out(self, worker: WorkerHandle, *, stalled: bool = False) -> bool:
