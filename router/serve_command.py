@@ -1,5 +1,10 @@
 """``pdserve serve``: start the cluster and its front doors, print where to reach them, run
-until Ctrl-C / SIGTERM, then stop the servers and the workers.
+until Ctrl-C / SIGTERM, then drain and stop.
+
+Stopping, in order: the first SIGINT or SIGTERM -> new requests get 503 (Retry-After), /health
+503 -> requests in flight run on for up to ``--drain-timeout-s`` (a second signal ends the wait)
+-> those still running are ended, each client told why -> the servers stop -> the workers stop
+-> the local Ray stops (a joined cluster is only left) -> the process exits.
 
 With ``--prompt`` it generates for those prompts through the cluster and exits instead (a smoke
 test for a fresh deployment, used by the KubeRay job).
@@ -9,13 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import gc
 import json
 import shlex
-import signal
 import socket
-import threading
 import time
-from types import FrameType
+from collections.abc import Callable
+
+import ray
 
 from engine.sampling.params import SamplingParams
 from router.cluster import Cluster, RequestFailedError
@@ -28,11 +35,32 @@ from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer, check_bind_address
 from router.gateway.service import Gateway
 from router.gateway.tool_calls import TOOL_CALL_PARSERS
+from router.local_ray import stop_ray
+from router.stop_signals import StopSignals, exit_if_stuck, interrupt_on_stop_signals
 
 _DEFAULT_MAX_N = 16  # --max-n, when --max-num-seqs is at least this
+# From the first stop signal, the process ends within the drain timeout plus this, however the
+# stopping of the servers, the workers and Ray goes.
+_STOP_LIMIT_S = 9.0
 
 
 def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
+    """Runs ``pdserve serve``; the process is to exit once it returns."""
+    interrupt_on_stop_signals()  # until it serves: SIGTERM, as Ctrl-C, stops the start
+    try:
+        return _run_serve(args, config)
+    except KeyboardInterrupt:
+        print("pdserve: interrupted", flush=True)
+        return 130
+    finally:
+        # The process exits next: its objects are left out of the collections on the way out,
+        # which walk the whole heap (transformers and torch are loaded) for about a second.
+        gc.freeze()
+
+
+def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
+    if args.drain_timeout_s < 0:
+        raise ValueError(f"--drain-timeout-s must be >= 0, got {args.drain_timeout_s:g}")
     tool_call_parser = auto_tool_call_parser(args)
     keys = ApiKeys.from_sources(args.api_key or [], args.api_key_file)
     check_bind_address(args.host, keys.enabled, args.allow_unauthenticated)
@@ -49,27 +77,70 @@ def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     grpc_port = None if args.grpc_port < 0 else args.grpc_port
     if not args.prompt:  # before the workers load, which takes minutes on GPUs
         check_ports_free(args.host, args.http_port, grpc_port)
-    cluster = Cluster.start(config)
+    ray_was_running = ray.is_initialized()
     try:
-        if args.prompt:
-            print(
-                f"pdserve: cluster up ({_pools(config)} workers{_kv_transport(config)}"
-                f"{_speculation(config)})",
-                flush=True,
-            )
-            return _generate_once(cluster, model, args.prompt, args.max_tokens, args.temperature)
-        server = GatewayServer(
-            Gateway(cluster, model, limits, keys, slo), args.host, args.http_port, grpc_port
-        )
-        start_server(server)
+        cluster = Cluster.start(config)
         try:
-            print(_banner(config, model, server, keys.enabled), flush=True)
-            _wait_for_signal()
+            if args.prompt:
+                print(
+                    f"pdserve: cluster up ({_pools(config)} workers{_kv_transport(config)}"
+                    f"{_speculation(config)})",
+                    flush=True,
+                )
+                return _generate_once(
+                    cluster, model, args.prompt, args.max_tokens, args.temperature
+                )
+            server = GatewayServer(
+                Gateway(cluster, model, limits, keys, slo), args.host, args.http_port, grpc_port
+            )
+            banner = functools.partial(
+                _banner, config, model, server, keys.enabled, args.drain_timeout_s
+            )
+            _serve_until_stopped(server, banner, args.drain_timeout_s)
         finally:
-            server.stop()
+            cluster.shutdown()
     finally:
-        cluster.shutdown()
+        if not ray_was_running:
+            stop_ray()
+    print("pdserve: stopped", flush=True)
     return 0
+
+
+def _serve_until_stopped(
+    server: GatewayServer, banner: Callable[[], str], drain_timeout_s: float
+) -> None:
+    """Serves until a stop signal, then drains; the servers are stopped on the way out.
+    ``banner()`` is printed once the servers listen."""
+    start_server(server)
+    try:
+        signals = StopSignals()
+        signals.install()
+        print(banner(), flush=True)
+        signals.wait_first()
+        exit_if_stuck(drain_timeout_s + _STOP_LIMIT_S)
+        _drain(server, drain_timeout_s, signals)
+    finally:
+        server.stop()
+
+
+def _drain(server: GatewayServer, timeout_s: float, signals: StopSignals) -> None:
+    """Lets the requests in flight end, for up to ``timeout_s`` or until a second signal."""
+    num_in_flight = server.gateway.num_in_flight
+    if num_in_flight:
+        print(
+            f"pdserve: stopping; draining {num_in_flight} requests in flight for up to "
+            f"{timeout_s:g} s (Ctrl-C or SIGTERM again stops at once)",
+            flush=True,
+        )
+    else:
+        print("pdserve: stopping", flush=True)
+    outcome = server.drain(timeout_s, signals.second)
+    if outcome.num_cut_off:
+        why = "told to stop at once" if outcome.cut_short else f"drain timeout of {timeout_s:g} s"
+        print(
+            f"pdserve: ended {outcome.num_cut_off} requests unfinished ({why})",
+            flush=True,
+        )
 
 
 def request_limits(
@@ -149,7 +220,13 @@ def _cannot_listen(flag: str, host: str, port: int | None, error: Exception) -> 
     return f"{flag} {port}: cannot listen on {host}: {reason}"
 
 
-def _banner(config: ClusterConfig, model: ServedModel, server: GatewayServer, auth: bool) -> str:
+def _banner(
+    config: ClusterConfig,
+    model: ServedModel,
+    server: GatewayServer,
+    auth: bool,
+    drain_timeout_s: float,
+) -> str:
     pools = _pools(config)
     body = json.dumps({"model": model.name, "prompt": "The os module", "max_tokens": 32})
     curl = f"curl {server.http_url}/v1/completions -H 'Content-Type: application/json'"
@@ -163,7 +240,11 @@ def _banner(config: ClusterConfig, model: ServedModel, server: GatewayServer, au
     ]
     if server.grpc_port is not None:
         lines.append(f"  gRPC         {server.grpc_target}   (service pdserve.v1.Generation)")
-    lines += [f"  try:  {curl} -d {shlex.quote(body)}", "  Ctrl-C stops the server."]
+    lines += [
+        f"  try:  {curl} -d {shlex.quote(body)}",
+        "  Ctrl-C or SIGTERM stops the server (requests in flight first get up to "
+        f"{drain_timeout_s:g} s).",
+    ]
     return "\n".join(lines)
 
 
@@ -187,19 +268,6 @@ def _speculation(config: ClusterConfig) -> str:
     if spec is None:
         return ""
     return f", {spec.method} speculation of up to {spec.num_speculative_tokens} tokens"
-
-
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, on_signal)
-    while not stop.wait(0.5):
-        pass
-    print("pdserve: stopping", flush=True)
 
 
 def _generate_once(

@@ -7,7 +7,10 @@ Life of a Generate call: the ``authorization`` metadata names the caller's tenan
 (the first carries the prompt's logprobs when they were asked for: they come with the first
 token) -> ``Usage``. An Abort call ends the stream with FINISH_REASON_ABORT chunks; a client that
 cancels, or whose deadline passes, has its handler cancelled by the gRPC runtime. Either way,
-leaving the delta stream aborts the request in the cluster and frees its KV blocks.
+leaving the delta stream aborts the request in the cluster and frees its KV blocks. While the
+server shuts down, new calls end UNAVAILABLE (with ``retry-after``) and Health says not serving;
+a call still running when the drain ends is cut off: its FINISH_REASON_ABORT chunks, then
+UNAVAILABLE saying why.
 """
 
 from __future__ import annotations
@@ -176,7 +179,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         backend = self.gateway.backend
         live_roles = [s.role for s in backend.worker_statuses() if s.alive]
         return pb.HealthResponse(
-            serving=backend.is_ready(),
+            serving=backend.is_ready() and not self.gateway.draining,
             num_prefill_workers=live_roles.count("prefill"),
             num_decode_workers=live_roles.count("decode"),
         )
@@ -231,6 +234,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.gateway.record_ended([generation], aborted=live.aborted.is_set())
             for index in sorted(unfinished):
                 await context.write(first_chunk.apply(aborted_message(index)))
+            if live.cut_off is not None:  # the server shut down before it finished
+                raise live.cut_off
             usage = Usage(
                 generation.num_prompt_tokens, num_sent_tokens, generation.num_cached_tokens
             )

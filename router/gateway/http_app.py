@@ -5,7 +5,9 @@ Life of an HTTP request: the body is read up to ``max_body_bytes`` (413 past it)
 key names the caller's tenant (401) -> the JSON is parsed and bounds-checked into one spec per
 prompt (400 / 404) -> admission (503 / 429) -> the prompts run on the cluster -> sample deltas
 become one JSON response, or SSE chunks ending with ``data: [DONE]``. If the client goes away
-first, the requests are aborted in the cluster and their KV blocks freed.
+first, the requests are aborted in the cluster and their KV blocks freed. While the server shuts
+down, new generation requests get 503 with Retry-After and /health 503; a request still running
+when the drain ends is cut off with a 503 error (streamed: the last event before ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -43,6 +46,7 @@ from router.gateway.text_stream import TextGeneration, merged_deltas
 from router.gateway.tokenizer_endpoints import add_tokenizer_routes
 
 logger = logging.getLogger(__name__)
+_DONE = b"data: [DONE]\n\n"  # a stream's last event (sse_stream)
 
 
 def build_http_app(gateway: Gateway) -> FastAPI:
@@ -52,8 +56,9 @@ def build_http_app(gateway: Gateway) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         statuses = gateway.backend.worker_statuses()
+        status = "ok" if gateway.backend.is_ready() else "unavailable"
         body = {
-            "status": "ok" if gateway.backend.is_ready() else "unavailable",
+            "status": "shutting_down" if gateway.draining else status,
             "workers": {
                 role: sum(1 for s in statuses if s.alive and s.role == role)
                 for role in ("prefill", "decode")
@@ -189,11 +194,23 @@ async def _generate(
         admission = contextlib.ExitStack()
         live = admission.enter_context(gateway.admitted(header.id, caller))
         generations = _generations(gateway, job, header, arrived_at)
-        events = event_stream(gateway, job, header, generations, live)
+        events = _ending_with_cut_off(event_stream(gateway, job, header, generations, live), live)
         return EventStreamResponse(events, on_close=admission.close, request_id=header.id)
     with gateway.admitted(header.id, caller) as live:
         generations = _generations(gateway, job, header, arrived_at)
         return await _respond_whole(gateway, request, job, header, generations, live)
+
+
+async def _ending_with_cut_off(
+    events: AsyncGenerator[bytes, None], live: LiveRequest
+) -> AsyncGenerator[bytes, None]:
+    """Yields ``events``; for a request cut off at shutdown, its error is the last event
+    before ``[DONE]`` (after each unfinished choice's "abort" chunk)."""
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if event == _DONE and live.cut_off is not None:
+                yield b"data: " + json.dumps(live.cut_off.body()).encode() + b"\n\n"
+            yield event
 
 
 def _generations(
@@ -247,6 +264,9 @@ async def _respond_whole(
         logger.exception("request %s failed", header.id)
         gateway.record_outcome("failed")
         raise internal_error(error) from error
+    if live.cut_off is not None:  # the server shut down before it finished
+        gateway.record_outcome("aborted")
+        raise live.cut_off
     if live.aborted.is_set():  # an Abort call cut it short: what was generated, as gRPC sends
         for choice in choices:
             choice.finish_reason = choice.finish_reason or "abort"

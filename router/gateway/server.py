@@ -1,23 +1,36 @@
 """The front doors' servers: HTTP (uvicorn) and gRPC (grpc.aio) on one event loop.
 
 ``GatewayServer`` runs both on a background thread so that ``pdserve serve`` and tests drive
-it alike: ``start()`` returns once both listen (ports resolved when 0 was asked for), ``stop()``
-closes them. Binding follows the security model: without API keys only a loopback address is
-allowed unless the operator says ``--allow-unauthenticated``.
+it alike: ``start()`` returns once both listen (ports resolved when 0 was asked for),
+``drain()`` refuses new requests and lets those in flight end (cutting off the rest after its
+timeout), ``stop()`` closes them. Binding follows the security model: without API keys only a
+loopback address is allowed unless the operator says ``--allow-unauthenticated``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import socket
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import uvicorn
 
 from router.gateway.http_app import build_http_app
 from router.gateway.service import Gateway
+
+# after a drain cuts requests off: how long their clients have to be sent why
+_CUT_OFF_FLUSH_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class DrainOutcome:
+    num_in_flight: int  # requests in flight when the drain began
+    num_cut_off: int  # of those, still running when it ended: ended with an error
+    cut_short: bool  # ended before its timeout because told to stop at once
 
 
 def check_bind_address(host: str, has_api_keys: bool, allow_unauthenticated: bool) -> None:
@@ -66,6 +79,20 @@ class GatewayServer:
         started: Future[None] = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
         started.result(timeout=60)
 
+    def drain(self, timeout_s: float, stop_now: threading.Event) -> DrainOutcome:
+        """Refuses new requests (503) and waits up to ``timeout_s`` for those in flight to end,
+        less if ``stop_now`` is set meanwhile; then ends the rest, each client told why."""
+        if not self._thread.is_alive():  # never started: nothing to drain
+            return DrainOutcome(0, 0, cut_short=False)
+        hurry = asyncio.Event()  # stop_now, on the server's loop
+        drained = asyncio.run_coroutine_threadsafe(self._drain(timeout_s, hurry), self._loop)
+        while True:
+            try:
+                return drained.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                if stop_now.is_set():
+                    self._loop.call_soon_threadsafe(hurry.set)
+
     def stop(self) -> None:
         if not self._thread.is_alive():
             return
@@ -98,6 +125,25 @@ class GatewayServer:
             if self._serving.done():  # failed to start: raise its error
                 self._serving.result()
             await asyncio.sleep(0.01)
+
+    async def _drain(self, timeout_s: float, hurry: asyncio.Event) -> DrainOutcome:
+        gateway = self.gateway
+        gateway.start_draining()
+        num_in_flight = gateway.num_in_flight
+        idle = asyncio.ensure_future(gateway.wait_idle(timeout_s))
+        hurried = asyncio.ensure_future(hurry.wait())
+        await asyncio.wait({idle, hurried}, return_when=asyncio.FIRST_COMPLETED)
+        cut_short = not idle.done()
+        idle.cancel()
+        hurried.cancel()
+        if cut_short:
+            reason = "the server is shutting down and was told to stop at once"
+        else:
+            reason = f"the server is shutting down and its drain timeout of {timeout_s:g} s ran out"
+        num_cut_off = gateway.cut_off_in_flight(reason)
+        if num_cut_off:
+            await gateway.wait_idle(_CUT_OFF_FLUSH_S)
+        return DrainOutcome(num_in_flight, num_cut_off, cut_short)
 
     async def _stop(self) -> None:
         if self._uvicorn is not None and self._serving is not None:

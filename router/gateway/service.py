@@ -4,6 +4,11 @@ metrics it records, and the registry of live requests that ``Abort`` reaches.
 Admission answers 503 while the cluster cannot serve (no live prefill or decode worker) and 429
 once ``max_concurrent_requests`` are in flight through this gateway, both with Retry-After.
 
+Shutting down: ``start_draining`` -> every new request is refused (503, Retry-After) while those
+in flight run on -> ``wait_idle`` until they have ended or the drain timeout ->
+``cut_off_in_flight`` ends the rest, each front door telling its client why (an error event,
+response or status).
+
 Requests are parsed (chat template, tokenizer) on a few threads of their own, off the event loop
 that streams every client's tokens: a prompt at the character limit of a long-context model
 takes the tokenizer about a second.
@@ -34,6 +39,7 @@ T = TypeVar("T")
 # Threads that parse requests. A fast tokenizer encodes without the GIL, so two let a short
 # prompt through while a long one is tokenized.
 _PARSER_THREADS = 2
+_SHUTDOWN_RETRY_AFTER_S = 5  # Retry-After of the 503s a shutting-down server answers
 
 
 class ClusterBackend(GenerationBackend, Protocol):
@@ -51,7 +57,10 @@ class ClusterBackend(GenerationBackend, Protocol):
 @dataclass(slots=True)
 class LiveRequest:
     tenant_salt: str | None  # only the same tenant may abort it
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # set: end it now
+    # why the server ended it unfinished (it was in flight when the drain at shutdown ran
+    # out): the error its client is sent; None: it ends by itself or by an Abort call
+    cut_off: ApiError | None = None
 
 
 class Gateway:
@@ -74,7 +83,10 @@ class Gateway:
             slo or SloTargets(),
         )
         self.num_in_flight = 0
+        self.draining = False  # shutting down: new requests are refused
         self._live: dict[str, LiveRequest] = {}
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
         self._parsers = ThreadPoolExecutor(_PARSER_THREADS, thread_name_prefix="gateway-parse")
 
     async def parse(self, parse: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -103,15 +115,25 @@ class Gateway:
         """Hold one of the gateway's in-flight slots while a request runs."""
         self.check_admission()
         self.num_in_flight += 1
+        self._idle.clear()
         live = self._live[request_id] = LiveRequest(caller.tenant_salt)
         try:
             yield live
         finally:
             self.num_in_flight -= 1
             del self._live[request_id]
+            if not self.num_in_flight:
+                self._idle.set()
 
     def check_admission(self) -> None:
-        """ApiError(503) while the cluster cannot serve, ApiError(429) when the gateway is full."""
+        """ApiError(503) while the server shuts down or the cluster cannot serve, ApiError(429)
+        when the gateway is full."""
+        if self.draining:
+            self.metrics.requests.labels(status="rejected").inc()
+            raise _shutting_down(
+                "the server is shutting down and takes no new requests; retry on another "
+                "replica or once it is back"
+            )
         if not self.backend.is_ready():
             self.metrics.requests.labels(status="rejected").inc()
             raise unavailable("no live prefill or decode worker can take the request now")
@@ -121,6 +143,28 @@ class Gateway:
                 f"the server is at its limit of {self.limits.max_concurrent_requests} "
                 "concurrent requests; retry later"
             )
+
+    def start_draining(self) -> None:
+        """Refuses every new request from now on; those in flight run on. /health says 503."""
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no request is in flight: True then, False if ``timeout_s`` passed first."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def cut_off_in_flight(self, reason: str) -> int:
+        """Ends every request in flight now, each client told ``reason`` in a 503 error (as a
+        stream's last event, the response, or the call's status); returns how many."""
+        for live in self._live.values():
+            live.cut_off = _shutting_down(reason)
+            live.aborted.set()
+        return len(self._live)
 
     def abort(self, request_id: str, caller: Caller) -> bool:
         """Abort a live request of the caller's tenant; False when there is none."""
@@ -156,6 +200,16 @@ class Gateway:
 
     def record_outcome(self, status: str) -> None:
         self.metrics.requests.labels(status=status).inc()
+
+
+def _shutting_down(message: str) -> ApiError:
+    return ApiError(
+        503,
+        message,
+        "service_unavailable",
+        code="shutting_down",
+        retry_after_s=_SHUTDOWN_RETRY_AFTER_S,
+    )
 
 
 def new_request_id(prefix: str) -> str:
