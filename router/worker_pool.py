@@ -34,6 +34,7 @@ from router.load_ledger import LoadLedger
 from router.worker_slots import CALL_TIMEOUT_S, WorkerLauncher, WorkerSlot
 
 logger = logging.getLogger("router.cluster")
+_ANSWER_WAIT_S = 0.1  # how long a poll waits for the load calls it sent, all together
 Role = Literal["prefill", "decode"]
 
 
@@ -54,6 +55,7 @@ class WorkerHandle:
     stalled: bool = False
     load_call: Any = None  # the load call sent and not answered yet (one at a time)
     load_asked_at: float = 0.0  # monotonic time ``load_call`` was sent
+    report_asked_at: float = float("-inf")  # monotonic time the latest report was asked for
     probe: Any = None  # the load call a stalled worker has not answered yet (one at a time)
     probe_roster: int = 0  # a prefill worker's probe: the decode roster version it carried
     slot: str = ""  # its slot in the pool (router.worker_slots); "": its worker id
@@ -152,6 +154,16 @@ class WorkerPool:
         with self._lock:
             return any(w.role == role and w.alive for w in self.workers.values())
 
+    def reported_since(self, asked_after: float) -> bool:
+        """Every worker in rotation has reported, in a report asked for at ``asked_after`` or
+        later."""
+        with self._lock:
+            return all(
+                w.ledger.report is not None and w.report_asked_at >= asked_after
+                for w in self.workers.values()
+                if w.alive
+            )
+
     def is_alive(self, worker_id: str) -> bool:
         worker = self.workers.get(worker_id)
         return worker is not None and worker.alive
@@ -191,10 +203,21 @@ class WorkerPool:
 
     # ---- health ---------------------------------------------------------------------------
     def poll(self, is_open: Callable[[str], bool]) -> PoolChanges:
-        """One round of the load poll, never waiting: record the reports that came, ask again,
-        take out the workers whose process is gone or that were silent for ``dead_after_s``,
-        and probe the stalled ones. ``is_open`` says whether a request has not ended yet."""
-        lost = [w for w in list(self.workers.values()) if w.alive and self._poll_one(w, is_open)]
+        """One round of the load poll: ask every worker in rotation for its load (one call out
+        per worker), wait at most ``_ANSWER_WAIT_S`` for the answers together, record those
+        that came, take out the workers whose process is gone or that were silent for
+        ``dead_after_s``, and probe the stalled ones. A late answer is looked at next round. ``is_open`` says whether a request has not ended yet."""
+        live = [w for w in list(self.workers.values()) if w.alive]
+        for worker in live:
+            if worker.load_call is None:
+                worker.load_call, worker.load_asked_at = (
+                    worker.actor.load.remote(),
+                    time.monotonic(),
+                )
+        if live:  # a prompt worker answers within milliseconds: its report is fresh
+            wait_s = min(_ANSWER_WAIT_S, self.config.report_interval_s)
+            ray.wait([w.load_call for w in live], num_returns=len(live), timeout=wait_s)
+        lost = [w for w in live if self._poll_one(w, is_open)]
         self._probe_stalled(is_open)
         with self._lock:
             lost += self._lost
@@ -202,10 +225,7 @@ class WorkerPool:
         return PoolChanges([w for w in lost if not w.alive], joined)
 
     def _poll_one(self, worker: WorkerHandle, is_open: Callable[[str], bool]) -> bool:
-        """Look at one worker's load call (sending it if none is out); True if it was taken
-        out of rotation."""
-        if worker.load_call is None:
-            worker.load_call, worker.load_asked_at = worker.actor.load.remote(), time.monotonic()
+        """Look at one worker's load call; True if it was taken out of rotation."""
         try:
             load = _answer(worker.load_call)
         except ray.exceptions.RayActorError:
@@ -218,9 +238,8 @@ class WorkerPool:
             return silent_s >= self.config.dead_after_s and self.take_out(worker, stalled=True)
         with self._lock:
             worker.ledger.record(load, worker.load_asked_at, is_open)
-            worker.last_report = time.monotonic()
-        # the next report is asked for now, so that the next round finds it answered
-        worker.load_call, worker.load_asked_at = worker.actor.load.remote(), time.monotonic()
+            worker.last_report, worker.report_asked_at = time.monotonic(), worker.load_asked_at
+        worker.load_call = None  # the next round asks again
         return False
 
     def take_out(self, worker: WorkerHandle, *, stalled: bool = False) -> bool:
@@ -295,7 +314,7 @@ class WorkerPool:
             with self._lock:
                 worker.probe = None
                 worker.ledger.record(load, requested_at, is_open)
-                worker.last_report = time.monotonic()
+                worker.last_report, worker.report_asked_at = time.monotonic(), requested_at
                 worker.stalled, worker.alive = False, True
             return True
         finally:
@@ -458,7 +477,7 @@ class WorkerPool:
         ``asked_at`` (under ``_membership`` too); the slot's earlier workers whose
         process is gone count as replaced."""
         worker.ledger.record(load, asked_at, lambda request_id: True)  # (it holds none yet)
-        worker.last_report = time.monotonic()
+        worker.last_report, worker.report_asked_at = time.monotonic(), asked_at
         for earlier in self.workers.values():  # a stalled one may still come back
             if earlier.slot == worker.slot and not (earlier.alive or earlier.stalled):
                 earlier.replaced = True

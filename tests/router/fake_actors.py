@@ -39,7 +39,9 @@ class FakeRay:
     exceptions = ray.exceptions
 
     @staticmethod
-    def wait(refs: list[Ref], timeout: float | None = None) -> tuple[list[Ref], list[Ref]]:
+    def wait(
+        refs: list[Ref], num_returns: int = 1, timeout: float | None = None
+    ) -> tuple[list[Ref], list[Ref]]:
         return refs, []  # every call is answered at once (or raises when got)
 
     @staticmethod
