@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import gc
 import json
 import shlex
 import socket
@@ -45,17 +44,13 @@ _STOP_LIMIT_S = 9.0
 
 
 def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
-    """Runs ``pdserve serve``; the process is to exit once it returns."""
+    """Runs ``pdserve serve`` until it is stopped; returns the exit status."""
     interrupt_on_stop_signals()  # until it serves: SIGTERM, as Ctrl-C, stops the start
     try:
         return _run_serve(args, config)
     except KeyboardInterrupt:
         print("pdserve: interrupted", flush=True)
         return 130
-    finally:
-        # The process exits next: its objects are left out of the collections on the way out,
-        # which walk the whole heap (transformers and torch are loaded) for about a second.
-        gc.freeze()
 
 
 def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
