@@ -91,6 +91,14 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="no CUDA graphs of decode steps (cuda only)"
     )
     cluster.add_argument("--address", default=None, help="'auto' joins a running Ray cluster")
+    cluster.add_argument(
+        "--node-ip",
+        default=None,
+        help="this node's address for Ray. Without --address, the local Ray's processes (and "
+        "the workers' KV data plane) listen on 127.0.0.1 only, unless this names another "
+        "address, which makes Ray listen on every interface; with --address, default: the "
+        "node's cluster address as Ray finds it",
+    )
     cluster.add_argument("--router-policy", default="least_loaded", choices=list(POLICY_NAMES))
     cluster.add_argument(
         "--kv-transport",
@@ -202,6 +210,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     )
     front = serve.add_argument_group("front doors")
     front.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
+    front.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or Ctrl-C: new requests get 503 and requests in flight get this long "
+        "to finish before they are ended with an error; a second signal ends the wait at once",
+    )
     front.add_argument("--http-port", type=_int_in(0, 65535), default=8000, help="0: any free port")
     front.add_argument(
         "--grpc-port",
@@ -376,6 +391,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         address=args.address,
+        node_ip=args.node_ip,
         router_policy=args.router_policy,
         kv_transport=args.kv_transport,
         kv_transfer_checksum=args.kv_transfer_checksum,

@@ -33,6 +33,7 @@ from engine.messages import GenerateRequest, RequestFailure, TokenEvent, WorkerL
 from engine.sampling.params import SamplingParams
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import bind_this_process, plan_cpu_binding, threads_per_worker
+from router.local_ray import start_ray
 from router.output_pump import OutputPump
 from router.placements import Placements, RequestFailedError
 from router.ray_capacity import cpus_shortfall, gpus_shortfall, resources_shortfall
@@ -89,7 +90,7 @@ class Cluster:
             _unnice_local_workers()
             if binding is not None:  # before Ray starts: its processes inherit the binding
                 bind_this_process(binding.other_cpus)
-            ray.init(address=config.address, ignore_reinit_error=True, log_to_driver=False)
+            start_ray(config.address, config.node_ip)  # a local Ray: on loopback by default
         if config.address is None:  # a joined cluster may still grow: Ray waits for it
             resources = ray.cluster_resources()
             num_workers = config.num_prefill + config.num_decode
@@ -258,11 +259,13 @@ class Cluster:
         for worker in changes.joined:
             self.pump.start(worker)
 
-    def poll_until_reported(self) -> None:
-        """Poll until every worker has reported once (each answers at once when started)."""
+    def poll_until_reported(self, asked_after: float = float("-inf")) -> None:
+        """Poll until every worker in rotation has reported in a report asked for at
+        ``asked_after`` or later (default: any report). A worker that stays silent is taken
+        out after ``dead_after_s``, which ends the wait too."""
         while True:
             self.poll()
-            if all(w.load is not None or not w.alive for w in self.pool.workers.values()):
+            if self.pool.reported_since(asked_after):
                 return
             time.sleep(0.01)
 

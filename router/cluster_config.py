@@ -26,6 +26,9 @@ class ClusterConfig:
     )
     enforce_eager: bool = False  # no CUDA graphs of decode steps (LoadConfig.enforce_eager)
     address: str | None = None  # None: start a local Ray; "auto": join the running cluster
+    # this node's address for Ray (router.local_ray): a local Ray's processes listen on it, on
+    # 127.0.0.1 only when None; a joined cluster's, when None, is the one Ray finds
+    node_ip: str | None = None
     router_policy: str = "least_loaded"
     kv_transport: str = "auto"  # auto: per pair, kv_transfer.policy.transport_between
     data_plane_host: str = "auto"  # auto: each worker binds to its node's cluster address

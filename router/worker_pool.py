@@ -31,6 +31,7 @@ import ray
 from engine.messages import GenerateRequest, WorkerLoad
 from router.cluster_config import ClusterConfig
 from router.load_ledger import LoadLedger
+from router.worker_shutdown import join_threads, stop_actors
 from router.worker_slots import CALL_TIMEOUT_S, WorkerLauncher, WorkerSlot
 
 logger = logging.getLogger("router.cluster")
@@ -520,13 +521,8 @@ class WorkerPool:
         self.stopping.set()
         with self._membership:
             workers = list(self.workers.values())
-        for worker in workers:
-            if worker.alive:
-                with contextlib.suppress(Exception):  # already gone
-                    ray.get(worker.actor.shutdown.remote(), timeout=10)
-                ray.kill(worker.actor)
-        for thread in self._threads:
-            thread.join(timeout=5)
+        stop_actors([w.actor for w in workers if w.alive or w.stalled])  # a hung one: one grace
+        join_threads(self._threads, timeout_s=1.0)  # daemons: any left end with the process
 
 
 def _answer(call: Any) -> WorkerLoad | None:

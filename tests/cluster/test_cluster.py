@@ -142,7 +142,7 @@ def test_short_prompts_are_prefilled_on_their_decode_worker(
         local_cluster_config(llama_dir, num_prefill=1, num_decode=1, local_prefill=rule)
     )
     assert _run_all(cluster) == expected
-    cluster.poll()
+    cluster.poll_until_reported(time.monotonic())
     counters = {s.worker_id: s.load.counters for s in cluster.worker_statuses()}
     prompts, _ = _workload()
     long = [len(p) for p in prompts if len(p) > 40]

@@ -5,6 +5,7 @@ towards that worker while it waits, whatever load reports come back meanwhile.""
 from __future__ import annotations
 
 import asyncio
+import time
 import queue
 import threading
 from collections.abc import Coroutine, Iterator
@@ -69,7 +70,7 @@ def _colocated_cluster(*workers: WorkerHandle) -> Cluster:
     config = ClusterConfig(model_dir="unused", num_prefill=0, num_decode=len(workers))
     cluster = Cluster(config, list(workers))
     cluster.start_threads()
-    cluster.poll()
+    cluster.poll_until_reported()
     return cluster
 
 
@@ -93,7 +94,7 @@ def test_a_worker_slow_to_accept_does_not_stall_other_requests(ray_session: None
             await asyncio.sleep(0.01)
         # A load report taken now does not show the request waiting at decode-0's door;
         # the router still counts it there.
-        cluster.poll()
+        cluster.poll_until_reported(time.monotonic())
         # routed to decode-1 and answered while decode-0 still holds the first request
         assert await asyncio.wait_for(first_token([4, 5]), timeout=10) == 7
         assert not slow.done()

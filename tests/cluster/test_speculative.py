@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def test_greedy_requests_match_the_offline_engine_and_the_decode_worker_drafts(
     assert {w.worker_id: _speculates(w.actor) for w in workers} == {
         w.worker_id: w.role == "decode" for w in workers
     }
-    cluster.poll()
+    cluster.poll_until_reported(time.monotonic())
     counters = {s.worker_id: s.load.counters for s in cluster.worker_statuses() if s.load}
     decode = counters["decode-0"]
     # drafts were checked and some stood: those steps emitted several tokens of a request

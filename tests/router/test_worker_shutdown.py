@@ -37,10 +37,15 @@ def _remote_worker(**options: Any) -> Any:
 
 
 def _is_gone(actor: Any) -> bool:
-    try:
-        ray.get(actor.ping.remote(), timeout=WAIT_S)
-    except ray.exceptions.RayActorError:
-        return True
+    """Whether the actor's process goes away: a kill lands asynchronously, so a ping sent just
+    after it may still be answered; each next ping is sent once the one before is answered."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=WAIT_S)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.05)
     return False
 
 
