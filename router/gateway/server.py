@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ipaddress
 import socket
 import threading
 from concurrent.futures import Future
@@ -21,6 +20,7 @@ import uvicorn
 
 from router.gateway.http_app import build_http_app
 from router.gateway.service import Gateway
+from router.local_ray import is_loopback
 
 # after a drain cuts requests off: how long their clients have to be sent why
 _CUT_OFF_FLUSH_S = 2.0
@@ -35,21 +35,12 @@ class DrainOutcome:
 
 def check_bind_address(host: str, has_api_keys: bool, allow_unauthenticated: bool) -> None:
     """Refuse to expose a server without API keys beyond this machine, unless told to."""
-    if has_api_keys or allow_unauthenticated or _is_loopback(host):
+    if has_api_keys or allow_unauthenticated or is_loopback(host):
         return
     raise ValueError(
         f"refusing to listen on {host} without an API key: pass --api-key / --api-key-file, "
         "or --allow-unauthenticated to serve anyone who can reach this address"
     )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class GatewayServer:
