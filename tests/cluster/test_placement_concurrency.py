@@ -5,9 +5,9 @@ towards that worker while it waits, whatever load reports come back meanwhile.""
 from __future__ import annotations
 
 import asyncio
-import time
 import queue
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
