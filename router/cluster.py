@@ -253,11 +253,13 @@ class Cluster:
     # ---- health -------------------------------------------------------------------------
     def poll(self) -> None:
         """One round of the load monitor: poll the pools, recover the requests of workers
-        taken out of rotation, read the outputs of workers that joined."""
+        taken out of rotation, read the outputs of workers that joined, probe stalled ones."""
         changes = self.pool.poll(self.placements.is_open)
         self.placements.recover(changes.lost)
         for worker in changes.joined:
             self.pump.start(worker)
+        # after the recovery: a stalled worker comes back with none of its requests
+        self.pool.probe_stalled(self.placements.is_open)
 
     def poll_until_reported(self, asked_after: float = float("-inf")) -> None:
         """Poll until every worker in rotation has reported in a report asked for at

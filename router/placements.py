@@ -127,11 +127,8 @@ class Placements:
                     placement_id = self._new_placement_locked(tracker)
                     tracker.candidates = tuple(w for w in (prefill_id, decode_id) if w)
                 target = self.pool.get(prefill_id or decode_id)
-                if not self._submit_to(
-                    target,
-                    replace(request, request_id=placement_id),
-                    decode_id if prefill_id else None,
-                ):
+                placed = replace(request, request_id=placement_id)
+                if not self._submit_to(target, placed, decode_id if prefill_id else None, tracker):
                     continue
                 if self._record_placement(tracker, prefill_id, decode_id, local):
                     return
@@ -145,11 +142,15 @@ class Placements:
                 self._abort_on({worker_id}, placement_id)
 
     def _submit_to(
-        self, target: WorkerHandle, placed: GenerateRequest, decode_id: str | None
+        self,
+        target: WorkerHandle,
+        placed: GenerateRequest,
+        decode_id: str | None,
+        tracker: RequestTracker,
     ) -> bool:
-        """Ask ``target`` to take a placement (a prefill worker: for ``decode_id``); False if
-        it is lost (out of rotation, its requests recovered). A slow worker is waited for up
-        to ``dead_after_s``: slow is not dead."""
+        """Ask ``target`` to take a placement of ``tracker``'s request (a prefill worker: for
+        ``decode_id``); False if it is lost (out of rotation, its other requests recovered).
+        A slow worker is waited for up to ``dead_after_s``: slow is not dead."""
         try:
             if decode_id is None:
                 ref = target.actor.submit.remote(placed)
@@ -157,10 +158,10 @@ class Placements:
                 ref = target.actor.submit.remote(placed, decode_id)
             ray.get(ref, timeout=self.config.dead_after_s)
         except ray.exceptions.RayActorError:
-            self._lose(target)
+            self._lose(target, skip=tracker)
             return False
         except ray.exceptions.GetTimeoutError:
-            self._lose(target, stalled=True)
+            self._lose(target, skip=tracker, stalled=True)
             target.actor.abort.remote(placed.request_id)  # it may take it when it wakes
             return False
         return True

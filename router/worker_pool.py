@@ -206,42 +206,47 @@ class WorkerPool:
     def poll(self, is_open: Callable[[str], bool]) -> PoolChanges:
         """One round of the load poll: ask every worker in rotation for its load (one call out
         per worker), wait at most ``_ANSWER_WAIT_S`` for the answers together, record those
-        that came, take out the workers whose process is gone or that were silent for
-        ``dead_after_s``, and probe the stalled ones. A late answer is looked at next round. ``is_open`` says whether a request has not ended yet."""
-        live = [w for w in list(self.workers.values()) if w.alive]
-        for worker in live:
-            if worker.load_call is None:
-                worker.load_call, worker.load_asked_at = (
-                    worker.actor.load.remote(),
-                    time.monotonic(),
-                )
-        if live:  # a prompt worker answers within milliseconds: its report is fresh
+        that came, and take out the workers whose process is gone or that were silent for
+        ``dead_after_s``; a late answer is looked at next round. ``is_open`` says whether a
+        request has not ended yet. Returns the workers taken out by the pool since the last
+        round (a round that fails part-way leaves its own for the next) and those that joined.
+        """
+        calls = {}
+        for worker in [w for w in list(self.workers.values()) if w.alive]:
+            call = worker.load_call
+            if call is None:
+                call = worker.load_call = worker.actor.load.remote()
+                worker.load_asked_at = time.monotonic()
+            calls[worker.worker_id] = (worker, call)
+        if calls:  # a prompt worker answers within milliseconds: its report is fresh
             wait_s = min(_ANSWER_WAIT_S, self.config.report_interval_s)
-            ray.wait([w.load_call for w in live], num_returns=len(live), timeout=wait_s)
-        lost = [w for w in live if self._poll_one(w, is_open)]
-        self._probe_stalled(is_open)
+            refs = [call for _, call in calls.values()]
+            ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        for worker, call in calls.values():
+            self._poll_one(worker, call, is_open)
         with self._lock:
-            lost += self._lost
-            joined, self._lost, self._joined = self._joined, [], []
-        return PoolChanges([w for w in lost if not w.alive], joined)
+            lost, joined, self._lost, self._joined = self._lost, self._joined, [], []
+        return PoolChanges(lost, joined)
 
-    def _poll_one(self, worker: WorkerHandle, is_open: Callable[[str], bool]) -> bool:
-        """Look at one worker's load call; True if it was taken out of rotation."""
+    def _poll_one(self, worker: WorkerHandle, call: Any, is_open: Callable[[str], bool]) -> None:
+        """Look at the answer to one worker's load ``call``."""
+        if not worker.alive:  # taken out meanwhile, by the thread that found it lost
+            return
         try:
-            load = _answer(worker.load_call)
+            load = _answer(call)
         except ray.exceptions.RayActorError:
-            return self.take_out(worker)
+            self._report_lost(worker, stalled=False)
+            return
         except ray.exceptions.RayError:  # the call failed, not the worker: ask again
-            worker.load_call = None
-            load = None
+            worker.load_call = load = None
         if load is None:
-            silent_s = time.monotonic() - worker.last_report
-            return silent_s >= self.config.dead_after_s and self.take_out(worker, stalled=True)
+            if time.monotonic() - worker.last_report >= self.config.dead_after_s:
+                self._report_lost(worker, stalled=True)
+            return
         with self._lock:
             worker.ledger.record(load, worker.load_asked_at, is_open)
             worker.last_report, worker.report_asked_at = time.monotonic(), worker.load_asked_at
         worker.load_call = None  # the next round asks again
-        return False
 
     def take_out(self, worker: WorkerHandle, *, stalled: bool = False) -> bool:
         """Take a worker out of rotation; True if it was in rotation (the caller recovers its
@@ -263,7 +268,7 @@ class WorkerPool:
             self._on_process_gone(worker)
         return True
 
-    def _probe_stalled(self, is_open: Callable[[str], bool]) -> None:
+    def probe_stalled(self, is_open: Callable[[str], bool]) -> None:
         """Put back in rotation a worker that stopped answering and answers again (a long GC
         pause, swapping, a stopped process continued). Its requests were recovered and it was
         told to drop them when it went out, so it comes back empty-handed as far as the router
@@ -504,7 +509,7 @@ class WorkerPool:
                 self._report_lost(prefill, stalled=True)
 
     def _report_lost(self, worker: WorkerHandle, *, stalled: bool) -> None:
-        """Take out a worker found dead on a pool thread; the next poll reports it."""
+        """Take out a worker found lost on a pool thread; ``poll`` reports it."""
         if self.take_out(worker, stalled=stalled):
             with self._lock:
                 self._lost.append(worker)

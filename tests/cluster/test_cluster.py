@@ -380,6 +380,39 @@ def test_killed_prefill_worker_queued_requests_are_rerouted(
     assert not cluster.pool.workers["prefill-0"].alive
 
 
+def test_a_decode_and_a_prefill_worker_killed_together_lose_and_duplicate_nothing(
+    start_cluster,
+    llama_dir: Path,
+    expected_long: list[list[int]],  # type: ignore[no-untyped-def]
+) -> None:
+    """2P2D under load: decode-1 dies with sequences decoding on it, prefill-0 at the same
+    moment with prompts queued on it. Every request ends exactly as the offline engine's
+    output: no token lost, none twice, none out of order."""
+    config = local_cluster_config(llama_dir, num_prefill=2, num_decode=2, max_num_batched_tokens=8)
+    cluster = start_cluster(config)
+    prompts, params = _long_workload()
+
+    def queued_on_prefill_0() -> int:
+        return sum(
+            t.prefill_worker == "prefill-0" and not t.delivered
+            for t in cluster.placements.open_trackers()
+        )
+
+    async def main() -> list[list[int]]:
+        tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
+        await _wait_for(
+            lambda: _num_decoding_on(cluster, "decode-1") >= 2 and queued_on_prefill_0() >= 1,
+            timeout_s=60,
+        )
+        for worker_id in ("decode-1", "prefill-0"):
+            ray.kill(cluster.pool.workers[worker_id].actor)
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=120))
+
+    assert asyncio.run(main()) == expected_long
+    assert not cluster.pool.workers["decode-1"].alive
+    assert not cluster.pool.workers["prefill-0"].alive
+
+
 def test_killed_workers_are_replaced_and_the_new_pair_serves_exactly(
     start_cluster,
     llama_dir: Path,

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 import router.cluster
-from engine.messages import GenerateRequest, OutputBatch, RequestFailure, TokenEvent
+from engine.messages import GenerateRequest, OutputBatch, RequestFailure, TokenEvent, WorkerLoad
 from engine.sampling.params import SamplingParams
 from router.local_prefill import LocalPrefillRule
 from router.placements import RequestFailedError
@@ -441,3 +441,41 @@ def test_requests_wait_for_a_late_pool_in_a_bounded_queue() -> None:
         waiting.cancel()
 
     asyncio.run(main())
+
+
+def test_a_worker_taken_out_by_a_placement_during_a_poll_is_skipped_by_the_poll() -> None:
+    """A placement thread finds decode-1 dead while a load poll is between asking and looking
+    (the poll once read the call the placement had cleared, raised, and dropped the workers it
+    had itself taken out that round: their requests hung)."""
+    cluster, actors = make_cluster(0, 2)
+    _first_of(cluster, "decode-1")
+    tracker, _ = submit(cluster, "r1", max_tokens=4)
+
+    def load_finding_decode_1_dead() -> WorkerLoad:
+        actors["decode-1"].dead = True
+        cluster.placements._lose(cluster.pool.workers["decode-1"])
+        return WorkerLoad("decode-0", 0, 0, 0, 0.0)
+
+    actors["decode-0"].do_load = load_finding_decode_1_dead  # type: ignore[method-assign]
+    cluster.poll()
+    assert tracker.decode_worker == "decode-0" and tracker.num_retries == 1
+
+
+def test_a_worker_a_failed_poll_took_out_is_recovered_by_the_next() -> None:
+    """The poll takes decode-0 out, then fails on the next worker (a bug): decode-0's requests
+    are recovered by the next round, not dropped with the round that failed."""
+    cluster, actors = make_cluster(0, 2)
+    _first_of(cluster, "decode-0")
+    tracker, _ = submit(cluster, "r1", max_tokens=4)
+    actors["decode-0"].dead = True
+
+    def broken_load() -> WorkerLoad:
+        raise RuntimeError("a bug in a load report")
+
+    actors["decode-1"].do_load = broken_load  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        cluster.poll()
+    assert not cluster.pool.workers["decode-0"].alive and tracker.decode_worker == "decode-0"
+    del actors["decode-1"].do_load  # its reports work again
+    cluster.poll()
+    assert tracker.decode_worker == "decode-1" and tracker.num_retries == 1
