@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -55,6 +56,7 @@ class EngineLoop:
         # waiting for the lock, so a long step never holds back a report (replaced, never
         # changed in place: readers take the reference without a lock).
         self._load_report = self._measure_load_locked()
+        self._turn_ended_at = time.monotonic()  # the loop's last step or wait for work ended
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -173,7 +175,10 @@ class EngineLoop:
             num_kv_transfer_bytes=num_bytes,
             kv_transfer_seconds=seconds,
         )
-        return dataclasses.replace(report, counters=counters)
+        since_progress_s = max(0.0, time.monotonic() - self._turn_ended_at)
+        return dataclasses.replace(
+            report, counters=counters, seconds_since_progress=since_progress_s
+        )
 
     def _measure_load_locked(self) -> WorkerLoad:
         """The engine's load now, without the worker's KV transfer totals."""
@@ -198,6 +203,7 @@ class EngineLoop:
                     self._work.wait(_IDLE_WAIT_S)
                     # (callers that change the engine under the lock without ``call``)
                     self._load_report = self._measure_load_locked()
+                    self._turn_ended_at = time.monotonic()
                 if self._stopping:
                     return
                 try:
@@ -208,6 +214,7 @@ class EngineLoop:
                     continue
                 finally:
                     self._load_report = self._measure_load_locked()
+                    self._turn_ended_at = time.monotonic()
                 batches = self._batches_locked(step)
             for gateway, batch in batches.items():
                 self._queue(gateway).put(batch)

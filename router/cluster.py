@@ -255,9 +255,9 @@ class Cluster:
         """One round of the load monitor: poll the pools, recover the requests of workers
         taken out of rotation, read the outputs of workers that joined, probe stalled ones."""
         changes = self.pool.poll(self.placements.is_open)
-        self.placements.recover(changes.lost)
-        for worker in changes.joined:
+        for worker in changes.joined:  # first: a joined worker is routed to at once
             self.pump.start(worker)
+        self.placements.recover(changes.lost)
         # after the recovery: a stalled worker comes back with none of its requests
         self.pool.probe_stalled(self.placements.is_open)
 

@@ -5,6 +5,7 @@ cluster stops."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import ray
 
@@ -19,9 +20,15 @@ class OutputPump:
         self.gateway_id = gateway_id
         self._pool = pool
         self._placements = placements
+        self._started: set[str] = set()  # workers whose stream is read (one thread each)
+        self._lock = threading.Lock()  # guards _started
 
     def start(self, worker: WorkerHandle) -> None:
-        """Read ``worker``'s output stream on a thread of its own."""
+        """Read ``worker``'s output stream on a thread of its own (once per worker)."""
+        with self._lock:
+            if worker.worker_id in self._started:
+                return
+            self._started.add(worker.worker_id)
         self._pool.spawn(self._pump, worker, name=f"pump-{worker.worker_id}")
 
     def _pump(self, worker: WorkerHandle) -> None:

@@ -65,7 +65,7 @@ class Placements:
             tracker = RequestTracker(request, sink, None, "")
             self._trackers[request.request_id] = tracker
         try:
-            self._place(tracker, request)
+            self._place(tracker, request, self.config.dead_after_s)
         except BaseException:
             with self._lock:
                 self._forget_locked(tracker)
@@ -108,8 +108,9 @@ class Placements:
                 del self._placed[placement_id]
 
     # ---- placing ----------------------------------------------------------------------------
-    def _place(self, tracker: RequestTracker, request: GenerateRequest) -> None:
-        """Pick workers for a (re)submitted request and send it there.
+    def _place(self, tracker: RequestTracker, request: GenerateRequest, wait_s: float) -> None:
+        """Pick workers for a (re)submitted request and send it there, waiting up to
+        ``wait_s`` for a worker to take it (one that takes longer is taken out as stalled).
 
         The lock is taken to choose and to record, not while the worker accepts: holding it
         meanwhile would stall every other request's tokens for up to a step. While
@@ -128,7 +129,8 @@ class Placements:
                     tracker.candidates = tuple(w for w in (prefill_id, decode_id) if w)
                 target = self.pool.get(prefill_id or decode_id)
                 placed = replace(request, request_id=placement_id)
-                if not self._submit_to(target, placed, decode_id if prefill_id else None, tracker):
+                decode_target = decode_id if prefill_id else None
+                if not self._submit_to(target, placed, decode_target, tracker, wait_s):
                     continue
                 if self._record_placement(tracker, prefill_id, decode_id, local):
                     return
@@ -147,16 +149,17 @@ class Placements:
         placed: GenerateRequest,
         decode_id: str | None,
         tracker: RequestTracker,
+        wait_s: float,
     ) -> bool:
         """Ask ``target`` to take a placement of ``tracker``'s request (a prefill worker: for
         ``decode_id``); False if it is lost (out of rotation, its other requests recovered).
-        A slow worker is waited for up to ``dead_after_s``: slow is not dead."""
+        A slow worker is waited for up to ``wait_s``."""
         try:
             if decode_id is None:
                 ref = target.actor.submit.remote(placed)
             else:
                 ref = target.actor.submit.remote(placed, decode_id)
-            ray.get(ref, timeout=self.config.dead_after_s)
+            ray.get(ref, timeout=wait_s)
         except ray.exceptions.RayActorError:
             self._lose(target, skip=tracker)
             return False
@@ -200,7 +203,7 @@ class Placements:
                     local = self.config.local_prefill.reason(
                         len(request.prompt_token_ids),
                         prefill_loads,
-                        self.pool.get(decode_id).load,
+                        self.pool.load_of(decode_id),
                     )
                     if local is None:
                         prefill_id = self.policy.choose_prefill(info, prefill_loads)
@@ -235,10 +238,11 @@ class Placements:
         return True
 
     def _abort_on(self, worker_ids: set[str], placement_id: str) -> None:
-        """Tell the live ones of ``worker_ids`` to drop a placement (not waiting for them)."""
+        """Tell those of ``worker_ids`` whose process may live (in rotation, or stalled) to drop
+        a placement (not waiting for them)."""
         for worker_id in sorted(worker_ids):
             worker = self.pool.get(worker_id)
-            if worker.alive:
+            if worker.alive or worker.stalled:
                 worker.actor.abort.remote(placement_id)
 
     # ---- outputs ------------------------------------------------------------------------
@@ -330,19 +334,26 @@ class Placements:
                 self._recover_all_locked(worker, skip)
 
     def _recover_all_locked(self, worker: WorkerHandle, skip: RequestTracker | None = None) -> None:
-        """Recover every request on a worker taken out of rotation. A stalled one
-        (its process may live on) is told to drop them."""
+        """Recover every request on a worker taken out of rotation; a stalled one (its process
+        may live on) is told to drop each (``_abort_on``). A request whose recovery fails (a bug) is failed,
+        never left waiting, and the others are recovered all the same."""
         affected = [
             t
             for t in self._trackers.values()
             if worker.worker_id in (t.prefill_worker, t.decode_worker) and t is not skip
         ]
         for tracker in affected:
-            if worker.stalled:
-                worker.actor.abort.remote(tracker.placement_id)
             # a loss found while recovering an earlier one may have recovered it already
-            if self._still_placed_on_locked(tracker, worker):
+            if not self._still_placed_on_locked(tracker, worker):
+                continue
+            try:
                 self._recover_locked(tracker, worker)
+            except Exception:
+                logger.exception(
+                    "recovering %s from %s failed", tracker.request_id, worker.worker_id
+                )
+                with contextlib.suppress(Exception):  # (its client may be gone)
+                    self._end_locked(tracker, "internal error while re-routing the request")
 
     def _still_placed_on_locked(self, tracker: RequestTracker, worker: WorkerHandle) -> bool:
         """The request is still tracked and still placed on ``worker``."""
@@ -350,15 +361,20 @@ class Placements:
         return placed_on and self._trackers.get(tracker.request_id) is tracker
 
     def _recover_locked(self, tracker: RequestTracker, lost: WorkerHandle) -> None:
+        """Move a request off a lost worker: it stays on its decode worker, is pointed at
+        another, or is resumed elsewhere (or fails, out of retries). The lost worker, if its
+        process may live on, is told to drop it whichever way it goes."""
         if lost.role == "prefill" and tracker.has_delivered:
             # The first token left: the decode worker may hold the request already (and
             # recomputes it if its KV never comes). If it does not, resume it there.
             if self._continues_on_decode_worker_locked(tracker):
+                self._abort_on({lost.worker_id}, tracker.placement_id)
                 tracker.prefill_worker = None
                 return
             if self._trackers.get(tracker.request_id) is not tracker:
                 return  # its decode worker was found dead too, and that recovered it
         elif lost.role == "decode" and not tracker.has_delivered and self._retarget_locked(tracker):
+            self._abort_on({lost.worker_id}, tracker.placement_id)
             return
         if tracker.num_retries >= self.config.max_retries:
             self._end_locked(
@@ -395,6 +411,9 @@ class Placements:
         tracker.num_retries += 1
         tracker.prefill_worker, tracker.decode_worker = None, ""
         try:
-            self._place(tracker, tracker.resume_request())
+            # under the lock, which holds up every request's tokens: a shorter wait
+            self._place(
+                tracker, tracker.resume_request(), min(CALL_TIMEOUT_S, self.config.dead_after_s)
+            )
         except (RequestFailedError, ValueError, ray.exceptions.RayError) as error:
             self._end_locked(tracker, f"could not re-route the request: {error}")

@@ -2,11 +2,12 @@
 the slot of one whose process is gone.
 
 A worker's health, as the load poll sees it (slow is not dead):
-  prompt  -- its latest load report is at most ``late_after_s`` old: routed to first
-  late    -- no report for ``late_after_s``: routed to only when its role has no prompt worker
-  stalled -- silent for ``dead_after_s`` while its process may live on: out of rotation, its
-             requests recovered elsewhere; probed every round, and back in rotation once it
-             answers
+  prompt  -- its latest load report is at most ``late_after_s`` old, and its engine finished a
+             step (or a wait for work) within ``late_after_s`` of it: routed to first
+  late    -- not prompt: routed to only when its role has no prompt worker
+  stalled -- silent for ``dead_after_s``, or its engine stuck in one step that long, while its
+             process may live on: out of rotation, its requests recovered elsewhere; probed
+             every round, and back in rotation once it answers with its engine moving
   gone    -- its process is gone (Ray says so): out for good; a new worker starts in its slot
 The pool finds deaths and reports them (``PoolChanges``); recovering the requests that were
 on a worker is the placements' job (``router.placements``), never the pool's.
@@ -137,19 +138,31 @@ class WorkerPool:
     def routable_loads(self, role: str) -> list[WorkerLoad]:
         """The loads routing chooses among: the prompt workers of ``role``, or its late ones
         when none is prompt (slow is not dead: a late worker is routed to last)."""
-        late_before = time.monotonic() - self.config.late_after_s
+        now = time.monotonic()
         with self._lock:
             live = [w for w in self.workers.values() if w.role == role and w.alive and w.load]
-            prompt = [w for w in live if w.last_report >= late_before]
+            prompt = [w for w in live if self._is_prompt_locked(w, now)]
             return [w.load for w in prompt or live if w.load is not None]
 
     def has_prompt_worker(self, role: str) -> bool:
-        late_before = time.monotonic() - self.config.late_after_s
+        now = time.monotonic()
         with self._lock:
             return any(
-                w.role == role and w.alive and w.last_report >= late_before
+                w.role == role and w.alive and self._is_prompt_locked(w, now)
                 for w in self.workers.values()
             )
+
+    def _is_prompt_locked(self, worker: WorkerHandle, now: float) -> bool:
+        """Its report is recent and shows its engine moving (see the module's docstring)."""
+        report = worker.ledger.report
+        if report is None or now - worker.last_report > self.config.late_after_s:
+            return False
+        return report.seconds_since_progress <= self.config.late_after_s
+
+    def load_of(self, worker_id: str) -> WorkerLoad | None:
+        """A worker's load as routing counts it (its report plus the requests routed since)."""
+        with self._lock:
+            return self.workers[worker_id].load
 
     def has_live_worker(self, role: str) -> bool:
         with self._lock:
@@ -213,10 +226,12 @@ class WorkerPool:
         """
         calls = {}
         for worker in [w for w in list(self.workers.values()) if w.alive]:
-            call = worker.load_call
-            if call is None:
-                call = worker.load_call = worker.actor.load.remote()
-                worker.load_asked_at = time.monotonic()
+            call = worker.load_call or worker.actor.load.remote()
+            with self._lock:
+                if not worker.alive:  # taken out meanwhile: its call is dropped
+                    continue
+                if worker.load_call is None:
+                    worker.load_call, worker.load_asked_at = call, time.monotonic()
             calls[worker.worker_id] = (worker, call)
         if calls:  # a prompt worker answers within milliseconds: its report is fresh
             wait_s = min(_ANSWER_WAIT_S, self.config.report_interval_s)
@@ -246,7 +261,9 @@ class WorkerPool:
         with self._lock:
             worker.ledger.record(load, worker.load_asked_at, is_open)
             worker.last_report, worker.report_asked_at = time.monotonic(), worker.load_asked_at
-        worker.load_call = None  # the next round asks again
+            worker.load_call = None  # the next round asks again
+        if load.seconds_since_progress >= self.config.dead_after_s:  # it answers, its engine
+            self._report_lost(worker, stalled=True)  # is stuck: silent all the same
 
     def take_out(self, worker: WorkerHandle, *, stalled: bool = False) -> bool:
         """Take a worker out of rotation; True if it was in rotation (the caller recovers its
@@ -317,8 +334,10 @@ class WorkerPool:
         try:
             if worker.role == "prefill" and worker.probe_roster != self._decode_roster:
                 return False
+            if load.seconds_since_progress > self.config.late_after_s:
+                return False  # it answers, but its engine is not moving yet
             with self._lock:
-                worker.probe = None
+                worker.probe = worker.load_call = None
                 worker.ledger.record(load, requested_at, is_open)
                 worker.last_report, worker.report_asked_at = time.monotonic(), requested_at
                 worker.stalled, worker.alive = False, True
@@ -493,13 +512,12 @@ class WorkerPool:
             self._decode_roster += 1
 
     def _announce(self, decode: WorkerHandle) -> None:
-        """Tell the prefill workers in rotation of a new decode worker; one whose process is
-        gone goes out of rotation (reported by the next poll). One that does not answer in
-        time learns of it from the next poll's probe, once it has gone silent for good."""
+        """Tell the prefill workers in rotation of a new decode worker; one that does not answer
+        goes out of rotation (reported by the next poll) and learns of it from its probe."""
         prefills = [w for w in self.workers.values() if w.role == "prefill" and w.alive]
         handles = {decode.worker_id: decode.actor}
         refs = [(w, w.actor.add_decode_peers.remote(handles)) for w in prefills]
-        answer_by = time.monotonic() + self.config.dead_after_s
+        answer_by = time.monotonic() + CALL_TIMEOUT_S  # (under _membership: never long)
         for prefill, ref in refs:
             try:
                 ray.get(ref, timeout=max(0.0, answer_by - time.monotonic()))

@@ -34,3 +34,6 @@ class WorkerLoad:
     num_queued_prompt_tokens: int  # prompt tokens not yet computed (prefill load)
     kv_usage: float  # fraction of KV blocks in use, 0..1
     counters: WorkerCounters = field(default_factory=WorkerCounters)
+    # seconds since the engine loop last finished a turn (a step, or a wait for work): it
+    # grows only while a step hangs or the loop cannot run; the report itself never waits
+    seconds_since_progress: float = 0.0

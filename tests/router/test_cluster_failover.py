@@ -479,3 +479,65 @@ def test_a_worker_a_failed_poll_took_out_is_recovered_by_the_next() -> None:
     del actors["decode-1"].do_load  # its reports work again
     cluster.poll()
     assert tracker.decode_worker == "decode-1" and tracker.num_retries == 1
+
+
+def _stuck_for(worker_id: str, seconds: float) -> WorkerLoad:
+    """A load report answered at once by a worker whose engine has not moved for ``seconds``."""
+    return WorkerLoad(worker_id, 0, 1, 0, 0.1, seconds_since_progress=seconds)
+
+
+def test_a_worker_whose_engine_is_stuck_is_late_then_stalled_though_it_answers() -> None:
+    """decode-0 answers every load poll (its reports never wait for the engine) but its engine
+    is stuck in one step: past ``late_after_s`` it is routed to last, past ``dead_after_s`` it
+    is out and its request resumed elsewhere, and it comes back only once its engine moves."""
+    cluster, actors = make_cluster(0, 2, late_after_s=2.0, dead_after_s=30.0)
+    _first_of(cluster, "decode-0")
+    first, _ = submit(cluster, "r1", max_tokens=4)
+    stuck_s = 5.0
+    actors["decode-0"].do_load = lambda: _stuck_for("decode-0", stuck_s)  # type: ignore[method-assign]
+    cluster.poll()
+    decode_0 = cluster.pool.workers["decode-0"]
+    assert decode_0.alive
+    assert submit(cluster, "r2")[0].decode_worker == "decode-1"  # late: routed to last
+    stuck_s = 31.0
+    cluster.poll()
+    assert not decode_0.alive and decode_0.stalled
+    assert first.decode_worker == "decode-1" and actors["decode-0"].aborts() == ["r1"]
+    cluster.poll()  # its probe answers, its engine still stuck: it stays out
+    assert not decode_0.alive
+    stuck_s = 0.0
+    cluster.poll()
+    assert decode_0.alive and not decode_0.stalled
+
+
+def test_a_stalled_worker_is_told_to_drop_a_request_aborted_before_its_recovery() -> None:
+    """The load poll has taken decode-0 out (stalled) and not yet recovered its requests when
+    r1's client leaves: decode-0, whose process may live on, is told to drop r1 (it ran on
+    unseen when it woke, its blocks held)."""
+    cluster, actors = make_cluster(0, 2)
+    _first_of(cluster, "decode-0")
+    submit(cluster, "r1", max_tokens=4)
+    assert cluster.pool.take_out(cluster.pool.workers["decode-0"], stalled=True)
+    cluster.abort("r1")
+    assert actors["decode-0"].aborts() == ["r1"]
+
+
+def test_a_request_whose_recovery_fails_is_failed_and_the_others_are_recovered() -> None:
+    """Recovering r1 from a dead worker raises (a bug): r1's client is told, and r2 on the
+    same worker is resumed all the same (before, the error left both waiting for ever)."""
+    cluster, actors = make_cluster(0, 2)
+    _first_of(cluster, "decode-0")
+    first, first_items = submit(cluster, "r1", max_tokens=4)
+    second, _ = submit(cluster, "r2", max_tokens=4)
+    choose = cluster.placements.policy.choose_decode
+
+    def choose_failing_for_r1(info, loads):  # type: ignore[no-untyped-def]
+        if info.request_id == "r1":
+            raise RuntimeError("a bug in routing")
+        return choose(info, loads)
+
+    cluster.placements.policy.choose_decode = choose_failing_for_r1  # type: ignore[method-assign]
+    actors["decode-0"].dead = True
+    cluster.poll()
+    assert isinstance(first_items[-1], RequestFailure) and first.closed
+    assert second.decode_worker == "decode-1" and second.num_retries == 1
