@@ -335,6 +335,14 @@ def _num_decoding_on(cluster: Cluster, worker_id: str) -> int:
     )
 
 
+def _num_queued_on(cluster: Cluster, worker_id: str) -> int:
+    """Requests placed on prefill worker ``worker_id`` whose first token is not out yet."""
+    return sum(
+        t.prefill_worker == worker_id and not t.delivered
+        for t in cluster.placements.open_trackers()
+    )
+
+
 def test_killed_decode_worker_requests_finish_elsewhere_exactly_once(
     start_cluster,
     llama_dir: Path,
@@ -362,17 +370,11 @@ def test_killed_prefill_worker_queued_requests_are_rerouted(
     cluster = start_cluster(config)
     prompts, params = _long_workload()
 
-    def queued_on_prefill_0() -> int:
-        return sum(
-            t.prefill_worker == "prefill-0" and not t.delivered
-            for t in cluster.placements.open_trackers()
-        )
-
     async def main() -> list[list[int]]:
         tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
         await _wait_for(lambda: cluster.placements.num_open() == len(prompts))
         await _wait_for(lambda: not any(t.placing for t in cluster.placements.open_trackers()))
-        assert queued_on_prefill_0() >= 1
+        assert _num_queued_on(cluster, "prefill-0") >= 1
         ray.kill(cluster.pool.workers["prefill-0"].actor)
         return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=90))
 
@@ -392,16 +394,13 @@ def test_a_decode_and_a_prefill_worker_killed_together_lose_and_duplicate_nothin
     cluster = start_cluster(config)
     prompts, params = _long_workload()
 
-    def queued_on_prefill_0() -> int:
-        return sum(
-            t.prefill_worker == "prefill-0" and not t.delivered
-            for t in cluster.placements.open_trackers()
-        )
-
     async def main() -> list[list[int]]:
         tasks = [asyncio.create_task(_collect(cluster, p, s)) for p, s in zip(prompts, params)]
         await _wait_for(
-            lambda: _num_decoding_on(cluster, "decode-1") >= 2 and queued_on_prefill_0() >= 1,
+            lambda: (
+                _num_decoding_on(cluster, "decode-1") >= 2
+                and _num_queued_on(cluster, "prefill-0") >= 1
+            ),
             timeout_s=60,
         )
         for worker_id in ("decode-1", "prefill-0"):
