@@ -149,9 +149,9 @@ def _bound_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Accepted connections inherit it. asyncio sets TCP_NODELAY itself only on sockets made
-    # with proto=IPPROTO_TCP, which this one is not; without it, Nagle's algorithm held each
-    # stream's small writes for the client's delayed ACK: ~40 ms added to the first token of
-    # every request on a reused keep-alive connection.
+    # with proto=IPPROTO_TCP, which this one is not; without it, Nagle's algorithm holds each
+    # stream's small writes for the client's delayed ACK (the first token of a request on a
+    # reused keep-alive connection waits for it).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)
