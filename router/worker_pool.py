@@ -276,7 +276,7 @@ class WorkerPool:
                 "%s worker %s is %s; re-routing its requests",
                 worker.role,
                 worker.worker_id,
-                f"silent for {self.config.dead_after_s:.0f} s" if stalled else "gone",
+                f"silent or stuck for {self.config.dead_after_s:.0f} s" if stalled else "gone",
             )
             worker.alive, worker.stalled = False, stalled
             worker.load_call = None
