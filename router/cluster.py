@@ -247,6 +247,12 @@ class Cluster:
         )
         return can_prefill and "decode" in alive_roles
 
+    def queue_is_full(self) -> bool:
+        """``max_waiting_requests`` wait for a worker already (every worker of a pool is late):
+        the front doors refuse new requests with 503 before they start."""
+        with self._waiting_lock:
+            return self._num_waiting >= self.config.max_waiting_requests
+
     def live_loads(self, role: str) -> list[WorkerLoad]:
         return self.pool.live_loads(role)
 

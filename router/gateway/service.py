@@ -53,6 +53,8 @@ class ClusterBackend(GenerationBackend, Protocol):
 
     def is_ready(self) -> bool: ...
 
+    def queue_is_full(self) -> bool: ...
+
 
 @dataclass(slots=True)
 class LiveRequest:
@@ -137,6 +139,12 @@ class Gateway:
         if not self.backend.is_ready():
             self.metrics.requests.labels(status="rejected").inc()
             raise unavailable("no live prefill or decode worker can take the request now")
+        if self.backend.queue_is_full():
+            self.metrics.requests.labels(status="rejected").inc()
+            raise unavailable(
+                "every worker of a pool is slow to answer and the router's queue of requests "
+                "waiting for one is full; retry later"
+            )
         if self.num_in_flight >= self.limits.max_concurrent_requests:
             self.metrics.requests.labels(status="rejected").inc()
             raise overloaded(

@@ -1,5 +1,5 @@
 """What a scripted stand-in for the cluster answers besides ``generate``: one live decode
-worker, no local prefills, ready."""
+worker, no local prefills, ready, room in the router's queue."""
 
 from __future__ import annotations
 
@@ -18,3 +18,6 @@ class OneLiveWorker:
 
     def is_ready(self) -> bool:
         return True
+
+    def queue_is_full(self) -> bool:
+        return False

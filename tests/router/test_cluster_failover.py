@@ -431,13 +431,14 @@ def test_requests_wait_for_a_late_pool_in_a_bounded_queue() -> None:
             assert time.monotonic() < deadline, "the request never waited"
             await asyncio.sleep(0.005)
         assert not cluster.placements.num_open()  # not placed yet
+        assert cluster.queue_is_full()  # the front doors now refuse with 503 at once
         with pytest.raises(RequestFailedError, match="already waiting for a worker"):
             await _token_ids_from(cluster.generate([3, 4], SamplingParams()))
         cluster.poll()  # both workers report in time again
         while not cluster.placements.num_open():
             assert time.monotonic() < deadline, "the request was never placed"
             await asyncio.sleep(0.005)
-        assert cluster._num_waiting == 0
+        assert cluster._num_waiting == 0 and not cluster.queue_is_full()
         waiting.cancel()
 
     asyncio.run(main())
