@@ -201,9 +201,7 @@ class EngineLoop:
             with self.lock.loop_turn():
                 while not self._stopping and not self.engine.scheduler.num_unfinished:
                     self._work.wait(_IDLE_WAIT_S)
-                    # (callers that change the engine under the lock without ``call``)
-                    self._load_report = self._measure_load_locked()
-                    self._turn_ended_at = time.monotonic()
+                    self._end_turn_locked()  # (callers may change the engine without ``call``)
                 if self._stopping:
                     return
                 try:
@@ -213,14 +211,18 @@ class EngineLoop:
                     self._fail_all_locked("internal error in the engine step")
                     continue
                 finally:
-                    self._load_report = self._measure_load_locked()
-                    self._turn_ended_at = time.monotonic()
+                    self._end_turn_locked()
                 batches = self._batches_locked(step)
             for gateway, batch in batches.items():
                 self._queue(gateway).put(batch)
             if self._on_handed_off is not None:
                 for result in step.handed_off:
                     self._on_handed_off(result)
+
+    def _end_turn_locked(self) -> None:
+        """A turn of the loop (a step, or a wait for work) ended: take the load again."""
+        self._load_report = self._measure_load_locked()
+        self._turn_ended_at = time.monotonic()
 
     def _batches_locked(self, step: StepResult) -> dict[str, OutputBatch]:
         by_gateway: defaultdict[str, list[TokenEvent]] = defaultdict(list)

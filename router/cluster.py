@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from engine.messages import GenerateRequest, RequestFailure, TokenEvent, WorkerLoad
+from engine.messages import GenerateRequest, RequestFailure, TokenEvent
 from engine.sampling.params import SamplingParams
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import bind_this_process, plan_cpu_binding, threads_per_worker
@@ -194,10 +194,7 @@ class Cluster:
         roles = ("decode",) if self.config.colocated else ("prefill", "decode")
 
         def must_wait() -> bool:
-            return any(
-                self.pool.has_live_worker(role) and not self.pool.has_prompt_worker(role)
-                for role in roles
-            )
+            return any(self.pool.every_worker_late(role) for role in roles)
 
         if not must_wait():
             return
@@ -252,9 +249,6 @@ class Cluster:
         the front doors refuse new requests with 503 before they start."""
         with self._waiting_lock:
             return self._num_waiting >= self.config.max_waiting_requests
-
-    def live_loads(self, role: str) -> list[WorkerLoad]:
-        return self.pool.live_loads(role)
 
     # ---- health -------------------------------------------------------------------------
     def poll(self) -> None:

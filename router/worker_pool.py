@@ -126,15 +126,6 @@ class WorkerPool:
     def get(self, worker_id: str) -> WorkerHandle:
         return self.workers[worker_id]
 
-    def live_loads(self, role: str) -> list[WorkerLoad]:
-        """The loads of the workers of ``role`` in rotation, late ones included."""
-        with self._lock:
-            return [
-                w.load
-                for w in self.workers.values()
-                if w.role == role and w.alive and w.load is not None
-            ]
-
     def routable_loads(self, role: str) -> list[WorkerLoad]:
         """The loads routing chooses among: the prompt workers of ``role``, or its late ones
         when none is prompt (slow is not dead: a late worker is routed to last)."""
@@ -144,13 +135,12 @@ class WorkerPool:
             prompt = [w for w in live if self._is_prompt_locked(w, now)]
             return [w.load for w in prompt or live if w.load is not None]
 
-    def has_prompt_worker(self, role: str) -> bool:
+    def every_worker_late(self, role: str) -> bool:
+        """``role`` has workers in rotation, and none of them is prompt."""
         now = time.monotonic()
         with self._lock:
-            return any(
-                w.role == role and w.alive and self._is_prompt_locked(w, now)
-                for w in self.workers.values()
-            )
+            live = [w for w in self.workers.values() if w.role == role and w.alive]
+            return bool(live) and not any(self._is_prompt_locked(w, now) for w in live)
 
     def _is_prompt_locked(self, worker: WorkerHandle, now: float) -> bool:
         """Its report is recent and shows its engine moving (see the module's docstring)."""
@@ -163,10 +153,6 @@ class WorkerPool:
         """A worker's load as routing counts it (its report plus the requests routed since)."""
         with self._lock:
             return self.workers[worker_id].load
-
-    def has_live_worker(self, role: str) -> bool:
-        with self._lock:
-            return any(w.role == role and w.alive for w in self.workers.values())
 
     def reported_since(self, asked_after: float) -> bool:
         """Every worker in rotation has reported, in a report asked for at ``asked_after`` or
