@@ -3,8 +3,13 @@
 Lifecycle: start() -> any thread submits, aborts or calls into the engine under ``lock``; the
 loop steps while there is work and publishes each step's tokens as one ``OutputBatch`` per
 gateway (never one message per token); prefill-only requests that reach their hand-off go to
-``on_handed_off`` -> stop(). A method whose name ends in ``_locked`` expects its caller to
-hold ``lock``.
+``on_handed_off`` after the step's tokens are published (a first token never waits for its
+hand-off) -> stop(). A method whose name ends in ``_locked`` expects its caller to hold ``lock``.
+
+A request submitted here has its first token traced (``FirstTokenTrace``, wall clock): when
+``submit`` got it, when it entered the engine, when it was first scheduled, the start and end of
+the step that sampled the token, and when that step's batch was put on the output queue; the
+stream stamps each batch as it takes it off the queue (``OutputBatch.streamed_at``).
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.llm_engine import LLMEngine, StepResult
 from engine.messages import (
+    FirstTokenTrace,
     GenerateRequest,
     OutputBatch,
     PrefillResult,
@@ -49,6 +56,9 @@ class EngineLoop:
         self._work = threading.Condition(self.lock.inner)  # new work for the loop (under lock)
         self._on_handed_off = on_handed_off
         self._gateway_of: dict[str, str] = {}  # request id -> gateway id
+        # request id -> (received, queued): wall-clock times of a request submitted here whose
+        # first token has not left yet (under lock)
+        self._arrivals: dict[str, tuple[float, float]] = {}
         self._outputs: defaultdict[str, queue.Queue[OutputBatch]] = defaultdict(queue.Queue)
         self._outputs_lock = threading.Lock()
         self._stopping = False
@@ -76,6 +86,7 @@ class EngineLoop:
 
         Raises ValueError (nothing queued) when the request is invalid.
         """
+        received_at = time.time()
         self.prepare(request.params)
         with self._changing():
             if self.engine.has_request(request.request_id):
@@ -90,6 +101,8 @@ class EngineLoop:
                 resume_token_ids=request.resume_token_ids or None,
             )
             self._gateway_of[request.request_id] = request.gateway_id
+            # when the engine took it: its queue time (TokenEvent.queue_seconds) counts from here
+            self._arrivals[request.request_id] = (received_at, time.time())
             self._work.notify()
             return True
 
@@ -117,12 +130,12 @@ class EngineLoop:
         """End a handed-off request here: its lease is released, its outputs go elsewhere."""
         with self._changing():
             self.engine.release_lease(request_id)
-            self._gateway_of.pop(request_id, None)
+            self._forget_locked(request_id)
 
     def abort(self, request_id: str) -> None:
         with self._changing():
             self.engine.abort_request(request_id)
-            self._gateway_of.pop(request_id, None)
+            self._forget_locked(request_id)
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:
@@ -144,17 +157,19 @@ class EngineLoop:
         """Drop a request and tell its gateway why (and whether another worker may retry it)."""
         with self._changing():
             self.engine.abort_request(request_id)
+            self._arrivals.pop(request_id, None)
             gateway = self._gateway_of.pop(request_id, gateway_id)
         if gateway is not None:
             failure = RequestFailure(request_id, message, retryable)
             self._queue(gateway).put(OutputBatch(self.worker_id, [], [failure]))
 
     def stream(self, gateway_id: str, poll_s: float = 0.2) -> Iterator[OutputBatch]:
-        """A gateway's output batches as the steps produce them, until the loop stops."""
+        """A gateway's output batches as the steps produce them, until the loop stops; each
+        stamped with the time it was taken off the queue (``streamed_at``)."""
         while not self._stopping:
             batch = self.next_batch(gateway_id, poll_s)
             if batch is not None:
-                yield batch
+                yield dataclasses.replace(batch, streamed_at=time.time())
 
     def next_batch(self, gateway_id: str, timeout_s: float) -> OutputBatch | None:
         """The next output batch for a gateway, or None after ``timeout_s`` without one."""
@@ -204,17 +219,18 @@ class EngineLoop:
                     self._end_turn_locked()  # (callers may change the engine without ``call``)
                 if self._stopping:
                     return
+                step_started_at = time.time()
                 try:
                     step = self.engine.step()
+                    step_ended_at = time.time()
                 except Exception:  # a bug: fail what is in flight, keep the worker up
                     logger.exception("engine step failed on %s", self.worker_id)
                     self._fail_all_locked("internal error in the engine step")
                     continue
                 finally:
                     self._end_turn_locked()
-                batches = self._batches_locked(step)
-            for gateway, batch in batches.items():
-                self._queue(gateway).put(batch)
+                outputs = self._outputs_locked(step)
+            self._publish(outputs, step_started_at, step_ended_at)
             if self._on_handed_off is not None:
                 for result in step.handed_off:
                     self._on_handed_off(result)
@@ -224,17 +240,50 @@ class EngineLoop:
         self._load_report = self._measure_load_locked()
         self._turn_ended_at = time.monotonic()
 
-    def _batches_locked(self, step: StepResult) -> dict[str, OutputBatch]:
-        by_gateway: defaultdict[str, list[TokenEvent]] = defaultdict(list)
+    def _outputs_locked(self, step: StepResult) -> _StepOutputs:
+        """A step's token events by gateway, with the arrivals of the first tokens among them
+        (taken out of ``_arrivals``); the requests it finished are forgotten."""
+        outputs = _StepOutputs(defaultdict(list), [])
         for event in step.new_tokens:
             gateway = self._gateway_of.get(event.request_id)
-            if gateway is not None:
-                by_gateway[gateway].append(event)
+            if gateway is None:
+                continue
+            events = outputs.events[gateway]
+            if event.position == 0 and event.sample_index == 0:
+                arrival = self._arrivals.pop(event.request_id, None)
+                if arrival is not None:
+                    outputs.first_tokens.append((gateway, len(events), arrival))
+            events.append(event)
         for output in step.finished:
-            self._gateway_of.pop(output.request_id, None)
-        return {g: OutputBatch(self.worker_id, events) for g, events in by_gateway.items()}
+            self._forget_locked(output.request_id)
+        return outputs
+
+    def _publish(self, outputs: _StepOutputs, step_started_at: float, step_ended_at: float) -> None:
+        """Put a step's batches on their gateways' queues, its first tokens traced."""
+        emitted_at = time.time()
+        for gateway, index, (received_at, queued_at) in outputs.first_tokens:
+            events = outputs.events[gateway]
+            event = events[index]
+            trace = FirstTokenTrace(
+                worker_id=self.worker_id,
+                received_at=received_at,
+                queued_at=queued_at,
+                scheduled_at=queued_at + event.queue_seconds,
+                step_started_at=step_started_at,
+                step_ended_at=step_ended_at,
+                emitted_at=emitted_at,
+            )
+            events[index] = dataclasses.replace(event, first_token_trace=trace)
+        for gateway, events in outputs.events.items():
+            self._queue(gateway).put(OutputBatch(self.worker_id, events))
+
+    def _forget_locked(self, request_id: str) -> None:
+        """The request's outputs go nowhere from here (it ended, or went elsewhere)."""
+        self._gateway_of.pop(request_id, None)
+        self._arrivals.pop(request_id, None)
 
     def _fail_all_locked(self, message: str) -> None:
+        self._arrivals.clear()
         for request_id in list(self._gateway_of):
             gateway = self._gateway_of.pop(request_id)
             self.engine.abort_request(request_id)
@@ -244,3 +293,10 @@ class EngineLoop:
     def _queue(self, gateway_id: str) -> queue.Queue[OutputBatch]:
         with self._outputs_lock:
             return self._outputs[gateway_id]
+
+
+@dataclass(frozen=True, slots=True)
+class _StepOutputs:
+    events: defaultdict[str, list[TokenEvent]]  # gateway id -> the step's events for it
+    # (gateway id, index in its events, (received, queued)): the first tokens to trace
+    first_tokens: list[tuple[str, int, tuple[float, float]]]

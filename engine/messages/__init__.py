@@ -1,16 +1,19 @@
 """Every message that crosses a process boundary, defined once. Torch-free: the router, both
 workers and the engine import it.
 
-  requests  -- router -> worker: ``GenerateRequest``; worker -> gateway: ``TokenEvent``s in one
-               ``OutputBatch`` per step, ``RequestFailure``s
-  load      -- worker -> router: ``WorkerLoad`` with its ``WorkerCounters``
-  handoff   -- prefill worker -> decode worker, directly: the hand-off calls (``ReserveBlocks``
-               ... ``ReceiveKV``, carrying the ``PrefillResult``) and their answers
-               (``Reservation``)
+  requests    -- router -> worker: ``GenerateRequest``; worker -> gateway: ``TokenEvent``s in
+                 one ``OutputBatch`` per step, ``RequestFailure``s
+  first_token -- worker -> gateway, on a request's first ``TokenEvent``: its
+                 ``FirstTokenTrace``, the times it passed each hop (router and gateway add theirs)
+  load        -- worker -> router: ``WorkerLoad`` with its ``WorkerCounters``
+  handoff     -- prefill worker -> decode worker, directly: the hand-off calls
+                 (``ReserveBlocks`` ... ``ReceiveKV``, carrying the ``PrefillResult``) and their
+                 answers (``Reservation``)
 The KV transfer's own messages (``TransferTicket``, ``ChannelRendezvous``) live in
 ``kv_transfer.messages``, which depends on nothing of the engine; the hand-off carries them.
 """
 
+from engine.messages.first_token import FirstTokenTrace
 from engine.messages.handoff import (
     AdmitWithoutKV,
     CancelReservation,
@@ -33,6 +36,7 @@ __all__ = [
     "AdmitWithoutKV",
     "CancelReservation",
     "DecodePeer",
+    "FirstTokenTrace",
     "GenerateRequest",
     "GetLocality",
     "HandoffCall",

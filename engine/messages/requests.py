@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.messages.first_token import FirstTokenTrace
 from engine.sampling.messages import PromptTokenLogprobs, TokenLogprobs
 from engine.sampling.params import SamplingParams
 
@@ -40,6 +41,9 @@ class TokenEvent:
     # on sample 0's position 0, when the request asked for prompt logprobs: those of every
     # prompt position from 1 (once per request, from the worker that ran the prompt)
     prompt_logprobs: PromptTokenLogprobs | None = None
+    # on sample 0's position 0, from a worker's EngineLoop: the times the token passed each hop
+    # so far (the router and gateway add theirs); None on every other event
+    first_token_trace: FirstTokenTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +58,6 @@ class OutputBatch:
     worker_id: str  # the worker that produced these events
     events: list[TokenEvent]  # every token its last step produced for this gateway
     failures: list[RequestFailure] = field(default_factory=list)  # requests that failed here
+    # wall clock (time.time()) when the worker's output stream took the batch off its queue to
+    # send it; None until then
+    streamed_at: float | None = None
