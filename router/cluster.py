@@ -5,7 +5,9 @@ Life of a request through ``Cluster``:
   placed (``router.placements``: the policy over the workers' loads, then submitted to a
   prefill worker, or a decode worker in colocated mode) -> token events stream back from the
   workers' per-gateway output streams, one batch per engine step (``router.output_pump``) ->
-  the request's tracker orders and de-duplicates them -> the client's async iterator.
+  the request's tracker orders and de-duplicates them -> the client's async iterator. The first
+  token's trace (``engine.messages.FirstTokenTrace``) gets the router's stamps on the way:
+  the placement's (``RequestTracker.stamps``), the pump's, and its entry and yield here.
 The load monitor polls the pools (``router.worker_pool``) every ``report_interval_s``; a worker
 it takes out of rotation has its requests re-routed (nothing generated yet) or resumed on a
 live decode worker after the tokens the client already has, so every token arrives once.
@@ -18,6 +20,7 @@ count of requests waiting for a worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -29,7 +32,7 @@ from typing import Any
 
 import ray
 
-from engine.messages import GenerateRequest, RequestFailure, TokenEvent
+from engine.messages import FirstTokenTrace, GenerateRequest, RequestFailure, TokenEvent
 from engine.sampling.params import SamplingParams
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import bind_this_process, plan_cpu_binding, threads_per_worker
@@ -146,6 +149,7 @@ class Cluster:
         Raises ValueError for an invalid request and RequestFailedError when the cluster
         cannot complete it. Leaving the iterator early aborts the request everywhere.
         """
+        entered_at = time.time()  # for the first token's trace
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[ClientItem] = asyncio.Queue()
         request = GenerateRequest(
@@ -177,6 +181,10 @@ class Cluster:
             while True:
                 item = await items.get()
                 if isinstance(item, TokenEvent):
+                    if item.first_token_trace is not None:
+                        item = _with_router_stamps(
+                            item, item.first_token_trace, tracker, entered_at
+                        )
                     yield item
                 elif isinstance(item, RequestFailure):
                     raise RequestFailedError(item.message)
@@ -277,6 +285,24 @@ class Cluster:
                 self.poll()
             except Exception:  # a bug: keep watching the workers all the same
                 logger.exception("polling the workers' loads failed")
+
+
+def _with_router_stamps(
+    event: TokenEvent, trace: FirstTokenTrace, tracker: RequestTracker, entered_at: float
+) -> TokenEvent:
+    """A first token's event as ``generate`` yields it: its trace with the request's entry into
+    the cluster, its placement's stamps and the time it is yielded (now)."""
+    stamps = tracker.stamps
+    trace = dataclasses.replace(
+        trace,
+        entered_at=entered_at,
+        placing_at=stamps.placing_at,
+        routed_at=stamps.routed_at,
+        submit_sent_at=stamps.submit_sent_at,
+        submit_returned_at=stamps.submit_returned_at,
+        yielded_at=time.time(),
+    )
+    return dataclasses.replace(event, first_token_trace=trace)
 
 
 def _unnice_local_workers() -> None:

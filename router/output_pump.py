@@ -1,11 +1,12 @@
 """Carries each worker's output stream for this gateway into the placements' trackers: one
 thread per worker, reading the batches its engine steps produce until the worker or the
-cluster stops."""
+cluster stops. Each batch is handed on with the time it arrived (for first tokens' traces)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import ray
 
@@ -39,7 +40,7 @@ class OutputPump:
                     return
                 batch = ray.get(ref)
                 try:
-                    self._placements.dispatch(batch)
+                    self._placements.dispatch(batch, time.time())
                 except Exception:  # a bug: the other requests' tokens keep flowing
                     logger.exception("dispatching a batch of %s failed", worker.worker_id)
         except Exception:  # the worker died: the load poll takes it out of rotation

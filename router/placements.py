@@ -28,7 +28,13 @@ from dataclasses import replace
 
 import ray
 
-from engine.messages import GenerateRequest, OutputBatch, RequestFailure
+from engine.messages import (
+    FirstTokenTrace,
+    GenerateRequest,
+    OutputBatch,
+    RequestFailure,
+    TokenEvent,
+)
 from router.cluster_config import ClusterConfig
 from router.local_prefill import LOCAL_PREFILL_REASONS
 from router.policies import NoWorkerError, RoutingInfo, make_policy
@@ -59,10 +65,12 @@ class Placements:
         self, request: GenerateRequest, sink: Callable[[ClientItem], None]
     ) -> RequestTracker:
         """Route and submit a request; its events go to ``sink`` (from other threads)."""
+        placing_at = time.time()
         with self._lock:
             if request.request_id in self._trackers or request.request_id in self._placed:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
             tracker = RequestTracker(request, sink, None, "")
+            tracker.stamps.placing_at = placing_at
             self._trackers[request.request_id] = tracker
         try:
             self._place(tracker, request, self.config.dead_after_s)
@@ -124,6 +132,8 @@ class Placements:
         try:
             for _ in range(len(self.pool.workers)):
                 prefill_id, decode_id, local = self._choose(request)
+                if not tracker.has_delivered:  # (its first token is yet to come)
+                    tracker.stamps.routed_at = time.time()
                 with self._lock:
                     placement_id = self._new_placement_locked(tracker)
                     tracker.candidates = tuple(w for w in (prefill_id, decode_id) if w)
@@ -154,12 +164,17 @@ class Placements:
         """Ask ``target`` to take a placement of ``tracker``'s request (a prefill worker: for
         ``decode_id``); False if it is lost (out of rotation, its other requests recovered).
         A slow worker is waited for up to ``wait_s``."""
+        stamps = None if tracker.has_delivered else tracker.stamps  # (first token yet to come)
         try:
+            if stamps is not None:
+                stamps.submit_sent_at = time.time()
             if decode_id is None:
                 ref = target.actor.submit.remote(placed)
             else:
                 ref = target.actor.submit.remote(placed, decode_id)
             ray.get(ref, timeout=wait_s)
+            if stamps is not None:
+                stamps.submit_returned_at = time.time()
         except ray.exceptions.RayActorError:
             self._lose(target, skip=tracker)
             return False
@@ -246,8 +261,10 @@ class Placements:
                 worker.actor.abort.remote(placement_id)
 
     # ---- outputs ------------------------------------------------------------------------
-    def dispatch(self, batch: OutputBatch) -> None:
-        """Carry one output batch of a worker into the trackers of its requests."""
+    def dispatch(self, batch: OutputBatch, received_at: float | None = None) -> None:
+        """Carry one output batch of a worker into the trackers of its requests. ``received_at``:
+        when the gateway received the batch (``time.time()``; default: now), for first tokens'
+        traces."""
         with self._lock:
             for event in batch.events:
                 tracker = self._placed.get(event.request_id)
@@ -259,6 +276,8 @@ class Placements:
                     # A prefill is done: its decode worker holds the request from here on (the
                     # KV hand-off leaves with the first token; colocated, it held it already).
                     self.pool.mark_held(tracker.request_id, time.monotonic())
+                    if event.first_token_trace is not None:
+                        event = _traced_here(event, event.first_token_trace, batch, received_at)
                 try:
                     tracker.accept(event)
                 except Exception:  # its client cannot be reached (its event loop closed):
@@ -417,3 +436,18 @@ class Placements:
             )
         except (RequestFailedError, ValueError, ray.exceptions.RayError) as error:
             self._end_locked(tracker, f"could not re-route the request: {error}")
+
+
+def _traced_here(
+    event: TokenEvent, trace: FirstTokenTrace, batch: OutputBatch, received_at: float | None
+) -> TokenEvent:
+    """A first token's event with the gateway's stamps of its batch: streamed by the worker,
+    received by the pump, and handed to its request's sink (now)."""
+    sunk_at = time.time()
+    trace = replace(
+        trace,
+        streamed_at=batch.streamed_at,
+        pumped_at=sunk_at if received_at is None else received_at,
+        sunk_at=sunk_at,
+    )
+    return replace(event, first_token_trace=trace)

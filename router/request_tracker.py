@@ -3,7 +3,8 @@
 Tokens reach the gateway from several workers (the first from a prefill worker, the rest from
 a decode worker, more again from a worker that took over after a failure). Each event carries
 its position in its sample's output, so the tracker drops duplicates and holds back events
-that arrive early until the gap before them fills.
+that arrive early until the gap before them fills. The tracker also keeps the times its
+placement passed the router's hops (``PlacementStamps``), for its first token's trace.
 """
 
 from __future__ import annotations
@@ -20,6 +21,18 @@ class RequestDone:
 
 
 ClientItem = TokenEvent | RequestFailure | RequestDone
+
+
+@dataclass(slots=True)
+class PlacementStamps:
+    """Wall-clock times (``time.time()``) at which the placement that is to produce a request's
+    first token passed the router's hops (``engine.messages.FirstTokenTrace`` names them);
+    written by its placement thread, None until passed."""
+
+    placing_at: float | None = None  # a placement thread took the request
+    routed_at: float | None = None  # the routing policy chose its workers
+    submit_sent_at: float | None = None  # the submit call about to be sent to the worker
+    submit_returned_at: float | None = None  # the worker's answer to it arrived
 
 
 @dataclass(slots=True)
@@ -41,6 +54,7 @@ class RequestTracker:
     # can be told apart from (and aborted without touching) the one that replaced it.
     placement_id: str = ""
     placement_ids: list[str] = field(default_factory=list)  # every one it has had
+    stamps: PlacementStamps = field(default_factory=PlacementStamps)  # for its first token
 
     @property
     def request_id(self) -> str:
