@@ -5,8 +5,11 @@ sample -> each sample's tokens are detokenized incrementally (never a broken cha
 checked for stop strings (held back while they might be one; trimmed when matched; an eos or
 ``stop_token_ids`` token that ends a sample is counted but not shown, as vLLM does; with vLLM's
 ``include_stop_str_in_output`` both are shown and nothing is held back) -> a ``SampleDelta``
-leaves whenever text became final or the sample ended. When every sample has ended, leaving
-the cluster's stream aborts whatever still runs (a sample cut by a stop string).
+leaves for each token, as vLLM streams them, its text possibly empty (a special token skipped,
+an eos under ``ignore_eos``); while text is held back (part of a character, or what may begin
+a stop string) its tokens wait and leave with the delta whose text it completes, or with the
+sample's last. When every sample has ended, leaving the cluster's stream aborts whatever still
+runs (a sample cut by a stop string).
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class TokenTimingObserver(Protocol):
 class SampleDelta:
     index: int  # the sample (0 .. n-1) of its prompt
     text: str  # newly final text: no partial characters, stop strings trimmed (unless kept)
-    token_ids: list[int]  # the tokens behind it, since the sample's previous delta
+    # the tokens behind it, since the sample's previous delta: one, unless text was held back
+    token_ids: list[int]
     logprobs: list[TokenLogprobs]  # one per token in token_ids when the request asked for them
     finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last delta
 
@@ -71,6 +75,11 @@ class _Sample:
     finished: bool = False
     first_token_at: float | None = None  # monotonic arrival time of the sample's first token
     last_token_at: float = 0.0  # ... and of its latest one
+
+    @property
+    def holds_text(self) -> bool:
+        """Whether text is held back: part of a character, or what may begin a stop string."""
+        return self.detokenizer.partial_character or self.stops.holding
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,8 +209,8 @@ class TextGeneration:
             text += sample.stops.feed(_whole_characters(sample.detokenizer.flush()))
             text += sample.stops.flush()
             finish_reason = "stop" if sample.stops.stopped else finish_reason
-        if not text and finish_reason is None:
-            return None
+        if not text and finish_reason is None and sample.holds_text:
+            return None  # its tokens leave with the text they complete
         sample.finished = finish_reason is not None
         delta = SampleDelta(
             event.sample_index,
