@@ -238,6 +238,15 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     front.add_argument(
         "--slo-tpot-ms", type=float, default=100.0, help="time-per-output-token SLO (goodput)"
     )
+    front.add_argument(
+        "--first-token-trace",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per prompt of an HTTP request to PATH: when its first token "
+        "passed each hop from arrival to its first chunk written, and the seconds each hop "
+        "took (docs/request_path.md); the hops' histogram, pdserve:first_token_hop_seconds, is "
+        "at /metrics either way (default: off)",
+    )
     tools = serve.add_argument_group("tool calling")
     tools.add_argument(
         "--enable-auto-tool-choice",

@@ -28,6 +28,7 @@ from router.cluster import Cluster, RequestFailedError
 from router.cluster_config import ClusterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.gateway.auth import ApiKeys
+from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.limits import RequestLimits
 from router.gateway.metrics import SloTargets
 from router.gateway.served_model import ServedModel
@@ -70,8 +71,10 @@ def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     limits = request_limits(args, config, model.max_model_len)
     slo = SloTargets(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)
     grpc_port = None if args.grpc_port < 0 else args.grpc_port
+    trace_log = None
     if not args.prompt:  # before the workers load, which takes minutes on GPUs
         check_ports_free(args.host, args.http_port, grpc_port)
+        trace_log = first_token_log(args.first_token_trace)
     ray_was_running = ray.is_initialized()
     try:
         cluster = Cluster.start(config)
@@ -85,9 +88,8 @@ def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
                 return _generate_once(
                     cluster, model, args.prompt, args.max_tokens, args.temperature
                 )
-            server = GatewayServer(
-                Gateway(cluster, model, limits, keys, slo), args.host, args.http_port, grpc_port
-            )
+            gateway = Gateway(cluster, model, limits, keys, slo, trace_log)
+            server = GatewayServer(gateway, args.host, args.http_port, grpc_port)
             banner = functools.partial(
                 _banner, config, model, server, keys.enabled, args.drain_timeout_s
             )
@@ -136,6 +138,17 @@ def _drain(server: GatewayServer, timeout_s: float, signals: StopSignals) -> Non
             f"pdserve: ended {outcome.num_cut_off} requests unfinished ({why})",
             flush=True,
         )
+
+
+def first_token_log(path: str | None) -> FirstTokenLog | None:
+    """The log ``--first-token-trace`` names, opened for appending (None: not asked for);
+    ValueError naming the flag when it cannot be."""
+    if path is None:
+        return None
+    try:
+        return FirstTokenLog(path)
+    except OSError as error:
+        raise ValueError(f"--first-token-trace {path}: {error.strerror or error}") from None
 
 
 def request_limits(

@@ -4,10 +4,12 @@
 Life of an HTTP request: the body is read up to ``max_body_bytes`` (413 past it) -> the bearer
 key names the caller's tenant (401) -> the JSON is parsed and bounds-checked into one spec per
 prompt (400 / 404) -> admission (503 / 429) -> the prompts run on the cluster -> sample deltas
-become one JSON response, or SSE chunks ending with ``data: [DONE]``. If the client goes away
-first, the requests are aborted in the cluster and their KV blocks freed. While the server shuts
-down, new generation requests get 503 with Retry-After and /health 503; a request still running
-when the drain ends is cut off with a 503 error (streamed: the last event before ``[DONE]``).
+become one JSON response, or SSE chunks ending with ``data: [DONE]`` -> each prompt's first-token
+trace is recorded (``Gateway.record_first_token``) once the first chunk after its first token is
+written (a whole response: once it is complete). If the client goes away first, the requests
+are aborted in the cluster and their KV blocks freed. While the server shuts down, new
+generation requests get 503 with Retry-After and /health 503; a request still running when the
+drain ends is cut off with a 503 error (streamed: the last event before ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from router.gateway.openai_response import (
     output_decoder,
     total_usage,
 )
-from router.gateway.service import Gateway, LiveRequest, new_request_id
+from router.gateway.service import FrontDoorStamps, Gateway, LiveRequest, new_request_id
 from router.gateway.sse_stream import EventStreamResponse, event_stream
 from router.gateway.text_stream import TextGeneration, merged_deltas
 from router.gateway.tokenizer_endpoints import add_tokenizer_routes
@@ -187,18 +189,23 @@ async def _generate(
     except ApiError:
         gateway.count_invalid()
         raise
+    parsed_at = time.time()
+    arrived_on_wall_clock = parsed_at - (time.monotonic() - arrived_at)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     header = ResponseHeader(new_request_id(prefix), int(time.time()), gateway.model.name)
     if job.stream:
         # admitted now, so that a refusal is still a status code; the stream gives the slot back
         admission = contextlib.ExitStack()
         live = admission.enter_context(gateway.admitted(header.id, caller))
+        front = FrontDoorStamps(arrived_on_wall_clock, parsed_at, time.time())
         generations = _generations(gateway, job, header, arrived_at)
         events = _ending_with_cut_off(event_stream(gateway, job, header, generations, live), live)
+        events = _recording_first_tokens(events, gateway, generations, front)
         return EventStreamResponse(events, on_close=admission.close, request_id=header.id)
     with gateway.admitted(header.id, caller) as live:
+        front = FrontDoorStamps(arrived_on_wall_clock, parsed_at, time.time())
         generations = _generations(gateway, job, header, arrived_at)
-        return await _respond_whole(gateway, request, job, header, generations, live)
+        return await _respond_whole(gateway, request, job, header, generations, live, front)
 
 
 async def _ending_with_cut_off(
@@ -211,6 +218,28 @@ async def _ending_with_cut_off(
             if event == _DONE and live.cut_off is not None:
                 yield b"data: " + json.dumps(live.cut_off.body()).encode() + b"\n\n"
             yield event
+
+
+async def _recording_first_tokens(
+    events: AsyncGenerator[bytes, None],
+    gateway: Gateway,
+    generations: list[TextGeneration],
+    front: FrontDoorStamps,
+) -> AsyncGenerator[bytes, None]:
+    """Yields ``events``; each prompt's first-token trace is recorded once an event has been
+    written (handed to the connection) after the prompt's first token came: that write is the
+    trace's last stamp."""
+    unrecorded = list(generations)
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield event  # returns once the event is written
+            if unrecorded:
+                written_at = time.time()
+                unrecorded = [
+                    generation
+                    for generation in unrecorded
+                    if not gateway.record_first_token(generation, front, written_at)
+                ]
 
 
 def _generations(
@@ -228,6 +257,7 @@ async def _respond_whole(
     header: ResponseHeader,
     generations: list[TextGeneration],
     live: LiveRequest,
+    front: FrontDoorStamps,
 ) -> Response:
     echo = Echo(job.echo_texts, job.n)
     choices = [ChoiceText(echo.first(i)) for i in range(len(generations) * job.n)]
@@ -270,6 +300,8 @@ async def _respond_whole(
     if live.aborted.is_set():  # an Abort call cut it short: what was generated, as gRPC sends
         for choice in choices:
             choice.finish_reason = choice.finish_reason or "abort"
+    for generation in generations:
+        gateway.record_first_token(generation, front, written_at=None)
     gateway.record_ended(generations, aborted=live.aborted.is_set())
     logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     if job.kind == "chat":

@@ -4,14 +4,16 @@ Two sources, one endpoint:
 - request-level histograms and counters measured here, at the gateway (TTFT, inter-token
   latency, time per output token, end-to-end and queue time, per prompt; generation requests
   by outcome; prompts sent to the cluster; tokens; goodput as ``slo_met_total``, the requests
-  whose every prompt met the configured TTFT and TPOT targets);
+  whose every prompt met the configured TTFT and TPOT targets; the time each prompt's first
+  token spent in each hop of its path, ``first_token_hop_seconds{hop}``, from its trace);
 - worker-level gauges and counters labelled ``role`` and ``worker``, read at scrape time from
   the load reports the router already polls from every worker (running, waiting, KV usage,
   prefix-cache hit rate, preemptions, KV transfer bytes and seconds, speculative decoding's draft
   tokens and those accepted). So ``/metrics`` covers every worker, however many there are,
   without Ray's metrics export.
 
-Label values are bounded: worker ids and roles come from the cluster; statuses from a fixed set.
+Label values are bounded: worker ids and roles come from the cluster; statuses and hops from
+fixed sets.
 """
 
 from __future__ import annotations
@@ -29,12 +31,19 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from engine.messages.first_token import HOPS, FirstTokenTrace
+
 if TYPE_CHECKING:
     from router.cluster import SlotRestarts, WorkerStatus
     from router.gateway.text_stream import FinishedGeneration
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+# a first token's hops: a thread hand-over takes tens of microseconds, a queue seconds
+_HOP_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)  # fmt: skip
 REQUEST_STATUSES = ("ok", "invalid", "unauthorized", "rejected", "failed", "aborted")
 
 
@@ -191,6 +200,15 @@ class GatewayMetrics:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Waiting at the first worker", _LATENCY_BUCKETS
         )
+        hops = Histogram(
+            "pdserve:first_token_hop_seconds",
+            "Time a prompt's first token spent in each hop of its path, from the request's "
+            "arrival to its first chunk written (docs/request_path.md)",
+            ["hop"],
+            buckets=_HOP_BUCKETS,
+            registry=r,
+        )
+        self._first_token_hops = {hop: hops.labels(hop=hop) for hop in HOPS}
         targets = Gauge("pdserve:slo_target_seconds", "SLO targets", ["slo"], registry=r)
         targets.labels(slo="ttft").set(slo.ttft_s)
         targets.labels(slo="tpot").set(slo.tpot_s)
@@ -202,6 +220,12 @@ class GatewayMetrics:
 
     def next_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
+
+    def first_token_traced(self, trace: FirstTokenTrace) -> None:
+        """Observe each hop of a first token's trace (a hop between clocks that disagree, on
+        two nodes, counts as 0 when it came out negative)."""
+        for hop, seconds in trace.hops().items():
+            self._first_token_hops[hop].observe(max(0.0, seconds))
 
     def finished(self, generations: Sequence[FinishedGeneration]) -> None:
         """One request ended normally: each prompt's latencies and tokens; goodput when every

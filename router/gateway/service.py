@@ -1,5 +1,6 @@
 """What both front doors share: authentication, admission, the generation of one prompt, the
-metrics it records, and the registry of live requests that ``Abort`` reaches.
+metrics it records (with its first token's trace: ``record_first_token``), and the registry of
+live requests that ``Abort`` reaches.
 
 Admission answers 503 while the cluster cannot serve (no live prefill or decode worker) and 429
 once ``max_concurrent_requests`` are in flight through this gateway, both with Retry-After.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +30,7 @@ from typing import ParamSpec, Protocol, TypeVar
 from router.cluster import SlotRestarts, WorkerStatus
 from router.gateway.auth import ApiKeys, Caller
 from router.gateway.errors import ApiError, overloaded, unavailable
+from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.limits import RequestLimits
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.served_model import ServedModel
@@ -56,6 +59,16 @@ class ClusterBackend(GenerationBackend, Protocol):
     def queue_is_full(self) -> bool: ...
 
 
+@dataclass(frozen=True, slots=True)
+class FrontDoorStamps:
+    """Wall-clock times (``time.time()``) at which a request passed the front door's hops, for
+    its prompts' first-token traces (``engine.messages.FirstTokenTrace``)."""
+
+    arrived_at: float  # the route began, before the body was read
+    parsed_at: float  # the body read, parsed and tokenized
+    admitted_at: float  # admitted: an in-flight slot held
+
+
 @dataclass(slots=True)
 class LiveRequest:
     tenant_salt: str | None  # only the same tenant may abort it
@@ -73,7 +86,10 @@ class Gateway:
         limits: RequestLimits,
         keys: ApiKeys,
         slo: SloTargets | None = None,
+        first_token_log: FirstTokenLog | None = None,
     ) -> None:
+        """``first_token_log``: where each prompt's first-token trace is written as a JSON line
+        (None: traces go to the metrics only)."""
         self.backend = backend
         self.model = model
         self.limits = limits
@@ -90,6 +106,7 @@ class Gateway:
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
         self._parsers = ThreadPoolExecutor(_PARSER_THREADS, thread_name_prefix="gateway-parse")
+        self._first_token_log = first_token_log
 
     async def parse(self, parse: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``parse(*args, **kwargs)`` on a parser thread, so the event loop streams on."""
@@ -98,6 +115,8 @@ class Gateway:
 
     def close(self) -> None:
         self._parsers.shutdown(wait=False, cancel_futures=True)
+        if self._first_token_log is not None:
+            self._first_token_log.close()
 
     def authenticate(self, authorization: str | None, *, counted: bool = True) -> Caller:
         """The caller the key names. A refusal is counted in ``pdserve:requests_total`` unless
@@ -205,6 +224,28 @@ class Gateway:
             return
         self.metrics.finished([generation.finished() for generation in generations])
         self.record_outcome("ok")
+
+    def record_first_token(
+        self, generation: TextGeneration, front: FrontDoorStamps, written_at: float | None
+    ) -> bool:
+        """Record a prompt's first-token trace, completed with the front door's stamps and
+        ``written_at`` (when the first chunk after the token was written; None: a whole
+        response), in the metrics and the trace log. False while its first token has not
+        come (or came untraced), and nothing is recorded."""
+        trace = generation.first_token_trace
+        if trace is None:
+            return False
+        trace = dataclasses.replace(
+            trace,
+            arrived_at=front.arrived_at,
+            parsed_at=front.parsed_at,
+            admitted_at=front.admitted_at,
+            written_at=written_at,
+        )
+        self.metrics.first_token_traced(trace)
+        if self._first_token_log is not None:
+            self._first_token_log.write(generation.request_id, trace)
+        return True
 
     def record_outcome(self, status: str) -> None:
         self.metrics.requests.labels(status=status).inc()

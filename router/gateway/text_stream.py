@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.messages import TokenEvent
+from engine.messages import FirstTokenTrace, TokenEvent
 from engine.sampling.messages import PromptTokenLogprobs, TokenLogprobs
 from engine.sampling.params import SamplingParams
 from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -110,6 +110,9 @@ class TextGeneration:
     # the prompt's logprobs (positions 1 ..), once the first token brought them; None until
     # then, or when the spec's params do not ask for them
     prompt_logprobs: PromptTokenLogprobs | None = None
+    # the first token's trace as the cluster yielded it (the gateway completes and records
+    # it); None until then, or when it came untraced
+    first_token_trace: FirstTokenTrace | None = None
     _samples: list[_Sample] = field(default_factory=list, init=False)
 
     @property
@@ -142,6 +145,7 @@ class TextGeneration:
                 if event.position == 0 and event.sample_index == 0:
                     self.num_cached_tokens = event.num_cached_tokens
                     self.queue_seconds = event.queue_seconds
+                    self.first_token_trace = event.first_token_trace
                 if event.prompt_logprobs is not None:  # once, with sample 0's first token
                     self.prompt_logprobs = event.prompt_logprobs
                 self._time(samples[event.sample_index], event.sample_index)

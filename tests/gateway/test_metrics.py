@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.messages import WorkerCounters, WorkerLoad
+from engine.messages.first_token import HOPS
 from router.cluster import SlotRestarts, WorkerStatus
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.server import GatewayServer
@@ -137,6 +138,7 @@ def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewaySer
         | {"prefill", "decode", "ttft", "tpot"}
         | set(LOCAL_PREFILL_REASONS)
         | {"ok", "invalid", "unauthorized", "rejected", "failed", "aborted"}
+        | set(HOPS)  # first_token_hop_seconds{hop}
     )
     for (_, labels), _ in _samples(http).items():
         for key, value in labels:
