@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 from decode_worker.handoffs import DecodeHandoffs
@@ -87,9 +88,10 @@ class DecodeWorker:
         refused (ValueError): each placement has its own id (the router resumes a request
         under a new one), so the same id twice at once is the caller's error.
         """
+        received_at = time.time()  # (its first token's trace: the wait for the lock counts)
         with self.loop.lock:
             self.handoffs.submitted(request.request_id)
-            return self.loop.submit(request)
+            return self.loop.submit(request, received_at=received_at)
 
     def abort(self, request_id: str) -> None:
         """Drop the request. One whose KV is arriving keeps its blocks until the transfer has

@@ -7,7 +7,7 @@ gateway (never one message per token); prefill-only requests that reach their ha
 hand-off) -> stop(). A method whose name ends in ``_locked`` expects its caller to hold ``lock``.
 
 A request submitted here has its first token traced (``FirstTokenTrace``, wall clock): when
-``submit`` got it, when it entered the engine, when it was first scheduled, the start and end of
+the worker got it (``submit``'s ``received_at``), when it entered the engine, when it was first scheduled, the start and end of
 the step that sampled the token, and when that step's batch was put on the output queue; the
 stream stamps each batch as it takes it off the queue (``OutputBatch.streamed_at``).
 """
@@ -81,12 +81,20 @@ class EngineLoop:
             self._thread.join(timeout=10)
 
     # ---- calls from other threads -------------------------------------------------------
-    def submit(self, request: GenerateRequest, *, prefill_only: bool = False) -> bool:
+    def submit(
+        self,
+        request: GenerateRequest,
+        *,
+        prefill_only: bool = False,
+        received_at: float | None = None,
+    ) -> bool:
         """Queue a request; False if it is here already (a repeated resume is a no-op).
 
-        Raises ValueError (nothing queued) when the request is invalid.
+        ``received_at``: when the worker's call began (``time.time()``; default: now), the
+        start of its first token's time in this worker. Raises ValueError (nothing queued) when
+        the request is invalid.
         """
-        received_at = time.time()
+        received_at = time.time() if received_at is None else received_at
         self.prepare(request.params)
         with self._changing():
             if self.engine.has_request(request.request_id):

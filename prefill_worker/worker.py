@@ -89,6 +89,7 @@ class PrefillWorker:
     # ---- requests -----------------------------------------------------------------------
     def submit(self, request: GenerateRequest, decode_worker_id: str) -> None:
         """Queue a prompt; its decode continues on ``decode_worker_id``."""
+        received_at = time.time()  # (its first token's trace: the wait for the locks counts)
         if decode_worker_id not in self._peers:
             raise ValueError(f"unknown decode worker {decode_worker_id!r}")
         # The target and its request come in under one hold of the targets lock: a sweep
@@ -96,7 +97,7 @@ class PrefillWorker:
         with self._targets_lock:
             self._targets[request.request_id] = _Target(decode_worker_id, request.gateway_id)
             try:
-                self.loop.submit(request, prefill_only=True)
+                self.loop.submit(request, prefill_only=True, received_at=received_at)
             except ValueError:
                 del self._targets[request.request_id]
                 raise

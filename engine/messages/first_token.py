@@ -17,8 +17,10 @@ The stamps in the order the first token passes them (``STAMPS``), and the hops b
   placing        place         a placement thread took it (``Placements.submit``)
   routed         route         the routing policy chose its workers
   submit_sent    register      the placement recorded, the submit call about to be sent
-  received       submit        the worker's ``EngineLoop.submit`` started (an actor thread)
-  queued         worker_lock   added to the engine (its lock taken at a step boundary)
+  received       submit        the worker's submit call began (``PrefillWorker.submit``,
+                               ``DecodeWorker.submit``; on an actor thread)
+  queued         worker_lock   added to the engine (``EngineLoop.submit``), once the worker's
+                               locks were taken: the engine's at a step boundary
   step_started   worker_queue  the engine step that sampled its first token began
   step_ended     prefill_step  that step ended
   emitted        emit          the step's output batch put on the gateway's output queue
@@ -85,7 +87,7 @@ SIDE_STAMPS = ("scheduled", "submit_returned")
 class FirstTokenTrace:
     worker_id: str  # the worker that sampled the first token
     # the worker's stamps (EngineLoop), filled before the token leaves it
-    received_at: float  # EngineLoop.submit began, on an actor thread
+    received_at: float  # the worker's submit call began, on an actor thread
     queued_at: float  # the request added to the engine, under its lock
     # the engine's scheduler first picked it for a step (queued_at plus the engine's queue
     # time, TokenEvent.queue_seconds, which counts from within the add: late by microseconds)

@@ -78,6 +78,18 @@ def test_a_first_token_carries_its_worker_stamps_in_path_order(loop: EngineLoop)
     assert all(batch.streamed_at is not None for batch, _ in rest)
 
 
+def test_the_worker_says_when_it_received_the_request(loop: EngineLoop) -> None:
+    """A worker's submit call passes the time it began: the wait for its own locks before the
+    engine's counts in the worker's hops."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    stream = loop.stream(GATEWAY)
+    received_at = time.time() - 0.5
+    assert loop.submit(GenerateRequest("r1", [5, 6, 7], params, GATEWAY), received_at=received_at)
+    [(_, first)] = _until_finished(stream, 1)
+    assert first.first_token_trace is not None
+    assert first.first_token_trace.received_at == received_at
+
+
 def test_a_chunked_prompt_is_scheduled_before_the_step_of_its_first_token(
     loop: EngineLoop,
 ) -> None:
