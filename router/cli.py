@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -24,6 +25,7 @@ from router.gateway.reasoning import REASONING_PARSERS
 from router.gateway.tool_calls import TOOL_CALL_PARSERS
 from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
+from router.serve_defaults import pick_layout, step_budget
 
 # --max-body-bytes at most: the gRPC server's receive limit is twice it, in a C int
 # (router/gateway/grpc_service.py), and 1 GiB overflowed it
@@ -77,8 +79,15 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--model", default=None, help="Hugging Face model directory (default: the bundled demo)"
     )
-    cluster.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
-    cluster.add_argument("--decode", type=int, default=1, help="decode workers")
+    cluster.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help="prefill workers (0: colocated). Without --prefill and --decode: 1 prefill + 1 "
+        "decode worker, or, on a CPU machine of fewer than 3 cores running its own Ray, one "
+        "colocated worker bound to all cores but one (router.serve_defaults.py)",
+    )
+    cluster.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     cluster.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     cluster.add_argument("--dtype", default="auto")
     cluster.add_argument(
@@ -116,7 +125,12 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     )
     cluster.add_argument("--block-size", type=int, default=16)
     cluster.add_argument("--max-num-seqs", type=int, default=256)
-    cluster.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    cluster.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="each worker's step budget in tokens (default 2048; 512 on cpu)",
+    )
     cluster.add_argument(
         "--scheduling-policy",
         default="fcfs",
@@ -178,7 +192,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "activations and KV cache; a worker of --worker-num-gpus 0.5 takes half of it",
     )
     cluster.add_argument("--max-model-len", type=int, default=None)
-    cluster.add_argument("--worker-num-cpus", type=float, default=1.0)
+    cluster.add_argument(
+        "--worker-num-cpus",
+        type=float,
+        default=None,
+        help="Ray CPUs per worker, its torch threads (default 1; the colocated layout picked "
+        "on a small CPU machine: all cores but one)",
+    )
     cluster.add_argument(
         "--bind-worker-cpus",
         action="store_true",
@@ -391,10 +411,21 @@ def _run_serve(args: argparse.Namespace) -> int:
     num_gpus = args.worker_num_gpus
     if num_gpus is None:
         num_gpus = 1.0 if args.device == "cuda" else 0.0
+    layout = pick_layout(
+        args.prefill,
+        args.decode,
+        device=args.device,
+        joins_cluster=args.address is not None,
+        num_cores=len(os.sched_getaffinity(0)),
+        worker_num_cpus=args.worker_num_cpus,
+        bind_worker_cpus=args.bind_worker_cpus,
+    )
+    if layout.reason:
+        print(f"pdserve: one colocated worker ({layout.reason})", flush=True)
     config = ClusterConfig(
         model_dir=model,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
+        num_prefill=layout.num_prefill,
+        num_decode=layout.num_decode,
         device=args.device,
         dtype=dtype,
         attention_backend=args.attention_backend,
@@ -406,7 +437,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_transfer_checksum=args.kv_transfer_checksum,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=step_budget(args.max_num_batched_tokens, args.device),
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
         prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
@@ -418,9 +449,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         dead_after_s=args.worker_dead_after_s,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
-        worker_num_cpus=args.worker_num_cpus,
+        worker_num_cpus=layout.worker_num_cpus,
         worker_num_gpus=num_gpus,
-        bind_worker_cpus=args.bind_worker_cpus,
+        bind_worker_cpus=layout.bind_worker_cpus,
         prefill_resources={args.prefill_resource: 1.0} if args.prefill_resource else {},
         decode_resources={args.decode_resource: 1.0} if args.decode_resource else {},
         speculative=args.speculative_config,

@@ -36,6 +36,7 @@ from router.serve_command import (
     request_limits,
     start_server,
 )
+from router.serve_defaults import MIN_CORES_TO_DISAGGREGATE
 
 
 def _pdserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -214,6 +215,7 @@ def _worker_niceness(serve_pid: int) -> dict[str, int]:
 
 def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: Path) -> None:
     extra = ("--http-port", "0", "--grpc-port", "0", "--served-model-name", "tiny")
+    extra += ("--prefill", "1", "--decode", "1")
     with _serving(chat_model_dir, *extra, "--dtype", "float32") as (text, url, pid):
         assert (
             "1 prefill + 1 decode workers (policy least_loaded, KV over shm within a host, gloo between hosts)"
@@ -316,6 +318,11 @@ def test_serve_without_a_model_serves_the_bundled_demo() -> None:
     """What `make serve` runs: the trained demo model answers in words."""
     with _serving(None, "--http-port", "0", "--grpc-port", "-1") as (text, url, _):
         assert "serving 'pdserve-demo'" in text, text
+        if len(os.sched_getaffinity(0)) < MIN_CORES_TO_DISAGGREGATE:  # CI's 2 cores
+            assert "pdserve: one colocated worker (" in text, text
+            assert "with 1 colocated workers" in text, text
+        else:
+            assert "with 1 prefill + 1 decode workers" in text, text
         body = {"model": "pdserve-demo", "prompt": "Return the", "max_tokens": 24, "temperature": 0}
         response = httpx.post(url + "/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
@@ -667,3 +674,21 @@ def test_generate_takes_the_same_speculative_config() -> None:
     args = build_parser().parse_args([*flags, "--speculative-config", _NGRAM_4])
     assert args.speculative_config == SpeculativeConfig(4, 4, 4)
     assert build_parser().parse_args(flags).speculative_config is None
+
+
+def test_serve_without_a_layout_runs_the_one_this_machine_suits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a 2-core CPU machine (CI's), one colocated worker on one core; on 4, 1P1D; named
+    pools run as named."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    small = _served_configs(monkeypatch, [], ["--prefill", "1", "--decode", "1"])
+    assert [(c.num_prefill, c.num_decode, c.bind_worker_cpus) for c in small] == [
+        (0, 1, True),
+        (1, 1, False),
+    ]
+    assert small[0].worker_num_cpus == 1
+    assert [c.max_num_batched_tokens for c in small] == [512, 512]  # cpu's step budget
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    large = _served_configs(monkeypatch, [])
+    assert [(c.num_prefill, c.num_decode, c.bind_worker_cpus) for c in large] == [(1, 1, False)]
