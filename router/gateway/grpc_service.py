@@ -143,7 +143,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if isinstance(request, Undecodable):
                     raise invalid(request.reason)
                 spec = await self.gateway.parse(
-                    generate_spec, request, self.gateway.model, self.gateway.limits, caller
+                    request.ByteSize(),
+                    generate_spec,
+                    request,
+                    self.gateway.model,
+                    self.gateway.limits,
+                    caller,
                 )
             except ApiError:
                 self.gateway.count_invalid()

@@ -168,6 +168,13 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         raise invalid(f"the request body is not valid JSON: {error}") from error
 
 
+def _body_size(request: Request) -> int | None:
+    """The body's size in bytes as its Content-Length declares it (the server holds a body to
+    it); None for a body sent in chunks."""
+    declared = request.headers.get("content-length")
+    return int(declared) if declared is not None and declared.isdigit() else None
+
+
 def _too_large(max_bytes: int) -> ApiError:
     return ApiError(
         413, f"the request body is larger than this server's limit of {max_bytes} bytes"
@@ -182,7 +189,10 @@ async def _generate(
     caller = gateway.authenticate(request.headers.get("authorization"))
     try:
         body = await _read_json(request, gateway.limits.max_body_bytes)
-        job = await gateway.parse(parse_job, kind, body, gateway.model, gateway.limits, caller)
+        size = _body_size(request)
+        job = await gateway.parse(
+            size, parse_job, kind, body, gateway.model, gateway.limits, caller
+        )
     except ClientDisconnect:  # gone before it finished sending the body: not a server failure
         gateway.record_outcome("aborted")
         return Response(status_code=499)

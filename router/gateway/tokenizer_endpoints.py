@@ -72,7 +72,7 @@ async def _answer(
     gateway.authenticate(request.headers.get("authorization"), counted=False)
     try:
         body = await read_json(request, gateway.limits.max_body_bytes)
-        result = await gateway.parse(parse, body, gateway.model, gateway.limits)
+        result = await gateway.parse(None, parse, body, gateway.model, gateway.limits)
     except ClientDisconnect:  # gone before it finished sending the body
         return Response(status_code=499)
     except ApiError:

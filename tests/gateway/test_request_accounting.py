@@ -52,9 +52,11 @@ def served_demo() -> ServedModel:
 class _SlowParseGateway(Gateway):
     """Parsing takes ``PARSE_S``, as a long prompt's tokenizing or a busy parser thread does."""
 
-    async def parse(self, parse: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    async def parse(
+        self, body_bytes: int | None, parse: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
         await asyncio.sleep(PARSE_S)
-        return await super().parse(parse, *args, **kwargs)
+        return await super().parse(body_bytes, parse, *args, **kwargs)
 
 
 class _ByPromptLength(ScriptedCluster):

@@ -28,7 +28,7 @@ from router.gateway.auth import ApiKeys
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
-from router.gateway.service import Gateway
+from router.gateway.service import INLINE_PARSE_MAX_BYTES, Gateway
 from router.gateway.tokenizer_endpoints import _source_version, package_version
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
 from tests.gateway.test_streams_on_a_scripted_cluster import _requests_by_status
@@ -346,6 +346,24 @@ def test_the_tokenizer_runs_on_the_parser_threads(model: ServedModel) -> None:
         post_json(http, "/detokenize", {"tokens": [1, 2]})
     assert len(tokenizer.threads) >= 5
     assert all(name.startswith("gateway-parse") for name in tokenizer.threads), tokenizer.threads
+
+
+def test_a_small_completion_is_parsed_on_the_event_loop_a_large_one_on_a_parser_thread(
+    model: ServedModel,
+) -> None:
+    """A body of a few KiB is parsed at once (a hand-off to a parser thread and back cost more
+    than the parse); a larger one, which may take the tokenizer long, on a parser thread."""
+    tokenizer = _ThreadRecordingTokenizer(model.tokenizer)
+    recorded = ServedModel(model.name, model.max_model_len, model.vocab_size, tokenizer)
+    large = "hi " * (INLINE_PARSE_MAX_BYTES // 3)
+    with http_client(ScriptedCluster([5]), recorded) as http:
+        post_json(http, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        small_threads = list(tokenizer.threads)
+        tokenizer.threads.clear()
+        http.post("/v1/completions", json={"prompt": large, "max_tokens": 1})
+    assert small_threads and all(name == "gateway" for name in small_threads), small_threads
+    assert tokenizer.threads, "the large prompt was never tokenized"
+    assert tokenizer.threads[0].startswith("gateway-parse"), tokenizer.threads
 
 
 # the real tiny-Llama cluster: the counts are the ones the workers were sent
