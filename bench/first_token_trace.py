@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.first_token_trace [--rates 4,8,16] [--num-prompts 100]
         [--model DIR] [--serve-args "--prefill 0"] [--out bench/results/first_token_trace.json]
 
-Starts ``pdserve serve`` with its defaults (one prefill and one decode worker), the model in
+Starts ``pdserve serve`` with its defaults (the layout it picks on this machine), the model in
 float32 and ``--first-token-trace`` (plus ``--serve-args``), and drives it at each request rate
 with Poisson arrivals: prompts of 256 +- 64 tokens asking for 64 +- 16 tokens each (uniform,
 ignore_eos), streamed through the completions API. Prints, per rate, each hop's p50, p99 and
@@ -13,9 +13,8 @@ written), then the prefill workers' KV transfers meanwhile (off the first token'
 hand-off begins once the token is on its way); writes every trace line and the client's records
 as JSON.
 
-Without ``--model`` the model is a random tiny Llama (hidden 256, 4 layers, 4 heads of 64, 1024
-positions, bench.offline_throughput's) saved in float32 with the demo model's tokenizer into a
-temporary directory.
+Without ``--model`` the model is ``bench/serving/tiny_model.py``'s, built into a temporary
+directory.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import argparse
 import asyncio
 import json
 import shlex
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -41,12 +39,10 @@ from bench.serving.client import EndpointConfig
 from bench.serving.report import result_dict, write_json
 from bench.serving.runner import BenchConfig, BenchResult, load_codec, run_benchmark_async
 from bench.serving.servers import RunningServer, ServerSpec
+from bench.serving.tiny_model import build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
-from engine.demo_model import DEMO_MODEL_DIR
 from engine.messages.first_token import HOPS
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-DEMO_VOCAB_SIZE = 4096  # the demo tokenizer's
 _RATE_SEED_STRIDE = 7_919  # each rate its own prompts (no prefix-cache hits across rates)
 _REPORT_LAG_S = 1.0  # the router polls the workers' loads every 0.5 s
 
@@ -93,17 +89,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON path for the traces and records")
     return parser
-
-
-def build_tiny_llama(out_dir: Path) -> Path:
-    """A random tiny Llama in float32 beside the demo tokenizer's files."""
-    from bench.offline_throughput import build_model
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    build_model(out_dir, DEMO_VOCAB_SIZE)
-    for name in TOKENIZER_FILES:
-        shutil.copy(Path(DEMO_MODEL_DIR) / name, out_dir / name)
-    return out_dir
 
 
 def _server(args: argparse.Namespace, model_dir: str, trace_path: Path) -> ServerSpec:
