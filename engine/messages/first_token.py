@@ -11,7 +11,7 @@ The stamps in the order the first token passes them (``STAMPS``), and the hops b
 (``HOPS``, each named after what it measures and ending at the stamp in the same place):
 
   arrived        the HTTP route began (before the body was read)
-  parsed         parse         the body read, parsed and tokenized (on a parser thread)
+  parsed         parse         the body read, parsed and tokenized (a large one on a parser thread)
   admitted       admit         the gateway admitted it (an in-flight slot)
   entered        enter         handed to the cluster (``Cluster.generate`` started)
   placing        place         a placement thread took it (``Placements.submit``)
