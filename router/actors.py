@@ -23,6 +23,7 @@ from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import TransferConfig
 from router.cpu_binding import bind_this_thread
+from router.gil_switch import hand_off_the_gil_sooner
 
 ACTOR_CONCURRENCY = 32
 T = TypeVar("T")
@@ -39,6 +40,7 @@ class DecodeActor:
         cpus: tuple[int, ...] = (),
         speculative: SpeculativeConfig | None = None,
     ) -> None:
+        hand_off_the_gil_sooner()
         if cpus:  # before the engine and its threads start
             bind_this_thread(cpus)
         from decode_worker.worker import DecodeWorker
@@ -97,6 +99,7 @@ class PrefillActor:
         decode_handles: Mapping[str, Any],
         cpus: tuple[int, ...] = (),
     ) -> None:
+        hand_off_the_gil_sooner()
         if cpus:  # before the engine and its threads start
             bind_this_thread(cpus)
         from prefill_worker.worker import PrefillWorker

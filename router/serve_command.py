@@ -35,6 +35,7 @@ from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer, check_bind_address
 from router.gateway.service import Gateway
 from router.gateway.tool_calls import TOOL_CALL_PARSERS
+from router.gil_switch import hand_off_the_gil_sooner
 from router.local_ray import stop_ray
 from router.stop_signals import StopSignals, exit_if_stuck, interrupt_on_stop_signals
 
@@ -46,6 +47,7 @@ _STOP_LIMIT_S = 9.0
 
 def run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     """Runs ``pdserve serve`` until it is stopped; returns the exit status."""
+    hand_off_the_gil_sooner()
     interrupt_on_stop_signals()  # until it serves: SIGTERM, as Ctrl-C, stops the start
     try:
         return _run_serve(args, config)
