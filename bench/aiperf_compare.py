@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.results_json import write_json
-from bench.serving.servers import RunningServer, ServerSpec
+from bench.serving.servers import (
+    ROUND_SEED_STRIDE,
+    RunningServer,
+    ServerSpec,
+    pdserve_serve,
+    rotated,
+    vllm_server,
+)
 from bench.serving.tiny_model import build_tiny_llama
 
 VLLM = "vLLM (CPU)"
@@ -49,7 +56,6 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
     ),
     "long-mix": ("--sequence-distribution", "256|64,64|16:80;750|50,64|16:20"),
 }  # fmt: skip
-_ROUND_SEED_STRIDE = 1000
 _RATE_SEED_STRIDE = 17
 
 
@@ -95,27 +101,14 @@ def aiperf_run(export: dict[str, Any], system: str, rate: float, round_index: in
 
 
 def _systems(args: argparse.Namespace, model_dir: str) -> list[ServerSpec]:
-    env = {"RAY_AUTH_MODE": "disabled"}
-    serve = (
-        sys.executable, "-m", "router.cli", "serve", "--model", model_dir,
-        "--served-model-name", SERVED_NAME, "--dtype", "float32", "--grpc-port", "-1",
-    )  # fmt: skip
-    port = args.port
-    systems = [ServerSpec(PDSERVE, (*serve, "--http-port", str(port)), port, "/health", env)]
-    for extra in args.pdserve or []:
+    systems = [pdserve_serve(PDSERVE, args.port, model_dir, SERVED_NAME)]
+    for offset, extra in enumerate(args.pdserve or [], start=1):
         name, _, flags = extra.partition("=")
-        port += 1
-        argv = (*serve, "--http-port", str(port), *shlex.split(flags))
-        systems.append(ServerSpec(name, argv, port, "/health", env))
+        port = args.port + offset
+        systems.append(pdserve_serve(name, port, model_dir, SERVED_NAME, shlex.split(flags)))
     if args.vllm_python:
-        port += 1
-        argv = (
-            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model_dir, "--served-model-name", SERVED_NAME, "--dtype", "float32",
-            "--max-model-len", "1024", "--enforce-eager",
-            "--host", "127.0.0.1", "--port", str(port),
-        )  # fmt: skip
-        systems.append(ServerSpec(VLLM, argv, port, "/health", {"VLLM_CPU_KVCACHE_SPACE": "2"}))
+        port = args.port + len(systems)
+        systems.append(vllm_server(args.vllm_python, port, model_dir, SERVED_NAME, 1024, 2))
     return [s for s in systems if not args.only or s.name in args.only]
 
 
@@ -138,11 +131,6 @@ def _profile(
         subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=True)
     export: dict[str, Any] = json.loads((out / "profile_export_aiperf.json").read_text())
     return export
-
-
-def _rotated(systems: list[ServerSpec], round_index: int) -> list[ServerSpec]:
-    shift = round_index % len(systems) if systems else 0
-    return [*systems[shift:], *systems[:shift]]
 
 
 def _mean(values: list[float]) -> float:
@@ -220,14 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         systems = _systems(args, model_dir)
         runs: list[Run] = []
         for round_index in range(args.rounds):
-            for spec in _rotated(systems, round_index):
+            for spec in rotated(systems, round_index):
                 label = spec.name.replace(" ", "_").replace("(", "").replace(")", "")
                 print(f"== round {round_index + 1} {spec.name}", file=sys.stderr, flush=True)
                 with RunningServer(spec, out / f"{label}.{round_index}.log"):
                     for rate_index, rate in enumerate(rates):
                         seed = (
                             args.seed
-                            + round_index * _ROUND_SEED_STRIDE
+                            + round_index * ROUND_SEED_STRIDE
                             + rate_index * _RATE_SEED_STRIDE
                         )
                         where = out / label / f"round{round_index}" / f"rate{rate:g}"

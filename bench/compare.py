@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,14 @@ from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO, Summary
 from bench.serving.report import sweep_dict, write_json
 from bench.serving.runner import BenchConfig, SweepResult, sweep
-from bench.serving.servers import RunningServer, ServerSpec, pdserve_server, vllm_server
+from bench.serving.servers import (
+    ROUND_SEED_STRIDE,
+    RunningServer,
+    ServerSpec,
+    pdserve_server,
+    rotated,
+    vllm_server,
+)
 from bench.serving.workloads import WorkloadSpec
 
 BEST_SPLIT = "pdserve best 2-worker split"
@@ -52,7 +58,6 @@ ONE_P_ONE_D_ARGS = (
     "--max-prefill-queue-tokens", "2048",
     "--max-local-prefill-length", "128",
 )  # fmt: skip
-_ROUND_SEED_STRIDE = 1000  # rounds' seeds; the sweep adds 7919 per rate, so no two runs share one
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +130,6 @@ def _systems(args: argparse.Namespace) -> list[ServerSpec]:
             vllm_server(args.vllm_python, args.port + 3, args.model, args.served_name, 512)
         )
     return [s for s in systems if not args.only or s.name in args.only]
-
-
-def _rotated(systems: Sequence[ServerSpec], round_index: int) -> list[ServerSpec]:
-    """This round's order: no system always runs first, on a machine fresh from idling."""
-    shift = round_index % len(systems) if systems else 0
-    return [*systems[shift:], *systems[:shift]]
 
 
 def _config(args: argparse.Namespace, base_url: str, seed: int) -> BenchConfig:
@@ -261,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = _systems(args)
     results: dict[str, list[SweepResult]] = {spec.name: [] for spec in systems}
     for round_index in range(args.repeats):
-        seed = args.seed + round_index * _ROUND_SEED_STRIDE
-        for spec in _rotated(systems, round_index):
+        seed = args.seed + round_index * ROUND_SEED_STRIDE  # the sweep adds 7919 per rate
+        for spec in rotated(systems, round_index):
             heading = f"== round {round_index + 1}/{args.repeats} {spec.name}"
             print(f"{heading}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
             log = out / f"{spec.name.replace(' ', '_')}.{round_index}.log"

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import shlex
-import sys
 import tempfile
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -38,7 +37,7 @@ from bench.serving.arrivals import ArrivalSpec
 from bench.serving.client import EndpointConfig
 from bench.serving.report import result_dict, write_json
 from bench.serving.runner import BenchConfig, BenchResult, load_codec, run_benchmark_async
-from bench.serving.servers import RunningServer, ServerSpec
+from bench.serving.servers import RunningServer, ServerSpec, pdserve_serve
 from bench.serving.tiny_model import build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 from engine.messages.first_token import HOPS
@@ -92,14 +91,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _server(args: argparse.Namespace, model_dir: str, trace_path: Path) -> ServerSpec:
-    argv = (
-        sys.executable, "-m", "router.cli", "serve",
-        "--model", model_dir, "--served-model-name", args.served_model_name,
-        "--dtype", "float32", "--http-port", str(args.port), "--grpc-port", "-1",
-        "--first-token-trace", str(trace_path),
-    ) + tuple(shlex.split(args.serve_args))  # fmt: skip
-    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-    return ServerSpec("pdserve", argv, args.port, "/health", env)
+    extra = ("--first-token-trace", str(trace_path), *shlex.split(args.serve_args))
+    return pdserve_serve("pdserve", args.port, model_dir, args.served_model_name, extra)
 
 
 async def _run_rates(

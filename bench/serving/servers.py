@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -30,6 +31,30 @@ class ServerSpec:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+
+PDSERVE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+ROUND_SEED_STRIDE = 1000  # benchmarks' rounds: round i's seed is the base + i * this
+
+
+def rotated(specs: Sequence[ServerSpec], round_index: int) -> list[ServerSpec]:
+    """A round's order of the systems: no system always runs first, on a machine fresh from
+    idling."""
+    shift = round_index % len(specs) if specs else 0
+    return [*specs[shift:], *specs[:shift]]
+
+
+def pdserve_serve(
+    name: str, port: int, model_dir: str, served_name: str, extra_args: Sequence[str] = ()
+) -> ServerSpec:
+    """``pdserve serve`` as a user starts it: the model (float32), its name and the HTTP port,
+    no gRPC, the layout and settings it picks itself unless ``extra_args`` name them."""
+    argv = (
+        sys.executable, "-m", "router.cli", "serve", "--model", model_dir,
+        "--served-model-name", served_name, "--dtype", "float32",
+        "--http-port", str(port), "--grpc-port", "-1", *extra_args,
+    )  # fmt: skip
+    return ServerSpec(name, argv, port, "/health", PDSERVE_ENV)
 
 
 def pdserve_server(
@@ -54,12 +79,16 @@ def pdserve_server(
         "--kv-transport", "shm", "--num-kv-blocks", str(num_kv_blocks),
         "--worker-num-cpus", str(cores_per_worker), "--http-port", str(port), "--grpc-port", "-1",
     ) + (("--bind-worker-cpus",) if bind_cpus else ()) + extra_args  # fmt: skip
-    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-    return ServerSpec(name, argv, port, "/health", env)
+    return ServerSpec(name, argv, port, "/health", PDSERVE_ENV)
 
 
 def vllm_server(
-    vllm_python: str, port: int, model_dir: str, served_name: str, max_model_len: int
+    vllm_python: str,
+    port: int,
+    model_dir: str,
+    served_name: str,
+    max_model_len: int,
+    kv_cache_gib: int = 1,
 ) -> ServerSpec:
     argv = (
         vllm_python, "-m", "vllm.entrypoints.openai.api_server",
@@ -67,7 +96,8 @@ def vllm_server(
         "--max-model-len", str(max_model_len), "--enforce-eager",
         "--host", "127.0.0.1", "--port", str(port),
     )  # fmt: skip
-    return ServerSpec("vLLM (CPU)", argv, port, "/health", {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    return ServerSpec("vLLM (CPU)", argv, port, "/health", env)
 
 
 class RunningServer:
