@@ -150,8 +150,8 @@ def _error_response(error: ApiError) -> Response:
 
 
 async def _read_json(request: Request, max_bytes: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    declared = _body_size(request)
+    if declared is not None and declared > max_bytes:
         raise _too_large(max_bytes)
     body = bytearray()
     async for chunk in request.stream():

@@ -20,13 +20,10 @@ import pytest
 
 from engine.messages.first_token import HOPS, SIDE_STAMPS, STAMPS
 from router.cli import build_parser
-from router.gateway.auth import ApiKeys
 from router.gateway.first_token_log import FirstTokenLog
-from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
-from router.gateway.server import GatewayServer
-from router.gateway.service import Gateway
 from router.serve_command import first_token_log
+from tests.gateway.token_script import http_client
 from tests.router.fake_actors import use_fake_ray
 from tests.router.loop_actors import loop_cluster
 
@@ -44,17 +41,11 @@ def http(llama_dir: Path, trace_path: Path) -> Iterator[httpx.Client]:
         use_fake_ray(monkeypatch)
         workers = loop_cluster(llama_dir, num_prefill=1)
         model = ServedModel.load(str(llama_dir), MODEL, None)
-        limits = RequestLimits(max_model_len=model.max_model_len)
-        gateway = Gateway(
-            workers.cluster, model, limits, ApiKeys([]), first_token_log=FirstTokenLog(trace_path)
-        )
-        server = GatewayServer(gateway, "127.0.0.1", 0, None)
-        server.start()
+        log = FirstTokenLog(trace_path)
         try:
-            with httpx.Client(base_url=server.http_url, timeout=30) as client:
+            with http_client(workers.cluster, model, first_token_log=log) as client:
                 yield client
         finally:
-            server.stop()
             workers.stop()
 
 

@@ -4,70 +4,47 @@ a new request with 503 and Retry-After before anything starts: a stream gets the
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from engine.messages import TokenEvent
-from engine.sampling import SamplingParams
-from router.gateway.auth import ApiKeys
-from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
-from router.gateway.server import GatewayServer
-from router.gateway.service import Gateway
-from tests.gateway.one_live_worker import OneLiveWorker
+from tests.gateway.token_script import DEMO_MODEL, ScriptedCluster, http_client
 
 pytestmark = pytest.mark.timeout(120)
 
-DEMO_MODEL = Path(__file__).resolve().parents[2] / "engine" / "demo_model" / "assets"
 
-
-class QueueingCluster(OneLiveWorker):
+class QueueingCluster(ScriptedCluster):
     """Answers one token per request; its router queue is full while ``full`` is set."""
 
     def __init__(self) -> None:
+        super().__init__([264])
         self.full = False
 
     def queue_is_full(self) -> bool:
         return self.full
 
-    async def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        priority: int = 0,
-    ) -> AsyncGenerator[TokenEvent, None]:
-        yield TokenEvent(request_id or "", 0, 0, 264, None, "length")
-
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[QueueingCluster, GatewayServer]]:
+def served() -> Iterator[tuple[QueueingCluster, httpx.Client]]:
     model = ServedModel.load(str(DEMO_MODEL), "pdserve-demo", None)
     cluster = QueueingCluster()
-    limits = RequestLimits(max_model_len=model.max_model_len)
-    server = GatewayServer(Gateway(cluster, model, limits, ApiKeys([])), "127.0.0.1", 0, None)
-    server.start()
-    yield cluster, server
-    server.stop()
+    with http_client(cluster, model) as client:
+        yield cluster, client
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_full_router_queue_answers_503_with_retry_after_before_any_stream(
-    served: tuple[QueueingCluster, GatewayServer], stream: bool
+    served: tuple[QueueingCluster, httpx.Client], stream: bool
 ) -> None:
-    cluster, server = served
+    cluster, client = served
     body = {"model": "pdserve-demo", "prompt": "The os", "max_tokens": 1, "stream": stream}
-    with httpx.Client(base_url=server.http_url, timeout=60) as client:
-        cluster.full = True
-        refused = client.post("/v1/completions", json=body)
-        assert refused.status_code == 503, refused.text
-        assert "Retry-After" in refused.headers
-        assert "queue" in refused.json()["error"]["message"]
-        assert client.get("/health").status_code == 200  # full is not unhealthy
-        cluster.full = False
-        assert client.post("/v1/completions", json=body).status_code == 200
+    cluster.full = True
+    refused = client.post("/v1/completions", json=body)
+    assert refused.status_code == 503, refused.text
+    assert "Retry-After" in refused.headers
+    assert "queue" in refused.json()["error"]["message"]
+    assert client.get("/health").status_code == 200  # full is not unhealthy
+    cluster.full = False
+    assert client.post("/v1/completions", json=body).status_code == 200

@@ -24,10 +24,11 @@ import pytest
 from engine.messages import TokenEvent
 from engine.sampling import PromptTokenLogprobs, SamplingParams, TokenLogprobs
 from router.gateway.auth import ApiKeys
+from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
-from router.gateway.service import Gateway
+from router.gateway.service import ClusterBackend, Gateway
 from tests.gateway.one_live_worker import OneLiveWorker
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "engine" / "demo_model" / "assets"
@@ -133,12 +134,16 @@ def scripted_prompt_logprobs(
 
 @contextlib.contextmanager
 def http_client(
-    cluster: ScriptedCluster, model: ServedModel, limits: RequestLimits | None = None
+    cluster: ClusterBackend,
+    model: ServedModel,
+    limits: RequestLimits | None = None,
+    first_token_log: FirstTokenLog | None = None,
 ) -> Iterator[httpx.Client]:
-    """A client of a gateway serving ``model`` over ``cluster``, without API keys (``limits``
-    default: the model's context, the rest as RequestLimits' defaults)."""
+    """A client of a gateway serving ``model`` over ``cluster`` (a ``ScriptedCluster``, or a
+    real router), without API keys (``limits`` default: the model's context, the rest as
+    RequestLimits' defaults)."""
     limits = limits or RequestLimits(max_model_len=model.max_model_len)
-    gateway = Gateway(cluster, model, limits, ApiKeys([]))
+    gateway = Gateway(cluster, model, limits, ApiKeys([]), first_token_log=first_token_log)
     server = GatewayServer(gateway, "127.0.0.1", 0, None)
     server.start()
     try:
