@@ -7,9 +7,10 @@ gateway (never one message per token); prefill-only requests that reach their ha
 hand-off) -> stop(). A method whose name ends in ``_locked`` expects its caller to hold ``lock``.
 
 A request submitted here has its first token traced (``FirstTokenTrace``, wall clock): when
-the worker got it (``submit``'s ``received_at``), when it entered the engine, when it was first scheduled, the start and end of
-the step that sampled the token, and when that step's batch was put on the output queue; the
-stream stamps each batch as it takes it off the queue (``OutputBatch.streamed_at``).
+the worker got it (``submit``'s ``received_at``), when it entered the engine, when it was first
+scheduled, the start and end of the step that sampled the token, and when that step's batch was
+put on the output queue; the stream stamps each batch as it takes it off the queue
+(``OutputBatch.streamed_at``).
 """
 
 from __future__ import annotations

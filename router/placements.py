@@ -354,8 +354,8 @@ class Placements:
 
     def _recover_all_locked(self, worker: WorkerHandle, skip: RequestTracker | None = None) -> None:
         """Recover every request on a worker taken out of rotation; a stalled one (its process
-        may live on) is told to drop each (``_abort_on``). A request whose recovery fails (a bug) is failed,
-        never left waiting, and the others are recovered all the same."""
+        may live on) is told to drop each (``_abort_on``). A request whose recovery fails (a
+        bug) is failed, never left waiting, and the others are recovered all the same."""
         affected = [
             t
             for t in self._trackers.values()
