@@ -1,0 +1,91 @@
+"""Which slice of a model one tensor-parallel rank holds: its heads, MLP columns and vocab rows.
+
+Torch-free, so the engine's configuration checks and the KV-transfer layout can use it.
+Query heads, the MLP's intermediate columns and the vocabulary split evenly over the ranks.
+KV heads split evenly too, unless there are more ranks than KV heads: then each rank holds
+the one KV head its query heads read, replicated on ``size // num_kv_heads`` ranks (as vLLM
+does). The vocabulary is padded to ``size * vocab_rows`` rows; padding rows hold zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelShard:
+    rank: int  # this rank, 0 .. size - 1
+    size: int  # number of ranks (tensor_parallel_size)
+    q_heads: range  # query heads this rank computes, num_heads // size of them
+    kv_heads: range  # KV heads it holds (its KV cache's heads); see the module docstring
+    intermediate: range  # its columns of the MLP, intermediate_size // size of them
+    vocab: range  # its rows of the embedding and the LM head; may end past vocab_size
+    vocab_rows: int  # ceil(vocab_size / size), the same on every rank
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int, size: int) -> TensorParallelShard:
+        """Rank ``rank``'s slice of ``config``'s model over ``size`` ranks.
+
+        Raises ValueError naming the field and the numbers when ``size`` cannot split it.
+        """
+        check_tensor_parallel_size(config, size)
+        if not 0 <= rank < size:
+            raise ValueError(
+                f"rank {rank} must be in 0 .. {size - 1} (tensor_parallel_size {size})"
+            )
+        q_per_rank = config.num_heads // size
+        inter_per_rank = config.intermediate_size // size
+        vocab_rows = -(-config.vocab_size // size)
+        return cls(
+            rank=rank,
+            size=size,
+            q_heads=range(rank * q_per_rank, (rank + 1) * q_per_rank),
+            kv_heads=_kv_heads(config.num_kv_heads, rank, size),
+            intermediate=range(rank * inter_per_rank, (rank + 1) * inter_per_rank),
+            vocab=range(rank * vocab_rows, (rank + 1) * vocab_rows),
+            vocab_rows=vocab_rows,
+        )
+
+    @classmethod
+    def whole(cls, config: ModelConfig) -> TensorParallelShard:
+        """The one rank of an unsharded model."""
+        return cls.of(config, 0, 1)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank's KV cache holds."""
+        return len(self.kv_heads)
+
+
+def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+    """Raises ValueError naming the field when ``size`` ranks cannot split the model."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size {size} must be at least 1")
+    if config.num_heads % size != 0:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide num_attention_heads {config.num_heads}"
+        )
+    num_kv_heads = config.num_kv_heads
+    if size <= num_kv_heads and num_kv_heads % size != 0:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide num_key_value_heads {num_kv_heads}"
+        )
+    if size > num_kv_heads and size % num_kv_heads != 0:
+        raise ValueError(
+            f"tensor_parallel_size {size} must be a multiple of num_key_value_heads "
+            f"{num_kv_heads} (ranks beyond the KV heads replicate them)"
+        )
+    if config.intermediate_size % size != 0:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide intermediate_size {config.intermediate_size}"
+        )
+
+
+def _kv_heads(num_kv_heads: int, rank: int, size: int) -> range:
+    if size <= num_kv_heads:
+        per_rank = num_kv_heads // size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    head = rank * num_kv_heads // size  # the head of this rank's query heads
+    return range(head, head + 1)
