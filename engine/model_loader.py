@@ -3,6 +3,11 @@
 Weights come from a Hugging Face safetensors checkpoint (single file or sharded via
 ``model.safetensors.index.json``) or, with ``load_format="dummy"``, from a seeded random
 init so big shapes can be benchmarked without a checkpoint.
+
+Under tensor parallelism a rank reads only its slice of each checkpoint tensor (the rows of
+its heads, MLP columns and vocab rows, or the input columns of a row-parallel weight) through
+safetensors' ``get_slice``; no rank holds a whole sharded tensor. Replicated tensors (norms)
+are read whole. Dummy weights of a rank are the same slices of the one-rank dummy model.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, RMSNorm
 from engine.models.registry import get_model_class
 from engine.models.rope import RotaryEmbedding
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.shard import TensorParallelShard
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -28,9 +35,25 @@ DUMMY_INIT_STD = 0.02
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Target:
+    """Where one checkpoint tensor's slice lands: rows [row_offset, row_offset + num_rows) of
+    param, filled from the tensor's ``rows`` (and ``cols``); the rest of those rows is zeros."""
+
     param: torch.Tensor  # the parameter a checkpoint tensor lands in
     row_offset: int  # first row of its slice (fused projections stack along dim 0)
-    num_rows: int
+    num_rows: int  # rows of param this tensor owns on this rank
+    full_shape: tuple[int, ...]  # the checkpoint tensor's shape
+    rows: range  # its rows this rank reads (dim 0); fewer than num_rows past the vocabulary
+    cols: range | None  # its columns this rank reads (dim 1); None: all
+
+    def is_whole(self) -> bool:
+        """Whether this rank reads the entire tensor."""
+        whole_cols = self.cols is None or self.cols == range(self.full_shape[1])
+        return self.rows == range(self.full_shape[0]) and whole_cols
+
+    def index(self) -> tuple[slice, ...]:
+        """The slice of the checkpoint tensor to read."""
+        rows = slice(self.rows.start, self.rows.stop)
+        return (rows,) if self.cols is None else (rows, slice(self.cols.start, self.cols.stop))
 
 
 def load_model(
@@ -41,11 +64,15 @@ def load_model(
     load_format: LoadFormat = "auto",
     seed: int = 0,
     linear_backend: Literal["torch", "onednn"] = "torch",
+    shard: TensorParallelShard | None = None,
+    group: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
     """The model in eval mode without grad, every tensor allocated once on ``device``.
 
     ``linear_backend="onednn"``: projections are repacked for oneDNN after loading
     (engine/kernels/linear.py); a tied logits projection gets its own packed copy.
+    ``shard`` and ``group``: this rank's slice of the model and its ranks' group (None: the
+    whole model on one rank; a group alone implies its rank's shard).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
@@ -56,9 +83,13 @@ def load_model(
     all_names = {name for names in names_by_file.values() for name in names}
     if files and not config.tie_word_embeddings and "lm_head.weight" not in all_names:
         config = dataclasses.replace(config, tie_word_embeddings=True)  # lm_head reuses embeddings
-    model = _build_empty(config, dtype, torch.device(device))
+    if shard is None and group is not None:
+        shard = TensorParallelShard.of(config, group.rank, group.size)
+    model = _build_empty(config, dtype, torch.device(device), shard, group)
     with torch.no_grad():
-        if load_format == "dummy":
+        if load_format == "dummy" and model.shard.size > 1:
+            _init_dummy_sharded(model, seed)
+        elif load_format == "dummy":
             _init_dummy(model, seed)
         else:
             _load_safetensors(model, names_by_file, all_names)
@@ -89,10 +120,16 @@ def _tensor_names(file: Path) -> list[str]:
         return list(f.keys())
 
 
-def _build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def _build_empty(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: TensorParallelShard | None,
+    group: TensorParallelGroup | None,
+) -> LlamaForCausalLM:
     """Construct on meta (no memory), cast there, then allocate each tensor once on device."""
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config)
+        model = get_model_class(config.architecture)(config, shard, group)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -102,29 +139,67 @@ def _build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
 
 def _load_targets(model: LlamaForCausalLM) -> dict[str, _Target]:
     """Checkpoint tensor name -> where it goes. Fused params take several checkpoint tensors."""
-    config = model.config
+    config, shard = model.config, model.shard
+    fused_parts = _fused_parts(config, shard)
+    q_rows = _times(shard.q_heads, config.head_dim)  # this rank's columns of o_proj
     q_size = config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    # our fused projection -> the Hugging Face projections stacked in it, in row order
-    fused_parts = {
-        "qkv_proj": [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)],
-        "gate_up_proj": [
-            ("gate_proj", config.intermediate_size),
-            ("up_proj", config.intermediate_size),
-        ],
+    row_parallel = {
+        "o_proj": (q_size, q_rows),
+        "down_proj": (config.intermediate_size, shard.intermediate),
     }
     targets: dict[str, _Target] = {}
     for name, param in model.named_parameters():
-        module_name = name.split(".")[-2]
-        if module_name not in fused_parts:
-            targets[name] = _Target(param, 0, param.shape[0])
-            continue
-        row_offset = 0
-        for hf_part, num_rows in fused_parts[module_name]:
-            hf_name = name.replace(f".{module_name}.", f".{hf_part}.")
-            targets[hf_name] = _Target(param, row_offset, num_rows)
-            row_offset += num_rows
+        module_name, leaf = name.split(".")[-2:]
+        if module_name in fused_parts:
+            row_offset = 0
+            for hf_part, full_rows, rows in fused_parts[module_name]:
+                hf_name = name.replace(f".{module_name}.", f".{hf_part}.")
+                full_shape = (full_rows, *param.shape[1:])
+                targets[hf_name] = _Target(param, row_offset, len(rows), full_shape, rows, None)
+                row_offset += len(rows)
+        elif module_name in row_parallel and leaf == "weight":
+            full_cols, cols = row_parallel[module_name]
+            full_shape = (param.shape[0], full_cols)
+            targets[name] = _Target(
+                param, 0, param.shape[0], full_shape, range(param.shape[0]), cols
+            )
+        elif module_name in row_parallel:  # the bias, added once: rank 0 holds it, others zeros
+            rows = range(param.shape[0]) if shard.rank == 0 else range(0)
+            targets[name] = _Target(param, 0, param.shape[0], tuple(param.shape), rows, None)
+        elif module_name in ("embed_tokens", "lm_head"):
+            rows = range(shard.vocab.start, min(shard.vocab.stop, config.vocab_size))
+            full_shape = (config.vocab_size, param.shape[1])
+            targets[name] = _Target(param, 0, shard.vocab_rows, full_shape, rows, None)
+        else:  # replicated on every rank
+            whole = range(param.shape[0])
+            targets[name] = _Target(param, 0, param.shape[0], tuple(param.shape), whole, None)
     return targets
+
+
+def _fused_parts(
+    config: ModelConfig, shard: TensorParallelShard
+) -> dict[str, list[tuple[str, int, range]]]:
+    """Our fused projection -> the Hugging Face projections stacked in it, in row order, each
+    as (name, the checkpoint tensor's rows, the rows this rank reads)."""
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    kv_rows = _times(shard.kv_heads, config.head_dim)
+    return {
+        "qkv_proj": [
+            ("q_proj", q_size, _times(shard.q_heads, config.head_dim)),
+            ("k_proj", kv_size, kv_rows),
+            ("v_proj", kv_size, kv_rows),
+        ],
+        "gate_up_proj": [
+            ("gate_proj", config.intermediate_size, shard.intermediate),
+            ("up_proj", config.intermediate_size, shard.intermediate),
+        ],
+    }
+
+
+def _times(heads: range, head_dim: int) -> range:
+    """The rows of ``heads`` in a projection of ``head_dim`` rows per head."""
+    return range(heads.start * head_dim, heads.stop * head_dim)
 
 
 def _is_ignored(name: str, config: ModelConfig) -> bool:
@@ -153,13 +228,29 @@ def _load_safetensors(
                 target = targets.get(name)
                 if target is None:
                     continue
-                tensor = f.get_tensor(name)
-                expected = (target.num_rows, *target.param.shape[1:])
-                if tuple(tensor.shape) != expected:
-                    raise ValueError(
-                        f"{name} in {file.name} has shape {tuple(tensor.shape)}, expected {expected}"
-                    )
-                target.param[target.row_offset : target.row_offset + target.num_rows].copy_(tensor)
+                if target.is_whole():
+                    tensor = f.get_tensor(name)
+                    _check_shape(name, file, tuple(tensor.shape), target)
+                    _copy(tensor, target)
+                    continue
+                tensor_slice = f.get_slice(name)
+                _check_shape(name, file, tuple(tensor_slice.get_shape()), target)
+                _copy(tensor_slice[target.index()] if target.rows else None, target)
+
+
+def _check_shape(name: str, file: Path, shape: tuple[int, ...], target: _Target) -> None:
+    if shape != target.full_shape:
+        raise ValueError(f"{name} in {file.name} has shape {shape}, expected {target.full_shape}")
+
+
+def _copy(part: torch.Tensor | None, target: _Target) -> None:
+    """Copies the slice read (None: nothing) into its rows; zeros the rest of them."""
+    num_read = 0 if part is None else len(target.rows)
+    start, end = target.row_offset, target.row_offset + target.num_rows
+    if part is not None:
+        target.param[start : start + num_read].copy_(part)
+    if start + num_read < end:
+        target.param[start + num_read : end].zero_()
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
@@ -172,3 +263,40 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
             param.fill_(1.0)
         else:
             param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
+
+
+def _init_dummy_sharded(model: LlamaForCausalLM, seed: int) -> None:
+    """This rank's slices of the one-rank dummy model: each of its tensors is drawn whole, in
+    the one-rank model's order from the same generator, and sliced as a checkpoint would be.
+    A row-parallel bias is zeros off rank 0 (rank 0's holds all of it)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    with torch.device("meta"):
+        whole = get_model_class(model.config.architecture)(model.config).to(dtype=dtype)
+    norm_weights = {id(m.weight) for m in whole.modules() if isinstance(m, RMSNorm)}
+    targets = _load_targets(model)
+    for name, meta_param in whole.named_parameters():
+        tensor = torch.empty(meta_param.shape, dtype=meta_param.dtype, device=device)
+        if id(meta_param) in norm_weights:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, DUMMY_INIT_STD, generator=generator)
+        for part_name, part in _checkpoint_parts(name, tensor, model.config):
+            target = targets[part_name]
+            _copy(part[target.index()] if target.rows else None, target)
+
+
+def _checkpoint_parts(
+    name: str, tensor: torch.Tensor, config: ModelConfig
+) -> list[tuple[str, torch.Tensor]]:
+    """A one-rank parameter as the checkpoint tensors it is fused from."""
+    module_name = name.split(".")[-2]
+    parts = _fused_parts(config, TensorParallelShard.whole(config)).get(module_name)
+    if parts is None:
+        return [(name, tensor)]
+    pieces = tensor.split([full_rows for _, full_rows, _ in parts])
+    return [
+        (name.replace(f".{module_name}.", f".{part}."), piece)
+        for (part, _, _), piece in zip(parts, pieces, strict=True)
+    ]

@@ -7,6 +7,14 @@ The elementwise steps (norms, rotary, SiLU * up) run as fused kernels where some
 tensor (fused_ops.py: C on CPU in float32, Triton on a GPU); the torch code beside each is the
 path everywhere else, and what the kernels are tested against.
 Module names otherwise mirror Hugging Face's (model.layers.N.self_attn.o_proj, ...).
+
+Tensor parallelism (engine/parallel/): each rank builds the layers with its shard's sizes.
+qkv_proj and gate_up_proj are column-parallel (the rank's heads' and columns' rows), o_proj and
+down_proj row-parallel (its input columns) and followed by one all-reduce each; a row-parallel
+bias is held by rank 0 only (zeros elsewhere), so the sum adds it once. The embedding and the
+LM head hold the rank's vocab rows: ids outside them embed to zeros before an all-reduce, and
+compute_logits gathers every rank's logits. Every rank must run forward and compute_logits on
+the same batch. With one rank the collectives are the identity and the code is the plain model.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from engine.attention.layer import Attention
 from engine.model_config import ModelConfig
 from engine.models.fused_ops import kernels_for
 from engine.models.rope import RotaryEmbedding, apply_rotary
+from engine.parallel.group import SingleRank, TensorParallelGroup
+from engine.parallel.shard import TensorParallelShard
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,31 +59,42 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """gate_up_proj holds the shard's intermediate rows of gate then of up; down_proj its columns."""
+
+    def __init__(
+        self, config: ModelConfig, shard: TensorParallelShard, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        intermediate = len(shard.intermediate)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=config.mlp_bias)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate on this rank]
         kernels = kernels_for(gate_up)
         if kernels is not None:
-            return self.down_proj(kernels.silu_and_mul(gate_up))
-        return self.down_proj(torch_silu_and_mul(gate_up))
+            return self.group.all_reduce(self.down_proj(kernels.silu_and_mul(gate_up)))
+        return self.group.all_reduce(self.down_proj(torch_silu_and_mul(gate_up)))
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """qkv_proj holds the shard's query heads' rows, then its KV heads' k rows, then v rows;
+    o_proj its query heads' columns."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        shard: TensorParallelShard,
+        group: TensorParallelGroup,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = len(shard.q_heads)
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
+        q_size = self.num_heads * config.head_dim
+        kv_size = self.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
@@ -81,11 +102,12 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn = Attention(
             layer_idx,
-            config.num_heads,
-            config.num_kv_heads,
+            self.num_heads,
+            self.num_kv_heads,
             config.head_dim,
             scale=config.head_dim**-0.5,
         )
+        self.group = group
 
     def forward(
         self,
@@ -105,16 +127,22 @@ class SelfAttention(nn.Module):
             kernels.rotary_(q, k, cos, sin)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v))
+        return self.group.all_reduce(self.o_proj(self.attn(q, k, v)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        shard: TensorParallelShard,
+        group: TensorParallelGroup,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_idx)
+        self.self_attn = SelfAttention(config, layer_idx, shard, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = GatedMLP(config, shard, group)
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -129,13 +157,37 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows of the shard's vocab range; a row past the vocabulary holds zeros."""
+
+    def __init__(
+        self, config: ModelConfig, shard: TensorParallelShard, group: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shard.vocab_rows, config.hidden_size))
+        self.first_id = shard.vocab.start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden_size]
+        if self.group.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.first_id
+        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])  # [n] bool
+        hidden = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+
 class DecoderModel(nn.Module):
     """The "model." part of the checkpoint: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, shard: TensorParallelShard, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config, shard, group)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, shard, group) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope
@@ -157,17 +209,32 @@ class LlamaForCausalLM(nn.Module):
     """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
 
     Runs inside set_forward_context(): attention reads the batch layout and KV cache there.
+    With a shard of several ranks, forward and compute_logits are collectives of ``group``.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        shard: TensorParallelShard | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
+        shard = shard if shard is not None else TensorParallelShard.whole(config)
+        group = group if group is not None else SingleRank()
+        if (group.rank, group.size) != (shard.rank, shard.size):
+            raise ValueError(
+                f"shard of rank {shard.rank} of {shard.size} given a group where this process "
+                f"is rank {group.rank} of {group.size}"
+            )
         self.config = config
-        self.model = DecoderModel(config)
+        self.shard = shard
+        self.group = group
+        self.model = DecoderModel(config, shard, group)
         # None: the logits reuse the embedding matrix (a packed linear backend gives it a copy)
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, shard.vocab_rows, bias=False)
         )
 
     def forward(
@@ -178,7 +245,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        """Float32 logits over the whole vocabulary, on every rank."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        logits: torch.Tensor = self.lm_head(hidden)
-        return logits.float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight)  # [n, vocab_rows]
+        else:
+            logits = self.lm_head(hidden)
+        if self.group.size == 1:
+            return logits.float()
+        gathered = self.group.all_gather(logits)  # [n, size * vocab_rows], padding rows last
+        return gathered[:, : self.config.vocab_size].float().contiguous()

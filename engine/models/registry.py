@@ -8,10 +8,14 @@ import torch
 
 from engine.model_config import SUPPORTED_ARCHITECTURES
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.shard import TensorParallelShard
 
 
 class CausalLM(Protocol):
-    """What the model runner calls on a model (inside set_forward_context)."""
+    """What the model runner calls on a model (inside set_forward_context). With a shard of
+    several ranks both calls are collectives: every rank makes them with the same batch."""
+
+    shard: TensorParallelShard  # the heads, MLP columns and vocab rows this rank holds
 
     def forward(
         self,
