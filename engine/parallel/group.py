@@ -8,7 +8,9 @@ collectives, each waited on with the group's deadline → ``close`` aborts the g
 gloo runs on CPU (what CI runs), NCCL on CUDA; both take the same code path, only the backend
 and the tensors' device differ. A wait that outlives the deadline raises ``TimeoutError``
 naming the operation; a peer that is gone raises ``ConnectionError``. No collective waits
-forever. ``SingleRank`` is the group of one: every operation returns its input, and no
+forever. On NCCL a wait with a deadline holds the CPU until the collective is done (the
+price of the bound: no overlap of the host with a collective). An NCCL rank sets its CUDA
+device before it joins. ``SingleRank`` is the group of one: every operation returns its input, and no
 torch.distributed object exists.
 """
 
