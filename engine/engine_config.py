@@ -1,4 +1,4 @@
-"""The engine's narrow configs: what to load, how to cache, and where."""
+"""The engine's narrow configs: what to load, how to cache, where, and over how many ranks."""
 
 from __future__ import annotations
 
@@ -97,3 +97,39 @@ class CacheConfig:
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                 f"got {self.attention_backend!r}"
             )
+
+
+TENSOR_PARALLEL_BACKENDS = ("auto", "gloo", "nccl")  # engine/parallel/group.py
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How many ranks one worker runs on and how they meet (engine/parallel/)."""
+
+    tensor_parallel_size: int = 1  # ranks holding 1/N of the weights and KV heads each
+    backend: str = "auto"  # gloo | nccl | auto (nccl on CUDA, gloo on CPU)
+    host: str = "127.0.0.1"  # where rank 0 hosts the group's store; the ranks share a machine
+    port: int = 0  # the store's port; 0: not chosen yet (a worker of one rank needs none)
+    # rank 0 waits at most this long in each collective: a follower that died or hangs fails
+    # the step within it (followers wait for rank 0's next step without a practical bound)
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+        if self.backend not in TENSOR_PARALLEL_BACKENDS:
+            raise ValueError(
+                f"tensor-parallel backend must be one of {', '.join(TENSOR_PARALLEL_BACKENDS)}; "
+                f"got {self.backend!r}"
+            )
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0 .. 65535, got {self.port}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    def resolved_backend(self, device: torch.device) -> str:
+        """The collective backend for ranks on ``device``."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if device.type == "cuda" else "gloo"

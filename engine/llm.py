@@ -2,20 +2,30 @@
 
 llm = LLM("path/to/hf_dir", dtype="float32", device="cpu")
 outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+
+``tensor_parallel_size=N`` runs the model on N ranks of this machine: rank 0 (the engine, its
+scheduler and sampler) in the calling process, ranks 1 .. N-1 in spawned follower processes
+(engine/parallel/). They stop on ``close()``, when the LLM is garbage, or at interpreter exit.
+On CPU each rank, the calling process included, keeps 1/N of the cores' torch threads.
+As with any spawning code, a script that builds one must guard its top level with
+``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import replace
 from typing import Any
 
-from engine.engine_config import CacheConfig, LoadConfig, LoadFormat
+from engine.engine_config import CacheConfig, LoadConfig, LoadFormat, ParallelConfig
 from engine.kv_cache.budget import KVBudget
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepResult, check_configs
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel.group import free_port
+from engine.parallel.ranks import FollowerProcesses
 from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerConfig, SchedulingPolicy
 from engine.speculative.config import SpeculativeConfig
@@ -50,10 +60,15 @@ class LLM:
         speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
         scheduling_policy: SchedulingPolicy = "fcfs",
         async_scheduling: bool = False,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_timeout_s: float = 60.0,
     ) -> None:
+        """``tensor_parallel_timeout_s``: the longest rank 0 waits in a collective, so a step
+        with a follower that died or hangs fails within it."""
         if isinstance(speculative_config, Mapping):  # vLLM's dict
             speculative_config = SpeculativeConfig.from_mapping(speculative_config)
-        self.engine = LLMEngine(
+        parallel = ParallelConfig(tensor_parallel_size, timeout_s=tensor_parallel_timeout_s)
+        configs = (
             LoadConfig(
                 model,
                 dtype,
@@ -80,6 +95,21 @@ class LLM:
             ),
             speculative_config,
         )
+        # the follower ranks' processes (None: one rank, this process)
+        self._followers: FollowerProcesses | None = None
+        if tensor_parallel_size > 1:
+            check_configs(configs[0], configs[2], configs[3], parallel)  # before any process
+            parallel = replace(parallel, port=free_port(parallel.host))
+            self._followers = FollowerProcesses.start(*configs, parallel)
+        try:
+            self.engine = LLMEngine(*configs, parallel)
+        except BaseException:
+            if self._followers is not None:
+                self._followers.stop(grace_s=0.0)
+            raise
+        # stops the followers on close(), when this LLM is garbage, or at interpreter exit
+        self._close = weakref.finalize(self, _close_ranks, self.engine, self._followers)
+        self._failure: str | None = None  # why the ranks can no longer step
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
         self._request_ids = itertools.count()
 
@@ -109,7 +139,7 @@ class LLM:
                 request_ids.append(request_id)
             mine = set(request_ids)  # the engine may hold others' requests too
             while len(finished) < len(request_ids):
-                step = self.engine.step()
+                step = self._step()
                 if not step.new_tokens and not step.finished and not self.engine.scheduler.running:
                     raise RuntimeError(
                         "the scheduler admitted nothing although requests are waiting"
@@ -121,6 +151,31 @@ class LLM:
                     self.engine.abort_request(request_id)
             raise
         return [self._detokenized(finished[rid], p) for rid, p in zip(request_ids, params_list)]
+
+    def close(self) -> None:
+        """Stop the follower ranks (nothing with one rank); the LLM cannot generate afterwards.
+        Idempotent."""
+        self._close()
+        self._failure = self._failure or "the LLM is closed"
+
+    @property
+    def follower_pids(self) -> list[int]:
+        """The process ids of the follower ranks, rank 1 first (empty with one rank)."""
+        return [] if self._followers is None else self._followers.pids
+
+    def _step(self) -> StepResult:
+        """One engine step; a failed collective is reported with the followers that exited."""
+        if self._failure is not None:
+            raise RuntimeError(f"the tensor-parallel ranks cannot step: {self._failure}")
+        try:
+            return self.engine.step()
+        except (ConnectionError, TimeoutError) as exc:
+            if self._followers is None:
+                raise
+            exited = self._followers.exited(wait_s=1.0) or ["every follower is still running"]
+            self._failure = f"{'; '.join(exited)} ({type(exc).__name__}: {exc})"
+            self._close()
+            raise RuntimeError(f"a tensor-parallel step failed: {self._failure}") from exc
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if not isinstance(prompt, str):
@@ -193,3 +248,10 @@ def _as_prompt_list(prompts: Any) -> list[Prompt]:
                 f"got {type(prompt).__name__}"
             )
     return prompt_list
+
+
+def _close_ranks(engine: LLMEngine, followers: FollowerProcesses | None) -> None:
+    """Tell the followers to stop, then wait for their processes (terminating laggards)."""
+    engine.close()
+    if followers is not None:
+        followers.stop()

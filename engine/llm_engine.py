@@ -12,27 +12,15 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
-import torch
-
-from engine.attention.backend import AttentionBackend, DecodeSizing
-from engine.attention.selector import get_attention_backend
-from engine.decode_graphs import (
-    CudaGraphCapturer,
-    DecodeGraphs,
-    capture_batch_sizes,
-    max_decode_rows,
-    use_decode_graphs,
-)
-from engine.engine_config import CacheConfig, LoadConfig
-from engine.kernels.linear import resolve_linear_backend
+from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.block_manager import BlockManager
-from engine.kv_cache.budget import KVLayout, num_kv_blocks
-from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
 from engine.messages import PrefillResult, SampleStart, TokenEvent, WorkerCounters
 from engine.model_config import ModelConfig, load_model_config
-from engine.model_loader import load_model
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import RequestOutput
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.rank_model import build_rank_model, check_max_model_len, join_group
+from engine.parallel.shard import TensorParallelShard
 from engine.request_state import RequestState
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sampling.seeds import derive_seed
@@ -77,83 +65,30 @@ class LLMEngine:
         cache: CacheConfig,
         scheduler: SchedulerConfig,
         speculative: SpeculativeConfig | None = None,
+        parallel: ParallelConfig | None = None,
     ) -> None:
-        self.model_config: ModelConfig = load_model_config(load.model_dir)
-        self.device = load.torch_device()
-        self.dtype = load.torch_dtype(self.model_config.checkpoint_dtype)
-        model_max = self.model_config.max_position_embeddings
-        if load.max_model_len is not None and load.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len ({load.max_model_len}) must be <= the model's "
-                f"max_position_embeddings ({model_max})"
-            )
-        self.max_model_len = load.max_model_len or model_max
-        if (
-            not scheduler.enable_chunked_prefill
-            and scheduler.max_num_batched_tokens < self.max_model_len
-        ):
-            raise ValueError(
-                f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
-            )
-        if scheduler.async_scheduling and speculative is not None:
-            raise ValueError(
-                "async_scheduling does not combine with speculative decoding "
-                "(num_speculative_tokens): drafts are proposed from the tokens of the step before"
-            )
-        torch.manual_seed(load.seed)
-        linear_backend = resolve_linear_backend(load.linear_backend, self.device, self.dtype)
-        self.model = load_model(
-            load.model_dir,
-            self.model_config,
-            self.dtype,
-            self.device,
-            load.load_format,
-            load.seed,
-            linear_backend,
-        )
-        layout = KVLayout(
-            num_layers=self.model_config.num_layers,
-            num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim,
-            block_size=cache.block_size,
-            dtype=self.dtype,
-        )
-        # decode steps of these batch sizes (rows: a token each, drafts included) replay CUDA
-        # graphs; eager ones are sized alike
-        rows_per_seq = 1 if speculative is None else 1 + speculative.num_speculative_tokens
-        padded_batch_sizes = capture_batch_sizes(
-            max_decode_rows(
-                min(load.max_capture_batch_size, scheduler.max_num_seqs),
-                rows_per_seq,
-                scheduler.max_num_batched_tokens,
-            )
-        )
-        attn_backend = get_attention_backend(
-            cache.attention_backend,
-            self.device,
-            DecodeSizing(self.max_model_len, padded_batch_sizes),
-        )
-        graph_batch_sizes = None  # decode steps run eagerly
-        if use_decode_graphs(load.enforce_eager, self.device, attn_backend.name):
-            graph_batch_sizes = padded_batch_sizes
-        # a step samples a row per sequence, and with drafts a row per draft besides
-        max_num_sample_rows = scheduler.max_num_seqs
-        if speculative is not None:
-            max_num_sample_rows = min(
-                scheduler.max_num_batched_tokens, scheduler.max_num_seqs * rows_per_seq
-            )
-        num_blocks = self._num_kv_blocks(
-            cache,
-            scheduler,
-            layout,
-            attn_backend,
-            graph_batch_sizes,
-            max_num_sample_rows,
-            rows_per_seq,
-        )
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=self.dtype, device=self.device)
+        """``parallel``: the worker's tensor-parallel ranks, of which this engine is rank 0
+        (its followers run engine/parallel/follower.py with the same configs); None: one."""
+        parallel = parallel or ParallelConfig()
+        check_configs(load, scheduler, speculative, parallel)
+        # rank 0 of the worker's ranks (None: the worker is this one rank)
+        self.group: TensorParallelGroup | None = None
+        if parallel.tensor_parallel_size > 1:
+            self.group = join_group(load, parallel, 0, parallel.timeout_s)
+        try:
+            rank = build_rank_model(load, cache, scheduler, speculative, self.group)
+        except BaseException:
+            self.close()
+            raise
+        self.model_config: ModelConfig = rank.model_config
+        self.device = rank.device
+        self.dtype = rank.dtype
+        self.max_model_len = rank.max_model_len
+        self.model = rank.model
+        self.shard = rank.shard
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; this rank's heads
+        self.kv_cache = rank.kv_cache
+        num_blocks = rank.num_kv_blocks
         eos = frozenset(self.model_config.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         proposer = None
@@ -170,13 +105,14 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
-            attn_backend,
+            rank.attn_backend,
             eos,
             self.device,
-            self._capture_decode_graphs(graph_batch_sizes, attn_backend, rows_per_seq),
+            rank.decode_graphs,
             # a pass of prompt logits fits in what the memory profile keeps for sampling
             max_prompt_logits_rows=scheduler.max_num_seqs,
             grammar_cursors=grammar_cursors,
+            group=self.group,
         )
         self.stats = EngineStats()
         # async scheduling: the step launched ahead, to be sampled and applied by the next step()
@@ -301,6 +237,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def close(self) -> None:
+        """Stop the worker's followers and leave their group (nothing for a worker of one
+        rank). The engine cannot step afterwards. Idempotent."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            if hasattr(self, "runner"):
+                self.runner.stop_followers()
+        except (ConnectionError, TimeoutError):
+            pass  # a follower already gone: its process is stopped by whoever started it
+        finally:
+            group.close()
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -516,59 +466,6 @@ class LLMEngine:
         )
 
     # ---- helpers ------------------------------------------------------------------------
-    def _num_kv_blocks(
-        self,
-        cache: CacheConfig,
-        scheduler: SchedulerConfig,
-        layout: KVLayout,
-        attn_backend: AttentionBackend,
-        graph_batch_sizes: tuple[int, ...] | None,
-        max_num_sample_rows: int,
-        rows_per_seq: int,
-    ) -> int:
-        activation_bytes = 0
-        if cache.budget.num_blocks is None and cache.budget.memory_bytes is None:
-            if graph_batch_sizes is not None:
-                activation_bytes += decode_graph_bytes(
-                    self.model,
-                    layout,
-                    attn_backend,
-                    self.device,
-                    batch_sizes=graph_batch_sizes,
-                    max_model_len=self.max_model_len,
-                    max_rows_per_seq=rows_per_seq,
-                )
-            activation_bytes += peak_activation_bytes(
-                self.model,
-                layout,
-                attn_backend,
-                self.device,
-                max_num_batched_tokens=scheduler.max_num_batched_tokens,
-                max_num_sample_rows=max_num_sample_rows,
-                max_model_len=self.max_model_len,
-                vocab_size=self.model_config.vocab_size,
-            )
-        return num_kv_blocks(cache.budget, layout, self.device, activation_bytes)
-
-    def _capture_decode_graphs(
-        self,
-        batch_sizes: tuple[int, ...] | None,
-        attn_backend: AttentionBackend,
-        rows_per_seq: int,
-    ) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps of ``batch_sizes``, or None (they run eagerly)."""
-        if batch_sizes is None:
-            return None
-        return DecodeGraphs(
-            self.model,
-            self.kv_cache,
-            attn_backend,
-            max_model_len=self.max_model_len,
-            batch_sizes=batch_sizes,
-            capturer=CudaGraphCapturer(self.device),
-            max_rows_per_seq=rows_per_seq,
-        )
-
     def _finish(self, state: RequestState) -> RequestOutput:
         del self._requests[state.request_id]
         for seq in state.seqs.values():
@@ -706,3 +603,27 @@ def _num_prefill_tokens(output: SchedulerOutput) -> int:
         for entry in output.scheduled
         if entry.num_new_tokens > 1 or entry.seq.num_output_tokens == 0
     )
+
+
+def check_configs(
+    load: LoadConfig,
+    scheduler: SchedulerConfig,
+    speculative: SpeculativeConfig | None,
+    parallel: ParallelConfig,
+) -> ModelConfig:
+    """The model's config, once the engine's configs are checked against it and each other;
+    raises ValueError naming the field (before any rank process starts)."""
+    model_config = load_model_config(load.model_dir)
+    max_model_len = check_max_model_len(load, model_config)
+    if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}) must be >= "
+            f"max_model_len ({max_model_len}) when chunked prefill is disabled"
+        )
+    if scheduler.async_scheduling and speculative is not None:
+        raise ValueError(
+            "async_scheduling does not combine with speculative decoding "
+            "(num_speculative_tokens): drafts are proposed from the tokens of the step before"
+        )
+    TensorParallelShard.of(model_config, 0, parallel.tensor_parallel_size)  # heads divide
+    return model_config

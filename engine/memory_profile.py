@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend
@@ -65,7 +66,9 @@ def run_worst_case_step(
     max_num_batched_tokens: int,
     max_model_len: int,
 ) -> None:
-    """One step of prompt tokens filling the token budget, against a temporary cache."""
+    """One step of prompt tokens filling the token budget, against a temporary cache, and the
+    logits of each sequence's last token (sampling them is estimated, not run). Every rank of a
+    tensor-parallel worker runs the same step: its forward and logits are collectives."""
     seq_len = max(1, min(max_num_batched_tokens, max_model_len - 1))
     num_seqs = -(-max_num_batched_tokens // seq_len)
     blocks_per_seq = -(-seq_len // layout.block_size)
@@ -78,7 +81,10 @@ def run_worst_case_step(
         seq = Sequence(-1 - index, "profile", [0] * seq_len, params, seq_len + 1)
         seq.block_table = BlockTable(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
         entries.append(ScheduledSequence(seq, 0, seq_len, (seq,)))
-    runner.execute(SchedulerOutput(entries, [], num_seqs * seq_len, 0))
+    launched = runner.launch(SchedulerOutput(entries, [], num_seqs * seq_len, 0))
+    last_rows = np.arange(1, num_seqs + 1, dtype=np.int64) * seq_len - 1
+    with torch.inference_mode():
+        runner.logits_at(launched.hidden, last_rows)
 
 
 def decode_graph_bytes(

@@ -8,6 +8,11 @@ sequences that owe prompt logprobs, only theirs (engine/prompt_logprobs.py). A d
 the runner has them and it fits (engine/decode_graphs.py). A sequence with draft tokens
 (speculative decoding) runs its token and drafts like a prompt chunk, gives logits at each of
 them, and has its drafts checked (engine/speculative/rejection.py) instead of sampling once.
+
+Under tensor parallelism this runner is rank 0's: before each model call it broadcasts the
+command its followers need to make the same call (engine/parallel/step_commands.py): the
+block copies, then the forward's inputs, at ``launch``; one logits command per ``logits_at``. Only rank
+0 samples. Every step runs eagerly then (no CUDA graphs: a replay would skip the broadcast).
 """
 
 from __future__ import annotations
@@ -22,11 +27,19 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
 from engine.decode_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.host_to_device import to_device
 from engine.models.registry import CausalLM
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.step_commands import (
+    CopyBlocksCommand,
+    ForwardCommand,
+    ForwardInputs,
+    LogitsCommand,
+    StopCommand,
+    send_command,
+)
 from engine.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_spans
 from engine.sampling import PromptTokenLogprobs, Sampler, SamplingRow, make_generator
 from engine.sampling.rng import advance_generator
@@ -87,6 +100,7 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
         max_prompt_logits_rows: int = 256,
         grammar_cursors: GrammarCursors | None = None,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -103,6 +117,16 @@ class ModelRunner:
         self.grammar_cursors = grammar_cursors
         # the tokens the last ``sample`` drew, on the device, and the sequence of each row
         self._drawn: tuple[torch.Tensor, list[Sequence]] | None = None
+        # rank 0 of a tensor-parallel worker: the group its followers hear each model call on
+        # (None: this runner is the worker's one rank)
+        self._followers = group if group is not None and group.size > 1 else None
+        if self._followers is not None and decode_graphs is not None:
+            raise ValueError("decode graphs cannot run under tensor parallelism: steps are eager")
+
+    def stop_followers(self) -> None:
+        """Tell the followers the worker is closing (nothing without followers)."""
+        if self._followers is not None:
+            send_command(self._followers, StopCommand())
 
     def generator_state(self, seq_id: int) -> bytes | None:
         """The RNG state of a seeded sequence, to continue its stream on another worker."""
@@ -140,7 +164,9 @@ class ModelRunner:
         awaits its token takes it from the tokens the last ``sample`` drew, on the device."""
         with self._on_device():
             if output.block_copies:
-                self._copy_blocks(output.block_copies)
+                if self._followers is not None:
+                    send_command(self._followers, CopyBlocksCommand(tuple(output.block_copies)))
+                copy_blocks(self.kv_cache, output.block_copies)
             prefills = [e for e in output.scheduled if e.num_query_tokens > 1]
             decodes = [e for e in output.scheduled if e.num_query_tokens == 1]
             ordered = prefills + decodes
@@ -160,14 +186,13 @@ class ModelRunner:
             prompt_logprobs = {}
             if spans:
                 prompt_logprobs = compute_prompt_logprobs(
-                    self.model, step.hidden, spans, self.max_prompt_logits_rows
+                    self.logits_at, step.hidden, spans, self.max_prompt_logits_rows
                 )
             if not sample_rows:
                 self._drawn = None
                 seconds = time.perf_counter() - step.started
                 return SampledStep(None, [], [], None, seconds, prompt_logprobs)
-            row_index = self._to_device(np.asarray(sample_rows, dtype=np.int64))
-            logits = self.model.compute_logits(step.hidden.index_select(0, row_index))
+            logits = self.logits_at(step.hidden, np.asarray(sample_rows, dtype=np.int64))
             forward_seconds = time.perf_counter() - step.started
             rows = [self._sampling_row(seq) for seq in targets]
             if self.grammar_cursors is not None:  # structured outputs: masked before sampling,
@@ -175,6 +200,13 @@ class ModelRunner:
             token_ids = self.sampler.draw(logits, rows)  # [rows]
             self._drawn = token_ids, targets
             return SampledStep(logits, rows, targets, token_ids, forward_seconds, prompt_logprobs)
+
+    def logits_at(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """[len(rows), vocab] fp32 logits of ``rows`` (int64) of the step's ``hidden`` states;
+        every logits computation of a step comes through here (followers make the same call)."""
+        if self._followers is not None:
+            send_command(self._followers, LogitsCommand(rows))
+        return self.model.compute_logits(hidden.index_select(0, self._to_device(rows)))
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:
@@ -206,8 +238,7 @@ class ModelRunner:
                 rows.extend(self._draft_rows(entry.seq, drafts))
                 draft_ids.extend((*drafts, NO_DRAFT))
             first_row += entry.num_query_tokens
-        row_index = to_device(hidden_rows, torch.long, self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
+        logits = self.logits_at(hidden, np.asarray(hidden_rows, dtype=np.int64))  # [rows, vocab]
         constrained = any(e.seq.params.structured_outputs is not None for e in speculating)
         if constrained and self.grammar_cursors is not None:  # each row by its own state
             seqs = [e.seq for e in speculating for _ in range(e.num_query_tokens)]
@@ -251,9 +282,13 @@ class ModelRunner:
             replay = self.decode_graphs.prepare(ordered, awaited)
             if replay is not None:
                 return replay
-        input_ids, positions, metadata = self._prepare_inputs(prefills, decodes)
+        host_ids, inputs = self._host_inputs(prefills, decodes)
+        input_ids = to_device(host_ids, torch.long, self.device)  # [num_tokens]
+        positions, metadata = inputs.on_device(self.device)
         if awaited is not None:
             input_ids.index_copy_(0, *awaited)
+        if self._followers is not None:  # the ids as the forward reads them, awaited ones in
+            send_command(self._followers, ForwardCommand(inputs), input_ids)
         context = ForwardContext(metadata, self.kv_cache, self.attn_backend)
 
         def forward() -> torch.Tensor:
@@ -287,14 +322,10 @@ class ModelRunner:
         tokens = drawn_tokens.index_select(0, self._to_device(np.asarray(sources)))
         return self._to_device(np.asarray(rows, dtype=np.int64)), tokens
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = self._to_device(np.asarray([s for s, _ in copies], dtype=np.int64))
-        dst = self._to_device(np.asarray([d for _, d in copies], dtype=np.int64))
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
-    def _prepare_inputs(
+    def _host_inputs(
         self, prefills: list[ScheduledSequence], decodes: list[ScheduledSequence]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    ) -> tuple[list[int], ForwardInputs]:
+        """The step's input ids and the rest of its batch, on the host."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -313,27 +344,20 @@ class ModelRunner:
         positions.append(decode.positions)
         slots.append(decode.slot_mapping)
         decode_lens = decode.positions + 1
-        metadata = AttentionMetadata(
+        inputs = ForwardInputs(
+            positions=np.concatenate(positions),
+            slot_mapping=np.concatenate(slots),
             num_prefill_seqs=len(prefills),
             num_prefill_tokens=query_start_loc[-1],
             num_decode_seqs=len(decodes),
-            slot_mapping=self._to_device(np.concatenate(slots)),
             prefill_query_start_loc=query_start_loc,
             prefill_seq_lens=[e.start_position + e.num_query_tokens for e in prefills],
-            prefill_block_tables=self._block_tables([e.seq for e in prefills]),
-            decode_seq_lens=self._to_device(decode_lens),
-            decode_block_tables=self._block_tables([e.seq for e in decodes]),
+            prefill_block_tables=_block_tables([e.seq for e in prefills]),
+            decode_seq_lens=decode_lens,
+            decode_block_tables=_block_tables([e.seq for e in decodes]),
             max_decode_seq_len=int(decode_lens.max()) if len(decodes) else 0,
         )
-        ids = to_device(input_ids, torch.long, self.device)
-        return ids, self._to_device(np.concatenate(positions)), metadata
-
-    def _block_tables(self, seqs: SequenceOf[Sequence]) -> torch.Tensor:
-        width = max((len(s.block_table) for s in seqs), default=0)
-        table = np.zeros((len(seqs), width), dtype=np.int64)
-        for row, seq in enumerate(seqs):
-            table[row, : len(seq.block_table)] = seq.block_table.array
-        return self._to_device(table)
+        return input_ids, inputs
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, None, self.device)
@@ -382,3 +406,20 @@ class ModelRunner:
             generator=generator,
             banned_token_ids=banned_token_ids(seq, self.eos_token_ids),
         )
+
+
+def copy_blocks(kv_cache: torch.Tensor, copies: SequenceOf[tuple[int, int]]) -> None:
+    """Copy-on-write: each (src, dst) block's K/V, every layer, into dst."""
+    device = kv_cache.device
+    src = to_device(np.asarray([s for s, _ in copies], dtype=np.int64), None, device)
+    dst = to_device(np.asarray([d for _, d in copies], dtype=np.int64), None, device)
+    kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+
+def _block_tables(seqs: SequenceOf[Sequence]) -> np.ndarray:
+    """[len(seqs), max_blocks] int64 block tables, padded with 0."""
+    width = max((len(s.block_table) for s in seqs), default=0)
+    table = np.zeros((len(seqs), width), dtype=np.int64)
+    for row, seq in enumerate(seqs):
+        table[row, : len(seq.block_table)] = seq.block_table.array
+    return table

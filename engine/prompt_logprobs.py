@@ -12,12 +12,13 @@ at a time, so a long chunk never holds [num_tokens, vocab] logits at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.models.registry import CausalLM
 from engine.sampling import PromptTokenLogprobs
 from engine.sampling.logprobs import token_and_top_logprobs
 from engine.scheduler.outputs import ScheduledSequence
@@ -63,20 +64,22 @@ def prompt_logprobs_spans(ordered: SequenceOf[ScheduledSequence]) -> list[Prompt
 
 
 def compute_prompt_logprobs(
-    model: CausalLM,
+    logits_at: Callable[[torch.Tensor, np.ndarray], torch.Tensor],
     hidden: torch.Tensor,  # [num_tokens, hidden_size] the step's hidden states
     spans: SequenceOf[PromptLogprobsSpan],
     max_rows_per_pass: int,
 ) -> dict[int, PromptTokenLogprobs]:
-    """seq_id -> the prompt logprobs of its span, from raw fp32 logits of the span's rows."""
+    """seq_id -> the prompt logprobs of its span, from raw fp32 logits of the span's rows;
+    ``logits_at(hidden, rows)`` gives the logits of int64 ``rows`` (the runner's, one call a
+    pass)."""
     device = hidden.device
-    rows = torch.tensor([r for s in spans for r in s.hidden_rows], dtype=torch.long, device=device)
+    rows = np.fromiter((r for s in spans for r in s.hidden_rows), dtype=np.int64)
     targets = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.long, device=device)
     max_top = max(s.num_top for s in spans)
     pieces = []
     for begin in range(0, len(rows), max_rows_per_pass):
         end = begin + max_rows_per_pass
-        logits = model.compute_logits(hidden.index_select(0, rows[begin:end]))  # [r, vocab]
+        logits = logits_at(hidden, rows[begin:end])  # [r, vocab]
         pieces.append(token_and_top_logprobs(logits, targets[begin:end], max_top))
     # one copy to the host for the step: [R], [R], [R, max_top], [R, max_top]
     logprobs, ranks, top_ids, top_logprobs = (

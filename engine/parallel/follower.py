@@ -1,0 +1,123 @@
+"""A follower rank of a tensor-parallel worker: runs the model calls rank 0 makes, in order.
+
+Lifecycle of a follower process (``run_follower``, started by engine/parallel/ranks.py): join
+the worker's group -> build its model shard and KV cache shard from the same configs as rank 0
+(engine/parallel/rank_model.py) -> ``Follower.run``: each command rank 0 broadcasts (block
+copies; a forward; logits of rows of that forward's hidden states) is run as rank 0 runs it,
+until the stop command -> leave the group. It never schedules or samples: its logits are
+computed only because the model's gather of them is a collective.
+
+The follower waits for rank 0's next step without a practical bound (a worker may sit idle);
+it stops when rank 0's process is gone (a thread watches it) or when the group fails (a peer
+gone: a collective raises).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
+from engine.forward_context import ForwardContext, set_forward_context
+from engine.model_runner import copy_blocks
+from engine.models.registry import CausalLM
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.rank_model import build_rank_model, join_group
+from engine.parallel.step_commands import (
+    CopyBlocksCommand,
+    ForwardCommand,
+    LogitsCommand,
+    StopCommand,
+    receive_command,
+)
+from engine.scheduler import SchedulerConfig
+from engine.speculative.config import SpeculativeConfig
+
+# a follower's bound on each wait: rank 0 may be idle for as long as its user likes
+FOLLOWER_WAIT_S = 7 * 24 * 3600.0
+EXIT_PARENT_GONE = 3  # the exit code of a follower whose rank 0 process went away
+
+
+class Follower:
+    """Runs rank 0's model calls on this rank's shard."""
+
+    def __init__(
+        self,
+        group: TensorParallelGroup,
+        model: CausalLM,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_backend: AttentionBackend,
+        device: torch.device,
+    ) -> None:
+        self.group = group
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attn_backend = attn_backend
+        self.device = device
+        self.num_forwards = 0
+        self.num_logits = 0
+
+    def run(self) -> None:
+        """Run commands until rank 0's stop command."""
+        hidden: torch.Tensor | None = None  # [num_tokens, hidden] of the last forward
+        with torch.inference_mode():
+            while True:
+                command, input_ids = receive_command(self.group, self.device)
+                if isinstance(command, StopCommand):
+                    return
+                if isinstance(command, CopyBlocksCommand):
+                    copy_blocks(self.kv_cache, command.copies)
+                elif isinstance(command, ForwardCommand):
+                    assert input_ids is not None
+                    hidden = self._forward(command, input_ids)
+                    self.num_forwards += 1
+                elif isinstance(command, LogitsCommand):
+                    if hidden is None:
+                        raise RuntimeError("rank 0 asked for logits before any forward")
+                    rows = torch.from_numpy(command.rows).to(self.device)
+                    self.model.compute_logits(hidden.index_select(0, rows))
+                    self.num_logits += 1
+
+    def _forward(self, command: ForwardCommand, input_ids: torch.Tensor) -> torch.Tensor:
+        positions, metadata = command.inputs.on_device(self.device)
+        context = ForwardContext(metadata, self.kv_cache, self.attn_backend)
+        with set_forward_context(context):
+            return self.model.forward(input_ids, positions)
+
+
+def run_follower(
+    load: LoadConfig,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    speculative: SpeculativeConfig | None,
+    parallel: ParallelConfig,
+    rank: int,
+) -> None:
+    """A follower process's whole life (the target of its ``multiprocessing.Process``)."""
+    _exit_with_parent()
+    group = join_group(load, parallel, rank, FOLLOWER_WAIT_S)
+    try:
+        built = build_rank_model(load, cache, scheduler, speculative, group)
+        follower = Follower(group, built.model, built.kv_cache, built.attn_backend, built.device)
+        follower.run()
+    finally:
+        group.close()
+
+
+def _exit_with_parent() -> None:
+    """Ends this process when the process that started it (rank 0) ends, whatever this one
+    is waiting in: no follower outlives its worker."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=watch, name="rank-0-watch", daemon=True).start()

@@ -1,0 +1,249 @@
+"""Builds what one rank of a worker holds: its model shard, its KV cache shard, the attention
+backend that reads them, and (size 1 on CUDA) the decode graphs.
+
+Every rank of a tensor-parallel worker calls ``build_rank_model`` with the same configs, so the
+collectives in it (the group's join check, the memory profile's forward on CUDA, the agreed
+number of KV blocks) line up rank by rank. Rank 0 builds its scheduler and runner on top
+(engine/llm_engine.py); the others follow its steps (engine/parallel/follower.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionBackend, DecodeSizing
+from engine.attention.selector import get_attention_backend
+from engine.decode_graphs import (
+    CudaGraphCapturer,
+    DecodeGraphs,
+    capture_batch_sizes,
+    max_decode_rows,
+    use_decode_graphs,
+)
+from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
+from engine.kernels.linear import resolve_linear_backend
+from engine.kv_cache.budget import KVLayout, num_kv_blocks
+from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
+from engine.model_config import ModelConfig, load_model_config
+from engine.model_loader import load_model
+from engine.models.registry import CausalLM
+from engine.parallel.group import ProcessGroupRanks, TensorParallelGroup
+from engine.parallel.shard import TensorParallelShard
+from engine.scheduler import SchedulerConfig
+from engine.speculative.config import SpeculativeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RankModel:
+    """What one rank computes with."""
+
+    model_config: ModelConfig  # the whole model's config (every rank reads the same)
+    shard: TensorParallelShard  # this rank's heads, MLP columns and vocabulary rows
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    model: CausalLM  # this rank's shard of the weights
+    # [num_layers, 2, num_blocks, block_size, shard.num_kv_heads, head_dim]; num_blocks is the
+    # same on every rank
+    kv_cache: torch.Tensor
+    attn_backend: AttentionBackend
+    decode_graphs: DecodeGraphs | None  # None: every step runs eagerly (always when size > 1)
+    max_num_sample_rows: int  # rows of logits a step samples from at most
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return int(self.kv_cache.shape[2])
+
+
+def rank_device(load: LoadConfig, rank: int) -> torch.device:
+    """The device of ``rank``: the configured one for rank 0, the next visible CUDA devices
+    after it (round the visible ones: a process that sees one GPU, as a Ray actor given one
+    does, runs its rank there)."""
+    device = load.torch_device()
+    if device.type != "cuda" or rank == 0:
+        return device
+    return torch.device("cuda", ((device.index or 0) + rank) % torch.cuda.device_count())
+
+
+def join_group(
+    load: LoadConfig, parallel: ParallelConfig, rank: int, timeout_s: float
+) -> ProcessGroupRanks:
+    """Join the worker's group as ``rank`` (rank 0 hosts its store); every wait of this rank
+    in it is bounded by ``timeout_s``."""
+    if parallel.port == 0:
+        raise ValueError("port must be chosen (not 0) before the ranks join their group")
+    device = rank_device(load, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL runs on the process's current device
+    return ProcessGroupRanks.join(
+        parallel.resolved_backend(device),
+        parallel.host,
+        parallel.port,
+        rank,
+        parallel.tensor_parallel_size,
+        timeout_s,
+    )
+
+
+def share_cpu_threads(size: int) -> None:
+    """Give this process its 1/``size`` of the cores' torch threads: the ranks of a worker on
+    CPU share one machine, and more threads than cores spin against each other (2 ranks of 2
+    threads each on 2 cores made a tiny model's step 6x slower than 1 thread each)."""
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+
+
+def check_max_model_len(load: LoadConfig, model_config: ModelConfig) -> int:
+    """The cap on a sequence's tokens; raises ValueError past the model's positions."""
+    model_max = model_config.max_position_embeddings
+    if load.max_model_len is not None and load.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len ({load.max_model_len}) must be <= the model's "
+            f"max_position_embeddings ({model_max})"
+        )
+    return load.max_model_len or model_max
+
+
+def build_rank_model(
+    load: LoadConfig,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    speculative: SpeculativeConfig | None,
+    group: TensorParallelGroup | None,
+) -> RankModel:
+    """This rank's model shard and KV cache shard (``group`` None: the one rank of a worker)."""
+    model_config = load_model_config(load.model_dir)
+    size, rank = (1, 0) if group is None else (group.size, group.rank)
+    shard = TensorParallelShard.of(model_config, rank, size)
+    device = rank_device(load, rank)
+    if device.type == "cpu" and size > 1:
+        share_cpu_threads(size)
+    dtype = load.torch_dtype(model_config.checkpoint_dtype)
+    max_model_len = check_max_model_len(load, model_config)
+    torch.manual_seed(load.seed)
+    linear_backend = resolve_linear_backend(load.linear_backend, device, dtype)
+    model = load_model(
+        load.model_dir,
+        model_config,
+        dtype,
+        device,
+        load.load_format,
+        load.seed,
+        linear_backend,
+        # size 1 takes the loader's unsharded path, exactly as before tensor parallelism
+        shard=shard if size > 1 else None,
+        group=group if size > 1 else None,
+    )
+    layout = KVLayout(
+        num_layers=model_config.num_layers,
+        num_kv_heads=shard.num_kv_heads,
+        head_dim=model_config.head_dim,
+        block_size=cache.block_size,
+        dtype=dtype,
+    )
+    # decode steps of these batch sizes (rows: a token each, drafts included) replay CUDA
+    # graphs; eager ones are sized alike
+    rows_per_seq = 1 if speculative is None else 1 + speculative.num_speculative_tokens
+    padded_batch_sizes = capture_batch_sizes(
+        max_decode_rows(
+            min(load.max_capture_batch_size, scheduler.max_num_seqs),
+            rows_per_seq,
+            scheduler.max_num_batched_tokens,
+        )
+    )
+    attn_backend = get_attention_backend(
+        cache.attention_backend, device, DecodeSizing(max_model_len, padded_batch_sizes)
+    )
+    graph_batch_sizes = None  # decode steps run eagerly
+    # Under tensor parallelism every step runs eagerly: a graph replay would skip the step
+    # mirror's broadcast of the inputs, and the followers would not run the same forward.
+    if size == 1 and use_decode_graphs(load.enforce_eager, device, attn_backend.name):
+        graph_batch_sizes = padded_batch_sizes
+    # a step samples a row per sequence, and with drafts a row per draft besides
+    max_num_sample_rows = scheduler.max_num_seqs
+    if speculative is not None:
+        max_num_sample_rows = min(
+            scheduler.max_num_batched_tokens, scheduler.max_num_seqs * rows_per_seq
+        )
+    activation_bytes = 0
+    if cache.budget.num_blocks is None and cache.budget.memory_bytes is None:
+        activation_bytes = _activation_bytes(
+            model,
+            layout,
+            attn_backend,
+            device,
+            scheduler,
+            graph_batch_sizes,
+            max_num_sample_rows,
+            rows_per_seq,
+            max_model_len,
+            model_config.vocab_size,
+        )
+    num_blocks = num_kv_blocks(cache.budget, layout, device, activation_bytes)
+    if group is not None:  # each rank measured its own memory; the cache is what all can hold
+        num_blocks = group.min_int(num_blocks)
+    # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache = torch.zeros(layout.shape(num_blocks), dtype=dtype, device=device)
+    decode_graphs = None
+    if graph_batch_sizes is not None:
+        decode_graphs = DecodeGraphs(
+            model,
+            kv_cache,
+            attn_backend,
+            max_model_len=max_model_len,
+            batch_sizes=graph_batch_sizes,
+            capturer=CudaGraphCapturer(device),
+            max_rows_per_seq=rows_per_seq,
+        )
+    return RankModel(
+        model_config=model_config,
+        shard=shard,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        model=model,
+        kv_cache=kv_cache,
+        attn_backend=attn_backend,
+        decode_graphs=decode_graphs,
+        max_num_sample_rows=max_num_sample_rows,
+    )
+
+
+def _activation_bytes(
+    model: CausalLM,
+    layout: KVLayout,
+    attn_backend: AttentionBackend,
+    device: torch.device,
+    scheduler: SchedulerConfig,
+    graph_batch_sizes: tuple[int, ...] | None,
+    max_num_sample_rows: int,
+    rows_per_seq: int,
+    max_model_len: int,
+    vocab_size: int,
+) -> int:
+    """What a worst-case step (and the decode graphs, when captured) holds beside the weights
+    and the KV cache (0 off CUDA: not measurable there)."""
+    activation_bytes = 0
+    if graph_batch_sizes is not None:
+        activation_bytes += decode_graph_bytes(
+            model,
+            layout,
+            attn_backend,
+            device,
+            batch_sizes=graph_batch_sizes,
+            max_model_len=max_model_len,
+            max_rows_per_seq=rows_per_seq,
+        )
+    activation_bytes += peak_activation_bytes(
+        model,
+        layout,
+        attn_backend,
+        device,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        max_num_sample_rows=max_num_sample_rows,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+    )
+    return activation_bytes

@@ -1,0 +1,118 @@
+"""What rank 0 of a tensor-parallel worker tells its followers each step, and how it crosses.
+
+Each model call of rank 0's runner is a collective (the model all-reduces and all-gathers
+inside), so every follower runs the same call on the same rows, in the same order:
+  CopyBlocksCommand  copy-on-write copies of KV blocks, before the forward of a step that has any
+  ForwardCommand  one forward of the step's batch; its input ids follow as a tensor broadcast
+                  (async scheduling writes awaited tokens into them on the device, after the
+                  command is built)
+  LogitsCommand   logits of rows of the last forward's hidden states (sampling rows, a pass
+                  of prompt logprobs, drafts to check); one per ``compute_logits`` call
+  StopCommand     the worker is closing: the follower leaves its loop
+A command crosses as one pickled object from rank 0 (``TensorParallelGroup.broadcast_object``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.host_to_device import to_device
+from engine.parallel.group import TensorParallelGroup
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardInputs:
+    """One forward's batch on the host, beside its input ids: every rank builds its device
+    tensors and attention metadata from it alike."""
+
+    positions: np.ndarray  # [num_tokens] int64: each token's position in its sequence
+    slot_mapping: np.ndarray  # [num_tokens] int64: block_id * block_size + offset of its K/V
+    num_prefill_seqs: int  # entries of more than one token, first in the batch
+    num_prefill_tokens: int  # their tokens: the first rows
+    num_decode_seqs: int  # entries of one token: the last rows
+    prefill_query_start_loc: list[int]  # [num_prefill_seqs + 1] row offsets of each prefill
+    prefill_seq_lens: list[int]  # [num_prefill_seqs] context length after this step
+    prefill_block_tables: np.ndarray  # [num_prefill_seqs, max_blocks] int64, padded with 0
+    decode_seq_lens: np.ndarray  # [num_decode_seqs] int64 context length incl. the new token
+    decode_block_tables: np.ndarray  # [num_decode_seqs, max_blocks] int64, padded with 0
+    max_decode_seq_len: int  # max of decode_seq_lens (0 without decodes)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_seqs
+
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The positions ([num_tokens] int64) and attention metadata on ``device``."""
+        metadata = AttentionMetadata(
+            num_prefill_seqs=self.num_prefill_seqs,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_seqs=self.num_decode_seqs,
+            slot_mapping=to_device(self.slot_mapping, None, device),
+            prefill_query_start_loc=self.prefill_query_start_loc,
+            prefill_seq_lens=self.prefill_seq_lens,
+            prefill_block_tables=to_device(self.prefill_block_tables, None, device),
+            decode_seq_lens=to_device(self.decode_seq_lens, None, device),
+            decode_block_tables=to_device(self.decode_block_tables, None, device),
+            max_decode_seq_len=self.max_decode_seq_len,
+        )
+        return to_device(self.positions, None, device), metadata
+
+
+@dataclass(frozen=True, slots=True)
+class CopyBlocksCommand:
+    """Copy KV blocks (every layer's K and V) before the next forward."""
+
+    copies: tuple[tuple[int, int], ...]  # (src, dst) block ids
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardCommand:
+    """Run one forward; the input ids follow as an int64 tensor of ``inputs.num_tokens``."""
+
+    inputs: ForwardInputs  # the batch the forward runs
+
+
+@dataclass(frozen=True, slots=True)
+class LogitsCommand:
+    """Compute logits of these rows of the last forward's hidden states."""
+
+    rows: np.ndarray  # [num_rows] int64 row indices, in the order rank 0 takes them
+
+
+@dataclass(frozen=True, slots=True)
+class StopCommand:
+    """The worker is closing: the follower leaves its loop and its group."""
+
+
+StepCommand = CopyBlocksCommand | ForwardCommand | LogitsCommand | StopCommand
+
+
+def send_command(
+    group: TensorParallelGroup, command: StepCommand, input_ids: torch.Tensor | None = None
+) -> None:
+    """Rank 0: broadcast ``command`` (and a forward's ``input_ids``, [num_tokens] int64 on the
+    group's device)."""
+    group.broadcast_object(command)
+    if isinstance(command, ForwardCommand):
+        if input_ids is None or input_ids.shape != (command.inputs.num_tokens,):
+            raise ValueError(
+                f"a forward of {command.inputs.num_tokens} tokens needs as many input ids"
+            )
+        group.broadcast(input_ids)
+
+
+def receive_command(
+    group: TensorParallelGroup, device: torch.device
+) -> tuple[StepCommand, torch.Tensor | None]:
+    """A follower: rank 0's next command, with a forward's input ids on ``device``."""
+    command = group.broadcast_object(None)
+    if not isinstance(command, CopyBlocksCommand | ForwardCommand | LogitsCommand | StopCommand):
+        raise TypeError(f"rank 0 sent {type(command).__name__}, not a step command")
+    if not isinstance(command, ForwardCommand):
+        return command, None
+    input_ids = torch.empty(command.inputs.num_tokens, dtype=torch.long, device=device)
+    return command, group.broadcast(input_ids)
