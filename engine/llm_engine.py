@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
+import torch
+
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.block_manager import BlockManager
 from engine.messages import PrefillResult, SampleStart, TokenEvent, WorkerCounters
@@ -88,6 +90,7 @@ class LLMEngine:
         self.shard = rank.shard
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; this rank's heads
         self.kv_cache = rank.kv_cache
+        self._num_threads_before = rank.num_threads_before  # restored on close()
         num_blocks = rank.num_kv_blocks
         eos = frozenset(self.model_config.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -239,11 +242,15 @@ class LLMEngine:
         return bool(self._requests)
 
     def close(self) -> None:
-        """Stop the worker's followers and leave their group (nothing for a worker of one
-        rank). The engine cannot step afterwards. Idempotent."""
+        """Stop the worker's followers, leave their group and give this process back the
+        torch threads it had (nothing for a worker of one rank). The engine cannot step
+        afterwards. Idempotent."""
         group, self.group = self.group, None
         if group is None:
             return
+        threads, self._num_threads_before = getattr(self, "_num_threads_before", None), None
+        if threads is not None:
+            torch.set_num_threads(threads)
         try:
             if hasattr(self, "runner"):
                 self.runner.stop_followers()

@@ -52,6 +52,8 @@ class RankModel:
     attn_backend: AttentionBackend
     decode_graphs: DecodeGraphs | None  # None: every step runs eagerly (always when size > 1)
     max_num_sample_rows: int  # rows of logits a step samples from at most
+    # the process's torch threads before this rank took its share of the cores (None: kept)
+    num_threads_before: int | None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -88,11 +90,14 @@ def join_group(
     )
 
 
-def share_cpu_threads(size: int) -> None:
-    """Give this process its 1/``size`` of the cores' torch threads: the ranks of a worker on
-    CPU share one machine, and more threads than cores spin against each other (2 ranks of 2
-    threads each on 2 cores made a tiny model's step 6x slower than 1 thread each)."""
+def share_cpu_threads(size: int) -> int:
+    """Give this process its 1/``size`` of the cores' torch threads (the ranks of a worker on
+    CPU share one machine, and more threads than cores spin against each other: 2 ranks of 2
+    threads each on 2 cores made a tiny model's step 6x slower than 1 thread each); returns
+    the count it had."""
+    before = torch.get_num_threads()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+    return before
 
 
 def check_max_model_len(load: LoadConfig, model_config: ModelConfig) -> int:
@@ -118,8 +123,9 @@ def build_rank_model(
     size, rank = (1, 0) if group is None else (group.size, group.rank)
     shard = TensorParallelShard.of(model_config, rank, size)
     device = rank_device(load, rank)
+    num_threads_before = None
     if device.type == "cpu" and size > 1:
-        share_cpu_threads(size)
+        num_threads_before = share_cpu_threads(size)
     dtype = load.torch_dtype(model_config.checkpoint_dtype)
     max_model_len = check_max_model_len(load, model_config)
     torch.manual_seed(load.seed)
@@ -208,6 +214,7 @@ def build_rank_model(
         attn_backend=attn_backend,
         decode_graphs=decode_graphs,
         max_num_sample_rows=max_num_sample_rows,
+        num_threads_before=num_threads_before,
     )
 
 

@@ -18,10 +18,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.engine_config import CacheConfig, LoadConfig
+from engine.kv_cache.budget import KVBudget
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.rank_model import build_rank_model
+from engine.scheduler import SchedulerConfig
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_parity import make_prompts
+from tests.engine.tp_ranks import RankPool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -75,8 +82,32 @@ def test_a_bad_size_names_the_field_before_any_process_starts(
     assert set(multiprocessing.active_children()) == before
 
 
+def built_rank(group: TensorParallelGroup, model_dir: str) -> tuple[int, int, int]:
+    """(KV heads, KV blocks, KV blocks its own budget holds) of this rank's build."""
+    budget = KVBudget(memory_bytes=(64 << 10) * (1 + group.rank))  # rank r: r + 1 times rank 0's
+    load = LoadConfig(model_dir, "float32", "cpu")
+    built = build_rank_model(load, CacheConfig(8, budget=budget), SchedulerConfig(), None, group)
+    if built.num_threads_before is not None:
+        torch.set_num_threads(built.num_threads_before)
+    bytes_per_block = built.kv_cache[:, :, 0].numel() * built.kv_cache.element_size()
+    return built.shard.num_kv_heads, built.num_kv_blocks, budget.memory_bytes // bytes_per_block
+
+
+def test_every_rank_holds_its_kv_heads_in_as_many_blocks_as_the_least_rank(
+    llama_dir: Path,
+) -> None:
+    pool = RankPool(1)
+    try:
+        ranks = pool.run(built_rank, str(llama_dir), size=2)
+    finally:
+        pool.close()
+    # 2 layers x K and V x 8 tokens x 1 head x 16 dims x 4 bytes = 2 KiB a block
+    assert ranks == [(1, 32, 32), (1, 32, 64)]
+
+
 def test_followers_stop_on_close_and_when_the_llm_is_garbage(llama_dir: Path) -> None:
     prompt = make_prompts(seed=4)[3]
+    num_threads = torch.get_num_threads()
     llm = tp2(llama_dir)
     (pid,) = llm.follower_pids
     assert process_running(pid)
@@ -85,6 +116,7 @@ def test_followers_stop_on_close_and_when_the_llm_is_garbage(llama_dir: Path) ->
     assert out.outputs[0].token_ids == hf_greedy(llama_dir, prompt, 8)
     llm.close()
     assert wait_until_gone([pid], timeout_s=0.0) == []  # close() waited for it
+    assert torch.get_num_threads() == num_threads  # given back
     llm.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate([prompt], SamplingParams(max_tokens=1))
