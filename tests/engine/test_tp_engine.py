@@ -84,13 +84,14 @@ def test_a_bad_size_names_the_field_before_any_process_starts(
 
 def built_rank(group: TensorParallelGroup, model_dir: str) -> tuple[int, int, int]:
     """(KV heads, KV blocks, KV blocks its own budget holds) of this rank's build."""
-    budget = KVBudget(memory_bytes=(64 << 10) * (1 + group.rank))  # rank r: r + 1 times rank 0's
+    memory_bytes = (64 << 10) * (1 + group.rank)  # rank r: r + 1 times rank 0's
+    budget = KVBudget(memory_bytes=memory_bytes)
     load = LoadConfig(model_dir, "float32", "cpu")
     built = build_rank_model(load, CacheConfig(8, budget=budget), SchedulerConfig(), None, group)
     if built.num_threads_before is not None:
         torch.set_num_threads(built.num_threads_before)
     bytes_per_block = built.kv_cache[:, :, 0].numel() * built.kv_cache.element_size()
-    return built.shard.num_kv_heads, built.num_kv_blocks, budget.memory_bytes // bytes_per_block
+    return built.shard.num_kv_heads, built.num_kv_blocks, memory_bytes // bytes_per_block
 
 
 def test_every_rank_holds_its_kv_heads_in_as_many_blocks_as_the_least_rank(
