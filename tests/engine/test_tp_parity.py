@@ -1,7 +1,8 @@
 """Greedy decoding under tensor parallelism matches Hugging Face transformers, in every mode.
 
 TP 2 on Llama, Mistral, Qwen2 and Qwen3 (and TP 4 on an MQA Mistral: one KV head, replicated
-on every rank), each mode a check against the same LLM where the mode is a request setting:
+on every rank; batched and n > 1), each mode a check against the same LLM where the mode is a
+request setting:
 batched, chunked prefill, preemption, n > 1 (seeded samples equal TP 1's), prompt logprobs on
 one LLM; async scheduling and prefix-cache hits on a second. The all-reduce sums in another
 order than one device does, so a sample may differ from transformers only at a near-tie (top-2
@@ -179,13 +180,12 @@ def test_mqa_over_four_ranks_replicates_its_kv_head_and_matches_transformers(
     model_dir = make_tiny_model(
         tmp_path_factory.mktemp("mqa"), "MistralForCausalLM", seed=7, num_key_value_heads=1
     )
-    llm = tp_llm(model_dir, 4, **CHUNKED_PREEMPTING)
+    llm = tp_llm(model_dir, 4, block_size=8)  # 4 processes on the cores: few, large steps
     try:
         assert llm.engine.shard.kv_heads == range(0, 1)  # every rank holds the one KV head
         assert llm.engine.kv_cache.shape[4] == 1
         prompts = make_prompts(seed=1)
         assert_matches_transformers_greedy(llm, model_dir, prompts, "plain", near_ties)
-        assert llm.engine.num_preemptions > 0
         (sampled,) = llm.generate(
             make_prompts(seed=3)[4], SamplingParams(temperature=0.0, max_tokens=20, n=3)
         )
