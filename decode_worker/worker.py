@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 
 from decode_worker.handoffs import DecodeHandoffs
-from engine.engine_config import CacheConfig, LoadConfig
+from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.messages import (
@@ -61,10 +61,11 @@ class DecodeWorker:
         scheduler: SchedulerConfig,
         transfer: TransferConfig,
         speculative: SpeculativeConfig | None = None,  # ngram drafts checked each step; None: off
+        parallel: ParallelConfig | None = None,  # its ranks (this one schedules); None: one
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
-        self.engine = LLMEngine(load, cache, scheduler, speculative)
+        self.engine = LLMEngine(load, cache, scheduler, speculative, parallel)
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
         self._transfer_totals = TransferTotals()  # KV hand-offs received
         self.loop = EngineLoop(self.engine, worker_id)
@@ -265,6 +266,7 @@ class DecodeWorker:
         self._stopping.set()
         self.loop.stop()
         close_channels(self.channels.remove_all())
+        self.engine.close()  # its follower ranks stop (none for a worker of one rank)
 
     def _drop_channel(self, channel_id: str, channel: KVChannel) -> None:
         self.channels.remove(channel_id, channel)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -50,9 +51,15 @@ class EngineLoop:
         engine: LLMEngine,
         worker_id: str,
         on_handed_off: Callable[[PrefillResult], None] | None = None,
+        on_ranks_lost: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """``on_ranks_lost``: called, from the loop's thread, when a step of a worker of several
+        ranks fails in a collective (a follower rank died or hung); by default this process
+        exits, so that the router takes the worker out of rotation and recovers its requests
+        elsewhere, as for any worker whose process is gone."""
         self.engine = engine
         self.worker_id = worker_id
+        self._on_ranks_lost = on_ranks_lost or _exit_process
         self.lock = StepBoundaryLock()  # held while the engine steps or is called into
         self._work = threading.Condition(self.lock.inner)  # new work for the loop (under lock)
         self._on_handed_off = on_handed_off
@@ -232,7 +239,14 @@ class EngineLoop:
                 try:
                     step = self.engine.step()
                     step_ended_at = time.time()
-                except Exception:  # a bug: fail what is in flight, keep the worker up
+                except Exception as error:
+                    if self._lost_a_rank(error):  # the worker cannot step again
+                        logger.critical("a rank of %s is lost: %s", self.worker_id, error)
+                        self._on_ranks_lost(error)  # (by default, never returns)
+                        self._fail_all_locked("a rank of this worker is lost")
+                        self._stopping = True
+                        return
+                    # a bug: fail what is in flight, keep the worker up
                     logger.exception("engine step failed on %s", self.worker_id)
                     self._fail_all_locked("internal error in the engine step")
                     continue
@@ -243,6 +257,11 @@ class EngineLoop:
             if self._on_handed_off is not None:
                 for result in step.handed_off:
                     self._on_handed_off(result)
+
+    def _lost_a_rank(self, error: Exception) -> bool:
+        """Whether a step failed in a collective of the worker's ranks (a peer gone, or past
+        the group's deadline) rather than in this rank's own code."""
+        return self.engine.group is not None and isinstance(error, (ConnectionError, TimeoutError))
 
     def _end_turn_locked(self) -> None:
         """A turn of the loop (a step, or a wait for work) ended: take the load again."""
@@ -302,6 +321,16 @@ class EngineLoop:
     def _queue(self, gateway_id: str) -> queue.Queue[OutputBatch]:
         with self._outputs_lock:
             return self._outputs[gateway_id]
+
+
+RANKS_LOST_EXIT_CODE = 75  # a worker process that left because a rank of its group is lost
+
+
+def _exit_process(error: BaseException) -> None:
+    """Leave at once: the worker cannot step without its ranks, and a process that is gone is
+    what the router recovers a worker's requests from (exactly once)."""
+    logging.shutdown()
+    os._exit(RANKS_LOST_EXIT_CODE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from engine.engine_config import CacheConfig, LoadConfig
+from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.messages import (
@@ -67,11 +67,12 @@ class PrefillWorker:
         scheduler: SchedulerConfig,
         transfer: TransferConfig,
         decode_peers: Mapping[str, DecodePeer],
+        parallel: ParallelConfig | None = None,  # its ranks (this one schedules); None: one
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
         # no decode graphs: a prefill worker's sequences stop after their first token
-        self.engine = LLMEngine(replace(load, enforce_eager=True), cache, scheduler)
+        self.engine = LLMEngine(replace(load, enforce_eager=True), cache, scheduler, None, parallel)
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
         self._transports = PairTransports(transfer.transport, self.engine.device)
         self._peers = dict(decode_peers)
@@ -174,6 +175,7 @@ class PrefillWorker:
         self.loop.stop()
         self._handoffs.shutdown()
         close_channels(self.channels.remove_all())
+        self.engine.close()  # its follower ranks stop (none for a worker of one rank)
 
     # ---- hand-off -----------------------------------------------------------------------
     def _schedule_handoff(self, result: PrefillResult) -> None:

@@ -11,20 +11,25 @@ by side.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import ray
 
-from engine.engine_config import CacheConfig, LoadConfig
+from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.messages import GenerateRequest, HandoffCall, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import TransferConfig
 from router.cpu_binding import bind_this_thread
 from router.gil_switch import hand_off_the_gil_sooner
+from router.rank_placement import RankPlacement
 
+logger = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 32
 T = TypeVar("T")
 
@@ -39,6 +44,8 @@ class DecodeActor:
         transfer: TransferConfig,
         cpus: tuple[int, ...] = (),
         speculative: SpeculativeConfig | None = None,
+        parallel: ParallelConfig | None = None,  # None: one rank
+        placement: RankPlacement | None = None,  # where its follower ranks go
     ) -> None:
         hand_off_the_gil_sooner()
         if cpus:  # before the engine and its threads start
@@ -46,7 +53,13 @@ class DecodeActor:
         from decode_worker.worker import DecodeWorker
 
         transfer = _bind_to_node(transfer)
-        self.worker = DecodeWorker(worker_id, load, cache, scheduler, transfer, speculative)
+        # (its followers' handles are kept: Ray ends an actor whose handles are all gone)
+        parallel, self._followers = _start_followers(
+            load, cache, scheduler, speculative, parallel, placement
+        )
+        self.worker = DecodeWorker(
+            worker_id, load, cache, scheduler, transfer, speculative, parallel
+        )
 
     def ready(self) -> str:
         return self.worker.worker_id
@@ -98,6 +111,8 @@ class PrefillActor:
         transfer: TransferConfig,
         decode_handles: Mapping[str, Any],
         cpus: tuple[int, ...] = (),
+        parallel: ParallelConfig | None = None,  # None: one rank
+        placement: RankPlacement | None = None,  # where its follower ranks go
     ) -> None:
         hand_off_the_gil_sooner()
         if cpus:  # before the engine and its threads start
@@ -106,7 +121,10 @@ class PrefillActor:
 
         transfer = _bind_to_node(transfer)
         peers = _decode_peers(decode_handles)
-        self.worker = PrefillWorker(worker_id, load, cache, scheduler, transfer, peers)
+        parallel, self._followers = _start_followers(
+            load, cache, scheduler, None, parallel, placement
+        )
+        self.worker = PrefillWorker(worker_id, load, cache, scheduler, transfer, peers, parallel)
 
     def ready(self) -> str:
         return self.worker.worker_id
@@ -143,6 +161,84 @@ class PrefillActor:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+class RankActor:
+    """A follower rank of a tensor-parallel worker: its shard of the model and of the KV cache,
+    running the model calls its rank 0 broadcasts each step (engine/parallel/follower.py), on
+    a thread of its own. Rank 0's actor starts it and owns it: Ray ends it when rank 0's actor
+    ends. When its group stops (rank 0's stop command) or fails, its process exits."""
+
+    def __init__(
+        self,
+        load: LoadConfig,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        speculative: SpeculativeConfig | None,
+        parallel: ParallelConfig,
+        rank: int,
+    ) -> None:
+        hand_off_the_gil_sooner()
+        self.rank = rank
+        thread = threading.Thread(
+            target=_follow,
+            args=(load, cache, scheduler, speculative, parallel, rank),
+            name=f"tp-rank-{rank}",
+            daemon=True,
+        )
+        thread.start()
+
+    def ready(self) -> int:
+        return self.rank
+
+
+def _follow(
+    load: LoadConfig,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    speculative: SpeculativeConfig | None,
+    parallel: ParallelConfig,
+    rank: int,
+) -> None:
+    from engine.parallel.follower import run_follower
+
+    exit_code = 0
+    try:
+        run_follower(load, cache, scheduler, speculative, parallel, rank)
+    except BaseException:  # its group failed: rank 0 fails its step and leaves rotation
+        logger.exception("tensor-parallel rank %d stopped", rank)
+        exit_code = 1
+    os._exit(exit_code)  # nothing of a rank outlives its group
+
+
+def _start_followers(
+    load: LoadConfig,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    speculative: SpeculativeConfig | None,
+    parallel: ParallelConfig | None,
+    placement: RankPlacement | None,
+) -> tuple[ParallelConfig | None, list[Any]]:
+    """Start the follower ranks of a worker of several ranks, each in its bundle of the
+    worker's placement group (this node), on the port of the group's store that this rank 0
+    will host: the worker's parallel config with that port (as given for one rank), and the
+    followers' actor handles. The followers join when rank 0's engine builds the group."""
+    if parallel is None or parallel.tensor_parallel_size == 1:
+        return parallel, []
+    if placement is None:
+        raise ValueError("a worker of several ranks needs their placement")
+    from engine.parallel.group import free_port
+
+    parallel = dataclasses.replace(parallel, port=free_port(parallel.host))
+    remote: Any = ray.remote
+    rank_actor = remote(RankActor)
+    followers = [
+        rank_actor.options(**placement.options(rank)).remote(
+            load, cache, scheduler, speculative, parallel, rank
+        )
+        for rank in range(1, parallel.tensor_parallel_size)
+    ]
+    return parallel, followers
 
 
 def _decode_peers(decode_handles: Mapping[str, Any]) -> dict[str, RayDecodePeer]:

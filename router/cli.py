@@ -200,6 +200,23 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "on a small CPU machine: all cores but one)",
     )
     cluster.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks per worker (one Ray actor each, placed on one node), each holding 1/N of "
+        "the weights and KV heads; --prefill-tp and --decode-tp set one pool's",
+    )
+    cluster.add_argument(
+        "--prefill-tp", type=int, default=None, help="ranks per prefill worker (see -tp)"
+    )
+    cluster.add_argument(
+        "--decode-tp",
+        type=int,
+        default=None,
+        help="ranks per decode (and colocated) worker (see -tp)",
+    )
+    cluster.add_argument(
         "--bind-worker-cpus",
         action="store_true",
         help="local Ray only: each worker's threads on cores of their own, the gateway and "
@@ -411,6 +428,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     num_gpus = args.worker_num_gpus
     if num_gpus is None:
         num_gpus = 1.0 if args.device == "cuda" else 0.0
+    prefill_tp = args.tensor_parallel_size if args.prefill_tp is None else args.prefill_tp
+    decode_tp = args.tensor_parallel_size if args.decode_tp is None else args.decode_tp
     layout = pick_layout(
         args.prefill,
         args.decode,
@@ -419,6 +438,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         num_cores=len(os.sched_getaffinity(0)),
         worker_num_cpus=args.worker_num_cpus,
         bind_worker_cpus=args.bind_worker_cpus,
+        tensor_parallel=max(prefill_tp, decode_tp) > 1,
     )
     if layout.reason:
         print(f"pdserve: one colocated worker ({layout.reason})", flush=True)
@@ -449,6 +469,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         dead_after_s=args.worker_dead_after_s,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
         worker_num_cpus=layout.worker_num_cpus,
         worker_num_gpus=num_gpus,
         bind_worker_cpus=layout.bind_worker_cpus,

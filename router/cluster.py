@@ -96,12 +96,14 @@ class Cluster:
             start_ray(config.address, config.node_ip)  # a local Ray: on loopback by default
         if config.address is None:  # a joined cluster may still grow: Ray waits for it
             resources = ray.cluster_resources()
-            num_workers = config.num_prefill + config.num_decode
+            num_ranks = config.num_worker_ranks  # a tensor-parallel worker: an actor per rank
+            unit = (
+                "workers" if num_ranks == config.num_prefill + config.num_decode else "worker ranks"
+            )
+            num_cpus, num_gpus = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
             shortfall = (
-                cpus_shortfall(num_workers, config.worker_num_cpus, float(resources.get("CPU", 0)))
-                or gpus_shortfall(
-                    num_workers, config.worker_num_gpus, float(resources.get("GPU", 0))
-                )
+                cpus_shortfall(num_ranks, config.worker_num_cpus, num_cpus, unit)
+                or gpus_shortfall(num_ranks, config.worker_num_gpus, num_gpus, unit)
                 or resources_shortfall(config, resources)
             )
             if shortfall is not None:

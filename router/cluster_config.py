@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from engine.engine_config import CacheConfig, LoadConfig
+from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.budget import KVBudget
+from engine.model_config import load_model_config
+from engine.parallel.shard import check_tensor_parallel_size
 from engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig, SchedulingPolicy
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import FailurePolicy, TransferConfig, describe_auto, transports_for
@@ -50,8 +52,12 @@ class ClusterConfig:
     # ngram speculative decoding on the decode (and colocated) workers; None: off. Prefill
     # workers sample only each prompt's first token, so they never speculate.
     speculative: SpeculativeConfig | None = None
-    worker_num_cpus: float = 1.0  # Ray CPUs per worker actor (0 in tests)
-    worker_num_gpus: float = 0.0  # GPUs per worker actor; fractions share a GPU
+    # tensor parallelism: the ranks of each prefill (decode, colocated) worker, one Ray actor
+    # each, placed together on one node; a rank holds 1/N of the weights and KV heads
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    worker_num_cpus: float = 1.0  # Ray CPUs per worker rank (0 in tests)
+    worker_num_gpus: float = 0.0  # GPUs per worker rank; fractions share a GPU
     bind_worker_cpus: bool = False  # local Ray only: each worker on cores of its own
     prefill_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"prefill": 1}
     decode_resources: dict[str, float] = field(default_factory=dict)
@@ -124,6 +130,51 @@ class ClusterConfig:
                 "yet seen"
             )
         self._check_engine_configs()
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuse, naming the flag and the numbers, a TP size the model's heads cannot split or
+        this release cannot run yet."""
+        for flag, size in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{flag} must be an int >= 1, got {size!r}")
+        sizes = [("--decode-tp", self.decode_tp)]
+        if not self.colocated:
+            sizes.insert(0, ("--prefill-tp", self.prefill_tp))
+        if all(size == 1 for _, size in sizes):
+            return
+        if not self.colocated:
+            raise ValueError(
+                f"--prefill-tp {self.prefill_tp} / --decode-tp {self.decode_tp}: a prefill pool "
+                "hands each prompt's KV to a decode worker, and the hand-off between workers of "
+                "several ranks is not built yet; run tensor-parallel workers colocated "
+                "(--prefill 0) for now"
+            )
+        if self.bind_worker_cpus:
+            raise ValueError(
+                "--bind-worker-cpus gives each worker process cores of its own; a worker of "
+                f"--decode-tp {self.decode_tp} is {self.decode_tp} processes: leave binding off"
+            )
+        model = load_model_config(self.model_dir)
+        for flag, size in sizes:
+            try:
+                check_tensor_parallel_size(model, size)
+            except ValueError as error:  # "tensor_parallel_size 3 must ..." -> "--decode-tp 3"
+                raise ValueError(str(error).replace("tensor_parallel_size", flag, 1)) from None
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """The ranks of each worker of ``role`` ("prefill" | "decode")."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def parallel_config(self, role: str) -> ParallelConfig:
+        """The rank group of each worker of ``role``: its size (its rank 0 picks the port of
+        the group's store when it starts; the ranks share its node)."""
+        return ParallelConfig(self.tensor_parallel_size(role))
+
+    @property
+    def num_worker_ranks(self) -> int:
+        """Ray actors of all the workers' ranks together: what the pools reserve."""
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
 
     def _check_engine_configs(self) -> None:
         """Build what every worker builds, so that a bad engine flag is refused here, naming

@@ -20,8 +20,12 @@ from router.cluster_config import ClusterConfig
 _EPSILON = 1e-6  # Ray's resource arithmetic is in 1e-4 units: 1 / 0.33 holds 3, not 3.03
 
 
-def gpus_shortfall(num_workers: int, gpus_per_worker: float, num_gpus: float) -> str | None:
-    """Why ``num_workers`` actors of ``gpus_per_worker`` GPUs do not fit ``num_gpus``, or None."""
+def gpus_shortfall(
+    num_workers: int, gpus_per_worker: float, num_gpus: float, unit: str = "workers"
+) -> str | None:
+    """Why ``num_workers`` actors of ``gpus_per_worker`` GPUs do not fit ``num_gpus``, or None.
+    ``unit``: what the actors are called in the message ("worker ranks" under tensor
+    parallelism, where each rank of a worker is an actor of its own)."""
     if num_workers == 0 or gpus_per_worker <= 0:
         return None
     whole_gpus = math.floor(num_gpus + _EPSILON)
@@ -43,21 +47,23 @@ def gpus_shortfall(num_workers: int, gpus_per_worker: float, num_gpus: float) ->
     else:
         advice = "give each a smaller share with --worker-num-gpus, or use fewer workers"
     return (
-        f"{num_workers} workers of --worker-num-gpus {gpus_per_worker:g} need {needed} "
+        f"{num_workers} {unit} of --worker-num-gpus {gpus_per_worker:g} need {needed} "
         f"GPU{'s' if needed != 1 else ''}; this machine's Ray has {whole_gpus}: {advice}"
     )
 
 
-def cpus_shortfall(num_workers: int, cpus_per_worker: float, num_cpus: float) -> str | None:
+def cpus_shortfall(
+    num_workers: int, cpus_per_worker: float, num_cpus: float, unit: str = "workers"
+) -> str | None:
     """Why ``num_workers`` actors of ``cpus_per_worker`` CPUs do not fit ``num_cpus`` (Ray
-    divides CPUs freely), or None."""
+    divides CPUs freely), or None. ``unit`` as for ``gpus_shortfall``."""
     needed = num_workers * cpus_per_worker
     if needed <= num_cpus + _EPSILON:
         return None
     share = math.floor(100 * num_cpus / num_workers) / 100 if num_workers else 0.0
     smaller = f"--worker-num-cpus {share:g}" if share > 0 else "--worker-num-cpus 0"
     return (
-        f"{num_workers} workers of --worker-num-cpus {cpus_per_worker:g} need {needed:g} CPUs; "
+        f"{num_workers} {unit} of --worker-num-cpus {cpus_per_worker:g} need {needed:g} CPUs; "
         f"this machine's Ray has {num_cpus:g}: give each a smaller share with {smaller} "
         "(0: no reservation), or use fewer workers"
     )

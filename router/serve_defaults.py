@@ -49,14 +49,24 @@ def pick_layout(
     num_cores: int,
     worker_num_cpus: float | None,
     bind_worker_cpus: bool,
+    tensor_parallel: bool = False,
 ) -> PoolLayout:
     """The layout to run. ``None`` for a flag that was not given; ``num_cores``: the cores this
-    process may run on."""
+    process may run on; ``tensor_parallel``: a TP size above 1 was asked for."""
     cpus = 1.0 if worker_num_cpus is None else worker_num_cpus
     if num_prefill is not None or num_decode is not None:
         prefill = 1 if num_prefill is None else num_prefill
         decode = 1 if num_decode is None else num_decode
         return PoolLayout(prefill, decode, cpus, bind_worker_cpus, "")
+    if tensor_parallel:  # a worker of several ranks hands KV to no other worker yet
+        return PoolLayout(
+            0,
+            1,
+            cpus,
+            bind_worker_cpus,
+            "tensor-parallel workers run colocated: the KV hand-off between workers of "
+            "several ranks is not built yet",
+        )
     if device != "cpu" or joins_cluster or num_cores >= MIN_CORES_TO_DISAGGREGATE:
         return PoolLayout(1, 1, cpus, bind_worker_cpus, "")
     if num_cores < 2:  # nothing to bind to: the worker and the gateway share the one core

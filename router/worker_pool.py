@@ -531,6 +531,8 @@ class WorkerPool:
         with self._membership:
             workers = list(self.workers.values())
         stop_actors([w.actor for w in workers if w.alive or w.stalled])  # a hung one: one grace
+        if self._launcher is not None:  # tensor-parallel workers' placement groups
+            self._launcher.release_all()
         join_threads(self._threads, timeout_s=1.0)  # daemons: any left end with the process
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from router.actors import remote_decode_actor, remote_prefill_actor
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import CpuBinding
+from router.rank_placement import RankPlacement, rank_bundle
 
 MAX_RESTART_DELAY_S = 60.0  # the longest wait before a slot's next start
 CALL_TIMEOUT_S = 10.0  # control calls to a worker; one that does not answer counts as dead
@@ -65,12 +66,21 @@ class WorkerLauncher:
         self._prefill_cls = remote_prefill_actor(
             **common, resources=config.prefill_resources or None
         )
+        self._parallel = {role: config.parallel_config(role) for role in ("prefill", "decode")}
+        cpus, gpus = config.worker_num_cpus, config.worker_num_gpus
+        self._bundles = {
+            "prefill": rank_bundle(cpus, gpus, config.prefill_resources),
+            "decode": rank_bundle(cpus, gpus, config.decode_resources),
+        }
+        self._placements: dict[str, RankPlacement] = {}  # slot name -> its worker's ranks'
 
     def launch(self, slot: WorkerSlot, worker_id: str, decode_handles: Mapping[str, Any]) -> Any:
         """A new actor for ``slot``; a prefill one reaches the decode workers of
         ``decode_handles`` (by id)."""
+        parallel = self._parallel[slot.role]
+        placement = self._place(slot, worker_id, parallel.tensor_parallel_size)
         if slot.role == "decode":
-            return self._decode_cls.remote(
+            return self._decode_cls.options(**placement.options(0)).remote(
                 worker_id,
                 self._load,
                 self._cache,
@@ -78,8 +88,10 @@ class WorkerLauncher:
                 self._transfer,
                 slot.cpus,
                 self._speculative,
+                parallel,
+                placement,
             )
-        return self._prefill_cls.remote(
+        return self._prefill_cls.options(**placement.options(0)).remote(
             worker_id,
             self._load,
             self._cache,
@@ -87,4 +99,23 @@ class WorkerLauncher:
             self._transfer,
             dict(decode_handles),
             slot.cpus,
+            parallel,
+            placement,
         )
+
+    def _place(self, slot: WorkerSlot, worker_id: str, size: int) -> RankPlacement:
+        """The ranks' placement of a new worker in ``slot``; the group of the slot's worker
+        before it (gone, or never started) is given back first."""
+        old = self._placements.pop(slot.name, None)
+        if old is not None:
+            old.remove()
+        placement = RankPlacement.create(f"pdserve-{worker_id}", size, self._bundles[slot.role])
+        if placement.group is not None:
+            self._placements[slot.name] = placement
+        return placement
+
+    def release_all(self) -> None:
+        """Give back every worker's placement group (the cluster is stopping)."""
+        placements, self._placements = self._placements, {}
+        for placement in placements.values():
+            placement.remove()

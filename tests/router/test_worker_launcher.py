@@ -19,8 +19,12 @@ class _RecordingActor:
     def __init__(self, role: str, started: list[tuple[str, tuple[Any, ...]]]) -> None:
         self.role, self.started = role, started
 
-    def remote(self, *args: Any) -> str:
-        self.started.append((self.role, args))
+    def options(self, **options: Any) -> _RecordingActor:
+        assert not options  # a worker of one rank: its class's own reservation, no group
+        return self
+
+    def remote(self, *args: Any, **kwargs: Any) -> str:
+        self.started.append((self.role, (*args, *kwargs.values())))
         return f"{self.role}-actor"
 
 
@@ -47,8 +51,8 @@ def test_the_speculative_config_reaches_decode_actors_only(
         launcher.launch(slot, slot.worker_id(0), {})
     assert [role for role, _ in started] == ["decode", "decode"] + ["prefill"] * num_prefill
     for role, args in started:
-        if role == "decode":  # DecodeActor(worker_id, load, cache, scheduler, transfer, cpus, spec)
-            assert args[-1] is spec
+        if role == "decode":  # DecodeActor(worker_id, load, cache, scheduler, transfer, cpus,
+            assert args[6] is spec  # spec, parallel, placement)
         else:
             assert spec not in args
 
@@ -60,7 +64,7 @@ def test_without_a_speculative_config_decode_actors_get_none(
     (slot,) = plan_slots(config, None)
     WorkerLauncher(config).launch(slot, slot.worker_id(1), {})  # a replacement, the same way
     ((_, args),) = started
-    assert args[0] == "decode-0-r1" and args[-1] is None
+    assert args[0] == "decode-0-r1" and args[6] is None
 
 
 @pytest.mark.parametrize("num_prefill", [1, 0], ids=["disaggregated", "colocated"])
