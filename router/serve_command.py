@@ -259,9 +259,14 @@ def _banner(
 
 
 def _pools(config: ClusterConfig) -> str:
+    decode = f"{config.num_decode}{_ranks(config.decode_tp)}"
     if config.colocated:
-        return f"{config.num_decode} colocated"
-    return f"{config.num_prefill} prefill + {config.num_decode} decode"
+        return f"{decode} colocated"
+    return f"{config.num_prefill}{_ranks(config.prefill_tp)} prefill + {decode} decode"
+
+
+def _ranks(tensor_parallel_size: int) -> str:
+    return "" if tensor_parallel_size == 1 else f" x TP{tensor_parallel_size}"
 
 
 def _scheduling(config: ClusterConfig) -> str:

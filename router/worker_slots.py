@@ -11,6 +11,7 @@ model directory gone, a broken GPU) is not restarted in a tight loop.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,8 @@ from router.cluster_config import ClusterConfig
 from router.cpu_binding import CpuBinding
 from router.rank_placement import RankPlacement, rank_bundle
 
-MAX_RESTART_DELAY_S = 60.0  # the longest wait before a slot's next start
+MAX_RESTART_DELAY_S = 60.0
+RELEASE_TIMEOUT_S = 5.0  # the longest the cluster's stop waits to give placement groups back  # the longest wait before a slot's next start
 CALL_TIMEOUT_S = 10.0  # control calls to a worker; one that does not answer counts as dead
 
 
@@ -114,8 +116,19 @@ class WorkerLauncher:
             self._placements[slot.name] = placement
         return placement
 
-    def release_all(self) -> None:
-        """Give back every worker's placement group (the cluster is stopping)."""
+    def release_all(self, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+        """Give back every worker's placement group (the cluster is stopping), waiting at
+        most ``timeout_s``: Ray's removal blocks for as long as its control store is
+        unreachable (a Ray stopped under us), and Ray removes them anyway when this driver
+        ends."""
         placements, self._placements = self._placements, {}
-        for placement in placements.values():
-            placement.remove()
+        if not placements:
+            return
+
+        def remove_all() -> None:
+            for placement in placements.values():
+                placement.remove()
+
+        remover = threading.Thread(target=remove_all, name="release-placements", daemon=True)
+        remover.start()
+        remover.join(timeout_s)
