@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--n", type=int, default=1)
+    gen.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks (processes of this machine) holding 1/N of the weights and KV heads each",
+    )
     _add_engine_args(gen)
     gen.add_argument(
         "--speculative-config",
@@ -397,6 +404,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,

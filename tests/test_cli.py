@@ -64,6 +64,17 @@ def test_generate_prints_a_completion(llama_dir: Path) -> None:
     assert "5 tokens]" in result.stdout or "[stop;" in result.stdout
 
 
+def test_generate_over_two_ranks_prints_what_one_rank_does(llama_dir: Path) -> None:
+    flags = ["--prompt", "def main():", "--max-tokens", "8", "--dtype", "float32"]
+    one = _pdserve("generate", "--model", str(llama_dir), *flags, "--device", "cpu")
+    two = _pdserve("generate", "--model", str(llama_dir), *flags, "--device", "cpu", "-tp", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert two.stdout == one.stdout
+    bad = _pdserve("generate", "--model", str(llama_dir), *flags, "--device", "cpu", "-tp", "3")
+    assert bad.returncode == 2
+    assert "tensor_parallel_size 3 must divide num_attention_heads 4" in bad.stderr
+
+
 def test_generate_reports_bad_input_by_field(llama_dir: Path) -> None:
     result = _pdserve(
         "generate", "--model", str(llama_dir), "--prompt", "x", "--top-p", "2", "--device", "cpu"
