@@ -3,6 +3,9 @@
 Lifecycle: the prefill side `KVChannel.listen` → hands `listener.rendezvous` to the decode side
 (through Ray) → decode `KVChannel.connect` ∥ prefill `listener.accept` (handshake checks the
 layouts) → per request `send_blocks` ∥ `recv_blocks` with the same `TransferTicket` → `close`.
+Between tensor-parallel workers each rank pair has its own channel, whose layouts name the KV
+heads each rank holds and the ones the pair moves (`KVCacheLayout.from_cache(cache, kv_heads)
+.moving(move.heads)`, the moves from `kv_transfer.head_plan.plan_head_moves`).
 Transports: gloo (CPU), nccl (GPU), shm (same host, CPU), cuda_ipc (same host, GPU), fake
 (in-process). Imports torch and numpy only, and only when a torch-backed name is used: the
 messages, errors and `kv_transfer.policy` import without torch (the router needs them).

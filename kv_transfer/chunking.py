@@ -1,10 +1,12 @@
 """Cutting a transfer into chunks that fit a staging slot, and copying chunks in and out.
 
-A transfer of `n` blocks is the tensor `planes[:, block_ids]` of shape
-`[num_planes, n, plane_numel]` (planes = K and V of every layer). A chunk is a rectangle of it:
-a range of planes × a range of positions in the block list, gathered into (or scattered from)
-one contiguous staging buffer. Both ends compute the same plan from the layout, the block
-count and the agreed chunk size, so chunk k means the same bytes on both sides.
+A transfer of `n` blocks is the tensor `heads[:, block_ids]` of shape
+`[num_planes, n, block_size, num_moved_heads, head_dim]` (planes = K and V of every layer;
+`heads_view`: the moved heads of each plane, all of it when the channel moves the whole cache).
+A chunk is a rectangle of it: a range of planes × a range of positions in the block list,
+gathered into (or scattered from) one contiguous staging buffer. Both ends compute the same plan
+from the layout (the moved heads only), the block count and the agreed chunk size, so chunk k
+means the same bytes on both sides, whichever heads of its own cache each end holds.
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ class Chunk:
 
 
 def plan_chunks(layout: KVCacheLayout, num_blocks: int, max_chunk_bytes: int) -> list[Chunk]:
-    """Chunks of at most `max_chunk_bytes` covering every plane of every block, in order."""
-    plane_nbytes = layout.plane_nbytes
+    """Chunks of at most `max_chunk_bytes` covering the moved heads of every plane of every
+    block, in order."""
+    plane_nbytes = layout.moved_plane_nbytes
     if max_chunk_bytes < plane_nbytes:
         raise ValueError(
             f"chunk size {max_chunk_bytes} B is smaller than one plane ({plane_nbytes} B)"
         )
     num_planes = layout.num_planes
-    blocks_per_chunk = max_chunk_bytes // layout.block_nbytes
+    blocks_per_chunk = max_chunk_bytes // layout.moved_block_nbytes
     if blocks_per_chunk >= 1:  # whole blocks (all planes) per chunk
         return [
             Chunk(
@@ -65,13 +68,26 @@ def planes_view(kv_cache: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
     return kv_cache.view(layout.num_planes, kv_cache.shape[2], layout.plane_numel)
 
 
+def heads_view(kv_cache: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
+    """The moved heads of a contiguous cache, as
+    `[num_planes, num_cache_blocks, block_size, num_moved_heads, head_dim]`: a view, strided
+    when the channel moves some of the cache's heads, contiguous when it moves all of them."""
+    first = layout.moved_first
+    planes = kv_cache.view(
+        layout.num_planes, kv_cache.shape[2], layout.block_size, layout.num_kv_heads, -1
+    )  # [num_planes, num_cache_blocks, block_size, num_kv_heads, head_dim]
+    return planes[:, :, :, first : first + layout.num_moved_heads]
+
+
 def chunk_view(staging: torch.Tensor, chunk: Chunk, layout: KVCacheLayout) -> torch.Tensor:
     """The first `chunk.nbytes` of a uint8 staging buffer, as the chunk's typed rectangle."""
     shape = (
         chunk.plane_stop - chunk.plane_start,
         chunk.block_stop - chunk.block_start,
-        layout.plane_numel,
-    )  # [planes, blocks, plane_numel]
+        layout.block_size,
+        layout.num_moved_heads,
+        layout.head_dim,
+    )  # [planes, blocks, block_size, num_moved_heads, head_dim]
     return staging[: chunk.nbytes].view(layout.torch_dtype).view(shape)
 
 
@@ -121,15 +137,26 @@ def runs(values: Sequence[int]) -> list[tuple[int, int, int]]:
 def gather_chunk(
     planes: torch.Tensor, block_ids: BlockIds, chunk: Chunk, out: torch.Tensor
 ) -> None:
-    """Copy the chunk's blocks out of the cache into `out` (a `chunk_view`)."""
+    """Copy the chunk's blocks out of the cache's moved heads (`planes`, a `heads_view`) into
+    `out` (a `chunk_view`).
+
+    One `index_select` when the moved heads are the whole cache (contiguous) or on GPU. On CPU
+    a head slice is copied one run of consecutive ids at a time: `index_select`'s CPU kernel
+    copies a strided source ~5x slower than `copy_` does (bench/kv_transfer_tp.py)."""
+    source = planes[chunk.plane_start : chunk.plane_stop]
+    if planes.device.type == "cpu" and not planes.is_contiguous():
+        for position, first, length in runs(block_ids.values[chunk.block_start : chunk.block_stop]):
+            out[:, position : position + length].copy_(source[:, first : first + length])
+        return
     ids = block_ids.tensor[chunk.block_start : chunk.block_stop]
-    torch.index_select(planes[chunk.plane_start : chunk.plane_stop], 1, ids, out=out)
+    torch.index_select(source, 1, ids, out=out)
 
 
 def scatter_chunk(
     planes: torch.Tensor, block_ids: BlockIds, chunk: Chunk, src: torch.Tensor
 ) -> None:
-    """Copy `src` (a `chunk_view`) into the chunk's blocks of the cache.
+    """Copy `src` (a `chunk_view`) into the chunk's blocks of the cache's moved heads
+    (`planes`, a `heads_view`).
 
     On CPU one strided copy per run of consecutive ids: ~2x faster than `index_copy_`, whose
     CPU kernel does not copy whole rows. On GPU one `index_copy_` kernel."""

@@ -3,7 +3,8 @@
 Lifecycle: receiver `send_hello` (identity, token, layout) → sender `check_hello`
 (wrong identity: REFUSED and the connection is dropped; wrong layout: REFUSED with its own
 layout and `LayoutMismatchError` on both sides) → sender `send_welcome` (its layout and the
-transport's own data, e.g. a shared-memory name) → receiver `read_welcome`. All JSON.
+transport's own data, e.g. a shared-memory name) → receiver `read_welcome`. All JSON. Each
+layout names the model's KV heads its end holds and the ones the channel moves.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import hmac
 from typing import Any, TypeVar
 
 from kv_transfer.deadline import Deadline
-from kv_transfer.errors import ProtocolError, TransferError
+from kv_transfer.errors import LayoutMismatchError, ProtocolError, TransferError
 from kv_transfer.layout import KVCacheLayout
 from kv_transfer.messages import ChannelRendezvous
 from kv_transfer.wire import FramedConnection, Kind, decode_json
 
-MAGIC = "pdserve-kv/1"
+MAGIC = "pdserve-kv/2"  # /2: layouts carry head ranges
 T = TypeVar("T")
 
 
@@ -55,9 +56,10 @@ def check_hello(
     except (TypeError, ValueError) as exc:
         conn.send_json(Kind.REFUSED, {"reason": f"bad layout: {exc}"}, deadline)
         raise HandshakeRejected(f"refused a malformed layout: {exc}") from exc
-    if layout.first_difference(peer) is not None:
+    reason = layout.mismatch(peer, "sender")
+    if reason is not None:
         conn.send_json(Kind.REFUSED, {"reason": "layout", "layout": layout.to_json()}, deadline)
-        layout.check_compatible(peer)
+        raise LayoutMismatchError(reason)
 
 
 def send_welcome(
@@ -79,7 +81,7 @@ def read_welcome(
             peer = KVCacheLayout.from_json(reply["layout"])
         except (TypeError, ValueError) as exc:
             raise ProtocolError(f"the sender sent a malformed layout: {exc}") from exc
-        layout.check_compatible(peer)
+        layout.check_compatible(peer, "receiver")
     if kind == Kind.REFUSED:
         raise TransferError(f"the sender refused the channel: {reply.get('reason')}")
     return reply

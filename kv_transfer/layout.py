@@ -1,19 +1,25 @@
-"""KV cache layout: the shape facts both ends of a channel must agree on.
+"""KV cache layout: the shape facts both ends of a channel must agree on, and the heads it moves.
 
-Lifecycle: built from a worker's cache tensor (`KVCacheLayout.from_cache`) → sent as JSON in
-the channel handshake → `check_compatible` on both sides before the first transfer →
-`check_cache` on every transfer (the tensor handed in still matches).
+Lifecycle: built from a worker's cache tensor (`KVCacheLayout.from_cache`, with the model's KV
+heads the cache holds when the worker is one rank of a tensor-parallel group) → `moving(heads)`
+when the channel moves only some of them → sent as JSON in the channel handshake →
+`check_compatible` on both sides before the first transfer → `check_cache` on every transfer
+(the tensor handed in still matches).
 
 The cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`. For
 moving blocks it is viewed as planes: `[num_layers * 2, num_blocks, plane_numel]`, where a
-plane is one layer's K (or V) of one block, contiguous in memory.
+plane is one layer's K (or V) of one block, contiguous in memory. A channel moves a range of
+consecutive KV heads (every head of the cache unless told otherwise): the wire carries
+`[planes, blocks, block_size, num_moved_heads, head_dim]`. Both ends must agree on the dtype,
+block size, layer count, head size and the model's ids of the moved heads; the heads each end
+holds and its block count are its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -24,29 +30,49 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+_SHAPE_FIELDS = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+_POSITIVE_FIELDS = _SHAPE_FIELDS[1:]
 
 
 @dataclass(frozen=True, slots=True)
 class KVCacheLayout:
-    """Everything about a KV cache that must match across a channel (not the block count)."""
+    """Everything about a KV cache that must match across a channel (not the block count), and
+    which of its heads the channel moves."""
 
     dtype: str  # element type: "float32" | "bfloat16" | "float16"
     block_size: int  # tokens per block
     num_layers: int  # decoder layers
-    num_kv_heads: int  # KV heads held by this worker
+    num_kv_heads: int  # KV heads this cache holds (a tensor-parallel rank's share)
     head_dim: int  # elements per head
+    first_kv_head: int = 0  # the model's id of the cache's first KV head
+    moved_kv_heads: range | None = None  # the model's KV heads the channel moves, consecutive
+    # and among the cache's own; None: every head the cache holds
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {list(DTYPES)}")
-        for field in dataclasses.fields(self)[1:]:
-            value = getattr(self, field.name)
+        for name in _POSITIVE_FIELDS:
+            value = getattr(self, name)
             if type(value) is not int or value <= 0:
-                raise ValueError(f"{field.name} must be a positive int, got {value!r}")
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if type(self.first_kv_head) is not int or self.first_kv_head < 0:
+            raise ValueError(f"first_kv_head must be an int >= 0, got {self.first_kv_head!r}")
+        moved = self.moved_kv_heads
+        if moved is None:
+            return
+        if not isinstance(moved, range) or moved.step != 1 or len(moved) == 0:
+            raise ValueError(f"moved_kv_heads must be a non-empty range of step 1, got {moved!r}")
+        if moved.start < self.kv_heads.start or moved.stop > self.kv_heads.stop:
+            raise ValueError(
+                f"moved_kv_heads {describe_heads(moved)} must lie within the KV heads this "
+                f"cache holds, {describe_heads(self.kv_heads)}"
+            )
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor) -> KVCacheLayout:
-        """The layout of a cache tensor `[num_layers, 2, num_blocks, block_size, heads, dim]`."""
+    def from_cache(cls, kv_cache: torch.Tensor, kv_heads: range | None = None) -> KVCacheLayout:
+        """The layout of a cache tensor `[num_layers, 2, num_blocks, block_size, heads, dim]`.
+        ``kv_heads``: the model's KV heads it holds (a rank's ``shard.kv_heads``; default: the
+        cache's heads are the model's first ones)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(
                 "KV cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim],"
@@ -56,7 +82,21 @@ class KVCacheLayout:
         if kv_cache.dtype not in names:
             raise ValueError(f"unsupported KV dtype {kv_cache.dtype}")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        return cls(names[kv_cache.dtype], block_size, num_layers, num_kv_heads, head_dim)
+        layout = cls(names[kv_cache.dtype], block_size, num_layers, num_kv_heads, head_dim)
+        return layout if kv_heads is None else layout.holding(kv_heads)
+
+    def holding(self, kv_heads: range) -> KVCacheLayout:
+        """This layout for a cache that holds the model's ``kv_heads`` (every one moved)."""
+        if kv_heads.step != 1 or len(kv_heads) != self.num_kv_heads:
+            raise ValueError(
+                f"kv_heads {kv_heads} must be {self.num_kv_heads} consecutive heads "
+                f"(num_kv_heads {self.num_kv_heads})"
+            )
+        return dataclasses.replace(self, first_kv_head=kv_heads.start, moved_kv_heads=None)
+
+    def moving(self, heads: range) -> KVCacheLayout:
+        """This layout for a channel that moves only the model's KV ``heads`` of the cache."""
+        return dataclasses.replace(self, moved_kv_heads=heads)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
         """The shape of a cache of ``num_blocks`` in this layout (what from_cache reads)."""
@@ -67,13 +107,36 @@ class KVCacheLayout:
         return DTYPES[self.dtype]
 
     @property
+    def kv_heads(self) -> range:
+        """The model's KV heads this cache holds."""
+        return range(self.first_kv_head, self.first_kv_head + self.num_kv_heads)
+
+    @property
+    def moved_heads(self) -> range:
+        """The model's KV heads the channel moves."""
+        return self.kv_heads if self.moved_kv_heads is None else self.moved_kv_heads
+
+    @property
+    def moved_first(self) -> int:
+        """Where the first moved head sits among the cache's own heads."""
+        return self.moved_heads.start - self.first_kv_head
+
+    @property
+    def num_moved_heads(self) -> int:
+        return len(self.moved_heads)
+
+    @property
+    def moves_whole_cache(self) -> bool:
+        return self.moved_heads == self.kv_heads
+
+    @property
     def num_planes(self) -> int:
         """K and V of every layer: the first dimension of the planes view."""
         return self.num_layers * 2
 
     @property
     def plane_numel(self) -> int:
-        """Elements of one layer's K (or V) in one block."""
+        """Elements of one layer's K (or V) in one block of the cache."""
         return self.block_size * self.num_kv_heads * self.head_dim
 
     @property
@@ -82,25 +145,68 @@ class KVCacheLayout:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block across all layers, K and V: what one block costs to move."""
+        """Bytes of one block of the cache across all layers, K and V."""
         return self.num_planes * self.plane_nbytes
 
-    def first_difference(self, other: KVCacheLayout) -> tuple[str, Any, Any] | None:
-        """(field name, this value, other value) of the first field that differs, or None."""
-        for field in dataclasses.fields(self):
-            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+    @property
+    def moved_plane_numel(self) -> int:
+        """Elements of the moved heads of one plane: what one plane puts on the wire."""
+        return self.block_size * self.num_moved_heads * self.head_dim
+
+    @property
+    def moved_plane_nbytes(self) -> int:
+        return self.moved_plane_numel * self.torch_dtype.itemsize
+
+    @property
+    def moved_block_nbytes(self) -> int:
+        """Bytes of the moved heads of one block, all layers, K and V: what a block costs."""
+        return self.num_planes * self.moved_plane_nbytes
+
+    def mismatch(
+        self, peer: KVCacheLayout, role: Literal["sender", "receiver"] | None = None
+    ) -> str | None:
+        """Why ``peer`` cannot be this channel's other end, naming the first field that
+        differs, or None. ``role``: this side's, for how the moved heads are worded."""
+        for name in _SHAPE_FIELDS:
+            if name == "num_kv_heads":
+                heads = self._heads_mismatch(peer, role)
+                if heads is not None:
+                    return heads
+                continue
+            mine, theirs = getattr(self, name), getattr(peer, name)
             if mine != theirs:
-                return field.name, mine, theirs
+                return f"KV layout mismatch on {name}: this side has {mine}, the peer has {theirs}"
         return None
 
-    def check_compatible(self, peer: KVCacheLayout) -> None:
-        """Raise `LayoutMismatchError` naming the first field where `peer` differs."""
-        difference = self.first_difference(peer)
-        if difference is not None:
-            name, mine, theirs = difference
-            raise LayoutMismatchError(
-                f"KV layout mismatch on {name}: this side has {mine}, the peer has {theirs}"
+    def _heads_mismatch(
+        self, peer: KVCacheLayout, role: Literal["sender", "receiver"] | None
+    ) -> str | None:
+        """Both ends must move the same heads of the model. Two ends that each move their
+        whole cache hold different numbers of heads when the counts differ: named as such."""
+        if self.moved_heads == peer.moved_heads:
+            return None
+        whole = self.moved_kv_heads is None and peer.moved_kv_heads is None
+        if whole and self.num_kv_heads != peer.num_kv_heads:
+            return (
+                f"KV layout mismatch on num_kv_heads: this side has {self.num_kv_heads}, "
+                f"the peer has {peer.num_kv_heads}"
             )
+        mine, theirs = {"sender": ("moves", "expects"), "receiver": ("expects", "moves")}.get(
+            role or "", ("moves", "moves")
+        )
+        return (
+            f"KV layout mismatch on kv_heads: this side {mine} heads "
+            f"{describe_heads(self.moved_heads)}, the peer {theirs} "
+            f"{describe_heads(peer.moved_heads)}"
+        )
+
+    def check_compatible(
+        self, peer: KVCacheLayout, role: Literal["sender", "receiver"] | None = None
+    ) -> None:
+        """Raise `LayoutMismatchError` naming the first field where `peer` differs."""
+        reason = self.mismatch(peer, role)
+        if reason is not None:
+            raise LayoutMismatchError(reason)
 
     def check_cache(self, kv_cache: torch.Tensor, device: torch.device) -> int:
         """Check a cache tensor against this layout and the channel's device; return its blocks."""
@@ -108,14 +214,20 @@ class KVCacheLayout:
             raise ValueError("KV cache must be contiguous")
         if kv_cache.device != device:
             raise ValueError(f"KV cache is on {kv_cache.device}, the channel on {device}")
-        difference = self.first_difference(KVCacheLayout.from_cache(kv_cache))
-        if difference is not None:
-            name, mine, theirs = difference
-            raise ValueError(f"KV cache has {name}={theirs}, the channel's layout has {mine}")
+        found = KVCacheLayout.from_cache(kv_cache)
+        for name in _SHAPE_FIELDS:
+            mine, theirs = getattr(self, name), getattr(found, name)
+            if mine != theirs:
+                raise ValueError(f"KV cache has {name}={theirs}, the channel's layout has {mine}")
         return int(kv_cache.shape[2])
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        moved = self.moved_kv_heads
+        return {
+            **{name: getattr(self, name) for name in _SHAPE_FIELDS},
+            "first_kv_head": self.first_kv_head,
+            "moved_kv_heads": None if moved is None else [moved.start, moved.stop],
+        }
 
     @classmethod
     def from_json(cls, data: object) -> KVCacheLayout:
@@ -123,4 +235,18 @@ class KVCacheLayout:
         names = [field.name for field in dataclasses.fields(cls)]
         if not isinstance(data, dict) or sorted(data) != sorted(names):
             raise ValueError(f"malformed KV layout from the peer: {data!r}")
-        return cls(**data)
+        moved = data["moved_kv_heads"]
+        if moved is not None:
+            if not (
+                isinstance(moved, list) and len(moved) == 2 and all(type(v) is int for v in moved)
+            ):
+                raise ValueError(f"malformed moved_kv_heads from the peer: {moved!r}")
+            moved = range(moved[0], moved[1])
+        return cls(**{**data, "moved_kv_heads": moved})
+
+
+def describe_heads(heads: range) -> str:
+    """``"2-3"`` for heads 2 and 3; ``"2"`` for head 2 alone."""
+    if len(heads) == 1:
+        return str(heads.start)
+    return f"{heads.start}-{heads.stop - 1}"

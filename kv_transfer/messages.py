@@ -44,7 +44,7 @@ class TransferStats:
     """What one side of one transfer measured. Phases may overlap (chunks are pipelined)."""
 
     transfer_id: int  # the ticket's transfer id
-    nbytes: int  # payload bytes moved: num_blocks * layout.block_nbytes
+    nbytes: int  # payload bytes moved: num_blocks * layout.moved_block_nbytes
     num_chunks: int  # pieces the payload was staged in (cuda_ipc: 1, it stages nothing)
     gather_s: float  # sender: copying blocks into staging (0.0 on the receiver, and cuda_ipc)
     wire_s: float  # blocked on the transport or the peer (send or receive)

@@ -57,9 +57,10 @@ def make_listener(
     check_device(transport, device)
     if chunk_bytes is None:
         chunk_bytes = DEFAULT_CHUNK_BYTES[transport]
-    if chunk_bytes < layout.plane_nbytes:
+    if chunk_bytes < layout.moved_plane_nbytes:
         raise ValueError(
-            f"chunk_bytes {chunk_bytes} is under one block of one layer ({layout.plane_nbytes} B)"
+            f"chunk_bytes {chunk_bytes} is under one block of one layer "
+            f"({layout.moved_plane_nbytes} B of the moved heads)"
         )
     if transport in ("gloo", "nccl"):
         return GroupListener(transport, layout, host, channel_id, device, chunk_bytes)

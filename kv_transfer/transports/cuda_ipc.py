@@ -30,11 +30,18 @@ import torch
 
 from kv_transfer.block_copy import copy_blocks
 from kv_transfer.checksum import StreamingCrc32
-from kv_transfer.chunking import BlockIds, chunk_view, gather_chunk, plan_chunks, planes_view
+from kv_transfer.chunking import (
+    BlockIds,
+    chunk_view,
+    gather_chunk,
+    heads_view,
+    plan_chunks,
+    planes_view,
+)
 from kv_transfer.deadline import Deadline
 from kv_transfer.errors import ProtocolError, TransferError
 from kv_transfer.handshake import send_welcome, welcome_field
-from kv_transfer.layout import KVCacheLayout
+from kv_transfer.layout import KVCacheLayout, describe_heads
 from kv_transfer.messages import ChannelRendezvous, TransferStats
 from kv_transfer.transports.base import Endpoint, Move, PhaseTimer
 from kv_transfer.transports.control import ControlListener, open_control
@@ -120,11 +127,23 @@ def _decode(value: object) -> object:
     return value
 
 
+def _require_whole_cache(layout: KVCacheLayout) -> None:
+    """The receiver maps the sender's cache in its own layout and copies whole planes: both
+    ends must hold, and move, the same heads."""
+    if not layout.moves_whole_cache:
+        raise ValueError(
+            f"the cuda_ipc transport moves whole caches; moved_kv_heads "
+            f"{describe_heads(layout.moved_heads)} of a cache holding "
+            f"{describe_heads(layout.kv_heads)} needs gloo, nccl or shm"
+        )
+
+
 def _crc_of_blocks(
-    planes: torch.Tensor, block_ids: BlockIds, layout: KVCacheLayout, chunk_bytes: int
+    kv_cache: torch.Tensor, block_ids: BlockIds, layout: KVCacheLayout, chunk_bytes: int
 ) -> int:
     """CRC32 of the blocks in transfer order (each chunk gathered into one scratch buffer)."""
     crc = StreamingCrc32()
+    planes = heads_view(kv_cache, layout)
     scratch = torch.empty(chunk_bytes, dtype=torch.uint8, device=planes.device)
     for chunk in plan_chunks(layout, len(block_ids.values), chunk_bytes):
         out = chunk_view(scratch, chunk, layout)
@@ -168,9 +187,8 @@ class CudaIpcEndpoint(Endpoint):
         if ticket.checksum:
             start = time.perf_counter()
             with self._stream.active():
-                planes = planes_view(move.kv_cache, self.layout)
                 begin["crc"] = _crc_of_blocks(
-                    planes, move.block_ids, self.layout, self._chunk_bytes
+                    move.kv_cache, move.block_ids, self.layout, self._chunk_bytes
                 )
             timer.checksum_s += time.perf_counter() - start
         self._conn.send_json(Kind.BEGIN, begin, deadline)
@@ -182,7 +200,7 @@ class CudaIpcEndpoint(Endpoint):
         outcome = decode_json(payload)
         if not outcome.get("ok"):
             raise TransferError(f"the receiver failed the transfer: {outcome.get('reason')}")
-        return timer.stats(ticket, ticket.num_blocks * self.layout.block_nbytes, 1)
+        return timer.stats(ticket, ticket.num_blocks * self.layout.moved_block_nbytes, 1)
 
     def recv(self, move: Move) -> TransferStats:
         ticket, deadline, timer = move.ticket, move.deadline, PhaseTimer()
@@ -204,14 +222,14 @@ class CudaIpcEndpoint(Endpoint):
             reason = None
             if ticket.checksum:  # read back what landed in the cache
                 start = time.perf_counter()
-                crc = _crc_of_blocks(dst, move.block_ids, self.layout, self._chunk_bytes)
+                crc = _crc_of_blocks(move.kv_cache, move.block_ids, self.layout, self._chunk_bytes)
                 timer.checksum_s += time.perf_counter() - start
                 if crc != begin.get("crc"):
                     reason = f"checksum mismatch: sender {begin.get('crc')}, received {crc}"
         self._conn.send_json(Kind.DONE, {"ok": reason is None, "reason": reason}, deadline)
         if reason is not None:
             raise TransferError(reason)
-        return timer.stats(ticket, ticket.num_blocks * self.layout.block_nbytes, 1)
+        return timer.stats(ticket, ticket.num_blocks * self.layout.moved_block_nbytes, 1)
 
     def _check_begin(self, begin: dict[str, Any], move: Move, deadline: Deadline) -> BlockIds:
         """The sender's block ids, on this device. A BEGIN that is not the transfer this side
@@ -271,6 +289,7 @@ class CudaIpcListener(ControlListener):
         chunk_bytes: int,
     ) -> None:
         _require_cuda(device)
+        _require_whole_cache(layout)
         super().__init__("cuda_ipc", layout, host, channel_id)
         self._device = device
         self._chunk_bytes = chunk_bytes
@@ -284,6 +303,7 @@ def connect_cuda_ipc(
     rendezvous: ChannelRendezvous, layout: KVCacheLayout, device: torch.device, deadline: Deadline
 ) -> Endpoint:
     _require_cuda(device)
+    _require_whole_cache(layout)
     conn, welcome = open_control(rendezvous, layout, deadline)
     try:
         chunk_bytes = welcome_field(welcome, "chunk_bytes", int)

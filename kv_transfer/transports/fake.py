@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.checksum import StreamingCrc32
-from kv_transfer.chunking import Chunk, chunk_view, gather_chunk, planes_view, scatter_chunk
+from kv_transfer.chunking import Chunk, chunk_view, gather_chunk, heads_view, scatter_chunk
 from kv_transfer.deadline import Deadline
 from kv_transfer.errors import LayoutMismatchError, ProtocolError, TransferError
 from kv_transfer.layout import KVCacheLayout
@@ -67,12 +67,12 @@ class FakeEndpoint(Endpoint):
 
     def _chunk(self, num_blocks: int) -> Chunk:
         num_planes = self.layout.num_planes
-        return Chunk(0, num_planes, 0, num_blocks, num_blocks * self.layout.block_nbytes)
+        return Chunk(0, num_planes, 0, num_blocks, num_blocks * self.layout.moved_block_nbytes)
 
     def send(self, move: Move) -> TransferStats:
         timer, chunk = PhaseTimer(), self._chunk(move.ticket.num_blocks)
         payload = torch.empty(chunk.nbytes, dtype=torch.uint8, device=move.kv_cache.device)
-        planes = planes_view(move.kv_cache, self.layout)
+        planes = heads_view(move.kv_cache, self.layout)
         gather_chunk(planes, move.block_ids, chunk, chunk_view(payload, chunk, self.layout))
         timer.gather_s = time.perf_counter() - timer.start
         crc = _crc(payload, timer) if move.ticket.checksum else None
@@ -122,7 +122,7 @@ class FakeEndpoint(Endpoint):
                 f"the sender started {theirs.label} ({theirs.num_blocks} blocks), "
                 f"the receiver expects {ours.label} ({ours.num_blocks} blocks)"
             )
-        chunk, planes = self._chunk(ours.num_blocks), planes_view(move.kv_cache, self.layout)
+        chunk, planes = self._chunk(ours.num_blocks), heads_view(move.kv_cache, self.layout)
         start = time.perf_counter()
         scatter_chunk(planes, move.block_ids, chunk, chunk_view(parcel.payload, chunk, self.layout))
         timer.scatter_s = time.perf_counter() - start
@@ -172,14 +172,11 @@ class FakeListener(ListenerBackend):
         with self._arrived:
             if self._outcome is not None:
                 raise TransferError(f"fake channel {self.rendezvous.channel_id!r} is taken")
-            difference = self.layout.first_difference(layout)
-            if difference is not None:
-                name, mine, theirs = difference
-                self._outcome = LayoutMismatchError(
-                    f"KV layout mismatch on {name}: this side has {mine}, the peer has {theirs}"
-                )
+            reason = self.layout.mismatch(layout, "sender")
+            if reason is not None:
+                self._outcome = LayoutMismatchError(reason)
                 self._arrived.notify_all()
-                layout.check_compatible(self.layout)
+                layout.check_compatible(self.layout, "receiver")
             link = FakeLink()
             self._outcome = FakeEndpoint(self.layout, link)
             self._arrived.notify_all()

@@ -38,8 +38,8 @@ from kv_transfer.chunking import (
     Chunk,
     chunk_view,
     gather_chunk,
+    heads_view,
     plan_chunks,
-    planes_view,
     scatter_chunk,
 )
 from kv_transfer.deadline import Deadline
@@ -196,7 +196,7 @@ class GroupEndpoint(Endpoint):
 
     def _stream_out(self, move: Move, plan: list[Chunk], tags: _Tags, timer: PhaseTimer) -> int:
         """Gather each chunk into a free slot and post its send; return the crc32 (or 0)."""
-        planes = planes_view(move.kv_cache, self.layout)
+        planes = heads_view(move.kv_cache, self.layout)
         crc = StreamingCrc32() if move.ticket.checksum else None
         in_flight: list[Any] = [None, None]
         for k, chunk in enumerate(plan):
@@ -266,7 +266,7 @@ class GroupEndpoint(Endpoint):
         self, move: Move, plan: list[Chunk], tags: _Tags, posted: list[Any], timer: PhaseTimer
     ) -> int | None:
         """Scatter each received chunk, reposting its slot; return the read-back crc32 or None."""
-        planes = planes_view(move.kv_cache, self.layout)
+        planes = heads_view(move.kv_cache, self.layout)
         crc = StreamingCrc32() if move.ticket.checksum else None
         for k, chunk in enumerate(plan):
             self._timed_wait(posted[k % 2], move.deadline, timer, f"receiving chunk {k}")

@@ -27,8 +27,8 @@ from kv_transfer.chunking import (
     Chunk,
     chunk_view,
     gather_chunk,
+    heads_view,
     plan_chunks,
-    planes_view,
     scatter_chunk,
 )
 from kv_transfer.deadline import Deadline
@@ -46,10 +46,10 @@ _ALIGN = 4096
 def slot_size(chunk_bytes: int, layout: KVCacheLayout) -> int:
     """`chunk_bytes` rounded down to whole pages; `ValueError` if under one plane."""
     slot_bytes = chunk_bytes // _ALIGN * _ALIGN
-    if slot_bytes < layout.plane_nbytes:
+    if slot_bytes < layout.moved_plane_nbytes:
         raise ValueError(
-            f"chunk_bytes {chunk_bytes} holds no whole plane ({layout.plane_nbytes} B) in "
-            f"{_ALIGN}-byte pages"
+            f"chunk_bytes {chunk_bytes} holds no whole plane ({layout.moved_plane_nbytes} B of "
+            f"the moved heads) in {_ALIGN}-byte pages"
         )
     return slot_bytes
 
@@ -94,7 +94,7 @@ class SegmentEndpoint(Endpoint):
             "checksum": ticket.checksum,
         }
         self._conn.send_json(Kind.BEGIN, begin, deadline)
-        planes = planes_view(move.kv_cache, self.layout)
+        planes = heads_view(move.kv_cache, self.layout)
         crc = StreamingCrc32() if ticket.checksum else None
         for k, chunk in enumerate(plan):
             if k >= NUM_SLOTS:
@@ -139,7 +139,7 @@ class SegmentEndpoint(Endpoint):
         ticket, deadline, timer = move.ticket, move.deadline, PhaseTimer()
         self._check_begin(decode_json(self._await(Kind.BEGIN, deadline, timer)), ticket, deadline)
         plan = self._plan(ticket.num_blocks)
-        planes = planes_view(move.kv_cache, self.layout)
+        planes = heads_view(move.kv_cache, self.layout)
         crc = StreamingCrc32() if ticket.checksum else None
         for k, chunk in enumerate(plan):
             signal = _unpack_signal(self._await(Kind.READY, deadline, timer))

@@ -31,12 +31,19 @@ def random_cache(layout: KVCacheLayout, num_blocks: int, seed: int) -> torch.Ten
 
 
 def open_pair(
-    transport: str, layout: KVCacheLayout, channel_id: str, **listen_options: int
+    transport: str,
+    layout: KVCacheLayout,
+    channel_id: str,
+    receiver_layout: KVCacheLayout | None = None,
+    **listen_options: int,
 ) -> tuple[KVChannel, KVChannel]:
-    """(sender, receiver) of a channel built in this process, the receiver in a thread."""
+    """(sender, receiver) of a channel built in this process, the receiver in a thread.
+    ``receiver_layout`` (default ``layout``): the receiving end's, e.g. another rank's heads."""
     listener = KVChannel.listen(transport, layout, HOST, channel_id, CPU, **listen_options)
     with listener, ThreadPoolExecutor(1) as pool:
-        receiver = pool.submit(KVChannel.connect, listener.rendezvous, layout, CPU, SETUP_TIMEOUT_S)
+        receiver = pool.submit(
+            KVChannel.connect, listener.rendezvous, receiver_layout or layout, CPU, SETUP_TIMEOUT_S
+        )
         sender = listener.accept(SETUP_TIMEOUT_S)
         return sender, receiver.result()
 
