@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 from engine.messages import (
     CancelReservation,
@@ -42,10 +42,7 @@ from engine.messages import (
     Reservation,
     ReserveBlocks,
 )
-from kv_transfer.channel_table import ChannelTable, close_channels
-
-if TYPE_CHECKING:
-    from kv_transfer.channel import KVChannel
+from kv_transfer.channel_table import ChannelTable, WorkerChannel, close_channels
 
 HandoffState = Literal["reserved", "pinned", "receiving", "dropping"]
 # how a receive starts: into the reservation, or the bytes dropped (the reservation is gone, or
@@ -136,7 +133,7 @@ class DecodeHandoffs:
         handoff.state = "pinned"
         return True
 
-    def join(self, call: JoinChannel, channel: KVChannel) -> bool:
+    def join(self, call: JoinChannel, channel: WorkerChannel) -> bool:
         """Open ``channel`` (joined for ``call``): reserved/pinned -> pinned on it; False (the
         channel open all the same, unpinned) when the hand-off holds no waiting reservation."""
         handoff = self._waiting(call.request_id, call.handoff_id)
@@ -156,7 +153,7 @@ class DecodeHandoffs:
             return
         self._give_back(call.request_id)
 
-    def begin_receive(self, call: ReceiveKV) -> tuple[KVChannel | None, ReceiveStart]:
+    def begin_receive(self, call: ReceiveKV) -> tuple[WorkerChannel | None, ReceiveStart]:
         """reserved/pinned -> receiving, with the channel the KV comes on (in use until the
         caller's ``ChannelTable.release``; None when it is not open). Otherwise the bytes are to
         be dropped: the reservation is gone, or expired (the request is then to fail)."""
@@ -241,7 +238,7 @@ class DecodeHandoffs:
             return None
         return handoff
 
-    def _use(self, channel_id: str) -> KVChannel | None:
+    def _use(self, channel_id: str) -> WorkerChannel | None:
         """The open channel ``channel_id``, in use for a receive that has no pin on it."""
         channel = self._channels.get(channel_id)
         if channel is None or not self._channels.use(channel_id, channel):

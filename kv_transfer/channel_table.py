@@ -15,23 +15,48 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from kv_transfer.messages import ChannelRendezvous, TransferStats, TransferTicket
 
 if TYPE_CHECKING:
-    from kv_transfer.channel import KVChannel
+    import torch
+
+
+class WorkerChannel(Protocol):
+    """A worker's channel to another worker: a ``kv_transfer.channel.KVChannel`` between two
+    workers of one rank each, or a ``kv_transfer.ranked_channel.RankedChannel`` of rank pairs."""
+
+    rendezvous: ChannelRendezvous
+
+    @property
+    def broken(self) -> bool: ...
+
+    def send_blocks(
+        self, kv_cache: torch.Tensor, block_ids: Sequence[int], ticket: TransferTicket
+    ) -> TransferStats: ...
+
+    def recv_blocks(
+        self, kv_cache: torch.Tensor, block_ids: Sequence[int], ticket: TransferTicket
+    ) -> TransferStats: ...
+
+    def discard(self, like: torch.Tensor, ticket: TransferTicket) -> TransferStats: ...
+
+    def close(self) -> None: ...
 
 
 class ChannelTable:
     def __init__(self, max_channels: int) -> None:
         self.max_channels = max_channels
-        self._channels: OrderedDict[str, KVChannel] = OrderedDict()  # least recently used first
+        self._channels: OrderedDict[str, WorkerChannel] = OrderedDict()  # least recently used first
         self._users: Counter[str] = Counter()  # key -> transfers on its channel, and pins
         self._pins: dict[str, str] = {}  # request id -> key of the channel pinned for its KV
         self._lock = threading.Lock()
 
     def add(
-        self, key: str, channel: KVChannel, *, in_use: bool = False, pin_for: str | None = None
-    ) -> list[KVChannel]:
+        self, key: str, channel: WorkerChannel, *, in_use: bool = False, pin_for: str | None = None
+    ) -> list[WorkerChannel]:
         """Open ``channel`` under ``key``: in use until ``release`` if ``in_use``, pinned for
         request ``pin_for`` if given. The channels the caller must close (one it replaces, idle
         ones over the cap)."""
@@ -45,11 +70,11 @@ class ChannelTable:
             closing = self._over_cap_locked(keep=key)
         return [*([previous] if previous is not None else []), *closing]
 
-    def get(self, key: str) -> KVChannel | None:
+    def get(self, key: str) -> WorkerChannel | None:
         with self._lock:
             return self._channels.get(key)
 
-    def use(self, key: str, channel: KVChannel) -> bool:
+    def use(self, key: str, channel: WorkerChannel) -> bool:
         """Mark ``channel`` in use until ``release``; False if it is no longer open under
         ``key`` (closed over the cap, or replaced)."""
         with self._lock:
@@ -67,13 +92,13 @@ class ChannelTable:
             self._pin_locked(request_id, key)
             return True
 
-    def unpin(self, request_id: str) -> list[KVChannel]:
+    def unpin(self, request_id: str) -> list[WorkerChannel]:
         """End a request's pin; the channels the caller must close (now idle over the cap)."""
         with self._lock:
             self._unpin_locked(request_id)
             return self._over_cap_locked()
 
-    def take(self, request_id: str, key: str) -> KVChannel | None:
+    def take(self, request_id: str, key: str) -> WorkerChannel | None:
         """The channel for ``request_id``'s receive, in use until ``release``; None when it is
         not open. The request's pin passes to the receive."""
         with self._lock:
@@ -88,26 +113,26 @@ class ChannelTable:
                 self._channels.move_to_end(key)
             return channel
 
-    def release(self, key: str) -> list[KVChannel]:
+    def release(self, key: str) -> list[WorkerChannel]:
         """A transfer on the channel under ``key`` (from ``take``, ``use`` or ``add``) has
         ended; the channels the caller must close (now idle over the cap)."""
         with self._lock:
             self._drop_user_locked(key)
             return self._over_cap_locked()
 
-    def remove(self, key: str, channel: KVChannel) -> None:
+    def remove(self, key: str, channel: WorkerChannel) -> None:
         """Forget a broken channel (if still the one open under its key); the caller closes it."""
         with self._lock:
             if self._channels.get(key) is channel:
                 del self._channels[key]
 
-    def remove_all(self) -> list[KVChannel]:
+    def remove_all(self) -> list[WorkerChannel]:
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()
         return channels
 
-    def items(self) -> list[tuple[str, KVChannel]]:
+    def items(self) -> list[tuple[str, WorkerChannel]]:
         with self._lock:
             return list(self._channels.items())
 
@@ -130,7 +155,7 @@ class ChannelTable:
         self._users[key] += 1
         self._channels.move_to_end(key)
 
-    def _over_cap_locked(self, keep: str | None = None) -> list[KVChannel]:
+    def _over_cap_locked(self, keep: str | None = None) -> list[WorkerChannel]:
         """Take idle channels out (but ``keep``) while over the cap, least recently used first."""
         excess = len(self._channels) - self.max_channels
         if excess <= 0:
@@ -149,7 +174,7 @@ class ChannelTable:
             del self._users[key]
 
 
-def close_channels(channels: list[KVChannel]) -> None:
+def close_channels(channels: list[WorkerChannel]) -> None:
     """Close what a ``ChannelTable`` call handed back (outside its lock)."""
     for channel in channels:
         channel.close()

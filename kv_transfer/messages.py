@@ -72,3 +72,14 @@ class ChannelRendezvous:
     def option(self, name: str) -> str | None:
         """The value of `name` in `extra`, or None."""
         return next((value for key, value in self.extra if key == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class PairRendezvous:
+    """One rank pair's channel of a hand-off between workers of several tensor-parallel ranks:
+    which prefill rank listens, which decode rank joins, and the KV heads it moves."""
+
+    prefill_rank: int  # the rank of the prefill worker that sends
+    decode_rank: int  # the rank of the decode worker that receives
+    heads: range  # the model's KV heads the pair moves, consecutive
+    rendezvous: ChannelRendezvous  # how the decode rank reaches the listening prefill rank
