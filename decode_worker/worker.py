@@ -3,7 +3,9 @@
 Lifecycle of a request here (queue names are the request's states):
   reserving    -- a prefill worker asks for blocks for the prompt's KV (refused when full: the
                   prefill worker keeps its lease and asks again, or falls back to recompute)
-  transferring -- the KV arrives over the pairwise channel into the reserved blocks
+  transferring -- the KV arrives over the pairwise channel into the reserved blocks (one
+                  channel per rank pair when either worker has several tensor-parallel ranks:
+                  every rank receives its heads, and rank 0 admits once all have)
                   (from the reserve to the admission, the hand-off's state is DecodeHandoffs')
   decoding     -- admitted into the running batch; every step's tokens for all requests of a
                   gateway leave as one OutputBatch (with speculative decoding a step checks a
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from decode_worker.handoffs import DecodeHandoffs
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
@@ -38,12 +40,16 @@ from engine.messages import (
     ReserveBlocks,
     WorkerLoad,
 )
+from engine.parallel.shard import kv_heads_of_ranks
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer import KVCacheLayout, KVChannel, TransferError, TransferTicket
-from kv_transfer.channel_table import ChannelTable, close_channels
+from kv_transfer.channel_table import ChannelTable, WorkerChannel, close_channels
 from kv_transfer.locality import locality_of
 from kv_transfer.policy import Locality, TransferConfig
+from kv_transfer.rank_calls import RankPeer
+from kv_transfer.rank_port import LocalRankPeer, RankKVPort
+from kv_transfer.ranked_channel import RankedChannel
 from kv_transfer.totals import TransferTotals
 
 logger = logging.getLogger(__name__)
@@ -62,11 +68,17 @@ class DecodeWorker:
         transfer: TransferConfig,
         speculative: SpeculativeConfig | None = None,  # ngram drafts checked each step; None: off
         parallel: ParallelConfig | None = None,  # its ranks (this one schedules); None: one
+        follower_ranks: Sequence[RankPeer] = (),  # KV ports of its ranks 1 .. N-1, in order
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
         self.engine = LLMEngine(load, cache, scheduler, speculative, parallel)
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
+        # each rank's KV heads and port, rank 0 first: the rank pairs' channels use them
+        self._kv_heads = kv_heads_of_ranks(self.engine.model_config, self.engine.shard.size)
+        port = RankKVPort(self.engine.kv_cache, self.engine.shard.kv_heads, transfer.host)
+        self._rank0 = LocalRankPeer(port, f"kv-rank0-{worker_id}")
+        self._ranks: list[RankPeer] = [self._rank0, *follower_ranks]
         self._transfer_totals = TransferTotals()  # KV hand-offs received
         self.loop = EngineLoop(self.engine, worker_id)
         self.channels = ChannelTable(transfer.max_channels)  # from prefill workers
@@ -136,13 +148,26 @@ class DecodeWorker:
         """Where this worker's KV cache lives: a prefill worker picks the transport by it."""
         return locality_of(self.engine.device)
 
+    def kv_heads(self) -> tuple[range, ...]:
+        """The model's KV heads each of this worker's ranks holds, rank 0 first."""
+        return self._kv_heads
+
     def connect_channel(self, call: JoinChannel) -> bool:
         """Join the channel a prefill worker listens on (handshake checks the KV layout), pinned
         at once for the hand-off it opened for; False if that hand-off's reservation is gone
-        (the channel is open all the same)."""
-        channel = KVChannel.connect(
-            call.rendezvous, self.layout, self.engine.device, self.transfer.timeout_s
-        )
+        (the channel is open all the same). A channel of rank pairs is joined on every rank of
+        a pair at once, each with the heads it holds."""
+        timeout_s = self.transfer.timeout_s
+        channel: WorkerChannel
+        if call.pairs:
+            if len(self._ranks) != len(self._kv_heads):
+                raise ValueError(
+                    f"decode worker {self.worker_id} has tensor_parallel_size "
+                    f"{len(self._kv_heads)} but {len(self._ranks)} rank KV ports"
+                )
+            channel = RankedChannel.connect(call.rendezvous, call.pairs, self._ranks, timeout_s)
+        else:
+            channel = KVChannel.connect(call.rendezvous, self.layout, self.engine.device, timeout_s)
         with self.loop.lock:
             return self.handoffs.join(call, channel)
 
@@ -189,7 +214,7 @@ class DecodeWorker:
     def _recv(
         self,
         channel_id: str,
-        channel: KVChannel | None,
+        channel: WorkerChannel | None,
         block_ids: list[int],
         ticket: TransferTicket,
     ) -> str | None:
@@ -203,7 +228,9 @@ class DecodeWorker:
             return str(failure)
         return None
 
-    def _discard(self, channel_id: str, channel: KVChannel | None, ticket: TransferTicket) -> None:
+    def _discard(
+        self, channel_id: str, channel: WorkerChannel | None, ticket: TransferTicket
+    ) -> None:
         if channel is None:
             return
         try:
@@ -266,8 +293,9 @@ class DecodeWorker:
         self._stopping.set()
         self.loop.stop()
         close_channels(self.channels.remove_all())
+        self._rank0.shutdown()
         self.engine.close()  # its follower ranks stop (none for a worker of one rank)
 
-    def _drop_channel(self, channel_id: str, channel: KVChannel) -> None:
+    def _drop_channel(self, channel_id: str, channel: WorkerChannel) -> None:
         self.channels.remove(channel_id, channel)
         channel.close()

@@ -7,7 +7,9 @@ Lifecycle of a request here (queue names are the request's states):
   first token  -- sampled and streamed to the request's gateway at once (that is TTFT)
   handing off  -- the prompt's KV waits under a lease while the decode worker reserves blocks
                   and the pairwise channel moves it (gather -> one send -> scatter); the calls
-                  to the decode worker are engine.messages.handoff's
+                  to the decode worker are engine.messages.handoff's. When either worker has
+                  several tensor-parallel ranks the channel is one per rank pair (each rank's
+                  KV heads go to the decode ranks that hold them), driven by rank 0
   released     -- the decode worker confirmed (or gave up): blocks freed, full ones stay cached
 """
 
@@ -18,7 +20,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -30,6 +32,7 @@ from engine.messages import (
     CancelReservation,
     DecodePeer,
     GenerateRequest,
+    GetKVHeads,
     GetLocality,
     JoinChannel,
     OutputBatch,
@@ -40,10 +43,16 @@ from engine.messages import (
     ReserveBlocks,
     WorkerLoad,
 )
+from engine.parallel.shard import kv_heads_of_ranks
 from engine.scheduler import SchedulerConfig
 from kv_transfer import KVCacheLayout, KVChannel, TransferError, TransferTicket
-from kv_transfer.channel_table import ChannelTable, close_channels
-from kv_transfer.policy import TransferConfig
+from kv_transfer.channel import ChannelListener
+from kv_transfer.channel_table import ChannelTable, WorkerChannel, close_channels
+from kv_transfer.head_plan import plan_head_moves
+from kv_transfer.policy import TransferConfig, network_transport
+from kv_transfer.rank_calls import RankPeer
+from kv_transfer.rank_port import LocalRankPeer, RankKVPort
+from kv_transfer.ranked_channel import RankedListener
 from kv_transfer.totals import TransferTotals
 from prefill_worker.handoff_lanes import HandoffLanes
 from prefill_worker.pair_transports import PairTransports
@@ -68,12 +77,19 @@ class PrefillWorker:
         transfer: TransferConfig,
         decode_peers: Mapping[str, DecodePeer],
         parallel: ParallelConfig | None = None,  # its ranks (this one schedules); None: one
+        follower_ranks: Sequence[RankPeer] = (),  # KV ports of its ranks 1 .. N-1, in order
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
         # no decode graphs: a prefill worker's sequences stop after their first token
         self.engine = LLMEngine(replace(load, enforce_eager=True), cache, scheduler, None, parallel)
         self.layout = KVCacheLayout.from_cache(self.engine.kv_cache)
+        # each rank's KV heads and port, rank 0 first: the rank pairs' channels use them
+        self._kv_heads = kv_heads_of_ranks(self.engine.model_config, self.engine.shard.size)
+        port = RankKVPort(self.engine.kv_cache, self.engine.shard.kv_heads, transfer.host)
+        self._rank0 = LocalRankPeer(port, f"kv-rank0-{worker_id}")
+        self._ranks: list[RankPeer] = [self._rank0, *follower_ranks]
+        self._decode_heads: dict[str, tuple[range, ...]] = {}  # by decode worker: its ranks'
         self._transports = PairTransports(transfer.transport, self.engine.device)
         self._peers = dict(decode_peers)
         self._targets: dict[str, _Target] = {}  # request id -> where it goes after prefill
@@ -144,6 +160,7 @@ class PrefillWorker:
         it is idle and over). Waits for a transfer to it in progress, which its deadline ends."""
         self._peers = {wid: p for wid, p in self._peers.items() if wid != decode_worker_id}
         with self._transfer_locks[decode_worker_id]:
+            self._decode_heads.pop(decode_worker_id, None)
             channel = self.channels.get(decode_worker_id)
             if channel is not None:
                 self.channels.remove(decode_worker_id, channel)
@@ -175,6 +192,7 @@ class PrefillWorker:
         self.loop.stop()
         self._handoffs.shutdown()
         close_channels(self.channels.remove_all())
+        self._rank0.shutdown()
         self.engine.close()  # its follower ranks stop (none for a worker of one rank)
 
     # ---- hand-off -----------------------------------------------------------------------
@@ -262,7 +280,7 @@ class PrefillWorker:
     def _send(
         self,
         decode_worker_id: str,
-        channel: KVChannel,
+        channel: WorkerChannel,
         result: PrefillResult,
         ticket: TransferTicket,
     ) -> None:
@@ -294,7 +312,7 @@ class PrefillWorker:
         request_id: str,
         handoff_id: str,
         pinned: str | None,
-    ) -> tuple[str, KVChannel]:
+    ) -> tuple[str, WorkerChannel]:
         """The open channel to a decode worker, marked in use, and pinned open on the decode
         side for this hand-off's transfer (the decode side closes idle channels over its cap).
 
@@ -317,7 +335,7 @@ class PrefillWorker:
 
     def _open_channel(
         self, decode_worker_id: str, peer: DecodePeer, request_id: str, handoff_id: str
-    ) -> tuple[str, KVChannel]:
+    ) -> tuple[str, WorkerChannel]:
         """Listen, let the decode worker join (pinning the channel for the hand-off),
         handshake (the layouts must match). With ``--kv-transport auto`` a pair whose local
         transport fails to set up tries the network one."""
@@ -341,24 +359,23 @@ class PrefillWorker:
         request_id: str,
         handoff_id: str,
         transport: str,
-    ) -> tuple[str, KVChannel]:
+    ) -> tuple[str, WorkerChannel]:
         channel_id = f"{self.worker_id}->{decode_worker_id}/{next(self._transfer_ids)}"
-        listener = KVChannel.listen(
-            transport, self.layout, self.transfer.host, channel_id, self.engine.device
-        )
+        listener = self._listen(decode_worker_id, peer, transport, channel_id)
+        pairs = listener.pairs if isinstance(listener, RankedListener) else ()
 
         def stop_waiting_if_failed(joined: Future[bool]) -> None:
             if _failed(joined):
                 listener.close()  # wakes the accept below
 
         try:
-            joined = peer.send(JoinChannel(listener.rendezvous, request_id, handoff_id))
+            joined = peer.send(JoinChannel(listener.rendezvous, request_id, handoff_id, pairs))
             # A decode worker that cannot join (its side of the transport failed, or it is
             # gone) ends the wait at once, and its error is the one reported: the accept alone
             # waited out the whole deadline and failed with a bare timeout.
             joined.add_done_callback(stop_waiting_if_failed)
             try:
-                channel = listener.accept(self.transfer.timeout_s)
+                channel: WorkerChannel = listener.accept(self.transfer.timeout_s)
             except TransferError:
                 if _failed(joined):
                     joined.result()  # raises the decode worker's error
@@ -374,6 +391,31 @@ class PrefillWorker:
             raise
         logger.info("KV channel %s open over %s", channel_id, transport)
         return channel_id, channel
+
+    def _listen(
+        self, decode_worker_id: str, peer: DecodePeer, transport: str, channel_id: str
+    ) -> ChannelListener | RankedListener:
+        """Listen for a channel to the decode worker: one between the two rank 0s when each
+        worker is one rank, else one per rank pair of the head plan, each listened for on its
+        prefill rank (a pair moves a head range, which cuda_ipc cannot: those use the network
+        transport)."""
+        decode_heads = self._decode_heads.get(decode_worker_id)
+        if decode_heads is None:
+            decode_heads = peer.send(GetKVHeads()).result(timeout=self.transfer.timeout_s)
+            self._decode_heads[decode_worker_id] = decode_heads
+        if len(self._kv_heads) == 1 and len(decode_heads) == 1:
+            return KVChannel.listen(
+                transport, self.layout, self.transfer.host, channel_id, self.engine.device
+            )
+        if len(self._ranks) != len(self._kv_heads):
+            raise ValueError(
+                f"prefill worker {self.worker_id} has tensor_parallel_size {len(self._kv_heads)} "
+                f"but {len(self._ranks)} rank KV ports: every rank needs one"
+            )
+        moves = plan_head_moves(self._kv_heads, decode_heads)
+        if transport == "cuda_ipc":
+            transport = network_transport(self.engine.device.type)
+        return RankedListener(transport, channel_id, moves, self._ranks, self.transfer.timeout_s)
 
 
 def _failed(future: Future[bool]) -> bool:

@@ -25,6 +25,7 @@ from engine.messages import GenerateRequest, HandoffCall, OutputBatch, WorkerLoa
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import TransferConfig
+from kv_transfer.rank_calls import RankCall, RankPort
 from router.cpu_binding import bind_this_thread
 from router.gil_switch import hand_off_the_gil_sooner
 from router.rank_placement import RankPlacement
@@ -55,10 +56,17 @@ class DecodeActor:
         transfer = _bind_to_node(transfer)
         # (its followers' handles are kept: Ray ends an actor whose handles are all gone)
         parallel, self._followers = _start_followers(
-            load, cache, scheduler, speculative, parallel, placement
+            load, cache, scheduler, speculative, parallel, placement, transfer
         )
         self.worker = DecodeWorker(
-            worker_id, load, cache, scheduler, transfer, speculative, parallel
+            worker_id,
+            load,
+            cache,
+            scheduler,
+            transfer,
+            speculative,
+            parallel,
+            [RayRankPeer(handle) for handle in self._followers],
         )
 
     def ready(self) -> str:
@@ -122,9 +130,12 @@ class PrefillActor:
         transfer = _bind_to_node(transfer)
         peers = _decode_peers(decode_handles)
         parallel, self._followers = _start_followers(
-            load, cache, scheduler, None, parallel, placement
+            load, cache, scheduler, None, parallel, placement, transfer
         )
-        self.worker = PrefillWorker(worker_id, load, cache, scheduler, transfer, peers, parallel)
+        follower_ranks = [RayRankPeer(handle) for handle in self._followers]
+        self.worker = PrefillWorker(
+            worker_id, load, cache, scheduler, transfer, peers, parallel, follower_ranks
+        )
 
     def ready(self) -> str:
         return self.worker.worker_id
@@ -166,8 +177,10 @@ class PrefillActor:
 class RankActor:
     """A follower rank of a tensor-parallel worker: its shard of the model and of the KV cache,
     running the model calls its rank 0 broadcasts each step (engine/parallel/follower.py), on
-    a thread of its own. Rank 0's actor starts it and owns it: Ray ends it when rank 0's actor
-    ends. When its group stops (rank 0's stop command) or fails, its process exits."""
+    a thread of its own, and answering its rank 0's calls on its KV port (``kv``: its ends of
+    the rank pairs' channels of a hand-off). Rank 0's actor starts it and owns it: Ray ends it
+    when rank 0's actor ends. When its group stops (rank 0's stop command) or fails, its
+    process exits."""
 
     def __init__(
         self,
@@ -177,12 +190,16 @@ class RankActor:
         speculative: SpeculativeConfig | None,
         parallel: ParallelConfig,
         rank: int,
+        transfer: TransferConfig,
     ) -> None:
         hand_off_the_gil_sooner()
         self.rank = rank
+        self.transfer = transfer
+        self._port: RankPort | None = None  # set once its shard is built
+        self._built = threading.Event()
         thread = threading.Thread(
-            target=_follow,
-            args=(load, cache, scheduler, speculative, parallel, rank),
+            target=self._follow,
+            args=(load, cache, scheduler, speculative, parallel),
             name=f"tp-rank-{rank}",
             daemon=True,
         )
@@ -191,24 +208,51 @@ class RankActor:
     def ready(self) -> int:
         return self.rank
 
+    def kv(self, call: RankCall[T]) -> T:
+        """Answer rank 0's call on this rank's KV port (sent by ``RayRankPeer``)."""
+        if not self._built.wait(self.transfer.timeout_s) or self._port is None:
+            raise RuntimeError(
+                f"rank {self.rank} has not built its KV cache within {self.transfer.timeout_s:g} s"
+            )
+        return call.run_on(self._port)
 
-def _follow(
-    load: LoadConfig,
-    cache: CacheConfig,
-    scheduler: SchedulerConfig,
-    speculative: SpeculativeConfig | None,
-    parallel: ParallelConfig,
-    rank: int,
-) -> None:
-    from engine.parallel.follower import run_follower
+    def _follow(
+        self,
+        load: LoadConfig,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        speculative: SpeculativeConfig | None,
+        parallel: ParallelConfig,
+    ) -> None:
+        from engine.parallel.follower import build_follower
+        from kv_transfer.rank_port import RankKVPort
 
-    exit_code = 0
-    try:
-        run_follower(load, cache, scheduler, speculative, parallel, rank)
-    except BaseException:  # its group failed: rank 0 fails its step and leaves rotation
-        logger.exception("tensor-parallel rank %d stopped", rank)
-        exit_code = 1
-    os._exit(exit_code)  # nothing of a rank outlives its group
+        exit_code = 0
+        try:
+            follower, built = build_follower(
+                load, cache, scheduler, speculative, parallel, self.rank
+            )
+            try:
+                self._port = RankKVPort(built.kv_cache, built.shard.kv_heads, self.transfer.host)
+                self._built.set()
+                follower.run()
+            finally:
+                follower.group.close()
+        except BaseException:  # its group failed: rank 0 fails its step and leaves rotation
+            logger.exception("tensor-parallel rank %d stopped", self.rank)
+            exit_code = 1
+        os._exit(exit_code)  # nothing of a rank outlives its group
+
+
+class RayRankPeer:
+    """Rank 0's handle on a follower rank's KV port (``kv_transfer.rank_calls.RankPeer``)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def send(self, call: RankCall[T]) -> Future[T]:
+        future: Future[T] = self.handle.kv.remote(call).future()
+        return future
 
 
 def _start_followers(
@@ -218,6 +262,7 @@ def _start_followers(
     speculative: SpeculativeConfig | None,
     parallel: ParallelConfig | None,
     placement: RankPlacement | None,
+    transfer: TransferConfig,
 ) -> tuple[ParallelConfig | None, list[Any]]:
     """Start the follower ranks of a worker of several ranks, each in its bundle of the
     worker's placement group (this node), on the port of the group's store that this rank 0
@@ -231,10 +276,11 @@ def _start_followers(
 
     parallel = dataclasses.replace(parallel, port=free_port(parallel.host))
     remote: Any = ray.remote
-    rank_actor = remote(RankActor)
+    # threaded: its KV port's calls (a blocking accept, transfers) run beside each other
+    rank_actor = remote(max_concurrency=ACTOR_CONCURRENCY)(RankActor)
     followers = [
         rank_actor.options(**placement.options(rank)).remote(
-            load, cache, scheduler, speculative, parallel, rank
+            load, cache, scheduler, speculative, parallel, rank, transfer
         )
         for rank in range(1, parallel.tensor_parallel_size)
     ]

@@ -5,10 +5,14 @@ Every call goes from the prefill actor straight to the decode actor (one Ray act
 the router sees none of them), in this order:
   GetLocality        -- where the decode worker's cache lives (``--kv-transport auto``), once
                         before the pair's first channel
+  GetKVHeads         -- the model's KV heads each of the decode worker's tensor-parallel ranks
+                        holds, once before the pair's first channel
   ReserveBlocks      -- blocks for the prompt's KV; None while they do not fit (asked again
                         until a deadline)
   JoinChannel        -- when no channel to the decode worker is open: it joins the one the
-    or PinChannel       prefill worker listens on, or keeps the open one for this transfer
+    or PinChannel       prefill worker listens on (one rank each: one channel; else one per
+                        rank pair, kv_transfer/ranked_channel.py), or keeps the open one for
+                        this transfer
   ReceiveKV          -- receive the KV into the reserved blocks and admit the request; sent as
                         the prefill worker starts sending
   CancelReservation  -- in place of ReceiveKV, when the hand-off failed before its transfer
@@ -32,7 +36,7 @@ from typing import Generic, Protocol, TypeVar
 
 from engine.sampling.messages import TokenLogprobs
 from engine.sampling.params import SamplingParams
-from kv_transfer.messages import ChannelRendezvous, TransferTicket
+from kv_transfer.messages import ChannelRendezvous, PairRendezvous, TransferTicket
 from kv_transfer.policy import FailurePolicy, Locality
 
 Answer = TypeVar("Answer", covariant=True)
@@ -101,6 +105,15 @@ class GetLocality(HandoffCall[Locality]):
 
 
 @dataclass(frozen=True, slots=True)
+class GetKVHeads(HandoffCall[tuple[range, ...]]):
+    """Asks which of the model's KV heads each of the decode worker's ranks holds (rank 0
+    first): the prefill worker plans its rank pairs' channels by it."""
+
+    def run_on(self, decode: HandoffReceiver) -> tuple[range, ...]:
+        return decode.kv_heads()
+
+
+@dataclass(frozen=True, slots=True)
 class ReserveBlocks(HandoffCall[Reservation | None]):
     """Asks for blocks for a prompt's KV; answered None when they do not fit now."""
 
@@ -136,6 +149,9 @@ class JoinChannel(HandoffCall[bool]):
     rendezvous: ChannelRendezvous  # how to reach the listening prefill worker
     request_id: str  # the request whose KV comes on the channel ("" for none)
     handoff_id: str  # the hand-off holding the reservation ("" for none)
+    # the rank pairs' channels, when either worker has several ranks (the rendezvous then
+    # names the whole channel); empty: one channel between the two rank 0s, at the rendezvous
+    pairs: tuple[PairRendezvous, ...] = ()
 
     def run_on(self, decode: HandoffReceiver) -> bool:
         return decode.connect_channel(self)
@@ -187,6 +203,8 @@ class HandoffReceiver(Protocol):
     """A decode worker's side of the hand-off: one verb per call."""
 
     def locality(self) -> Locality: ...
+
+    def kv_heads(self) -> tuple[range, ...]: ...
 
     def reserve(self, call: ReserveBlocks) -> Reservation | None: ...
 

@@ -27,7 +27,7 @@ from engine.forward_context import ForwardContext, set_forward_context
 from engine.model_runner import copy_blocks
 from engine.models.registry import CausalLM
 from engine.parallel.group import TensorParallelGroup
-from engine.parallel.rank_model import build_rank_model, join_group
+from engine.parallel.rank_model import RankModel, build_rank_model, join_group
 from engine.parallel.step_commands import (
     CopyBlocksCommand,
     ForwardCommand,
@@ -100,13 +100,32 @@ def run_follower(
 ) -> None:
     """A follower process's whole life (the target of its ``multiprocessing.Process``)."""
     _exit_with_parent()
+    follower, _ = build_follower(load, cache, scheduler, speculative, parallel, rank)
+    try:
+        follower.run()
+    finally:
+        follower.group.close()
+
+
+def build_follower(
+    load: LoadConfig,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    speculative: SpeculativeConfig | None,
+    parallel: ParallelConfig,
+    rank: int,
+) -> tuple[Follower, RankModel]:
+    """Join the worker's group as ``rank`` and build its shard: the follower, ready to run,
+    and what it holds (its KV cache and heads, which a rank actor's KV port reads). The caller
+    runs the follower and closes its group."""
     group = join_group(load, parallel, rank, FOLLOWER_WAIT_S)
     try:
         built = build_rank_model(load, cache, scheduler, speculative, group)
-        follower = Follower(group, built.model, built.kv_cache, built.attn_backend, built.device)
-        follower.run()
-    finally:
+    except BaseException:
         group.close()
+        raise
+    follower = Follower(group, built.model, built.kv_cache, built.attn_backend, built.device)
+    return follower, built
 
 
 def _exit_with_parent() -> None:

@@ -59,6 +59,11 @@ class TensorParallelShard:
         return len(self.kv_heads)
 
 
+def kv_heads_of_ranks(config: ModelConfig, size: int) -> tuple[range, ...]:
+    """The model's KV heads each of ``size`` ranks holds, rank 0 first."""
+    return tuple(TensorParallelShard.of(config, rank, size).kv_heads for rank in range(size))
+
+
 def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
     """Raises ValueError naming the field when ``size`` ranks cannot split the model."""
     if size < 1:
