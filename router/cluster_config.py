@@ -134,7 +134,7 @@ class ClusterConfig:
 
     def _check_tensor_parallel(self) -> None:
         """Refuse, naming the flag and the numbers, a TP size the model's heads cannot split or
-        this release cannot run yet."""
+        a layout that cannot run it."""
         for flag, size in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{flag} must be an int >= 1, got {size!r}")
@@ -143,17 +143,11 @@ class ClusterConfig:
             sizes.insert(0, ("--prefill-tp", self.prefill_tp))
         if all(size == 1 for _, size in sizes):
             return
-        if not self.colocated:
-            raise ValueError(
-                f"--prefill-tp {self.prefill_tp} / --decode-tp {self.decode_tp}: a prefill pool "
-                "hands each prompt's KV to a decode worker, and the hand-off between workers of "
-                "several ranks is not built yet; run tensor-parallel workers colocated "
-                "(--prefill 0) for now"
-            )
         if self.bind_worker_cpus:
+            flag, size = max(sizes, key=lambda named: named[1])
             raise ValueError(
                 "--bind-worker-cpus gives each worker process cores of its own; a worker of "
-                f"--decode-tp {self.decode_tp} is {self.decode_tp} processes: leave binding off"
+                f"{flag} {size} is {size} processes: leave binding off"
             )
         model = load_model_config(self.model_dir)
         for flag, size in sizes:

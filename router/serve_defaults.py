@@ -58,17 +58,17 @@ def pick_layout(
         prefill = 1 if num_prefill is None else num_prefill
         decode = 1 if num_decode is None else num_decode
         return PoolLayout(prefill, decode, cpus, bind_worker_cpus, "")
-    if tensor_parallel:  # a worker of several ranks hands KV to no other worker yet
+    if device != "cpu" or joins_cluster or num_cores >= MIN_CORES_TO_DISAGGREGATE:
+        return PoolLayout(1, 1, cpus, bind_worker_cpus, "")
+    if tensor_parallel:  # its ranks are processes of their own: nothing to bind per worker
         return PoolLayout(
             0,
             1,
             cpus,
-            bind_worker_cpus,
-            "tensor-parallel workers run colocated: the KV hand-off between workers of "
-            "several ranks is not built yet",
+            False,
+            f"{num_cores} cores: too few to give a prefill worker's ranks, a decode worker's "
+            "ranks and the gateway one each; disaggregate with --prefill 1 --decode 1",
         )
-    if device != "cpu" or joins_cluster or num_cores >= MIN_CORES_TO_DISAGGREGATE:
-        return PoolLayout(1, 1, cpus, bind_worker_cpus, "")
     if num_cores < 2:  # nothing to bind to: the worker and the gateway share the one core
         return PoolLayout(
             0, 1, cpus, False, "1 core: too few to give a prefill and a decode worker one each"

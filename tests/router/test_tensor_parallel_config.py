@@ -24,14 +24,16 @@ def test_a_size_the_heads_cannot_split_is_refused_naming_the_flag(llama_dir: Pat
     assert config.num_worker_ranks == 4  # what the pools reserve: an actor per rank
 
 
-def test_a_prefill_pool_of_several_ranks_is_refused_until_the_hand_off_is(
-    llama_dir: Path,
-) -> None:
-    for sizes in ({"prefill_tp": 2}, {"decode_tp": 2}):
-        with pytest.raises(ValueError, match="hand-off between workers of several ranks"):
-            local_cluster_config(llama_dir, num_prefill=1, **sizes)
-    # a prefill pool of one-rank workers beside it is today's cluster
-    assert local_cluster_config(llama_dir, num_prefill=1).num_worker_ranks == 2
+def test_a_prefill_pool_takes_workers_of_any_size_the_heads_split(llama_dir: Path) -> None:
+    for prefill_tp, decode_tp in ((2, 1), (1, 2), (2, 2), (4, 2)):
+        config = local_cluster_config(
+            llama_dir, num_prefill=1, prefill_tp=prefill_tp, decode_tp=decode_tp
+        )
+        assert config.num_worker_ranks == prefill_tp + decode_tp
+    with pytest.raises(ValueError, match="--prefill-tp 3 must divide num_attention_heads 4"):
+        local_cluster_config(llama_dir, num_prefill=1, prefill_tp=3)
+    with pytest.raises(ValueError, match="--bind-worker-cpus .* --prefill-tp 2 is 2 processes"):
+        local_cluster_config(llama_dir, num_prefill=1, prefill_tp=2, bind_worker_cpus=True)
 
 
 def test_binding_cores_per_worker_process_is_refused_with_several_ranks(llama_dir: Path) -> None:
@@ -47,14 +49,19 @@ def test_the_tp_flags_set_both_pools_or_one() -> None:
     assert (args.tensor_parallel_size, args.prefill_tp, args.decode_tp) == (1, 1, 4)
 
 
-def test_serve_runs_tensor_parallel_workers_colocated_when_no_layout_is_given() -> None:
+def test_serve_disaggregates_tensor_parallel_workers_where_it_would_one_rank_ones() -> None:
     common = {"device": "cpu", "joins_cluster": False, "worker_num_cpus": None}
+    layout = pick_layout(
+        None, None, num_cores=4, bind_worker_cpus=False, tensor_parallel=True, **common
+    )
+    assert (layout.num_prefill, layout.num_decode, layout.reason) == (1, 1, "")
+    # too few cores for two workers and the gateway: one colocated worker, its ranks unbound
     layout = pick_layout(
         None, None, num_cores=2, bind_worker_cpus=False, tensor_parallel=True, **common
     )
     assert (layout.num_prefill, layout.num_decode, layout.bind_worker_cpus) == (0, 1, False)
-    assert "tensor-parallel workers run colocated" in layout.reason
-    # flags still run what they name (and the cluster config refuses what cannot run)
+    assert "disaggregate with --prefill 1 --decode 1" in layout.reason
+    # flags run what they name
     layout = pick_layout(1, 1, num_cores=2, bind_worker_cpus=False, tensor_parallel=True, **common)
     assert (layout.num_prefill, layout.num_decode) == (1, 1)
 

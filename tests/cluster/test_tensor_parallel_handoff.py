@@ -1,0 +1,148 @@
+"""The KV hand-off between a prefill worker and a decode worker of different tensor-parallel
+sizes, on Ray: each decode rank receives exactly the KV heads it holds, over a channel per rank
+pair, and the cluster serves greedy requests exactly as the offline engine of one rank does; a
+decode rank that dies under load takes its worker out, and every request finishes elsewhere,
+each token once."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from engine.model_config import load_model_config
+from router.cluster import Cluster
+from tests.fixtures.local_cluster import local_cluster_config
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_REQUESTS = 32
+BLOCK_SIZE = 8
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(37)
+    return [
+        [rng.randrange(3, 1000) for _ in range(rng.randrange(4, 60))] for _ in range(NUM_REQUESTS)
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir: Path) -> list[list[int]]:
+    """The offline engine's greedy tokens on one rank."""
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE)
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), [PARAMS] * NUM_REQUESTS)]
+
+
+@pytest.fixture
+def cluster(
+    request: pytest.FixtureRequest, ray_session: None, llama_dir: Path
+) -> Iterator[Cluster]:
+    prefill_tp, decode_tp, num_decode, failure_policy = request.param
+    config = local_cluster_config(
+        llama_dir,
+        num_prefill=1,
+        num_decode=num_decode,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        block_size=BLOCK_SIZE,
+        restart_delay_s=0.2,
+        failure_policy=failure_policy,
+    )
+    started = Cluster.start(config)
+    yield started
+    started.shutdown()
+
+
+def _on(actor: Any, fn: Any) -> Any:
+    return ray.get(actor.__ray_call__.remote(fn))
+
+
+def _kv_heads(actor: Any) -> tuple[range, ...]:
+    """The KV heads of each of a worker's ranks, as its rank 0 reports them."""
+    return tuple(_on(actor, lambda self: self.worker._kv_heads))
+
+
+def _received(actor: Any) -> tuple[int, int]:
+    """(transfers, bytes) a decode worker received."""
+    transfers, nbytes, _ = _on(actor, lambda self: self.worker._transfer_totals.snapshot())
+    return transfers, nbytes
+
+
+async def _generate(cluster: Cluster, prompt: list[int]) -> list[int]:
+    return [event.token_id async for event in cluster.generate(prompt, PARAMS)]
+
+
+def _run_all(cluster: Cluster) -> list[list[int]]:
+    async def run_all() -> list[list[int]]:
+        return list(await asyncio.gather(*(_generate(cluster, p) for p in _prompts())))
+
+    return asyncio.run(run_all())
+
+
+def _whole_kv_bytes(llama_dir: Path) -> int:
+    """Bytes of every prompt's KV, all KV heads once (float32)."""
+    model = load_model_config(str(llama_dir))
+    block_bytes = model.num_layers * 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4
+    return sum(-(-len(p) // BLOCK_SIZE) * block_bytes for p in _prompts())
+
+
+@pytest.mark.parametrize(
+    ("cluster", "heads"),
+    [
+        # "fail": a request whose KV did not arrive fails, never recomputes unseen
+        ((1, 2, 1, "fail"), ((range(0, 2),), (range(0, 1), range(1, 2)))),
+        ((2, 1, 1, "fail"), ((range(0, 1), range(1, 2)), (range(0, 2),))),
+        ((2, 2, 1, "fail"), ((range(0, 1), range(1, 2)), (range(0, 1), range(1, 2)))),
+    ],
+    indirect=["cluster"],
+    ids=["P-tp1-D-tp2", "P-tp2-D-tp1", "P-tp2-D-tp2"],
+)
+def test_workers_of_different_sizes_hand_off_each_rank_its_heads(
+    cluster: Cluster,
+    heads: tuple[tuple[range, ...], tuple[range, ...]],
+    expected: list[list[int]],
+    llama_dir: Path,
+) -> None:
+    prefill = cluster.pool.workers["prefill-0"]
+    decode = cluster.pool.workers["decode-0"]
+    assert (_kv_heads(prefill.actor), _kv_heads(decode.actor)) == heads
+    assert _run_all(cluster) == expected
+    # every request's KV arrived (none recomputed), each head of each block exactly once
+    assert _received(decode.actor) == (NUM_REQUESTS, _whole_kv_bytes(llama_dir))
+
+
+@pytest.mark.parametrize("cluster", [(1, 2, 2, "recompute")], indirect=True)
+def test_a_lost_decode_rank_under_load_loses_no_request(
+    cluster: Cluster, expected: list[list[int]]
+) -> None:
+    victim = cluster.pool.workers["decode-0"]
+    (follower,) = _on(victim.actor, lambda self: self._followers)
+
+    async def run_all() -> tuple[bool, list[list[int]]]:
+        tasks = [asyncio.ensure_future(_generate(cluster, p)) for p in _prompts()]
+        # kill decode-0's follower rank once both decode workers are streaming tokens
+        deadline = time.monotonic() + 120
+        while not (running := _both_decoding(cluster)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        ray.kill(follower)
+        return running, list(await asyncio.gather(*tasks))
+
+    killed_while_running, outputs = asyncio.run(run_all())
+    assert killed_while_running
+    assert outputs == expected  # every request complete, each token once
+    assert not cluster.pool.workers["decode-0"].alive
+
+
+def _both_decoding(cluster: Cluster) -> bool:
+    cluster.poll_until_reported(time.monotonic())
+    loads = [s.load for s in cluster.worker_statuses() if s.load is not None and s.role == "decode"]
+    return len(loads) == 2 and all(load.num_running > 0 for load in loads)
