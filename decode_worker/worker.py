@@ -148,10 +148,6 @@ class DecodeWorker:
         """Where this worker's KV cache lives: a prefill worker picks the transport by it."""
         return locality_of(self.engine.device)
 
-    def kv_heads(self) -> tuple[range, ...]:
-        """The model's KV heads each of this worker's ranks holds, rank 0 first."""
-        return self._kv_heads
-
     def connect_channel(self, call: JoinChannel) -> bool:
         """Join the channel a prefill worker listens on (handshake checks the KV layout), pinned
         at once for the hand-off it opened for; False if that hand-off's reservation is gone

@@ -32,7 +32,6 @@ from engine.messages import (
     CancelReservation,
     DecodePeer,
     GenerateRequest,
-    GetKVHeads,
     GetLocality,
     JoinChannel,
     OutputBatch,
@@ -78,6 +77,7 @@ class PrefillWorker:
         decode_peers: Mapping[str, DecodePeer],
         parallel: ParallelConfig | None = None,  # its ranks (this one schedules); None: one
         follower_ranks: Sequence[RankPeer] = (),  # KV ports of its ranks 1 .. N-1, in order
+        decode_tensor_parallel_size: int = 1,  # the ranks of each decode worker it hands to
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
@@ -89,7 +89,10 @@ class PrefillWorker:
         port = RankKVPort(self.engine.kv_cache, self.engine.shard.kv_heads, transfer.host)
         self._rank0 = LocalRankPeer(port, f"kv-rank0-{worker_id}")
         self._ranks: list[RankPeer] = [self._rank0, *follower_ranks]
-        self._decode_heads: dict[str, tuple[range, ...]] = {}  # by decode worker: its ranks'
+        # each decode rank's KV heads (every decode worker of a cluster has as many ranks)
+        self._decode_heads = kv_heads_of_ranks(
+            self.engine.model_config, decode_tensor_parallel_size
+        )
         self._transports = PairTransports(transfer.transport, self.engine.device)
         self._peers = dict(decode_peers)
         self._targets: dict[str, _Target] = {}  # request id -> where it goes after prefill
@@ -160,7 +163,6 @@ class PrefillWorker:
         it is idle and over). Waits for a transfer to it in progress, which its deadline ends."""
         self._peers = {wid: p for wid, p in self._peers.items() if wid != decode_worker_id}
         with self._transfer_locks[decode_worker_id]:
-            self._decode_heads.pop(decode_worker_id, None)
             channel = self.channels.get(decode_worker_id)
             if channel is not None:
                 self.channels.remove(decode_worker_id, channel)
@@ -361,7 +363,7 @@ class PrefillWorker:
         transport: str,
     ) -> tuple[str, WorkerChannel]:
         channel_id = f"{self.worker_id}->{decode_worker_id}/{next(self._transfer_ids)}"
-        listener = self._listen(decode_worker_id, peer, transport, channel_id)
+        listener = self._listen(transport, channel_id)
         pairs = listener.pairs if isinstance(listener, RankedListener) else ()
 
         def stop_waiting_if_failed(joined: Future[bool]) -> None:
@@ -392,18 +394,12 @@ class PrefillWorker:
         logger.info("KV channel %s open over %s", channel_id, transport)
         return channel_id, channel
 
-    def _listen(
-        self, decode_worker_id: str, peer: DecodePeer, transport: str, channel_id: str
-    ) -> ChannelListener | RankedListener:
+    def _listen(self, transport: str, channel_id: str) -> ChannelListener | RankedListener:
         """Listen for a channel to the decode worker: one between the two rank 0s when each
         worker is one rank, else one per rank pair of the head plan, each listened for on its
         prefill rank (a pair moves a head range, which cuda_ipc cannot: those use the network
         transport)."""
-        decode_heads = self._decode_heads.get(decode_worker_id)
-        if decode_heads is None:
-            decode_heads = peer.send(GetKVHeads()).result(timeout=self.transfer.timeout_s)
-            self._decode_heads[decode_worker_id] = decode_heads
-        if len(self._kv_heads) == 1 and len(decode_heads) == 1:
+        if len(self._kv_heads) == 1 and len(self._decode_heads) == 1:
             return KVChannel.listen(
                 transport, self.layout, self.transfer.host, channel_id, self.engine.device
             )
@@ -412,7 +408,7 @@ class PrefillWorker:
                 f"prefill worker {self.worker_id} has tensor_parallel_size {len(self._kv_heads)} "
                 f"but {len(self._ranks)} rank KV ports: every rank needs one"
             )
-        moves = plan_head_moves(self._kv_heads, decode_heads)
+        moves = plan_head_moves(self._kv_heads, self._decode_heads)
         if transport == "cuda_ipc":
             transport = network_transport(self.engine.device.type)
         return RankedListener(transport, channel_id, moves, self._ranks, self.transfer.timeout_s)

@@ -121,6 +121,7 @@ class PrefillActor:
         cpus: tuple[int, ...] = (),
         parallel: ParallelConfig | None = None,  # None: one rank
         placement: RankPlacement | None = None,  # where its follower ranks go
+        decode_tp: int = 1,  # the ranks of each decode worker
     ) -> None:
         hand_off_the_gil_sooner()
         if cpus:  # before the engine and its threads start
@@ -134,7 +135,7 @@ class PrefillActor:
         )
         follower_ranks = [RayRankPeer(handle) for handle in self._followers]
         self.worker = PrefillWorker(
-            worker_id, load, cache, scheduler, transfer, peers, parallel, follower_ranks
+            worker_id, load, cache, scheduler, transfer, peers, parallel, follower_ranks, decode_tp
         )
 
     def ready(self) -> str:

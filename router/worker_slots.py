@@ -103,6 +103,7 @@ class WorkerLauncher:
             slot.cpus,
             parallel,
             placement,
+            self._parallel["decode"].tensor_parallel_size,
         )
 
     def _place(self, slot: WorkerSlot, worker_id: str, size: int) -> RankPlacement:

@@ -5,8 +5,6 @@ Every call goes from the prefill actor straight to the decode actor (one Ray act
 the router sees none of them), in this order:
   GetLocality        -- where the decode worker's cache lives (``--kv-transport auto``), once
                         before the pair's first channel
-  GetKVHeads         -- the model's KV heads each of the decode worker's tensor-parallel ranks
-                        holds, once before the pair's first channel
   ReserveBlocks      -- blocks for the prompt's KV; None while they do not fit (asked again
                         until a deadline)
   JoinChannel        -- when no channel to the decode worker is open: it joins the one the
@@ -105,15 +103,6 @@ class GetLocality(HandoffCall[Locality]):
 
 
 @dataclass(frozen=True, slots=True)
-class GetKVHeads(HandoffCall[tuple[range, ...]]):
-    """Asks which of the model's KV heads each of the decode worker's ranks holds (rank 0
-    first): the prefill worker plans its rank pairs' channels by it."""
-
-    def run_on(self, decode: HandoffReceiver) -> tuple[range, ...]:
-        return decode.kv_heads()
-
-
-@dataclass(frozen=True, slots=True)
 class ReserveBlocks(HandoffCall[Reservation | None]):
     """Asks for blocks for a prompt's KV; answered None when they do not fit now."""
 
@@ -203,8 +192,6 @@ class HandoffReceiver(Protocol):
     """A decode worker's side of the hand-off: one verb per call."""
 
     def locality(self) -> Locality: ...
-
-    def kv_heads(self) -> tuple[range, ...]: ...
 
     def reserve(self, call: ReserveBlocks) -> Reservation | None: ...
 
