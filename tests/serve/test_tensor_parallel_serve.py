@@ -29,7 +29,7 @@ def test_serve_with_two_ranks_answers_as_one_rank_generates(llama_dir: Path) -> 
 
     server = ServeProcess(
         llama_dir,
-        *("-tp", "2", "--worker-num-cpus", "0", "--dtype", "float32"),
+        *("-tp", "2", "--prefill", "0", "--worker-num-cpus", "0", "--dtype", "float32"),
         *("--served-model-name", "tiny", "--http-port", "0", "--grpc-port", "-1"),
     )
     try:
