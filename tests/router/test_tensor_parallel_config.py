@@ -4,6 +4,7 @@ the layouts that can run them, and where each rank's actor is placed."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,7 +51,7 @@ def test_the_tp_flags_set_both_pools_or_one() -> None:
 
 
 def test_serve_disaggregates_tensor_parallel_workers_where_it_would_one_rank_ones() -> None:
-    common = {"device": "cpu", "joins_cluster": False, "worker_num_cpus": None}
+    common: dict[str, Any] = {"device": "cpu", "joins_cluster": False, "worker_num_cpus": None}
     layout = pick_layout(
         None, None, num_cores=4, bind_worker_cpus=False, tensor_parallel=True, **common
     )
