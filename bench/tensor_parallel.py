@@ -4,9 +4,10 @@
 
 A dummy-weight Llama (hidden 1024, 4 layers, 16 heads of head_dim 64 with 8 KV heads,
 intermediate 2816, vocab 32000: 113M parameters, 451 MB in float32) makes the matmuls most of a
-step. Each round builds ``LLM(tensor_parallel_size=1)`` (all cores' torch threads, the
-baseline) and ``LLM(tensor_parallel_size=2)`` (a rank process per core, a thread each), the
-order alternating from round to round, and on each measures:
+step. Each round builds ``LLM(tensor_parallel_size=1)`` with all cores' torch threads (the
+baseline), ``LLM(tensor_parallel_size=2)`` (a rank process per core, a thread each) and, as a
+reference for what one core does, ``LLM(tensor_parallel_size=1)`` with one thread; the order
+reverses from round to round. On each it measures:
   - offline throughput: one batch of prompts, greedy with ``ignore_eos``, after a warm-up batch
     of another seed (prompts/s and output tokens/s);
   - step latency: the median of several prefill steps of one prompt of P tokens, and of several
@@ -18,7 +19,8 @@ order alternating from round to round, and on each measures:
   - greedy outputs: every run's tokens against the first TP 1 run's. The all-reduce sums in
     another order, so a difference is allowed only at a near-tie (top-2 logit gap < 1e-3,
     measured on TP 1) at its first divergence; the near-ties are counted.
-Prints a table and writes JSON.
+Prints a table and writes JSON, with the load average when each run started: a second
+thread helps only while the other core is free, and the machine is shared.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ SPECS = {
 }
 NEAR_TIE = 1e-3  # top-2 logit gap under which the summation order may pick either token
 NUM_WARMUP_STEPS = 2  # untimed decode steps before the timed ones
+WARMUP_OUTPUT_LEN = 4  # tokens per prompt of the warm-up batch: its prefills and a few decodes
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast")  # broadcast: the step mirror's
 WHAT_TWO_CORES_SHOW = (
     "On this 2-core CPU, TP 2 is two rank processes of one core each against one process of "
@@ -55,7 +58,10 @@ WHAT_TWO_CORES_SHOW = (
     "shows what tensor parallelism costs (the collectives, the step mirror's broadcasts, the "
     "ranks waiting for each other), not a speed-up. On GPUs each rank brings its own device: "
     "TP is what lets a model larger than one device's memory run at all, and what adds "
-    "memory bandwidth to a decode step."
+    "memory bandwidth to a decode step. Two threads in one process meet at a barrier in "
+    "every operator, two ranks only at each collective; whenever another process takes a "
+    "core, the two-thread baseline loses more than the two ranks do (the one-thread TP 1 row "
+    "tells whether the baseline got its second core)."
 )
 
 
@@ -267,7 +273,8 @@ def step_summary(
 class Workload:
     """The prompts every run measures, the same at each size."""
 
-    warmup: list[list[int]]  # a batch like ``batch``, of another seed (no prefix-cache hits)
+    # a batch like ``batch``, of another seed (no prefix-cache hits), decoded a few tokens
+    warmup: list[list[int]]
     batch: list[list[int]]  # the throughput batch
     output_len: int  # tokens each prompt of a batch asks for
     prefill: list[list[int]]  # one prompt of P tokens per timed prefill step
@@ -293,17 +300,29 @@ class Workload:
         )
 
 
-def run_size(model_dir: Path, size: int, args: argparse.Namespace, workload: Workload) -> dict:
-    """Builds an LLM of ``size`` ranks, measures it, and closes it."""
+def label(size: int, threads_per_rank: int) -> str:
+    """A run's name: its ranks, and the torch threads of each."""
+    return f"TP {size} x {threads_per_rank} thread{'s' if threads_per_rank > 1 else ''}"
+
+
+def run_config(
+    model_dir: Path, size: int, threads: int, args: argparse.Namespace, workload: Workload
+) -> dict:
+    """Builds an LLM of ``size`` ranks in a process of ``threads`` torch threads (a rank of
+    several takes its share of the cores instead), measures it, and closes it."""
+    torch.set_num_threads(threads)
+    load_average = os.getloadavg()[0]
     llm = build_llm(model_dir, size, args)
     try:
         clock = CollectiveClock(llm.engine.group) if llm.engine.group is not None else None
-        threads = torch.get_num_threads()  # rank 0's share (every rank holds as many)
-        llm.generate(workload.warmup, greedy(workload.output_len))
+        threads_per_rank = torch.get_num_threads()  # rank 0's (every rank holds as many)
+        llm.generate(workload.warmup, greedy(WARMUP_OUTPUT_LEN))
         throughput, token_ids = time_throughput(llm, clock, workload.batch, workload.output_len)
         return {
+            "config": label(size, threads_per_rank),
             "tensor_parallel_size": size,
-            "threads_per_rank": threads,
+            "threads_per_rank": threads_per_rank,
+            "load_average_at_start": load_average,
             "throughput": throughput,
             "prefill_step": time_prefill_steps(llm, clock, workload.prefill),
             "decode_step": time_decode_steps(llm, clock, workload.decode, args.num_steps),
@@ -323,7 +342,7 @@ def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
 def compare_greedy(
     model_dir: Path, args: argparse.Namespace, prompts: list[list[int]], runs: list[dict]
 ) -> dict[str, Any]:
-    """Every run's tokens against the first run's (TP 1, round 0); each difference's top-2
+    """Every run's tokens against the first run's (the baseline, round 0); each difference's top-2
     logit gap at its first divergence, measured by a TP 1 LLM built for it (when any)."""
     reference = runs[0]["token_ids"]
     divergences = []
@@ -334,7 +353,7 @@ def compare_greedy(
                 divergences.append(
                     {
                         "round": run["round"],
-                        "tensor_parallel_size": run["tensor_parallel_size"],
+                        "config": run["config"],
                         "prompt": index,
                         "position": position,
                         "token_ids": sorted({tokens[position], reference[index][position]}),
@@ -348,10 +367,10 @@ def compare_greedy(
             divergence["top2_gap"] = gap
             divergence["near_tie"] = gap < NEAR_TIE and sorted(top2) == divergence["token_ids"]
     return {
-        "reference": "round 0, tensor_parallel_size 1",
+        "reference": f"round 0, {runs[0]['config']}",
         "num_sequences": len(reference),
         "num_equal": {
-            f"round {run['round']} tp {run['tensor_parallel_size']}": sum(
+            f"round {run['round']}, {run['config']}": sum(
                 first_divergence(tokens, ref) is None
                 for tokens, ref in zip(run["token_ids"], reference)
             )
@@ -380,29 +399,30 @@ def top2_gaps(
     return gaps
 
 
-def mean_by_size(runs: list[dict], value: Callable[[dict], float]) -> dict[int, float]:
-    """The mean of ``value`` over each size's runs."""
-    sizes = sorted({run["tensor_parallel_size"] for run in runs})
-    return {
-        size: statistics.mean(value(r) for r in runs if r["tensor_parallel_size"] == size)
-        for size in sizes
-    }
-
-
 def summarize(runs: list[dict]) -> dict[str, Any]:
-    """Each size's means over the rounds, and TP 2's ratio to TP 1."""
+    """Each configuration's means over the rounds, and TP 2's ratios to the TP 1 runs."""
     metrics: dict[str, Callable[[dict], float]] = {
         "prompts_per_second": lambda r: r["throughput"]["prompts_per_second"],
         "output_tokens_per_second": lambda r: r["throughput"]["output_tokens_per_second"],
         "prefill_step_ms": lambda r: r["prefill_step"]["median_ms"],
         "decode_step_ms": lambda r: r["decode_step"]["median_ms"],
     }
-    means = {name: mean_by_size(runs, value) for name, value in metrics.items()}
+    configs = list(dict.fromkeys(run["config"] for run in runs))  # in run order
+    means = {
+        config: {
+            name: statistics.mean(value(r) for r in runs if r["config"] == config)
+            for name, value in metrics.items()
+        }
+        for config in configs
+    }
+    tp2 = next(c for c in configs if c.startswith("TP 2"))
     return {
-        "mean_by_size": {
-            str(size): {name: by_size[size] for name, by_size in means.items()} for size in (1, 2)
+        "mean_by_config": means,
+        "tp2_over": {
+            config: {name: means[tp2][name] / means[config][name] for name in metrics}
+            for config in configs
+            if config != tp2
         },
-        "tp2_over_tp1": {name: by_size[2] / by_size[1] for name, by_size in means.items()},
     }
 
 
@@ -422,7 +442,7 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
         return "-" if c is None else f"{c['seconds']:.1f} s ({throughput['collective_share']:.0%})"
 
     header = (
-        "| round | TP | threads/rank | prompts/s | output tok/s "
+        "| round | run | threads/rank | prompts/s | output tok/s "
         f"| prefill {args.prefill_tokens} tok ms | decode batch {args.decode_batch} ms "
         "| collectives in prefill step ms (share, bytes) | in decode step | in the batch |"
     )
@@ -430,7 +450,7 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
     for run in runs:
         t = run["throughput"]
         lines.append(
-            f"| {run['round']} | {run['tensor_parallel_size']} | {run['threads_per_rank']} "
+            f"| {run['round']} | {run['config']} | {run['threads_per_rank']} "
             f"| {t['prompts_per_second']:.2f} | {t['output_tokens_per_second']:.1f} "
             f"| {run['prefill_step']['median_ms']:.1f} | {run['decode_step']['median_ms']:.1f} "
             f"| {collectives(run['prefill_step'])} | {collectives(run['decode_step'])} "
@@ -469,33 +489,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     spec = SPECS[args.model]
     workload = Workload.of(args, spec.vocab_size)
     load_before = os.getloadavg()
     print(WHAT_TWO_CORES_SHOW, flush=True)
+    configs = [(1, args.threads), (2, args.threads)] + ([(1, 1)] if args.threads > 1 else [])
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = spec.write_config(Path(tmp), 8192, "float32")
         for round_index in range(args.rounds):
-            for size in (1, 2) if round_index % 2 == 0 else (2, 1):
+            for size, threads in configs if round_index % 2 == 0 else configs[::-1]:
                 started = time.perf_counter()
-                run = {"round": round_index, **run_size(model_dir, size, args, workload)}
-                run["wall_seconds"] = time.perf_counter() - started
+                run = run_config(model_dir, size, threads, args, workload)
+                run = {"round": round_index, **run, "wall_seconds": time.perf_counter() - started}
                 runs.append(run)
-                print(f"round {round_index}, TP {size}: {run['wall_seconds']:.1f} s", flush=True)
+                print(
+                    f"round {round_index}, {run['config']}: {run['wall_seconds']:.1f} s "
+                    f"(load average {run['load_average_at_start']:.2f} at its start)",
+                    flush=True,
+                )
+        torch.set_num_threads(args.threads)
         greedy_check = compare_greedy(model_dir, args, workload.batch, runs)
     print(table(runs, args))
     summary = summarize(runs)
-    ratios = summary["tp2_over_tp1"]
-    print(
-        f"TP 2 / TP 1 (means over {args.rounds} rounds): throughput "
-        f"{ratios['output_tokens_per_second']:.2f}x, prefill step "
-        f"{ratios['prefill_step_ms']:.2f}x, decode step {ratios['decode_step_ms']:.2f}x"
-    )
+    for config, ratios in summary["tp2_over"].items():
+        print(
+            f"TP 2 / {config} (means over {args.rounds} rounds): throughput "
+            f"{ratios['output_tokens_per_second']:.2f}x, prefill step "
+            f"{ratios['prefill_step_ms']:.2f}x, decode step {ratios['decode_step_ms']:.2f}x"
+        )
     equal = ", ".join(f"{run} {n}" for run, n in greedy_check["num_equal"].items())
     print(
-        f"greedy outputs equal to round 0 TP 1's, of {greedy_check['num_sequences']}: {equal}; "
+        f"greedy outputs equal to {greedy_check['reference']}'s, of "
+        f"{greedy_check['num_sequences']}: {equal}; "
         f"near-ties at a divergence: {greedy_check['num_near_ties']}"
         + ("" if greedy_check["passed"] else "; A DIFFERENCE IS NOT A NEAR-TIE")
     )

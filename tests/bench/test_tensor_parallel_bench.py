@@ -39,10 +39,13 @@ def test_the_benchmark_runs_both_sizes_and_counts_rank_zeros_collectives(tmp_pat
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert WHAT_TWO_CORES_SHOW in run.stdout
     result = json.loads(out.read_text())
-    tp1, tp2 = result["runs"]
+    runs = result["runs"]
+    tp1, tp2 = runs[:2]  # the baseline first, on all cores' threads
     assert (tp1["tensor_parallel_size"], tp2["tensor_parallel_size"]) == (1, 2)
     assert tp2["threads_per_rank"] == max(1, tp1["threads_per_rank"] // 2)  # the cores, shared
-    for r in (tp1, tp2):
+    if tp1["threads_per_rank"] > 1:  # and one thread's TP 1, the reference for one core
+        assert [r["config"] for r in runs[2:]] == ["TP 1 x 1 thread"]
+    for r in runs:
         assert r["throughput"]["output_tokens_per_second"] > 0
         assert r["prefill_step"]["num_tokens"] == 20 and len(r["prefill_step"]["step_ms"]) == 3
         assert r["decode_step"]["num_tokens"] == 3 and len(r["decode_step"]["step_ms"]) == 3
@@ -61,13 +64,9 @@ def test_the_benchmark_runs_both_sizes_and_counts_rank_zeros_collectives(tmp_pat
         assert set(collectives["median_ms_by_kind"]) == set(COLLECTIVES)
     assert 0 < tp2["throughput"]["collective_share"] < 1
     assert result["greedy"]["passed"]
-    assert result["greedy"]["num_equal"]["round 0 tp 2"] + len(result["greedy"]["divergences"]) == 3
-    assert set(result["summary"]["tp2_over_tp1"]) == {
-        "prompts_per_second",
-        "output_tokens_per_second",
-        "prefill_step_ms",
-        "decode_step_ms",
-    }
+    num_equal = result["greedy"]["num_equal"][f"round 0, {tp2['config']}"]
+    assert num_equal + len(result["greedy"]["divergences"]) == 3
+    assert set(result["summary"]["tp2_over"]) == {r["config"] for r in runs} - {tp2["config"]}
 
 
 def test_top2_gaps_reads_the_greedy_token_first(tmp_path: Path) -> None:
