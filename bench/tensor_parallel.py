@@ -19,8 +19,8 @@ reverses from round to round. On each it measures:
   - greedy outputs: every run's tokens against the first TP 1 run's. The all-reduce sums in
     another order, so a difference is allowed only at a near-tie (top-2 logit gap < 1e-3,
     measured on TP 1) at its first divergence; the near-ties are counted.
-Prints a table and writes JSON, with the load average when each run started: a second
-thread helps only while the other core is free, and the machine is shared.
+Prints a table and writes JSON, with the share of the CPU that other processes used during
+each run: a second thread helps only while the other core is free, and the machine is shared.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -444,9 +445,10 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
     header = (
         "| round | run | threads/rank | prompts/s | output tok/s "
         f"| prefill {args.prefill_tokens} tok ms | decode batch {args.decode_batch} ms "
-        "| collectives in prefill step ms (share, bytes) | in decode step | in the batch |"
+        "| collectives in prefill step ms (share, bytes) | in decode step | in the batch "
+        "| others' CPU |"
     )
-    lines = [header, "|" + "---|" * 10]
+    lines = [header, "|" + "---|" * 11]
     for run in runs:
         t = run["throughput"]
         lines.append(
@@ -454,9 +456,34 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
             f"| {t['prompts_per_second']:.2f} | {t['output_tokens_per_second']:.1f} "
             f"| {run['prefill_step']['median_ms']:.1f} | {run['decode_step']['median_ms']:.1f} "
             f"| {collectives(run['prefill_step'])} | {collectives(run['decode_step'])} "
-            f"| {batch_collectives(t)} |"
+            f"| {batch_collectives(t)} | {run['other_processes_cpu_share']:.0%} |"
         )
     return "\n".join(lines)
+
+
+class OtherProcessesClock:
+    """The share of the machine's CPU time that processes other than this one and its
+    children (the follower ranks, once reaped) used since construction (Linux /proc/stat)."""
+
+    def __init__(self) -> None:
+        self._started = (time.perf_counter(), _busy_cpu_seconds(), _own_cpu_seconds())
+
+    def share(self) -> float:
+        wall, busy, own = self._started
+        others = (_busy_cpu_seconds() - busy) - (_own_cpu_seconds() - own)
+        return max(0.0, others) / ((time.perf_counter() - wall) * len(os.sched_getaffinity(0)))
+
+
+def _busy_cpu_seconds() -> float:
+    """CPU seconds the machine has been busy since boot: all but idle and iowait."""
+    with open("/proc/stat") as stat:
+        ticks = [int(v) for v in stat.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    usages = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return sum(u.ru_utime + u.ru_stime for u in usages)
 
 
 def cpu_name() -> str:
@@ -499,13 +526,14 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = spec.write_config(Path(tmp), 8192, "float32")
         for round_index in range(args.rounds):
             for size, threads in configs if round_index % 2 == 0 else configs[::-1]:
-                started = time.perf_counter()
+                started, others = time.perf_counter(), OtherProcessesClock()
                 run = run_config(model_dir, size, threads, args, workload)
-                run = {"round": round_index, **run, "wall_seconds": time.perf_counter() - started}
-                runs.append(run)
+                run["wall_seconds"] = time.perf_counter() - started
+                run["other_processes_cpu_share"] = others.share()
+                runs.append({"round": round_index, **run})
                 print(
-                    f"round {round_index}, {run['config']}: {run['wall_seconds']:.1f} s "
-                    f"(load average {run['load_average_at_start']:.2f} at its start)",
+                    f"round {round_index}, {run['config']}: {run['wall_seconds']:.1f} s; other "
+                    f"processes used {run['other_processes_cpu_share']:.0%} of the CPU meanwhile",
                     flush=True,
                 )
         torch.set_num_threads(args.threads)

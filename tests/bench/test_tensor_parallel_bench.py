@@ -47,6 +47,7 @@ def test_the_benchmark_runs_both_sizes_and_counts_rank_zeros_collectives(tmp_pat
         assert [r["config"] for r in runs[2:]] == ["TP 1 x 1 thread"]
     for r in runs:
         assert r["throughput"]["output_tokens_per_second"] > 0
+        assert 0 <= r["other_processes_cpu_share"] <= 1
         assert r["prefill_step"]["num_tokens"] == 20 and len(r["prefill_step"]["step_ms"]) == 3
         assert r["decode_step"]["num_tokens"] == 3 and len(r["decode_step"]["step_ms"]) == 3
     assert tp1["throughput"]["collectives"] is None and tp1["decode_step"]["collectives"] is None
