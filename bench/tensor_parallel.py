@@ -18,7 +18,8 @@ reverses from round to round. On each it measures:
     so a collective's time includes rank 0's wait for rank 1 to reach it;
   - greedy outputs: every run's tokens against the first TP 1 run's. The all-reduce sums in
     another order, so a difference is allowed only at a near-tie (top-2 logit gap < 1e-3,
-    measured on TP 1) at its first divergence; the near-ties are counted.
+    measured on TP 1) at its first divergence; the near-ties are counted, and any other
+    difference makes the bench exit with an error after writing its JSON.
 Prints a table and writes JSON, with the share of the CPU that other processes used during
 each run: a second thread helps only while the other core is free, and the machine is shared.
 """
