@@ -146,3 +146,31 @@ def _both_decoding(cluster: Cluster) -> bool:
     cluster.poll_until_reported(time.monotonic())
     loads = [s.load for s in cluster.worker_statuses() if s.load is not None and s.role == "decode"]
     return len(loads) == 2 and all(load.num_running > 0 for load in loads)
+
+
+def test_a_lost_prefill_rank_takes_its_worker_out_and_no_request_is_lost(
+    ray_session: None, llama_dir: Path, expected: list[list[int]]
+) -> None:
+    config = local_cluster_config(
+        llama_dir,
+        num_prefill=2,
+        num_decode=1,
+        prefill_tp=2,
+        block_size=BLOCK_SIZE,
+        restart_delay_s=0.2,
+    )
+    cluster = Cluster.start(config)
+    try:
+        victim = cluster.pool.workers["prefill-0"]
+        (follower,) = _on(victim.actor, lambda self: self._followers)
+        # its rank 0 learns at its next step, which the requests routed to it start: that step
+        # fails in a collective, the worker's process leaves, and the router places them again
+        ray.kill(follower)
+        assert _run_all(cluster) == expected  # every request complete, each token once
+        deadline = time.monotonic() + 120
+        while "prefill-0-r1" not in cluster.pool.workers and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not cluster.pool.workers["prefill-0"].alive
+        assert _kv_heads(cluster.pool.workers["prefill-0-r1"].actor) == (range(0, 1), range(1, 2))
+    finally:
+        cluster.shutdown()
