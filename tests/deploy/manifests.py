@@ -1,21 +1,26 @@
-"""Shared pieces of the deploy/ tests: reading the manifests, the pdserve argv inside them, and
-running their shell snippets with stand-in `ray` and `pdserve` commands."""
+"""Shared pieces of the deploy/ tests: reading the manifests, the pdserve argv inside them,
+whether a pool's tensor-parallel workers fit its nodes, and running the manifests' shell
+snippets with stand-in `ray` and `pdserve` commands."""
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
 from argparse import Namespace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from engine.model_config import ModelConfig, parse_model_config
+from engine.parallel.shard import check_tensor_parallel_size, kv_heads_of_ranks
 from router.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +30,32 @@ OTHER_ROLE = {"prefill": "decode", "decode": "prefill"}
 REMOTE_SOURCE = "/home/ubuntu/pdserve"  # where cluster.yaml puts the source on every node
 KEY_FILE = "/home/ubuntu/pdserve-api-keys"  # the gateway's keys on the `ray up` head
 SHELL_TIMEOUT_S = 30
+
+# The served models' config.json (the fields pdserve reads), as on the Hugging Face Hub: the
+# tests run offline. A deployment of another model adds its entry here.
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-72B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 8192,
+        "intermediate_size": 29568,
+        "num_attention_heads": 64,
+        "num_hidden_layers": 80,
+        "num_key_value_heads": 8,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+}
+# GPUs per node and one GPU's memory in bytes (nvidia-smi's total) of the node types deployed.
+NODE_GPUS: dict[str, tuple[int, int]] = {
+    "p5.48xlarge": (8, 81559 * 2**20),  # 8x NVIDIA H100 80 GB HBM3
+}
+BYTES_PER_PARAM = 2  # bf16, the checkpoint's dtype (--dtype auto)
 
 # Stand-ins on PATH when a manifest's shell snippet runs: `ray start` records its argv (one
 # argument per line, in $LOG/ray-start), `ray health-check` succeeds once `ray start` has run,
@@ -77,6 +108,124 @@ def parse_serve(argv: list[str]) -> Namespace:
         return build_parser().parse_args(argv[1:])
     except SystemExit:
         pytest.fail(f"pdserve's CLI rejects the deploy command (see stderr): {shlex.join(argv)}")
+
+
+def tensor_parallel_sizes(args: Namespace) -> dict[str, int]:
+    """Each pool's ranks per worker, as `pdserve serve` reads -tp, --prefill-tp, --decode-tp."""
+    return {
+        "prefill": args.tensor_parallel_size if args.prefill_tp is None else args.prefill_tp,
+        "decode": args.tensor_parallel_size if args.decode_tp is None else args.decode_tp,
+    }
+
+
+def served_model(args: Namespace) -> ModelConfig:
+    name = args.served_model_name
+    assert name in MODEL_CONFIGS, f"add {name}'s config.json to MODEL_CONFIGS (manifests.py)"
+    return parse_model_config(MODEL_CONFIGS[name])
+
+
+@dataclass(frozen=True, slots=True)
+class PoolNodes:
+    """The nodes (Ray nodes: `ray up` node types or KubeRay pods) one pool's workers run on."""
+
+    role: str  # "prefill" | "decode"
+    node_type: str  # instance type, a key of NODE_GPUS
+    num_gpus: int  # GPUs per node
+    num_units: int  # units of the pool's custom resource per node
+    num_cpus: float  # Ray CPUs per node
+    max_nodes: int  # the most nodes the pool may have
+
+
+def workers_per_node(nodes: PoolNodes, tp: int, gpus_per_rank: float) -> int:
+    """Workers of ``tp`` ranks one node holds: a worker's ranks never span nodes."""
+    num_ranks = nodes.num_units  # one unit of the pool's resource per rank
+    if gpus_per_rank > 0:
+        num_ranks = min(num_ranks, int(nodes.num_gpus // gpus_per_rank))
+    return num_ranks // tp
+
+
+def cluster_pool_nodes(cluster: dict[str, Any], role: str) -> PoolNodes:
+    """A `ray up` node type's nodes, as the pool of ``role`` sees them."""
+    node = cluster["available_node_types"][NODE_TYPES[role]]
+    resources = node["resources"]
+    return PoolNodes(
+        role=role,
+        node_type=node["node_config"]["InstanceType"],
+        num_gpus=int(resources["GPU"]),
+        num_units=int(resources[role]),
+        num_cpus=float(resources["CPU"]),
+        max_nodes=int(node["max_workers"]),
+    )
+
+
+def kuberay_pool_nodes(group: dict[str, Any]) -> PoolNodes:
+    """A KubeRay worker group's pods (one Ray node each), as the pool of its name sees them:
+    KubeRay gives each pod's Ray the GPUs and CPUs of its container's limits."""
+    role = group["groupName"]
+    pod = group["template"]["spec"]
+    limits = pod["containers"][0]["resources"]["limits"]
+    units = json.loads(json.loads(group["rayStartParams"]["resources"]))
+    return PoolNodes(
+        role=role,
+        node_type=pod["nodeSelector"]["node.kubernetes.io/instance-type"],
+        num_gpus=int(limits["nvidia.com/gpu"]),
+        num_units=int(units[role]),
+        num_cpus=float(limits["cpu"]),
+        max_nodes=int(group["maxReplicas"]),
+    )
+
+
+def rank_memory_bytes(model: ModelConfig, tp: int, num_tokens: int) -> int:
+    """What one rank of ``tp`` holds: its 1/tp of the weights (biases and norms left out) and
+    its KV heads of ``num_tokens`` tokens."""
+    q_width = model.num_heads * model.head_dim
+    kv_width = model.num_kv_heads * model.head_dim
+    hidden = model.hidden_size
+    layer = (
+        hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * model.intermediate_size
+    )
+    embeddings = model.vocab_size * hidden * (1 if model.tie_word_embeddings else 2)
+    weights = (embeddings + model.num_layers * layer) * BYTES_PER_PARAM // tp
+    rank_kv_heads = len(kv_heads_of_ranks(model, tp)[0])
+    kv_per_token = model.num_layers * rank_kv_heads * model.head_dim * 2 * BYTES_PER_PARAM  # K, V
+    return weights + num_tokens * kv_per_token
+
+
+def pool_problems(
+    args: Namespace, nodes: PoolNodes, num_workers: int, model: ModelConfig
+) -> list[str]:
+    """Why ``num_workers`` workers of ``nodes.role``'s pool, started with ``args`` to serve
+    ``model``, would not run on ``nodes``: each as a sentence; none when they fit."""
+    tp = tensor_parallel_sizes(args)[nodes.role]
+    gpus_per_rank = 1.0 if args.worker_num_gpus is None else args.worker_num_gpus
+    cpus_per_rank = 1.0 if args.worker_num_cpus is None else args.worker_num_cpus
+    problems = []
+    try:
+        check_tensor_parallel_size(model, tp)  # what pdserve refuses at start
+    except ValueError as error:
+        problems.append(str(error))
+    if nodes.num_units % tp or nodes.num_gpus % tp:
+        problems.append(f"TP {tp} leaves GPUs of a {nodes.num_gpus}-GPU node idle")
+    per_node = workers_per_node(nodes, tp, gpus_per_rank)
+    if per_node == 0:
+        problems.append(f"a worker of {tp} ranks cannot fit one node: it would wait forever")
+    if nodes.num_cpus < nodes.num_units * cpus_per_rank:
+        problems.append(f"{nodes.num_cpus} CPUs cannot hold {nodes.num_units} ranks' reservations")
+    if num_workers > nodes.max_nodes * per_node:
+        problems.append(
+            f"{num_workers} workers > {nodes.max_nodes} nodes x {per_node} workers per node"
+        )
+    if problems and "tensor_parallel_size" in problems[0]:
+        return problems  # the heads do not split: no rank's share to weigh
+    gpu_bytes = NODE_GPUS[nodes.node_type][1] * min(gpus_per_rank, 1.0)
+    max_model_len = args.max_model_len or model.max_position_embeddings
+    needed = rank_memory_bytes(model, tp, max_model_len)
+    if needed > args.gpu_memory_utilization * gpu_bytes:
+        problems.append(
+            f"a rank of TP {tp} needs {needed / 1e9:.1f} GB for its weights and one "
+            f"{max_model_len}-token sequence, more than {args.gpu_memory_utilization} of its GPU"
+        )
+    return problems
 
 
 def is_loopback(host: str) -> bool:

@@ -21,11 +21,14 @@ import pytest
 from tests.deploy.manifests import (
     KEY_FILE,
     assert_keys_guard_the_bind,
+    kuberay_pool_nodes,
     kuberay_ray_start,
     parse_serve,
+    pool_problems,
     recorded_pdserve_argv,
     recorded_ray_start_argv,
     run_with_fakes,
+    served_model,
 )
 
 SECRET_NAME = "pdserve-api-keys"  # what deploy/README.md tells operators to create
@@ -150,8 +153,9 @@ def test_head_starts_ray_then_serves_the_gateway_behind_keys(
     assert_keys_guard_the_bind(args)
     assert not args.api_key, "keys never appear in a manifest"
     groups = {g["groupName"]: g for g in raycluster["spec"]["workerGroupSpecs"]}
-    assert args.prefill <= groups["prefill"]["maxReplicas"]
-    assert args.decode <= groups["decode"]["maxReplicas"]
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        nodes = kuberay_pool_nodes(groups[role])
+        assert pool_problems(args, nodes, count, served_model(args)) == [], role
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -170,7 +174,8 @@ def test_worker_ray_start_keeps_the_quoting_of_its_resources(
     argv = recorded_ray_start_argv(tmp_path)
     resources = [arg for arg in argv if arg.startswith("--resources=")]
     assert len(resources) == 1, argv
-    assert json.loads(resources[0].removeprefix("--resources=")) == {role: 1}
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert json.loads(resources[0].removeprefix("--resources=")) == {role: gpus}
     assert "--block" in argv
 
 

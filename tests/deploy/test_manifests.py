@@ -6,7 +6,10 @@ defaults, merge setup commands, fill per-type worker bounds) and ``validate_conf
 JSON schema plus its cross-field rules). The provider-specific steps in between need cloud
 credentials; node types here spell out their resources, so none is needed from them.
 The serve command lines are parsed with pdserve's own CLI parser, so a renamed or missing flag
-fails here rather than on a freshly started cluster.
+fails here rather than on a freshly started cluster. Each pool's tensor-parallel workers are
+checked against its nodes: the model's heads split (pdserve's own check), a worker's ranks fit
+one node and fill it, the nodes' resources hold the ranks, and a rank's GPU holds its share of
+the weights and one longest sequence's KV.
 """
 
 from __future__ import annotations
@@ -24,15 +27,21 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 
 from tests.deploy.manifests import (
     DEPLOY,
+    NODE_GPUS,
     NODE_TYPES,
     OTHER_ROLE,
     REMOTE_SOURCE,
     ROOT,
     assert_keys_guard_the_bind,
+    cluster_pool_nodes,
+    kuberay_pool_nodes,
     packages,
     parse_serve,
     pinned_ray,
+    pool_problems,
     serve_argv,
+    served_model,
+    tensor_parallel_sizes,
 )
 
 
@@ -103,14 +112,51 @@ def test_head_serve_command_parses_and_fits_the_pools(
     args = parse_serve(head_serve_argv)
     assert (args.address, args.device, args.kv_transport) == ("auto", "cuda", "nccl")
     assert (args.prefill_resource, args.decode_resource) == ("prefill", "decode")
-    gpus_per_worker = args.worker_num_gpus if args.worker_num_gpus is not None else 1.0
+    gpus_per_rank = args.worker_num_gpus if args.worker_num_gpus is not None else 1.0
+    tp = tensor_parallel_sizes(args)
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         node = cluster["available_node_types"][NODE_TYPES[role]]
-        assert count <= node["max_workers"] * node["resources"][role], role
-        assert count * gpus_per_worker <= node["max_workers"] * node["resources"]["GPU"], role
+        num_ranks = count * tp[role]  # each rank reserves one unit and its GPUs
+        assert num_ranks <= node["max_workers"] * node["resources"][role], role
+        assert num_ranks * gpus_per_rank <= node["max_workers"] * node["resources"]["GPU"], role
     # The model directory the head and the workers download to is the one pdserve reads.
     for key in ("head_setup_commands", "worker_setup_commands"):
         assert any(f"local_dir='{args.model}'" in c for c in cluster[key]), key
+
+
+def test_ray_up_pools_are_tensor_parallel_and_fit_their_nodes(
+    cluster: dict[str, Any], head_serve_argv: list[str]
+) -> None:
+    args = parse_serve(head_serve_argv)
+    tp = tensor_parallel_sizes(args)
+    assert tp["prefill"] > 1 and tp["decode"] > 1, "the deployment shows tensor-parallel pools"
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        nodes = cluster_pool_nodes(cluster, role)
+        assert nodes.node_type in NODE_GPUS, f"add {nodes.node_type} to NODE_GPUS"
+        assert nodes.num_gpus == NODE_GPUS[nodes.node_type][0], f"{role}: all the node's GPUs"
+        assert pool_problems(args, nodes, count, served_model(args)) == [], role
+
+
+def test_pool_checks_refuse_what_cannot_run(
+    cluster: dict[str, Any], head_serve_argv: list[str]
+) -> None:
+    """The checks have teeth: sizes the heads, the nodes or the GPUs cannot hold all fail."""
+
+    def problems(role: str, *flags: str) -> str:
+        args = parse_serve([*head_serve_argv, *flags])  # later flags win
+        count = args.prefill if role == "prefill" else args.decode
+        nodes = cluster_pool_nodes(cluster, role)
+        return " ".join(pool_problems(args, nodes, count, served_model(args)))
+
+    three = problems("prefill", "--prefill-tp", "3")
+    assert "must divide num_attention_heads 64" in three and "idle" in three
+    assert "cannot fit one node" in problems("prefill", "--prefill-tp", "16")
+    assert "workers per node" in problems("decode", "--decode", "5")  # 2 nodes x 2 workers
+    assert "of its GPU" in problems("decode", "--decode-tp", "1", "--decode", "4")  # 145 GB
+    assert "of its GPU" in problems(  # 72.7 GB + 5.4 GB of KV > 0.9 x 85.5 GB
+        "prefill", "--max-model-len", "32768", "--gpu-memory-utilization", "0.9"
+    )
+    assert problems("decode", "--decode-tp", "8", "--decode", "2") == ""
 
 
 def test_workers_join_the_head_with_their_node_type_resources(cluster: dict[str, Any]) -> None:
@@ -230,8 +276,26 @@ def test_rayjob_runs_pdserve_on_the_existing_cluster(
     # The job's workers come on top of the serving gateway's, in the same worker groups.
     serving = parse_serve(serve_argv(head_container["args"][0]))
     groups = {g["groupName"]: g for g in raycluster["spec"]["workerGroupSpecs"]}
-    assert args.prefill + serving.prefill <= groups["prefill"]["maxReplicas"]
-    assert args.decode + serving.decode <= groups["decode"]["maxReplicas"]
+    # The job serves the gateway's model (the same /models/model), in workers of the same shape.
+    assert tensor_parallel_sizes(args) == tensor_parallel_sizes(serving), "same worker shapes"
+    model = served_model(serving)
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        nodes = kuberay_pool_nodes(groups[role])
+        assert pool_problems(args, nodes, count + getattr(serving, role), model) == [], role
+
+
+def test_kuberay_pools_are_tensor_parallel_one_pod_per_node(
+    raycluster: dict[str, Any], head_container: dict[str, Any]
+) -> None:
+    args = parse_serve(serve_argv(head_container["args"][0]))
+    tp = tensor_parallel_sizes(args)
+    assert tp["prefill"] > 1 and tp["decode"] > 1, "the deployment shows tensor-parallel pools"
+    for group in raycluster["spec"]["workerGroupSpecs"]:
+        nodes = kuberay_pool_nodes(group)
+        assert nodes.node_type in NODE_GPUS, f"add {nodes.node_type} to NODE_GPUS"
+        # A worker's ranks share one Ray node: a pod, which takes all of its node's GPUs.
+        assert nodes.num_gpus == NODE_GPUS[nodes.node_type][0], nodes.role
+        assert nodes.num_gpus % tp[nodes.role] == 0, nodes.role
 
 
 def test_dockerfile_installs_the_whole_package() -> None:
