@@ -1,6 +1,7 @@
-"""`pdserve serve -tp 2` as an operator runs it: one colocated worker of two ranks on a Ray of
-its own, answering concurrent OpenAI completions exactly as the offline engine of one rank
-generates them."""
+"""`pdserve serve` with tensor-parallel workers as an operator runs it, on a Ray of its own: a
+colocated worker of two ranks, and a prefill and a decode worker of (1, 2), (2, 1) and (2, 2)
+ranks, each answering 32 concurrent OpenAI completions exactly as the offline engine of one
+rank generates them."""
 
 from __future__ import annotations
 
@@ -16,25 +17,41 @@ from tests.fixtures.serve_process import ServeProcess
 
 pytestmark = pytest.mark.timeout(600)
 
-PROMPTS = [f"def f{i}(x):\n    return x" + " + 1" * i for i in range(8)]
+PROMPTS = [f"def f{i}(x):\n    return x" + " + 1" * (i % 9) + f" * {i}" for i in range(32)]
 MAX_TOKENS = 16
 
 
-def test_serve_with_two_ranks_answers_as_one_rank_generates(llama_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("layout", "banner"),
+    [
+        (("-tp", "2", "--prefill", "0"), "1 x TP2 colocated workers"),
+        (("--prefill", "1", "--decode", "1", "--decode-tp", "2"), "1 prefill + 1 x TP2 decode"),
+        (("--prefill", "1", "--decode", "1", "--prefill-tp", "2"), "1 x TP2 prefill + 1 decode"),
+        (("-tp", "2", "--prefill", "1", "--decode", "1"), "1 x TP2 prefill + 1 x TP2 decode"),
+    ],
+    ids=["colocated-tp2", "P-tp1-D-tp2", "P-tp2-D-tp1", "P-tp2-D-tp2"],
+)
+def test_serve_with_several_ranks_answers_as_one_rank_generates(
+    llama_dir: Path, layout: tuple[str, ...], banner: str
+) -> None:
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     llm = LLM(str(llama_dir), dtype="float32", device="cpu")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
-    expected = [tokenizer.decode(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    # (a completion cut by max_tokens inside a character ends before its partial bytes, as
+    # streamed text does, where a whole decode shows them as U+FFFD)
+    outputs = llm.generate(prompts, params)
+    expected = [tokenizer.decode(o.outputs[0].token_ids).rstrip("\ufffd") for o in outputs]
 
     server = ServeProcess(
         llama_dir,
-        *("-tp", "2", "--prefill", "0", "--worker-num-cpus", "0", "--dtype", "float32"),
+        *layout,
+        *("--worker-num-cpus", "0", "--dtype", "float32"),
         *("--served-model-name", "tiny", "--http-port", "0", "--grpc-port", "-1"),
     )
     try:
         url = server.wait_for_banner()
-        assert "1 x TP2 colocated workers" in server.output(), server.output()
+        assert banner in server.output(), server.output()
 
         async def complete(client: httpx.AsyncClient, prompt: str) -> str:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
