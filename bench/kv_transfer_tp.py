@@ -30,6 +30,7 @@ import torch
 
 from bench.kv_transfer import HANDOFF_LAYOUT, HOST, TIMEOUT_S, make_cache, memcpy_gbps
 from bench.results_json import write_json
+from engine.parallel.shard import rank_kv_heads
 from kv_transfer import ChannelRendezvous, KVCacheLayout, KVChannel, TransferTicket
 from kv_transfer.head_plan import HeadMove, plan_head_moves
 from kv_transfer.layout import describe_heads
@@ -51,9 +52,8 @@ class PairSession:
 
 
 def rank_heads(num_kv_heads: int, size: int) -> list[range]:
-    """Each rank's KV heads (an even split: the layout's 8 heads over 1 or 2 ranks)."""
-    per_rank = num_kv_heads // size
-    return [range(rank * per_rank, (rank + 1) * per_rank) for rank in range(size)]
+    """Each rank's KV heads, as a worker of ``size`` ranks holds them."""
+    return [rank_kv_heads(num_kv_heads, rank, size) for rank in range(size)]
 
 
 def make_sessions(num_tokens: int, reps: int) -> list[PairSession]:

@@ -42,7 +42,7 @@ class TensorParallelShard:
             rank=rank,
             size=size,
             q_heads=range(rank * q_per_rank, (rank + 1) * q_per_rank),
-            kv_heads=_kv_heads(config.num_kv_heads, rank, size),
+            kv_heads=rank_kv_heads(config.num_kv_heads, rank, size),
             intermediate=range(rank * inter_per_rank, (rank + 1) * inter_per_rank),
             vocab=range(rank * vocab_rows, (rank + 1) * vocab_rows),
             vocab_rows=vocab_rows,
@@ -88,7 +88,9 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
         )
 
 
-def _kv_heads(num_kv_heads: int, rank: int, size: int) -> range:
+def rank_kv_heads(num_kv_heads: int, rank: int, size: int) -> range:
+    """The KV heads rank ``rank`` of ``size`` holds of ``num_kv_heads`` (see the module
+    docstring); the size must split them (``check_tensor_parallel_size``)."""
     if size <= num_kv_heads:
         per_rank = num_kv_heads // size
         return range(rank * per_rank, (rank + 1) * per_rank)

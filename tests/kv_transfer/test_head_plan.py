@@ -6,16 +6,13 @@ from collections import Counter
 
 import pytest
 
+from engine.parallel.shard import rank_kv_heads
 from kv_transfer.head_plan import HeadMove, moves_between, plan_head_moves
 
 
 def rank_heads(num_kv_heads: int, size: int) -> list[range]:
-    """Each rank's KV heads: an even split, or one head per rank replicated when there are
-    more ranks than heads (as engine/parallel/shard.py assigns them)."""
-    if size <= num_kv_heads:
-        per_rank = num_kv_heads // size
-        return [range(r * per_rank, (r + 1) * per_rank) for r in range(size)]
-    return [range(r * num_kv_heads // size, r * num_kv_heads // size + 1) for r in range(size)]
+    """Each rank's KV heads, as a worker of ``size`` ranks holds them."""
+    return [rank_kv_heads(num_kv_heads, rank, size) for rank in range(size)]
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4, 8])
