@@ -4,8 +4,6 @@ takes its whole worker out of rotation, and its requests finish elsewhere, each 
 
 from __future__ import annotations
 
-import asyncio
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,28 +12,27 @@ from typing import Any
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from router.cluster import Cluster
+from tests.cluster.tp_workload import (
+    all_running,
+    followers,
+    offline_tokens,
+    random_prompts,
+    run_all,
+    run_all_killing,
+)
 from tests.fixtures.local_cluster import local_cluster_config
 
 pytestmark = pytest.mark.timeout(300)
 
-NUM_REQUESTS = 32
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(31)
-    return [
-        [rng.randrange(3, 1000) for _ in range(rng.randrange(4, 60))] for _ in range(NUM_REQUESTS)
-    ]
+PROMPTS = random_prompts(seed=31)
 
 
 @pytest.fixture(scope="module")
 def expected(llama_dir: Path) -> list[list[int]]:
-    """The offline engine's greedy tokens on one rank."""
-    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
-    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), [PARAMS] * NUM_REQUESTS)]
+    return offline_tokens(llama_dir, PROMPTS, PARAMS, block_size=8)
 
 
 @pytest.fixture
@@ -50,11 +47,6 @@ def cluster(
     started.shutdown()
 
 
-def _followers(actor: Any) -> list[Any]:
-    """A worker's follower rank actors (rank 1 ..), as its rank 0 actor holds them."""
-    return list(ray.get(actor.__ray_call__.remote(lambda self: self._followers)))
-
-
 def _ranks_of(actor: Any) -> tuple[int, int]:
     """(tensor-parallel size, KV heads in its cache) of a worker's rank 0."""
     ref = actor.__ray_call__.remote(
@@ -63,22 +55,14 @@ def _ranks_of(actor: Any) -> tuple[int, int]:
     return tuple(ray.get(ref))  # type: ignore[return-value]
 
 
-async def _generate(cluster: Cluster, prompt: list[int]) -> list[int]:
-    return [event.token_id async for event in cluster.generate(prompt, PARAMS)]
-
-
 @pytest.mark.parametrize("cluster", [1], indirect=True)
 def test_a_worker_of_two_ranks_serves_what_one_rank_does(
     cluster: Cluster, expected: list[list[int]]
 ) -> None:
     (worker,) = cluster.pool.workers.values()
     assert _ranks_of(worker.actor) == (2, 1)  # two ranks, each with 1 of the 2 KV heads
-    assert len(_followers(worker.actor)) == 1
-
-    async def run_all() -> list[list[int]]:
-        return list(await asyncio.gather(*(_generate(cluster, p) for p in _prompts())))
-
-    assert asyncio.run(run_all()) == expected
+    assert len(followers(worker.actor)) == 1
+    assert run_all(cluster, PROMPTS, PARAMS) == expected
 
 
 @pytest.mark.parametrize("cluster", [2], indirect=True)
@@ -86,18 +70,11 @@ def test_a_lost_rank_takes_its_worker_out_and_its_requests_finish_elsewhere(
     cluster: Cluster, expected: list[list[int]]
 ) -> None:
     victim = cluster.pool.workers["decode-0"]
-    (follower,) = _followers(victim.actor)
-
-    async def run_all() -> tuple[bool, list[list[int]]]:
-        tasks = [asyncio.ensure_future(_generate(cluster, p)) for p in _prompts()]
-        # kill decode-0's follower rank once both workers are streaming tokens
-        deadline = time.monotonic() + 120
-        while not (running := _both_running(cluster)) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        ray.kill(follower)
-        return running, list(await asyncio.gather(*tasks))
-
-    killed_while_running, outputs = asyncio.run(run_all())
+    (follower,) = followers(victim.actor)
+    # kill decode-0's follower rank once both workers are streaming tokens
+    killed_while_running, outputs = run_all_killing(
+        cluster, PROMPTS, PARAMS, follower, lambda c: all_running(c, "decode", 2)
+    )
     assert killed_while_running
     assert outputs == expected  # every request complete, each token once
     # decode-0's rank 0 left with its rank; the slot started a whole new worker of two ranks
@@ -110,9 +87,3 @@ def test_a_lost_rank_takes_its_worker_out_and_its_requests_finish_elsewhere(
     # one placement group per live worker: the lost worker's was given back
     groups = ray.util.placement_group_table().values()
     assert sum(group["state"] == "CREATED" for group in groups) == 2
-
-
-def _both_running(cluster: Cluster) -> bool:
-    cluster.poll_until_reported(time.monotonic())
-    loads = [s.load for s in cluster.worker_statuses() if s.load is not None]
-    return len(loads) == 2 and all(load.num_running > 0 for load in loads)

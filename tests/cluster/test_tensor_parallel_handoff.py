@@ -6,8 +6,6 @@ each token once."""
 
 from __future__ import annotations
 
-import asyncio
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,30 +14,30 @@ from typing import Any
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.model_config import load_model_config
 from router.cluster import Cluster
+from tests.cluster.tp_workload import (
+    NUM_REQUESTS,
+    all_running,
+    followers,
+    offline_tokens,
+    random_prompts,
+    run_all,
+    run_all_killing,
+)
 from tests.fixtures.local_cluster import local_cluster_config
 
 pytestmark = pytest.mark.timeout(300)
 
-NUM_REQUESTS = 32
 BLOCK_SIZE = 8
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(37)
-    return [
-        [rng.randrange(3, 1000) for _ in range(rng.randrange(4, 60))] for _ in range(NUM_REQUESTS)
-    ]
+PROMPTS = random_prompts(seed=37)
 
 
 @pytest.fixture(scope="module")
 def expected(llama_dir: Path) -> list[list[int]]:
-    """The offline engine's greedy tokens on one rank."""
-    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE)
-    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), [PARAMS] * NUM_REQUESTS)]
+    return offline_tokens(llama_dir, PROMPTS, PARAMS, BLOCK_SIZE)
 
 
 @pytest.fixture
@@ -77,22 +75,11 @@ def _received(actor: Any) -> tuple[int, int]:
     return transfers, nbytes
 
 
-async def _generate(cluster: Cluster, prompt: list[int]) -> list[int]:
-    return [event.token_id async for event in cluster.generate(prompt, PARAMS)]
-
-
-def _run_all(cluster: Cluster) -> list[list[int]]:
-    async def run_all() -> list[list[int]]:
-        return list(await asyncio.gather(*(_generate(cluster, p) for p in _prompts())))
-
-    return asyncio.run(run_all())
-
-
 def _whole_kv_bytes(llama_dir: Path) -> int:
     """Bytes of every prompt's KV, all KV heads once (float32)."""
     model = load_model_config(str(llama_dir))
     block_bytes = model.num_layers * 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4
-    return sum(-(-len(p) // BLOCK_SIZE) * block_bytes for p in _prompts())
+    return sum(-(-len(p) // BLOCK_SIZE) * block_bytes for p in PROMPTS)
 
 
 @pytest.mark.parametrize(
@@ -115,7 +102,7 @@ def test_workers_of_different_sizes_hand_off_each_rank_its_heads(
     prefill = cluster.pool.workers["prefill-0"]
     decode = cluster.pool.workers["decode-0"]
     assert (_kv_heads(prefill.actor), _kv_heads(decode.actor)) == heads
-    assert _run_all(cluster) == expected
+    assert run_all(cluster, PROMPTS, PARAMS) == expected
     # every request's KV arrived (none recomputed), each head of each block exactly once
     assert _received(decode.actor) == (NUM_REQUESTS, _whole_kv_bytes(llama_dir))
 
@@ -125,27 +112,14 @@ def test_a_lost_decode_rank_under_load_loses_no_request(
     cluster: Cluster, expected: list[list[int]]
 ) -> None:
     victim = cluster.pool.workers["decode-0"]
-    (follower,) = _on(victim.actor, lambda self: self._followers)
-
-    async def run_all() -> tuple[bool, list[list[int]]]:
-        tasks = [asyncio.ensure_future(_generate(cluster, p)) for p in _prompts()]
-        # kill decode-0's follower rank once both decode workers are streaming tokens
-        deadline = time.monotonic() + 120
-        while not (running := _both_decoding(cluster)) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        ray.kill(follower)
-        return running, list(await asyncio.gather(*tasks))
-
-    killed_while_running, outputs = asyncio.run(run_all())
+    (follower,) = followers(victim.actor)
+    # kill decode-0's follower rank once both decode workers are streaming tokens
+    killed_while_running, outputs = run_all_killing(
+        cluster, PROMPTS, PARAMS, follower, lambda c: all_running(c, "decode", 2)
+    )
     assert killed_while_running
     assert outputs == expected  # every request complete, each token once
     assert not cluster.pool.workers["decode-0"].alive
-
-
-def _both_decoding(cluster: Cluster) -> bool:
-    cluster.poll_until_reported(time.monotonic())
-    loads = [s.load for s in cluster.worker_statuses() if s.load is not None and s.role == "decode"]
-    return len(loads) == 2 and all(load.num_running > 0 for load in loads)
 
 
 def test_a_lost_prefill_rank_takes_its_worker_out_and_no_request_is_lost(
@@ -162,11 +136,12 @@ def test_a_lost_prefill_rank_takes_its_worker_out_and_no_request_is_lost(
     cluster = Cluster.start(config)
     try:
         victim = cluster.pool.workers["prefill-0"]
-        (follower,) = _on(victim.actor, lambda self: self._followers)
+        (follower,) = followers(victim.actor)
         # its rank 0 learns at its next step, which the requests routed to it start: that step
         # fails in a collective, the worker's process leaves, and the router places them again
         ray.kill(follower)
-        assert _run_all(cluster) == expected  # every request complete, each token once
+        # every request complete, each token once
+        assert run_all(cluster, PROMPTS, PARAMS) == expected
         deadline = time.monotonic() + 120
         while "prefill-0-r1" not in cluster.pool.workers and time.monotonic() < deadline:
             time.sleep(0.2)
