@@ -114,6 +114,16 @@ def make_cache(layout: KVCacheLayout, num_blocks: int, device: str) -> torch.Ten
     return torch.full(shape, 0.5, dtype=layout.torch_dtype, device=device)
 
 
+def plain_rendezvous(rendezvous: ChannelRendezvous) -> dict[str, Any]:
+    """A rendezvous as plain lists and dicts, to hand to the receiving process."""
+    return {**asdict(rendezvous), "extra": [list(pair) for pair in rendezvous.extra]}
+
+
+def rendezvous_of(plain: dict[str, Any]) -> ChannelRendezvous:
+    """The rendezvous ``plain_rendezvous`` gave."""
+    return ChannelRendezvous(**{**plain, "extra": tuple(tuple(pair) for pair in plain["extra"])})
+
+
 def receiver_main(
     rendezvous: list[dict[str, Any]],
     sessions: list[Session],
@@ -125,10 +135,9 @@ def receiver_main(
     torch.set_num_threads(threads)
     out: list[list[dict[str, Any]]] = []
     for plain, session in zip(rendezvous, sessions):
-        plain = {**plain, "extra": tuple(tuple(pair) for pair in plain["extra"])}
         cache = make_cache(session.layout, session.num_cache_blocks, device)
         with KVChannel.connect(
-            ChannelRendezvous(**plain), session.layout, torch.device(device), TIMEOUT_S
+            rendezvous_of(plain), session.layout, torch.device(device), TIMEOUT_S
         ) as channel:
             out.append(
                 [
@@ -161,10 +170,7 @@ def run_transport(
         )
         for s in sessions
     ]
-    plain = [
-        {**asdict(listener.rendezvous), "extra": [list(p) for p in listener.rendezvous.extra]}
-        for listener in listeners
-    ]
+    plain = [plain_rendezvous(listener.rendezvous) for listener in listeners]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     process = context.Process(

@@ -28,10 +28,18 @@ from typing import Any
 
 import torch
 
-from bench.kv_transfer import HANDOFF_LAYOUT, HOST, TIMEOUT_S, make_cache, memcpy_gbps
+from bench.kv_transfer import (
+    HANDOFF_LAYOUT,
+    HOST,
+    TIMEOUT_S,
+    make_cache,
+    memcpy_gbps,
+    plain_rendezvous,
+    rendezvous_of,
+)
 from bench.results_json import write_json
 from engine.parallel.shard import rank_kv_heads
-from kv_transfer import ChannelRendezvous, KVCacheLayout, KVChannel, TransferTicket
+from kv_transfer import KVCacheLayout, KVChannel, TransferTicket
 from kv_transfer.head_plan import HeadMove, plan_head_moves
 from kv_transfer.layout import describe_heads
 
@@ -101,11 +109,10 @@ def receiver_main(
     torch.set_num_threads(threads)
     out = []
     for plain, session in zip(rendezvous, sessions):
-        plain = {**plain, "extra": tuple(tuple(pair) for pair in plain["extra"])}
         layout = session.receiver_layout
         cache = make_cache(layout, session.num_cache_blocks, "cpu")
         with KVChannel.connect(
-            ChannelRendezvous(**plain), layout, torch.device("cpu"), TIMEOUT_S
+            rendezvous_of(plain), layout, torch.device("cpu"), TIMEOUT_S
         ) as channel:
             out.append([asdict(channel.recv_blocks(cache, dst, t)) for t, _, dst in session.jobs])
     results.put(out)
@@ -118,10 +125,7 @@ def run_transport(transport: str, sessions: list[PairSession], threads: int) -> 
         KVChannel.listen(transport, s.sender_layout, HOST, f"tp-{transport}-{i}", cpu)
         for i, s in enumerate(sessions)
     ]
-    plain = [
-        {**asdict(listener.rendezvous), "extra": [list(p) for p in listener.rendezvous.extra]}
-        for listener in listeners
-    ]
+    plain = [plain_rendezvous(listener.rendezvous) for listener in listeners]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     process = context.Process(
