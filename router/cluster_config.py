@@ -156,14 +156,10 @@ class ClusterConfig:
             except ValueError as error:  # "tensor_parallel_size 3 must ..." -> "--decode-tp 3"
                 raise ValueError(str(error).replace("tensor_parallel_size", flag, 1)) from None
 
-    def tensor_parallel_size(self, role: str) -> int:
-        """The ranks of each worker of ``role`` ("prefill" | "decode")."""
-        return self.prefill_tp if role == "prefill" else self.decode_tp
-
     def parallel_config(self, role: str) -> ParallelConfig:
-        """The rank group of each worker of ``role``: its size (its rank 0 picks the port of
-        the group's store when it starts; the ranks share its node)."""
-        return ParallelConfig(self.tensor_parallel_size(role))
+        """The rank group of each worker of ``role`` ("prefill" | "decode"): its size (its rank
+        0 picks the port of the group's store when it starts; the ranks share its node)."""
+        return ParallelConfig(self.prefill_tp if role == "prefill" else self.decode_tp)
 
     @property
     def num_worker_ranks(self) -> int:
