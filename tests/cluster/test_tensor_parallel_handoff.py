@@ -27,6 +27,7 @@ from tests.cluster.tp_workload import (
     run_all_killing,
 )
 from tests.fixtures.local_cluster import local_cluster_config
+from tests.fixtures.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,9 +76,9 @@ def _received(actor: Any) -> tuple[int, int]:
     return transfers, nbytes
 
 
-def _whole_kv_bytes(llama_dir: Path) -> int:
+def _whole_kv_bytes(model_dir: Path) -> int:
     """Bytes of every prompt's KV, all KV heads once (float32)."""
-    model = load_model_config(str(llama_dir))
+    model = load_model_config(str(model_dir))
     block_bytes = model.num_layers * 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4
     return sum(-(-len(p) // BLOCK_SIZE) * block_bytes for p in PROMPTS)
 
@@ -105,6 +106,48 @@ def test_workers_of_different_sizes_hand_off_each_rank_its_heads(
     assert run_all(cluster, PROMPTS, PARAMS) == expected
     # every request's KV arrived (none recomputed), each head of each block exactly once
     assert _received(decode.actor) == (NUM_REQUESTS, _whole_kv_bytes(llama_dir))
+
+
+@pytest.fixture(scope="module")
+def mqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model of one KV head: every rank of a worker of TP 2 holds it (replicated)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("mqa"), "LlamaForCausalLM", seed=11, num_key_value_heads=1
+    )
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp"),
+    [(1, 2), (2, 1), (2, 2)],
+    ids=["P-tp1-D-tp2", "P-tp2-D-tp1", "P-tp2-D-tp2"],
+)
+def test_a_replicated_kv_head_reaches_each_decode_rank_once(
+    ray_session: None, mqa_dir: Path, prefill_tp: int, decode_tp: int
+) -> None:
+    """One KV head, held by every rank of a TP-2 worker: each decode rank receives it once
+    (from one of the prefill ranks that hold it), and the cluster decodes what the offline
+    engine of one rank does."""
+    config = local_cluster_config(
+        mqa_dir,
+        num_prefill=1,
+        num_decode=1,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        block_size=BLOCK_SIZE,
+        failure_policy="fail",  # a request whose KV did not arrive fails, never recomputes
+    )
+    cluster = Cluster.start(config)
+    try:
+        prefill = cluster.pool.workers["prefill-0"]
+        decode = cluster.pool.workers["decode-0"]
+        assert _kv_heads(prefill.actor) == (range(0, 1),) * prefill_tp
+        assert _kv_heads(decode.actor) == (range(0, 1),) * decode_tp
+        expected = offline_tokens(mqa_dir, PROMPTS, PARAMS, BLOCK_SIZE)
+        assert run_all(cluster, PROMPTS, PARAMS) == expected
+        # every request's KV arrived; each decode rank got the one head of each block once
+        assert _received(decode.actor) == (NUM_REQUESTS, decode_tp * _whole_kv_bytes(mqa_dir))
+    finally:
+        cluster.shutdown()
 
 
 @pytest.mark.parametrize("cluster", [(1, 2, 2, "recompute")], indirect=True)
