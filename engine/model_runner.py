@@ -30,6 +30,7 @@ from engine.attention.backend import AttentionBackend
 from engine.decode_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.host_to_device import to_device
+from engine.kernels.linear import has_packed_linears, padded_rows
 from engine.models.registry import CausalLM
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.step_commands import (
@@ -109,6 +110,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.decode_graphs = decode_graphs  # None: every step runs eagerly
+        # packed (oneDNN) linears build a kernel per row count: a step's rows are padded to a
+        # few buckets (``engine.kernels.linear.padded_rows``)
+        self.pads_rows = has_packed_linears(model)
         # prompt positions turned into logits at once, for prompt logprobs: bounds their memory
         self.max_prompt_logits_rows = max_prompt_logits_rows
         self.sampler = Sampler()
@@ -283,7 +287,11 @@ class ModelRunner:
             if replay is not None:
                 return replay
         host_ids, inputs = self._host_inputs(prefills, decodes)
-        input_ids = to_device(host_ids, torch.long, self.device)  # [num_tokens]
+        if self.pads_rows:
+            padding = padded_rows(len(host_ids)) - len(host_ids)
+            host_ids.extend([0] * padding)
+            inputs = replace(inputs, num_padding_rows=padding)
+        input_ids = to_device(host_ids, torch.long, self.device)  # [num_rows]
         positions, metadata = inputs.on_device(self.device)
         if awaited is not None:
             input_ids.index_copy_(0, *awaited)

@@ -6,6 +6,7 @@ Which cache, which batch layout and which kernels come from the forward context.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
@@ -29,10 +30,18 @@ class Attention(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] (rows as many as the query's)
         context = get_forward_context()
         kv_cache_layer = context.kv_cache[self.layer_idx]  # [2, blocks, block_size, kvh, head_dim]
         backend = context.attn_backend
-        backend.write_kv(kv_cache_layer, key, value, context.attn_metadata.slot_mapping)
-        out = backend.forward(query, kv_cache_layer, context.attn_metadata, self.scale)
-        return out.reshape(query.shape[0], self.num_heads * self.head_dim)
+        metadata = context.attn_metadata
+        # rows past the batch's tokens are padding (ForwardInputs.num_padding_rows): no K/V is
+        # written for them, and their output is zeros
+        num_tokens = metadata.num_prefill_tokens + metadata.num_decode_seqs
+        num_padding = query.shape[0] - num_tokens
+        if num_padding > 0:
+            query, key, value = query[:num_tokens], key[:num_tokens], value[:num_tokens]
+        backend.write_kv(kv_cache_layer, key, value, metadata.slot_mapping)
+        out = backend.forward(query, kv_cache_layer, metadata, self.scale)
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return F.pad(out, (0, 0, 0, num_padding)) if num_padding > 0 else out

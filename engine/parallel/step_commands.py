@@ -40,13 +40,22 @@ class ForwardInputs:
     decode_seq_lens: np.ndarray  # [num_decode_seqs] int64 context length incl. the new token
     decode_block_tables: np.ndarray  # [num_decode_seqs, max_blocks] int64, padded with 0
     max_decode_seq_len: int  # max of decode_seq_lens (0 without decodes)
+    # rows after the tokens that the forward runs and attention skips (position 0, no K/V
+    # written): the step's rows padded to ``engine.kernels.linear.padded_rows``
+    num_padding_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_seqs
 
+    @property
+    def num_rows(self) -> int:
+        """The forward's rows: its tokens, then its padding."""
+        return self.num_tokens + self.num_padding_rows
+
     def on_device(self, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
-        """The positions ([num_tokens] int64) and attention metadata on ``device``."""
+        """The positions ([num_rows] int64, 0 for padding) and attention metadata on
+        ``device``."""
         metadata = AttentionMetadata(
             num_prefill_seqs=self.num_prefill_seqs,
             num_prefill_tokens=self.num_prefill_tokens,
@@ -59,7 +68,8 @@ class ForwardInputs:
             decode_block_tables=to_device(self.decode_block_tables, None, device),
             max_decode_seq_len=self.max_decode_seq_len,
         )
-        return to_device(self.positions, None, device), metadata
+        positions = np.pad(self.positions, (0, self.num_padding_rows))
+        return to_device(positions, None, device), metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +81,7 @@ class CopyBlocksCommand:
 
 @dataclass(frozen=True, slots=True)
 class ForwardCommand:
-    """Run one forward; the input ids follow as an int64 tensor of ``inputs.num_tokens``."""
+    """Run one forward; the input ids follow as an int64 tensor of ``inputs.num_rows``."""
 
     inputs: ForwardInputs  # the batch the forward runs
 
@@ -94,14 +104,12 @@ StepCommand = CopyBlocksCommand | ForwardCommand | LogitsCommand | StopCommand
 def send_command(
     group: TensorParallelGroup, command: StepCommand, input_ids: torch.Tensor | None = None
 ) -> None:
-    """Rank 0: broadcast ``command`` (and a forward's ``input_ids``, [num_tokens] int64 on the
+    """Rank 0: broadcast ``command`` (and a forward's ``input_ids``, [num_rows] int64 on the
     group's device)."""
     group.broadcast_object(command)
     if isinstance(command, ForwardCommand):
-        if input_ids is None or input_ids.shape != (command.inputs.num_tokens,):
-            raise ValueError(
-                f"a forward of {command.inputs.num_tokens} tokens needs as many input ids"
-            )
+        if input_ids is None or input_ids.shape != (command.inputs.num_rows,):
+            raise ValueError(f"a forward of {command.inputs.num_rows} rows needs as many input ids")
         group.broadcast(input_ids)
 
 
@@ -114,5 +122,5 @@ def receive_command(
         raise TypeError(f"rank 0 sent {type(command).__name__}, not a step command")
     if not isinstance(command, ForwardCommand):
         return command, None
-    input_ids = torch.empty(command.inputs.num_tokens, dtype=torch.long, device=device)
+    input_ids = torch.empty(command.inputs.num_rows, dtype=torch.long, device=device)
     return command, group.broadcast(input_ids)

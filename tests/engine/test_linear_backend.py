@@ -13,12 +13,14 @@ from torch import nn
 from engine import LLM
 from engine.engine_config import LoadConfig
 from engine.kernels.linear import (
+    EXACT_ROWS,
     PackedLinear,
     onednn_supports,
     pack_linears,
+    padded_rows,
     resolve_linear_backend,
 )
-from tests.engine.test_parity import engine_tokens, make_prompts, reference
+from tests.engine.test_parity import engine_tokens, greedy_params, make_prompts, reference
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
@@ -99,3 +101,41 @@ def test_greedy_matches_transformers_with_each_backend(llama_dir: Path, backend:
     assert linears and all(isinstance(m, expected_type) for m in linears)
     prompts = make_prompts(seed=1)
     assert engine_tokens(llm, prompts) == reference(llama_dir, prompts, "plain")
+
+
+def test_padded_rows_are_exact_for_decode_batches_and_few_above() -> None:
+    assert [padded_rows(n) for n in range(1, EXACT_ROWS + 1)] == list(range(1, EXACT_ROWS + 1))
+    for n in range(EXACT_ROWS + 1, 8193):
+        assert n <= padded_rows(n) <= n * 17 / 16, n  # at most 1/16 more rows
+        assert padded_rows(padded_rows(n)) == padded_rows(n)  # a bucket is its own bucket
+    # 64 exact counts, then 16 buckets in each of the 7 octaves from 65 to 8192
+    assert len({padded_rows(n) for n in range(1, 8193)}) == EXACT_ROWS + 16 * 7
+    assert [padded_rows(n) for n in (65, 127, 129, 255, 257, 300, 511, 513)] == [
+        68, 128, 136, 256, 272, 304, 512, 544,
+    ]  # fmt: skip
+
+
+@needs_onednn
+def test_steps_give_onednn_bucketed_row_counts_and_decode_as_transformers(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """oneDNN builds a kernel per row count: a step of a fresh token count runs padded to its
+    bucket (attention skips the padding rows), and greedy tokens stay transformers' own."""
+    rows_seen: list[int] = []
+    packed_forward = PackedLinear.forward
+
+    def recording(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        rows_seen.append(x.shape[0])
+        return packed_forward(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", recording)
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", linear_backend="onednn")
+    prompts = make_prompts(seed=1)
+    expected = reference(llama_dir, prompts, "plain")
+    for prompt, params, tokens in zip(prompts, greedy_params(), expected, strict=True):
+        rows_seen.clear()
+        (out,) = llm.generate([prompt], params)
+        assert out.outputs[0].token_ids == tokens
+        # the prefill's projections ran on its bucket's rows; each decode step on one row
+        assert padded_rows(len(prompt)) in rows_seen
+        assert set(rows_seen) <= {padded_rows(len(prompt)), 1}, (len(prompt), set(rows_seen))
