@@ -209,6 +209,9 @@ async def _generate(
         live = admission.enter_context(gateway.admitted(header.id, caller))
         front = FrontDoorStamps(arrived_on_wall_clock, parsed_at, time.time())
         generations = _generations(gateway, job, header, arrived_at)
+        for generation in generations:  # placed while the response's headers go out
+            generation.start()
+            admission.callback(generation.close)  # (if the response never streams)
         events = _ending_with_cut_off(event_stream(gateway, job, header, generations, live), live)
         events = _recording_first_tokens(events, gateway, generations, front)
         return EventStreamResponse(events, on_close=admission.close, request_id=header.id)

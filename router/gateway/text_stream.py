@@ -15,6 +15,7 @@ runs (a sample cut by a stop string).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +115,12 @@ class TextGeneration:
     # it); None until then, or when it came untraced
     first_token_trace: FirstTokenTrace | None = None
     _samples: list[_Sample] = field(default_factory=list, init=False)
+    # the cluster's stream and the task taking its first event, once ``start`` sent the prompt
+    # ahead of ``deltas``; None before, and once ``deltas`` or ``close`` took them
+    _started: tuple[AsyncGenerator[TokenEvent, None], asyncio.Future[TokenEvent]] | None = field(
+        default=None, init=False
+    )
+    _taken: bool = field(default=False, init=False)  # ``deltas`` or ``close`` ran
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -124,6 +131,26 @@ class TextGeneration:
         """Tokens generated so far, over all samples (up to the ones that hit stop strings)."""
         return sum(s.num_tokens for s in self._samples)
 
+    def start(self) -> None:
+        """Send the prompt to the cluster now (on the event loop), ahead of ``deltas()``: a
+        streamed response's headers then go out while the prompt is placed, rather than before
+        it. ``deltas()`` takes the stream over; ``close()`` ends it if ``deltas()`` never runs."""
+        if self._started is None and not self._taken:
+            events = self._cluster_events()
+            self._started = (events, asyncio.ensure_future(_first_event(events)))
+
+    def close(self) -> None:
+        """End a generation that ``start`` sent and whose ``deltas()`` never ran (its response
+        ended before it streamed): the request is aborted in the cluster. Nothing otherwise."""
+        started, self._started = self._started, None
+        if started is None or self._taken:
+            return
+        self._taken = True
+        events, first = started
+        first.cancel()  # a placement under way: aborted once placed
+        # then the stream itself (it cannot be closed while the first event is being taken)
+        first.add_done_callback(lambda taken: _drop(taken, events))
+
     async def deltas(self) -> AsyncIterator[SampleDelta]:
         params = self.spec.params
         self._samples = samples = [
@@ -133,31 +160,43 @@ class TextGeneration:
             )
             for _ in range(params.n)
         ]
-        events = self.backend.generate(
+        started, self._started = self._started, None
+        self._taken = True
+        if started is None:
+            events, first = self._cluster_events(), None
+        else:
+            events, first = started
+        try:
+            async with contextlib.aclosing(_resumed(first, events)) as stream:
+                async for event in stream:
+                    if event.position == 0 and event.sample_index == 0:
+                        self.num_cached_tokens = event.num_cached_tokens
+                        self.queue_seconds = event.queue_seconds
+                        self.first_token_trace = event.first_token_trace
+                    if event.prompt_logprobs is not None:  # once, with sample 0's first token
+                        self.prompt_logprobs = event.prompt_logprobs
+                    self._time(samples[event.sample_index], event.sample_index)
+                    delta = self._advance(samples[event.sample_index], event)
+                    if delta is not None:
+                        yield delta
+                    if all(s.finished for s in samples):
+                        break
+        except ValueError as error:  # the workers refused it: a client error, not a failure
+            raise refused(error) from error
+        finally:
+            if first is not None and not first.done():
+                first.cancel()  # left while the first event was awaited: it stops the stream
+                await asyncio.wait([first])
+            await events.aclose()  # aborts the request wherever it still runs
+
+    def _cluster_events(self) -> AsyncGenerator[TokenEvent, None]:
+        return self.backend.generate(
             self.spec.prompt_token_ids,
-            params,
+            self.spec.params,
             request_id=self.request_id,
             cache_salt=self.spec.cache_salt,
             priority=self.spec.priority,
         )
-        try:
-            async for event in events:
-                if event.position == 0 and event.sample_index == 0:
-                    self.num_cached_tokens = event.num_cached_tokens
-                    self.queue_seconds = event.queue_seconds
-                    self.first_token_trace = event.first_token_trace
-                if event.prompt_logprobs is not None:  # once, with sample 0's first token
-                    self.prompt_logprobs = event.prompt_logprobs
-                self._time(samples[event.sample_index], event.sample_index)
-                delta = self._advance(samples[event.sample_index], event)
-                if delta is not None:
-                    yield delta
-                if all(s.finished for s in samples):
-                    break
-        except ValueError as error:  # the workers refused it: a client error, not a failure
-            raise refused(error) from error
-        finally:
-            await events.aclose()  # aborts the request wherever it still runs
 
     def scored_prompt(self) -> ScoredPrompt:
         """The prompt with the logprobs the workers sent for it; a RuntimeError (a server
@@ -231,6 +270,31 @@ def _whole_characters(text: str) -> str:
     """``text`` without the replacement characters that a character cut short by the end of
     the sample (max_tokens inside an emoji) decodes to: never a U+FFFD at the end, as vLLM."""
     return text.rstrip(_REPLACEMENT)
+
+
+async def _first_event(events: AsyncGenerator[TokenEvent, None]) -> TokenEvent:
+    return await anext(events)
+
+
+def _drop(first: asyncio.Future[TokenEvent], events: AsyncGenerator[TokenEvent, None]) -> None:
+    """Close a stream nobody will read, once the task taking its first event is done."""
+    if not first.cancelled():
+        first.exception()  # (read, so that an error is not reported as never retrieved)
+    asyncio.ensure_future(events.aclose())
+
+
+async def _resumed(
+    first: asyncio.Future[TokenEvent] | None, events: AsyncGenerator[TokenEvent, None]
+) -> AsyncGenerator[TokenEvent, None]:
+    """``events``, after the event ``first`` took from them (if it did: a stream that ended
+    before its first event ends here too)."""
+    if first is not None:
+        try:
+            yield await first
+        except StopAsyncIteration:
+            return
+    async for event in events:
+        yield event
 
 
 async def merged_deltas(

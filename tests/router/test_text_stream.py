@@ -148,3 +148,72 @@ def test_merged_deltas_closed_mid_wait_leave_no_task_behind(tokenizer: Any) -> N
 
     assert asyncio.run(close_mid_wait()) == set()
     assert all(b.closed_early for b in backends)
+
+
+class HeldAtPlacement(ScriptedTokens):
+    """A cluster whose placement waits for ``placed`` before the stream's first token, and
+    that records when the placement began and whether the stream was closed."""
+
+    def __init__(self, samples: list[list[int]]) -> None:
+        super().__init__(samples)
+        self.placing = asyncio.Event()
+        self.placed = asyncio.Event()
+        self.stream_closed = False
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[TokenEvent, None]:
+        self.placing.set()
+        try:
+            await self.placed.wait()
+            async for event in super().generate(*args, **kwargs):
+                yield event
+        finally:
+            self.stream_closed = True
+
+
+def test_a_started_generation_is_placed_before_its_deltas_are_read(tokenizer: Any) -> None:
+    """``start`` sends the prompt at once (a streamed response's headers then go out while it
+    is placed); ``deltas`` later gives every token once, the first included."""
+    tokens = tokenizer.encode(TEXT)
+    backend = HeldAtPlacement([tokens])
+
+    async def main() -> list[SampleDelta]:
+        generation = TextGeneration(backend, tokenizer, _spec(1), "r")
+        generation.start()
+        await asyncio.wait_for(backend.placing.wait(), timeout=30)  # before any deltas()
+        backend.placed.set()
+        deltas = [delta async for delta in generation.deltas()]
+        generation.close()  # after deltas(): nothing to do
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert [t for d in deltas for t in d.token_ids] == tokens
+    assert "".join(d.text for d in deltas) == tokenizer.decode(tokens)
+    assert backend.stream_closed and not backend.closed_early
+
+
+@pytest.mark.parametrize("first_token_came", [False, True])
+def test_closing_a_started_generation_that_never_streamed_ends_its_request(
+    tokenizer: Any, first_token_came: bool
+) -> None:
+    """A response that ends before it streams (the client left) closes its started
+    generations: the cluster's stream is closed (the request aborted), whether its first
+    token had come or it was still being placed."""
+    backend = HeldAtPlacement([tokenizer.encode(TEXT)])
+
+    async def main() -> None:
+        generation = TextGeneration(backend, tokenizer, _spec(1), "r")
+        generation.start()
+        await asyncio.wait_for(backend.placing.wait(), timeout=30)
+        if first_token_came:
+            backend.placed.set()
+            for _ in range(100):  # let the first token come
+                await asyncio.sleep(0)
+        generation.close()
+        for _ in range(1000):
+            if backend.stream_closed:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert backend.stream_closed
+    assert not first_token_came or backend.closed_early
