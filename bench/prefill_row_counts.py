@@ -23,6 +23,7 @@ fresh and on repeated lengths, and writes JSON. Without ``--model`` the model is
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import random
 import statistics
@@ -51,11 +52,11 @@ def run_variant(variant: str, model: str, lengths: list[int], threads: int) -> d
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rng = random.Random(0)
     vocab_size = engine.model_config.vocab_size
-    requests = iter(range(1 << 30))
+    request_ids = itertools.count()
 
     def prefill_seconds(length: int) -> float:
         prompt = [rng.randrange(3, vocab_size) for _ in range(length)]
-        engine.add_request(f"r{next(requests)}", prompt, params)
+        engine.add_request(f"r{next(request_ids)}", prompt, params)
         started = time.perf_counter()
         engine.step()  # the prompt's one step: its prefill and first token
         seconds = time.perf_counter() - started

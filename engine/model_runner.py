@@ -287,8 +287,8 @@ class ModelRunner:
             if replay is not None:
                 return replay
         host_ids, inputs = self._host_inputs(prefills, decodes)
-        if self.pads_rows:
-            padding = padded_rows(len(host_ids)) - len(host_ids)
+        padding = padded_rows(len(host_ids)) - len(host_ids) if self.pads_rows else 0
+        if padding:
             host_ids.extend([0] * padding)
             inputs = replace(inputs, num_padding_rows=padding)
         input_ids = to_device(host_ids, torch.long, self.device)  # [num_rows]

@@ -68,7 +68,9 @@ class ForwardInputs:
             decode_block_tables=to_device(self.decode_block_tables, None, device),
             max_decode_seq_len=self.max_decode_seq_len,
         )
-        positions = np.pad(self.positions, (0, self.num_padding_rows))
+        positions = self.positions
+        if self.num_padding_rows:
+            positions = np.pad(positions, (0, self.num_padding_rows))
         return to_device(positions, None, device), metadata
 
 

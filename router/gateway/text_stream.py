@@ -120,7 +120,6 @@ class TextGeneration:
     _started: tuple[AsyncGenerator[TokenEvent, None], asyncio.Future[TokenEvent]] | None = field(
         default=None, init=False
     )
-    _taken: bool = field(default=False, init=False)  # ``deltas`` or ``close`` ran
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -134,18 +133,18 @@ class TextGeneration:
     def start(self) -> None:
         """Send the prompt to the cluster now (on the event loop), ahead of ``deltas()``: a
         streamed response's headers then go out while the prompt is placed, rather than before
-        it. ``deltas()`` takes the stream over; ``close()`` ends it if ``deltas()`` never runs."""
-        if self._started is None and not self._taken:
+        it. Call it before ``deltas()``, which takes the stream over; ``close()`` ends it if
+        ``deltas()`` never runs."""
+        if self._started is None:
             events = self._cluster_events()
-            self._started = (events, asyncio.ensure_future(_first_event(events)))
+            self._started = (events, asyncio.ensure_future(anext(events)))
 
     def close(self) -> None:
         """End a generation that ``start`` sent and whose ``deltas()`` never ran (its response
         ended before it streamed): the request is aborted in the cluster. Nothing otherwise."""
         started, self._started = self._started, None
-        if started is None or self._taken:
+        if started is None:
             return
-        self._taken = True
         events, first = started
         first.cancel()  # a placement under way: aborted once placed
         # then the stream itself (it cannot be closed while the first event is being taken)
@@ -161,7 +160,6 @@ class TextGeneration:
             for _ in range(params.n)
         ]
         started, self._started = self._started, None
-        self._taken = True
         if started is None:
             events, first = self._cluster_events(), None
         else:
@@ -270,10 +268,6 @@ def _whole_characters(text: str) -> str:
     """``text`` without the replacement characters that a character cut short by the end of
     the sample (max_tokens inside an emoji) decodes to: never a U+FFFD at the end, as vLLM."""
     return text.rstrip(_REPLACEMENT)
-
-
-async def _first_event(events: AsyncGenerator[TokenEvent, None]) -> TokenEvent:
-    return await anext(events)
 
 
 def _drop(first: asyncio.Future[TokenEvent], events: AsyncGenerator[TokenEvent, None]) -> None:
