@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from engine.attention.backend import AttentionBackend
     from engine.attention.metadata import AttentionMetadata
+    from engine.models.expert_tokens import ExpertTokenCounts
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,8 @@ class ForwardContext:
     attn_metadata: AttentionMetadata  # layout of the flattened token batch
     kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     attn_backend: AttentionBackend  # computes attention over the paged cache
+    # a mixture-of-experts model's sparse layers count their tokens per expert here (None: not)
+    expert_tokens: ExpertTokenCounts | None = None
 
 
 class _State(threading.local):

@@ -19,6 +19,7 @@ from engine.kv_cache.block_manager import BlockManager
 from engine.messages import PrefillResult, SampleStart, TokenEvent, WorkerCounters
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.models.expert_tokens import ExpertTokenCounts
 from engine.outputs import RequestOutput
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.rank_model import build_rank_model, check_max_model_len, join_group
@@ -105,6 +106,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             scheduler, self.block_manager, eos, proposer, grammar_cursors.valid_drafts
         )
+        moe = self.model_config.moe
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -116,6 +118,7 @@ class LLMEngine:
             max_prompt_logits_rows=scheduler.max_num_seqs,
             grammar_cursors=grammar_cursors,
             group=self.group,
+            expert_tokens=None if moe is None else ExpertTokenCounts(moe),
         )
         self.stats = EngineStats()
         # async scheduling: the step launched ahead, to be sampled and applied by the next step()
@@ -459,6 +462,7 @@ class LLMEngine:
         """This engine's totals for the worker's load report, with the worker's KV transfers."""
         pool = self.block_manager.pool
         block_size = self.block_manager.block_size
+        expert_tokens = self.runner.expert_tokens
         return WorkerCounters(
             num_generated_tokens=self.stats.num_generated_tokens,
             num_prefill_tokens=self.stats.num_prefill_tokens,
@@ -470,6 +474,8 @@ class LLMEngine:
             kv_transfer_seconds=kv_transfer_seconds,
             num_draft_tokens=self.stats.num_draft_tokens,
             num_accepted_draft_tokens=self.stats.num_accepted_draft_tokens,
+            expert_tokens=() if expert_tokens is None else expert_tokens.per_expert(),
+            expert_layer_imbalance=() if expert_tokens is None else expert_tokens.layer_imbalance(),
         )
 
     # ---- helpers ------------------------------------------------------------------------

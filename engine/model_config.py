@@ -17,6 +17,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -25,6 +28,9 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # transformers' defaults when config.json omits the key
 _DEFAULT_MAX_POSITIONS = {
@@ -32,6 +38,31 @@ _DEFAULT_MAX_POSITIONS = {
     "MistralForCausalLM": 4096 * 32,
     "Qwen2ForCausalLM": 32768,
     "Qwen3ForCausalLM": 32768,
+    "MixtralForCausalLM": 4096 * 32,
+    "Qwen2MoeForCausalLM": 32768,
+    "Qwen3MoeForCausalLM": 32768,
+}
+# transformers' rope base when config.json gives none (10000 for the others)
+_DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6}
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+# transformers' defaults for the sparse MLP's keys, per architecture
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "MixtralForCausalLM": {"num_experts": 8, "num_experts_per_tok": 2},
+    "Qwen2MoeForCausalLM": {
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    },
+    "Qwen3MoeForCausalLM": {
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    },
 }
 
 
@@ -43,6 +74,20 @@ class RopeConfig:
     low_freq_factor: float  # llama3 only
     high_freq_factor: float  # llama3 only
     original_max_position_embeddings: int  # llama3 only: pre-training context length
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts model: a router picks ``num_experts_per_token``
+    of ``num_experts`` gated MLPs per token (softmax over the router's logits, then top-k)."""
+
+    num_experts: int  # routed experts per sparse layer
+    num_experts_per_token: int  # top-k
+    expert_intermediate_size: int  # width of each routed expert's gated MLP
+    normalize_top_k: bool  # the top-k probabilities are rescaled to sum to 1 (norm_topk_prob)
+    sparse_layers: tuple[int, ...]  # layers whose MLP is sparse; the others keep the dense MLP
+    shared_expert_intermediate_size: int  # a gated MLP every token also runs; 0: none
+    shared_expert_gated: bool  # the shared expert's output is scaled by sigmoid(gate(x))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +111,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]  # from config.json and generation_config.json
     bos_token_id: int | None
     checkpoint_dtype: str  # dtype the checkpoint was saved in, e.g. "bfloat16"
+    moe: MoeConfig | None = None  # the sparse MLP; None: every layer's MLP is dense
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -95,27 +141,31 @@ def parse_model_config(
     max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[architecture])
     _check_unsupported_features(raw, architecture, max_positions)
     attention_bias = bool(raw.get("attention_bias", False))
-    is_qwen2 = architecture == "Qwen2ForCausalLM"
+    is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    is_qwen2_moe = architecture == "Qwen2MoeForCausalLM"
+    num_layers = int(raw["num_hidden_layers"])
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden_size,
         intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=is_qwen2 or attention_bias,
+        # Qwen2's q/k/v always have a bias; Qwen2-MoE's follow its qkv_bias key (default on)
+        qkv_bias=bool(raw.get("qkv_bias", True)) if is_qwen2_moe else is_qwen2 or attention_bias,
         o_proj_bias=not is_qwen2 and attention_bias,
         mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
-        qk_norm=architecture == "Qwen3ForCausalLM",
-        rope=_parse_rope(raw, max_positions),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        rope=_parse_rope(raw, max_positions, _DEFAULT_ROPE_THETA.get(architecture, 10000.0)),
         eos_token_ids=_eos_token_ids(raw, generation or {}),
         bos_token_id=_optional_int(raw.get("bos_token_id")),
         checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        moe=_parse_moe(raw, architecture, num_layers),
     )
 
 
@@ -133,6 +183,54 @@ def _architecture(raw: dict[str, Any]) -> str:
     return architecture
 
 
+def _parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeConfig | None:
+    """The sparse MLP as transformers builds it for ``architecture`` (None for dense models)."""
+    defaults = _MOE_DEFAULTS.get(architecture)
+    if defaults is None:
+        return None
+
+    def field(key: str) -> Any:
+        value = raw.get(key)
+        return defaults[key] if value is None else value
+
+    # the expert count goes by either name (transformers maps one onto the other, and saves
+    # whichever its config class holds)
+    experts_key = next((k for k in _EXPERT_COUNT_KEYS if raw.get(k) is not None), None)
+    num_experts = int(raw[experts_key] if experts_key else defaults["num_experts"])
+    if architecture == "MixtralForCausalLM":  # every layer sparse, always renormalised
+        expert_intermediate = int(raw["intermediate_size"])
+        normalize, sparse_layers, shared = True, tuple(range(num_layers)), 0
+    else:  # Qwen2-MoE, Qwen3-MoE: every decoder_sparse_step-th layer, less mlp_only_layers
+        expert_intermediate = int(field("moe_intermediate_size"))
+        normalize = bool(field("norm_topk_prob"))
+        step = int(field("decoder_sparse_step"))
+        if step < 1:
+            raise ValueError(f"decoder_sparse_step {step} must be at least 1")
+        dense = {int(layer) for layer in raw.get("mlp_only_layers") or ()}
+        sparse_layers = tuple(
+            i
+            for i in range(num_layers)
+            if i not in dense and num_experts > 0 and (i + 1) % step == 0
+        )
+        shared = (
+            int(field("shared_expert_intermediate_size"))
+            if "shared_expert_intermediate_size" in defaults
+            else 0
+        )
+    top_k = int(field("num_experts_per_tok"))
+    if sparse_layers and not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in 1 .. {num_experts} (the experts)")
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_token=top_k,
+        expert_intermediate_size=expert_intermediate,
+        normalize_top_k=normalize,
+        sparse_layers=sparse_layers,
+        shared_expert_intermediate_size=shared,
+        shared_expert_gated=shared > 0,
+    )
+
+
 def _check_unsupported_features(raw: dict[str, Any], architecture: str, max_positions: int) -> None:
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
@@ -147,6 +245,12 @@ def _check_unsupported_features(raw: dict[str, Any], architecture: str, max_posi
 
 def _effective_sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
     """The window transformers would apply, following its config defaults."""
+    if architecture == "MixtralForCausalLM":
+        window = raw.get("sliding_window")
+        return None if window is None else int(window)
+    if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        window = raw.get("sliding_window", 4096)
+        return int(window) if raw.get("use_sliding_window", False) and window else None
     if architecture == "MistralForCausalLM":
         window = raw.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
         return None if window is None else int(window)
@@ -163,7 +267,7 @@ def _effective_sliding_window(raw: dict[str, Any], architecture: str) -> int | N
     return None
 
 
-def _parse_rope(raw: dict[str, Any], max_positions: int) -> RopeConfig:
+def _parse_rope(raw: dict[str, Any], max_positions: int, default_theta: float) -> RopeConfig:
     params: dict[str, Any] = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if any(isinstance(value, dict) for value in params.values()):
         raise ValueError(f"per-layer-type rope parameters are not supported: {params}")
@@ -177,7 +281,7 @@ def _parse_rope(raw: dict[str, Any], max_positions: int) -> RopeConfig:
         raise ValueError(
             f"unsupported rope type {scaling_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     factor = params.get("factor", 1.0) if scaling_type != "default" else 1.0
     return RopeConfig(
         theta=float(theta),

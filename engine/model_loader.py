@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -138,68 +139,136 @@ def _build_empty(
 
 
 def _load_targets(model: LlamaForCausalLM) -> dict[str, _Target]:
-    """Checkpoint tensor name -> where it goes. Fused params take several checkpoint tensors."""
+    """Checkpoint tensor name -> where it goes. Fused params take several checkpoint tensors;
+    a stacked experts param takes each expert's tensors into its slice ``param[expert]``."""
     config, shard = model.config, model.shard
-    fused_parts = _fused_parts(config, shard)
-    q_rows = _times(shard.q_heads, config.head_dim)  # this rank's columns of o_proj
-    q_size = config.num_heads * config.head_dim
-    row_parallel = {
-        "o_proj": (q_size, q_rows),
-        "down_proj": (config.intermediate_size, shard.intermediate),
-    }
     targets: dict[str, _Target] = {}
     for name, param in model.named_parameters():
-        module_name, leaf = name.split(".")[-2:]
-        if module_name in fused_parts:
-            row_offset = 0
-            for hf_part, full_rows, rows in fused_parts[module_name]:
-                hf_name = name.replace(f".{module_name}.", f".{hf_part}.")
-                full_shape = (full_rows, *param.shape[1:])
-                targets[hf_name] = _Target(param, row_offset, len(rows), full_shape, rows, None)
-                row_offset += len(rows)
-        elif module_name in row_parallel and leaf == "weight":
-            full_cols, cols = row_parallel[module_name]
-            full_shape = (param.shape[0], full_cols)
-            targets[name] = _Target(
-                param, 0, param.shape[0], full_shape, range(param.shape[0]), cols
-            )
-        elif module_name in row_parallel:  # the bias, added once: rank 0 holds it, others zeros
-            rows = range(param.shape[0]) if shard.rank == 0 else range(0)
-            targets[name] = _Target(param, 0, param.shape[0], tuple(param.shape), rows, None)
-        elif module_name in ("embed_tokens", "lm_head"):
-            rows = range(shard.vocab.start, min(shard.vocab.stop, config.vocab_size))
-            full_shape = (config.vocab_size, param.shape[1])
-            targets[name] = _Target(param, 0, shard.vocab_rows, full_shape, rows, None)
-        else:  # replicated on every rank
-            whole = range(param.shape[0])
-            targets[name] = _Target(param, 0, param.shape[0], tuple(param.shape), whole, None)
+        for hf_name, expert_param, parts in _checkpoint_tensors(name, param, config, shard):
+            if parts is not None:  # a fused projection: its parts stacked along the rows
+                row_offset = 0
+                for hf_part, full_rows, rows in parts:
+                    part_name = hf_name.replace(f".{_module(hf_name)}.", f".{hf_part}.")
+                    full_shape = (full_rows, *expert_param.shape[1:])
+                    targets[part_name] = _Target(
+                        expert_param, row_offset, len(rows), full_shape, rows, None
+                    )
+                    row_offset += len(rows)
+            else:
+                targets[hf_name] = _single_target(hf_name, expert_param, config, shard)
     return targets
 
 
+_Parts = list[tuple[str, int, range]]  # (checkpoint projection, its rows, the rows read)
+
+
+def _checkpoint_tensors(
+    name: str, param: torch.Tensor, config: ModelConfig, shard: TensorParallelShard
+) -> list[tuple[str, torch.Tensor, _Parts | None]]:
+    """The checkpoint names a parameter loads from, as (name, the tensor it fills, the fused
+    parts stacked in it or None). A routed experts param ``...experts.gate_up_proj`` [experts,
+    rows, cols] loads expert e from ``...experts.{e}.gate_up_proj.weight`` into ``param[e]``
+    (and the fused parts of that name)."""
+    module_name, leaf = name.split(".")[-2:]
+    if module_name == "experts":  # stacked: one checkpoint module per expert
+        prefix = name[: -len(leaf) - 1]
+        return [
+            (
+                f"{prefix}.{expert}.{leaf}.weight",
+                param[expert],
+                _fused_parts(f"{leaf}", config, shard, True),
+            )
+            for expert in range(param.shape[0])
+        ]
+    return [(name, param, _fused_parts(name, config, shard, False))]
+
+
+def _module(name: str) -> str:
+    return name.split(".")[-2]
+
+
 def _fused_parts(
-    config: ModelConfig, shard: TensorParallelShard
-) -> dict[str, list[tuple[str, int, range]]]:
-    """Our fused projection -> the Hugging Face projections stacked in it, in row order, each
-    as (name, the checkpoint tensor's rows, the rows this rank reads)."""
-    q_size = config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    kv_rows = _times(shard.kv_heads, config.head_dim)
-    return {
-        "qkv_proj": [
+    name: str, config: ModelConfig, shard: TensorParallelShard, routed_expert: bool
+) -> _Parts | None:
+    """The Hugging Face projections stacked in our fused projection ``name``, in row order,
+    each as (name, the checkpoint tensor's rows, the rows this rank reads); None: not fused."""
+    module_name = name if routed_expert else _module(name)
+    if module_name == "qkv_proj":
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        kv_rows = _times(shard.kv_heads, config.head_dim)
+        return [
             ("q_proj", q_size, _times(shard.q_heads, config.head_dim)),
             ("k_proj", kv_size, kv_rows),
             ("v_proj", kv_size, kv_rows),
-        ],
-        "gate_up_proj": [
-            ("gate_proj", config.intermediate_size, shard.intermediate),
-            ("up_proj", config.intermediate_size, shard.intermediate),
-        ],
-    }
+        ]
+    if module_name != "gate_up_proj":
+        return None
+    full, rows = _mlp_columns(name, config, shard, routed_expert)
+    return [("gate_proj", full, rows), ("up_proj", full, rows)]
+
+
+def _mlp_columns(
+    name: str, config: ModelConfig, shard: TensorParallelShard, routed_expert: bool
+) -> tuple[int, range]:
+    """The intermediate width of the MLP ``name`` belongs to, and this rank's columns of it."""
+    moe = config.moe
+    if routed_expert and moe is not None:
+        return moe.expert_intermediate_size, shard.expert_intermediate
+    if ".shared_expert." in name and moe is not None:
+        return moe.shared_expert_intermediate_size, shard.shared_expert_intermediate
+    return config.intermediate_size, shard.intermediate
+
+
+def _single_target(
+    name: str, param: torch.Tensor, config: ModelConfig, shard: TensorParallelShard
+) -> _Target:
+    """Where an unfused checkpoint tensor lands: row-parallel weights read their input columns,
+    the vocabulary-parallel ones their vocab rows; the rest is replicated."""
+    module_name, leaf = name.split(".")[-2:]
+    if module_name in ("o_proj", "down_proj") and leaf == "weight":
+        if module_name == "o_proj":
+            full_cols, cols = (
+                config.num_heads * config.head_dim,
+                _times(shard.q_heads, config.head_dim),
+            )
+        else:
+            full_cols, cols = _mlp_columns(name, config, shard, ".experts." in name)
+        full_shape = (param.shape[0], full_cols)
+        return _Target(param, 0, param.shape[0], full_shape, range(param.shape[0]), cols)
+    if module_name in ("o_proj", "down_proj"):  # the bias, added once: rank 0 holds it
+        rows = range(param.shape[0]) if shard.rank == 0 else range(0)
+        return _Target(param, 0, param.shape[0], tuple(param.shape), rows, None)
+    if module_name in ("embed_tokens", "lm_head"):
+        rows = range(shard.vocab.start, min(shard.vocab.stop, config.vocab_size))
+        full_shape = (config.vocab_size, param.shape[1])
+        return _Target(param, 0, shard.vocab_rows, full_shape, rows, None)
+    whole = range(param.shape[0])  # replicated on every rank
+    return _Target(param, 0, param.shape[0], tuple(param.shape), whole, None)
 
 
 def _times(heads: range, head_dim: int) -> range:
     """The rows of ``heads`` in a projection of ``head_dim`` rows per head."""
     return range(heads.start * head_dim, heads.stop * head_dim)
+
+
+# Checkpoint names that differ from ours, per architecture: (pattern, replacement) applied in
+# order to each checkpoint tensor's name before it is matched to a parameter.
+_CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
+    "MixtralForCausalLM": (
+        (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+        (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+        (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
+        (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
+    ),
+}
+
+
+def _our_name(name: str, config: ModelConfig) -> str:
+    """A checkpoint tensor's name as our parameters spell it (``_CHECKPOINT_RENAMES``)."""
+    for pattern, replacement in _CHECKPOINT_RENAMES.get(config.architecture, ()):
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def _is_ignored(name: str, config: ModelConfig) -> bool:
@@ -213,10 +282,12 @@ def _load_safetensors(
     model: LlamaForCausalLM, names_by_file: dict[Path, list[str]], all_names: set[str]
 ) -> None:
     targets = _load_targets(model)
+    config = model.config
+    ours = {name: _our_name(name, config) for name in all_names}
     unexpected = sorted(
-        n for n in all_names if n not in targets and not _is_ignored(n, model.config)
+        n for n, our in ours.items() if our not in targets and not _is_ignored(our, config)
     )
-    missing = sorted(set(targets) - all_names)
+    missing = sorted(set(targets) - set(ours.values()))
     if unexpected or missing:
         raise ValueError(
             f"checkpoint does not match {model.config.architecture}: "
@@ -225,7 +296,7 @@ def _load_safetensors(
     for file, names in names_by_file.items():
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in names:
-                target = targets.get(name)
+                target = targets.get(ours[name])
                 if target is None:
                     continue
                 if target.is_whole():
@@ -290,13 +361,17 @@ def _init_dummy_sharded(model: LlamaForCausalLM, seed: int) -> None:
 def _checkpoint_parts(
     name: str, tensor: torch.Tensor, config: ModelConfig
 ) -> list[tuple[str, torch.Tensor]]:
-    """A one-rank parameter as the checkpoint tensors it is fused from."""
-    module_name = name.split(".")[-2]
-    parts = _fused_parts(config, TensorParallelShard.whole(config)).get(module_name)
-    if parts is None:
-        return [(name, tensor)]
-    pieces = tensor.split([full_rows for _, full_rows, _ in parts])
-    return [
-        (name.replace(f".{module_name}.", f".{part}."), piece)
-        for (part, _, _), piece in zip(parts, pieces, strict=True)
-    ]
+    """A one-rank parameter as the checkpoint tensors it is fused (or stacked) from."""
+    whole = TensorParallelShard.whole(config)
+    pieces: list[tuple[str, torch.Tensor]] = []
+    for hf_name, part, parts in _checkpoint_tensors(name, tensor, config, whole):
+        if parts is None:
+            pieces.append((hf_name, part))
+            continue
+        module_name = _module(hf_name)
+        split = part.split([full_rows for _, full_rows, _ in parts])
+        pieces.extend(
+            (hf_name.replace(f".{module_name}.", f".{hf_part}."), piece)
+            for (hf_part, _, _), piece in zip(parts, split, strict=True)
+        )
+    return pieces

@@ -31,6 +31,7 @@ from engine.decode_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.host_to_device import to_device
 from engine.kernels.linear import has_packed_linears, padded_rows
+from engine.models.expert_tokens import ExpertTokenCounts
 from engine.models.registry import CausalLM
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.step_commands import (
@@ -102,6 +103,7 @@ class ModelRunner:
         max_prompt_logits_rows: int = 256,
         grammar_cursors: GrammarCursors | None = None,
         group: TensorParallelGroup | None = None,
+        expert_tokens: ExpertTokenCounts | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -110,6 +112,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.decode_graphs = decode_graphs  # None: every step runs eagerly
+        # a mixture-of-experts model's tokens per expert, counted by its forwards (None: dense)
+        self.expert_tokens = expert_tokens
         # packed (oneDNN) linears build a kernel per row count: a step's rows are padded to a
         # few buckets (``engine.kernels.linear.padded_rows``)
         self.pads_rows = has_packed_linears(model)
@@ -297,7 +301,7 @@ class ModelRunner:
             input_ids.index_copy_(0, *awaited)
         if self._followers is not None:  # the ids as the forward reads them, awaited ones in
             send_command(self._followers, ForwardCommand(inputs), input_ids)
-        context = ForwardContext(metadata, self.kv_cache, self.attn_backend)
+        context = ForwardContext(metadata, self.kv_cache, self.attn_backend, self.expert_tokens)
 
         def forward() -> torch.Tensor:
             with set_forward_context(context):

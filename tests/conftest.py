@@ -31,7 +31,15 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 
 @pytest.fixture(scope="session")

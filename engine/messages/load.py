@@ -22,6 +22,10 @@ class WorkerCounters:
     kv_transfer_seconds: float = 0.0  # their wall time
     num_draft_tokens: int = 0  # speculative decoding: draft tokens computed and checked
     num_accepted_draft_tokens: int = 0  # of those, the ones that stood (emitted as output)
+    # mixture-of-experts models (empty otherwise): tokens each expert took, over all sparse
+    # layers, and (layer, its busiest expert's tokens over the mean per expert) per sparse layer
+    expert_tokens: tuple[int, ...] = ()
+    expert_layer_imbalance: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
-"""One decoder-only transformer for Llama, Mistral, Qwen2 and Qwen3 checkpoints.
+"""One decoder-only transformer for Llama, Mistral, Qwen2 and Qwen3 checkpoints, and for the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 They differ only in flags of ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm (Qwen3),
-tied embeddings, rope scaling. Projections are fused (qkv_proj, gate_up_proj) so each layer
+tied embeddings, rope scaling, and the sparse MLP that replaces the dense one in the layers
+``ModelConfig.moe`` names (moe.py). Projections are fused (qkv_proj, gate_up_proj) so each layer
 runs three big matmuls instead of six; model_loader.py maps the Hugging Face weights onto them.
 The elementwise steps (norms, rotary, SiLU * up) run as fused kernels where some take the
 tensor (fused_ops.py: C on CPU in float32, Triton on a GPU); the torch code beside each is the
@@ -26,6 +28,7 @@ from torch import nn
 from engine.attention.layer import Attention
 from engine.model_config import ModelConfig
 from engine.models.fused_ops import kernels_for
+from engine.models.moe import SparseMoeBlock
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.parallel.group import SingleRank, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
@@ -142,7 +145,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config, layer_idx, shard, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config, shard, group)
+        self.mlp = _layer_mlp(config, layer_idx, shard, group)
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -155,6 +158,18 @@ class DecoderLayer(nn.Module):
             return hidden + self.mlp(normed)
         hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def _layer_mlp(
+    config: ModelConfig, layer_idx: int, shard: TensorParallelShard, group: TensorParallelGroup
+) -> GatedMLP | SparseMoeBlock:
+    """The layer's sparse MLP where the model's config makes it sparse, else the dense one."""
+    moe = config.moe
+    if moe is None or layer_idx not in moe.sparse_layers:
+        return GatedMLP(config, shard, group)
+    expert_width = len(shard.expert_intermediate)
+    shared_width = len(shard.shared_expert_intermediate)
+    return SparseMoeBlock(moe, config.hidden_size, layer_idx, expert_width, shared_width, group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -206,7 +221,8 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and the
+    mixture-of-experts MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM.
 
     Runs inside set_forward_context(): attention reads the batch layout and KV cache there.
     With a shard of several ranks, forward and compute_logits are collectives of ``group``.

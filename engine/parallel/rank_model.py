@@ -164,8 +164,10 @@ def build_rank_model(
     )
     graph_batch_sizes = None  # decode steps run eagerly
     # Under tensor parallelism every step runs eagerly: a graph replay would skip the step
-    # mirror's broadcast of the inputs, and the followers would not run the same forward.
-    if size == 1 and use_decode_graphs(load.enforce_eager, device, attn_backend.name):
+    # mirror's broadcast of the inputs, and the followers would not run the same forward. So
+    # do a mixture-of-experts model's: its experts run over host-side counts of their tokens.
+    graphable = size == 1 and model_config.moe is None
+    if graphable and use_decode_graphs(load.enforce_eager, device, attn_backend.name):
         graph_batch_sizes = padded_batch_sizes
     # a step samples a row per sequence, and with drafts a row per draft besides
     max_num_sample_rows = scheduler.max_num_seqs

@@ -1,7 +1,9 @@
 """Which slice of a model one tensor-parallel rank holds: its heads, MLP columns and vocab rows.
 
 Torch-free, so the engine's configuration checks and the KV-transfer layout can use it.
-Query heads, the MLP's intermediate columns and the vocabulary split evenly over the ranks.
+Query heads, the MLP's intermediate columns (and each expert's, and the shared expert's, in a
+mixture-of-experts model: every rank holds every expert's slice) and the vocabulary split
+evenly over the ranks.
 KV heads split evenly too, unless there are more ranks than KV heads: then each rank holds
 the one KV head its query heads read, replicated on ``size // num_kv_heads`` ranks (as vLLM
 does). The vocabulary is padded to ``size * vocab_rows`` rows; padding rows hold zeros.
@@ -21,6 +23,8 @@ class TensorParallelShard:
     q_heads: range  # query heads this rank computes, num_heads // size of them
     kv_heads: range  # KV heads it holds (its KV cache's heads); see the module docstring
     intermediate: range  # its columns of the MLP, intermediate_size // size of them
+    expert_intermediate: range  # its columns of each routed expert's MLP (empty: dense model)
+    shared_expert_intermediate: range  # its columns of the shared expert's MLP (empty: none)
     vocab: range  # its rows of the embedding and the LM head; may end past vocab_size
     vocab_rows: int  # ceil(vocab_size / size), the same on every rank
 
@@ -38,12 +42,17 @@ class TensorParallelShard:
         q_per_rank = config.num_heads // size
         inter_per_rank = config.intermediate_size // size
         vocab_rows = -(-config.vocab_size // size)
+        moe = config.moe
+        expert_width = moe.expert_intermediate_size // size if moe else 0
+        shared_width = moe.shared_expert_intermediate_size // size if moe else 0
         return cls(
             rank=rank,
             size=size,
             q_heads=range(rank * q_per_rank, (rank + 1) * q_per_rank),
             kv_heads=rank_kv_heads(config.num_kv_heads, rank, size),
             intermediate=range(rank * inter_per_rank, (rank + 1) * inter_per_rank),
+            expert_intermediate=range(rank * expert_width, (rank + 1) * expert_width),
+            shared_expert_intermediate=range(rank * shared_width, (rank + 1) * shared_width),
             vocab=range(rank * vocab_rows, (rank + 1) * vocab_rows),
             vocab_rows=vocab_rows,
         )
@@ -85,6 +94,17 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
     if config.intermediate_size % size != 0:
         raise ValueError(
             f"tensor_parallel_size {size} must divide intermediate_size {config.intermediate_size}"
+        )
+    moe = config.moe
+    if moe is not None and moe.expert_intermediate_size % size != 0:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide moe_intermediate_size "
+            f"{moe.expert_intermediate_size}"
+        )
+    if moe is not None and moe.shared_expert_intermediate_size % size != 0:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide shared_expert_intermediate_size "
+            f"{moe.shared_expert_intermediate_size}"
         )
 
 

@@ -9,7 +9,8 @@ Two sources, one endpoint:
 - worker-level gauges and counters labelled ``role`` and ``worker``, read at scrape time from
   the load reports the router already polls from every worker (running, waiting, KV usage,
   prefix-cache hit rate, preemptions, KV transfer bytes and seconds, speculative decoding's draft
-  tokens and those accepted). So ``/metrics`` covers every worker, however many there are,
+  tokens and those accepted; a mixture-of-experts model's tokens per expert and each sparse
+  layer's imbalance). So ``/metrics`` covers every worker, however many there are,
   without Ray's metrics export.
 
 Label values are bounded: worker ids and roles come from the cluster; statuses and hops from
@@ -92,6 +93,17 @@ class _WorkerCollector(Collector):
         transfer_seconds = SummaryMetricFamily(
             "pdserve:kv_transfer_seconds", "Wall time of KV transfers", labels=labels
         )
+        expert_tokens = CounterMetricFamily(
+            "pdserve:moe_expert_tokens",
+            "Mixture-of-experts models: tokens routed to each expert, over all sparse layers",
+            labels=[*labels, "expert"],
+        )
+        imbalance = GaugeMetricFamily(
+            "pdserve:moe_layer_imbalance",
+            "Mixture-of-experts models: a sparse layer's busiest expert's tokens over the mean "
+            "per expert, since the worker started (1 is an even spread)",
+            labels=[*labels, "layer"],
+        )
         for status in self._statuses():
             values = [status.role, status.worker_id]
             alive.add_metric(values, 1.0 if status.alive else 0.0)
@@ -116,8 +128,13 @@ class _WorkerCollector(Collector):
             )
             drafts.add_metric(values, totals.num_draft_tokens)
             accepted.add_metric(values, totals.num_accepted_draft_tokens)
+            for expert, count in enumerate(totals.expert_tokens):
+                expert_tokens.add_metric([*values, str(expert)], count)
+            for layer, ratio in totals.expert_layer_imbalance:
+                imbalance.add_metric([*values, str(layer)], ratio)
         yield from (alive, running, waiting, kv_usage, hit_rate, generated, prefilled, preemptions)
         yield from (queries, hits, transfer_bytes, transfer_seconds, drafts, accepted)
+        yield from (expert_tokens, imbalance)
 
 
 class _RouterCollector(Collector):

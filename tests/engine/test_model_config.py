@@ -46,9 +46,11 @@ def test_v5_saved_config_round_trips(tmp_path: Path, architecture: str) -> None:
     config = load_model_config(tmp_path)
     assert config.architecture == architecture
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
-    assert config.rope.theta == 10000.0 and config.rope.scaling_type == "default"
-    assert config.qkv_bias == (architecture == "Qwen2ForCausalLM")
-    assert config.qk_norm == (architecture == "Qwen3ForCausalLM")
+    theta = 1e6 if architecture == "MixtralForCausalLM" else 10000.0  # transformers' defaults
+    assert config.rope.theta == theta and config.rope.scaling_type == "default"
+    assert config.qkv_bias == architecture.startswith("Qwen2")
+    assert config.qk_norm == architecture.startswith("Qwen3")
+    assert (config.moe is not None) == ("Moe" in architecture or "Mixtral" in architecture)
     assert config.eos_token_ids == (2,) and config.bos_token_id == 1
 
 

@@ -25,6 +25,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import CausalLM
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
+from tests.conftest import ARCHITECTURES
 from tests.engine.paged_runner import PagedRunner
 from tests.engine.tp_ranks import RankPool
 
@@ -45,7 +46,7 @@ def pool() -> Iterator[RankPool]:
 @pytest.fixture(scope="module")
 def variant_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Checkpoints beyond the default tiny ones: MQA (one KV head) and row-parallel biases, both
-    with a vocabulary that the ranks do not divide; and two configs for dummy weights."""
+    with a vocabulary that the ranks do not divide; and three configs for dummy weights."""
     from tests.fixtures.tiny_models import make_tiny_model, tiny_hf_config
 
     root = tmp_path_factory.mktemp("tp-variants")
@@ -65,6 +66,7 @@ def variant_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, arch, overrides in (
         ("dummy-qwen2", "Qwen2ForCausalLM", {}),
         ("dummy-biases", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+        ("dummy-qwen2-moe", "Qwen2MoeForCausalLM", {}),
     ):
         (root / name).mkdir()
         tiny_hf_config(arch, **overrides).save_pretrained(str(root / name))
@@ -165,15 +167,16 @@ def _rank_case(
 
 def _expected_bytes(whole: LlamaForCausalLM, shard: TensorParallelShard) -> tuple[int, int]:
     """What a rank holds and what it reads of ``whole``'s tensors: 1/N of each sharded one;
-    norms whole; row-parallel biases whole (zeros off rank 0, not read there); its KV heads'
+    norms and MoE routers whole (each expert's columns split like a dense MLP's); row-parallel
+    biases whole (zeros off rank 0, not read there); its KV heads'
     rows (one head each where heads are replicated); its vocab rows, padding not read."""
     config = whole.config
     held = read = 0
     for name, param in whole.named_parameters():
         num_bytes = param.numel() * param.element_size()
         row_bytes = num_bytes // param.shape[0]
-        if "norm" in name:
-            held, read = held + num_bytes, read + num_bytes
+        if "norm" in name or name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")):
+            held, read = held + num_bytes, read + num_bytes  # norms and routers: replicated
         elif name.endswith(".bias") and any(f".{m}." in name for m in ROW_PARALLEL):
             held, read = held + num_bytes, read + (num_bytes if shard.rank == 0 else 0)
         elif "embed_tokens" in name or "lm_head" in name:
@@ -214,10 +217,7 @@ def _check_ranks(
     return results
 
 
-@pytest.mark.parametrize(
-    "architecture",
-    ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"],
-)
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_two_ranks_match_one(
     pool: RankPool, model_dirs: dict[str, Path], architecture: str
 ) -> None:
@@ -241,7 +241,7 @@ def test_tied_logits_through_onednn(pool: RankPool, model_dirs: dict[str, Path])
     _check_ranks(pool, model_dirs["MistralForCausalLM"], size=2, backend="onednn")
 
 
-@pytest.mark.parametrize("name", ["dummy-qwen2", "dummy-biases"])
+@pytest.mark.parametrize("name", ["dummy-qwen2", "dummy-biases", "dummy-qwen2-moe"])
 def test_dummy_weights_are_slices_of_the_one_rank_dummy_model(
     pool: RankPool, variant_dirs: dict[str, Path], name: str
 ) -> None:

@@ -78,7 +78,9 @@ def test_vocab_that_does_not_divide_pads_the_last_rank() -> None:
 def test_whole_is_rank_0_of_1() -> None:
     config = _config(4, 2)
     whole = TensorParallelShard.whole(config)
-    assert whole == TensorParallelShard(0, 1, range(4), range(2), range(128), range(1024), 1024)
+    assert whole == TensorParallelShard(
+        0, 1, range(4), range(2), range(128), range(0), range(0), range(1024), 1024
+    )
 
 
 @pytest.mark.parametrize(

@@ -202,3 +202,23 @@ def test_speculative_decoding_counters_are_exported_per_worker() -> None:
     assert value(f"{drafts}_total", prefill_0) == value(f"{accepted}_total", prefill_0) == 0
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     assert families[drafts].type == families[accepted].type == "counter"
+
+
+def test_expert_tokens_and_layer_imbalance_are_exported_per_worker() -> None:
+    """A mixture-of-experts worker's tokens per expert (a counter per expert) and each sparse
+    layer's busiest-over-mean ratio (a gauge per layer); a dense worker exports neither."""
+    moe = WorkerCounters(expert_tokens=(5, 0, 3), expert_layer_imbalance=((0, 1.5), (2, 2.25)))
+    statuses = [
+        WorkerStatus("decode-0", "decode", True, WorkerLoad("decode-0", 0, 0, 0, 0.0, moe)),
+        WorkerStatus("prefill-0", "prefill", True, WorkerLoad("prefill-0", 0, 0, 0, 0.0)),
+    ]
+    metrics = GatewayMetrics(lambda: statuses, dict, list, SloTargets())
+    value = metrics.registry.get_sample_value
+    decode_0 = {"role": "decode", "worker": "decode-0"}
+    tokens = "pdserve:moe_expert_tokens_total"
+    assert [value(tokens, {**decode_0, "expert": str(e)}) for e in range(3)] == [5, 0, 3]
+    imbalance = "pdserve:moe_layer_imbalance"
+    assert value(imbalance, {**decode_0, "layer": "2"}) == 2.25
+    assert value(imbalance, {**decode_0, "layer": "1"}) is None  # a dense layer
+    prefill_0 = {"role": "prefill", "worker": "prefill-0", "expert": "0"}
+    assert value(tokens, prefill_0) is None

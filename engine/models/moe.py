@@ -1,0 +1,145 @@
+"""The sparse MLP of mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+A router (``gate``: one logit per expert) takes a softmax over the experts and keeps the top k
+per token, renormalised to sum to 1 where the model says so. Tokens are then grouped by
+expert: the (token, expert) pairs are sorted by expert, each expert runs its gated MLP once
+over the contiguous rows of its tokens, and the weighted outputs are added back per token in
+expert order (the order transformers adds them in). There is no loop over tokens; the loop
+over experts skips the ones no token picked.
+
+A shared expert (Qwen2-MoE), when the model has one, runs on every token and is scaled by
+sigmoid(shared_expert_gate(x)) before it joins the routed sum.
+
+Tensor parallelism: every rank holds every expert's slice of intermediate columns (and the
+shared expert's), so a rank's routed and shared outputs are partial sums and the block ends
+in one all-reduce, as a dense MLP does. The router's weight is replicated.
+
+The step's tokens per expert are added to the forward context's ``ExpertTokenCounts`` when it
+has one (rows past the batch, the runner's padding, are neither routed nor counted).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_context import get_forward_context
+from engine.model_config import MoeConfig
+from engine.models.fused_ops import kernels_for
+from engine.parallel.group import TensorParallelGroup
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
+    kernels = kernels_for(gate_up)
+    if kernels is not None:
+        return kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def route(
+    router_logits: torch.Tensor,  # [n, num_experts]
+    top_k: int,
+    normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [n, top_k] fp32, expert ids [n, top_k]
+    """Softmax over the experts in float32, then the top k (renormalised when ``normalize``)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, expert_ids
+
+
+class RoutedExperts(nn.Module):
+    """Every expert's gated MLP, stacked: ``gate_up_proj[e]`` holds expert e's gate rows then its
+    up rows (this rank's columns of each), ``down_proj[e]`` its input columns."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+        weights: torch.Tensor,  # [n, top_k] fp32
+        expert_ids: torch.Tensor,  # [n, top_k] int64
+    ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
+        top_k = expert_ids.shape[1]
+        flat_ids = expert_ids.reshape(-1)  # [n * top_k]
+        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order
+        tokens = order // top_k  # [n * top_k] the token of each sorted pair
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        grouped = x.index_select(0, tokens)  # [n * top_k, hidden] each expert's rows together
+        outputs = torch.empty_like(grouped)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = grouped[start : start + count]
+            hidden = silu_and_mul(F.linear(rows, self.gate_up_proj[expert]))
+            outputs[start : start + count] = F.linear(hidden, self.down_proj[expert])
+            start += count
+        scaled = (outputs * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+        # added per token in expert order, as transformers adds each expert's share in turn
+        return torch.zeros_like(x).index_add_(0, tokens, scaled), counts
+
+
+class SharedExpert(nn.Module):
+    """A gated MLP every token runs (this rank's columns); no all-reduce of its own."""
+
+    def __init__(self, hidden_size: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden] partial
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and the optional shared expert of one layer."""
+
+    def __init__(
+        self,
+        moe: MoeConfig,
+        hidden_size: int,
+        layer_idx: int,
+        expert_intermediate: int,  # this rank's columns of each expert
+        shared_intermediate: int,  # this rank's columns of the shared expert
+        group: TensorParallelGroup,
+    ) -> None:
+        super().__init__()
+        self.moe = moe
+        self.layer_idx = layer_idx
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.experts = RoutedExperts(moe.num_experts, hidden_size, expert_intermediate)
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_expert_intermediate_size > 0:
+            self.shared_expert = SharedExpert(hidden_size, shared_intermediate)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, hidden]
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        num_tokens = metadata.num_prefill_tokens + metadata.num_decode_seqs
+        num_padding = hidden.shape[0] - num_tokens  # the runner's padding rows: not routed
+        x = hidden[:num_tokens] if num_padding > 0 else hidden
+        weights, expert_ids = route(
+            self.gate(x), self.moe.num_experts_per_token, self.moe.normalize_top_k
+        )
+        out, counts = self.experts(x, weights, expert_ids)
+        if context.expert_tokens is not None:
+            context.expert_tokens.add(self.layer_idx, counts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        out = self.group.all_reduce(out)
+        return F.pad(out, (0, 0, 0, num_padding)) if num_padding > 0 else out

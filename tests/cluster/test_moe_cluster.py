@@ -1,0 +1,98 @@
+"""A mixture-of-experts model served disaggregated over HTTP: a prefill worker of one rank hands
+off to a decode worker of two (each rank holding half of every expert's columns); greedy
+completions equal transformers' tokens, and ``/metrics`` shows each worker's tokens per
+expert and its sparse layers' imbalance."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from router.cluster import Cluster
+from router.gateway.auth import ApiKeys
+from router.gateway.limits import RequestLimits
+from router.gateway.served_model import ServedModel
+from router.gateway.server import GatewayServer
+from router.gateway.service import Gateway
+from tests.cluster.tp_workload import random_prompts
+from tests.engine.hf_reference import hf_greedy
+from tests.fixtures.local_cluster import local_cluster_config
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL_NAME = "tiny-moe"
+API_KEY = "sk-moe-0123456789"
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def moe_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["Qwen2MoeForCausalLM"]  # shared expert, a dense layer between sparse ones
+
+
+@pytest.fixture(scope="module")
+def server(ray_session: None, moe_dir: Path) -> Iterator[GatewayServer]:
+    cluster = Cluster.start(local_cluster_config(moe_dir, num_prefill=1, num_decode=1, decode_tp=2))
+    served = ServedModel.load(str(moe_dir), MODEL_NAME, None)
+    limits = RequestLimits(max_model_len=served.max_model_len)
+    server = GatewayServer(Gateway(cluster, served, limits, ApiKeys((API_KEY,))), "127.0.0.1", 0, 0)
+    server.start()
+    yield server
+    server.stop()
+    cluster.shutdown()
+
+
+def test_greedy_completions_over_http_equal_transformers(
+    server: GatewayServer, moe_dir: Path
+) -> None:
+    """The offline engine (one rank) gives transformers' tokens; the cluster's texts are its."""
+    prompts = random_prompts(seed=41)[:12]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    offline = LLM(str(moe_dir), dtype="float32", device="cpu").generate(prompts, params)
+    for prompt, output in zip(prompts, offline, strict=True):
+        expected = hf_greedy(moe_dir, prompt, MAX_TOKENS)  # up to its eos, if one comes
+        assert output.outputs[0].token_ids[: len(expected)] == expected
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key=API_KEY, max_retries=0) as client:
+        response = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompts,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    choices = sorted(response.choices, key=lambda choice: choice.index)
+    assert [choice.text for choice in choices] == [o.outputs[0].text for o in offline]
+    assert response.usage is not None and response.usage.completion_tokens == 12 * MAX_TOKENS
+    # the workers' counts reach /metrics with their next load report
+    deadline = time.monotonic() + 60
+    while not _every_worker_counted(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _every_worker_counted(server)
+
+
+def _every_worker_counted(server: GatewayServer) -> bool:
+    """Whether /metrics shows tokens on the 8 experts of both workers, and the imbalance of
+    the two sparse layers (layer 1 is dense)."""
+    request = urllib.request.Request(
+        server.http_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    metrics = urllib.request.urlopen(request, timeout=30).read().decode()
+    for role in ("prefill", "decode"):
+        counted = re.findall(
+            rf'pdserve:moe_expert_tokens_total\{{[^}}]*role="{role}"[^}}]*\}} (\S+)', metrics
+        )
+        if len(counted) != 8 or sum(float(n) for n in counted) == 0:
+            return False
+        layers = re.findall(
+            rf'pdserve:moe_layer_imbalance\{{[^}}]*layer="(\d)"[^}}]*role="{role}"', metrics
+        )
+        if sorted(layers) != ["0", "2"]:
+            return False
+    return True
