@@ -1,9 +1,11 @@
 """Offline throughput: this engine against transformers ``generate`` on the same weights.
 
-    .venv/bin/python -m bench.offline_throughput [--num-prompts 64] [--out bench/results/x.json]
+    .venv/bin/python -m bench.offline_throughput [--num-prompts 64] [--model dense|moe]
+        [--out bench/results/x.json]
 
 A random Llama (hidden 256, 4 layers, head_dim 64, vocab 8192) is saved with transformers and
-loaded by both systems. 64 prompts of 32-512 tokens ask for 16-256 tokens each (ignore_eos).
+loaded by both systems; ``--model moe``: a random Mixtral of the same width and depth, each
+layer's MLP 8 experts of the Llama's MLP width, 2 per token. 64 prompts of 32-512 tokens ask for 16-256 tokens each (ignore_eos).
 The baseline is transformers ``generate`` with static, left-padded batches (each batch decodes
 until its longest request is done); both count only the tokens the requests asked for.
 Also reported: this engine's per-step overhead (time outside the model forward) as a fraction
@@ -21,27 +23,37 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 from engine import LLM, LLMEngine, SamplingParams
 
 
-def build_model(out_dir: Path, vocab_size: int) -> Path:
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
+def build_model(out_dir: Path, vocab_size: int, kind: str = "dense") -> Path:
+    shape = {
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 1024,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(str(out_dir))
+    if kind == "moe":
+        moe = MixtralConfig(**shape, num_local_experts=8, num_experts_per_tok=2)
+        MixtralForCausalLM(moe).save_pretrained(str(out_dir))
+    else:
+        LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(str(out_dir))
     return out_dir
 
 
@@ -167,6 +179,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--model", choices=["dense", "moe"], default="dense")
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", default="bench/results/offline_throughput.json")
@@ -175,7 +188,7 @@ def main() -> None:
     prompts, output_lens = make_workload(args.num_prompts, args.vocab_size, seed=0)
     warmup = make_workload(args.num_prompts, args.vocab_size, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp), args.vocab_size)
+        model_dir = build_model(Path(tmp), args.vocab_size, args.model)
         ours = run_engine(model_dir, prompts, output_lens, warmup)
         print(
             f"pdserve engine: {ours['tokens_per_second']:.1f} tok/s; overhead "
@@ -202,6 +215,7 @@ def main() -> None:
             "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": sum(output_lens),
             "vocab_size": args.vocab_size,
+            "model": args.model,
         },
         "pdserve": ours,
         "transformers": baselines,

@@ -94,7 +94,14 @@ class LLMEngine:
         self._num_threads_before = rank.num_threads_before  # restored on close()
         num_blocks = rank.num_kv_blocks
         eos = frozenset(self.model_config.eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        rope = self.model_config.rope
+        self.block_manager = BlockManager(
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            # LongRoPE: a prompt past the pre-training length is computed with the long set
+            rope.original_max_position_embeddings if rope.scaling_type == "longrope" else None,
+        )
         proposer = None
         if speculative is not None:
             proposer = NgramProposer(speculative, max_contexts=scheduler.max_num_seqs)

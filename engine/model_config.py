@@ -7,7 +7,9 @@ transformers-v5 ``rope_parameters`` dict are accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,9 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -31,6 +34,7 @@ _ARCH_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # transformers' defaults when config.json omits the key
 _DEFAULT_MAX_POSITIONS = {
@@ -41,6 +45,7 @@ _DEFAULT_MAX_POSITIONS = {
     "MixtralForCausalLM": 4096 * 32,
     "Qwen2MoeForCausalLM": 32768,
     "Qwen3MoeForCausalLM": 32768,
+    "Phi3ForCausalLM": 4096,
 }
 # transformers' rope base when config.json gives none (10000 for the others)
 _DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6}
@@ -73,7 +78,12 @@ class RopeConfig:
     factor: float  # linear / llama3 scaling factor (1.0 for "default")
     low_freq_factor: float  # llama3 only
     high_freq_factor: float  # llama3 only
-    original_max_position_embeddings: int  # llama3 only: pre-training context length
+    original_max_position_embeddings: int  # llama3, longrope: pre-training context length
+    # longrope (Phi-3): per-frequency divisors for sequences within the pre-training length and
+    # past it, and the scale of cos and sin (empty and 1.0 for the other types)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +255,7 @@ def _check_unsupported_features(raw: dict[str, Any], architecture: str, max_posi
 
 def _effective_sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
     """The window transformers would apply, following its config defaults."""
-    if architecture == "MixtralForCausalLM":
+    if architecture in ("MixtralForCausalLM", "Phi3ForCausalLM"):
         window = raw.get("sliding_window")
         return None if window is None else int(window)
     if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
@@ -277,21 +287,55 @@ def _parse_rope(raw: dict[str, Any], max_positions: int, default_theta: float) -
     if partial_rotary_factor != 1.0:
         raise ValueError(f"partial rotary embeddings are not supported ({partial_rotary_factor=})")
     scaling_type = str(params.get("rope_type", params.get("type", "default")))
+    if scaling_type == "su":  # Phi-3's early name for it
+        scaling_type = "longrope"
     if scaling_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported rope type {scaling_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     factor = params.get("factor", 1.0) if scaling_type != "default" else 1.0
-    return RopeConfig(
+    original_max = int(
+        params.get(
+            "original_max_position_embeddings",
+            raw.get("original_max_position_embeddings", max_positions),
+        )
+    )
+    rope = RopeConfig(
         theta=float(theta),
         scaling_type=scaling_type,
         factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", max_positions)
-        ),
+        original_max_position_embeddings=original_max,
+    )
+    if scaling_type == "longrope":
+        return _longrope(rope, params, max_positions)
+    return rope
+
+
+def _longrope(rope: RopeConfig, params: dict[str, Any], max_positions: int) -> RopeConfig:
+    """LongRoPE's factors, and its cos/sin scale as transformers derives it: from
+    ``attention_factor``, else from the context's growth (``factor``, else max positions over
+    the pre-training length)."""
+    short, long = params.get("short_factor"), params.get("long_factor")
+    if not isinstance(short, list) or not isinstance(long, list):
+        raise ValueError("rope type 'longrope' needs the lists short_factor and long_factor")
+    factor = params.get("factor")
+    growth = float(factor) if factor else max_positions / rope.original_max_position_embeddings
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0
+            if growth <= 1.0
+            else math.sqrt(1 + math.log(growth) / math.log(rope.original_max_position_embeddings))
+        )
+    return dataclasses.replace(
+        rope,
+        factor=growth,
+        short_factor=tuple(float(f) for f in short),
+        long_factor=tuple(float(f) for f in long),
+        attention_factor=float(attention_factor),
     )
 
 

@@ -138,25 +138,46 @@ def _build_empty(
     return model
 
 
-def _load_targets(model: LlamaForCausalLM) -> dict[str, _Target]:
-    """Checkpoint tensor name -> where it goes. Fused params take several checkpoint tensors;
-    a stacked experts param takes each expert's tensors into its slice ``param[expert]``."""
+def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
+    """Checkpoint tensor name -> where its slices go. A fused projection takes several
+    checkpoint tensors, or several row ranges of one where the checkpoint stores it fused
+    (``_FUSED_IN_CHECKPOINT``); a stacked experts param takes each expert's tensors into its
+    slice ``param[expert]``."""
     config, shard = model.config, model.shard
-    targets: dict[str, _Target] = {}
+    fused_on_disk = _FUSED_IN_CHECKPOINT.get(config.architecture, ())
+    targets: dict[str, list[_Target]] = {}
     for name, param in model.named_parameters():
-        for hf_name, expert_param, parts in _checkpoint_tensors(name, param, config, shard):
-            if parts is not None:  # a fused projection: its parts stacked along the rows
-                row_offset = 0
-                for hf_part, full_rows, rows in parts:
-                    part_name = hf_name.replace(f".{_module(hf_name)}.", f".{hf_part}.")
-                    full_shape = (full_rows, *expert_param.shape[1:])
-                    targets[part_name] = _Target(
-                        expert_param, row_offset, len(rows), full_shape, rows, None
-                    )
-                    row_offset += len(rows)
-            else:
-                targets[hf_name] = _single_target(hf_name, expert_param, config, shard)
+        for hf_name, tensor, parts in _checkpoint_tensors(name, param, config, shard):
+            if parts is None:
+                targets.setdefault(hf_name, []).append(
+                    _single_target(hf_name, tensor, config, shard)
+                )
+                continue
+            # a fused projection: its parts stacked along the rows
+            stored_fused = _module(hf_name) in fused_on_disk
+            total_rows = sum(full_rows for _, full_rows, _ in parts)
+            row_offset = source_offset = 0
+            for hf_part, full_rows, rows in parts:
+                if stored_fused:  # the part's rows of the one fused checkpoint tensor
+                    source = hf_name
+                    read = range(source_offset + rows.start, source_offset + rows.stop)
+                    full_shape = (total_rows, *tensor.shape[1:])
+                else:  # the checkpoint tensor of the part
+                    source = hf_name.replace(f".{_module(hf_name)}.", f".{hf_part}.")
+                    read, full_shape = rows, (full_rows, *tensor.shape[1:])
+                targets.setdefault(source, []).append(
+                    _Target(tensor, row_offset, len(rows), full_shape, read, None)
+                )
+                row_offset += len(rows)
+                source_offset += full_rows
     return targets
+
+
+# Our fused projections that an architecture's checkpoints store fused too (q, k, v rows in
+# one qkv_proj; gate then up rows in one gate_up_proj), rather than as their parts.
+_FUSED_IN_CHECKPOINT: dict[str, tuple[str, ...]] = {
+    "Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"),
+}
 
 
 _Parts = list[tuple[str, int, range]]  # (checkpoint projection, its rows, the rows read)
@@ -296,17 +317,15 @@ def _load_safetensors(
     for file, names in names_by_file.items():
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in names:
-                target = targets.get(ours[name])
-                if target is None:
-                    continue
-                if target.is_whole():
-                    tensor = f.get_tensor(name)
-                    _check_shape(name, file, tuple(tensor.shape), target)
-                    _copy(tensor, target)
-                    continue
-                tensor_slice = f.get_slice(name)
-                _check_shape(name, file, tuple(tensor_slice.get_shape()), target)
-                _copy(tensor_slice[target.index()] if target.rows else None, target)
+                for target in targets.get(ours[name], ()):
+                    if target.is_whole():
+                        tensor = f.get_tensor(name)
+                        _check_shape(name, file, tuple(tensor.shape), target)
+                        _copy(tensor, target)
+                        continue
+                    tensor_slice = f.get_slice(name)
+                    _check_shape(name, file, tuple(tensor_slice.get_shape()), target)
+                    _copy(tensor_slice[target.index()] if target.rows else None, target)
 
 
 def _check_shape(name: str, file: Path, shape: tuple[int, ...], target: _Target) -> None:
@@ -354,8 +373,8 @@ def _init_dummy_sharded(model: LlamaForCausalLM, seed: int) -> None:
         else:
             tensor.normal_(0.0, DUMMY_INIT_STD, generator=generator)
         for part_name, part in _checkpoint_parts(name, tensor, model.config):
-            target = targets[part_name]
-            _copy(part[target.index()] if target.rows else None, target)
+            for target in targets[part_name]:
+                _copy(part[target.index()] if target.rows else None, target)
 
 
 def _checkpoint_parts(
@@ -363,9 +382,10 @@ def _checkpoint_parts(
 ) -> list[tuple[str, torch.Tensor]]:
     """A one-rank parameter as the checkpoint tensors it is fused (or stacked) from."""
     whole = TensorParallelShard.whole(config)
+    fused_on_disk = _FUSED_IN_CHECKPOINT.get(config.architecture, ())
     pieces: list[tuple[str, torch.Tensor]] = []
     for hf_name, part, parts in _checkpoint_tensors(name, tensor, config, whole):
-        if parts is None:
+        if parts is None or _module(hf_name) in fused_on_disk:
             pieces.append((hf_name, part))
             continue
         module_name = _module(hf_name)

@@ -39,6 +39,7 @@ ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 

@@ -22,10 +22,27 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        long_prompt_length: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        # a model whose KV differs for prompts past this length (LongRoPE: their frequencies are
+        # the long set): such prompts' blocks are salted apart from shorter prompts' (None: no
+        # such length)
+        self.long_prompt_length = long_prompt_length
+
+    def _salt(self, seq: Sequence) -> str | None:
+        """The prefix-hash salt of ``seq``'s blocks: its tenant's, and the long-prompt mark."""
+        limit = self.long_prompt_length
+        if limit is None or seq.num_prompt_tokens <= limit:
+            return seq.cache_salt
+        return f"{seq.cache_salt or ''}\x00long-prompt"
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,7 +62,7 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self._salt(seq))
         max_cached_blocks = (seq.num_tokens - 1) // self.block_size
         for block_hash in seq.block_hashes[:max_cached_blocks]:
             block_id = self.pool.lookup(block_hash)
@@ -105,7 +122,7 @@ class BlockManager:
         if num_full_blocks <= seq.num_committed_blocks:
             return
         extend_block_hashes(
-            seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt, num_full_blocks
+            seq.block_hashes, seq.token_ids, self.block_size, self._salt(seq), num_full_blocks
         )
         for index in range(seq.num_committed_blocks, num_full_blocks):
             self.pool.register(seq.block_table[index], seq.block_hashes[index])

@@ -1,7 +1,16 @@
-"""Rotary position embeddings (rotate-half convention, as Hugging Face Llama/Mistral/Qwen).
+"""Rotary position embeddings (rotate-half convention, as Hugging Face Llama/Mistral/Qwen/Phi-3).
 
 Inverse frequencies follow transformers' ``modeling_rope_utils`` step by step in float32, so
 the cached cos/sin tables are bit-identical to the ones Hugging Face computes per forward.
+
+LongRoPE (Phi-3) has two sets of frequencies: the short ones while a sequence is within the
+pre-training length, the long ones past it. Here each sequence of a step picks its set: a
+prompt chunk whose sequence reaches past the pre-training length takes the long set for all
+its tokens, a decode token by its own position. That is transformers' choice for a prompt
+prefilled in one forward and for the tokens decoded after it. Two cases differ: a long prompt
+prefilled in chunks (its chunks that end within the pre-training length take the short set)
+and a sequence that crosses the length while decoding (transformers then recomputes all of
+its KV with the long set; the engine keeps its cached keys, as vLLM does).
 """
 
 from __future__ import annotations
@@ -11,11 +20,24 @@ import math
 import torch
 from torch import nn
 
+from engine.forward_context import get_forward_context
 from engine.model_config import RopeConfig
 
 
-def compute_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] fp32
+def compute_inv_freq(
+    rope: RopeConfig, head_dim: int, long: bool = False
+) -> torch.Tensor:  # [head_dim // 2] fp32
+    """The inverse frequencies (``long``: LongRoPE's set for sequences past the pre-training
+    length)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    if rope.scaling_type == "longrope":
+        factors = rope.long_factor if long else rope.short_factor
+        if len(factors) != head_dim // 2:
+            raise ValueError(
+                f"longrope {'long' if long else 'short'}_factor has {len(factors)} entries; "
+                f"head_dim {head_dim} needs {head_dim // 2}"
+            )
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.scaling_type == "default":
         return inv_freq
@@ -42,9 +64,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Cos/sin tables for every position up to the model's max length, built once."""
+    """Cos/sin tables for every position up to the model's max length, built once (LongRoPE:
+    the short set's rows, then the long set's)."""
 
-    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] fp32: cos half then sin half
+    cos_sin_cache: torch.Tensor  # [max_positions (x2: longrope), head_dim] fp32: cos then sin
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
@@ -56,7 +79,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", self._build_cache(None), persistent=False)
 
     def _build_cache(self, device: torch.device | None) -> torch.Tensor:
-        inv_freq = compute_inv_freq(self.rope, self.head_dim)  # [head_dim // 2]
+        if self.rope.scaling_type != "longrope":
+            return self._table(compute_inv_freq(self.rope, self.head_dim), device)
+        short = self._table(compute_inv_freq(self.rope, self.head_dim), device)
+        long = self._table(compute_inv_freq(self.rope, self.head_dim, long=True), device)
+        return torch.cat((short, long)) * self.rope.attention_factor
+
+    def _table(self, inv_freq: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+        """[max_positions, head_dim]: cos then sin of every position's angles."""
         if device is not None:
             inv_freq = inv_freq.to(device)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
@@ -71,9 +101,21 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, 1, head_dim // 2] each
         """Look up the tables once per forward; every layer then calls apply_rotary."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype)  # [num_tokens, head_dim]
+        rows = positions if self.rope.scaling_type != "longrope" else self._longrope_rows(positions)
+        cos_sin = self.cos_sin_cache.index_select(0, rows).to(dtype)  # [num_tokens, head_dim]
         cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)
         return cos, sin
+
+    def _longrope_rows(self, positions: torch.Tensor) -> torch.Tensor:  # [num_tokens] int64
+        """The table row of each token: its position, in the long set's half where its sequence
+        reaches past the pre-training length (see the module docstring)."""
+        original = self.rope.original_max_position_embeddings
+        long = positions >= original  # a decode token (or padding) by its own position
+        metadata = get_forward_context().attn_metadata
+        starts = metadata.prefill_query_start_loc
+        for seq, seq_len in enumerate(metadata.prefill_seq_lens):
+            long[starts[seq] : starts[seq + 1]] = seq_len > original
+        return positions + long.to(positions.dtype) * self.max_positions
 
 
 def apply_rotary(
