@@ -122,6 +122,15 @@ class ModelConfig:
     bos_token_id: int | None
     checkpoint_dtype: str  # dtype the checkpoint was saved in, e.g. "bfloat16"
     moe: MoeConfig | None = None  # the sparse MLP; None: every layer's MLP is dense
+    # sliding-window attention: a token of these layers sees only the last sliding_window
+    # positions, itself included (None and (): every layer sees the whole context)
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+
+    @property
+    def all_layers_slide(self) -> bool:
+        """Every layer's attention has the sliding window."""
+        return self.sliding_window is not None and len(self.sliding_layers) == self.num_layers
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -149,11 +158,12 @@ def parse_model_config(
         raise ValueError(f"num_attention_heads {num_heads} is not a multiple of {num_kv_heads=}")
     head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
     max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[architecture])
-    _check_unsupported_features(raw, architecture, max_positions)
+    _check_unsupported_features(raw)
+    num_layers = int(raw["num_hidden_layers"])
+    sliding_window, sliding_layers = _sliding_layers(raw, architecture, num_layers, max_positions)
     attention_bias = bool(raw.get("attention_bias", False))
     is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
     is_qwen2_moe = architecture == "Qwen2MoeForCausalLM"
-    num_layers = int(raw["num_hidden_layers"])
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(raw["vocab_size"]),
@@ -176,6 +186,8 @@ def parse_model_config(
         bos_token_id=_optional_int(raw.get("bos_token_id")),
         checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         moe=_parse_moe(raw, architecture, num_layers),
+        sliding_window=sliding_window,
+        sliding_layers=sliding_layers,
     )
 
 
@@ -241,40 +253,38 @@ def _parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeCo
     )
 
 
-def _check_unsupported_features(raw: dict[str, Any], architecture: str, max_positions: int) -> None:
+def _check_unsupported_features(raw: dict[str, Any]) -> None:
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
-    sliding_window = _effective_sliding_window(raw, architecture)
-    if sliding_window is not None and sliding_window < max_positions:
-        raise ValueError(
-            f"sliding-window attention (sliding_window={sliding_window} < "
-            f"max_position_embeddings={max_positions}) is not supported"
-        )
 
 
-def _effective_sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
-    """The window transformers would apply, following its config defaults."""
+def _sliding_layers(
+    raw: dict[str, Any], architecture: str, num_layers: int, max_positions: int
+) -> tuple[int | None, tuple[int, ...]]:
+    """The window transformers would apply, following its config defaults, and the layers it
+    applies to; (None, ()) for none, or a window no shorter than the model's context."""
+    window: Any = None
+    sliding = [True] * num_layers
     if architecture in ("MixtralForCausalLM", "Phi3ForCausalLM"):
         window = raw.get("sliding_window")
-        return None if window is None else int(window)
-    if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        window = raw.get("sliding_window", 4096)
-        return int(window) if raw.get("use_sliding_window", False) and window else None
-    if architecture == "MistralForCausalLM":
+    elif architecture == "MistralForCausalLM":
         window = raw.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
-        return None if window is None else int(window)
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif raw.get("use_sliding_window", False):  # the Qwen families
         window = raw.get("sliding_window", 4096)
-        if not raw.get("use_sliding_window", False) or window is None:
-            return None
-        num_layers = int(raw["num_hidden_layers"])
-        layer_types = raw.get("layer_types") or [
-            "sliding_attention" if i >= int(raw.get("max_window_layers", 28)) else "full_attention"
-            for i in range(num_layers)
-        ]
-        return int(window) if "sliding_attention" in layer_types else None
-    return None
+        max_window_layers = int(raw.get("max_window_layers", 28))
+        layer_types = raw.get("layer_types")
+        if layer_types:
+            sliding = [kind == "sliding_attention" for kind in layer_types]
+        elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            sliding = [i >= max_window_layers for i in range(num_layers)]
+        elif architecture == "Qwen2MoeForCausalLM":
+            sliding = [(i + 1) % 2 == 1 and i < max_window_layers for i in range(num_layers)]
+    if not window or int(window) >= max_positions or not any(sliding):
+        return None, ()
+    if int(window) < 1:
+        raise ValueError(f"sliding_window {window} must be at least 1")
+    return int(window), tuple(i for i, is_sliding in enumerate(sliding) if is_sliding)
 
 
 def _parse_rope(raw: dict[str, Any], max_positions: int, default_theta: float) -> RopeConfig:

@@ -41,6 +41,7 @@ class Sequence:
         "block_table",
         "block_hashes",
         "num_committed_blocks",
+        "num_released_blocks",
         "status",
         "finish_reason",
         "num_cached_prompt_tokens",
@@ -87,6 +88,8 @@ class Sequence:
         self.block_table = BlockTable()  # physical block per logical block
         self.block_hashes: list[BlockHash] = []  # prefix hash per full block of token_ids
         self.num_committed_blocks = 0  # leading blocks of block_table offered to the prefix cache
+        # leading blocks of block_table given back, outside a sliding window (BlockManager)
+        self.num_released_blocks = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache

@@ -41,5 +41,10 @@ class AttentionBackend(ABC):
         kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Causal attention of each new token over its sequence's context in the paged cache."""
+        """Causal attention of each new token over its sequence's context in the paged cache.
+
+        ``sliding_window`` W: a token at position p sees only positions p - W + 1 .. p (None:
+        its whole context); a backend then never reads a block wholly before every window
+        of a sequence's new tokens, whose block-table entries may be stale."""

@@ -47,9 +47,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
-        if not _kernels_take(kv_cache_layer):
-            return super()._prefill_all(query, kv_cache_layer, metadata, scale)
+        if not _kernels_take(kv_cache_layer) or sliding_window is not None:
+            return super()._prefill_all(query, kv_cache_layer, metadata, scale, sliding_window)
         starts, seq_lens = self._prefill_index.get(metadata, lambda: _prefill_index(metadata))
         return paged_prefill_attention_cpu(
             query.contiguous(),
@@ -66,9 +67,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_decode_seqs, num_heads, head_dim]
-        if not _kernels_take(kv_cache_layer):
-            return super()._decode(query, kv_cache_layer, metadata, scale)
+        if not _kernels_take(kv_cache_layer) or sliding_window is not None:
+            return super()._decode(query, kv_cache_layer, metadata, scale, sliding_window)
         return paged_decode_attention_cpu(
             query.contiguous(),
             kv_cache_layer,

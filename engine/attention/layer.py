@@ -14,7 +14,13 @@ from engine.forward_context import get_forward_context
 
 class Attention(nn.Module):
     def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,  # a token sees this many positions, itself included
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -24,6 +30,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -42,6 +49,6 @@ class Attention(nn.Module):
         if num_padding > 0:
             query, key, value = query[:num_tokens], key[:num_tokens], value[:num_tokens]
         backend.write_kv(kv_cache_layer, key, value, metadata.slot_mapping)
-        out = backend.forward(query, kv_cache_layer, metadata, self.scale)
+        out = backend.forward(query, kv_cache_layer, metadata, self.scale, self.sliding_window)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding > 0 else out

@@ -1,7 +1,8 @@
 """Pure-torch attention over the paged KV cache: the reference backend, CPU and GPU.
 
 Prefill sequences are handled one at a time: gather the context from its blocks, one SDPA
-with a bottom-right-aligned causal mask. Decode sequences: on CPU, in chunks small enough to
+with a bottom-right-aligned causal mask. A sliding-window layer gathers each sequence's blocks
+from the first one its new tokens' windows reach, and masks per token. Decode sequences: on CPU, in chunks small enough to
 stay in cache, gather only their own blocks back to back and run one SDPA per sequence;
 elsewhere, gather into a padded [num_seqs, max_len] layout for one masked SDPA. Gathers go
 to a reused workspace.
@@ -84,14 +85,19 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         outputs = []
         if metadata.num_prefill_seqs > 0:
             prefill_query = query[: metadata.num_prefill_tokens]
-            outputs.append(self._prefill_all(prefill_query, kv_cache_layer, metadata, scale))
+            outputs.append(
+                self._prefill_all(prefill_query, kv_cache_layer, metadata, scale, sliding_window)
+            )
         if metadata.num_decode_seqs > 0:
             decode_query = query[metadata.num_prefill_tokens :]
-            outputs.append(self._decode(decode_query, kv_cache_layer, metadata, scale))
+            outputs.append(
+                self._decode(decode_query, kv_cache_layer, metadata, scale, sliding_window)
+            )
         if not outputs:
             return torch.empty_like(query)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
@@ -102,9 +108,10 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
         outputs = [
-            self._prefill(query, kv_cache_layer, metadata, i, scale)
+            self._prefill(query, kv_cache_layer, metadata, i, scale, sliding_window)
             for i in range(metadata.num_prefill_seqs)
         ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
@@ -116,14 +123,51 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         seq_index: int,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
         start = metadata.prefill_query_start_loc[seq_index]
         end = metadata.prefill_query_start_loc[seq_index + 1]
         seq_len = metadata.prefill_seq_lens[seq_index]
         num_blocks = _num_blocks(seq_len, kv_cache_layer)
-        block_table = metadata.prefill_block_tables[seq_index : seq_index + 1, :num_blocks]
+        table = metadata.prefill_block_tables[seq_index]
+        if sliding_window is not None:
+            return self._windowed(
+                query[start:end], kv_cache_layer, table, seq_len, scale, sliding_window
+            )
+        block_table = table[None, :num_blocks]
         kv = self._gather(kv_cache_layer, block_table)[:, 0, :seq_len]
         return _prefill_attention(query[start:end], kv, scale)
+
+    def _windowed(
+        self,
+        query: torch.Tensor,  # [query_len, num_heads, head_dim]: a sequence's new tokens
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        table: torch.Tensor,  # [max_blocks] int64: the sequence's block table
+        seq_len: int,  # its context length after this step
+        scale: float,
+        window: int,
+    ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+        """A sequence's new tokens over the blocks their windows reach, masked per token."""
+        query_len, num_heads, _ = query.shape
+        block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+        first_block = max(0, seq_len - query_len - window + 1) // block_size
+        blocks = table[None, first_block : _num_blocks(seq_len, kv_cache_layer)]
+        first = first_block * block_size
+        kv = self._gather(kv_cache_layer, blocks)[:, 0, : seq_len - first]
+        context_pos = torch.arange(first, seq_len, device=query.device)
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        seen = (context_pos[None, :] <= query_pos[:, None]) & (
+            context_pos[None, :] > query_pos[:, None] - window
+        )  # [query_len, seq_len - first]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1)[None],  # [1, num_heads, query_len, head_dim]
+            kv[0].transpose(0, 1)[None],  # [1, num_kv_heads, context, head_dim]
+            kv[1].transpose(0, 1)[None],
+            attn_mask=seen,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        return out[0].transpose(0, 1)
 
     def _decode(
         self,
@@ -131,7 +175,23 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_decode_seqs, num_heads, head_dim]
+        if sliding_window is not None:  # a row at a time, over the blocks its window reaches
+            seq_lens = metadata.decode_seq_lens.tolist()
+            tables = metadata.decode_block_tables
+            rows = [
+                self._windowed(
+                    query[row : row + 1],
+                    kv_cache_layer,
+                    tables[row],
+                    seq_len,
+                    scale,
+                    sliding_window,
+                )
+                for row, seq_len in enumerate(seq_lens)
+            ]
+            return torch.cat(rows)
         if query.device.type == "cpu":
             return self._decode_varlen(query, kv_cache_layer, metadata, scale)
         num_blocks = _num_blocks(metadata.max_decode_seq_len, kv_cache_layer)

@@ -3,7 +3,8 @@
 ``write_kv`` scatters the step's new K/V with one kernel. ``forward`` runs the prefill kernel
 over the prefill rows (varlen, causal, reading cached prefixes through the block tables) and
 the flash-decoding kernel over the decode rows (a sequence's rows together when the metadata
-groups them: a decode graph's drafts), each reading the paged cache in place.
+groups them: a decode graph's drafts), each reading the paged cache in place; a
+sliding-window layer's only from where its tokens' windows start.
 
 On CPU the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how
 the tests check this backend against the torch reference.
@@ -58,6 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_prefill_tokens = metadata.num_prefill_tokens
         outputs = []
@@ -74,6 +76,7 @@ class TritonAttentionBackend(AttentionBackend):
                     metadata.prefill_block_tables,
                     scale,
                     index.max_query_len,
+                    sliding_window=sliding_window,
                 )
             )
         if metadata.num_decode_seqs > 0:
@@ -95,6 +98,7 @@ class TritonAttentionBackend(AttentionBackend):
                     ),
                     row_starts=metadata.decode_row_starts,
                     max_rows_per_seq=metadata.max_decode_rows_per_seq,
+                    sliding_window=sliding_window,
                 )
             )
         if not outputs:

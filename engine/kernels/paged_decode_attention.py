@@ -5,7 +5,8 @@ num_kv_heads``): ``softmax(scale * q[r, h] @ K_r.T) @ V_r`` over the first ``seq
 tokens of the blocks in ``block_tables[r]``. A row is usually a sequence's newest token; with
 speculative decoding a sequence also has a row per draft token after it, each seeing one token
 more than the row before. Given ``row_starts``, the rows of one sequence are folded into one
-program, so its K/V are loaded once for all of them, not once per row.
+program, so its K/V are loaded once for all of them, not once per row. With a sliding window
+``W``, a row of context ``n`` sees only its last ``W`` tokens, ``max(0, n - W) .. n - 1``.
 
 Flash-decoding, two kernels:
 
@@ -18,11 +19,15 @@ Flash-decoding, two kernels:
    each token's slot looked up through the block table (so a tile may span several blocks and
    any block size works), with an online softmax in float32 (logits in log2 units, ``exp2``),
    each tile row masked to its own context. It writes the partition's normalised output, max
-   logit and sum of exp per row. A partition past a row's end writes max -inf, sum 0.
+   logit and sum of exp per row. A partition past a row's end writes max -inf, sum 0. With a
+   window, the walk starts at the tile of the group's first row's window start, and neither
+   the block-table entries nor the blocks before that start are read (they may be freed); a
+   partition wholly before it is written empty.
 2. ``_merge_partitions_kernel``, grid ``(num_rows, num_heads)``: the log-sum-exp merge of the
    row's non-empty partitions into the output, in the query's dtype, one partition after
-   another: a row's bits depend on the partition size, never on how many partitions the
-   grid has (``default_tokens_per_split`` keeps the size fixed per batch-size bucket).
+   another, from the one holding the row's window start: a row's bits depend on the partition
+   size, never on how many partitions the grid has (``default_tokens_per_split`` keeps the
+   size fixed per batch-size bucket).
 
 With one partition the first kernel writes the output itself and the merge is skipped.
 """
@@ -77,6 +82,7 @@ def _decode_partition_kernel(
     v_cache_offset,  # num_blocks * block_size * num_kv_heads * head_dim: where V starts
     scale_log2,  # softmax scale * log2(e)
     tokens_per_split,  # a multiple of TILE
+    window,  # a row of context n sees positions n - window .. n - 1 (read only when WINDOWED)
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
     # power of two >= max(rows per group * GROUP_SIZE, 16); rows per group: 1 unless FOLDED
@@ -87,6 +93,7 @@ def _decode_partition_kernel(
     TILE: tl.constexpr,  # power of two >= 16
     NUM_SPLITS: tl.constexpr,
     FOLDED: tl.constexpr,  # a program takes a sequence's rows; else a row alone
+    WINDOWED: tl.constexpr,  # a sliding window of ``window`` tokens
     DOT_FP32: tl.constexpr,  # upcast dot operands (fp32 inputs, or the interpreter)
 ):
     group = tl.program_id(0)
@@ -103,6 +110,15 @@ def _decode_partition_kernel(
     seq_len = tl.where(num_rows > 0, tl.load(seq_lens_ptr + last_row).to(tl.int32), 0)
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+    if WINDOWED:
+        # the group's first row sees from the earliest position: no tile before its window
+        first_len = seq_len
+        if FOLDED:
+            first_len = tl.load(seq_lens_ptr + first_row, mask=num_rows > 0, other=0).to(tl.int32)
+        window_start = tl.maximum(first_len - window, 0)
+        walk_start = tl.maximum(split_start, window_start // TILE * TILE)
+    else:
+        walk_start = split_start
 
     # tile row r: query token r // GROUP_SIZE of the sequence, query head r % GROUP_SIZE of
     # this KV head's group
@@ -126,9 +142,11 @@ def _decode_partition_kernel(
     l_i = tl.zeros([TILE_ROWS], tl.float32)  # running sum of exp2(logit - m_i)
     acc = tl.zeros([TILE_ROWS, HEAD_DIM_PAD], tl.float32)
     block_table = block_tables_ptr + last_row.to(tl.int64) * block_tables_stride_row
-    for tile_start in range(split_start, split_end, TILE):
+    for tile_start in range(walk_start, split_end, TILE):
         positions = tile_start + tl.arange(0, TILE)  # [TILE]
         token_mask = positions < split_end
+        if WINDOWED:
+            token_mask = token_mask & (positions >= window_start)
         block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=token_mask, other=0)
         slots = block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
         # [TILE, HEAD_DIM_PAD]
@@ -142,9 +160,12 @@ def _decode_partition_kernel(
         # [TILE_ROWS, TILE]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         seen = token_mask[None, :] & (positions[None, :] < row_lens[:, None])
+        if WINDOWED:
+            seen = seen & (positions[None, :] >= row_lens[:, None] - window)
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # a row whose context ended before this tile has seen nothing yet: no NaN from it
+        # a row whose context ended before this tile, or whose window starts after it, may have
+        # seen nothing yet: no NaN from it
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
@@ -163,8 +184,8 @@ def _decode_partition_kernel(
             mask=q_mask,
         )
     else:
-        # a partition past a row's own context (within its sequence's) is written empty; the
-        # merge reads only the row's own partitions
+        # a partition past a row's own context (within its sequence's) or before its window is
+        # written empty; the merge reads only the partitions of the row's window
         part_rows = out_rows * NUM_SPLITS + split
         part_out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -182,27 +203,32 @@ def _merge_partitions_kernel(
     part_sum_ptr,  # [num_rows, num_heads, NUM_SPLITS] f32
     seq_lens_ptr,  # [num_rows]
     tokens_per_split,
+    window,  # read only when WINDOWED
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
-    # One partition after another, in order, over the row's own partitions only: the
-    # result does not depend on NUM_SPLITS (a graph's grid covers the static capacity, an eager
-    # step's only its longest context), and a single partition is passed through unchanged.
+    # One partition after another, in order, over the row's own partitions only (from the one
+    # holding its window start): the result does not depend on NUM_SPLITS (a graph's grid
+    # covers the static capacity, an eager step's only its longest context), and a single
+    # partition is passed through unchanged.
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row).to(tl.int32)
     num_parts = tl.minimum(tl.cdiv(seq_len, tokens_per_split), NUM_SPLITS)  # >= 1
+    # the partition of the row's window start (< num_parts); those before it are empty
+    first_part = tl.maximum(seq_len - window, 0) // tokens_per_split if WINDOWED else 0
     first = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    max_logit = tl.load(part_max_ptr + first)
-    for part in range(1, num_parts):
+    max_logit = tl.load(part_max_ptr + first + first_part)
+    for part in range(first_part + 1, num_parts):
         max_logit = tl.maximum(max_logit, tl.load(part_max_ptr + first + part))
     acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
     total = tl.full([], 0.0, tl.float32)
-    for part in range(0, num_parts):
+    for part in range(first_part, num_parts):
         weight = tl.exp2(tl.load(part_max_ptr + first + part) - max_logit) * tl.load(
             part_sum_ptr + first + part
         )
@@ -211,8 +237,8 @@ def _merge_partitions_kernel(
         )
         acc += part_out * weight
         total += weight
-    only = tl.load(part_out_ptr + first * HEAD_DIM + dims, mask=dim_mask, other=0.0)
-    out = tl.where(num_parts == 1, only, acc / total)
+    only = tl.load(part_out_ptr + (first + first_part) * HEAD_DIM + dims, mask=dim_mask, other=0.0)
+    out = tl.where(num_parts - first_part == 1, only, acc / total)
     out_offsets = (row.to(tl.int64) * NUM_HEADS + head) * HEAD_DIM + dims
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
@@ -261,6 +287,7 @@ def paged_decode_attention(
     tiling: DecodeTiling = DecodeTiling(),
     row_starts: torch.Tensor | None = None,  # [num_groups + 1] int32 or int64
     max_rows_per_seq: int = 1,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_rows, num_heads, head_dim], query's dtype
     """Attention of each row's new token over its whole context in the paged cache.
 
@@ -275,6 +302,9 @@ def paged_decode_attention(
     tiles), as many as ``max_seq_len`` needs; a sequence's result depends only on its own
     partitions, so any bound gives the same bits. Or ``num_splits`` partitions of the bound
     (None, and no ``tokens_per_split``: ``default_num_splits``).
+    ``sliding_window`` W: a row of context ``n`` (at position ``n - 1``) sees only positions
+    ``max(0, n - W) .. n - 1``; the block-table entries before the window start of a group's
+    first row are never read, and may hold anything. None: the whole context.
     ``seq_lens`` values are checked on the host only when they are there already (on CPU);
     on a GPU that would sync. ``tiling``: for benchmarks that compare tilings; the default is
     the engine's.
@@ -292,6 +322,7 @@ def paged_decode_attention(
         f"max_seq_len must be in [1, max_blocks * block_size = {capacity}], got {max_seq_len}",
     )
     _check_tiling(tiling)
+    _check_sliding_window(sliding_window)
     num_groups = num_rows if row_starts is None else len(row_starts) - 1
     require(max_rows_per_seq >= 1, f"max_rows_per_seq must be >= 1, got {max_rows_per_seq}")
     if row_starts is not None:
@@ -337,6 +368,7 @@ def paged_decode_attention(
         num_blocks * block_size * num_kv_heads * head_dim,
         scale * LOG2_E,
         tokens_per_split,
+        sliding_window or 0,
         NUM_KV_HEADS=num_kv_heads,
         GROUP_SIZE=group_size,
         TILE_ROWS=max(_MIN_DOT_DIM, triton.next_power_of_2(rows_per_seq * group_size)),
@@ -346,6 +378,7 @@ def paged_decode_attention(
         TILE=tile,
         NUM_SPLITS=num_splits,
         FOLDED=folded,
+        WINDOWED=sliding_window is not None,
         # Triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits
         DOT_FP32=interpreted() or query.dtype == torch.float32,
         num_warps=tiling.num_warps,
@@ -358,10 +391,12 @@ def paged_decode_attention(
             part_sum,
             seq_lens,
             tokens_per_split,
+            sliding_window or 0,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits,
+            WINDOWED=sliding_window is not None,
         )
     return out
 
@@ -412,6 +447,13 @@ def _check_row_starts(
             f"the rows {start}..{end} of a group must see one token more each, got "
             f"seq_lens {lens[start:end]}",
         )
+
+
+def _check_sliding_window(sliding_window: int | None) -> None:
+    require(
+        sliding_window is None or sliding_window >= 1,
+        f"sliding_window must be >= 1 or None, got {sliding_window}",
+    )
 
 
 def _check_tiling(tiling: DecodeTiling) -> None:

@@ -3,8 +3,9 @@
 Each prefill sequence has ``q_len`` new tokens (rows ``query_start_loc[s] ..
 query_start_loc[s + 1]`` of ``query``) and a context of ``seq_len`` tokens, all of them already
 in the paged cache (a cached prefix from an earlier chunk or a prefix-cache hit, then the new
-tokens). New token ``i`` sits at absolute position ``seq_len - q_len + i`` and attends,
-causally, to context positions ``0 ..`` that position (the mask is aligned bottom-right).
+tokens). New token ``i`` sits at absolute position ``p = seq_len - q_len + i`` and attends,
+causally, to context positions ``0 .. p`` (the mask is aligned bottom-right); with a sliding
+window of ``W`` tokens, to ``max(0, p - W + 1) .. p``.
 
 Program layout: grid ``(query tile, sequence, kv head)``. One program takes ``BLOCK_Q`` new
 tokens of one sequence times the ``group = num_heads // num_kv_heads`` query heads that share
@@ -14,8 +15,10 @@ to a power of two and its extra rows are masked). So each K/V tile is loaded onc
 (GQA), not once per query head. The program walks the KV tiles of ``BLOCK_N`` positions up to
 the causal limit of its last token, gathering each position's slot through the block table,
 with a float32 online softmax (flash attention); tiles wholly below the diagonal skip the
-mask, tiles past the causal limit are never read. Query tiles are handed out last-first, so
-the longest programs start first.
+mask, tiles past the causal limit are never read. With a window the walk starts at the window
+start of the program's first token (nothing before it is read: its blocks may be freed); the
+tiles that reach below a later token's window start mask each row to its own window. Query
+tiles are handed out last-first, so the longest programs start first.
 """
 
 from __future__ import annotations
@@ -57,9 +60,14 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     tiling: PrefillTiling = PrefillTiling(),
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim], query's dtype
     """Causal attention of each prefill sequence's new tokens over its whole paged context.
 
+    ``sliding_window`` W: the token at position ``p`` sees only positions ``max(0, p - W + 1)
+    .. p``; the block-table entries before the window start of a sequence's first new token
+    are never read, and may hold anything. None: the whole context.
     Raises ValueError naming the argument when shapes, dtypes, devices, strides or the
     offsets disagree. The offsets' values are checked only on CPU (the interpreter): on a GPU
     reading them back would sync every call, so there they are the caller's contract.
@@ -68,6 +76,10 @@ def paged_prefill_attention(
     _check_tensors(query, kv_cache_layer, query_start_loc, seq_lens, block_tables)
     _check_offsets(query, kv_cache_layer, query_start_loc, seq_lens, block_tables, max_query_len)
     _check_tiling(tiling)
+    require(
+        sliding_window is None or sliding_window >= 1,
+        f"sliding_window must be >= 1 or None, got {sliding_window}",
+    )
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
     num_seqs = seq_lens.shape[0]
@@ -97,6 +109,7 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        sliding_window or 0,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -104,6 +117,7 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=block_size,
+        WINDOWED=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # the interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584)
         UPCAST_DOT=interpreted() and query.dtype == torch.bfloat16,
@@ -236,6 +250,7 @@ def _paged_prefill_kernel(
     stride_o_tok,
     stride_o_head,
     stride_bt_seq,
+    window,  # the token at position p sees p - window + 1 .. p (read only when WINDOWED)
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # new tokens per program
@@ -243,6 +258,7 @@ def _paged_prefill_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # power of two >= max(HEAD_DIM, 16); the extra dims are masked
     PAGE_SIZE: tl.constexpr,  # tokens per cache block
+    WINDOWED: tl.constexpr,  # a sliding window of ``window`` tokens
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # run the dots in float32 (the interpreter's bfloat16 dot is wrong)
 ):
@@ -271,9 +287,10 @@ def _paged_prefill_kernel(
         q = q.to(tl.float32)
     query_pos = prefix_len + token  # [BLOCK_M] absolute position; rows past q_len see all
 
-    # KV positions < diag_start are visible to every row; the last token sees < kv_end
+    # The walk: with a window, the tiles [window_start, full_window) reach below a later
+    # token's window start and are masked per row; then KV positions < diag_start are visible
+    # to every row; the last token sees < kv_end.
     first_pos = prefix_len + q_tile * BLOCK_Q
-    diag_start = (first_pos + 1) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(prefix_len + (q_tile + 1) * BLOCK_Q, seq_len)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
@@ -281,19 +298,37 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (base-2 logits)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    for tile_start in range(0, diag_start, BLOCK_N):
+    if WINDOWED:
+        window_start = tl.maximum(first_pos - window + 1, 0)  # the first token's
+        last_window_start = tl.maximum(kv_end - window, 0)  # the last (valid) token's
+        num_edge_tiles = tl.cdiv(last_window_start - window_start, BLOCK_N)
+        full_window = window_start + num_edge_tiles * BLOCK_N
+        for tile_start in range(window_start, full_window, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
+                window, stride_kv_side, stride_kv_block, stride_kv_slot,
+                BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, True, True,
+            )  # fmt: skip
+        unmasked = tl.maximum(first_pos + 1 - full_window, 0) // BLOCK_N * BLOCK_N
+        diag_start = full_window + unmasked
+    else:
+        full_window = 0
+        diag_start = (first_pos + 1) // BLOCK_N * BLOCK_N
+    for tile_start in range(full_window, diag_start, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
-            stride_kv_side, stride_kv_block, stride_kv_slot,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, False,
+            window, stride_kv_side, stride_kv_block, stride_kv_slot,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, False, False,
         )  # fmt: skip
     for tile_start in range(diag_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
-            stride_kv_side, stride_kv_block, stride_kv_slot,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, True,
+            window, stride_kv_side, stride_kv_block, stride_kv_slot,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, True, False,
         )  # fmt: skip
 
+    if WINDOWED:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # 0 only in rows past q_len, whose windows may be empty
     acc = acc / l_i[:, None]
     out_rows = (q_start + token) * stride_o_tok + head * stride_o_head
     out_ptrs = out_ptr + out_rows[:, None] + dims[None, :]
@@ -312,6 +347,7 @@ def _attend_tile(
     table,  # this seq's block-table row
     kv_base,  # the cache's K at this kv head
     qk_scale,
+    window,  # read only when WINDOW_MASK
     stride_kv_side,
     stride_kv_block,
     stride_kv_slot,
@@ -322,6 +358,8 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,  # the tile crosses the diagonal: mask positions > query_pos
+    # (with CAUSAL_MASK) the tile reaches below a row's window: mask positions <= query_pos - window
+    WINDOW_MASK: tl.constexpr,
 ):
     """One KV tile's online-softmax update of the rows' running max, denominator and output."""
     pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute context positions
@@ -341,11 +379,20 @@ def _attend_tile(
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if CAUSAL_MASK:
         visible = (pos[None, :] <= query_pos[:, None]) & pos_valid[None, :]
+        if WINDOW_MASK:
+            visible = visible & (pos[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-    # every row sees position 0 in the first tile, so m_new is finite from then on
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    if WINDOW_MASK:
+        # a row whose window starts past this tile has seen nothing yet: no NaN from it
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+    else:
+        # every row sees the walk's first position (or, windowed, a position of an earlier
+        # tile: the one of its window start), so m_new is finite from then on
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)

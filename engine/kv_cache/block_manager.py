@@ -1,8 +1,9 @@
 """Maps sequences onto physical blocks: prefix-cache lookup, slot allocation, copy-on-write.
 
 Verbs, in the order a sequence meets them:
-  attach_cached_prefix (or adopt, for KV received) -> can_allocate / allocate_slots (every
-  step) -> fork (n > 1) -> free
+  attach_cached_prefix (or adopt, for KV received) -> release_outside_window (a model whose
+  every layer has a sliding window) and can_allocate / allocate_slots (every step) -> fork
+  (n > 1) -> free
 
 They are the only writers of a sequence's block table. Blocks for KV that has yet to arrive (a
 decode worker's hand-off) are taken with ``reserve`` and, unless a sequence adopts them, given
@@ -16,6 +17,9 @@ from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.prefix_hash import extend_block_hashes
 from engine.sequence import Sequence
 
+# a block-table entry whose block was given back (outside the attention window); never read
+RELEASED = -1
+
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -28,6 +32,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool,
         long_prompt_length: int | None = None,
+        attention_window: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -36,6 +41,10 @@ class BlockManager:
         # the long set): such prompts' blocks are salted apart from shorter prompts' (None: no
         # such length)
         self.long_prompt_length = long_prompt_length
+        # every layer of the model sees only this many positions (a sliding window): a
+        # sequence's blocks wholly before its next token's window are given back as it goes
+        # (None: sequences keep all their blocks)
+        self.attention_window = attention_window
 
     def _salt(self, seq: Sequence) -> str | None:
         """The prefix-hash salt of ``seq``'s blocks: its tenant's, and the long-prompt mark."""
@@ -72,6 +81,21 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Give back ``seq``'s blocks that no query of it will read again: those wholly before
+        the attention window of its next token (its table keeps RELEASED in their place, so
+        logical block indices stay put). Nothing without an attention window, nor for a
+        prompt whose KV a decode worker will take (its hand-off moves the prompt's blocks)."""
+        window = self.attention_window
+        if window is None or seq.prefill_only:
+            return
+        first_visible = seq.num_computed_tokens - window + 1  # the next token's window start
+        num_dead = min(max(first_visible, 0) // self.block_size, len(seq.block_table))
+        for index in range(seq.num_released_blocks, num_dead):
+            self.pool.free(seq.block_table[index])
+            seq.block_table[index] = RELEASED
+        seq.num_released_blocks = max(seq.num_released_blocks, num_dead)
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to allocate so the next ``num_new_tokens`` have slots (incl. a CoW copy)."""
@@ -155,20 +179,22 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s blocks (copy-on-write on the partial one)."""
-        for block_id in parent.block_table:
+        for block_id in parent.block_table[parent.num_released_blocks :]:
             self.pool.incref(block_id)
         child.block_table = BlockTable(parent.block_table)
+        child.num_released_blocks = parent.num_released_blocks
         child.block_hashes = list(parent.block_hashes)
         child.num_committed_blocks = parent.num_committed_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks (newest first, so older prefix blocks stay cached longer)."""
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
             self.pool.free(block_id)
         seq.block_table = BlockTable()
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        seq.num_released_blocks = 0
 
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
         """The block the next token lands in is partially filled and shared."""

@@ -109,6 +109,7 @@ class SelfAttention(nn.Module):
             self.num_kv_heads,
             config.head_dim,
             scale=config.head_dim**-0.5,
+            sliding_window=config.sliding_window if layer_idx in config.sliding_layers else None,
         )
         self.group = group
 

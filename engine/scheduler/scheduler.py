@@ -115,12 +115,19 @@ class Scheduler:
 
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError when ``seq`` could never run here: more samples than
-        ``max_num_seqs``, or more KV than the whole cache holds."""
+        ``max_num_seqs``, or more KV than the whole cache holds (with a sliding window on every
+        layer and chunked prefill: more than its window and a step's tokens)."""
         if seq.params.n > self.config.max_num_seqs:
             raise ValueError(
                 f"n ({seq.params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})"
             )
-        needed = num_blocks_for(seq.max_total_tokens, self.block_manager.block_size)
+        block_size = self.block_manager.block_size
+        needed = num_blocks_for(seq.max_total_tokens, block_size)
+        window = self.block_manager.attention_window
+        if window is not None and self.config.enable_chunked_prefill and not seq.prefill_only:
+            # it gives back what falls out of its window: it holds the window and a step's tokens
+            step = window - 1 + self.config.max_num_batched_tokens
+            needed = min(needed, num_blocks_for(step, block_size) + 1)
         if needed > self.block_manager.pool.num_blocks:
             raise ValueError(
                 f"request needs up to {seq.max_total_tokens} tokens of KV cache, more than the "
@@ -166,6 +173,7 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             drafts = self._drafts(seq, budget) if drafting else ()
+            self.block_manager.release_outside_window(seq)
             while not self.block_manager.can_allocate(seq, num_new + len(drafts)):
                 if drafts:  # drafts are the first thing to go
                     drafts = ()
@@ -300,6 +308,7 @@ class Scheduler:
                 num_cached = self.block_manager.attach_cached_prefix(seq)
                 if seq.num_preemptions == 0:  # back from a preemption, it hits its own blocks
                     seq.num_cached_prompt_tokens = num_cached
+            self.block_manager.release_outside_window(seq)  # of a prefix hit or received KV
             num_new = min(seq.num_uncomputed_tokens, budget)
             chunk_refused = (
                 num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill

@@ -181,7 +181,12 @@ def _kv_cache_layer(shape: ModelShape, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _decode(
-    shape: ModelShape, dtype: torch.dtype, num_seqs: int, context: int, rows_per_seq: int = 1
+    shape: ModelShape,
+    dtype: torch.dtype,
+    num_seqs: int,
+    context: int,
+    rows_per_seq: int = 1,
+    sliding_window: int | None = None,
 ) -> Callable[[], object]:
     """``rows_per_seq`` > 1: a verify step's rows (a token and its drafts), folded per
     sequence, as a decode graph of a drafting engine runs them."""
@@ -198,10 +203,13 @@ def _decode(
         max_seq_len=context,
         row_starts=_meta(num_rows + 1, dtype=index) if folded else None,
         max_rows_per_seq=rows_per_seq,
+        sliding_window=sliding_window,
     )
 
 
-def _prefill(shape: ModelShape, dtype: torch.dtype, num_tokens: int) -> Callable[[], object]:
+def _prefill(
+    shape: ModelShape, dtype: torch.dtype, num_tokens: int, sliding_window: int | None = None
+) -> Callable[[], object]:
     max_blocks = -(-num_tokens // BLOCK_SIZE)
     return lambda: paged_prefill_attention.paged_prefill_attention(
         _meta(num_tokens, shape.num_heads, shape.head_dim, dtype=dtype),
@@ -211,6 +219,7 @@ def _prefill(shape: ModelShape, dtype: torch.dtype, num_tokens: int) -> Callable
         _meta(1, max_blocks, dtype=torch.int32),
         shape.head_dim**-0.5,
         max_query_len=num_tokens,
+        sliding_window=sliding_window,
     )
 
 
@@ -264,6 +273,11 @@ def cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
             call = _decode(shape, dtype, 8, 1024, rows_per_seq=5)
             yield f"decode verify {tag} batch 8 x 5 rows", paged_decode_attention, call
             yield f"prefill {tag}", paged_prefill_attention, _prefill(shape, dtype, 1024)
+            if index == 0:  # a sliding-window layer's variants (Mistral, Gemma)
+                call = _decode(shape, dtype, 8, 1024, sliding_window=256)
+                yield f"decode {tag} batch 8, window 256", paged_decode_attention, call
+                call = _prefill(shape, dtype, 1024, sliding_window=256)
+                yield f"prefill {tag}, window 256", paged_prefill_attention, call
             yield f"kv write {tag}", kv_cache_write, _write(shape, dtype, 64)
             yield f"elementwise {tag}", elementwise, _elementwise(shape, dtype, 64)
             yield f"kv block copy {tag}", block_copy, _block_copy(shape, dtype, 512)

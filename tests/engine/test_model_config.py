@@ -106,19 +106,50 @@ def test_unknown_architecture_lists_supported() -> None:
 
 
 @pytest.mark.parametrize(
-    ("architecture", "overrides"),
+    ("architecture", "overrides", "window", "layers"),
     [
-        ("MistralForCausalLM", {"sliding_window": 4096, "max_position_embeddings": 32768}),
-        ("MistralForCausalLM", {"max_position_embeddings": 32768}),  # absent key -> 4096
+        (
+            "MistralForCausalLM",
+            {"sliding_window": 4096, "max_position_embeddings": 32768},
+            4096,
+            (0, 1, 2, 3),
+        ),
+        (
+            "MistralForCausalLM",
+            {"max_position_embeddings": 32768},
+            4096,
+            (0, 1, 2, 3),
+        ),  # absent key
+        ("MixtralForCausalLM", {"sliding_window": 64}, 64, (0, 1, 2, 3)),
         (
             "Qwen2ForCausalLM",
-            {"use_sliding_window": True, "sliding_window": 1024, "max_window_layers": 0},
+            {"use_sliding_window": True, "sliding_window": 1024, "max_window_layers": 2},
+            1024,
+            (2, 3),  # from max_window_layers on
+        ),
+        (
+            "Qwen3ForCausalLM",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 512,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+            },
+            512,
+            (0, 2),
+        ),
+        (
+            "Qwen2MoeForCausalLM",
+            {"use_sliding_window": True, "sliding_window": 256, "max_window_layers": 3},
+            256,
+            (0, 2),  # odd-numbered layers (1-based) below max_window_layers
         ),
     ],
 )
-def test_effective_sliding_window_is_refused(architecture: str, overrides: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match="sliding"):
-        parse_model_config(_raw(architecture, **overrides))
+def test_sliding_windows_follow_transformers(
+    architecture: str, overrides: dict[str, Any], window: int, layers: tuple[int, ...]
+) -> None:
+    config = parse_model_config(_raw(architecture, num_hidden_layers=4, **overrides))
+    assert (config.sliding_window, config.sliding_layers) == (window, layers)
 
 
 @pytest.mark.parametrize(
@@ -127,10 +158,12 @@ def test_effective_sliding_window_is_refused(architecture: str, overrides: dict[
         ("MistralForCausalLM", {"sliding_window": None, "max_position_embeddings": 32768}),
         ("MistralForCausalLM", {"sliding_window": 4096, "max_position_embeddings": 4096}),
         ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": 1024}),
+        ("LlamaForCausalLM", {"sliding_window": 16}),  # Llama has none
     ],
 )
 def test_inactive_sliding_window_is_accepted(architecture: str, overrides: dict[str, Any]) -> None:
-    parse_model_config(_raw(architecture, **overrides))
+    config = parse_model_config(_raw(architecture, **overrides))
+    assert (config.sliding_window, config.sliding_layers) == (None, ())
 
 
 def test_non_silu_activation_is_refused() -> None:

@@ -61,9 +61,9 @@ def test_a_factor_list_of_the_wrong_length_is_named(tmp_path: Path) -> None:
         load_model(tmp_path, parse_model_config(raw), torch.float32, torch.device("cpu"), "dummy")
 
 
-def test_a_sliding_window_within_the_context_is_refused() -> None:
-    with pytest.raises(ValueError, match="sliding_window=256 < max_position_embeddings=512"):
-        parse_model_config({**_raw(type="longrope"), "sliding_window": 256})
+def test_a_sliding_window_within_the_context_applies_to_every_layer() -> None:
+    config = parse_model_config({**_raw(type="longrope"), "sliding_window": 256})
+    assert (config.sliding_window, config.sliding_layers) == (256, (0, 1))
 
 
 @pytest.fixture(scope="module")

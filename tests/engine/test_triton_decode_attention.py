@@ -65,20 +65,24 @@ def _make_case(
     )
 
 
-def _reference(case: DecodeCase) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] float32
-    """Gather each seq's blocks, repeat K/V over the group, softmax attention in float32."""
+def _reference(
+    case: DecodeCase, sliding_window: int | None = None
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] float32
+    """Gather each seq's blocks, repeat K/V over the group, softmax attention in float64 over
+    the context (its last ``sliding_window`` tokens with a window)."""
     _, _, block_size, num_kv_heads, head_dim = case.kv_cache_layer.shape
     group = case.query.shape[1] // num_kv_heads
     outputs = []
     for row, seq_len in enumerate(case.seq_lens.tolist()):
         blocks = case.block_tables[row, : -(-seq_len // block_size)]
-        # [seq_len, num_heads, head_dim]
-        key = case.kv_cache_layer[0, blocks].flatten(0, 1)[:seq_len].float()
-        value = case.kv_cache_layer[1, blocks].flatten(0, 1)[:seq_len].float()
+        start = 0 if sliding_window is None else max(0, seq_len - sliding_window)
+        # [seq_len - start, num_heads, head_dim]
+        key = case.kv_cache_layer[0, blocks].flatten(0, 1)[start:seq_len].double()
+        value = case.kv_cache_layer[1, blocks].flatten(0, 1)[start:seq_len].double()
         key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-        logits = torch.einsum("hd,thd->ht", case.query[row].float(), key) * case.scale
+        logits = torch.einsum("hd,thd->ht", case.query[row].double(), key) * case.scale
         outputs.append(torch.einsum("ht,thd->hd", logits.softmax(-1), value))
-    return torch.stack(outputs)
+    return torch.stack(outputs).float()
 
 
 def _run(case: DecodeCase, num_splits: int | None = None) -> torch.Tensor:
@@ -434,6 +438,105 @@ def test_bad_row_starts_are_named() -> None:
     for row_starts, max_rows, message in bad:
         with pytest.raises(ValueError, match=message):
             _run_folded(case, row_starts.to(DEVICE), max_rows)
+
+
+# ---- a sliding window: a row of context n sees its last W tokens, n - W .. n - 1 -----------
+def _run_windowed(
+    case: DecodeCase,
+    sliding_window: int,
+    tokens_per_split: int,
+    row_starts: torch.Tensor | None = None,
+    max_rows: int = 1,
+    block_tables: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return paged_decode_attention(
+        case.query,
+        case.kv_cache_layer,
+        case.block_tables if block_tables is None else block_tables,
+        case.seq_lens,
+        case.scale,
+        tokens_per_split=tokens_per_split,
+        row_starts=row_starts,
+        max_rows_per_seq=max_rows,
+        sliding_window=sliding_window,
+    )
+
+
+# one token, less than a block of 8, across blocks and partitions, more than every context
+@pytest.mark.parametrize("sliding_window", [1, 5, 21, 100])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(2, 2, 64), (8, 2, 64), (6, 2, 48)],
+    ids=["mha", "gqa4", "gqa3-head-dim-48"],
+)
+def test_sliding_window_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int
+) -> None:
+    """One partition, and partitions of 16 tokens: the 70-token context's partitions wholly
+    before a short window are empty."""
+    case = _make_case([1, 16, 37, 70], num_heads, num_kv_heads, head_dim, 8, seed=7)
+    expected = _reference(case, sliding_window)
+    for tokens_per_split in (80, 16):
+        out = _run_windowed(case, sliding_window, tokens_per_split)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [2, 13, 40])
+def test_sliding_window_over_folded_rows(sliding_window: int) -> None:
+    """Each of a sequence's rows sees its own window, the first row's starting earliest;
+    partitions of 16 tokens."""
+    base = _make_case([9, 70, 40], num_heads=8, num_kv_heads=2, head_dim=64, block_size=4, seed=8)
+    case, starts = _verify_rows(base, [3, 5, 1])
+    out = _run_windowed(case, sliding_window, 16, row_starts=starts, max_rows=5)
+    torch.testing.assert_close(out, _reference(case, sliding_window), atol=2e-5, rtol=1e-5)
+
+
+def test_a_windowed_sequence_gets_the_same_bits_whatever_the_bound() -> None:
+    """As without a window: a graph's bound (the capacity) and an eager step's (the longest
+    context) give each row the same bits, its partitions before the window skipped by both."""
+    case = _make_case([1, 20, 33, 70], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4)
+    wide_tables = torch.nn.functional.pad(case.block_tables, (0, 8))  # 104 tokens: 7 partitions
+    args = (case.query, case.kv_cache_layer, wide_tables, case.seq_lens, case.scale)
+    outputs = [
+        paged_decode_attention(*args, max_seq_len=bound, tokens_per_split=16, sliding_window=20)
+        for bound in (70, 104)
+    ]
+    assert torch.equal(*outputs)
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["rows-alone", "folded"])
+def test_blocks_before_the_window_are_never_read(folded: bool) -> None:
+    """The engine may free the blocks wholly before a sequence's windows: their table entries
+    as -1, or pointing at a block of NaN, leave every row's output as it was, to the bit."""
+    window, block_size = 10, 4
+    base = _make_case([45, 22, 9], 4, 2, 64, block_size, seed=9)
+    rows, starts = _verify_rows(base, [4, 2, 1])
+    nan_block = torch.full_like(rows.kv_cache_layer[:, :1], float("nan"))
+    poisoned_cache = torch.cat([rows.kv_cache_layer, nan_block], dim=1)
+    case = DecodeCase(rows.query, poisoned_cache, rows.block_tables, rows.seq_lens, rows.scale)
+    freed = torch.zeros_like(case.block_tables, dtype=torch.bool)
+    lens, bounds = case.seq_lens.tolist(), starts.tolist()
+    for first, end in zip(bounds[:-1], bounds[1:]):
+        # before the window of the sequence's first row (which a folded program starts from)
+        freed[first:end, : max(0, lens[first] - window) // block_size] = True
+    assert freed.sum(dim=1).tolist() == [8] * 4 + [2] * 2 + [0]  # blocks freed per row
+    row_starts = starts if folded else None
+    expected = _run_windowed(case, window, 16, row_starts, max_rows=4)
+    torch.testing.assert_close(expected, _reference(case, window), atol=2e-5, rtol=1e-5)
+    nan_block_id = poisoned_cache.shape[1] - 1
+    for entry in (-1, nan_block_id):
+        tables = case.block_tables.masked_fill(freed, entry)
+        out = _run_windowed(case, window, 16, row_starts, max_rows=4, block_tables=tables)
+        assert torch.equal(out, expected), entry
+
+
+@pytest.mark.parametrize("sliding_window", [0, -3])
+def test_a_window_below_one_token_is_refused(sliding_window: int) -> None:
+    case = _make_case([5, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    with pytest.raises(
+        ValueError, match=f"sliding_window must be >= 1 or None, got {sliding_window}"
+    ):
+        _run_windowed(case, sliding_window, 16)
 
 
 @pytest.mark.gpu

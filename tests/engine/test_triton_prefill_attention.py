@@ -34,6 +34,7 @@ class PrefillCase:
     seqs: list[tuple[int, int]]  # (seq_len, query_len) per seq
     scale: float
     tiling: PrefillTiling
+    sliding_window: int | None = None
 
     @property
     def max_query_len(self) -> int:
@@ -49,6 +50,7 @@ class PrefillCase:
             self.scale,
             self.max_query_len,
             self.tiling,
+            sliding_window=self.sliding_window,
         )
 
 
@@ -92,7 +94,8 @@ def _make_case(
 
 
 def _reference(case: PrefillCase) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float64
-    """Per seq: gather its blocks, bottom-right causal mask, float64 softmax, GQA by repeat."""
+    """Per seq: gather its blocks, bottom-right causal mask (and the sliding window's: a token
+    at position p sees p - W + 1 .. p), float64 softmax, GQA by repeat."""
     outputs = []
     cache = case.kv_cache_layer.double()
     device = cache.device
@@ -109,6 +112,8 @@ def _reference(case: PrefillCase) -> torch.Tensor:  # [num_tokens, num_heads, he
         query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
         context_pos = torch.arange(seq_len, device=device)[None, :]
         scores.masked_fill_(context_pos > query_pos, float("-inf"))
+        if case.sliding_window is not None:
+            scores.masked_fill_(context_pos <= query_pos - case.sliding_window, float("-inf"))
         outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), value))
         start += query_len
     return torch.cat(outputs)
@@ -252,6 +257,61 @@ def test_wrapper_rejects_short_max_query_len() -> None:
             case.scale,
             max_query_len=29,
         )
+
+
+# one token, less than a tile of 16, across tiles and blocks, more than every context
+@pytest.mark.parametrize("sliding_window", [1, 5, 21, 100])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(2, 2, 64, 16), (8, 2, 64, 8), (6, 2, 48, 16)],
+    ids=["mha", "gqa4", "gqa3-head-dim-48"],
+)
+def test_sliding_window_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, sliding_window: int
+) -> None:
+    """Fresh prompts, a chunk after a cached prefix and a 1-token prompt; a program's tokens
+    (32 of them with one head per KV head) start their windows up to two tiles apart."""
+    case = _make_case(MIXED_SEQS, num_heads, num_kv_heads, head_dim, block_size, seed=7)
+    windowed = replace(case, sliding_window=sliding_window)
+    torch.testing.assert_close(windowed.run().double(), _reference(windowed), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [3, 50])
+def test_sliding_window_with_the_default_tiles(sliding_window: int) -> None:
+    """The GPU tiles: 64 tokens of a program start their windows over several 64-position
+    tiles of a short window, within one of a longer one."""
+    case = _make_case([(70, 70), (90, 21)], 2, 2, 64, 16, seed=8, tiling=PrefillTiling())
+    windowed = replace(case, sliding_window=sliding_window)
+    torch.testing.assert_close(windowed.run().double(), _reference(windowed), atol=1e-5, rtol=1e-5)
+
+
+def test_blocks_before_the_window_are_never_read() -> None:
+    """The engine may free the blocks wholly before a sequence's first new token's window:
+    their table entries as -1, or pointing at a block of NaN, leave the output as it was, to
+    the bit."""
+    window, block_size = 12, 8
+    case = _make_case([(64, 16), (90, 2), (40, 40)], 4, 2, 64, block_size, seed=9)
+    nan_block = torch.full_like(case.kv_cache_layer[:, :1], float("nan"))
+    cache = torch.cat([case.kv_cache_layer, nan_block], dim=1)
+    windowed = replace(case, kv_cache_layer=cache, sliding_window=window)
+    freed = torch.zeros_like(case.block_tables, dtype=torch.bool)
+    for row, (seq_len, query_len) in enumerate(case.seqs):
+        freed[row, : max(0, seq_len - query_len - window + 1) // block_size] = True
+    assert freed.sum(dim=1).tolist() == [4, 9, 0]
+    expected = windowed.run()
+    torch.testing.assert_close(expected.double(), _reference(windowed), atol=1e-5, rtol=1e-5)
+    for entry in (-1, cache.shape[1] - 1):
+        tables = case.block_tables.masked_fill(freed, entry)
+        assert torch.equal(replace(windowed, block_tables=tables).run(), expected), entry
+
+
+@pytest.mark.parametrize("sliding_window", [0, -3])
+def test_a_window_below_one_token_is_refused(sliding_window: int) -> None:
+    case = _make_case([(30, 30), (40, 10)], 4, 2, 64, 16)
+    with pytest.raises(
+        ValueError, match=f"sliding_window must be >= 1 or None, got {sliding_window}"
+    ):
+        replace(case, sliding_window=sliding_window).run()
 
 
 @pytest.mark.gpu

@@ -1,11 +1,15 @@
-"""A mixture-of-experts model served disaggregated over HTTP: a prefill worker of one rank hands
-off to a decode worker of two (each rank holding half of every expert's columns); greedy
-completions equal transformers' tokens, and ``/metrics`` shows each worker's tokens per
-expert and its sparse layers' imbalance."""
+"""The model families beyond the dense Llama ones, served disaggregated over HTTP, greedy
+completions equal to transformers' tokens:
+- a mixture-of-experts model, its prefill worker of one rank handing off to a decode worker of
+  two (each rank holding half of every expert's columns); ``/metrics`` shows each worker's
+  tokens per expert and its sparse layers' imbalance;
+- a sliding-window model (every layer's window shorter than the prompts), whose decode
+  worker gives back the blocks that fall out of a sequence's window as it decodes."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,11 +28,12 @@ from router.gateway.service import Gateway
 from tests.cluster.tp_workload import random_prompts
 from tests.engine.hf_reference import hf_greedy
 from tests.fixtures.local_cluster import local_cluster_config
+from tests.fixtures.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 
-MODEL_NAME = "tiny-moe"
-API_KEY = "sk-moe-0123456789"
+MODEL_NAME = "tiny-model"
+API_KEY = "sk-families-0123456789"
 MAX_TOKENS = 16
 
 
@@ -38,26 +43,42 @@ def moe_dir(model_dirs: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(ray_session: None, moe_dir: Path) -> Iterator[GatewayServer]:
-    cluster = Cluster.start(local_cluster_config(moe_dir, num_prefill=1, num_decode=1, decode_tp=2))
-    served = ServedModel.load(str(moe_dir), MODEL_NAME, None)
+def windowed_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    model_dir = make_tiny_model(
+        tmp_path_factory.mktemp("windowed"), "MistralForCausalLM", seed=24, sliding_window=20
+    )
+    for item in tokenizer_dir.iterdir():
+        shutil.copy(item, model_dir / item.name)
+    return model_dir
+
+
+def _serve(model_dir: Path, decode_tp: int) -> tuple[Cluster, GatewayServer]:
+    cluster = Cluster.start(
+        local_cluster_config(model_dir, num_prefill=1, num_decode=1, decode_tp=decode_tp)
+    )
+    served = ServedModel.load(str(model_dir), MODEL_NAME, None)
     limits = RequestLimits(max_model_len=served.max_model_len)
-    server = GatewayServer(Gateway(cluster, served, limits, ApiKeys((API_KEY,))), "127.0.0.1", 0, 0)
+    gateway = Gateway(cluster, served, limits, ApiKeys((API_KEY,)))
+    server = GatewayServer(gateway, "127.0.0.1", 0, 0)
     server.start()
+    return cluster, server
+
+
+@pytest.fixture(scope="module")
+def server(ray_session: None, moe_dir: Path) -> Iterator[GatewayServer]:
+    cluster, server = _serve(moe_dir, decode_tp=2)
     yield server
     server.stop()
     cluster.shutdown()
 
 
-def test_greedy_completions_over_http_equal_transformers(
-    server: GatewayServer, moe_dir: Path
-) -> None:
+def _completions_equal_transformers(server: GatewayServer, model_dir: Path) -> None:
     """The offline engine (one rank) gives transformers' tokens; the cluster's texts are its."""
     prompts = random_prompts(seed=41)[:12]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    offline = LLM(str(moe_dir), dtype="float32", device="cpu").generate(prompts, params)
+    offline = LLM(str(model_dir), dtype="float32", device="cpu").generate(prompts, params)
     for prompt, output in zip(prompts, offline, strict=True):
-        expected = hf_greedy(moe_dir, prompt, MAX_TOKENS)  # up to its eos, if one comes
+        expected = hf_greedy(model_dir, prompt, MAX_TOKENS)  # up to its eos, if one comes
         assert output.outputs[0].token_ids[: len(expected)] == expected
     with openai.OpenAI(base_url=server.http_url + "/v1", api_key=API_KEY, max_retries=0) as client:
         response = client.completions.create(
@@ -70,6 +91,23 @@ def test_greedy_completions_over_http_equal_transformers(
     choices = sorted(response.choices, key=lambda choice: choice.index)
     assert [choice.text for choice in choices] == [o.outputs[0].text for o in offline]
     assert response.usage is not None and response.usage.completion_tokens == 12 * MAX_TOKENS
+
+
+def test_a_sliding_window_model_over_http_equals_transformers(
+    ray_session: None, windowed_dir: Path
+) -> None:
+    cluster, server = _serve(windowed_dir, decode_tp=1)
+    try:
+        _completions_equal_transformers(server, windowed_dir)
+    finally:
+        server.stop()
+        cluster.shutdown()
+
+
+def test_a_moe_model_over_http_equals_transformers_and_counts_its_experts(
+    server: GatewayServer, moe_dir: Path
+) -> None:
+    _completions_equal_transformers(server, moe_dir)
     # the workers' counts reach /metrics with their next load report
     deadline = time.monotonic() + 60
     while not _every_worker_counted(server) and time.monotonic() < deadline:

@@ -1,0 +1,148 @@
+"""Sliding-window attention (Mistral's ``sliding_window``, Qwen2's per-layer windows): greedy
+decoding matches transformers token for token in every engine mode, with windows shorter than
+the prompts, crossing block boundaries, and chunks that end inside and outside the window."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.model_config import load_model_config
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_parity import make_prompts, shared_prefix_prompts
+from tests.fixtures.tiny_models import make_tiny_model
+
+MAX_TOKENS = (40, 5, 16, 1, 33, 8, 40, 20)  # per prompt of make_prompts' lengths
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen2-mixed"])
+def windowed_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mistral with a 20-token window on every layer; Qwen2 with a 27-token window on its
+    last two of three layers (the first sees the whole context)."""
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "mistral":
+        return make_tiny_model(root, "MistralForCausalLM", seed=21, sliding_window=20)
+    return make_tiny_model(
+        root,
+        "Qwen2ForCausalLM",
+        seed=22,
+        use_sliding_window=True,
+        sliding_window=27,
+        max_window_layers=1,
+    )
+
+
+_references: dict[tuple[str, str], list[list[int]]] = {}
+
+
+def _reference(model_dir: Path, prompts: list[list[int]], key: str) -> list[list[int]]:
+    if (str(model_dir), key) not in _references:
+        _references[(str(model_dir), key)] = [
+            hf_greedy(model_dir, prompt, n) for prompt, n in zip(prompts, MAX_TOKENS, strict=True)
+        ]
+    return _references[(str(model_dir), key)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _llm(model_dir: Path, **options: object) -> LLM:
+    return LLM(str(model_dir), dtype="float32", device="cpu", skip_tokenizer_init=True, **options)  # type: ignore[arg-type]
+
+
+def test_the_window_reaches_the_layers_transformers_gives_it(windowed_dir: Path) -> None:
+    config = load_model_config(windowed_dir)
+    expected = (20, (0, 1)) if "mistral" in windowed_dir.name else (27, (1, 2))
+    assert (config.sliding_window, config.sliding_layers) == expected
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["batched", "chunked", "preempted", "torch-backend", "triton-backend"],
+)
+def test_greedy_matches_transformers(windowed_dir: Path, mode: str) -> None:
+    options: dict[str, object] = {
+        "batched": {"enable_prefix_caching": False},
+        # chunks of 13 tokens: they end inside, at and past a window's start
+        "chunked": {"max_num_batched_tokens": 13, "block_size": 8},
+        # Mistral's sequences give back blocks outside their window: fewer blocks to preempt
+        "preempted": {
+            "block_size": 8,
+            "max_num_batched_tokens": 32,
+            "num_kv_blocks": 14 if "mistral" in windowed_dir.name else 40,
+        },
+        "torch-backend": {"attention_backend": "torch", "block_size": 4},
+        # Triton's kernels (in its interpreter without a GPU), chunks ending inside a window
+        "triton-backend": {
+            "attention_backend": "triton",
+            "block_size": 8,
+            "max_num_batched_tokens": 24,
+        },
+    }[mode]
+    llm = _llm(windowed_dir, **options)
+    prompts = make_prompts(seed=1)
+    expected = _reference(windowed_dir, prompts, "plain")
+    if mode == "triton-backend":  # the interpreter is slow: the prompts of 17 to 100 tokens
+        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS[2:6]]
+        outputs = llm.generate(prompts[2:6], params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected[2:6]
+        return
+    assert _greedy(llm, prompts) == expected
+    if mode == "preempted":
+        assert llm.engine.num_preemptions > 0
+
+
+def test_prefix_cache_hits_match_transformers(windowed_dir: Path) -> None:
+    prompts = shared_prefix_prompts(seed=2)
+    llm = _llm(windowed_dir, block_size=8, max_num_batched_tokens=96)
+    first = _greedy(llm, prompts)
+    second = llm.generate(
+        prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
+    )
+    assert first == _reference(windowed_dir, prompts, "shared-prefix")
+    assert [o.outputs[0].token_ids for o in second] == first
+    assert all(o.num_cached_tokens >= 64 for o in second)
+
+
+@pytest.fixture(scope="module")
+def tp2(windowed_dir: Path) -> Iterator[LLM]:
+    llm = _llm(windowed_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=60.0, block_size=8)
+    yield llm
+    llm.close()
+
+
+def test_two_ranks_match_transformers(tp2: LLM, windowed_dir: Path) -> None:
+    prompts = make_prompts(seed=1)
+    assert _greedy(tp2, prompts) == _reference(windowed_dir, prompts, "plain")
+
+
+def test_a_sequence_past_its_window_holds_only_the_blocks_its_window_reaches(
+    tmp_path: Path,
+) -> None:
+    """Every layer slides (Mistral, window 20, blocks of 8): a 100-token prompt in chunks of
+    16, then 100 tokens decoded; once the window has moved on, the sequence holds at most
+    ceil(20 / 8) + 1 blocks (and a chunk's new ones while prefilling), and its tokens still
+    match transformers."""
+    model_dir = make_tiny_model(tmp_path, "MistralForCausalLM", seed=23, sliding_window=20)
+    llm = _llm(model_dir, block_size=8, max_num_batched_tokens=16)
+    prompt = make_prompts(seed=7)[5]  # 100 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("long", prompt, params)
+    held = []
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens += [event.token_id for event in engine.step().new_tokens]
+        for seq in engine.scheduler.running:
+            held.append(len(seq.block_table) - seq.num_released_blocks)
+    window_blocks = -(-20 // 8) + 1
+    assert max(held) <= window_blocks + 2  # the window's blocks and a chunk's 16 new slots
+    assert max(held[-90:]) <= window_blocks  # decoding
+    assert engine.block_manager.usage == 0.0  # all given back at the end
+    expected = hf_greedy(model_dir, prompt, 100)
+    assert tokens[: len(expected)] == expected
