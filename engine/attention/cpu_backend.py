@@ -1,6 +1,7 @@
 """The CPU backend: C kernels (engine/kernels/cpu) for K/V writes, prefill and decode, each
 reading the sequences' blocks in place.
 
+A sliding-window layer's kernels start each sequence at the first block its windows reach.
 Decode attention on CPU is bound by memory traffic; the reference gathers every decode
 sequence's blocks into a buffer each layer before SDPA reads them again, the kernel reads
 them once. Prefill attention is bound by compute: the kernel runs the whole step's prefill
@@ -49,7 +50,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
-        if not _kernels_take(kv_cache_layer) or sliding_window is not None:
+        if not _kernels_take(kv_cache_layer):
             return super()._prefill_all(query, kv_cache_layer, metadata, scale, sliding_window)
         starts, seq_lens = self._prefill_index.get(metadata, lambda: _prefill_index(metadata))
         return paged_prefill_attention_cpu(
@@ -59,6 +60,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             starts,
             seq_lens,
             scale,
+            sliding_window=sliding_window,
         )
 
     def _decode(
@@ -69,7 +71,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_decode_seqs, num_heads, head_dim]
-        if not _kernels_take(kv_cache_layer) or sliding_window is not None:
+        if not _kernels_take(kv_cache_layer):
             return super()._decode(query, kv_cache_layer, metadata, scale, sliding_window)
         return paged_decode_attention_cpu(
             query.contiguous(),
@@ -77,6 +79,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             metadata.decode_block_tables,
             metadata.decode_seq_lens,
             scale,
+            sliding_window=sliding_window,
         )
 
 

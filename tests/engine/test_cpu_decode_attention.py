@@ -1,5 +1,6 @@
 """The C decode-attention kernel (engine/kernels/cpu) against a float64 softmax over each
-sequence's gathered context, its argument checks, and how it is built and cached."""
+sequence's gathered context (or its sliding window's last positions), its argument checks,
+and how it is built and cached."""
 
 from __future__ import annotations
 
@@ -34,7 +35,11 @@ def _case(
 
 
 def _expected(
-    query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     num_heads, num_kv_heads = query.shape[1], cache.shape[3]
     block_size = cache.shape[2]
@@ -47,6 +52,8 @@ def _expected(
         key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)
         value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,khd->hk", query[row].double(), key) * query.shape[2] ** -0.5
+        if sliding_window is not None:  # the query, at seq_len - 1, sees the last W positions
+            scores = scores.masked_fill(positions <= seq_len - 1 - sliding_window, float("-inf"))
         outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), value))
     return torch.stack(outputs)
 
@@ -63,6 +70,75 @@ def test_kernel_matches_a_float64_softmax(
     query, cache, tables, lens = _case(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
     out = paged_decode_attention_cpu(query, cache, tables, lens, head_dim**-0.5)
     torch.testing.assert_close(out.double(), _expected(query, cache, tables, lens), **FLOAT32)
+
+
+def _windows(block_size: int) -> list[int]:
+    """One position, less than a block, a span across block boundaries, more than any context."""
+    return [1, block_size // 2 + 1, 2 * block_size + 3, 10_000]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("head_dim", [48, 64, 128])
+def test_a_sliding_window_sees_the_last_positions_only(
+    num_heads: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    rng = random.Random(num_heads * 1000 + block_size * 10 + head_dim)
+    seq_lens = [1, block_size, 3 * block_size, *(rng.randint(1, 90) for _ in range(9))]
+    query, cache, tables, lens = _case(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
+    scale = head_dim**-0.5
+    whole = paged_decode_attention_cpu(query, cache, tables, lens, scale)
+    for window in _windows(block_size):
+        out = paged_decode_attention_cpu(query, cache, tables, lens, scale, sliding_window=window)
+        expected = _expected(query, cache, tables, lens, window)
+        torch.testing.assert_close(out.double(), expected, **FLOAT32)
+    assert torch.equal(out, whole)  # the last window is longer than every context
+
+
+@pytest.mark.parametrize("stale_block_id", [-1, 2**62])
+def test_blocks_wholly_before_the_window_are_neither_read_nor_checked(
+    stale_block_id: int,
+) -> None:
+    """The engine may free the blocks no query can see, so their entries may hold anything;
+    the block the window starts in is still checked."""
+    block_size, window = 8, 13
+    seq_lens = [100, 13, 14, 30, 5, 64]
+    query, cache, tables, lens = _case(seq_lens, 8, 2, 64, block_size)
+    fresh = paged_decode_attention_cpu(query, cache, tables, lens, 0.125, sliding_window=window)
+    stale = tables.clone()
+    for row, seq_len in enumerate(seq_lens):
+        stale[row, : max(0, seq_len - window) // block_size] = stale_block_id
+    assert int((stale == stale_block_id).sum()) == 10 + 0 + 0 + 2 + 0 + 6
+    out = paged_decode_attention_cpu(query, cache, stale, lens, 0.125, sliding_window=window)
+    assert torch.equal(out, fresh)
+    expected = _expected(query, cache, tables, lens, window)
+    torch.testing.assert_close(out.double(), expected, **FLOAT32)
+    with pytest.raises(ValueError, match=r"sequence 0: .*entries in \[0, "):
+        paged_decode_attention_cpu(query, cache, stale, lens, 0.125)  # no window: all are read
+    stale[0, (100 - window) // block_size] = stale_block_id  # the block the window starts in
+    with pytest.raises(ValueError, match="sequence 0: .* from the first block its window reaches"):
+        paged_decode_attention_cpu(query, cache, stale, lens, 0.125, sliding_window=window)
+
+
+@pytest.mark.parametrize("num_threads", [2, 3, 4])
+def test_threads_change_no_bit_under_a_sliding_window(num_threads: int) -> None:
+    rng = random.Random(num_threads)
+    seq_lens = [1, *(rng.randint(1, 300) for _ in range(20))]
+    query, cache, tables, lens = _case(seq_lens, 8, 2, 64, 16)
+    for window in (1, 9, 40, 257):
+        case = (query, cache, tables, lens, 0.125)
+        alone = paged_decode_attention_cpu(*case, 1, sliding_window=window)
+        shared = paged_decode_attention_cpu(*case, num_threads, sliding_window=window)
+        assert torch.equal(alone, shared)
+
+
+@pytest.mark.parametrize("sliding_window", [0, -1, -4096])
+def test_a_window_under_one_position_is_refused_by_name(sliding_window: int) -> None:
+    query, cache, tables, lens = _case([20, 9], 4, 2, 64, 8)
+    with pytest.raises(
+        ValueError, match=f"sliding_window must be None or >= 1, got {sliding_window}"
+    ):
+        paged_decode_attention_cpu(query, cache, tables, lens, 0.1, sliding_window=sliding_window)
 
 
 @pytest.mark.parametrize("num_threads", [2, 3, 8])

@@ -1,5 +1,6 @@
 """The C prefill-attention kernel (engine/kernels/cpu) against a float64 causal softmax over
-each sequence's gathered context (cached prefix + new tokens), and its argument checks.
+each sequence's gathered context (cached prefix + new tokens, or each token's sliding window
+of it), and its argument checks.
 Greedy parity of the whole model on the CPU backend, which this kernel now serves for every
 prefill, is tests/engine/test_parity.py's."""
 
@@ -42,6 +43,7 @@ def _expected(
     tables: torch.Tensor,
     starts: torch.Tensor,
     seq_lens: torch.Tensor,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     num_heads, num_kv_heads, block_size = query.shape[1], cache.shape[3], cache.shape[2]
     outputs = []
@@ -56,6 +58,8 @@ def _expected(
         scores = torch.einsum("qhd,khd->hqk", rows, key) * query.shape[2] ** -0.5
         query_positions = torch.arange(seq_len - rows.shape[0], seq_len)
         hidden = positions[None, :] > query_positions[:, None]  # [query_len, seq_len]
+        if sliding_window is not None:  # a token at p sees positions from p - W + 1 on
+            hidden |= positions[None, :] <= query_positions[:, None] - sliding_window
         scores = scores.masked_fill(hidden, float("-inf"))
         outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), value))
     return torch.cat(outputs)
@@ -94,6 +98,81 @@ def test_new_tokens_after_a_cached_prefix_see_the_prefix(block_size: int) -> Non
     query_lens = [1, 7, 64, 100, 33, 5]
     seq_lens = [9, 7, 200, 100, 97, 260]
     _run(query_lens, seq_lens, 8, 2, 64, block_size)
+
+
+def _windows(block_size: int) -> list[int]:
+    """One position, less than a block, a span across block boundaries, one across KV tiles
+    (32 positions), more than any context."""
+    return [1, block_size // 2 + 1, 2 * block_size + 3, 45, 10_000]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("head_dim", [48, 64, 128])
+def test_a_sliding_window_sees_each_tokens_last_positions_only(
+    num_heads: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    """Whole prompts and new tokens after a cached prefix, some past one tile of new tokens
+    (64), whose rows then start their windows at different positions."""
+    rng = random.Random(num_heads * 1000 + block_size * 10 + head_dim)
+    query_lens = [1, 2, block_size, 3 * block_size, 70, *(rng.randint(2, 150) for _ in range(2))]
+    seq_lens = [n + rng.choice([0, rng.randint(1, 120)]) for n in query_lens]
+    case = _case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size)
+    scale = head_dim**-0.5
+    whole = paged_prefill_attention_cpu(*case, scale)
+    for window in _windows(block_size):
+        out = paged_prefill_attention_cpu(*case, scale, sliding_window=window)
+        torch.testing.assert_close(out.double(), _expected(*case, window), **FLOAT32)
+    assert torch.equal(out, whole)  # the last window is longer than every context
+
+
+@pytest.mark.parametrize("stale_block_id", [-1, 2**62])
+def test_blocks_wholly_before_the_first_window_are_neither_read_nor_checked(
+    stale_block_id: int,
+) -> None:
+    """The engine may free the blocks no new token can see, so their entries may hold
+    anything; the block the first new token's window starts in is still checked."""
+    block_size, window = 4, 20
+    query_lens = [1, 7, 64, 100, 33, 5]
+    seq_lens = [9, 7, 200, 100, 97, 260]
+    case = _case(query_lens, seq_lens, 8, 2, 64, block_size)
+    query, cache, tables, starts, lens = case
+    fresh = paged_prefill_attention_cpu(*case, 0.125, sliding_window=window)
+    stale = tables.clone()
+    for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        stale[row, : max(0, seq_len - query_len - window + 1) // block_size] = stale_block_id
+    assert int((stale == stale_block_id).sum()) == 0 + 0 + 29 + 0 + 11 + 59
+    out = paged_prefill_attention_cpu(
+        query, cache, stale, starts, lens, 0.125, sliding_window=window
+    )
+    assert torch.equal(out, fresh)
+    torch.testing.assert_close(out.double(), _expected(*case, window), **FLOAT32)
+    with pytest.raises(ValueError, match=r"sequence 2: .*entries in \[0, "):
+        paged_prefill_attention_cpu(query, cache, stale, starts, lens, 0.125)  # all are read
+    stale[2, (200 - 64 - window + 1) // block_size] = stale_block_id  # where the window starts
+    with pytest.raises(ValueError, match="sequence 2: .* from the first block its window reaches"):
+        paged_prefill_attention_cpu(query, cache, stale, starts, lens, 0.125, sliding_window=window)
+
+
+@pytest.mark.parametrize("num_threads", [2, 3, 4])
+def test_threads_change_no_bit_under_a_sliding_window(num_threads: int) -> None:
+    rng = random.Random(num_threads)
+    query_lens = [rng.randint(1, 150) for _ in range(6)]
+    seq_lens = [n + rng.randint(0, 90) for n in query_lens]
+    case = _case(query_lens, seq_lens, 8, 2, 64, 16)
+    for window in (1, 9, 40, 257):
+        alone = paged_prefill_attention_cpu(*case, 0.125, 1, sliding_window=window)
+        shared = paged_prefill_attention_cpu(*case, 0.125, num_threads, sliding_window=window)
+        assert torch.equal(alone, shared)
+
+
+@pytest.mark.parametrize("sliding_window", [0, -1, -4096])
+def test_a_window_under_one_position_is_refused_by_name(sliding_window: int) -> None:
+    case = _case([20, 9], [20, 30], 4, 2, 64, 8)
+    with pytest.raises(
+        ValueError, match=f"sliding_window must be None or >= 1, got {sliding_window}"
+    ):
+        paged_prefill_attention_cpu(*case, 0.1, sliding_window=sliding_window)
 
 
 @pytest.mark.parametrize("num_threads", [2, 3, 8])

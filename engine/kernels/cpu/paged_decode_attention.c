@@ -1,21 +1,25 @@
 /* Decode attention on CPU, reading K/V in place from the paged cache (float32).
  *
- * One query token per sequence attends over the sequence's whole context, block by block
- * through its block table, with an online softmax (running max and sum per head), so no
- * block is ever copied out. The next block's K and V are prefetched while the current one
- * is computed: the kernel is bound by memory latency otherwise (blocks lie anywhere in the
- * cache). Sequences are shared out over ``num_threads`` OpenMP threads (the engine's torch
- * threads): one core reaches a fraction of the memory bandwidth (about 14 of 50-70 GB/s on
- * the 2-core EPYC), so a second thread nearly halves the time.
+ * One query token per sequence attends over the sequence's context, block by block through
+ * its block table, with an online softmax (running max and sum per head), so no block is ever
+ * copied out. With a sliding window W (``sliding_window`` > 0) the query, at position
+ * seq_len - 1, sees only positions from seq_len - W on: the walk starts there, so the blocks
+ * wholly before it are neither read nor checked (their table entries may hold anything). The
+ * next block's K and V are prefetched while the current one is computed: the kernel is bound
+ * by memory latency otherwise (blocks lie anywhere in the cache). Sequences are shared out
+ * over ``num_threads`` OpenMP threads (the engine's torch threads): one core reaches a
+ * fraction of the memory bandwidth (about 14 of 50-70 GB/s on the 2-core EPYC), so a second
+ * thread nearly halves the time.
  *
  * Layouts (all contiguous but the block table's rows):
  *   query, out    [num_seqs, num_heads, head_dim]
  *   key, value    [num_blocks, block_size, num_kv_heads, head_dim]
- *   block_tables  [num_seqs, table_stride] (the first ceil(seq_len / block_size) entries used)
+ *   block_tables  [num_seqs, table_stride] (the first ceil(seq_len / block_size) entries used,
+ *                 from the window's first block on)
  *   seq_lens      [num_seqs]
  * Returns 0, or -(1 + s) when sequence s has a length outside [1, capacity] or a block id
- * outside [0, num_blocks) (nothing is written then), or -(1 + num_seqs) when scratch memory
- * ran out.
+ * outside [0, num_blocks) among those it reads (nothing is written then), or -(1 + num_seqs)
+ * when scratch memory ran out.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,10 +37,16 @@ static inline void prefetch(const float *start, int64_t numel) {
         __builtin_prefetch(bytes + offset, 0, 3);
 }
 
+/* The first position a query at position seq_len - 1 sees: 0, or its window's start. */
+static inline int64_t window_start(int64_t seq_len, int64_t sliding_window) {
+    return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
+}
+
 static int64_t check_seq(const int64_t *table, int64_t seq_len, int64_t capacity,
-                         int64_t block_size, int64_t num_blocks) {
+                         int64_t block_size, int64_t num_blocks, int64_t sliding_window) {
     if (seq_len < 1 || seq_len > capacity) return 0;
-    for (int64_t j = 0; j < (seq_len + block_size - 1) / block_size; j++)
+    const int64_t first_block = window_start(seq_len, sliding_window) / block_size;
+    for (int64_t j = first_block; j < (seq_len + block_size - 1) / block_size; j++)
         if (table[j] < 0 || table[j] >= num_blocks) return 0;
     return 1;
 }
@@ -65,10 +75,11 @@ static void scratch_free(scratch_t *scratch) {
     free(scratch->probs);
 }
 
-/* Sequence s's query attends over its context; its row of ``out`` is written. */
+/* Sequence s's query attends over its context from position ``first`` on; its row of ``out``
+ * is written. */
 static inline __attribute__((always_inline)) void attend(
     const float *q, const float *key, const float *value, const int64_t *table, int64_t seq_len,
-    float *o, const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
+    int64_t first, float *o, const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_numel = num_kv_heads * head_dim;
@@ -81,13 +92,17 @@ static inline __attribute__((always_inline)) void attend(
         maxes[h] = -INFINITY;
         sums[h] = 0.f;
     }
-    prefetch(key + table[0] * block_numel, block_numel);
-    prefetch(value + table[0] * block_numel, block_numel);
-    for (int64_t start = 0, j = 0; start < seq_len; start += block_size, j++) {
-        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-        const float *k_block = key + table[j] * block_numel;
-        const float *v_block = value + table[j] * block_numel;
-        if (start + block_size < seq_len) {
+    const int64_t first_block = first / block_size;
+    prefetch(key + table[first_block] * block_numel, block_numel);
+    prefetch(value + table[first_block] * block_numel, block_numel);
+    /* block j holds the walk's positions [start, end): from ``first`` on in the first block */
+    for (int64_t j = first_block, start = first; start < seq_len; start = ++j * block_size) {
+        const int64_t end = (j + 1) * block_size < seq_len ? (j + 1) * block_size : seq_len;
+        const int64_t n = end - start;
+        const int64_t offset = (start - j * block_size) * token_numel;
+        const float *k_block = key + table[j] * block_numel + offset;
+        const float *v_block = value + table[j] * block_numel + offset;
+        if (end < seq_len) {
             prefetch(key + table[j + 1] * block_numel, block_numel);
             prefetch(value + table[j + 1] * block_numel, block_numel);
         }
@@ -131,20 +146,28 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 /* ``attend`` compiled for the common head sizes (loops over head_dim fully unrolled and
- * vectorised), the general one for others. The choice is made per sequence, inside the
- * parallel loop: a constant head_dim passed into an OpenMP region reaches it as a variable. */
+ * vectorised), the general one for others, and each for a walk from position 0 (no window, or
+ * one the context fits in: the code of a kernel without windows) and from a window's start.
+ * The choice is made per sequence, inside the parallel loop: a constant head_dim passed into
+ * an OpenMP region reaches it as a variable. */
 static void attend_any(const float *q, const float *key, const float *value,
-                       const int64_t *table, int64_t seq_len, float *o, const scratch_t *scratch,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t block_size, float scale) {
-#define ATTEND(HEAD_DIM)                                                                     \
-    attend(q, key, value, table, seq_len, o, scratch, num_heads, num_kv_heads, HEAD_DIM,    \
-           block_size, scale)
+                       const int64_t *table, int64_t seq_len, int64_t first, float *o,
+                       const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t block_size, float scale) {
+#define ATTEND(HEAD_DIM, FIRST)                                                              \
+    attend(q, key, value, table, seq_len, FIRST, o, scratch, num_heads, num_kv_heads,       \
+           HEAD_DIM, block_size, scale)
+#define ATTEND_FROM_FIRST(HEAD_DIM)                                                          \
+    if (first == 0)                                                                          \
+        ATTEND(HEAD_DIM, 0);                                                                 \
+    else                                                                                     \
+        ATTEND(HEAD_DIM, first)
     switch (head_dim) {
-    case 64: ATTEND(64); break;
-    case 128: ATTEND(128); break;
-    default: ATTEND(head_dim);
+    case 64: ATTEND_FROM_FIRST(64); break;
+    case 128: ATTEND_FROM_FIRST(128); break;
+    default: ATTEND_FROM_FIRST(head_dim);
     }
+#undef ATTEND_FROM_FIRST
 #undef ATTEND
 }
 
@@ -152,10 +175,10 @@ int64_t paged_decode_attention_f32(
     const float *query, const float *key, const float *value, const int64_t *block_tables,
     int64_t table_stride, const int64_t *seq_lens, float *out, int64_t num_seqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, float scale, int64_t num_threads) {
+    int64_t num_blocks, int64_t sliding_window, float scale, int64_t num_threads) {
     for (int64_t s = 0; s < num_seqs; s++)
         if (!check_seq(block_tables + s * table_stride, seq_lens[s], table_stride * block_size,
-                       block_size, num_blocks))
+                       block_size, num_blocks, sliding_window))
             return -(1 + s);
     int out_of_memory = 0;
     /* Sequences are shared out one at a time (their lengths differ); each is computed by one
@@ -176,6 +199,7 @@ int64_t paged_decode_attention_f32(
             for (int64_t s = 0; s < num_seqs; s++)
                 attend_any(query + s * num_heads * head_dim, key, value,
                            block_tables + s * table_stride, seq_lens[s],
+                           window_start(seq_lens[s], sliding_window),
                            out + s * num_heads * head_dim, &scratch, num_heads, num_kv_heads,
                            head_dim, block_size, scale);
         }

@@ -30,11 +30,13 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,  # [num_seqs] int64, each in [1, max_blocks * block_size]
     scale: float,
     num_threads: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One new token per sequence attends over its whole context (the new token's K/V already
-    written), the sequences shared out over ``num_threads`` (default: torch's intra-op
-    threads); the result does not depend on how many. ValueError naming the argument for
-    anything the kernel cannot read safely."""
+    """One new token per sequence attends over its context (the new token's K/V already
+    written): all of it, or with ``sliding_window`` W its last W positions, the blocks wholly
+    before them neither read nor checked. The sequences are shared out over ``num_threads``
+    (default: torch's intra-op threads); the result does not depend on how many. ValueError
+    naming the argument for anything the kernel cannot read safely."""
     _check(query, kv_cache_layer, block_tables, seq_lens)
     out, seq = run_paged_kernel(  # seq: the sequence the kernel refused
         _kernel(),
@@ -46,12 +48,14 @@ def paged_decode_attention_cpu(
         query.shape[0],
         scale,
         num_threads,
+        sliding_window,
     )
     if seq is not None:
         raise ValueError(
             f"sequence {seq}: seq_lens[{seq}] = {int(seq_lens[seq])} must be in "
             f"[1, {block_tables.shape[1] * kv_cache_layer.shape[2]}] (block_tables' capacity), "
             f"and its block_tables entries in [0, {kv_cache_layer.shape[1]})"
+            + ("" if sliding_window is None else " from the first block its window reaches")
         )
     return out
 

@@ -1,6 +1,6 @@
 """What the CPU paged-attention kernels (prefill and decode) share around their C calls: the
 argument checks both need to read the query, the cache and the block tables safely (failures
-name the argument), their ctypes signature, and the call itself."""
+name the argument), their ctypes signature, and the call itself (with its sliding window)."""
 
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def check_paged_inputs(
 
 def paged_argtypes(num_indices: int) -> list[Any]:
     """The C signature: query, key, value, block_tables, table_stride, ``num_indices`` int64
-    arrays, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-    num_threads."""
-    return [*(POINTER,) * 4, INT64, *(POINTER,) * num_indices, POINTER, *(INT64,) * 6, FLOAT, INT64]
+    arrays, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+    sliding_window (0: none), scale, num_threads."""
+    return [*(POINTER,) * 4, INT64, *(POINTER,) * num_indices, POINTER, *(INT64,) * 7, FLOAT, INT64]
 
 
 def run_paged_kernel(
@@ -72,13 +72,19 @@ def run_paged_kernel(
     num_seqs: int,
     scale: float,
     num_threads: int | None,
+    sliding_window: int | None,
 ) -> tuple[torch.Tensor, int | None]:
     """Run a checked call of ``kernel`` (signed as ``paged_argtypes``) on ``num_threads``
-    (default: torch's intra-op threads). Returns the output and the sequence the kernel refused
-    (None: it ran them all), for the caller to word; MemoryError when its scratch ran out."""
+    (default: torch's intra-op threads), each query seeing its last ``sliding_window``
+    positions (None: all). Returns the output and the sequence the kernel refused (None: it
+    ran them all), for the caller to word; MemoryError when its scratch ran out."""
     if num_threads is None:
         num_threads = torch.get_num_threads()
     require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
+    require(
+        sliding_window is None or sliding_window >= 1,
+        f"sliding_window must be None or >= 1, got {sliding_window}",
+    )
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out, None
@@ -97,6 +103,7 @@ def run_paged_kernel(
         head_dim,
         block_size,
         num_blocks,
+        sliding_window or 0,
         scale,
         num_threads,
     )

@@ -1,18 +1,23 @@
 /* Prefill attention on CPU, reading K/V in place from the paged cache (float32).
  *
- * Each prefill sequence's new tokens attend causally over its whole context: the cached
- * prefix (a prefix-cache hit, or the earlier chunks of a chunked prefill) and the new tokens,
- * whose K/V are already written. New token i of a sequence of seq_len positions, query_len of
- * them new, sits at position seq_len - query_len + i and sees positions up to its own.
+ * Each prefill sequence's new tokens attend causally over its context: the cached prefix (a
+ * prefix-cache hit, or the earlier chunks of a chunked prefill) and the new tokens, whose K/V
+ * are already written. New token i of a sequence of seq_len positions, query_len of them new,
+ * sits at position p = seq_len - query_len + i and sees positions up to its own; with a
+ * sliding window W (``sliding_window`` > 0) only those from p - W + 1 on. The blocks wholly
+ * before the first new token's window are neither read nor checked (their table entries may
+ * hold anything).
  *
  * Work is cut into items of one sequence, one KV head and a tile of up to Q_TILE new tokens;
  * an item's rows are its tokens times the query heads of that KV head (GQA: each K/V row is
- * read once per group). It walks the context in tiles of KV_TILE positions, whichever blocks
- * they lie in: K is copied transposed into a small buffer (so a row of scores is one vector
- * wide), V is read in place. Scores are in base 2 (the query is pre-scaled by scale * log2 e)
- * with an online softmax per row; exp2 is a polynomial the compiler vectorises (within an ulp
- * or two of exp2f). Items are shared out over ``num_threads`` OpenMP threads; each is computed
- * by one thread alone, so the result does not depend on the number of threads.
+ * read once per group). It walks the context in tiles of KV_TILE positions from its first
+ * token's window start, whichever blocks they lie in (a row skips the tiles wholly before its
+ * own window, and masks the positions before it in the tile that straddles it): K is copied
+ * transposed into a small buffer (so a row of scores is one vector wide), V is read in place.
+ * Scores are in base 2 (the query is pre-scaled by scale * log2 e) with an online softmax per
+ * row; exp2 is a polynomial the compiler vectorises (within an ulp or two of exp2f). Items are
+ * shared out over ``num_threads`` OpenMP threads; each is computed by one thread alone, so the
+ * result does not depend on the number of threads.
  *
  * Layouts (all contiguous but the block table's rows):
  *   query, out        [num_tokens, num_heads, head_dim] (the prefill sequences' rows, in order)
@@ -21,8 +26,8 @@
  *   query_start_loc   [num_seqs + 1] row offsets of each sequence in query
  *   seq_lens          [num_seqs] context length after this step (cached + new)
  * Returns 0, or -(1 + s) when sequence s has no new token, more new tokens than positions, a
- * length over its block table's capacity or a block id outside [0, num_blocks) (nothing is
- * written then), or -(1 + num_seqs) when scratch memory ran out.
+ * length over its block table's capacity or a block id outside [0, num_blocks) among those it
+ * reads (nothing is written then), or -(1 + num_seqs) when scratch memory ran out.
  */
 #include <math.h>
 #include <stdint.h>
@@ -179,11 +184,17 @@ static inline __attribute__((always_inline)) void tile_values(
         }
 }
 
-/* One item: its rows attend over context positions [0, last token's position]. */
+/* The first position a token at ``position`` sees: 0, or its window's start. */
+static inline int64_t window_start(int64_t position, int64_t sliding_window) {
+    return sliding_window > 0 && position >= sliding_window ? position - sliding_window + 1 : 0;
+}
+
+/* One item: its rows attend over context positions [their window's start, their position]. */
 static inline __attribute__((always_inline)) void attend_item(
     const item_t *item, const float *query, const float *key, const float *value,
     const int64_t *table, float *out, const scratch_t *scratch, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t sliding_window,
+    float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t rows = item->num_tokens * group; /* row r: token r / group, head r % group */
     const int64_t token_numel = num_kv_heads * head_dim;
@@ -205,7 +216,8 @@ static inline __attribute__((always_inline)) void attend_item(
     const int64_t first_position = item->first_position;
     const int64_t end = first_position + item->num_tokens; /* the last token sees below end */
     const float *v_rows[KV_TILE];
-    for (int64_t start = 0; start < end; start += KV_TILE) {
+    for (int64_t start = window_start(first_position, sliding_window); start < end;
+         start += KV_TILE) {
         const int64_t n = end - start < KV_TILE ? end - start : KV_TILE;
         /* positions past n repeat the tile's first: finite values their zero weights cancel */
         for (int64_t t = 0; t < KV_TILE; t++) {
@@ -215,14 +227,22 @@ static inline __attribute__((always_inline)) void attend_item(
             v_rows[t] = value + row * token_numel + item->kv_head * head_dim;
             for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k[d];
         }
-        /* rows whose token's position is below start see nothing of this tile */
+        /* rows whose token's position is below start see nothing of this tile, nor do those
+         * whose window starts past it (tokens from seen_by on): the tile's rows are
+         * [first_row, last_row) */
         const int64_t first_token = start > first_position ? start - first_position : 0;
-        const int64_t first_row = first_token * group;
-        tile_scores(q, k_t, scores, first_row, rows, head_dim);
-        for (int64_t r = first_row; r < rows; r++) {
+        const int64_t seen_by = sliding_window > 0 ? start + n + sliding_window - 1 - first_position
+                                                   : item->num_tokens;
+        const int64_t last_token = seen_by < item->num_tokens ? seen_by : item->num_tokens;
+        const int64_t first_row = first_token * group, last_row = last_token * group;
+        tile_scores(q, k_t, scores, first_row, last_row, head_dim);
+        for (int64_t r = first_row; r < last_row; r++) {
             float *s = scores + r * KV_TILE;
-            const int64_t visible = first_position + r / group - start + 1; /* positions seen */
+            const int64_t position = first_position + r / group;
+            const int64_t visible = position - start + 1; /* positions seen, from start */
             for (int64_t t = visible < n ? visible : n; t < KV_TILE; t++) s[t] = -INFINITY;
+            const int64_t hidden = window_start(position, sliding_window) - start; /* below it */
+            for (int64_t t = 0; t < hidden; t++) s[t] = -INFINITY;
             float tile_max = maxes[r];
             for (int t = 0; t < KV_TILE; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
             float sum = 0.f;
@@ -230,11 +250,11 @@ static inline __attribute__((always_inline)) void attend_item(
                 s[t] = exp2_poly(s[t] - tile_max);
                 sum += s[t];
             }
-            corrections[r] = exp2_poly(maxes[r] - tile_max); /* 0 on the first tile */
+            corrections[r] = exp2_poly(maxes[r] - tile_max); /* 0 on the row's first tile */
             maxes[r] = tile_max;
             sums[r] = sums[r] * corrections[r] + sum;
         }
-        tile_values(acc, scores, v_rows, corrections, first_row, rows, head_dim);
+        tile_values(acc, scores, v_rows, corrections, first_row, last_row, head_dim);
     }
     for (int64_t r = 0; r < rows; r++) {
         float *dst = out + (item->first_token + r / group) * num_heads * head_dim +
@@ -244,26 +264,35 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
-/* ``attend_item`` compiled for the common head sizes, the general one for others. */
+/* ``attend_item`` compiled for the common head sizes, the general one for others, and each
+ * with no window (the code of a kernel without windows) and with one. */
 static void attend_item_any(const item_t *item, const float *query, const float *key,
                             const float *value, const int64_t *table, float *out,
                             const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, float scale) {
-#define ATTEND(HEAD_DIM)                                                                     \
+                            int64_t head_dim, int64_t block_size, int64_t sliding_window,
+                            float scale) {
+#define ATTEND(HEAD_DIM, SLIDING_WINDOW)                                                     \
     attend_item(item, query, key, value, table, out, scratch, num_heads, num_kv_heads,      \
-                HEAD_DIM, block_size, scale)
+                HEAD_DIM, block_size, SLIDING_WINDOW, scale)
+#define ATTEND_WITH_WINDOW(HEAD_DIM)                                                         \
+    if (sliding_window == 0)                                                                 \
+        ATTEND(HEAD_DIM, 0);                                                                 \
+    else                                                                                     \
+        ATTEND(HEAD_DIM, sliding_window)
     switch (head_dim) {
-    case 64: ATTEND(64); break;
-    case 128: ATTEND(128); break;
-    default: ATTEND(head_dim);
+    case 64: ATTEND_WITH_WINDOW(64); break;
+    case 128: ATTEND_WITH_WINDOW(128); break;
+    default: ATTEND_WITH_WINDOW(head_dim);
     }
+#undef ATTEND_WITH_WINDOW
 #undef ATTEND
 }
 
 static int check_seq(const int64_t *table, int64_t query_len, int64_t seq_len, int64_t capacity,
-                     int64_t block_size, int64_t num_blocks) {
+                     int64_t block_size, int64_t num_blocks, int64_t sliding_window) {
     if (query_len < 1 || seq_len < query_len || seq_len > capacity) return 0;
-    for (int64_t j = 0; j < (seq_len + block_size - 1) / block_size; j++)
+    const int64_t first_block = window_start(seq_len - query_len, sliding_window) / block_size;
+    for (int64_t j = first_block; j < (seq_len + block_size - 1) / block_size; j++)
         if (table[j] < 0 || table[j] >= num_blocks) return 0;
     return 1;
 }
@@ -272,12 +301,13 @@ int64_t paged_prefill_attention_f32(
     const float *query, const float *key, const float *value, const int64_t *block_tables,
     int64_t table_stride, const int64_t *query_start_loc, const int64_t *seq_lens, float *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t num_blocks, float scale, int64_t num_threads) {
+    int64_t block_size, int64_t num_blocks, int64_t sliding_window, float scale,
+    int64_t num_threads) {
     int64_t num_items = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t query_len = query_start_loc[s + 1] - query_start_loc[s];
         if (!check_seq(block_tables + s * table_stride, query_len, seq_lens[s],
-                       table_stride * block_size, block_size, num_blocks))
+                       table_stride * block_size, block_size, num_blocks, sliding_window))
             return -(1 + s);
         num_items += (query_len + Q_TILE - 1) / Q_TILE * num_kv_heads;
     }
@@ -310,7 +340,8 @@ int64_t paged_prefill_attention_f32(
             for (int64_t i = 0; i < num_items; i++)
                 attend_item_any(&items[i], query, key, value,
                                 block_tables + items[i].seq * table_stride, out, &scratch,
-                                num_heads, num_kv_heads, head_dim, block_size, scale);
+                                num_heads, num_kv_heads, head_dim, block_size, sliding_window,
+                                scale);
         }
         scratch_free(&scratch);
     }

@@ -1,6 +1,7 @@
 """Prefill attention over the paged KV cache on CPU, blocks read in place (the C kernel in
 ``paged_prefill_attention.c``): each prefill sequence's new tokens attend causally over its
-cached prefix and themselves, with no gather of its blocks into a buffer first."""
+cached prefix and themselves (or the last positions of them a sliding window lets each see),
+with no gather of its blocks into a buffer first."""
 
 from __future__ import annotations
 
@@ -32,11 +33,14 @@ def paged_prefill_attention_cpu(
     seq_lens: torch.Tensor,  # [num_seqs] int64 context lengths (cached + new)
     scale: float,
     num_threads: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """New token i of sequence s (at position seq_lens[s] - query_len + i) attends over
-    positions up to its own, their K/V already written; work is shared out over
-    ``num_threads`` (default: torch's intra-op threads) and the result does not depend on how
-    many. ValueError naming the argument for anything the kernel cannot read safely."""
+    """New token i of sequence s (at position p = seq_lens[s] - query_len + i) attends over
+    positions up to its own, their K/V already written: all of them, or with
+    ``sliding_window`` W those from p - W + 1 on, the blocks wholly before the first new
+    token's window neither read nor checked. Work is shared out over ``num_threads``
+    (default: torch's intra-op threads) and the result does not depend on how many.
+    ValueError naming the argument for anything the kernel cannot read safely."""
     _check(query, kv_cache_layer, block_tables, query_start_loc, seq_lens)
     out, seq = run_paged_kernel(  # seq: the sequence the kernel refused
         _kernel(),
@@ -48,6 +52,7 @@ def paged_prefill_attention_cpu(
         seq_lens.shape[0],
         scale,
         num_threads,
+        sliding_window,
     )
     if seq is not None:
         query_len = int(query_start_loc[seq + 1] - query_start_loc[seq])
@@ -56,6 +61,7 @@ def paged_prefill_attention_cpu(
             f"<= seq_lens[{seq}] = {int(seq_lens[seq])}, which must be <= "
             f"{block_tables.shape[1] * kv_cache_layer.shape[2]} (block_tables' capacity), and "
             f"its block_tables entries in [0, {kv_cache_layer.shape[1]})"
+            + ("" if sliding_window is None else " from the first block its window reaches")
         )
     return out
 
