@@ -191,29 +191,24 @@ def _checkpoint_tensors(
     rows, cols] loads expert e from ``...experts.{e}.gate_up_proj.weight`` into ``param[e]``
     (and the fused parts of that name)."""
     module_name, leaf = name.split(".")[-2:]
-    if module_name == "experts":  # stacked: one checkpoint module per expert
-        prefix = name[: -len(leaf) - 1]
-        return [
-            (
-                f"{prefix}.{expert}.{leaf}.weight",
-                param[expert],
-                _fused_parts(f"{leaf}", config, shard, True),
-            )
-            for expert in range(param.shape[0])
-        ]
-    return [(name, param, _fused_parts(name, config, shard, False))]
+    if module_name != "experts":
+        return [(name, param, _fused_parts(name, config, shard))]
+    prefix = name[: -len(leaf) - 1]  # stacked: one checkpoint module per expert
+    expert_names = [f"{prefix}.{expert}.{leaf}.weight" for expert in range(param.shape[0])]
+    return [
+        (expert_name, param[expert], _fused_parts(expert_name, config, shard))
+        for expert, expert_name in enumerate(expert_names)
+    ]
 
 
 def _module(name: str) -> str:
     return name.split(".")[-2]
 
 
-def _fused_parts(
-    name: str, config: ModelConfig, shard: TensorParallelShard, routed_expert: bool
-) -> _Parts | None:
+def _fused_parts(name: str, config: ModelConfig, shard: TensorParallelShard) -> _Parts | None:
     """The Hugging Face projections stacked in our fused projection ``name``, in row order,
     each as (name, the checkpoint tensor's rows, the rows this rank reads); None: not fused."""
-    module_name = name if routed_expert else _module(name)
+    module_name = _module(name)
     if module_name == "qkv_proj":
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
@@ -225,16 +220,15 @@ def _fused_parts(
         ]
     if module_name != "gate_up_proj":
         return None
-    full, rows = _mlp_columns(name, config, shard, routed_expert)
+    full, rows = _mlp_columns(name, config, shard)
     return [("gate_proj", full, rows), ("up_proj", full, rows)]
 
 
-def _mlp_columns(
-    name: str, config: ModelConfig, shard: TensorParallelShard, routed_expert: bool
-) -> tuple[int, range]:
-    """The intermediate width of the MLP ``name`` belongs to, and this rank's columns of it."""
+def _mlp_columns(name: str, config: ModelConfig, shard: TensorParallelShard) -> tuple[int, range]:
+    """The intermediate width of the MLP ``name`` belongs to (a routed expert's, the shared
+    expert's, or the dense one's), and this rank's columns of it."""
     moe = config.moe
-    if routed_expert and moe is not None:
+    if ".experts." in name and moe is not None:
         return moe.expert_intermediate_size, shard.expert_intermediate
     if ".shared_expert." in name and moe is not None:
         return moe.shared_expert_intermediate_size, shard.shared_expert_intermediate
@@ -254,7 +248,7 @@ def _single_target(
                 _times(shard.q_heads, config.head_dim),
             )
         else:
-            full_cols, cols = _mlp_columns(name, config, shard, ".experts." in name)
+            full_cols, cols = _mlp_columns(name, config, shard)
         full_shape = (param.shape[0], full_cols)
         return _Target(param, 0, param.shape[0], full_shape, range(param.shape[0]), cols)
     if module_name in ("o_proj", "down_proj"):  # the bias, added once: rank 0 holds it
