@@ -5,7 +5,8 @@
 
 A random Llama (hidden 256, 4 layers, head_dim 64, vocab 8192) is saved with transformers and
 loaded by both systems; ``--model moe``: a random Mixtral of the same width and depth, each
-layer's MLP 8 experts of the Llama's MLP width, 2 per token. 64 prompts of 32-512 tokens ask for 16-256 tokens each (ignore_eos).
+layer's MLP 8 experts of the Llama's MLP width, 2 per token. 64 prompts of 32-512 tokens
+ask for 16-256 tokens each (ignore_eos).
 The baseline is transformers ``generate`` with static, left-padded batches (each batch decodes
 until its longest request is done); both count only the tokens the requests asked for.
 Also reported: this engine's per-step overhead (time outside the model forward) as a fraction

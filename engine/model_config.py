@@ -47,8 +47,10 @@ _DEFAULT_MAX_POSITIONS = {
     "Qwen3MoeForCausalLM": 32768,
     "Phi3ForCausalLM": 4096,
 }
-# transformers' rope base when config.json gives none (10000 for the others)
+# transformers' rope base and norm epsilon when config.json gives none (10000 and 1e-6 for the
+# others)
 _DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6}
+_DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 # transformers' defaults for the sparse MLP's keys, per architecture
 _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -173,7 +175,7 @@ def parse_model_config(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(architecture, 1e-6))),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2's q/k/v always have a bias; Qwen2-MoE's follow its qkv_bias key (default on)

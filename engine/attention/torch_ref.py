@@ -1,11 +1,11 @@
 """Pure-torch attention over the paged KV cache: the reference backend, CPU and GPU.
 
 Prefill sequences are handled one at a time: gather the context from its blocks, one SDPA
-with a bottom-right-aligned causal mask. A sliding-window layer gathers each sequence's blocks
-from the first one its new tokens' windows reach, and masks per token. Decode sequences: on CPU, in chunks small enough to
+with a bottom-right-aligned causal mask. Decode sequences: on CPU, in chunks small enough to
 stay in cache, gather only their own blocks back to back and run one SDPA per sequence;
 elsewhere, gather into a padded [num_seqs, max_len] layout for one masked SDPA. Gathers go
-to a reused workspace.
+to a reused workspace. A sliding-window layer takes each sequence (each decode row) alone:
+its blocks from the first one its new tokens' windows reach, masked per token.
 """
 
 from __future__ import annotations

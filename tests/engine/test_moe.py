@@ -260,7 +260,8 @@ def test_the_expert_count_goes_by_either_name(architecture: str, key: str) -> No
     assert moe is not None and moe.num_experts == 5
 
 
-def test_mixtral_rope_base_defaults_to_transformers_one() -> None:
+def test_mixtral_rope_base_and_norm_epsilon_default_to_transformers_ones() -> None:
     assert parse_model_config(_raw("MixtralForCausalLM")).rope.theta == 1e6
+    assert parse_model_config(_raw("MixtralForCausalLM")).rms_norm_eps == 1e-5
     assert parse_model_config(_raw("MixtralForCausalLM", rope_theta=5e5)).rope.theta == 5e5
     assert parse_model_config(_raw("Qwen3MoeForCausalLM")).rope.theta == 10000.0

@@ -52,7 +52,13 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _llm(model_dir: Path, **options: object) -> LLM:
-    return LLM(str(model_dir), dtype="float32", device="cpu", skip_tokenizer_init=True, **options)  # type: ignore[arg-type]
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        skip_tokenizer_init=True,
+        **options,  # type: ignore[arg-type]
+    )
 
 
 def test_the_window_reaches_the_layers_transformers_gives_it(windowed_dir: Path) -> None:
