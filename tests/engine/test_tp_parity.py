@@ -1,8 +1,8 @@
 """Greedy decoding under tensor parallelism matches Hugging Face transformers, in every mode.
 
-TP 2 on Llama, Mistral, Qwen2 and Qwen3 (and TP 4 on an MQA Mistral: one KV head, replicated
-on every rank; batched and n > 1), each mode a check against the same LLM where the mode is a
-request setting:
+TP 2 on Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE and Phi-3 (and TP 4 on an MQA Mistral: one
+KV head, replicated on every rank; batched and n > 1), each mode a check against the same LLM
+where the mode is a request setting:
 batched, chunked prefill, preemption, n > 1 (seeded samples equal TP 1's), prompt logprobs on
 one LLM; async scheduling and prefix-cache hits on a second. The all-reduce sums in another
 order than one device does, so a sample may differ from transformers only at a near-tie (top-2
@@ -32,7 +32,7 @@ from tests.fixtures.tiny_models import make_tiny_model
 
 NEAR_TIE = 1e-3  # top-2 logit gap under which a float summation order may pick either token
 MAX_NEAR_TIES = 1  # per comparison of a batch of prompts with transformers
-MAX_NEAR_TIES_IN_ALL = 3  # over all the file's comparisons (17 batches of 8 prompts)
+MAX_NEAR_TIES_IN_ALL = 3  # over all the file's comparisons (25 batches of 8 prompts)
 # chunks of 32 tokens, and 40 blocks of 8 tokens: the longest prompt (300 + 20 tokens) fills
 # the cache alone, so the batch preempts
 CHUNKED_PREEMPTING = {"block_size": 8, "max_num_batched_tokens": 32, "num_kv_blocks": 40}
@@ -103,7 +103,14 @@ def tp_llm(model_dir: Path, size: int, **options: object) -> LLM:
     )
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+# Mixtral and Qwen3-MoE shard their experts as Qwen2-MoE does (test_tp_model checks their
+# ranks' logits and bytes): one mixture-of-experts model here keeps the file's time down
+TP_ARCHITECTURES = tuple(
+    arch for arch in ARCHITECTURES if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+)
+
+
+@pytest.fixture(scope="module", params=TP_ARCHITECTURES)
 def arch(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
