@@ -98,8 +98,9 @@ class MoeConfig:
     expert_intermediate_size: int  # width of each routed expert's gated MLP
     normalize_top_k: bool  # the top-k probabilities are rescaled to sum to 1 (norm_topk_prob)
     sparse_layers: tuple[int, ...]  # layers whose MLP is sparse; the others keep the dense MLP
-    shared_expert_intermediate_size: int  # a gated MLP every token also runs; 0: none
-    shared_expert_gated: bool  # the shared expert's output is scaled by sigmoid(gate(x))
+    # a gated MLP every token also runs, its output scaled by sigmoid(shared_expert_gate(x));
+    # 0: none
+    shared_expert_intermediate_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +252,6 @@ def _parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeCo
         normalize_top_k=normalize,
         sparse_layers=sparse_layers,
         shared_expert_intermediate_size=shared,
-        shared_expert_gated=shared > 0,
     )
 
 

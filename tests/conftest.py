@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model_config import SUPPORTED_ARCHITECTURES
 from tests.fixtures.tiny_models import make_tiny_model
 from tests.fixtures.tiny_tokenizer import make_tiny_tokenizer
 
@@ -31,16 +32,7 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Phi3ForCausalLM",
-)
+ARCHITECTURES = SUPPORTED_ARCHITECTURES  # a tiny model of each: ``model_dirs``
 
 
 @pytest.fixture(scope="session")

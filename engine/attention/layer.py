@@ -44,7 +44,7 @@ class Attention(nn.Module):
         metadata = context.attn_metadata
         # rows past the batch's tokens are padding (ForwardInputs.num_padding_rows): no K/V is
         # written for them, and their output is zeros
-        num_tokens = metadata.num_prefill_tokens + metadata.num_decode_seqs
+        num_tokens = metadata.num_tokens
         num_padding = query.shape[0] - num_tokens
         if num_padding > 0:
             query, key, value = query[:num_tokens], key[:num_tokens], value[:num_tokens]

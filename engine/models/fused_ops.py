@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import elementwise as triton_kernels
 from engine.kernels.cpu import elementwise as cpu_kernels
@@ -35,3 +36,16 @@ def kernels_for(x: torch.Tensor) -> ElementwiseKernels | None:
     if triton_kernels.usable(x):
         return triton_kernels
     return None
+
+
+def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
+    """SiLU(gate) * up, through the fused kernel that takes ``gate_up`` or in torch."""
+    kernels = kernels_for(gate_up)
+    if kernels is not None:
+        return kernels.silu_and_mul(gate_up)
+    return torch_silu_and_mul(gate_up)

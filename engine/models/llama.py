@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.attention.layer import Attention
 from engine.model_config import ModelConfig
-from engine.models.fused_ops import kernels_for
+from engine.models.fused_ops import kernels_for, silu_and_mul
 from engine.models.moe import SparseMoeBlock
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.parallel.group import SingleRank, TensorParallelGroup
@@ -39,11 +39,6 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -75,10 +70,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate on this rank]
-        kernels = kernels_for(gate_up)
-        if kernels is not None:
-            return self.group.all_reduce(self.down_proj(kernels.silu_and_mul(gate_up)))
-        return self.group.all_reduce(self.down_proj(torch_silu_and_mul(gate_up)))
+        return self.group.all_reduce(self.down_proj(silu_and_mul(gate_up)))
 
 
 class SelfAttention(nn.Module):

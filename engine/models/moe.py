@@ -26,16 +26,8 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.model_config import MoeConfig
-from engine.models.fused_ops import kernels_for
+from engine.models.fused_ops import silu_and_mul
 from engine.parallel.group import TensorParallelGroup
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
-    kernels = kernels_for(gate_up)
-    if kernels is not None:
-        return kernels.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def route(
@@ -120,14 +112,12 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpert(hidden_size, shared_intermediate)
-            if moe.shared_expert_gated:
-                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, hidden]
         context = get_forward_context()
-        metadata = context.attn_metadata
-        num_tokens = metadata.num_prefill_tokens + metadata.num_decode_seqs
+        num_tokens = context.attn_metadata.num_tokens
         num_padding = hidden.shape[0] - num_tokens  # the runner's padding rows: not routed
         x = hidden[:num_tokens] if num_padding > 0 else hidden
         weights, expert_ids = route(
@@ -136,10 +126,7 @@ class SparseMoeBlock(nn.Module):
         out, counts = self.experts(x, weights, expert_ids)
         if context.expert_tokens is not None:
             context.expert_tokens.add(self.layer_idx, counts)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         out = self.group.all_reduce(out)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding > 0 else out

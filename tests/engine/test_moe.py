@@ -52,7 +52,6 @@ def test_mixtral_routes_every_layer_and_renormalises_its_top_k() -> None:
         normalize_top_k=True,
         sparse_layers=(0, 1, 2, 3),
         shared_expert_intermediate_size=0,
-        shared_expert_gated=False,
     )
 
 
@@ -69,7 +68,7 @@ def test_qwen_moe_sparse_layers_follow_the_step_and_the_dense_list() -> None:
     config = parse_model_config(raw)
     assert config.moe is not None
     assert config.moe.sparse_layers == (1,)  # layers 1 and 3 by the step, 3 kept dense
-    assert config.moe.shared_expert_gated and config.moe.shared_expert_intermediate_size == 48
+    assert config.moe.shared_expert_intermediate_size == 48
     assert not config.moe.normalize_top_k  # Qwen2-MoE's default
     assert config.qkv_bias and not config.o_proj_bias
     qwen3 = parse_model_config(_raw("Qwen3MoeForCausalLM", norm_topk_prob=True))
@@ -228,7 +227,7 @@ def test_every_routed_token_is_counted_once_per_sparse_layer(
 
 
 def test_layer_imbalance_is_the_busiest_expert_over_the_mean() -> None:
-    moe = MoeConfig(4, 1, 8, True, (1, 3), 0, False)
+    moe = MoeConfig(4, 1, 8, True, (1, 3), 0)
     counts = ExpertTokenCounts(moe)
     assert counts.layer_imbalance() == ((1, 0.0), (3, 0.0))
     counts.add(1, [4, 0, 0, 0])

@@ -84,6 +84,18 @@ def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+def _prefilling_whole_prompts(model_dir: Path) -> LLM:
+    """An engine whose step budget takes each test prompt whole (blocks of 8)."""
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        skip_tokenizer_init=True,
+        block_size=8,
+        max_num_batched_tokens=1024,
+    )
+
+
 def test_prompts_past_the_pretraining_length_take_the_long_frequencies(
     long_context_dir: Path,
 ) -> None:
@@ -93,14 +105,7 @@ def test_prompts_past_the_pretraining_length_take_the_long_frequencies(
     lengths_and_outputs = ((129, 30), (200, 40), (300, 24), (60, 40), (100, 28))
     prompts = [torch.randint(3, 1000, (n,), generator=rng).tolist() for n, _ in lengths_and_outputs]
     params = [SamplingParams(temperature=0.0, max_tokens=m) for _, m in lengths_and_outputs]
-    llm = LLM(
-        str(long_context_dir),
-        dtype="float32",
-        device="cpu",
-        skip_tokenizer_init=True,
-        max_num_batched_tokens=1024,
-    )
-    outputs = llm.generate(prompts, params)
+    outputs = _prefilling_whole_prompts(long_context_dir).generate(prompts, params)
     for prompt, (_, max_tokens), output in zip(prompts, lengths_and_outputs, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(long_context_dir, prompt, max_tokens)
 
@@ -112,14 +117,7 @@ def test_a_long_prompt_never_reuses_the_cached_blocks_of_a_short_one(
     prompt of 200 (long ones): the second computes its own KV and matches transformers."""
     rng = torch.Generator().manual_seed(5)
     long_prompt = torch.randint(3, 1000, (200,), generator=rng).tolist()
-    llm = LLM(
-        str(long_context_dir),
-        dtype="float32",
-        device="cpu",
-        skip_tokenizer_init=True,
-        block_size=8,
-        max_num_batched_tokens=1024,
-    )
+    llm = _prefilling_whole_prompts(long_context_dir)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     (short,) = llm.generate([long_prompt[:112]], params)
     (long,) = llm.generate([long_prompt], params)

@@ -12,10 +12,14 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.model_config import load_model_config
 from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_parity import make_prompts, shared_prefix_prompts
+from tests.engine.test_parity import (
+    engine_tokens,
+    greedy_params,
+    make_prompts,
+    reference,
+    shared_prefix_prompts,
+)
 from tests.fixtures.tiny_models import make_tiny_model
-
-MAX_TOKENS = (40, 5, 16, 1, 33, 8, 40, 20)  # per prompt of make_prompts' lengths
 
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2-mixed"])
@@ -33,22 +37,6 @@ def windowed_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         sliding_window=27,
         max_window_layers=1,
     )
-
-
-_references: dict[tuple[str, str], list[list[int]]] = {}
-
-
-def _reference(model_dir: Path, prompts: list[list[int]], key: str) -> list[list[int]]:
-    if (str(model_dir), key) not in _references:
-        _references[(str(model_dir), key)] = [
-            hf_greedy(model_dir, prompt, n) for prompt, n in zip(prompts, MAX_TOKENS, strict=True)
-        ]
-    return _references[(str(model_dir), key)]
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def _llm(model_dir: Path, **options: object) -> LLM:
@@ -92,13 +80,12 @@ def test_greedy_matches_transformers(windowed_dir: Path, mode: str) -> None:
     }[mode]
     llm = _llm(windowed_dir, **options)
     prompts = make_prompts(seed=1)
-    expected = _reference(windowed_dir, prompts, "plain")
+    expected = reference(windowed_dir, prompts, "plain")
     if mode == "triton-backend":  # the interpreter is slow: the prompts of 17 to 100 tokens
-        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS[2:6]]
-        outputs = llm.generate(prompts[2:6], params)
+        outputs = llm.generate(prompts[2:6], greedy_params()[2:6])
         assert [o.outputs[0].token_ids for o in outputs] == expected[2:6]
         return
-    assert _greedy(llm, prompts) == expected
+    assert engine_tokens(llm, prompts) == expected
     if mode == "preempted":
         assert llm.engine.num_preemptions > 0
 
@@ -106,11 +93,9 @@ def test_greedy_matches_transformers(windowed_dir: Path, mode: str) -> None:
 def test_prefix_cache_hits_match_transformers(windowed_dir: Path) -> None:
     prompts = shared_prefix_prompts(seed=2)
     llm = _llm(windowed_dir, block_size=8, max_num_batched_tokens=96)
-    first = _greedy(llm, prompts)
-    second = llm.generate(
-        prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
-    )
-    assert first == _reference(windowed_dir, prompts, "shared-prefix")
+    first = engine_tokens(llm, prompts)
+    second = llm.generate(prompts, greedy_params())
+    assert first == reference(windowed_dir, prompts, "shared-prefix")
     assert [o.outputs[0].token_ids for o in second] == first
     assert all(o.num_cached_tokens >= 64 for o in second)
 
@@ -124,7 +109,7 @@ def tp2(windowed_dir: Path) -> Iterator[LLM]:
 
 def test_two_ranks_match_transformers(tp2: LLM, windowed_dir: Path) -> None:
     prompts = make_prompts(seed=1)
-    assert _greedy(tp2, prompts) == _reference(windowed_dir, prompts, "plain")
+    assert engine_tokens(tp2, prompts) == reference(windowed_dir, prompts, "plain")
 
 
 def test_a_sequence_past_its_window_holds_only_the_blocks_its_window_reaches(
