@@ -305,7 +305,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: CausalLM,
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
         attn_backend: AttentionBackend,
         *,
         max_model_len: int,

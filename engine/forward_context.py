@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class ForwardContext:
     attn_metadata: AttentionMetadata  # layout of the flattened token batch
-    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: (
+        torch.Tensor
+    )  # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
     attn_backend: AttentionBackend  # computes attention over the paged cache
     # a mixture-of-experts model's sparse layers count their tokens per expert here (None: not)
     expert_tokens: ExpertTokenCounts | None = None

@@ -1,5 +1,9 @@
 """What the engine needs to know about a model, parsed from a Hugging Face model directory.
 
+DeepSeek-V2/V3 attend with multi-head latent attention (``MlaConfig``): their KV cache holds one
+latent vector per token and layer, which ``num_kv_heads`` (1), ``head_dim`` (its width) and
+``kv_planes`` (1, against K and V's 2) describe to the cache, the allocator and the hand-off.
+
 Only ``config.json`` (and ``generation_config.json`` for extra EOS ids) is read; transformers
 is not needed. Both the classic keys (``rope_theta`` + ``rope_scaling``) and the
 transformers-v5 ``rope_parameters`` dict are accepted.
@@ -23,8 +27,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "Phi3ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -35,6 +42,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # transformers' defaults when config.json omits the key
 _DEFAULT_MAX_POSITIONS = {
@@ -46,6 +55,8 @@ _DEFAULT_MAX_POSITIONS = {
     "Qwen2MoeForCausalLM": 32768,
     "Qwen3MoeForCausalLM": 32768,
     "Phi3ForCausalLM": 4096,
+    "DeepseekV2ForCausalLM": 2048,
+    "DeepseekV3ForCausalLM": 4096,
 }
 # transformers' rope base and norm epsilon when config.json gives none (10000 and 1e-6 for the
 # others)
@@ -70,7 +81,35 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
     },
+    "DeepseekV2ForCausalLM": {
+        "n_routed_experts": 64,
+        "num_experts_per_tok": None,
+        "moe_intermediate_size": 1407,
+        "n_shared_experts": 2,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "greedy",
+        "n_group": None,
+        "topk_group": None,
+        "first_k_dense_replace": 0,
+        "moe_layer_freq": 1,
+    },
+    "DeepseekV3ForCausalLM": {
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+    },
 }
+# DeepSeek's top-k methods: how a router limits each token to its best groups of experts
+_DEEPSEEK_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +124,13 @@ class RopeConfig:
     # past it, and the scale of cos and sin (empty and 1.0 for the other types)
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # longrope and yarn: the scale of cos and sin (1.0 for the other types)
     attention_factor: float = 1.0
+    # yarn: the rotations per context that bound the interpolated and extrapolated
+    # frequencies, and whether those bounds are rounded outwards
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +143,53 @@ class MoeConfig:
     expert_intermediate_size: int  # width of each routed expert's gated MLP
     normalize_top_k: bool  # the top-k probabilities are rescaled to sum to 1 (norm_topk_prob)
     sparse_layers: tuple[int, ...]  # layers whose MLP is sparse; the others keep the dense MLP
-    # a gated MLP every token also runs, its output scaled by sigmoid(shared_expert_gate(x));
-    # 0: none
+    # a gated MLP every token also runs; 0: none
     shared_expert_intermediate_size: int
+    # the shared expert's output is scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE), or
+    # added as it is (DeepSeek)
+    shared_expert_gated: bool = True
+    # DeepSeek's routers. ``scoring``: softmax or sigmoid of the router's logits, computed in
+    # float32 (``router_in_float32``) or the model's dtype. Group-limited top-k: the experts
+    # form ``num_groups`` equal groups, each token picks its ``top_groups`` best groups
+    # (``group_score``: a group's best score, or the sum of its best two) and its top k
+    # experts among them. ``score_correction_bias``: a learned per-expert bias added to the
+    # scores for choosing, not for weighting (DeepSeek-V3). The chosen weights are scaled by
+    # ``routed_scaling_factor`` last.
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    router_in_float32: bool = False
+    num_groups: int = 1
+    top_groups: int = 1
+    group_score: str = "max"  # "max" | "top2_sum"
+    score_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3). Keys and values of every head are
+    projected up from one latent vector per token (``kv_lora_rank`` wide), which the KV cache
+    holds together with the token's rotary key part (``qk_rope_head_dim``, shared by the
+    heads). A query head has ``qk_nope_head_dim`` dims matched against the latent's up
+    projection and ``qk_rope_head_dim`` rotary ones; a value head ``v_head_dim``."""
+
+    q_lora_rank: int | None  # the query's own low-rank bottleneck; None: one projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # the checkpoint's rotary dims come in interleaved pairs (x0, x1), (x2, x3), ... rather
+    # than in halves; the loader reorders their rows into halves
+    rope_interleaved: bool
+    softmax_scale: float  # qk_head_dim ** -0.5, times yarn's mscale squared where it has one
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Elements of one token's cache entry: the latent, then its rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +200,8 @@ class ModelConfig:
     intermediate_size: int  # width of the gated MLP
     num_layers: int
     num_heads: int  # query heads
-    num_kv_heads: int  # key/value heads (GQA when < num_heads, MQA when 1)
-    head_dim: int
+    num_kv_heads: int  # key/value heads (GQA when < num_heads, MQA when 1); MLA: 1
+    head_dim: int  # elements per head; MLA: of the cache's one latent entry per token
     rms_norm_eps: float
     max_position_embeddings: int  # the model's max context length
     tie_word_embeddings: bool  # lm_head shares the embedding matrix
@@ -129,6 +218,17 @@ class ModelConfig:
     # positions, itself included (None and (): every layer sees the whole context)
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    mla: MlaConfig | None = None  # latent attention (DeepSeek); None: multi-head attention
+
+    @property
+    def kv_planes(self) -> int:
+        """What the KV cache holds per layer and block: K and V (2), or MLA's latent (1)."""
+        return 1 if self.mla is not None else 2
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of a head that rotary embeddings turn."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def all_layers_slide(self) -> bool:
@@ -156,12 +256,17 @@ def parse_model_config(
     architecture = _architecture(raw)
     hidden_size = int(raw["hidden_size"])
     num_heads = int(raw["num_attention_heads"])
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[architecture])
+    _check_unsupported_features(raw, architecture)
+    rope = _parse_rope(raw, max_positions, _DEFAULT_ROPE_THETA.get(architecture, 10000.0))
+    mla = _parse_mla(raw, rope) if architecture in _DEEPSEEK else None
+    if mla is not None:  # the cache holds one latent entry per token, shared by the heads
+        num_kv_heads, head_dim = 1, mla.latent_width
+    else:
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_attention_heads {num_heads} is not a multiple of {num_kv_heads=}")
-    head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
-    max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[architecture])
-    _check_unsupported_features(raw)
     num_layers = int(raw["num_hidden_layers"])
     sliding_window, sliding_layers = _sliding_layers(raw, architecture, num_layers, max_positions)
     attention_bias = bool(raw.get("attention_bias", False))
@@ -184,13 +289,14 @@ def parse_model_config(
         o_proj_bias=not is_qwen2 and attention_bias,
         mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        rope=_parse_rope(raw, max_positions, _DEFAULT_ROPE_THETA.get(architecture, 10000.0)),
+        rope=rope,
         eos_token_ids=_eos_token_ids(raw, generation or {}),
         bos_token_id=_optional_int(raw.get("bos_token_id")),
         checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         moe=_parse_moe(raw, architecture, num_layers),
         sliding_window=sliding_window,
         sliding_layers=sliding_layers,
+        mla=mla,
     )
 
 
@@ -213,6 +319,8 @@ def _parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeCo
     defaults = _MOE_DEFAULTS.get(architecture)
     if defaults is None:
         return None
+    if architecture in _DEEPSEEK:
+        return _parse_deepseek_moe(raw, defaults, architecture, num_layers)
 
     def field(key: str) -> Any:
         value = raw.get(key)
@@ -255,10 +363,113 @@ def _parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeCo
     )
 
 
-def _check_unsupported_features(raw: dict[str, Any]) -> None:
+def _parse_deepseek_moe(
+    raw: dict[str, Any], defaults: dict[str, Any], architecture: str, num_layers: int
+) -> MoeConfig | None:
+    """DeepSeek's sparse MLP: every ``moe_layer_freq``-th layer from ``first_k_dense_replace``
+    on, ungated shared experts, and the router its ``topk_method`` names (V2: softmax scores,
+    top k of all experts or of the best groups by their best score; V3: sigmoid scores with a
+    correction bias, top k of the best groups by their best two scores)."""
+
+    def field(key: str) -> Any:
+        value = raw.get(key)
+        return defaults[key] if value is None else value
+
+    num_experts = int(field("n_routed_experts"))
+    first_dense = int(field("first_k_dense_replace"))
+    frequency = int(field("moe_layer_freq"))
+    if frequency < 1:
+        raise ValueError(f"moe_layer_freq {frequency} must be at least 1")
+    sparse_layers = tuple(i for i in range(first_dense, num_layers) if i % frequency == 0)
+    if not sparse_layers or num_experts < 1:
+        return None
+    top_k_value = field("num_experts_per_tok")
+    if top_k_value is None:
+        raise ValueError("num_experts_per_tok is required for a model with sparse layers")
+    top_k = int(top_k_value)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in 1 .. {num_experts} (the experts)")
+    method = str(field("topk_method"))
+    if method not in _DEEPSEEK_TOPK_METHODS:
+        raise ValueError(
+            f"unsupported topk_method {method!r}; supported: {', '.join(_DEEPSEEK_TOPK_METHODS)}"
+        )
+    if architecture == "DeepseekV3ForCausalLM" and method != "noaux_tc":
+        raise ValueError(f"topk_method {method!r}: DeepSeek-V3 routes with 'noaux_tc' only")
+    num_groups, top_groups = 1, 1
+    if method != "greedy":
+        num_groups, top_groups = int(field("n_group")), int(field("topk_group"))
+        if num_groups < 1 or num_experts % num_groups != 0:
+            raise ValueError(f"n_group {num_groups} must divide n_routed_experts {num_experts}")
+        if not 1 <= top_groups <= num_groups:
+            raise ValueError(f"topk_group {top_groups} must be in 1 .. {num_groups} (n_group)")
+        if method == "noaux_tc" and num_experts // num_groups < 2:
+            raise ValueError(
+                f"n_group {num_groups}: noaux_tc scores a group by its best two experts, so "
+                f"each group needs at least 2 of the {num_experts} experts"
+            )
+    moe_width = int(field("moe_intermediate_size"))
+    shared_experts = int(raw.get("n_shared_experts") or 0)
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_token=top_k,
+        expert_intermediate_size=moe_width,
+        normalize_top_k=bool(field("norm_topk_prob")),
+        sparse_layers=sparse_layers,
+        shared_expert_intermediate_size=moe_width * shared_experts,
+        shared_expert_gated=False,
+        scoring="sigmoid" if method == "noaux_tc" else "softmax",
+        router_in_float32=True,
+        num_groups=num_groups,
+        top_groups=top_groups,
+        group_score="top2_sum" if method == "noaux_tc" else "max",
+        score_correction_bias=method == "noaux_tc",
+        routed_scaling_factor=float(field("routed_scaling_factor")),
+    )
+
+
+def _parse_mla(raw: dict[str, Any], rope: RopeConfig) -> MlaConfig:
+    """DeepSeek's latent attention sizes, and its softmax scale with yarn's correction."""
+    q_lora_rank = _optional_int(raw.get("q_lora_rank", 1536))
+    sizes = {
+        key: int(raw.get(key, default))
+        for key, default in (
+            ("kv_lora_rank", 512),
+            ("qk_nope_head_dim", 128),
+            ("qk_rope_head_dim", 64),
+            ("v_head_dim", 128),
+        )
+    }
+    for key, value in (*sizes.items(), ("q_lora_rank", q_lora_rank)):
+        if value is not None and value < 1:
+            raise ValueError(f"{key} {value} must be at least 1")
+    if sizes["qk_rope_head_dim"] % 2 != 0:
+        raise ValueError(f"qk_rope_head_dim {sizes['qk_rope_head_dim']} must be even (rope pairs)")
+    scale = (sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]) ** -0.5
+    params: dict[str, Any] = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if rope.scaling_type != "default" and mscale_all_dim:
+        mscale = _yarn_mscale(float(params["factor"]), float(mscale_all_dim))
+        scale = scale * mscale * mscale
+    return MlaConfig(
+        q_lora_rank=q_lora_rank,
+        rope_interleaved=bool(raw.get("rope_interleave", True)),
+        softmax_scale=scale,
+        **sizes,
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context grown ``factor`` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _check_unsupported_features(raw: dict[str, Any], architecture: str) -> None:
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+    if architecture in _DEEPSEEK and raw.get("attention_bias", False):
+        raise ValueError("attention_bias true is not supported for DeepSeek's latent attention")
 
 
 def _sliding_layers(
@@ -323,7 +534,34 @@ def _parse_rope(raw: dict[str, Any], max_positions: int, default_theta: float) -
     )
     if scaling_type == "longrope":
         return _longrope(rope, params, max_positions)
+    if scaling_type == "yarn":
+        return _yarn(rope, params, max_positions)
     return rope
+
+
+def _yarn(rope: RopeConfig, params: dict[str, Any], max_positions: int) -> RopeConfig:
+    """YaRN's ramp bounds and its cos/sin scale as transformers derives them: from
+    ``attention_factor``, else from ``mscale`` over ``mscale_all_dim`` (DeepSeek), else from
+    the context's growth alone."""
+    factor = params.get("factor")
+    growth = float(factor) if factor else max_positions / rope.original_max_position_embeddings
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(growth, float(mscale)) / _yarn_mscale(
+                growth, float(mscale_all_dim)
+            )
+        else:
+            attention_factor = _yarn_mscale(growth)
+    return dataclasses.replace(
+        rope,
+        factor=growth,
+        attention_factor=float(attention_factor),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+    )
 
 
 def _longrope(rope: RopeConfig, params: dict[str, Any], max_positions: int) -> RopeConfig:

@@ -23,8 +23,10 @@ from safetensors import safe_open
 
 from engine.kernels.linear import PackedLinear, pack_linears
 from engine.model_config import ModelConfig
-from engine.models.llama import LlamaForCausalLM, RMSNorm
+from engine.models.llama import LlamaForCausalLM
+from engine.models.mla import LatentAttention
 from engine.models.registry import get_model_class
+from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
@@ -94,6 +96,7 @@ def load_model(
             _init_dummy(model, seed)
         else:
             _load_safetensors(model, names_by_file, all_names)
+            _reorder_interleaved_rope_rows(model)
     model.requires_grad_(False)
     if linear_backend == "onednn":
         if model.lm_head is None:
@@ -241,12 +244,15 @@ def _single_target(
     """Where an unfused checkpoint tensor lands: row-parallel weights read their input columns,
     the vocabulary-parallel ones their vocab rows; the rest is replicated."""
     module_name, leaf = name.split(".")[-2:]
+    per_head = _latent_attention_rows_per_head(module_name, config)
+    if per_head is not None:  # column-parallel by query head (latent attention)
+        full_shape = (config.num_heads * per_head, param.shape[1])
+        rows = _times(shard.q_heads, per_head)
+        return _Target(param, 0, param.shape[0], full_shape, rows, None)
     if module_name in ("o_proj", "down_proj") and leaf == "weight":
         if module_name == "o_proj":
-            full_cols, cols = (
-                config.num_heads * config.head_dim,
-                _times(shard.q_heads, config.head_dim),
-            )
+            value_dim = config.mla.v_head_dim if config.mla is not None else config.head_dim
+            full_cols, cols = config.num_heads * value_dim, _times(shard.q_heads, value_dim)
         else:
             full_cols, cols = _mlp_columns(name, config, shard)
         full_shape = (param.shape[0], full_cols)
@@ -260,6 +266,19 @@ def _single_target(
         return _Target(param, 0, shard.vocab_rows, full_shape, rows, None)
     whole = range(param.shape[0])  # replicated on every rank
     return _Target(param, 0, param.shape[0], tuple(param.shape), whole, None)
+
+
+def _latent_attention_rows_per_head(module_name: str, config: ModelConfig) -> int | None:
+    """Rows per query head of a latent-attention projection that is split by head (the query's
+    up projection, and the latent's up projection to keys and values); None for the others."""
+    mla = config.mla
+    if mla is None:
+        return None
+    if module_name in ("q_proj", "q_b_proj"):
+        return mla.qk_head_dim
+    if module_name == "kv_b_proj":
+        return mla.qk_nope_head_dim + mla.v_head_dim
+    return None
 
 
 def _times(heads: range, head_dim: int) -> range:
@@ -276,6 +295,8 @@ _CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
         (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
     ),
+    "DeepseekV2ForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),
+    "DeepseekV3ForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),
 }
 
 
@@ -320,6 +341,17 @@ def _load_safetensors(
                     tensor_slice = f.get_slice(name)
                     _check_shape(name, file, tuple(tensor_slice.get_shape()), target)
                     _copy(tensor_slice[target.index()] if target.rows else None, target)
+
+
+def _reorder_interleaved_rope_rows(model: LlamaForCausalLM) -> None:
+    """Latent attention checkpoints whose rotary dims come in interleaved pairs get those rows
+    in halves, the layout the engine's rope turns (``LatentAttention``)."""
+    mla = model.config.mla
+    if mla is None or not mla.rope_interleaved:
+        return
+    for module in model.modules():
+        if isinstance(module, LatentAttention):
+            module.rope_rows_interleaved_to_halves()
 
 
 def _check_shape(name: str, file: Path, shape: tuple[int, ...], target: _Target) -> None:

@@ -117,7 +117,9 @@ class KVChannel:
         instead of the sender waiting out its deadline. ``like`` is the KV cache (for shape).
         """
         shape = list(like.shape)
-        shape[2] = ticket.num_blocks  # [num_layers, 2, num_blocks, block_size, heads, head_dim]
+        shape[2] = (
+            ticket.num_blocks
+        )  # [num_layers, kv_planes, num_blocks, block_size, heads, head_dim]
         scratch = like.new_empty(shape)
         return self.recv_blocks(scratch, list(range(ticket.num_blocks)), ticket)
 

@@ -6,12 +6,14 @@ when the channel moves only some of them → sent as JSON in the channel handsha
 `check_compatible` on both sides before the first transfer → `check_cache` on every transfer
 (the tensor handed in still matches).
 
-The cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`. For
-moving blocks it is viewed as planes: `[num_layers * 2, num_blocks, plane_numel]`, where a
-plane is one layer's K (or V) of one block, contiguous in memory. A channel moves a range of
+The cache is one tensor `[num_layers, kv_planes, num_blocks, block_size, num_kv_heads,
+head_dim]`, a layer's planes being its K and V (2) or its latent entries (1: multi-head latent
+attention). For moving blocks it is viewed as planes: `[num_layers * kv_planes, num_blocks,
+plane_numel]`, where a plane is one layer's K (or V, or latent) of one block, contiguous in
+memory. A channel moves a range of
 consecutive KV heads (every head of the cache unless told otherwise): the wire carries
 `[planes, blocks, block_size, num_moved_heads, head_dim]`. Both ends must agree on the dtype,
-block size, layer count, head size and the model's ids of the moved heads; the heads each end
+block size, layer count, planes per layer, head size and the model's ids of the moved heads; the heads each end
 holds and its block count are its own.
 """
 
@@ -30,7 +32,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-_SHAPE_FIELDS = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+_SHAPE_FIELDS = ("dtype", "block_size", "num_layers", "kv_planes", "num_kv_heads", "head_dim")
 _POSITIVE_FIELDS = _SHAPE_FIELDS[1:]
 
 
@@ -44,6 +46,7 @@ class KVCacheLayout:
     num_layers: int  # decoder layers
     num_kv_heads: int  # KV heads this cache holds (a tensor-parallel rank's share)
     head_dim: int  # elements per head
+    kv_planes: int = 2  # per layer: K and V (2), or a latent (1)
     first_kv_head: int = 0  # the model's id of the cache's first KV head
     moved_kv_heads: range | None = None  # the model's KV heads the channel moves, consecutive
     # and among the cache's own; None: every head the cache holds
@@ -55,6 +58,8 @@ class KVCacheLayout:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.kv_planes not in (1, 2):
+            raise ValueError(f"kv_planes must be 1 or 2, got {self.kv_planes!r}")
         if type(self.first_kv_head) is not int or self.first_kv_head < 0:
             raise ValueError(f"first_kv_head must be an int >= 0, got {self.first_kv_head!r}")
         moved = self.moved_kv_heads
@@ -70,19 +75,22 @@ class KVCacheLayout:
 
     @classmethod
     def from_cache(cls, kv_cache: torch.Tensor, kv_heads: range | None = None) -> KVCacheLayout:
-        """The layout of a cache tensor `[num_layers, 2, num_blocks, block_size, heads, dim]`.
-        ``kv_heads``: the model's KV heads it holds (a rank's ``shard.kv_heads``; default: the
-        cache's heads are the model's first ones)."""
-        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        """The layout of a cache tensor `[num_layers, kv_planes, num_blocks, block_size, heads,
+        dim]`. ``kv_heads``: the model's KV heads it holds (a rank's ``shard.kv_heads``;
+        default: the cache's heads are the model's first ones)."""
+        if kv_cache.dim() != 6 or kv_cache.shape[1] not in (1, 2):
             raise ValueError(
-                "KV cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim],"
-                f" got shape {tuple(kv_cache.shape)}"
+                "KV cache must be [num_layers, kv_planes (2, or 1 for a latent cache), "
+                f"num_blocks, block_size, num_kv_heads, head_dim], got shape "
+                f"{tuple(kv_cache.shape)}"
             )
         names = {dtype: name for name, dtype in DTYPES.items()}
         if kv_cache.dtype not in names:
             raise ValueError(f"unsupported KV dtype {kv_cache.dtype}")
-        num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        layout = cls(names[kv_cache.dtype], block_size, num_layers, num_kv_heads, head_dim)
+        num_layers, kv_planes, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        layout = cls(
+            names[kv_cache.dtype], block_size, num_layers, num_kv_heads, head_dim, kv_planes
+        )
         return layout if kv_heads is None else layout.holding(kv_heads)
 
     def holding(self, kv_heads: range) -> KVCacheLayout:
@@ -100,7 +108,14 @@ class KVCacheLayout:
 
     def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
         """The shape of a cache of ``num_blocks`` in this layout (what from_cache reads)."""
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (
+            self.num_layers,
+            self.kv_planes,
+            num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -131,12 +146,12 @@ class KVCacheLayout:
 
     @property
     def num_planes(self) -> int:
-        """K and V of every layer: the first dimension of the planes view."""
-        return self.num_layers * 2
+        """K and V (or the latent) of every layer: the first dimension of the planes view."""
+        return self.num_layers * self.kv_planes
 
     @property
     def plane_numel(self) -> int:
-        """Elements of one layer's K (or V) in one block of the cache."""
+        """Elements of one layer's K (or V, or latent) in one block of the cache."""
         return self.block_size * self.num_kv_heads * self.head_dim
 
     @property
@@ -145,7 +160,7 @@ class KVCacheLayout:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block of the cache across all layers, K and V."""
+        """Bytes of one block of the cache across all layers and planes."""
         return self.num_planes * self.plane_nbytes
 
     @property
@@ -159,7 +174,7 @@ class KVCacheLayout:
 
     @property
     def moved_block_nbytes(self) -> int:
-        """Bytes of the moved heads of one block, all layers, K and V: what a block costs."""
+        """Bytes of the moved heads of one block, all layers and planes: what a block costs."""
         return self.num_planes * self.moved_plane_nbytes
 
     def mismatch(

@@ -36,7 +36,7 @@ LOCAL_PEER_THREADS = 16  # rank 0's own calls that may wait at once (accepts, tr
 class RankKVPort:
     def __init__(
         self,
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
         kv_heads: range,  # the model's KV heads the cache holds (the rank's shard.kv_heads)
         host: str,  # where this rank's listening sockets bind (never a wildcard)
     ) -> None:

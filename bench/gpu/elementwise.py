@@ -21,7 +21,7 @@ from bench.gpu.timing import log, time_op
 from engine.kernels import elementwise as triton_kernels
 from engine.kernels.checks import interpreted
 from engine.models.fused_ops import torch_silu_and_mul
-from engine.models.llama import torch_rms_norm
+from engine.models.rms_norm import torch_rms_norm
 from engine.models.rope import apply_rotary
 
 EPS = 1e-5

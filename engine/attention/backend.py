@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import latent_ref
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -48,3 +49,27 @@ class AttentionBackend(ABC):
         ``sliding_window`` W: a token at position p sees only positions p - W + 1 .. p (None:
         its whole context); a backend then never reads a block wholly before every window
         of a sequence's new tokens, whose block-table entries may be stale."""
+
+    # Latent caches (multi-head latent attention): one plane per layer, one entry per token.
+    # The torch reference serves every backend until one brings its own kernels.
+
+    def write_latent(
+        self,
+        cache_layer: torch.Tensor,  # [1, num_blocks, block_size, 1, width]
+        entries: torch.Tensor,  # [num_tokens, width]: each token's latent, then its rotary key
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        """Scatter the new tokens' latent entries into their cache slots."""
+        latent_ref.write_latent(cache_layer, entries, slot_mapping)
+
+    def forward_latent(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, width]: absorbed into the latent space
+        cache_layer: torch.Tensor,  # [1, num_blocks, block_size, 1, width]
+        metadata: AttentionMetadata,
+        scale: float,
+        value_dim: int,  # the entries' first value_dim elements are the values (the latent)
+    ) -> torch.Tensor:  # [num_tokens, num_heads, value_dim]
+        """Causal attention of each new token over its sequence's latent entries, as MQA with
+        one KV head whose keys are the whole entries and values their first elements."""
+        return latent_ref.latent_attention(query, cache_layer, metadata, scale, value_dim)

@@ -1,4 +1,5 @@
-"""The attention module models call: stores new K/V in the paged cache, then attends over it.
+"""The attention modules models call: store new K/V (or latent entries) in the paged cache, then
+attend over it.
 
 Which cache, which batch layout and which kernels come from the forward context.
 """
@@ -52,3 +53,35 @@ class Attention(nn.Module):
         out = backend.forward(query, kv_cache_layer, metadata, self.scale, self.sliding_window)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding > 0 else out
+
+
+class LatentCacheAttention(nn.Module):
+    """Attention over a latent KV cache (multi-head latent attention): stores the new tokens'
+    entries, then attends with queries already absorbed into the latent space."""
+
+    num_kv_heads = 1  # every query head reads the one latent entry per token
+
+    def __init__(self, layer_idx: int, num_heads: int, scale: float, value_dim: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.scale = scale
+        self.value_dim = value_dim
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [rows, num_heads, width]
+        entries: torch.Tensor,  # [rows, width]: each token's latent, then its rotary key
+    ) -> torch.Tensor:  # [rows, num_heads, value_dim]
+        context = get_forward_context()
+        cache_layer = context.kv_cache[self.layer_idx]  # [1, blocks, block_size, 1, width]
+        backend = context.attn_backend
+        metadata = context.attn_metadata
+        # rows past the batch's tokens are padding: no entry is written, their output is zeros
+        num_tokens = metadata.num_tokens
+        num_padding = query.shape[0] - num_tokens
+        if num_padding > 0:
+            query, entries = query[:num_tokens], entries[:num_tokens]
+        backend.write_latent(cache_layer, entries, metadata.slot_mapping)
+        out = backend.forward_latent(query, cache_layer, metadata, self.scale, self.value_dim)
+        return F.pad(out, (0, 0, 0, 0, 0, num_padding)) if num_padding > 0 else out

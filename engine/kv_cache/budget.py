@@ -18,23 +18,33 @@ CPU_KV_CACHE_BYTES_ENV = "PDSERVE_CPU_KV_CACHE_BYTES"
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
+    """The cache tensor: ``[num_layers, kv_planes, num_blocks, block_size, num_kv_heads,
+    head_dim]``, where a layer's planes are K and V (2) or a latent (1: ModelConfig.kv_planes)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    kv_planes: int = 2
 
     @property
     def bytes_per_block(self) -> int:
         import torch
 
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element_size
-        )
+        per_plane = self.block_size * self.num_kv_heads * self.head_dim * element_size
+        return self.num_layers * self.kv_planes * per_plane
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (
+            self.num_layers,
+            self.kv_planes,
+            num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
 
 @dataclass(frozen=True, slots=True)

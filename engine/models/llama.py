@@ -1,9 +1,10 @@
-"""One decoder-only transformer for Llama, Mistral, Qwen2 and Qwen3 checkpoints, and for the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3 and Phi-3 checkpoints, for the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE, and for DeepSeek-V2/V3.
 
 They differ only in flags of ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm (Qwen3),
-tied embeddings, rope scaling, and the sparse MLP that replaces the dense one in the layers
-``ModelConfig.moe`` names (moe.py). Projections are fused (qkv_proj, gate_up_proj) so each layer
+tied embeddings, rope scaling, the sparse MLP that replaces the dense one in the layers
+``ModelConfig.moe`` names (moe.py), and latent attention in place of multi-head attention
+where ``ModelConfig.mla`` is set (mla.py). Projections are fused (qkv_proj, gate_up_proj) so each layer
 runs three big matmuls instead of six; model_loader.py maps the Hugging Face weights onto them.
 The elementwise steps (norms, rotary, SiLU * up) run as fused kernels where some take the
 tensor (fused_ops.py: C on CPU in float32, Triton on a GPU); the torch code beside each is the
@@ -28,32 +29,12 @@ from torch import nn
 from engine.attention.layer import Attention
 from engine.model_config import ModelConfig
 from engine.models.fused_ops import kernels_for, silu_and_mul
+from engine.models.mla import LatentAttention
 from engine.models.moe import SparseMoeBlock
+from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.parallel.group import SingleRank, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
-
-
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, cast back, then scaled (transformers' LlamaRMSNorm order)."""
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dim, fused where a kernel takes the tensor, else torch_rms_norm."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        kernels = kernels_for(x)
-        if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return torch_rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -136,7 +117,11 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_idx, shard, group)
+        self.self_attn: SelfAttention | LatentAttention = (
+            LatentAttention(config, layer_idx, shard, group)
+            if config.mla is not None
+            else SelfAttention(config, layer_idx, shard, group)
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = _layer_mlp(config, layer_idx, shard, group)
 
@@ -198,7 +183,7 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope
+            config.rope_dim, config.max_position_embeddings, config.rope
         )
 
     def forward(
@@ -214,8 +199,7 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and the
-    mixture-of-experts MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM.
+    """Serves every architecture of SUPPORTED_ARCHITECTURES (see the module docstring).
 
     Runs inside set_forward_context(): attention reads the batch layout and KV cache there.
     With a shard of several ranks, forward and compute_logits are collectives of ``group``.

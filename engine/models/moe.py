@@ -1,14 +1,18 @@
-"""The sparse MLP of mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""The sparse MLP of mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3).
 
-A router (``gate``: one logit per expert) takes a softmax over the experts and keeps the top k
-per token, renormalised to sum to 1 where the model says so. Tokens are then grouped by
-expert: the (token, expert) pairs are sorted by expert, each expert runs its gated MLP once
-over the contiguous rows of its tokens, and the weighted outputs are added back per token in
-expert order (the order transformers adds them in). There is no loop over tokens; the loop
-over experts skips the ones no token picked.
+A router (``gate``: one logit per expert) scores the experts and keeps the top k per token
+(``route``): Mixtral and Qwen take a softmax, renormalise the top k to sum to 1 where the
+model says so; DeepSeek-V2 takes a softmax too, DeepSeek-V3 a sigmoid with a learned
+correction bias for choosing, and both may first narrow each token to its best groups of
+experts and scale the weights last. Tokens are then grouped by expert: the (token, expert)
+pairs are sorted by expert, each expert runs its gated MLP once over the contiguous rows of its
+tokens, and the weighted outputs are added back per token in expert order (the order
+transformers adds them in). There is no loop over tokens; the loop over experts skips the ones
+no token picked.
 
-A shared expert (Qwen2-MoE), when the model has one, runs on every token and is scaled by
-sigmoid(shared_expert_gate(x)) before it joins the routed sum.
+A shared expert, when the model has one, runs on every token and joins the routed sum: scaled
+by sigmoid(shared_expert_gate(x)) (Qwen2-MoE) or as it is (DeepSeek's shared experts, one MLP
+as wide as all of them).
 
 Tensor parallelism: every rank holds every expert's slice of intermediate columns (and the
 shared expert's), so a rank's routed and shared outputs are partial sums and the block ends
@@ -32,15 +36,67 @@ from engine.parallel.group import TensorParallelGroup
 
 def route(
     router_logits: torch.Tensor,  # [n, num_experts]
-    top_k: int,
-    normalize: bool,
+    moe: MoeConfig,
+    correction_bias: torch.Tensor | None = None,  # [num_experts] fp32 (score_correction_bias)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [n, top_k] fp32, expert ids [n, top_k]
-    """Softmax over the experts in float32, then the top k (renormalised when ``normalize``)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
-    if normalize:
+    """Each token's top k experts and their weights, as ``moe``'s router picks them (see the
+    module docstring); scores in float32."""
+    if moe.scoring == "sigmoid":
+        scores = router_logits.float().sigmoid()
+    else:
+        scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    choice = scores if correction_bias is None else scores + correction_bias
+    if moe.num_groups > 1:
+        choice = _best_groups_only(choice, moe, fill=0.0 if correction_bias is None else None)
+    if correction_bias is None:
+        weights, expert_ids = torch.topk(choice, moe.num_experts_per_token, dim=-1)
+    else:  # chosen by the corrected scores, weighted by the scores themselves
+        expert_ids = torch.topk(choice, moe.num_experts_per_token, dim=-1)[1]
+        weights = scores.gather(1, expert_ids)
+    if moe.normalize_top_k:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
     return weights, expert_ids
+
+
+def _best_groups_only(
+    scores: torch.Tensor,  # [n, num_experts] fp32
+    moe: MoeConfig,
+    fill: float | None,  # what the other groups' experts score; None: -inf
+) -> torch.Tensor:  # [n, num_experts] fp32
+    """The scores of each token's ``top_groups`` best groups, the others' replaced by ``fill``.
+    A group scores its best expert's score, or its best two's sum (``group_score``)."""
+    grouped = scores.view(scores.shape[0], moe.num_groups, -1)  # [n, groups, experts per group]
+    if moe.group_score == "top2_sum":
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    else:
+        group_scores = grouped.max(dim=-1).values
+    best = torch.topk(group_scores, moe.top_groups, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    kept = kept.unsqueeze(-1).expand_as(grouped).reshape(scores.shape)
+    return scores.masked_fill(~kept, float("-inf") if fill is None else fill)
+
+
+class Router(nn.Module):
+    """One logit per expert (``weight``), and DeepSeek-V3's per-expert correction bias."""
+
+    def __init__(self, moe: MoeConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if moe.score_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, hidden]
+        """Weights [n, top_k] fp32 and expert ids [n, top_k] of each token."""
+        if self.moe.router_in_float32:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
+        bias = self.e_score_correction_bias
+        return route(logits, self.moe, None if bias is None else bias.float())
 
 
 class RoutedExperts(nn.Module):
@@ -106,12 +162,13 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.moe = moe
         self.layer_idx = layer_idx
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.gate = Router(moe, hidden_size)
         self.experts = RoutedExperts(moe.num_experts, hidden_size, expert_intermediate)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpert(hidden_size, shared_intermediate)
+        if moe.shared_expert_intermediate_size > 0 and moe.shared_expert_gated:
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.group = group
 
@@ -120,13 +177,13 @@ class SparseMoeBlock(nn.Module):
         num_tokens = context.attn_metadata.num_tokens
         num_padding = hidden.shape[0] - num_tokens  # the runner's padding rows: not routed
         x = hidden[:num_tokens] if num_padding > 0 else hidden
-        weights, expert_ids = route(
-            self.gate(x), self.moe.num_experts_per_token, self.moe.normalize_top_k
-        )
+        weights, expert_ids = self.gate(x)
         out, counts = self.experts(x, weights, expert_ids)
         if context.expert_tokens is not None:
             context.expert_tokens.add(self.layer_idx, counts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         out = self.group.all_reduce(out)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding > 0 else out

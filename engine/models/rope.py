@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half convention, as Hugging Face Llama/Mistral/Qwen/Phi-3).
+"""Rotary position embeddings (rotate-half convention, as Hugging Face Llama/Mistral/Qwen/Phi-3;
+DeepSeek's interleaved pairs are reordered into halves when its weights load).
 
 Inverse frequencies follow transformers' ``modeling_rope_utils`` step by step in float32, so
 the cached cos/sin tables are bit-identical to the ones Hugging Face computes per forward.
@@ -45,7 +46,36 @@ def compute_inv_freq(
         return inv_freq / rope.factor
     if rope.scaling_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope)
+    if rope.scaling_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     raise ValueError(f"unsupported rope scaling type {rope.scaling_type!r}")
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] fp32
+    """YaRN: fast-turning dims keep their frequency (extrapolate), slow ones are divided by
+    the factor (interpolate), with a linear ramp between the dims that turn ``beta_fast`` and
+    ``beta_slow`` times over the pre-training context."""
+    original = rope.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:  # the dim that turns ``rotations`` times
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta)
+        )
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    positions = rope.theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolated = 1.0 / positions
+    interpolated = 1.0 / (rope.factor * positions)
+    ramp = torch.clamp(
+        (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
+    keep = 1 - ramp  # the share of each dim's extrapolated frequency
+    return interpolated * (1 - keep) + extrapolated * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -80,7 +110,8 @@ class RotaryEmbedding(nn.Module):
 
     def _build_cache(self, device: torch.device | None) -> torch.Tensor:
         if self.rope.scaling_type != "longrope":
-            return self._table(compute_inv_freq(self.rope, self.head_dim), device)
+            table = self._table(compute_inv_freq(self.rope, self.head_dim), device)
+            return table * self.rope.attention_factor if self.rope.scaling_type == "yarn" else table
         short = self._table(compute_inv_freq(self.rope, self.head_dim), device)
         long = self._table(compute_inv_freq(self.rope, self.head_dim, long=True), device)
         return torch.cat((short, long)) * self.rope.attention_factor

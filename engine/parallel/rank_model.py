@@ -46,7 +46,7 @@ class RankModel:
     dtype: torch.dtype
     max_model_len: int
     model: CausalLM  # this rank's shard of the weights
-    # [num_layers, 2, num_blocks, block_size, shard.num_kv_heads, head_dim]; num_blocks is the
+    # [num_layers, kv_planes, num_blocks, block_size, shard.num_kv_heads, head_dim]; num_blocks is the
     # same on every rank
     kv_cache: torch.Tensor
     attn_backend: AttentionBackend
@@ -148,6 +148,7 @@ def build_rank_model(
         head_dim=model_config.head_dim,
         block_size=cache.block_size,
         dtype=dtype,
+        kv_planes=model_config.kv_planes,
     )
     # decode steps of these batch sizes (rows: a token each, drafts included) replay CUDA
     # graphs; eager ones are sized alike
@@ -165,8 +166,9 @@ def build_rank_model(
     graph_batch_sizes = None  # decode steps run eagerly
     # Under tensor parallelism every step runs eagerly: a graph replay would skip the step
     # mirror's broadcast of the inputs, and the followers would not run the same forward. So
-    # do a mixture-of-experts model's: its experts run over host-side counts of their tokens.
-    graphable = size == 1 and model_config.moe is None
+    # do a mixture-of-experts model's: its experts run over host-side counts of their tokens;
+    # and a latent-attention model's, whose attention has no graph-sized kernels yet.
+    graphable = size == 1 and model_config.moe is None and model_config.mla is None
     if graphable and use_decode_graphs(load.enforce_eager, device, attn_backend.name):
         graph_batch_sizes = padded_batch_sizes
     # a step samples a row per sequence, and with drafts a row per draft besides
@@ -192,7 +194,7 @@ def build_rank_model(
     num_blocks = num_kv_blocks(cache.budget, layout, device, activation_bytes)
     if group is not None:  # each rank measured its own memory; the cache is what all can hold
         num_blocks = group.min_int(num_blocks)
-    # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
     kv_cache = torch.zeros(layout.shape(num_blocks), dtype=dtype, device=device)
     decode_graphs = None
     if graph_batch_sizes is not None:

@@ -39,8 +39,15 @@ class PagedRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
+        shape = (
+            config.num_layers,
+            config.kv_planes,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+        )
         self.kv_cache = torch.zeros(shape, dtype=dtype)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)

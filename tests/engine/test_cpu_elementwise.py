@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from engine import LLM
 from engine.kernels.cpu import elementwise as cpu_kernels
-from engine.models.llama import RMSNorm
+from engine.models.rms_norm import RMSNorm
 from engine.models.rope import apply_rotary
 from tests.engine.test_parity import engine_tokens, make_prompts, reference
 

@@ -45,13 +45,19 @@ def test_v5_saved_config_round_trips(tmp_path: Path, architecture: str) -> None:
     tiny_hf_config(architecture).save_pretrained(str(tmp_path))
     config = load_model_config(tmp_path)
     assert config.architecture == architecture
-    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
+    latent = architecture.startswith("Deepseek")
+    # latent attention caches one entry per token: the latent (32) and the rope key (8)
+    heads = (4, 1, 40) if latent else (4, 2, 16)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == heads
+    assert (config.mla is not None, config.kv_planes) == ((True, 1) if latent else (False, 2))
     theta = 1e6 if architecture == "MixtralForCausalLM" else 10000.0  # transformers' defaults
-    scaling = "longrope" if architecture == "Phi3ForCausalLM" else "default"  # the tiny config's
-    assert config.rope.theta == theta and config.rope.scaling_type == scaling
+    scaling = {"Phi3ForCausalLM": "longrope", "DeepseekV3ForCausalLM": "yarn"}  # the tiny configs'
+    assert config.rope.theta == theta
+    assert config.rope.scaling_type == scaling.get(architecture, "default")
     assert config.qkv_bias == architecture.startswith("Qwen2")
     assert config.qk_norm == architecture.startswith("Qwen3")
-    assert (config.moe is not None) == ("Moe" in architecture or "Mixtral" in architecture)
+    sparse = "Moe" in architecture or "Mixtral" in architecture or latent
+    assert (config.moe is not None) == sparse
     assert config.eos_token_ids == (2,) and config.bos_token_id == 1
 
 
@@ -77,8 +83,8 @@ def test_v5_rope_parameters() -> None:
 
 
 def test_unsupported_rope_type_is_refused() -> None:
-    with pytest.raises(ValueError, match="yarn.*default, linear, llama3"):
-        parse_model_config(_raw(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="dynamic.*default, linear, llama3, longrope, yarn"):
+        parse_model_config(_raw(rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
 
 
 def test_eos_ids_merge_config_and_generation_config(tmp_path: Path) -> None:

@@ -29,6 +29,18 @@ from tests.fixtures.tiny_models import make_tiny_model
 CPU = torch.device("cpu")
 
 
+def _softmax_top_k(num_experts: int, top_k: int, normalize: bool) -> MoeConfig:
+    """Mixtral's and Qwen's router: the top k of a softmax."""
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_token=top_k,
+        expert_intermediate_size=8,
+        normalize_top_k=normalize,
+        sparse_layers=(0,),
+        shared_expert_intermediate_size=0,
+    )
+
+
 def _raw(architecture: str, **overrides: Any) -> dict[str, Any]:
     raw: dict[str, Any] = {
         "architectures": [architecture],
@@ -125,7 +137,7 @@ def test_tokens_grouped_by_expert_equal_each_token_through_its_experts(
         experts.gate_up_proj.normal_(0, 0.3)
         experts.down_proj.normal_(0, 0.3)
         x = torch.randn(num_tokens, 16)
-        weights, ids = route(torch.randn(num_tokens, 6), top_k, normalize=top_k > 1)
+        weights, ids = route(torch.randn(num_tokens, 6), _softmax_top_k(6, top_k, top_k > 1))
         out, counts = experts(x, weights, ids)
     reference = _per_token_reference(experts, x, weights, ids)
     torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
@@ -135,11 +147,11 @@ def test_tokens_grouped_by_expert_equal_each_token_through_its_experts(
 
 def test_routing_takes_the_top_k_of_the_softmax() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
-    weights, ids = route(logits, 2, normalize=False)
+    weights, ids = route(logits, _softmax_top_k(4, 2, normalize=False))
     probs = torch.softmax(logits, dim=-1)[0]
     assert ids.tolist() == [[1, 2]]
     torch.testing.assert_close(weights[0], probs[[1, 2]])
-    renormalised, _ = route(logits, 2, normalize=True)
+    renormalised, _ = route(logits, _softmax_top_k(4, 2, normalize=True))
     torch.testing.assert_close(renormalised[0], probs[[1, 2]] / probs[[1, 2]].sum())
 
 

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 import engine.model_loader
-from engine.attention.layer import Attention
+from engine.attention.layer import Attention, LatentCacheAttention
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model
 from engine.models.llama import LlamaForCausalLM
@@ -33,6 +33,14 @@ ATOL = 1e-4
 CPU = torch.device("cpu")
 PROMPT_LENGTHS = (17, 9, 23)
 ROW_PARALLEL = ("o_proj", "down_proj")
+# besides norms, whole on every rank: routers, and latent attention's down projections
+REPLICATED = (
+    ".mlp.gate.weight",
+    ".mlp.gate.e_score_correction_bias",
+    ".shared_expert_gate.weight",
+    ".q_a_proj.weight",
+    ".kv_a_proj_with_mqa.weight",
+)
 Backend = Literal["torch", "onednn"]
 
 
@@ -160,7 +168,9 @@ def _rank_case(
         "bytes_read": bytes_read,
         "shard": model.shard,
         "kv_heads_in_attention": [
-            m.num_kv_heads for m in model.modules() if isinstance(m, Attention)
+            m.num_kv_heads
+            for m in model.modules()
+            if isinstance(m, (Attention, LatentCacheAttention))
         ],
     }
 
@@ -169,14 +179,15 @@ def _expected_bytes(whole: LlamaForCausalLM, shard: TensorParallelShard) -> tupl
     """What a rank holds and what it reads of ``whole``'s tensors: 1/N of each sharded one;
     norms and MoE routers whole (each expert's columns split like a dense MLP's); row-parallel
     biases whole (zeros off rank 0, not read there); its KV heads'
-    rows (one head each where heads are replicated); its vocab rows, padding not read."""
+    rows (one head each where heads are replicated); its vocab rows, padding not read. Latent
+    attention's down projections are whole on every rank (the latent cache is replicated)."""
     config = whole.config
     held = read = 0
     for name, param in whole.named_parameters():
         num_bytes = param.numel() * param.element_size()
         row_bytes = num_bytes // param.shape[0]
-        if "norm" in name or name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")):
-            held, read = held + num_bytes, read + num_bytes  # norms and routers: replicated
+        if "norm" in name or name.endswith(REPLICATED):
+            held, read = held + num_bytes, read + num_bytes  # norms, routers, MLA's down proj.
         elif name.endswith(".bias") and any(f".{m}." in name for m in ROW_PARALLEL):
             held, read = held + num_bytes, read + (num_bytes if shard.rank == 0 else 0)
         elif "embed_tokens" in name or "lm_head" in name:

@@ -19,7 +19,7 @@ from engine.kernels import elementwise as triton_kernels
 from engine.kernels.cpu import elementwise as cpu_kernels
 from engine.models import fused_ops
 from engine.models.fused_ops import torch_silu_and_mul
-from engine.models.llama import torch_rms_norm
+from engine.models.rms_norm import torch_rms_norm
 from engine.models.rope import apply_rotary
 from tests.engine.test_parity import engine_tokens, make_prompts, reference
 

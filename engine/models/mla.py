@@ -1,0 +1,137 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), the self-attention of their decoder layers.
+
+Each token's keys and values for every head come from one latent vector: ``kv_a_proj_with_mqa``
+projects the hidden state down to the latent (``kv_lora_rank``, then RMS-normed) and a rotary
+key part (``qk_rope_head_dim``) every head shares; ``kv_b_proj`` would project the latent up
+to each head's non-rotary key (``qk_nope_head_dim``) and its value (``v_head_dim``). The KV
+cache holds only the latent and the rotary key, one entry per token and layer.
+
+Attention runs in the absorbed form for every token (prompt chunks and decode alike): a head's
+non-rotary query is multiplied by its key up-projection (W_UK, rows of ``kv_b_proj``) into the
+latent space, so it scores the cached latent directly; with its rotary part appended it scores
+a whole entry, and the heads share one KV head (MQA, ``LatentCacheAttention``). The weighted
+sum of latents comes back through the head's value up-projection (W_UV) before ``o_proj``. No
+per-head key or value is ever materialised. Transformers computes the same numbers the other
+way round (up-projecting the cached latents); the two agree up to float rounding.
+
+The query has its own low-rank bottleneck where ``q_lora_rank`` is set (``q_a_proj``, an
+RMSNorm, ``q_b_proj``), else one ``q_proj``. The two small norms use epsilon 1e-6, as
+transformers builds them whatever ``rms_norm_eps`` says.
+
+Tensor parallelism: a rank computes its query heads (the rows of ``q_proj``/``q_b_proj`` and of
+``kv_b_proj`` for those heads, the columns of ``o_proj``, one all-reduce after it). The down
+projections, their norms and so the latent cache are the same on every rank (the cache's one
+KV head is replicated, as the sharding does for any model with fewer KV heads than ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.layer import LatentCacheAttention
+from engine.model_config import ModelConfig
+from engine.models.rms_norm import RMSNorm
+from engine.models.rope import apply_rotary
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.shard import TensorParallelShard
+
+SMALL_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's epsilon, as transformers has it
+
+
+class UpProjection(nn.Module):
+    """The latent's up projection to each head's non-rotary key, then its value (rows per
+    head: ``qk_nope_head_dim`` then ``v_head_dim``). Only ever absorbed into the query and the
+    output, never applied as a layer; not an ``nn.Linear``, so no linear backend repacks it."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+
+class LatentAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        shard: TensorParallelShard,
+        group: TensorParallelGroup,
+    ) -> None:
+        super().__init__()
+        mla = config.mla
+        if mla is None:
+            raise ValueError(f"{config.architecture} has no latent attention (ModelConfig.mla)")
+        self.mla = mla
+        self.num_heads = len(shard.q_heads)
+        hidden, heads = config.hidden_size, self.num_heads
+        self.q_proj: nn.Linear | None = None
+        self.q_a_proj: nn.Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: nn.Linear | None = None
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * mla.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, SMALL_NORM_EPS)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_width, bias=False)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, SMALL_NORM_EPS)
+        self.kv_b_proj = UpProjection(
+            heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank
+        )
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=False)
+        self.attn = LatentCacheAttention(
+            layer_idx, heads, scale=mla.softmax_scale, value_dim=mla.kv_lora_rank
+        )
+        self.group = group
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, 1, qk_rope_head_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, qk_rope_head_dim // 2]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        mla, heads = self.mla, self.num_heads
+        num_tokens = hidden.shape[0]
+        query = self._query(hidden).view(num_tokens, heads, mla.qk_head_dim)
+        q_nope, q_rope = query.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden).split(
+            [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1
+        )
+        latent = self.kv_a_layernorm(latent.contiguous())  # [num_tokens, kv_lora_rank]
+        q_rope = apply_rotary(q_rope, cos, sin)  # [num_tokens, heads, qk_rope_head_dim]
+        k_rope = apply_rotary(k_rope[:, None], cos, sin)[:, 0]  # [num_tokens, qk_rope_head_dim]
+        entries = torch.cat((latent, k_rope), dim=-1)  # [num_tokens, latent_width]
+        # each head's key and value up-projections: [heads, nope + v, kv_lora_rank]
+        up = self.kv_b_proj.weight.view(heads, -1, mla.kv_lora_rank)
+        key_up, value_up = up.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), key_up)  # [heads, num_tokens, kv_lora_rank]
+        absorbed = torch.cat((q_latent.transpose(0, 1), q_rope), dim=-1)  # [n, heads, width]
+        out_latent = self.attn(absorbed, entries)  # [num_tokens, heads, kv_lora_rank]
+        out = torch.bmm(out_latent.transpose(0, 1), value_up.transpose(1, 2))  # [heads, n, v]
+        out = out.transpose(0, 1).reshape(num_tokens, heads * mla.v_head_dim)
+        return self.group.all_reduce(self.o_proj(out))
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, heads * qk_head_dim]
+        if self.q_proj is not None:
+            return self.q_proj(hidden)
+        assert self.q_a_proj is not None and self.q_a_layernorm is not None
+        assert self.q_b_proj is not None
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+
+    def rope_rows_interleaved_to_halves(self) -> None:
+        """Reorder the rows that make the rotary dims from interleaved pairs (x0, x1), (x2,
+        x3), ... into halves (x0, x2, ...; x1, x3, ...), so the rotate-half rope computes what
+        the checkpoint's interleaved rope did, in the layout transformers caches."""
+        mla = self.mla
+        rope = mla.qk_rope_head_dim
+        order = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+        query_proj = self.q_proj if self.q_proj is not None else self.q_b_proj
+        assert query_proj is not None
+        with torch.no_grad():
+            rows = query_proj.weight.view(self.num_heads, mla.qk_head_dim, -1)
+            rows[:, mla.qk_nope_head_dim :] = rows[:, mla.qk_nope_head_dim :][
+                :, order.to(rows.device)
+            ]
+            kv_rows = self.kv_a_proj_with_mqa.weight
+            kv_rows[mla.kv_lora_rank :] = kv_rows[mla.kv_lora_rank :][order.to(kv_rows.device)]
