@@ -30,6 +30,7 @@ from engine.scheduler import SchedulerConfig
 from kv_transfer import KVChannel, TransferTicket
 from kv_transfer.policy import FailurePolicy, TransferConfig
 from prefill_worker.worker import PrefillWorker
+from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_parity import make_prompts
 from tests.workers.local_peer import LocalDecodePeer, answered
 from tests.workers.output_collector import OutputCollector
@@ -389,8 +390,8 @@ class _CheckingDecodePeer(LocalDecodePeer):
 
 
 def _prompt_slots(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-    blocks = kv_cache[:, :, block_ids]  # [layers, 2, n, block_size, kv_heads, head_dim]
-    slots = blocks.flatten(2, 3)  # [layers, 2, n * block_size, kv_heads, head_dim]
+    blocks = kv_cache[:, :, block_ids]  # [layers, kv_planes, n, block_size, kv_heads, head_dim]
+    slots = blocks.flatten(2, 3)  # [layers, kv_planes, n * block_size, kv_heads, head_dim]
     return slots[:, :, :num_tokens]
 
 
@@ -416,6 +417,31 @@ def test_received_kv_equals_the_prefill_sides_bitwise(
         assert isinstance(pair.peer, _CheckingDecodePeer)
         assert pair.peer.num_checked == len(prompts)
         assert [t.checksum for t in pair.peer.tickets] == [checksum] * len(prompts)
+
+
+def test_a_latent_cache_model_hands_off_its_latent_entries(model_dirs: dict[str, Path]) -> None:
+    """DeepSeek-V3's cache is one latent plane per layer: the channel moves those entries
+    (and nothing else) bitwise, and the split workers' greedy tokens equal transformers'."""
+    model_dir = model_dirs["DeepseekV3ForCausalLM"]
+    transfer = TransferConfig(transport="gloo", timeout_s=10.0)
+    prefill_cache: list[torch.Tensor] = []
+    prompts = make_prompts(seed=28)[:5]
+    with _one_pair(
+        model_dir, transfer, lambda decode: _CheckingDecodePeer(decode, prefill_cache)
+    ) as pair:
+        layout = pair.prefill.layout
+        assert (layout.kv_planes, layout.num_kv_heads, layout.head_dim) == (1, 1, 40)
+        assert layout.moved_block_nbytes == layout.num_layers * 8 * 40 * 4  # layers x tokens
+        prefill_cache.append(pair.prefill.engine.kv_cache)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=6)
+            pair.prefill.submit(GenerateRequest(f"m{i}", prompt, params, GATEWAY), "d0")
+        pair.collector.wait_finished([(f"m{i}", 0) for i in range(len(prompts))])
+        assert not pair.collector.failures
+        assert isinstance(pair.peer, _CheckingDecodePeer)
+        assert pair.peer.num_checked == len(prompts)
+        outputs = [pair.collector.output(f"m{i}") for i in range(len(prompts))]
+    assert outputs == [hf_greedy(model_dir, prompt, 6) for prompt in prompts]
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
