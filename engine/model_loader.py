@@ -307,10 +307,16 @@ def _our_name(name: str, config: ModelConfig) -> str:
     return name
 
 
+_BEYOND_THE_LAYERS = re.compile(r"model\.layers\.(\d+)\.")
+
+
 def _is_ignored(name: str, config: ModelConfig) -> bool:
     """Checkpoint tensors we know and do not need."""
     if name.endswith("rotary_emb.inv_freq"):
         return True  # older checkpoints store the rope buffer; we recompute it
+    layer = _BEYOND_THE_LAYERS.match(name)
+    if layer is not None and config.mla is not None and int(layer[1]) >= config.num_layers:
+        return True  # DeepSeek-V3's multi-token-prediction layer, skipped as transformers does
     return name == "lm_head.weight" and config.tie_word_embeddings
 
 

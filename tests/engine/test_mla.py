@@ -10,11 +10,13 @@ cache between workers in tests/workers/test_local_pd.py.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
@@ -198,3 +200,28 @@ def test_a_latent_cache_is_a_fraction_of_a_multi_head_one() -> None:
     assert (config.head_dim, config.kv_planes) == (576, 1)
     assert latent.bytes_per_block == config.num_layers * 16 * 576 * 2
     assert heads.bytes_per_block / latent.bytes_per_block == pytest.approx(128 * 2 * 192 / 576)
+
+
+def test_the_multi_token_prediction_layer_is_skipped_at_load(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """DeepSeek-V3 publishes a layer past num_hidden_layers for speculative decoding; it is
+    not part of the model transformers runs, and loads as nothing (other tensors of no layer
+    of the model are still refused)."""
+    source = model_dirs[V3]
+    shutil.copytree(source, tmp_path / "mtp")
+    tensors = load_file(source / "model.safetensors")
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.2.enorm.weight"] = torch.ones(64)
+    save_file(tensors, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
+    config = load_model_config(tmp_path / "mtp")
+    with_mtp = load_model(tmp_path / "mtp", config, torch.float32, CPU)
+    without = load_model(source, config, torch.float32, CPU)
+    for (name, ours), (_, theirs) in zip(
+        with_mtp.named_parameters(), without.named_parameters(), strict=True
+    ):
+        assert torch.equal(ours, theirs), name
+    tensors["model.layers.1.self_attn.extra.weight"] = torch.zeros(4)
+    save_file(tensors, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected tensors.*self_attn.extra"):
+        load_model(tmp_path / "mtp", config, torch.float32, CPU)
