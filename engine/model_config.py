@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -44,6 +45,7 @@ _ARCH_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # transformers' defaults when config.json omits the key
 _DEFAULT_MAX_POSITIONS = {
@@ -57,10 +59,11 @@ _DEFAULT_MAX_POSITIONS = {
     "Phi3ForCausalLM": 4096,
     "DeepseekV2ForCausalLM": 2048,
     "DeepseekV3ForCausalLM": 4096,
+    "Gemma3ForCausalLM": 131072,
 }
 # transformers' rope base and norm epsilon when config.json gives none (10000 and 1e-6 for the
 # others)
-_DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6}
+_DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6, "Gemma3ForCausalLM": 1e6}
 _DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 # transformers' defaults for the sparse MLP's keys, per architecture
@@ -219,6 +222,18 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     mla: MlaConfig | None = None  # latent attention (DeepSeek); None: multi-head attention
+    # Gemma's choices (the defaults are everyone else's):
+    activation: str = "silu"  # of the gated MLP: "silu" | "gelu_tanh"
+    # norms scale by (offset + weight), in float32 throughout (Gemma: 1, its weights start at 0)
+    norm_weight_offset: float = 0.0
+    # norms also after the attention and the MLP (before their residual adds), and the MLP's
+    # input norm is its own (pre_feedforward_layernorm) rather than post_attention_layernorm
+    sandwich_norms: bool = False
+    embedding_multiplier: float = 1.0  # the embeddings are scaled by this (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # the sliding-window layers' rope where it differs from the others' (Gemma 3's local base)
+    local_rope: RopeConfig | None = None
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     @property
     def kv_planes(self) -> int:
@@ -258,7 +273,12 @@ def parse_model_config(
     num_heads = int(raw["num_attention_heads"])
     max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[architecture])
     _check_unsupported_features(raw, architecture)
-    rope = _parse_rope(raw, max_positions, _DEFAULT_ROPE_THETA.get(architecture, 10000.0))
+    gemma = architecture == "Gemma3ForCausalLM"
+    if gemma:
+        rope, local_rope = _gemma3_ropes(raw, max_positions)
+    else:
+        rope = _parse_rope(raw, max_positions, _DEFAULT_ROPE_THETA.get(architecture, 10000.0))
+        local_rope = None
     mla = _parse_mla(raw, rope) if architecture in _DEEPSEEK else None
     if mla is not None:  # the cache holds one latent entry per token, shared by the heads
         num_kv_heads, head_dim = 1, mla.latent_width
@@ -283,12 +303,12 @@ def parse_model_config(
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(architecture, 1e-6))),
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         # Qwen2's q/k/v always have a bias; Qwen2-MoE's follow its qkv_bias key (default on)
         qkv_bias=bool(raw.get("qkv_bias", True)) if is_qwen2_moe else is_qwen2 or attention_bias,
         o_proj_bias=not is_qwen2 and attention_bias,
         mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         rope=rope,
         eos_token_ids=_eos_token_ids(raw, generation or {}),
         bos_token_id=_optional_int(raw.get("bos_token_id")),
@@ -297,6 +317,13 @@ def parse_model_config(
         sliding_window=sliding_window,
         sliding_layers=sliding_layers,
         mla=mla,
+        activation="gelu_tanh" if gemma else "silu",
+        norm_weight_offset=1.0 if gemma else 0.0,
+        sandwich_norms=gemma,
+        embedding_multiplier=math.sqrt(hidden_size) if gemma else 1.0,
+        attention_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        local_rope=local_rope,
+        final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
     )
 
 
@@ -465,9 +492,20 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _check_unsupported_features(raw: dict[str, Any], architecture: str) -> None:
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+    if architecture == "Gemma3ForCausalLM":
+        activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(
+                f"unsupported hidden_activation {activation!r}: Gemma 3 runs 'gelu_pytorch_tanh'"
+            )
+        if raw.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention true is not supported (a decoder only)")
+        if raw.get("attention_bias"):
+            raise ValueError("attention_bias true is not supported for Gemma 3")
+    else:
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
     if architecture in _DEEPSEEK and raw.get("attention_bias", False):
         raise ValueError("attention_bias true is not supported for DeepSeek's latent attention")
 
@@ -483,6 +521,15 @@ def _sliding_layers(
         window = raw.get("sliding_window")
     elif architecture == "MistralForCausalLM":
         window = raw.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
+    elif architecture == "Gemma3ForCausalLM":  # 5 local layers to 1 global unless listed
+        window = raw.get("sliding_window", 4096)
+        layer_types = raw.get("layer_types")
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        sliding = (
+            [kind == "sliding_attention" for kind in layer_types]
+            if layer_types
+            else [(i + 1) % pattern != 0 for i in range(num_layers)]
+        )
     elif raw.get("use_sliding_window", False):  # the Qwen families
         window = raw.get("sliding_window", 4096)
         max_window_layers = int(raw.get("max_window_layers", 28))
@@ -537,6 +584,27 @@ def _parse_rope(raw: dict[str, Any], max_positions: int, default_theta: float) -
     if scaling_type == "yarn":
         return _yarn(rope, params, max_positions)
     return rope
+
+
+def _gemma3_ropes(raw: dict[str, Any], max_positions: int) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's two ropes: the global layers' (base 1e6 and any scaling) and the sliding
+    layers' (base 10000, unscaled), from transformers-v5 ``rope_parameters`` per layer type or
+    the older ``rope_theta``, ``rope_scaling`` and ``rope_local_base_freq``."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = {**(raw.get("rope_scaling") or {}), **params}
+        full.setdefault("rope_theta", raw.get("rope_theta", 1e6))
+        local = {"rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", 1e6)
+    local.setdefault("rope_theta", 10000.0)
+    outside = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
+    return (
+        _parse_rope({**outside, "rope_parameters": full}, max_positions, 1e6),
+        _parse_rope({**outside, "rope_parameters": local}, max_positions, 10000.0),
+    )
 
 
 def _yarn(rope: RopeConfig, params: dict[str, Any], max_positions: int) -> RopeConfig:
@@ -600,3 +668,7 @@ def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int
 
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -376,15 +376,21 @@ def _copy(part: torch.Tensor | None, target: _Target) -> None:
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    """Normal(0, 0.02) weights from a seeded generator; norm weights 1."""
+    """Normal(0, 0.02) weights from a seeded generator; norms that scale by 1."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    norm_weights = _unit_norm_weights(model)
     for param in model.parameters():
         if id(param) in norm_weights:
-            param.fill_(1.0)
+            param.fill_(norm_weights[id(param)])
         else:
             param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
+
+
+def _unit_norm_weights(model: LlamaForCausalLM) -> dict[int, float]:
+    """id of each norm's weight -> the value that makes the norm scale by 1 (1, or 0 where it
+    scales by 1 + weight)."""
+    return {id(m.weight): 1.0 - m.offset for m in model.modules() if isinstance(m, RMSNorm)}
 
 
 def _init_dummy_sharded(model: LlamaForCausalLM, seed: int) -> None:
@@ -396,12 +402,12 @@ def _init_dummy_sharded(model: LlamaForCausalLM, seed: int) -> None:
     dtype = next(model.parameters()).dtype
     with torch.device("meta"):
         whole = get_model_class(model.config.architecture)(model.config).to(dtype=dtype)
-    norm_weights = {id(m.weight) for m in whole.modules() if isinstance(m, RMSNorm)}
+    norm_weights = _unit_norm_weights(whole)
     targets = _load_targets(model)
     for name, meta_param in whole.named_parameters():
         tensor = torch.empty(meta_param.shape, dtype=meta_param.dtype, device=device)
         if id(meta_param) in norm_weights:
-            tensor.fill_(1.0)
+            tensor.fill_(norm_weights[id(meta_param)])
         else:
             tensor.normal_(0.0, DUMMY_INIT_STD, generator=generator)
         for part_name, part in _checkpoint_parts(name, tensor, model.config):

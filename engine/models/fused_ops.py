@@ -49,3 +49,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
     if kernels is not None:
         return kernels.silu_and_mul(gate_up)
     return torch_silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
+    """GELU(gate) with the tanh approximation, times up (Gemma's MLP), in torch."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

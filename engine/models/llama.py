@@ -28,10 +28,10 @@ from torch import nn
 
 from engine.attention.layer import Attention
 from engine.model_config import ModelConfig
-from engine.models.fused_ops import kernels_for, silu_and_mul
+from engine.models.fused_ops import gelu_tanh_and_mul, kernels_for, silu_and_mul
 from engine.models.mla import LatentAttention
 from engine.models.moe import SparseMoeBlock
-from engine.models.rms_norm import RMSNorm
+from engine.models.rms_norm import RMSNorm, rms_norm_for
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.parallel.group import SingleRank, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
@@ -47,11 +47,12 @@ class GatedMLP(nn.Module):
         intermediate = len(shard.intermediate)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=config.mlp_bias)
         self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=config.mlp_bias)
+        self.act_and_mul = gelu_tanh_and_mul if config.activation == "gelu_tanh" else silu_and_mul
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate on this rank]
-        return self.group.all_reduce(self.down_proj(silu_and_mul(gate_up)))
+        return self.group.all_reduce(self.down_proj(self.act_and_mul(gate_up)))
 
 
 class SelfAttention(nn.Module):
@@ -74,14 +75,15 @@ class SelfAttention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = rms_norm_for(config, config.head_dim) if config.qk_norm else None
+        self.k_norm = rms_norm_for(config, config.head_dim) if config.qk_norm else None
+        scale = config.attention_scale
         self.attn = Attention(
             layer_idx,
             self.num_heads,
             self.num_kv_heads,
             config.head_dim,
-            scale=config.head_dim**-0.5,
+            scale=scale if scale is not None else config.head_dim**-0.5,
             sliding_window=config.sliding_window if layer_idx in config.sliding_layers else None,
         )
         self.group = group
@@ -116,19 +118,29 @@ class DecoderLayer(nn.Module):
         group: TensorParallelGroup,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = rms_norm_for(config, config.hidden_size)
         self.self_attn: SelfAttention | LatentAttention = (
             LatentAttention(config, layer_idx, shard, group)
             if config.mla is not None
             else SelfAttention(config, layer_idx, shard, group)
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm_for(config, config.hidden_size)
         self.mlp = _layer_mlp(config, layer_idx, shard, group)
+        # Gemma's sandwich: post_attention_layernorm closes the attention, these two the MLP
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = rms_norm_for(config, config.hidden_size)
+            self.post_feedforward_layernorm = rms_norm_for(config, config.hidden_size)
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         attended = self.self_attn(self.input_layernorm(hidden), cos, sin)
+        pre_mlp, post_mlp = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if pre_mlp is not None and post_mlp is not None:
+            hidden = hidden + self.post_attention_layernorm(attended)
+            return hidden + post_mlp(self.mlp(pre_mlp(hidden)))
         kernels = kernels_for(hidden)
         if kernels is not None:  # the residual add and the norm in one pass
             norm = self.post_attention_layernorm
@@ -181,10 +193,18 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, shard, group) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = rms_norm_for(config, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             config.rope_dim, config.max_position_embeddings, config.rope
         )
+        # Gemma 3: the sliding layers turn by their own rope
+        self.local_rotary_emb: RotaryEmbedding | None = None
+        if config.local_rope is not None:
+            self.local_rotary_emb = RotaryEmbedding(
+                config.rope_dim, config.max_position_embeddings, config.local_rope
+            )
+        self.local_layers = frozenset(config.sliding_layers if config.local_rope else ())
+        self.embedding_multiplier = config.embedding_multiplier
 
     def forward(
         self,
@@ -192,9 +212,14 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if self.embedding_multiplier != 1.0:  # the scale in the model's dtype, as transformers
+            hidden = hidden * torch.tensor(self.embedding_multiplier, dtype=hidden.dtype)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
+        local = cos, sin
+        if self.local_rotary_emb is not None:
+            local = self.local_rotary_emb(positions, hidden.dtype)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, *(local if index in self.local_layers else (cos, sin)))
         return self.norm(hidden)
 
 
@@ -243,7 +268,9 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight)  # [n, vocab_rows]
         else:
             logits = self.lm_head(hidden)
-        if self.group.size == 1:
-            return logits.float()
-        gathered = self.group.all_gather(logits)  # [n, size * vocab_rows], padding rows last
-        return gathered[:, : self.config.vocab_size].float().contiguous()
+        if self.group.size > 1:  # [n, size * vocab_rows], padding rows last
+            logits = self.group.all_gather(logits)[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # in the model's dtype, as transformers caps them
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float().contiguous()

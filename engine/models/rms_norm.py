@@ -1,10 +1,12 @@
-"""RMSNorm, fused where a kernel takes the tensor (fused_ops.py), else in torch."""
+"""RMSNorm, fused where a kernel takes the tensor (fused_ops.py), else in torch; and Gemma's,
+which scales by (1 + weight) in float32 throughout."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.model_config import ModelConfig
 from engine.models.fused_ops import kernels_for
 
 
@@ -18,6 +20,8 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, fused where a kernel takes the tensor, else torch_rms_norm."""
 
+    offset = 0.0  # the norm scales by offset + weight
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -28,3 +32,24 @@ class RMSNorm(nn.Module):
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps)
         return torch_rms_norm(x, self.weight, self.eps)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: normalised in float32, scaled by (offset + weight) in float32, then cast
+    back (transformers' Gemma3RMSNorm order); torch only."""
+
+    def __init__(self, dim: int, eps: float, offset: float) -> None:
+        super().__init__(dim, eps)
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def rms_norm_for(config: ModelConfig, dim: int) -> RMSNorm:
+    """The model's RMSNorm over ``dim`` (Gemma's where its weights are offsets from 1)."""
+    if config.norm_weight_offset:
+        return OffsetRMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
+    return RMSNorm(dim, config.rms_norm_eps)

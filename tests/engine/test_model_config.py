@@ -50,12 +50,17 @@ def test_v5_saved_config_round_trips(tmp_path: Path, architecture: str) -> None:
     heads = (4, 1, 40) if latent else (4, 2, 16)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == heads
     assert (config.mla is not None, config.kv_planes) == ((True, 1) if latent else (False, 2))
-    theta = 1e6 if architecture == "MixtralForCausalLM" else 10000.0  # transformers' defaults
-    scaling = {"Phi3ForCausalLM": "longrope", "DeepseekV3ForCausalLM": "yarn"}  # the tiny configs'
+    # transformers' defaults, or the tiny configs' (Gemma 3's global layers')
+    theta = 1e6 if architecture in ("MixtralForCausalLM", "Gemma3ForCausalLM") else 10000.0
+    scaling = {
+        "Phi3ForCausalLM": "longrope",
+        "DeepseekV3ForCausalLM": "yarn",
+        "Gemma3ForCausalLM": "linear",
+    }
     assert config.rope.theta == theta
     assert config.rope.scaling_type == scaling.get(architecture, "default")
     assert config.qkv_bias == architecture.startswith("Qwen2")
-    assert config.qk_norm == architecture.startswith("Qwen3")
+    assert config.qk_norm == architecture.startswith(("Qwen3", "Gemma3"))
     sparse = "Moe" in architecture or "Mixtral" in architecture or latent
     assert (config.moe is not None) == sparse
     assert config.eos_token_ids == (2,) and config.bos_token_id == 1

@@ -1,0 +1,119 @@
+"""Gemma 3 (text): its config in both spellings, its norm and its two ropes against
+transformers.
+
+Greedy identity with transformers in every engine mode is in the suites that run every
+architecture of ``tests.conftest.ARCHITECTURES`` (test_parity.py, test_models.py,
+test_async_scheduling.py, test_tp_model.py, test_tp_parity.py), Gemma 3 included.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
+
+from engine.model_config import parse_model_config
+from engine.model_loader import load_model
+from engine.models.rms_norm import OffsetRMSNorm
+from engine.models.rope import RotaryEmbedding
+from tests.fixtures.tiny_models import tiny_hf_config
+
+GEMMA3 = "Gemma3ForCausalLM"
+
+
+def _raw(**overrides: Any) -> dict[str, Any]:
+    return {**tiny_hf_config(GEMMA3).to_dict(), **overrides}
+
+
+def test_config_reads_gemmas_choices() -> None:
+    config = parse_model_config(_raw())
+    assert (config.activation, config.norm_weight_offset, config.sandwich_norms) == (
+        "gelu_tanh",
+        1.0,
+        True,
+    )
+    assert config.embedding_multiplier == math.sqrt(64) and config.qk_norm
+    assert config.attention_scale == 32**-0.5  # query_pre_attn_scalar, not head_dim
+    assert (config.sliding_window, config.sliding_layers) == (24, (0, 2))
+    assert config.rope.theta == 1e6 and config.rope.scaling_type == "linear"
+    assert config.local_rope is not None and config.local_rope.theta == 10000.0
+    assert config.local_rope.scaling_type == "default" and config.final_logit_softcap == 30.0
+
+
+def test_older_config_keys_give_the_same_ropes_and_layers() -> None:
+    """rope_theta, rope_scaling (the global layers') and rope_local_base_freq; every sixth
+    layer global when layer_types is absent."""
+    raw = _raw(
+        rope_parameters=None,
+        rope_theta=5e5,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rope_local_base_freq=20000.0,
+        layer_types=None,
+        num_hidden_layers=12,
+    )
+    config = parse_model_config(raw)
+    assert (config.rope.theta, config.rope.scaling_type, config.rope.factor) == (
+        5e5,
+        "linear",
+        8.0,
+    )
+    assert config.local_rope is not None and config.local_rope.theta == 20000.0
+    assert config.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_activation": "relu"}, "unsupported hidden_activation 'relu'"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_unsupported_gemma_configs_are_refused_naming_the_field(
+    overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_model_config(_raw(**overrides))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_equals_transformers_bitwise(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    ours, reference = OffsetRMSNorm(64, 1e-6, 1.0), hf_gemma3.Gemma3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        reference.weight.normal_(0.0, 0.1)
+        ours.weight.copy_(reference.weight)
+    ours, reference = ours.to(dtype), reference.to(dtype)
+    x = torch.randn(9, 64).to(dtype)
+    assert torch.equal(ours(x), reference(x))
+
+
+def test_both_ropes_equal_transformers() -> None:
+    hf_config = tiny_hf_config(GEMMA3)
+    config = parse_model_config(hf_config.to_dict())
+    reference = hf_gemma3.Gemma3RotaryEmbedding(hf_config)
+    positions = torch.arange(config.max_position_embeddings)
+    assert config.local_rope is not None
+    for rope, layer_type in (
+        (config.rope, "full_attention"),
+        (config.local_rope, "sliding_attention"),
+    ):
+        cos, sin = RotaryEmbedding(config.rope_dim, config.max_position_embeddings, rope)(
+            positions, torch.float32
+        )
+        hf_cos, hf_sin = reference(torch.zeros(1), positions[None], layer_type)
+        half = config.rope_dim // 2
+        torch.testing.assert_close(cos[:, 0], hf_cos[0, :, :half], atol=0, rtol=0)
+        torch.testing.assert_close(sin[:, 0], hf_sin[0, :, :half], atol=0, rtol=0)
+
+
+def test_dummy_weights_make_every_norm_scale_by_one(tmp_path: Any) -> None:
+    tiny_hf_config(GEMMA3).save_pretrained(str(tmp_path))
+    config = parse_model_config(tiny_hf_config(GEMMA3).to_dict())
+    model = load_model(tmp_path, config, torch.float32, torch.device("cpu"), load_format="dummy")
+    norms = [m for m in model.modules() if isinstance(m, OffsetRMSNorm)]
+    assert len(norms) == 1 + 3 * 6  # final; per layer input, q, k, post-attn, pre- and post-MLP
+    assert all(torch.equal(m.weight, torch.zeros_like(m.weight)) for m in norms)
