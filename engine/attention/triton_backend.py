@@ -6,6 +6,12 @@ the flash-decoding kernel over the decode rows (a sequence's rows together when 
 groups them: a decode graph's drafts), each reading the paged cache in place; a
 sliding-window layer's only from where its tokens' windows start.
 
+A latent cache (multi-head latent attention) has its own kernels, in
+engine/kernels/latent_attention.py: ``write_latent`` scatters the entries, ``forward_latent``
+runs the latent prefill kernel over the prefill rows and the latent flash-decoding kernel over
+the decode rows (each row alone: a decode graph's drafts see their own contexts), split as the
+KV decode kernel is, by the same ``DecodeSizing``.
+
 On CPU the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how
 the tests check this backend against the torch reference.
 """
@@ -22,6 +28,12 @@ from engine.attention.per_step import PerStep
 from engine.decode_graphs import padded_batch_size
 from engine.host_to_device import to_device
 from engine.kernels.kv_cache_write import write_kv_cache
+from engine.kernels.latent_attention import (
+    latent_decode_attention,
+    latent_decode_head_blocks,
+    latent_prefill_attention,
+    write_latent_cache,
+)
 from engine.kernels.paged_decode_attention import default_tokens_per_split, paged_decode_attention
 from engine.kernels.paged_prefill_attention import paged_prefill_attention
 
@@ -103,6 +115,62 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if not outputs:
             return torch.empty_like(query)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+    def write_latent(
+        self,
+        cache_layer: torch.Tensor,  # [1, num_blocks, block_size, 1, width]
+        entries: torch.Tensor,  # [num_tokens, width]: each token's latent, then its rotary key
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        write_latent_cache(cache_layer, entries, slot_mapping)
+
+    def forward_latent(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, width]: absorbed into the latent space
+        cache_layer: torch.Tensor,  # [1, num_blocks, block_size, 1, width]
+        metadata: AttentionMetadata,
+        scale: float,
+        value_dim: int,  # the entries' first value_dim elements are the values (the latent)
+    ) -> torch.Tensor:  # [num_tokens, num_heads, value_dim]
+        num_prefill_tokens = metadata.num_prefill_tokens
+        outputs = []
+        if metadata.num_prefill_seqs > 0:
+            index = self._prefill_index.get(
+                metadata, lambda: _prefill_index(metadata, query.device)
+            )
+            outputs.append(
+                latent_prefill_attention(
+                    query[:num_prefill_tokens],
+                    cache_layer,
+                    index.query_start_loc,
+                    index.seq_lens,
+                    metadata.prefill_block_tables,
+                    scale,
+                    value_dim,
+                    index.max_query_len,
+                )
+            )
+        if metadata.num_decode_seqs > 0:
+            num_rows = metadata.num_decode_seqs
+            outputs.append(
+                latent_decode_attention(
+                    query[num_prefill_tokens:],
+                    cache_layer,
+                    metadata.decode_block_tables,
+                    metadata.decode_seq_lens,
+                    scale,
+                    value_dim,
+                    max_seq_len=metadata.max_decode_seq_len,
+                    # a row's head blocks take the place of a sequence's KV heads: the
+                    # programs per row and partition
+                    tokens_per_split=decode_tokens_per_split(
+                        self._decode_sizing, num_rows, latent_decode_head_blocks(query.shape[1])
+                    ),
+                )
+            )
+        if not outputs:
+            return query.new_empty(0, query.shape[1], value_dim)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 

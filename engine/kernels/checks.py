@@ -66,3 +66,48 @@ def require_same_device(
         anchor.device.type != "cpu" or interpreted(),
         "Triton kernels need a GPU; CPU tensors only run with TRITON_INTERPRET=1",
     )
+
+
+def require_prefill_offsets(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+) -> None:
+    """A varlen prefill's index tensors: their shapes, and (on CPU, where reading them costs no
+    sync) their values against query's rows and the block tables."""
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    require(seq_lens.dim() == 1, f"seq_lens must be [num_seqs], got {tuple(seq_lens.shape)}")
+    require(
+        query_start_loc.shape == (num_seqs + 1,),
+        f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}], got {tuple(query_start_loc.shape)}",
+    )
+    require(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+        f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}",
+    )
+    if query.device.type != "cpu":
+        return  # reading the values would sync the GPU on every layer of every step
+    starts: list[int] = query_start_loc.tolist()
+    lens: list[int] = seq_lens.tolist()
+    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    require(
+        starts[0] == 0 and starts[-1] == query.shape[0] and min(query_lens, default=0) >= 0,
+        f"query_start_loc must rise from 0 to query's {query.shape[0]} rows, got {starts}",
+    )
+    require(
+        max_query_len >= max(query_lens, default=0),
+        f"max_query_len {max_query_len} is below the longest query {max(query_lens, default=0)}",
+    )
+    require(
+        all(q_len <= seq_len for q_len, seq_len in zip(query_lens, lens)),
+        f"seq_lens {lens} must be >= each seq's query length {query_lens}",
+    )
+    block_size = kv_cache_layer.shape[2]
+    needed = -(-max(lens, default=0) // block_size)
+    require(
+        block_tables.shape[1] >= needed,
+        f"block_tables has {block_tables.shape[1]} columns, seq_lens need {needed}",
+    )

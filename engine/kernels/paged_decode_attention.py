@@ -23,7 +23,7 @@ Flash-decoding, two kernels:
    window, the walk starts at the tile of the group's first row's window start, and neither
    the block-table entries nor the blocks before that start are read (they may be freed); a
    partition wholly before it is written empty.
-2. ``_merge_partitions_kernel``, grid ``(num_rows, num_heads)``: the log-sum-exp merge of the
+2. ``merge_partitions_kernel``, grid ``(num_rows, num_heads)``: the log-sum-exp merge of the
    row's non-empty partitions into the output, in the query's dtype, one partition after
    another, from the one holding the row's window start: a row's bits depend on the partition
    size, never on how many partitions the grid has (``default_tokens_per_split`` keeps the
@@ -196,7 +196,7 @@ def _decode_partition_kernel(
 
 
 @triton.jit
-def _merge_partitions_kernel(
+def merge_partitions_kernel(
     out_ptr,  # [num_rows, num_heads, head_dim]
     part_out_ptr,  # [num_rows, num_heads, NUM_SPLITS, head_dim] f32
     part_max_ptr,  # [num_rows, num_heads, NUM_SPLITS] f32
@@ -384,7 +384,7 @@ def paged_decode_attention(
         num_warps=tiling.num_warps,
     )
     if num_splits > 1:
-        _merge_partitions_kernel[(num_rows, num_heads)](
+        merge_partitions_kernel[(num_rows, num_heads)](
             out,
             part_out,
             part_max,

@@ -14,6 +14,7 @@ their numbers, which the interpreter and the ``gpu`` tests check.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from triton.compiler import ASTSource
 from engine.kernels import (
     elementwise,
     kv_cache_write,
+    latent_attention,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -259,9 +261,9 @@ def _block_copy(shape: ModelShape, dtype: torch.dtype, num_blocks: int) -> Calla
     )
 
 
-def cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
-    """(label, kernel module, wrapper call) for the launches a GPU engine makes: every model
-    shape in bfloat16 (what GPUs serve), and the first in float16 and float32 too."""
+def paged_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
+    """(label, kernel module, wrapper call) for the launches a GPU engine makes for K/V caches:
+    every model shape in bfloat16 (what GPUs serve), and the first in float16 and float32 too."""
     for index, shape in enumerate(SHAPES):
         dtypes = (torch.bfloat16, torch.float16, torch.float32) if index == 0 else (torch.bfloat16,)
         for dtype in dtypes:
@@ -283,6 +285,59 @@ def cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
             yield f"kv block copy {tag}", block_copy, _block_copy(shape, dtype, 512)
 
 
+LATENT_WIDTH, LATENT_VALUE_DIM = 576, 512  # DeepSeek-V3's entries: a latent of 512, rope 64
+
+
+def _latent_cache(dtype: torch.dtype) -> torch.Tensor:
+    return _meta(1, 4096, 16, 1, LATENT_WIDTH, dtype=dtype)
+
+
+def _latent_decode(dtype: torch.dtype, num_heads: int, num_rows: int) -> Callable[[], object]:
+    return lambda: latent_attention.latent_decode_attention(
+        _meta(num_rows, num_heads, LATENT_WIDTH, dtype=dtype),
+        _latent_cache(dtype),
+        _meta(num_rows, 64, dtype=torch.int64),
+        _meta(num_rows, dtype=torch.int64),
+        0.1,
+        LATENT_VALUE_DIM,
+        max_seq_len=1024,
+    )
+
+
+def _latent_prefill(dtype: torch.dtype, num_heads: int) -> Callable[[], object]:
+    return lambda: latent_attention.latent_prefill_attention(
+        _meta(1024, num_heads, LATENT_WIDTH, dtype=dtype),
+        _latent_cache(dtype),
+        _meta(2, dtype=torch.int32),
+        _meta(1, dtype=torch.int32),
+        _meta(1, 64, dtype=torch.int64),
+        0.1,
+        LATENT_VALUE_DIM,
+        max_query_len=1024,
+    )
+
+
+def _latent_write(dtype: torch.dtype) -> Callable[[], object]:
+    return lambda: latent_attention.write_latent_cache(
+        _latent_cache(dtype), _meta(64, LATENT_WIDTH, dtype=dtype), _meta(64, dtype=torch.int64)
+    )
+
+
+def latent_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
+    """(label, kernel module, wrapper call) for the latent-attention launches: DeepSeek-V3 with all 128 heads on one rank and 16
+    (eight ranks) in bfloat16, and the 16 in float16 and float32 too; the index dtypes are the
+    Triton backend's."""
+    module = latent_attention
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for num_heads in (128, 16) if dtype == torch.bfloat16 else (16,):
+            tag = f"deepseek-v3 {num_heads} heads {str(dtype).removeprefix('torch.')}"
+            for num_rows in (1, 64):  # batch 1 at 1k splits the context; batch 64 does not
+                call = _latent_decode(dtype, num_heads, num_rows)
+                yield f"latent decode {tag} batch {num_rows}", module, call
+            yield f"latent prefill {tag}", module, _latent_prefill(dtype, num_heads)
+        yield f"latent write {str(dtype).removeprefix('torch.')}", module, _latent_write(dtype)
+
+
 def _launch_key(launch: Launch) -> tuple[Any, ...]:
     """What Triton compiles a launch by: the kernel, argument types and constexpr values."""
     types = tuple(
@@ -292,12 +347,27 @@ def _launch_key(launch: Launch) -> tuple[Any, ...]:
     return (launch.kernel.fn.__name__, types, tuple(sorted(launch.kwargs.items())))
 
 
-def main() -> int:
+CASE_GROUPS: dict[str, Callable[[], Iterator[tuple[str, ModuleType, Callable[[], object]]]]] = {
+    "paged": paged_cases,
+    "latent": latent_cases,
+}
+
+
+def cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
+    """Every group's launches."""
+    for group in CASE_GROUPS.values():
+        yield from group()
+
+
+def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: the interpreter replaces the kernels", file=sys.stderr)
         return 2
+    parser = argparse.ArgumentParser(description="compile the engine's kernels for sm_90")
+    parser.add_argument("--group", choices=sorted(CASE_GROUPS), default=None, help="default: all")
+    group = parser.parse_args(argv).group
     seen: set[tuple[Any, ...]] = set()
-    for label, module, call in cases():
+    for label, module, call in CASE_GROUPS[group]() if group else cases():
         for launch in record_launches(module, call):
             key = _launch_key(launch)
             if key in seen:

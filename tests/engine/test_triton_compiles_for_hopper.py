@@ -42,16 +42,23 @@ def compiled() -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, said aloud to silence its warning
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.engine.sm90_compile"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return [json.loads(line) for line in run.stdout.splitlines()]
+    # the two groups of cases side by side (compiling takes a core each)
+    commands = [
+        [sys.executable, "-m", "tests.engine.sm90_compile", "--group", group]
+        for group in ("paged", "latent")
+    ]
+    runs = [
+        subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for command in commands
+    ]
+    results = []
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=600)
+        assert run.returncode == 0, stderr[-4000:]
+        results += [json.loads(line) for line in stdout.splitlines()]
+    return results
 
 
 def test_every_launch_compiles_within_the_shared_memory_of_an_h100(
@@ -65,20 +72,22 @@ def test_every_launch_compiles_within_the_shared_memory_of_an_h100(
 
 def test_every_kernel_is_compiled(compiled: list[dict[str, Any]]) -> None:
     """A new kernel must join sm90_compile.cases(), or this fails."""
-    internal = {"_attend_tile", "_rotate_heads"}  # @triton.jit helpers inlined into kernels
+    # @triton.jit helpers inlined into kernels
+    internal = {"_attend_tile", "_attend_latent_tile", "_rotate_heads"}
     assert {r["kernel"] for r in compiled} == _kernel_names() - internal
 
 
 def test_bfloat16_attention_runs_on_tensor_cores(compiled: list[dict[str, Any]]) -> None:
     """The attention dots lower to mma / wgmma in bfloat16, not to float32 FMAs (what an
     upcast, or a precision the tensor cores lack, would give)."""
-    attention = [
-        r
-        for r in compiled
-        if "bfloat16" in r["case"]
-        and r["kernel"] in ("_decode_partition_kernel", "_paged_prefill_kernel")
-    ]
-    assert {r["kernel"] for r in attention} == {"_decode_partition_kernel", "_paged_prefill_kernel"}
+    kernels = {
+        "_decode_partition_kernel",
+        "_paged_prefill_kernel",
+        "_latent_decode_kernel",
+        "_latent_prefill_kernel",
+    }
+    attention = [r for r in compiled if "bfloat16" in r["case"] and r["kernel"] in kernels]
+    assert {r["kernel"] for r in attention} == kernels
     assert all(r["tensor_core_instructions"] > 0 for r in attention), attention
 
 
