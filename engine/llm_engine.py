@@ -512,7 +512,10 @@ class LLMEngine:
             params=state.params,
             cache_salt=state.parent.cache_salt,
             samples=samples,
-            block_ids=list(handed_off[0].block_table),
+            # the blocks the decode side needs: from the next token's window on, if it has one
+            block_ids=list(handed_off[0].block_table)[
+                self.block_manager.first_moved_block(state.parent.num_prompt_tokens) :
+            ],
             num_cached_tokens=state.parent.num_cached_prompt_tokens,
             priority=state.parent.priority,
         )

@@ -7,7 +7,9 @@ Verbs, in the order a sequence meets them:
 
 They are the only writers of a sequence's block table. Blocks for KV that has yet to arrive (a
 decode worker's hand-off) are taken with ``reserve`` and, unless a sequence adopts them, given
-back with ``release``.
+back with ``release``. Where every layer has an attention window, a hand-off moves only the
+prompt's blocks from the first one the next token's window reaches (``first_moved_block``):
+the decode side reserves those alone, and ``adopt`` marks the ones before them RELEASED.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class BlockManager:
         """Give back ``seq``'s blocks that no query of it will read again: those wholly before
         the attention window of its next token (its table keeps RELEASED in their place, so
         logical block indices stay put). Nothing without an attention window, nor for a
-        prompt whose KV a decode worker will take (its hand-off moves the prompt's blocks)."""
+        prompt whose KV a decode worker will take (its hand-off moves the prompt's blocks from
+        ``first_moved_block``)."""
         window = self.attention_window
         if window is None or seq.prefill_only:
             return
@@ -154,20 +157,39 @@ class BlockManager:
 
     def adopt(self, seq: Sequence, block_ids: list[int], *, share: bool) -> None:
         """Give a sequence with no blocks the blocks holding its prompt's KV, received from
-        elsewhere (a prefill worker's hand-off); ``share``: they are another sample's too, so
-        take another reference."""
+        elsewhere (a prefill worker's hand-off: the prompt's blocks from
+        ``first_moved_block`` on, the ones before it RELEASED); ``share``: they are another
+        sample's too, so take another reference."""
         assert not seq.block_table
+        num_left_behind = num_blocks_for(seq.num_prompt_tokens, self.block_size) - len(block_ids)
+        assert num_left_behind == self.first_moved_block(seq.num_prompt_tokens)
         if share:
             for block_id in block_ids:
                 self.pool.incref(block_id)
-        seq.block_table = BlockTable(block_ids)
+        seq.block_table = BlockTable([RELEASED] * num_left_behind + block_ids)
+        seq.num_released_blocks = num_left_behind
         seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.num_committed_blocks = 0
+        seq.num_committed_blocks = num_left_behind  # never here: nothing of them to cache
         self.commit_computed(seq)
 
+    def first_moved_block(self, num_prompt_tokens: int) -> int:
+        """The first of a prompt's blocks its hand-off moves: where every layer has an
+        attention window, the blocks wholly before the window of the token after the prompt
+        would be given back on arrival, so they stay behind; else 0, the whole prompt."""
+        window = self.attention_window
+        if window is None:
+            return 0
+        first_visible = max(num_prompt_tokens - window + 1, 0)
+        return min(
+            first_visible // self.block_size, num_blocks_for(num_prompt_tokens, self.block_size)
+        )
+
     def reserve(self, num_tokens: int) -> list[int] | None:
-        """Fresh blocks for ``num_tokens`` tokens' KV, or None when they do not fit now."""
-        num_blocks = num_blocks_for(num_tokens, self.block_size)
+        """Fresh blocks for the KV a hand-off of a ``num_tokens``-token prompt moves (from
+        ``first_moved_block``), or None when they do not fit now."""
+        num_blocks = num_blocks_for(num_tokens, self.block_size) - self.first_moved_block(
+            num_tokens
+        )
         if num_blocks > self.pool.num_free_blocks:
             return None
         return [self.pool.allocate() for _ in range(num_blocks)]

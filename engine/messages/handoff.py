@@ -60,7 +60,9 @@ class PrefillResult:
     params: SamplingParams  # the request's sampling, continued on the decode side
     cache_salt: str | None  # tenant salt, so the decode side's prefix hashes match
     samples: tuple[SampleStart, ...]  # one per sample, in index order
-    block_ids: list[int]  # prefill-side blocks holding the prompt's KV, under lease
+    # prefill-side blocks holding the prompt's KV, under lease: all of them, or where every
+    # layer has an attention window those from the first the next token's window reaches
+    block_ids: list[int]
     num_cached_tokens: int  # prompt tokens the prefill side served from its prefix cache
     priority: int = 0  # the request's scheduling priority, kept on the decode side
 

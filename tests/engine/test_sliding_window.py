@@ -137,3 +137,38 @@ def test_a_sequence_past_its_window_holds_only_the_blocks_its_window_reaches(
     assert engine.block_manager.usage == 0.0  # all given back at the end
     expected = hf_greedy(model_dir, prompt, 100)
     assert tokens[: len(expected)] == expected
+
+
+def test_a_hand_off_moves_only_the_blocks_the_next_tokens_window_reaches(tmp_path: Path) -> None:
+    """Every layer slides (Mistral, window 20, blocks of 8): a prefill engine hands a decode
+    engine each prompt's blocks from the first one the window of the token after the prompt
+    reaches (the older ones stay behind), the decode engine reserves that many, and the split
+    engines' greedy tokens equal transformers'. A prompt shorter than the window moves all."""
+    model_dir = make_tiny_model(tmp_path, "MistralForCausalLM", seed=23, sliding_window=20)
+    prefill = _llm(model_dir, block_size=8).engine
+    decode = _llm(model_dir, block_size=8, num_kv_blocks=64).engine
+    prompts = make_prompts(seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        prefill.add_request(f"r{index}", prompt, params, prefill_only=True)
+    handed = []
+    while prefill.has_unfinished_requests() and len(handed) < len(prompts):
+        handed += prefill.step().handed_off
+    for result in handed:
+        num_blocks = -(-result.num_prompt_tokens // 8)
+        left_behind = max(result.num_prompt_tokens - 20 + 1, 0) // 8
+        assert len(result.block_ids) == num_blocks - left_behind
+        destination = decode.reserve_blocks(result.request_id, result.num_prompt_tokens)
+        assert destination is not None and len(destination) == len(result.block_ids)
+        decode.kv_cache[:, :, destination] = prefill.kv_cache[:, :, result.block_ids]
+        decode.admit_prefilled(result, kv_received=True)
+        prefill.release_lease(result.request_id)
+    assert any(len(r.block_ids) < -(-r.num_prompt_tokens // 8) for r in handed)
+    outputs = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step().finished:
+            outputs[out.request_id] = out.outputs[0].token_ids
+    for index, prompt in enumerate(prompts):
+        expected = hf_greedy(model_dir, prompt, 12)
+        assert outputs[f"r{index}"][: len(expected)] == expected
+    assert decode.block_manager.usage == 0.0 and prefill.block_manager.usage == 0.0
