@@ -29,7 +29,9 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -45,7 +47,9 @@ _ARCH_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # transformers' defaults when config.json omits the key
 _DEFAULT_MAX_POSITIONS = {
@@ -59,12 +63,23 @@ _DEFAULT_MAX_POSITIONS = {
     "Phi3ForCausalLM": 4096,
     "DeepseekV2ForCausalLM": 2048,
     "DeepseekV3ForCausalLM": 4096,
+    "Gemma2ForCausalLM": 8192,
     "Gemma3ForCausalLM": 131072,
+    "GptOssForCausalLM": 131072,
 }
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' rope base and norm epsilon when config.json gives none (10000 and 1e-6 for the
 # others)
-_DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6, "Gemma3ForCausalLM": 1e6}
-_DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5}
+_DEFAULT_ROPE_THETA = {
+    "MixtralForCausalLM": 1e6,
+    "Gemma3ForCausalLM": 1e6,
+    "GptOssForCausalLM": 150000.0,
+}
+_DEFAULT_RMS_NORM_EPS = {
+    "MixtralForCausalLM": 1e-5,
+    "Phi3ForCausalLM": 1e-5,
+    "GptOssForCausalLM": 1e-5,
+}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 # transformers' defaults for the sparse MLP's keys, per architecture
 _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -83,6 +98,12 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 768,
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
+    },
+    "GptOssForCausalLM": {
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
     },
     "DeepseekV2ForCausalLM": {
         "n_routed_experts": 64,
@@ -165,6 +186,17 @@ class MoeConfig:
     group_score: str = "max"  # "max" | "top2_sum"
     score_correction_bias: bool = False
     routed_scaling_factor: float = 1.0
+    # gpt-oss: the router's logits have a bias, and the softmax runs over each token's top k
+    # logits (after choosing) rather than over all experts
+    router_bias: bool = False
+    softmax_after_top_k: bool = False
+    # the experts' MLP: SiLU(gate) * up, or gpt-oss's clamped SwiGLU, (up + 1) * gate *
+    # sigmoid(alpha * gate) with gate <= limit and -limit <= up <= limit, whose experts have
+    # biases and are stored as the checkpoint has them ([hidden, 2 x width], gate and up
+    # columns interleaved)
+    expert_activation: str = "silu"  # "silu" | "clamped_swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +266,10 @@ class ModelConfig:
     # the sliding-window layers' rope where it differs from the others' (Gemma 3's local base)
     local_rope: RopeConfig | None = None
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    attention_logit_softcap: float | None = None  # Gemma 2: the same on attention's logits
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (AttentionBackend)
+    # norms scale in float32 before the cast back (gpt-oss), rather than after it
+    norm_scale_in_float32: bool = False
 
     @property
     def kv_planes(self) -> int:
@@ -273,8 +309,8 @@ def parse_model_config(
     num_heads = int(raw["num_attention_heads"])
     max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[architecture])
     _check_unsupported_features(raw, architecture)
-    gemma = architecture == "Gemma3ForCausalLM"
-    if gemma:
+    gemma = architecture in _GEMMA
+    if architecture == "Gemma3ForCausalLM":
         rope, local_rope = _gemma3_ropes(raw, max_positions)
     else:
         rope = _parse_rope(raw, max_positions, _DEFAULT_ROPE_THETA.get(architecture, 10000.0))
@@ -289,7 +325,7 @@ def parse_model_config(
         raise ValueError(f"num_attention_heads {num_heads} is not a multiple of {num_kv_heads=}")
     num_layers = int(raw["num_hidden_layers"])
     sliding_window, sliding_layers = _sliding_layers(raw, architecture, num_layers, max_positions)
-    attention_bias = bool(raw.get("attention_bias", False))
+    attention_bias = bool(raw.get("attention_bias", architecture == "GptOssForCausalLM"))
     is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
     is_qwen2_moe = architecture == "Qwen2MoeForCausalLM"
     return ModelConfig(
@@ -323,7 +359,16 @@ def parse_model_config(
         embedding_multiplier=math.sqrt(hidden_size) if gemma else 1.0,
         attention_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         local_rope=local_rope,
-        final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
+        final_logit_softcap=_optional_float(
+            raw.get(
+                "final_logit_softcapping", 30.0 if architecture == "Gemma2ForCausalLM" else None
+            )
+        ),
+        attention_logit_softcap=_optional_float(
+            raw.get("attn_logit_softcapping", 50.0) if architecture == "Gemma2ForCausalLM" else None
+        ),
+        attention_sinks=architecture == "GptOssForCausalLM",
+        norm_scale_in_float32=architecture == "GptOssForCausalLM",
     )
 
 
@@ -348,6 +393,8 @@ def _parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeCo
         return None
     if architecture in _DEEPSEEK:
         return _parse_deepseek_moe(raw, defaults, architecture, num_layers)
+    if architecture == "GptOssForCausalLM":
+        return _parse_gpt_oss_moe(raw, defaults, num_layers)
 
     def field(key: str) -> Any:
         value = raw.get(key)
@@ -455,6 +502,36 @@ def _parse_deepseek_moe(
     )
 
 
+def _parse_gpt_oss_moe(raw: dict[str, Any], defaults: dict[str, Any], num_layers: int) -> MoeConfig:
+    """gpt-oss: every layer sparse, experts as wide as ``intermediate_size``, a biased router
+    whose top k logits are softmaxed, and clamped-SwiGLU experts with biases."""
+
+    def field(key: str) -> Any:
+        value = raw.get(key)
+        return defaults[key] if value is None else value
+
+    num_experts = int(field("num_local_experts"))
+    top_k = int(field("num_experts_per_tok"))
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in 1 .. {num_experts} (the experts)")
+    limit = float(field("swiglu_limit"))
+    if limit <= 0:
+        raise ValueError(f"swiglu_limit {limit} must be positive")
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_token=top_k,
+        expert_intermediate_size=int(raw["intermediate_size"]),
+        normalize_top_k=False,
+        sparse_layers=tuple(range(num_layers)),
+        shared_expert_intermediate_size=0,
+        router_bias=True,
+        softmax_after_top_k=True,
+        expert_activation="clamped_swiglu",
+        swiglu_alpha=float(field("swiglu_alpha")),
+        swiglu_limit=limit,
+    )
+
+
 def _parse_mla(raw: dict[str, Any], rope: RopeConfig) -> MlaConfig:
     """DeepSeek's latent attention sizes, and its softmax scale with yarn's correction."""
     q_lora_rank = _optional_int(raw.get("q_lora_rank", 1536))
@@ -492,17 +569,24 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _check_unsupported_features(raw: dict[str, Any], architecture: str) -> None:
-    if architecture == "Gemma3ForCausalLM":
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"quantization_config (quant_method {method!r}): quantized checkpoints are not "
+            "supported yet; serve a bfloat16/float16/float32 checkpoint"
+        )
+    if architecture in _GEMMA:
         activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
         if activation != "gelu_pytorch_tanh":
             raise ValueError(
-                f"unsupported hidden_activation {activation!r}: Gemma 3 runs 'gelu_pytorch_tanh'"
+                f"unsupported hidden_activation {activation!r}: Gemma runs 'gelu_pytorch_tanh'"
             )
         if raw.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention true is not supported (a decoder only)")
         if raw.get("attention_bias"):
-            raise ValueError("attention_bias true is not supported for Gemma 3")
-    else:
+            raise ValueError("attention_bias true is not supported for Gemma")
+    elif architecture != "GptOssForCausalLM":  # gpt-oss's hidden_act names no layer it runs
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
@@ -521,10 +605,12 @@ def _sliding_layers(
         window = raw.get("sliding_window")
     elif architecture == "MistralForCausalLM":
         window = raw.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
-    elif architecture == "Gemma3ForCausalLM":  # 5 local layers to 1 global unless listed
-        window = raw.get("sliding_window", 4096)
+    elif architecture in (*_GEMMA, "GptOssForCausalLM"):
+        # Gemma 3: 5 local layers to 1 global unless listed; Gemma 2 and gpt-oss: 1 to 1
+        window = raw.get("sliding_window", 128 if architecture == "GptOssForCausalLM" else 4096)
         layer_types = raw.get("layer_types")
-        pattern = int(raw.get("sliding_window_pattern") or 6)
+        default_pattern = 6 if architecture == "Gemma3ForCausalLM" else 2
+        pattern = int(raw.get("sliding_window_pattern") or default_pattern)
         sliding = (
             [kind == "sliding_attention" for kind in layer_types]
             if layer_types

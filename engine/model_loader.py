@@ -47,16 +47,22 @@ class _Target:
     full_shape: tuple[int, ...]  # the checkpoint tensor's shape
     rows: range  # its rows this rank reads (dim 0); fewer than num_rows past the vocabulary
     cols: range | None  # its columns this rank reads (dim 1); None: all
+    depth: range | None = None  # its range of dim 2 (stacked experts); None: all
 
     def is_whole(self) -> bool:
         """Whether this rank reads the entire tensor."""
         whole_cols = self.cols is None or self.cols == range(self.full_shape[1])
-        return self.rows == range(self.full_shape[0]) and whole_cols
+        whole_depth = self.depth is None or self.depth == range(self.full_shape[2])
+        return self.rows == range(self.full_shape[0]) and whole_cols and whole_depth
 
     def index(self) -> tuple[slice, ...]:
         """The slice of the checkpoint tensor to read."""
-        rows = slice(self.rows.start, self.rows.stop)
-        return (rows,) if self.cols is None else (rows, slice(self.cols.start, self.cols.stop))
+        ranges = (self.rows, self.cols, self.depth)
+        last = max(dim for dim, kept in enumerate(ranges) if kept is not None)
+        return tuple(
+            slice(None) if kept is None else slice(kept.start, kept.stop)
+            for kept in ranges[: last + 1]
+        )
 
 
 def load_model(
@@ -176,6 +182,11 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
     return targets
 
 
+# Architectures whose checkpoints store each layer's experts stacked, as our parameters hold
+# them (gpt-oss), rather than one module per expert.
+_STACKED_EXPERTS_IN_CHECKPOINT = ("GptOssForCausalLM",)
+
+
 # Our fused projections that an architecture's checkpoints store fused too (q, k, v rows in
 # one qkv_proj; gate then up rows in one gate_up_proj), rather than as their parts.
 _FUSED_IN_CHECKPOINT: dict[str, tuple[str, ...]] = {
@@ -196,6 +207,8 @@ def _checkpoint_tensors(
     module_name, leaf = name.split(".")[-2:]
     if module_name != "experts":
         return [(name, param, _fused_parts(name, config, shard))]
+    if config.architecture in _STACKED_EXPERTS_IN_CHECKPOINT:
+        return [(name, param, None)]
     prefix = name[: -len(leaf) - 1]  # stacked: one checkpoint module per expert
     expert_names = [f"{prefix}.{expert}.{leaf}.weight" for expert in range(param.shape[0])]
     return [
@@ -244,6 +257,10 @@ def _single_target(
     """Where an unfused checkpoint tensor lands: row-parallel weights read their input columns,
     the vocabulary-parallel ones their vocab rows; the rest is replicated."""
     module_name, leaf = name.split(".")[-2:]
+    if module_name == "experts":  # stacked in the checkpoint: ClampedSwigluExperts' layout
+        return _stacked_expert_target(leaf, param, config, shard)
+    if leaf == "sinks":  # one per query head
+        return _Target(param, 0, param.shape[0], (config.num_heads,), shard.q_heads, None)
     per_head = _latent_attention_rows_per_head(module_name, config)
     if per_head is not None:  # column-parallel by query head (latent attention)
         full_shape = (config.num_heads * per_head, param.shape[1])
@@ -266,6 +283,31 @@ def _single_target(
         return _Target(param, 0, shard.vocab_rows, full_shape, rows, None)
     whole = range(param.shape[0])  # replicated on every rank
     return _Target(param, 0, param.shape[0], tuple(param.shape), whole, None)
+
+
+def _stacked_expert_target(
+    leaf: str, param: torch.Tensor, config: ModelConfig, shard: TensorParallelShard
+) -> _Target:
+    """A stacked experts tensor (gpt-oss): every expert, this rank's columns of each (gate and
+    up interleaved in gate_up_proj's last dim, so a rank's are one contiguous range); the down
+    projection's bias is rank 0's alone."""
+    assert config.moe is not None
+    width = config.moe.expert_intermediate_size
+    mine = shard.expert_intermediate
+    pairs = range(2 * mine.start, 2 * mine.stop)  # its gate and up columns, interleaved
+    experts = range(param.shape[0])
+    if leaf == "gate_up_proj":  # [experts, hidden, 2 x width]
+        full = (param.shape[0], param.shape[1], 2 * width)
+        return _Target(param, 0, param.shape[0], full, experts, None, pairs)
+    if leaf == "gate_up_proj_bias":  # [experts, 2 x width]
+        return _Target(param, 0, param.shape[0], (param.shape[0], 2 * width), experts, pairs)
+    if leaf == "down_proj":  # [experts, width, hidden]
+        full = (param.shape[0], width, param.shape[2])
+        return _Target(param, 0, param.shape[0], full, experts, mine)
+    if leaf == "down_proj_bias":  # added once: rank 0 holds it
+        rows = experts if shard.rank == 0 else range(0)
+        return _Target(param, 0, param.shape[0], tuple(param.shape), rows, None)
+    raise ValueError(f"no stacked expert tensor {leaf!r}")
 
 
 def _latent_attention_rows_per_head(module_name: str, config: ModelConfig) -> int | None:
@@ -294,6 +336,10 @@ _CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
         (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
         (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
+    ),
+    "GptOssForCausalLM": (
+        (re.compile(r"\.mlp\.router\."), ".mlp.gate."),
+        (re.compile(r"\.self_attn\.sinks$"), ".self_attn.attn.sinks"),
     ),
     "DeepseekV2ForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),
     "DeepseekV3ForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),

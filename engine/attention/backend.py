@@ -43,12 +43,18 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each new token over its sequence's context in the paged cache.
 
         ``sliding_window`` W: a token at position p sees only positions p - W + 1 .. p (None:
         its whole context); a backend then never reads a block wholly before every window
-        of a sequence's new tokens, whose block-table entries may be stale."""
+        of a sequence's new tokens, whose block-table entries may be stale.
+        ``logit_softcap`` c (Gemma 2): each logit ``scale * q . k`` becomes ``c * tanh(logit /
+        c)`` before the softmax. ``sinks`` (gpt-oss): head h's learned logit ``sinks[h]`` joins
+        its softmax's denominator (as a position with no value), so a head may attend to
+        nothing: ``p_j = exp(l_j) / (exp(sinks[h]) + sum_i exp(l_i))``."""
 
     # Latent caches (multi-head latent attention): one plane per layer, one entry per token.
     # The torch reference serves every backend until one brings its own kernels.

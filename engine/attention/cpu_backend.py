@@ -1,7 +1,8 @@
 """The CPU backend: C kernels (engine/kernels/cpu) for K/V writes, prefill and decode, each
 reading the sequences' blocks in place.
 
-A sliding-window layer's kernels start each sequence at the first block its windows reach.
+A sliding-window layer's kernels start each sequence at the first block its windows reach;
+soft-capped logits and attention sinks are computed by the kernels too.
 Decode attention on CPU is bound by memory traffic; the reference gathers every decode
 sequence's blocks into a buffer each layer before SDPA reads them again, the kernel reads
 them once. Prefill attention is bound by compute: the kernel runs the whole step's prefill
@@ -49,9 +50,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
         if not _kernels_take(kv_cache_layer):
-            return super()._prefill_all(query, kv_cache_layer, metadata, scale, sliding_window)
+            return super()._prefill_all(
+                query, kv_cache_layer, metadata, scale, sliding_window, logit_softcap, sinks
+            )
         starts, seq_lens = self._prefill_index.get(metadata, lambda: _prefill_index(metadata))
         return paged_prefill_attention_cpu(
             query.contiguous(),
@@ -61,6 +66,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             seq_lens,
             scale,
             sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            sinks=sinks,
         )
 
     def _decode(
@@ -70,9 +77,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32
     ) -> torch.Tensor:  # [num_decode_seqs, num_heads, head_dim]
         if not _kernels_take(kv_cache_layer):
-            return super()._decode(query, kv_cache_layer, metadata, scale, sliding_window)
+            return super()._decode(
+                query, kv_cache_layer, metadata, scale, sliding_window, logit_softcap, sinks
+            )
         return paged_decode_attention_cpu(
             query.contiguous(),
             kv_cache_layer,
@@ -80,6 +91,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             metadata.decode_seq_lens,
             scale,
             sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            sinks=sinks,
         )
 
 

@@ -22,6 +22,8 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,  # a token sees this many positions, itself included
+        logit_softcap: float | None = None,  # logits become c * tanh(logit / c) (Gemma 2)
+        num_sinks: int = 0,  # num_heads: a learned sink logit per head (gpt-oss); 0: none
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -32,6 +34,13 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        # each head's sink logit, in the softmax's denominator (AttentionBackend.forward)
+        self.sinks: nn.Parameter | None = None
+        if num_sinks:
+            if num_sinks != num_heads:
+                raise ValueError(f"{num_sinks=} must equal {num_heads=}: one sink per head")
+            self.sinks = nn.Parameter(torch.empty(num_heads))
 
     def forward(
         self,
@@ -50,7 +59,16 @@ class Attention(nn.Module):
         if num_padding > 0:
             query, key, value = query[:num_tokens], key[:num_tokens], value[:num_tokens]
         backend.write_kv(kv_cache_layer, key, value, metadata.slot_mapping)
-        out = backend.forward(query, kv_cache_layer, metadata, self.scale, self.sliding_window)
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = backend.forward(
+            query,
+            kv_cache_layer,
+            metadata,
+            self.scale,
+            self.sliding_window,
+            logit_softcap=self.logit_softcap,
+            sinks=sinks,
+        )
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding > 0 else out
 

@@ -5,7 +5,9 @@ with a bottom-right-aligned causal mask. Decode sequences: on CPU, in chunks sma
 stay in cache, gather only their own blocks back to back and run one SDPA per sequence;
 elsewhere, gather into a padded [num_seqs, max_len] layout for one masked SDPA. Gathers go
 to a reused workspace. A sliding-window layer takes each sequence (each decode row) alone:
-its blocks from the first one its new tokens' windows reach, masked per token.
+its blocks from the first one its new tokens' windows reach, masked per token. Soft-capped
+logits and attention sinks, which SDPA cannot compute, take each sequence (each decode row)
+alone through an explicit softmax (``_explicit_attention``).
 """
 
 from __future__ import annotations
@@ -86,17 +88,35 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         outputs = []
         if metadata.num_prefill_seqs > 0:
             prefill_query = query[: metadata.num_prefill_tokens]
             outputs.append(
-                self._prefill_all(prefill_query, kv_cache_layer, metadata, scale, sliding_window)
+                self._prefill_all(
+                    prefill_query,
+                    kv_cache_layer,
+                    metadata,
+                    scale,
+                    sliding_window,
+                    logit_softcap,
+                    sinks,
+                )
             )
         if metadata.num_decode_seqs > 0:
             decode_query = query[metadata.num_prefill_tokens :]
             outputs.append(
-                self._decode(decode_query, kv_cache_layer, metadata, scale, sliding_window)
+                self._decode(
+                    decode_query,
+                    kv_cache_layer,
+                    metadata,
+                    scale,
+                    sliding_window,
+                    logit_softcap,
+                    sinks,
+                )
             )
         if not outputs:
             return torch.empty_like(query)
@@ -109,7 +129,18 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
+        if logit_softcap is not None or sinks is not None:
+            starts = metadata.prefill_query_start_loc
+            pieces = [
+                (query[starts[seq] : starts[seq + 1]], metadata.prefill_block_tables[seq], seq_len)
+                for seq, seq_len in enumerate(metadata.prefill_seq_lens)
+            ]
+            return self._explicit(
+                pieces, kv_cache_layer, scale, sliding_window, logit_softcap, sinks
+            )
         outputs = [
             self._prefill(query, kv_cache_layer, metadata, i, scale, sliding_window)
             for i in range(metadata.num_prefill_seqs)
@@ -169,6 +200,38 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return out[0].transpose(0, 1)
 
+    def _explicit(
+        self,
+        # per sequence (decode row): its rows of query [query_len, num_heads, head_dim], its
+        # block table [max_blocks] int64, its context length after the step; one at least
+        pieces: list[tuple[torch.Tensor, torch.Tensor, int]],
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        scale: float,
+        window: int | None,
+        logit_softcap: float | None,
+        sinks: torch.Tensor | None,  # [num_heads] fp32
+    ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]: the pieces' rows, in order
+        """Each piece's rows over the blocks their windows reach (all of them without a
+        window), through ``_explicit_attention``."""
+        block_size = kv_cache_layer.shape[2]
+        outputs = []
+        for rows, table, seq_len in pieces:
+            query_len = rows.shape[0]
+            first_seen = 0 if window is None else max(0, seq_len - query_len - window + 1)
+            first_block = first_seen // block_size
+            blocks = table[None, first_block : _num_blocks(seq_len, kv_cache_layer)]
+            first = first_block * block_size
+            kv = self._gather(kv_cache_layer, blocks)[:, 0, : seq_len - first]
+            context_pos = torch.arange(first, seq_len, device=rows.device)
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=rows.device)
+            seen = context_pos[None, :] <= query_pos[:, None]  # [query_len, context]
+            if window is not None:
+                seen &= context_pos[None, :] > query_pos[:, None] - window
+            outputs.append(
+                _explicit_attention(rows, kv[0], kv[1], seen, scale, logit_softcap, sinks)
+            )
+        return torch.cat(outputs)
+
     def _decode(
         self,
         query: torch.Tensor,  # [num_decode_seqs, num_heads, head_dim]
@@ -176,7 +239,18 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32
     ) -> torch.Tensor:  # [num_decode_seqs, num_heads, head_dim]
+        if logit_softcap is not None or sinks is not None:  # a row at a time, explicitly
+            tables = metadata.decode_block_tables
+            pieces = [
+                (query[row : row + 1], tables[row], seq_len)
+                for row, seq_len in enumerate(metadata.decode_seq_lens.tolist())
+            ]
+            return self._explicit(
+                pieces, kv_cache_layer, scale, sliding_window, logit_softcap, sinks
+            )
         if sliding_window is not None:  # a row at a time, over the blocks its window reaches
             seq_lens = metadata.decode_seq_lens.tolist()
             tables = metadata.decode_block_tables
@@ -329,6 +403,35 @@ def _prefill_attention(
         enable_gqa=num_heads != num_kv_heads,
     )  # [1, num_heads, query_len, head_dim]
     return out[0].transpose(0, 1)
+
+
+def _explicit_attention(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim]
+    key: torch.Tensor,  # [context, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [context, num_kv_heads, head_dim]
+    seen: torch.Tensor,  # [query_len, context] bool: which positions each query row sees
+    scale: float,
+    logit_softcap: float | None,
+    sinks: torch.Tensor | None,  # [num_heads] fp32
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    """Attention with the softmax written out, in transformers' order: logits ``scale * q . k``,
+    soft-capped, masked, the sink's logit appended as one more column, softmax in float32, the
+    sink's column dropped, then the weighted sum of values."""
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    keys = key.transpose(0, 1).repeat_interleave(group, dim=0)  # [num_heads, context, head_dim]
+    values = value.transpose(0, 1).repeat_interleave(group, dim=0)
+    logits = torch.matmul(query.transpose(0, 1), keys.transpose(1, 2)) * scale  # [h, q, ctx]
+    if logit_softcap is not None:
+        logits = torch.tanh(logits / logit_softcap) * logit_softcap
+    logits = logits.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.to(logits.dtype).view(num_heads, 1, 1).expand(-1, logits.shape[1], 1)
+        logits = torch.cat((logits, sink_column), dim=-1)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return torch.matmul(weights, values).transpose(0, 1)  # [query_len, num_heads, head_dim]
 
 
 def _decode_attention(

@@ -4,7 +4,8 @@
 over the prefill rows (varlen, causal, reading cached prefixes through the block tables) and
 the flash-decoding kernel over the decode rows (a sequence's rows together when the metadata
 groups them: a decode graph's drafts), each reading the paged cache in place; a
-sliding-window layer's only from where its tokens' windows start.
+sliding-window layer's only from where its tokens' windows start. Both kernels soft-cap the
+logits and count attention sinks when a layer has them.
 
 A latent cache (multi-head latent attention) has its own kernels, in
 engine/kernels/latent_attention.py: ``write_latent`` scatters the entries, ``forward_latent``
@@ -72,6 +73,8 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_prefill_tokens = metadata.num_prefill_tokens
         outputs = []
@@ -89,6 +92,8 @@ class TritonAttentionBackend(AttentionBackend):
                     scale,
                     index.max_query_len,
                     sliding_window=sliding_window,
+                    logit_softcap=logit_softcap,
+                    sinks=sinks,
                 )
             )
         if metadata.num_decode_seqs > 0:
@@ -111,6 +116,8 @@ class TritonAttentionBackend(AttentionBackend):
                     row_starts=metadata.decode_row_starts,
                     max_rows_per_seq=metadata.max_decode_rows_per_seq,
                     sliding_window=sliding_window,
+                    logit_softcap=logit_softcap,
+                    sinks=sinks,
                 )
             )
         if not outputs:

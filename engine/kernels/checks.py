@@ -3,6 +3,8 @@ failure names the argument."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
@@ -26,6 +28,27 @@ def require_power_of_two(name: str, value: int, least: int) -> None:
         value >= least and value & (value - 1) == 0,
         f"{name} must be a power of two >= {least}, got {value}",
     )
+
+
+def require_softcap(logit_softcap: float | None) -> None:
+    """A logit soft-cap ``c`` (logits become ``c * tanh(logit / c)``): positive and finite."""
+    require(
+        logit_softcap is None or (logit_softcap > 0 and math.isfinite(logit_softcap)),
+        f"logit_softcap must be > 0 and finite, or None, got {logit_softcap}",
+    )
+
+
+def require_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Attention sinks: one float32 logit per query head, on the query's device."""
+    if sinks is None:
+        return
+    num_heads = query.shape[1]
+    require(
+        sinks.shape == (num_heads,) and sinks.is_contiguous(),
+        f"sinks must be a contiguous [num_heads = {num_heads}], got {tuple(sinks.shape)}",
+    )
+    require(sinks.dtype == torch.float32, f"sinks must be float32, got {sinks.dtype}")
+    require(sinks.device == query.device, f"sinks is on {sinks.device}, query on {query.device}")
 
 
 def require_contiguous_heads(name: str, tensor: torch.Tensor) -> None:

@@ -7,6 +7,9 @@ speculative decoding a sequence also has a row per draft token after it, each se
 more than the row before. Given ``row_starts``, the rows of one sequence are folded into one
 program, so its K/V are loaded once for all of them, not once per row. With a sliding window
 ``W``, a row of context ``n`` sees only its last ``W`` tokens, ``max(0, n - W) .. n - 1``.
+With a logit soft-cap ``c`` each logit ``scale * q . k`` becomes ``c * tanh(logit / c)`` before
+the mask; with attention sinks, head ``h``'s logit ``sinks[h]`` joins its softmax's denominator
+as a position with no value.
 
 Flash-decoding, two kernels:
 
@@ -18,11 +21,14 @@ Flash-decoding, two kernels:
    K/V token is loaded once per group. It walks its partition in tiles of ``TILE`` tokens,
    each token's slot looked up through the block table (so a tile may span several blocks and
    any block size works), with an online softmax in float32 (logits in log2 units, ``exp2``),
-   each tile row masked to its own context. It writes the partition's normalised output, max
-   logit and sum of exp per row. A partition past a row's end writes max -inf, sum 0. With a
-   window, the walk starts at the tile of the group's first row's window start, and neither
-   the block-table entries nor the blocks before that start are read (they may be freed); a
-   partition wholly before it is written empty.
+   each tile row masked to its own context. A row's sink is counted by one partition only, the
+   one holding the first position the row sees (0, or its window's start: the first the merge
+   reads): its running max starts at the sink's logit and its sum at 1, so the partition's
+   output, max and sum carry the sink as one more position, and the merge needs no change. It
+   writes the partition's normalised output, max logit and sum of exp per row. A partition
+   past a row's end writes max -inf, sum 0. With a window, the walk starts at the tile of the
+   group's first row's window start, and neither the block-table entries nor the blocks before
+   that start are read (they may be freed); a partition wholly before it is written empty.
 2. ``merge_partitions_kernel``, grid ``(num_rows, num_heads)``: the log-sum-exp merge of the
    row's non-empty partitions into the output, in the query's dtype, one partition after
    another, from the one holding the row's window start: a row's bits depend on the partition
@@ -48,6 +54,8 @@ from engine.kernels.checks import (
     require_kv_cache_layer,
     require_power_of_two,
     require_same_device,
+    require_sinks,
+    require_softcap,
 )
 
 _MIN_DOT_DIM = 16  # tl.dot wants every dimension >= 16
@@ -55,6 +63,7 @@ _MAX_TILE = 64  # tokens per inner-loop tile
 _MIN_TOKENS_PER_SPLIT = 256  # the automatic choice gives each partition at least this much work
 _TARGET_PROGRAMS = 512  # ... and stops splitting once the grid has this many programs
 _MAX_SPLITS = 64
+_LOG2_E: tl.constexpr = tl.constexpr(LOG2_E)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,8 @@ def _decode_partition_kernel(
     scale_log2,  # softmax scale * log2(e)
     tokens_per_split,  # a multiple of TILE
     window,  # a row of context n sees positions n - window .. n - 1 (read only when WINDOWED)
+    softcap_log2,  # the logit soft-cap c * log2(e) (read only when SOFTCAP)
+    sinks_ptr,  # [num_heads] f32: each head's sink logit (read only when SINKS)
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
     # power of two >= max(rows per group * GROUP_SIZE, 16); rows per group: 1 unless FOLDED
@@ -94,6 +105,8 @@ def _decode_partition_kernel(
     NUM_SPLITS: tl.constexpr,
     FOLDED: tl.constexpr,  # a program takes a sequence's rows; else a row alone
     WINDOWED: tl.constexpr,  # a sliding window of ``window`` tokens
+    SOFTCAP: tl.constexpr,  # logits become c * tanh(logit / c)
+    SINKS: tl.constexpr,  # a sink logit per head joins the softmax's denominator
     DOT_FP32: tl.constexpr,  # upcast dot operands (fp32 inputs, or the interpreter)
 ):
     group = tl.program_id(0)
@@ -140,6 +153,13 @@ def _decode_partition_kernel(
 
     m_i = tl.full([TILE_ROWS], float("-inf"), tl.float32)  # running max logit (log2 units)
     l_i = tl.zeros([TILE_ROWS], tl.float32)  # running sum of exp2(logit - m_i)
+    if SINKS:
+        # the sink is counted once per row: by the partition holding the row's first position
+        first_seen = tl.maximum(row_lens - window, 0) if WINDOWED else row_lens * 0
+        counts_sink = row_mask & (first_seen // tokens_per_split == split)
+        sinks = tl.load(sinks_ptr + heads, mask=counts_sink, other=0.0) * _LOG2_E
+        m_i = tl.where(counts_sink, sinks, m_i)
+        l_i = tl.where(counts_sink, 1.0, l_i)
     acc = tl.zeros([TILE_ROWS, HEAD_DIM_PAD], tl.float32)
     block_table = block_tables_ptr + last_row.to(tl.int64) * block_tables_stride_row
     for tile_start in range(walk_start, split_end, TILE):
@@ -159,6 +179,10 @@ def _decode_partition_kernel(
             v = v.to(tl.float32)
         # [TILE_ROWS, TILE]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        if SOFTCAP:  # c * tanh(logit / c), in log2 units; tanh(x) = sign(x) (1 - e) / (1 + e)
+            e = tl.exp2(tl.abs(scores) * (-2.0 * _LOG2_E) / softcap_log2)  # exp(-2 |logit / c|)
+            tanh = (1.0 - e) / (1.0 + e)
+            scores = tl.where(scores < 0, -tanh, tanh) * softcap_log2
         seen = token_mask[None, :] & (positions[None, :] < row_lens[:, None])
         if WINDOWED:
             seen = seen & (positions[None, :] >= row_lens[:, None] - window)
@@ -288,6 +312,8 @@ def paged_decode_attention(
     row_starts: torch.Tensor | None = None,  # [num_groups + 1] int32 or int64
     max_rows_per_seq: int = 1,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_rows, num_heads, head_dim], query's dtype
     """Attention of each row's new token over its whole context in the paged cache.
 
@@ -305,6 +331,9 @@ def paged_decode_attention(
     ``sliding_window`` W: a row of context ``n`` (at position ``n - 1``) sees only positions
     ``max(0, n - W) .. n - 1``; the block-table entries before the window start of a group's
     first row are never read, and may hold anything. None: the whole context.
+    ``logit_softcap`` c: each logit ``scale * q . k`` becomes ``c * tanh(logit / c)`` (in
+    float32, before the mask). ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
+    denominator, ``p_j = exp(l_j) / (exp(sinks[h]) + sum_i exp(l_i))``.
     ``seq_lens`` values are checked on the host only when they are there already (on CPU);
     on a GPU that would sync. ``tiling``: for benchmarks that compare tilings; the default is
     the engine's.
@@ -323,6 +352,8 @@ def paged_decode_attention(
     )
     _check_tiling(tiling)
     _check_sliding_window(sliding_window)
+    require_softcap(logit_softcap)
+    require_sinks(sinks, query)
     num_groups = num_rows if row_starts is None else len(row_starts) - 1
     require(max_rows_per_seq >= 1, f"max_rows_per_seq must be >= 1, got {max_rows_per_seq}")
     if row_starts is not None:
@@ -369,6 +400,8 @@ def paged_decode_attention(
         scale * LOG2_E,
         tokens_per_split,
         sliding_window or 0,
+        (logit_softcap or 0.0) * LOG2_E,
+        query if sinks is None else sinks,  # (not read without sinks)
         NUM_KV_HEADS=num_kv_heads,
         GROUP_SIZE=group_size,
         TILE_ROWS=max(_MIN_DOT_DIM, triton.next_power_of_2(rows_per_seq * group_size)),
@@ -379,6 +412,8 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         FOLDED=folded,
         WINDOWED=sliding_window is not None,
+        SOFTCAP=logit_softcap is not None,
+        SINKS=sinks is not None,
         # Triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits
         DOT_FP32=interpreted() or query.dtype == torch.float32,
         num_warps=tiling.num_warps,

@@ -5,7 +5,10 @@ query_start_loc[s + 1]`` of ``query``) and a context of ``seq_len`` tokens, all 
 in the paged cache (a cached prefix from an earlier chunk or a prefix-cache hit, then the new
 tokens). New token ``i`` sits at absolute position ``p = seq_len - q_len + i`` and attends,
 causally, to context positions ``0 .. p`` (the mask is aligned bottom-right); with a sliding
-window of ``W`` tokens, to ``max(0, p - W + 1) .. p``.
+window of ``W`` tokens, to ``max(0, p - W + 1) .. p``. With a logit soft-cap ``c`` each logit
+``scale * q . k`` becomes ``c * tanh(logit / c)`` before the mask; with attention sinks, head
+``h``'s logit ``sinks[h]`` joins its softmax's denominator as a position with no value (each
+row's running max starts at it, its running sum at 1).
 
 Program layout: grid ``(query tile, sequence, kv head)``. One program takes ``BLOCK_Q`` new
 tokens of one sequence times the ``group = num_heads // num_kv_heads`` query heads that share
@@ -39,7 +42,11 @@ from engine.kernels.checks import (
     require_power_of_two,
     require_prefill_offsets,
     require_same_device,
+    require_sinks,
+    require_softcap,
 )
+
+_LOG2_E: tl.constexpr = tl.constexpr(LOG2_E)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +70,17 @@ def paged_prefill_attention(
     tiling: PrefillTiling = PrefillTiling(),
     *,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim], query's dtype
     """Causal attention of each prefill sequence's new tokens over its whole paged context.
 
     ``sliding_window`` W: the token at position ``p`` sees only positions ``max(0, p - W + 1)
     .. p``; the block-table entries before the window start of a sequence's first new token
     are never read, and may hold anything. None: the whole context.
+    ``logit_softcap`` c: each logit ``scale * q . k`` becomes ``c * tanh(logit / c)`` (in
+    float32, before the mask). ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
+    denominator, ``p_j = exp(l_j) / (exp(sinks[h]) + sum_i exp(l_i))``.
     Raises ValueError naming the argument when shapes, dtypes, devices, strides or the
     offsets disagree. The offsets' values are checked only on CPU (the interpreter): on a GPU
     reading them back would sync every call, so there they are the caller's contract.
@@ -83,6 +95,8 @@ def paged_prefill_attention(
         sliding_window is None or sliding_window >= 1,
         f"sliding_window must be >= 1 or None, got {sliding_window}",
     )
+    require_softcap(logit_softcap)
+    require_sinks(sinks, query)
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
     num_seqs = seq_lens.shape[0]
@@ -113,6 +127,8 @@ def paged_prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         sliding_window or 0,
+        (logit_softcap or 0.0) * LOG2_E,
+        query if sinks is None else sinks,  # (not read without sinks)
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -121,6 +137,8 @@ def paged_prefill_attention(
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=block_size,
         WINDOWED=sliding_window is not None,
+        SOFTCAP=logit_softcap is not None,
+        SINKS=sinks is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # the interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584)
         UPCAST_DOT=interpreted() and query.dtype == torch.bfloat16,
@@ -210,6 +228,8 @@ def _paged_prefill_kernel(
     stride_o_head,
     stride_bt_seq,
     window,  # the token at position p sees p - window + 1 .. p (read only when WINDOWED)
+    softcap_log2,  # the logit soft-cap c * log2(e) (read only when SOFTCAP)
+    sinks_ptr,  # [num_heads] f32: each head's sink logit (read only when SINKS)
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # new tokens per program
@@ -218,6 +238,8 @@ def _paged_prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,  # power of two >= max(HEAD_DIM, 16); the extra dims are masked
     PAGE_SIZE: tl.constexpr,  # tokens per cache block
     WINDOWED: tl.constexpr,  # a sliding window of ``window`` tokens
+    SOFTCAP: tl.constexpr,  # logits become c * tanh(logit / c)
+    SINKS: tl.constexpr,  # a sink logit per head joins the softmax's denominator
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # run the dots in float32 (the interpreter's bfloat16 dot is wrong)
 ):
@@ -254,8 +276,12 @@ def _paged_prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (base-2 logits)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
+    if SINKS:  # the sink as one more position, seen first: max its logit, sum exp2(0)
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * _LOG2_E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (base-2 logits)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     if WINDOWED:
         window_start = tl.maximum(first_pos - window + 1, 0)  # the first token's
@@ -265,8 +291,9 @@ def _paged_prefill_kernel(
         for tile_start in range(window_start, full_window, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
-                window, stride_kv_side, stride_kv_block, stride_kv_slot,
-                BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, True, True,
+                window, softcap_log2, stride_kv_side, stride_kv_block, stride_kv_slot,
+                BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
+                True, True,
             )  # fmt: skip
         unmasked = tl.maximum(first_pos + 1 - full_window, 0) // BLOCK_N * BLOCK_N
         diag_start = full_window + unmasked
@@ -276,14 +303,16 @@ def _paged_prefill_kernel(
     for tile_start in range(full_window, diag_start, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
-            window, stride_kv_side, stride_kv_block, stride_kv_slot,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, False, False,
+            window, softcap_log2, stride_kv_side, stride_kv_block, stride_kv_slot,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
+            False, False,
         )  # fmt: skip
     for tile_start in range(diag_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
-            window, stride_kv_side, stride_kv_block, stride_kv_slot,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT, True, False,
+            window, softcap_log2, stride_kv_side, stride_kv_block, stride_kv_slot,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
+            True, False,
         )  # fmt: skip
 
     if WINDOWED:
@@ -307,6 +336,7 @@ def _attend_tile(
     kv_base,  # the cache's K at this kv head
     qk_scale,
     window,  # read only when WINDOW_MASK
+    softcap_log2,  # read only when SOFTCAP
     stride_kv_side,
     stride_kv_block,
     stride_kv_slot,
@@ -314,6 +344,7 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,  # the tile crosses the diagonal: mask positions > query_pos
@@ -336,6 +367,10 @@ def _attend_tile(
         v = v.to(tl.float32)
 
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:  # c * tanh(logit / c), in log2 units; tanh(x) = sign(x) (1 - e) / (1 + e)
+        e = tl.exp2(tl.abs(scores) * (-2.0 * _LOG2_E) / softcap_log2)  # exp(-2 |logit / c|)
+        tanh = (1.0 - e) / (1.0 + e)
+        scores = tl.where(scores < 0, -tanh, tanh) * softcap_log2
     if CAUSAL_MASK:
         visible = (pos[None, :] <= query_pos[:, None]) & pos_valid[None, :]
         if WINDOW_MASK:

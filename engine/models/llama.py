@@ -85,6 +85,8 @@ class SelfAttention(nn.Module):
             config.head_dim,
             scale=scale if scale is not None else config.head_dim**-0.5,
             sliding_window=config.sliding_window if layer_idx in config.sliding_layers else None,
+            logit_softcap=config.attention_logit_softcap,
+            num_sinks=self.num_heads if config.attention_sinks else 0,
         )
         self.group = group
 

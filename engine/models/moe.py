@@ -1,14 +1,17 @@
-"""The sparse MLP of mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3).
+"""The sparse MLP of mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3,
+gpt-oss).
 
 A router (``gate``: one logit per expert) scores the experts and keeps the top k per token
 (``route``): Mixtral and Qwen take a softmax, renormalise the top k to sum to 1 where the
 model says so; DeepSeek-V2 takes a softmax too, DeepSeek-V3 a sigmoid with a learned
 correction bias for choosing, and both may first narrow each token to its best groups of
-experts and scale the weights last. Tokens are then grouped by expert: the (token, expert)
-pairs are sorted by expert, each expert runs its gated MLP once over the contiguous rows of its
-tokens, and the weighted outputs are added back per token in expert order (the order
-transformers adds them in). There is no loop over tokens; the loop over experts skips the ones
-no token picked.
+experts and scale the weights last; gpt-oss's router has a bias and softmaxes only the top k
+logits it chose. An expert is a gated MLP: SiLU(gate) * up, or gpt-oss's clamped SwiGLU with
+biases, whose weights stay in the checkpoint's layout (``ClampedSwigluExperts``). Tokens are
+then grouped by expert (``grouped_by_expert``): the (token, expert) pairs are sorted by
+expert, each expert runs its MLP once over the contiguous rows of its tokens, and the weighted
+outputs are added back per token in expert order (the order transformers adds them in). There
+is no loop over tokens; the loop over experts skips the ones no token picked.
 
 A shared expert, when the model has one, runs on every token and joins the routed sum: scaled
 by sigmoid(shared_expert_gate(x)) (Qwen2-MoE) or as it is (DeepSeek's shared experts, one MLP
@@ -16,13 +19,16 @@ as wide as all of them).
 
 Tensor parallelism: every rank holds every expert's slice of intermediate columns (and the
 shared expert's), so a rank's routed and shared outputs are partial sums and the block ends
-in one all-reduce, as a dense MLP does. The router's weight is replicated.
+in one all-reduce, as a dense MLP does (a bias of the experts' down projection is held by
+rank 0 alone, so the sum adds it once). The router is replicated.
 
 The step's tokens per expert are added to the forward context's ``ExpertTokenCounts`` when it
 has one (rows past the batch, the runner's padding, are neither routed nor counted).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +46,10 @@ def route(
     correction_bias: torch.Tensor | None = None,  # [num_experts] fp32 (score_correction_bias)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [n, top_k] fp32, expert ids [n, top_k]
     """Each token's top k experts and their weights, as ``moe``'s router picks them (see the
-    module docstring); scores in float32."""
+    module docstring); scores in float32, but for gpt-oss's (the logits' dtype)."""
+    if moe.softmax_after_top_k:
+        top_logits, expert_ids = torch.topk(router_logits, moe.num_experts_per_token, dim=-1)
+        return torch.softmax(top_logits, dim=-1), expert_ids
     if moe.scoring == "sigmoid":
         scores = router_logits.float().sigmoid()
     else:
@@ -79,24 +88,54 @@ def _best_groups_only(
 
 
 class Router(nn.Module):
-    """One logit per expert (``weight``), and DeepSeek-V3's per-expert correction bias."""
+    """One logit per expert (``weight``, and gpt-oss's ``bias``), and DeepSeek-V3's per-expert
+    correction bias."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int) -> None:
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.bias: nn.Parameter | None = None
+        if moe.router_bias:
+            self.bias = nn.Parameter(torch.empty(moe.num_experts))
         self.e_score_correction_bias: nn.Parameter | None = None
         if moe.score_correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, hidden]
-        """Weights [n, top_k] fp32 and expert ids [n, top_k] of each token."""
+        """Weights [n, top_k] and expert ids [n, top_k] of each token."""
         if self.moe.router_in_float32:
             logits = F.linear(x.float(), self.weight.float())
         else:
-            logits = F.linear(x, self.weight)
+            logits = F.linear(x, self.weight, self.bias)
         bias = self.e_score_correction_bias
         return route(logits, self.moe, None if bias is None else bias.float())
+
+
+def grouped_by_expert(
+    x: torch.Tensor,  # [n, hidden]
+    weights: torch.Tensor,  # [n, top_k]
+    expert_ids: torch.Tensor,  # [n, top_k] int64
+    num_experts: int,
+    expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],  # (expert, its rows) -> outputs
+) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
+    """Each expert's MLP once over the contiguous rows of its tokens, the outputs weighted and
+    added back per token in expert order (as transformers adds each expert's share in turn)."""
+    top_k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)  # [n * top_k]
+    order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order
+    tokens = order // top_k  # [n * top_k] the token of each sorted pair
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    grouped = x.index_select(0, tokens)  # [n * top_k, hidden] each expert's rows together
+    outputs = torch.empty_like(grouped)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        outputs[start : start + count] = expert_mlp(expert, grouped[start : start + count])
+        start += count
+    scaled = (outputs * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, scaled), counts
 
 
 class RoutedExperts(nn.Module):
@@ -115,24 +154,45 @@ class RoutedExperts(nn.Module):
         weights: torch.Tensor,  # [n, top_k] fp32
         expert_ids: torch.Tensor,  # [n, top_k] int64
     ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
-        top_k = expert_ids.shape[1]
-        flat_ids = expert_ids.reshape(-1)  # [n * top_k]
-        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order
-        tokens = order // top_k  # [n * top_k] the token of each sorted pair
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        grouped = x.index_select(0, tokens)  # [n * top_k, hidden] each expert's rows together
-        outputs = torch.empty_like(grouped)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = grouped[start : start + count]
-            hidden = silu_and_mul(F.linear(rows, self.gate_up_proj[expert]))
-            outputs[start : start + count] = F.linear(hidden, self.down_proj[expert])
-            start += count
-        scaled = (outputs * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-        # added per token in expert order, as transformers adds each expert's share in turn
-        return torch.zeros_like(x).index_add_(0, tokens, scaled), counts
+        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
+
+    def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
+        hidden = silu_and_mul(F.linear(rows, self.gate_up_proj[expert]))
+        return F.linear(hidden, self.down_proj[expert])
+
+
+class ClampedSwigluExperts(nn.Module):
+    """gpt-oss's experts, in its checkpoint's layout: ``gate_up_proj[e]`` is [hidden, 2 x this
+    rank's columns] (x @ W), gate and up columns interleaved; ``down_proj[e]`` [columns,
+    hidden]; each with a bias (the down projection's held by rank 0 only, zeros elsewhere, so
+    the all-reduce adds it once). Its MLP is (up + 1) * gate * sigmoid(alpha * gate), gate
+    clamped from above and up both ways at the limit."""
+
+    def __init__(self, moe: MoeConfig, hidden_size: int, intermediate: int) -> None:
+        super().__init__()
+        experts = moe.num_experts
+        self.num_experts = experts
+        self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden_size, 2 * intermediate))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * intermediate))
+        self.down_proj = nn.Parameter(torch.empty(experts, intermediate, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden_size))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+        weights: torch.Tensor,  # [n, top_k]
+        expert_ids: torch.Tensor,  # [n, top_k] int64
+    ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
+        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
+
+    def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
+        gate_up = rows @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return hidden @ self.down_proj[expert] + self.down_proj_bias[expert]
 
 
 class SharedExpert(nn.Module):
@@ -163,7 +223,11 @@ class SparseMoeBlock(nn.Module):
         self.moe = moe
         self.layer_idx = layer_idx
         self.gate = Router(moe, hidden_size)
-        self.experts = RoutedExperts(moe.num_experts, hidden_size, expert_intermediate)
+        self.experts: RoutedExperts | ClampedSwigluExperts = (
+            ClampedSwigluExperts(moe, hidden_size, expert_intermediate)
+            if moe.expert_activation == "clamped_swiglu"
+            else RoutedExperts(moe.num_experts, hidden_size, expert_intermediate)
+        )
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_expert_intermediate_size > 0:

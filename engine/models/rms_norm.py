@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
 
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: normalised in float32, scaled by (offset + weight) in float32, then cast
-    back (transformers' Gemma3RMSNorm order); torch only."""
+    back (transformers' Gemma3RMSNorm order; with offset 0, GptOssRMSNorm's); torch only."""
 
     def __init__(self, dim: int, eps: float, offset: float) -> None:
         super().__init__(dim, eps)
@@ -49,7 +49,8 @@ class OffsetRMSNorm(RMSNorm):
 
 
 def rms_norm_for(config: ModelConfig, dim: int) -> RMSNorm:
-    """The model's RMSNorm over ``dim`` (Gemma's where its weights are offsets from 1)."""
-    if config.norm_weight_offset:
+    """The model's RMSNorm over ``dim``: Gemma's where its weights are offsets from 1, and
+    gpt-oss's (scaled before the cast back) in the same float32 order."""
+    if config.norm_weight_offset or config.norm_scale_in_float32:
         return OffsetRMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
     return RMSNorm(dim, config.rms_norm_eps)

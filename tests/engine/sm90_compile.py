@@ -189,9 +189,12 @@ def _decode(
     context: int,
     rows_per_seq: int = 1,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: bool = False,
 ) -> Callable[[], object]:
     """``rows_per_seq`` > 1: a verify step's rows (a token and its drafts), folded per
-    sequence, as a decode graph of a drafting engine runs them."""
+    sequence, as a decode graph of a drafting engine runs them. ``sinks``: a sink logit per
+    head."""
     max_blocks = -(-context // BLOCK_SIZE)
     num_rows = num_seqs * rows_per_seq
     folded = rows_per_seq > 1
@@ -206,11 +209,18 @@ def _decode(
         row_starts=_meta(num_rows + 1, dtype=index) if folded else None,
         max_rows_per_seq=rows_per_seq,
         sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        sinks=_meta(shape.num_heads, dtype=torch.float32) if sinks else None,
     )
 
 
 def _prefill(
-    shape: ModelShape, dtype: torch.dtype, num_tokens: int, sliding_window: int | None = None
+    shape: ModelShape,
+    dtype: torch.dtype,
+    num_tokens: int,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: bool = False,
 ) -> Callable[[], object]:
     max_blocks = -(-num_tokens // BLOCK_SIZE)
     return lambda: paged_prefill_attention.paged_prefill_attention(
@@ -222,6 +232,8 @@ def _prefill(
         shape.head_dim**-0.5,
         max_query_len=num_tokens,
         sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        sinks=_meta(shape.num_heads, dtype=torch.float32) if sinks else None,
     )
 
 
@@ -263,7 +275,8 @@ def _block_copy(shape: ModelShape, dtype: torch.dtype, num_blocks: int) -> Calla
 
 def paged_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
     """(label, kernel module, wrapper call) for the launches a GPU engine makes for K/V caches:
-    every model shape in bfloat16 (what GPUs serve), and the first in float16 and float32 too."""
+    every model shape in bfloat16 (what GPUs serve), and the first in float16 and float32 too;
+    the first's sliding-window variants in each, its soft-cap and sink ones in bfloat16."""
     for index, shape in enumerate(SHAPES):
         dtypes = (torch.bfloat16, torch.float16, torch.float32) if index == 0 else (torch.bfloat16,)
         for dtype in dtypes:
@@ -280,6 +293,15 @@ def paged_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
                 yield f"decode {tag} batch 8, window 256", paged_decode_attention, call
                 call = _prefill(shape, dtype, 1024, sliding_window=256)
                 yield f"prefill {tag}, window 256", paged_prefill_attention, call
+            if index == 0 and dtype == torch.bfloat16:  # Gemma 2's soft-cap; gpt-oss's sinks
+                call = _decode(shape, dtype, 1, 1024, logit_softcap=50.0)
+                yield f"decode {tag} batch 1, softcap 50", paged_decode_attention, call
+                call = _decode(shape, dtype, 1, 1024, sliding_window=128, sinks=True)
+                yield f"decode {tag} batch 1, window 128, sinks", paged_decode_attention, call
+                call = _prefill(shape, dtype, 1024, logit_softcap=50.0)
+                yield f"prefill {tag}, softcap 50", paged_prefill_attention, call
+                call = _prefill(shape, dtype, 1024, sliding_window=128, sinks=True)
+                yield f"prefill {tag}, window 128, sinks", paged_prefill_attention, call
             yield f"kv write {tag}", kv_cache_write, _write(shape, dtype, 64)
             yield f"elementwise {tag}", elementwise, _elementwise(shape, dtype, 64)
             yield f"kv block copy {tag}", block_copy, _block_copy(shape, dtype, 512)

@@ -1,9 +1,10 @@
 """Attention backends (torch reference, Triton, CPU kernel) against a naive float64 softmax attention on
-random paged inputs."""
+random paged inputs, with and without soft-capped logits, attention sinks and a sliding window."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
+from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
+from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
 
 NUM_BLOCKS = 1024
 
@@ -23,6 +26,9 @@ def _naive_attention(
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     query_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = key.shape
@@ -30,9 +36,19 @@ def _naive_attention(
     key = key.double().repeat_interleave(group, dim=1)
     value = value.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.double(), key) * scale
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
     query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
-    scores.masked_fill_(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), value)
+    context_pos = torch.arange(seq_len)[None, :]
+    scores.masked_fill_(context_pos > query_pos, float("-inf"))
+    if sliding_window is not None:
+        scores.masked_fill_(context_pos <= query_pos - sliding_window, float("-inf"))
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), value)
+    # the sink: one more position per head, with no value
+    sink_column = sinks.double()[:, None, None].expand(-1, query_len, 1)
+    weights = torch.cat([scores, sink_column], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", weights, value)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (4, 1)])
@@ -81,10 +97,12 @@ def _check_mixed_batch(
     num_kv_heads: int,
     block_size: int,
     num_decode_seqs: int,
+    scale: float = 0.3,
+    **extras: Any,  # sliding_window, logit_softcap, sinks
 ) -> None:
     """Prefills (fresh, after a cached prefix, one token) then decodes, in one forward."""
     torch.manual_seed(0)
-    head_dim, scale = 16, 0.3
+    head_dim = 16
     rng = random.Random(num_decode_seqs)
     # (context length after this step, new tokens): prefills first, then decodes
     seqs = [(23, 23), (40, 9), (2, 2), (1, 1)]
@@ -108,12 +126,65 @@ def _check_mixed_batch(
         query = torch.randn(query_len, num_heads, head_dim)
         tables.append(table)
         queries.append(query)
-        expected.append(_naive_attention(query, key, value, scale))
+        expected.append(_naive_attention(query, key, value, scale, **extras))
     slot_mapping = torch.cat(new_slots)
     backend.write_kv(cache, torch.cat(new_keys), torch.cat(new_values), slot_mapping)
     metadata = _metadata(seqs, num_prefill_seqs, tables, slot_mapping)
-    out = backend.forward(torch.cat(queries), cache, metadata, scale)
+    out = backend.forward(torch.cat(queries), cache, metadata, scale, **extras)
     torch.testing.assert_close(out.double(), torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+
+BACKENDS = {
+    "torch": TorchAttentionBackend,
+    "cpu": CpuAttentionBackend,
+    "triton": TritonAttentionBackend,
+}
+# a cap of 1.5 bends logits of a scale of 1 (std 4 at head_dim 16) hard; sinks span the logits
+EXTRAS: dict[str, dict[str, Any]] = {
+    "softcap": {"logit_softcap": 1.5},
+    "sinks": {"sinks": torch.linspace(-3.0, 4.0, 4)},
+    "both-window-7": {
+        "logit_softcap": 1.5,
+        "sinks": torch.linspace(-3.0, 4.0, 4),
+        "sliding_window": 7,
+    },
+}
+
+
+@pytest.mark.parametrize("extras", EXTRAS, ids=list(EXTRAS))
+@pytest.mark.parametrize("backend", BACKENDS, ids=list(BACKENDS))
+def test_softcap_and_sinks_match_naive(backend: str, extras: str) -> None:
+    """Each backend's forward passes a soft-cap, sinks and a window on to its prefills and
+    its decodes alike (GQA: 4 heads over 2)."""
+    _check_mixed_batch(BACKENDS[backend](), 4, 2, 4, 3, scale=1.0, **EXTRAS[extras])
+
+
+def test_cpu_backend_runs_its_kernels_with_softcap_and_sinks() -> None:
+    """The CPU backend's prefills and decodes are its kernels' outputs to the bit, not the
+    torch reference's explicit softmax."""
+    torch.manual_seed(1)
+    block_size, scale = 4, 1.0
+    seqs = [(23, 23), (40, 9), (30, 1), (12, 1)]
+    cache = torch.randn(2, 64, block_size, 2, 16)
+    tables = [list(range(start, start + 10)) for start in (0, 10, 20, 30)]
+    metadata = _metadata(seqs, 2, tables, torch.zeros(34, dtype=torch.long))
+    query = torch.randn(34, 4, 16)
+    extras: dict[str, Any] = {"logit_softcap": 1.5, "sinks": torch.linspace(-3.0, 4.0, 4)}
+    out = CpuAttentionBackend().forward(query, cache, metadata, scale, 7, **extras)
+    starts = torch.tensor(metadata.prefill_query_start_loc)
+    prefill_lens = torch.tensor(metadata.prefill_seq_lens)
+    tables_of = (metadata.prefill_block_tables, metadata.decode_block_tables)
+    prefills = paged_prefill_attention_cpu(
+        query[:32], cache, tables_of[0], starts, prefill_lens, scale, None, 7, **extras
+    )
+    decodes = paged_decode_attention_cpu(
+        query[32:], cache, tables_of[1], metadata.decode_seq_lens, scale, None, 7, **extras
+    )
+    assert torch.equal(out, torch.cat([prefills, decodes]))
+    reference = TorchAttentionBackend().forward(query, cache, metadata, scale, 7, **extras)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    # which tells the two paths apart: the reference's bits are not the kernels'
+    assert not torch.equal(out, reference)
 
 
 def _metadata(

@@ -1,17 +1,21 @@
 """The C decode-attention kernel (engine/kernels/cpu) against a float64 softmax over each
-sequence's gathered context (or its sliding window's last positions), its argument checks,
-and how it is built and cached."""
+sequence's gathered context (or its sliding window's last positions), and with soft-capped
+logits or attention sinks against the torch reference; its argument checks, and how it is
+built and cached."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import resolve_attention_backend
+from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.cpu import build
 from engine.kernels.cpu import paged_decode_attention as kernel_module
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
@@ -201,6 +205,76 @@ def test_bad_arguments_are_refused_by_name() -> None:
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             paged_decode_attention_cpu(*args, scale=0.1)
+
+
+# ---- soft-capped logits (Gemma 2) and attention sinks (gpt-oss) ----------------------------
+# (logit soft-cap, with sinks): a cap of 2 bends the logits of a scale of 0.5 (std >= 4) hard
+EXTRAS = {"softcap": (2.0, False), "sinks": (None, True), "both": (2.0, True)}
+
+
+def _torch_reference(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs = query.shape[0]
+    metadata = AttentionMetadata(
+        num_prefill_seqs=0,
+        num_prefill_tokens=0,
+        num_decode_seqs=num_seqs,
+        slot_mapping=torch.zeros(num_seqs, dtype=torch.int64),  # unused by forward
+        prefill_query_start_loc=[0],
+        prefill_seq_lens=[],
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int64),
+        decode_seq_lens=seq_lens,
+        decode_block_tables=tables,
+        max_decode_seq_len=int(seq_lens.max()),
+    )
+    return TorchAttentionBackend().forward(
+        query, cache, metadata, scale, sliding_window, logit_softcap=logit_softcap, sinks=sinks
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [None, 21], ids=["whole", "window-21"])
+@pytest.mark.parametrize("extras", EXTRAS, ids=list(EXTRAS))
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (4, 4, 128), (6, 2, 48)]
+)
+def test_softcap_and_sinks_match_the_torch_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, extras: str, sliding_window: int | None
+) -> None:
+    """Contexts of 1 to 90 tokens in blocks of 5; on one thread and three, to the bit."""
+    softcap, with_sinks = EXTRAS[extras]
+    rng = random.Random(head_dim)
+    seq_lens = [1, 5, 21, 48, *(rng.randint(1, 90) for _ in range(6))]
+    query, cache, tables, lens = _case(seq_lens, num_heads, num_kv_heads, head_dim, 5)
+    generator = torch.Generator().manual_seed(num_heads)
+    sinks = 2 * torch.randn(num_heads, generator=generator) + 1 if with_sinks else None
+    case = (query, cache, tables, lens, 0.5)
+    out = paged_decode_attention_cpu(*case, 1, sliding_window, softcap, sinks)
+    assert torch.equal(out, paged_decode_attention_cpu(*case, 3, sliding_window, softcap, sinks))
+    expected = _torch_reference(*case, sliding_window, softcap, sinks)
+    torch.testing.assert_close(out, expected, **FLOAT32)
+
+
+def test_bad_softcap_and_sinks_are_refused_by_name() -> None:
+    query, cache, tables, lens = _case([20, 9], 4, 2, 64, 8)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"logit_softcap": 0.0}, "logit_softcap must be > 0 and finite, or None, got 0.0"),
+        ({"logit_softcap": -1.0}, "logit_softcap must be > 0"),
+        ({"sinks": torch.zeros(2)}, r"sinks must be a contiguous \[num_heads = 4\], got \(2,\)"),
+        ({"sinks": torch.zeros(8)[::2]}, "sinks must be a contiguous"),
+        ({"sinks": torch.zeros(4).half()}, "sinks must be float32, got torch.float16"),
+        ({"sinks": torch.zeros(4, device="meta")}, "sinks is on meta"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            paged_decode_attention_cpu(query, cache, tables, lens, 0.1, **kwargs)
 
 
 @pytest.fixture

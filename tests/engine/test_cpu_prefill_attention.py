@@ -1,16 +1,20 @@
 """The C prefill-attention kernel (engine/kernels/cpu) against a float64 causal softmax over
 each sequence's gathered context (cached prefix + new tokens, or each token's sliding window
-of it), and its argument checks.
+of it), and with soft-capped logits or attention sinks against the torch reference; and its
+argument checks.
 Greedy parity of the whole model on the CPU backend, which this kernel now serves for every
 prefill, is tests/engine/test_parity.py's."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
 
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
 from tests.engine.paged_tables import scattered_block_tables
 
@@ -234,3 +238,74 @@ def test_bad_arguments_are_refused_by_name() -> None:
             paged_prefill_attention_cpu(*args, 0.1)
     with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
         paged_prefill_attention_cpu(query, cache, tables, starts, lens, 0.1, num_threads=0)
+
+
+# ---- soft-capped logits (Gemma 2) and attention sinks (gpt-oss) ----------------------------
+# (logit soft-cap, with sinks): a cap of 2 bends the logits of a scale of 0.5 (std >= 4) hard
+EXTRAS = {"softcap": (2.0, False), "sinks": (None, True), "both": (2.0, True)}
+
+
+def _torch_reference(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_tokens = query.shape[0]
+    metadata = AttentionMetadata(
+        num_prefill_seqs=seq_lens.shape[0],
+        num_prefill_tokens=num_tokens,
+        num_decode_seqs=0,
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),  # unused by forward
+        prefill_query_start_loc=starts.tolist(),
+        prefill_seq_lens=seq_lens.tolist(),
+        prefill_block_tables=tables,
+        decode_seq_lens=torch.zeros(0, dtype=torch.int64),
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int64),
+        max_decode_seq_len=0,
+    )
+    return TorchAttentionBackend().forward(
+        query, cache, metadata, scale, sliding_window, logit_softcap=logit_softcap, sinks=sinks
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [None, 21], ids=["whole", "window-21"])
+@pytest.mark.parametrize("extras", EXTRAS, ids=list(EXTRAS))
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (4, 4, 128), (6, 2, 48)]
+)
+def test_softcap_and_sinks_match_the_torch_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, extras: str, sliding_window: int | None
+) -> None:
+    """Whole prompts and new tokens after a cached prefix, one past a tile of new tokens (64),
+    in blocks of 5; on one thread and three, to the bit."""
+    softcap, with_sinks = EXTRAS[extras]
+    query_lens = [1, 7, 70, 33, 2]
+    seq_lens = [1, 50, 70, 100, 9]
+    case = _case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, 5)
+    generator = torch.Generator().manual_seed(num_heads)
+    sinks = 2 * torch.randn(num_heads, generator=generator) + 1 if with_sinks else None
+    out = paged_prefill_attention_cpu(*case, 0.5, 1, sliding_window, softcap, sinks)
+    shared = paged_prefill_attention_cpu(*case, 0.5, 3, sliding_window, softcap, sinks)
+    assert torch.equal(out, shared)
+    expected = _torch_reference(*case, 0.5, sliding_window, softcap, sinks)
+    torch.testing.assert_close(out, expected, **FLOAT32)
+
+
+def test_bad_softcap_and_sinks_are_refused_by_name() -> None:
+    case = _case([20, 9], [20, 30], 4, 2, 64, 8)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"logit_softcap": 0.0}, "logit_softcap must be > 0 and finite, or None, got 0.0"),
+        ({"logit_softcap": float("inf")}, "logit_softcap must be > 0 and finite"),
+        ({"sinks": torch.zeros(2)}, r"sinks must be a contiguous \[num_heads = 4\], got \(2,\)"),
+        ({"sinks": torch.zeros(4).double()}, "sinks must be float32, got torch.float64"),
+        ({"sinks": torch.zeros(4, device="meta")}, "sinks is on meta"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            paged_prefill_attention_cpu(*case, 0.1, **kwargs)

@@ -1,9 +1,9 @@
-"""Gemma 3 (text): its config in both spellings, its norm and its two ropes against
-transformers.
+"""Gemma 2 and Gemma 3 (text): their configs (Gemma 3's in both spellings), the norm and Gemma
+3's two ropes against transformers, and what Gemma 2's soft-capping does.
 
 Greedy identity with transformers in every engine mode is in the suites that run every
 architecture of ``tests.conftest.ARCHITECTURES`` (test_parity.py, test_models.py,
-test_async_scheduling.py, test_tp_model.py, test_tp_parity.py), Gemma 3 included.
+test_async_scheduling.py, test_tp_model.py, test_tp_parity.py), both Gemmas included.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from engine.models.rms_norm import OffsetRMSNorm
 from engine.models.rope import RotaryEmbedding
 from tests.fixtures.tiny_models import tiny_hf_config
 
-GEMMA3 = "Gemma3ForCausalLM"
+GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 
 
-def _raw(**overrides: Any) -> dict[str, Any]:
-    return {**tiny_hf_config(GEMMA3).to_dict(), **overrides}
+def _raw(architecture: str = GEMMA3, **overrides: Any) -> dict[str, Any]:
+    return {**tiny_hf_config(architecture).to_dict(), **overrides}
 
 
 def test_config_reads_gemmas_choices() -> None:
@@ -64,6 +64,19 @@ def test_older_config_keys_give_the_same_ropes_and_layers() -> None:
     assert config.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
 
 
+def test_gemma2_config_reads_its_soft_caps_and_alternating_layers() -> None:
+    config = parse_model_config(_raw(GEMMA2))
+    assert (config.attention_logit_softcap, config.final_logit_softcap) == (5.0, 10.0)
+    assert config.sliding_layers == (0, 2) and config.sliding_window == 24
+    assert config.local_rope is None and not config.qk_norm and config.sandwich_norms
+    # transformers' defaults when config.json leaves the caps out
+    raw = _raw(GEMMA2)
+    del raw["attn_logit_softcapping"], raw["final_logit_softcapping"]
+    defaults = parse_model_config(raw)
+    assert (defaults.attention_logit_softcap, defaults.final_logit_softcap) == (50.0, 30.0)
+
+
+@pytest.mark.parametrize("architecture", [GEMMA2, GEMMA3])
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -73,10 +86,10 @@ def test_older_config_keys_give_the_same_ropes_and_layers() -> None:
     ],
 )
 def test_unsupported_gemma_configs_are_refused_naming_the_field(
-    overrides: dict[str, Any], message: str
+    architecture: str, overrides: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        parse_model_config(_raw(**overrides))
+        parse_model_config(_raw(architecture, **overrides))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

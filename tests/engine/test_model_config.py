@@ -51,17 +51,21 @@ def test_v5_saved_config_round_trips(tmp_path: Path, architecture: str) -> None:
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == heads
     assert (config.mla is not None, config.kv_planes) == ((True, 1) if latent else (False, 2))
     # transformers' defaults, or the tiny configs' (Gemma 3's global layers')
-    theta = 1e6 if architecture in ("MixtralForCausalLM", "Gemma3ForCausalLM") else 10000.0
+    thetas = {"MixtralForCausalLM": 1e6, "Gemma3ForCausalLM": 1e6, "GptOssForCausalLM": 150000.0}
+    theta = thetas.get(architecture, 10000.0)
     scaling = {
         "Phi3ForCausalLM": "longrope",
         "DeepseekV3ForCausalLM": "yarn",
         "Gemma3ForCausalLM": "linear",
+        "GptOssForCausalLM": "yarn",
     }
     assert config.rope.theta == theta
     assert config.rope.scaling_type == scaling.get(architecture, "default")
-    assert config.qkv_bias == architecture.startswith("Qwen2")
+    assert config.qkv_bias == architecture.startswith(("Qwen2", "GptOss"))
     assert config.qk_norm == architecture.startswith(("Qwen3", "Gemma3"))
-    sparse = "Moe" in architecture or "Mixtral" in architecture or latent
+    sparse = (
+        "Moe" in architecture or "Mixtral" in architecture or latent or "GptOss" in architecture
+    )
     assert (config.moe is not None) == sparse
     assert config.eos_token_ids == (2,) and config.bos_token_id == 1
 
@@ -180,3 +184,9 @@ def test_inactive_sliding_window_is_accepted(architecture: str, overrides: dict[
 def test_non_silu_activation_is_refused() -> None:
     with pytest.raises(ValueError, match="gelu"):
         parse_model_config(_raw(hidden_act="gelu"))
+
+
+def test_a_quantized_checkpoint_is_refused_naming_the_field() -> None:
+    quantized = _raw(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": []})
+    with pytest.raises(ValueError, match="quantization_config.*'mxfp4'"):
+        parse_model_config(quantized)

@@ -37,6 +37,7 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 REPLICATED = (
     ".mlp.gate.weight",
     ".mlp.gate.e_score_correction_bias",
+    ".mlp.gate.bias",
     ".shared_expert_gate.weight",
     ".q_a_proj.weight",
     ".kv_a_proj_with_mqa.weight",
@@ -188,7 +189,9 @@ def _expected_bytes(whole: LlamaForCausalLM, shard: TensorParallelShard) -> tupl
         row_bytes = num_bytes // param.shape[0]
         if "norm" in name or name.endswith(REPLICATED):
             held, read = held + num_bytes, read + num_bytes  # norms, routers, MLA's down proj.
-        elif name.endswith(".bias") and any(f".{m}." in name for m in ROW_PARALLEL):
+        elif name.endswith(".experts.down_proj_bias") or (
+            name.endswith(".bias") and any(f".{m}." in name for m in ROW_PARALLEL)
+        ):
             held, read = held + num_bytes, read + (num_bytes if shard.rank == 0 else 0)
         elif "embed_tokens" in name or "lm_head" in name:
             num_real = len(range(shard.vocab.start, min(shard.vocab.stop, config.vocab_size)))

@@ -103,11 +103,16 @@ def tp_llm(model_dir: Path, size: int, **options: object) -> LLM:
     )
 
 
-# Mixtral and Qwen3-MoE shard their experts as Qwen2-MoE does (test_tp_model checks their
-# ranks' logits and bytes): one mixture-of-experts model here keeps the file's time down
-TP_ARCHITECTURES = tuple(
-    arch for arch in ARCHITECTURES if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# Mixtral and Qwen3-MoE shard their experts as Qwen2-MoE does, DeepSeek-V2 its latent
+# attention as DeepSeek-V3 does, Gemma 2 its layers as Gemma 3 does (test_tp_model checks
+# all their ranks' logits and bytes): one of each kind here keeps the file's time down
+_SHARDED_AS_ANOTHER = (
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "Gemma2ForCausalLM",
 )
+TP_ARCHITECTURES = tuple(arch for arch in ARCHITECTURES if arch not in _SHARDED_AS_ANOTHER)
 
 
 @pytest.fixture(scope="module", params=TP_ARCHITECTURES)

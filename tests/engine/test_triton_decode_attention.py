@@ -7,7 +7,7 @@ which is slow: shapes stay small.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -177,18 +177,7 @@ def test_write_then_decode_matches_torch_backend() -> None:
     new_kv = torch.randn(2, len(seq_lens), 2, 64, generator=generator).to(DEVICE)
     positions = case.seq_lens - 1  # the new token is each seq's last
     slots = case.block_tables.gather(1, (positions // 4)[:, None])[:, 0] * 4 + positions % 4
-    metadata = AttentionMetadata(
-        num_prefill_seqs=0,
-        num_prefill_tokens=0,
-        num_decode_seqs=len(seq_lens),
-        slot_mapping=slots,
-        prefill_query_start_loc=[0],
-        prefill_seq_lens=[],
-        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int64, device=DEVICE),
-        decode_seq_lens=case.seq_lens,
-        decode_block_tables=case.block_tables,
-        max_decode_seq_len=max(seq_lens),
-    )
+    metadata = _decode_metadata(case, slots)
     backend = TorchAttentionBackend()
     torch_cache = case.kv_cache_layer.clone()
     backend.write_kv(torch_cache, new_kv[0], new_kv[1], slots)
@@ -206,6 +195,23 @@ def test_write_then_decode_matches_torch_backend() -> None:
         max_seq_len=metadata.max_decode_seq_len,
     )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def _decode_metadata(case: DecodeCase, slots: torch.Tensor | None = None) -> AttentionMetadata:
+    """The case's rows as a step of decodes (``slots``: their new tokens', unused by forward)."""
+    num_rows = case.seq_lens.shape[0]
+    return AttentionMetadata(
+        num_prefill_seqs=0,
+        num_prefill_tokens=0,
+        num_decode_seqs=num_rows,
+        slot_mapping=torch.zeros(num_rows, dtype=torch.int64) if slots is None else slots,
+        prefill_query_start_loc=[0],
+        prefill_seq_lens=[],
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int64, device=DEVICE),
+        decode_seq_lens=case.seq_lens,
+        decode_block_tables=case.block_tables,
+        max_decode_seq_len=int(case.seq_lens.max()),
+    )
 
 
 def test_default_num_splits() -> None:
@@ -537,6 +543,142 @@ def test_a_window_below_one_token_is_refused(sliding_window: int) -> None:
         ValueError, match=f"sliding_window must be >= 1 or None, got {sliding_window}"
     ):
         _run_windowed(case, sliding_window, 16)
+
+
+# ---- soft-capped logits (Gemma 2) and attention sinks (gpt-oss) ----------------------------
+# (logit soft-cap, with sinks): a cap of 2 bends the logits of a scale of 0.5 (std 4) hard
+EXTRAS = {"softcap": (2.0, False), "sinks": (None, True), "both": (2.0, True)}
+
+
+def _sinks(num_heads: int) -> torch.Tensor:  # [num_heads] f32: some far above the logits
+    generator = torch.Generator().manual_seed(num_heads)
+    return (2 * torch.randn(num_heads, generator=generator) + 1).to(DEVICE)
+
+
+def _torch_reference(
+    case: DecodeCase,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:  # [num_rows, num_heads, head_dim] float32
+    """The torch backend's explicit softmax over the case's rows, from float32 inputs."""
+    exact = replace(case, query=case.query.float(), kv_cache_layer=case.kv_cache_layer.float())
+    return TorchAttentionBackend().forward(
+        exact.query,
+        exact.kv_cache_layer,
+        _decode_metadata(exact),
+        exact.scale,
+        sliding_window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+    )
+
+
+def _run_extras(
+    case: DecodeCase,
+    tokens_per_split: int,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    sinks: torch.Tensor | None,
+    row_starts: torch.Tensor | None = None,
+    max_rows: int = 1,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    return paged_decode_attention(
+        case.query,
+        case.kv_cache_layer,
+        case.block_tables,
+        case.seq_lens,
+        case.scale,
+        max_seq_len=max_seq_len,
+        tokens_per_split=tokens_per_split,
+        row_starts=row_starts,
+        max_rows_per_seq=max_rows,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [None, 21], ids=["whole", "window-21"])
+@pytest.mark.parametrize("extras", EXTRAS, ids=list(EXTRAS))
+def test_softcap_and_sinks_match_the_torch_reference(
+    extras: str, sliding_window: int | None
+) -> None:
+    """Rows of 1 to 70 tokens in one partition, and in partitions of 16 (the 70-token row's
+    window starts in its fourth of five): each row's sink is counted once."""
+    softcap, with_sinks = EXTRAS[extras]
+    case = replace(_make_case([1, 16, 37, 70], 8, 2, 64, 8, seed=10), scale=0.5)
+    sinks = _sinks(8) if with_sinks else None
+    expected = _torch_reference(case, sliding_window, softcap, sinks)
+    for tokens_per_split in (80, 16):
+        out = _run_extras(case, tokens_per_split, sliding_window, softcap, sinks)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_sinks_over_folded_rows_whose_windows_start_in_different_partitions() -> None:
+    """A sequence's rows of contexts 60..64 under a window of 14 start seeing at 46..50: two
+    rows in the third partition of 16 tokens, three in the fourth, where each counts its sink."""
+    base = replace(_make_case([64, 40, 9], 8, 2, 64, 4, seed=11), scale=0.5)
+    case, starts = _verify_rows(base, [5, 3, 1])
+    sinks = _sinks(8)
+    out = _run_extras(case, 16, 14, 2.0, sinks, row_starts=starts, max_rows=5)
+    torch.testing.assert_close(out, _torch_reference(case, 14, 2.0, sinks), atol=2e-5, rtol=1e-5)
+
+
+def test_softcap_and_sinks_in_bfloat16() -> None:
+    case = replace(_make_case([1, 37, 70], 8, 2, 64, 8, torch.bfloat16, seed=12), scale=0.5)
+    sinks = _sinks(8)
+    out = _run_extras(case, 16, 21, 2.0, sinks)
+    assert out.dtype == torch.bfloat16
+    expected = _torch_reference(case, 21, 2.0, sinks)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_a_windowed_sequence_with_sinks_gets_the_same_bits_whatever_the_bound() -> None:
+    """As without sinks: a row counts its sink in the same partition (the one its window
+    starts in) whether the grid has one partition (no merge), as many as the longest context
+    needs (3) or as many as the capacity holds (5)."""
+    case = replace(_make_case([1, 31, 32, 33, 70], 4, 2, 64, 4, seed=13), scale=0.5)
+    case = replace(case, block_tables=torch.nn.functional.pad(case.block_tables, (0, 17)))
+    sinks = _sinks(4)
+    by_longest = _run_extras(case, 32, 20, 2.0, sinks, max_seq_len=70)
+    by_capacity = _run_extras(case, 32, 20, 2.0, sinks, max_seq_len=140)
+    assert torch.equal(by_longest, by_capacity)
+    short = [0, 1, 2]  # one partition each: written by the first kernel without a merge
+    rows = replace(
+        case,
+        query=case.query[short],
+        block_tables=case.block_tables[short],
+        seq_lens=case.seq_lens[short],
+    )
+    alone = _run_extras(rows, 32, 20, 2.0, sinks, max_seq_len=32)
+    assert torch.equal(alone, by_capacity[short])
+    torch.testing.assert_close(
+        by_capacity, _torch_reference(case, 20, 2.0, sinks), atol=2e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("softcap", "sinks", "message"),
+    [
+        (0.0, None, "logit_softcap must be > 0 and finite, or None, got 0.0"),
+        (-5.0, None, "logit_softcap must be > 0"),
+        (float("inf"), None, "logit_softcap must be > 0 and finite"),
+        (None, torch.zeros(3), r"sinks must be a contiguous \[num_heads = 4\], got \(3,\)"),
+        (None, torch.zeros(8)[::2], "sinks must be a contiguous"),
+        (None, torch.zeros(4, dtype=torch.bfloat16), "sinks must be float32, got torch.bfloat16"),
+        (None, torch.zeros(4, device="meta"), "sinks is on meta"),
+    ],
+)
+def test_bad_softcap_and_sinks_are_refused_by_name(
+    softcap: float | None, sinks: torch.Tensor | None, message: str
+) -> None:
+    case = _make_case([5, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    if sinks is not None and sinks.device.type != "meta":
+        sinks = sinks.to(DEVICE)
+    with pytest.raises(ValueError, match=message):
+        _run_extras(case, 16, None, softcap, sinks)
 
 
 @pytest.mark.gpu

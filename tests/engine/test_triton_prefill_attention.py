@@ -35,6 +35,8 @@ class PrefillCase:
     scale: float
     tiling: PrefillTiling
     sliding_window: int | None = None
+    logit_softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [num_heads] float32
 
     @property
     def max_query_len(self) -> int:
@@ -51,6 +53,8 @@ class PrefillCase:
             self.max_query_len,
             self.tiling,
             sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+            sinks=self.sinks,
         )
 
 
@@ -176,13 +180,12 @@ def test_strided_query_from_fused_projection() -> None:
     torch.testing.assert_close(strided.run(), case.run())
 
 
-def test_matches_torch_backend() -> None:
-    """Same output as the reference backend given prefill-only metadata."""
-    seqs = [(45, 45), (33, 10)]
-    case = _make_case(seqs, 4, 2, 64, 16, seed=4)
+def _torch_reference(case: PrefillCase) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The torch backend's output for the case as a step of prefills, from float32 inputs
+    (its explicit softmax, with a soft-cap or sinks)."""
     starts = case.query_start_loc.tolist()
     metadata = AttentionMetadata(
-        num_prefill_seqs=len(seqs),
+        num_prefill_seqs=len(case.seqs),
         num_prefill_tokens=starts[-1],
         num_decode_seqs=0,
         slot_mapping=torch.zeros(starts[-1], dtype=torch.long),  # unused by forward
@@ -193,10 +196,21 @@ def test_matches_torch_backend() -> None:
         decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
         max_decode_seq_len=0,
     )
-    expected = TorchAttentionBackend().forward(
-        case.query, case.kv_cache_layer, metadata, case.scale
+    return TorchAttentionBackend().forward(
+        case.query.float(),
+        case.kv_cache_layer.float(),
+        metadata,
+        case.scale,
+        case.sliding_window,
+        logit_softcap=case.logit_softcap,
+        sinks=case.sinks,
     )
-    torch.testing.assert_close(case.run(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_matches_torch_backend() -> None:
+    """Same output as the reference backend given prefill-only metadata."""
+    case = _make_case([(45, 45), (33, 10)], 4, 2, 64, 16, seed=4)
+    torch.testing.assert_close(case.run(), _torch_reference(case), atol=1e-5, rtol=1e-5)
 
 
 def test_int64_indices_accepted() -> None:
@@ -312,6 +326,61 @@ def test_a_window_below_one_token_is_refused(sliding_window: int) -> None:
         ValueError, match=f"sliding_window must be >= 1 or None, got {sliding_window}"
     ):
         replace(case, sliding_window=sliding_window).run()
+
+
+# ---- soft-capped logits (Gemma 2) and attention sinks (gpt-oss) ----------------------------
+# (logit soft-cap, with sinks): a cap of 2 bends the logits of a scale of 0.5 (std 4) hard
+EXTRAS = {"softcap": (2.0, False), "sinks": (None, True), "both": (2.0, True)}
+
+
+def _with_extras(case: PrefillCase, extras: str, sliding_window: int | None) -> PrefillCase:
+    softcap, with_sinks = EXTRAS[extras]
+    num_heads = case.query.shape[1]
+    generator = torch.Generator().manual_seed(num_heads)
+    sinks = 2 * torch.randn(num_heads, generator=generator) + 1  # some far above the logits
+    return replace(
+        case,
+        scale=0.5,
+        sliding_window=sliding_window,
+        logit_softcap=softcap,
+        sinks=sinks.to(case.query.device) if with_sinks else None,
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5], ids=["whole", "window-5"])
+@pytest.mark.parametrize("extras", EXTRAS, ids=list(EXTRAS))
+def test_softcap_and_sinks_match_the_torch_reference(
+    extras: str, sliding_window: int | None
+) -> None:
+    """Fresh prompts, a chunk after a cached prefix and a 1-token prompt, in programs of 8
+    tokens and tiles of 16 positions: a window of 5 masks each row in the tiles it starts in."""
+    case = _make_case(MIXED_SEQS, 8, 2, 64, 8, seed=10)
+    case = _with_extras(case, extras, sliding_window)
+    torch.testing.assert_close(case.run(), _torch_reference(case), atol=2e-5, rtol=1e-5)
+
+
+def test_softcap_and_sinks_in_bfloat16() -> None:
+    case = _make_case(MIXED_SEQS, 8, 2, 64, 8, dtype=torch.bfloat16, seed=11)
+    case = _with_extras(case, "both", 21)
+    out = case.run()
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _torch_reference(case), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"logit_softcap": 0.0}, "logit_softcap must be > 0 and finite, or None, got 0.0"),
+        ({"logit_softcap": float("nan")}, "logit_softcap must be > 0"),
+        ({"sinks": torch.zeros(2)}, r"sinks must be a contiguous \[num_heads = 4\], got \(2,\)"),
+        ({"sinks": torch.zeros(4).double()}, "sinks must be float32, got torch.float64"),
+        ({"sinks": torch.zeros(4, device="meta")}, "sinks is on meta"),
+    ],
+)
+def test_bad_softcap_and_sinks_are_refused_by_name(change: dict[str, Any], match: str) -> None:
+    case = _make_case([(30, 30), (40, 10)], 4, 2, 64, 16)
+    with pytest.raises(ValueError, match=match):
+        replace(case, **change).run()
 
 
 @pytest.mark.gpu

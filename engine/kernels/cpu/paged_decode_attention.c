@@ -4,12 +4,15 @@
  * its block table, with an online softmax (running max and sum per head), so no block is ever
  * copied out. With a sliding window W (``sliding_window`` > 0) the query, at position
  * seq_len - 1, sees only positions from seq_len - W on: the walk starts there, so the blocks
- * wholly before it are neither read nor checked (their table entries may hold anything). The
- * next block's K and V are prefetched while the current one is computed: the kernel is bound
- * by memory latency otherwise (blocks lie anywhere in the cache). Sequences are shared out
- * over ``num_threads`` OpenMP threads (the engine's torch threads): one core reaches a
- * fraction of the memory bandwidth (about 14 of 50-70 GB/s on the 2-core EPYC), so a second
- * thread nearly halves the time.
+ * wholly before it are neither read nor checked (their table entries may hold anything). With
+ * a logit soft-cap c (``logit_softcap`` > 0) each logit scale * q . k becomes c tanh(logit / c);
+ * with attention sinks (``sinks`` not NULL) head h's logit sinks[h] joins its softmax's
+ * denominator as a position with no value, seen first (the running max starts at it, the sum
+ * at 1). The next block's K and V are prefetched while the current one is computed: the
+ * kernel is bound by memory latency otherwise (blocks lie anywhere in the cache). Sequences are
+ * shared out over ``num_threads`` OpenMP threads (the engine's torch threads): one core
+ * reaches a fraction of the memory bandwidth (about 14 of 50-70 GB/s on the 2-core EPYC), so
+ * a second thread nearly halves the time.
  *
  * Layouts (all contiguous but the block table's rows):
  *   query, out    [num_seqs, num_heads, head_dim]
@@ -17,6 +20,7 @@
  *   block_tables  [num_seqs, table_stride] (the first ceil(seq_len / block_size) entries used,
  *                 from the window's first block on)
  *   seq_lens      [num_seqs]
+ *   sinks         [num_heads], or NULL
  * Returns 0, or -(1 + s) when sequence s has a length outside [1, capacity] or a block id
  * outside [0, num_blocks) among those it reads (nothing is written then), or -(1 + num_seqs)
  * when scratch memory ran out.
@@ -76,11 +80,11 @@ static void scratch_free(scratch_t *scratch) {
 }
 
 /* Sequence s's query attends over its context from position ``first`` on; its row of ``out``
- * is written. */
+ * is written. ``softcap``: 0, or the logits' soft-cap; ``sinks``: NULL, or a logit per head. */
 static inline __attribute__((always_inline)) void attend(
     const float *q, const float *key, const float *value, const int64_t *table, int64_t seq_len,
     int64_t first, float *o, const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale) {
+    int64_t head_dim, int64_t block_size, float scale, float softcap, const float *sinks) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_numel = num_kv_heads * head_dim;
     const int64_t block_numel = block_size * token_numel;
@@ -88,9 +92,9 @@ static inline __attribute__((always_inline)) void attend(
     float *restrict acc = scratch->acc, *restrict maxes = scratch->maxes;
     float *restrict sums = scratch->sums, *restrict probs = scratch->probs;
     for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
-    for (int64_t h = 0; h < num_heads; h++) {
-        maxes[h] = -INFINITY;
-        sums[h] = 0.f;
+    for (int64_t h = 0; h < num_heads; h++) { /* a sink: a position seen before the first */
+        maxes[h] = sinks ? sinks[h] : -INFINITY;
+        sums[h] = sinks ? 1.f : 0.f;
     }
     const int64_t first_block = first / block_size;
     prefetch(key + table[first_block] * block_numel, block_numel);
@@ -109,14 +113,18 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t t = 0; t < n; t++)
             for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {
                 const float *k = k_block + t * token_numel + kv_head * head_dim;
-                for (int64_t g = 0; g < group; g++, h++)
-                    probs[h * block_size + t] = scale * dot(q + h * head_dim, k, head_dim);
+                for (int64_t g = 0; g < group; g++, h++) {
+                    const float logit = scale * dot(q + h * head_dim, k, head_dim);
+                    probs[h * block_size + t] =
+                        softcap > 0.f ? softcap * tanhf(logit / softcap) : logit;
+                }
             }
         for (int64_t h = 0; h < num_heads; h++) {
             float *p = probs + h * block_size;
             float block_max = maxes[h];
             for (int64_t t = 0; t < n; t++) block_max = p[t] > block_max ? p[t] : block_max;
-            const float correction = expf(maxes[h] - block_max);  /* 0 on the first block */
+            /* 0 on the first block without a sink */
+            const float correction = expf(maxes[h] - block_max);
             float sum = sums[h] * correction;
             for (int64_t t = 0; t < n; t++) {
                 p[t] = expf(p[t] - block_max);
@@ -147,21 +155,25 @@ static inline __attribute__((always_inline)) void attend(
 
 /* ``attend`` compiled for the common head sizes (loops over head_dim fully unrolled and
  * vectorised), the general one for others, and each for a walk from position 0 (no window, or
- * one the context fits in: the code of a kernel without windows) and from a window's start.
- * The choice is made per sequence, inside the parallel loop: a constant head_dim passed into
- * an OpenMP region reaches it as a variable. */
+ * one the context fits in: the code of a kernel without windows) and from a window's start,
+ * both without soft-cap or sinks (the code of a kernel without them), and for any walk with
+ * them. The choice is made per sequence, inside the parallel loop: a constant head_dim passed
+ * into an OpenMP region reaches it as a variable. */
 static void attend_any(const float *q, const float *key, const float *value,
                        const int64_t *table, int64_t seq_len, int64_t first, float *o,
                        const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t block_size, float scale) {
-#define ATTEND(HEAD_DIM, FIRST)                                                              \
+                       int64_t head_dim, int64_t block_size, float scale, float softcap,
+                       const float *sinks) {
+#define ATTEND(HEAD_DIM, FIRST, SOFTCAP, SINKS)                                              \
     attend(q, key, value, table, seq_len, FIRST, o, scratch, num_heads, num_kv_heads,       \
-           HEAD_DIM, block_size, scale)
+           HEAD_DIM, block_size, scale, SOFTCAP, SINKS)
 #define ATTEND_FROM_FIRST(HEAD_DIM)                                                          \
-    if (first == 0)                                                                          \
-        ATTEND(HEAD_DIM, 0);                                                                 \
+    if (softcap > 0.f || sinks)                                                              \
+        ATTEND(HEAD_DIM, first, softcap, sinks);                                             \
+    else if (first == 0)                                                                     \
+        ATTEND(HEAD_DIM, 0, 0.f, NULL);                                                      \
     else                                                                                     \
-        ATTEND(HEAD_DIM, first)
+        ATTEND(HEAD_DIM, first, 0.f, NULL)
     switch (head_dim) {
     case 64: ATTEND_FROM_FIRST(64); break;
     case 128: ATTEND_FROM_FIRST(128); break;
@@ -175,7 +187,8 @@ int64_t paged_decode_attention_f32(
     const float *query, const float *key, const float *value, const int64_t *block_tables,
     int64_t table_stride, const int64_t *seq_lens, float *out, int64_t num_seqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, int64_t sliding_window, float scale, int64_t num_threads) {
+    int64_t num_blocks, int64_t sliding_window, float scale, float logit_softcap,
+    const float *sinks, int64_t num_threads) {
     for (int64_t s = 0; s < num_seqs; s++)
         if (!check_seq(block_tables + s * table_stride, seq_lens[s], table_stride * block_size,
                        block_size, num_blocks, sliding_window))
@@ -201,7 +214,7 @@ int64_t paged_decode_attention_f32(
                            block_tables + s * table_stride, seq_lens[s],
                            window_start(seq_lens[s], sliding_window),
                            out + s * num_heads * head_dim, &scratch, num_heads, num_kv_heads,
-                           head_dim, block_size, scale);
+                           head_dim, block_size, scale, logit_softcap, sinks);
         }
         scratch_free(&scratch);
     }

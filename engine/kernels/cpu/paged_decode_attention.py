@@ -31,12 +31,16 @@ def paged_decode_attention_cpu(
     scale: float,
     num_threads: int | None = None,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One new token per sequence attends over its context (the new token's K/V already
     written): all of it, or with ``sliding_window`` W its last W positions, the blocks wholly
-    before them neither read nor checked. The sequences are shared out over ``num_threads``
-    (default: torch's intra-op threads); the result does not depend on how many. ValueError
-    naming the argument for anything the kernel cannot read safely."""
+    before them neither read nor checked. ``logit_softcap`` c: each logit ``scale * q . k``
+    becomes ``c * tanh(logit / c)``; ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
+    denominator. The sequences are shared out over ``num_threads`` (default: torch's intra-op
+    threads); the result does not depend on how many. ValueError naming the argument for
+    anything the kernel cannot read safely."""
     _check(query, kv_cache_layer, block_tables, seq_lens)
     out, seq = run_paged_kernel(  # seq: the sequence the kernel refused
         _kernel(),
@@ -49,6 +53,8 @@ def paged_decode_attention_cpu(
         scale,
         num_threads,
         sliding_window,
+        logit_softcap,
+        sinks,
     )
     if seq is not None:
         raise ValueError(

@@ -1,6 +1,7 @@
 """What the CPU paged-attention kernels (prefill and decode) share around their C calls: the
 argument checks both need to read the query, the cache and the block tables safely (failures
-name the argument), their ctypes signature, and the call itself (with its sliding window)."""
+name the argument), their ctypes signature, and the call itself (with its sliding window, logit
+soft-cap and attention sinks)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 
-from engine.kernels.checks import require
+from engine.kernels.checks import require, require_sinks, require_softcap
 from engine.kernels.cpu.build import FLOAT, INT64, POINTER
 
 
@@ -58,8 +59,19 @@ def check_paged_inputs(
 def paged_argtypes(num_indices: int) -> list[Any]:
     """The C signature: query, key, value, block_tables, table_stride, ``num_indices`` int64
     arrays, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-    sliding_window (0: none), scale, num_threads."""
-    return [*(POINTER,) * 4, INT64, *(POINTER,) * num_indices, POINTER, *(INT64,) * 7, FLOAT, INT64]
+    sliding_window (0: none), scale, logit_softcap (0: none), sinks (NULL: none),
+    num_threads."""
+    return [
+        *(POINTER,) * 4,
+        INT64,
+        *(POINTER,) * num_indices,
+        POINTER,
+        *(INT64,) * 7,
+        FLOAT,
+        FLOAT,
+        POINTER,
+        INT64,
+    ]
 
 
 def run_paged_kernel(
@@ -73,11 +85,15 @@ def run_paged_kernel(
     scale: float,
     num_threads: int | None,
     sliding_window: int | None,
+    logit_softcap: float | None,
+    sinks: torch.Tensor | None,  # [num_heads] float32
 ) -> tuple[torch.Tensor, int | None]:
     """Run a checked call of ``kernel`` (signed as ``paged_argtypes``) on ``num_threads``
     (default: torch's intra-op threads), each query seeing its last ``sliding_window``
-    positions (None: all). Returns the output and the sequence the kernel refused (None: it
-    ran them all), for the caller to word; MemoryError when its scratch ran out."""
+    positions (None: all), its logits soft-capped at ``logit_softcap`` (None: not) and its
+    head's sink logit in the softmax's denominator (``sinks`` None: none). Returns the output
+    and the sequence the kernel refused (None: it ran them all), for the caller to word;
+    MemoryError when its scratch ran out."""
     if num_threads is None:
         num_threads = torch.get_num_threads()
     require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
@@ -85,6 +101,8 @@ def run_paged_kernel(
         sliding_window is None or sliding_window >= 1,
         f"sliding_window must be None or >= 1, got {sliding_window}",
     )
+    require_softcap(logit_softcap)
+    require_sinks(sinks, query)
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out, None
@@ -105,6 +123,8 @@ def run_paged_kernel(
         num_blocks,
         sliding_window or 0,
         scale,
+        logit_softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         num_threads,
     )
     if status == -(1 + num_seqs):

@@ -6,7 +6,10 @@
  * sits at position p = seq_len - query_len + i and sees positions up to its own; with a
  * sliding window W (``sliding_window`` > 0) only those from p - W + 1 on. The blocks wholly
  * before the first new token's window are neither read nor checked (their table entries may
- * hold anything).
+ * hold anything). With a logit soft-cap c (``logit_softcap`` > 0) each logit scale * q . k
+ * becomes c tanh(logit / c); with attention sinks (``sinks`` not NULL) head h's logit sinks[h]
+ * joins its softmax's denominator as a position with no value, seen first (a row's running max
+ * starts at it, its sum at 1).
  *
  * Work is cut into items of one sequence, one KV head and a tile of up to Q_TILE new tokens;
  * an item's rows are its tokens times the query heads of that KV head (GQA: each K/V row is
@@ -25,6 +28,7 @@
  *   block_tables      [num_seqs, table_stride]
  *   query_start_loc   [num_seqs + 1] row offsets of each sequence in query
  *   seq_lens          [num_seqs] context length after this step (cached + new)
+ *   sinks             [num_heads], or NULL
  * Returns 0, or -(1 + s) when sequence s has no new token, more new tokens than positions, a
  * length over its block table's capacity or a block id outside [0, num_blocks) among those it
  * reads (nothing is written then), or -(1 + num_seqs) when scratch memory ran out.
@@ -57,6 +61,14 @@ static inline float exp2_poly(float x) {
         float value;
     } scale = {.bits = ((int32_t)n + 127) << 23};
     return x < -126.f ? 0.f : p * scale.value;
+}
+
+/* tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2 |x|), through exp2_poly (vectorised, as
+ * the softmax's exponentials are; within 1.1e-7 of tanh). */
+static inline float tanh_poly(float x) {
+    const float e = exp2_poly(-2.f * LOG2E * fabsf(x));
+    const float t = (1.f - e) / (1.f + e);
+    return x < 0.f ? -t : t;
 }
 
 /* One sequence's KV head over new tokens [first_token, first_token + num_tokens) (rows of
@@ -189,12 +201,13 @@ static inline int64_t window_start(int64_t position, int64_t sliding_window) {
     return sliding_window > 0 && position >= sliding_window ? position - sliding_window + 1 : 0;
 }
 
-/* One item: its rows attend over context positions [their window's start, their position]. */
+/* One item: its rows attend over context positions [their window's start, their position].
+ * ``softcap``: 0, or the logits' soft-cap; ``sinks``: NULL, or a logit per head. */
 static inline __attribute__((always_inline)) void attend_item(
     const item_t *item, const float *query, const float *key, const float *value,
     const int64_t *table, float *out, const scratch_t *scratch, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t sliding_window,
-    float scale) {
+    float scale, float softcap, const float *sinks) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t rows = item->num_tokens * group; /* row r: token r / group, head r % group */
     const int64_t token_numel = num_kv_heads * head_dim;
@@ -203,6 +216,7 @@ static inline __attribute__((always_inline)) void attend_item(
     float *restrict maxes = scratch->maxes, *restrict sums = scratch->sums;
     float *restrict corrections = scratch->corrections;
     const float q_scale = scale * LOG2E;
+    const float softcap_log2 = softcap * LOG2E; /* the cap in the scores' base-2 units */
     for (int64_t r = 0; r < rows; r++) {
         const float *src = query + (item->first_token + r / group) * num_heads * head_dim +
                            (item->kv_head * group + r % group) * head_dim;
@@ -210,8 +224,9 @@ static inline __attribute__((always_inline)) void attend_item(
             q[r * head_dim + d] = src[d] * q_scale;
             acc[r * head_dim + d] = 0.f;
         }
-        maxes[r] = -INFINITY;
-        sums[r] = 0.f;
+        /* a sink: a position seen before the first */
+        maxes[r] = sinks ? sinks[item->kv_head * group + r % group] * LOG2E : -INFINITY;
+        sums[r] = sinks ? 1.f : 0.f;
     }
     const int64_t first_position = item->first_position;
     const int64_t end = first_position + item->num_tokens; /* the last token sees below end */
@@ -238,6 +253,9 @@ static inline __attribute__((always_inline)) void attend_item(
         tile_scores(q, k_t, scores, first_row, last_row, head_dim);
         for (int64_t r = first_row; r < last_row; r++) {
             float *s = scores + r * KV_TILE;
+            if (softcap > 0.f)
+                for (int t = 0; t < KV_TILE; t++)
+                    s[t] = softcap_log2 * tanh_poly(s[t] / softcap_log2);
             const int64_t position = first_position + r / group;
             const int64_t visible = position - start + 1; /* positions seen, from start */
             for (int64_t t = visible < n ? visible : n; t < KV_TILE; t++) s[t] = -INFINITY;
@@ -250,7 +268,8 @@ static inline __attribute__((always_inline)) void attend_item(
                 s[t] = exp2_poly(s[t] - tile_max);
                 sum += s[t];
             }
-            corrections[r] = exp2_poly(maxes[r] - tile_max); /* 0 on the row's first tile */
+            /* 0 on the row's first tile without a sink */
+            corrections[r] = exp2_poly(maxes[r] - tile_max);
             maxes[r] = tile_max;
             sums[r] = sums[r] * corrections[r] + sum;
         }
@@ -265,20 +284,23 @@ static inline __attribute__((always_inline)) void attend_item(
 }
 
 /* ``attend_item`` compiled for the common head sizes, the general one for others, and each
- * with no window (the code of a kernel without windows) and with one. */
+ * with no window (the code of a kernel without windows) and with one, both without soft-cap
+ * or sinks (the code of a kernel without them), and for any window with them. */
 static void attend_item_any(const item_t *item, const float *query, const float *key,
                             const float *value, const int64_t *table, float *out,
                             const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, int64_t sliding_window,
-                            float scale) {
-#define ATTEND(HEAD_DIM, SLIDING_WINDOW)                                                     \
+                            float scale, float softcap, const float *sinks) {
+#define ATTEND(HEAD_DIM, SLIDING_WINDOW, SOFTCAP, SINKS)                                     \
     attend_item(item, query, key, value, table, out, scratch, num_heads, num_kv_heads,      \
-                HEAD_DIM, block_size, SLIDING_WINDOW, scale)
+                HEAD_DIM, block_size, SLIDING_WINDOW, scale, SOFTCAP, SINKS)
 #define ATTEND_WITH_WINDOW(HEAD_DIM)                                                         \
-    if (sliding_window == 0)                                                                 \
-        ATTEND(HEAD_DIM, 0);                                                                 \
+    if (softcap > 0.f || sinks)                                                              \
+        ATTEND(HEAD_DIM, sliding_window, softcap, sinks);                                    \
+    else if (sliding_window == 0)                                                            \
+        ATTEND(HEAD_DIM, 0, 0.f, NULL);                                                      \
     else                                                                                     \
-        ATTEND(HEAD_DIM, sliding_window)
+        ATTEND(HEAD_DIM, sliding_window, 0.f, NULL)
     switch (head_dim) {
     case 64: ATTEND_WITH_WINDOW(64); break;
     case 128: ATTEND_WITH_WINDOW(128); break;
@@ -302,7 +324,7 @@ int64_t paged_prefill_attention_f32(
     int64_t table_stride, const int64_t *query_start_loc, const int64_t *seq_lens, float *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t num_blocks, int64_t sliding_window, float scale,
-    int64_t num_threads) {
+    float logit_softcap, const float *sinks, int64_t num_threads) {
     int64_t num_items = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t query_len = query_start_loc[s + 1] - query_start_loc[s];
@@ -341,7 +363,7 @@ int64_t paged_prefill_attention_f32(
                 attend_item_any(&items[i], query, key, value,
                                 block_tables + items[i].seq * table_stride, out, &scratch,
                                 num_heads, num_kv_heads, head_dim, block_size, sliding_window,
-                                scale);
+                                scale, logit_softcap, sinks);
         }
         scratch_free(&scratch);
     }

@@ -34,13 +34,17 @@ def paged_prefill_attention_cpu(
     scale: float,
     num_threads: int | None = None,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """New token i of sequence s (at position p = seq_lens[s] - query_len + i) attends over
     positions up to its own, their K/V already written: all of them, or with
     ``sliding_window`` W those from p - W + 1 on, the blocks wholly before the first new
-    token's window neither read nor checked. Work is shared out over ``num_threads``
-    (default: torch's intra-op threads) and the result does not depend on how many.
-    ValueError naming the argument for anything the kernel cannot read safely."""
+    token's window neither read nor checked. ``logit_softcap`` c: each logit ``scale * q . k``
+    becomes ``c * tanh(logit / c)``; ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
+    denominator. Work is shared out over ``num_threads`` (default: torch's intra-op threads)
+    and the result does not depend on how many. ValueError naming the argument for anything
+    the kernel cannot read safely."""
     _check(query, kv_cache_layer, block_tables, query_start_loc, seq_lens)
     out, seq = run_paged_kernel(  # seq: the sequence the kernel refused
         _kernel(),
@@ -53,6 +57,8 @@ def paged_prefill_attention_cpu(
         scale,
         num_threads,
         sliding_window,
+        logit_softcap,
+        sinks,
     )
     if seq is not None:
         query_len = int(query_start_loc[seq + 1] - query_start_loc[seq])

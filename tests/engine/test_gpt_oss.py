@@ -1,0 +1,136 @@
+"""gpt-oss: its config, its router and clamped-SwiGLU experts against transformers', and its
+stacked checkpoint tensors.
+
+Greedy identity with transformers in every engine mode (attention sinks, alternating sliding
+and full layers, yarn rope without truncation) is in the suites that run every architecture of
+``tests.conftest.ARCHITECTURES``, gpt-oss included (on CPU through the C kernels); here, the
+Triton kernels with its sinks, and with Gemma 2's soft-capped logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
+
+from engine import LLM, SamplingParams
+from engine.model_config import parse_model_config
+from engine.models.moe import ClampedSwigluExperts, Router
+from tests.engine.hf_reference import hf_greedy
+from tests.fixtures.tiny_models import tiny_hf_config
+
+GPT_OSS = "GptOssForCausalLM"
+
+
+def _raw(**overrides: Any) -> dict[str, Any]:
+    return {**tiny_hf_config(GPT_OSS).to_dict(), **overrides}
+
+
+def test_config_reads_sinks_windows_and_the_experts() -> None:
+    config = parse_model_config(_raw())
+    moe = config.moe
+    assert moe is not None
+    assert config.attention_sinks and config.norm_scale_in_float32
+    assert config.qkv_bias and config.o_proj_bias  # attention_bias
+    assert (config.sliding_window, config.sliding_layers) == (24, (0,))
+    assert config.rope.scaling_type == "yarn" and not config.rope.truncate
+    assert (moe.num_experts, moe.num_experts_per_token, moe.expert_intermediate_size) == (4, 2, 32)
+    assert moe.sparse_layers == (0, 1) and moe.router_bias and moe.softmax_after_top_k
+    assert (moe.expert_activation, moe.swiglu_alpha, moe.swiglu_limit) == (
+        "clamped_swiglu",
+        1.702,
+        1.5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"swiglu_limit": 0.0}, "swiglu_limit 0.0 must be positive"),
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok 5 must be in 1 \.\. 4"),
+    ],
+)
+def test_bad_gpt_oss_configs_are_refused_naming_the_field(
+    overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_model_config(_raw(**overrides))
+
+
+def test_router_and_experts_equal_transformers() -> None:
+    hf_config = tiny_hf_config(GPT_OSS)
+    config = parse_model_config(hf_config.to_dict())
+    assert config.moe is not None
+    torch.manual_seed(0)
+    hf_router, hf_experts = (
+        hf_gpt_oss.GptOssTopKRouter(hf_config),
+        hf_gpt_oss.GptOssExperts(hf_config),
+    )
+    router = Router(config.moe, config.hidden_size)
+    experts = ClampedSwigluExperts(
+        config.moe, config.hidden_size, config.moe.expert_intermediate_size
+    )
+    with torch.no_grad():
+        for param in [*hf_router.parameters(), *hf_experts.parameters()]:
+            param.normal_(0.0, 0.3)
+        router.weight.copy_(hf_router.weight)
+        assert router.bias is not None
+        router.bias.copy_(hf_router.bias)
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            getattr(experts, name).copy_(getattr(hf_experts, name))
+        x = torch.randn(50, config.hidden_size) * 3  # large enough for the clamps to bite
+        _, hf_weights, hf_ids = hf_router(x)
+        weights, ids = router(x)
+        assert torch.equal(ids, hf_ids)
+        torch.testing.assert_close(weights, hf_weights, atol=1e-6, rtol=0)
+        out, counts = experts(x, weights, ids)
+        torch.testing.assert_close(out, hf_experts(x, hf_ids, hf_weights), atol=1e-5, rtol=1e-5)
+        assert sum(counts) == 50 * 2
+        # the clamps bite: without them the experts' outputs differ
+        unclamped = ClampedSwigluExperts(config.moe, config.hidden_size, 32)
+        unclamped.load_state_dict(experts.state_dict())
+        unclamped.limit = 1e9
+        assert not torch.allclose(unclamped(x, weights, ids)[0], out, atol=1e-3)
+
+
+def test_checkpoint_stores_the_experts_stacked_as_the_engine_holds_them(
+    model_dirs: dict[str, Path],
+) -> None:
+    """gpt-oss publishes each layer's experts as stacked tensors, [experts, hidden, 2 x width]
+    with gate and up columns interleaved, which the loader reads as they are (a rank its
+    contiguous range of pairs: tests/engine/test_tp_model.py)."""
+    with safe_open(str(model_dirs[GPT_OSS] / "model.safetensors"), "pt") as checkpoint:
+        names = set(checkpoint.keys())
+        shape = checkpoint.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape()
+    assert shape == [4, 64, 64]
+    assert {
+        "model.layers.0.mlp.router.bias",
+        "model.layers.0.self_attn.sinks",
+        "model.layers.0.mlp.experts.down_proj_bias",
+    } <= names
+
+
+@pytest.mark.parametrize("architecture", [GPT_OSS, "Gemma2ForCausalLM"])
+def test_sinks_and_soft_caps_through_the_triton_backend_match_transformers(
+    model_dirs: dict[str, Path], architecture: str
+) -> None:
+    """The Triton kernels (Triton's interpreter on CPU) with gpt-oss's sinks and Gemma 2's
+    soft-capped logits, each beside sliding-window layers, in chunked prefill and decode."""
+    model_dir = model_dirs[architecture]
+    prompts = [list(range(5, 5 + n)) for n in (3, 30, 41)]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        attention_backend="triton",
+        block_size=8,
+        max_num_batched_tokens=24,
+    )
+    assert llm.engine.runner.attn_backend.name == "triton"
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    expected = [hf_greedy(model_dir, prompt, 6) for prompt in prompts]
+    assert [output.outputs[0].token_ids for output in outputs] == expected
