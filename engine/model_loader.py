@@ -8,6 +8,11 @@ Under tensor parallelism a rank reads only its slice of each checkpoint tensor (
 its heads, MLP columns and vocab rows, or the input columns of a row-parallel weight) through
 safetensors' ``get_slice``; no rank holds a whole sharded tensor. Replicated tensors (norms)
 are read whole. Dummy weights of a rank are the same slices of the one-rank dummy model.
+
+What differs between a family's checkpoints and our parameters is said in tables: renamed
+tensors (``_CHECKPOINT_RENAMES``), projections stored fused (``_FUSED_IN_CHECKPOINT``), experts
+stored stacked (``_STACKED_EXPERTS_IN_CHECKPOINT``). Latent attention's interleaved rope rows
+are reordered into halves once loaded (``LatentAttention.rope_rows_interleaved_to_halves``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3 and Phi-3 checkpoints, for the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE, and for DeepSeek-V2/V3.
+"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2/3 checkpoints,
+for the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss, and for DeepSeek-V2/V3.
 
-They differ only in flags of ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm (Qwen3),
-tied embeddings, rope scaling, the sparse MLP that replaces the dense one in the layers
-``ModelConfig.moe`` names (moe.py), and latent attention in place of multi-head attention
-where ``ModelConfig.mla`` is set (mla.py). Projections are fused (qkv_proj, gate_up_proj) so each layer
-runs three big matmuls instead of six; model_loader.py maps the Hugging Face weights onto them.
+They differ only in flags of ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm (Qwen3,
+Gemma 3), tied embeddings, rope scaling (and Gemma 3's second rope for its local layers),
+sliding windows, soft-capped logits and sinks (attention), Gemma's norms and sandwich, the
+sparse MLP that replaces the dense one in the layers ``ModelConfig.moe`` names (moe.py), and
+latent attention in place of multi-head attention where ``ModelConfig.mla`` is set (mla.py).
+Projections are fused (qkv_proj, gate_up_proj) so each layer runs three big matmuls instead of
+six; model_loader.py maps the Hugging Face weights onto them.
 The elementwise steps (norms, rotary, SiLU * up) run as fused kernels where some take the
 tensor (fused_ops.py: C on CPU in float32, Triton on a GPU); the torch code beside each is the
 path everywhere else, and what the kernels are tested against.
@@ -31,7 +33,7 @@ from engine.model_config import ModelConfig
 from engine.models.fused_ops import gelu_tanh_and_mul, kernels_for, silu_and_mul
 from engine.models.mla import LatentAttention
 from engine.models.moe import SparseMoeBlock
-from engine.models.rms_norm import RMSNorm, rms_norm_for
+from engine.models.rms_norm import OffsetRMSNorm, RMSNorm, rms_norm_for
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.parallel.group import SingleRank, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
@@ -143,9 +145,10 @@ class DecoderLayer(nn.Module):
         if pre_mlp is not None and post_mlp is not None:
             hidden = hidden + self.post_attention_layernorm(attended)
             return hidden + post_mlp(self.mlp(pre_mlp(hidden)))
+        norm = self.post_attention_layernorm
         kernels = kernels_for(hidden)
-        if kernels is not None:  # the residual add and the norm in one pass
-            norm = self.post_attention_layernorm
+        if kernels is not None and not isinstance(norm, OffsetRMSNorm):
+            # the residual add and the norm in one pass (the kernel scales as Llama's norm)
             hidden, normed = kernels.add_rms_norm(hidden, attended, norm.weight, norm.eps)
             return hidden + self.mlp(normed)
         hidden = hidden + attended

@@ -20,6 +20,7 @@ from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
 from engine import LLM, SamplingParams
 from engine.model_config import parse_model_config
 from engine.models.moe import ClampedSwigluExperts, Router
+from engine.models.rms_norm import OffsetRMSNorm, rms_norm_for
 from tests.engine.hf_reference import hf_greedy
 from tests.fixtures.tiny_models import tiny_hf_config
 
@@ -134,3 +135,17 @@ def test_sinks_and_soft_caps_through_the_triton_backend_match_transformers(
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     expected = [hf_greedy(model_dir, prompt, 6) for prompt in prompts]
     assert [output.outputs[0].token_ids for output in outputs] == expected
+
+
+def test_norm_scales_before_the_cast_as_transformers_does() -> None:
+    """GptOssRMSNorm multiplies by its weight in float32 and casts after (Llama's casts
+    first): in bfloat16 the engine's norm gives its bits."""
+    config = parse_model_config(_raw())
+    ours = rms_norm_for(config, 64)
+    reference = hf_gpt_oss.GptOssRMSNorm(64, eps=config.rms_norm_eps)
+    with torch.no_grad():
+        reference.weight.normal_(1.0, 0.3)
+        ours.weight.copy_(reference.weight)
+    ours, reference = ours.to(torch.bfloat16), reference.to(torch.bfloat16)
+    x = torch.randn(33, 64).to(torch.bfloat16)
+    assert isinstance(ours, OffsetRMSNorm) and torch.equal(ours(x), reference(x))
