@@ -5,7 +5,8 @@ completions equal to transformers' tokens:
   of every expert's columns, and the whole latent cache); ``/metrics`` shows each worker's
   tokens per expert and its sparse layers' imbalance;
 - a sliding-window model (every layer's window shorter than the prompts), whose decode
-  worker gives back the blocks that fall out of a sequence's window as it decodes."""
+  worker gives back the blocks that fall out of a sequence's window as it decodes;
+- Gemma 3 and gpt-oss, local and global layers in turn (gpt-oss with attention sinks)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,20 @@ def test_a_sliding_window_model_over_http_equals_transformers(
     cluster, server = _serve(windowed_dir, decode_tp=1)
     try:
         _completions_equal_transformers(server, windowed_dir)
+    finally:
+        server.stop()
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("architecture", ["Gemma3ForCausalLM", "GptOssForCausalLM"])
+def test_models_with_local_and_global_layers_over_http_equal_transformers(
+    ray_session: None, model_dirs: dict[str, Path], architecture: str
+) -> None:
+    """Gemma 3 (its local layers' own rope) and gpt-oss (attention sinks, clamped-SwiGLU
+    experts), each of sliding and full layers, prefilled on one worker and decoded on another."""
+    cluster, server = _serve(model_dirs[architecture], decode_tp=1)
+    try:
+        _completions_equal_transformers(server, model_dirs[architecture])
     finally:
         server.stop()
         cluster.shutdown()
