@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -27,7 +26,14 @@ from typing import Any
 
 import torch
 
-from bench.kv_transfer import TIMEOUT_S, Job, Session, run_transport, transports_here
+from bench.kv_transfer import (
+    TIMEOUT_S,
+    Job,
+    Session,
+    machine_info,
+    run_transport,
+    transports_here,
+)
 from kv_transfer import KVCacheLayout, TransferTicket
 
 BLOCK_SIZE = 16
@@ -98,12 +104,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "benchmark": "kv_layouts",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        },
+        "machine": machine_info(),
         "config": {
             "tokens": args.tokens,
             "reps": args.reps,

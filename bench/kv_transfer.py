@@ -63,6 +63,16 @@ class Session:
     jobs: list[Job]
 
 
+def machine_info() -> dict[str, Any]:
+    """The CPU, torch's threads and version, and the GPU if any: each result's "machine"."""
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
 def transports_here() -> list[tuple[str, str, str]]:
     """(transport, sender device, receiver device) for what this machine can run."""
     found = [("gloo", "cpu", "cpu"), ("shm", "cpu", "cpu")]
@@ -313,12 +323,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "benchmark": "kv_transfer",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        },
+        "machine": machine_info(),
         "config": {
             "sweep_layout": asdict(SWEEP_LAYOUT),
             "handoff_layout": asdict(HANDOFF_LAYOUT),

@@ -512,10 +512,7 @@ class LLMEngine:
             params=state.params,
             cache_salt=state.parent.cache_salt,
             samples=samples,
-            # the blocks the decode side needs: from the next token's window on, if it has one
-            block_ids=list(handed_off[0].block_table)[
-                self.block_manager.first_moved_block(state.parent.num_prompt_tokens) :
-            ],
+            block_ids=self.block_manager.blocks_to_hand_off(handed_off[0]),
             num_cached_tokens=state.parent.num_cached_prompt_tokens,
             priority=state.parent.priority,
         )

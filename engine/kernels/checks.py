@@ -91,6 +91,35 @@ def require_same_device(
     )
 
 
+def require_prefill_index_tensors(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    cache_name: str,
+) -> None:
+    """A varlen prefill's index tensors: integer dtypes, the strides the kernels read, and
+    every tensor on the cache's device."""
+    for name, index in (
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+    ):
+        require(index.dtype in INDEX_DTYPES, f"{name} must be int32/int64, got {index.dtype}")
+    require(query_start_loc.is_contiguous(), "query_start_loc must be contiguous")
+    require(seq_lens.is_contiguous(), "seq_lens must be contiguous")
+    require(block_tables.stride(-1) == 1, "block_tables must be contiguous in each row")
+    require_same_device(
+        cache,
+        cache_name,
+        query=query,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+    )
+
+
 def require_prefill_offsets(
     query: torch.Tensor,
     kv_cache_layer: torch.Tensor,

@@ -50,6 +50,7 @@ from engine.kernels.checks import (
     interpreted,
     require,
     require_power_of_two,
+    require_prefill_index_tensors,
     require_prefill_offsets,
     require_same_device,
 )
@@ -469,22 +470,8 @@ def latent_prefill_attention(
     reading them back would sync every call, so there they are the caller's contract.
     """
     _check_attention_args(query, cache_layer, value_dim, tiling)
-    for name, index in (
-        ("query_start_loc", query_start_loc),
-        ("seq_lens", seq_lens),
-        ("block_tables", block_tables),
-    ):
-        require(index.dtype in INDEX_DTYPES, f"{name} must be int32/int64, got {index.dtype}")
-    require(query_start_loc.is_contiguous(), "query_start_loc must be contiguous")
-    require(seq_lens.is_contiguous(), "seq_lens must be contiguous")
-    require(block_tables.stride(-1) == 1, "block_tables must be contiguous in each row")
-    require_same_device(
-        cache_layer,
-        "cache_layer",
-        query=query,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=block_tables,
+    require_prefill_index_tensors(
+        query, cache_layer, query_start_loc, seq_lens, block_tables, "cache_layer"
     )
     require_prefill_offsets(
         query, cache_layer, query_start_loc, seq_lens, block_tables, max_query_len

@@ -34,14 +34,13 @@ import triton.language as tl
 
 from engine.kernels.checks import (
     FLOAT_DTYPES,
-    INDEX_DTYPES,
     LOG2_E,
     interpreted,
     require,
     require_kv_cache_layer,
     require_power_of_two,
+    require_prefill_index_tensors,
     require_prefill_offsets,
-    require_same_device,
     require_sinks,
     require_softcap,
 )
@@ -187,21 +186,8 @@ def _check_tensors(
         f"kv_cache_layer dtype {kv_cache_layer.dtype} differs from query's {query.dtype}",
     )
     require(query.stride(2) == 1, f"query's last dim must be contiguous, strides {query.stride()}")
-    for name, index in (
-        ("query_start_loc", query_start_loc),
-        ("seq_lens", seq_lens),
-        ("block_tables", block_tables),
-    ):
-        require(index.dtype in INDEX_DTYPES, f"{name} must be int32/int64, got {index.dtype}")
-    require(query_start_loc.is_contiguous(), "query_start_loc must be contiguous")
-    require(seq_lens.is_contiguous(), "seq_lens must be contiguous")
-    require(block_tables.stride(-1) == 1, "block_tables must be contiguous in each row")
-    require_same_device(
-        kv_cache_layer,
-        query=query,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=block_tables,
+    require_prefill_index_tensors(
+        query, kv_cache_layer, query_start_loc, seq_lens, block_tables, "kv_cache_layer"
     )
 
 

@@ -172,6 +172,10 @@ class BlockManager:
         seq.num_committed_blocks = num_left_behind  # never here: nothing of them to cache
         self.commit_computed(seq)
 
+    def blocks_to_hand_off(self, seq: Sequence) -> list[int]:
+        """The blocks of a prefilled prompt its hand-off moves: from ``first_moved_block``."""
+        return list(seq.block_table)[self.first_moved_block(seq.num_prompt_tokens) :]
+
     def first_moved_block(self, num_prompt_tokens: int) -> int:
         """The first of a prompt's blocks its hand-off moves: where every layer has an
         attention window, the blocks wholly before the window of the token after the prompt

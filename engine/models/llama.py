@@ -33,7 +33,7 @@ from engine.model_config import ModelConfig
 from engine.models.fused_ops import gelu_tanh_and_mul, kernels_for, silu_and_mul
 from engine.models.mla import LatentAttention
 from engine.models.moe import SparseMoeBlock
-from engine.models.rms_norm import OffsetRMSNorm, RMSNorm, rms_norm_for
+from engine.models.rms_norm import RMSNorm, rms_norm_for
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.parallel.group import SingleRank, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
@@ -145,14 +145,8 @@ class DecoderLayer(nn.Module):
         if pre_mlp is not None and post_mlp is not None:
             hidden = hidden + self.post_attention_layernorm(attended)
             return hidden + post_mlp(self.mlp(pre_mlp(hidden)))
-        norm = self.post_attention_layernorm
-        kernels = kernels_for(hidden)
-        if kernels is not None and not isinstance(norm, OffsetRMSNorm):
-            # the residual add and the norm in one pass (the kernel scales as Llama's norm)
-            hidden, normed = kernels.add_rms_norm(hidden, attended, norm.weight, norm.eps)
-            return hidden + self.mlp(normed)
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attended)
+        return hidden + self.mlp(normed)
 
 
 def _layer_mlp(

@@ -33,6 +33,16 @@ class RMSNorm(nn.Module):
             return kernels.rms_norm(x, self.weight, self.eps)
         return torch_rms_norm(x, self.weight, self.eps)
 
+    def add_and_norm(
+        self, residual: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # residual + x, and its norm
+        """The residual add and the norm, in one pass where a kernel takes the tensors."""
+        kernels = kernels_for(residual)
+        if kernels is not None:
+            return kernels.add_rms_norm(residual, x, self.weight, self.eps)
+        summed = residual + x
+        return summed, self(summed)
+
 
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: normalised in float32, scaled by (offset + weight) in float32, then cast
@@ -46,6 +56,13 @@ class OffsetRMSNorm(RMSNorm):
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+
+    def add_and_norm(
+        self, residual: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # residual + x, and its norm
+        """In torch: the fused kernel scales in Llama's order."""
+        summed = residual + x
+        return summed, self(summed)
 
 
 def rms_norm_for(config: ModelConfig, dim: int) -> RMSNorm:
