@@ -127,11 +127,12 @@ class DecodeInputs:
     num_rows: int  # real rows, one per token computed: [0, num_rows); the rows after are padding
     input_ids: np.ndarray  # [batch_size] int64: the row's token; 0 for padding
     positions: np.ndarray  # [batch_size] int64: its position; 0 for padding
-    slot_mapping: np.ndarray  # [batch_size] int64: its KV slot; PAD_SLOT for padding
+    # [num_cache_groups, batch_size] int64: its KV slot in each cache group; PAD_SLOT for padding
+    slot_mapping: np.ndarray
     seq_lens: np.ndarray  # [batch_size] int64: its context, itself included; 1 for padding
-    # [batch_size, num_columns] int64: the blocks holding each row's context (num_columns: the
-    # most any row needs), padded with block 0, which padding rows read; a sequence's rows all
-    # get the blocks of its last one
+    # [num_cache_groups, batch_size, num_columns] int64: the blocks holding each row's context
+    # in each cache group (num_columns: the most any row needs), padded with block 0, which
+    # padding rows read; a sequence's rows all get the blocks of its last one
     block_tables: np.ndarray
     # [batch_size + 1] int64: rows row_starts[g] .. [g + 1] are one sequence's (its token, then
     # its drafts), then each padding row alone, then empty groups up to batch_size of them
@@ -143,11 +144,11 @@ class DecodeInputs:
 
 
 def pad_decode_inputs(
-    step: SequenceOf[ScheduledSequence], batch_size: int, block_size: int
+    step: SequenceOf[ScheduledSequence], batch_size: int, block_size: int, num_groups: int = 1
 ) -> DecodeInputs:
     """The inputs of a decode ``step`` (entries as ``graph_batch_size`` takes them) padded to
-    ``batch_size`` rows."""
-    real = decode_tokens(step, block_size)
+    ``batch_size`` rows, with the tables of ``num_groups`` KV cache groups."""
+    real = decode_tokens(step, block_size, num_groups)
     num_rows = len(real.positions)
     if not 1 <= num_rows <= batch_size:
         raise ValueError(f"a step of {num_rows} rows does not pad to {batch_size}")
@@ -155,17 +156,18 @@ def pad_decode_inputs(
     positions[:num_rows] = real.positions
     input_ids = np.zeros(batch_size, dtype=np.int64)
     input_ids[:num_rows] = real.input_ids
-    slot_mapping = np.full(batch_size, PAD_SLOT, dtype=np.int64)
-    slot_mapping[:num_rows] = real.slot_mapping
+    slot_mapping = np.full((num_groups, batch_size), PAD_SLOT, dtype=np.int64)
+    slot_mapping[:, :num_rows] = real.slot_mapping
     seq_lens = np.ones(batch_size, dtype=np.int64)
     seq_lens[:num_rows] = real.positions + 1
     blocks_needed = -(-seq_lens // block_size)  # [batch_size]
-    block_tables = np.zeros((batch_size, int(blocks_needed.max())), dtype=np.int64)
+    block_tables = np.zeros((num_groups, batch_size, int(blocks_needed.max())), dtype=np.int64)
     first_row = 0
     for entry in step:
         end = first_row + entry.num_query_tokens
         needed = blocks_needed[end - 1]  # the sequence's last row has the longest context
-        block_tables[first_row:end, :needed] = entry.seq.block_table.array[:needed]
+        for group, table in enumerate(entry.seq.block_tables):
+            block_tables[group, first_row:end, :needed] = table.array[:needed]
         first_row = end
     row_starts = np.full(batch_size + 1, batch_size, dtype=np.int64)
     num_groups = len(step) + batch_size - num_rows  # the sequences, then the padding rows
@@ -184,17 +186,21 @@ class StaticDecodeBuffers:
 
     input_ids: torch.Tensor  # [max_batch_size] int64
     positions: torch.Tensor  # [max_batch_size] int64
-    slot_mapping: torch.Tensor  # [max_batch_size] int64
+    slot_mapping: torch.Tensor  # [num_cache_groups, max_batch_size] int64
     seq_lens: torch.Tensor  # [max_batch_size] int64
-    # [max_batch_size, max_blocks_per_seq] int64; columns past a row's context may hold blocks
-    # of an earlier step: the decode kernel reads no block beyond seq_lens
+    # [num_cache_groups, max_batch_size, max_blocks_per_seq] int64; columns past a row's context
+    # may hold blocks of an earlier step: the decode kernel reads no block beyond seq_lens
     block_tables: torch.Tensor
     row_starts: torch.Tensor  # [max_batch_size + 1] int64: a graph of b reads the first b + 1
     no_prefill_block_tables: torch.Tensor  # [0, max_blocks_per_seq] int64
 
     @classmethod
     def allocate(
-        cls, max_batch_size: int, max_blocks_per_seq: int, device: torch.device
+        cls,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        num_groups: int = 1,
     ) -> StaticDecodeBuffers:
         def filled(shape: tuple[int, ...], value: int) -> torch.Tensor:
             return torch.full(shape, value, dtype=torch.int64, device=device)
@@ -202,47 +208,53 @@ class StaticDecodeBuffers:
         return cls(
             input_ids=filled((max_batch_size,), 0),
             positions=filled((max_batch_size,), 0),
-            slot_mapping=filled((max_batch_size,), PAD_SLOT),
+            slot_mapping=filled((num_groups, max_batch_size), PAD_SLOT),
             seq_lens=filled((max_batch_size,), 1),
-            block_tables=filled((max_batch_size, max_blocks_per_seq), 0),
+            block_tables=filled((num_groups, max_batch_size, max_blocks_per_seq), 0),
             row_starts=torch.arange(max_batch_size + 1, dtype=torch.int64, device=device),
             no_prefill_block_tables=filled((0, max_blocks_per_seq), 0),
         )
 
     def fill(self, inputs: DecodeInputs) -> None:
         """Copy a step's padded inputs into the first ``inputs.batch_size`` rows."""
-        rows, columns = inputs.block_tables.shape
-        max_rows, max_columns = self.block_tables.shape
-        if rows > max_rows or columns > max_columns:
+        groups, rows, columns = inputs.block_tables.shape
+        max_groups, max_rows, max_columns = self.block_tables.shape
+        if rows > max_rows or columns > max_columns or groups != max_groups:
             raise ValueError(
-                f"inputs of {rows} rows x {columns} blocks exceed the static buffers' "
-                f"{max_rows} x {max_columns}"
+                f"inputs of {groups} cache groups x {rows} rows x {columns} blocks do not fit "
+                f"the static buffers' {max_groups} x {max_rows} x {max_columns}"
             )
         copy_to_device(self.input_ids[:rows], inputs.input_ids)
         copy_to_device(self.positions[:rows], inputs.positions)
-        copy_to_device(self.slot_mapping[:rows], inputs.slot_mapping)
+        copy_to_device(self.slot_mapping[:, :rows], inputs.slot_mapping)
         copy_to_device(self.seq_lens[:rows], inputs.seq_lens)
-        copy_to_device(self.block_tables[:rows, :columns], inputs.block_tables)
+        copy_to_device(self.block_tables[:, :rows, :columns], inputs.block_tables)
         copy_to_device(self.row_starts[: rows + 1], inputs.row_starts)
 
     def metadata(
         self, batch_size: int, max_seq_len: int, max_rows_per_seq: int = 1
-    ) -> AttentionMetadata:
-        """The batch layout a graph of ``batch_size`` rows is captured with; a sequence's rows
-        are grouped for the attention when it may have drafts (``max_rows_per_seq`` > 1)."""
-        return AttentionMetadata(
-            num_prefill_seqs=0,
-            num_prefill_tokens=0,
-            num_decode_seqs=batch_size,
-            slot_mapping=self.slot_mapping[:batch_size],
-            prefill_query_start_loc=[0],
-            prefill_seq_lens=[],
-            prefill_block_tables=self.no_prefill_block_tables,
-            decode_seq_lens=self.seq_lens[:batch_size],
-            decode_block_tables=self.block_tables[:batch_size],
-            max_decode_seq_len=max_seq_len,  # a bound, not the step's max: no host value inside
-            decode_row_starts=self.row_starts[: batch_size + 1] if max_rows_per_seq > 1 else None,
-            max_decode_rows_per_seq=max_rows_per_seq,
+    ) -> tuple[AttentionMetadata, ...]:
+        """The batch layout a graph of ``batch_size`` rows is captured with, in each cache
+        group; a sequence's rows are grouped for the attention when it may have drafts
+        (``max_rows_per_seq`` > 1)."""
+        return tuple(
+            AttentionMetadata(
+                num_prefill_seqs=0,
+                num_prefill_tokens=0,
+                num_decode_seqs=batch_size,
+                slot_mapping=self.slot_mapping[group, :batch_size],
+                prefill_query_start_loc=[0],
+                prefill_seq_lens=[],
+                prefill_block_tables=self.no_prefill_block_tables,
+                decode_seq_lens=self.seq_lens[:batch_size],
+                decode_block_tables=self.block_tables[group, :batch_size],
+                max_decode_seq_len=max_seq_len,  # a bound, not the step's max: no host value
+                decode_row_starts=(
+                    self.row_starts[: batch_size + 1] if max_rows_per_seq > 1 else None
+                ),
+                max_decode_rows_per_seq=max_rows_per_seq,
+            )
+            for group in range(len(self.slot_mapping))
         )
 
 
@@ -312,16 +324,19 @@ class DecodeGraphs:
         batch_sizes: SequenceOf[int],
         capturer: GraphCapturer,
         max_rows_per_seq: int = 1,
+        num_cache_groups: int = 1,
     ) -> None:
         """``max_rows_per_seq``: 1 + num_speculative_tokens with drafts; above 1, the attention
-        takes a sequence's rows together (engine/kernels/paged_decode_attention.py)."""
+        takes a sequence's rows together (engine/kernels/paged_decode_attention.py).
+        ``num_cache_groups``: the model's KV cache groups (engine/kv_cache/cache_groups.py)."""
         self.block_size = kv_cache.shape[3]
         self.batch_sizes = tuple(batch_sizes)
         self.max_rows_per_seq = max_rows_per_seq
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.max_seq_len = max_blocks_per_seq * self.block_size  # the static capacity
+        self.num_cache_groups = num_cache_groups
         self.buffers = StaticDecodeBuffers.allocate(
-            self.batch_sizes[-1], max_blocks_per_seq, kv_cache.device
+            self.batch_sizes[-1], max_blocks_per_seq, kv_cache.device, num_cache_groups
         )
         self.num_replays: Counter[int] = Counter()  # batch size -> steps replayed at it
         self._replays: dict[int, Replay] = {}
@@ -329,7 +344,7 @@ class DecodeGraphs:
         with torch.inference_mode():
             for batch_size in reversed(self.batch_sizes):
                 metadata = self.buffers.metadata(batch_size, self.max_seq_len, max_rows_per_seq)
-                context = ForwardContext(metadata, kv_cache, attn_backend)
+                context = ForwardContext.for_groups(metadata, kv_cache, attn_backend)
                 forward = functools.partial(self._forward, model, context, batch_size)
                 self._replays[batch_size], self._outputs[batch_size] = capturer.capture(forward)
 
@@ -359,7 +374,7 @@ class DecodeGraphs:
         )
         if batch_size is None:
             return None
-        inputs = pad_decode_inputs(step, batch_size, self.block_size)
+        inputs = pad_decode_inputs(step, batch_size, self.block_size, self.num_cache_groups)
         self.buffers.fill(inputs)
         if awaited is not None:
             self.buffers.input_ids.index_copy_(0, *awaited)

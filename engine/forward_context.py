@@ -24,13 +24,31 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ForwardContext:
-    attn_metadata: AttentionMetadata  # layout of the flattened token batch
-    kv_cache: (
-        torch.Tensor
-    )  # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
+    # layout of the flattened token batch, with KV cache group 0's block tables and slots
+    attn_metadata: AttentionMetadata
+    # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]: a layer's slot
+    # is its place in its cache group (engine/kv_cache/cache_groups.py)
+    kv_cache: torch.Tensor
     attn_backend: AttentionBackend  # computes attention over the paged cache
     # a mixture-of-experts model's sparse layers count their tokens per expert here (None: not)
     expert_tokens: ExpertTokenCounts | None = None
+    # the same batch with each further cache group's block tables and slots (groups 1, 2, ...)
+    later_group_metadata: tuple[AttentionMetadata, ...] = ()
+
+    @classmethod
+    def for_groups(
+        cls,
+        group_metadata: tuple[AttentionMetadata, ...],  # each cache group's, group 0 first
+        kv_cache: torch.Tensor,
+        attn_backend: AttentionBackend,
+        expert_tokens: ExpertTokenCounts | None = None,
+    ) -> ForwardContext:
+        first, *later = group_metadata
+        return cls(first, kv_cache, attn_backend, expert_tokens, tuple(later))
+
+    def group_metadata(self, group: int) -> AttentionMetadata:
+        """The batch's layout with cache group ``group``'s block tables and slots."""
+        return self.attn_metadata if group == 0 else self.later_group_metadata[group - 1]
 
 
 class _State(threading.local):

@@ -101,8 +101,7 @@ class LLMEngine:
             cache.enable_prefix_caching,
             # LongRoPE: a prompt past the pre-training length is computed with the long set
             rope.original_max_position_embeddings if rope.scaling_type == "longrope" else None,
-            # blocks outside a window go back only when every layer's attention has one
-            self.model_config.sliding_window if self.model_config.all_layers_slide else None,
+            self.model_config.cache_groups,
         )
         proposer = None
         if speculative is not None:

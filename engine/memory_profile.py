@@ -79,7 +79,9 @@ def run_worst_case_step(
     entries = []
     for index in range(num_seqs):
         seq = Sequence(-1 - index, "profile", [0] * seq_len, params, seq_len + 1)
-        seq.block_table = BlockTable(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
+        blocks = range(index * blocks_per_seq, (index + 1) * blocks_per_seq)
+        # every cache group writes the same blocks: a profile reads no value back
+        seq.block_tables = [BlockTable(blocks) for _ in range(layout.num_cache_groups)]
         entries.append(ScheduledSequence(seq, 0, seq_len, (seq,)))
     launched = runner.launch(SchedulerOutput(entries, [], num_seqs * seq_len, 0))
     last_rows = np.arange(1, num_seqs + 1, dtype=np.int64) * seq_len - 1
@@ -144,6 +146,7 @@ def build_largest_decode_graph(
         batch_sizes=batch_sizes[-1:],
         capturer=EagerCapturer(),
         max_rows_per_seq=max_rows_per_seq,
+        num_cache_groups=layout.num_cache_groups,
     )
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.kv_cache.cache_groups import CacheGroups, cache_groups_for
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -282,9 +284,10 @@ class ModelConfig:
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
-    def all_layers_slide(self) -> bool:
-        """Every layer's attention has the sliding window."""
-        return self.sliding_window is not None and len(self.sliding_layers) == self.num_layers
+    def cache_groups(self) -> CacheGroups:
+        """The layers that share a block table (engine/kv_cache/cache_groups.py): one group of
+        all of them unless sliding and full layers mix."""
+        return cache_groups_for(self.num_layers, self.sliding_window, self.sliding_layers)
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

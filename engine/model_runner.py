@@ -301,7 +301,9 @@ class ModelRunner:
             input_ids.index_copy_(0, *awaited)
         if self._followers is not None:  # the ids as the forward reads them, awaited ones in
             send_command(self._followers, ForwardCommand(inputs), input_ids)
-        context = ForwardContext(metadata, self.kv_cache, self.attn_backend, self.expert_tokens)
+        context = ForwardContext.for_groups(
+            metadata, self.kv_cache, self.attn_backend, self.expert_tokens
+        )
 
         def forward() -> torch.Tensor:
             with set_forward_context(context):
@@ -339,6 +341,7 @@ class ModelRunner:
     ) -> tuple[list[int], ForwardInputs]:
         """The step's input ids and the rest of its batch, on the host."""
         bs = self.block_size
+        num_groups = len((prefills or decodes)[0].seq.block_tables)  # KV cache groups
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -347,26 +350,26 @@ class ModelRunner:
             start, end = entry.start_position, entry.start_position + entry.num_query_tokens
             input_ids.extend(entry.query_token_ids())
             pos = np.arange(start, end, dtype=np.int64)
-            table = entry.seq.block_table.array
+            tables = entry.seq.block_tables
             positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            slots.append(np.stack([t.array[pos // bs] * bs + pos % bs for t in tables]))
             query_start_loc.append(query_start_loc[-1] + entry.num_query_tokens)
-        decode = decode_tokens(decodes, bs)
+        decode = decode_tokens(decodes, bs, num_groups)
         input_ids.extend(decode.input_ids.tolist())
         positions.append(decode.positions)
         slots.append(decode.slot_mapping)
         decode_lens = decode.positions + 1
         inputs = ForwardInputs(
             positions=np.concatenate(positions),
-            slot_mapping=np.concatenate(slots),
+            slot_mapping=np.concatenate(slots, axis=1),
             num_prefill_seqs=len(prefills),
             num_prefill_tokens=query_start_loc[-1],
             num_decode_seqs=len(decodes),
             prefill_query_start_loc=query_start_loc,
             prefill_seq_lens=[e.start_position + e.num_query_tokens for e in prefills],
-            prefill_block_tables=_block_tables([e.seq for e in prefills]),
+            prefill_block_tables=_block_tables([e.seq for e in prefills], num_groups),
             decode_seq_lens=decode_lens,
-            decode_block_tables=_block_tables([e.seq for e in decodes]),
+            decode_block_tables=_block_tables([e.seq for e in decodes], num_groups),
             max_decode_seq_len=int(decode_lens.max()) if len(decodes) else 0,
         )
         return input_ids, inputs
@@ -428,10 +431,12 @@ def copy_blocks(kv_cache: torch.Tensor, copies: SequenceOf[tuple[int, int]]) -> 
     kv_cache[:, :, dst] = kv_cache[:, :, src]
 
 
-def _block_tables(seqs: SequenceOf[Sequence]) -> np.ndarray:
-    """[len(seqs), max_blocks] int64 block tables, padded with 0."""
-    width = max((len(s.block_table) for s in seqs), default=0)
-    table = np.zeros((len(seqs), width), dtype=np.int64)
+def _block_tables(seqs: SequenceOf[Sequence], num_groups: int) -> np.ndarray:
+    """[num_groups, len(seqs), max_blocks] int64 block tables, a row per sequence in each KV
+    cache group, padded with 0."""
+    width = max((len(s.block_tables[0]) for s in seqs), default=0)
+    tables = np.zeros((num_groups, len(seqs), width), dtype=np.int64)
     for row, seq in enumerate(seqs):
-        table[row, : len(seq.block_table)] = seq.block_table.array
-    return table
+        for group, table in enumerate(seq.block_tables):
+            tables[group, row, : len(table)] = table.array
+    return tables

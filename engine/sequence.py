@@ -38,7 +38,7 @@ class Sequence:
         "max_total_tokens",
         "num_computed_tokens",
         "num_pending_tokens",
-        "block_table",
+        "block_tables",
         "block_hashes",
         "num_committed_blocks",
         "num_released_blocks",
@@ -85,11 +85,15 @@ class Sequence:
         # applied: 1 from a step's scheduling to its update; with async scheduling the next
         # step is scheduled before then (and computes that token's KV, fed from the device)
         self.num_pending_tokens = 0
-        self.block_table = BlockTable()  # physical block per logical block
+        # physical block per logical block, a table per KV cache group (engine/kv_cache/
+        # cache_groups.py), all of one length; empty while the sequence holds no blocks
+        self.block_tables: list[BlockTable] = []
         self.block_hashes: list[BlockHash] = []  # prefix hash per full block of token_ids
-        self.num_committed_blocks = 0  # leading blocks of block_table offered to the prefix cache
-        # leading blocks of block_table given back, outside a sliding window (BlockManager)
-        self.num_released_blocks = 0
+        # leading logical blocks offered to the prefix cache (in every group's table)
+        self.num_committed_blocks = 0
+        # per group, leading blocks of its table given back, outside its sliding window
+        # (BlockManager); 0 for a group that sees the whole context
+        self.num_released_blocks: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache

@@ -19,18 +19,27 @@ class DecodeTokens:
 
     input_ids: np.ndarray  # [num_rows] int64
     positions: np.ndarray  # [num_rows] int64: the token's position (its context length - 1)
-    slot_mapping: np.ndarray  # [num_rows] int64: block_id * block_size + offset of that position
+    # [num_cache_groups, num_rows] int64: block_id * block_size + offset of that position, in
+    # each KV cache group's blocks
+    slot_mapping: np.ndarray
 
 
-def decode_tokens(entries: SequenceOf[ScheduledSequence], block_size: int) -> DecodeTokens:
+def decode_tokens(
+    entries: SequenceOf[ScheduledSequence], block_size: int, num_groups: int = 1
+) -> DecodeTokens:
     num_entries = len(entries)
     if all(e.num_query_tokens == 1 for e in entries):  # a decode step without drafts
         positions = np.fromiter((e.start_position for e in entries), np.int64, num_entries)
         input_ids = np.fromiter((e.newest_token_id for e in entries), np.int64, num_entries)
-        blocks = np.fromiter(
-            (e.seq.block_table[e.start_position // block_size] for e in entries),
-            np.int64,
-            num_entries,
+        blocks = np.stack(
+            [
+                np.fromiter(
+                    (e.seq.block_tables[group][e.start_position // block_size] for e in entries),
+                    np.int64,
+                    num_entries,
+                )
+                for group in range(num_groups)
+            ]
         )
     else:
         counts = np.fromiter((e.num_query_tokens for e in entries), np.int64, num_entries)
@@ -42,13 +51,20 @@ def decode_tokens(entries: SequenceOf[ScheduledSequence], block_size: int) -> De
         input_ids = np.fromiter(
             (token for e in entries for token in e.query_token_ids()), np.int64, len(rows)
         )
-        blocks = np.fromiter(
-            (
-                entries[entry].seq.block_table[position // block_size]
-                for entry, position in zip(entry_index.tolist(), positions.tolist())
-            ),
-            np.int64,
-            len(rows),
+        row_entries = entry_index.tolist()
+        row_blocks = (positions // block_size).tolist()
+        blocks = np.stack(
+            [
+                np.fromiter(
+                    (
+                        entries[entry].seq.block_tables[group][block]
+                        for entry, block in zip(row_entries, row_blocks)
+                    ),
+                    np.int64,
+                    len(rows),
+                )
+                for group in range(num_groups)
+            ]
         )
     slot_mapping = blocks * block_size + positions % block_size
     return DecodeTokens(input_ids, positions, slot_mapping)

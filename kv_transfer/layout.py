@@ -50,6 +50,10 @@ class KVCacheLayout:
     first_kv_head: int = 0  # the model's id of the cache's first KV head
     moved_kv_heads: range | None = None  # the model's KV heads the channel moves, consecutive
     # and among the cache's own; None: every head the cache holds
+    # the model's KV cache groups where it has several (engine/kv_cache/cache_groups.py: which
+    # layers hold which slot of a block, and each group's window); None: one group, layer i in
+    # slot i
+    cache_groups: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -62,6 +66,8 @@ class KVCacheLayout:
             raise ValueError(f"kv_planes must be 1 or 2, got {self.kv_planes!r}")
         if type(self.first_kv_head) is not int or self.first_kv_head < 0:
             raise ValueError(f"first_kv_head must be an int >= 0, got {self.first_kv_head!r}")
+        if self.cache_groups is not None and not isinstance(self.cache_groups, str):
+            raise ValueError(f"cache_groups must be a string or None, got {self.cache_groups!r}")
         moved = self.moved_kv_heads
         if moved is None:
             return
@@ -74,10 +80,15 @@ class KVCacheLayout:
             )
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor, kv_heads: range | None = None) -> KVCacheLayout:
+    def from_cache(
+        cls,
+        kv_cache: torch.Tensor,
+        kv_heads: range | None = None,
+        cache_groups: str | None = None,
+    ) -> KVCacheLayout:
         """The layout of a cache tensor `[num_layers, kv_planes, num_blocks, block_size, heads,
         dim]`. ``kv_heads``: the model's KV heads it holds (a rank's ``shard.kv_heads``;
-        default: the cache's heads are the model's first ones)."""
+        default: the cache's heads are the model's first ones); ``cache_groups``: as the field."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] not in (1, 2):
             raise ValueError(
                 "KV cache must be [num_layers, kv_planes (2, or 1 for a latent cache), "
@@ -89,7 +100,13 @@ class KVCacheLayout:
             raise ValueError(f"unsupported KV dtype {kv_cache.dtype}")
         num_layers, kv_planes, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         layout = cls(
-            names[kv_cache.dtype], block_size, num_layers, num_kv_heads, head_dim, kv_planes
+            names[kv_cache.dtype],
+            block_size,
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            kv_planes,
+            cache_groups=cache_groups,
         )
         return layout if kv_heads is None else layout.holding(kv_heads)
 
@@ -191,6 +208,11 @@ class KVCacheLayout:
             mine, theirs = getattr(self, name), getattr(peer, name)
             if mine != theirs:
                 return f"KV layout mismatch on {name}: this side has {mine}, the peer has {theirs}"
+        if self.cache_groups != peer.cache_groups:
+            return (
+                f"KV layout mismatch on cache_groups: this side has {self.cache_groups}, the "
+                f"peer has {peer.cache_groups}"
+            )
         return None
 
     def _heads_mismatch(
@@ -242,6 +264,7 @@ class KVCacheLayout:
             **{name: getattr(self, name) for name in _SHAPE_FIELDS},
             "first_kv_head": self.first_kv_head,
             "moved_kv_heads": None if moved is None else [moved.start, moved.stop],
+            "cache_groups": self.cache_groups,
         }
 
     @classmethod

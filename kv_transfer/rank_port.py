@@ -39,9 +39,10 @@ class RankKVPort:
         kv_cache: torch.Tensor,  # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
         kv_heads: range,  # the model's KV heads the cache holds (the rank's shard.kv_heads)
         host: str,  # where this rank's listening sockets bind (never a wildcard)
+        cache_groups: str | None = None,  # the model's KV cache groups (KVCacheLayout's field)
     ) -> None:
         self.kv_cache = kv_cache
-        self.layout = KVCacheLayout.from_cache(kv_cache, kv_heads)
+        self.layout = KVCacheLayout.from_cache(kv_cache, kv_heads, cache_groups)
         self.host = host
         self.device = kv_cache.device
         self._listeners: dict[str, ChannelListener] = {}

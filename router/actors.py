@@ -234,7 +234,12 @@ class RankActor:
                 load, cache, scheduler, speculative, parallel, self.rank
             )
             try:
-                self._port = RankKVPort(built.kv_cache, built.shard.kv_heads, self.transfer.host)
+                self._port = RankKVPort(
+                    built.kv_cache,
+                    built.shard.kv_heads,
+                    self.transfer.host,
+                    built.model_config.cache_groups.handshake_name,
+                )
                 self._built.set()
                 follower.run()
             finally:

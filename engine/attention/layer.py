@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
+from engine.kv_cache.cache_groups import LayerPlace
 
 
 class Attention(nn.Module):
     def __init__(
         self,
-        layer_idx: int,
+        place: LayerPlace,  # its cache group and slot (engine/kv_cache/cache_groups.py)
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -28,7 +29,7 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"{num_heads=} is not a multiple of {num_kv_heads=}")
-        self.layer_idx = layer_idx
+        self.place = place
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -49,9 +50,9 @@ class Attention(nn.Module):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] (rows as many as the query's)
         context = get_forward_context()
-        kv_cache_layer = context.kv_cache[self.layer_idx]  # [2, blocks, block_size, kvh, head_dim]
+        kv_cache_layer = context.kv_cache[self.place.slot]  # [2, blocks, block_size, kvh, head_dim]
         backend = context.attn_backend
-        metadata = context.attn_metadata
+        metadata = context.group_metadata(self.place.group)
         # rows past the batch's tokens are padding (ForwardInputs.num_padding_rows): no K/V is
         # written for them, and their output is zeros
         num_tokens = metadata.num_tokens
@@ -79,9 +80,9 @@ class LatentCacheAttention(nn.Module):
 
     num_kv_heads = 1  # every query head reads the one latent entry per token
 
-    def __init__(self, layer_idx: int, num_heads: int, scale: float, value_dim: int) -> None:
+    def __init__(self, place: LayerPlace, num_heads: int, scale: float, value_dim: int) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        self.place = place
         self.num_heads = num_heads
         self.scale = scale
         self.value_dim = value_dim
@@ -92,9 +93,9 @@ class LatentCacheAttention(nn.Module):
         entries: torch.Tensor,  # [rows, width]: each token's latent, then its rotary key
     ) -> torch.Tensor:  # [rows, num_heads, value_dim]
         context = get_forward_context()
-        cache_layer = context.kv_cache[self.layer_idx]  # [1, blocks, block_size, 1, width]
+        cache_layer = context.kv_cache[self.place.slot]  # [1, blocks, block_size, 1, width]
         backend = context.attn_backend
-        metadata = context.attn_metadata
+        metadata = context.group_metadata(self.place.group)
         # rows past the batch's tokens are padding: no entry is written, their output is zeros
         num_tokens = metadata.num_tokens
         num_padding = query.shape[0] - num_tokens

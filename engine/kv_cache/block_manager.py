@@ -1,22 +1,28 @@
 """Maps sequences onto physical blocks: prefix-cache lookup, slot allocation, copy-on-write.
 
 Verbs, in the order a sequence meets them:
-  attach_cached_prefix (or adopt, for KV received) -> release_outside_window (a model whose
-  every layer has a sliding window) and can_allocate / allocate_slots (every step) -> fork
-  (n > 1) -> free
+  attach_cached_prefix (or adopt, for KV received) -> release_outside_window and can_allocate /
+  allocate_slots (every step) -> fork (n > 1) -> free
 
-They are the only writers of a sequence's block table. Blocks for KV that has yet to arrive (a
-decode worker's hand-off) are taken with ``reserve`` and, unless a sequence adopts them, given
-back with ``release``. Where every layer has an attention window, a hand-off moves only the
-prompt's blocks from the first one the next token's window reaches (``first_moved_block``):
-the decode side reserves those alone, and ``adopt`` marks the ones before them RELEASED.
+They are the only writers of a sequence's block tables: one per KV cache group
+(engine/kv_cache/cache_groups.py), all of one length, their blocks drawn from one pool. A group
+whose layers see a sliding window gives back the blocks wholly before its next token's window
+(RELEASED in their place), so its KV per sequence stays within the window; a group that sees the
+whole context keeps every block. Blocks for KV that has yet to arrive (a decode worker's
+hand-off) are taken with ``reserve`` and, unless a sequence adopts them, given back with
+``release``. A hand-off moves, of each group, the prompt's blocks from the first one the next
+token's window reaches (``blocks_to_hand_off``): the decode side reserves those alone, and
+``adopt`` marks the ones before them RELEASED.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.block_table import BlockTable
-from engine.kv_cache.prefix_hash import extend_block_hashes
+from engine.kv_cache.cache_groups import CacheGroups
+from engine.kv_cache.prefix_hash import BlockHash, extend_block_hashes
 from engine.sequence import Sequence
 
 # a block-table entry whose block was given back (outside the attention window); never read
@@ -34,7 +40,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool,
         long_prompt_length: int | None = None,
-        attention_window: int | None = None,
+        cache_groups: CacheGroups | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -43,10 +49,15 @@ class BlockManager:
         # the long set): such prompts' blocks are salted apart from shorter prompts' (None: no
         # such length)
         self.long_prompt_length = long_prompt_length
-        # every layer of the model sees only this many positions (a sliding window): a
-        # sequence's blocks wholly before its next token's window are given back as it goes
-        # (None: sequences keep all their blocks)
-        self.attention_window = attention_window
+        # each group's attention window (None: it sees the whole context); default: one group
+        # that sees it all
+        self.windows: tuple[int | None, ...] = (
+            (None,) if cache_groups is None else cache_groups.windows
+        )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     def _salt(self, seq: Sequence) -> str | None:
         """The prefix-hash salt of ``seq``'s blocks: its tenant's, and the long-prompt mark."""
@@ -65,49 +76,105 @@ class BlockManager:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
     def attach_cached_prefix(self, seq: Sequence) -> int:
-        """Give a sequence with no blocks the cached blocks of its longest cached prefix.
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix: in
+        every group that sees the whole context, each of its blocks; in a windowed group, those
+        the window of the first token left to compute reaches (the ones before are RELEASED).
 
         Returns the number of tokens whose KV is thereby already computed. At least one token is
         always left to compute, since its logits are needed to sample the next token.
         """
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        assert not seq.block_tables and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self._salt(seq))
         max_cached_blocks = (seq.num_tokens - 1) // self.block_size
-        for block_hash in seq.block_hashes[:max_cached_blocks]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            self.pool.incref(block_id)
-            seq.block_table.append(block_id)
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        return seq.num_computed_tokens
+        hashes = seq.block_hashes[:max_cached_blocks]
+        num_hit = self._longest_cached_prefix(hashes)
+        self.pool.count_lookups(min(num_hit + 1, max_cached_blocks), num_hit)
+        if num_hit == 0:
+            return 0
+        self._give_tables(seq)
+        num_tokens = num_hit * self.block_size
+        for group, table in enumerate(seq.block_tables):
+            first_kept = self._first_kept_block(group, num_tokens)
+            for index, block_hash in enumerate(hashes[:num_hit]):
+                if index < first_kept:
+                    table.append(RELEASED)
+                    continue
+                block_id = self.pool.cached_block(block_hash, group)
+                assert block_id is not None
+                self.pool.incref(block_id)
+                table.append(block_id)
+            seq.num_released_blocks[group] = first_kept
+        seq.num_computed_tokens = num_tokens
+        return num_tokens
+
+    def _longest_cached_prefix(self, hashes: list[BlockHash]) -> int:
+        """How many of the leading blocks named by ``hashes`` a sequence can take from the
+        cache: every one of them in each group that sees the whole context, and in each
+        windowed group the ones the next token's window reaches."""
+        num_hit = len(hashes)
+        for group, window in enumerate(self.windows):
+            if window is None:
+                run = 0
+                while run < num_hit and self.pool.cached_block(hashes[run], group) is not None:
+                    run += 1
+                num_hit = run
+        windowed = [group for group, window in enumerate(self.windows) if window is not None]
+        while num_hit > 0 and not all(self._holds_window(g, hashes, num_hit) for g in windowed):
+            num_hit -= 1
+        return num_hit
+
+    def _holds_window(self, group: int, hashes: list[BlockHash], num_blocks: int) -> bool:
+        """The cache holds ``group``'s blocks that the token after ``num_blocks`` full blocks
+        sees."""
+        first = self._first_kept_block(group, num_blocks * self.block_size)
+        return all(
+            self.pool.cached_block(hashes[index], group) is not None
+            for index in range(first, num_blocks)
+        )
 
     def release_outside_window(self, seq: Sequence) -> None:
-        """Give back ``seq``'s blocks that no query of it will read again: those wholly before
-        the attention window of its next token (its table keeps RELEASED in their place, so
-        logical block indices stay put). Nothing without an attention window, nor for a
-        prompt whose KV a decode worker will take (its hand-off moves the prompt's blocks from
-        ``first_moved_block``)."""
-        window = self.attention_window
-        if window is None or seq.prefill_only:
+        """Give back ``seq``'s blocks, in each windowed group, that no query of it will read
+        again: those wholly before the window of its next token (the table keeps RELEASED in
+        their place, so logical block indices stay put). Nothing for a prompt whose KV a
+        decode worker will take (its hand-off moves the prompt's blocks from the window on)."""
+        if seq.prefill_only or not seq.block_tables:
             return
-        first_visible = seq.num_computed_tokens - window + 1  # the next token's window start
-        num_dead = min(max(first_visible, 0) // self.block_size, len(seq.block_table))
-        for index in range(seq.num_released_blocks, num_dead):
-            self.pool.free(seq.block_table[index])
-            seq.block_table[index] = RELEASED
-        seq.num_released_blocks = max(seq.num_released_blocks, num_dead)
+        for group, table in enumerate(seq.block_tables):
+            if self.windows[group] is None:
+                continue
+            num_dead = min(self._first_kept_block(group, seq.num_computed_tokens), len(table))
+            for index in range(seq.num_released_blocks[group], num_dead):
+                self.pool.free(table[index])
+                table[index] = RELEASED
+            seq.num_released_blocks[group] = max(seq.num_released_blocks[group], num_dead)
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to allocate so the next ``num_new_tokens`` have slots (incl. a CoW copy)."""
+        """Blocks to allocate so the next ``num_new_tokens`` have slots in every group (incl.
+        copy-on-write copies)."""
         total = seq.num_computed_tokens + num_new_tokens
-        needed = num_blocks_for(total, self.block_size) - len(seq.block_table)
-        return max(needed, 0) + (1 if self._needs_copy_on_write(seq) else 0)
+        num_new = max(num_blocks_for(total, self.block_size) - self._num_logical_blocks(seq), 0)
+        num_copies = sum(1 for _ in self._blocks_to_copy(seq))
+        return num_new * self.num_groups + num_copies
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int | None) -> int:
+        """The most blocks a sequence of up to ``num_tokens`` tokens holds at once: every block
+        of each group that sees the whole context and, where ``step_tokens`` is given (chunked
+        prefill: no step computes more of it), a windowed group's window and a step's
+        tokens."""
+        num_blocks = num_blocks_for(num_tokens, self.block_size)
+        held = 0
+        for window in self.windows:
+            if window is None or step_tokens is None:
+                held += num_blocks
+            else:
+                window_and_step = num_blocks_for(window - 1 + step_tokens, self.block_size) + 1
+                held += min(num_blocks, window_and_step)
+        return held
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for the next ``num_new_tokens``; returns block copies (src, dst) to perform.
@@ -116,16 +183,17 @@ class BlockManager:
         sequence writes into it.
         """
         copies: list[tuple[int, int]] = []
-        if self._needs_copy_on_write(seq):
+        for group, shared in list(self._blocks_to_copy(seq)):
             logical = seq.num_computed_tokens // self.block_size
-            shared = seq.block_table[logical]
             private = self.pool.allocate()
             self.pool.free(shared)
-            seq.block_table[logical] = private
+            seq.block_tables[group][logical] = private
             copies.append((shared, private))
-        total = seq.num_computed_tokens + num_new_tokens
-        while len(seq.block_table) < num_blocks_for(total, self.block_size):
-            seq.block_table.append(self.pool.allocate())
+        self._give_tables(seq)
+        num_blocks = num_blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        for table in seq.block_tables:
+            while len(table) < num_blocks:
+                table.append(self.pool.allocate())
         return copies
 
     def commit_computed(self, seq: Sequence, num_computed: int | None = None) -> None:
@@ -151,49 +219,65 @@ class BlockManager:
         extend_block_hashes(
             seq.block_hashes, seq.token_ids, self.block_size, self._salt(seq), num_full_blocks
         )
-        for index in range(seq.num_committed_blocks, num_full_blocks):
-            self.pool.register(seq.block_table[index], seq.block_hashes[index])
+        for group, table in enumerate(seq.block_tables):
+            for index in range(seq.num_committed_blocks, num_full_blocks):
+                if table[index] != RELEASED:
+                    self.pool.register(table[index], seq.block_hashes[index], group)
         seq.num_committed_blocks = num_full_blocks
 
     def adopt(self, seq: Sequence, block_ids: list[int], *, share: bool) -> None:
         """Give a sequence with no blocks the blocks holding its prompt's KV, received from
-        elsewhere (a prefill worker's hand-off: the prompt's blocks from
-        ``first_moved_block`` on, the ones before it RELEASED); ``share``: they are another
-        sample's too, so take another reference."""
-        assert not seq.block_table
-        num_left_behind = num_blocks_for(seq.num_prompt_tokens, self.block_size) - len(block_ids)
-        assert num_left_behind == self.first_moved_block(seq.num_prompt_tokens)
+        elsewhere (a prefill worker's hand-off, in ``blocks_to_hand_off``'s order: each
+        group's blocks from its window on, the ones before it RELEASED); ``share``: they are
+        another sample's too, so take another reference."""
+        assert not seq.block_tables
+        num_prompt_blocks = num_blocks_for(seq.num_prompt_tokens, self.block_size)
+        assert len(block_ids) == self.num_blocks_to_hand_off(seq.num_prompt_tokens)
         if share:
             for block_id in block_ids:
                 self.pool.incref(block_id)
-        seq.block_table = BlockTable([RELEASED] * num_left_behind + block_ids)
-        seq.num_released_blocks = num_left_behind
+        start = 0
+        for group in range(self.num_groups):
+            num_left_behind = self._first_kept_block(group, seq.num_prompt_tokens)
+            end = start + num_prompt_blocks - num_left_behind
+            seq.block_tables.append(BlockTable([RELEASED] * num_left_behind + block_ids[start:end]))
+            seq.num_released_blocks.append(num_left_behind)
+            start = end
         seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.num_committed_blocks = num_left_behind  # never here: nothing of them to cache
+        seq.num_committed_blocks = 0
         self.commit_computed(seq)
 
     def blocks_to_hand_off(self, seq: Sequence) -> list[int]:
-        """The blocks of a prefilled prompt its hand-off moves: from ``first_moved_block``."""
-        return list(seq.block_table)[self.first_moved_block(seq.num_prompt_tokens) :]
+        """The blocks of a prefilled prompt its hand-off moves, group after group: each
+        group's from the first one the window of the token after the prompt reaches (all of
+        them where the group sees the whole context)."""
+        return [
+            block_id
+            for group, table in enumerate(seq.block_tables)
+            for block_id in table[self._first_kept_block(group, seq.num_prompt_tokens) :]
+        ]
 
-    def first_moved_block(self, num_prompt_tokens: int) -> int:
-        """The first of a prompt's blocks its hand-off moves: where every layer has an
-        attention window, the blocks wholly before the window of the token after the prompt
-        would be given back on arrival, so they stay behind; else 0, the whole prompt."""
-        window = self.attention_window
+    def num_blocks_to_hand_off(self, num_prompt_tokens: int) -> int:
+        """How many blocks a hand-off of a ``num_prompt_tokens``-token prompt moves."""
+        num_blocks = num_blocks_for(num_prompt_tokens, self.block_size)
+        return sum(
+            num_blocks - self._first_kept_block(group, num_prompt_tokens)
+            for group in range(self.num_groups)
+        )
+
+    def _first_kept_block(self, group: int, num_tokens: int) -> int:
+        """The first of ``group``'s blocks the token after ``num_tokens`` tokens sees: those
+        before it are wholly outside its window (0 where the group sees the whole context)."""
+        window = self.windows[group]
         if window is None:
             return 0
-        first_visible = max(num_prompt_tokens - window + 1, 0)
-        return min(
-            first_visible // self.block_size, num_blocks_for(num_prompt_tokens, self.block_size)
-        )
+        first_visible = max(num_tokens - window + 1, 0)
+        return min(first_visible // self.block_size, num_blocks_for(num_tokens, self.block_size))
 
     def reserve(self, num_tokens: int) -> list[int] | None:
-        """Fresh blocks for the KV a hand-off of a ``num_tokens``-token prompt moves (from
-        ``first_moved_block``), or None when they do not fit now."""
-        num_blocks = num_blocks_for(num_tokens, self.block_size) - self.first_moved_block(
-            num_tokens
-        )
+        """Fresh blocks for the KV a hand-off of a ``num_tokens``-token prompt moves
+        (``blocks_to_hand_off``), or None when they do not fit now."""
+        num_blocks = self.num_blocks_to_hand_off(num_tokens)
         if num_blocks > self.pool.num_free_blocks:
             return None
         return [self.pool.allocate() for _ in range(num_blocks)]
@@ -205,27 +289,41 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s blocks (copy-on-write on the partial one)."""
-        for block_id in parent.block_table[parent.num_released_blocks :]:
-            self.pool.incref(block_id)
-        child.block_table = BlockTable(parent.block_table)
-        child.num_released_blocks = parent.num_released_blocks
+        for group, table in enumerate(parent.block_tables):
+            for block_id in table[parent.num_released_blocks[group] :]:
+                self.pool.incref(block_id)
+        child.block_tables = [BlockTable(table) for table in parent.block_tables]
+        child.num_released_blocks = list(parent.num_released_blocks)
         child.block_hashes = list(parent.block_hashes)
         child.num_committed_blocks = parent.num_committed_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks (newest first, so older prefix blocks stay cached longer)."""
-        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
-            self.pool.free(block_id)
-        seq.block_table = BlockTable()
+        for group, table in enumerate(seq.block_tables):
+            for block_id in reversed(table[seq.num_released_blocks[group] :]):
+                self.pool.free(block_id)
+        seq.block_tables = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
-        seq.num_released_blocks = 0
+        seq.num_released_blocks = []
 
-    def _needs_copy_on_write(self, seq: Sequence) -> bool:
-        """The block the next token lands in is partially filled and shared."""
+    def _give_tables(self, seq: Sequence) -> None:
+        """Empty tables, one per group, for a sequence that holds no blocks."""
+        if not seq.block_tables:
+            seq.block_tables = [BlockTable() for _ in range(self.num_groups)]
+            seq.num_released_blocks = [0] * self.num_groups
+
+    def _num_logical_blocks(self, seq: Sequence) -> int:
+        return len(seq.block_tables[0]) if seq.block_tables else 0
+
+    def _blocks_to_copy(self, seq: Sequence) -> Iterator[tuple[int, int]]:
+        """(group, block) of each group whose block the next token lands in is partially
+        filled and shared."""
         offset = seq.num_computed_tokens % self.block_size
-        if offset == 0:
-            return False
-        shared_block = seq.block_table[seq.num_computed_tokens // self.block_size]
-        return self.pool.ref_count(shared_block) > 1
+        if offset == 0 or not seq.block_tables:
+            return
+        logical = seq.num_computed_tokens // self.block_size
+        for group, table in enumerate(seq.block_tables):
+            if self.pool.ref_count(table[logical]) > 1:
+                yield group, table[logical]

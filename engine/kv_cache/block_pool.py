@@ -6,6 +6,9 @@ A block is in exactly one of three states:
   cached     -- ref_count == 0 but its content is registered under a prefix hash; it sits in an
                 LRU list and is reused on a hash hit, or evicted (oldest first) when the free
                 list is empty.
+
+A hash is registered per KV cache group (engine/kv_cache/cache_groups.py): the same tokens'
+blocks of two groups hold different layers' KV.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from engine.kv_cache.prefix_hash import BlockHash
+
+_CacheKey = tuple[int, BlockHash]  # (cache group, prefix hash)
 
 
 class BlockPool:
@@ -23,8 +28,8 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
-        self._hash_of_block: dict[int, BlockHash] = {}
-        self._block_of_hash: dict[BlockHash, int] = {}
+        self._hash_of_block: dict[int, _CacheKey] = {}
+        self._block_of_hash: dict[_CacheKey, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.num_cache_queries = 0  # full blocks looked up
         self.num_cache_hits = 0  # full blocks found
@@ -71,24 +76,27 @@ class BlockPool:
         else:
             self._free.append(block_id)
 
-    def lookup(self, block_hash: BlockHash) -> int | None:
-        """The block caching this prefix hash, or None. Counts toward the hit rate."""
-        self.num_cache_queries += 1
-        block_id = self._block_of_hash.get(block_hash)
-        if block_id is not None:
-            self.num_cache_hits += 1
-        return block_id
+    def cached_block(self, block_hash: BlockHash, group: int = 0) -> int | None:
+        """The block caching this prefix hash of cache group ``group``, or None."""
+        return self._block_of_hash.get((group, block_hash))
 
-    def register(self, block_id: int, block_hash: BlockHash) -> None:
-        """Record that ``block_id`` now holds the full block named by ``block_hash``."""
+    def count_lookups(self, num_queried: int, num_hit: int) -> None:
+        """A prefix lookup asked for ``num_queried`` full blocks and found ``num_hit``."""
+        self.num_cache_queries += num_queried
+        self.num_cache_hits += num_hit
+
+    def register(self, block_id: int, block_hash: BlockHash, group: int = 0) -> None:
+        """Record that ``block_id`` now holds group ``group``'s full block named by
+        ``block_hash``."""
+        key = (group, block_hash)
         if not self.enable_prefix_caching or block_id in self._hash_of_block:
             return
-        if block_hash in self._block_of_hash:
+        if key in self._block_of_hash:
             return  # an identical block is already cached; keep the first one
-        self._hash_of_block[block_id] = block_hash
-        self._block_of_hash[block_hash] = block_id
+        self._hash_of_block[block_id] = key
+        self._block_of_hash[key] = block_id
 
     def _forget_hash(self, block_id: int) -> None:
-        block_hash = self._hash_of_block.pop(block_id, None)
-        if block_hash is not None:
-            del self._block_of_hash[block_hash]
+        key = self._hash_of_block.pop(block_id, None)
+        if key is not None:
+            del self._block_of_hash[key]

@@ -19,7 +19,9 @@ CPU_KV_CACHE_BYTES_ENV = "PDSERVE_CPU_KV_CACHE_BYTES"
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """The cache tensor: ``[num_layers, kv_planes, num_blocks, block_size, num_kv_heads,
-    head_dim]``, where a layer's planes are K and V (2) or a latent (1: ModelConfig.kv_planes)."""
+    head_dim]``, where a layer's planes are K and V (2) or a latent (1: ModelConfig.kv_planes).
+    With several KV cache groups (engine/kv_cache/cache_groups.py) ``num_layers`` is the slots
+    a block holds (the largest group's layers), and each group's blocks come from the one pool."""
 
     num_layers: int
     num_kv_heads: int
@@ -27,6 +29,7 @@ class KVLayout:
     block_size: int
     dtype: torch.dtype
     kv_planes: int = 2
+    num_cache_groups: int = 1  # block tables per sequence
 
     @property
     def bytes_per_block(self) -> int:

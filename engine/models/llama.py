@@ -81,7 +81,7 @@ class SelfAttention(nn.Module):
         self.k_norm = rms_norm_for(config, config.head_dim) if config.qk_norm else None
         scale = config.attention_scale
         self.attn = Attention(
-            layer_idx,
+            config.cache_groups.place(layer_idx),
             self.num_heads,
             self.num_kv_heads,
             config.head_dim,

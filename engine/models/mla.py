@@ -81,7 +81,10 @@ class LatentAttention(nn.Module):
         )
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=False)
         self.attn = LatentCacheAttention(
-            layer_idx, heads, scale=mla.softmax_scale, value_dim=mla.kv_lora_rank
+            config.cache_groups.place(layer_idx),
+            heads,
+            scale=mla.softmax_scale,
+            value_dim=mla.kv_lora_rank,
         )
         self.group = group
 

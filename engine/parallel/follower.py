@@ -85,7 +85,7 @@ class Follower:
 
     def _forward(self, command: ForwardCommand, input_ids: torch.Tensor) -> torch.Tensor:
         positions, metadata = command.inputs.on_device(self.device)
-        context = ForwardContext(metadata, self.kv_cache, self.attn_backend)
+        context = ForwardContext.for_groups(metadata, self.kv_cache, self.attn_backend)
         with set_forward_context(context):
             return self.model.forward(input_ids, positions)
 

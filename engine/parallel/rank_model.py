@@ -46,8 +46,8 @@ class RankModel:
     dtype: torch.dtype
     max_model_len: int
     model: CausalLM  # this rank's shard of the weights
-    # [num_layers, kv_planes, num_blocks, block_size, shard.num_kv_heads, head_dim]; num_blocks is the
-    # same on every rank
+    # [num_slots, kv_planes, num_blocks, block_size, shard.num_kv_heads, head_dim] (num_slots: the
+    # model's layers, or its largest KV cache group's); num_blocks is the same on every rank
     kv_cache: torch.Tensor
     attn_backend: AttentionBackend
     decode_graphs: DecodeGraphs | None  # None: every step runs eagerly (always when size > 1)
@@ -142,13 +142,15 @@ def build_rank_model(
         shard=shard if size > 1 else None,
         group=group if size > 1 else None,
     )
+    cache_groups = model_config.cache_groups
     layout = KVLayout(
-        num_layers=model_config.num_layers,
+        num_layers=cache_groups.num_slots,
         num_kv_heads=shard.num_kv_heads,
         head_dim=model_config.head_dim,
         block_size=cache.block_size,
         dtype=dtype,
         kv_planes=model_config.kv_planes,
+        num_cache_groups=cache_groups.num_groups,
     )
     # decode steps of these batch sizes (rows: a token each, drafts included) replay CUDA
     # graphs; eager ones are sized alike
@@ -194,7 +196,7 @@ def build_rank_model(
     num_blocks = num_kv_blocks(cache.budget, layout, device, activation_bytes)
     if group is not None:  # each rank measured its own memory; the cache is what all can hold
         num_blocks = group.min_int(num_blocks)
-    # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
+    # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
     kv_cache = torch.zeros(layout.shape(num_blocks), dtype=dtype, device=device)
     decode_graphs = None
     if graph_batch_sizes is not None:
@@ -206,6 +208,7 @@ def build_rank_model(
             batch_sizes=graph_batch_sizes,
             capturer=CudaGraphCapturer(device),
             max_rows_per_seq=rows_per_seq,
+            num_cache_groups=cache_groups.num_groups,
         )
     return RankModel(
         model_config=model_config,

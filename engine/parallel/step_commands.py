@@ -30,15 +30,19 @@ class ForwardInputs:
     tensors and attention metadata from it alike."""
 
     positions: np.ndarray  # [num_tokens] int64: each token's position in its sequence
-    slot_mapping: np.ndarray  # [num_tokens] int64: block_id * block_size + offset of its K/V
+    # [num_cache_groups, num_tokens] int64: block_id * block_size + offset of its K/V, in
+    # each KV cache group's blocks
+    slot_mapping: np.ndarray
     num_prefill_seqs: int  # entries of more than one token, first in the batch
     num_prefill_tokens: int  # their tokens: the first rows
     num_decode_seqs: int  # entries of one token: the last rows
     prefill_query_start_loc: list[int]  # [num_prefill_seqs + 1] row offsets of each prefill
     prefill_seq_lens: list[int]  # [num_prefill_seqs] context length after this step
-    prefill_block_tables: np.ndarray  # [num_prefill_seqs, max_blocks] int64, padded with 0
+    # [num_cache_groups, num_prefill_seqs, max_blocks] int64, padded with 0
+    prefill_block_tables: np.ndarray
     decode_seq_lens: np.ndarray  # [num_decode_seqs] int64 context length incl. the new token
-    decode_block_tables: np.ndarray  # [num_decode_seqs, max_blocks] int64, padded with 0
+    # [num_cache_groups, num_decode_seqs, max_blocks] int64, padded with 0
+    decode_block_tables: np.ndarray
     max_decode_seq_len: int  # max of decode_seq_lens (0 without decodes)
     # rows after the tokens that the forward runs and attention skips (position 0, no K/V
     # written): the step's rows padded to ``engine.kernels.linear.padded_rows``
@@ -53,20 +57,27 @@ class ForwardInputs:
         """The forward's rows: its tokens, then its padding."""
         return self.num_tokens + self.num_padding_rows
 
-    def on_device(self, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
-        """The positions ([num_rows] int64, 0 for padding) and attention metadata on
-        ``device``."""
-        metadata = AttentionMetadata(
-            num_prefill_seqs=self.num_prefill_seqs,
-            num_prefill_tokens=self.num_prefill_tokens,
-            num_decode_seqs=self.num_decode_seqs,
-            slot_mapping=to_device(self.slot_mapping, None, device),
-            prefill_query_start_loc=self.prefill_query_start_loc,
-            prefill_seq_lens=self.prefill_seq_lens,
-            prefill_block_tables=to_device(self.prefill_block_tables, None, device),
-            decode_seq_lens=to_device(self.decode_seq_lens, None, device),
-            decode_block_tables=to_device(self.decode_block_tables, None, device),
-            max_decode_seq_len=self.max_decode_seq_len,
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, tuple[AttentionMetadata, ...]]:
+        """The positions ([num_rows] int64, 0 for padding) and the attention metadata of each
+        KV cache group on ``device``."""
+        slot_mapping = to_device(self.slot_mapping, None, device)
+        prefill_block_tables = to_device(self.prefill_block_tables, None, device)
+        decode_block_tables = to_device(self.decode_block_tables, None, device)
+        decode_seq_lens = to_device(self.decode_seq_lens, None, device)
+        metadata = tuple(
+            AttentionMetadata(
+                num_prefill_seqs=self.num_prefill_seqs,
+                num_prefill_tokens=self.num_prefill_tokens,
+                num_decode_seqs=self.num_decode_seqs,
+                slot_mapping=slot_mapping[group],
+                prefill_query_start_loc=self.prefill_query_start_loc,
+                prefill_seq_lens=self.prefill_seq_lens,
+                prefill_block_tables=prefill_block_tables[group],
+                decode_seq_lens=decode_seq_lens,
+                decode_block_tables=decode_block_tables[group],
+                max_decode_seq_len=self.max_decode_seq_len,
+            )
+            for group in range(len(self.slot_mapping))
         )
         positions = self.positions
         if self.num_padding_rows:

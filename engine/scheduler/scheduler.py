@@ -42,7 +42,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from engine.kv_cache.block_manager import BlockManager, num_blocks_for
+from engine.kv_cache.block_manager import BlockManager
 from engine.sampling.seeds import derive_seed
 from engine.scheduler.outputs import (
     AppendedTokens,
@@ -115,24 +115,23 @@ class Scheduler:
 
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError when ``seq`` could never run here: more samples than
-        ``max_num_seqs``, or more KV than the whole cache holds (with a sliding window on every
-        layer and chunked prefill: more than its window and a step's tokens)."""
+        ``max_num_seqs``, or more KV than the whole cache holds (where layers have a sliding
+        window and prefill is chunked, those layers hold their window and a step's tokens)."""
         if seq.params.n > self.config.max_num_seqs:
             raise ValueError(
                 f"n ({seq.params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})"
             )
-        block_size = self.block_manager.block_size
-        needed = num_blocks_for(seq.max_total_tokens, block_size)
-        window = self.block_manager.attention_window
-        if window is not None and self.config.enable_chunked_prefill and not seq.prefill_only:
-            # it gives back what falls out of its window: it holds the window and a step's tokens
-            step = window - 1 + self.config.max_num_batched_tokens
-            needed = min(needed, num_blocks_for(step, block_size) + 1)
-        if needed > self.block_manager.pool.num_blocks:
+        manager = self.block_manager
+        # it gives back what falls out of a window: it holds the window and a step's tokens
+        chunked = self.config.enable_chunked_prefill and not seq.prefill_only
+        step_tokens = self.config.max_num_batched_tokens if chunked else None
+        needed = manager.max_blocks_held(seq.max_total_tokens, step_tokens)
+        if needed > manager.pool.num_blocks:
             raise ValueError(
-                f"request needs up to {seq.max_total_tokens} tokens of KV cache, more than the "
-                f"{self.block_manager.pool.num_blocks * self.block_manager.block_size} the cache "
-                "holds; lower max_tokens or the prompt length"
+                f"request needs up to {seq.max_total_tokens} tokens of KV cache ({needed} "
+                f"blocks), more than the {manager.pool.num_blocks} blocks of "
+                f"{manager.block_size} tokens the cache holds; lower max_tokens or the prompt "
+                "length"
             )
 
     def abort(self, request_id: str) -> list[Sequence]:
@@ -270,7 +269,7 @@ class Scheduler:
 
     def add_computed(self, seq: Sequence) -> None:
         """Queue a sequence whose KV (all but its last token) already sits in its blocks."""
-        assert seq.num_computed_tokens == seq.num_tokens - 1 and seq.block_table
+        assert seq.num_computed_tokens == seq.num_tokens - 1 and seq.block_tables
         self.check_fits(seq)
         seq.is_forked = True
         self._enqueue(seq)
@@ -302,7 +301,7 @@ class Scheduler:
             seq = self.waiting[0]
             if num_seqs + _num_seqs_to_come(seq) > self.config.max_num_seqs:
                 break
-            holds_received_kv = bool(seq.block_table)
+            holds_received_kv = bool(seq.block_tables)
             # a sequence owing prompt logprobs computes its prompt (it still fills the cache)
             if not holds_received_kv and not seq.owes_prompt_logprobs:
                 num_cached = self.block_manager.attach_cached_prefix(seq)
@@ -343,7 +342,7 @@ class Scheduler:
         for queued in reversed(self.waiting):
             if self.block_manager.can_allocate(seq, num_new):
                 break
-            if queued is not seq and queued.block_table:
+            if queued is not seq and queued.block_tables:
                 self._drop_kv(queued)
         return self.block_manager.can_allocate(seq, num_new)
 
@@ -462,7 +461,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        if seq.block_table:
+        if seq.block_tables:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -21,7 +21,7 @@ from engine.models.registry import CausalLM
 @dataclass
 class PagedSeq:
     token_ids: list[int]  # the whole sequence, known up front (teacher forcing)
-    block_ids: list[int]  # enough blocks for all of token_ids
+    block_ids: list[list[int]]  # per KV cache group, enough blocks for all of token_ids
     num_computed: int = 0  # tokens whose K/V are already in the cache
     logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] fp32 per computed token
 
@@ -39,9 +39,10 @@ class PagedRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
+        self.num_groups = config.cache_groups.num_groups
+        # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (
-            config.num_layers,
+            config.cache_groups.num_slots,
             config.kv_planes,
             num_blocks,
             block_size,
@@ -57,7 +58,10 @@ class PagedRunner:
 
     def new_seq(self, token_ids: list[int]) -> PagedSeq:
         num_blocks = -(-len(token_ids) // self.block_size)
-        block_ids, self.free_blocks = self.free_blocks[:num_blocks], self.free_blocks[num_blocks:]
+        block_ids = []
+        for _ in range(self.num_groups):
+            block_ids.append(self.free_blocks[:num_blocks])
+            self.free_blocks = self.free_blocks[num_blocks:]
         return PagedSeq(list(token_ids), block_ids)
 
     def step(self, chunks: list[tuple[PagedSeq, int]]) -> None:
@@ -65,16 +69,20 @@ class PagedRunner:
         prefills = [(s, n) for s, n in chunks if n > 1]
         decodes = [(s, n) for s, n in chunks if n == 1]
         ordered = prefills + decodes
-        input_ids, positions, slots = [], [], []
+        input_ids, positions = [], []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
         for seq, num_new in ordered:
             for pos in range(seq.num_computed, seq.num_computed + num_new):
                 input_ids.append(seq.token_ids[pos])
                 positions.append(pos)
-                slots.append(
-                    seq.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
-                )
-        metadata = self._metadata(prefills, decodes, slots)
-        context = ForwardContext(metadata, self.kv_cache, self.backend)
+                for group, blocks in enumerate(seq.block_ids):
+                    block = blocks[pos // self.block_size]
+                    slots[group].append(block * self.block_size + pos % self.block_size)
+        metadata = tuple(
+            self._metadata(prefills, decodes, slots[group], group)
+            for group in range(self.num_groups)
+        )
+        context = ForwardContext.for_groups(metadata, self.kv_cache, self.backend)
         with torch.no_grad(), set_forward_context(context):
             hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions))
             logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
@@ -89,6 +97,7 @@ class PagedRunner:
         prefills: list[tuple[PagedSeq, int]],
         decodes: list[tuple[PagedSeq, int]],
         slots: list[int],
+        group: int,
     ) -> AttentionMetadata:
         start_loc = [0]
         for _, num_new in prefills:
@@ -101,16 +110,17 @@ class PagedRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             prefill_query_start_loc=start_loc,
             prefill_seq_lens=[s.num_computed + n for s, n in prefills],
-            prefill_block_tables=_block_table([s for s, _ in prefills]),
+            prefill_block_tables=_block_table([s for s, _ in prefills], group),
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
-            decode_block_tables=_block_table([s for s, _ in decodes]),
+            decode_block_tables=_block_table([s for s, _ in decodes], group),
             max_decode_seq_len=max(decode_lens, default=0),
         )
 
 
-def _block_table(seqs: list[PagedSeq]) -> torch.Tensor:  # [num_seqs, max_blocks], padded with 0
-    max_blocks = max((len(s.block_ids) for s in seqs), default=0)
+def _block_table(seqs: list[PagedSeq], group: int) -> torch.Tensor:
+    """[num_seqs, max_blocks] of cache group ``group``, padded with 0."""
+    max_blocks = max((len(s.block_ids[group]) for s in seqs), default=0)
     table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
     for i, seq in enumerate(seqs):
-        table[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids)
+        table[i, : len(seq.block_ids[group])] = torch.tensor(seq.block_ids[group])
     return table

@@ -1,6 +1,7 @@
 """Block manager: slots per sequence, prefix-cache attach, copy-on-write forks."""
 
-from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.block_manager import RELEASED, BlockManager
+from engine.kv_cache.cache_groups import CacheGroup, CacheGroups
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 
@@ -20,7 +21,7 @@ def test_allocate_slots_grows_block_table_by_need() -> None:
     seq = _seq(0, list(range(10)))
     assert manager.num_blocks_needed(seq, 10) == 3
     _compute(manager, seq, 10)
-    assert len(seq.block_table) == 3
+    assert len(seq.block_tables[0]) == 3
     seq.token_ids.append(10)
     assert manager.num_blocks_needed(seq, 1) == 0  # slot 10 fits in block 2
     _compute(manager, seq, 1)
@@ -38,8 +39,8 @@ def test_prefix_cache_hit_shares_full_blocks_and_leaves_one_token() -> None:
     _compute(manager, first, 12)
     second = _seq(1, list(range(12)) + [50, 51])
     assert manager.attach_cached_prefix(second) == 12
-    assert second.block_table == first.block_table
-    assert all(manager.pool.ref_count(b) == 2 for b in first.block_table)
+    assert second.block_tables[0] == first.block_tables[0]
+    assert all(manager.pool.ref_count(b) == 2 for b in first.block_tables[0])
     # an identical prompt reuses all but the last block: its last token must be computed
     third = _seq(2, list(range(12)))
     assert manager.attach_cached_prefix(third) == 8
@@ -91,18 +92,18 @@ def test_fork_shares_blocks_and_copies_partial_block_on_write() -> None:
     _compute(manager, parent, 6)
     child = _seq(1, list(range(6)))
     manager.fork(parent, child)
-    assert child.block_table == parent.block_table
-    full_block, partial_block = parent.block_table
+    assert child.block_tables[0] == parent.block_tables[0]
+    full_block, partial_block = parent.block_tables[0]
     parent.token_ids.append(7)
     child.token_ids.append(8)
     # the parent writes into the shared partial block first: it gets a private copy
     assert manager.num_blocks_needed(parent, 1) == 1
     copies = manager.allocate_slots(parent, 1)
-    assert copies == [(partial_block, parent.block_table[1])]
-    assert parent.block_table[0] == full_block
+    assert copies == [(partial_block, parent.block_tables[0][1])]
+    assert parent.block_tables[0][0] == full_block
     # the child is now the only owner of the original partial block: no copy
     assert manager.allocate_slots(child, 1) == []
-    assert child.block_table == [full_block, partial_block]
+    assert child.block_tables[0] == [full_block, partial_block]
     assert manager.pool.ref_count(full_block) == 2
     manager.free(parent)
     manager.free(child)
@@ -117,8 +118,8 @@ def test_fork_at_block_boundary_needs_no_copy() -> None:
     manager.fork(parent, child)
     child.token_ids.append(1)
     assert manager.allocate_slots(child, 1) == []
-    assert child.block_table[:2] == parent.block_table
-    assert len(child.block_table) == 3
+    assert child.block_tables[0][:2] == parent.block_tables[0]
+    assert len(child.block_tables[0]) == 3
 
 
 def test_a_step_registers_only_the_blocks_it_filled() -> None:
@@ -128,25 +129,25 @@ def test_a_step_registers_only_the_blocks_it_filled() -> None:
     manager = BlockManager(64, block_size=4, enable_prefix_caching=True)
     registered: list[int] = []
     register = manager.pool.register
-    manager.pool.register = lambda block_id, block_hash: (  # type: ignore[method-assign]
+    manager.pool.register = lambda block_id, block_hash, group=0: (  # type: ignore[method-assign]
         registered.append(block_id),
-        register(block_id, block_hash),
+        register(block_id, block_hash, group),
     )[-1]
     seq = _seq(0, list(range(40)))
     _compute(manager, seq, 40)
-    assert registered == seq.block_table  # the prompt's ten full blocks, once each
+    assert registered == seq.block_tables[0]  # the prompt's ten full blocks, once each
     registered.clear()
     for token in range(40, 48):
         seq.token_ids.append(token)
         _compute(manager, seq, 1)
-    assert registered == seq.block_table[10:12]  # the two blocks the decode steps filled
+    assert registered == seq.block_tables[0][10:12]  # the two blocks the decode steps filled
 
     # a preempted sequence starts again: its new blocks are committed again
     manager.free(seq)
     registered.clear()
     manager.attach_cached_prefix(seq)
     _compute(manager, seq, seq.num_uncomputed_tokens)
-    assert registered == seq.block_table
+    assert registered == seq.block_tables[0]
 
 
 def test_a_fork_commits_from_where_its_parent_stood() -> None:
@@ -183,3 +184,75 @@ def test_reserved_blocks_a_sequence_adopts_are_freed_with_it() -> None:
     manager.adopt(seq, reserved, share=False)
     manager.free(seq)
     assert manager.num_free_blocks == 8
+
+
+# ---- models whose layers mix sliding and full attention: a block table per cache group ----
+# one full layer, one with a window of 6 tokens: its token at position p sees p - 5 .. p
+MIXED = CacheGroups((CacheGroup(None, (0,)), CacheGroup(6, (1,))))
+
+
+def test_each_group_takes_its_own_blocks_and_a_window_gives_back_what_it_left() -> None:
+    manager = BlockManager(32, block_size=4, enable_prefix_caching=False, cache_groups=MIXED)
+    seq = _seq(0, list(range(20)))
+    assert manager.num_blocks_needed(seq, 20) == 10  # five blocks in each group
+    _compute(manager, seq, 20)
+    full, windowed = seq.block_tables
+    assert len(full) == len(windowed) == 5 and not set(full) & set(windowed)
+    manager.release_outside_window(seq)  # the next token (20) sees 15..20: blocks 3 and 4
+    assert windowed[:3] == [RELEASED] * 3 and seq.num_released_blocks == [0, 3]
+    assert RELEASED not in full
+    assert manager.num_free_blocks == 32 - 7
+    manager.free(seq)
+    assert manager.num_free_blocks == 32
+
+
+def test_a_prefix_hit_needs_every_full_block_but_only_the_windows_blocks() -> None:
+    """The windowed group's blocks before the window of the first token left to compute may
+    be gone (evicted) and the prefix still hits; a full group's block gone ends the hit."""
+    manager = BlockManager(32, block_size=4, enable_prefix_caching=True, cache_groups=MIXED)
+    prompt = list(range(21))
+    first = _seq(0, prompt)
+    _compute(manager, first, 21)
+    full, windowed = (list(table) for table in first.block_tables)
+    manager.free(first)
+    # evict the windowed group's first three blocks from the cache (their hashes forgotten)
+    for block_id in windowed[:3]:
+        manager.pool._forget_hash(block_id)
+    second = _seq(1, prompt)
+    assert manager.attach_cached_prefix(second) == 20  # next token 20 sees blocks 3 and 4
+    assert second.block_tables[0] == full[:5]
+    assert second.block_tables[1] == [RELEASED] * 3 + windowed[3:5]
+    assert second.num_released_blocks == [0, 3]
+    manager.free(second)
+    manager.pool._forget_hash(full[2])  # a full layer's block 2 gone: the hit stops before it
+    third = _seq(2, prompt)
+    # 8 tokens: token 8 sees 3..8, blocks 0 and 1 of the windowed group, which are gone too
+    assert manager.attach_cached_prefix(third) == 0
+    assert third.block_tables == []
+
+
+def test_a_hand_off_moves_each_groups_blocks_in_turn_and_the_receiver_splits_them() -> None:
+    sender = BlockManager(32, block_size=4, enable_prefix_caching=False, cache_groups=MIXED)
+    seq = _seq(0, list(range(18)), salt=None)
+    _compute(sender, seq, 18)
+    full, windowed = (list(table) for table in seq.block_tables)
+    # token 18 sees 13..18: blocks 3 and 4 of the windowed group; all five of the full one
+    assert sender.blocks_to_hand_off(seq) == full + windowed[3:]
+    assert sender.num_blocks_to_hand_off(18) == 7
+    receiver = BlockManager(32, block_size=4, enable_prefix_caching=True, cache_groups=MIXED)
+    reserved = receiver.reserve(18)
+    assert reserved is not None and len(reserved) == 7
+    received = _seq(1, list(range(18)))
+    receiver.adopt(received, reserved, share=False)
+    assert received.block_tables[0] == reserved[:5]
+    assert received.block_tables[1] == [RELEASED] * 3 + reserved[5:]
+    assert received.num_released_blocks == [0, 3]
+    receiver.free(received)
+    assert receiver.num_free_blocks == 32
+
+
+def test_what_a_request_can_hold_counts_a_window_and_a_step_per_windowed_group() -> None:
+    manager = BlockManager(32, block_size=4, enable_prefix_caching=False, cache_groups=MIXED)
+    assert manager.max_blocks_held(100, step_tokens=None) == 50
+    # chunks of 8: the windowed group holds ceil((6 - 1 + 8) / 4) + 1 = 5
+    assert manager.max_blocks_held(100, step_tokens=8) == 25 + 5

@@ -37,13 +37,20 @@ def test_cached_block_survives_free_and_is_found_by_hash() -> None:
     pool.register(block, b"h" * 16)
     pool.free(block)
     assert pool.num_free_blocks == 2  # evictable counts as free
-    assert pool.lookup(b"h" * 16) == block
+    assert pool.cached_block(b"h" * 16) == block
     pool.incref(block)
     assert pool.ref_count(block) == 1
     assert pool.num_free_blocks == 1
-    assert (pool.num_cache_queries, pool.num_cache_hits) == (1, 1)
-    assert pool.lookup(b"x" * 16) is None
-    assert (pool.num_cache_queries, pool.num_cache_hits) == (2, 1)
+    assert pool.cached_block(b"x" * 16) is None
+
+
+def test_a_hash_is_cached_per_cache_group() -> None:
+    pool = BlockPool(2, enable_prefix_caching=True)
+    full, sliding = pool.allocate(), pool.allocate()
+    pool.register(full, b"h" * 16, group=0)
+    pool.register(sliding, b"h" * 16, group=1)  # the same tokens, another group's layers
+    assert (pool.cached_block(b"h" * 16, 0), pool.cached_block(b"h" * 16, 1)) == (full, sliding)
+    assert pool.cached_block(b"h" * 16, 2) is None
 
 
 def test_eviction_takes_free_blocks_first_then_least_recently_freed_cached() -> None:
@@ -56,8 +63,8 @@ def test_eviction_takes_free_blocks_first_then_least_recently_freed_cached() -> 
     pool.free(c)  # not hashed: plain free
     assert pool.allocate() == c
     assert pool.allocate() == a  # LRU cached block is evicted first
-    assert pool.lookup(b"a" * 16) is None
-    assert pool.lookup(b"b" * 16) == b
+    assert pool.cached_block(b"a" * 16) is None
+    assert pool.cached_block(b"b" * 16) == b
 
 
 def test_duplicate_hash_keeps_first_block() -> None:
@@ -65,7 +72,7 @@ def test_duplicate_hash_keeps_first_block() -> None:
     a, b = pool.allocate(), pool.allocate()
     pool.register(a, b"same" * 4)
     pool.register(b, b"same" * 4)
-    assert pool.lookup(b"same" * 4) == a
+    assert pool.cached_block(b"same" * 4) == a
     pool.free(b)
     assert pool.num_free_blocks == 1
 

@@ -1,15 +1,17 @@
 """Block tables: the numpy copy the runner reads always equals the list the block manager
-writes, whichever verbs changed it."""
+writes, whichever verbs changed it, and the pool's reference counts are the tables'."""
 
 import copy
 import pickle
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
 
-from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.block_manager import RELEASED, BlockManager
 from engine.kv_cache.block_table import BlockTable
+from engine.kv_cache.cache_groups import CacheGroup, CacheGroups
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 
@@ -68,11 +70,20 @@ def test_every_other_mutator_is_refused(mutate: object) -> None:
     _assert_mirrored(table)
 
 
-def test_the_block_managers_verbs_keep_every_table_mirrored() -> None:
-    """A random walk of prefix hits, decode steps, n > 1 forks (copy-on-write), adoption of
-    received blocks and frees, checking every live sequence's array after each verb."""
+MIXED_GROUPS = CacheGroups((CacheGroup(None, (0, 2)), CacheGroup(9, (1, 3))))
+
+
+@pytest.mark.parametrize("cache_groups", [None, MIXED_GROUPS], ids=["one-group", "mixed"])
+def test_the_block_managers_verbs_keep_every_table_mirrored(
+    cache_groups: CacheGroups | None,
+) -> None:
+    """A random walk of prefix hits, decode steps (giving back what leaves a window), n > 1
+    forks (copy-on-write), adoption of received blocks and frees, checking after each verb
+    every live sequence's arrays, and that the pool's reference counts are exactly the live
+    tables' references; with a windowed group, that no table holds more of its blocks than
+    its window reaches."""
     rng = random.Random(0)
-    manager = BlockManager(256, block_size=4, enable_prefix_caching=True)
+    manager = BlockManager(256, block_size=4, enable_prefix_caching=True, cache_groups=cache_groups)
     prompts = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
     live: list[Sequence] = []
     next_id = 0
@@ -83,6 +94,7 @@ def test_the_block_managers_verbs_keep_every_table_mirrored() -> None:
         return Sequence(next_id, f"r{next_id}", tokens, SamplingParams(), 10_000)
 
     def step(seq: Sequence) -> None:
+        manager.release_outside_window(seq)
         num_new = seq.num_uncomputed_tokens
         if manager.can_allocate(seq, num_new):
             manager.allocate_slots(seq, num_new)
@@ -90,7 +102,18 @@ def test_the_block_managers_verbs_keep_every_table_mirrored() -> None:
             manager.commit_computed(seq)
             seq.token_ids.append(rng.randrange(50))
 
-    num_copies = 0
+    def check_references() -> None:
+        references: Counter[int] = Counter()
+        for seq in live:
+            for group, table in enumerate(seq.block_tables):
+                _assert_mirrored(table)
+                held = table[seq.num_released_blocks[group] :]
+                assert RELEASED not in held
+                references.update(held)
+        for block_id in range(256):
+            assert manager.pool.ref_count(block_id) == references[block_id]
+
+    num_copies = num_windowed_checks = 0
     for _ in range(400):
         action = rng.random()
         if action < 0.25 or not live:
@@ -104,21 +127,32 @@ def test_the_block_managers_verbs_keep_every_table_mirrored() -> None:
             child = new_seq(list(parent.token_ids))
             manager.fork(parent, child)
             live.append(child)
-            before = list(child.block_table)
+            before = [list(table) for table in child.block_tables]
             step(child)  # writes into the shared partial block: copy-on-write
-            num_copies += child.block_table[: len(before)] != before
+            num_copies += any(
+                table[: len(old)] != old for table, old in zip(child.block_tables, before)
+            )
         elif action < 0.85:
             donor = rng.choice(live)
             full = donor.num_computed_tokens // manager.block_size
-            if full:
-                received = new_seq(donor.token_ids[: full * manager.block_size])
-                manager.adopt(received, donor.block_table[:full], share=True)
+            received = new_seq(donor.token_ids[: full * manager.block_size])
+            moved = [block for table in donor.block_tables for block in table[:full]]
+            num_moved = manager.num_blocks_to_hand_off(received.num_prompt_tokens)
+            if full and RELEASED not in moved and num_moved == len(moved):  # no window to skip
+                manager.adopt(received, moved, share=True)
                 live.append(received)
         else:
             manager.free(live.pop(rng.randrange(len(live))))
+        check_references()
         for seq in live:
-            _assert_mirrored(seq.block_table)
+            if seq.block_tables and cache_groups is not None:
+                window_table = seq.block_tables[1]
+                held = len(window_table) - seq.num_released_blocks[1]
+                # the window's blocks, the new token's and those a step filled since the release
+                assert held <= len(window_table) - max(seq.num_computed_tokens - 9 - 30, 0) // 4
+                num_windowed_checks += held < len(window_table)
     assert num_copies > 0  # the walk did assign into tables, not only append
+    assert cache_groups is None or num_windowed_checks > 0  # and gave blocks back
     for seq in live:
         manager.free(seq)
     assert manager.num_free_blocks == 256

@@ -48,7 +48,7 @@ def _entry(
     token_ids: list[int], block_table: list[int], start: int, num_new: int = 1
 ) -> ScheduledSequence:
     seq = Sequence(0, "r", token_ids, SamplingParams(), len(token_ids) + 8)
-    seq.block_table = BlockTable(block_table)
+    seq.block_tables = [BlockTable(block_table)]
     return ScheduledSequence(seq, start, num_new, (seq,))
 
 
@@ -166,9 +166,9 @@ def test_pad_decode_inputs() -> None:
     assert inputs.input_ids.tolist() == [105, 100, 108, 0]
     assert inputs.positions.tolist() == [5, 0, 8, 0]
     assert inputs.seq_lens.tolist() == [6, 1, 9, 1]
-    assert inputs.slot_mapping.tolist() == [4 * 4 + 1, 3 * 4, 7 * 4, PAD_SLOT]
+    assert inputs.slot_mapping.tolist() == [[4 * 4 + 1, 3 * 4, 7 * 4, PAD_SLOT]]
     # columns: the most blocks a context needs (3); each row only the blocks its context uses
-    assert inputs.block_tables.tolist() == [[9, 4, 0], [3, 0, 0], [5, 2, 7], [0, 0, 0]]
+    assert inputs.block_tables.tolist() == [[[9, 4, 0], [3, 0, 0], [5, 2, 7], [0, 0, 0]]]
     assert inputs.row_starts.tolist() == [0, 1, 2, 3, 4]  # each row alone
     assert all(a.dtype == np.int64 for a in (inputs.input_ids, inputs.block_tables))
 
@@ -184,9 +184,9 @@ def test_pad_decode_inputs_gives_each_draft_a_row_after_its_sequences_token() ->
     assert inputs.input_ids.tolist() == [102, 50, 51, 52, 105, 100, 60, 0]
     assert inputs.positions.tolist() == [2, 3, 4, 5, 5, 0, 1, 0]
     assert inputs.seq_lens.tolist() == [3, 4, 5, 6, 6, 1, 2, 1]
-    assert inputs.slot_mapping.tolist() == [38, 39, 16, 17, 21, 32, 33, PAD_SLOT]
+    assert inputs.slot_mapping.tolist() == [[38, 39, 16, 17, 21, 32, 33, PAD_SLOT]]
     # a sequence's rows share the blocks of its last row (each reads only its own context)
-    assert inputs.block_tables.tolist() == [[9, 4]] * 4 + [[3, 5], [8, 0], [8, 0], [0, 0]]
+    assert inputs.block_tables.tolist() == [[[9, 4]] * 4 + [[3, 5], [8, 0], [8, 0], [0, 0]]]
     # groups: the three sequences' rows, the padding row alone, then empty ones up to 8
     assert inputs.row_starts.tolist() == [0, 4, 5, 7, 8, 8, 8, 8, 8]
 
@@ -198,34 +198,54 @@ def test_pad_decode_inputs_rejects_a_step_larger_than_the_batch() -> None:
 
 def test_static_buffers_start_as_padding_and_take_a_step() -> None:
     buffers = StaticDecodeBuffers.allocate(8, 5, CPU)
-    assert buffers.slot_mapping.tolist() == [PAD_SLOT] * 8
+    assert buffers.slot_mapping.tolist() == [[PAD_SLOT] * 8]
     assert buffers.seq_lens.tolist() == [1] * 8
     assert not buffers.block_tables.any() and not buffers.input_ids.any()
     buffers.block_tables.fill_(99)  # stale blocks of an earlier step
     step = [_decode(6, [9, 4]), _decode(3, [1])]
     buffers.fill(pad_decode_inputs(step, batch_size=4, block_size=BLOCK_SIZE))
     assert buffers.input_ids[:4].tolist() == [105, 102, 0, 0]
-    assert buffers.slot_mapping.tolist() == [17, 6, PAD_SLOT, PAD_SLOT] + [PAD_SLOT] * 4
+    assert buffers.slot_mapping.tolist() == [[17, 6, PAD_SLOT, PAD_SLOT] + [PAD_SLOT] * 4]
     assert buffers.seq_lens[:4].tolist() == [6, 3, 1, 1]
     # the columns the step needs are written; the rest keep stale blocks nothing reads
-    assert buffers.block_tables[:4].tolist() == [
+    assert buffers.block_tables[0, :4].tolist() == [
         [9, 4, 99, 99, 99],
         [1, 0, 99, 99, 99],
         [0, 0, 99, 99, 99],
         [0, 0, 99, 99, 99],
     ]
-    assert (buffers.block_tables[4:] == 99).all()
+    assert (buffers.block_tables[0, 4:] == 99).all()
+
+
+def test_each_cache_group_gets_its_own_slots_and_tables() -> None:
+    """A model of two KV cache groups (sliding and full layers): a row's slot and its blocks
+    come from each group's table, and the graph's metadata of group g views row g of the
+    buffers."""
+    full = _decode(6, [9, 4])
+    full.seq.block_tables.append(BlockTable([-1, 7]))  # the windowed group gave block 0 back
+    inputs = pad_decode_inputs([full], batch_size=2, block_size=BLOCK_SIZE, num_groups=2)
+    assert inputs.slot_mapping.tolist() == [[17, PAD_SLOT], [29, PAD_SLOT]]
+    assert inputs.block_tables.tolist() == [[[9, 4], [0, 0]], [[-1, 7], [0, 0]]]
+    buffers = StaticDecodeBuffers.allocate(4, 3, CPU, num_groups=2)
+    buffers.fill(inputs)
+    first, second = buffers.metadata(2, max_seq_len=3 * BLOCK_SIZE)
+    assert second.slot_mapping.tolist() == [29, PAD_SLOT]
+    assert second.decode_block_tables.tolist() == [[-1, 7, 0], [0, 0, 0]]
+    assert first.decode_block_tables.tolist() == [[9, 4, 0], [0, 0, 0]]
+    assert first.decode_seq_lens.data_ptr() == second.decode_seq_lens.data_ptr()
+    with pytest.raises(ValueError, match="1 cache groups x 1 rows x 2 blocks do not fit"):
+        buffers.fill(pad_decode_inputs([_decode(6, [9, 4])], 1, BLOCK_SIZE))
 
 
 def test_static_buffers_reject_inputs_that_do_not_fit() -> None:
     buffers = StaticDecodeBuffers.allocate(4, 2, CPU)
-    with pytest.raises(ValueError, match="exceed the static buffers"):
+    with pytest.raises(ValueError, match="do not fit the static buffers"):
         buffers.fill(pad_decode_inputs([_decode(9, [1, 2, 3])], 1, BLOCK_SIZE))  # 3 blocks > 2
 
 
 def test_captured_metadata_views_the_static_buffers() -> None:
     buffers = StaticDecodeBuffers.allocate(8, 5, CPU)
-    metadata = buffers.metadata(4, max_seq_len=5 * BLOCK_SIZE)
+    (metadata,) = buffers.metadata(4, max_seq_len=5 * BLOCK_SIZE)
     assert (metadata.num_prefill_seqs, metadata.num_prefill_tokens) == (0, 0)
     assert metadata.num_decode_seqs == metadata.num_tokens == 4
     assert metadata.max_decode_seq_len == 20  # the capacity, not the step's longest context
@@ -238,7 +258,7 @@ def test_captured_metadata_views_the_static_buffers() -> None:
     assert tuple(metadata.decode_block_tables.shape) == (4, 5)
     assert metadata.decode_row_starts is None  # no drafts: rows are not grouped
     # with drafts, the rows are grouped by the step's row starts (each row alone until filled)
-    grouped = buffers.metadata(4, max_seq_len=5 * BLOCK_SIZE, max_rows_per_seq=3)
+    (grouped,) = buffers.metadata(4, max_seq_len=5 * BLOCK_SIZE, max_rows_per_seq=3)
     assert grouped.max_decode_rows_per_seq == 3 and grouped.decode_row_starts is not None
     assert grouped.decode_row_starts.tolist() == [0, 1, 2, 3, 4]
     assert grouped.decode_row_starts.data_ptr() == buffers.row_starts.data_ptr()
@@ -291,6 +311,7 @@ def _with_eager_graphs(llm: LLM, max_batch_size: int) -> DecodeGraphs:
         max_model_len=engine.max_model_len,
         batch_sizes=capture_batch_sizes(max_batch_size),
         capturer=EagerCapturer(),
+        num_cache_groups=engine.model_config.cache_groups.num_groups,
     )
     engine.runner.decode_graphs = graphs
     return graphs
@@ -359,3 +380,25 @@ def test_async_scheduled_steps_replay_with_their_awaited_tokens(llama_dir: Path)
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, _params())]
     assert [o.outputs[0].token_ids for o in ahead.generate(prompts, _params())] == expected
     assert sum(graphs.num_replays.values()) >= sum(EXPECTED_REPLAYS.values())
+
+
+def test_graph_steps_of_a_model_with_sliding_and_full_layers_match_eager_steps(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 2 (window 24 on layers 0 and 2, layer 1 full: three KV cache groups): each
+    group's slots and tables reach its layers from the static buffers, the windowed groups'
+    tables with the blocks they gave back, and the tokens and logits equal eager steps'."""
+    model_dir = model_dirs["Gemma2ForCausalLM"]
+    eager = LLM(str(model_dir), dtype="float32", device="cpu")
+    graphed = LLM(str(model_dir), dtype="float32", device="cpu")
+    graphs = _with_eager_graphs(graphed, max_batch_size=4)
+    assert graphs.buffers.block_tables.shape[0] == 3
+    eager_logits = _record_logits(eager, monkeypatch)
+    graph_logits = _record_logits(graphed, monkeypatch)
+    prompts = _prompts()
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, _params())]
+    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, _params())] == expected
+    assert graphs.num_replays == EXPECTED_REPLAYS
+    assert (graphs.buffers.block_tables == -1).any()  # a window gave blocks back
+    for graph_step, eager_step in zip(graph_logits, eager_logits, strict=True):
+        torch.testing.assert_close(graph_step, eager_step, atol=1e-5, rtol=0)

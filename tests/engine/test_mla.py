@@ -174,7 +174,7 @@ def test_latent_cache_holds_what_transformers_caches(model_dirs: dict[str, Path]
     assert runner.kv_cache.shape[1:] == (1, 256, 4, 1, 40)  # one plane, one head, 32 + 8 wide
     with torch.no_grad():
         cache = hf_model(model_dir)(torch.tensor([tokens]), use_cache=True).past_key_values
-    blocks = torch.tensor(seq.block_ids)
+    blocks = torch.tensor(seq.block_ids[0])
     for layer in range(config.num_layers):
         ours = runner.kv_cache[layer, 0, blocks, :, 0].reshape(-1, 40)[: len(tokens)]
         latent, rope_key = cache.layers[layer].keys[0, 0], cache.layers[layer].values[0, 0]

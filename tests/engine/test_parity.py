@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.kv_cache.block_manager import BlockManager
+from engine.model_config import load_model_config
 from engine.outputs import RequestOutput
 from tests.conftest import ARCHITECTURES
 from tests.engine.hf_reference import hf_greedy
@@ -95,11 +97,30 @@ def run_shared_prefixes_twice(
     return first
 
 
+def preempting_blocks(model_dir: Path, step_tokens: int) -> int:
+    """The fewest KV blocks of 8 tokens that hold the longest request of ``make_prompts``
+    (chunked by ``step_tokens``), so the others are preempted for it: 40 where one block table
+    serves every layer; where sliding and full layers keep tables of their own (KV cache
+    groups), 40 for each full table and a window and a step's tokens for each sliding one."""
+    config = load_model_config(model_dir)
+    manager = BlockManager(1, 8, enable_prefix_caching=False, cache_groups=config.cache_groups)
+    longest = max(p + o for p, o in zip(PROMPT_LENGTHS, OUTPUT_LENGTHS, strict=True))
+    return manager.max_blocks_held(longest, step_tokens)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_preemption_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    """Chunks of 32 tokens, and a cache that holds the longest request and little more."""
     model_dir = model_dirs[arch]
     prompts = make_prompts(seed=1)
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=8, num_kv_blocks=40)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=8,
+        max_num_batched_tokens=32,
+        num_kv_blocks=preempting_blocks(model_dir, 32),
+    )
     assert engine_tokens(llm, prompts) == reference(model_dir, prompts, "plain")
     assert llm.engine.num_preemptions > 0
 

@@ -104,7 +104,7 @@ class Harness:
         seq_ids = [e.seq.seq_id for e in out.scheduled]
         assert len(seq_ids) == len(set(seq_ids))
         for entry in out.scheduled:
-            covered = len(entry.seq.block_table) * self.manager.block_size
+            covered = len(entry.seq.block_tables[0]) * self.manager.block_size
             assert covered >= entry.start_position + entry.num_new_tokens
 
 
@@ -194,7 +194,7 @@ def test_parallel_samples_fork_after_prompt_and_share_its_blocks() -> None:
     children = entry.sample_seqs[1:]
     assert children[0].seed != children[1].seed
     harness.scheduler.update(out, fake_run(out))
-    assert all(c.block_table == parent.block_table for c in children)
+    assert all(c.block_tables[0] == parent.block_tables[0] for c in children)
     out = harness.scheduler.schedule()
     assert len(out.block_copies) == 2  # two of three samples copy the shared partial block
     harness.scheduler.update(out, fake_run(out))
@@ -292,7 +292,7 @@ def test_received_kv_waiting_gives_its_blocks_to_the_only_running_sequence() -> 
         running = list(harness.scheduler.running)
         out = harness.scheduler.schedule()
         harness.scheduler.update(out, fake_run(out))
-        if not received.block_table:
+        if not received.block_tables:
             break
     assert running == [older] and out.scheduled[0].seq is older and out.num_preempted == 0
     assert newer.num_preemptions == 1 and received.num_preemptions == 1

@@ -11,6 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.model_config import load_model_config
+from engine.sequence import Sequence
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_parity import (
     engine_tokens,
@@ -64,11 +65,12 @@ def test_greedy_matches_transformers(windowed_dir: Path, mode: str) -> None:
         "batched": {"enable_prefix_caching": False},
         # chunks of 13 tokens: they end inside, at and past a window's start
         "chunked": {"max_num_batched_tokens": 13, "block_size": 8},
-        # Mistral's sequences give back blocks outside their window: fewer blocks to preempt
+        # sequences give back blocks outside their windows: fewer blocks to preempt (Qwen2's
+        # three cache groups of one layer each take a block per group: blocks a third the size)
         "preempted": {
             "block_size": 8,
             "max_num_batched_tokens": 32,
-            "num_kv_blocks": 14 if "mistral" in windowed_dir.name else 40,
+            "num_kv_blocks": 14 if "mistral" in windowed_dir.name else 100,
         },
         "torch-backend": {"attention_backend": "torch", "block_size": 4},
         # Triton's kernels (in its interpreter without a GPU), chunks ending inside a window
@@ -112,41 +114,67 @@ def test_two_ranks_match_transformers(tp2: LLM, windowed_dir: Path) -> None:
     assert engine_tokens(tp2, prompts) == reference(windowed_dir, prompts, "plain")
 
 
+def _window_model(tmp_path: Path, kind: str) -> Path:
+    """A model whose every layer slides (Mistral), or whose sliding layers (0 and 2) surround a
+    full one (Gemma 2: three KV cache groups of one layer); a window of 20 either way."""
+    if kind == "mistral":
+        return make_tiny_model(tmp_path, "MistralForCausalLM", seed=23, sliding_window=20)
+    return make_tiny_model(tmp_path, "Gemma2ForCausalLM", seed=24, sliding_window=20)
+
+
+def _held_blocks(seq: Sequence) -> list[int]:
+    """The blocks ``seq`` holds in each of its KV cache groups."""
+    return [len(t) - released for t, released in zip(seq.block_tables, seq.num_released_blocks)]
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
 def test_a_sequence_past_its_window_holds_only_the_blocks_its_window_reaches(
-    tmp_path: Path,
+    tmp_path: Path, kind: str
 ) -> None:
-    """Every layer slides (Mistral, window 20, blocks of 8): a 100-token prompt in chunks of
-    16, then 100 tokens decoded; once the window has moved on, the sequence holds at most
-    ceil(20 / 8) + 1 blocks (and a chunk's new ones while prefilling), and its tokens still
-    match transformers."""
-    model_dir = make_tiny_model(tmp_path, "MistralForCausalLM", seed=23, sliding_window=20)
+    """Window 20, blocks of 8: a 100-token prompt in chunks of 16, then 100 tokens decoded;
+    once the window has moved on, the sequence holds at most ceil(20 / 8) + 1 blocks of each
+    sliding layer (and a chunk's new ones while prefilling), every block of each full layer,
+    and its tokens still match transformers."""
+    model_dir = _window_model(tmp_path, kind)
     llm = _llm(model_dir, block_size=8, max_num_batched_tokens=16)
     prompt = make_prompts(seed=7)[5]  # 100 tokens
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     engine = llm.engine
+    windows = engine.model_config.cache_groups.windows
+    assert windows == ((20,) if kind == "mistral" else (None, 20, 20))
     engine.add_request("long", prompt, params)
-    held = []
+    held: dict[int, list[int]] = {group: [] for group in range(len(windows))}
     tokens: list[int] = []
     while engine.has_unfinished_requests():
         tokens += [event.token_id for event in engine.step().new_tokens]
         for seq in engine.scheduler.running:
-            held.append(len(seq.block_table) - seq.num_released_blocks)
+            for group, num_held in enumerate(_held_blocks(seq)):
+                held[group].append(num_held)
+                if windows[group] is None:
+                    assert num_held == -(-seq.num_computed_tokens // 8)  # every block
     window_blocks = -(-20 // 8) + 1
-    assert max(held) <= window_blocks + 2  # the window's blocks and a chunk's 16 new slots
-    assert max(held[-90:]) <= window_blocks  # decoding
+    for group, window in enumerate(windows):
+        if window is not None:
+            assert max(held[group]) <= window_blocks + 2  # the window's and a chunk's 16 slots
+            assert max(held[group][-90:]) <= window_blocks  # decoding
     assert engine.block_manager.usage == 0.0  # all given back at the end
     expected = hf_greedy(model_dir, prompt, 100)
     assert tokens[: len(expected)] == expected
 
 
-def test_a_hand_off_moves_only_the_blocks_the_next_tokens_window_reaches(tmp_path: Path) -> None:
-    """Every layer slides (Mistral, window 20, blocks of 8): a prefill engine hands a decode
-    engine each prompt's blocks from the first one the window of the token after the prompt
-    reaches (the older ones stay behind), the decode engine reserves that many, and the split
-    engines' greedy tokens equal transformers'. A prompt shorter than the window moves all."""
-    model_dir = make_tiny_model(tmp_path, "MistralForCausalLM", seed=23, sliding_window=20)
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_a_hand_off_moves_only_the_blocks_the_next_tokens_window_reaches(
+    tmp_path: Path, kind: str
+) -> None:
+    """Window 20, blocks of 8: a prefill engine hands a decode engine, of each sliding layer,
+    the prompt's blocks from the first one the window of the token after the prompt reaches
+    (the older ones stay behind), and of each full layer every block; the decode engine
+    reserves that many, and the split engines' greedy tokens equal transformers'. A prompt
+    shorter than the window moves all."""
+    model_dir = _window_model(tmp_path, kind)
     prefill = _llm(model_dir, block_size=8).engine
-    decode = _llm(model_dir, block_size=8, num_kv_blocks=64).engine
+    decode = _llm(model_dir, block_size=8, num_kv_blocks=160).engine
+    windows = prefill.model_config.cache_groups.windows
     prompts = make_prompts(seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for index, prompt in enumerate(prompts):
@@ -157,13 +185,15 @@ def test_a_hand_off_moves_only_the_blocks_the_next_tokens_window_reaches(tmp_pat
     for result in handed:
         num_blocks = -(-result.num_prompt_tokens // 8)
         left_behind = max(result.num_prompt_tokens - 20 + 1, 0) // 8
-        assert len(result.block_ids) == num_blocks - left_behind
+        assert len(result.block_ids) == sum(
+            num_blocks - (0 if window is None else left_behind) for window in windows
+        )
         destination = decode.reserve_blocks(result.request_id, result.num_prompt_tokens)
         assert destination is not None and len(destination) == len(result.block_ids)
         decode.kv_cache[:, :, destination] = prefill.kv_cache[:, :, result.block_ids]
         decode.admit_prefilled(result, kv_received=True)
         prefill.release_lease(result.request_id)
-    assert any(len(r.block_ids) < -(-r.num_prompt_tokens // 8) for r in handed)
+    assert any(len(r.block_ids) < len(windows) * -(-r.num_prompt_tokens // 8) for r in handed)
     outputs = {}
     while decode.has_unfinished_requests():
         for out in decode.step().finished:

@@ -94,7 +94,7 @@ def _run_batch(model: CausalLM, config: ModelConfig, num_kv_heads: int) -> torch
     """Logits of every prompt token: one prefill of all but the last token of each, then one
     decode step of the batch. [sum(PROMPT_LENGTHS), vocab_size]"""
     cache_config = dataclasses.replace(config, num_kv_heads=num_kv_heads)
-    runner = PagedRunner(model, cache_config, num_blocks=32)
+    runner = PagedRunner(model, cache_config, num_blocks=96)  # 32 for each of 3 cache groups
     seqs = [runner.new_seq(prompt) for prompt in _prompts(config.vocab_size)]
     runner.step([(seq, len(seq.token_ids) - 1) for seq in seqs])
     runner.step([(seq, 1) for seq in seqs])

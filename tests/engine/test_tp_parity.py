@@ -24,6 +24,7 @@ from tests.engine.hf_reference import hf_model
 from tests.engine.test_parity import (
     greedy_params,
     make_prompts,
+    preempting_blocks,
     reference,
     shared_prefix_prompts,
 )
@@ -35,7 +36,8 @@ MAX_NEAR_TIES = 1  # per comparison of a batch of prompts with transformers
 MAX_NEAR_TIES_IN_ALL = 3  # over all the file's comparisons (25 batches of 8 prompts)
 # chunks of 32 tokens, and 40 blocks of 8 tokens: the longest prompt (300 + 20 tokens) fills
 # the cache alone, so the batch preempts
-CHUNKED_PREEMPTING = {"block_size": 8, "max_num_batched_tokens": 32, "num_kv_blocks": 40}
+# num_kv_blocks: preempting_blocks (40 for a model of one KV cache group)
+CHUNKED_PREEMPTING = {"block_size": 8, "max_num_batched_tokens": 32}
 # a budget of 96 tokens admits later prompts after the shared prefixes are computed
 ASYNC_PREFIX = {"block_size": 8, "max_num_batched_tokens": 96, "async_scheduling": True}
 
@@ -122,7 +124,8 @@ def arch(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def chunked_tp2(model_dirs: dict[str, Path], arch: str) -> Iterator[LLM]:
-    llm = tp_llm(model_dirs[arch], 2, **CHUNKED_PREEMPTING)
+    num_blocks = preempting_blocks(model_dirs[arch], step_tokens=32)
+    llm = tp_llm(model_dirs[arch], 2, **{**CHUNKED_PREEMPTING, "num_kv_blocks": num_blocks})
     yield llm
     llm.close()
 

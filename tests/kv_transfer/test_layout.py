@@ -17,6 +17,8 @@ MISMATCHES = [
     ("num_layers", 4),
     ("num_kv_heads", 4),
     ("head_dim", 16),
+    # a model whose sliding and full layers keep separate block tables (the slots' meaning)
+    ("cache_groups", "full:1|window 24:0|window 24:2"),
 ]
 
 
@@ -49,6 +51,8 @@ def test_first_differing_field_is_named() -> None:
 def test_json_round_trip_and_strict_parse() -> None:
     layout = small_layout()
     assert KVCacheLayout.from_json(layout.to_json()) == layout
+    grouped = dataclasses.replace(layout, cache_groups="full:1|window 24:0|window 24:2")
+    assert KVCacheLayout.from_json(grouped.to_json()) == grouped
     with pytest.raises(ValueError):
         KVCacheLayout.from_json({**layout.to_json(), "extra": 1})
     with pytest.raises(ValueError):
