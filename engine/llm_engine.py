@@ -89,7 +89,7 @@ class LLMEngine:
         self.max_model_len = rank.max_model_len
         self.model = rank.model
         self.shard = rank.shard
-        # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]; this rank's heads
+        # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]; this rank's heads
         self.kv_cache = rank.kv_cache
         self._num_threads_before = rank.num_threads_before  # restored on close()
         num_blocks = rank.num_kv_blocks

@@ -72,7 +72,7 @@ def run_worst_case_step(
     seq_len = max(1, min(max_num_batched_tokens, max_model_len - 1))
     num_seqs = -(-max_num_batched_tokens // seq_len)
     blocks_per_seq = -(-seq_len // layout.block_size)
-    # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
+    # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
     cache = torch.zeros(layout.shape(num_seqs * blocks_per_seq), dtype=layout.dtype, device=device)
     runner = ModelRunner(model, cache, attn_backend, frozenset(), device)
     params = SamplingParams(temperature=0.0, max_tokens=1)

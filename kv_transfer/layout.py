@@ -13,8 +13,11 @@ plane_numel]`, where a plane is one layer's K (or V, or latent) of one block, co
 memory. A channel moves a range of
 consecutive KV heads (every head of the cache unless told otherwise): the wire carries
 `[planes, blocks, block_size, num_moved_heads, head_dim]`. Both ends must agree on the dtype,
-block size, layer count, planes per layer, head size and the model's ids of the moved heads; the heads each end
-holds and its block count are its own.
+block size, layer count, planes per layer, head size, the model's ids of the moved heads and
+its KV cache groups; the heads each end holds and its block count are its own. Where a model's
+sliding and full layers keep block tables of their own (KV cache groups), `num_layers` counts a
+block's layer slots (the largest group's layers) and `cache_groups` says which layer is in
+which slot of which group's blocks; the channel moves blocks alike whatever group they hold.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class Follower:
         self,
         group: TensorParallelGroup,
         model: CausalLM,
-        kv_cache: torch.Tensor,  # [num_layers, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
         attn_backend: AttentionBackend,
         device: torch.device,
     ) -> None:
