@@ -1,5 +1,6 @@
 """Gemma 2 and Gemma 3 (text): their configs (Gemma 3's in both spellings), the norm and Gemma
-3's two ropes against transformers, and what Gemma 2's soft-capping does.
+3's two ropes against transformers, what Gemma 2's soft-capping does, and samples drawn from
+its capped logits.
 
 Greedy identity with transformers in every engine mode is in the suites that run every
 architecture of ``tests.conftest.ARCHITECTURES`` (test_parity.py, test_models.py,
@@ -9,17 +10,22 @@ test_async_scheduling.py, test_tp_model.py, test_tp_parity.py), both Gemmas incl
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
 from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 
+from engine import LLM, SamplingParams
 from engine.model_config import parse_model_config
 from engine.model_loader import load_model
 from engine.models.rms_norm import OffsetRMSNorm
 from engine.models.rope import RotaryEmbedding
-from tests.fixtures.tiny_models import tiny_hf_config
+from tests.engine.hf_reference import hf_model
+from tests.fixtures.tiny_models import make_tiny_model, tiny_hf_config
 
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 
@@ -130,3 +136,34 @@ def test_dummy_weights_make_every_norm_scale_by_one(tmp_path: Any) -> None:
     norms = [m for m in model.modules() if isinstance(m, OffsetRMSNorm)]
     assert len(norms) == 1 + 3 * 6  # final; per layer input, q, k, post-attn, pre- and post-MLP
     assert all(torch.equal(m.weight, torch.zeros_like(m.weight)) for m in norms)
+
+
+def test_samples_follow_transformers_soft_capped_distribution(tmp_path: Path) -> None:
+    """The engine's first tokens, drawn at temperature 1 from the top 8, follow the
+    distribution of transformers' logits, which Gemma 2 caps (here at 2) before any sampling:
+    a chi-square test accepts it, and rejects the uncapped logits' distribution (so the cap
+    bends these logits enough to be seen)."""
+    model_dir = make_tiny_model(tmp_path, GEMMA2, seed=31, final_logit_softcapping=2.0)
+    prompt = [5, 77, 301, 12, 950, 40, 41, 600, 3, 88]
+    with torch.no_grad():
+        capped = hf_model(model_dir)(torch.tensor([prompt])).logits[0, -1].double().numpy()
+    assert np.abs(capped).max() < 2.0
+    uncapped = 2.0 * np.arctanh(capped / 2.0)
+    top = np.argsort(-capped)[:8]
+    llm = LLM(
+        str(model_dir), dtype="float32", device="cpu", max_num_seqs=500, skip_tokenizer_init=True
+    )
+    counts = np.zeros(len(capped), dtype=np.int64)
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, top_k=8, max_tokens=1, n=500, seed=seed)
+        (out,) = llm.generate([prompt], params)
+        for sample in out.outputs:
+            counts[sample.token_ids[0]] += 1
+    assert counts[top].sum() == counts.sum() == 2000  # nothing outside the top 8
+
+    def pvalue(logits: np.ndarray) -> float:
+        probs = np.exp(logits[top] - logits[top].max())
+        return float(chisquare(counts[top], probs / probs.sum() * counts.sum()).pvalue)
+
+    assert pvalue(capped) > 1e-3
+    assert pvalue(uncapped) < 1e-3
