@@ -10,8 +10,9 @@ from engine import LLM, LLMEngine, SamplingParams
 from engine.messages import PrefillResult, TokenEvent
 from engine.outputs import PromptLogprobs, RequestOutput
 from engine.request_state import prompt_position_logprobs
+from tests.conftest import ARCHITECTURES
 from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_parity import OUTPUT_LENGTHS, make_prompts
+from tests.engine.test_parity import OUTPUT_LENGTHS, make_prompts, reference
 
 
 def _engine(model_dir: Path, **kwargs: object) -> LLMEngine:
@@ -65,6 +66,28 @@ def test_split_greedy_matches_transformers(llama_dir: Path, transfer: bool) -> N
             assert outputs[f"r{i}"] == [expected]
     assert prefill.block_manager.usage == 0  # every lease released
     assert decode.block_manager.usage == 0
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_split_matches_transformers(
+    model_dirs: dict[str, Path], arch: str
+) -> None:
+    """Each architecture's hand-off (its KV as it caches it: K and V per layer, a latent per
+    layer, a table per group of sliding and full layers, whose windows of 24 these prompts
+    outgrow), prefilled in chunks of 32 and decoded on another engine, equals transformers."""
+    model_dir = model_dirs[arch]
+    prompts = make_prompts(seed=1)[2:6]  # 17 to 100 tokens
+    lengths = OUTPUT_LENGTHS[2:6]
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths]
+    prefill = _engine(model_dir, max_num_batched_tokens=32)
+    decode = _engine(model_dir)
+    handed, finished = _prefill_all(prefill, prompts, params)
+    outputs = _decode_all(prefill, decode, handed, transfer=True)
+    for out in finished:  # max_tokens=1 ends on the prefill side
+        outputs[out.request_id] = [c.token_ids for c in out.outputs]
+    expected = reference(model_dir, make_prompts(seed=1), "plain")[2:6]
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == [[e] for e in expected]
+    assert prefill.block_manager.usage == 0 and decode.block_manager.usage == 0
 
 
 def test_split_seeded_samples_match_one_engine(llama_dir: Path) -> None:
