@@ -11,7 +11,10 @@ biases, whose weights stay in the checkpoint's layout (``ClampedSwigluExperts``)
 then grouped by expert (``grouped_by_expert``): the (token, expert) pairs are sorted by
 expert, each expert runs its MLP once over the contiguous rows of its tokens, and the weighted
 outputs are added back per token in expert order (the order transformers adds them in). There
-is no loop over tokens; the loop over experts skips the ones no token picked.
+is no loop over tokens; the loop over experts skips the ones no token picked. On a GPU (a CUDA
+float ``x``) the experts run instead as two Triton grouped matmuls over the same sorted rows,
+the activation and the routing weight fused into them (``engine/kernels/fused_moe.py``); the
+tokens per expert are then read from the device once per layer.
 
 A shared expert, when the model has one, runs on every token and joins the routed sum: scaled
 by sigmoid(shared_expert_gate(x)) (Qwen2-MoE) or as it is (DeepSeek's shared experts, one MLP
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
+from engine.kernels import fused_moe
 from engine.model_config import MoeConfig
 from engine.models.fused_ops import silu_and_mul
 from engine.parallel.group import TensorParallelGroup
@@ -154,6 +158,11 @@ class RoutedExperts(nn.Module):
         weights: torch.Tensor,  # [n, top_k] fp32
         expert_ids: torch.Tensor,  # [n, top_k] int64
     ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
+        if fused_moe.usable(x):
+            out, counts = fused_moe.silu_experts(
+                x, weights, expert_ids, self.gate_up_proj, self.down_proj
+            )
+            return out, counts.tolist()
         return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
 
     def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
@@ -184,6 +193,19 @@ class ClampedSwigluExperts(nn.Module):
         weights: torch.Tensor,  # [n, top_k]
         expert_ids: torch.Tensor,  # [n, top_k] int64
     ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
+        if fused_moe.usable(x):
+            out, counts = fused_moe.clamped_swiglu_experts(
+                x,
+                weights,
+                expert_ids,
+                self.gate_up_proj,
+                self.gate_up_proj_bias,
+                self.down_proj,
+                self.down_proj_bias,
+                self.alpha,
+                self.limit,
+            )
+            return out, counts.tolist()
         return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
 
     def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]

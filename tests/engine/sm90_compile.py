@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 
 from engine.kernels import (
     elementwise,
+    fused_moe,
     kv_cache_write,
     latent_attention,
     paged_decode_attention,
@@ -360,6 +361,63 @@ def latent_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
         yield f"latent write {str(dtype).removeprefix('torch.')}", module, _latent_write(dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    """The shapes one mixture-of-experts model's expert kernels see (one rank's columns)."""
+
+    name: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int  # each expert's
+    clamped_swiglu: bool  # gpt-oss's experts; else SiLU(gate) * up
+
+
+MOE_SHAPES = (
+    MoeShape("mixtral-8x7b", 8, 2, 4096, 14336, False),
+    MoeShape("qwen3-30b-a3b", 128, 8, 2048, 768, False),
+    MoeShape("gpt-oss-20b", 32, 4, 2880, 2880, True),
+)
+
+
+def _experts(shape: MoeShape, dtype: torch.dtype, num_tokens: int) -> Callable[[], object]:
+    experts, hidden, width = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    # gpt-oss's router weighs in the model's dtype, the others' in float32
+    weight_dtype = dtype if shape.clamped_swiglu else torch.float32
+    routing = (
+        _meta(num_tokens, hidden, dtype=dtype),
+        _meta(num_tokens, shape.top_k, dtype=weight_dtype),
+        _meta(num_tokens, shape.top_k, dtype=torch.int64),
+    )
+    if shape.clamped_swiglu:
+        return lambda: fused_moe.clamped_swiglu_experts(
+            *routing,
+            _meta(experts, hidden, 2 * width, dtype=dtype),
+            _meta(experts, 2 * width, dtype=dtype),
+            _meta(experts, width, hidden, dtype=dtype),
+            _meta(experts, hidden, dtype=dtype),
+            1.702,
+            7.0,
+        )
+    return lambda: fused_moe.silu_experts(
+        *routing,
+        _meta(experts, 2 * width, hidden, dtype=dtype),
+        _meta(experts, hidden, width, dtype=dtype),
+    )
+
+
+def moe_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
+    """(label, kernel module, wrapper call) for the fused experts' launches: each model in
+    bfloat16 and the first in float16 too, a decode step (16-row tiles) and a prefill's 1024
+    tokens (64-row tiles)."""
+    for index, shape in enumerate(MOE_SHAPES):
+        for dtype in (torch.bfloat16, torch.float16) if index == 0 else (torch.bfloat16,):
+            tag = f"{shape.name} {str(dtype).removeprefix('torch.')}"
+            for num_tokens in (1, 1024):
+                call = _experts(shape, dtype, num_tokens)
+                yield f"experts {tag} {num_tokens} tokens", fused_moe, call
+
+
 def _launch_key(launch: Launch) -> tuple[Any, ...]:
     """What Triton compiles a launch by: the kernel, argument types and constexpr values."""
     types = tuple(
@@ -372,6 +430,7 @@ def _launch_key(launch: Launch) -> tuple[Any, ...]:
 CASE_GROUPS: dict[str, Callable[[], Iterator[tuple[str, ModuleType, Callable[[], object]]]]] = {
     "paged": paged_cases,
     "latent": latent_cases,
+    "moe": moe_cases,
 }
 
 

@@ -42,10 +42,10 @@ def compiled() -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, said aloud to silence its warning
-    # the two groups of cases side by side (compiling takes a core each)
+    # the groups of cases side by side (compiling takes a core each; "paged" is the longest)
     commands = [
         [sys.executable, "-m", "tests.engine.sm90_compile", "--group", group]
-        for group in ("paged", "latent")
+        for group in ("paged", "latent", "moe")
     ]
     runs = [
         subprocess.Popen(
@@ -73,7 +73,7 @@ def test_every_launch_compiles_within_the_shared_memory_of_an_h100(
 def test_every_kernel_is_compiled(compiled: list[dict[str, Any]]) -> None:
     """A new kernel must join sm90_compile.cases(), or this fails."""
     # @triton.jit helpers inlined into kernels
-    internal = {"_attend_tile", "_attend_latent_tile", "_rotate_heads"}
+    internal = {"_attend_tile", "_attend_latent_tile", "_rotate_heads", "_tile_rows"}
     assert {r["kernel"] for r in compiled} == _kernel_names() - internal
 
 
@@ -89,6 +89,16 @@ def test_bfloat16_attention_runs_on_tensor_cores(compiled: list[dict[str, Any]])
     attention = [r for r in compiled if "bfloat16" in r["case"] and r["kernel"] in kernels]
     assert {r["kernel"] for r in attention} == kernels
     assert all(r["tensor_core_instructions"] > 0 for r in attention), attention
+
+
+def test_bfloat16_expert_matmuls_run_on_tensor_cores(compiled: list[dict[str, Any]]) -> None:
+    """The fused experts' grouped matmuls lower to mma / wgmma in bfloat16, for decode's
+    16-row tiles and prefill's 64-row ones."""
+    kernels = {"_gate_up_kernel", "_down_kernel"}
+    experts = [r for r in compiled if "bfloat16" in r["case"] and r["kernel"] in kernels]
+    assert {r["kernel"] for r in experts} == kernels
+    assert {r["case"].split()[-2] for r in experts} == {"1", "1024"}  # (the token counts)
+    assert all(r["tensor_core_instructions"] > 0 for r in experts), experts
 
 
 def test_the_kv_block_copy_stores_in_vectors(compiled: list[dict[str, Any]]) -> None:
