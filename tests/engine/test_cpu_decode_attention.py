@@ -1,11 +1,14 @@
 """The C decode-attention kernel (engine/kernels/cpu) against a float64 softmax over each
-sequence's gathered context (or its sliding window's last positions), and with soft-capped
-logits or attention sinks against the torch reference; its argument checks, and how it is
-built and cached."""
+sequence's gathered context (or its sliding window's last positions), with soft-capped logits
+(mild and hard-biting) or attention sinks against the torch reference and the float64 one; the
+soft-cap's vectorised tanh against tanh; its argument checks, and how it is built and cached."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import random
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ def _expected(
     tables: torch.Tensor,
     seq_lens: torch.Tensor,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     num_heads, num_kv_heads = query.shape[1], cache.shape[3]
     block_size = cache.shape[2]
@@ -56,6 +60,8 @@ def _expected(
         key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)
         value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,khd->hk", query[row].double(), key) * query.shape[2] ** -0.5
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         if sliding_window is not None:  # the query, at seq_len - 1, sees the last W positions
             scores = scores.masked_fill(positions <= seq_len - 1 - sliding_window, float("-inf"))
         outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), value))
@@ -262,6 +268,74 @@ def test_softcap_and_sinks_match_the_torch_reference(
     torch.testing.assert_close(out, expected, **FLOAT32)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 128), (6, 2, 48)])
+def test_a_hard_biting_softcap_matches_a_float64_softmax(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Gemma 2's cap of 50 on logits of std 150 (three in four |logit| over 50, the largest over
+    600): most are squeezed towards +-50, so the softmax spreads over the many near +50, where
+    without the cap it picks out the largest; blocks of 16, so the cap runs on full vectors."""
+    softcap = 50.0
+    rng = random.Random(head_dim)
+    seq_lens = [1, 16, 17, 64, *(rng.randint(1, 300) for _ in range(6))]
+    query, cache, tables, lens = _case(seq_lens, num_heads, num_kv_heads, head_dim, 16)
+    query *= 150.0  # scale * q . k: std 150, three times the cap
+    case = (query, cache, tables, lens, head_dim**-0.5)
+    out = paged_decode_attention_cpu(*case, 2, logit_softcap=softcap)
+    expected = _expected(query, cache, tables, lens, logit_softcap=softcap)
+    torch.testing.assert_close(out.double(), expected, **FLOAT32)
+    torch.testing.assert_close(out, _torch_reference(*case, None, softcap, None), **FLOAT32)
+    uncapped = _expected(query, cache, tables, lens)
+    assert (uncapped - expected).abs().amax() > 1.0  # the cap bites: dropping it fails above
+
+
+# the soft-cap's tanh, built as the kernels are, over n floats: y = tanh_poly(x), or libm's
+TANH_HARNESS = """
+#include <stdint.h>
+#include "poly_math.h"
+void tanh_poly_n(const float *restrict x, float *restrict y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = tanh_poly(x[i]);
+}
+void tanhf_n(const float *restrict x, float *restrict y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = tanhf(x[i]);
+}
+"""
+# tanh_poly's max error over every float32 (an exhaustive C loop): 1.118e-7 from tanh, at
+# x = +-0.8129; 1.788e-7 from glibc's tanhf (itself up to 1.04e-7 from tanh), at x = +-0.8411
+TANH_POLY_MAX_ERROR, TANH_POLY_MAX_ERROR_FROM_TANHF = 1.12e-7, 1.8e-7
+
+
+def test_the_softcap_tanh_is_within_its_stated_error_of_tanh(tmp_path: Path) -> None:
+    """tanh_poly (poly_math.h, vectorised in the loop as in the kernels) on every 256th float32
+    of [-20, 20], past which it is +-1 exactly, and densely where its error peaks (|x| in
+    [0.8, 0.85]) and at its worst: within its measured max error of float64 tanh and of libm's
+    tanhf; odd to the bit."""
+    source, library = tmp_path / "tanh.c", tmp_path / "tanh.so"
+    source.write_text(TANH_HARNESS)
+    compiler = os.environ.get("CC", "cc")
+    command = [compiler, *build.FLAGS, "-I", str(build.SOURCE_DIR), str(source), "-o"]
+    subprocess.run([*command, str(library), "-lm"], check=True, capture_output=True)
+    harness = ctypes.CDLL(str(library))
+    positive = torch.arange(0, 0x41A00000, 256, dtype=torch.int32).view(torch.float32)
+    peak = torch.linspace(0.8, 0.85, 100_001, dtype=torch.float32)
+    worst = torch.tensor([0.812855601, 0.84105742])  # where the maxima above were measured
+    x = torch.cat((positive, peak, worst, torch.tensor([20.5, 100.0, 1e30, float("inf")])))
+    x = torch.cat((x, -x))
+    results = {}
+    for name in ("tanh_poly_n", "tanhf_n"):
+        y = torch.empty_like(x)
+        getattr(harness, name)(
+            ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(len(x))
+        )
+        results[name] = y
+    poly = results["tanh_poly_n"].double()
+    assert (poly - torch.tanh(x.double())).abs().max() <= TANH_POLY_MAX_ERROR
+    assert (poly - results["tanhf_n"].double()).abs().max() <= TANH_POLY_MAX_ERROR_FROM_TANHF
+    half = len(x) // 2
+    assert torch.equal(poly[half:], -poly[:half])
+    assert (poly[x.abs() >= 20].abs() == 1).all()
+
+
 def test_bad_softcap_and_sinks_are_refused_by_name() -> None:
     query, cache, tables, lens = _case([20, 9], 4, 2, 64, 8)
     cases: list[tuple[dict[str, Any], str]] = [
@@ -298,6 +372,22 @@ def test_built_once_then_loaded_from_the_cache(fresh_build: Path) -> None:
     paged_decode_attention_cpu(query, cache, tables, lens, 0.1)
     assert library.stat().st_mtime_ns == built_at  # found, not rebuilt
     assert [p.name for p in fresh_build.iterdir()] == [library.name]  # no partial files left
+
+
+def test_a_changed_header_rebuilds_the_kernels_that_include_it(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sources = fresh_build / "sources"
+    sources.mkdir()
+    for name in ("paged_decode_attention.c", "poly_math.h"):
+        (sources / name).write_bytes((build.SOURCE_DIR / name).read_bytes())
+    monkeypatch.setattr(build, "SOURCE_DIR", sources)
+    build.load("paged_decode_attention")
+    with (sources / "poly_math.h").open("a") as header:
+        header.write("/* changed */\n")
+    build.load.cache_clear()
+    build.load("paged_decode_attention")
+    assert len(list(fresh_build.glob("paged_decode_attention-*.so"))) == 2
 
 
 def test_without_a_compiler_auto_falls_back_and_cpu_says_why(

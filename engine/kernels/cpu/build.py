@@ -2,9 +2,10 @@
 
 The library is built for the CPU it runs on (``-march=native``) and cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), named by a hash of the
-source, the flags, the compiler's version and the CPU's feature flags, so a changed kernel
-or another machine builds its own. Processes that build at the same time (several workers
-on one host) each write a private file and move it into place atomically.
+source, this package's headers (``*.h``, which sources include), the flags, the compiler's
+version and the CPU's feature flags, so a changed kernel or another machine builds its own.
+Processes that build at the same time (several workers on one host) each write a private file
+and move it into place atomically.
 
 The compiler is ``$CC`` or ``cc``. Without one, ``load`` raises ``KernelUnavailableError``
 saying why, and callers fall back to torch.
@@ -81,6 +82,8 @@ def function(library: str, symbol: str, restype: Any, argtypes: Sequence[Any]) -
 
 def _build_key(source: Path, compiler: str) -> str:
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.name.encode() + header.read_bytes())
     for part in (" ".join([*FLAGS, OPENMP_FLAG]), _compiler_version(compiler), _cpu_features()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]

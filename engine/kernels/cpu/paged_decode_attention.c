@@ -5,7 +5,8 @@
  * copied out. With a sliding window W (``sliding_window`` > 0) the query, at position
  * seq_len - 1, sees only positions from seq_len - W on: the walk starts there, so the blocks
  * wholly before it are neither read nor checked (their table entries may hold anything). With
- * a logit soft-cap c (``logit_softcap`` > 0) each logit scale * q . k becomes c tanh(logit / c);
+ * a logit soft-cap c (``logit_softcap`` > 0) each logit scale * q . k becomes c tanh(logit / c)
+ * (tanh_poly of poly_math.h: within c * 1.12e-7 of it, and vectorised over a block's logits);
  * with attention sinks (``sinks`` not NULL) head h's logit sinks[h] joins its softmax's
  * denominator as a position with no value, seen first (the running max starts at it, the sum
  * at 1). The next block's K and V are prefetched while the current one is computed: the
@@ -28,6 +29,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "poly_math.h"
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float sum = 0.f;
@@ -113,14 +116,13 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t t = 0; t < n; t++)
             for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {
                 const float *k = k_block + t * token_numel + kv_head * head_dim;
-                for (int64_t g = 0; g < group; g++, h++) {
-                    const float logit = scale * dot(q + h * head_dim, k, head_dim);
-                    probs[h * block_size + t] =
-                        softcap > 0.f ? softcap * tanhf(logit / softcap) : logit;
-                }
+                for (int64_t g = 0; g < group; g++, h++)
+                    probs[h * block_size + t] = scale * dot(q + h * head_dim, k, head_dim);
             }
         for (int64_t h = 0; h < num_heads; h++) {
             float *p = probs + h * block_size;
+            if (softcap > 0.f) /* a loop of its own, so that it is vectorised */
+                for (int64_t t = 0; t < n; t++) p[t] = softcap * tanh_poly(p[t] / softcap);
             float block_max = maxes[h];
             for (int64_t t = 0; t < n; t++) block_max = p[t] > block_max ? p[t] : block_max;
             /* 0 on the first block without a sink */

@@ -38,38 +38,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "poly_math.h"
+
 #define Q_TILE 64
 #define KV_TILE 32
-#define LOG2E 1.4426950408889634f
-
-/* 2^x for x <= 128 (0 below -126, where no normal float is left): x = n + f with n the nearest
- * integer and |f| <= 0.5; 2^f by its Taylor series to degree 7 (truncation error < 1e-8). */
-static inline float exp2_poly(float x) {
-    const float clamped = x < -126.f ? -126.f : x;
-    const float n = rintf(clamped);
-    const float f = clamped - n;
-    float p = 1.5252734e-5f;
-    p = p * f + 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.f;
-    union {
-        int32_t bits;
-        float value;
-    } scale = {.bits = ((int32_t)n + 127) << 23};
-    return x < -126.f ? 0.f : p * scale.value;
-}
-
-/* tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2 |x|), through exp2_poly (vectorised, as
- * the softmax's exponentials are; within 1.1e-7 of tanh). */
-static inline float tanh_poly(float x) {
-    const float e = exp2_poly(-2.f * LOG2E * fabsf(x));
-    const float t = (1.f - e) / (1.f + e);
-    return x < 0.f ? -t : t;
-}
 
 /* One sequence's KV head over new tokens [first_token, first_token + num_tokens) (rows of
  * query), the first at context position first_position. */
