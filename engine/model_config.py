@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.kv_cache.cache_groups import CacheGroups, cache_groups_for
+from engine.quantization.config import PackedIntWeights, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -272,6 +273,8 @@ class ModelConfig:
     attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (AttentionBackend)
     # norms scale in float32 before the cast back (gpt-oss), rather than after it
     norm_scale_in_float32: bool = False
+    # the decoder's linear layers hold packed integer weights (quantization_config); None: floats
+    quantization: PackedIntWeights | None = None
 
     @property
     def kv_planes(self) -> int:
@@ -331,6 +334,8 @@ def parse_model_config(
     attention_bias = bool(raw.get("attention_bias", architecture == "GptOssForCausalLM"))
     is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
     is_qwen2_moe = architecture == "Qwen2MoeForCausalLM"
+    moe = _parse_moe(raw, architecture, num_layers)
+    quantization = _parse_quantization(raw, architecture, moe is not None or mla is not None)
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(raw["vocab_size"]),
@@ -352,7 +357,7 @@ def parse_model_config(
         eos_token_ids=_eos_token_ids(raw, generation or {}),
         bos_token_id=_optional_int(raw.get("bos_token_id")),
         checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-        moe=_parse_moe(raw, architecture, num_layers),
+        moe=moe,
         sliding_window=sliding_window,
         sliding_layers=sliding_layers,
         mla=mla,
@@ -372,6 +377,7 @@ def parse_model_config(
         ),
         attention_sinks=architecture == "GptOssForCausalLM",
         norm_scale_in_float32=architecture == "GptOssForCausalLM",
+        quantization=quantization,
     )
 
 
@@ -571,14 +577,24 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _check_unsupported_features(raw: dict[str, Any], architecture: str) -> None:
+def _parse_quantization(
+    raw: dict[str, Any], architecture: str, experts_or_latent: bool
+) -> PackedIntWeights | None:
+    """The checkpoint's weight quantization (engine/quantization/config.py), refused for the
+    layers that cannot hold it yet."""
     quantization = raw.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if not quantization:
+        return None
+    weights = parse_quantization_config(quantization)
+    if experts_or_latent:
         raise ValueError(
-            f"quantization_config (quant_method {method!r}): quantized checkpoints are not "
-            "supported yet; serve a bfloat16/float16/float32 checkpoint"
+            f"quantization_config ({weights.describe()}) is not supported for "
+            f"{architecture} yet: its experts and latent attention run float weights only"
         )
+    return weights
+
+
+def _check_unsupported_features(raw: dict[str, Any], architecture: str) -> None:
     if architecture in _GEMMA:
         activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
         if activation != "gelu_pytorch_tanh":

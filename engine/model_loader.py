@@ -35,6 +35,8 @@ from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
+from engine.quantization.config import PackedIntWeights
+from engine.quantization.packed_linear import PackedIntLinear
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -100,6 +102,10 @@ def load_model(
     if shard is None and group is not None:
         shard = TensorParallelShard.of(config, group.rank, group.size)
     model = _build_empty(config, dtype, torch.device(device), shard, group)
+    if load_format == "dummy" and config.quantization is not None and model.shard.size > 1:
+        raise ValueError(
+            "load_format 'dummy' builds a quantized model on one rank only (tensor_parallel_size 1)"
+        )
     with torch.no_grad():
         if load_format == "dummy" and model.shard.size > 1:
             _init_dummy_sharded(model, seed)
@@ -156,35 +162,100 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
     """Checkpoint tensor name -> where its slices go. A fused projection takes several
     checkpoint tensors, or several row ranges of one where the checkpoint stores it fused
     (``_FUSED_IN_CHECKPOINT``); a stacked experts param takes each expert's tensors into its
-    slice ``param[expert]``."""
-    config, shard = model.config, model.shard
-    fused_on_disk = _FUSED_IN_CHECKPOINT.get(config.architecture, ())
+    slice ``param[expert]``; a packed integer layer's tensors go where its float weight's
+    slices would, in their own units (``_packed_int_target``)."""
     targets: dict[str, list[_Target]] = {}
     for name, param in model.named_parameters():
-        for hf_name, tensor, parts in _checkpoint_tensors(name, param, config, shard):
-            if parts is None:
-                targets.setdefault(hf_name, []).append(
-                    _single_target(hf_name, tensor, config, shard)
-                )
-                continue
-            # a fused projection: its parts stacked along the rows
-            stored_fused = _module(hf_name) in fused_on_disk
-            total_rows = sum(full_rows for _, full_rows, _ in parts)
-            row_offset = source_offset = 0
-            for hf_part, full_rows, rows in parts:
-                if stored_fused:  # the part's rows of the one fused checkpoint tensor
-                    source = hf_name
-                    read = range(source_offset + rows.start, source_offset + rows.stop)
-                    full_shape = (total_rows, *tensor.shape[1:])
-                else:  # the checkpoint tensor of the part
-                    source = hf_name.replace(f".{_module(hf_name)}.", f".{hf_part}.")
-                    read, full_shape = rows, (full_rows, *tensor.shape[1:])
-                targets.setdefault(source, []).append(
-                    _Target(tensor, row_offset, len(rows), full_shape, read, None)
-                )
-                row_offset += len(rows)
-                source_offset += full_rows
+        prefix, leaf = name.rsplit(".", 1)
+        layer = model.get_submodule(prefix)
+        if isinstance(layer, PackedIntLinear) and leaf in _PACKED_INT_LEAVES:
+            float_weight = torch.empty(layer.out_features, layer.in_features, device="meta")
+            for hf_name, target in _targets_of(model, f"{prefix}.weight", float_weight):
+                packed = _packed_int_target(leaf, target, param, layer.weights)
+                targets.setdefault(f"{hf_name.removesuffix('.weight')}.{leaf}", []).append(packed)
+            continue
+        for hf_name, target in _targets_of(model, name, param):
+            targets.setdefault(hf_name, []).append(target)
     return targets
+
+
+def _targets_of(
+    model: LlamaForCausalLM, name: str, param: torch.Tensor
+) -> list[tuple[str, _Target]]:
+    """The checkpoint tensors ``param`` (named ``name``) loads from, and where each lands."""
+    config, shard = model.config, model.shard
+    fused_on_disk = _FUSED_IN_CHECKPOINT.get(config.architecture, ())
+    found: list[tuple[str, _Target]] = []
+    for hf_name, tensor, parts in _checkpoint_tensors(name, param, config, shard):
+        if parts is None:
+            found.append((hf_name, _single_target(hf_name, tensor, config, shard)))
+            continue
+        # a fused projection: its parts stacked along the rows
+        stored_fused = _module(hf_name) in fused_on_disk
+        total_rows = sum(full_rows for _, full_rows, _ in parts)
+        row_offset = source_offset = 0
+        for hf_part, full_rows, rows in parts:
+            if stored_fused:  # the part's rows of the one fused checkpoint tensor
+                source = hf_name
+                read = range(source_offset + rows.start, source_offset + rows.stop)
+                full_shape = (total_rows, *tensor.shape[1:])
+            else:  # the checkpoint tensor of the part
+                source = hf_name.replace(f".{_module(hf_name)}.", f".{hf_part}.")
+                read, full_shape = rows, (full_rows, *tensor.shape[1:])
+            found.append((source, _Target(tensor, row_offset, len(rows), full_shape, read, None)))
+            row_offset += len(rows)
+            source_offset += full_rows
+    return found
+
+
+_PACKED_INT_LEAVES = ("weight_packed", "weight_scale", "weight_zero_point")
+
+
+def _packed_int_target(
+    leaf: str, target: _Target, param: torch.Tensor, weights: PackedIntWeights
+) -> _Target:
+    """Where a packed integer layer's ``leaf`` tensor lands, from ``target``, where its float
+    weight [out, in] would: rows are output features (the zero points' packed, a word per
+    ``pack_factor`` rows), columns inputs (packed into words, or one per group)."""
+    out_features, in_features = target.full_shape
+    group = weights.group_size or in_features
+    cols = target.cols
+    if leaf == "weight_packed":
+        pack = weights.pack_factor
+        return dataclasses.replace(
+            target,
+            param=param,
+            full_shape=(out_features, in_features // pack),
+            cols=None if cols is None else _in_units(cols, pack, "num_bits"),
+        )
+    groups = None if cols is None else _in_units(cols, group, "group_size")
+    if leaf == "weight_scale":
+        return dataclasses.replace(
+            target, param=param, full_shape=(out_features, in_features // group), cols=groups
+        )
+    pack = weights.pack_factor  # weight_zero_point: packed along the rows
+    return _Target(
+        param,
+        _in_units(
+            range(target.row_offset, target.row_offset + target.num_rows), pack, "num_bits"
+        ).start,
+        target.num_rows // pack,
+        (out_features // pack, in_features // group),
+        _in_units(target.rows, pack, "num_bits"),
+        groups,
+    )
+
+
+def _in_units(indices: range, unit: int, field: str) -> range:
+    """``indices`` counted in blocks of ``unit``; raises where a block would be split (a
+    tensor-parallel rank's slice that cuts a packed word or a quantization group)."""
+    if indices.start % unit or indices.stop % unit:
+        raise ValueError(
+            f"a tensor-parallel slice {indices.start}..{indices.stop} cuts a block of {unit} "
+            f"(quantization_config {field}); choose a tensor_parallel_size that splits the "
+            "layers at whole blocks"
+        )
+    return range(indices.start // unit, indices.stop // unit)
 
 
 # Architectures whose checkpoints store each layer's experts stacked, as our parameters hold
@@ -365,6 +436,8 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
     """Checkpoint tensors we know and do not need."""
     if name.endswith("rotary_emb.inv_freq"):
         return True  # older checkpoints store the rope buffer; we recompute it
+    if config.quantization is not None and name.endswith(".weight_shape"):
+        return True  # a packed layer's [out, in]: its packed tensors' shapes are checked
     layer = _BEYOND_THE_LAYERS.match(name)
     if layer is not None and config.mla is not None and int(layer[1]) >= config.num_layers:
         return True  # DeepSeek-V3's multi-token-prediction layer, skipped as transformers does
@@ -434,6 +507,8 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     for param in model.parameters():
         if id(param) in norm_weights:
             param.fill_(norm_weights[id(param)])
+        elif not param.is_floating_point():  # packed integer weights: any bits
+            param.random_(generator=generator)
         else:
             param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
 

@@ -37,6 +37,7 @@ from engine.models.rms_norm import RMSNorm, rms_norm_for
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.parallel.group import SingleRank, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
+from engine.quantization.packed_linear import make_linear
 
 
 class GatedMLP(nn.Module):
@@ -47,8 +48,11 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         intermediate = len(shard.intermediate)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=config.mlp_bias)
+        quantized = config.quantization
+        self.gate_up_proj = make_linear(
+            config.hidden_size, 2 * intermediate, config.mlp_bias, quantized
+        )
+        self.down_proj = make_linear(intermediate, config.hidden_size, config.mlp_bias, quantized)
         self.act_and_mul = gelu_tanh_and_mul if config.activation == "gelu_tanh" else silu_and_mul
         self.group = group
 
@@ -75,8 +79,11 @@ class SelfAttention(nn.Module):
         q_size = self.num_heads * config.head_dim
         kv_size = self.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        quantized = config.quantization
+        self.qkv_proj = make_linear(
+            config.hidden_size, q_size + 2 * kv_size, config.qkv_bias, quantized
+        )
+        self.o_proj = make_linear(q_size, config.hidden_size, config.o_proj_bias, quantized)
         self.q_norm = rms_norm_for(config, config.head_dim) if config.qk_norm else None
         self.k_norm = rms_norm_for(config, config.head_dim) if config.qk_norm else None
         scale = config.attention_scale

@@ -115,6 +115,7 @@ def _model_card(gateway: Gateway) -> dict[str, Any]:
         "created": gateway.model.created,
         "owned_by": "pdserve",
         "max_model_len": gateway.model.max_model_len,
+        "quantization": gateway.model.quantization,  # None: float weights
     }
 
 

@@ -175,7 +175,10 @@ class GatewayMetrics:
         local_prefills: Callable[[], Mapping[str, int]],
         worker_restarts: Callable[[], Sequence[SlotRestarts]],
         slo: SloTargets,
+        model_info: Mapping[str, str] | None = None,
     ) -> None:
+        """``model_info``: labels of ``pdserve:model_info`` (the served model's name and its
+        weights' quantization), a gauge of 1 as Prometheus info metrics are."""
         self.slo = slo
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_WorkerCollector(worker_statuses))
@@ -185,6 +188,14 @@ class GatewayMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"pdserve:{name}", doc, buckets=buckets, registry=r)
 
+        if model_info is not None:
+            info = Gauge(
+                "pdserve:model_info",
+                "The served model: its name and its weights' quantization ('none': floats)",
+                sorted(model_info),
+                registry=r,
+            )
+            info.labels(**model_info).set(1)
         self.requests = Counter(
             "pdserve:requests", "Generation requests by outcome", ["status"], registry=r
         )

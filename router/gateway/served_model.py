@@ -19,6 +19,9 @@ class ServedModel:
     vocab_size: int  # token ids must lie in [0, vocab_size)
     tokenizer: Any  # a transformers tokenizer (encode, decode, apply_chat_template)
     created: int = 0  # unix time the server started (``created`` in /v1/models)
+    # its weights' quantization as the checkpoint gives it, e.g. "compressed-tensors w4a16
+    # (group 128, symmetric)"; None: float weights
+    quantization: str | None = None
     # the format tool_choice "auto" reads the model's calls in (``--tool-call-parser`` with
     # ``--enable-auto-tool-choice``); None: "auto" is refused, as vLLM refuses it without them
     tool_call_parser: str | None = None
@@ -67,6 +70,7 @@ class ServedModel:
             vocab_size=config.vocab_size,
             tokenizer=tokenizer,
             created=created,
+            quantization=None if config.quantization is None else config.quantization.describe(),
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
         )

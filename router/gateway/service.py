@@ -103,6 +103,7 @@ class Gateway:
             backend.local_prefills,
             backend.worker_restarts,
             slo or SloTargets(),
+            {"model_name": model.name, "quantization": model.quantization or "none"},
         )
         self.num_in_flight = 0
         self.draining = False  # shutting down: new requests are refused

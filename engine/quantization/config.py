@@ -1,0 +1,135 @@
+"""A checkpoint's ``quantization_config``, read into what the engine runs, or refused at load
+naming the field.
+
+Supported: compressed-tensors' "pack-quantized" weight-only schemes (what llm-compressor writes
+for W4A16 and W8A16): every linear layer of the decoder but the LM head holds signed 4- or
+8-bit integers packed eight (or four) to an int32 along its input dimension, a float scale per
+group of ``group_size`` inputs of each output row (or one per row), and, where asymmetric, an
+integer zero point per group. The layouts, as compressed-tensors writes them, are in
+docs/quantized-checkpoints.md. Everything else (activation quantization, FP8, AWQ, GPTQ, a
+quantized KV cache, quantized experts or latent attention) is refused here, before any weight
+is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_FIELD = "quantization_config"
+
+
+@dataclass(frozen=True, slots=True)
+class PackedIntWeights:
+    """Integer weights packed into int32 words along the input dimension (compressed-tensors'
+    pack-quantized format)."""
+
+    num_bits: int  # 4 or 8: the integers' width
+    group_size: int | None  # inputs sharing one scale (and zero point); None: one per row
+    symmetric: bool  # False: each group has an integer zero point too
+    method: str = "compressed-tensors"
+
+    @property
+    def pack_factor(self) -> int:
+        """Integers in one int32 word."""
+        return 32 // self.num_bits
+
+    def describe(self) -> str:
+        """E.g. ``compressed-tensors w4a16 (group 128, asymmetric)``."""
+        group = "per channel" if self.group_size is None else f"group {self.group_size}"
+        kind = "symmetric" if self.symmetric else "asymmetric"
+        return f"{self.method} w{self.num_bits}a16 ({group}, {kind})"
+
+
+def parse_quantization_config(raw: Any) -> PackedIntWeights:
+    """The weight quantization a config.json's ``quantization_config`` describes; raises
+    ValueError naming the field (``quantization_config.<path>``) of anything not supported."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{_FIELD} must be an object, got {raw!r}")
+    method = raw.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"{_FIELD}.quant_method {method!r} is not supported; supported: "
+            "'compressed-tensors' (pack-quantized W4A16 / W8A16)"
+        )
+    status = raw.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ValueError(
+            f"{_FIELD}.quantization_status {status!r} is not supported; only 'compressed' "
+            "(weights saved packed)"
+        )
+    _require_absent(raw, "kv_cache_scheme", "a quantized KV cache")
+    _require_absent(raw, "sparsity_config", "sparse weights")
+    _require_absent(raw, "transform_config", "weight transforms")
+    groups = raw.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise ValueError(
+            f"{_FIELD}.config_groups must hold exactly one group (one scheme for every linear "
+            f"layer), got {groups!r}"
+        )
+    ((name, group),) = groups.items()
+    path = f"config_groups.{name}"
+    if not isinstance(group, dict):
+        raise ValueError(f"{_FIELD}.{path} must be an object, got {group!r}")
+    targets = group.get("targets")
+    if targets != ["Linear"]:
+        raise ValueError(f"{_FIELD}.{path}.targets {targets!r} is not supported; only ['Linear']")
+    for activations in ("input_activations", "output_activations"):
+        if group.get(activations) is not None:
+            raise ValueError(
+                f"{_FIELD}.{path}.{activations} is set: activation quantization (W8A8) is not "
+                "supported yet; only weight-only schemes (W4A16, W8A16)"
+            )
+    fmt = group.get("format") or raw.get("format")
+    if fmt != "pack-quantized":
+        raise ValueError(f"{_FIELD}.{path}.format {fmt!r} is not supported; only 'pack-quantized'")
+    ignore = raw.get("ignore") or []
+    if list(ignore) != ["lm_head"]:
+        raise ValueError(
+            f"{_FIELD}.ignore {ignore!r} is not supported; only ['lm_head'] (every decoder "
+            "linear layer quantized alike)"
+        )
+    return _weights(group.get("weights"), f"{path}.weights")
+
+
+def _weights(args: Any, path: str) -> PackedIntWeights:
+    if not isinstance(args, dict):
+        raise ValueError(f"{_FIELD}.{path} must be an object, got {args!r}")
+    kind = args.get("type")
+    if kind != "int":
+        raise ValueError(f"{_FIELD}.{path}.type {kind!r} is not supported; only 'int'")
+    num_bits = args.get("num_bits")
+    if num_bits not in (4, 8):
+        raise ValueError(f"{_FIELD}.{path}.num_bits {num_bits!r} is not supported; 4 or 8")
+    if args.get("dynamic"):
+        raise ValueError(f"{_FIELD}.{path}.dynamic true is not supported for weights")
+    if args.get("actorder") is not None:
+        raise ValueError(
+            f"{_FIELD}.{path}.actorder {args.get('actorder')!r} is not supported (groups in "
+            "activation order); only null"
+        )
+    if args.get("block_structure") is not None:
+        raise ValueError(f"{_FIELD}.{path}.block_structure is not supported for int weights")
+    strategy = args.get("strategy")
+    group_size = args.get("group_size")
+    if strategy == "channel":
+        group_size = None
+    elif strategy == "group":
+        if type(group_size) is not int or group_size < 1:
+            raise ValueError(
+                f"{_FIELD}.{path}.group_size {group_size!r} must be a positive int for "
+                "strategy 'group'"
+            )
+    else:
+        raise ValueError(
+            f"{_FIELD}.{path}.strategy {strategy!r} is not supported; 'group' or 'channel'"
+        )
+    symmetric = args.get("symmetric", True)
+    if not isinstance(symmetric, bool):
+        raise ValueError(f"{_FIELD}.{path}.symmetric must be true or false, got {symmetric!r}")
+    return PackedIntWeights(num_bits, group_size, symmetric)
+
+
+def _require_absent(raw: dict[str, Any], key: str, what: str) -> None:
+    if raw.get(key):
+        raise ValueError(f"{_FIELD}.{key} is set: {what} is not supported yet")
