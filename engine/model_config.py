@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.kv_cache.cache_groups import CacheGroups, cache_groups_for
-from engine.quantization.config import PackedIntWeights, parse_quantization_config
+from engine.quantization.config import WeightQuantization, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -274,7 +274,7 @@ class ModelConfig:
     # norms scale in float32 before the cast back (gpt-oss), rather than after it
     norm_scale_in_float32: bool = False
     # the decoder's linear layers hold packed integer weights (quantization_config); None: floats
-    quantization: PackedIntWeights | None = None
+    quantization: WeightQuantization | None = None
 
     @property
     def kv_planes(self) -> int:
@@ -579,7 +579,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def _parse_quantization(
     raw: dict[str, Any], architecture: str, experts_or_latent: bool
-) -> PackedIntWeights | None:
+) -> WeightQuantization | None:
     """The checkpoint's weight quantization (engine/quantization/config.py), refused for the
     layers that cannot hold it yet."""
     quantization = raw.get("quantization_config")

@@ -35,7 +35,9 @@ from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
-from engine.quantization.config import PackedIntWeights
+from engine.quantization.config import Fp8BlockWeights, PackedIntWeights, WeightQuantization
+from engine.quantization.fp8_linear import Fp8BlockLinear
+from engine.quantization.linear import QUANTIZED_LEAVES
 from engine.quantization.packed_linear import PackedIntLinear
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
@@ -151,7 +153,11 @@ def _build_empty(
     """Construct on meta (no memory), cast there, then allocate each tensor once on device."""
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, shard, group)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    for module in model.modules():
+        if isinstance(module, Fp8BlockLinear):
+            module.keep_quantized_dtypes()  # float8 weights and float32 scales, not dtype
+    model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache()  # fp32 tables, recomputed on the real device
@@ -168,11 +174,12 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
     for name, param in model.named_parameters():
         prefix, leaf = name.rsplit(".", 1)
         layer = model.get_submodule(prefix)
-        if isinstance(layer, PackedIntLinear) and leaf in _PACKED_INT_LEAVES:
+        if leaf in QUANTIZED_LEAVES.get(type(layer), ()):
+            assert isinstance(layer, (PackedIntLinear, Fp8BlockLinear))
             float_weight = torch.empty(layer.out_features, layer.in_features, device="meta")
             for hf_name, target in _targets_of(model, f"{prefix}.weight", float_weight):
-                packed = _packed_int_target(leaf, target, param, layer.weights)
-                targets.setdefault(f"{hf_name.removesuffix('.weight')}.{leaf}", []).append(packed)
+                placed = _quantized_target(leaf, target, param, layer.weights)
+                targets.setdefault(f"{hf_name.removesuffix('.weight')}.{leaf}", []).append(placed)
             continue
         for hf_name, target in _targets_of(model, name, param):
             targets.setdefault(hf_name, []).append(target)
@@ -208,7 +215,47 @@ def _targets_of(
     return found
 
 
-_PACKED_INT_LEAVES = ("weight_packed", "weight_scale", "weight_zero_point")
+def _quantized_target(
+    leaf: str, target: _Target, param: torch.Tensor, weights: WeightQuantization
+) -> _Target:
+    """Where a quantized layer's ``leaf`` tensor lands, from ``target``, where its float
+    weight [out, in] would."""
+    if isinstance(weights, PackedIntWeights):
+        return _packed_int_target(leaf, target, param, weights)
+    if leaf == "weight":  # float8, the float weight's shape
+        return dataclasses.replace(target, param=param)
+    return _fp8_block_scale_target(target, param, weights)
+
+
+def _fp8_block_scale_target(
+    target: _Target, param: torch.Tensor, weights: Fp8BlockWeights
+) -> _Target:
+    """Where an FP8 layer's block scales land: its float weight's rows and columns in blocks
+    (a slice must start on a block; only a tensor's last block may be short)."""
+    out_features, in_features = target.full_shape
+    rows, cols = weights.block_rows, weights.block_cols
+    own = range(target.row_offset, target.row_offset + target.num_rows)
+    own_blocks = _in_blocks(own, rows, target.param.shape[0])
+    return _Target(
+        param,
+        own_blocks.start,
+        len(own_blocks),
+        (-(-out_features // rows), -(-in_features // cols)),
+        _in_blocks(target.rows, rows, out_features),
+        None if target.cols is None else _in_blocks(target.cols, cols, in_features),
+    )
+
+
+def _in_blocks(indices: range, block: int, total: int) -> range:
+    """``indices`` of ``total`` counted in blocks of ``block``: they must start on a block and
+    end on one or at ``total`` (a tensor's last block may be short)."""
+    if indices.start % block or (indices.stop % block and indices.stop != total):
+        raise ValueError(
+            f"rows or columns {indices.start}..{indices.stop} of {total} do not fall on whole "
+            f"blocks of {block} (quantization_config weight_block_size): a fused projection's "
+            "parts and a tensor-parallel rank's slice must"
+        )
+    return range(indices.start // block, -(-indices.stop // block))
 
 
 def _packed_int_target(
@@ -509,6 +556,9 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
             param.fill_(norm_weights[id(param)])
         elif not param.is_floating_point():  # packed integer weights: any bits
             param.random_(generator=generator)
+        elif param.dtype not in SUPPORTED_DTYPES:  # float8 weights: drawn in float32
+            drawn = torch.empty(param.shape, device=device)
+            param.copy_(drawn.normal_(0.0, DUMMY_INIT_STD, generator=generator))
         else:
             param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
 

@@ -37,7 +37,7 @@ from engine.models.rms_norm import RMSNorm, rms_norm_for
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.parallel.group import SingleRank, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
-from engine.quantization.packed_linear import make_linear
+from engine.quantization.linear import make_linear
 
 
 class GatedMLP(nn.Module):

@@ -1,14 +1,19 @@
 """A checkpoint's ``quantization_config``, read into what the engine runs, or refused at load
 naming the field.
 
-Supported: compressed-tensors' "pack-quantized" weight-only schemes (what llm-compressor writes
-for W4A16 and W8A16): every linear layer of the decoder but the LM head holds signed 4- or
-8-bit integers packed eight (or four) to an int32 along its input dimension, a float scale per
-group of ``group_size`` inputs of each output row (or one per row), and, where asymmetric, an
-integer zero point per group. The layouts, as compressed-tensors writes them, are in
-docs/quantized-checkpoints.md. Everything else (activation quantization, FP8, AWQ, GPTQ, a
-quantized KV cache, quantized experts or latent attention) is refused here, before any weight
-is read.
+Supported:
+- compressed-tensors' "pack-quantized" weight-only schemes (what llm-compressor writes for
+  W4A16 and W8A16): every linear layer of the decoder but the LM head holds signed 4- or 8-bit
+  integers packed eight (or four) to an int32 along its input dimension, a float scale per
+  group of ``group_size`` inputs of each output row (or one per row), and, where asymmetric,
+  an integer zero point per group;
+- block-wise FP8 (``quant_method: fp8``, DeepSeek-V3's and Qwen3's FP8 checkpoints): every
+  linear layer's weight in float8 e4m3 with a float32 scale per 128 x 128 block
+  (``weight_scale_inv``, multiplied despite its name); activations quantized per token group
+  on the fly by the GPU kernels (``activation_scheme: dynamic``), not on CPU, as transformers.
+The layouts, as published, are in docs/quantized-checkpoints.md. Everything else (activation
+quantization of compressed-tensors, AWQ, GPTQ, a quantized KV cache, quantized experts or
+latent attention) is refused here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -41,16 +46,35 @@ class PackedIntWeights:
         return f"{self.method} w{self.num_bits}a16 ({group}, {kind})"
 
 
-def parse_quantization_config(raw: Any) -> PackedIntWeights:
+@dataclass(frozen=True, slots=True)
+class Fp8BlockWeights:
+    """Float8 e4m3 weights with a float32 scale per block of ``block_rows`` x ``block_cols``
+    (``quant_method: fp8``)."""
+
+    block_rows: int  # output features a scale covers
+    block_cols: int  # input features a scale covers
+    method: str = "fp8"
+
+    def describe(self) -> str:
+        """E.g. ``fp8 e4m3 (blocks of 128 x 128)``."""
+        return f"{self.method} e4m3 (blocks of {self.block_rows} x {self.block_cols})"
+
+
+WeightQuantization = PackedIntWeights | Fp8BlockWeights
+
+
+def parse_quantization_config(raw: Any) -> WeightQuantization:
     """The weight quantization a config.json's ``quantization_config`` describes; raises
     ValueError naming the field (``quantization_config.<path>``) of anything not supported."""
     if not isinstance(raw, dict):
         raise ValueError(f"{_FIELD} must be an object, got {raw!r}")
     method = raw.get("quant_method")
+    if method == "fp8":
+        return _fp8_blocks(raw)
     if method != "compressed-tensors":
         raise ValueError(
             f"{_FIELD}.quant_method {method!r} is not supported; supported: "
-            "'compressed-tensors' (pack-quantized W4A16 / W8A16)"
+            "'compressed-tensors' (pack-quantized W4A16 / W8A16), 'fp8' (block-wise)"
         )
     status = raw.get("quantization_status", "compressed")
     if status != "compressed":
@@ -133,3 +157,31 @@ def _weights(args: Any, path: str) -> PackedIntWeights:
 def _require_absent(raw: dict[str, Any], key: str, what: str) -> None:
     if raw.get(key):
         raise ValueError(f"{_FIELD}.{key} is set: {what} is not supported yet")
+
+
+def _fp8_blocks(raw: dict[str, Any]) -> Fp8BlockWeights:
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"{_FIELD}.fmt {fmt!r} is not supported; only 'e4m3'")
+    scheme = raw.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"{_FIELD}.activation_scheme {scheme!r} is not supported; only 'dynamic'")
+    block = raw.get("weight_block_size")
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(type(size) is int and size > 0 for size in block)
+    ):
+        raise ValueError(
+            f"{_FIELD}.weight_block_size {block!r} is not supported; [rows, cols] of positive "
+            "ints (per-tensor FP8 is not supported yet)"
+        )
+    for key in ("modules_to_not_convert", "ignored_layers"):
+        skipped = raw.get(key) or []
+        if any(name != "lm_head" and not name.endswith(".lm_head") for name in skipped):
+            raise ValueError(
+                f"{_FIELD}.{key} {skipped!r} is not supported; only the LM head may stay unconverted"
+            )
+    if raw.get("modules_to_convert"):
+        raise ValueError(f"{_FIELD}.modules_to_convert is not supported; every linear layer")
+    return Fp8BlockWeights(int(block[0]), int(block[1]))

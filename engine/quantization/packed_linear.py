@@ -86,12 +86,3 @@ class PackedIntLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"{self.weights.describe()}"
         )
-
-
-def make_linear(
-    in_features: int, out_features: int, bias: bool, weights: PackedIntWeights | None
-) -> nn.Linear | PackedIntLinear:
-    """A decoder projection: float (``weights`` None) or packed integers."""
-    if weights is None:
-        return nn.Linear(in_features, out_features, bias=bias)
-    return PackedIntLinear(in_features, out_features, bias, weights)
