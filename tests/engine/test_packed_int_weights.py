@@ -184,7 +184,7 @@ def test_the_config_reads_bits_groups_and_zero_points() -> None:
     ("changes", "field"),
     [
         ({"quant_method": "awq"}, "quantization_config.quant_method 'awq'"),
-        ({"quant_method": "fp8"}, "quantization_config.quant_method 'fp8'"),
+        ({"quant_method": "gptq"}, "quantization_config.quant_method 'gptq'"),
         (
             {"config_groups.group_0.input_activations": {"num_bits": 8, "type": "float"}},
             "quantization_config.config_groups.group_0.input_activations",
