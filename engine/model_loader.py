@@ -35,10 +35,16 @@ from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
-from engine.quantization.config import Fp8BlockWeights, PackedIntWeights, WeightQuantization
+from engine.quantization.config import (
+    Fp8BlockWeights,
+    PackedIntWeights,
+    W8A8Weights,
+    WeightQuantization,
+)
 from engine.quantization.fp8_linear import Fp8BlockLinear
 from engine.quantization.linear import QUANTIZED_LEAVES
 from engine.quantization.packed_linear import PackedIntLinear
+from engine.quantization.w8a8_linear import W8A8Linear
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -155,8 +161,8 @@ def _build_empty(
         model = get_model_class(config.architecture)(config, shard, group)
     model = model.to(dtype=dtype)
     for module in model.modules():
-        if isinstance(module, Fp8BlockLinear):
-            module.keep_quantized_dtypes()  # float8 weights and float32 scales, not dtype
+        if isinstance(module, (Fp8BlockLinear, W8A8Linear)):
+            module.keep_quantized_dtypes()  # float8 weights (and block scales), not dtype
     model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -175,7 +181,7 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
         prefix, leaf = name.rsplit(".", 1)
         layer = model.get_submodule(prefix)
         if leaf in QUANTIZED_LEAVES.get(type(layer), ()):
-            assert isinstance(layer, (PackedIntLinear, Fp8BlockLinear))
+            assert isinstance(layer, (PackedIntLinear, Fp8BlockLinear, W8A8Linear))
             float_weight = torch.empty(layer.out_features, layer.in_features, device="meta")
             for hf_name, target in _targets_of(model, f"{prefix}.weight", float_weight):
                 placed = _quantized_target(leaf, target, param, layer.weights)
@@ -222,8 +228,11 @@ def _quantized_target(
     weight [out, in] would."""
     if isinstance(weights, PackedIntWeights):
         return _packed_int_target(leaf, target, param, weights)
-    if leaf == "weight":  # float8, the float weight's shape
+    if leaf == "weight":  # 8 bits, the float weight's shape
         return dataclasses.replace(target, param=param)
+    if isinstance(weights, W8A8Weights):  # a scale per output row, on every rank of a column
+        out_features = target.full_shape[0]
+        return dataclasses.replace(target, param=param, full_shape=(out_features, 1), cols=None)
     return _fp8_block_scale_target(target, param, weights)
 
 

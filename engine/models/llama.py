@@ -52,7 +52,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = make_linear(
             config.hidden_size, 2 * intermediate, config.mlp_bias, quantized
         )
-        self.down_proj = make_linear(intermediate, config.hidden_size, config.mlp_bias, quantized)
+        self.down_proj = make_linear(
+            intermediate, config.hidden_size, config.mlp_bias, quantized, row_group=group
+        )
         self.act_and_mul = gelu_tanh_and_mul if config.activation == "gelu_tanh" else silu_and_mul
         self.group = group
 
@@ -83,7 +85,9 @@ class SelfAttention(nn.Module):
         self.qkv_proj = make_linear(
             config.hidden_size, q_size + 2 * kv_size, config.qkv_bias, quantized
         )
-        self.o_proj = make_linear(q_size, config.hidden_size, config.o_proj_bias, quantized)
+        self.o_proj = make_linear(
+            q_size, config.hidden_size, config.o_proj_bias, quantized, row_group=group
+        )
         self.q_norm = rms_norm_for(config, config.head_dim) if config.qk_norm else None
         self.k_norm = rms_norm_for(config, config.head_dim) if config.qk_norm else None
         scale = config.attention_scale

@@ -60,7 +60,22 @@ class Fp8BlockWeights:
         return f"{self.method} e4m3 (blocks of {self.block_rows} x {self.block_cols})"
 
 
-WeightQuantization = PackedIntWeights | Fp8BlockWeights
+@dataclass(frozen=True, slots=True)
+class W8A8Weights:
+    """8-bit weights, int8 or float8 e4m3, with a float scale per output row; the inputs
+    quantized to the same type per token as they arrive (compressed-tensors' W8A8 and
+    FP8_DYNAMIC: "int-quantized", "float-quantized")."""
+
+    kind: str  # "int": int8; "float": float8 e4m3
+    method: str = "compressed-tensors"
+
+    def describe(self) -> str:
+        """E.g. ``compressed-tensors w8a8 int8 (per channel, dynamic per-token inputs)``."""
+        element = "int8" if self.kind == "int" else "fp8 e4m3"
+        return f"{self.method} w8a8 {element} (per channel, dynamic per-token inputs)"
+
+
+WeightQuantization = PackedIntWeights | Fp8BlockWeights | W8A8Weights
 
 
 def parse_quantization_config(raw: Any) -> WeightQuantization:
@@ -98,22 +113,65 @@ def parse_quantization_config(raw: Any) -> WeightQuantization:
     targets = group.get("targets")
     if targets != ["Linear"]:
         raise ValueError(f"{_FIELD}.{path}.targets {targets!r} is not supported; only ['Linear']")
-    for activations in ("input_activations", "output_activations"):
-        if group.get(activations) is not None:
-            raise ValueError(
-                f"{_FIELD}.{path}.{activations} is set: activation quantization (W8A8) is not "
-                "supported yet; only weight-only schemes (W4A16, W8A16)"
-            )
-    fmt = group.get("format") or raw.get("format")
-    if fmt != "pack-quantized":
-        raise ValueError(f"{_FIELD}.{path}.format {fmt!r} is not supported; only 'pack-quantized'")
+    if group.get("output_activations") is not None:
+        raise ValueError(
+            f"{_FIELD}.{path}.output_activations is set: output quantization is not supported"
+        )
     ignore = raw.get("ignore") or []
     if list(ignore) != ["lm_head"]:
         raise ValueError(
             f"{_FIELD}.ignore {ignore!r} is not supported; only ['lm_head'] (every decoder "
             "linear layer quantized alike)"
         )
+    fmt = group.get("format") or raw.get("format")
+    if fmt in _W8A8_FORMATS:
+        return _w8a8(group, fmt, path)
+    if group.get("input_activations") is not None:
+        raise ValueError(
+            f"{_FIELD}.{path}.input_activations is set with format {fmt!r}: activations are "
+            f"quantized only with an int-quantized or float-quantized 8-bit scheme (W8A8)"
+        )
+    if fmt != "pack-quantized":
+        raise ValueError(
+            f"{_FIELD}.{path}.format {fmt!r} is not supported; 'pack-quantized', "
+            "'int-quantized' or 'float-quantized'"
+        )
     return _weights(group.get("weights"), f"{path}.weights")
+
+
+_W8A8_FORMATS = {"int-quantized": "int", "float-quantized": "float"}
+
+
+def _w8a8(group: dict[str, Any], fmt: str, path: str) -> W8A8Weights:
+    """An 8-bit scheme: int8 or float8 weights with a scale per output row, activations
+    quantized per token on the fly (what llm-compressor's W8A8 and FP8_DYNAMIC write)."""
+    kind = _W8A8_FORMATS[fmt]
+    weights = group.get("weights")
+    expected_weights = {"type": kind, "num_bits": 8, "strategy": "channel", "symmetric": True}
+    _require_fields(weights, expected_weights, f"{path}.weights")
+    assert isinstance(weights, dict)
+    if weights.get("dynamic"):
+        raise ValueError(f"{_FIELD}.{path}.weights.dynamic true is not supported for weights")
+    activations = group.get("input_activations")
+    expected_activations = {
+        "type": kind,
+        "num_bits": 8,
+        "strategy": "token",
+        "symmetric": True,
+        "dynamic": True,
+    }
+    _require_fields(activations, expected_activations, f"{path}.input_activations")
+    return W8A8Weights(kind)
+
+
+def _require_fields(args: Any, expected: dict[str, Any], path: str) -> None:
+    if not isinstance(args, dict):
+        raise ValueError(f"{_FIELD}.{path} must be an object, got {args!r}")
+    for key, value in expected.items():
+        if args.get(key, True if key == "symmetric" else None) != value:
+            raise ValueError(
+                f"{_FIELD}.{path}.{key} {args.get(key)!r} is not supported here; {value!r}"
+            )
 
 
 def _weights(args: Any, path: str) -> PackedIntWeights:

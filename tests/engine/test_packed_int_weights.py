@@ -190,8 +190,8 @@ def test_the_config_reads_bits_groups_and_zero_points() -> None:
             "quantization_config.config_groups.group_0.input_activations",
         ),
         (
-            {"config_groups.group_0.format": "float-quantized"},
-            "quantization_config.config_groups.group_0.format 'float-quantized'",
+            {"config_groups.group_0.format": "marlin-24"},
+            "quantization_config.config_groups.group_0.format 'marlin-24'",
         ),
         (
             {"config_groups.group_0.weights.num_bits": 2},
@@ -218,8 +218,9 @@ def test_what_the_engine_cannot_run_is_refused_naming_the_field(
 
 
 def test_an_unsupported_checkpoint_is_refused_at_load_naming_the_field(tmp_path: Path) -> None:
-    """A W8A8 checkpoint (activations quantized too): refused from config.json, before any
-    weight is read, and a W4A16 Mixtral (quantized experts) likewise."""
+    """A pack-quantized checkpoint whose activations are quantized too (only the 8-bit int and
+    float formats run so): refused from config.json, before any weight is read, and a W8A16
+    Mixtral (quantized experts) likewise."""
     model_dir = make_pack_quantized_model(tmp_path, num_bits=8, group_size=None, symmetric=True)
     config_path = model_dir / "config.json"
     raw = json.loads(config_path.read_text())
