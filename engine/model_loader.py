@@ -284,7 +284,10 @@ def _packed_int_target(
             full_shape=(out_features, in_features // pack),
             cols=None if cols is None else _in_units(cols, pack, "num_bits"),
         )
-    groups = None if cols is None else _in_units(cols, group, "group_size")
+    # a rank's input columns in groups; with one group a row (per channel), that column on
+    # every rank
+    per_channel = weights.group_size is None
+    groups = None if cols is None or per_channel else _in_units(cols, group, "group_size")
     if leaf == "weight_scale":
         return dataclasses.replace(
             target, param=param, full_shape=(out_features, in_features // group), cols=groups

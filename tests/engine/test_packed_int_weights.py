@@ -84,10 +84,18 @@ def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(quantized_dir: 
     assert _engine_greedy(_llm(quantized_dir.parent / "float")) != expected
 
 
-def test_two_tensor_parallel_ranks_equal_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "scheme", [(4, 32, False), (8, None, True)], ids=["w4-g32-asym", "w8-channel-sym"]
+)
+def test_two_tensor_parallel_ranks_equal_transformers(
+    tmp_path: Path, scheme: tuple[int, int | None, bool]
+) -> None:
     """Rows (q, k, v, gate, up; the zero points' packed rows) and input columns (o, down: in
-    words and in groups) split over the ranks."""
-    model_dir = make_pack_quantized_model(tmp_path, num_bits=4, group_size=32, symmetric=False)
+    words and in groups; a per-channel scale on both ranks) split over the ranks."""
+    bits, group, symmetric = scheme
+    model_dir = make_pack_quantized_model(
+        tmp_path, num_bits=bits, group_size=group, symmetric=symmetric
+    )
     llm = _llm(model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=60.0)
     try:
         assert _engine_greedy(llm) == _transformers_greedy(model_dir)
