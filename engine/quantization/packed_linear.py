@@ -9,8 +9,9 @@ Its tensors are the checkpoint's, in the checkpoint's layout (compressed-tensors
 so the loader reads and shards them as it does any weight (rows: output features; columns:
 inputs, in words or in groups). The forward dequantizes the weight, (q - zero) * scale, in the
 scale's dtype, as compressed-tensors does, and multiplies by it: on CPU this is the correct
-path that never holds more than one layer's float weight at a time; the GPU's integer GEMM
-kernels are to come.
+path that never holds more than one layer's float weight at a time. On a GPU the Triton kernel
+``engine/kernels/packed_int_matmul.py`` does the same tile by tile, the weight never whole in
+float: the same rounded weights, another order of the float32 sums.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import packed_int_matmul
 from engine.quantization.config import PackedIntWeights
 
 
@@ -79,6 +81,16 @@ class PackedIntLinear(nn.Module):
         return values * scale.repeat_interleave(group, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if packed_int_matmul.usable(x):
+            out = packed_int_matmul.packed_int_matmul(
+                x.reshape(-1, self.in_features),
+                self.weight_packed,
+                self.weight_scale,
+                self.weight_zero_point,
+                self.weights.num_bits,
+                self.bias,
+            )  # [num_rows, out_features]
+            return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -36,6 +36,7 @@ from engine.kernels import (
     fused_moe,
     kv_cache_write,
     latent_attention,
+    packed_int_matmul,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -418,6 +419,55 @@ def moe_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
                 yield f"experts {tag} {num_tokens} tokens", fused_moe, call
 
 
+@dataclass(frozen=True, slots=True)
+class PackedIntShape:
+    """One projection of a pack-quantized (W4A16 / W8A16) model, as its layer holds it."""
+
+    name: str
+    in_features: int
+    out_features: int
+    num_bits: int
+    group_size: int | None  # None: one scale per row
+    symmetric: bool
+    bias: bool
+
+
+PACKED_INT_SHAPES = (
+    PackedIntShape("llama-3-8b gate_up w4 g128 asym", 4096, 2 * 14336, 4, 128, False, False),
+    PackedIntShape("llama-3-8b down w4 g32 sym", 14336, 4096, 4, 32, True, False),
+    PackedIntShape("qwen2-7b qkv w8 channel sym", 3584, 3584 + 2 * 512, 8, None, True, True),
+)
+
+
+def _packed_int(shape: PackedIntShape, dtype: torch.dtype, num_tokens: int) -> Callable[[], object]:
+    pack = 32 // shape.num_bits
+    num_groups = shape.in_features // (shape.group_size or shape.in_features)
+    zero = None
+    if not shape.symmetric:
+        zero = _meta(shape.out_features // pack, num_groups, dtype=torch.int32)
+    return lambda: packed_int_matmul.packed_int_matmul(
+        _meta(num_tokens, shape.in_features, dtype=dtype),
+        _meta(shape.out_features, shape.in_features // pack, dtype=torch.int32),
+        _meta(shape.out_features, num_groups, dtype=dtype),
+        zero,
+        shape.num_bits,
+        _meta(shape.out_features, dtype=dtype) if shape.bias else None,
+    )
+
+
+def packed_int_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
+    """(label, kernel module, wrapper call) for the packed-integer matmul's launches: each
+    projection in bfloat16 and float16, a decode step (1 token: 16-row tiles, K steps of 128)
+    and a prefill's 1024 tokens (64-row tiles, steps of 64); groups of 128 (one a K step), of 32
+    (several a step) and one per row."""
+    for shape in PACKED_INT_SHAPES:
+        for dtype in (torch.bfloat16, torch.float16):
+            tag = f"{shape.name} {str(dtype).removeprefix('torch.')}"
+            for num_tokens in (1, 1024):
+                call = _packed_int(shape, dtype, num_tokens)
+                yield f"packed_int {tag} {num_tokens} tokens", packed_int_matmul, call
+
+
 def _launch_key(launch: Launch) -> tuple[Any, ...]:
     """What Triton compiles a launch by: the kernel, argument types and constexpr values."""
     types = tuple(
@@ -431,6 +481,7 @@ CASE_GROUPS: dict[str, Callable[[], Iterator[tuple[str, ModuleType, Callable[[],
     "paged": paged_cases,
     "latent": latent_cases,
     "moe": moe_cases,
+    "packed_int": packed_int_cases,
 }
 
 

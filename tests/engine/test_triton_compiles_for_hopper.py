@@ -45,7 +45,7 @@ def compiled() -> list[dict[str, Any]]:
     # the groups of cases side by side (compiling takes a core each; "paged" is the longest)
     commands = [
         [sys.executable, "-m", "tests.engine.sm90_compile", "--group", group]
-        for group in ("paged", "latent", "moe")
+        for group in ("paged", "latent", "moe", "packed_int")
     ]
     runs = [
         subprocess.Popen(
@@ -99,6 +99,20 @@ def test_bfloat16_expert_matmuls_run_on_tensor_cores(compiled: list[dict[str, An
     assert {r["kernel"] for r in experts} == kernels
     assert {r["case"].split()[-2] for r in experts} == {"1", "1024"}  # (the token counts)
     assert all(r["tensor_core_instructions"] > 0 for r in experts), experts
+
+
+def test_bfloat16_packed_int_matmuls_run_on_tensor_cores(compiled: list[dict[str, Any]]) -> None:
+    """The packed-integer matmul's dots (its weights dequantized in registers) lower to mma /
+    wgmma in bfloat16, for decode's 16-row tiles and prefill's 64-row ones, in every group
+    layout (a group per K step, several a step, one per row)."""
+    packed = [
+        r
+        for r in compiled
+        if "bfloat16" in r["case"] and r["kernel"] == "_packed_int_matmul_kernel"
+    ]
+    assert {r["case"].split()[-2] for r in packed} == {"1", "1024"}  # (the token counts)
+    assert {r["case"].split()[4] for r in packed} == {"g128", "g32", "channel"}
+    assert all(r["tensor_core_instructions"] > 0 for r in packed), packed
 
 
 def test_the_kv_block_copy_stores_in_vectors(compiled: list[dict[str, Any]]) -> None:
