@@ -11,7 +11,9 @@ are read whole. Dummy weights of a rank are the same slices of the one-rank dumm
 
 What differs between a family's checkpoints and our parameters is said in tables: renamed
 tensors (``_CHECKPOINT_RENAMES``), projections stored fused (``_FUSED_IN_CHECKPOINT``), experts
-stored stacked (``_STACKED_EXPERTS_IN_CHECKPOINT``). Latent attention's interleaved rope rows
+stored stacked (``_STACKED_EXPERTS_IN_CHECKPOINT``). A quantized checkpoint's projections
+(engine/quantization/) hold their tensors as published (packed words, scales per group, row or
+block): each lands where its layer's float weight's slice would, counted in its own units. Latent attention's interleaved rope rows
 are reordered into halves once loaded (``LatentAttention.rope_rows_interleaved_to_halves``).
 """
 
@@ -174,8 +176,8 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
     """Checkpoint tensor name -> where its slices go. A fused projection takes several
     checkpoint tensors, or several row ranges of one where the checkpoint stores it fused
     (``_FUSED_IN_CHECKPOINT``); a stacked experts param takes each expert's tensors into its
-    slice ``param[expert]``; a packed integer layer's tensors go where its float weight's
-    slices would, in their own units (``_packed_int_target``)."""
+    slice ``param[expert]``; a quantized layer's tensors go where its float weight's slices
+    would, in their own units (``_quantized_target``)."""
     targets: dict[str, list[_Target]] = {}
     for name, param in model.named_parameters():
         prefix, leaf = name.rsplit(".", 1)
