@@ -47,31 +47,19 @@ from engine.kernels.checks import (
     INDEX_DTYPES,
     interpreted,
     require,
-    require_power_of_two,
     require_same_device,
 )
+from engine.kernels.matmul_tiling import MIN_DOT_DIM, MatmulTiling, check_tiling
 
-_MIN_DOT_DIM = 16  # tl.dot wants every dimension >= 16
 _MAX_BLOCK_M = 64  # rows per tile at most (prefill); decode tiles take 16
 
 
-@dataclass(frozen=True, slots=True)
-class ExpertTiling:
-    """How the two matmuls cut their work; ``default_tiling`` is what the engine runs."""
-
-    block_m: int  # rows of one expert per program (a power of two >= 16)
-    block_n: int = 64  # output columns per program (a power of two >= 16)
-    block_k: int = 64  # inputs per step of a program's loop (a power of two >= 16)
-    num_warps: int = 4
-    num_stages: int = 3  # software-pipelined loads in flight
-
-
-def default_tiling(num_pairs: int, num_experts: int, dtype: torch.dtype) -> ExpertTiling:
+def default_tiling(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MatmulTiling:
     """Tiles as tall as an expert's mean number of rows (16 .. 64), K steps of 64 inputs (32 in
     float32, whose tiles take twice the shared memory)."""
     mean_rows = -(-num_pairs // max(1, num_experts))
-    block_m = min(_MAX_BLOCK_M, max(_MIN_DOT_DIM, triton.next_power_of_2(mean_rows)))
-    return ExpertTiling(block_m=block_m, block_k=32 if dtype == torch.float32 else 64)
+    block_m = min(_MAX_BLOCK_M, max(MIN_DOT_DIM, triton.next_power_of_2(mean_rows)))
+    return MatmulTiling(block_m=block_m, block_k=32 if dtype == torch.float32 else 64)
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -260,7 +248,7 @@ def silu_experts(
     expert_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64
     gate_up_proj: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, up rows
     down_proj: torch.Tensor,  # [num_experts, hidden, intermediate]
-    tiling: ExpertTiling | None = None,
+    tiling: MatmulTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, hidden], tokens per expert (int64)
     """Sums over each token's experts weight * down(SiLU(gate) * up), as ``RoutedExperts``.
 
@@ -295,7 +283,7 @@ def clamped_swiglu_experts(
     down_bias: torch.Tensor,  # [num_experts, hidden]
     alpha: float,
     limit: float,
-    tiling: ExpertTiling | None = None,
+    tiling: MatmulTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, hidden], tokens per expert (int64)
     """Sums over each token's experts weight * (act @ down + down_bias), as gpt-oss's
     ``ClampedSwigluExperts``: gate, up = x @ gate_up + gate_up_bias (columns 2j, 2j + 1),
@@ -338,7 +326,7 @@ def _fused_experts(
     gate_up: _Projection,
     down: _Projection,
     intermediate: int,
-    tiling: ExpertTiling | None,
+    tiling: MatmulTiling | None,
     clamped_swiglu: tuple[float, float] | None = None,  # (alpha, limit) of gpt-oss's activation
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorts the pairs, runs both launches and sums each token's rows (arguments checked)."""
@@ -348,7 +336,7 @@ def _fused_experts(
     num_pairs = num_tokens * top_k
     if tiling is None:
         tiling = default_tiling(num_pairs, num_experts, x.dtype)
-    _check_tiling(tiling)
+    check_tiling(tiling)
     rows = _sort_by_expert(expert_ids, num_experts, tiling.block_m)
     if num_pairs == 0 or intermediate == 0:
         return torch.zeros_like(x), rows.counts
@@ -464,11 +452,3 @@ def _check_weight(name: str, tensor: torch.Tensor, shape: tuple[int, ...], x: to
     require(tuple(tensor.shape) == shape, f"{name} must be {list(shape)}, got {list(tensor.shape)}")
     require(tensor.dtype == x.dtype, f"{name} dtype {tensor.dtype} != x's {x.dtype}")
     require_same_device(x, "x", **{name: tensor})
-
-
-def _check_tiling(tiling: ExpertTiling) -> None:
-    require_power_of_two("tiling.block_m", tiling.block_m, _MIN_DOT_DIM)
-    require_power_of_two("tiling.block_n", tiling.block_n, _MIN_DOT_DIM)
-    require_power_of_two("tiling.block_k", tiling.block_k, _MIN_DOT_DIM)
-    require_power_of_two("tiling.num_warps", tiling.num_warps, 1)
-    require(tiling.num_stages >= 1, f"tiling.num_stages must be >= 1, got {tiling.num_stages}")

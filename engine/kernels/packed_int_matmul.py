@@ -30,8 +30,6 @@ one rounding to x's dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -40,36 +38,24 @@ from engine.kernels.checks import (
     FLOAT_DTYPES,
     interpreted,
     require,
-    require_power_of_two,
     require_same_device,
 )
+from engine.kernels.matmul_tiling import MIN_DOT_DIM, MatmulTiling, check_tiling
 
-_MIN_DOT_DIM = 16  # tl.dot wants every dimension >= 16
 _MAX_BLOCK_M = 64
 _DECODE_ROWS = 16  # up to this many rows: a decode step's tiles
 NUM_BITS = (4, 8)
 
 
-@dataclass(frozen=True, slots=True)
-class PackedTiling:
-    """How the matmul cuts its work; ``default_tiling`` is what the engine runs."""
-
-    block_m: int  # rows of x per program (a power of two >= 16)
-    block_n: int = 64  # outputs per program (a power of two >= 16)
-    block_k: int = 64  # inputs per step of a program's loop (a power of two >= 16)
-    num_warps: int = 4
-    num_stages: int = 3  # software-pipelined loads in flight
-
-
-def default_tiling(num_rows: int, dtype: torch.dtype) -> PackedTiling:
+def default_tiling(num_rows: int, dtype: torch.dtype) -> MatmulTiling:
     """A decode step (<= 16 rows): 16-row tiles, narrow (32 outputs) so that many programs
     stream the weight, and long K steps (128 inputs); a prefill: tiles as tall as the rows (up
     to 64), 64 x 64 steps. float32 takes K steps of 32 (its tiles take twice the shared memory)."""
     if num_rows <= _DECODE_ROWS:
         block_k = 32 if dtype == torch.float32 else 128
-        return PackedTiling(block_m=_MIN_DOT_DIM, block_n=32, block_k=block_k, num_stages=4)
+        return MatmulTiling(block_m=MIN_DOT_DIM, block_n=32, block_k=block_k, num_stages=4)
     block_m = min(_MAX_BLOCK_M, triton.next_power_of_2(num_rows))
-    return PackedTiling(block_m=block_m, block_k=32 if dtype == torch.float32 else 64)
+    return MatmulTiling(block_m=block_m, block_k=32 if dtype == torch.float32 else 64)
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -168,7 +154,7 @@ def packed_int_matmul(
     weight_zero_point: torch.Tensor | None,  # [out_features / pack, num_groups] int32
     num_bits: int,  # 4 or 8
     bias: torch.Tensor | None = None,  # [out_features] of x's dtype
-    tiling: PackedTiling | None = None,
+    tiling: MatmulTiling | None = None,
 ) -> torch.Tensor:  # [num_rows, out_features] of x's dtype
     """x @ W.T (+ bias), W the dequantized packed weight (module docstring), as
     ``PackedIntLinear``'s torch path computes it. Raises ValueError naming the argument on a
@@ -178,7 +164,7 @@ def packed_int_matmul(
     out_features, num_groups = weight_scale.shape
     if tiling is None:
         tiling = default_tiling(num_rows, x.dtype)
-    _check_tiling(tiling)
+    check_tiling(tiling)
     out = x.new_empty(num_rows, out_features)
     if num_rows == 0 or out_features == 0:
         return out
@@ -280,11 +266,3 @@ def _check(
         require(bias.dtype == x.dtype, f"bias dtype {bias.dtype} != x's {x.dtype}")
         tensors["bias"] = bias
     require_same_device(x, "x", **tensors)
-
-
-def _check_tiling(tiling: PackedTiling) -> None:
-    require_power_of_two("tiling.block_m", tiling.block_m, _MIN_DOT_DIM)
-    require_power_of_two("tiling.block_n", tiling.block_n, _MIN_DOT_DIM)
-    require_power_of_two("tiling.block_k", tiling.block_k, _MIN_DOT_DIM)
-    require_power_of_two("tiling.num_warps", tiling.num_warps, 1)
-    require(tiling.num_stages >= 1, f"tiling.num_stages must be >= 1, got {tiling.num_stages}")

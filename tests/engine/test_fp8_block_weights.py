@@ -14,39 +14,23 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
 from engine.quantization.config import Fp8BlockWeights, parse_quantization_config
 from engine.quantization.fp8_linear import Fp8BlockLinear
+from tests.engine.quantized_runs import (
+    PROMPTS,
+    engine_greedy,
+    projection_bytes,
+    quantized_llm,
+    transformers_greedy,
+)
 from tests.fixtures.quantized_models import make_fp8_block_model
 
-PROMPTS = [[5, 77, 301, 12, 950, 40], list(range(3, 40)), [9] * 20, list(range(500, 380, -3))]
-NUM_TOKENS = 12
 FOUR_KV_HEADS = {"num_key_value_heads": 4}  # k and v of 128 rows: whole blocks of 128
-
-
-def _llm(model_dir: Path, **options: Any) -> LLM:
-    options.setdefault("dtype", "float32")
-    return LLM(str(model_dir), device="cpu", skip_tokenizer_init=True, **options)
-
-
-def _engine_greedy(llm: LLM) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
 def _transformers_greedy(model_dir: Path) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [
-            model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
-                do_sample=False,
-            )[0, len(prompt) :].tolist()
-            for prompt in PROMPTS
-        ]
+    return transformers_greedy(model)
 
 
 @pytest.fixture(scope="module")
@@ -55,28 +39,21 @@ def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(fp8_dir: Path) -> None:
-    llm = _llm(fp8_dir)
+    llm = quantized_llm(fp8_dir)
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Fp8BlockLinear)]
     assert len(layers) == 2 * 4
     assert all(layer.weight.dtype == torch.float8_e4m3fn for layer in layers)
     assert all(layer.weight_scale_inv.dtype == torch.float32 for layer in layers)
     expected = _transformers_greedy(fp8_dir)
-    assert _engine_greedy(llm) == expected
-    assert _engine_greedy(_llm(fp8_dir.parent / "float")) != expected  # not a no-op
+    assert engine_greedy(llm) == expected
+    assert engine_greedy(quantized_llm(fp8_dir.parent / "float")) != expected  # not a no-op
 
 
 def test_fp8_weights_take_half_their_bfloat16_bytes(fp8_dir: Path) -> None:
     options: dict[str, Any] = {"dtype": "bfloat16", "linear_backend": "torch"}
 
-    def linear_bytes(llm: LLM) -> int:
-        return sum(
-            p.numel() * p.element_size()
-            for name, p in llm.engine.model.named_parameters()
-            if name.split(".")[-2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        )
-
-    ratio = linear_bytes(_llm(fp8_dir, **options)) / linear_bytes(
-        _llm(fp8_dir.parent / "float", **options)
+    ratio = projection_bytes(quantized_llm(fp8_dir, **options)) / projection_bytes(
+        quantized_llm(fp8_dir.parent / "float", **options)
     )
     assert 0.5 < ratio < 0.501  # a byte a weight, and a float32 scale per 128 x 128
 
@@ -85,9 +62,9 @@ def test_two_tensor_parallel_ranks_equal_transformers(tmp_path: Path) -> None:
     """Blocks of 64: each rank's q, k, v, gate and up rows and o and down columns fall on
     whole blocks."""
     model_dir = make_fp8_block_model(tmp_path, block=(64, 64), **FOUR_KV_HEADS)
-    llm = _llm(model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=60.0)
+    llm = quantized_llm(model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=60.0)
     try:
-        assert _engine_greedy(llm) == _transformers_greedy(model_dir)
+        assert engine_greedy(llm) == _transformers_greedy(model_dir)
     finally:
         llm.close()
 
@@ -96,12 +73,12 @@ def test_a_block_split_between_projections_is_refused_naming_the_field(tmp_path:
     """Two KV heads of 32: k's 64 rows end inside a block of 128 of the fused qkv."""
     model_dir = make_fp8_block_model(tmp_path, num_key_value_heads=2)
     with pytest.raises(ValueError, match="weight_block_size"):
-        _llm(model_dir)
+        quantized_llm(model_dir)
 
 
 def test_dummy_weights_build_an_fp8_model_from_its_config_alone(fp8_dir: Path) -> None:
-    llm = _llm(fp8_dir, load_format="dummy")
-    assert len(_engine_greedy(llm)) == len(PROMPTS)
+    llm = quantized_llm(fp8_dir, load_format="dummy")
+    assert len(engine_greedy(llm)) == len(PROMPTS)
 
 
 def _config(**changes: Any) -> dict[str, Any]:
@@ -139,7 +116,7 @@ def test_what_the_engine_cannot_run_is_refused_naming_the_field(
 def test_the_checkpoints_scales_are_what_transformers_reads(fp8_dir: Path) -> None:
     """The hand-written layout is the published one: transformers' dequantized weights equal
     the engine's, layer by layer."""
-    ours = _llm(fp8_dir).engine.model
+    ours = quantized_llm(fp8_dir).engine.model
     theirs = AutoModelForCausalLM.from_pretrained(str(fp8_dir), dtype=torch.float32)
     config = json.loads((fp8_dir / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]

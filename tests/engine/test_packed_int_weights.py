@@ -17,14 +17,19 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
-from engine import LLM, SamplingParams
 from engine.model_config import load_model_config
 from engine.quantization.config import PackedIntWeights, parse_quantization_config
 from engine.quantization.packed_linear import PackedIntLinear, unpack_int32
+from tests.engine.quantized_runs import (
+    PROMPTS,
+    engine_greedy,
+    projection_bytes,
+    quantized_llm,
+    set_fields,
+    transformers_greedy,
+)
 from tests.fixtures.quantized_models import make_pack_quantized_model
 
-PROMPTS = [[5, 77, 301, 12, 950, 40], list(range(3, 40)), [9] * 20, list(range(500, 380, -3))]
-NUM_TOKENS = 12
 # (bits, group size or None for one scale per row, symmetric)
 SCHEMES = [(4, 32, True), (4, 128, False), (8, None, True), (8, 32, False)]
 
@@ -49,39 +54,18 @@ def _transformers_greedy(model_dir: Path) -> list[list[int]]:
         dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(dequantize=True),
     ).eval()
-    tokens = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
-                do_sample=False,
-            )
-            tokens.append(out[0, len(prompt) :].tolist())
-    return tokens
-
-
-def _engine_greedy(llm: LLM) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-
-
-def _llm(model_dir: Path, **options: Any) -> LLM:
-    options.setdefault("dtype", "float32")
-    return LLM(str(model_dir), device="cpu", skip_tokenizer_init=True, **options)
+    return transformers_greedy(model)
 
 
 def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(quantized_dir: Path) -> None:
-    llm = _llm(quantized_dir)
+    llm = quantized_llm(quantized_dir)
     layers = [m for m in llm.engine.model.modules() if isinstance(m, PackedIntLinear)]
     assert len(layers) == 2 * 4  # qkv, o, gate_up, down of both layers, still packed
     assert all(layer.weight_packed.dtype == torch.int32 for layer in layers)
     expected = _transformers_greedy(quantized_dir)
-    assert _engine_greedy(llm) == expected
+    assert engine_greedy(llm) == expected
     # the quantization is not a no-op: the float model it came from decodes otherwise
-    assert _engine_greedy(_llm(quantized_dir.parent / "float")) != expected
+    assert engine_greedy(quantized_llm(quantized_dir.parent / "float")) != expected
 
 
 @pytest.mark.parametrize(
@@ -96,9 +80,9 @@ def test_two_tensor_parallel_ranks_equal_transformers(
     model_dir = make_pack_quantized_model(
         tmp_path, num_bits=bits, group_size=group, symmetric=symmetric
     )
-    llm = _llm(model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=60.0)
+    llm = quantized_llm(model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=60.0)
     try:
-        assert _engine_greedy(llm) == _transformers_greedy(model_dir)
+        assert engine_greedy(llm) == _transformers_greedy(model_dir)
     finally:
         llm.close()
 
@@ -107,32 +91,28 @@ def test_a_slice_that_cuts_a_group_is_refused_naming_the_field(tmp_path: Path) -
     """Groups of 128 inputs, and o_proj's 128 inputs over two ranks: 64 each."""
     model_dir = make_pack_quantized_model(tmp_path, num_bits=4, group_size=128, symmetric=True)
     with pytest.raises(ValueError, match="group_size"):
-        _llm(model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=60.0)
+        quantized_llm(model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=60.0)
 
 
 def test_four_bit_weights_take_about_a_quarter_of_their_bfloat16_bytes(tmp_path: Path) -> None:
     model_dir = make_pack_quantized_model(tmp_path, num_bits=4, group_size=128, symmetric=True)
     options: dict[str, Any] = {"dtype": "bfloat16", "linear_backend": "torch"}
-    packed, dense = _llm(model_dir, **options), _llm(tmp_path / "float", **options)
+    packed, dense = (
+        quantized_llm(model_dir, **options),
+        quantized_llm(tmp_path / "float", **options),
+    )
 
-    def linear_bytes(llm: LLM) -> int:
-        return sum(
-            p.numel() * p.element_size()
-            for name, p in llm.engine.model.named_parameters()
-            if name.split(".")[-2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        )
-
-    ratio = linear_bytes(packed) / linear_bytes(dense)
+    ratio = projection_bytes(packed) / projection_bytes(dense)
     assert 0.25 < ratio < 0.27  # 4 of 16 bits, and a bfloat16 scale per 128 weights
 
 
 def test_dummy_weights_build_a_quantized_model_from_its_config_alone(tmp_path: Path) -> None:
     model_dir = make_pack_quantized_model(tmp_path, num_bits=4, group_size=32, symmetric=False)
     (model_dir / "model.safetensors").unlink()
-    llm = _llm(model_dir, load_format="dummy")
-    assert len(_engine_greedy(llm)) == len(PROMPTS)
+    llm = quantized_llm(model_dir, load_format="dummy")
+    assert len(engine_greedy(llm)) == len(PROMPTS)
     with pytest.raises(ValueError, match="one rank only"):
-        _llm(model_dir, load_format="dummy", tensor_parallel_size=2)
+        quantized_llm(model_dir, load_format="dummy", tensor_parallel_size=2)
 
 
 def test_unpacking_inverts_compressed_tensors_packing() -> None:
@@ -171,12 +151,7 @@ def _config(**changes: Any) -> dict[str, Any]:
         "ignore": ["lm_head"],
         "kv_cache_scheme": None,
     }
-    for path, value in changes.items():
-        node: Any = config
-        *parents, leaf = path.split(".")
-        for parent in parents:
-            node = node[parent]
-        node[leaf] = value
+    set_fields(config, changes)
     return copy.deepcopy(config)
 
 
@@ -237,7 +212,7 @@ def test_an_unsupported_checkpoint_is_refused_at_load_naming_the_field(tmp_path:
     config_path.write_text(json.dumps(raw))
     (model_dir / "model.safetensors").unlink()  # nothing is read past the config
     with pytest.raises(ValueError, match=r"group_0\.input_activations is set"):
-        _llm(model_dir)
+        quantized_llm(model_dir)
     raw["architectures"] = ["MixtralForCausalLM"]
     raw["model_type"] = "mixtral"
     raw["num_local_experts"], raw["num_experts_per_tok"] = 4, 2

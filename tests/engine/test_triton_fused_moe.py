@@ -16,7 +16,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels import fused_moe
-from engine.kernels.fused_moe import ExpertTiling, clamped_swiglu_experts, silu_experts
+from engine.kernels.fused_moe import clamped_swiglu_experts, silu_experts
+from engine.kernels.matmul_tiling import MatmulTiling
 from engine.model_config import MoeConfig
 from engine.models.moe import ClampedSwigluExperts, RoutedExperts
 from tests.engine.hf_reference import hf_greedy
@@ -78,7 +79,7 @@ def _fused(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    tiling: ExpertTiling | None = None,
+    tiling: MatmulTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(experts, RoutedExperts):
         return silu_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, tiling)
@@ -133,7 +134,7 @@ def test_many_column_blocks_and_input_steps(kind: str) -> None:
     experts = _make_experts(kind, 4, 48, 40, torch.float32, seed=5)
     weights, ids = _routing(21, 2, 4, "random", seed=5)
     x = torch.randn(21, 48, device=DEVICE)
-    tiling = ExpertTiling(block_m=16, block_n=16, block_k=16)
+    tiling = MatmulTiling(block_m=16, block_n=16, block_k=16)
     got, _ = _fused(experts, x, weights, ids.to(torch.int32), tiling)
     torch.testing.assert_close(got, _torch_path(experts, x, weights, ids)[0], atol=1e-5, rtol=1e-5)
 
@@ -235,7 +236,7 @@ def test_bad_arguments_are_refused_naming_them() -> None:
     with pytest.raises(ValueError, match=r"expert_ids must be in \[0, 4\), got 0 .. 4"):
         silu_experts(x, weights, torch.tensor([[0, 4]] * 3, device=DEVICE), gate_up, down)
     with pytest.raises(ValueError, match="tiling.block_m must be a power of two >= 16"):
-        silu_experts(x, weights, ids, gate_up, down, ExpertTiling(block_m=8))
+        silu_experts(x, weights, ids, gate_up, down, MatmulTiling(block_m=8))
     gpt_oss = _make_experts("clamped_swiglu", 4, 32, 16, torch.float32, seed=11)
     assert isinstance(gpt_oss, ClampedSwigluExperts)
     arguments = {

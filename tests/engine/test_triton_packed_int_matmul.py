@@ -21,7 +21,8 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from engine import LLM, SamplingParams
 from engine.kernels import packed_int_matmul as kernels
-from engine.kernels.packed_int_matmul import PackedTiling, default_tiling, packed_int_matmul
+from engine.kernels.matmul_tiling import MatmulTiling
+from engine.kernels.packed_int_matmul import default_tiling, packed_int_matmul
 from engine.quantization.config import PackedIntWeights
 from engine.quantization.packed_linear import PackedIntLinear
 from tests.fixtures.quantized_models import make_pack_quantized_model
@@ -75,7 +76,7 @@ def _torch_path(layer: PackedIntLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel(
-    layer: PackedIntLinear, x: torch.Tensor, tiling: PackedTiling | None = None
+    layer: PackedIntLinear, x: torch.Tensor, tiling: MatmulTiling | None = None
 ) -> torch.Tensor:
     return packed_int_matmul(
         x,
@@ -123,7 +124,7 @@ def test_groups_and_k_steps_that_do_not_line_up(bits: int, group: int | None, bl
     in_features = 192 if group == 48 else 160
     layer = _layer(bits, group, False, in_features=in_features, seed=block_k)
     x = _random_x(19, torch.float32, in_features)
-    for tiling in (PackedTiling(16, 32, block_k), PackedTiling(32, 16, block_k)):
+    for tiling in (MatmulTiling(16, 32, block_k), MatmulTiling(32, 16, block_k)):
         torch.testing.assert_close(
             _kernel(layer, x, tiling), _torch_path(layer, x), atol=1e-5, rtol=1e-5
         )
@@ -190,10 +191,10 @@ def test_a_strided_x_and_an_empty_batch() -> None:
 
 
 def test_default_tiling_decode_and_prefill() -> None:
-    assert default_tiling(1, torch.bfloat16) == PackedTiling(16, 32, 128, num_stages=4)
+    assert default_tiling(1, torch.bfloat16) == MatmulTiling(16, 32, 128, num_stages=4)
     assert default_tiling(16, torch.float32).block_k == 32
-    assert default_tiling(33, torch.float16) == PackedTiling(64, 64, 64)
-    assert default_tiling(4096, torch.float32) == PackedTiling(64, 64, 32)
+    assert default_tiling(33, torch.float16) == MatmulTiling(64, 64, 64)
+    assert default_tiling(4096, torch.float32) == MatmulTiling(64, 64, 32)
 
 
 def test_the_layer_takes_the_kernel_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,4 +271,4 @@ def test_bad_arguments_are_refused_naming_them() -> None:
         with pytest.raises(ValueError, match=message):
             packed_int_matmul(**{**arguments, name: bad})
     with pytest.raises(ValueError, match="tiling.block_k must be a power of two >= 16"):
-        packed_int_matmul(**arguments, tiling=PackedTiling(16, 32, 8))
+        packed_int_matmul(**arguments, tiling=MatmulTiling(16, 32, 8))

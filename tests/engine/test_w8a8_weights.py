@@ -19,13 +19,17 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
 from engine.quantization.config import W8A8Weights, parse_quantization_config
 from engine.quantization.w8a8_linear import W8A8Linear
+from tests.engine.quantized_runs import (
+    PROMPTS,
+    engine_greedy,
+    quantized_llm,
+    set_fields,
+    transformers_greedy,
+)
 from tests.fixtures.quantized_models import make_w8a8_model
 
-PROMPTS = [[5, 77, 301, 12, 950, 40], list(range(3, 40)), [9] * 20, list(range(500, 380, -3))]
-NUM_TOKENS = 12
 INT8_NOISE = 0.1  # top-2 logit gap under which int8 activation rounding may pick either token
 
 
@@ -60,24 +64,16 @@ def test_a_layer_equals_transformers_layer_to_the_bit(w8a8_dir: Path) -> None:
 
 
 def test_greedy_tokens_equal_transformers(w8a8_dir: Path) -> None:
-    llm = LLM(str(w8a8_dir), dtype="float32", device="cpu", skip_tokenizer_init=True)
+    llm = quantized_llm(w8a8_dir)
     layers = [m for m in llm.engine.model.modules() if isinstance(m, W8A8Linear)]
     assert len(layers) == 2 * 4
     element = torch.int8 if _kind(w8a8_dir) == "int" else torch.float8_e4m3fn
     assert all(layer.weight.dtype == element for layer in layers)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     model = _transformers(w8a8_dir)
     num_diverged = 0
-    for prompt, tokens in zip(PROMPTS, got, strict=True):
-        with torch.no_grad():
-            expected = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
-                do_sample=False,
-            )[0, len(prompt) :].tolist()
+    for prompt, tokens, expected in zip(
+        PROMPTS, engine_greedy(llm), transformers_greedy(model), strict=True
+    ):
         if tokens == expected:
             continue
         assert _kind(w8a8_dir) == "int", (prompt, tokens, expected)
@@ -95,29 +91,16 @@ def test_two_tensor_parallel_ranks_equal_one(w8a8_dir: Path) -> None:
     """Rows of q, k, v, gate and up and their scales split over the ranks; o's and down's
     inputs split, each rank's input rows quantized with the whole row's scale (the ranks share
     each token's largest magnitude), their weight scales on both ranks."""
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    one = LLM(str(w8a8_dir), dtype="float32", device="cpu", skip_tokenizer_init=True)
-    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params)]
-    two = LLM(
-        str(w8a8_dir),
-        dtype="float32",
-        device="cpu",
-        skip_tokenizer_init=True,
-        tensor_parallel_size=2,
-        tensor_parallel_timeout_s=60.0,
-    )
+    expected = engine_greedy(quantized_llm(w8a8_dir))
+    two = quantized_llm(w8a8_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=60.0)
     try:
-        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == expected
+        assert engine_greedy(two) == expected
     finally:
         two.close()
 
 
 def test_dummy_weights_build_a_w8a8_model_from_its_config_alone(w8a8_dir: Path) -> None:
-    llm = LLM(
-        str(w8a8_dir), dtype="float32", device="cpu", skip_tokenizer_init=True, load_format="dummy"
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    assert len(llm.generate(PROMPTS, params)) == len(PROMPTS)
+    assert len(engine_greedy(quantized_llm(w8a8_dir, load_format="dummy"))) == len(PROMPTS)
 
 
 def _group(**changes: Any) -> dict[str, Any]:
@@ -134,12 +117,7 @@ def _group(**changes: Any) -> dict[str, Any]:
         },
         "output_activations": None,
     }
-    for path, value in changes.items():
-        node: Any = group
-        *parents, leaf = path.split(".")
-        for parent in parents:
-            node = node[parent]
-        node[leaf] = value
+    set_fields(group, changes)
     return {
         "quant_method": "compressed-tensors",
         "format": group["format"],

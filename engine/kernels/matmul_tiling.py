@@ -1,0 +1,30 @@
+"""How a Triton matmul kernel cuts its work into programs (the fused experts', the packed
+integer GEMM's), and the check of a tiling a caller passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kernels.checks import require, require_power_of_two
+
+MIN_DOT_DIM = 16  # tl.dot wants every dimension >= 16
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulTiling:
+    """A matmul kernel's tiles; each kernel's ``default_tiling`` is what the engine runs."""
+
+    block_m: int  # rows per program (a power of two >= 16)
+    block_n: int = 64  # output columns per program (a power of two >= 16)
+    block_k: int = 64  # inputs per step of a program's loop (a power of two >= 16)
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipelined loads in flight
+
+
+def check_tiling(tiling: MatmulTiling) -> None:
+    """Raise ValueError naming the field of ``tiling`` no kernel can run."""
+    require_power_of_two("tiling.block_m", tiling.block_m, MIN_DOT_DIM)
+    require_power_of_two("tiling.block_n", tiling.block_n, MIN_DOT_DIM)
+    require_power_of_two("tiling.block_k", tiling.block_k, MIN_DOT_DIM)
+    require_power_of_two("tiling.num_warps", tiling.num_warps, 1)
+    require(tiling.num_stages >= 1, f"tiling.num_stages must be >= 1, got {tiling.num_stages}")
