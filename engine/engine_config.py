@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from engine.kv_cache.budget import KVBudget
+from engine.kv_cache.kv_quantization import KV_CACHE_DTYPES, KVCacheScales, is_quantized
 
 if TYPE_CHECKING:  # torch-free at import: the router builds these configs on a CPU head node
     import torch
@@ -88,10 +89,31 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     budget: KVBudget = field(default_factory=KVBudget)
     attention_backend: str = "auto"  # torch | triton | cpu | auto (engine/attention/selector.py)
+    # what the cache stores: auto (the model's dtype) | fp8_e4m3 | int8
+    # (engine/kv_cache/kv_quantization.py; parse_kv_cache_dtype reads the aliases)
+    kv_cache_dtype: str = "auto"
+    # a quantized cache's scales, when given (the cluster hands every worker the same ones);
+    # None: the checkpoint's, else calibrated at start-up
+    kv_cache_scales: KVCacheScales | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        scales = self.kv_cache_scales
+        if scales is not None and scales.kv_cache_dtype != self.kv_cache_dtype:
+            raise ValueError(
+                f"kv_cache_scales are for a {scales.kv_cache_dtype} cache, kv_cache_dtype is "
+                f"{self.kv_cache_dtype}"
+            )
+
+    @property
+    def quantized_kv(self) -> bool:
+        return is_quantized(self.kv_cache_dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "

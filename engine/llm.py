@@ -27,6 +27,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.group import free_port
 from engine.parallel.ranks import FollowerProcesses
 from engine.sampling import SamplingParams
+from engine.kv_cache.kv_quantization import KVCacheScales, parse_kv_cache_dtype
 from engine.scheduler import SchedulerConfig, SchedulingPolicy
 from engine.speculative.config import SpeculativeConfig
 from engine.tokenizer import bad_words_token_ids, load_tokenizer
@@ -55,6 +56,8 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
+        kv_cache_scales: KVCacheScales | None = None,
         linear_backend: str = "auto",
         enforce_eager: bool = False,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
@@ -64,7 +67,9 @@ class LLM:
         tensor_parallel_timeout_s: float = 60.0,
     ) -> None:
         """``tensor_parallel_timeout_s``: the longest rank 0 waits in a collective, so a step
-        with a follower that died or hangs fails within it."""
+        with a follower that died or hangs fails within it. ``kv_cache_dtype``: auto (the
+        model's dtype), fp8_e4m3 (or fp8) or int8 (engine/kv_cache/kv_quantization.py), with
+        ``kv_cache_scales`` when given, else the checkpoint's or calibrated ones."""
         if isinstance(speculative_config, Mapping):  # vLLM's dict
             speculative_config = SpeculativeConfig.from_mapping(speculative_config)
         parallel = ParallelConfig(tensor_parallel_size, timeout_s=tensor_parallel_timeout_s)
@@ -85,6 +90,8 @@ class LLM:
                 enable_prefix_caching,
                 KVBudget(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization),
                 attention_backend,
+                parse_kv_cache_dtype(kv_cache_dtype),
+                kv_cache_scales,
             ),
             SchedulerConfig(
                 max_num_seqs,

@@ -91,6 +91,9 @@ class LLMEngine:
         self.shard = rank.shard
         # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]; this rank's heads
         self.kv_cache = rank.kv_cache
+        # a quantized cache's scales for the whole model (None: the cache stores the model's
+        # dtype); the layout handshake checks a peer's are the same
+        self.kv_cache_scales = rank.kv_cache_scales
         self._num_threads_before = rank.num_threads_before  # restored on close()
         num_blocks = rank.num_kv_blocks
         eos = frozenset(self.model_config.eos_token_ids)

@@ -32,8 +32,12 @@ class AttentionBackend(ABC):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> None:
-        """Scatter the new tokens' K/V into their cache slots."""
+        """Scatter the new tokens' K/V into their cache slots; into a quantized cache (float8
+        e4m3 or int8 elements) as engine/kv_cache/kv_quantization.py stores them, by this
+        layer's K and V scale per head (``kv_scales``, given exactly when the cache is
+        quantized)."""
 
     @abstractmethod
     def forward(
@@ -45,8 +49,11 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] fp32
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each new token over its sequence's context in the paged cache.
+        A quantized cache's elements are read as what they stand for (``element * scale``,
+        with ``kv_scales`` as in ``write_kv``).
 
         ``sliding_window`` W: a token at position p sees only positions p - W + 1 .. p (None:
         its whole context); a backend then never reads a block wholly before every window

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.kv_cache.cache_groups import LayerPlace
+from engine.kv_cache.kv_quantization import KVCacheScales
 
 
 class Attention(nn.Module):
@@ -42,6 +43,9 @@ class Attention(nn.Module):
             if num_sinks != num_heads:
                 raise ValueError(f"{num_sinks=} must equal {num_heads=}: one sink per head")
             self.sinks = nn.Parameter(torch.empty(num_heads))
+        # [2, num_kv_heads] fp32: this layer's K and V scale per head when the KV cache is
+        # quantized (engine/kv_cache/kv_quantization.py), set with the cache; None otherwise
+        self.kv_scales: torch.Tensor | None = None
 
     def forward(
         self,
@@ -59,7 +63,10 @@ class Attention(nn.Module):
         num_padding = query.shape[0] - num_tokens
         if num_padding > 0:
             query, key, value = query[:num_tokens], key[:num_tokens], value[:num_tokens]
-        backend.write_kv(kv_cache_layer, key, value, metadata.slot_mapping)
+        kv_scales = self.kv_scales
+        if kv_scales is None and kv_cache_layer.element_size() == 1:
+            raise RuntimeError(f"layer {self.place.layer}'s quantized KV cache has no scales")
+        backend.write_kv(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         sinks = None if self.sinks is None else self.sinks.float()
         out = backend.forward(
             query,
@@ -69,6 +76,7 @@ class Attention(nn.Module):
             self.sliding_window,
             logit_softcap=self.logit_softcap,
             sinks=sinks,
+            kv_scales=kv_scales,
         )
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding > 0 else out
@@ -104,3 +112,13 @@ class LatentCacheAttention(nn.Module):
         backend.write_latent(cache_layer, entries, metadata.slot_mapping)
         out = backend.forward_latent(query, cache_layer, metadata, self.scale, self.value_dim)
         return F.pad(out, (0, 0, 0, 0, 0, num_padding)) if num_padding > 0 else out
+
+
+def set_kv_scales(
+    model: nn.Module, scales: KVCacheScales, kv_heads: range, device: torch.device
+) -> None:
+    """Give every attention layer of ``model`` its share of a quantized cache's scales: those
+    of the model's KV ``heads`` its cache holds (a tensor-parallel rank's)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kv_scales = scales.layer(module.place.layer, kv_heads, device)

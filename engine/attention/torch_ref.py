@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache.kv_quantization import dequantize_kv, quantize_kv
 
 # gathered K+V per CPU decode chunk: at 16-48 seqs of 100-440 tokens, 1 MiB beat 256 KiB and
 # 4 MiB, and beat one padded gather for the whole batch by 20-40 % per step (2-core EPYC)
@@ -74,10 +75,20 @@ class TorchAttentionBackend(AttentionBackend):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> None:
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
         # .view (not reshape) so a non-viewable cache fails loudly instead of writing to a copy
         slots = kv_cache_layer.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        if kv_scales is not None:
+            key = quantize_kv(key, kv_scales[0], kv_cache_layer.dtype)
+            value = quantize_kv(value, kv_scales[1], kv_cache_layer.dtype)
+            # index_copy_ moves float8 elements as their bytes
+            slots, key, value = (
+                slots.view(torch.uint8),
+                key.view(torch.uint8),
+                value.view(torch.uint8),
+            )
         slots[0].index_copy_(0, slot_mapping, key)
         slots[1].index_copy_(0, slot_mapping, value)
 
@@ -90,6 +101,7 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] fp32
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         outputs = []
         if metadata.num_prefill_seqs > 0:
@@ -103,6 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
                     sliding_window,
                     logit_softcap,
                     sinks,
+                    kv_scales,
                 )
             )
         if metadata.num_decode_seqs > 0:
@@ -116,6 +129,7 @@ class TorchAttentionBackend(AttentionBackend):
                     sliding_window,
                     logit_softcap,
                     sinks,
+                    kv_scales,
                 )
             )
         if not outputs:
@@ -131,6 +145,7 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] fp32
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
         if logit_softcap is not None or sinks is not None:
             starts = metadata.prefill_query_start_loc
@@ -139,10 +154,10 @@ class TorchAttentionBackend(AttentionBackend):
                 for seq, seq_len in enumerate(metadata.prefill_seq_lens)
             ]
             return self._explicit(
-                pieces, kv_cache_layer, scale, sliding_window, logit_softcap, sinks
+                pieces, kv_cache_layer, scale, sliding_window, logit_softcap, sinks, kv_scales
             )
         outputs = [
-            self._prefill(query, kv_cache_layer, metadata, i, scale, sliding_window)
+            self._prefill(query, kv_cache_layer, metadata, i, scale, sliding_window, kv_scales)
             for i in range(metadata.num_prefill_seqs)
         ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
@@ -155,6 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
         seq_index: int,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
         start = metadata.prefill_query_start_loc[seq_index]
         end = metadata.prefill_query_start_loc[seq_index + 1]
@@ -163,10 +179,10 @@ class TorchAttentionBackend(AttentionBackend):
         table = metadata.prefill_block_tables[seq_index]
         if sliding_window is not None:
             return self._windowed(
-                query[start:end], kv_cache_layer, table, seq_len, scale, sliding_window
+                query[start:end], kv_cache_layer, table, seq_len, scale, sliding_window, kv_scales
             )
         block_table = table[None, :num_blocks]
-        kv = self._gather(kv_cache_layer, block_table)[:, 0, :seq_len]
+        kv = self._gather(kv_cache_layer, block_table, kv_scales, query.dtype)[:, 0, :seq_len]
         return _prefill_attention(query[start:end], kv, scale)
 
     def _windowed(
@@ -177,6 +193,7 @@ class TorchAttentionBackend(AttentionBackend):
         seq_len: int,  # its context length after this step
         scale: float,
         window: int,
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
         """A sequence's new tokens over the blocks their windows reach, masked per token."""
         query_len, num_heads, _ = query.shape
@@ -184,7 +201,7 @@ class TorchAttentionBackend(AttentionBackend):
         first_block = max(0, seq_len - query_len - window + 1) // block_size
         blocks = table[None, first_block : _num_blocks(seq_len, kv_cache_layer)]
         first = first_block * block_size
-        kv = self._gather(kv_cache_layer, blocks)[:, 0, : seq_len - first]
+        kv = self._gather(kv_cache_layer, blocks, kv_scales, query.dtype)[:, 0, : seq_len - first]
         context_pos = torch.arange(first, seq_len, device=query.device)
         query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
         seen = (context_pos[None, :] <= query_pos[:, None]) & (
@@ -210,6 +227,7 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
         logit_softcap: float | None,
         sinks: torch.Tensor | None,  # [num_heads] fp32
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]: the pieces' rows, in order
         """Each piece's rows over the blocks their windows reach (all of them without a
         window), through ``_explicit_attention``."""
@@ -221,7 +239,8 @@ class TorchAttentionBackend(AttentionBackend):
             first_block = first_seen // block_size
             blocks = table[None, first_block : _num_blocks(seq_len, kv_cache_layer)]
             first = first_block * block_size
-            kv = self._gather(kv_cache_layer, blocks)[:, 0, : seq_len - first]
+            kv = self._gather(kv_cache_layer, blocks, kv_scales, rows.dtype)
+            kv = kv[:, 0, : seq_len - first]
             context_pos = torch.arange(first, seq_len, device=rows.device)
             query_pos = torch.arange(seq_len - query_len, seq_len, device=rows.device)
             seen = context_pos[None, :] <= query_pos[:, None]  # [query_len, context]
@@ -241,6 +260,7 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] fp32
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_decode_seqs, num_heads, head_dim]
         if logit_softcap is not None or sinks is not None:  # a row at a time, explicitly
             tables = metadata.decode_block_tables
@@ -249,7 +269,7 @@ class TorchAttentionBackend(AttentionBackend):
                 for row, seq_len in enumerate(metadata.decode_seq_lens.tolist())
             ]
             return self._explicit(
-                pieces, kv_cache_layer, scale, sliding_window, logit_softcap, sinks
+                pieces, kv_cache_layer, scale, sliding_window, logit_softcap, sinks, kv_scales
             )
         if sliding_window is not None:  # a row at a time, over the blocks its window reaches
             seq_lens = metadata.decode_seq_lens.tolist()
@@ -262,14 +282,16 @@ class TorchAttentionBackend(AttentionBackend):
                     seq_len,
                     scale,
                     sliding_window,
+                    kv_scales,
                 )
                 for row, seq_len in enumerate(seq_lens)
             ]
             return torch.cat(rows)
-        if query.device.type == "cpu":
+        if query.device.type == "cpu" and kv_scales is None:
             return self._decode_varlen(query, kv_cache_layer, metadata, scale)
         num_blocks = _num_blocks(metadata.max_decode_seq_len, kv_cache_layer)
-        kv = self._gather(kv_cache_layer, metadata.decode_block_tables[:, :num_blocks])
+        tables = metadata.decode_block_tables[:, :num_blocks]
+        kv = self._gather(kv_cache_layer, tables, kv_scales, query.dtype)
         return _decode_attention(query, kv, metadata.decode_seq_lens, scale)
 
     def _decode_varlen(
@@ -336,8 +358,11 @@ class TorchAttentionBackend(AttentionBackend):
         self,
         kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         block_tables: torch.Tensor,  # [num_seqs, num_seq_blocks] int64
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
+        dtype: torch.dtype | None = None,  # what a quantized cache's values are read as
     ) -> torch.Tensor:  # [2, num_seqs, num_seq_blocks * block_size, num_kv_heads, head_dim]
-        """Copy the seqs' blocks into a reused workspace.
+        """Copy the seqs' blocks into a reused workspace (a quantized cache's read as the
+        values they stand for, in ``dtype``).
 
         A fresh allocation of this size costs more in page faults than the copy itself on
         CPU, so the buffer lives across calls.
@@ -351,7 +376,11 @@ class TorchAttentionBackend(AttentionBackend):
         out = out.view(2, flat_tables.numel(), block_numel)
         torch.index_select(blocks[0], 0, flat_tables, out=out[0])
         torch.index_select(blocks[1], 0, flat_tables, out=out[1])
-        return out.view(2, num_seqs, num_seq_blocks * block_size, num_kv_heads, head_dim)
+        out = out.view(2, num_seqs, num_seq_blocks * block_size, num_kv_heads, head_dim)
+        if kv_scales is None:
+            return out
+        assert dtype is not None, "a quantized cache is read as a dtype"
+        return torch.stack([dequantize_kv(out[plane], kv_scales[plane], dtype) for plane in (0, 1)])
 
     def _workspace_view(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         workspace = self._workspace

@@ -28,6 +28,7 @@ class CacheGroup:
 class LayerPlace:
     group: int  # the layer's cache group: which of a sequence's block tables it reads
     slot: int  # its slot in the cache tensor's first dimension
+    layer: int  # the model's id of the layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,7 @@ class CacheGroups:
     def place(self, layer: int) -> LayerPlace:
         for index, group in enumerate(self.groups):
             if layer in group.layers:
-                return LayerPlace(index, group.layers.index(layer))
+                return LayerPlace(index, group.layers.index(layer), layer)
         raise KeyError(f"layer {layer} is in no cache group")
 
     @property

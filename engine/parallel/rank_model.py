@@ -9,12 +9,14 @@ number of KV blocks) line up rank by rank. Rank 0 builds its scheduler and runne
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention.backend import AttentionBackend, DecodeSizing
+from engine.attention.layer import set_kv_scales
 from engine.attention.selector import get_attention_backend
 from engine.decode_graphs import (
     CudaGraphCapturer,
@@ -26,12 +28,18 @@ from engine.decode_graphs import (
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kernels.linear import resolve_linear_backend
 from engine.kv_cache.budget import KVLayout, num_kv_blocks
+from engine.kv_cache.kv_quantization import KVCacheScales, storage_dtype
+from engine.kv_calibration import (
+    MAX_CALIBRATION_TOKENS,
+    calibrate_kv_scales,
+    calibration_token_ids,
+)
 from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model
 from engine.models.registry import CausalLM
 from engine.parallel.group import ProcessGroupRanks, TensorParallelGroup
-from engine.parallel.shard import TensorParallelShard
+from engine.parallel.shard import TensorParallelShard, kv_heads_of_ranks
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 
@@ -54,6 +62,9 @@ class RankModel:
     max_num_sample_rows: int  # rows of logits a step samples from at most
     # the process's torch threads before this rank took its share of the cores (None: kept)
     num_threads_before: int | None
+    # a quantized cache's scales, the whole model's (this rank's attention layers hold their
+    # heads' share); None: the cache stores the model's dtype
+    kv_cache_scales: KVCacheScales | None = None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -143,7 +154,7 @@ def build_rank_model(
         group=group if size > 1 else None,
     )
     cache_groups = model_config.cache_groups
-    layout = KVLayout(
+    float_layout = KVLayout(
         num_layers=cache_groups.num_slots,
         num_kv_heads=shard.num_kv_heads,
         head_dim=model_config.head_dim,
@@ -152,6 +163,8 @@ def build_rank_model(
         kv_planes=model_config.kv_planes,
         num_cache_groups=cache_groups.num_groups,
     )
+    # what the cache stores: the model's dtype, or 8-bit elements with their scales
+    layout = dataclasses.replace(float_layout, dtype=storage_dtype(cache.kv_cache_dtype, dtype))
     # decode steps of these batch sizes (rows: a token each, drafts included) replay CUDA
     # graphs; eager ones are sized alike
     rows_per_seq = 1 if speculative is None else 1 + speculative.num_speculative_tokens
@@ -165,6 +178,20 @@ def build_rank_model(
     attn_backend = get_attention_backend(
         cache.attention_backend, device, DecodeSizing(max_model_len, padded_batch_sizes)
     )
+    kv_cache_scales = None
+    if cache.quantized_kv:
+        kv_cache_scales = _kv_cache_scales(
+            load,
+            cache,
+            model_config,
+            model,
+            float_layout,
+            attn_backend,
+            device,
+            max_model_len,
+            group,
+        )
+        set_kv_scales(model, kv_cache_scales, shard.kv_heads, device)
     graph_batch_sizes = None  # decode steps run eagerly
     # Under tensor parallelism every step runs eagerly: a graph replay would skip the step
     # mirror's broadcast of the inputs, and the followers would not run the same forward. So
@@ -197,7 +224,7 @@ def build_rank_model(
     if group is not None:  # each rank measured its own memory; the cache is what all can hold
         num_blocks = group.min_int(num_blocks)
     # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
-    kv_cache = torch.zeros(layout.shape(num_blocks), dtype=dtype, device=device)
+    kv_cache = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
     decode_graphs = None
     if graph_batch_sizes is not None:
         decode_graphs = DecodeGraphs(
@@ -222,6 +249,49 @@ def build_rank_model(
         decode_graphs=decode_graphs,
         max_num_sample_rows=max_num_sample_rows,
         num_threads_before=num_threads_before,
+        kv_cache_scales=kv_cache_scales,
+    )
+
+
+def _kv_cache_scales(
+    load: LoadConfig,
+    cache: CacheConfig,
+    model_config: ModelConfig,
+    model: CausalLM,
+    float_layout: KVLayout,
+    attn_backend: AttentionBackend,
+    device: torch.device,
+    max_model_len: int,
+    group: TensorParallelGroup | None,
+) -> KVCacheScales:
+    """A quantized cache's scales for the whole model: the configuration's, else calibrated
+    (engine/kv_calibration.py)."""
+    if model_config.mla is not None:
+        raise ValueError(
+            f"kv_cache_dtype {cache.kv_cache_dtype} is not supported for a latent-attention "
+            f"model ({model_config.architecture}); use kv_cache_dtype auto"
+        )
+    if cache.kv_cache_scales is not None:
+        cache.kv_cache_scales.check_model(
+            model_config.num_layers, model_config.num_kv_heads, cache.kv_cache_dtype
+        )
+        return cache.kv_cache_scales
+    size = 1 if group is None else group.size
+    token_ids = calibration_token_ids(
+        load.tokenizer or load.model_dir,
+        model_config.vocab_size,
+        min(MAX_CALIBRATION_TOKENS, max_model_len - 1),
+    )
+    return calibrate_kv_scales(
+        model,
+        float_layout,
+        model_config.cache_groups,
+        attn_backend,
+        device,
+        token_ids,
+        cache.kv_cache_dtype,
+        kv_heads_of_ranks(model_config, size),
+        group,
     )
 
 

@@ -10,7 +10,7 @@ def test_a_model_whose_layers_attend_alike_has_one_group_of_every_layer() -> Non
     every_layer_slides = cache_groups_for(3, 16, (0, 1, 2))
     assert every_layer_slides.groups == (CacheGroup(16, (0, 1, 2)),)
     assert every_layer_slides.handshake_name is None
-    assert every_layer_slides.place(2) == LayerPlace(group=0, slot=2)
+    assert every_layer_slides.place(2) == LayerPlace(group=0, slot=2, layer=2)
 
 
 def test_sliding_and_full_layers_in_turn_make_two_groups_of_equal_size() -> None:
@@ -18,8 +18,8 @@ def test_sliding_and_full_layers_in_turn_make_two_groups_of_equal_size() -> None
     groups = cache_groups_for(6, 128, (0, 2, 4))
     assert groups.groups == (CacheGroup(None, (1, 3, 5)), CacheGroup(128, (0, 2, 4)))
     assert (groups.num_groups, groups.num_slots) == (2, 3)
-    assert groups.place(4) == LayerPlace(group=1, slot=2)
-    assert groups.place(1) == LayerPlace(group=0, slot=0)
+    assert groups.place(4) == LayerPlace(group=1, slot=2, layer=4)
+    assert groups.place(1) == LayerPlace(group=0, slot=0, layer=1)
     assert groups.handshake_name == "full:1,3,5|window 128:0,2,4"
 
 

@@ -1,0 +1,242 @@
+"""A quantized KV cache (``kv_cache_dtype`` fp8_e4m3 or int8): greedy tokens equal transformers
+running the same weights with its K/V quantized the same way (the same per-head scales, stored
+and read back by engine/kv_cache/kv_quantization.py's rules) in every mode (batched, chunked
+prefill, prefix-cache hits, preemption, sliding and full cache groups); scales calibrated
+alike on every start, or given; the cache's bytes; the demo model's held-out perplexity; and
+the refusals."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from engine import LLM, SamplingParams
+from engine.attention.layer import Attention
+from engine.kv_cache.kv_quantization import (
+    KVCacheScales,
+    dequantize_kv,
+    quantize_kv,
+    storage_dtype,
+)
+from tests.engine.quantized_runs import NUM_TOKENS, PROMPTS, engine_greedy, quantized_llm
+from tests.fixtures.tiny_models import make_tiny_model
+
+KV_CACHE_DTYPES = ["fp8_e4m3", "int8"]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM")
+
+
+def transformers_quantized_kv_greedy(
+    model_dir: Path, scales: KVCacheScales, prompts: list[list[int]] = PROMPTS
+) -> list[list[int]]:
+    """transformers' greedy tokens with every layer's new K/V stored as a quantized cache
+    stores them and read back (by the scales of each layer and head) before attention."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    into = storage_dtype(scales.kv_cache_dtype, torch.float32)
+    heads = range(scales.num_kv_heads)
+
+    def stored(states: torch.Tensor, head_scales: torch.Tensor) -> torch.Tensor:
+        tokens_major = states.transpose(1, 2)  # [batch, seq, kv_heads, head_dim]
+        quantized = quantize_kv(tokens_major, head_scales, into)
+        return dequantize_kv(quantized, head_scales, states.dtype).transpose(1, 2)
+
+    tokens = []
+    for prompt in prompts:
+        cache = DynamicCache(config=model.config)
+        for index, layer in enumerate(cache.layers):
+            k_scales, v_scales = scales.layer(index, heads, torch.device("cpu"))
+            update = layer.update
+
+            def quantized_update(
+                key: torch.Tensor,
+                value: torch.Tensor,
+                *args: Any,
+                _update: Any = update,
+                _k: torch.Tensor = k_scales,
+                _v: torch.Tensor = v_scales,
+                **kwargs: Any,
+            ) -> Any:
+                return _update(stored(key, _k), stored(value, _v), *args, **kwargs)
+
+            layer.update = quantized_update  # type: ignore[method-assign]
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NUM_TOKENS,
+                min_new_tokens=NUM_TOKENS,
+                do_sample=False,
+                past_key_values=cache,
+            )
+        tokens.append(out[0, len(prompt) :].tolist())
+    return tokens
+
+
+@pytest.mark.parametrize("attention_backend", ["torch", "auto"])
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_greedy_tokens_equal_transformers_quantizing_the_same_way(
+    llama_dir: Path, kv_cache_dtype: str, attention_backend: str
+) -> None:
+    """Batched prompts through each CPU backend ("auto": the C kernels) with calibrated scales."""
+    llm = quantized_llm(
+        llama_dir, kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend
+    )
+    assert llm.engine.kv_cache.dtype == storage_dtype(kv_cache_dtype, torch.float32)
+    scales = llm.engine.kv_cache_scales
+    assert scales is not None and scales.kv_cache_dtype == kv_cache_dtype
+    expected = transformers_quantized_kv_greedy(llama_dir, scales)
+    assert engine_greedy(llm) == expected
+    # the quantization is not a no-op: the float cache decodes otherwise
+    assert engine_greedy(quantized_llm(llama_dir)) != expected
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"max_num_batched_tokens": 8},  # prompts in chunks of up to 8 tokens
+        # the longest request holds 13 blocks of 4: the others are preempted for it
+        {"num_kv_blocks": 14, "block_size": 4, "max_num_batched_tokens": 16},
+    ],
+    ids=["chunked-prefill", "preemption"],
+)
+def test_chunked_prefill_and_preemption_read_the_same_cache(
+    llama_dir: Path, mode: dict[str, Any]
+) -> None:
+    scales = quantized_llm(llama_dir, kv_cache_dtype="int8").engine.kv_cache_scales
+    assert scales is not None
+    llm = quantized_llm(llama_dir, kv_cache_dtype="int8", kv_cache_scales=scales, **mode)
+    assert engine_greedy(llm) == transformers_quantized_kv_greedy(llama_dir, scales)
+    assert ("num_kv_blocks" in mode) == (llm.engine.num_preemptions > 0)
+
+
+def test_prefix_cache_hits_read_the_quantized_blocks(llama_dir: Path) -> None:
+    """A second run of prompts sharing a cached prefix reads the blocks the first one stored."""
+    llm = quantized_llm(llama_dir, kv_cache_dtype="fp8_e4m3", block_size=4)
+    scales = llm.engine.kv_cache_scales
+    assert scales is not None
+    first = engine_greedy(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    again = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in again] == first
+    assert first == transformers_quantized_kv_greedy(llama_dir, scales)
+    assert all(o.num_cached_tokens > 0 for o in again[1:])
+
+
+def test_sliding_and_full_cache_groups(tmp_path: Path) -> None:
+    """Gemma 2: soft-capped logits, sliding and full layers in cache groups of their own, each
+    layer reading its own scales from its group's blocks."""
+    model_dir = make_tiny_model(tmp_path, "Gemma2ForCausalLM", sliding_window=8)
+    llm = quantized_llm(model_dir, kv_cache_dtype="fp8_e4m3", block_size=4)
+    assert llm.engine.model_config.cache_groups.num_groups > 1
+    scales = llm.engine.kv_cache_scales
+    assert scales is not None
+    assert engine_greedy(llm) == transformers_quantized_kv_greedy(model_dir, scales)
+
+
+def test_calibration_repeats_and_given_scales_are_used(llama_dir: Path) -> None:
+    first = quantized_llm(llama_dir, kv_cache_dtype="fp8_e4m3").engine.kv_cache_scales
+    again = quantized_llm(llama_dir, kv_cache_dtype="fp8_e4m3").engine.kv_cache_scales
+    assert first is not None and first == again
+    assert first.num_layers == 2 and first.num_kv_heads == 2
+    given = KVCacheScales(
+        "fp8_e4m3", tuple(((0.5, 0.25), (0.125, 1.0)) for _ in range(first.num_layers))
+    )
+    llm = quantized_llm(llama_dir, kv_cache_dtype="fp8_e4m3", kv_cache_scales=given)
+    assert llm.engine.kv_cache_scales == given
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Attention)]
+    assert all(
+        torch.equal(m.kv_scales, torch.tensor([[0.5, 0.25], [0.125, 1.0]])) for m in layers
+    )
+    assert engine_greedy(llm) == transformers_quantized_kv_greedy(llama_dir, given)
+
+
+def test_scales_round_trip_through_json() -> None:
+    scales = KVCacheScales("int8", (((0.1, 0.2), (0.3, 0.4)), ((1.5, 2.0), (0.01, 3.0))))
+    assert KVCacheScales.from_json(scales.to_json()) == scales
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_a_quantized_cache_holds_four_times_the_float32_tokens(
+    llama_dir: Path, kv_cache_dtype: str
+) -> None:
+    budget = 1 << 20
+    float_cache = quantized_llm(llama_dir, kv_cache_memory_bytes=budget).engine.kv_cache
+    cache = quantized_llm(
+        llama_dir, kv_cache_memory_bytes=budget, kv_cache_dtype=kv_cache_dtype
+    ).engine.kv_cache
+    assert cache.element_size() == 1
+    assert cache.shape[2] == 4 * float_cache.shape[2]
+    assert cache.numel() * cache.element_size() <= budget
+
+
+def test_bad_kv_cache_settings_are_refused(llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, fp8_e4m3, int8"):
+        quantized_llm(llama_dir, kv_cache_dtype="fp4")
+    two_layers = tuple(((1.0, 1.0), (1.0, 1.0)) for _ in range(2))
+    with pytest.raises(ValueError, match="kv_cache_scales are for a int8 cache"):
+        quantized_llm(
+            llama_dir,
+            kv_cache_dtype="fp8_e4m3",
+            kv_cache_scales=KVCacheScales("int8", two_layers),
+        )
+    with pytest.raises(ValueError, match=r"kv_cache_scales cover 3 layers .* the model has 2"):
+        quantized_llm(
+            llama_dir,
+            kv_cache_dtype="int8",
+            kv_cache_scales=KVCacheScales("int8", two_layers + two_layers[:1]),
+        )
+    with pytest.raises(ValueError, match="must be finite floats > 0"):
+        KVCacheScales("int8", (((1.0, 0.0), (1.0, 1.0)),))
+    mla_dir = make_tiny_model(tmp_path, "DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 is not supported for a latent"):
+        quantized_llm(mla_dir, kv_cache_dtype="int8")
+
+
+def test_fp8_alias_is_fp8_e4m3(llama_dir: Path) -> None:
+    llm = quantized_llm(llama_dir, kv_cache_dtype="fp8")
+    assert llm.engine.kv_cache.dtype == torch.float8_e4m3fn
+
+
+def _held_out_perplexity(llm: LLM, windows: list[list[int]]) -> float:
+    outputs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    total, count = 0.0, 0
+    for window, output in zip(windows, outputs):
+        assert output.prompt_logprobs is not None
+        for token, logprobs in zip(window[1:], output.prompt_logprobs[1:]):
+            assert logprobs is not None
+            total -= logprobs[token].logprob
+            count += 1
+    return math.exp(total / count)
+
+
+def test_demo_model_held_out_perplexity_within_two_percent() -> None:
+    """The bundled demo model over its held-out docstrings (the windows it was evaluated on):
+    each quantized cache's perplexity within 2 % of the float32 cache's."""
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.demo_model import DEMO_MODEL_DIR
+    from engine.demo_model.corpus import corpus_documents
+    from engine.demo_model.train import split_documents, to_windows
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(DEMO_MODEL_DIR))
+    windows, _ = to_windows(tokenizer, split_documents(corpus_documents())[1])
+    prompts = [window.tolist() for window in windows]
+    assert sum(len(p) - 1 for p in prompts) > 5000
+
+    def perplexity(kv_cache_dtype: str) -> float:
+        llm = LLM(
+            str(DEMO_MODEL_DIR), device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype
+        )
+        return _held_out_perplexity(llm, prompts)
+
+    float_perplexity = perplexity("auto")
+    for kv_cache_dtype in KV_CACHE_DTYPES:
+        assert abs(perplexity(kv_cache_dtype) / float_perplexity - 1) < 0.02, kv_cache_dtype
