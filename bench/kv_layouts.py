@@ -15,7 +15,10 @@ of 16 tokens, every layout with the same number of layers. Per token and layer a
   window and pattern): its full and sliding layers keep block tables of their own (KV cache
   groups, engine/kv_cache/cache_groups.py), so a hand-off moves every block of the full
   layers and only the window's blocks of the sliding ones (as many as the engine's block
-  manager says); GQA's row is what it moved when one table served every layer.
+  manager says); GQA's row is what it moved when one table served every layer,
+- GQA fp8 / GQA int8: GQA's heads in a quantized KV cache (``--kv-cache-dtype``), a byte an
+  element: the channel moves the 8-bit blocks as they are (their per-head scales are agreed
+  at the handshake, not moved per prompt).
 Each row is timed in the same run; the ratios are to GQA's.
 """
 
@@ -52,6 +55,7 @@ WINDOW = 128  # gpt-oss's sliding window, on every other layer
 def layouts(num_layers: int, tokens: int) -> dict[str, tuple[KVCacheLayout, int]]:
     """Each layout and the blocks one ``tokens``-token prompt's hand-off moves in it."""
     num_blocks = -(-tokens // BLOCK_SIZE)
+    scales = tuple(((1.0,) * 8, (1.0,) * 8) for _ in range(num_layers))  # any: never read here
     windowed = cache_groups_for(num_layers, WINDOW, tuple(range(0, num_layers, 2)))
     manager = BlockManager(1, BLOCK_SIZE, enable_prefix_caching=False, cache_groups=windowed)
     return {
@@ -80,6 +84,15 @@ def layouts(num_layers: int, tokens: int) -> dict[str, tuple[KVCacheLayout, int]
             ),
             manager.num_blocks_to_hand_off(tokens),
         ),
+        **{
+            f"gqa-{name}": (
+                KVCacheLayout(
+                    dtype, BLOCK_SIZE, num_layers, num_kv_heads=8, head_dim=128, kv_scales=scales
+                ),
+                num_blocks,
+            )
+            for name, dtype in (("fp8", "float8_e4m3fn"), ("int8", "int8"))
+        },
     }
 
 
@@ -160,7 +173,10 @@ def main() -> None:
         )
         result["transports"][transport] = summarize(sessions, pairs, args.tokens, args.layers)
     for transport, summary in result["transports"].items():
-        print(f"\n{transport}: one {args.tokens}-token prompt, {args.layers} layers, bf16")
+        print(
+            f"\n{transport}: one {args.tokens}-token prompt, {args.layers} layers, bf16 "
+            "(fp8, int8: 8-bit caches)"
+        )
         print(
             f"{'layout':12} {'B/token/layer':>14} {'MiB':>8} {'ms':>9} {'GB/s':>6} {'bytes':>7} "
             f"{'time':>7}"

@@ -72,6 +72,11 @@ class LoadConfig:
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         import torch
 
+        dtype: torch.dtype = getattr(torch, self.dtype_name(checkpoint_dtype))
+        return dtype
+
+    def dtype_name(self, checkpoint_dtype: str | None) -> str:
+        """The model's dtype, e.g. "bfloat16": the configured one, else the checkpoint's."""
         name = self.dtype
         if name == "auto":
             name = checkpoint_dtype if checkpoint_dtype in _DTYPE_NAMES else "float32"
@@ -79,8 +84,7 @@ class LoadConfig:
         if name not in _DTYPE_NAMES:
             names = ", ".join(_DTYPE_NAMES)
             raise ValueError(f"dtype must be one of auto, {names}; got {self.dtype!r}")
-        dtype: torch.dtype = getattr(torch, name)
-        return dtype
+        return name
 
 
 @dataclass(frozen=True, slots=True)

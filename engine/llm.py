@@ -22,12 +22,12 @@ from typing import Any
 
 from engine.engine_config import CacheConfig, LoadConfig, LoadFormat, ParallelConfig
 from engine.kv_cache.budget import KVBudget
+from engine.kv_cache.kv_quantization import KVCacheScales, parse_kv_cache_dtype
 from engine.llm_engine import LLMEngine, StepResult, check_configs
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.group import free_port
 from engine.parallel.ranks import FollowerProcesses
 from engine.sampling import SamplingParams
-from engine.kv_cache.kv_quantization import KVCacheScales, parse_kv_cache_dtype
 from engine.scheduler import SchedulerConfig, SchedulingPolicy
 from engine.speculative.config import SpeculativeConfig
 from engine.tokenizer import bad_words_token_ids, load_tokenizer

@@ -14,7 +14,8 @@ memory. A channel moves a range of
 consecutive KV heads (every head of the cache unless told otherwise): the wire carries
 `[planes, blocks, block_size, num_moved_heads, head_dim]`. Both ends must agree on the dtype,
 block size, layer count, planes per layer, head size, the model's ids of the moved heads and
-its KV cache groups; the heads each end holds and its block count are its own. Where a model's
+its KV cache groups, and for a quantized cache (float8 e4m3 or int8 elements) on the scales of
+the moved heads; the heads each end holds and its block count are its own. Where a model's
 sliding and full layers keep block tables of their own (KV cache groups), `num_layers` counts a
 block's layer slots (the largest group's layers) and `cache_groups` says which layer is in
 which slot of which group's blocks; the channel moves blocks alike whatever group they hold.
@@ -34,7 +35,13 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # a quantized cache's elements (with its scales)
+    "int8": torch.int8,
 }
+_QUANTIZED_DTYPES = ("float8_e4m3fn", "int8")
+# a quantized cache's scales: per model layer, the K then the V scale of each of the model's KV
+# heads (engine/kv_cache/kv_quantization.py's KVCacheScales.per_layer)
+KVScales = tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
 _SHAPE_FIELDS = ("dtype", "block_size", "num_layers", "kv_planes", "num_kv_heads", "head_dim")
 _POSITIVE_FIELDS = _SHAPE_FIELDS[1:]
 
@@ -57,6 +64,8 @@ class KVCacheLayout:
     # layers hold which slot of a block, and each group's window); None: one group, layer i in
     # slot i
     cache_groups: str | None = None
+    # a quantized cache's scales (KVScales: every KV head of the model); None for a float cache
+    kv_scales: KVScales | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,6 +80,11 @@ class KVCacheLayout:
             raise ValueError(f"first_kv_head must be an int >= 0, got {self.first_kv_head!r}")
         if self.cache_groups is not None and not isinstance(self.cache_groups, str):
             raise ValueError(f"cache_groups must be a string or None, got {self.cache_groups!r}")
+        if (self.kv_scales is None) != (self.dtype not in _QUANTIZED_DTYPES):
+            raise ValueError(
+                f"kv_scales must be given exactly for a quantized cache, got "
+                f"{'none' if self.kv_scales is None else 'scales'} for dtype {self.dtype}"
+            )
         moved = self.moved_kv_heads
         if moved is None:
             return
@@ -88,10 +102,12 @@ class KVCacheLayout:
         kv_cache: torch.Tensor,
         kv_heads: range | None = None,
         cache_groups: str | None = None,
+        kv_scales: KVScales | None = None,
     ) -> KVCacheLayout:
         """The layout of a cache tensor `[num_layers, kv_planes, num_blocks, block_size, heads,
         dim]`. ``kv_heads``: the model's KV heads it holds (a rank's ``shard.kv_heads``;
-        default: the cache's heads are the model's first ones); ``cache_groups``: as the field."""
+        default: the cache's heads are the model's first ones); ``cache_groups`` and
+        ``kv_scales``: as the fields."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] not in (1, 2):
             raise ValueError(
                 "KV cache must be [num_layers, kv_planes (2, or 1 for a latent cache), "
@@ -110,6 +126,7 @@ class KVCacheLayout:
             head_dim,
             kv_planes,
             cache_groups=cache_groups,
+            kv_scales=kv_scales,
         )
         return layout if kv_heads is None else layout.holding(kv_heads)
 
@@ -216,6 +233,28 @@ class KVCacheLayout:
                 f"KV layout mismatch on cache_groups: this side has {self.cache_groups}, the "
                 f"peer has {peer.cache_groups}"
             )
+        return self._scales_mismatch(peer)
+
+    def _scales_mismatch(self, peer: KVCacheLayout) -> str | None:
+        """A quantized cache's blocks read the same at both ends only with the same scales
+        for the heads they move: the first layer, plane and head whose scale differs."""
+        mine, theirs = self.kv_scales, peer.kv_scales
+        if mine is None or theirs is None:
+            return None  # both float: the dtypes matched
+        if len(mine) != len(theirs):
+            return (
+                f"KV layout mismatch on kv_scales: this side has scales for {len(mine)} "
+                f"layers, the peer for {len(theirs)}"
+            )
+        for layer, (my_planes, their_planes) in enumerate(zip(mine, theirs)):
+            for plane, name in enumerate(("K", "V")):
+                for head in self.moved_heads:
+                    a, b = _scale_of(my_planes[plane], head), _scale_of(their_planes[plane], head)
+                    if a != b:
+                        return (
+                            f"KV layout mismatch on kv_scales: layer {layer} {name} head {head} "
+                            f"has scale {a} on this side, {b} on the peer"
+                        )
         return None
 
     def _heads_mismatch(
@@ -254,7 +293,10 @@ class KVCacheLayout:
             raise ValueError("KV cache must be contiguous")
         if kv_cache.device != device:
             raise ValueError(f"KV cache is on {kv_cache.device}, the channel on {device}")
-        found = KVCacheLayout.from_cache(kv_cache)
+        # a quantized cache is checked with this layout's scales: the tensor cannot tell them
+        found = KVCacheLayout.from_cache(
+            kv_cache, kv_scales=self.kv_scales if kv_cache.element_size() == 1 else None
+        )
         for name in _SHAPE_FIELDS:
             mine, theirs = getattr(self, name), getattr(found, name)
             if mine != theirs:
@@ -268,6 +310,9 @@ class KVCacheLayout:
             "first_kv_head": self.first_kv_head,
             "moved_kv_heads": None if moved is None else [moved.start, moved.stop],
             "cache_groups": self.cache_groups,
+            "kv_scales": None
+            if self.kv_scales is None
+            else [[list(plane) for plane in planes] for planes in self.kv_scales],
         }
 
     @classmethod
@@ -283,7 +328,34 @@ class KVCacheLayout:
             ):
                 raise ValueError(f"malformed moved_kv_heads from the peer: {moved!r}")
             moved = range(moved[0], moved[1])
-        return cls(**{**data, "moved_kv_heads": moved})
+        return cls(**{**data, "moved_kv_heads": moved, "kv_scales": _scales_from_json(data)})
+
+
+def _scale_of(plane: tuple[float, ...], head: int) -> float | None:
+    return plane[head] if 0 <= head < len(plane) else None
+
+
+def _scales_from_json(data: dict[str, Any]) -> KVScales | None:
+    """The peer's ``kv_scales`` as tuples; ``ValueError`` unless [layer][K, V][head] numbers."""
+    raw = data["kv_scales"]
+    if raw is None:
+        return None
+    malformed = ValueError(f"malformed kv_scales from the peer: {raw!r}")
+    if not isinstance(raw, list):
+        raise malformed
+    layers = []
+    for planes in raw:
+        if not (isinstance(planes, list) and len(planes) == 2):
+            raise malformed
+        scales = []
+        for plane in planes:
+            if not isinstance(plane, list) or not all(
+                type(scale) in (int, float) for scale in plane
+            ):
+                raise malformed
+            scales.append(tuple(float(scale) for scale in plane))
+        layers.append((scales[0], scales[1]))
+    return tuple(layers)
 
 
 def describe_heads(heads: range) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from kv_transfer.channel import ChannelListener, KVChannel
 from kv_transfer.errors import TransferError
-from kv_transfer.layout import KVCacheLayout
+from kv_transfer.layout import KVCacheLayout, KVScales
 from kv_transfer.messages import ChannelRendezvous, TransferStats
 from kv_transfer.rank_calls import (
     AcceptPair,
@@ -40,9 +40,10 @@ class RankKVPort:
         kv_heads: range,  # the model's KV heads the cache holds (the rank's shard.kv_heads)
         host: str,  # where this rank's listening sockets bind (never a wildcard)
         cache_groups: str | None = None,  # the model's KV cache groups (KVCacheLayout's field)
+        kv_scales: KVScales | None = None,  # a quantized cache's scales (KVCacheLayout's field)
     ) -> None:
         self.kv_cache = kv_cache
-        self.layout = KVCacheLayout.from_cache(kv_cache, kv_heads, cache_groups)
+        self.layout = KVCacheLayout.from_cache(kv_cache, kv_heads, cache_groups, kv_scales)
         self.host = host
         self.device = kv_cache.device
         self._listeners: dict[str, ChannelListener] = {}

@@ -84,11 +84,15 @@ class PrefillWorker:
         # no decode graphs: a prefill worker's sequences stop after their first token
         self.engine = LLMEngine(replace(load, enforce_eager=True), cache, scheduler, None, parallel)
         cache_groups = self.engine.model_config.cache_groups.handshake_name
-        self.layout = KVCacheLayout.from_cache(self.engine.kv_cache, cache_groups=cache_groups)
+        scales = self.engine.kv_cache_scales
+        kv_scales = None if scales is None else scales.per_layer
+        self.layout = KVCacheLayout.from_cache(
+            self.engine.kv_cache, cache_groups=cache_groups, kv_scales=kv_scales
+        )
         # each rank's KV heads and port, rank 0 first: the rank pairs' channels use them
         self._kv_heads = kv_heads_of_ranks(self.engine.model_config, self.engine.shard.size)
         port = RankKVPort(
-            self.engine.kv_cache, self.engine.shard.kv_heads, transfer.host, cache_groups
+            self.engine.kv_cache, self.engine.shard.kv_heads, transfer.host, cache_groups, kv_scales
         )
         self._rank0 = LocalRankPeer(port, f"kv-rank0-{worker_id}")
         self._ranks: list[RankPeer] = [self._rank0, *follower_ranks]

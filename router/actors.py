@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import ray
 
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
+from engine.kv_cache.kv_quantization import KVCacheScales
 from engine.messages import GenerateRequest, HandoffCall, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
@@ -71,6 +72,10 @@ class DecodeActor:
 
     def ready(self) -> str:
         return self.worker.worker_id
+
+    def kv_cache_scales(self) -> KVCacheScales | None:
+        """Its quantized cache's scales (the cluster hands them to every other worker)."""
+        return self.worker.engine.kv_cache_scales
 
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
@@ -239,6 +244,7 @@ class RankActor:
                     built.shard.kv_heads,
                     self.transfer.host,
                     built.model_config.cache_groups.handshake_name,
+                    None if built.kv_cache_scales is None else built.kv_cache_scales.per_layer,
                 )
                 self._built.set()
                 follower.run()

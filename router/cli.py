@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from engine.engine_config import ATTENTION_BACKENDS
+from engine.kv_cache.kv_quantization import parse_kv_cache_dtype
 from engine.scheduler import SCHEDULING_POLICIES
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import describe_auto
@@ -103,6 +104,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         choices=list(ATTENTION_BACKENDS),
         help="auto: Triton kernels on cuda; on cpu the C prefill and decode kernels (built with cc on first use), else the torch reference",
     )
+    _add_kv_cache_dtype(cluster)
     cluster.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs of decode steps (cuda only)"
     )
@@ -387,6 +389,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    _add_kv_cache_dtype(parser)
+
+
+def _add_kv_cache_dtype(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "int8"],
+        help="what the KV cache stores: auto (the model's dtype), fp8 / fp8_e4m3 or int8 "
+        "(half of bf16's bytes; static scales per layer and KV head, from the checkpoint's "
+        "k_scale/v_scale or calibrated at start-up: docs/quantized-kv-cache.md)",
+    )
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -403,6 +417,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
     )
@@ -457,6 +472,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=dtype,
         attention_backend=args.attention_backend,
+        kv_cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
         enforce_eager=args.enforce_eager,
         address=args.address,
         node_ip=args.node_ip,

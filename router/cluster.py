@@ -116,6 +116,8 @@ class Cluster:
             actor = launcher.launch(slot, slot.name, decode_handles)
             if slot.role == "decode":
                 decode_handles[slot.name] = actor
+            if launcher.needs_kv_cache_scales:  # the first worker calibrates for all
+                launcher.use_kv_cache_scales(ray.get(actor.kv_cache_scales.remote()))
             workers.append(WorkerHandle(slot.name, slot.role, actor, slot=slot.name))
         ray.get([w.actor.ready.remote() for w in workers])
         workers.sort(key=lambda w: w.role != "prefill")  # listed prefill first

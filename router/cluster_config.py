@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.budget import KVBudget
+from engine.kv_cache.kv_quantization import KV_CACHE_DTYPES
 from engine.model_config import load_model_config
 from engine.parallel.shard import check_tensor_parallel_size
 from engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig, SchedulingPolicy
@@ -26,6 +27,10 @@ class ClusterConfig:
     attention_backend: str = (
         "auto"  # auto | torch | triton | cpu (engine_config.ATTENTION_BACKENDS)
     )
+    # what every worker's KV cache stores: auto (the model's dtype) | fp8_e4m3 | int8; a
+    # quantized cache's scales are the checkpoint's, else the first worker calibrates them and
+    # the others (and every restart) get the same (router/cluster.py)
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs of decode steps (LoadConfig.enforce_eager)
     address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     # this node's address for Ray (router.local_ray): a local Ray's processes listen on it, on
@@ -112,6 +117,11 @@ class ClusterConfig:
             raise ValueError(
                 f"--kv-transport {self.kv_transport} cannot move {self.device} KV caches; "
                 f"with --device {self.device} use auto, {', '.join(usable[:-1])}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.router_policy not in POLICY_NAMES:
             raise ValueError(
@@ -201,7 +211,12 @@ class ClusterConfig:
             num_blocks=self.num_kv_blocks,
             memory_fraction=self.gpu_memory_utilization * gpu_share,
         )
-        return CacheConfig(self.block_size, budget=budget, attention_backend=self.attention_backend)
+        return CacheConfig(
+            self.block_size,
+            budget=budget,
+            attention_backend=self.attention_backend,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
 
     def scheduler_config(self) -> SchedulerConfig:
         """The decode (and colocated) workers' scheduler settings."""

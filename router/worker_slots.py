@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.kv_cache.kv_quantization import KVCacheScales
 from router.actors import remote_decode_actor, remote_prefill_actor
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import CpuBinding
@@ -75,6 +76,16 @@ class WorkerLauncher:
             "decode": rank_bundle(cpus, gpus, config.decode_resources),
         }
         self._placements: dict[str, RankPlacement] = {}  # slot name -> its worker's ranks'
+
+    @property
+    def needs_kv_cache_scales(self) -> bool:
+        """A quantized cache without scales given: each worker would calibrate its own, and
+        workers with different scales cannot hand KV to each other."""
+        return self._cache.quantized_kv and self._cache.kv_cache_scales is None
+
+    def use_kv_cache_scales(self, scales: KVCacheScales) -> None:
+        """Every worker launched from now on (restarts too) takes these scales."""
+        self._cache = replace(self._cache, kv_cache_scales=scales)
 
     def launch(self, slot: WorkerSlot, worker_id: str, decode_handles: Mapping[str, Any]) -> Any:
         """A new actor for ``slot``; a prefill one reaches the decode workers of

@@ -116,6 +116,7 @@ def _model_card(gateway: Gateway) -> dict[str, Any]:
         "owned_by": "pdserve",
         "max_model_len": gateway.model.max_model_len,
         "quantization": gateway.model.quantization,  # None: float weights
+        "kv_cache_dtype": gateway.model.kv_cache_dtype,  # fp8_e4m3 | int8 | the model's dtype
     }
 
 

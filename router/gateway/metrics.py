@@ -177,8 +177,9 @@ class GatewayMetrics:
         slo: SloTargets,
         model_info: Mapping[str, str] | None = None,
     ) -> None:
-        """``model_info``: labels of ``pdserve:model_info`` (the served model's name and its
-        weights' quantization), a gauge of 1 as Prometheus info metrics are."""
+        """``model_info``: labels of ``pdserve:model_info`` (the served model's name, its
+        weights' quantization and what its KV cache stores), a gauge of 1 as Prometheus info
+        metrics are."""
         self.slo = slo
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_WorkerCollector(worker_statuses))
@@ -191,7 +192,8 @@ class GatewayMetrics:
         if model_info is not None:
             info = Gauge(
                 "pdserve:model_info",
-                "The served model: its name and its weights' quantization ('none': floats)",
+                "The served model: its name, its weights' quantization ('none': floats) and "
+                "its KV cache's element type",
                 sorted(model_info),
                 registry=r,
             )

@@ -22,6 +22,9 @@ class ServedModel:
     # its weights' quantization as the checkpoint gives it, e.g. "compressed-tensors w4a16
     # (group 128, symmetric)"; None: float weights
     quantization: str | None = None
+    # what its KV cache stores: "fp8_e4m3" or "int8" (a quantized cache), else the model's
+    # dtype, e.g. "bfloat16"
+    kv_cache_dtype: str = "float32"
     # the format tool_choice "auto" reads the model's calls in (``--tool-call-parser`` with
     # ``--enable-auto-tool-choice``); None: "auto" is refused, as vLLM refuses it without them
     tool_call_parser: str | None = None
@@ -48,7 +51,11 @@ class ServedModel:
         created: int = 0,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        dtype: str = "auto",  # the workers' (LoadConfig.dtype)
+        kv_cache_dtype: str = "auto",  # the workers' (CacheConfig.kv_cache_dtype)
     ) -> ServedModel:
+        from engine.engine_config import LoadConfig
+        from engine.kv_cache.kv_quantization import is_quantized
         from engine.tokenizer import load_tokenizer
 
         config = load_model_config(model_dir)
@@ -71,6 +78,9 @@ class ServedModel:
             tokenizer=tokenizer,
             created=created,
             quantization=None if config.quantization is None else config.quantization.describe(),
+            kv_cache_dtype=kv_cache_dtype
+            if is_quantized(kv_cache_dtype)
+            else LoadConfig(model_dir, dtype).dtype_name(config.checkpoint_dtype),
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
         )

@@ -103,7 +103,11 @@ class Gateway:
             backend.local_prefills,
             backend.worker_restarts,
             slo or SloTargets(),
-            {"model_name": model.name, "quantization": model.quantization or "none"},
+            {
+                "model_name": model.name,
+                "quantization": model.quantization or "none",
+                "kv_cache_dtype": model.kv_cache_dtype,
+            },
         )
         self.num_in_flight = 0
         self.draining = False  # shutting down: new requests are refused

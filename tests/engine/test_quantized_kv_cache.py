@@ -13,16 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
 
 from engine import LLM, SamplingParams
 from engine.attention.layer import Attention
-from engine.kv_cache.kv_quantization import (
-    KVCacheScales,
-    dequantize_kv,
-    quantize_kv,
-    storage_dtype,
-)
+from engine.kv_cache.kv_quantization import KVCacheScales, storage_dtype
+from tests.engine.quantized_kv_reference import transformers_quantized_kv_greedy
 from tests.engine.quantized_runs import NUM_TOKENS, PROMPTS, engine_greedy, quantized_llm
 from tests.fixtures.tiny_models import make_tiny_model
 
@@ -32,52 +27,6 @@ KV_CACHE_DTYPES = ["fp8_e4m3", "int8"]
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM")
-
-
-def transformers_quantized_kv_greedy(
-    model_dir: Path, scales: KVCacheScales, prompts: list[list[int]] = PROMPTS
-) -> list[list[int]]:
-    """transformers' greedy tokens with every layer's new K/V stored as a quantized cache
-    stores them and read back (by the scales of each layer and head) before attention."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    into = storage_dtype(scales.kv_cache_dtype, torch.float32)
-    heads = range(scales.num_kv_heads)
-
-    def stored(states: torch.Tensor, head_scales: torch.Tensor) -> torch.Tensor:
-        tokens_major = states.transpose(1, 2)  # [batch, seq, kv_heads, head_dim]
-        quantized = quantize_kv(tokens_major, head_scales, into)
-        return dequantize_kv(quantized, head_scales, states.dtype).transpose(1, 2)
-
-    tokens = []
-    for prompt in prompts:
-        cache = DynamicCache(config=model.config)
-        for index, layer in enumerate(cache.layers):
-            k_scales, v_scales = scales.layer(index, heads, torch.device("cpu"))
-            update = layer.update
-
-            def quantized_update(
-                key: torch.Tensor,
-                value: torch.Tensor,
-                *args: Any,
-                _update: Any = update,
-                _k: torch.Tensor = k_scales,
-                _v: torch.Tensor = v_scales,
-                **kwargs: Any,
-            ) -> Any:
-                return _update(stored(key, _k), stored(value, _v), *args, **kwargs)
-
-            layer.update = quantized_update  # type: ignore[method-assign]
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
-                do_sample=False,
-                past_key_values=cache,
-            )
-        tokens.append(out[0, len(prompt) :].tolist())
-    return tokens
 
 
 @pytest.mark.parametrize("attention_backend", ["torch", "auto"])
@@ -152,9 +101,7 @@ def test_calibration_repeats_and_given_scales_are_used(llama_dir: Path) -> None:
     llm = quantized_llm(llama_dir, kv_cache_dtype="fp8_e4m3", kv_cache_scales=given)
     assert llm.engine.kv_cache_scales == given
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Attention)]
-    assert all(
-        torch.equal(m.kv_scales, torch.tensor([[0.5, 0.25], [0.125, 1.0]])) for m in layers
-    )
+    assert all(torch.equal(m.kv_scales, torch.tensor([[0.5, 0.25], [0.125, 1.0]])) for m in layers)
     assert engine_greedy(llm) == transformers_quantized_kv_greedy(llama_dir, given)
 
 
@@ -232,9 +179,7 @@ def test_demo_model_held_out_perplexity_within_two_percent() -> None:
     assert sum(len(p) - 1 for p in prompts) > 5000
 
     def perplexity(kv_cache_dtype: str) -> float:
-        llm = LLM(
-            str(DEMO_MODEL_DIR), device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype
-        )
+        llm = LLM(str(DEMO_MODEL_DIR), device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype)
         return _held_out_perplexity(llm, prompts)
 
     float_perplexity = perplexity("auto")

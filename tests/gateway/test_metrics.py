@@ -139,7 +139,8 @@ def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewaySer
         | set(LOCAL_PREFILL_REASONS)
         | {"ok", "invalid", "unauthorized", "rejected", "failed", "aborted"}
         | set(HOPS)  # first_token_hop_seconds{hop}
-        | {MODEL_NAME, "none"}  # model_info{model_name, quantization}: the server's own
+        # model_info{model_name, quantization, kv_cache_dtype}: the server's own
+        | {MODEL_NAME, "none", gateway_server.gateway.model.kv_cache_dtype}
     )
     for (_, labels), _ in _samples(http).items():
         for key, value in labels:

@@ -16,18 +16,25 @@ CPU = torch.device("cpu")
 SETUP_TIMEOUT_S = 30.0
 
 
+# a quantized cache's scales for small_layout's 3 layers of 2 heads: [layer][K, V][head]
+SMALL_KV_SCALES = tuple(((0.5, 0.25 * layer + 0.25), (1.0, 2.0)) for layer in range(3))
+
+
 def small_layout(dtype: str = "float32") -> KVCacheLayout:
     # one block: 3 layers * 2 * (4 tokens * 2 heads * 8 dims) elements
-    return KVCacheLayout(dtype, block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+    scales = SMALL_KV_SCALES if dtype in ("float8_e4m3fn", "int8") else None
+    return KVCacheLayout(
+        dtype, block_size=4, num_layers=3, num_kv_heads=2, head_dim=8, kv_scales=scales
+    )
 
 
 def random_cache(layout: KVCacheLayout, num_blocks: int, seed: int) -> torch.Tensor:
     """A cache of random values, none of them zero (so an unwritten block shows)."""
     shape = layout.cache_shape(num_blocks)
     generator = torch.Generator().manual_seed(seed)
-    values = torch.randn(shape, generator=generator).to(layout.torch_dtype)
-    values[values == 0] = 1.0
-    return values
+    values = 4 * torch.randn(shape, generator=generator)
+    values[values.to(layout.torch_dtype).float() == 0] = 1
+    return values.to(layout.torch_dtype)
 
 
 def open_pair(

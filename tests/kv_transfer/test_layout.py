@@ -56,7 +56,7 @@ def test_json_round_trip_and_strict_parse() -> None:
     with pytest.raises(ValueError):
         KVCacheLayout.from_json({**layout.to_json(), "extra": 1})
     with pytest.raises(ValueError):
-        KVCacheLayout.from_json({**layout.to_json(), "dtype": "int8"})
+        KVCacheLayout.from_json({**layout.to_json(), "dtype": "int4"})
 
 
 def test_check_cache_refuses_other_shapes() -> None:
@@ -95,3 +95,31 @@ def test_chunk_plan_covers_every_plane_of_every_block_once(max_chunk_bytes: int)
 def test_chunk_smaller_than_a_plane_is_refused() -> None:
     with pytest.raises(ValueError, match="smaller than one plane"):
         plan_chunks(small_layout(), num_blocks=2, max_chunk_bytes=16)
+
+
+def test_quantized_layouts_carry_their_scales_and_name_a_mismatch() -> None:
+    """A quantized cache's blocks read the same at both ends only with the same scales: the
+    handshake names the first layer, plane and head whose scale differs, among the moved
+    heads only; the scales survive the JSON handshake."""
+    layout = small_layout("int8")
+    assert layout.block_nbytes == 3 * 2 * 4 * 2 * 8  # a byte an element
+    assert KVCacheLayout.from_json(layout.to_json()) == layout
+    cache = random_cache(layout, num_blocks=3, seed=0)
+    assert KVCacheLayout.from_cache(cache, kv_scales=layout.kv_scales) == layout
+    assert layout.check_cache(cache, torch.device("cpu")) == 3
+    scales = [list(map(list, planes)) for planes in layout.kv_scales or ()]
+    scales[2][1][1] = 4.0  # layer 2's V scale of head 1
+    peer = dataclasses.replace(layout, kv_scales=tuple((tuple(k), tuple(v)) for k, v in scales))
+    with pytest.raises(
+        LayoutMismatchError,
+        match="on kv_scales: layer 2 V head 1 has scale 2.0 on this side, 4.0 on the peer",
+    ):
+        layout.check_compatible(peer)
+    # a channel that moves head 0 alone does not care about head 1's scales
+    layout.moving(range(0, 1)).check_compatible(peer.moving(range(0, 1)))
+    with pytest.raises(LayoutMismatchError, match="on dtype: this side has int8"):
+        layout.check_compatible(small_layout("float8_e4m3fn"))
+    with pytest.raises(ValueError, match="kv_scales must be given exactly for a quantized"):
+        dataclasses.replace(layout, kv_scales=None)
+    with pytest.raises(ValueError, match="malformed kv_scales"):
+        KVCacheLayout.from_json({**layout.to_json(), "kv_scales": [[[1.0, "x"], [1.0, 1.0]]]})

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,6 +19,7 @@ from decode_worker.worker import DecodeWorker
 from engine import LLM, GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
+from engine.kv_cache.kv_quantization import KVCacheScales
 from engine.messages import (
     CancelReservation,
     HandoffCall,
@@ -31,6 +32,7 @@ from kv_transfer import KVChannel, TransferTicket
 from kv_transfer.policy import FailurePolicy, TransferConfig
 from prefill_worker.worker import PrefillWorker
 from tests.engine.hf_reference import hf_greedy
+from tests.engine.quantized_kv_reference import transformers_quantized_kv_greedy
 from tests.engine.test_parity import make_prompts
 from tests.workers.local_peer import LocalDecodePeer, answered
 from tests.workers.output_collector import OutputCollector
@@ -254,16 +256,19 @@ def _one_pair(
     decode_block_size: int = 8,
     decode_num_blocks: int = 400,
     decode_scheduler: SchedulerConfig | None = None,
+    prefill_kv: dict[str, Any] | None = None,  # kv_cache_dtype, kv_cache_scales of each side
+    decode_kv: dict[str, Any] | None = None,
 ) -> Iterator[_Pair]:
     """One prefill worker "p0" handing off to one decode worker "d0", shut down afterwards."""
     scheduler = SchedulerConfig()
-    decode_cache = _cache(decode_block_size, decode_num_blocks)
+    decode_cache = replace(_cache(decode_block_size, decode_num_blocks), **(decode_kv or {}))
     decode = DecodeWorker(
         "d0", _load(model_dir), decode_cache, decode_scheduler or scheduler, transfer
     )
     peer = make_peer(decode)
+    prefill_cache = replace(_cache(prefill_block_size), **(prefill_kv or {}))
     prefill = PrefillWorker(
-        "p0", _load(model_dir), _cache(prefill_block_size), scheduler, transfer, {"d0": peer}
+        "p0", _load(model_dir), prefill_cache, scheduler, transfer, {"d0": peer}
     )
     collector = OutputCollector([prefill.next_batch, decode.next_batch], GATEWAY)
     try:
@@ -381,12 +386,16 @@ class _CheckingDecodePeer(LocalDecodePeer):
             num_tokens = result.num_prompt_tokens
             sent = _prompt_slots(self.prefill_cache[0], result.block_ids, num_tokens)
             got = _prompt_slots(self.worker.engine.kv_cache, receive.block_ids, num_tokens)
-            assert torch.equal(sent, got), f"KV of {result.request_id} differs"
+            assert torch.equal(_bits(sent), _bits(got)), f"KV of {result.request_id} differs"
             self.num_checked += 1
             return ok
 
         checked: Future[Any] = self._executor.submit(receive_and_check)
         return checked
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8)
 
 
 def _prompt_slots(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
@@ -417,6 +426,66 @@ def test_received_kv_equals_the_prefill_sides_bitwise(
         assert isinstance(pair.peer, _CheckingDecodePeer)
         assert pair.peer.num_checked == len(prompts)
         assert [t.checksum for t in pair.peer.tickets] == [checksum] * len(prompts)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_a_quantized_cache_hands_off_its_blocks_bitwise_and_decodes_exactly(
+    llama_dir: Path, kv_cache_dtype: str
+) -> None:
+    """Both pools store 8-bit K/V with the same scales (given to both, as the cluster does):
+    the channel moves the quantized blocks, a byte an element, bit for bit, and the split
+    workers' greedy tokens equal transformers quantizing its K/V the same way."""
+    scales = LLM(
+        str(llama_dir), dtype="float32", device="cpu", kv_cache_dtype=kv_cache_dtype
+    ).engine.kv_cache_scales
+    assert scales is not None
+    kv = {"kv_cache_dtype": kv_cache_dtype, "kv_cache_scales": scales}
+    transfer = TransferConfig(transport="gloo", timeout_s=10.0)
+    prefill_cache: list[torch.Tensor] = []
+    prompts = make_prompts(seed=29)[:5]
+    with _one_pair(
+        llama_dir,
+        transfer,
+        lambda decode: _CheckingDecodePeer(decode, prefill_cache),
+        prefill_kv=kv,
+        decode_kv=kv,
+    ) as pair:
+        layout = pair.prefill.layout
+        assert layout.dtype == str(pair.prefill.engine.kv_cache.dtype).removeprefix("torch.")
+        assert layout.block_nbytes == layout.num_layers * 2 * 8 * layout.num_kv_heads * 16
+        prefill_cache.append(pair.prefill.engine.kv_cache)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            pair.prefill.submit(GenerateRequest(f"q{i}", prompt, params, GATEWAY), "d0")
+        pair.collector.wait_finished([(f"q{i}", 0) for i in range(len(prompts))])
+        assert not pair.collector.failures
+        assert isinstance(pair.peer, _CheckingDecodePeer)
+        assert pair.peer.num_checked == len(prompts)
+        outputs = [pair.collector.output(f"q{i}") for i in range(len(prompts))]
+    assert outputs == transformers_quantized_kv_greedy(llama_dir, scales, prompts, 6)
+
+
+def test_pools_with_different_kv_scales_fail_the_hand_off_naming_them(llama_dir: Path) -> None:
+    scales = LLM(
+        str(llama_dir), dtype="float32", device="cpu", kv_cache_dtype="int8"
+    ).engine.kv_cache_scales
+    assert scales is not None
+    halved = KVCacheScales(
+        "int8", tuple((k, tuple(v / 2 for v in vs)) for k, vs in scales.per_layer)
+    )
+    transfer = TransferConfig(transport="gloo", timeout_s=5.0)
+    with _one_pair(
+        llama_dir,
+        transfer,
+        prefill_kv={"kv_cache_dtype": "int8", "kv_cache_scales": scales},
+        decode_kv={"kv_cache_dtype": "int8", "kv_cache_scales": halved},
+    ) as pair:
+        params = SamplingParams(max_tokens=5)
+        pair.prefill.submit(GenerateRequest("s", make_prompts(seed=25)[4], params, GATEWAY), "d0")
+        pair.collector.wait_finished([("s", 0)], timeout_s=30)
+        assert "kv_scales: layer 0 V head 0" in pair.collector.failures["s"]
+        assert pair.prefill.load().kv_usage == 0.0
+        _eventually(lambda: pair.decode.load().kv_usage == 0.0)
 
 
 def test_a_latent_cache_model_hands_off_its_latent_entries(model_dirs: dict[str, Path]) -> None:
