@@ -115,14 +115,15 @@ class CacheConfig:
                 f"{self.kv_cache_dtype}"
             )
 
-    @property
-    def quantized_kv(self) -> bool:
-        return is_quantized(self.kv_cache_dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                 f"got {self.attention_backend!r}"
             )
+
+    @property
+    def quantized_kv(self) -> bool:
+        return is_quantized(self.kv_cache_dtype)
 
 
 TENSOR_PARALLEL_BACKENDS = ("auto", "gloo", "nccl")  # engine/parallel/group.py

@@ -5,7 +5,10 @@ over the prefill rows (varlen, causal, reading cached prefixes through the block
 the flash-decoding kernel over the decode rows (a sequence's rows together when the metadata
 groups them: a decode graph's drafts), each reading the paged cache in place; a
 sliding-window layer's only from where its tokens' windows start. Both kernels soft-cap the
-logits and count attention sinks when a layer has them.
+logits and count attention sinks when a layer has them. A quantized cache (float8 e4m3 or
+int8 elements, with ``kv_scales``) is written and read by the same kernels: ``write_kv``
+quantizes as engine/kv_cache/kv_quantization.py does, to the bit, and the attention kernels
+read each element as ``element * scale``.
 
 A latent cache (multi-head latent attention) has its own kernels, in
 engine/kernels/latent_attention.py: ``write_latent`` scatters the entries, ``forward_latent``
@@ -63,8 +66,9 @@ class TritonAttentionBackend(AttentionBackend):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> None:
-        write_kv_cache(kv_cache_layer, key, value, slot_mapping)
+        write_kv_cache(kv_cache_layer, key, value, slot_mapping, kv_scales)
 
     def forward(
         self,
@@ -75,6 +79,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] fp32
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_prefill_tokens = metadata.num_prefill_tokens
         outputs = []
@@ -94,6 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
                     sliding_window=sliding_window,
                     logit_softcap=logit_softcap,
                     sinks=sinks,
+                    kv_scales=kv_scales,
                 )
             )
         if metadata.num_decode_seqs > 0:
@@ -118,6 +124,7 @@ class TritonAttentionBackend(AttentionBackend):
                     sliding_window=sliding_window,
                     logit_softcap=logit_softcap,
                     sinks=sinks,
+                    kv_scales=kv_scales,
                 )
             )
         if not outputs:

@@ -10,6 +10,8 @@ import triton
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# a quantized KV cache's elements (engine/kv_cache/kv_quantization.py): Triton's float8e4nv, int8
+QUANTIZED_KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
 LOG2_E = 1.4426950408889634  # kernels run the softmax in base 2: exp(x) = exp2(x * LOG2_E)
 
 
@@ -63,7 +65,7 @@ def require_contiguous_heads(name: str, tensor: torch.Tensor) -> None:
 
 def require_kv_cache_layer(kv_cache_layer: torch.Tensor) -> None:
     """One layer's paged cache as every kernel reads it: [2, num_blocks, block_size,
-    num_kv_heads, head_dim], contiguous, of a float dtype the kernels take."""
+    num_kv_heads, head_dim], contiguous, of a float dtype the kernels take or a quantized one."""
     require(
         kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
         "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
@@ -71,8 +73,39 @@ def require_kv_cache_layer(kv_cache_layer: torch.Tensor) -> None:
     )
     require(kv_cache_layer.is_contiguous(), "kv_cache_layer must be contiguous")
     require(
-        kv_cache_layer.dtype in FLOAT_DTYPES,
-        f"kv_cache_layer dtype must be float32, float16 or bfloat16, got {kv_cache_layer.dtype}",
+        kv_cache_layer.dtype in FLOAT_DTYPES + QUANTIZED_KV_DTYPES,
+        "kv_cache_layer dtype must be float32, float16, bfloat16, float8_e4m3fn or int8, got "
+        f"{kv_cache_layer.dtype}",
+    )
+
+
+def is_quantized_cache(kv_cache_layer: torch.Tensor) -> bool:
+    return kv_cache_layer.dtype in QUANTIZED_KV_DTYPES
+
+
+def require_kv_scales(kv_scales: torch.Tensor | None, kv_cache_layer: torch.Tensor) -> None:
+    """A quantized cache's scales, given exactly when the cache is quantized: a contiguous
+    float32 [2, num_kv_heads] (row 0 the keys', row 1 the values') on the cache's device."""
+    if not is_quantized_cache(kv_cache_layer):
+        require(
+            kv_scales is None,
+            f"kv_scales are for a quantized cache; kv_cache_layer is {kv_cache_layer.dtype}",
+        )
+        return
+    if kv_scales is None:
+        raise ValueError(
+            f"a {kv_cache_layer.dtype} kv_cache_layer needs kv_scales (its K and V scale per head)"
+        )
+    num_kv_heads = kv_cache_layer.shape[3]
+    require(
+        kv_scales.shape == (2, num_kv_heads) and kv_scales.is_contiguous(),
+        f"kv_scales must be a contiguous [2, num_kv_heads = {num_kv_heads}], got "
+        f"{tuple(kv_scales.shape)}",
+    )
+    require(kv_scales.dtype == torch.float32, f"kv_scales must be float32, got {kv_scales.dtype}")
+    require(
+        kv_scales.device == kv_cache_layer.device,
+        f"kv_scales is on {kv_scales.device}, kv_cache_layer on {kv_cache_layer.device}",
     )
 
 

@@ -9,7 +9,10 @@ program, so its K/V are loaded once for all of them, not once per row. With a sl
 ``W``, a row of context ``n`` sees only its last ``W`` tokens, ``max(0, n - W) .. n - 1``.
 With a logit soft-cap ``c`` each logit ``scale * q . k`` becomes ``c * tanh(logit / c)`` before
 the mask; with attention sinks, head ``h``'s logit ``sinks[h]`` joins its softmax's denominator
-as a position with no value.
+as a position with no value. A quantized cache (float8 e4m3 or int8 elements, as
+engine/kv_cache/kv_quantization.py stores them) is read as what its elements stand for,
+``element * scale`` with the KV head's K and V scales: the elements, exact in the query's dtype,
+go into the dots, the K scale into the logits' scale and the V scale into the output.
 
 Flash-decoding, two kernels:
 
@@ -47,11 +50,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels.checks import (
+    FLOAT_DTYPES,
     INDEX_DTYPES,
     LOG2_E,
     interpreted,
+    is_quantized_cache,
     require,
     require_kv_cache_layer,
+    require_kv_scales,
     require_power_of_two,
     require_same_device,
     require_sinks,
@@ -94,6 +100,7 @@ def _decode_partition_kernel(
     window,  # a row of context n sees positions n - window .. n - 1 (read only when WINDOWED)
     softcap_log2,  # the logit soft-cap c * log2(e) (read only when SOFTCAP)
     sinks_ptr,  # [num_heads] f32: each head's sink logit (read only when SINKS)
+    kv_scales_ptr,  # [2, NUM_KV_HEADS] f32: each head's K, then V scale (read if KV_QUANTIZED)
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
     # power of two >= max(rows per group * GROUP_SIZE, 16); rows per group: 1 unless FOLDED
@@ -108,6 +115,7 @@ def _decode_partition_kernel(
     SOFTCAP: tl.constexpr,  # logits become c * tanh(logit / c)
     SINKS: tl.constexpr,  # a sink logit per head joins the softmax's denominator
     DOT_FP32: tl.constexpr,  # upcast dot operands (fp32 inputs, or the interpreter)
+    KV_QUANTIZED: tl.constexpr,  # the cache stores float8e4nv or int8 elements
 ):
     group = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -150,6 +158,9 @@ def _decode_partition_kernel(
     q = tl.load(query_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)  # [TILE_ROWS, HEAD_DIM_PAD]
+    if KV_QUANTIZED:  # q . (k * k_scale) = (q . k) * k_scale; the V scale scales the output
+        scale_log2 = scale_log2 * tl.load(kv_scales_ptr + kv_head)
+        v_scale = tl.load(kv_scales_ptr + NUM_KV_HEADS + kv_head)
 
     m_i = tl.full([TILE_ROWS], float("-inf"), tl.float32)  # running max logit (log2 units)
     l_i = tl.zeros([TILE_ROWS], tl.float32)  # running sum of exp2(logit - m_i)
@@ -174,7 +185,10 @@ def _decode_partition_kernel(
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + v_cache_offset + kv_offsets, mask=kv_mask, other=0.0)
-        if DOT_FP32:
+        if KV_QUANTIZED:  # the stored elements, exactly, in the dot's type
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        elif DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         # [TILE_ROWS, TILE]
@@ -194,12 +208,14 @@ def _decode_partition_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        # p rounded to the cache dtype, as a tensor-core dot takes it
-        p = p.to(cache_ptr.dtype.element_ty).to(v.dtype)
+        # p rounded to the query's dtype, as a tensor-core dot takes it
+        p = p.to(query_ptr.dtype.element_ty).to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
 
     out_rows = query_rows.to(tl.int64) * NUM_KV_HEADS * GROUP_SIZE + heads  # [TILE_ROWS]
+    if KV_QUANTIZED:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # 0 only in rows masked off
         tl.store(
@@ -314,6 +330,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32
+    kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] float32: a quantized cache's
 ) -> torch.Tensor:  # [num_rows, num_heads, head_dim], query's dtype
     """Attention of each row's new token over its whole context in the paged cache.
 
@@ -334,6 +351,9 @@ def paged_decode_attention(
     ``logit_softcap`` c: each logit ``scale * q . k`` becomes ``c * tanh(logit / c)`` (in
     float32, before the mask). ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
     denominator, ``p_j = exp(l_j) / (exp(sinks[h]) + sum_i exp(l_i))``.
+    ``kv_scales``: given exactly when the cache stores float8_e4m3fn or int8 elements (the
+    query then being float32, float16 or bfloat16); row 0 holds each KV head's K scale, row 1
+    its V scale, and an element stands for ``element * scale``.
     ``seq_lens`` values are checked on the host only when they are there already (on CPU);
     on a GPU that would sync. ``tiling``: for benchmarks that compare tilings; the default is
     the engine's.
@@ -341,6 +361,7 @@ def paged_decode_attention(
     Raises ValueError naming the argument on a wrong shape, dtype, device or layout.
     """
     _check_decode_args(query, kv_cache_layer, block_tables, seq_lens)
+    require_kv_scales(kv_scales, kv_cache_layer)
     num_rows, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
     capacity = block_tables.shape[1] * block_size
@@ -402,6 +423,7 @@ def paged_decode_attention(
         sliding_window or 0,
         (logit_softcap or 0.0) * LOG2_E,
         query if sinks is None else sinks,  # (not read without sinks)
+        query if kv_scales is None else kv_scales,  # (not read unless quantized)
         NUM_KV_HEADS=num_kv_heads,
         GROUP_SIZE=group_size,
         TILE_ROWS=max(_MIN_DOT_DIM, triton.next_power_of_2(rows_per_seq * group_size)),
@@ -416,6 +438,7 @@ def paged_decode_attention(
         SINKS=sinks is not None,
         # Triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits
         DOT_FP32=interpreted() or query.dtype == torch.float32,
+        KV_QUANTIZED=kv_scales is not None,
         num_warps=tiling.num_warps,
     )
     if num_splits > 1:
@@ -514,10 +537,16 @@ def _check_decode_args(
         num_heads % num_kv_heads == 0,
         f"query's num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
     )
-    require(
-        query.dtype == kv_cache_layer.dtype,
-        f"query dtype {query.dtype} != kv_cache_layer dtype {kv_cache_layer.dtype}",
-    )
+    if is_quantized_cache(kv_cache_layer):
+        require(
+            query.dtype in FLOAT_DTYPES,
+            f"query dtype must be float32, float16 or bfloat16, got {query.dtype}",
+        )
+    else:
+        require(
+            query.dtype == kv_cache_layer.dtype,
+            f"query dtype {query.dtype} != kv_cache_layer dtype {kv_cache_layer.dtype}",
+        )
     require(query.stride(2) == 1, f"query must be contiguous in head_dim ({query.stride()})")
     require(
         block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,

@@ -8,7 +8,10 @@ causally, to context positions ``0 .. p`` (the mask is aligned bottom-right); wi
 window of ``W`` tokens, to ``max(0, p - W + 1) .. p``. With a logit soft-cap ``c`` each logit
 ``scale * q . k`` becomes ``c * tanh(logit / c)`` before the mask; with attention sinks, head
 ``h``'s logit ``sinks[h]`` joins its softmax's denominator as a position with no value (each
-row's running max starts at it, its running sum at 1).
+row's running max starts at it, its running sum at 1). A quantized cache (float8 e4m3 or int8
+elements, as engine/kv_cache/kv_quantization.py stores them) is read as what its elements stand
+for, ``element * scale`` with the KV head's K and V scales: the elements, exact in the query's
+dtype, go into the dots, the K scale into the logits' scale and the V scale into the output.
 
 Program layout: grid ``(query tile, sequence, kv head)``. One program takes ``BLOCK_Q`` new
 tokens of one sequence times the ``group = num_heads // num_kv_heads`` query heads that share
@@ -36,8 +39,10 @@ from engine.kernels.checks import (
     FLOAT_DTYPES,
     LOG2_E,
     interpreted,
+    is_quantized_cache,
     require,
     require_kv_cache_layer,
+    require_kv_scales,
     require_power_of_two,
     require_prefill_index_tensors,
     require_prefill_offsets,
@@ -71,6 +76,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32
+    kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] float32: a quantized cache's
 ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim], query's dtype
     """Causal attention of each prefill sequence's new tokens over its whole paged context.
 
@@ -80,6 +86,9 @@ def paged_prefill_attention(
     ``logit_softcap`` c: each logit ``scale * q . k`` becomes ``c * tanh(logit / c)`` (in
     float32, before the mask). ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
     denominator, ``p_j = exp(l_j) / (exp(sinks[h]) + sum_i exp(l_i))``.
+    ``kv_scales``: given exactly when the cache stores float8_e4m3fn or int8 elements (the
+    query then being float32, float16 or bfloat16); row 0 holds each KV head's K scale, row 1
+    its V scale, and an element stands for ``element * scale``.
     Raises ValueError naming the argument when shapes, dtypes, devices, strides or the
     offsets disagree. The offsets' values are checked only on CPU (the interpreter): on a GPU
     reading them back would sync every call, so there they are the caller's contract.
@@ -96,6 +105,7 @@ def paged_prefill_attention(
     )
     require_softcap(logit_softcap)
     require_sinks(sinks, query)
+    require_kv_scales(kv_scales, kv_cache_layer)
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
     num_seqs = seq_lens.shape[0]
@@ -128,6 +138,7 @@ def paged_prefill_attention(
         sliding_window or 0,
         (logit_softcap or 0.0) * LOG2_E,
         query if sinks is None else sinks,  # (not read without sinks)
+        query if kv_scales is None else kv_scales,  # (not read unless quantized)
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -141,6 +152,7 @@ def paged_prefill_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # the interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584)
         UPCAST_DOT=interpreted() and query.dtype == torch.bfloat16,
+        KV_QUANTIZED=kv_scales is not None,
         num_warps=num_warps,
         num_stages=tiling.num_stages,
     )
@@ -182,7 +194,7 @@ def _check_tensors(
         query.dtype in FLOAT_DTYPES, f"query dtype must be one of {FLOAT_DTYPES}, got {query.dtype}"
     )
     require(
-        kv_cache_layer.dtype == query.dtype,
+        kv_cache_layer.dtype == query.dtype or is_quantized_cache(kv_cache_layer),
         f"kv_cache_layer dtype {kv_cache_layer.dtype} differs from query's {query.dtype}",
     )
     require(query.stride(2) == 1, f"query's last dim must be contiguous, strides {query.stride()}")
@@ -216,6 +228,7 @@ def _paged_prefill_kernel(
     window,  # the token at position p sees p - window + 1 .. p (read only when WINDOWED)
     softcap_log2,  # the logit soft-cap c * log2(e) (read only when SOFTCAP)
     sinks_ptr,  # [num_heads] f32: each head's sink logit (read only when SINKS)
+    kv_scales_ptr,  # [2, num_kv_heads] f32: each head's K, then V scale (read if KV_QUANTIZED)
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # new tokens per program
@@ -228,6 +241,7 @@ def _paged_prefill_kernel(
     SINKS: tl.constexpr,  # a sink logit per head joins the softmax's denominator
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # run the dots in float32 (the interpreter's bfloat16 dot is wrong)
+    KV_QUANTIZED: tl.constexpr,  # the cache stores float8e4nv or int8 elements
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles (most work) first
@@ -252,6 +266,10 @@ def _paged_prefill_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
+    if KV_QUANTIZED:  # q . (k * k_scale) = (q . k) * k_scale; the V scale scales the output
+        num_kv_heads = tl.num_programs(2)
+        qk_scale = qk_scale * tl.load(kv_scales_ptr + kv_head)
+        v_scale = tl.load(kv_scales_ptr + num_kv_heads + kv_head)
     query_pos = prefix_len + token  # [BLOCK_M] absolute position; rows past q_len see all
 
     # The walk: with a window, the tiles [window_start, full_window) reach below a later
@@ -279,7 +297,7 @@ def _paged_prefill_kernel(
                 q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
                 window, softcap_log2, stride_kv_side, stride_kv_block, stride_kv_slot,
                 BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
-                True, True,
+                KV_QUANTIZED, True, True,
             )  # fmt: skip
         unmasked = tl.maximum(first_pos + 1 - full_window, 0) // BLOCK_N * BLOCK_N
         diag_start = full_window + unmasked
@@ -291,18 +309,20 @@ def _paged_prefill_kernel(
             q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
             window, softcap_log2, stride_kv_side, stride_kv_block, stride_kv_slot,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
-            False, False,
+            KV_QUANTIZED, False, False,
         )  # fmt: skip
     for tile_start in range(diag_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, query_pos, tile_start, kv_end, table, kv_base, qk_scale,
             window, softcap_log2, stride_kv_side, stride_kv_block, stride_kv_slot,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
-            True, False,
+            KV_QUANTIZED, True, False,
         )  # fmt: skip
 
     if WINDOWED:
         l_i = tl.where(l_i > 0, l_i, 1.0)  # 0 only in rows past q_len, whose windows may be empty
+    if KV_QUANTIZED:
+        acc = acc * v_scale
     acc = acc / l_i[:, None]
     out_rows = (q_start + token) * stride_o_tok + head * stride_o_head
     out_ptrs = out_ptr + out_rows[:, None] + dims[None, :]
@@ -333,6 +353,7 @@ def _attend_tile(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    KV_QUANTIZED: tl.constexpr,  # k, v are float8e4nv or int8 elements
     CAUSAL_MASK: tl.constexpr,  # the tile crosses the diagonal: mask positions > query_pos
     # (with CAUSAL_MASK) the tile reaches below a row's window: mask positions <= query_pos - window
     WINDOW_MASK: tl.constexpr,
@@ -348,7 +369,10 @@ def _attend_tile(
     k = tl.load(kv_base + slot[None, :] + dims[:, None], mask=k_mask, other=0.0)
     v_ptrs = kv_base + stride_kv_side + slot[:, None] + dims[None, :]
     v = tl.load(v_ptrs, mask=pos_valid[:, None] & dim_valid[None, :], other=0.0)
-    if UPCAST_DOT:
+    if KV_QUANTIZED:  # the stored elements, exactly, in the dot's type
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    elif UPCAST_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 

@@ -54,6 +54,8 @@ _POINTER_TYPES = {
     torch.int64: "*i64",
     torch.int16: "*i16",
     torch.uint8: "*u8",
+    torch.int8: "*i8",
+    torch.float8_e4m3fn: "*fp8e4nv",
 }
 
 
@@ -184,6 +186,14 @@ def _kv_cache_layer(shape: ModelShape, dtype: torch.dtype) -> torch.Tensor:
     return _meta(2, 4096, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, dtype=dtype)
 
 
+def _kv_scales(shape: ModelShape, cache_dtype: torch.dtype | None) -> torch.Tensor | None:
+    """A quantized cache's scales (``cache_dtype`` float8_e4m3fn or int8); None for a float
+    cache (``cache_dtype`` None: the model's dtype)."""
+    if cache_dtype is None:
+        return None
+    return _meta(2, shape.num_kv_heads, dtype=torch.float32)
+
+
 def _decode(
     shape: ModelShape,
     dtype: torch.dtype,
@@ -193,17 +203,18 @@ def _decode(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> Callable[[], object]:
     """``rows_per_seq`` > 1: a verify step's rows (a token and its drafts), folded per
     sequence, as a decode graph of a drafting engine runs them. ``sinks``: a sink logit per
-    head."""
+    head. ``cache_dtype``: a quantized cache's element type (None: ``dtype``)."""
     max_blocks = -(-context // BLOCK_SIZE)
     num_rows = num_seqs * rows_per_seq
     folded = rows_per_seq > 1
     index = torch.int64 if folded else torch.int32  # (the decode graphs' buffers are int64)
     return lambda: paged_decode_attention.paged_decode_attention(
         _meta(num_rows, shape.num_heads, shape.head_dim, dtype=dtype),
-        _kv_cache_layer(shape, dtype),
+        _kv_cache_layer(shape, cache_dtype or dtype),
         _meta(num_rows, max_blocks, dtype=index),
         _meta(num_rows, dtype=index),
         shape.head_dim**-0.5,
@@ -213,6 +224,7 @@ def _decode(
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
         sinks=_meta(shape.num_heads, dtype=torch.float32) if sinks else None,
+        kv_scales=_kv_scales(shape, cache_dtype),
     )
 
 
@@ -223,11 +235,12 @@ def _prefill(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> Callable[[], object]:
     max_blocks = -(-num_tokens // BLOCK_SIZE)
     return lambda: paged_prefill_attention.paged_prefill_attention(
         _meta(num_tokens, shape.num_heads, shape.head_dim, dtype=dtype),
-        _kv_cache_layer(shape, dtype),
+        _kv_cache_layer(shape, cache_dtype or dtype),
         _meta(2, dtype=torch.int32),
         _meta(1, dtype=torch.int32),
         _meta(1, max_blocks, dtype=torch.int32),
@@ -236,15 +249,19 @@ def _prefill(
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
         sinks=_meta(shape.num_heads, dtype=torch.float32) if sinks else None,
+        kv_scales=_kv_scales(shape, cache_dtype),
     )
 
 
-def _write(shape: ModelShape, dtype: torch.dtype, num_tokens: int) -> Callable[[], object]:
+def _write(
+    shape: ModelShape, dtype: torch.dtype, num_tokens: int, cache_dtype: torch.dtype | None = None
+) -> Callable[[], object]:
     return lambda: kv_cache_write.write_kv_cache(
-        _kv_cache_layer(shape, dtype),
+        _kv_cache_layer(shape, cache_dtype or dtype),
         _meta(num_tokens, shape.num_kv_heads, shape.head_dim, dtype=dtype),
         _meta(num_tokens, shape.num_kv_heads, shape.head_dim, dtype=dtype),
         _meta(num_tokens, dtype=torch.int64),
+        _kv_scales(shape, cache_dtype),
     )
 
 
@@ -275,10 +292,14 @@ def _block_copy(shape: ModelShape, dtype: torch.dtype, num_blocks: int) -> Calla
     )
 
 
+QUANTIZED_CACHES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+
+
 def paged_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
     """(label, kernel module, wrapper call) for the launches a GPU engine makes for K/V caches:
     every model shape in bfloat16 (what GPUs serve), and the first in float16 and float32 too;
-    the first's sliding-window variants in each, its soft-cap and sink ones in bfloat16."""
+    the first's sliding-window variants in each, its soft-cap and sink ones in bfloat16; then
+    the first's quantized caches (``quantized_cases``)."""
     for index, shape in enumerate(SHAPES):
         dtypes = (torch.bfloat16, torch.float16, torch.float32) if index == 0 else (torch.bfloat16,)
         for dtype in dtypes:
@@ -307,6 +328,37 @@ def paged_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
             yield f"kv write {tag}", kv_cache_write, _write(shape, dtype, 64)
             yield f"elementwise {tag}", elementwise, _elementwise(shape, dtype, 64)
             yield f"kv block copy {tag}", block_copy, _block_copy(shape, dtype, 512)
+    yield from quantized_cases(SHAPES[0])
+
+
+def quantized_cases(shape: ModelShape) -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
+    """A quantized cache's launches (float8 e4m3 and int8 elements) under bfloat16 queries,
+    the writes from bfloat16 K/V: a split decode, a verify step's folded rows, a prefill; the
+    float8 cache's windowed, soft-capped and sink variants too, and float16 queries over it."""
+    for name, cache_dtype in QUANTIZED_CACHES.items():
+        dtypes = (torch.bfloat16, torch.float16) if name == "fp8_e4m3" else (torch.bfloat16,)
+        for dtype in dtypes:
+            tag = f"{shape.name} {str(dtype).removeprefix('torch.')}, {name} cache"
+            call = _decode(shape, dtype, 1, 1024, cache_dtype=cache_dtype)
+            yield f"decode {tag}, batch 1", paged_decode_attention, call
+            call = _prefill(shape, dtype, 1024, cache_dtype=cache_dtype)
+            yield f"prefill {tag}", paged_prefill_attention, call
+            if dtype != torch.bfloat16:
+                continue
+            call = _decode(shape, dtype, 8, 1024, rows_per_seq=5, cache_dtype=cache_dtype)
+            yield f"decode verify {tag}, batch 8 x 5 rows", paged_decode_attention, call
+            yield f"kv write {tag}", kv_cache_write, _write(shape, dtype, 64, cache_dtype)
+            if name != "fp8_e4m3":
+                continue
+            extras: dict[str, Any] = {"sliding_window": 128, "logit_softcap": 50.0, "sinks": True}
+            call = _decode(shape, dtype, 1, 1024, cache_dtype=cache_dtype, **extras)
+            yield (
+                f"decode {tag}, batch 1, window 128, softcap 50, sinks",
+                paged_decode_attention,
+                call,
+            )
+            call = _prefill(shape, dtype, 1024, cache_dtype=cache_dtype, **extras)
+            yield f"prefill {tag}, window 128, softcap 50, sinks", paged_prefill_attention, call
 
 
 LATENT_WIDTH, LATENT_VALUE_DIM = 576, 512  # DeepSeek-V3's entries: a latent of 512, rope 64

@@ -74,6 +74,7 @@ def test_every_kernel_is_compiled(compiled: list[dict[str, Any]]) -> None:
     """A new kernel must join sm90_compile.cases(), or this fails."""
     # @triton.jit helpers inlined into kernels
     internal = {"_attend_tile", "_attend_latent_tile", "_rotate_heads", "_tile_rows"}
+    internal |= {"_to_float8e4nv", "_to_int8"}  # the KV write's quantizers
     assert {r["kernel"] for r in compiled} == _kernel_names() - internal
 
 
@@ -89,6 +90,17 @@ def test_bfloat16_attention_runs_on_tensor_cores(compiled: list[dict[str, Any]])
     attention = [r for r in compiled if "bfloat16" in r["case"] and r["kernel"] in kernels]
     assert {r["kernel"] for r in attention} == kernels
     assert all(r["tensor_core_instructions"] > 0 for r in attention), attention
+
+
+def test_quantized_kv_caches_compile(compiled: list[dict[str, Any]]) -> None:
+    """A float8 e4m3 cache and an int8 one: the write quantizes into each, and the attention
+    kernels read each's elements (converted to bfloat16, exactly) into tensor-core dots."""
+    attention = {"_decode_partition_kernel", "_paged_prefill_kernel"}
+    for cache in ("fp8_e4m3 cache", "int8 cache"):
+        launches = [r for r in compiled if cache in r["case"]]
+        assert {r["kernel"] for r in launches} >= attention | {"_write_kv_kernel"}, cache
+        dots = [r for r in launches if r["kernel"] in attention]
+        assert all(r["tensor_core_instructions"] > 0 for r in dots), dots
 
 
 def test_bfloat16_expert_matmuls_run_on_tensor_cores(compiled: list[dict[str, Any]]) -> None:

@@ -1,4 +1,5 @@
-"""The Triton KV-cache write kernel vs ``index_copy_`` and the torch backend, on random inputs.
+"""The Triton KV-cache write kernel vs ``index_copy_`` and the torch backend, on random inputs;
+into a quantized cache, to the bit vs ``quantize_kv`` on values that probe its rounding.
 
 Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET).
 """
@@ -10,6 +11,7 @@ import torch
 
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.kv_cache_write import write_kv_cache
+from engine.kv_cache.kv_quantization import quantize_kv, storage_dtype
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -145,6 +147,182 @@ def _bad_args(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
 def test_bad_arguments_name_the_argument(case: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         write_kv_cache(*_bad_args(case))
+
+
+# ---- a quantized cache: float8 e4m3 or int8 elements, a K and a V scale per head -----------
+def _rounding_probes(kv_cache_dtype: str) -> torch.Tensor:  # [num_values] float32
+    """Values that probe the rounding: every float8 e4m3 value, the midpoints between
+    neighbours (ties, subnormal ones included) and the floats either side of each; or every
+    half integer around int8's range and the floats either side; then zeros of both signs,
+    values past the largest stored magnitude, infinities, float32 subnormals and randoms."""
+    if kv_cache_dtype == "fp8_e4m3":
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        grid = codes.float()
+        grid = grid[~grid.isnan()].unique()  # sorted, -448 .. 448
+        ties = (grid[1:] + grid[:-1]) / 2
+        large = [448.0, 456.0, 464.0, 479.0, 480.0, 1e6]
+    else:
+        grid = torch.arange(-130.0, 131.0)
+        ties = grid[:-1] + 0.5
+        large = [127.0, 127.49, 127.5, 128.0, 1000.0]
+    probes = [
+        grid,
+        ties,
+        torch.nextafter(ties, torch.tensor(float("inf"))),
+        torch.nextafter(ties, torch.tensor(float("-inf"))),
+        torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, -1e-40, 1e-30]),
+        torch.tensor(large),
+        -torch.tensor(large),
+        torch.randn(500, generator=torch.Generator().manual_seed(7)) * 100,
+    ]
+    return torch.cat(probes)
+
+
+def _quantized_inputs(
+    values: torch.Tensor, dtype: torch.dtype, kv_cache_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``values`` (padded with zeros) as every head's K and, negated and reversed, V over 3 KV
+    heads of 32; a cache of random bytes with room to spare, distinct random slots, and the
+    scales: 1 and a power of two keep ties ties, the third rounds in the division."""
+    head_dim, num_kv_heads = 32, 3
+    num_tokens = -(-values.numel() // head_dim)
+    padded = torch.zeros(num_tokens * head_dim)
+    padded[: values.numel()] = values
+    key = padded.view(num_tokens, 1, head_dim).expand(-1, num_kv_heads, -1).to(dtype)
+    value = (-padded.flip(0)).view(num_tokens, 1, head_dim).expand(-1, num_kv_heads, -1)
+    key, value = key.contiguous().to(DEVICE), value.contiguous().to(dtype=dtype, device=DEVICE)
+    generator = torch.Generator().manual_seed(1)
+    num_slots = num_tokens + 9
+    cache_bytes = torch.randint(
+        0, 256, (2, num_slots, 1, num_kv_heads, head_dim), generator=generator
+    )
+    cache_dtype = storage_dtype(kv_cache_dtype, dtype)
+    cache = cache_bytes.to(torch.uint8).view(cache_dtype).to(DEVICE)
+    slots = torch.randperm(num_slots, generator=generator)[:num_tokens].to(DEVICE)
+    scales = torch.tensor([[1.0, 0.25, 0.37], [1.0, 2.0, 3.3]], device=DEVICE)
+    return cache, key, value, slots, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_quantized_write_is_bit_exact(kv_cache_dtype: str, dtype: torch.dtype) -> None:
+    """Every stored byte is quantize_kv's (the torch backend's write): ties to even, clamped at
+    448 / 127, e4m3 subnormals, negative zero, infinities saturated; other slots untouched."""
+    cache, key, value, slots, scales = _quantized_inputs(
+        _rounding_probes(kv_cache_dtype), dtype, kv_cache_dtype
+    )
+    expected = cache.clone()
+    TorchAttentionBackend().write_kv(expected, key, value, slots, scales)
+    write_kv_cache(cache, key, value, slots, scales)
+    mismatched = cache.view(torch.uint8) != expected.view(torch.uint8)
+    assert not mismatched.any(), (
+        cache[mismatched][:8].float().tolist(),
+        expected[mismatched][:8].float().tolist(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "stored"),
+    [
+        # 1 + 1/16 ties to 1, 1 + 3/16 to 1.25; 464 (448 and 480's tie) and inf saturate at 448;
+        # 3 * 2^-10 ties to the even subnormal 2^-8; a value under 2^-10 to zero, keeping its sign
+        ("fp8_e4m3", [1.0, 1.25, 448.0, -448.0, 448.0, 2**-8, -0.0, float("nan")]),
+        ("int8", [2.0, -2.0, 4.0, 127.0, -127.0, 127.0, 0.0, 0.0]),  # (no -0 in int8)
+    ],
+)
+def test_quantized_write_rounds_by_the_rules(kv_cache_dtype: str, stored: list[float]) -> None:
+    """The rules by hand, K by a scale of 1 (V by 2: the same values halved) on one head:
+    float8 e4m3 rounds to nearest even and saturates at 448, int8 rounds half to even and
+    clamps at 127; NaN stays NaN in float8 and is 0 in int8."""
+    if kv_cache_dtype == "fp8_e4m3":
+        key = [1.0625, 1.1875, 464.0, -1e6, float("inf"), 3 * 2**-10, -(2**-11), float("nan")]
+    else:
+        key = [2.5, -2.5, 3.5, 127.5, -300.0, float("inf"), -0.4, float("nan")]
+    dtype = storage_dtype(kv_cache_dtype, torch.float32)
+    cache = torch.zeros(2, 1, 1, 1, 8, dtype=dtype, device=DEVICE)
+    key_tensor = torch.tensor(key, device=DEVICE).view(1, 1, 8)
+    scales = torch.tensor([[1.0], [0.5]], device=DEVICE)
+    slot = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    write_kv_cache(cache, key_tensor, key_tensor / 2, slot, scales)
+    for plane in (0, 1):
+        got = cache[plane].flatten().float()
+        torch.testing.assert_close(got, torch.tensor(stored, device=DEVICE), equal_nan=True)
+        assert got.signbit().tolist() == torch.tensor(stored).signbit().tolist()
+
+
+def test_quantized_write_skips_padding_slots() -> None:
+    """Padding tokens' (slot -1) K/V are dropped, the others' stored as quantize_kv stores them."""
+    cache, key, value, slots = _inputs(10, 4, 8, 2, 64, seed=4)
+    cache = cache.to(torch.float8_e4m3fn)
+    slots[[1, 6]] = -1
+    scales = torch.tensor([[0.5, 0.02], [0.1, 1.0]], device=DEVICE)
+    before = cache.clone()
+    write_kv_cache(cache, key, value, slots, scales)
+    keep = slots >= 0
+    flat, flat_before = cache.view(torch.uint8), before.view(torch.uint8)
+    changed = (flat != flat_before).flatten(3).any(-1).any(0).flatten()  # [num_slots]
+    assert changed.nonzero().flatten().tolist() == sorted(slots[keep].tolist())
+    stored = cache.view(2, -1, 2, 64)[:, slots[keep]]
+    assert torch.equal(
+        stored[0].view(torch.uint8),
+        quantize_kv(key[keep], scales[0], cache.dtype).view(torch.uint8),
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("no_scales", "a torch.int8 kv_cache_layer needs kv_scales"),
+        ("scales_for_float", "kv_scales are for a quantized cache"),
+        ("scales_shape", r"kv_scales must be a contiguous \[2, num_kv_heads = 2\], got \(2, 3\)"),
+        ("scales_dtype", "kv_scales must be float32, got torch.float64"),
+        ("key_dtype", "key dtype must be float32, float16 or bfloat16, got torch.int8"),
+    ],
+)
+def test_bad_quantized_arguments_name_the_argument(case: str, message: str) -> None:
+    cache, key, value, slots = _inputs(4, 2, 8, 2, 64)
+    scales: torch.Tensor | None = torch.ones(2, 2, device=DEVICE)
+    quantized = cache.to(torch.int8)
+    if case == "no_scales":
+        scales = None
+    elif case == "scales_for_float":
+        quantized = cache
+    elif case == "scales_shape":
+        scales = torch.ones(2, 3, device=DEVICE)
+    elif case == "scales_dtype":
+        scales = torch.ones(2, 2, dtype=torch.float64, device=DEVICE)
+    elif case == "key_dtype":
+        key = key.to(torch.int8)
+    with pytest.raises(ValueError, match=message):
+        write_kv_cache(quantized, key, value, slots, scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_quantized_write_is_bit_exact_on_gpu(kv_cache_dtype: str) -> None:
+    """The compiled kernel (its IEEE division, integer rounding and stores) vs quantize_kv on
+    the GPU, on the rounding probes and on full-size random bf16 K/V with padding slots."""
+    probes = _rounding_probes(kv_cache_dtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache, key, value, slots, scales = _quantized_inputs(probes, dtype, kv_cache_dtype)
+        expected = cache.clone()
+        TorchAttentionBackend().write_kv(expected, key, value, slots, scales)
+        write_kv_cache(cache, key, value, slots, scales)
+        assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8)), dtype
+    num_tokens, block_size = 16 * 1024, 16
+    cache, key, value, slots = _inputs(
+        num_tokens, 2 * num_tokens // block_size, block_size, 8, 128, torch.bfloat16
+    )
+    cache = cache.to(storage_dtype(kv_cache_dtype, torch.bfloat16))
+    slots[::97] = -1
+    scales = torch.rand(2, 8, device=DEVICE) * 0.05 + 0.005  # some heads clamp
+    keep = slots >= 0
+    expected = cache.clone()
+    TorchAttentionBackend().write_kv(expected, key[keep], value[keep], slots[keep], scales)
+    write_kv_cache(cache, key, value, slots, scales)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
 @pytest.mark.gpu

@@ -16,6 +16,12 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.paged_prefill_attention import PrefillTiling, paged_prefill_attention
+from engine.kv_cache.kv_quantization import (
+    dequantize_kv,
+    quantize_kv,
+    scales_from_amax,
+    storage_dtype,
+)
 
 # (context length after this step, new tokens) per seq: fresh prompts have both equal; the last
 # has its first new token one short of a 16-position tile edge (the unmasked/diagonal split)
@@ -37,6 +43,7 @@ class PrefillCase:
     sliding_window: int | None = None
     logit_softcap: float | None = None
     sinks: torch.Tensor | None = None  # [num_heads] float32
+    kv_scales: torch.Tensor | None = None  # [2, num_kv_heads] float32: a quantized cache's
 
     @property
     def max_query_len(self) -> int:
@@ -55,6 +62,7 @@ class PrefillCase:
             sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap,
             sinks=self.sinks,
+            kv_scales=self.kv_scales,
         )
 
 
@@ -182,7 +190,8 @@ def test_strided_query_from_fused_projection() -> None:
 
 def _torch_reference(case: PrefillCase) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The torch backend's output for the case as a step of prefills, from float32 inputs
-    (its explicit softmax, with a soft-cap or sinks)."""
+    (its explicit softmax, with a soft-cap or sinks; a quantized cache read as float32 by its
+    scales)."""
     starts = case.query_start_loc.tolist()
     metadata = AttentionMetadata(
         num_prefill_seqs=len(case.seqs),
@@ -196,14 +205,16 @@ def _torch_reference(case: PrefillCase) -> torch.Tensor:  # [num_tokens, num_hea
         decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
         max_decode_seq_len=0,
     )
+    quantized = case.kv_scales is not None
     return TorchAttentionBackend().forward(
         case.query.float(),
-        case.kv_cache_layer.float(),
+        case.kv_cache_layer if quantized else case.kv_cache_layer.float(),
         metadata,
         case.scale,
         case.sliding_window,
         logit_softcap=case.logit_softcap,
         sinks=case.sinks,
+        kv_scales=case.kv_scales,
     )
 
 
@@ -383,6 +394,83 @@ def test_bad_softcap_and_sinks_are_refused_by_name(change: dict[str, Any], match
         replace(case, **change).run()
 
 
+# ---- a quantized cache: float8 e4m3 or int8 elements, a K and a V scale per KV head ---------
+def _quantized(case: PrefillCase, kv_cache_dtype: str) -> tuple[PrefillCase, PrefillCase]:
+    """``case`` with its cache as a quantized cache stores it, by per-head scales (the first
+    head's below what its largest magnitude needs: some values clamp; the last's with room);
+    and ``case`` with the float32 cache the stored elements stand for (the reference's)."""
+    cache = case.kv_cache_layer.float()  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    amax = cache.abs().amax(dim=(1, 2, 4))  # [2, num_kv_heads]
+    spread = torch.linspace(0.4, 1.5, cache.shape[3], device=cache.device)
+    scales = scales_from_amax(kv_cache_dtype, amax) * spread
+    into = storage_dtype(kv_cache_dtype, torch.float32)
+    stored = torch.empty_like(cache, dtype=into)
+    read = torch.empty_like(cache)
+    for plane in (0, 1):
+        elements = quantize_kv(cache[plane].flatten(0, 1), scales[plane], into)
+        stored[plane] = elements.view(cache.shape[1:])
+        read[plane] = dequantize_kv(elements, scales[plane], torch.float32).view(cache.shape[1:])
+    quantized = replace(case, kv_cache_layer=stored, kv_scales=scales)
+    return quantized, replace(case, kv_cache_layer=read)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(8, 2, 64, 8), (6, 2, 48, 16)],
+    ids=["gqa4", "gqa3-head-dim-48"],
+)
+def test_quantized_cache_matches_reference(
+    kv_cache_dtype: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Fresh prompts, a chunk after a cached prefix and a 1-token prompt over a quantized
+    cache: each element read as element * its head's scale (the K scale in the logits, the V
+    scale in the output)."""
+    case = _make_case(MIXED_SEQS, num_heads, num_kv_heads, head_dim, block_size, seed=12)
+    quantized, read = _quantized(case, kv_cache_dtype)
+    torch.testing.assert_close(quantized.run().double(), _reference(read), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_quantized_cache_with_window_softcap_and_sinks(kv_cache_dtype: str) -> None:
+    """A window of 5, a soft-cap and sinks over a quantized cache, vs the torch backend
+    reading the same cache."""
+    case = _with_extras(_make_case(MIXED_SEQS, 8, 2, 64, 8, seed=13), "both", 5)
+    quantized, _ = _quantized(case, kv_cache_dtype)
+    torch.testing.assert_close(quantized.run(), _torch_reference(quantized), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_quantized_cache_under_bfloat16_queries(kv_cache_dtype: str) -> None:
+    """The engine's case: bfloat16 queries over a quantized cache (its elements exact in
+    bfloat16), the output in bfloat16."""
+    case = _make_case([(37, 37), (50, 13)], 4, 2, 64, 16, dtype=torch.bfloat16, seed=14)
+    quantized, read = _quantized(case, kv_cache_dtype)
+    out = quantized.run()
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _reference(read), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"kv_scales": None}, "a torch.int8 kv_cache_layer needs kv_scales"),
+        (
+            {"kv_scales": torch.ones(2, 3)},
+            r"kv_scales must be a contiguous \[2, num_kv_heads = 2\]",
+        ),
+        ({"kv_scales": torch.ones(2, 2).half()}, "kv_scales must be float32, got torch.float16"),
+        ({"query": torch.zeros(40, 4, 64, dtype=torch.float64)}, "query dtype must be one of"),
+    ],
+)
+def test_bad_quantized_arguments_are_refused_by_name(change: dict[str, Any], match: str) -> None:
+    quantized, read = _quantized(_make_case([(30, 30), (40, 10)], 4, 2, 64, 16), "int8")
+    with pytest.raises(ValueError, match=match):
+        replace(quantized, **change).run()
+    with pytest.raises(ValueError, match="kv_scales are for a quantized cache"):
+        replace(read, kv_scales=quantized.kv_scales).run()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_full_size_bf16_on_gpu() -> None:
@@ -395,3 +483,19 @@ def test_full_size_bf16_on_gpu() -> None:
     out = case.run()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.double(), _reference(case), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_quantized_cache_full_size_bf16_on_gpu(kv_cache_dtype: str) -> None:
+    """2 seqs, 2.5k new tokens, one after a cached prefix; 32 heads / 8 kv heads, bf16 queries
+    over a float8 or int8 cache, with the engine's tiles."""
+    seqs = [(2048, 2048), (1500, 500)]
+    case = _make_case(
+        seqs, 32, 8, 128, 16, dtype=torch.bfloat16, device="cuda", seed=15, tiling=PrefillTiling()
+    )
+    quantized, read = _quantized(case, kv_cache_dtype)
+    out = quantized.run()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.double(), _reference(read), atol=2e-2, rtol=2e-2)
