@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +38,7 @@ from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
+from engine.quantization.awq_gptq import checkpoint_leaf, is_awq_or_gptq, to_layer_rows
 from engine.quantization.config import (
     Fp8BlockWeights,
     PackedIntWeights,
@@ -65,6 +67,8 @@ class _Target:
     rows: range  # its rows this rank reads (dim 0); fewer than num_rows past the vocabulary
     cols: range | None  # its columns this rank reads (dim 1); None: all
     depth: range | None = None  # its range of dim 2 (stacked experts); None: all
+    # turns the slice read into param's rows (a quantized layout stored transposed); None: as is
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def is_whole(self) -> bool:
         """Whether this rank reads the entire tensor."""
@@ -124,6 +128,7 @@ def load_model(
         else:
             _load_safetensors(model, names_by_file, all_names)
             _reorder_interleaved_rope_rows(model)
+        _order_inputs_by_group(model, dummy=load_format == "dummy")
     model.requires_grad_(False)
     if linear_backend == "onednn":
         if model.lm_head is None:
@@ -169,6 +174,8 @@ def _build_empty(
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache()  # fp32 tables, recomputed on the real device
+        if isinstance(module, PackedIntLinear) and module.g_idx is not None:
+            module.g_idx.fill_(-1)  # no input's group read yet (``_same_groups``)
     return model
 
 
@@ -185,9 +192,10 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
         if leaf in QUANTIZED_LEAVES.get(type(layer), ()):
             assert isinstance(layer, (PackedIntLinear, Fp8BlockLinear, W8A8Linear))
             float_weight = torch.empty(layer.out_features, layer.in_features, device="meta")
+            stored = checkpoint_leaf(leaf, layer.weights)
             for hf_name, target in _targets_of(model, f"{prefix}.weight", float_weight):
                 placed = _quantized_target(leaf, target, param, layer.weights)
-                targets.setdefault(f"{hf_name.removesuffix('.weight')}.{leaf}", []).append(placed)
+                targets.setdefault(f"{hf_name.removesuffix('.weight')}.{stored}", []).append(placed)
             continue
         for hf_name, target in _targets_of(model, name, param):
             targets.setdefault(hf_name, []).append(target)
@@ -275,6 +283,8 @@ def _packed_int_target(
     """Where a packed integer layer's ``leaf`` tensor lands, from ``target``, where its float
     weight [out, in] would: rows are output features (the zero points' packed, a word per
     ``pack_factor`` rows), columns inputs (packed into words, or one per group)."""
+    if is_awq_or_gptq(weights):
+        return _awq_gptq_target(leaf, target, param, weights)
     out_features, in_features = target.full_shape
     group = weights.group_size or in_features
     cols = target.cols
@@ -305,6 +315,66 @@ def _packed_int_target(
         _in_units(target.rows, pack, "num_bits"),
         groups,
     )
+
+
+def _awq_gptq_target(
+    leaf: str, target: _Target, param: torch.Tensor, weights: PackedIntWeights
+) -> _Target:
+    """Where an AWQ or GPTQ layer's ``leaf`` tensor lands, from ``target``, where its float
+    weight [out, in] would. Both formats store [inputs, outputs]: the rows read are inputs (in
+    GPTQ's qweight words of them; in scales and zero points groups), the columns outputs (words
+    of them in AWQ's qweight and in qzeros); each slice read is converted into param's rows,
+    our layout (``to_layer_rows``). GPTQ's g_idx lands whole on each rank, its groups counted
+    from the rank's first."""
+    out_features, in_features = target.full_shape
+    pack, group = weights.pack_factor, weights.group_size or in_features
+    inputs = range(in_features) if target.cols is None else target.cols
+    if weights.act_order and inputs != range(in_features):
+        raise ValueError(
+            "quantization_config.desc_act true (GPTQ's activation order) runs on one "
+            "tensor-parallel rank only: a row-parallel rank's inputs belong to any of the "
+            "layer's groups (tensor_parallel_size 1)"
+        )
+    per_channel = weights.group_size is None
+    groups = range(1) if per_channel else _in_units(inputs, group, "group_size")
+    if leaf == "g_idx":  # each fused part's, into the one param: they must agree
+        convert = _same_groups(param, groups.start)
+        return _Target(param, 0, len(inputs), (in_features,), inputs, None, convert=convert)
+    outputs, output_words = target.rows, _in_units(target.rows, pack, "num_bits")
+    convert = to_layer_rows(leaf, weights)
+    if leaf == "weight_zero_point":  # [groups, out / pack], to our [out / pack, groups]
+        own = range(target.row_offset, target.row_offset + target.num_rows)
+        own_words = _in_units(own, pack, "num_bits")
+        shape = (in_features // group, out_features // pack)
+        return _Target(
+            param, own_words.start, len(own_words), shape, groups, output_words, convert=convert
+        )
+    if leaf == "weight_scale":  # [groups, out]
+        shape, rows, cols = (in_features // group, out_features), groups, outputs
+    elif weights.method == "gptq":  # qweight [in / pack, out]
+        input_words = _in_units(inputs, pack, "num_bits")
+        shape, rows, cols = (in_features // pack, out_features), input_words, outputs
+    else:  # AWQ's qweight [in, out / pack]
+        shape, rows, cols = (in_features, out_features // pack), inputs, output_words
+    return dataclasses.replace(
+        target, param=param, full_shape=shape, rows=rows, cols=cols, convert=convert
+    )
+
+
+def _same_groups(g_idx: torch.Tensor, first_group: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A GPTQ g_idx slice read, its groups counted from this rank's ``first_group``; raises
+    where a fused projection's part read before (``g_idx`` no longer -1) gave other groups."""
+
+    def convert(read: torch.Tensor) -> torch.Tensor:
+        groups = read.to(g_idx.device) - first_group
+        if bool((g_idx >= 0).any()) and not torch.equal(g_idx, groups):
+            raise ValueError(
+                "the g_idx of a fused projection's parts (q, k, v or gate, up) differ: their "
+                "inputs in activation order (quantization_config.desc_act) must be the same"
+            )
+        return groups
+
+    return convert
 
 
 def _in_units(indices: range, unit: int, field: str) -> range:
@@ -551,13 +621,24 @@ def _check_shape(name: str, file: Path, shape: tuple[int, ...], target: _Target)
 
 
 def _copy(part: torch.Tensor | None, target: _Target) -> None:
-    """Copies the slice read (None: nothing) into its rows; zeros the rest of them."""
-    num_read = 0 if part is None else len(target.rows)
+    """Copies the slice read (None: nothing), converted where the target says, into its rows;
+    zeros the rest of them."""
+    if part is not None and target.convert is not None:
+        part = target.convert(part)
+    num_read = 0 if part is None else part.shape[0]
     start, end = target.row_offset, target.row_offset + target.num_rows
     if part is not None:
         target.param[start : start + num_read].copy_(part)
     if start + num_read < end:
         target.param[start + num_read : end].zero_()
+
+
+def _order_inputs_by_group(model: LlamaForCausalLM, dummy: bool) -> None:
+    """GPTQ layers' inputs sorted by the group their g_idx gives each, where it is not input
+    order (``PackedIntLinear.order_inputs_by_group``); dummy weights' inputs stay in order."""
+    for module in model.modules():
+        if isinstance(module, PackedIntLinear) and module.g_idx is not None:
+            module.order_inputs_by_group(keep_in_order=dummy)
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:

@@ -7,13 +7,17 @@ Supported:
   integers packed eight (or four) to an int32 along its input dimension, a float scale per
   group of ``group_size`` inputs of each output row (or one per row), and, where asymmetric,
   an integer zero point per group;
+- AWQ (``quant_method: awq``, version "gemm", 4 bits, zero points) and GPTQ (``quant_method:
+  gptq``, 4 or 8 bits, checkpoint_format "gptq" or "gptq_v2", in order or in activation
+  order): the same integers, scales and zero points in their own layouts, converted into the
+  one above as they are read (engine/quantization/awq_gptq.py);
 - block-wise FP8 (``quant_method: fp8``, DeepSeek-V3's and Qwen3's FP8 checkpoints): every
   linear layer's weight in float8 e4m3 with a float32 scale per 128 x 128 block
   (``weight_scale_inv``, multiplied despite its name); activations quantized per token group
   on the fly by the GPU kernels (``activation_scheme: dynamic``), not on CPU, as transformers.
 The layouts, as published, are in docs/quantized-checkpoints.md. Everything else (activation
-quantization of compressed-tensors, AWQ, GPTQ, a quantized KV cache, quantized experts or
-latent attention) is refused here, before any weight is read.
+quantization of compressed-tensors, AWQ's other versions, GPTQ's other formats, a quantized KV
+cache, quantized experts or latent attention) is refused here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -27,23 +31,32 @@ _FIELD = "quantization_config"
 @dataclass(frozen=True, slots=True)
 class PackedIntWeights:
     """Integer weights packed into int32 words along the input dimension (compressed-tensors'
-    pack-quantized format)."""
+    pack-quantized format), or read into that layout from AWQ's or GPTQ's."""
 
     num_bits: int  # 4 or 8: the integers' width
     group_size: int | None  # inputs sharing one scale (and zero point); None: one per row
     symmetric: bool  # False: each group has an integer zero point too
-    method: str = "compressed-tensors"
+    method: str = "compressed-tensors"  # the checkpoint's layout: or "awq" (GEMM), "gptq"
+    zeros_minus_one: bool = False  # GPTQ's "gptq" (v1) format: zero points stored minus one
+    act_order: bool = False  # GPTQ's desc_act: groups of inputs in activation order (g_idx)
 
     @property
     def pack_factor(self) -> int:
         """Integers in one int32 word."""
         return 32 // self.num_bits
 
+    @property
+    def has_zero_points(self) -> bool:
+        """Whether the layer holds a zero point per group: asymmetric, or GPTQ's (whose
+        checkpoints store them either way)."""
+        return not self.symmetric or self.method == "gptq"
+
     def describe(self) -> str:
         """E.g. ``compressed-tensors w4a16 (group 128, asymmetric)``."""
         group = "per channel" if self.group_size is None else f"group {self.group_size}"
         kind = "symmetric" if self.symmetric else "asymmetric"
-        return f"{self.method} w{self.num_bits}a16 ({group}, {kind})"
+        order = ", activation order" if self.act_order else ""
+        return f"{self.method} w{self.num_bits}a16 ({group}, {kind}{order})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +99,15 @@ def parse_quantization_config(raw: Any) -> WeightQuantization:
     method = raw.get("quant_method")
     if method == "fp8":
         return _fp8_blocks(raw)
+    if method == "awq":
+        return _awq(raw)
+    if method == "gptq":
+        return _gptq(raw)
     if method != "compressed-tensors":
         raise ValueError(
             f"{_FIELD}.quant_method {method!r} is not supported; supported: "
-            "'compressed-tensors' (pack-quantized W4A16 / W8A16), 'fp8' (block-wise)"
+            "'compressed-tensors' (pack-quantized W4A16 / W8A16, W8A8), 'awq', 'gptq', "
+            "'fp8' (block-wise)"
         )
     status = raw.get("quantization_status", "compressed")
     if status != "compressed":
@@ -243,3 +261,95 @@ def _fp8_blocks(raw: dict[str, Any]) -> Fp8BlockWeights:
     if raw.get("modules_to_convert"):
         raise ValueError(f"{_FIELD}.modules_to_convert is not supported; every linear layer")
     return Fp8BlockWeights(int(block[0]), int(block[1]))
+
+
+_AWQ = f"{_FIELD}.quant_method 'awq'"
+_GPTQ = f"{_FIELD}.quant_method 'gptq'"
+
+
+def _awq(raw: dict[str, Any]) -> PackedIntWeights:
+    """AWQ's GEMM layout (AutoAWQ, GPTQModel): 4-bit integers with a scale and a zero point per
+    group. ``version`` names the layout (``format`` where it is absent, as transformers reads
+    it); the others (gemv, exllama, marlin ...) pack the words otherwise."""
+    key = "version" if raw.get("version") is not None else "format"
+    version = raw.get(key) or "gemm"
+    if not isinstance(version, str) or version.lower() != "gemm":
+        raise ValueError(f"{_FIELD}.{key} {version!r} is not supported with {_AWQ}; only 'gemm'")
+    bits = _first_of(raw, "bits", "w_bit")
+    if bits != 4:
+        raise ValueError(f"{_FIELD}.bits {bits!r} is not supported with {_AWQ}; only 4")
+    zero_point = raw.get("zero_point", True)
+    if zero_point is not True:
+        raise ValueError(
+            f"{_FIELD}.zero_point {zero_point!r} is not supported with {_AWQ}; only true (a "
+            "zero point per group, as the GEMM layout stores)"
+        )
+    group_size = _group_size(_first_of(raw, "group_size", "q_group_size"))
+    _only_the_lm_head_unconverted(raw)
+    return PackedIntWeights(4, group_size, symmetric=False, method="awq")
+
+
+_GPTQ_FORMATS = {"gptq": True, "gptq_v2": False}  # format -> zero points stored minus one
+
+
+def _gptq(raw: dict[str, Any]) -> PackedIntWeights:
+    """GPTQ (AutoGPTQ, GPTQModel, optimum): 4- or 8-bit integers packed along the inputs, a
+    scale and a zero point per group, ``g_idx`` naming each input's group. Its format is
+    ``checkpoint_format`` (``format`` where it is absent, as transformers reads it)."""
+    key = "checkpoint_format" if raw.get("checkpoint_format") is not None else "format"
+    fmt = raw.get(key) or "gptq"
+    if not isinstance(fmt, str) or fmt.lower() not in _GPTQ_FORMATS:
+        raise ValueError(
+            f"{_FIELD}.{key} {fmt!r} is not supported with {_GPTQ}; 'gptq' or 'gptq_v2'"
+        )
+    bits = raw.get("bits")
+    if bits not in (4, 8):
+        raise ValueError(f"{_FIELD}.bits {bits!r} is not supported with {_GPTQ}; 4 or 8")
+    pack_dtype = raw.get("pack_dtype", "int32")
+    if pack_dtype not in ("int32", "torch.int32"):
+        raise ValueError(f"{_FIELD}.pack_dtype {pack_dtype!r} is not supported; only 'int32'")
+    group_size = _group_size(raw.get("group_size"))
+    for flag in ("sym", "desc_act"):
+        if not isinstance(raw.get(flag, flag == "sym"), bool):
+            raise ValueError(f"{_FIELD}.{flag} must be true or false, got {raw.get(flag)!r}")
+    if raw.get("lm_head"):
+        raise ValueError(f"{_FIELD}.lm_head true is not supported: the LM head stays float")
+    for per_module in ("dynamic", "modules_in_block_to_quantize"):
+        if raw.get(per_module):
+            raise ValueError(
+                f"{_FIELD}.{per_module} is set: only every decoder linear layer quantized "
+                "alike is supported"
+            )
+    _only_the_lm_head_unconverted(raw)
+    return PackedIntWeights(
+        bits,
+        group_size,
+        symmetric=raw.get("sym", True),
+        method="gptq",
+        zeros_minus_one=_GPTQ_FORMATS[fmt.lower()],
+        act_order=raw.get("desc_act", False),
+    )
+
+
+def _first_of(raw: dict[str, Any], key: str, legacy: str) -> Any:
+    return raw[key] if key in raw else raw.get(legacy)
+
+
+def _group_size(group_size: Any) -> int | None:
+    """A group size as AWQ and GPTQ write it: positive, or -1 for one group a row (None)."""
+    if group_size == -1:
+        return None
+    if type(group_size) is not int or group_size < 1:
+        raise ValueError(
+            f"{_FIELD}.group_size {group_size!r} is not supported; a positive int or -1"
+        )
+    return group_size
+
+
+def _only_the_lm_head_unconverted(raw: dict[str, Any]) -> None:
+    skipped = raw.get("modules_to_not_convert") or []
+    if any(name != "lm_head" and not name.endswith(".lm_head") for name in skipped):
+        raise ValueError(
+            f"{_FIELD}.modules_to_not_convert {skipped!r} is not supported; only the LM head "
+            "may stay unconverted"
+        )

@@ -20,7 +20,7 @@ QuantizedLinear = PackedIntLinear | Fp8BlockLinear | W8A8Linear
 # each quantized layer's tensors that the loader places as its float weight's slices, in
 # their own units (engine/model_loader.py)
 QUANTIZED_LEAVES = {
-    PackedIntLinear: ("weight_packed", "weight_scale", "weight_zero_point"),
+    PackedIntLinear: ("weight_packed", "weight_scale", "weight_zero_point", "g_idx"),
     Fp8BlockLinear: ("weight", "weight_scale_inv"),
     W8A8Linear: ("weight", "weight_scale"),
 }

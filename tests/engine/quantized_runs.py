@@ -26,7 +26,8 @@ def engine_greedy(llm: LLM) -> list[list[int]]:
 
 
 def transformers_greedy(model: torch.nn.Module) -> list[list[int]]:
-    """``model``'s greedy ``NUM_TOKENS`` after each prompt, eos or not."""
+    """``model``'s greedy ``NUM_TOKENS`` after each prompt, eos or not: no eos stops it, and
+    none is kept from being picked (as ``min_new_tokens`` would), as the engine's ignore_eos."""
     tokens = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -34,7 +35,7 @@ def transformers_greedy(model: torch.nn.Module) -> list[list[int]]:
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
+                eos_token_id=None,
                 do_sample=False,
             )
             tokens.append(out[0, len(prompt) :].tolist())
@@ -58,3 +59,30 @@ def set_fields(config: dict[str, Any], changes: dict[str, Any]) -> None:
         for parent in parents:
             node = node[parent]
         node[leaf] = value
+
+
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def assert_dequantized_exactly(llm: LLM, float_dir: Path) -> int:
+    """Asserts that each packed projection of ``llm``'s model dequantizes to the float weight
+    ``float_dir``'s checkpoint holds for it (its fused parts stacked), bit for bit; returns how
+    many it compared."""
+    from safetensors.torch import load_file
+
+    from engine.quantization.packed_linear import PackedIntLinear
+
+    expected = load_file(str(float_dir / "model.safetensors"))
+    compared = 0
+    for name, layer in llm.engine.model.named_modules():
+        if not isinstance(layer, PackedIntLinear):
+            continue
+        prefix, projection = name.rsplit(".", 1)
+        parts = _FUSED_PARTS.get(projection, (projection,))
+        weight = torch.cat([expected[f"{prefix}.{part}.weight"] for part in parts])
+        assert torch.equal(layer.dequantized_weight().float(), weight), name
+        compared += 1
+    return compared
