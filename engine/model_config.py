@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.kv_cache.cache_groups import CacheGroups, cache_groups_for
 from engine.quantization.config import WeightQuantization, parse_quantization_config
+from engine.quantization.kv_cache_scheme import CheckpointKVScheme, parse_kv_cache_scheme
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -275,6 +276,9 @@ class ModelConfig:
     norm_scale_in_float32: bool = False
     # the decoder's linear layers hold packed integer weights (quantization_config); None: floats
     quantization: WeightQuantization | None = None
+    # what the checkpoint's KV cache scales (k_scale / v_scale) are for, when its
+    # quantization_config says (kv_cache_scheme); None: not said
+    kv_cache_scheme: CheckpointKVScheme | None = None
 
     @property
     def kv_planes(self) -> int:
@@ -378,6 +382,7 @@ def parse_model_config(
         attention_sinks=architecture == "GptOssForCausalLM",
         norm_scale_in_float32=architecture == "GptOssForCausalLM",
         quantization=quantization,
+        kv_cache_scheme=parse_kv_cache_scheme(raw.get("quantization_config")),
     )
 
 
@@ -583,7 +588,7 @@ def _parse_quantization(
     """The checkpoint's weight quantization (engine/quantization/config.py), refused for the
     layers that cannot hold it yet."""
     quantization = raw.get("quantization_config")
-    if not quantization:
+    if not quantization or _kv_cache_scheme_only(quantization):
         return None
     weights = parse_quantization_config(quantization)
     if experts_or_latent:
@@ -592,6 +597,16 @@ def _parse_quantization(
             f"{architecture} yet: its experts and latent attention run float weights only"
         )
     return weights
+
+
+def _kv_cache_scheme_only(quantization: Any) -> bool:
+    """A compressed-tensors config of KV cache scales alone: float weights."""
+    return (
+        isinstance(quantization, dict)
+        and quantization.get("quant_method") == "compressed-tensors"
+        and quantization.get("kv_cache_scheme") is not None
+        and not quantization.get("config_groups")
+    )
 
 
 def _check_unsupported_features(raw: dict[str, Any], architecture: str) -> None:

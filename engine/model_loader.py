@@ -46,6 +46,7 @@ from engine.quantization.config import (
     WeightQuantization,
 )
 from engine.quantization.fp8_linear import Fp8BlockLinear
+from engine.quantization.kv_cache_scheme import is_kv_scale
 from engine.quantization.linear import QUANTIZED_LEAVES
 from engine.quantization.packed_linear import PackedIntLinear
 from engine.quantization.w8a8_linear import W8A8Linear
@@ -567,6 +568,8 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
     """Checkpoint tensors we know and do not need."""
     if name.endswith("rotary_emb.inv_freq"):
         return True  # older checkpoints store the rope buffer; we recompute it
+    if is_kv_scale(name):
+        return True  # a quantized KV cache's, read by engine/quantization/kv_cache_scheme.py
     if config.quantization is not None and name.endswith(".weight_shape"):
         return True  # a packed layer's [out, in]: its packed tensors' shapes are checked
     layer = _BEYOND_THE_LAYERS.match(name)

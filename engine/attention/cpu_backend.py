@@ -7,7 +7,11 @@ Decode attention on CPU is bound by memory traffic; the reference gathers every 
 sequence's blocks into a buffer each layer before SDPA reads them again, the kernel reads
 them once. Prefill attention is bound by compute: the kernel runs the whole step's prefill
 sequences in one call, in register-blocked tiles (1.2-2.2x torch's flash attention for CPU,
-docs/benchmarks.md). Caches of other dtypes than float32 take the reference path throughout.
+docs/benchmarks.md). The kernels serve float32 caches and quantized ones (float8 e4m3, int8,
+with their per-head scales) whose queries and new K/V are float32: they store into a quantized
+cache bit for bit as the reference does, and read its elements in place, applying the scales to
+the logits and outputs (a quarter of a float32 cache's bytes read per token). Other caches take
+the reference path throughout.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.per_step import PerStep
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.cpu.kv_cache_write import write_kv_cache_cpu
+from engine.kernels.cpu.kv_elements import QUANTIZED_DTYPES
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
 
@@ -37,11 +42,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> None:
-        if _kernels_take(kv_cache_layer):
-            write_kv_cache_cpu(kv_cache_layer, key, value, slot_mapping)
+        if _kernels_take(kv_cache_layer, key):
+            write_kv_cache_cpu(kv_cache_layer, key, value, slot_mapping, kv_scales)
         else:
-            super().write_kv(kv_cache_layer, key, value, slot_mapping)
+            super().write_kv(kv_cache_layer, key, value, slot_mapping, kv_scales)
 
     def _prefill_all(
         self,
@@ -52,10 +58,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] fp32
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
-        if not _kernels_take(kv_cache_layer):
+        if not _kernels_take(kv_cache_layer, query):
             return super()._prefill_all(
-                query, kv_cache_layer, metadata, scale, sliding_window, logit_softcap, sinks
+                query,
+                kv_cache_layer,
+                metadata,
+                scale,
+                sliding_window,
+                logit_softcap,
+                sinks,
+                kv_scales,
             )
         starts, seq_lens = self._prefill_index.get(metadata, lambda: _prefill_index(metadata))
         return paged_prefill_attention_cpu(
@@ -68,6 +82,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
             sinks=sinks,
+            kv_scales=kv_scales,
         )
 
     def _decode(
@@ -79,10 +94,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] fp32
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_decode_seqs, num_heads, head_dim]
-        if not _kernels_take(kv_cache_layer):
+        if not _kernels_take(kv_cache_layer, query):
             return super()._decode(
-                query, kv_cache_layer, metadata, scale, sliding_window, logit_softcap, sinks
+                query,
+                kv_cache_layer,
+                metadata,
+                scale,
+                sliding_window,
+                logit_softcap,
+                sinks,
+                kv_scales,
             )
         return paged_decode_attention_cpu(
             query.contiguous(),
@@ -93,11 +116,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
             sinks=sinks,
+            kv_scales=kv_scales,
         )
 
 
-def _kernels_take(kv_cache_layer: torch.Tensor) -> bool:
-    return kv_cache_layer.dtype == torch.float32 and kv_cache_layer.device.type == "cpu"
+def _kernels_take(
+    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    rows: torch.Tensor,  # the query, or the new keys: what the kernel reads besides the cache
+) -> bool:
+    """The kernels serve a CPU cache of float32, or of float8 e4m3 / int8 with float32 rows."""
+    if kv_cache_layer.device.type != "cpu":
+        return False
+    if kv_cache_layer.dtype == torch.float32:
+        return True
+    return kv_cache_layer.dtype in QUANTIZED_DTYPES and rows.dtype == torch.float32
 
 
 def _prefill_index(metadata: AttentionMetadata) -> PrefillIndex:

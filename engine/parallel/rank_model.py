@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,10 +37,11 @@ from engine.kv_calibration import (
 )
 from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
 from engine.model_config import ModelConfig, load_model_config
-from engine.model_loader import load_model
+from engine.model_loader import load_model, safetensors_files
 from engine.models.registry import CausalLM
 from engine.parallel.group import ProcessGroupRanks, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard, kv_heads_of_ranks
+from engine.quantization.kv_cache_scheme import checkpoint_kv_scales
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 
@@ -264,7 +266,8 @@ def _kv_cache_scales(
     max_model_len: int,
     group: TensorParallelGroup | None,
 ) -> KVCacheScales:
-    """A quantized cache's scales for the whole model: the configuration's, else calibrated
+    """A quantized cache's scales for the whole model: the configuration's, else the
+    checkpoint's (engine/quantization/kv_cache_scheme.py), else calibrated
     (engine/kv_calibration.py)."""
     if model_config.mla is not None:
         raise ValueError(
@@ -276,6 +279,16 @@ def _kv_cache_scales(
             model_config.num_layers, model_config.num_kv_heads, cache.kv_cache_dtype
         )
         return cache.kv_cache_scales
+    if load.load_format != "dummy":
+        checkpoint = checkpoint_kv_scales(
+            safetensors_files(Path(load.model_dir)),
+            model_config.kv_cache_scheme,
+            model_config.num_layers,
+            model_config.num_kv_heads,
+            cache.kv_cache_dtype,
+        )
+        if checkpoint is not None:
+            return checkpoint
     size = 1 if group is None else group.size
     token_ids = calibration_token_ids(
         load.tokenizer or load.model_dir,

@@ -15,9 +15,10 @@ Supported:
   linear layer's weight in float8 e4m3 with a float32 scale per 128 x 128 block
   (``weight_scale_inv``, multiplied despite its name); activations quantized per token group
   on the fly by the GPU kernels (``activation_scheme: dynamic``), not on CPU, as transformers.
-The layouts, as published, are in docs/quantized-checkpoints.md. Everything else (activation
-quantization of compressed-tensors, AWQ's other versions, GPTQ's other formats, a quantized KV
-cache, quantized experts or latent attention) is refused here, before any weight is read.
+The layouts, as published, are in docs/quantized-checkpoints.md. A ``kv_cache_scheme`` (the
+scales of a quantized KV cache) is read by engine/quantization/kv_cache_scheme.py. Everything
+else (activation quantization of compressed-tensors, AWQ's other versions, GPTQ's other
+formats, quantized experts or latent attention) is refused here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -115,7 +116,6 @@ def parse_quantization_config(raw: Any) -> WeightQuantization:
             f"{_FIELD}.quantization_status {status!r} is not supported; only 'compressed' "
             "(weights saved packed)"
         )
-    _require_absent(raw, "kv_cache_scheme", "a quantized KV cache")
     _require_absent(raw, "sparsity_config", "sparse weights")
     _require_absent(raw, "transform_config", "weight transforms")
     groups = raw.get("config_groups")

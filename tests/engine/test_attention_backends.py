@@ -17,6 +17,13 @@ from engine.attention.torch_ref import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
+from engine.kv_cache.kv_quantization import (
+    dequantize_kv,
+    is_quantized,
+    quantize_kv,
+    scales_from_amax,
+    storage_dtype,
+)
 
 NUM_BLOCKS = 1024
 
@@ -98,9 +105,12 @@ def _check_mixed_batch(
     block_size: int,
     num_decode_seqs: int,
     scale: float = 0.3,
+    kv_cache_dtype: str = "auto",
     **extras: Any,  # sliding_window, logit_softcap, sinks
 ) -> None:
-    """Prefills (fresh, after a cached prefix, one token) then decodes, in one forward."""
+    """Prefills (fresh, after a cached prefix, one token) then decodes, in one forward. With a
+    quantized cache the naive attention reads K/V as stored and read back (quantize, then
+    dequantize, by each head's scales): a backend must store and read by those rules."""
     torch.manual_seed(0)
     head_dim = 16
     rng = random.Random(num_decode_seqs)
@@ -110,7 +120,14 @@ def _check_mixed_batch(
     num_prefill_seqs = 3
     blocks = list(range(NUM_BLOCKS))
     random.Random(0).shuffle(blocks)
-    cache = torch.zeros(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim)
+    dtype = storage_dtype(kv_cache_dtype, torch.float32)
+    cache = torch.zeros(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim, dtype=dtype)
+    kv_scales = None
+    if is_quantized(kv_cache_dtype):
+        # randn's K/V at most ~4.5: heads between clamping some values and plenty of room
+        amax = torch.linspace(2.5, 6.0, 2 * num_kv_heads).view(2, num_kv_heads)
+        kv_scales = scales_from_amax(kv_cache_dtype, amax)
+        extras = {**extras, "kv_scales": kv_scales}
     tables, queries, expected = [], [], []
     new_slots, new_keys, new_values = [], [], []  # of the new tokens, written all at once
     for seq_len, query_len in seqs:
@@ -119,16 +136,24 @@ def _check_mixed_batch(
         positions = torch.arange(seq_len)
         slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
         cached = seq_len - query_len
-        backend.write_kv(cache, key[:cached], value[:cached], slots[:cached])  # the prefix
+        # the prefix
+        backend.write_kv(cache, key[:cached], value[:cached], slots[:cached], kv_scales)
         new_slots.append(slots[cached:])
         new_keys.append(key[cached:])
         new_values.append(value[cached:])
         query = torch.randn(query_len, num_heads, head_dim)
         tables.append(table)
         queries.append(query)
-        expected.append(_naive_attention(query, key, value, scale, **extras))
+        if kv_scales is not None:
+            key = dequantize_kv(quantize_kv(key, kv_scales[0], dtype), kv_scales[0], key.dtype)
+            value = dequantize_kv(
+                quantize_kv(value, kv_scales[1], dtype), kv_scales[1], value.dtype
+            )
+        naive_extras = {name: v for name, v in extras.items() if name != "kv_scales"}
+        expected.append(_naive_attention(query, key, value, scale, **naive_extras))
     slot_mapping = torch.cat(new_slots)
-    backend.write_kv(cache, torch.cat(new_keys), torch.cat(new_values), slot_mapping)
+    new_key, new_value = torch.cat(new_keys), torch.cat(new_values)
+    backend.write_kv(cache, new_key, new_value, slot_mapping, kv_scales)
     metadata = _metadata(seqs, num_prefill_seqs, tables, slot_mapping)
     out = backend.forward(torch.cat(queries), cache, metadata, scale, **extras)
     torch.testing.assert_close(out.double(), torch.cat(expected), atol=1e-5, rtol=1e-5)
@@ -157,6 +182,40 @@ def test_softcap_and_sinks_match_naive(backend: str, extras: str) -> None:
     """Each backend's forward passes a soft-cap, sinks and a window on to its prefills and
     its decodes alike (GQA: 4 heads over 2)."""
     _check_mixed_batch(BACKENDS[backend](), 4, 2, 4, 3, scale=1.0, **EXTRAS[extras])
+
+
+QUANTIZED_CASES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "window-7": {"sliding_window": 7},
+    "softcap-sinks": {"logit_softcap": 1.5, "sinks": torch.linspace(-3.0, 4.0, 6)},
+}
+
+
+@pytest.mark.parametrize("case", QUANTIZED_CASES, ids=list(QUANTIZED_CASES))
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("backend", BACKENDS, ids=list(BACKENDS))
+def test_quantized_cache_matches_naive(backend: str, kv_cache_dtype: str, case: str) -> None:
+    """Each backend stores K/V in a quantized cache by the per-head scales and reads them
+    back as the values they stand for, in prefills and decodes alike (GQA: 6 heads over 2)."""
+    extras = QUANTIZED_CASES[case]
+    _check_mixed_batch(BACKENDS[backend](), 6, 2, 4, 5, kv_cache_dtype=kv_cache_dtype, **extras)
+
+
+def test_quantized_write_stores_by_the_rules() -> None:
+    """The reference stores what quantize_kv makes of each head by its own scale: float8
+    e4m3 saturating at 448, int8 rounding half to even and clamping at 127."""
+    key = torch.tensor([[[1.0, -2.5], [900.0, 0.75]]])  # [1 token, 2 heads, head_dim 2]
+    value = torch.tensor([[[0.5, 3.0], [-2.0, 254.9]]])
+    scales = torch.tensor([[1.0, 0.5], [1.0, 2.0]])  # [K, V] x heads
+    for kv_cache_dtype, stored_key, stored_value in (
+        ("fp8_e4m3", [[1.0, -2.5], [448.0, 1.5]], [[0.5, 3.0], [-1.0, 128.0]]),
+        ("int8", [[1.0, -2.0], [127.0, 2.0]], [[0.0, 3.0], [-1.0, 127.0]]),
+    ):
+        cache = torch.zeros(2, 2, 2, 2, 2, dtype=storage_dtype(kv_cache_dtype, torch.float32))
+        TorchAttentionBackend().write_kv(cache, key, value, torch.tensor([3]), scales)
+        assert cache[0, 1, 1].float().tolist() == stored_key
+        assert cache[1, 1, 1].float().tolist() == stored_value
+        assert int((cache.float() != 0).sum()) == 8 - (kv_cache_dtype == "int8")
 
 
 def test_cpu_backend_runs_its_kernels_with_softcap_and_sinks() -> None:
@@ -260,3 +319,54 @@ def test_backend_resolution_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
         ValueError, match="attention_backend must be one of auto, torch, triton, cpu"
     ):
         CacheConfig(attention_backend="flash")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_cpu_backend_runs_its_kernels_on_a_quantized_cache(
+    kv_cache_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a float8 e4m3 or int8 cache the CPU backend writes through its kernel (the
+    reference's write never runs; the bytes are quantize_kv's), and its prefills and decodes
+    are its kernels' outputs to the bit, with a window, soft-cap and sinks."""
+    torch.manual_seed(2)
+    block_size, scale, num_kv_heads, head_dim = 4, 1.0, 2, 16
+    dtype = storage_dtype(kv_cache_dtype, torch.float32)
+    cache = torch.zeros(2, 64, block_size, num_kv_heads, head_dim, dtype=dtype)
+    kv_scales = scales_from_amax(kv_cache_dtype, torch.linspace(2.5, 6.0, 4).view(2, 2))
+    key, value = torch.randn(2, 64 * block_size, num_kv_heads, head_dim)
+    slots = torch.randperm(64 * block_size)  # every slot, in no order
+
+    def reference_write(*args: Any) -> None:
+        raise AssertionError("the torch reference's write_kv ran")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(TorchAttentionBackend, "write_kv", reference_write)
+        CpuAttentionBackend().write_kv(cache, key, value, slots, kv_scales)
+    stored = cache.view(torch.uint8).view(2, -1, num_kv_heads, head_dim)[:, slots]
+    for plane, rows in enumerate((key, value)):
+        expected = quantize_kv(rows, kv_scales[plane], dtype).view(torch.uint8)
+        assert torch.equal(stored[plane], expected)
+    seqs = [(23, 23), (40, 9), (30, 1), (12, 1)]
+    tables = [list(range(start, start + 10)) for start in (0, 10, 20, 30)]
+    metadata = _metadata(seqs, 2, tables, torch.zeros(34, dtype=torch.long))
+    query = torch.randn(34, 4, head_dim)
+    extras: dict[str, Any] = {
+        "logit_softcap": 1.5,
+        "sinks": torch.linspace(-3.0, 4.0, 4),
+        "kv_scales": kv_scales,
+    }
+    out = CpuAttentionBackend().forward(query, cache, metadata, scale, 7, **extras)
+    starts = torch.tensor(metadata.prefill_query_start_loc)
+    prefill_lens = torch.tensor(metadata.prefill_seq_lens)
+    tables_of = (metadata.prefill_block_tables, metadata.decode_block_tables)
+    prefills = paged_prefill_attention_cpu(
+        query[:32], cache, tables_of[0], starts, prefill_lens, scale, None, 7, **extras
+    )
+    decodes = paged_decode_attention_cpu(
+        query[32:], cache, tables_of[1], metadata.decode_seq_lens, scale, None, 7, **extras
+    )
+    assert torch.equal(out, torch.cat([prefills, decodes]))
+    reference = TorchAttentionBackend().forward(query, cache, metadata, scale, 7, **extras)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    # which tells the two paths apart: the reference's bits are not the kernels'
+    assert not torch.equal(out, reference)

@@ -1,7 +1,9 @@
 """The C decode-attention kernel (engine/kernels/cpu) against a float64 softmax over each
 sequence's gathered context (or its sliding window's last positions), with soft-capped logits
-(mild and hard-biting) or attention sinks against the torch reference and the float64 one; the
-soft-cap's vectorised tanh against tanh; its argument checks, and how it is built and cached."""
+(mild and hard-biting) or attention sinks against the torch reference and the float64 one; on
+float8 e4m3 and int8 caches against a float64 softmax over what they store, and against the
+torch reference; the soft-cap's vectorised tanh against tanh; its argument checks, and how it
+is built and cached. (The K/V write kernel's tests are test_cpu_kv_write.py's.)"""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.cpu import build
 from engine.kernels.cpu import paged_decode_attention as kernel_module
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
+from engine.kv_cache.kv_quantization import dequantize_kv, quantize_kv, scales_from_amax
 from tests.engine.paged_tables import scattered_block_tables
 
 FLOAT32 = {"atol": 1e-5, "rtol": 1e-5}  # float32 results against a float64 reference
@@ -227,6 +230,7 @@ def _torch_reference(
     sliding_window: int | None,
     logit_softcap: float | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs = query.shape[0]
     metadata = AttentionMetadata(
@@ -242,7 +246,14 @@ def _torch_reference(
         max_decode_seq_len=int(seq_lens.max()),
     )
     return TorchAttentionBackend().forward(
-        query, cache, metadata, scale, sliding_window, logit_softcap=logit_softcap, sinks=sinks
+        query,
+        cache,
+        metadata,
+        scale,
+        sliding_window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+        kv_scales=kv_scales,
     )
 
 
@@ -379,7 +390,7 @@ def test_a_changed_header_rebuilds_the_kernels_that_include_it(
 ) -> None:
     sources = fresh_build / "sources"
     sources.mkdir()
-    for name in ("paged_decode_attention.c", "poly_math.h"):
+    for name in ("paged_decode_attention.c", "poly_math.h", "kv_elements.h"):
         (sources / name).write_bytes((build.SOURCE_DIR / name).read_bytes())
     monkeypatch.setattr(build, "SOURCE_DIR", sources)
     build.load("paged_decode_attention")
@@ -425,24 +436,88 @@ def test_a_compiler_without_openmp_builds_the_kernel_serial(
     assert "without OpenMP" in caplog.text and "no OpenMP here" in caplog.text
 
 
-def test_kv_cache_write_lands_rows_in_their_slots() -> None:
-    """New K/V straight from a qkv projection's output (strided rows) into the paged cache;
-    padding slots (-1) are skipped, a slot past the cache is refused by name."""
-    from engine.kernels.cpu.kv_cache_write import write_kv_cache_cpu
+# ---- quantized caches: float8 e4m3 and int8 elements, a K and a V scale per KV head ---------
+QUANTIZED = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 
-    torch.manual_seed(5)
-    num_kv_heads, head_dim = 2, 8
-    cache = torch.zeros(2, 4, 3, num_kv_heads, head_dim)
-    qkv = torch.randn(4, (4 + 2 * num_kv_heads) * head_dim)
-    _, key, value = qkv.split([4 * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
-    key = key.view(4, num_kv_heads, head_dim)
-    value = value.view(4, num_kv_heads, head_dim)
-    write_kv_cache_cpu(cache, key, value, torch.tensor([11, 0, -1, 4]))
-    torch.testing.assert_close(cache[0, 3, 2], key[0])
-    torch.testing.assert_close(cache[1, 0, 0], value[1])
-    torch.testing.assert_close(cache[0, 1, 1], key[3])
-    assert int((cache != 0).any(dim=(-1, -2)).sum()) == 6  # 3 slots, K and V; -1 skipped
-    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 12 is past the cache's 12 slots"):
-        write_kv_cache_cpu(cache, key[:2], value[:2], torch.tensor([0, 12]))
-    with pytest.raises(ValueError, match="key must be"):
-        write_kv_cache_cpu(cache, key[:, :1], value, torch.tensor([0, 1, 2, 3]))
+
+def _quantized(
+    cache: torch.Tensor, kv_cache_dtype: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cache`` stored as a ``kv_cache_dtype`` cache by per-head scales (some heads' from
+    below their largest value, so those clamp), the scales, and what the stored cache stands
+    for (float32)."""
+    dtype = QUANTIZED[kv_cache_dtype]
+    num_kv_heads, head_dim = cache.shape[3:]
+    amax = cache.abs().amax(dim=(1, 2, 4))  # [2, num_kv_heads]
+    generator = torch.Generator().manual_seed(seed)
+    kv_scales = scales_from_amax(
+        kv_cache_dtype, amax * (0.3 + torch.rand(2, num_kv_heads, generator=generator))
+    )
+    planes = [cache[plane].reshape(-1, num_kv_heads, head_dim) for plane in (0, 1)]
+    stored = torch.stack([quantize_kv(planes[p], kv_scales[p], dtype) for p in (0, 1)])
+    dequantized = torch.stack(
+        [dequantize_kv(stored[p], kv_scales[p], torch.float32) for p in (0, 1)]
+    )
+    return stored.view(cache.shape), kv_scales, dequantized.view(cache.shape)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_a_quantized_cache_matches_a_float64_softmax_of_what_it_stores(
+    kv_cache_dtype: str, num_heads: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    """The scales applied to the logits and the output (not per element) keep float32's
+    tolerance against a float64 softmax over the dequantized cache, whole contexts and
+    sliding windows alike; head_dim 40 leaves a part-vector after the 16-element reads."""
+    rng = random.Random(num_heads * 1000 + block_size * 10 + head_dim)
+    seq_lens = [1, block_size, 3 * block_size, *(rng.randint(1, 90) for _ in range(9))]
+    query, cache, tables, lens = _case(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
+    stored, kv_scales, dequantized = _quantized(cache, kv_cache_dtype, head_dim)
+    scale = head_dim**-0.5
+    for window in (None, *_windows(block_size)):
+        out = paged_decode_attention_cpu(
+            query, stored, tables, lens, scale, sliding_window=window, kv_scales=kv_scales
+        )
+        expected = _expected(query, dequantized, tables, lens, window)
+        torch.testing.assert_close(out.double(), expected, **FLOAT32)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 21], ids=["whole", "window-21"])
+@pytest.mark.parametrize("extras", EXTRAS, ids=list(EXTRAS))
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_a_quantized_cache_with_softcap_and_sinks_matches_the_torch_reference(
+    kv_cache_dtype: str, extras: str, sliding_window: int | None
+) -> None:
+    """GQA (8 heads over 2), contexts of 1 to 90 tokens in blocks of 5, against the torch
+    reference reading the same quantized cache; on one thread and three, to the bit."""
+    softcap, with_sinks = EXTRAS[extras]
+    rng = random.Random(7)
+    seq_lens = [1, 5, 21, 48, *(rng.randint(1, 90) for _ in range(6))]
+    query, cache, tables, lens = _case(seq_lens, 8, 2, 64, 5)
+    stored, kv_scales, _ = _quantized(cache, kv_cache_dtype, 7)
+    generator = torch.Generator().manual_seed(8)
+    sinks = 2 * torch.randn(8, generator=generator) + 1 if with_sinks else None
+    case = (query, stored, tables, lens, 0.5)
+    out = paged_decode_attention_cpu(*case, 1, sliding_window, softcap, sinks, kv_scales)
+    shared = paged_decode_attention_cpu(*case, 3, sliding_window, softcap, sinks, kv_scales)
+    assert torch.equal(out, shared)
+    expected = _torch_reference(*case, sliding_window, softcap, sinks, kv_scales)
+    torch.testing.assert_close(out, expected, **FLOAT32)
+
+
+def test_bad_kv_scales_are_refused_by_name() -> None:
+    query, cache, tables, lens = _case([20, 9], 4, 2, 64, 8)
+    stored, kv_scales, _ = _quantized(cache, "int8", 0)
+    cases: list[tuple[torch.Tensor, torch.Tensor | None, str]] = [
+        (stored, None, "a torch.int8 cache needs kv_scales"),
+        (cache, kv_scales, "kv_scales are for a quantized cache, this one is torch.float32"),
+        (stored, kv_scales[:, :1], r"kv_scales must be a contiguous \[2, num_kv_heads = 2\]"),
+        (stored, kv_scales.double(), "kv_scales must be float32"),
+        (stored, kv_scales.to("meta"), "kv_scales must be on the CPU"),
+        (stored.view(torch.uint8), kv_scales, "kv_cache_layer must be float32, float8_e4m3fn"),
+    ]
+    for kv_cache_layer, scales, message in cases:
+        with pytest.raises(ValueError, match=message):
+            paged_decode_attention_cpu(query, kv_cache_layer, tables, lens, 0.1, kv_scales=scales)

@@ -1,7 +1,8 @@
 """The C prefill-attention kernel (engine/kernels/cpu) against a float64 causal softmax over
 each sequence's gathered context (cached prefix + new tokens, or each token's sliding window
-of it), and with soft-capped logits or attention sinks against the torch reference; and its
-argument checks.
+of it), and with soft-capped logits or attention sinks against the torch reference; on float8
+e4m3 and int8 caches against a float64 softmax over what they store and against the torch
+reference; and its argument checks.
 Greedy parity of the whole model on the CPU backend, which this kernel now serves for every
 prefill, is tests/engine/test_parity.py's."""
 
@@ -16,6 +17,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
+from engine.kv_cache.kv_quantization import dequantize_kv, quantize_kv, scales_from_amax
 from tests.engine.paged_tables import scattered_block_tables
 
 FLOAT32 = {"atol": 2e-5, "rtol": 2e-5}  # float32 results against a float64 reference
@@ -255,6 +257,7 @@ def _torch_reference(
     sliding_window: int | None,
     logit_softcap: float | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens = query.shape[0]
     metadata = AttentionMetadata(
@@ -270,7 +273,14 @@ def _torch_reference(
         max_decode_seq_len=0,
     )
     return TorchAttentionBackend().forward(
-        query, cache, metadata, scale, sliding_window, logit_softcap=logit_softcap, sinks=sinks
+        query,
+        cache,
+        metadata,
+        scale,
+        sliding_window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+        kv_scales=kv_scales,
     )
 
 
@@ -309,3 +319,96 @@ def test_bad_softcap_and_sinks_are_refused_by_name() -> None:
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             paged_prefill_attention_cpu(*case, 0.1, **kwargs)
+
+
+# ---- quantized caches: float8 e4m3 and int8 elements, a K and a V scale per KV head ---------
+QUANTIZED = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def _quantized(
+    cache: torch.Tensor, kv_cache_dtype: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cache`` stored as a ``kv_cache_dtype`` cache by per-head scales (some heads' from
+    below their largest value, so those clamp), the scales, and what the stored cache stands
+    for (float32)."""
+    dtype = QUANTIZED[kv_cache_dtype]
+    num_kv_heads, head_dim = cache.shape[3:]
+    amax = cache.abs().amax(dim=(1, 2, 4))  # [2, num_kv_heads]
+    generator = torch.Generator().manual_seed(seed)
+    kv_scales = scales_from_amax(
+        kv_cache_dtype, amax * (0.3 + torch.rand(2, num_kv_heads, generator=generator))
+    )
+    planes = [cache[plane].reshape(-1, num_kv_heads, head_dim) for plane in (0, 1)]
+    stored = torch.stack([quantize_kv(planes[p], kv_scales[p], dtype) for p in (0, 1)])
+    dequantized = torch.stack(
+        [dequantize_kv(stored[p], kv_scales[p], torch.float32) for p in (0, 1)]
+    )
+    return stored.view(cache.shape), kv_scales, dequantized.view(cache.shape)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_a_quantized_cache_matches_a_float64_causal_softmax_of_what_it_stores(
+    kv_cache_dtype: str, num_heads: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    """Whole prompts and new tokens after a cached prefix (some past one tile of new tokens),
+    whole contexts and sliding windows: the scales folded into the queries and the output keep
+    float32's tolerance against a float64 softmax over the dequantized cache; head_dim 40
+    leaves a part-vector after the 16-element reads."""
+    rng = random.Random(num_heads * 1000 + block_size * 10 + head_dim)
+    query_lens = [1, 2, block_size, 70, *(rng.randint(2, 150) for _ in range(2))]
+    seq_lens = [n + rng.choice([0, rng.randint(1, 120)]) for n in query_lens]
+    query, cache, tables, starts, lens = _case(
+        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
+    )
+    stored, kv_scales, dequantized = _quantized(cache, kv_cache_dtype, head_dim)
+    scale = head_dim**-0.5
+    for window in (None, 1, 2 * block_size + 3, 45):
+        out = paged_prefill_attention_cpu(
+            query, stored, tables, starts, lens, scale, sliding_window=window, kv_scales=kv_scales
+        )
+        expected = _expected(query, dequantized, tables, starts, lens, window)
+        torch.testing.assert_close(out.double(), expected, **FLOAT32)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 21], ids=["whole", "window-21"])
+@pytest.mark.parametrize("extras", EXTRAS, ids=list(EXTRAS))
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_a_quantized_cache_with_softcap_and_sinks_matches_the_torch_reference(
+    kv_cache_dtype: str, extras: str, sliding_window: int | None
+) -> None:
+    """GQA (8 heads over 2), whole prompts and new tokens after a cached prefix in blocks of 5,
+    against the torch reference reading the same quantized cache; on one thread and three, to
+    the bit."""
+    softcap, with_sinks = EXTRAS[extras]
+    case = _case([1, 7, 70, 33, 2], [1, 50, 70, 100, 9], 8, 2, 64, 5)
+    query, cache, tables, starts, lens = case
+    stored, kv_scales, _ = _quantized(cache, kv_cache_dtype, 7)
+    generator = torch.Generator().manual_seed(8)
+    sinks = 2 * torch.randn(8, generator=generator) + 1 if with_sinks else None
+    quantized_case = (query, stored, tables, starts, lens, 0.5)
+    out = paged_prefill_attention_cpu(*quantized_case, 1, sliding_window, softcap, sinks, kv_scales)
+    shared = paged_prefill_attention_cpu(
+        *quantized_case, 3, sliding_window, softcap, sinks, kv_scales
+    )
+    assert torch.equal(out, shared)
+    expected = _torch_reference(*quantized_case, sliding_window, softcap, sinks, kv_scales)
+    torch.testing.assert_close(out, expected, **FLOAT32)
+
+
+def test_bad_kv_scales_are_refused_by_name() -> None:
+    query, cache, tables, starts, lens = _case([20, 9], [20, 30], 4, 2, 64, 8)
+    stored, kv_scales, _ = _quantized(cache, "fp8_e4m3", 0)
+    cases: list[tuple[torch.Tensor, torch.Tensor | None, str]] = [
+        (stored, None, "a torch.float8_e4m3fn cache needs kv_scales"),
+        (cache, kv_scales, "kv_scales are for a quantized cache, this one is torch.float32"),
+        (stored, kv_scales.repeat(1, 2), r"kv_scales must be a contiguous \[2, num_kv_heads = 2\]"),
+        (stored, kv_scales.half(), "kv_scales must be float32"),
+    ]
+    for kv_cache_layer, scales, message in cases:
+        with pytest.raises(ValueError, match=message):
+            paged_prefill_attention_cpu(
+                query, kv_cache_layer, tables, starts, lens, 0.1, kv_scales=scales
+            )

@@ -166,8 +166,7 @@ def test_the_config_reads_bits_groups_and_zero_points() -> None:
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"quant_method": "awq"}, "quantization_config.quant_method 'awq'"),
-        ({"quant_method": "gptq"}, "quantization_config.quant_method 'gptq'"),
+        ({"quant_method": "bitsandbytes"}, "quantization_config.quant_method 'bitsandbytes'"),
         (
             {"config_groups.group_0.input_activations": {"num_bits": 8, "type": "float"}},
             "quantization_config.config_groups.group_0.input_activations",
@@ -189,7 +188,6 @@ def test_the_config_reads_bits_groups_and_zero_points() -> None:
             "quantization_config.config_groups.group_0.weights.strategy 'tensor'",
         ),
         ({"ignore": ["lm_head", "re:.*mlp.*"]}, "quantization_config.ignore"),
-        ({"kv_cache_scheme": {"num_bits": 8}}, "quantization_config.kv_cache_scheme"),
         ({"quantization_status": "frozen"}, "quantization_config.quantization_status 'frozen'"),
     ],
 )

@@ -7,12 +7,15 @@ the refusals."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.attention.layer import Attention
@@ -185,3 +188,94 @@ def test_demo_model_held_out_perplexity_within_two_percent() -> None:
     float_perplexity = perplexity("auto")
     for kv_cache_dtype in KV_CACHE_DTYPES:
         assert abs(perplexity(kv_cache_dtype) / float_perplexity - 1) < 0.02, kv_cache_dtype
+
+
+def _with_checkpoint_scales(
+    float_dir: Path, out_dir: Path, scheme: dict[str, Any] | None, scales: dict[str, torch.Tensor]
+) -> Path:
+    """``float_dir``'s model with KV cache scales beside its weights, and ``scheme`` as
+    compressed-tensors' ``kv_cache_scheme`` (None: no quantization_config, as FP8 checkpoints
+    of other tools carry their scales)."""
+    shutil.copytree(float_dir, out_dir)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    save_file({**weights, **scales}, str(out_dir / "model.safetensors"), {"format": "pt"})
+    if scheme is not None:
+        config = json.loads((out_dir / "config.json").read_text())
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "dense",
+            "quantization_status": "compressed",
+            "kv_cache_scheme": scheme,
+        }
+        (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+FP8_TENSOR_SCHEME = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "tensor",
+    "dynamic": False,
+    "symmetric": True,
+}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_checkpoint_scales_per_layer_are_used(
+    llama_dir: Path, tmp_path: Path, kv_cache_dtype: str
+) -> None:
+    """llm-compressor's FP8 KV scheme: a k_scale and a v_scale per layer, for float8; an int8
+    cache takes them by the same largest magnitude (x 448 / 127)."""
+    scales = {
+        f"model.layers.{layer}.self_attn.{plane}_scale": torch.tensor(0.01 * (layer + 1) + bump)
+        for layer in range(2)
+        for plane, bump in (("k", 0.0), ("v", 0.005))
+    }
+    model_dir = _with_checkpoint_scales(llama_dir, tmp_path / "m", FP8_TENSOR_SCHEME, scales)
+    llm = quantized_llm(model_dir, kv_cache_dtype=kv_cache_dtype)
+    got = llm.engine.kv_cache_scales
+    assert got is not None
+    factor = 1.0 if kv_cache_dtype == "fp8_e4m3" else 448.0 / 127.0
+    for layer in range(2):
+        for plane, name in enumerate("kv"):
+            expected = float(scales[f"model.layers.{layer}.self_attn.{name}_scale"]) * factor
+            assert got.per_layer[layer][plane] == pytest.approx((expected, expected), rel=1e-6)
+    assert engine_greedy(llm) == transformers_quantized_kv_greedy(llama_dir, got)
+
+
+def test_checkpoint_scales_per_head_without_a_scheme(llama_dir: Path, tmp_path: Path) -> None:
+    """Scales per KV head (strategy attn_head), and scales with no quantization_config at all
+    (fp8 scales, as vLLM reads them)."""
+    per_head = {
+        f"model.layers.{layer}.self_attn.{plane}_scale": torch.tensor([0.02, 0.03 + layer / 100])
+        for layer in range(2)
+        for plane in "kv"
+    }
+    model_dir = _with_checkpoint_scales(llama_dir, tmp_path / "m", None, per_head)
+    llm = quantized_llm(model_dir, kv_cache_dtype="fp8_e4m3")
+    got = llm.engine.kv_cache_scales
+    assert got is not None
+    assert got.per_layer[1][0] == pytest.approx((0.02, 0.04))
+    assert engine_greedy(llm) == transformers_quantized_kv_greedy(llama_dir, got)
+
+
+def test_bad_checkpoint_kv_schemes_are_refused_naming_the_field(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    one = {"model.layers.0.self_attn.k_scale": torch.tensor(0.01)}
+    for index, (change, message) in enumerate(
+        [
+            ({"dynamic": True}, r"kv_cache_scheme.dynamic True is not supported"),
+            ({"num_bits": 4}, r"kv_cache_scheme.num_bits 4 is not supported"),
+            ({"strategy": "channel"}, r"kv_cache_scheme.strategy 'channel' is not supported"),
+            ({"symmetric": False}, r"kv_cache_scheme.symmetric false is not supported"),
+        ]
+    ):
+        model_dir = _with_checkpoint_scales(
+            llama_dir, tmp_path / str(index), {**FP8_TENSOR_SCHEME, **change}, one
+        )
+        with pytest.raises(ValueError, match=message):
+            quantized_llm(model_dir, kv_cache_dtype="fp8_e4m3")
+    model_dir = _with_checkpoint_scales(llama_dir, tmp_path / "partial", FP8_TENSOR_SCHEME, one)
+    with pytest.raises(ValueError, match="but not model.layers.0.self_attn.v_scale"):
+        quantized_llm(model_dir, kv_cache_dtype="fp8_e4m3")

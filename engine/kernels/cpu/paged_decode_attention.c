@@ -1,4 +1,5 @@
-/* Decode attention on CPU, reading K/V in place from the paged cache (float32).
+/* Decode attention on CPU, reading K/V in place from the paged cache: float32, or float8 e4m3
+ * or int8 elements with a float32 scale per KV head for K and one for V (kv_elements.h).
  *
  * One query token per sequence attends over the sequence's context, block by block through
  * its block table, with an online softmax (running max and sum per head), so no block is ever
@@ -15,6 +16,12 @@
  * reaches a fraction of the memory bandwidth (about 14 of 50-70 GB/s on the 2-core EPYC), so
  * a second thread nearly halves the time.
  *
+ * A quantized cache's elements are read as floats row by row (a K or V row of one KV head,
+ * into a head_dim buffer the group's query heads share), and the scales are applied where
+ * they factor out: K's to each logit (scale * k_scale * q . k), V's to the output
+ * (v_scale * sum_t p_t v_t / sum_t p_t), one rounding each. It reads a quarter of a float32
+ * cache's bytes for the same context.
+ *
  * Layouts (all contiguous but the block table's rows):
  *   query, out    [num_seqs, num_heads, head_dim]
  *   key, value    [num_blocks, block_size, num_kv_heads, head_dim]
@@ -22,6 +29,7 @@
  *                 from the window's first block on)
  *   seq_lens      [num_seqs]
  *   sinks         [num_heads], or NULL
+ *   kv_scales     [2][num_kv_heads] (K's, then V's) for a quantized cache, or NULL
  * Returns 0, or -(1 + s) when sequence s has a length outside [1, capacity] or a block id
  * outside [0, num_blocks) among those it reads (nothing is written then), or -(1 + num_seqs)
  * when scratch memory ran out.
@@ -30,6 +38,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kv_elements.h"
 #include "poly_math.h"
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
@@ -38,9 +47,9 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return sum;
 }
 
-static inline void prefetch(const float *start, int64_t numel) {
+static inline void prefetch(const void *start, int64_t num_bytes) {
     const char *bytes = (const char *)start;
-    for (int64_t offset = 0; offset < numel * (int64_t)sizeof(float); offset += 64)
+    for (int64_t offset = 0; offset < num_bytes; offset += 64)
         __builtin_prefetch(bytes + offset, 0, 3);
 }
 
@@ -58,12 +67,14 @@ static int64_t check_seq(const int64_t *table, int64_t seq_len, int64_t capacity
     return 1;
 }
 
-/* Scratch for one thread: running output, max and sum per head, and a block's probabilities. */
+/* Scratch for one thread: running output, max and sum per head, a block's probabilities, and
+ * one K or V row of a quantized cache read as floats. */
 typedef struct {
     float *acc;    /* [num_heads][head_dim] */
     float *maxes;  /* [num_heads] */
     float *sums;   /* [num_heads] */
     float *probs;  /* [num_heads][block_size] */
+    float *row;    /* [head_dim] */
 } scratch_t;
 
 static int scratch_alloc(scratch_t *scratch, int64_t num_heads, int64_t head_dim,
@@ -72,7 +83,8 @@ static int scratch_alloc(scratch_t *scratch, int64_t num_heads, int64_t head_dim
     scratch->maxes = malloc(sizeof(float) * num_heads);
     scratch->sums = malloc(sizeof(float) * num_heads);
     scratch->probs = malloc(sizeof(float) * num_heads * block_size);
-    return scratch->acc && scratch->maxes && scratch->sums && scratch->probs;
+    scratch->row = malloc(sizeof(float) * head_dim);
+    return scratch->acc && scratch->maxes && scratch->sums && scratch->probs && scratch->row;
 }
 
 static void scratch_free(scratch_t *scratch) {
@@ -80,44 +92,57 @@ static void scratch_free(scratch_t *scratch) {
     free(scratch->maxes);
     free(scratch->sums);
     free(scratch->probs);
+    free(scratch->row);
 }
 
 /* Sequence s's query attends over its context from position ``first`` on; its row of ``out``
- * is written. ``softcap``: 0, or the logits' soft-cap; ``sinks``: NULL, or a logit per head. */
+ * is written. ``softcap``: 0, or the logits' soft-cap; ``sinks``: NULL, or a logit per head;
+ * ``kind``: the cache's element type (KV_*), ``kv_scales`` a quantized one's. */
 static inline __attribute__((always_inline)) void attend(
-    const float *q, const float *key, const float *value, const int64_t *table, int64_t seq_len,
+    const float *q, const void *key, const void *value, const int64_t *table, int64_t seq_len,
     int64_t first, float *o, const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, float softcap, const float *sinks) {
+    int64_t head_dim, int64_t block_size, float scale, float softcap, const float *sinks,
+    int kind, const float *kv_scales) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_numel = num_kv_heads * head_dim;
     const int64_t block_numel = block_size * token_numel;
+    const int64_t block_bytes = block_numel * kv_element_size(kind);
     /* restrict: the compiler vectorises the head_dim loops only knowing these never overlap */
     float *restrict acc = scratch->acc, *restrict maxes = scratch->maxes;
     float *restrict sums = scratch->sums, *restrict probs = scratch->probs;
+    float *restrict row = scratch->row;
     for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
     for (int64_t h = 0; h < num_heads; h++) { /* a sink: a position seen before the first */
         maxes[h] = sinks ? sinks[h] : -INFINITY;
         sums[h] = sinks ? 1.f : 0.f;
     }
     const int64_t first_block = first / block_size;
-    prefetch(key + table[first_block] * block_numel, block_numel);
-    prefetch(value + table[first_block] * block_numel, block_numel);
+    prefetch(kv_at(key, table[first_block] * block_numel, kind), block_bytes);
+    prefetch(kv_at(value, table[first_block] * block_numel, kind), block_bytes);
     /* block j holds the walk's positions [start, end): from ``first`` on in the first block */
     for (int64_t j = first_block, start = first; start < seq_len; start = ++j * block_size) {
         const int64_t end = (j + 1) * block_size < seq_len ? (j + 1) * block_size : seq_len;
         const int64_t n = end - start;
-        const int64_t offset = (start - j * block_size) * token_numel;
-        const float *k_block = key + table[j] * block_numel + offset;
-        const float *v_block = value + table[j] * block_numel + offset;
+        const int64_t offset = table[j] * block_numel + (start - j * block_size) * token_numel;
+        const void *k_block = kv_at(key, offset, kind);
+        const void *v_block = kv_at(value, offset, kind);
         if (end < seq_len) {
-            prefetch(key + table[j + 1] * block_numel, block_numel);
-            prefetch(value + table[j + 1] * block_numel, block_numel);
+            prefetch(kv_at(key, table[j + 1] * block_numel, kind), block_bytes);
+            prefetch(kv_at(value, table[j + 1] * block_numel, kind), block_bytes);
         }
         for (int64_t t = 0; t < n; t++)
             for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {
-                const float *k = k_block + t * token_numel + kv_head * head_dim;
-                for (int64_t g = 0; g < group; g++, h++)
-                    probs[h * block_size + t] = scale * dot(q + h * head_dim, k, head_dim);
+                const void *k = kv_at(k_block, t * token_numel + kv_head * head_dim, kind);
+                if (kind == KV_FLOAT32) {
+                    for (int64_t g = 0; g < group; g++, h++)
+                        probs[h * block_size + t] = scale * dot(q + h * head_dim, k, head_dim);
+                } else {
+                    const float logit_scale = scale * kv_scales[kv_head];
+                    kv_dequantize_row(k, row, head_dim, kind);
+                    for (int64_t g = 0; g < group; g++, h++)
+                        probs[h * block_size + t] =
+                            logit_scale * dot(q + h * head_dim, row, head_dim);
+                }
             }
         for (int64_t h = 0; h < num_heads; h++) {
             float *p = probs + h * block_size;
@@ -141,7 +166,12 @@ static inline __attribute__((always_inline)) void attend(
         }
         for (int64_t t = 0; t < n; t++)
             for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {
-                const float *v = v_block + t * token_numel + kv_head * head_dim;
+                const void *stored = kv_at(v_block, t * token_numel + kv_head * head_dim, kind);
+                const float *v = stored;
+                if (kind != KV_FLOAT32) {
+                    kv_dequantize_row(stored, row, head_dim, kind);
+                    v = row;
+                }
                 for (int64_t g = 0; g < group; g++, h++) {
                     const float p = probs[h * block_size + t];
                     float *a = acc + h * head_dim;
@@ -150,47 +180,62 @@ static inline __attribute__((always_inline)) void attend(
             }
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        const float inverse = 1.f / sums[h];
+        const float inverse =
+            kind == KV_FLOAT32 ? 1.f / sums[h] : kv_scales[num_kv_heads + h / group] / sums[h];
         for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = acc[h * head_dim + d] * inverse;
     }
 }
 
 /* ``attend`` compiled for the common head sizes (loops over head_dim fully unrolled and
- * vectorised), the general one for others, and each for a walk from position 0 (no window, or
- * one the context fits in: the code of a kernel without windows) and from a window's start,
- * both without soft-cap or sinks (the code of a kernel without them), and for any walk with
- * them. The choice is made per sequence, inside the parallel loop: a constant head_dim passed
- * into an OpenMP region reaches it as a variable. */
-static void attend_any(const float *q, const float *key, const float *value,
+ * vectorised), the general one for others; on a float32 cache each for a walk from position 0
+ * (no window, or one the context fits in: the code of a kernel without windows) and from a
+ * window's start, both without soft-cap or sinks (the code of a kernel without them), and for
+ * any walk with them; on a quantized cache (float8 e4m3, int8) for any walk (fewer copies of
+ * the code to build). The choice is made per sequence, inside the parallel loop: a constant
+ * head_dim passed into an OpenMP region reaches it as a variable. */
+static void attend_any(const float *q, const void *key, const void *value,
                        const int64_t *table, int64_t seq_len, int64_t first, float *o,
                        const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t block_size, float scale, float softcap,
-                       const float *sinks) {
-#define ATTEND(HEAD_DIM, FIRST, SOFTCAP, SINKS)                                              \
+                       const float *sinks, int kind, const float *kv_scales) {
+#define ATTEND(HEAD_DIM, FIRST, SOFTCAP, SINKS, KIND)                                        \
     attend(q, key, value, table, seq_len, FIRST, o, scratch, num_heads, num_kv_heads,       \
-           HEAD_DIM, block_size, scale, SOFTCAP, SINKS)
-#define ATTEND_FROM_FIRST(HEAD_DIM)                                                          \
+           HEAD_DIM, block_size, scale, SOFTCAP, SINKS, KIND, kv_scales)
+#define ATTEND_FROM_FIRST(HEAD_DIM, KIND)                                                    \
     if (softcap > 0.f || sinks)                                                              \
-        ATTEND(HEAD_DIM, first, softcap, sinks);                                             \
+        ATTEND(HEAD_DIM, first, softcap, sinks, KIND);                                       \
     else if (first == 0)                                                                     \
-        ATTEND(HEAD_DIM, 0, 0.f, NULL);                                                      \
+        ATTEND(HEAD_DIM, 0, 0.f, NULL, KIND);                                                \
     else                                                                                     \
-        ATTEND(HEAD_DIM, first, 0.f, NULL)
-    switch (head_dim) {
-    case 64: ATTEND_FROM_FIRST(64); break;
-    case 128: ATTEND_FROM_FIRST(128); break;
-    default: ATTEND_FROM_FIRST(head_dim);
+        ATTEND(HEAD_DIM, first, 0.f, NULL, KIND)
+#define ATTEND_OF_HEAD_DIM(HEAD_DIM_CASE)                                                    \
+    switch (head_dim) {                                                                      \
+    case 64: HEAD_DIM_CASE(64); break;                                                       \
+    case 128: HEAD_DIM_CASE(128); break;                                                     \
+    default: HEAD_DIM_CASE(head_dim);                                                        \
     }
+#define FLOAT32_CASE(HEAD_DIM) ATTEND_FROM_FIRST(HEAD_DIM, KV_FLOAT32)
+#define FP8_E4M3_CASE(HEAD_DIM) ATTEND(HEAD_DIM, first, softcap, sinks, KV_FP8_E4M3)
+#define INT8_CASE(HEAD_DIM) ATTEND(HEAD_DIM, first, softcap, sinks, KV_INT8)
+    switch (kind) {
+    case KV_FP8_E4M3: ATTEND_OF_HEAD_DIM(FP8_E4M3_CASE); break;
+    case KV_INT8: ATTEND_OF_HEAD_DIM(INT8_CASE); break;
+    default: ATTEND_OF_HEAD_DIM(FLOAT32_CASE);
+    }
+#undef INT8_CASE
+#undef FP8_E4M3_CASE
+#undef FLOAT32_CASE
+#undef ATTEND_OF_HEAD_DIM
 #undef ATTEND_FROM_FIRST
 #undef ATTEND
 }
 
-int64_t paged_decode_attention_f32(
-    const float *query, const float *key, const float *value, const int64_t *block_tables,
+int64_t paged_decode_attention(
+    const float *query, const void *key, const void *value, const int64_t *block_tables,
     int64_t table_stride, const int64_t *seq_lens, float *out, int64_t num_seqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     int64_t num_blocks, int64_t sliding_window, float scale, float logit_softcap,
-    const float *sinks, int64_t num_threads) {
+    const float *sinks, int64_t kv_kind, const float *kv_scales, int64_t num_threads) {
     for (int64_t s = 0; s < num_seqs; s++)
         if (!check_seq(block_tables + s * table_stride, seq_lens[s], table_stride * block_size,
                        block_size, num_blocks, sliding_window))
@@ -216,7 +261,8 @@ int64_t paged_decode_attention_f32(
                            block_tables + s * table_stride, seq_lens[s],
                            window_start(seq_lens[s], sliding_window),
                            out + s * num_heads * head_dim, &scratch, num_heads, num_kv_heads,
-                           head_dim, block_size, scale, logit_softcap, sinks);
+                           head_dim, block_size, scale, logit_softcap, sinks, (int)kv_kind,
+                           kv_scales);
         }
         scratch_free(&scratch);
     }

@@ -1,5 +1,6 @@
 """Decode attention over the paged KV cache on CPU, blocks read in place (the C kernel in
-``paged_decode_attention.c``): no gather of each sequence's blocks into a buffer first."""
+``paged_decode_attention.c``): no gather of each sequence's blocks into a buffer first, nor a
+dequantized copy of a quantized cache's."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ from engine.kernels.cpu.paged_kernel_call import (
 @functools.cache
 def _kernel() -> Any:
     argtypes = paged_argtypes(1)  # seq_lens
-    return function("paged_decode_attention", "paged_decode_attention_f32", INT64, argtypes)
+    return function("paged_decode_attention", "paged_decode_attention", INT64, argtypes)
 
 
 def paged_decode_attention_cpu(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32
-    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] float32
+    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
     seq_lens: torch.Tensor,  # [num_seqs] int64, each in [1, max_blocks * block_size]
     scale: float,
@@ -33,15 +34,17 @@ def paged_decode_attention_cpu(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] float32: a quantized cache's
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] float32
     """One new token per sequence attends over its context (the new token's K/V already
     written): all of it, or with ``sliding_window`` W its last W positions, the blocks wholly
     before them neither read nor checked. ``logit_softcap`` c: each logit ``scale * q . k``
     becomes ``c * tanh(logit / c)``; ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
-    denominator. The sequences are shared out over ``num_threads`` (default: torch's intra-op
-    threads); the result does not depend on how many. ValueError naming the argument for
-    anything the kernel cannot read safely."""
-    _check(query, kv_cache_layer, block_tables, seq_lens)
+    denominator. The cache is float32, or float8_e4m3fn / int8 whose elements stand for
+    ``element * kv_scales[0 (K) or 1 (V), kv_head]``. The sequences are shared out over
+    ``num_threads`` (default: torch's intra-op threads); the result does not depend on how
+    many. ValueError naming the argument for anything the kernel cannot read safely."""
+    _check(query, kv_cache_layer, block_tables, seq_lens, kv_scales)
     out, seq = run_paged_kernel(  # seq: the sequence the kernel refused
         _kernel(),
         "paged_decode_attention_cpu",
@@ -55,6 +58,7 @@ def paged_decode_attention_cpu(
         sliding_window,
         logit_softcap,
         sinks,
+        kv_scales,
     )
     if seq is not None:
         raise ValueError(
@@ -71,8 +75,9 @@ def _check(
     kv_cache_layer: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    kv_scales: torch.Tensor | None,
 ) -> None:
-    check_paged_inputs(query, kv_cache_layer, block_tables, None, seq_lens=seq_lens)
+    check_paged_inputs(query, kv_cache_layer, block_tables, None, kv_scales, seq_lens=seq_lens)
     num_seqs = query.shape[0]
     require(
         seq_lens.shape == (num_seqs,) and seq_lens.is_contiguous(),

@@ -1,7 +1,8 @@
 """What the CPU paged-attention kernels (prefill and decode) share around their C calls: the
-argument checks both need to read the query, the cache and the block tables safely (failures
-name the argument), their ctypes signature, and the call itself (with its sliding window, logit
-soft-cap and attention sinks)."""
+argument checks both need to read the query, the cache (float32, or float8 e4m3 / int8 with
+its scales) and the block tables safely (failures name the argument), their ctypes signature,
+and the call itself (with its sliding window, logit soft-cap, attention sinks and a quantized
+cache's scales)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,24 @@ import torch
 
 from engine.kernels.checks import require, require_sinks, require_softcap
 from engine.kernels.cpu.build import FLOAT, INT64, POINTER
+from engine.kernels.cpu.kv_elements import KV_ELEMENT_CODES, check_kv_scales
 
 
 def check_paged_inputs(
     query: torch.Tensor,  # [rows, num_heads, head_dim] float32
-    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] float32
+    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
     num_seqs: int | None,  # None: one per query row (decode)
+    kv_scales: torch.Tensor | None,  # [2, num_kv_heads] float32: a quantized cache's
     **indices: torch.Tensor,  # further int64 tensors by name (seq_lens, query_start_loc)
 ) -> None:
+    """Refuses, naming the argument, what the kernels cannot read safely; the cache may be
+    float32, or float8_e4m3fn / int8 with ``kv_scales`` (given exactly then)."""
     tensors = {"query": query, "kv_cache_layer": kv_cache_layer, "block_tables": block_tables}
     for name, tensor in {**tensors, **indices}.items():
         require(tensor.device.type == "cpu", f"{name} must be on the CPU, got {tensor.device}")
+    require(query.dtype == torch.float32, f"query must be float32, got {query.dtype}")
     for name, tensor in (("query", query), ("kv_cache_layer", kv_cache_layer)):
-        require(tensor.dtype == torch.float32, f"{name} must be float32, got {tensor.dtype}")
         require(tensor.is_contiguous(), f"{name} must be contiguous")
     for name, tensor in {"block_tables": block_tables, **indices}.items():
         require(tensor.dtype == torch.int64, f"{name} must be int64, got {tensor.dtype}")
@@ -34,6 +39,7 @@ def check_paged_inputs(
         "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
         f"got {tuple(kv_cache_layer.shape)}",
     )
+    check_kv_scales(kv_cache_layer, kv_scales)
     require(query.dim() == 3, f"query must be [rows, num_heads, head_dim], got {query.dim()}-D")
     num_rows, num_heads, head_dim = query.shape
     num_seqs = num_rows if num_seqs is None else num_seqs
@@ -59,8 +65,8 @@ def check_paged_inputs(
 def paged_argtypes(num_indices: int) -> list[Any]:
     """The C signature: query, key, value, block_tables, table_stride, ``num_indices`` int64
     arrays, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-    sliding_window (0: none), scale, logit_softcap (0: none), sinks (NULL: none),
-    num_threads."""
+    sliding_window (0: none), scale, logit_softcap (0: none), sinks (NULL: none), the cache's
+    element type (kv_elements.h's code), kv_scales (NULL: a float32 cache), num_threads."""
     return [
         *(POINTER,) * 4,
         INT64,
@@ -69,6 +75,8 @@ def paged_argtypes(num_indices: int) -> list[Any]:
         *(INT64,) * 7,
         FLOAT,
         FLOAT,
+        POINTER,
+        INT64,
         POINTER,
         INT64,
     ]
@@ -87,13 +95,15 @@ def run_paged_kernel(
     sliding_window: int | None,
     logit_softcap: float | None,
     sinks: torch.Tensor | None,  # [num_heads] float32
+    kv_scales: torch.Tensor | None,  # [2, num_kv_heads] float32: a quantized cache's
 ) -> tuple[torch.Tensor, int | None]:
     """Run a checked call of ``kernel`` (signed as ``paged_argtypes``) on ``num_threads``
     (default: torch's intra-op threads), each query seeing its last ``sliding_window``
     positions (None: all), its logits soft-capped at ``logit_softcap`` (None: not) and its
-    head's sink logit in the softmax's denominator (``sinks`` None: none). Returns the output
-    and the sequence the kernel refused (None: it ran them all), for the caller to word;
-    MemoryError when its scratch ran out."""
+    head's sink logit in the softmax's denominator (``sinks`` None: none), a quantized cache's
+    elements read as ``element * kv_scales[plane, head]``. Returns the output and the
+    sequence the kernel refused (None: it ran them all), for the caller to word; MemoryError
+    when its scratch ran out."""
     if num_threads is None:
         num_threads = torch.get_num_threads()
     require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
@@ -125,6 +135,8 @@ def run_paged_kernel(
         scale,
         logit_softcap or 0.0,
         None if sinks is None else sinks.data_ptr(),
+        KV_ELEMENT_CODES[kv_cache_layer.dtype],
+        None if kv_scales is None else kv_scales.data_ptr(),
         num_threads,
     )
     if status == -(1 + num_seqs):

@@ -1,4 +1,5 @@
-/* Prefill attention on CPU, reading K/V in place from the paged cache (float32).
+/* Prefill attention on CPU, reading K/V in place from the paged cache: float32, or float8 e4m3
+ * or int8 elements with a float32 scale per KV head for K and one for V (kv_elements.h).
  *
  * Each prefill sequence's new tokens attend causally over its context: the cached prefix (a
  * prefix-cache hit, or the earlier chunks of a chunked prefill) and the new tokens, whose K/V
@@ -22,6 +23,11 @@
  * shared out over ``num_threads`` OpenMP threads; each is computed by one thread alone, so the
  * result does not depend on the number of threads.
  *
+ * A quantized cache's elements are read as floats as a tile is loaded: K into the transposed
+ * tile, V into a tile of its own (read by every row of the item, where a float32 cache's V is
+ * read in place). An item is one KV head, so its scales factor out: K's joins the queries'
+ * pre-scale, V's the output's 1 / sum.
+ *
  * Layouts (all contiguous but the block table's rows):
  *   query, out        [num_tokens, num_heads, head_dim] (the prefill sequences' rows, in order)
  *   key, value        [num_blocks, block_size, num_kv_heads, head_dim]
@@ -29,6 +35,7 @@
  *   query_start_loc   [num_seqs + 1] row offsets of each sequence in query
  *   seq_lens          [num_seqs] context length after this step (cached + new)
  *   sinks             [num_heads], or NULL
+ *   kv_scales         [2][num_kv_heads] (K's, then V's) for a quantized cache, or NULL
  * Returns 0, or -(1 + s) when sequence s has no new token, more new tokens than positions, a
  * length over its block table's capacity or a block id outside [0, num_blocks) among those it
  * reads (nothing is written then), or -(1 + num_seqs) when scratch memory ran out.
@@ -38,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_elements.h"
 #include "poly_math.h"
 
 #define Q_TILE 64
@@ -57,6 +65,8 @@ typedef struct {
     float *sums;   /* [rows] */
     float *corrections; /* [rows] this tile's rescaling of the running output */
     float *k_t;    /* [head_dim][KV_TILE] one tile of K, transposed */
+    float *k_row;  /* [head_dim] a quantized cache's K row, as floats */
+    float *v_tile; /* [KV_TILE][head_dim] one tile of a quantized cache's V, as floats */
 } scratch_t;
 
 static int scratch_alloc(scratch_t *s, int64_t rows, int64_t head_dim) {
@@ -67,7 +77,10 @@ static int scratch_alloc(scratch_t *s, int64_t rows, int64_t head_dim) {
     s->sums = malloc(sizeof(float) * rows);
     s->corrections = malloc(sizeof(float) * rows);
     s->k_t = malloc(sizeof(float) * head_dim * KV_TILE);
-    return s->q && s->acc && s->scores && s->maxes && s->sums && s->corrections && s->k_t;
+    s->k_row = malloc(sizeof(float) * head_dim);
+    s->v_tile = malloc(sizeof(float) * KV_TILE * head_dim);
+    return s->q && s->acc && s->scores && s->maxes && s->sums && s->corrections && s->k_t &&
+           s->k_row && s->v_tile;
 }
 
 static void scratch_free(scratch_t *s) {
@@ -78,6 +91,8 @@ static void scratch_free(scratch_t *s) {
     free(s->sums);
     free(s->corrections);
     free(s->k_t);
+    free(s->k_row);
+    free(s->v_tile);
 }
 
 /* Sixteen floats in one vector (GCC's vector extension: one AVX-512 register, or two AVX2
@@ -174,12 +189,13 @@ static inline int64_t window_start(int64_t position, int64_t sliding_window) {
 }
 
 /* One item: its rows attend over context positions [their window's start, their position].
- * ``softcap``: 0, or the logits' soft-cap; ``sinks``: NULL, or a logit per head. */
+ * ``softcap``: 0, or the logits' soft-cap; ``sinks``: NULL, or a logit per head; ``kind``: the
+ * cache's element type (KV_*), ``kv_scales`` a quantized one's. */
 static inline __attribute__((always_inline)) void attend_item(
-    const item_t *item, const float *query, const float *key, const float *value,
+    const item_t *item, const float *query, const void *key, const void *value,
     const int64_t *table, float *out, const scratch_t *scratch, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t sliding_window,
-    float scale, float softcap, const float *sinks) {
+    float scale, float softcap, const float *sinks, int kind, const float *kv_scales) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t rows = item->num_tokens * group; /* row r: token r / group, head r % group */
     const int64_t token_numel = num_kv_heads * head_dim;
@@ -187,7 +203,9 @@ static inline __attribute__((always_inline)) void attend_item(
     float *restrict scores = scratch->scores, *restrict k_t = scratch->k_t;
     float *restrict maxes = scratch->maxes, *restrict sums = scratch->sums;
     float *restrict corrections = scratch->corrections;
-    const float q_scale = scale * LOG2E;
+    float *restrict k_row = scratch->k_row, *restrict v_tile = scratch->v_tile;
+    const float q_scale =
+        kind == KV_FLOAT32 ? scale * LOG2E : scale * kv_scales[item->kv_head] * LOG2E;
     const float softcap_log2 = softcap * LOG2E; /* the cap in the scores' base-2 units */
     for (int64_t r = 0; r < rows; r++) {
         const float *src = query + (item->first_token + r / group) * num_heads * head_dim +
@@ -210,9 +228,17 @@ static inline __attribute__((always_inline)) void attend_item(
         for (int64_t t = 0; t < KV_TILE; t++) {
             const int64_t position = start + (t < n ? t : 0);
             const int64_t row = table[position / block_size] * block_size + position % block_size;
-            const float *k = key + row * token_numel + item->kv_head * head_dim;
-            v_rows[t] = value + row * token_numel + item->kv_head * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k[d];
+            const int64_t index = row * token_numel + item->kv_head * head_dim;
+            if (kind == KV_FLOAT32) {
+                const float *k = (const float *)key + index;
+                v_rows[t] = (const float *)value + index;
+                for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k[d];
+            } else {
+                kv_dequantize_row(kv_at(key, index, kind), k_row, head_dim, kind);
+                for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k_row[d];
+                kv_dequantize_row(kv_at(value, index, kind), v_tile + t * head_dim, head_dim, kind);
+                v_rows[t] = v_tile + t * head_dim;
+            }
         }
         /* rows whose token's position is below start see nothing of this tile, nor do those
          * whose window starts past it (tokens from seen_by on): the tile's rows are
@@ -250,34 +276,51 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int64_t r = 0; r < rows; r++) {
         float *dst = out + (item->first_token + r / group) * num_heads * head_dim +
                      (item->kv_head * group + r % group) * head_dim;
-        const float inverse = 1.f / sums[r];
+        const float inverse = kind == KV_FLOAT32
+                                  ? 1.f / sums[r]
+                                  : kv_scales[num_kv_heads + item->kv_head] / sums[r];
         for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[r * head_dim + d] * inverse;
     }
 }
 
-/* ``attend_item`` compiled for the common head sizes, the general one for others, and each
- * with no window (the code of a kernel without windows) and with one, both without soft-cap
- * or sinks (the code of a kernel without them), and for any window with them. */
-static void attend_item_any(const item_t *item, const float *query, const float *key,
-                            const float *value, const int64_t *table, float *out,
+/* ``attend_item`` compiled for the common head sizes, the general one for others; on a float32
+ * cache each with no window (the code of a kernel without windows) and with one, both without
+ * soft-cap or sinks (the code of a kernel without them), and for any window with them; on a
+ * quantized cache (float8 e4m3, int8) for any window (fewer copies of the code to build). */
+static void attend_item_any(const item_t *item, const float *query, const void *key,
+                            const void *value, const int64_t *table, float *out,
                             const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, int64_t sliding_window,
-                            float scale, float softcap, const float *sinks) {
-#define ATTEND(HEAD_DIM, SLIDING_WINDOW, SOFTCAP, SINKS)                                     \
+                            float scale, float softcap, const float *sinks, int kind,
+                            const float *kv_scales) {
+#define ATTEND(HEAD_DIM, SLIDING_WINDOW, SOFTCAP, SINKS, KIND)                               \
     attend_item(item, query, key, value, table, out, scratch, num_heads, num_kv_heads,      \
-                HEAD_DIM, block_size, SLIDING_WINDOW, scale, SOFTCAP, SINKS)
-#define ATTEND_WITH_WINDOW(HEAD_DIM)                                                         \
+                HEAD_DIM, block_size, SLIDING_WINDOW, scale, SOFTCAP, SINKS, KIND, kv_scales)
+#define ATTEND_WITH_WINDOW(HEAD_DIM, KIND)                                                   \
     if (softcap > 0.f || sinks)                                                              \
-        ATTEND(HEAD_DIM, sliding_window, softcap, sinks);                                    \
+        ATTEND(HEAD_DIM, sliding_window, softcap, sinks, KIND);                              \
     else if (sliding_window == 0)                                                            \
-        ATTEND(HEAD_DIM, 0, 0.f, NULL);                                                      \
+        ATTEND(HEAD_DIM, 0, 0.f, NULL, KIND);                                                \
     else                                                                                     \
-        ATTEND(HEAD_DIM, sliding_window, 0.f, NULL)
-    switch (head_dim) {
-    case 64: ATTEND_WITH_WINDOW(64); break;
-    case 128: ATTEND_WITH_WINDOW(128); break;
-    default: ATTEND_WITH_WINDOW(head_dim);
+        ATTEND(HEAD_DIM, sliding_window, 0.f, NULL, KIND)
+#define ATTEND_OF_HEAD_DIM(HEAD_DIM_CASE)                                                    \
+    switch (head_dim) {                                                                      \
+    case 64: HEAD_DIM_CASE(64); break;                                                       \
+    case 128: HEAD_DIM_CASE(128); break;                                                     \
+    default: HEAD_DIM_CASE(head_dim);                                                        \
     }
+#define FLOAT32_CASE(HEAD_DIM) ATTEND_WITH_WINDOW(HEAD_DIM, KV_FLOAT32)
+#define FP8_E4M3_CASE(HEAD_DIM) ATTEND(HEAD_DIM, sliding_window, softcap, sinks, KV_FP8_E4M3)
+#define INT8_CASE(HEAD_DIM) ATTEND(HEAD_DIM, sliding_window, softcap, sinks, KV_INT8)
+    switch (kind) {
+    case KV_FP8_E4M3: ATTEND_OF_HEAD_DIM(FP8_E4M3_CASE); break;
+    case KV_INT8: ATTEND_OF_HEAD_DIM(INT8_CASE); break;
+    default: ATTEND_OF_HEAD_DIM(FLOAT32_CASE);
+    }
+#undef INT8_CASE
+#undef FP8_E4M3_CASE
+#undef FLOAT32_CASE
+#undef ATTEND_OF_HEAD_DIM
 #undef ATTEND_WITH_WINDOW
 #undef ATTEND
 }
@@ -291,12 +334,13 @@ static int check_seq(const int64_t *table, int64_t query_len, int64_t seq_len, i
     return 1;
 }
 
-int64_t paged_prefill_attention_f32(
-    const float *query, const float *key, const float *value, const int64_t *block_tables,
+int64_t paged_prefill_attention(
+    const float *query, const void *key, const void *value, const int64_t *block_tables,
     int64_t table_stride, const int64_t *query_start_loc, const int64_t *seq_lens, float *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t num_blocks, int64_t sliding_window, float scale,
-    float logit_softcap, const float *sinks, int64_t num_threads) {
+    float logit_softcap, const float *sinks, int64_t kv_kind, const float *kv_scales,
+    int64_t num_threads) {
     int64_t num_items = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t query_len = query_start_loc[s + 1] - query_start_loc[s];
@@ -335,7 +379,7 @@ int64_t paged_prefill_attention_f32(
                 attend_item_any(&items[i], query, key, value,
                                 block_tables + items[i].seq * table_stride, out, &scratch,
                                 num_heads, num_kv_heads, head_dim, block_size, sliding_window,
-                                scale, logit_softcap, sinks);
+                                scale, logit_softcap, sinks, (int)kv_kind, kv_scales);
         }
         scratch_free(&scratch);
     }

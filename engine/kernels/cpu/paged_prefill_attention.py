@@ -1,7 +1,8 @@
 """Prefill attention over the paged KV cache on CPU, blocks read in place (the C kernel in
 ``paged_prefill_attention.c``): each prefill sequence's new tokens attend causally over its
 cached prefix and themselves (or the last positions of them a sliding window lets each see),
-with no gather of its blocks into a buffer first."""
+with no gather of its blocks into a buffer first, nor a dequantized copy of a quantized
+cache's."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ from engine.kernels.cpu.paged_kernel_call import (
 @functools.cache
 def _kernel() -> Any:
     argtypes = paged_argtypes(2)  # query_start_loc, seq_lens
-    return function("paged_prefill_attention", "paged_prefill_attention_f32", INT64, argtypes)
+    return function("paged_prefill_attention", "paged_prefill_attention", INT64, argtypes)
 
 
 def paged_prefill_attention_cpu(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32: the sequences' new tokens
-    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] float32
+    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int64 row offsets, from 0 to num_tokens
     seq_lens: torch.Tensor,  # [num_seqs] int64 context lengths (cached + new)
@@ -36,16 +37,18 @@ def paged_prefill_attention_cpu(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] float32: a quantized cache's
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32
     """New token i of sequence s (at position p = seq_lens[s] - query_len + i) attends over
     positions up to its own, their K/V already written: all of them, or with
     ``sliding_window`` W those from p - W + 1 on, the blocks wholly before the first new
     token's window neither read nor checked. ``logit_softcap`` c: each logit ``scale * q . k``
     becomes ``c * tanh(logit / c)``; ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
-    denominator. Work is shared out over ``num_threads`` (default: torch's intra-op threads)
-    and the result does not depend on how many. ValueError naming the argument for anything
-    the kernel cannot read safely."""
-    _check(query, kv_cache_layer, block_tables, query_start_loc, seq_lens)
+    denominator. The cache is float32, or float8_e4m3fn / int8 whose elements stand for
+    ``element * kv_scales[0 (K) or 1 (V), kv_head]``. Work is shared out over ``num_threads``
+    (default: torch's intra-op threads) and the result does not depend on how many.
+    ValueError naming the argument for anything the kernel cannot read safely."""
+    _check(query, kv_cache_layer, block_tables, query_start_loc, seq_lens, kv_scales)
     out, seq = run_paged_kernel(  # seq: the sequence the kernel refused
         _kernel(),
         "paged_prefill_attention_cpu",
@@ -59,6 +62,7 @@ def paged_prefill_attention_cpu(
         sliding_window,
         logit_softcap,
         sinks,
+        kv_scales,
     )
     if seq is not None:
         query_len = int(query_start_loc[seq + 1] - query_start_loc[seq])
@@ -78,6 +82,7 @@ def _check(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
+    kv_scales: torch.Tensor | None,
 ) -> None:
     require(seq_lens.dim() == 1 and seq_lens.is_contiguous(), "seq_lens must be a contiguous 1-D")
     num_seqs = seq_lens.shape[0]
@@ -86,6 +91,7 @@ def _check(
         kv_cache_layer,
         block_tables,
         num_seqs,
+        kv_scales,
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
     )
