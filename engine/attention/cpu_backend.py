@@ -21,8 +21,8 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.per_step import PerStep
 from engine.attention.torch_ref import TorchAttentionBackend
+from engine.kernels.checks import QUANTIZED_KV_DTYPES
 from engine.kernels.cpu.kv_cache_write import write_kv_cache_cpu
-from engine.kernels.cpu.kv_elements import QUANTIZED_DTYPES
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
 
@@ -129,7 +129,7 @@ def _kernels_take(
         return False
     if kv_cache_layer.dtype == torch.float32:
         return True
-    return kv_cache_layer.dtype in QUANTIZED_DTYPES and rows.dtype == torch.float32
+    return kv_cache_layer.dtype in QUANTIZED_KV_DTYPES and rows.dtype == torch.float32
 
 
 def _prefill_index(metadata: AttentionMetadata) -> PrefillIndex:

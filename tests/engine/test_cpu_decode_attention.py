@@ -511,11 +511,11 @@ def test_bad_kv_scales_are_refused_by_name() -> None:
     query, cache, tables, lens = _case([20, 9], 4, 2, 64, 8)
     stored, kv_scales, _ = _quantized(cache, "int8", 0)
     cases: list[tuple[torch.Tensor, torch.Tensor | None, str]] = [
-        (stored, None, "a torch.int8 cache needs kv_scales"),
-        (cache, kv_scales, "kv_scales are for a quantized cache, this one is torch.float32"),
+        (stored, None, "a torch.int8 kv_cache_layer needs kv_scales"),
+        (cache, kv_scales, "kv_scales are for a quantized cache; kv_cache_layer is torch.float32"),
         (stored, kv_scales[:, :1], r"kv_scales must be a contiguous \[2, num_kv_heads = 2\]"),
         (stored, kv_scales.double(), "kv_scales must be float32"),
-        (stored, kv_scales.to("meta"), "kv_scales must be on the CPU"),
+        (stored, kv_scales.to("meta"), "kv_scales is on meta, kv_cache_layer on cpu"),
         (stored.view(torch.uint8), kv_scales, "kv_cache_layer must be float32, float8_e4m3fn"),
     ]
     for kv_cache_layer, scales, message in cases:

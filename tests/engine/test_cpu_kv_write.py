@@ -153,7 +153,7 @@ def test_bad_scales_and_caches_are_refused_by_name() -> None:
     slots = torch.tensor([0, 1])
     int8_cache = torch.zeros(2, 2, 2, 2, 8, dtype=torch.int8)
     cases = [
-        (int8_cache, None, "a torch.int8 cache needs kv_scales"),
+        (int8_cache, None, "a torch.int8 kv_cache_layer needs kv_scales"),
         (torch.zeros(2, 2, 2, 2, 8), torch.ones(2, 2), "kv_scales are for a quantized cache"),
         (int8_cache, torch.ones(2, 3), r"kv_scales must be a contiguous \[2, num_kv_heads = 2\]"),
         (int8_cache, torch.ones(2, 4)[:, ::2], "kv_scales must be a contiguous"),

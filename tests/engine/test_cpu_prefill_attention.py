@@ -402,8 +402,8 @@ def test_bad_kv_scales_are_refused_by_name() -> None:
     query, cache, tables, starts, lens = _case([20, 9], [20, 30], 4, 2, 64, 8)
     stored, kv_scales, _ = _quantized(cache, "fp8_e4m3", 0)
     cases: list[tuple[torch.Tensor, torch.Tensor | None, str]] = [
-        (stored, None, "a torch.float8_e4m3fn cache needs kv_scales"),
-        (cache, kv_scales, "kv_scales are for a quantized cache, this one is torch.float32"),
+        (stored, None, "a torch.float8_e4m3fn kv_cache_layer needs kv_scales"),
+        (cache, kv_scales, "kv_scales are for a quantized cache; kv_cache_layer is torch.float32"),
         (stored, kv_scales.repeat(1, 2), r"kv_scales must be a contiguous \[2, num_kv_heads = 2\]"),
         (stored, kv_scales.half(), "kv_scales must be float32"),
     ]

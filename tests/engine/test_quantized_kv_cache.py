@@ -279,3 +279,24 @@ def test_bad_checkpoint_kv_schemes_are_refused_naming_the_field(
     model_dir = _with_checkpoint_scales(llama_dir, tmp_path / "partial", FP8_TENSOR_SCHEME, one)
     with pytest.raises(ValueError, match="but not model.layers.0.self_attn.v_scale"):
         quantized_llm(model_dir, kv_cache_dtype="fp8_e4m3")
+
+
+def test_two_tensor_parallel_ranks_gather_the_whole_models_scales(llama_dir: Path) -> None:
+    """Each rank calibrates the KV heads it holds; the engine's scales are the whole model's,
+    each rank's layers hold their heads' share, and greedy tokens equal transformers
+    quantizing its K/V by those scales."""
+    llm = quantized_llm(llama_dir, kv_cache_dtype="int8", tensor_parallel_size=2)
+    scales = llm.engine.kv_cache_scales
+    one_rank = quantized_llm(llama_dir, kv_cache_dtype="int8").engine.kv_cache_scales
+    assert scales is not None and one_rank is not None
+    assert scales.num_kv_heads == 2 and llm.engine.kv_cache.shape[4] == 1
+    for layer in range(scales.num_layers):
+        for plane in (0, 1):
+            assert scales.per_layer[layer][plane] == pytest.approx(
+                one_rank.per_layer[layer][plane], rel=1e-4
+            )
+    rank0 = [m for m in llm.engine.model.modules() if isinstance(m, Attention)]
+    for module in rank0:
+        expected = scales.layer(module.place.layer, range(0, 1), torch.device("cpu"))
+        assert module.kv_scales is not None and torch.equal(module.kv_scales, expected)
+    assert engine_greedy(llm) == transformers_quantized_kv_greedy(llama_dir, scales)
