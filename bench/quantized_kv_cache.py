@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from bench.kv_transfer import machine_info
 from engine import LLM, SamplingParams
 from engine.demo_model import DEMO_MODEL_DIR
+from engine.demo_model.held_out import held_out_perplexity, held_out_windows
 from engine.kv_cache.budget import KVLayout
 from engine.kv_cache.kv_quantization import storage_dtype
 
@@ -44,29 +44,6 @@ ROWS: dict[str, tuple[str, str]] = {
     "int8": ("float32", "int8"),
 }
 LLAMA3_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
-
-
-def held_out_windows() -> list[list[int]]:
-    from transformers import PreTrainedTokenizerFast
-
-    from engine.demo_model.corpus import corpus_documents
-    from engine.demo_model.train import split_documents, to_windows
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(DEMO_MODEL_DIR))
-    windows, _ = to_windows(tokenizer, split_documents(corpus_documents())[1])
-    return [window.tolist() for window in windows]
-
-
-def perplexity(llm: LLM, windows: list[list[int]]) -> float:
-    outputs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    total, count = 0.0, 0
-    for window, output in zip(windows, outputs):
-        assert output.prompt_logprobs is not None
-        for token, logprobs in zip(window[1:], output.prompt_logprobs[1:]):
-            assert logprobs is not None
-            total -= logprobs[token].logprob
-            count += 1
-    return math.exp(total / count)
 
 
 def throughput(llm: LLM, num_prompts: int, vocab_size: int) -> float:
@@ -128,7 +105,7 @@ def main() -> None:
             "kv_bytes_per_token": block_bytes / BLOCK_SIZE,
             "num_blocks": num_blocks,
             "sequences_held": num_blocks // -(-args.seq_len // BLOCK_SIZE),
-            "held_out_perplexity": perplexity(llm, windows),
+            "held_out_perplexity": held_out_perplexity(llm, windows),
             "tokens_per_s": throughput(llm, args.num_prompts, llm.engine.model_config.vocab_size),
         }
         print(name, {k: v for k, v in rows[name].items() if k != "model_dtype"}, flush=True)

@@ -8,7 +8,6 @@ the refusals."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -155,35 +154,18 @@ def test_fp8_alias_is_fp8_e4m3(llama_dir: Path) -> None:
     assert llm.engine.kv_cache.dtype == torch.float8_e4m3fn
 
 
-def _held_out_perplexity(llm: LLM, windows: list[list[int]]) -> float:
-    outputs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    total, count = 0.0, 0
-    for window, output in zip(windows, outputs):
-        assert output.prompt_logprobs is not None
-        for token, logprobs in zip(window[1:], output.prompt_logprobs[1:]):
-            assert logprobs is not None
-            total -= logprobs[token].logprob
-            count += 1
-    return math.exp(total / count)
-
-
 def test_demo_model_held_out_perplexity_within_two_percent() -> None:
     """The bundled demo model over its held-out docstrings (the windows it was evaluated on):
     each quantized cache's perplexity within 2 % of the float32 cache's."""
-    from transformers import PreTrainedTokenizerFast
-
     from engine.demo_model import DEMO_MODEL_DIR
-    from engine.demo_model.corpus import corpus_documents
-    from engine.demo_model.train import split_documents, to_windows
+    from engine.demo_model.held_out import held_out_perplexity, held_out_windows
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(DEMO_MODEL_DIR))
-    windows, _ = to_windows(tokenizer, split_documents(corpus_documents())[1])
-    prompts = [window.tolist() for window in windows]
+    prompts = held_out_windows()
     assert sum(len(p) - 1 for p in prompts) > 5000
 
     def perplexity(kv_cache_dtype: str) -> float:
         llm = LLM(str(DEMO_MODEL_DIR), device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype)
-        return _held_out_perplexity(llm, prompts)
+        return held_out_perplexity(llm, prompts)
 
     float_perplexity = perplexity("auto")
     for kv_cache_dtype in KV_CACHE_DTYPES:
