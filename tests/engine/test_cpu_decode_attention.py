@@ -24,8 +24,8 @@ from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.cpu import build
 from engine.kernels.cpu import paged_decode_attention as kernel_module
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
-from engine.kv_cache.kv_quantization import dequantize_kv, quantize_kv, scales_from_amax
 from tests.engine.paged_tables import scattered_block_tables
+from tests.engine.quantized_caches import QUANTIZED, stored_as
 
 FLOAT32 = {"atol": 1e-5, "rtol": 1e-5}  # float32 results against a float64 reference
 
@@ -437,28 +437,6 @@ def test_a_compiler_without_openmp_builds_the_kernel_serial(
 
 
 # ---- quantized caches: float8 e4m3 and int8 elements, a K and a V scale per KV head ---------
-QUANTIZED = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
-
-
-def _quantized(
-    cache: torch.Tensor, kv_cache_dtype: str, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``cache`` stored as a ``kv_cache_dtype`` cache by per-head scales (some heads' from
-    below their largest value, so those clamp), the scales, and what the stored cache stands
-    for (float32)."""
-    dtype = QUANTIZED[kv_cache_dtype]
-    num_kv_heads, head_dim = cache.shape[3:]
-    amax = cache.abs().amax(dim=(1, 2, 4))  # [2, num_kv_heads]
-    generator = torch.Generator().manual_seed(seed)
-    kv_scales = scales_from_amax(
-        kv_cache_dtype, amax * (0.3 + torch.rand(2, num_kv_heads, generator=generator))
-    )
-    planes = [cache[plane].reshape(-1, num_kv_heads, head_dim) for plane in (0, 1)]
-    stored = torch.stack([quantize_kv(planes[p], kv_scales[p], dtype) for p in (0, 1)])
-    dequantized = torch.stack(
-        [dequantize_kv(stored[p], kv_scales[p], torch.float32) for p in (0, 1)]
-    )
-    return stored.view(cache.shape), kv_scales, dequantized.view(cache.shape)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (4, 1)])
@@ -474,7 +452,7 @@ def test_a_quantized_cache_matches_a_float64_softmax_of_what_it_stores(
     rng = random.Random(num_heads * 1000 + block_size * 10 + head_dim)
     seq_lens = [1, block_size, 3 * block_size, *(rng.randint(1, 90) for _ in range(9))]
     query, cache, tables, lens = _case(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
-    stored, kv_scales, dequantized = _quantized(cache, kv_cache_dtype, head_dim)
+    stored, kv_scales, dequantized = stored_as(cache, kv_cache_dtype, head_dim)
     scale = head_dim**-0.5
     for window in (None, *_windows(block_size)):
         out = paged_decode_attention_cpu(
@@ -496,7 +474,7 @@ def test_a_quantized_cache_with_softcap_and_sinks_matches_the_torch_reference(
     rng = random.Random(7)
     seq_lens = [1, 5, 21, 48, *(rng.randint(1, 90) for _ in range(6))]
     query, cache, tables, lens = _case(seq_lens, 8, 2, 64, 5)
-    stored, kv_scales, _ = _quantized(cache, kv_cache_dtype, 7)
+    stored, kv_scales, _ = stored_as(cache, kv_cache_dtype, 7)
     generator = torch.Generator().manual_seed(8)
     sinks = 2 * torch.randn(8, generator=generator) + 1 if with_sinks else None
     case = (query, stored, tables, lens, 0.5)
@@ -509,7 +487,7 @@ def test_a_quantized_cache_with_softcap_and_sinks_matches_the_torch_reference(
 
 def test_bad_kv_scales_are_refused_by_name() -> None:
     query, cache, tables, lens = _case([20, 9], 4, 2, 64, 8)
-    stored, kv_scales, _ = _quantized(cache, "int8", 0)
+    stored, kv_scales, _ = stored_as(cache, "int8", 0)
     cases: list[tuple[torch.Tensor, torch.Tensor | None, str]] = [
         (stored, None, "a torch.int8 kv_cache_layer needs kv_scales"),
         (cache, kv_scales, "kv_scales are for a quantized cache; kv_cache_layer is torch.float32"),

@@ -17,8 +17,8 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
-from engine.kv_cache.kv_quantization import dequantize_kv, quantize_kv, scales_from_amax
 from tests.engine.paged_tables import scattered_block_tables
+from tests.engine.quantized_caches import QUANTIZED, stored_as
 
 FLOAT32 = {"atol": 2e-5, "rtol": 2e-5}  # float32 results against a float64 reference
 
@@ -322,28 +322,6 @@ def test_bad_softcap_and_sinks_are_refused_by_name() -> None:
 
 
 # ---- quantized caches: float8 e4m3 and int8 elements, a K and a V scale per KV head ---------
-QUANTIZED = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
-
-
-def _quantized(
-    cache: torch.Tensor, kv_cache_dtype: str, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``cache`` stored as a ``kv_cache_dtype`` cache by per-head scales (some heads' from
-    below their largest value, so those clamp), the scales, and what the stored cache stands
-    for (float32)."""
-    dtype = QUANTIZED[kv_cache_dtype]
-    num_kv_heads, head_dim = cache.shape[3:]
-    amax = cache.abs().amax(dim=(1, 2, 4))  # [2, num_kv_heads]
-    generator = torch.Generator().manual_seed(seed)
-    kv_scales = scales_from_amax(
-        kv_cache_dtype, amax * (0.3 + torch.rand(2, num_kv_heads, generator=generator))
-    )
-    planes = [cache[plane].reshape(-1, num_kv_heads, head_dim) for plane in (0, 1)]
-    stored = torch.stack([quantize_kv(planes[p], kv_scales[p], dtype) for p in (0, 1)])
-    dequantized = torch.stack(
-        [dequantize_kv(stored[p], kv_scales[p], torch.float32) for p in (0, 1)]
-    )
-    return stored.view(cache.shape), kv_scales, dequantized.view(cache.shape)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (4, 1)])
@@ -363,7 +341,7 @@ def test_a_quantized_cache_matches_a_float64_causal_softmax_of_what_it_stores(
     query, cache, tables, starts, lens = _case(
         query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
     )
-    stored, kv_scales, dequantized = _quantized(cache, kv_cache_dtype, head_dim)
+    stored, kv_scales, dequantized = stored_as(cache, kv_cache_dtype, head_dim)
     scale = head_dim**-0.5
     for window in (None, 1, 2 * block_size + 3, 45):
         out = paged_prefill_attention_cpu(
@@ -385,7 +363,7 @@ def test_a_quantized_cache_with_softcap_and_sinks_matches_the_torch_reference(
     softcap, with_sinks = EXTRAS[extras]
     case = _case([1, 7, 70, 33, 2], [1, 50, 70, 100, 9], 8, 2, 64, 5)
     query, cache, tables, starts, lens = case
-    stored, kv_scales, _ = _quantized(cache, kv_cache_dtype, 7)
+    stored, kv_scales, _ = stored_as(cache, kv_cache_dtype, 7)
     generator = torch.Generator().manual_seed(8)
     sinks = 2 * torch.randn(8, generator=generator) + 1 if with_sinks else None
     quantized_case = (query, stored, tables, starts, lens, 0.5)
@@ -400,7 +378,7 @@ def test_a_quantized_cache_with_softcap_and_sinks_matches_the_torch_reference(
 
 def test_bad_kv_scales_are_refused_by_name() -> None:
     query, cache, tables, starts, lens = _case([20, 9], [20, 30], 4, 2, 64, 8)
-    stored, kv_scales, _ = _quantized(cache, "fp8_e4m3", 0)
+    stored, kv_scales, _ = stored_as(cache, "fp8_e4m3", 0)
     cases: list[tuple[torch.Tensor, torch.Tensor | None, str]] = [
         (stored, None, "a torch.float8_e4m3fn kv_cache_layer needs kv_scales"),
         (cache, kv_scales, "kv_scales are for a quantized cache; kv_cache_layer is torch.float32"),
