@@ -13,7 +13,8 @@ What differs between a family's checkpoints and our parameters is said in tables
 tensors (``_CHECKPOINT_RENAMES``), projections stored fused (``_FUSED_IN_CHECKPOINT``), experts
 stored stacked (``_STACKED_EXPERTS_IN_CHECKPOINT``). A quantized checkpoint's projections
 (engine/quantization/) hold their tensors as published (packed words, scales per group, row or
-block): each lands where its layer's float weight's slice would, counted in its own units. Latent attention's interleaved rope rows
+block), a per-tensor scale repeated over its tensor's rows: each lands where its layer's float
+weight's slice would, counted in its own units. Latent attention's interleaved rope rows
 are reordered into halves once loaded (``LatentAttention.rope_rows_interleaved_to_halves``).
 """
 
@@ -130,6 +131,7 @@ def load_model(
             _load_safetensors(model, names_by_file, all_names)
             _reorder_interleaved_rope_rows(model)
         _order_inputs_by_group(model, dummy=load_format == "dummy")
+        _group_rows_by_input_scale(model, dummy=load_format == "dummy")
     model.requires_grad_(False)
     if linear_backend == "onednn":
         if model.lm_head is None:
@@ -241,10 +243,27 @@ def _quantized_target(
         return _packed_int_target(leaf, target, param, weights)
     if leaf == "weight":  # 8 bits, the float weight's shape
         return dataclasses.replace(target, param=param)
-    if isinstance(weights, W8A8Weights):  # a scale per output row, on every rank of a column
+    if isinstance(weights, W8A8Weights):
+        return _w8a8_scale_target(leaf, target, param, weights)
+    return _fp8_block_scale_target(target, param, weights)
+
+
+def _w8a8_scale_target(
+    leaf: str, target: _Target, param: torch.Tensor, weights: W8A8Weights
+) -> _Target:
+    """Where an 8-bit layer's scale lands: a scale per output row ("channel" weight scales)
+    as the weight's rows, on every rank of a row-parallel layer; a checkpoint tensor's one scale
+    (per-tensor weight scales, static input scales: [1]) repeated over the rows its tensor
+    fills here (a fused part's, or the whole layer's), on every rank."""
+    if leaf == "weight_scale" and weights.weight_strategy == "channel":
         out_features = target.full_shape[0]
         return dataclasses.replace(target, param=param, full_shape=(out_features, 1), cols=None)
-    return _fp8_block_scale_target(target, param, weights)
+    num_rows = target.num_rows
+
+    def repeat(scale: torch.Tensor) -> torch.Tensor:  # [1] -> [num_rows, 1]
+        return scale.reshape(1, 1).expand(num_rows, 1)
+
+    return _Target(param, target.row_offset, num_rows, (1,), range(1), None, convert=repeat)
 
 
 def _fp8_block_scale_target(
@@ -642,6 +661,19 @@ def _order_inputs_by_group(model: LlamaForCausalLM, dummy: bool) -> None:
     for module in model.modules():
         if isinstance(module, PackedIntLinear) and module.g_idx is not None:
             module.order_inputs_by_group(keep_in_order=dummy)
+
+
+DUMMY_INPUT_SCALE = 1.0 / 64  # a dummy 8-bit layer's static input scale: any positive one
+
+
+def _group_rows_by_input_scale(model: LlamaForCausalLM, dummy: bool) -> None:
+    """Static-input 8-bit layers find their rows that share an input scale
+    (``W8A8Linear.group_rows_by_input_scale``); dummy ones get one positive scale each."""
+    for module in model.modules():
+        if isinstance(module, W8A8Linear) and module.input_scale is not None:
+            if dummy:
+                module.input_scale.fill_(DUMMY_INPUT_SCALE)
+            module.group_rows_by_input_scale()
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:

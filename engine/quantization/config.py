@@ -7,6 +7,11 @@ Supported:
   integers packed eight (or four) to an int32 along its input dimension, a float scale per
   group of ``group_size`` inputs of each output row (or one per row), and, where asymmetric,
   an integer zero point per group;
+- compressed-tensors' 8-bit "int-quantized" and "float-quantized" schemes (W8A8, FP8_DYNAMIC,
+  FP8): int8 or float8 e4m3 weights with a scale per output row ("channel") or one per weight
+  tensor ("tensor"), inputs quantized symmetrically to the same type per token on the fly
+  (``dynamic: true``, "token") or with a static ``input_scale`` per layer (``dynamic: false``,
+  "tensor");
 - AWQ (``quant_method: awq``, version "gemm", 4 bits, zero points) and GPTQ (``quant_method:
   gptq``, 4 or 8 bits, checkpoint_format "gptq" or "gptq_v2", in order or in activation
   order): the same integers, scales and zero points in their own layouts, converted into the
@@ -17,8 +22,9 @@ Supported:
   on the fly by the GPU kernels (``activation_scheme: dynamic``), not on CPU, as transformers.
 The layouts, as published, are in docs/quantized-checkpoints.md. A ``kv_cache_scheme`` (the
 scales of a quantized KV cache) is read by engine/quantization/kv_cache_scheme.py. Everything
-else (activation quantization of compressed-tensors, AWQ's other versions, GPTQ's other
-formats, quantized experts or latent attention) is refused here, before any weight is read.
+else (compressed-tensors' other activation schemes: asymmetric, per group, dynamic per
+tensor; AWQ's other versions, GPTQ's other formats, quantized experts or latent attention) is
+refused here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -76,17 +82,22 @@ class Fp8BlockWeights:
 
 @dataclass(frozen=True, slots=True)
 class W8A8Weights:
-    """8-bit weights, int8 or float8 e4m3, with a float scale per output row; the inputs
-    quantized to the same type per token as they arrive (compressed-tensors' W8A8 and
-    FP8_DYNAMIC: "int-quantized", "float-quantized")."""
+    """8-bit weights, int8 or float8 e4m3, with a float scale per output row or one per weight
+    tensor; the inputs quantized to the same type per token as they arrive, or with one static
+    scale per layer (compressed-tensors' "int-quantized" and "float-quantized": W8A8, FP8_DYNAMIC,
+    FP8)."""
 
     kind: str  # "int": int8; "float": float8 e4m3
+    weight_strategy: str = "channel"  # "channel": a scale per output row; "tensor": one
+    static_inputs: bool = False  # True: an ``input_scale`` per layer; False: per token
     method: str = "compressed-tensors"
 
     def describe(self) -> str:
         """E.g. ``compressed-tensors w8a8 int8 (per channel, dynamic per-token inputs)``."""
         element = "int8" if self.kind == "int" else "fp8 e4m3"
-        return f"{self.method} w8a8 {element} (per channel, dynamic per-token inputs)"
+        weights = "per channel" if self.weight_strategy == "channel" else "per tensor"
+        inputs = "static per-tensor" if self.static_inputs else "dynamic per-token"
+        return f"{self.method} w8a8 {element} ({weights}, {inputs} inputs)"
 
 
 WeightQuantization = PackedIntWeights | Fp8BlockWeights | W8A8Weights
@@ -161,25 +172,42 @@ _W8A8_FORMATS = {"int-quantized": "int", "float-quantized": "float"}
 
 
 def _w8a8(group: dict[str, Any], fmt: str, path: str) -> W8A8Weights:
-    """An 8-bit scheme: int8 or float8 weights with a scale per output row, activations
-    quantized per token on the fly (what llm-compressor's W8A8 and FP8_DYNAMIC write)."""
+    """An 8-bit scheme: int8 or float8 weights with a scale per output row or per tensor,
+    activations quantized per token on the fly or with a static scale per tensor (what
+    llm-compressor's W8A8, FP8_DYNAMIC and FP8 write)."""
     kind = _W8A8_FORMATS[fmt]
     weights = group.get("weights")
-    expected_weights = {"type": kind, "num_bits": 8, "strategy": "channel", "symmetric": True}
-    _require_fields(weights, expected_weights, f"{path}.weights")
+    _require_fields(weights, {"type": kind, "num_bits": 8, "symmetric": True}, f"{path}.weights")
     assert isinstance(weights, dict)
+    weight_strategy = _one_of(weights, "strategy", ("channel", "tensor"), f"{path}.weights")
     if weights.get("dynamic"):
         raise ValueError(f"{_FIELD}.{path}.weights.dynamic true is not supported for weights")
     activations = group.get("input_activations")
-    expected_activations = {
-        "type": kind,
-        "num_bits": 8,
-        "strategy": "token",
-        "symmetric": True,
-        "dynamic": True,
-    }
-    _require_fields(activations, expected_activations, f"{path}.input_activations")
-    return W8A8Weights(kind)
+    inputs = f"{path}.input_activations"
+    _require_fields(activations, {"type": kind, "num_bits": 8}, inputs)
+    assert isinstance(activations, dict)
+    dynamic = activations.get("dynamic")
+    if dynamic not in (True, False):
+        raise ValueError(
+            f"{_FIELD}.{inputs}.dynamic {dynamic!r} is not supported; true (per token) or "
+            "false (a static input_scale per layer)"
+        )
+    _require_fields(activations, {"strategy": "token" if dynamic else "tensor"}, inputs)
+    if activations.get("symmetric", True) is not True:
+        raise ValueError(
+            f"{_FIELD}.{inputs}.symmetric {activations.get('symmetric')!r} is not supported; "
+            "True (asymmetric inputs, with an input zero point, are not)"
+        )
+    return W8A8Weights(kind, weight_strategy, static_inputs=not dynamic)
+
+
+def _one_of(args: dict[str, Any], key: str, supported: tuple[str, ...], path: str) -> str:
+    value = args.get(key)
+    if value not in supported:
+        raise ValueError(
+            f"{_FIELD}.{path}.{key} {value!r} is not supported here; one of {list(supported)!r}"
+        )
+    return str(value)
 
 
 def _require_fields(args: Any, expected: dict[str, Any], path: str) -> None:

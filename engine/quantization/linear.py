@@ -1,5 +1,5 @@
 """The decoder's projections as the checkpoint holds them: float, packed integers, FP8 blocks,
-or 8-bit weights with per-token inputs."""
+or 8-bit weights with 8-bit inputs (per token or static)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ QuantizedLinear = PackedIntLinear | Fp8BlockLinear | W8A8Linear
 QUANTIZED_LEAVES = {
     PackedIntLinear: ("weight_packed", "weight_scale", "weight_zero_point", "g_idx"),
     Fp8BlockLinear: ("weight", "weight_scale_inv"),
-    W8A8Linear: ("weight", "weight_scale"),
+    W8A8Linear: ("weight", "weight_scale", "input_scale"),
 }
 
 
@@ -34,8 +34,8 @@ def make_linear(
     row_group: TensorParallelGroup | None = None,
 ) -> nn.Linear | QuantizedLinear:
     """A decoder projection: float (``quantization`` None), packed integers, FP8 blocks or 8-bit
-    weights with per-token inputs. ``row_group``: the ranks a row-parallel projection's inputs
-    are split over (its per-token input scales are the whole row's)."""
+    weights with 8-bit inputs. ``row_group``: the ranks a row-parallel projection's inputs are
+    split over (its dynamic per-token input scales are the whole row's)."""
     if isinstance(quantization, PackedIntWeights):
         return PackedIntLinear(in_features, out_features, bias, quantization)
     if isinstance(quantization, Fp8BlockWeights):

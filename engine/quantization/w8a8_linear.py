@@ -1,14 +1,27 @@
-"""A linear layer of 8-bit weights whose inputs are quantized per token as they arrive
-(compressed-tensors' W8A8: int8, and FP8_DYNAMIC: float8 e4m3).
+"""A linear layer of 8-bit weights whose inputs are quantized to the same type as they arrive
+(compressed-tensors' W8A8: int8, FP8_DYNAMIC and FP8: float8 e4m3).
 
-Its tensors are the checkpoint's: ``weight`` [out, in] int8 or float8_e4m3fn and
-``weight_scale`` [out, 1], a scale per output row. The forward quantizes each input row (a
-token) to the weights' type with a scale of its own, its largest magnitude over the type's
-half range (127.5 for int8, as compressed-tensors computes it; 448 for float8; a row-parallel
-layer's ranks share each row's largest magnitude, so the scale is the whole row's on every
-tensor-parallel size), and multiplies by the dequantized weight: the arithmetic of compressed-tensors' fake quantization, which
-transformers runs on these checkpoints. On CPU that is the correct path; the GPU's int8 and
-FP8 GEMMs (the same scales, applied after an integer or float8 matmul) are to come.
+Its tensors: ``weight`` [out, in] int8 or float8_e4m3fn, as the checkpoint holds it;
+``weight_scale`` [out, 1], a scale per output row: the checkpoint's own ("channel"), or its
+one scale per weight tensor ("tensor") repeated over that tensor's rows, so each part of a
+fused projection (q, k, v; gate, up) keeps its own scale and the weight dequantizes exactly as
+the checkpoint's parts do; and, with static inputs, ``input_scale`` [out, 1], each row's
+part's input scale the same way.
+
+The forward quantizes and dequantizes the input (compressed-tensors' fake quantization, which
+transformers runs on these checkpoints) and multiplies by the dequantized weight:
+- dynamic inputs: each input row (a token) with a scale of its own, its largest magnitude over
+  the type's half range (127.5 for int8, as compressed-tensors computes it; 448 for float8);
+  a row-parallel layer's ranks share each row's largest magnitude, so the scale is the whole
+  row's on every tensor-parallel size;
+- static inputs: every row with the layer's fixed scale, ``clamp(x / scale)`` to the type's
+  range ([-128, 127]; [-448, 448]) rounded (int8: half to even; float8: to the nearest e4m3,
+  ties to even) times the scale. A fused projection's parts read the same input, each with its
+  own scale as transformers' separate modules do: the input is quantized once per distinct
+  scale and each part's rows multiply their own (``input_scale_blocks``). Row-parallel ranks
+  hold the whole layer's scale, so each quantizes its share of the features alone.
+On CPU that is the correct path; the GPU's int8 and FP8 GEMMs (the same scales, applied after
+an integer or float8 matmul) are to come.
 """
 
 from __future__ import annotations
@@ -23,6 +36,9 @@ from engine.quantization.config import W8A8Weights
 _ELEMENT = {"int": torch.int8, "float": torch.float8_e4m3fn}
 _RANGE = {"int": (-128.0, 127.0), "float": (-448.0, 448.0)}
 
+# (first row, end row, the row whose input scale they use: the first holding that value)
+InputScaleBlock = tuple[int, int, int]
+
 
 def quantize_per_token(
     x: torch.Tensor, kind: str, row_group: TensorParallelGroup | None = None
@@ -31,16 +47,28 @@ def quantize_per_token(
     dynamic per-token quantization computes it (in x's dtype). ``row_group``: the ranks that
     each hold some of every row's features (a row-parallel layer's), whose largest magnitudes
     make the row's scale."""
-    low, high = _RANGE[kind]
     largest = torch.maximum(
         x.amin(-1, keepdim=True).clamp(max=0).abs(), x.amax(-1, keepdim=True).clamp(min=0)
     )  # [rows, 1]
     if row_group is not None and row_group.size > 1:
         largest = row_group.all_gather(largest).amax(-1, keepdim=True)
+    low, high = _RANGE[kind]
     scale = largest / (torch.tensor(high - low, dtype=x.dtype) / 2)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
+    return quantize_with_scale(x, scale, kind)
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` quantized to ``kind`` with ``scale`` (broadcast: [1] a static per-tensor scale,
+    [rows, 1] one per row) and dequantized, as compressed-tensors' ``fake_quantize`` computes
+    it: ``x / scale`` clamped to the type's range, rounded (int8: half to even; float8 e4m3:
+    nearest, ties to even), cast to the scale's dtype and multiplied by it."""
+    low, high = _RANGE[kind]
     scaled = (x / scale).clamp(low, high)
-    rounded = torch.round(scaled) if kind == "int" else scaled.to(torch.float8_e4m3fn).to(x.dtype)
+    if kind == "int":
+        rounded = torch.round(scaled)
+    else:
+        rounded = scaled.to(torch.float8_e4m3fn).to(scaled.dtype)
     return rounded.to(scale.dtype) * scale
 
 
@@ -65,6 +93,12 @@ class W8A8Linear(nn.Module):
             requires_grad=False,
         )
         self.weight_scale = nn.Parameter(torch.empty(out_features, 1))
+        # static inputs: each row's input scale (its fused part's)
+        self.input_scale = (
+            nn.Parameter(torch.empty(out_features, 1)) if weights.static_inputs else None
+        )
+        # rows sharing one input scale; one block until ``group_rows_by_input_scale``
+        self.input_scale_blocks: tuple[InputScaleBlock, ...] = ((0, out_features, 0),)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def keep_quantized_dtypes(self) -> None:
@@ -74,13 +108,45 @@ class W8A8Linear(nn.Module):
             self.weight.detach().to(_ELEMENT[self.weights.kind]), requires_grad=False
         )
 
+    def group_rows_by_input_scale(self) -> None:
+        """Finds the runs of rows whose input scale is the same (a fused projection's parts,
+        or all its rows where the parts' scales agree), once the scales are loaded."""
+        if self.input_scale is None:
+            return
+        values, counts = torch.unique_consecutive(
+            self.input_scale.detach().reshape(-1).cpu(), return_counts=True
+        )
+        first_row_of: dict[float, int] = {}  # a scale -> the first row holding it
+        blocks: list[InputScaleBlock] = []
+        start = 0
+        for value, count in zip(values.tolist(), counts.tolist(), strict=True):
+            blocks.append((start, start + count, first_row_of.setdefault(value, start)))
+            start += count
+        self.input_scale_blocks = tuple(blocks)
+
     def dequantized_weight(self) -> torch.Tensor:  # [out, in] in the scale's dtype
         return self.weight.to(self.weight_scale.dtype) * self.weight_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = quantize_per_token(x.reshape(-1, x.shape[-1]), self.weights.kind, self.row_group)
+        rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
         weight = self.dequantized_weight().to(x.dtype)
-        return F.linear(rows.reshape(x.shape), weight, self.bias)
+        if self.input_scale is None:
+            quantized = quantize_per_token(rows, self.weights.kind, self.row_group)
+            return F.linear(quantized.reshape(x.shape), weight, self.bias)
+        return self._static_forward(rows, weight).reshape(*x.shape[:-1], self.out_features)
+
+    def _static_forward(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Each block of rows multiplies the input quantized with its own scale."""
+        assert self.input_scale is not None
+        quantized: dict[int, torch.Tensor] = {}  # source row -> the input quantized with its
+        outputs = []
+        for start, stop, source in self.input_scale_blocks:
+            if source not in quantized:
+                scale = self.input_scale[source]  # [1]
+                quantized[source] = quantize_with_scale(rows, scale, self.weights.kind)
+            bias = None if self.bias is None else self.bias[start:stop]
+            outputs.append(F.linear(quantized[source], weight[start:stop], bias))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
     def extra_repr(self) -> str:
         return (
