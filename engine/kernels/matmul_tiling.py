@@ -28,3 +28,13 @@ def check_tiling(tiling: MatmulTiling) -> None:
     require_power_of_two("tiling.block_k", tiling.block_k, MIN_DOT_DIM)
     require_power_of_two("tiling.num_warps", tiling.num_warps, 1)
     require(tiling.num_stages >= 1, f"tiling.num_stages must be >= 1, got {tiling.num_stages}")
+
+
+# 8-bit operands (float8 e4m3, int8) take a tensor-core step of 32 inputs (an mma's k)
+MIN_DOT_K_8BIT = 32
+
+
+def check_tiling_8bit(tiling: MatmulTiling) -> None:
+    """``check_tiling``, and K steps of at least ``MIN_DOT_K_8BIT`` (for 8-bit operands)."""
+    check_tiling(tiling)
+    require_power_of_two("tiling.block_k", tiling.block_k, MIN_DOT_K_8BIT)

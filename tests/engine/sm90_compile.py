@@ -33,18 +33,23 @@ from triton.compiler import ASTSource
 
 from engine.kernels import (
     elementwise,
+    fp8_block_matmul,
     fused_moe,
     kv_cache_write,
     latent_attention,
     packed_int_matmul,
     paged_decode_attention,
     paged_prefill_attention,
+    scaled_matmul,
 )
 from kv_transfer import block_copy
 
 HOPPER = GPUTarget("cuda", 90, 32)
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")
 _TENSOR_CORE_OP = re.compile(r"\b(?:wgmma\.mma_async|mma\.sync)\b")
+_TENSOR_CORE_INSTRUCTION = re.compile(r"\b(?:wgmma\.mma_async|mma\.sync)[\w.]*")
+# the operand types a tensor-core instruction names (f32 / s32 are its accumulator's)
+_TENSOR_CORE_OPERANDS = {"e4m3", "e5m2", "bf16", "f16", "tf32", "s8", "u8"}
 _VECTOR_STORE = re.compile(r"\bst\.global(?:\.\w+)*\.v[24]\.")  # 2 or 4 words per thread
 _POINTER_TYPES = {
     torch.bfloat16: "*bf16",
@@ -520,6 +525,89 @@ def packed_int_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]
                 yield f"packed_int {tag} {num_tokens} tokens", packed_int_matmul, call
 
 
+@dataclass(frozen=True, slots=True)
+class EightBitShape:
+    """One projection of an 8-bit model (float8 blocks, or W8A8 int8 / float8), as one rank's
+    layer holds it."""
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+
+
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's and Qwen3's weight_block_size
+FP8_BLOCK_SHAPES = (
+    EightBitShape("deepseek-v3 gate_up tp8", 7168, 2 * 18432 // 8, False),
+    EightBitShape("deepseek-v3 down tp8", 18432 // 8, 7168, False),
+    EightBitShape("qwen2-7b qkv", 3584, 3584 + 2 * 512, True),  # a partial last row block
+)
+W8A8_SHAPES = (
+    EightBitShape("llama-3-8b gate_up", 4096, 2 * 14336, False),
+    EightBitShape("qwen2-7b qkv", 3584, 3584 + 2 * 512, True),
+)
+
+
+def _fp8_block(shape: EightBitShape, dtype: torch.dtype, num_tokens: int) -> Callable[[], object]:
+    rows, cols = FP8_BLOCK
+    scale_shape = (-(-shape.out_features // rows), -(-shape.in_features // cols))
+    return lambda: fp8_block_matmul.fp8_block_matmul(
+        _meta(num_tokens, shape.in_features, dtype=dtype),
+        _meta(shape.out_features, shape.in_features, dtype=torch.float8_e4m3fn),
+        _meta(*scale_shape, dtype=torch.float32),
+        FP8_BLOCK,
+        _meta(shape.out_features, dtype=dtype) if shape.bias else None,
+    )
+
+
+def _w8a8(
+    shape: EightBitShape, dtype: torch.dtype, num_tokens: int, kind: str, inputs: str = ""
+) -> Callable[[], object]:
+    """``inputs``: "static" a static input scale, "row-parallel" the rows' largest magnitudes
+    given; "": per token."""
+    return lambda: scaled_matmul.w8a8_matmul(
+        _meta(num_tokens, shape.in_features, dtype=dtype),
+        _meta(shape.out_features, shape.in_features, dtype=scaled_matmul.ELEMENT_DTYPES[kind]),
+        _meta(shape.out_features, 1, dtype=dtype),
+        kind,
+        _meta(shape.out_features, dtype=dtype) if shape.bias else None,
+        row_largest=_meta(num_tokens, 1, dtype=dtype) if inputs == "row-parallel" else None,
+        input_scale=_meta(1, dtype=dtype) if inputs == "static" else None,
+    )
+
+
+def eight_bit_cases() -> Iterator[tuple[str, ModuleType, Callable[[], object]]]:
+    """(label, kernel module, wrapper call) for the 8-bit matmuls' launches (each with its
+    inputs' quantization): float8 blocks of 128 x 128 and W8A8 int8 and float8, each
+    projection in bfloat16 and the first in float16 too, a decode step (1 token: 16-row
+    tiles) and a prefill's 1024 tokens (64-row tiles); and W8A8's static and row-parallel
+    input scales."""
+    for index, shape in enumerate(FP8_BLOCK_SHAPES):
+        for dtype in (torch.bfloat16, torch.float16) if index == 0 else (torch.bfloat16,):
+            tag = f"{shape.name} {str(dtype).removeprefix('torch.')}"
+            for num_tokens in (1, 1024):
+                call = _fp8_block(shape, dtype, num_tokens)
+                yield f"fp8_block {tag} {num_tokens} tokens", fp8_block_matmul, call
+    for kind in scaled_matmul.KINDS:
+        for index, shape in enumerate(W8A8_SHAPES):
+            for dtype in (torch.bfloat16, torch.float16) if index == 0 else (torch.bfloat16,):
+                tag = f"{kind} {shape.name} {str(dtype).removeprefix('torch.')}"
+                for num_tokens in (1, 1024):
+                    call = _w8a8(shape, dtype, num_tokens, kind)
+                    yield f"w8a8 {tag} {num_tokens} tokens", scaled_matmul, call
+        for inputs in ("static", "row-parallel"):
+            call = _w8a8(W8A8_SHAPES[0], torch.bfloat16, 64, kind, inputs)
+            yield f"w8a8 {kind} {inputs} inputs bfloat16 64 tokens", scaled_matmul, call
+
+
+def tensor_core_operands(ptx: str) -> list[str]:
+    """The operand types (e4m3, bf16, s8 ...) of the PTX's tensor-core instructions."""
+    operands = set()
+    for instruction in _TENSOR_CORE_INSTRUCTION.findall(ptx):
+        operands |= _TENSOR_CORE_OPERANDS.intersection(instruction.split("."))
+    return sorted(operands)
+
+
 def _launch_key(launch: Launch) -> tuple[Any, ...]:
     """What Triton compiles a launch by: the kernel, argument types and constexpr values."""
     types = tuple(
@@ -534,6 +622,7 @@ CASE_GROUPS: dict[str, Callable[[], Iterator[tuple[str, ModuleType, Callable[[],
     "latent": latent_cases,
     "moe": moe_cases,
     "packed_int": packed_int_cases,
+    "eight_bit": eight_bit_cases,
 }
 
 
@@ -565,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 ptx = compiled.asm["ptx"]
                 result["tensor_core_instructions"] = len(_TENSOR_CORE_OP.findall(ptx))
+                result["tensor_core_operands"] = tensor_core_operands(ptx)
                 result["vector_stores"] = len(_VECTOR_STORE.findall(ptx))
                 result["shared"] = compiled.metadata.shared
                 result["num_warps"] = compiled.metadata.num_warps

@@ -45,7 +45,7 @@ def compiled() -> list[dict[str, Any]]:
     # the groups of cases side by side (compiling takes a core each; "paged" is the longest)
     commands = [
         [sys.executable, "-m", "tests.engine.sm90_compile", "--group", group]
-        for group in ("paged", "latent", "moe", "packed_int")
+        for group in ("paged", "latent", "moe", "packed_int", "eight_bit")
     ]
     runs = [
         subprocess.Popen(
@@ -75,6 +75,7 @@ def test_every_kernel_is_compiled(compiled: list[dict[str, Any]]) -> None:
     # @triton.jit helpers inlined into kernels
     internal = {"_attend_tile", "_attend_latent_tile", "_rotate_heads", "_tile_rows"}
     internal |= {"_to_float8e4nv", "_to_int8"}  # the KV write's quantizers
+    internal |= {"_round_to"}  # the W8A8 inputs' rounding to x's dtype
     assert {r["kernel"] for r in compiled} == _kernel_names() - internal
 
 
@@ -132,3 +133,19 @@ def test_the_kv_block_copy_stores_in_vectors(compiled: list[dict[str, Any]]) -> 
     accesses (two 8-byte words per thread), which a tile's contiguous, aligned words allow."""
     copies = [r for r in compiled if r["kernel"] == "_copy_blocks_kernel"]
     assert copies and all(r["vector_stores"] > 0 for r in copies), copies
+
+
+def test_eight_bit_matmuls_run_on_eight_bit_tensor_cores(compiled: list[dict[str, Any]]) -> None:
+    """The float8 block matmul and the W8A8 float8 one lower to e4m3 MMAs, the int8 one to s8
+    MMAs (not to 16-bit ones over converted operands), for decode's 16-row tiles and prefill's
+    64-row ones; the inputs' quantizers compile beside them."""
+    for prefix, kernel, operands in (
+        ("fp8_block", "_fp8_block_matmul_kernel", ["e4m3"]),
+        ("w8a8 float", "_scaled_matmul_kernel", ["e4m3"]),
+        ("w8a8 int", "_scaled_matmul_kernel", ["s8"]),
+    ):
+        launches = [r for r in compiled if r["kernel"] == kernel and r["case"].startswith(prefix)]
+        assert {"1", "1024"} <= {r["case"].split()[-2] for r in launches}, prefix  # (tokens)
+        assert all(r["tensor_core_operands"] == operands for r in launches), launches
+    quantizers = {r["kernel"] for r in compiled if r["case"].startswith(("fp8_block", "w8a8"))}
+    assert {"_group_quantize_kernel", "_quantize_rows_kernel"} <= quantizers
