@@ -20,8 +20,10 @@ transformers runs on these checkpoints) and multiplies by the dequantized weight
   own scale as transformers' separate modules do: the input is quantized once per distinct
   scale and each part's rows multiply their own (``input_scale_blocks``). Row-parallel ranks
   hold the whole layer's scale, so each quantizes its share of the features alone.
-On CPU that is the correct path; the GPU's int8 and FP8 GEMMs (the same scales, applied after
-an integer or float8 matmul) are to come.
+On CPU that is the path. On CUDA the same scales run through the 8-bit GEMMs of
+engine/kernels/scaled_matmul.py: the input quantized the same way, an int8 (int32 accumulate)
+or float8 (float32 accumulate) matmul, then the input's and weight's scales applied to the
+product (not rounded through the activations' dtype first, as the fake quantization is).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import scaled_matmul
 from engine.parallel.group import TensorParallelGroup
 from engine.quantization.config import W8A8Weights
 
@@ -47,15 +50,24 @@ def quantize_per_token(
     dynamic per-token quantization computes it (in x's dtype). ``row_group``: the ranks that
     each hold some of every row's features (a row-parallel layer's), whose largest magnitudes
     make the row's scale."""
-    largest = torch.maximum(
-        x.amin(-1, keepdim=True).clamp(max=0).abs(), x.amax(-1, keepdim=True).clamp(min=0)
-    )  # [rows, 1]
-    if row_group is not None and row_group.size > 1:
-        largest = row_group.all_gather(largest).amax(-1, keepdim=True)
+    largest = row_largest(x, row_group)  # [rows, 1]
     low, high = _RANGE[kind]
     scale = largest / (torch.tensor(high - low, dtype=x.dtype) / 2)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
     return quantize_with_scale(x, scale, kind)
+
+
+def row_largest(
+    x: torch.Tensor, row_group: TensorParallelGroup | None = None
+) -> torch.Tensor:  # [rows, 1] of x's dtype
+    """Each row's largest magnitude, over every rank of ``row_group`` (see
+    ``quantize_per_token``)."""
+    largest = torch.maximum(
+        x.amin(-1, keepdim=True).clamp(max=0).abs(), x.amax(-1, keepdim=True).clamp(min=0)
+    )
+    if row_group is not None and row_group.size > 1:
+        largest = row_group.all_gather(largest).amax(-1, keepdim=True)
+    return largest
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
@@ -129,11 +141,37 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
+        if scaled_matmul.usable(rows):
+            return self._kernel_forward(rows).reshape(*x.shape[:-1], self.out_features)
         weight = self.dequantized_weight().to(x.dtype)
         if self.input_scale is None:
             quantized = quantize_per_token(rows, self.weights.kind, self.row_group)
             return F.linear(quantized.reshape(x.shape), weight, self.bias)
         return self._static_forward(rows, weight).reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:  # [num_tokens, out]
+        """The 8-bit GEMM: per-token scales (the whole row's on a row-parallel rank), or each
+        block of rows with its static input scale."""
+        kind = self.weights.kind
+        if self.input_scale is None:
+            largest = None
+            if self.row_group is not None and self.row_group.size > 1:
+                largest = row_largest(rows, self.row_group)
+            return scaled_matmul.w8a8_matmul(
+                rows, self.weight, self.weight_scale, kind, self.bias, row_largest=largest
+            )
+        outputs = [
+            scaled_matmul.w8a8_matmul(
+                rows,
+                self.weight[start:stop],
+                self.weight_scale[start:stop],
+                kind,
+                None if self.bias is None else self.bias[start:stop],
+                input_scale=self.input_scale[source],
+            )
+            for start, stop, source in self.input_scale_blocks
+        ]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
     def _static_forward(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Each block of rows multiplies the input quantized with its own scale."""

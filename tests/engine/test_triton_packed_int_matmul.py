@@ -220,6 +220,7 @@ def test_the_layer_takes_the_kernel_on_a_gpu(monkeypatch: pytest.MonkeyPatch) ->
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs a CPU model through the interpreter")
 def test_greedy_tokens_through_the_kernel_equal_the_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

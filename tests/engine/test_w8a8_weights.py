@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from engine.kernels import scaled_matmul
 from engine.model_config import load_model_config
 from engine.model_loader import load_model
 from engine.quantization.config import W8A8Weights, parse_quantization_config
@@ -208,6 +209,27 @@ def test_two_tensor_parallel_ranks_equal_one(w8a8: Checkpoint) -> None:
         assert engine_greedy(two) == expected
     finally:
         two.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs a CPU model through the interpreter")
+def test_the_gpu_gemm_path_decodes_as_the_cpu_path(
+    w8a8: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every projection through engine/kernels/scaled_matmul.py's 8-bit GEMM (Triton's
+    interpreter here, as on a GPU): per-token or static input scales, a fused projection's
+    blocks of rows each with its own, the same greedy tokens as the dequantizing path."""
+    expected = engine_greedy(quantized_llm(w8a8.path))
+    calls: list[int] = []
+    gemm = scaled_matmul.w8a8_matmul
+
+    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return gemm(x, *args, **kwargs)
+
+    monkeypatch.setattr(scaled_matmul, "usable", lambda x: x.dtype == torch.float32)
+    monkeypatch.setattr(scaled_matmul, "w8a8_matmul", counted)
+    assert engine_greedy(quantized_llm(w8a8.path)) == expected
+    assert calls
 
 
 def test_dummy_weights_build_a_w8a8_model_from_its_config_alone(w8a8: Checkpoint) -> None:
