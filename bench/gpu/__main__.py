@@ -27,6 +27,11 @@ from bench.gpu.attention_tiling import (
 from bench.gpu.elementwise import measure_elementwise
 from bench.gpu.engine_runs import max_model_len, run_pdserve
 from bench.gpu.hf_baseline import measure_transformers
+from bench.gpu.quantized import (
+    gemm_token_counts,
+    measure_quantized_gemms,
+    measure_quantized_kv_attention,
+)
 from bench.gpu.report import machine_info, print_report
 from bench.gpu.shapes import MODELS, PRESETS, ModelSpec, Preset
 from bench.gpu.targets import verdicts
@@ -42,6 +47,8 @@ from bench.gpu.transfer import measure_transfer
 from bench.results_json import write_json
 from engine.kernels.checks import interpreted
 
+ONLY_SECTIONS = ("quantized",)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -54,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default=None, help="comma list, e.g. 1,64")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-transfer", action="store_true")
+    parser.add_argument(
+        "--only",
+        choices=ONLY_SECTIONS,
+        default=None,
+        help="the ceilings and this section alone (no targets): quantized = the quantized "
+        "GEMMs and the 8-bit KV cache's decode attention, against bf16",
+    )
     parser.add_argument("--out", default="bench/results/gpu.json")
     return parser.parse_args(argv)
 
@@ -89,20 +103,26 @@ def main(argv: list[str] | None = None) -> None:
     }
     log(f"{result['machine']['name']}, torch {torch.__version__}, preset {preset_name}")
     result["ceilings"] = measure_ceilings(device, dtype, preset)
-    result["models"] = {}
-    run = BenchRun(device, dtype, preset, result, args.out)
+    specs = [MODELS[name] for name in preset.models]
+    # keyed by the spec's name, as the sections read it
+    result["models"] = {
+        spec.name: {"spec": dataclasses.asdict(spec), "num_params": spec.num_params}
+        for spec in specs
+    }
+    run = BenchRun(device, dtype, preset, result, args.out, judge_targets=args.only is None)
     run.save()
     # What the targets need first (a lease's time box may end the run), then what tunes.
-    specs = [MODELS[name] for name in preset.models]
+    if args.only is None:
+        for spec in specs:
+            run_model_targets(run, spec, not args.no_transformers)
+        if not args.no_transfer:
+            run.section(
+                result, "kv_transfer", lambda: measure_transfer(specs[0], device, dtype, preset)
+            )
+        for spec in specs:
+            run_model_tuning(run, spec)
     for spec in specs:
-        result["models"][spec.name] = {}  # keyed by the spec's name, as the sections read it
-        run_model_targets(run, spec, not args.no_transformers)
-    if not args.no_transfer:
-        run.section(
-            result, "kv_transfer", lambda: measure_transfer(specs[0], device, dtype, preset)
-        )
-    for spec in specs:
-        run_model_tuning(run, spec)
+        run_model_quantized(run, spec)
     result["seconds"] = seconds_since_start()
     run.save()
     print_report(result)
@@ -118,6 +138,7 @@ class BenchRun:
     preset: Preset
     result: dict[str, Any]
     out: str
+    judge_targets: bool = True  # False (``--only``): the run measures nothing the targets read
 
     def section(self, into: dict[str, Any], key: str, measure: Callable[[], Any]) -> None:
         """``into[key] = measure()`` (a failure recorded instead: ``attempt``), then saved."""
@@ -126,7 +147,7 @@ class BenchRun:
 
     def save(self) -> None:
         """Rewrites the JSON, verdicts included: a run cut short keeps what it measured."""
-        self.result["targets"] = verdicts(self.result)
+        self.result["targets"] = verdicts(self.result) if self.judge_targets else []
         write_json(self.out, self.result)
 
 
@@ -136,7 +157,6 @@ def run_model_targets(run: BenchRun, spec: ModelSpec, run_transformers: bool) ->
     device, dtype, preset = run.device, run.dtype, run.preset
     ceilings = run.result["ceilings"]
     model: dict[str, Any] = run.result["models"][spec.name]
-    model.update(spec=dataclasses.asdict(spec), num_params=spec.num_params)
     with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{spec.name}-") as tmp:
         model_dir = spec.write_config(Path(tmp), max_model_len(preset) + 16, dtype)
         run.section(
@@ -170,6 +190,32 @@ def run_model_tuning(run: BenchRun, spec: ModelSpec) -> None:
             "attention_tilings",
             lambda: measure_attention_tilings(spec, device, dtype, preset, read_bw, peak_flops),
         )
+
+
+def run_model_quantized(run: BenchRun, spec: ModelSpec) -> None:
+    """The quantized paths' kernels against bf16 (bench/gpu/quantized.py) into the model's
+    result: the GEMMs, then decode attention over the 8-bit KV caches, each saved when done."""
+    device, dtype, preset = run.device, run.dtype, run.preset
+    if not (device.type == "cuda" or interpreted()):
+        return  # the Triton kernels launch only on a GPU or in the interpreter
+    model: dict[str, Any] = run.result["models"][spec.name]
+    read_bw = read_bytes_per_s(run.result["ceilings"])
+    token_counts = gemm_token_counts(preset.elementwise_tokens)
+    run.section(
+        model,
+        "quantized_gemm",
+        lambda: measure_quantized_gemms(
+            spec, device, dtype, token_counts, preset.num_reps, read_bw
+        ),
+    )
+    run.section(
+        model,
+        "quantized_kv_attention",
+        lambda: measure_quantized_kv_attention(
+            spec, device, dtype, list(preset.batch_sizes), preset.context_len, preset.num_reps,
+            read_bw,
+        ),
+    )  # fmt: skip
 
 
 def measure_attention_tilings(

@@ -4,6 +4,11 @@
 # is the one call to make (timeout_s 590): the gpu-marked tests, the targets of bench.gpu
 # --quick, and the engine's host time, each cut short by its own time box so the next still runs.
 #   bash bench/gpu/lease.sh first   # ~9 min at most: what a task's device time holds
+# Then, with device time left (`status` budget_left_s >= the box + ~60 s), while the machine
+# is still warm:
+#   bash bench/gpu/lease.sh quantized [box]  # ~3 min: bench.gpu --only quantized, 8B then 1B
+#                                   # (the quantized GEMMs and the 8-bit KV cache's decode
+#                                   # attention against bf16); box: seconds, default 300
 # The longer calls, for device time left over or a later task:
 #   bash bench/gpu/lease.sh tests   # the gpu-marked tests (kernels at full size, graphs,
 #                                   # transports), then bench.structured_masks on cuda
@@ -37,6 +42,10 @@ first)
     bench_gpu_quick 250
     engine_overhead 60 1,64,256
     ;;
+quantized)  # $2: the time box, seconds; the 8B model's sections are saved first
+    timeout "${2:-300}" "$python" -m bench.gpu --quick --only quantized --models 8b,1b \
+        --batch-sizes 1,64,256 --out "$out/quantized.json" 2>&1 | tee "$out/quantized.log"
+    ;;
 tests)
     gpu_tests 600 540 -q  # 600: the device call's own limit
     # structured outputs' per-step masking on the GPU (a state's mask copied there once)
@@ -60,7 +69,7 @@ async)
         --out "$out/async_scheduling_8b.json" 2>&1 | tee "$out/async_scheduling_8b.log"
     ;;
 *)
-    echo "usage: bash bench/gpu/lease.sh first|tests|bench|speculative|async" >&2
+    echo "usage: bash bench/gpu/lease.sh first|quantized [box]|tests|bench|speculative|async" >&2
     exit 2
     ;;
 esac

@@ -58,6 +58,10 @@ def print_report(result: dict[str, Any]) -> None:
             print_attention_tilings(name, model["attention_tilings"])
         if "pdserve" in model:
             print_model(name, model)
+        if "quantized_gemm" in model:
+            print_quantized_gemm(name, model["quantized_gemm"])
+        if "quantized_kv_attention" in model:
+            print_quantized_kv_attention(name, model["quantized_kv_attention"])
     if "kv_transfer" in result:
         print_transfer(result["kv_transfer"])
     print_targets(result["targets"])
@@ -172,7 +176,52 @@ def print_transfer(transfer: dict[str, Any]) -> None:
         )
 
 
+def print_quantized_gemm(name: str, rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{name}: one GEMM per path (floor = (weight + activation bytes) / copy read+write; "
+        "x bf16 = time / bf16's)"
+    )
+    print(
+        f"{'proj':>8}{'tokens':>7}  {'path':<16}{'us':>10}{'floor us':>10}{'of floor':>9}"
+        f"{'x bf16':>8}{'TFLOP/s':>9}{'weight MiB':>11}  note"
+    )
+    for r in rows:
+        case = f"{r['projection']:>8}{r['tokens']:>7}  {r['path']:<16}"
+        if "error" in r:
+            print(f"{case}  ERROR {r['error']}")
+            continue
+        note = "_scaled_mm" if r.get("scaled_mm") else ""
+        note += "" if r.get("graphed") else (" " if note else "") + "not graphed"
+        print(
+            f"{case}{r['us']:>10.1f}{r['floor_us']:>10.1f}{r['fraction_of_floor']:>9.0%}"
+            f"{r.get('ratio_to_bf16', float('nan')):>8.2f}{r['tflop_per_s']:>9.1f}"
+            f"{r['weight_bytes'] / MIB:>11.2f}  {note}"
+        )
+
+
+def print_quantized_kv_attention(name: str, rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{name}: decode attention over each KV cache type, one layer (floor = KV bytes / "
+        "copy read+write; x bf16 = time / the model dtype's cache's)"
+    )
+    print(
+        f"{'batch':>6}{'context':>9}  {'cache':<10}{'us':>10}{'floor us':>10}{'of floor':>9}"
+        f"{'x bf16':>8}{'GB/s':>8}"
+    )
+    for r in rows:
+        case = f"{r['batch_size']:>6}{r['context_len']:>9}  {r['kv_cache_dtype']:<10}"
+        if "error" in r:
+            print(f"{case}  ERROR {r['error']}")
+            continue
+        print(
+            f"{case}{r['us']:>10.1f}{r['floor_us']:>10.1f}{r['fraction_of_floor']:>9.0%}"
+            f"{r.get('ratio_to_bf16', float('nan')):>8.2f}{r['gb_per_s']:>8.0f}"
+        )
+
+
 def print_targets(targets: list[dict[str, Any]]) -> None:
+    if not targets:
+        return  # a run of one section (``--only``) judges none
     print("\ntargets")
     for t in targets:
         value = "-" if t["value"] is None else f"{t['value']:.2f}"

@@ -51,6 +51,9 @@ def test_the_gpu_benchmark_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert [row["batch_size"] for row in model["pdserve"]["decode"]] == [1, 4, 8]
     assert {t["target"] for t in result["targets"]} >= {"batch-1 decode / roofline"}
     assert "one forward's elementwise steps" in run.stdout
+    # the quantized kernels last (tests/bench/test_gpu_quantized.py checks their rows)
+    assert list(model)[-2:] == ["quantized_gemm", "quantized_kv_attention"]
+    assert not any("error" in r for r in model["quantized_gemm"] + model["quantized_kv_attention"])
 
 
 def test_a_run_cut_short_before_the_tuning_sections_keeps_the_targets_verdicts(
@@ -80,3 +83,4 @@ def test_a_run_cut_short_before_the_tuning_sections_keeps_the_targets_verdicts(
     assert judged["batch-1 decode / roofline"]["value"] > 0
     assert any(t.startswith("batch-8 decode tok/s / transformers") for t in judged)
     assert "elementwise" not in model and "attention_tilings" not in model
+    assert "quantized_gemm" not in model
