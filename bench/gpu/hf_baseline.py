@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from bench.gpu.shapes import ModelSpec, Preset, random_prompt
-from bench.gpu.timing import log, timed_wall
+from bench.gpu.timing import log, synchronize, timed_wall
 
 _TIMED_RUNS = 3  # runs of each timed generate call; the fastest counts
 
@@ -54,12 +54,14 @@ def measure_transformers(
 def hf_generate(
     model: Any, prompts: list[list[int]], num_new: int, device: torch.device
 ) -> dict[str, Any]:
-    """Decode throughput of one static batch: (time for 1 + N new tokens - time for 1) / N,
-    each time the fastest of ``_TIMED_RUNS``."""
+    """Decode throughput of one static batch: from its first new token to its last, read by a
+    clock ``generate`` calls after each token (``_TokenClock``), the fastest of
+    ``_TIMED_RUNS`` runs. The decode time is measured, never a difference of two runs (which a
+    busy machine could make negative)."""
     input_ids = torch.tensor(prompts, device=device)  # [batch, prompt_len]
     attention_mask = torch.ones_like(input_ids)  # equal lengths: nothing to pad, all attended
 
-    def generate(max_new: int) -> None:
+    def generate(max_new: int, clock: _TokenClock | None = None) -> None:
         with torch.inference_mode():
             out = model.generate(
                 input_ids=input_ids,
@@ -67,25 +69,45 @@ def hf_generate(
                 max_new_tokens=max_new,
                 min_new_tokens=max_new,
                 do_sample=False,
+                stopping_criteria=None if clock is None else [clock],
             )
         if out.shape[1] != input_ids.shape[1] + max_new:
             raise RuntimeError(f"generate made {out.shape[1] - input_ids.shape[1]} tokens")
 
     generate(2)  # warm-up
-    # the fastest of a few runs each: one run delayed by another process (a busy CI machine)
-    # could make the difference, and so the rate, negative
-    first_s = min(timed_wall(lambda: generate(1), device)[0] for _ in range(_TIMED_RUNS))
-    total_s = min(timed_wall(lambda: generate(1 + num_new), device)[0] for _ in range(_TIMED_RUNS))
-    decode_s = total_s - first_s
+    runs = []
+    for _ in range(_TIMED_RUNS):
+        clock = _TokenClock(device)
+        synchronize(device)
+        started = time.perf_counter()
+        generate(1 + num_new, clock)
+        runs.append((clock.times[0] - started, clock.times[-1] - clock.times[0]))
+    first_s, decode_s = min(runs, key=lambda run: run[1])
     return {
         "batch_size": len(prompts),
         "prompt_len": input_ids.shape[1],
         "new_tokens": num_new,
         "prefill_and_first_token_s": first_s,
-        "total_s": total_s,
+        "total_s": first_s + decode_s,
         "decode_step_ms": decode_s / num_new * 1e3,
         "decode_tokens_per_s": len(prompts) * num_new / decode_s,
     }
+
+
+class _TokenClock:
+    """A stopping criterion that never stops: the time each new token of a ``generate`` call
+    was made (after the device finished it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(
+        self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def hf_generate_batch(
