@@ -19,8 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.kv_cache.cache_groups import CacheGroups, cache_groups_for
-from engine.quantization.config import WeightQuantization, parse_quantization_config
+from engine.quantization.config import (
+    PackedIntWeights,
+    W8A8Weights,
+    WeightQuantization,
+    parse_quantization_config,
+)
 from engine.quantization.kv_cache_scheme import CheckpointKVScheme, parse_kv_cache_scheme
+from engine.quantization.router_gates import require_gates_ignored
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -339,7 +345,7 @@ def parse_model_config(
     is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
     is_qwen2_moe = architecture == "Qwen2MoeForCausalLM"
     moe = _parse_moe(raw, architecture, num_layers)
-    quantization = _parse_quantization(raw, architecture, moe is not None or mla is not None)
+    quantization = _parse_quantization(raw, architecture, moe, mla is not None)
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(raw["vocab_size"]),
@@ -583,19 +589,37 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _parse_quantization(
-    raw: dict[str, Any], architecture: str, experts_or_latent: bool
+    raw: dict[str, Any], architecture: str, moe: MoeConfig | None, latent_attention: bool
 ) -> WeightQuantization | None:
     """The checkpoint's weight quantization (engine/quantization/config.py), refused for the
-    layers that cannot hold it yet."""
+    layers that cannot hold it: experts and latent attention hold FP8 blocks or packed
+    integers (not the 8-bit W8A8 schemes), experts in input order (not GPTQ's activation
+    order), and a compressed-tensors model's router gates stay float (its ``ignore`` names
+    them, and a gated shared expert's gate)."""
     quantization = raw.get("quantization_config")
     if not quantization or _kv_cache_scheme_only(quantization):
         return None
-    weights = parse_quantization_config(quantization)
-    if experts_or_latent:
+    weights = parse_quantization_config(quantization, experts=moe is not None)
+    if moe is None and not latent_attention:
+        return weights
+    unsupported = f"quantization_config ({weights.describe()}) is not supported for {architecture}"
+    if isinstance(weights, W8A8Weights):
         raise ValueError(
-            f"quantization_config ({weights.describe()}) is not supported for "
-            f"{architecture} yet: its experts and latent attention run float weights only"
+            f"{unsupported}: its experts and latent attention hold FP8 block-wise or packed "
+            "integer weights (W4A16 / W8A16, AWQ, GPTQ) only"
         )
+    if moe is None:
+        return weights
+    if moe.expert_activation != "silu":
+        raise ValueError(f"{unsupported}: its clamped-SwiGLU experts run float weights only")
+    if isinstance(weights, PackedIntWeights) and weights.act_order:
+        raise ValueError(
+            f"{unsupported}: quantization_config.desc_act true (GPTQ's activation order) is "
+            "not supported for experts"
+        )
+    if weights.method == "compressed-tensors":
+        gated_shared = moe.shared_expert_intermediate_size > 0 and moe.shared_expert_gated
+        require_gates_ignored(quantization.get("ignore") or [], gated_shared, unsupported)
     return weights
 
 

@@ -15,7 +15,10 @@ stored stacked (``_STACKED_EXPERTS_IN_CHECKPOINT``). A quantized checkpoint's pr
 (engine/quantization/) hold their tensors as published (packed words, scales per group, row or
 block), a per-tensor scale repeated over its tensor's rows: each lands where its layer's float
 weight's slice would, counted in its own units. Latent attention's interleaved rope rows
-are reordered into halves once loaded (``LatentAttention.rope_rows_interleaved_to_halves``).
+are reordered into halves once loaded (``LatentAttention.rope_rows_interleaved_to_halves``),
+and its quantized ``kv_b_proj`` dequantized (``LatentAttention.dequantize_up_projection``).
+Quantized routed experts are stacked as the float ones are: each expert's checkpoint tensors
+land in its slice of the stacked quantized tensors, as a dense layer's would in the whole.
 """
 
 from __future__ import annotations
@@ -50,6 +53,12 @@ from engine.quantization.fp8_linear import Fp8BlockLinear
 from engine.quantization.kv_cache_scheme import is_kv_scale
 from engine.quantization.linear import QUANTIZED_LEAVES
 from engine.quantization.packed_linear import PackedIntLinear
+from engine.quantization.quantized_experts import (
+    EXPERT_QUANTIZED_LEAVES,
+    ExpertWeights,
+    Fp8BlockExpertWeights,
+    PackedIntExpertWeights,
+)
 from engine.quantization.w8a8_linear import W8A8Linear
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
@@ -132,6 +141,7 @@ def load_model(
             _reorder_interleaved_rope_rows(model)
         _order_inputs_by_group(model, dummy=load_format == "dummy")
         _group_rows_by_input_scale(model, dummy=load_format == "dummy")
+        _dequantize_latent_up_projections(model, dtype)
     model.requires_grad_(False)
     if linear_backend == "onednn":
         if model.lm_head is None:
@@ -171,14 +181,15 @@ def _build_empty(
         model = get_model_class(config.architecture)(config, shard, group)
     model = model.to(dtype=dtype)
     for module in model.modules():
-        if isinstance(module, (Fp8BlockLinear, W8A8Linear)):
+        if isinstance(module, (Fp8BlockLinear, W8A8Linear, Fp8BlockExpertWeights)):
             module.keep_quantized_dtypes()  # float8 weights (and block scales), not dtype
     model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache()  # fp32 tables, recomputed on the real device
-        if isinstance(module, PackedIntLinear) and module.g_idx is not None:
-            module.g_idx.fill_(-1)  # no input's group read yet (``_same_groups``)
+        packed = module if isinstance(module, (PackedIntLinear, PackedIntExpertWeights)) else None
+        if packed is not None and packed.g_idx is not None:
+            packed.g_idx.fill_(-1)  # no input's group read yet (``_same_groups``)
     return model
 
 
@@ -187,22 +198,52 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
     checkpoint tensors, or several row ranges of one where the checkpoint stores it fused
     (``_FUSED_IN_CHECKPOINT``); a stacked experts param takes each expert's tensors into its
     slice ``param[expert]``; a quantized layer's tensors go where its float weight's slices
-    would, in their own units (``_quantized_target``)."""
+    would, in their own units (``_quantized_target``), and a stacked quantized experts
+    projection's (``...experts.gate_up_proj.weight_packed``) expert by expert, each expert's
+    as its own dense layer's would (``...experts.{e}.gate_proj.weight_packed``)."""
     targets: dict[str, list[_Target]] = {}
     for name, param in model.named_parameters():
         prefix, leaf = name.rsplit(".", 1)
         layer = model.get_submodule(prefix)
         if leaf in QUANTIZED_LEAVES.get(type(layer), ()):
             assert isinstance(layer, (PackedIntLinear, Fp8BlockLinear, W8A8Linear))
-            float_weight = torch.empty(layer.out_features, layer.in_features, device="meta")
-            stored = checkpoint_leaf(leaf, layer.weights)
-            for hf_name, target in _targets_of(model, f"{prefix}.weight", float_weight):
-                placed = _quantized_target(leaf, target, param, layer.weights)
-                targets.setdefault(f"{hf_name.removesuffix('.weight')}.{stored}", []).append(placed)
-            continue
-        for hf_name, target in _targets_of(model, name, param):
+            placed = _quantized_targets(model, f"{prefix}.weight", leaf, layer, param)
+        elif leaf in EXPERT_QUANTIZED_LEAVES.get(type(layer), ()):
+            assert isinstance(layer, (PackedIntExpertWeights, Fp8BlockExpertWeights))
+            experts, projection = prefix.rsplit(".", 1)
+            placed = [
+                found
+                for expert in range(layer.num_experts)
+                for found in _quantized_targets(
+                    model, f"{experts}.{expert}.{projection}.weight", leaf, layer, param[expert]
+                )
+            ]
+        else:
+            placed = _targets_of(model, name, param)
+        for hf_name, target in placed:
             targets.setdefault(hf_name, []).append(target)
     return targets
+
+
+def _quantized_targets(
+    model: LlamaForCausalLM,
+    weight_name: str,
+    leaf: str,
+    layer: PackedIntLinear | Fp8BlockLinear | W8A8Linear | ExpertWeights,
+    param: torch.Tensor,
+) -> list[tuple[str, _Target]]:
+    """The checkpoint tensors a quantized layer's ``leaf`` tensor (``param``: one expert's
+    slice of a stacked one) loads from, and where each lands: where the slices of its float
+    weight ``weight_name`` would, in the leaf's own units."""
+    float_weight = torch.empty(layer.out_features, layer.in_features, device="meta")
+    stored = checkpoint_leaf(leaf, layer.weights)
+    return [
+        (
+            f"{hf_name.removesuffix('.weight')}.{stored}",
+            _quantized_target(leaf, target, param, layer.weights),
+        )
+        for hf_name, target in _targets_of(model, weight_name, float_weight)
+    ]
 
 
 def _targets_of(
@@ -657,10 +698,21 @@ def _copy(part: torch.Tensor | None, target: _Target) -> None:
 
 def _order_inputs_by_group(model: LlamaForCausalLM, dummy: bool) -> None:
     """GPTQ layers' inputs sorted by the group their g_idx gives each, where it is not input
-    order (``PackedIntLinear.order_inputs_by_group``); dummy weights' inputs stay in order."""
+    order (``PackedIntLinear.order_inputs_by_group``); GPTQ experts' g_idx checked to be in
+    input order and dropped; dummy weights' inputs stay in order."""
     for module in model.modules():
         if isinstance(module, PackedIntLinear) and module.g_idx is not None:
             module.order_inputs_by_group(keep_in_order=dummy)
+        if isinstance(module, PackedIntExpertWeights) and module.g_idx is not None:
+            module.drop_groups_in_input_order(dummy=dummy)
+
+
+def _dequantize_latent_up_projections(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Latent attention's quantized ``kv_b_proj``, loaded, becomes the float matrices the
+    absorption multiplies by (``LatentAttention.dequantize_up_projection``)."""
+    for module in model.modules():
+        if isinstance(module, LatentAttention):
+            module.dequantize_up_projection(dtype)
 
 
 DUMMY_INPUT_SCALE = 1.0 / 64  # a dummy 8-bit layer's static input scale: any positive one

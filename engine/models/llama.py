@@ -169,7 +169,15 @@ def _layer_mlp(
         return GatedMLP(config, shard, group)
     expert_width = len(shard.expert_intermediate)
     shared_width = len(shard.shared_expert_intermediate)
-    return SparseMoeBlock(moe, config.hidden_size, layer_idx, expert_width, shared_width, group)
+    return SparseMoeBlock(
+        moe,
+        config.hidden_size,
+        layer_idx,
+        expert_width,
+        shared_width,
+        group,
+        config.quantization,
+    )
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -18,6 +18,13 @@ The query has its own low-rank bottleneck where ``q_lora_rank`` is set (``q_a_pr
 RMSNorm, ``q_b_proj``), else one ``q_proj``. The two small norms use epsilon 1e-6, as
 transformers builds them whatever ``rms_norm_eps`` says.
 
+Quantized checkpoints (DeepSeek-V3's FP8 blocks, packed integers): the projections that run as
+layers are the dense layers' quantized ones (``make_linear``). ``kv_b_proj`` is loaded in its
+quantized layout, then dequantized once into the float matrices the absorption multiplies by
+(``dequantize_up_projection``; it is small: kv_lora_rank columns). Their interleaved rope rows
+are not moved within quantized blocks or words: the rotary dims of the query and the key are
+gathered into halves as they come out of the projections instead (``rope_order``).
+
 Tensor parallelism: a rank computes its query heads (the rows of ``q_proj``/``q_b_proj`` and of
 ``kv_b_proj`` for those heads, the columns of ``o_proj``, one all-reduce after it). The down
 projections, their norms and so the latent cache are the same on every rank (the cache's one
@@ -35,6 +42,7 @@ from engine.models.rms_norm import RMSNorm
 from engine.models.rope import apply_rotary
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
+from engine.quantization.linear import QuantizedLinear, make_linear
 
 SMALL_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's epsilon, as transformers has it
 
@@ -64,22 +72,30 @@ class LatentAttention(nn.Module):
         self.mla = mla
         self.num_heads = len(shard.q_heads)
         hidden, heads = config.hidden_size, self.num_heads
-        self.q_proj: nn.Linear | None = None
-        self.q_a_proj: nn.Linear | None = None
+        quantized = config.quantization
+        self.q_proj: nn.Linear | QuantizedLinear | None = None
+        self.q_a_proj: nn.Linear | QuantizedLinear | None = None
         self.q_a_layernorm: RMSNorm | None = None
-        self.q_b_proj: nn.Linear | None = None
+        self.q_b_proj: nn.Linear | QuantizedLinear | None = None
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * mla.qk_head_dim, bias=False)
+            self.q_proj = make_linear(hidden, heads * mla.qk_head_dim, False, quantized)
         else:
-            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=False)
+            self.q_a_proj = make_linear(hidden, mla.q_lora_rank, False, quantized)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, SMALL_NORM_EPS)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_width, bias=False)
+            self.q_b_proj = make_linear(mla.q_lora_rank, heads * mla.qk_head_dim, False, quantized)
+        self.kv_a_proj_with_mqa = make_linear(hidden, mla.latent_width, False, quantized)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, SMALL_NORM_EPS)
-        self.kv_b_proj = UpProjection(
-            heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank
-        )
-        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=False)
+        up_rows = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        # quantized: loaded as the checkpoint holds it, then ``dequantize_up_projection``
+        self.kv_b_proj: UpProjection | QuantizedLinear = UpProjection(up_rows, mla.kv_lora_rank)
+        if quantized is not None:
+            up_layer = make_linear(mla.kv_lora_rank, up_rows, False, quantized)
+            assert not isinstance(up_layer, nn.Linear)
+            self.kv_b_proj = up_layer
+        self.o_proj = make_linear(heads * mla.v_head_dim, hidden, False, quantized, row_group=group)
+        # [qk_rope_head_dim]: the rotary dims of q and k in halves, gathered from the interleaved
+        # pairs quantized projections keep; None: the projections' rows give them in halves
+        self.rope_order: torch.Tensor | None = None
         self.attn = LatentCacheAttention(
             config.cache_groups.place(layer_idx),
             heads,
@@ -102,11 +118,16 @@ class LatentAttention(nn.Module):
             [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1
         )
         latent = self.kv_a_layernorm(latent.contiguous())  # [num_tokens, kv_lora_rank]
+        if self.rope_order is not None:
+            q_rope, k_rope = q_rope[..., self.rope_order], k_rope[..., self.rope_order]
         q_rope = apply_rotary(q_rope, cos, sin)  # [num_tokens, heads, qk_rope_head_dim]
         k_rope = apply_rotary(k_rope[:, None], cos, sin)[:, 0]  # [num_tokens, qk_rope_head_dim]
         entries = torch.cat((latent, k_rope), dim=-1)  # [num_tokens, latent_width]
         # each head's key and value up-projections: [heads, nope + v, kv_lora_rank]
-        up = self.kv_b_proj.weight.view(heads, -1, mla.kv_lora_rank)
+        up_projection = self.kv_b_proj
+        if not isinstance(up_projection, UpProjection):
+            raise RuntimeError("kv_b_proj is still quantized: load the model (model_loader.py)")
+        up = up_projection.weight.view(heads, -1, mla.kv_lora_rank)
         key_up, value_up = up.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), key_up)  # [heads, num_tokens, kv_lora_rank]
         absorbed = torch.cat((q_latent.transpose(0, 1), q_rope), dim=-1)  # [n, heads, width]
@@ -125,16 +146,33 @@ class LatentAttention(nn.Module):
     def rope_rows_interleaved_to_halves(self) -> None:
         """Reorder the rows that make the rotary dims from interleaved pairs (x0, x1), (x2,
         x3), ... into halves (x0, x2, ...; x1, x3, ...), so the rotate-half rope computes what
-        the checkpoint's interleaved rope did, in the layout transformers caches."""
+        the checkpoint's interleaved rope did, in the layout transformers caches. Quantized
+        projections keep their rows (a block or a packed word spans several): their outputs'
+        rotary dims are gathered in that order instead (``rope_order``)."""
         mla = self.mla
         rope = mla.qk_rope_head_dim
         order = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
         query_proj = self.q_proj if self.q_proj is not None else self.q_b_proj
         assert query_proj is not None
+        kv_proj = self.kv_a_proj_with_mqa
+        if not isinstance(query_proj, nn.Linear) or not isinstance(kv_proj, nn.Linear):
+            self.rope_order = order.to(self.kv_a_layernorm.weight.device)
+            return
         with torch.no_grad():
             rows = query_proj.weight.view(self.num_heads, mla.qk_head_dim, -1)
             rows[:, mla.qk_nope_head_dim :] = rows[:, mla.qk_nope_head_dim :][
                 :, order.to(rows.device)
             ]
-            kv_rows = self.kv_a_proj_with_mqa.weight
+            kv_rows = kv_proj.weight
             kv_rows[mla.kv_lora_rank :] = kv_rows[mla.kv_lora_rank :][order.to(kv_rows.device)]
+
+    def dequantize_up_projection(self, dtype: torch.dtype) -> None:
+        """A quantized ``kv_b_proj``, loaded, becomes its float weight in ``dtype`` (what the
+        absorption multiplies by); a float one stays as it is."""
+        if isinstance(self.kv_b_proj, UpProjection):
+            return
+        with torch.no_grad():
+            weight = self.kv_b_proj.dequantized_weight().to(dtype)
+        up = UpProjection(0, 0)
+        up.weight = nn.Parameter(weight, requires_grad=False)
+        self.kv_b_proj = up

@@ -25,6 +25,12 @@ shared expert's), so a rank's routed and shared outputs are partial sums and the
 in one all-reduce, as a dense MLP does (a bias of the experts' down projection is held by
 rank 0 alone, so the sum adds it once). The router is replicated.
 
+Quantized checkpoints (FP8 blocks, packed integers): the routed experts keep their quantized
+weights stacked (``QuantizedRoutedExperts``) and run grouped by expert as above, each expert's
+weights dequantized for the step it has tokens in (on a GPU the dense layers' quantized kernels
+run per expert instead); the shared expert's projections are the dense layers' quantized ones;
+the router stays float.
+
 The step's tokens per expert are added to the forward context's ``ExpertTokenCounts`` when it
 has one (rows past the batch, the runner's padding, are neither routed nor counted).
 """
@@ -42,6 +48,9 @@ from engine.kernels import fused_moe
 from engine.model_config import MoeConfig
 from engine.models.fused_ops import silu_and_mul
 from engine.parallel.group import TensorParallelGroup
+from engine.quantization.config import WeightQuantization
+from engine.quantization.linear import make_linear
+from engine.quantization.quantized_experts import ExpertWeights, make_expert_weights
 
 
 def route(
@@ -170,6 +179,42 @@ class RoutedExperts(nn.Module):
         return F.linear(hidden, self.down_proj[expert])
 
 
+class QuantizedRoutedExperts(nn.Module):
+    """``RoutedExperts`` whose stacked weights stay as the checkpoint quantized them (FP8
+    blocks or packed integers: engine/quantization/quantized_experts.py). Each expert with
+    tokens runs its MLP on its rows, its weights dequantized for that step alone (on a GPU,
+    read tile by tile by the dense layers' kernels), so no more than one expert's float weight
+    exists at a time; experts without tokens are not touched."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate: int,
+        quantization: WeightQuantization,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj: ExpertWeights = make_expert_weights(
+            num_experts, hidden_size, 2 * intermediate, quantization
+        )
+        self.down_proj: ExpertWeights = make_expert_weights(
+            num_experts, intermediate, hidden_size, quantization
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+        weights: torch.Tensor,  # [n, top_k] fp32
+        expert_ids: torch.Tensor,  # [n, top_k] int64
+    ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
+        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
+
+    def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
+        hidden = silu_and_mul(self.gate_up_proj.matmul(expert, rows))
+        return self.down_proj.matmul(expert, hidden)
+
+
 class ClampedSwigluExperts(nn.Module):
     """gpt-oss's experts, in its checkpoint's layout: ``gate_up_proj[e]`` is [hidden, 2 x this
     rank's columns] (x @ W), gate and up columns interleaved; ``down_proj[e]`` [columns,
@@ -218,19 +263,30 @@ class ClampedSwigluExperts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """A gated MLP every token runs (this rank's columns); no all-reduce of its own."""
+    """A gated MLP every token runs (this rank's columns); no all-reduce of its own. Its
+    projections are the dense layers' (``make_linear``: float or quantized alike)."""
 
-    def __init__(self, hidden_size: int, intermediate: int) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate: int,
+        quantization: WeightQuantization | None,
+        group: TensorParallelGroup,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden_size, bias=False)
+        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate, False, quantization)
+        self.down_proj = make_linear(
+            intermediate, hidden_size, False, quantization, row_group=group
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden] partial
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, routed experts and the optional shared expert of one layer."""
+    """Router, routed experts and the optional shared expert of one layer. With a quantized
+    checkpoint (``quantization``) the experts' projections hold its quantized weights; the
+    router and the shared expert's gate stay float."""
 
     def __init__(
         self,
@@ -240,20 +296,30 @@ class SparseMoeBlock(nn.Module):
         expert_intermediate: int,  # this rank's columns of each expert
         shared_intermediate: int,  # this rank's columns of the shared expert
         group: TensorParallelGroup,
+        quantization: WeightQuantization | None = None,
     ) -> None:
         super().__init__()
         self.moe = moe
         self.layer_idx = layer_idx
         self.gate = Router(moe, hidden_size)
-        self.experts: RoutedExperts | ClampedSwigluExperts = (
-            ClampedSwigluExperts(moe, hidden_size, expert_intermediate)
-            if moe.expert_activation == "clamped_swiglu"
-            else RoutedExperts(moe.num_experts, hidden_size, expert_intermediate)
-        )
+        self.experts: RoutedExperts | QuantizedRoutedExperts | ClampedSwigluExperts
+        if moe.expert_activation == "clamped_swiglu":
+            if quantization is not None:
+                raise ValueError(
+                    f"quantization_config ({quantization.describe()}) is not supported for "
+                    "clamped-SwiGLU experts (gpt-oss)"
+                )
+            self.experts = ClampedSwigluExperts(moe, hidden_size, expert_intermediate)
+        elif quantization is not None:
+            self.experts = QuantizedRoutedExperts(
+                moe.num_experts, hidden_size, expert_intermediate, quantization
+            )
+        else:
+            self.experts = RoutedExperts(moe.num_experts, hidden_size, expert_intermediate)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_expert_intermediate_size > 0:
-            self.shared_expert = SharedExpert(hidden_size, shared_intermediate)
+            self.shared_expert = SharedExpert(hidden_size, shared_intermediate, quantization, group)
         if moe.shared_expert_intermediate_size > 0 and moe.shared_expert_gated:
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.group = group

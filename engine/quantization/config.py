@@ -23,14 +23,18 @@ Supported:
 The layouts, as published, are in docs/quantized-checkpoints.md. A ``kv_cache_scheme`` (the
 scales of a quantized KV cache) is read by engine/quantization/kv_cache_scheme.py. Everything
 else (compressed-tensors' other activation schemes: asymmetric, per group, dynamic per
-tensor; AWQ's other versions, GPTQ's other formats, quantized experts or latent attention) is
-refused here, before any weight is read.
+tensor; AWQ's other versions, GPTQ's other formats) is refused here, before any weight is read.
+The LM head alone may stay unquantized, and a mixture-of-experts model's router gates, which
+the lists of unquantized modules then name (engine/quantization/router_gates.py); what the
+model's layers can hold of the rest is checked by engine/model_config.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from engine.quantization.router_gates import names_router_gates, names_the_lm_head
 
 _FIELD = "quantization_config"
 
@@ -103,18 +107,20 @@ class W8A8Weights:
 WeightQuantization = PackedIntWeights | Fp8BlockWeights | W8A8Weights
 
 
-def parse_quantization_config(raw: Any) -> WeightQuantization:
+def parse_quantization_config(raw: Any, experts: bool = False) -> WeightQuantization:
     """The weight quantization a config.json's ``quantization_config`` describes; raises
-    ValueError naming the field (``quantization_config.<path>``) of anything not supported."""
+    ValueError naming the field (``quantization_config.<path>``) of anything not supported.
+    ``experts``: the model routes tokens to experts, so its lists of unquantized modules may
+    name the router gates too (they stay float)."""
     if not isinstance(raw, dict):
         raise ValueError(f"{_FIELD} must be an object, got {raw!r}")
     method = raw.get("quant_method")
     if method == "fp8":
-        return _fp8_blocks(raw)
+        return _fp8_blocks(raw, experts)
     if method == "awq":
-        return _awq(raw)
+        return _awq(raw, experts)
     if method == "gptq":
-        return _gptq(raw)
+        return _gptq(raw, experts)
     if method != "compressed-tensors":
         raise ValueError(
             f"{_FIELD}.quant_method {method!r} is not supported; supported: "
@@ -146,11 +152,12 @@ def parse_quantization_config(raw: Any) -> WeightQuantization:
         raise ValueError(
             f"{_FIELD}.{path}.output_activations is set: output quantization is not supported"
         )
-    ignore = raw.get("ignore") or []
-    if list(ignore) != ["lm_head"]:
+    ignore = list(raw.get("ignore") or [])
+    if "lm_head" not in ignore or not _only_unconverted(ignore, experts, lm_head="lm_head"):
         raise ValueError(
             f"{_FIELD}.ignore {ignore!r} is not supported; only ['lm_head'] (every decoder "
-            "linear layer quantized alike)"
+            "linear layer quantized alike), and a mixture-of-experts model's router gates "
+            "(e.g. 're:.*mlp.gate$')"
         )
     fmt = group.get("format") or raw.get("format")
     if fmt in _W8A8_FORMATS:
@@ -263,7 +270,7 @@ def _require_absent(raw: dict[str, Any], key: str, what: str) -> None:
         raise ValueError(f"{_FIELD}.{key} is set: {what} is not supported yet")
 
 
-def _fp8_blocks(raw: dict[str, Any]) -> Fp8BlockWeights:
+def _fp8_blocks(raw: dict[str, Any], experts: bool) -> Fp8BlockWeights:
     fmt = raw.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"{_FIELD}.fmt {fmt!r} is not supported; only 'e4m3'")
@@ -282,9 +289,10 @@ def _fp8_blocks(raw: dict[str, Any]) -> Fp8BlockWeights:
         )
     for key in ("modules_to_not_convert", "ignored_layers"):
         skipped = raw.get(key) or []
-        if any(name != "lm_head" and not name.endswith(".lm_head") for name in skipped):
+        if not _only_unconverted(skipped, experts):
             raise ValueError(
-                f"{_FIELD}.{key} {skipped!r} is not supported; only the LM head may stay unconverted"
+                f"{_FIELD}.{key} {skipped!r} is not supported; only the LM head (and a "
+                "mixture-of-experts model's router gates) may stay unconverted"
             )
     if raw.get("modules_to_convert"):
         raise ValueError(f"{_FIELD}.modules_to_convert is not supported; every linear layer")
@@ -295,7 +303,7 @@ _AWQ = f"{_FIELD}.quant_method 'awq'"
 _GPTQ = f"{_FIELD}.quant_method 'gptq'"
 
 
-def _awq(raw: dict[str, Any]) -> PackedIntWeights:
+def _awq(raw: dict[str, Any], experts: bool) -> PackedIntWeights:
     """AWQ's GEMM layout (AutoAWQ, GPTQModel): 4-bit integers with a scale and a zero point per
     group. ``version`` names the layout (``format`` where it is absent, as transformers reads
     it); the others (gemv, exllama, marlin ...) pack the words otherwise."""
@@ -313,14 +321,14 @@ def _awq(raw: dict[str, Any]) -> PackedIntWeights:
             "zero point per group, as the GEMM layout stores)"
         )
     group_size = _group_size(_first_of(raw, "group_size", "q_group_size"))
-    _only_the_lm_head_unconverted(raw)
+    _only_the_lm_head_unconverted(raw, experts)
     return PackedIntWeights(4, group_size, symmetric=False, method="awq")
 
 
 _GPTQ_FORMATS = {"gptq": True, "gptq_v2": False}  # format -> zero points stored minus one
 
 
-def _gptq(raw: dict[str, Any]) -> PackedIntWeights:
+def _gptq(raw: dict[str, Any], experts: bool) -> PackedIntWeights:
     """GPTQ (AutoGPTQ, GPTQModel, optimum): 4- or 8-bit integers packed along the inputs, a
     scale and a zero point per group, ``g_idx`` naming each input's group. Its format is
     ``checkpoint_format`` (``format`` where it is absent, as transformers reads it)."""
@@ -348,7 +356,7 @@ def _gptq(raw: dict[str, Any]) -> PackedIntWeights:
                 f"{_FIELD}.{per_module} is set: only every decoder linear layer quantized "
                 "alike is supported"
             )
-    _only_the_lm_head_unconverted(raw)
+    _only_the_lm_head_unconverted(raw, experts)
     return PackedIntWeights(
         bits,
         group_size,
@@ -374,10 +382,20 @@ def _group_size(group_size: Any) -> int | None:
     return group_size
 
 
-def _only_the_lm_head_unconverted(raw: dict[str, Any]) -> None:
+def _only_the_lm_head_unconverted(raw: dict[str, Any], experts: bool) -> None:
     skipped = raw.get("modules_to_not_convert") or []
-    if any(name != "lm_head" and not name.endswith(".lm_head") for name in skipped):
+    if not _only_unconverted(skipped, experts):
         raise ValueError(
             f"{_FIELD}.modules_to_not_convert {skipped!r} is not supported; only the LM head "
-            "may stay unconverted"
+            "(and a mixture-of-experts model's router gates) may stay unconverted"
         )
+
+
+def _only_unconverted(entries: Any, experts: bool, lm_head: str | None = None) -> bool:
+    """Whether every entry of a list of unquantized modules names the LM head (exactly
+    ``lm_head`` where given) or, where the model has ``experts``, router gates."""
+    return all(
+        (entry == lm_head if lm_head is not None else names_the_lm_head(str(entry)))
+        or (experts and names_router_gates(str(entry)))
+        for entry in entries
+    )

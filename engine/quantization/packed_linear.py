@@ -48,6 +48,50 @@ def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
+def packed_int_sizes(
+    in_features: int, out_features: int, weights: PackedIntWeights
+) -> tuple[int, int]:  # words per row, groups per row
+    """The words and groups of each row of a packed [out_features, in_features] weight; raises
+    where the inputs do not fill whole words and groups, or (with zero points, packed by rows)
+    the outputs whole words."""
+    pack = weights.pack_factor
+    if in_features % pack:
+        raise ValueError(
+            f"in_features {in_features} of a {weights.num_bits}-bit packed layer must be a "
+            f"multiple of {pack} (quantization_config num_bits)"
+        )
+    group = weights.group_size or in_features
+    if in_features % group:
+        raise ValueError(
+            f"in_features {in_features} must be a multiple of quantization_config's "
+            f"group_size {group}"
+        )
+    if weights.has_zero_points and out_features % pack:
+        raise ValueError(
+            f"out_features {out_features} of a {weights.num_bits}-bit layer with zero "
+            f"points must be a multiple of {pack} (its zero points are packed by rows)"
+        )
+    return in_features // pack, in_features // group
+
+
+def dequantize_packed(
+    weight_packed: torch.Tensor,  # [out, in / pack] int32
+    weight_scale: torch.Tensor,  # [out, num_groups]
+    weight_zero_point: torch.Tensor | None,  # [out / pack, num_groups] int32
+    num_bits: int,
+) -> torch.Tensor:  # [out, in] in the scale's dtype
+    """(q - zero) * scale of every weight, in the scale's dtype, as compressed-tensors
+    dequantizes: the inputs in the order the words hold them."""
+    out_features, words = weight_packed.shape
+    in_features = words * (32 // num_bits)
+    values = unpack_int32(weight_packed, num_bits, in_features).to(weight_scale.dtype)
+    group = in_features // weight_scale.shape[1]
+    if weight_zero_point is not None:
+        zero = unpack_int32(weight_zero_point.t(), num_bits, out_features).t()
+        values = values - zero.to(weight_scale.dtype).repeat_interleave(group, dim=1)
+    return values * weight_scale.repeat_interleave(group, dim=1)
+
+
 _ROWS_PER_PASS = 1024  # output rows whose integers are unpacked at a time to reorder them
 
 
@@ -59,32 +103,15 @@ class PackedIntLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.weights = weights
-        pack = weights.pack_factor
-        if in_features % pack:
-            raise ValueError(
-                f"in_features {in_features} of a {weights.num_bits}-bit packed layer must be a "
-                f"multiple of {pack} (quantization_config num_bits)"
-            )
-        group = weights.group_size or in_features
-        if in_features % group:
-            raise ValueError(
-                f"in_features {in_features} must be a multiple of quantization_config's "
-                f"group_size {group}"
-            )
-        num_groups = in_features // group
+        words, num_groups = packed_int_sizes(in_features, out_features, weights)
         self.weight_packed = nn.Parameter(
-            torch.empty(out_features, in_features // pack, dtype=torch.int32), requires_grad=False
+            torch.empty(out_features, words, dtype=torch.int32), requires_grad=False
         )
         self.weight_scale = nn.Parameter(torch.empty(out_features, num_groups))
         self.weight_zero_point: nn.Parameter | None = None
         if weights.has_zero_points:
-            if out_features % pack:
-                raise ValueError(
-                    f"out_features {out_features} of a {weights.num_bits}-bit layer with zero "
-                    f"points must be a multiple of {pack} (its zero points are packed by rows)"
-                )
             self.weight_zero_point = nn.Parameter(
-                torch.empty(out_features // pack, num_groups, dtype=torch.int32),
+                torch.empty(out_features // weights.pack_factor, num_groups, dtype=torch.int32),
                 requires_grad=False,
             )
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -124,13 +151,9 @@ class PackedIntLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:  # [out, in] in the scale's dtype
         """The float weight the checkpoint describes, its inputs in the checkpoint's order."""
-        bits, scale = self.weights.num_bits, self.weight_scale
-        values = unpack_int32(self.weight_packed, bits, self.in_features).to(scale.dtype)
-        group = self.in_features // scale.shape[1]
-        if self.weight_zero_point is not None:
-            zero = unpack_int32(self.weight_zero_point.t(), bits, self.out_features).t()
-            values = values - zero.to(scale.dtype).repeat_interleave(group, dim=1)
-        weight = values * scale.repeat_interleave(group, dim=1)  # inputs sorted by group
+        weight = dequantize_packed(
+            self.weight_packed, self.weight_scale, self.weight_zero_point, self.weights.num_bits
+        )  # inputs sorted by group
         if self.input_order is None:
             return weight
         return torch.empty_like(weight).index_copy_(1, self.input_order, weight)
