@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.forward_context import get_forward_context
-from engine.model_config import RopeConfig
+from engine.rope_config import RopeConfig
 
 
 def compute_inv_freq(

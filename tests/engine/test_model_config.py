@@ -8,12 +8,8 @@ from typing import Any
 
 import pytest
 
-from engine.model_config import (
-    SUPPORTED_ARCHITECTURES,
-    RopeConfig,
-    load_model_config,
-    parse_model_config,
-)
+from engine.model_config import SUPPORTED_ARCHITECTURES, load_model_config, parse_model_config
+from engine.rope_config import RopeConfig
 from tests.fixtures.tiny_models import tiny_hf_config
 
 
