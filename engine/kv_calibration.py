@@ -4,8 +4,9 @@ checkpoint nor the configuration gives them.
 One prompt (``CALIBRATION_TEXT`` in the model's tokenizer; a fixed pseudo-random sequence of
 token ids for a model directory without one) runs through the model once against a temporary
 cache of the model's dtype, each cache group in blocks of its own. The largest magnitude each
-layer's K and V reached per KV head, read back from that cache (so it is exactly what a
-quantized cache would have been asked to store), becomes the scale by
+layer's planes (K and V, or a latent cache's entries) reached per KV head, read back from that
+cache (so it is exactly what a quantized cache would have been asked to store), becomes the
+scale by
 ``scales_from_amax``. Every rank of a tensor-parallel worker runs the same pass (the forward
 is a collective) and the ranks' heads are gathered into the whole model's scales.
 
@@ -94,7 +95,7 @@ def calibrate_kv_scales(
 ) -> KVCacheScales:
     """The whole model's scales from one forward over ``token_ids``."""
     amax = _kv_amax(model, float_layout, cache_groups, attn_backend, device, token_ids)
-    scales = scales_from_amax(kv_cache_dtype, amax)  # [num_layers, 2, rank's heads]
+    scales = scales_from_amax(kv_cache_dtype, amax)  # [num_layers, kv_planes, rank's heads]
     if group is not None:
         scales = _whole_model(group.all_gather(scales.contiguous()), kv_heads_of_ranks)
     return KVCacheScales.from_tensor(kv_cache_dtype, scales)
@@ -107,11 +108,11 @@ def _kv_amax(
     attn_backend: AttentionBackend,
     device: torch.device,
     token_ids: list[int],
-) -> torch.Tensor:  # [num_layers, 2, num_kv_heads] float32
+) -> torch.Tensor:  # [num_layers, kv_planes, num_kv_heads] float32
     num_tokens = len(token_ids)
     blocks_per_group = -(-num_tokens // layout.block_size)
     num_groups = cache_groups.num_groups
-    # [num_slots, 2, num_groups * blocks_per_group, block_size, num_kv_heads, head_dim]
+    # [num_slots, kv_planes, num_groups * blocks_per_group, block_size, num_kv_heads, head_dim]
     cache = torch.zeros(
         layout.shape(num_groups * blocks_per_group), dtype=layout.dtype, device=device
     )
@@ -126,19 +127,21 @@ def _kv_amax(
             SchedulerOutput([ScheduledSequence(seq, 0, num_tokens, (seq,))], [], num_tokens, 0)
         )
         num_layers = sum(len(g.layers) for g in cache_groups.groups)
-        amax = torch.zeros(num_layers, 2, layout.num_kv_heads, dtype=torch.float32, device=device)
+        amax = torch.zeros(
+            num_layers, layout.kv_planes, layout.num_kv_heads, dtype=torch.float32, device=device
+        )
         for index, cache_group in enumerate(cache_groups.groups):
             blocks = slice(index * blocks_per_group, (index + 1) * blocks_per_group)
             for slot, layer in enumerate(cache_group.layers):
-                # [2, blocks, block_size, heads, head_dim] -> [2, heads]
+                # [kv_planes, blocks, block_size, heads, head_dim] -> [kv_planes, heads]
                 amax[layer] = cache[slot, :, blocks].abs().float().amax(dim=(1, 2, 4))
     return amax
 
 
 def _whole_model(
-    gathered: torch.Tensor,  # [num_layers, 2, size * rank's heads]: each rank's heads in turn
+    gathered: torch.Tensor,  # [num_layers, kv_planes, size * rank's heads]: each rank's in turn
     kv_heads_of_ranks: tuple[range, ...],
-) -> torch.Tensor:  # [num_layers, 2, the model's KV heads]
+) -> torch.Tensor:  # [num_layers, kv_planes, the model's KV heads]
     """The ranks' scales placed at their heads (a head replicated on several ranks takes the
     first one's)."""
     gathered = gathered.cpu()

@@ -39,9 +39,10 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
 }
 _QUANTIZED_DTYPES = ("float8_e4m3fn", "int8")
-# a quantized cache's scales: per model layer, the K then the V scale of each of the model's KV
-# heads (engine/kv_cache/kv_quantization.py's KVCacheScales.per_layer)
-KVScales = tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
+# a quantized cache's scales: per model layer, a scale per plane for each of the model's KV heads:
+# the K then the V scale (kv_planes 2), or a latent cache's one scale (kv_planes 1, one head)
+# (engine/kv_cache/kv_quantization.py's KVCacheScales.per_layer)
+KVScales = tuple[tuple[tuple[float, ...], ...], ...]
 _SHAPE_FIELDS = ("dtype", "block_size", "num_layers", "kv_planes", "num_kv_heads", "head_dim")
 _POSITIVE_FIELDS = _SHAPE_FIELDS[1:]
 
@@ -84,6 +85,12 @@ class KVCacheLayout:
             raise ValueError(
                 f"kv_scales must be given exactly for a quantized cache, got "
                 f"{'none' if self.kv_scales is None else 'scales'} for dtype {self.dtype}"
+            )
+        if self.kv_scales is not None and any(
+            len(planes) != self.kv_planes for planes in self.kv_scales
+        ):
+            raise ValueError(
+                f"kv_scales must have {self.kv_planes} plane(s) per layer, as the cache has"
             )
         moved = self.moved_kv_heads
         if moved is None:
@@ -246,8 +253,9 @@ class KVCacheLayout:
                 f"KV layout mismatch on kv_scales: this side has scales for {len(mine)} "
                 f"layers, the peer for {len(theirs)}"
             )
+        names = ("K", "V") if self.kv_planes == 2 else ("latent",)
         for layer, (my_planes, their_planes) in enumerate(zip(mine, theirs)):
-            for plane, name in enumerate(("K", "V")):
+            for plane, name in enumerate(names):
                 for head in self.moved_heads:
                     a, b = _scale_of(my_planes[plane], head), _scale_of(their_planes[plane], head)
                     if a != b:
@@ -336,7 +344,8 @@ def _scale_of(plane: tuple[float, ...], head: int) -> float | None:
 
 
 def _scales_from_json(data: dict[str, Any]) -> KVScales | None:
-    """The peer's ``kv_scales`` as tuples; ``ValueError`` unless [layer][K, V][head] numbers."""
+    """The peer's ``kv_scales`` as tuples; ``ValueError`` unless [layer][plane][head] numbers,
+    the planes K and V, or a latent cache's one."""
     raw = data["kv_scales"]
     if raw is None:
         return None
@@ -345,7 +354,7 @@ def _scales_from_json(data: dict[str, Any]) -> KVScales | None:
         raise malformed
     layers = []
     for planes in raw:
-        if not (isinstance(planes, list) and len(planes) == 2):
+        if not (isinstance(planes, list) and len(planes) in (1, 2)):
             raise malformed
         scales = []
         for plane in planes:
@@ -354,7 +363,7 @@ def _scales_from_json(data: dict[str, Any]) -> KVScales | None:
             ):
                 raise malformed
             scales.append(tuple(float(scale) for scale in plane))
-        layers.append((scales[0], scales[1]))
+        layers.append(tuple(scales))
     return tuple(layers)
 
 

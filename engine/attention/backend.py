@@ -71,9 +71,12 @@ class AttentionBackend(ABC):
         cache_layer: torch.Tensor,  # [1, num_blocks, block_size, 1, width]
         entries: torch.Tensor,  # [num_tokens, width]: each token's latent, then its rotary key
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: torch.Tensor | None = None,  # [1, 1] fp32: a quantized cache's
     ) -> None:
-        """Scatter the new tokens' latent entries into their cache slots."""
-        latent_ref.write_latent(cache_layer, entries, slot_mapping)
+        """Scatter the new tokens' latent entries into their cache slots; into a quantized
+        cache as engine/kv_cache/kv_quantization.py stores them, by the layer's one scale
+        (``kv_scales``, given exactly when the cache is quantized)."""
+        latent_ref.write_latent(cache_layer, entries, slot_mapping, kv_scales)
 
     def forward_latent(
         self,
@@ -82,7 +85,11 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         value_dim: int,  # the entries' first value_dim elements are the values (the latent)
+        kv_scales: torch.Tensor | None = None,  # [1, 1] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_tokens, num_heads, value_dim]
         """Causal attention of each new token over its sequence's latent entries, as MQA with
-        one KV head whose keys are the whole entries and values their first elements."""
-        return latent_ref.latent_attention(query, cache_layer, metadata, scale, value_dim)
+        one KV head whose keys are the whole entries and values their first elements. A
+        quantized cache's elements are read as what they stand for (``element * scale``)."""
+        return latent_ref.latent_attention(
+            query, cache_layer, metadata, scale, value_dim, kv_scales=kv_scales
+        )

@@ -94,6 +94,9 @@ class LatentCacheAttention(nn.Module):
         self.num_heads = num_heads
         self.scale = scale
         self.value_dim = value_dim
+        # [1, 1] fp32: the layer's one scale for its whole entries when the cache is quantized
+        # (engine/kv_cache/kv_quantization.py), set with the cache; None otherwise
+        self.kv_scales: torch.Tensor | None = None
 
     def forward(
         self,
@@ -109,8 +112,13 @@ class LatentCacheAttention(nn.Module):
         num_padding = query.shape[0] - num_tokens
         if num_padding > 0:
             query, entries = query[:num_tokens], entries[:num_tokens]
-        backend.write_latent(cache_layer, entries, metadata.slot_mapping)
-        out = backend.forward_latent(query, cache_layer, metadata, self.scale, self.value_dim)
+        kv_scales = self.kv_scales
+        if kv_scales is None and cache_layer.element_size() == 1:
+            raise RuntimeError(f"layer {self.place.layer}'s quantized latent cache has no scales")
+        backend.write_latent(cache_layer, entries, metadata.slot_mapping, kv_scales)
+        out = backend.forward_latent(
+            query, cache_layer, metadata, self.scale, self.value_dim, kv_scales=kv_scales
+        )
         return F.pad(out, (0, 0, 0, 0, 0, num_padding)) if num_padding > 0 else out
 
 
@@ -118,7 +126,8 @@ def set_kv_scales(
     model: nn.Module, scales: KVCacheScales, kv_heads: range, device: torch.device
 ) -> None:
     """Give every attention layer of ``model`` its share of a quantized cache's scales: those
-    of the model's KV ``heads`` its cache holds (a tensor-parallel rank's)."""
+    of the model's KV ``heads`` its cache holds (a tensor-parallel rank's; a latent cache's one
+    head on every rank)."""
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, LatentCacheAttention)):
             module.kv_scales = scales.layer(module.place.layer, kv_heads, device)

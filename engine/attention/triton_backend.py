@@ -14,7 +14,8 @@ A latent cache (multi-head latent attention) has its own kernels, in
 engine/kernels/latent_attention.py: ``write_latent`` scatters the entries, ``forward_latent``
 runs the latent prefill kernel over the prefill rows and the latent flash-decoding kernel over
 the decode rows (each row alone: a decode graph's drafts see their own contexts), split as the
-KV decode kernel is, by the same ``DecodeSizing``.
+KV decode kernel is, by the same ``DecodeSizing``. A quantized latent cache (one scale per
+layer) is written and read by those kernels as a quantized KV cache is.
 
 On CPU the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how
 the tests check this backend against the torch reference.
@@ -136,8 +137,9 @@ class TritonAttentionBackend(AttentionBackend):
         cache_layer: torch.Tensor,  # [1, num_blocks, block_size, 1, width]
         entries: torch.Tensor,  # [num_tokens, width]: each token's latent, then its rotary key
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: torch.Tensor | None = None,  # [1, 1] fp32: a quantized cache's
     ) -> None:
-        write_latent_cache(cache_layer, entries, slot_mapping)
+        write_latent_cache(cache_layer, entries, slot_mapping, kv_scales)
 
     def forward_latent(
         self,
@@ -146,6 +148,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         value_dim: int,  # the entries' first value_dim elements are the values (the latent)
+        kv_scales: torch.Tensor | None = None,  # [1, 1] fp32: a quantized cache's
     ) -> torch.Tensor:  # [num_tokens, num_heads, value_dim]
         num_prefill_tokens = metadata.num_prefill_tokens
         outputs = []
@@ -163,6 +166,7 @@ class TritonAttentionBackend(AttentionBackend):
                     scale,
                     value_dim,
                     index.max_query_len,
+                    kv_scales=kv_scales,
                 )
             )
         if metadata.num_decode_seqs > 0:
@@ -181,6 +185,7 @@ class TritonAttentionBackend(AttentionBackend):
                     tokens_per_split=decode_tokens_per_split(
                         self._decode_sizing, num_rows, latent_decode_head_blocks(query.shape[1])
                     ),
+                    kv_scales=kv_scales,
                 )
             )
         if not outputs:

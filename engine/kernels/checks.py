@@ -85,21 +85,23 @@ def is_quantized_cache(kv_cache_layer: torch.Tensor) -> bool:
 
 def require_kv_scales(kv_scales: torch.Tensor | None, kv_cache_layer: torch.Tensor) -> None:
     """A quantized cache's scales, given exactly when the cache is quantized: a contiguous
-    float32 [2, num_kv_heads] (row 0 the keys', row 1 the values') on the cache's device."""
+    float32 [planes, num_kv_heads] on the cache's device, where the cache layer is [planes,
+    num_blocks, block_size, num_kv_heads, head_dim]: row 0 the keys', row 1 the values' (2
+    planes), or a latent cache's one scale ([1, 1])."""
     if not is_quantized_cache(kv_cache_layer):
         require(
             kv_scales is None,
             f"kv_scales are for a quantized cache; kv_cache_layer is {kv_cache_layer.dtype}",
         )
         return
+    planes = kv_cache_layer.shape[0]
     if kv_scales is None:
-        raise ValueError(
-            f"a {kv_cache_layer.dtype} kv_cache_layer needs kv_scales (its K and V scale per head)"
-        )
+        what = "its K and V scale per head" if planes == 2 else "its one scale"
+        raise ValueError(f"a {kv_cache_layer.dtype} kv_cache_layer needs kv_scales ({what})")
     num_kv_heads = kv_cache_layer.shape[3]
     require(
-        kv_scales.shape == (2, num_kv_heads) and kv_scales.is_contiguous(),
-        f"kv_scales must be a contiguous [2, num_kv_heads = {num_kv_heads}], got "
+        kv_scales.shape == (planes, num_kv_heads) and kv_scales.is_contiguous(),
+        f"kv_scales must be a contiguous [{planes}, num_kv_heads = {num_kv_heads}], got "
         f"{tuple(kv_scales.shape)}",
     )
     require(kv_scales.dtype == torch.float32, f"kv_scales must be float32, got {kv_scales.dtype}")

@@ -33,6 +33,14 @@ The kernels, behind ``write_latent_cache``, ``latent_decode_attention`` and
   the rows of its tiles, and walks the context tiles up to its last token's causal limit; the
   tiles below its first token's diagonal skip the mask. Query tiles are handed out last-first,
   the longest programs first.
+
+A quantized cache (float8 e4m3 or int8 elements, engine/kv_cache/kv_quantization.py) has one
+scale per layer for the whole entries (``kv_scales``, [1, 1] float32). The write kernel stores
+each element as ``quantize_kv`` does, to the bit (divided by the scale in IEEE float32, rounded
+by kv_cache_write.py's integer arithmetic, not Triton's casts). The attention kernels read the
+1-byte elements exactly, in the dot's type (the query's, or float32), and fold the scale in
+where it is exact enough: into the logits' factor (``q . (e * s) = (q . e) * s``) and into the
+output (the softmax-weighted sum of the latents, times ``s``).
 """
 
 from __future__ import annotations
@@ -47,13 +55,17 @@ from engine.kernels.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     LOG2_E,
+    QUANTIZED_KV_DTYPES,
     interpreted,
+    is_quantized_cache,
     require,
+    require_kv_scales,
     require_power_of_two,
     require_prefill_index_tensors,
     require_prefill_offsets,
     require_same_device,
 )
+from engine.kernels.kv_cache_write import _to_float8e4nv, _to_int8
 from engine.kernels.paged_decode_attention import default_num_splits, merge_partitions_kernel
 
 _MIN_DOT_DIM = 16  # tl.dot wants every dimension >= 16
@@ -75,9 +87,11 @@ def _write_latent_kernel(
     cache_ptr,  # [num_slots, WIDTH], contiguous
     entries_ptr,  # [num_tokens, WIDTH], last dim contiguous
     slot_mapping_ptr,  # [num_tokens]
+    kv_scales_ptr,  # [1] f32: the layer's scale (read only when QUANTIZED)
     entries_stride_token,
     WIDTH: tl.constexpr,
     WIDTH_PAD: tl.constexpr,  # next power of two of WIDTH
+    QUANTIZED: tl.constexpr,  # the cache stores float8e4nv or int8: quantize by the scale
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -85,6 +99,15 @@ def _write_latent_kernel(
     # a padding row (slot < 0) writes no element
     mask = dims < tl.where(slot >= 0, WIDTH, 0)
     entry = tl.load(entries_ptr + token * entries_stride_token + dims, mask=mask)
+    if QUANTIZED:
+        # divided in float32 as IEEE division rounds (a plain `/` is approximate), then
+        # rounded as quantize_kv rounds
+        scale = tl.load(kv_scales_ptr + dims * 0)  # [WIDTH_PAD]: the one scale, everywhere
+        scaled = tl.math.div_rn(entry.to(tl.float32), scale)
+        if cache_ptr.dtype.element_ty == tl.int8:
+            entry = _to_int8(scaled)
+        else:
+            entry = _to_float8e4nv(scaled)
     tl.store(cache_ptr + slot * WIDTH + dims, entry, mask=mask)
 
 
@@ -100,6 +123,7 @@ def _attend_latent_tile(
     kv_end,  # positions >= kv_end are not read
     table,  # the sequence's block-table row
     cache_ptr,  # [num_slots, VALUE_DIM + ROPE_DIM]
+    query_ptr,  # (its element type: p is rounded to it for the second dot)
     scale_log2,
     VALUE_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
@@ -109,6 +133,7 @@ def _attend_latent_tile(
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # the cache stores float8e4nv or int8 elements
     MASK: tl.constexpr,  # some row does not see the whole tile
 ):
     """One context tile's online-softmax update of the rows' running max, sum and output."""
@@ -120,7 +145,9 @@ def _attend_latent_tile(
     rope_dims = tl.arange(0, ROPE_PAD)
     value_mask = valid[:, None] & (value_dims < VALUE_DIM)[None, :]
     kv_value = tl.load(entries[:, None] + value_dims[None, :], mask=value_mask, other=0.0)
-    if UPCAST_DOT:
+    if QUANTIZED:  # the stored elements, exactly, in the dot's type; the scale is folded in
+        kv_value = kv_value.to(q_value.dtype)
+    elif UPCAST_DOT:
         kv_value = kv_value.to(tl.float32)  # [TILE, VALUE_PAD]: keys' latent part and values
     scores = tl.dot(q_value, tl.trans(kv_value), input_precision=DOT_PRECISION)  # [ROWS, TILE]
     if ROPE_DIM > 0:
@@ -128,7 +155,9 @@ def _attend_latent_tile(
         kv_rope = tl.load(
             entries[:, None] + VALUE_DIM + rope_dims[None, :], mask=rope_mask, other=0.0
         )
-        if UPCAST_DOT:
+        if QUANTIZED:
+            kv_rope = kv_rope.to(q_rope.dtype)
+        elif UPCAST_DOT:
             kv_rope = kv_rope.to(tl.float32)  # [TILE, ROPE_PAD]
         scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=DOT_PRECISION)
     scores = scores * scale_log2
@@ -139,8 +168,8 @@ def _attend_latent_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    # p rounded to the cache dtype, as a tensor-core dot takes it
-    p = p.to(cache_ptr.dtype.element_ty).to(kv_value.dtype)
+    # p rounded to the query's dtype, as a tensor-core dot takes it
+    p = p.to(query_ptr.dtype.element_ty).to(kv_value.dtype)
     acc = tl.dot(p, kv_value, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -155,6 +184,7 @@ def _latent_decode_kernel(
     part_out_ptr,  # [num_rows, NUM_HEADS, NUM_SPLITS, VALUE_DIM] f32, normalised per partition
     part_max_ptr,  # [num_rows, NUM_HEADS, NUM_SPLITS] f32: max logit * log2(e)
     part_sum_ptr,  # [num_rows, NUM_HEADS, NUM_SPLITS] f32: sum of exp2(logit - max)
+    kv_scales_ptr,  # [1] f32: the layer's scale (read only when QUANTIZED)
     query_stride_row,
     query_stride_head,
     block_tables_stride_row,
@@ -171,6 +201,7 @@ def _latent_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # run the dots in float32 (the interpreter's bfloat16 dot is wrong)
+    QUANTIZED: tl.constexpr,  # the cache stores float8e4nv or int8 elements
 ):
     row = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -191,6 +222,9 @@ def _latent_decode_kernel(
     if UPCAST_DOT:
         q_value = q_value.to(tl.float32)  # [BLOCK_H, VALUE_PAD]
         q_rope = q_rope.to(tl.float32)  # [BLOCK_H, ROPE_PAD]
+    if QUANTIZED:  # q . (e * s) = (q . e) * s; s scales the output too
+        kv_scale = tl.load(kv_scales_ptr)
+        scale_log2 = scale_log2 * kv_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -200,10 +234,12 @@ def _latent_decode_kernel(
     for tile_start in range(split_start, split_end, TILE):
         m_i, l_i, acc = _attend_latent_tile(
             q_value, q_rope, acc, m_i, l_i, row_limit, tile_start, split_end, table, cache_ptr,
-            scale_log2, VALUE_DIM, ROPE_DIM, VALUE_PAD, ROPE_PAD, BLOCK_SIZE, TILE,
-            DOT_PRECISION, UPCAST_DOT, True,
+            query_ptr, scale_log2, VALUE_DIM, ROPE_DIM, VALUE_PAD, ROPE_PAD, BLOCK_SIZE, TILE,
+            DOT_PRECISION, UPCAST_DOT, QUANTIZED, True,
         )  # fmt: skip
 
+    if QUANTIZED:
+        acc = acc * kv_scale
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only past the row's context
     out_rows = row * NUM_HEADS + heads  # [BLOCK_H]
     if NUM_SPLITS == 1:
@@ -226,6 +262,7 @@ def _latent_prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1]
     seq_lens_ptr,  # [num_seqs]: each sequence's context after this step
     block_tables_ptr,  # [num_seqs, max_blocks], last dim contiguous
+    kv_scales_ptr,  # [1] f32: the layer's scale (read only when QUANTIZED)
     query_stride_token,
     query_stride_head,
     block_tables_stride_row,
@@ -241,6 +278,7 @@ def _latent_prefill_kernel(
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # the cache stores float8e4nv or int8 elements
 ):
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles (most work) first
     seq = tl.program_id(1)
@@ -267,6 +305,9 @@ def _latent_prefill_kernel(
     if UPCAST_DOT:
         q_value = q_value.to(tl.float32)  # [ROWS, VALUE_PAD]
         q_rope = q_rope.to(tl.float32)  # [ROWS, ROPE_PAD]
+    if QUANTIZED:  # q . (e * s) = (q . e) * s; s scales the output too
+        kv_scale = tl.load(kv_scales_ptr)
+        scale_log2 = scale_log2 * kv_scale
 
     # positions < diag_start are seen by every row; the program's last token sees < kv_end
     first_pos = prefix_len + q_tile * BLOCK_Q
@@ -280,16 +321,18 @@ def _latent_prefill_kernel(
     for tile_start in range(0, diag_start, TILE):
         m_i, l_i, acc = _attend_latent_tile(
             q_value, q_rope, acc, m_i, l_i, row_limit, tile_start, kv_end, table, cache_ptr,
-            scale_log2, VALUE_DIM, ROPE_DIM, VALUE_PAD, ROPE_PAD, BLOCK_SIZE, TILE,
-            DOT_PRECISION, UPCAST_DOT, False,
+            query_ptr, scale_log2, VALUE_DIM, ROPE_DIM, VALUE_PAD, ROPE_PAD, BLOCK_SIZE, TILE,
+            DOT_PRECISION, UPCAST_DOT, QUANTIZED, False,
         )  # fmt: skip
     for tile_start in range(diag_start, kv_end, TILE):
         m_i, l_i, acc = _attend_latent_tile(
             q_value, q_rope, acc, m_i, l_i, row_limit, tile_start, kv_end, table, cache_ptr,
-            scale_log2, VALUE_DIM, ROPE_DIM, VALUE_PAD, ROPE_PAD, BLOCK_SIZE, TILE,
-            DOT_PRECISION, UPCAST_DOT, True,
+            query_ptr, scale_log2, VALUE_DIM, ROPE_DIM, VALUE_PAD, ROPE_PAD, BLOCK_SIZE, TILE,
+            DOT_PRECISION, UPCAST_DOT, QUANTIZED, True,
         )  # fmt: skip
 
+    if QUANTIZED:
+        acc = acc * kv_scale
     out = acc / l_i[:, None]
     out_rows = (q_start + token) * NUM_HEADS + heads  # [ROWS]
     out_offsets = out_rows[:, None] * VALUE_DIM + value_dims[None, :]
@@ -300,24 +343,33 @@ def write_latent_cache(
     cache_layer: torch.Tensor,  # [1, num_blocks, block_size, 1, width]
     entries: torch.Tensor,  # [num_tokens, width]
     slot_mapping: torch.Tensor,  # [num_tokens] int32 or int64; < 0: a padding row, skipped
+    kv_scales: torch.Tensor | None = None,  # [1, 1] f32: a quantized cache's
 ) -> None:
     """Write each token's entry into ``cache_layer`` in place at its slot of ``slot_mapping``
-    (``block_id * block_size + offset``); rows with a negative slot are skipped.
+    (``block_id * block_size + offset``); rows with a negative slot are skipped. Into a
+    float8_e4m3fn or int8 cache, quantized by ``kv_scales`` (given exactly when the cache is
+    quantized) as ``quantize_kv`` does, to the bit.
 
     Raises ValueError naming the argument on a wrong shape, dtype, device or layout. Slots
     must be < num_blocks * block_size: checked on the host only when they are there already
     (on CPU); on a GPU the check would sync.
     """
-    _check_cache(cache_layer)
+    _check_cache(cache_layer, kv_scales)
     width = cache_layer.shape[4]
     require(
         entries.dim() == 2 and entries.shape[1] == width,
         f"entries must be [num_tokens, {width}] to match cache_layer, got {tuple(entries.shape)}",
     )
-    require(
-        entries.dtype == cache_layer.dtype,
-        f"entries dtype {entries.dtype} != cache_layer dtype {cache_layer.dtype}",
-    )
+    if is_quantized_cache(cache_layer):
+        require(
+            entries.dtype in FLOAT_DTYPES,
+            f"entries dtype must be float32, float16 or bfloat16, got {entries.dtype}",
+        )
+    else:
+        require(
+            entries.dtype == cache_layer.dtype,
+            f"entries dtype {entries.dtype} != cache_layer dtype {cache_layer.dtype}",
+        )
     require(entries.stride(1) == 1, f"entries must be contiguous in width ({entries.stride()})")
     num_tokens = entries.shape[0]
     require(
@@ -343,9 +395,11 @@ def write_latent_cache(
         cache_layer,
         entries,
         slot_mapping,
+        slot_mapping if kv_scales is None else kv_scales,  # (not read unless quantized)
         entries.stride(0),
         WIDTH=width,
         WIDTH_PAD=triton.next_power_of_2(width),
+        QUANTIZED=kv_scales is not None,
     )
 
 
@@ -365,6 +419,7 @@ def latent_decode_attention(
     max_seq_len: int | None = None,
     tokens_per_split: int | None = None,
     tiling: LatentTiling = LatentTiling(),
+    kv_scales: torch.Tensor | None = None,  # [1, 1] f32: a quantized cache's
 ) -> torch.Tensor:  # [num_rows, num_heads, value_dim], query's dtype
     """Attention of each decode row's token over its whole context of latent entries.
 
@@ -374,9 +429,11 @@ def latent_decode_attention(
     ``max_seq_len`` needs; a row's result depends only on its own partitions, so any bound
     gives the same bits. None: ``default_num_splits`` partitions of the bound.
     ``seq_lens`` values are checked on the host only when they are there already (on CPU).
+    ``kv_scales``: given exactly when the cache stores float8_e4m3fn or int8 elements, read as
+    ``element * scale``.
     Raises ValueError naming the argument on a wrong shape, dtype, device or layout.
     """
-    _check_attention_args(query, cache_layer, value_dim, tiling)
+    _check_attention_args(query, cache_layer, value_dim, tiling, kv_scales)
     _check_decode_index(query, block_tables, seq_lens)
     num_rows, num_heads, width = query.shape
     block_size = cache_layer.shape[2]
@@ -417,6 +474,7 @@ def latent_decode_attention(
         part_out,
         part_max,
         part_sum,
+        query if kv_scales is None else kv_scales,  # (not read unless quantized)
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -431,6 +489,7 @@ def latent_decode_attention(
         BLOCK_SIZE=block_size,
         TILE=tiling.tile,
         NUM_SPLITS=num_splits,
+        QUANTIZED=kv_scales is not None,
         **_dot_options(query.dtype, value_pad, tiling),
     )
     if num_splits > 1:
@@ -461,15 +520,16 @@ def latent_prefill_attention(
     value_dim: int,
     max_query_len: int,
     tiling: LatentTiling = LatentTiling(),
+    kv_scales: torch.Tensor | None = None,  # [1, 1] f32: a quantized cache's
 ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, value_dim], query's dtype
     """Causal attention of each prefill sequence's new tokens over its whole context of latent
-    entries, its new tokens' already written.
+    entries, its new tokens' already written. ``kv_scales``: as in ``latent_decode_attention``.
 
     Raises ValueError naming the argument when shapes, dtypes, devices, strides or the
     offsets disagree. The offsets' values are checked only on CPU (the interpreter): on a GPU
     reading them back would sync every call, so there they are the caller's contract.
     """
-    _check_attention_args(query, cache_layer, value_dim, tiling)
+    _check_attention_args(query, cache_layer, value_dim, tiling, kv_scales)
     require_prefill_index_tensors(
         query, cache_layer, query_start_loc, seq_lens, block_tables, "cache_layer"
     )
@@ -494,6 +554,7 @@ def latent_prefill_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        query if kv_scales is None else kv_scales,  # (not read unless quantized)
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -507,6 +568,7 @@ def latent_prefill_attention(
         ROPE_PAD=rope_pad,
         BLOCK_SIZE=cache_layer.shape[2],
         TILE=tiling.tile,
+        QUANTIZED=kv_scales is not None,
         **_dot_options(query.dtype, value_pad, tiling),
     )
     return out
@@ -530,7 +592,7 @@ def _dot_options(dtype: torch.dtype, value_pad: int, tiling: LatentTiling) -> di
     }
 
 
-def _check_cache(cache_layer: torch.Tensor) -> None:
+def _check_cache(cache_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
     require(
         cache_layer.dim() == 5 and cache_layer.shape[0] == 1 and cache_layer.shape[3] == 1,
         "cache_layer must be [1, num_blocks, block_size, 1, width], "
@@ -538,25 +600,37 @@ def _check_cache(cache_layer: torch.Tensor) -> None:
     )
     require(cache_layer.is_contiguous(), "cache_layer must be contiguous")
     require(
-        cache_layer.dtype in FLOAT_DTYPES,
-        f"cache_layer dtype must be float32, float16 or bfloat16, got {cache_layer.dtype}",
+        cache_layer.dtype in FLOAT_DTYPES + QUANTIZED_KV_DTYPES,
+        "cache_layer dtype must be float32, float16, bfloat16, float8_e4m3fn or int8, got "
+        f"{cache_layer.dtype}",
     )
+    require_kv_scales(kv_scales, cache_layer)
 
 
 def _check_attention_args(
-    query: torch.Tensor, cache_layer: torch.Tensor, value_dim: int, tiling: LatentTiling
+    query: torch.Tensor,
+    cache_layer: torch.Tensor,
+    value_dim: int,
+    tiling: LatentTiling,
+    kv_scales: torch.Tensor | None,
 ) -> None:
-    _check_cache(cache_layer)
+    _check_cache(cache_layer, kv_scales)
     width = cache_layer.shape[4]
     require(
         query.dim() == 3 and query.shape[2] == width,
         f"query must be [num_tokens, num_heads, {width}] to match cache_layer, "
         f"got {tuple(query.shape)}",
     )
-    require(
-        query.dtype == cache_layer.dtype,
-        f"query dtype {query.dtype} != cache_layer dtype {cache_layer.dtype}",
-    )
+    if is_quantized_cache(cache_layer):
+        require(
+            query.dtype in FLOAT_DTYPES,
+            f"query dtype must be float32, float16 or bfloat16, got {query.dtype}",
+        )
+    else:
+        require(
+            query.dtype == cache_layer.dtype,
+            f"query dtype {query.dtype} != cache_layer dtype {cache_layer.dtype}",
+        )
     require(query.stride(2) == 1, f"query must be contiguous in width ({query.stride()})")
     require_same_device(cache_layer, "cache_layer", query=query)
     require(1 <= value_dim <= width, f"value_dim must be in [1, width = {width}], got {value_dim}")

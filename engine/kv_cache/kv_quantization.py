@@ -7,7 +7,8 @@ integers; either takes half the bytes of bf16 and a quarter of float32, so a wor
 many more tokens and a hand-off moves that many fewer bytes.
 
 A quantized cache has static scales, fixed at start-up: for every layer, a float32 scale for
-each KV head's keys and one for its values (``KVCacheScales``). A stored element ``q`` stands
+each KV head's keys and one for its values (``KVCacheScales``); a latent cache (multi-head
+latent attention) has one per layer, for its whole entries. A stored element ``q`` stands
 for ``q * scale``. Storing divides a value by its head's scale in float32 and rounds: to the
 nearest e4m3 value (ties to even) after clamping to +-448, or to the nearest integer (ties to
 even) clamped to +-127. Every attention backend stores and reads by these rules, so a block
@@ -99,12 +100,14 @@ def dequantize_kv(
 
 @dataclass(frozen=True, slots=True)
 class KVCacheScales:
-    """A quantized cache's scales for the whole model: ``per_layer[layer][plane][head]``, plane
-    0 the keys and 1 the values, one per KV head of the model (a tensor-parallel rank uses its
-    heads' share)."""
+    """A quantized cache's scales for the whole model: ``per_layer[layer][plane][head]``, one
+    per KV head of the model (a tensor-parallel rank uses its heads' share). A layer has the
+    cache's planes (ModelConfig.kv_planes): 2, the keys (plane 0) and the values (plane 1); or
+    1, a latent cache's entries (multi-head latent attention: one "head", one scale for the
+    whole entry, latent and rotary key alike)."""
 
     kv_cache_dtype: str  # "fp8_e4m3" | "int8": the stored type the scales are for
-    per_layer: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
+    per_layer: tuple[tuple[tuple[float, ...], ...], ...]
 
     def __post_init__(self) -> None:
         if not is_quantized(self.kv_cache_dtype):
@@ -113,11 +116,18 @@ class KVCacheScales:
             )
         if not self.per_layer:
             raise ValueError("KV cache scales need at least one layer")
+        num_planes = len(self.per_layer[0])
+        if num_planes not in (1, 2):
+            raise ValueError(
+                f"KV cache scales need 2 planes (K and V) or 1 (a latent) per layer, layer 0 "
+                f"has {num_planes}"
+            )
         num_heads = len(self.per_layer[0][0])
         for layer, planes in enumerate(self.per_layer):
-            if len(planes) != 2 or any(len(plane) != num_heads for plane in planes):
+            if len(planes) != num_planes or any(len(plane) != num_heads for plane in planes):
+                what = "a K and a V scale" if num_planes == 2 else "a latent scale"
                 raise ValueError(
-                    f"KV cache scales of layer {layer} must be a K and a V scale for each of "
+                    f"KV cache scales of layer {layer} must be {what} for each of "
                     f"{num_heads} KV heads"
                 )
             for plane in planes:
@@ -136,22 +146,35 @@ class KVCacheScales:
     def num_kv_heads(self) -> int:
         return len(self.per_layer[0][0])
 
+    @property
+    def kv_planes(self) -> int:
+        """Planes per layer: 2 (K and V) or 1 (a latent cache)."""
+        return len(self.per_layer[0])
+
     def layer(self, layer: int, heads: range, device: torch.device) -> torch.Tensor:
-        """Layer ``layer``'s scales of the model's KV ``heads``: [2, len(heads)] float32."""
+        """Layer ``layer``'s scales of the model's KV ``heads``: [kv_planes, len(heads)]
+        float32."""
         import torch
 
-        planes = self.per_layer[layer]
         return torch.tensor(
-            [[planes[plane][head] for head in heads] for plane in (0, 1)],
+            [[plane[head] for head in heads] for plane in self.per_layer[layer]],
             dtype=torch.float32,
             device=device,
         )
 
-    def check_model(self, num_layers: int, num_kv_heads: int, kv_cache_dtype: str) -> None:
-        """ValueError unless these scales fit a model of this shape and cache type."""
+    def check_model(
+        self, num_layers: int, num_kv_heads: int, kv_cache_dtype: str, kv_planes: int = 2
+    ) -> None:
+        """ValueError unless these scales fit a model of this shape (``kv_planes``: its
+        cache's planes per layer, ModelConfig.kv_planes) and cache type."""
         if self.kv_cache_dtype != kv_cache_dtype:
             raise ValueError(
                 f"kv_cache_scales are for {self.kv_cache_dtype}, the cache stores {kv_cache_dtype}"
+            )
+        if self.kv_planes != kv_planes:
+            raise ValueError(
+                f"kv_cache_scales have {self.kv_planes} planes per layer; the model's cache has "
+                f"{kv_planes} ({'K and V' if kv_planes == 2 else 'a latent'})"
             )
         if (self.num_layers, self.num_kv_heads) != (num_layers, num_kv_heads):
             raise ValueError(
@@ -182,17 +205,19 @@ class KVCacheScales:
             tuple(tuple(_as_float(scale) for scale in plane) for plane in planes)
             for planes in layers
         )
-        return cls(str(data["kv_cache_dtype"]), per_layer)  # type: ignore[arg-type]
+        return cls(str(data["kv_cache_dtype"]), per_layer)
 
     @classmethod
     def from_tensor(cls, kv_cache_dtype: str, scales: torch.Tensor) -> KVCacheScales:
-        """From a [num_layers, 2, num_kv_heads] tensor of scales."""
+        """From a [num_layers, kv_planes, num_kv_heads] tensor of scales."""
         rows = scales.detach().float().cpu().tolist()
-        return cls(kv_cache_dtype, tuple((tuple(k), tuple(v)) for k, v in rows))
+        return cls(
+            kv_cache_dtype, tuple(tuple(tuple(plane) for plane in planes) for planes in rows)
+        )
 
 
 def scales_from_amax(kv_cache_dtype: str, amax: torch.Tensor) -> torch.Tensor:
-    """Calibrated scales from the largest magnitude each head's K and V reached (any shape,
+    """Calibrated scales from the largest magnitude each head's planes reached (any shape,
     float32): the type's largest value stands for ``headroom * amax``. A head that stayed at
     zero gets scale 1."""
     import torch

@@ -267,16 +267,14 @@ def _kv_cache_scales(
     group: TensorParallelGroup | None,
 ) -> KVCacheScales:
     """A quantized cache's scales for the whole model: the configuration's, else the
-    checkpoint's (engine/quantization/kv_cache_scheme.py), else calibrated
-    (engine/kv_calibration.py)."""
-    if model_config.mla is not None:
-        raise ValueError(
-            f"kv_cache_dtype {cache.kv_cache_dtype} is not supported for a latent-attention "
-            f"model ({model_config.architecture}); use kv_cache_dtype auto"
-        )
+    checkpoint's (engine/quantization/kv_cache_scheme.py; not for a latent-attention model,
+    which refuses them), else calibrated (engine/kv_calibration.py)."""
     if cache.kv_cache_scales is not None:
         cache.kv_cache_scales.check_model(
-            model_config.num_layers, model_config.num_kv_heads, cache.kv_cache_dtype
+            model_config.num_layers,
+            model_config.num_kv_heads,
+            cache.kv_cache_dtype,
+            model_config.kv_planes,
         )
         return cache.kv_cache_scales
     if load.load_format != "dummy":
@@ -287,6 +285,14 @@ def _kv_cache_scales(
             model_config.num_kv_heads,
             cache.kv_cache_dtype,
         )
+        if checkpoint is not None and model_config.mla is not None:
+            # a latent cache has one scale per layer for its whole entries; which of the
+            # checkpoint's K and V scales would stand for it is not settled
+            raise ValueError(
+                f"the checkpoint's KV cache scales (k_scale/v_scale) are not supported for a "
+                f"latent-attention model ({model_config.architecture}); give kv_cache_scales, "
+                f"or drop them to calibrate"
+            )
         if checkpoint is not None:
             return checkpoint
     size = 1 if group is None else group.size

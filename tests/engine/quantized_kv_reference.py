@@ -1,5 +1,12 @@
 """The reference a quantized KV cache is checked against: transformers running the same weights
-with its K/V stored and read back by engine/kv_cache/kv_quantization.py's rules."""
+with its K/V stored and read back by engine/kv_cache/kv_quantization.py's rules.
+
+A latent-attention model (DeepSeek-V2/V3) caches, in transformers as in the engine, each token's
+latent (``kv_a_layernorm`` of the compressed KV) and its rotary key (after the rotary
+embedding): its cache layers' ``update(latent, rotary_key)`` gets both quantized by the layer's
+one scale, as the engine's latent cache stores a whole entry. (The engine may keep the rotary
+key's elements in another order, interleaved or in halves; element-wise quantization by one
+shared scale does not see the order.)"""
 
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ def transformers_quantized_kv_greedy(
 ) -> list[list[int]]:
     """transformers' greedy ``num_tokens`` after each prompt (eos or not) with every layer's
     new K/V stored as a quantized cache stores them and read back (by the scales of each
-    layer and head) before attention."""
+    layer and head; a latent cache's latent and rotary key by its layer's one scale) before
+    attention."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     into = storage_dtype(scales.kv_cache_dtype, torch.float32)
     heads = range(scales.num_kv_heads)
@@ -40,7 +48,9 @@ def transformers_quantized_kv_greedy(
     for prompt in prompts:
         cache = DynamicCache(config=model.config)
         for index, layer in enumerate(cache.layers):
-            k_scales, v_scales = scales.layer(index, heads, torch.device("cpu"))
+            planes = scales.layer(index, heads, torch.device("cpu"))
+            # [K, V] scales; a latent cache's one plane scales both halves of its entries
+            k_scales, v_scales = planes[0], planes[-1]
             update = layer.update
 
             def quantized_update(

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.attention.layer import Attention
+from engine.attention.layer import Attention, LatentCacheAttention
 from engine.kv_cache.kv_quantization import KVCacheScales, storage_dtype
 from tests.engine.quantized_kv_reference import transformers_quantized_kv_greedy
 from tests.engine.quantized_runs import NUM_TOKENS, PROMPTS, engine_greedy, quantized_llm
@@ -110,6 +110,13 @@ def test_calibration_repeats_and_given_scales_are_used(llama_dir: Path) -> None:
 def test_scales_round_trip_through_json() -> None:
     scales = KVCacheScales("int8", (((0.1, 0.2), (0.3, 0.4)), ((1.5, 2.0), (0.01, 3.0))))
     assert KVCacheScales.from_json(scales.to_json()) == scales
+    latent = KVCacheScales("fp8_e4m3", (((0.5,),), ((0.25,),)))
+    assert latent.kv_planes == 1 and KVCacheScales.from_json(latent.to_json()) == latent
+    assert torch.equal(latent.layer(1, range(1), torch.device("cpu")), torch.tensor([[0.25]]))
+    with pytest.raises(ValueError, match="layer 1 must be a latent scale for each of 1"):
+        KVCacheScales("int8", (((0.5,),), ((0.5,), (0.5,))))
+    with pytest.raises(ValueError, match="need 2 planes .* or 1 .* layer 0 has 3"):
+        KVCacheScales("int8", (((0.5,), (0.5,), (0.5,)),))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
@@ -144,9 +151,77 @@ def test_bad_kv_cache_settings_are_refused(llama_dir: Path, tmp_path: Path) -> N
         )
     with pytest.raises(ValueError, match="must be finite floats > 0"):
         KVCacheScales("int8", (((1.0, 0.0), (1.0, 1.0)),))
-    mla_dir = make_tiny_model(tmp_path, "DeepseekV3ForCausalLM")
-    with pytest.raises(ValueError, match="kv_cache_dtype int8 is not supported for a latent"):
-        quantized_llm(mla_dir, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match=r"kv_cache_scales have 2 planes per layer; .* has 1"):
+        quantized_llm(
+            make_tiny_model(tmp_path / "mla", "DeepseekV3ForCausalLM"),
+            kv_cache_dtype="int8",
+            kv_cache_scales=KVCacheScales("int8", two_layers),
+        )
+
+
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("mla"), "DeepseekV3ForCausalLM")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_latent_cache_greedy_tokens_equal_transformers_quantizing_the_same_way(
+    mla_dir: Path, kv_cache_dtype: str
+) -> None:
+    """DeepSeek-V3's latent cache: one scale per layer for its whole entries (the latent and
+    the rotary key), calibrated; batched prompts with chunked prefill through the torch
+    reference (the CPU backend's latent attention)."""
+    llm = quantized_llm(mla_dir, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16)
+    assert llm.engine.kv_cache.dtype == storage_dtype(kv_cache_dtype, torch.float32)
+    scales = llm.engine.kv_cache_scales
+    assert scales is not None and (scales.kv_planes, scales.num_kv_heads) == (1, 1)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, LatentCacheAttention)]
+    assert layers and all(m.kv_scales is not None and m.kv_scales.shape == (1, 1) for m in layers)
+    expected = transformers_quantized_kv_greedy(mla_dir, scales)
+    assert engine_greedy(llm) == expected
+    if kv_cache_dtype == "int8":
+        # the quantization is not a no-op: the float cache decodes otherwise
+        assert engine_greedy(quantized_llm(mla_dir)) != expected
+        # given scales (a cluster's) round-trip and are used as given
+        again = KVCacheScales.from_json(scales.to_json())
+        given = quantized_llm(mla_dir, kv_cache_dtype="int8", kv_cache_scales=again)
+        assert given.engine.kv_cache_scales == scales and engine_greedy(given) == expected
+
+
+def test_latent_cache_through_the_triton_kernels(mla_dir: Path) -> None:
+    """The Triton latent kernels (Triton's interpreter on CPU) write and read the quantized
+    latent cache: the same tokens as transformers quantizing the same way."""
+    llm = quantized_llm(
+        mla_dir, kv_cache_dtype="fp8_e4m3", attention_backend="triton", max_num_batched_tokens=16
+    )
+    assert llm.engine.runner.attn_backend.name == "triton"
+    scales = llm.engine.kv_cache_scales
+    assert scales is not None
+    assert engine_greedy(llm) == transformers_quantized_kv_greedy(mla_dir, scales)
+
+
+def test_latent_cache_holds_four_times_the_float32_tokens(mla_dir: Path) -> None:
+    budget = 1 << 18
+    float_cache = quantized_llm(mla_dir, kv_cache_memory_bytes=budget).engine.kv_cache
+    cache = quantized_llm(
+        mla_dir, kv_cache_memory_bytes=budget, kv_cache_dtype="fp8_e4m3"
+    ).engine.kv_cache
+    assert cache.element_size() == 1 and cache.shape[1] == 1
+    assert cache.shape[2] == 4 * float_cache.shape[2]
+
+
+def test_latent_model_refuses_checkpoint_kv_scales(mla_dir: Path, tmp_path: Path) -> None:
+    """A latent cache has one scale per layer; which of a checkpoint's k_scale and v_scale
+    stands for it is not settled, so they are refused by name (calibration or given scales
+    serve)."""
+    scales = {
+        f"model.layers.{layer}.self_attn.{plane}_scale": torch.tensor(0.01)
+        for layer in range(2)
+        for plane in "kv"
+    }
+    model_dir = _with_checkpoint_scales(mla_dir, tmp_path / "m", FP8_TENSOR_SCHEME, scales)
+    with pytest.raises(ValueError, match=r"k_scale/v_scale\) are not supported for a latent"):
+        quantized_llm(model_dir, kv_cache_dtype="fp8_e4m3")
 
 
 def test_fp8_alias_is_fp8_e4m3(llama_dir: Path) -> None:

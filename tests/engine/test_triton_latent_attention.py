@@ -26,7 +26,9 @@ from engine.kernels.latent_attention import (
     latent_prefill_attention,
     write_latent_cache,
 )
+from engine.kv_cache.kv_quantization import quantize_kv, scales_from_amax, storage_dtype
 from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_triton_kv_write import _rounding_probes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 4
@@ -252,6 +254,106 @@ def test_bad_arguments_are_named() -> None:
             latent_decode_attention(**{**args, **changes})
     with pytest.raises(ValueError, match="slot_mapping must be < num_blocks"):
         write_latent_cache(cache, batch.query[:, 0], metadata.slot_mapping + 1000)
+
+
+# ---- a quantized latent cache: float8 e4m3 or int8 elements, one scale per layer -----------
+def _quantized(
+    batch: LatentBatch, kv_cache_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor]:  # the cache quantized, and its [1, 1] scale
+    """``batch``'s cache as a quantized cache stores it, by a calibrated scale."""
+    kv_scales = scales_from_amax(kv_cache_dtype, batch.cache_layer.abs().amax().float())
+    kv_scales = kv_scales.reshape(1, 1).to(DEVICE)
+    into = storage_dtype(kv_cache_dtype, batch.cache_layer.dtype)
+    return quantize_kv(
+        batch.cache_layer.view(-1, 1, batch.cache_layer.shape[-1]), kv_scales[0], into
+    ).view(batch.cache_layer.shape), kv_scales
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "dtype", "tolerance"),
+    [("fp8_e4m3", torch.float32, FLOAT32), ("int8", torch.bfloat16, BFLOAT16)],
+)
+def test_quantized_mixed_batch_through_the_backend(
+    kv_cache_dtype: str, dtype: torch.dtype, tolerance: dict[str, float]
+) -> None:
+    """A quantized latent cache: the backend's write stores the bytes the torch reference
+    stores, and its prefill and decode kernels (the scale folded into the logits and the
+    output) read the entries as the reference does (dequantized to the query's dtype); the
+    decode rows also in partitions of 16, merged."""
+    batch = _make_batch([(18, 18), (29, 5)], [1, 26, 11], width=72, value_dim=64, dtype=dtype)
+    metadata = batch.metadata
+    expected_cache, kv_scales = _quantized(batch, kv_cache_dtype)
+    cache = expected_cache.clone()
+    cache.view(torch.uint8).view(-1, 72)[metadata.slot_mapping] = 0  # the new entries unwritten
+    backend = TritonAttentionBackend()
+    backend.write_latent(cache, batch.new_entries, metadata.slot_mapping, kv_scales)
+    assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    out = backend.forward_latent(
+        batch.query, cache, metadata, batch.scale, batch.value_dim, kv_scales=kv_scales
+    )
+    assert out.dtype == dtype and out.shape == (26, 4, 64)
+    expected = TorchAttentionBackend().forward_latent(
+        batch.query, cache, metadata, batch.scale, batch.value_dim, kv_scales=kv_scales
+    )
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance)
+    decode = latent_decode_attention(
+        batch.query[metadata.num_prefill_tokens :],
+        cache,
+        metadata.decode_block_tables,
+        metadata.decode_seq_lens,
+        batch.scale,
+        batch.value_dim,
+        tokens_per_split=16,
+        tiling=SMALL,
+        kv_scales=kv_scales,
+    )
+    torch.testing.assert_close(
+        decode.float(), expected[metadata.num_prefill_tokens :].float(), **tolerance
+    )
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, 0.37])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_quantized_latent_write_is_bit_exact(kv_cache_dtype: str, scale: float) -> None:
+    """Every stored byte is quantize_kv's (the torch reference's write): ties to even, clamped
+    at 448 / 127, subnormals, signed zeros, infinities saturated; a padding row and the slots
+    not written keep their bytes. Scales 1 and 0.25 keep the ties ties, 0.37 rounds in the
+    division."""
+    width = 40
+    probes = _rounding_probes(kv_cache_dtype)
+    num_tokens = -(-probes.numel() // width)
+    entries = torch.zeros(num_tokens * width)
+    entries[: probes.numel()] = probes
+    entries = entries.view(num_tokens, width).to(DEVICE)
+    generator = torch.Generator().manual_seed(8)
+    num_slots = num_tokens + 7
+    cache_bytes = torch.randint(0, 256, (1, num_slots, 1, 1, width), generator=generator)
+    cache = cache_bytes.to(torch.uint8).view(storage_dtype(kv_cache_dtype, torch.float32))
+    cache = cache.to(DEVICE)
+    slots = torch.randperm(num_slots, generator=generator)[:num_tokens].to(DEVICE)
+    slots[3] = -1  # a padding row
+    kv_scales = torch.tensor([[scale]], device=DEVICE)
+    written = cache.clone()
+    write_latent_cache(written, entries, slots, kv_scales)
+    expected = cache.clone()
+    kept = slots >= 0
+    latent_ref.write_latent(expected, entries[kept], slots[kept], kv_scales)
+    assert torch.equal(written.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_bad_quantized_arguments_are_named() -> None:
+    batch = _make_batch([], [5, 3], seed=9)
+    cache, kv_scales = _quantized(batch, "int8")
+    metadata = batch.metadata
+    args = (batch.query, cache, metadata.decode_block_tables, metadata.decode_seq_lens, 1.0, 32)
+    with pytest.raises(ValueError, match="a torch.int8 kv_cache_layer needs kv_scales"):
+        latent_decode_attention(*args)
+    with pytest.raises(ValueError, match=r"kv_scales must be a contiguous \[1, num_kv_heads = 1"):
+        latent_decode_attention(*args, kv_scales=kv_scales.expand(2, 1).contiguous())
+    with pytest.raises(ValueError, match="kv_scales are for a quantized cache"):
+        write_latent_cache(batch.cache_layer, batch.new_entries, metadata.slot_mapping, kv_scales)
+    with pytest.raises(ValueError, match="query dtype must be float32, float16 or bfloat16"):
+        latent_decode_attention(batch.query.to(torch.int8), *args[1:], kv_scales=kv_scales)
 
 
 def test_a_tiny_deepseek_v3_through_the_triton_backend_matches_transformers(

@@ -123,3 +123,22 @@ def test_quantized_layouts_carry_their_scales_and_name_a_mismatch() -> None:
         dataclasses.replace(layout, kv_scales=None)
     with pytest.raises(ValueError, match="malformed kv_scales"):
         KVCacheLayout.from_json({**layout.to_json(), "kv_scales": [[[1.0, "x"], [1.0, 1.0]]]})
+
+
+def test_quantized_latent_layouts_carry_their_one_scale_a_layer() -> None:
+    """A latent cache (one plane a layer, one head) has one scale a layer: it survives the
+    handshake, a different one is named as the latent's, and a K/V pair of scales is refused
+    for it."""
+    scales = (((0.5,),), ((0.25,),), ((1.5,),))
+    layout = KVCacheLayout("float8_e4m3fn", 4, 3, 1, 40, kv_planes=1, kv_scales=scales)
+    assert KVCacheLayout.from_json(layout.to_json()) == layout
+    cache = torch.zeros(3, 1, 2, 4, 1, 40, dtype=torch.float8_e4m3fn)
+    assert KVCacheLayout.from_cache(cache, kv_scales=layout.kv_scales) == layout
+    peer = dataclasses.replace(layout, kv_scales=(((0.5,),), ((0.125,),), ((1.5,),)))
+    with pytest.raises(
+        LayoutMismatchError,
+        match="on kv_scales: layer 1 latent head 0 has scale 0.25 on this side, 0.125 on the peer",
+    ):
+        layout.check_compatible(peer)
+    with pytest.raises(ValueError, match=r"kv_scales must have 1 plane\(s\) per layer"):
+        dataclasses.replace(layout, kv_scales=(((0.5,), (0.5,)),) * 3)
