@@ -3,6 +3,7 @@
     python -m bench.gpu [--quick] [--models 8b,1b] [--batch-sizes 1,8,64,256]
         [--no-transformers] [--no-transfer] [--out bench/results/gpu.json]
     python -m bench.gpu --device cpu --preset tiny     # CPU smoke run of the same code
+    python -m bench.gpu --only quantized               # ceilings, then the quantized paths
 
 What it measures, in order: what the targets need first, then what picks defaults, so a run
 that a lease's time box ends early still has the verdicts (the full preset is meant to fit one
@@ -22,7 +23,8 @@ say) is recorded under "errors" and the rest go on.
    engine step each).
 3. The same model in transformers (``from_config``, random bf16 weights, same GPU): ``generate``
    on 64 1k-token prompts, greedy, ``min_new_tokens = max_new_tokens``; its decode throughput is
-   (time with N+1 new tokens - time with 1) over 64 x N tokens. With ``generate_batch``
+   64 x N tokens over the time from its first new token to its last (a per-token clock,
+   fastest of three runs). With ``generate_batch``
    (continuous batching) where this transformers has it: tokens after the last request's first
    token over that window (from its per-token timestamps).
 4. KV transfer: ``cuda_ipc`` between this process and a spawned one on the same GPU, random
@@ -37,6 +39,10 @@ say) is recorded under "errors" and the rest go on.
    Triton attention kernels alone under a few tilings each (``attention_tiling``): decode at
    each batch size and the preset's context as KV GB/s, prefill of each prompt length as causal
    FLOP/s, the engine's default tiling marked.
+6. Per model, the quantized paths (``quantized``), last: each projection's GEMM for W4A16,
+   W8A16, FP8 blocks, W8A8 int8 and FP8 (``_scaled_mm`` and the Triton kernel) against bf16
+   ``F.linear``, and decode attention over fp8 and int8 KV caches against bf16, each beside its
+   bytes floor.
 
 Rooflines:
 - decode step: (weight bytes read + KV bytes read) / read bandwidth. Weight bytes: every
@@ -56,7 +62,8 @@ wall-clock timers instead of CUDA events; its numbers only show that the script 
 
 Modules: ``__main__`` flags, presets and the order of sections; ``timing`` timers and the
 device's ceilings; ``transfer`` the KV-transfer section; ``elementwise`` torch ops against the
-fused kernels; ``attention_tiling`` the attention kernels' tilings; ``engine_runs`` pdserve's
+fused kernels; ``attention_tiling`` the attention kernels' tilings; ``quantized`` the 4- and 8-bit GEMMs and
+the 8-bit KV cache's attention; ``engine_runs`` pdserve's
 decode and prefill; ``hf_baseline`` transformers' ``generate`` / ``generate_batch``;
 ``shapes`` model shapes, presets and their byte / FLOP counts (no torch); ``targets`` the goals
 and verdicts; ``report`` the machine and the printed tables. The JSON goes through
