@@ -225,11 +225,7 @@ def fp8_block_matmul(
         weight_scale_inv.stride(1),
         GROUP=block_cols,
         HAS_BIAS=bias is not None,
-        BLOCK_M=tiling.block_m,
-        BLOCK_N=tiling.block_n,
-        BLOCK_K=tiling.block_k,
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
+        **tiling.launch_options(),
     )
     return out
 

@@ -20,6 +20,17 @@ class MatmulTiling:
     num_warps: int = 4
     num_stages: int = 3  # software-pipelined loads in flight
 
+    def launch_options(self) -> dict[str, int]:
+        """The tiles as a kernel launch takes them: its BLOCK_M / BLOCK_N / BLOCK_K constants,
+        warps and stages."""
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "BLOCK_K": self.block_k,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
 
 def check_tiling(tiling: MatmulTiling) -> None:
     """Raise ValueError naming the field of ``tiling`` no kernel can run."""

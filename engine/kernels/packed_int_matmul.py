@@ -194,13 +194,9 @@ def packed_int_matmul(
         HAS_ZERO=weight_zero_point is not None,
         HAS_BIAS=bias is not None,
         TILE_IN_ONE_GROUP=num_groups == 1 or group_size % tiling.block_k == 0,
-        BLOCK_M=tiling.block_m,
-        BLOCK_N=tiling.block_n,
-        BLOCK_K=tiling.block_k,
         # Triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits
         DOT_FP32=interpreted() or x.dtype == torch.float32,
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
+        **tiling.launch_options(),
     )
     return out
 

@@ -305,11 +305,7 @@ def scaled_matmul(
         weight_scale.stride(0),
         IS_INT=x_q.dtype == torch.int8,
         HAS_BIAS=bias is not None,
-        BLOCK_M=tiling.block_m,
-        BLOCK_N=tiling.block_n,
-        BLOCK_K=tiling.block_k,
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
+        **tiling.launch_options(),
     )
     return out
 
