@@ -111,6 +111,17 @@ def require_kv_scales(kv_scales: torch.Tensor | None, kv_cache_layer: torch.Tens
     )
 
 
+def require_bias(bias: torch.Tensor, out_features: int) -> None:
+    """A matmul's bias: a contiguous float [out_features]."""
+    require(
+        tuple(bias.shape) == (out_features,)
+        and bias.is_contiguous()
+        and bias.dtype in FLOAT_DTYPES,
+        f"bias must be a contiguous float [out_features = {out_features}], got "
+        f"{list(bias.shape)} {bias.dtype}",
+    )
+
+
 def require_same_device(
     anchor: torch.Tensor, anchor_name: str = "kv_cache_layer", **tensors: torch.Tensor
 ) -> None:

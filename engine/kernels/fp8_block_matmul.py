@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.checks import FLOAT_DTYPES, require, require_same_device
-from engine.kernels.kv_cache_write import _to_float8e4nv
+from engine.kernels.checks import FLOAT_DTYPES, require, require_bias, require_same_device
+from engine.kernels.kv_cache_write import to_float8e4nv
 from engine.kernels.matmul_tiling import (
     MIN_DOT_DIM,
     MIN_DOT_K_8BIT,
@@ -90,7 +90,7 @@ def _group_quantize_kernel(
     x = x.to(tl.float32)
     largest = tl.maximum(tl.max(tl.abs(x), axis=0), _GROUP_EPS)
     scale = tl.math.div_rn(largest, _FP8_MAX)
-    q = _to_float8e4nv(tl.math.div_rn(x, scale))
+    q = to_float8e4nv(tl.math.div_rn(x, scale))
     tl.store(q_ptr + row * num_cols + cols, q, mask=mask)
     tl.store(scale_ptr + row * num_groups + group, scale)
 
@@ -269,12 +269,6 @@ def _check(
     )
     tensors = {"weight": weight, "weight_scale_inv": weight_scale_inv}
     if bias is not None:
-        require(
-            tuple(bias.shape) == (out_features,)
-            and bias.is_contiguous()
-            and bias.dtype in FLOAT_DTYPES,
-            f"bias must be a contiguous float [out_features = {out_features}], got "
-            f"{list(bias.shape)} {bias.dtype}",
-        )
+        require_bias(bias, out_features)
         tensors["bias"] = bias
     require_same_device(x, "x", **tensors)

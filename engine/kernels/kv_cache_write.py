@@ -44,7 +44,7 @@ _E4M3_MIN_NORMAL_BITS: tl.constexpr = tl.constexpr(121 << 23)  # 2^-6 in float32
 
 
 @triton.jit
-def _to_float8e4nv(scaled):
+def to_float8e4nv(scaled):
     """float32 ``scaled`` clamped to +-448 and rounded to the nearest e4m3 value, ties to even
     (NaN to NaN, 0x7f with its sign)."""
     clamped = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
@@ -62,7 +62,7 @@ def _to_float8e4nv(scaled):
 
 
 @triton.jit
-def _to_int8(scaled):
+def to_int8(scaled):
     """float32 ``scaled`` rounded to the nearest integer, ties to even, and clamped to +-127
     (NaN to 0)."""
     clamped = tl.minimum(tl.maximum(scaled, -127.0), 127.0)
@@ -114,9 +114,9 @@ def _write_kv_kernel(
         key = tl.math.div_rn(key.to(tl.float32), key_scales[:, None])
         value = tl.math.div_rn(value.to(tl.float32), value_scales[:, None])
         if cache_ptr.dtype.element_ty == tl.int8:
-            key, value = _to_int8(key), _to_int8(value)
+            key, value = to_int8(key), to_int8(value)
         else:
-            key, value = _to_float8e4nv(key), _to_float8e4nv(value)
+            key, value = to_float8e4nv(key), to_float8e4nv(value)
     cache_offsets = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
     tl.store(cache_ptr + cache_offsets, key, mask=mask)
     tl.store(cache_ptr + v_cache_offset + cache_offsets, value, mask=mask)

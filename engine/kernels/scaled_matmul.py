@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.checks import FLOAT_DTYPES, require, require_same_device
-from engine.kernels.kv_cache_write import _to_float8e4nv
+from engine.kernels.checks import FLOAT_DTYPES, require, require_bias, require_same_device
+from engine.kernels.kv_cache_write import to_float8e4nv
 from engine.kernels.matmul_tiling import MIN_DOT_DIM, MatmulTiling, check_tiling_8bit
 
 KINDS = ("int", "float")  # W8A8Weights.kind: int8, float8 e4m3
@@ -140,7 +140,7 @@ def _quantize_rows_kernel(
         if IS_INT:
             q = ((scaled + _ROUND_TO_INTEGER) - _ROUND_TO_INTEGER).to(tl.int8)
         else:
-            q = _to_float8e4nv(scaled)
+            q = to_float8e4nv(scaled)
         tl.store(q_row + cols, q, mask=mask)
 
 
@@ -372,12 +372,6 @@ def _check_matmul(
     require(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype}")
     tensors = {"x_scale": x_scale, "weight": weight, "weight_scale": weight_scale}
     if bias is not None:
-        require(
-            tuple(bias.shape) == (out_features,)
-            and bias.is_contiguous()
-            and bias.dtype in FLOAT_DTYPES,
-            f"bias must be a contiguous float [out_features = {out_features}], got "
-            f"{list(bias.shape)} {bias.dtype}",
-        )
+        require_bias(bias, out_features)
         tensors["bias"] = bias
     require_same_device(x_q, "x_q", **tensors)
