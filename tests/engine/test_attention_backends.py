@@ -222,13 +222,21 @@ def test_cpu_backend_runs_its_kernels_with_softcap_and_sinks() -> None:
     """The CPU backend's prefills and decodes are its kernels' outputs to the bit, not the
     torch reference's explicit softmax."""
     torch.manual_seed(1)
-    block_size, scale = 4, 1.0
+    cache = torch.randn(2, 64, 4, 2, 16)
+    _assert_forward_runs_the_cpu_kernels(
+        cache, {"logit_softcap": 1.5, "sinks": torch.linspace(-3.0, 4.0, 4)}
+    )
+
+
+def _assert_forward_runs_the_cpu_kernels(cache: torch.Tensor, extras: dict[str, Any]) -> None:
+    """The CPU backend's forward over ``cache`` (64 blocks, 2 KV heads; 4 query heads, window
+    7, ``extras``) equals its prefill and decode kernels' outputs to the bit, and the torch
+    reference's within tolerance but not to the bit (which tells the two paths apart)."""
+    scale, head_dim = 1.0, cache.shape[-1]
     seqs = [(23, 23), (40, 9), (30, 1), (12, 1)]
-    cache = torch.randn(2, 64, block_size, 2, 16)
     tables = [list(range(start, start + 10)) for start in (0, 10, 20, 30)]
     metadata = _metadata(seqs, 2, tables, torch.zeros(34, dtype=torch.long))
-    query = torch.randn(34, 4, 16)
-    extras: dict[str, Any] = {"logit_softcap": 1.5, "sinks": torch.linspace(-3.0, 4.0, 4)}
+    query = torch.randn(34, 4, head_dim)
     out = CpuAttentionBackend().forward(query, cache, metadata, scale, 7, **extras)
     starts = torch.tensor(metadata.prefill_query_start_loc)
     prefill_lens = torch.tensor(metadata.prefill_seq_lens)
@@ -242,7 +250,6 @@ def test_cpu_backend_runs_its_kernels_with_softcap_and_sinks() -> None:
     assert torch.equal(out, torch.cat([prefills, decodes]))
     reference = TorchAttentionBackend().forward(query, cache, metadata, scale, 7, **extras)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
-    # which tells the two paths apart: the reference's bits are not the kernels'
     assert not torch.equal(out, reference)
 
 
@@ -329,7 +336,7 @@ def test_cpu_backend_runs_its_kernels_on_a_quantized_cache(
     reference's write never runs; the bytes are quantize_kv's), and its prefills and decodes
     are its kernels' outputs to the bit, with a window, soft-cap and sinks."""
     torch.manual_seed(2)
-    block_size, scale, num_kv_heads, head_dim = 4, 1.0, 2, 16
+    block_size, num_kv_heads, head_dim = 4, 2, 16
     dtype = storage_dtype(kv_cache_dtype, torch.float32)
     cache = torch.zeros(2, 64, block_size, num_kv_heads, head_dim, dtype=dtype)
     kv_scales = scales_from_amax(kv_cache_dtype, torch.linspace(2.5, 6.0, 4).view(2, 2))
@@ -346,27 +353,5 @@ def test_cpu_backend_runs_its_kernels_on_a_quantized_cache(
     for plane, rows in enumerate((key, value)):
         expected = quantize_kv(rows, kv_scales[plane], dtype).view(torch.uint8)
         assert torch.equal(stored[plane], expected)
-    seqs = [(23, 23), (40, 9), (30, 1), (12, 1)]
-    tables = [list(range(start, start + 10)) for start in (0, 10, 20, 30)]
-    metadata = _metadata(seqs, 2, tables, torch.zeros(34, dtype=torch.long))
-    query = torch.randn(34, 4, head_dim)
-    extras: dict[str, Any] = {
-        "logit_softcap": 1.5,
-        "sinks": torch.linspace(-3.0, 4.0, 4),
-        "kv_scales": kv_scales,
-    }
-    out = CpuAttentionBackend().forward(query, cache, metadata, scale, 7, **extras)
-    starts = torch.tensor(metadata.prefill_query_start_loc)
-    prefill_lens = torch.tensor(metadata.prefill_seq_lens)
-    tables_of = (metadata.prefill_block_tables, metadata.decode_block_tables)
-    prefills = paged_prefill_attention_cpu(
-        query[:32], cache, tables_of[0], starts, prefill_lens, scale, None, 7, **extras
-    )
-    decodes = paged_decode_attention_cpu(
-        query[32:], cache, tables_of[1], metadata.decode_seq_lens, scale, None, 7, **extras
-    )
-    assert torch.equal(out, torch.cat([prefills, decodes]))
-    reference = TorchAttentionBackend().forward(query, cache, metadata, scale, 7, **extras)
-    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
-    # which tells the two paths apart: the reference's bits are not the kernels'
-    assert not torch.equal(out, reference)
+    extras = {"logit_softcap": 1.5, "sinks": torch.linspace(-3.0, 4.0, 4), "kv_scales": kv_scales}
+    _assert_forward_runs_the_cpu_kernels(cache, extras)
