@@ -64,8 +64,6 @@ class Attention(nn.Module):
         if num_padding > 0:
             query, key, value = query[:num_tokens], key[:num_tokens], value[:num_tokens]
         kv_scales = self.kv_scales
-        if kv_scales is None and kv_cache_layer.element_size() == 1:
-            raise RuntimeError(f"layer {self.place.layer}'s quantized KV cache has no scales")
         backend.write_kv(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         sinks = None if self.sinks is None else self.sinks.float()
         out = backend.forward(
@@ -113,8 +111,6 @@ class LatentCacheAttention(nn.Module):
         if num_padding > 0:
             query, entries = query[:num_tokens], entries[:num_tokens]
         kv_scales = self.kv_scales
-        if kv_scales is None and cache_layer.element_size() == 1:
-            raise RuntimeError(f"layer {self.place.layer}'s quantized latent cache has no scales")
         backend.write_latent(cache_layer, entries, metadata.slot_mapping, kv_scales)
         out = backend.forward_latent(
             query, cache_layer, metadata, self.scale, self.value_dim, kv_scales=kv_scales
