@@ -27,10 +27,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from engine.kv_cache.kv_events import KVEventLog
 from engine.llm_engine import LLMEngine, StepResult
 from engine.messages import (
     FirstTokenTrace,
     GenerateRequest,
+    KVCursor,
+    KVEventsReply,
     OutputBatch,
     PrefillResult,
     RequestFailure,
@@ -70,6 +73,9 @@ class EngineLoop:
         self._outputs: defaultdict[str, queue.Queue[OutputBatch]] = defaultdict(queue.Queue)
         self._outputs_lock = threading.Lock()
         self._stopping = False
+        # the blocks the engine's prefix cache stored and removed, batched per turn, for the
+        # router's index (None: the engine does not record them)
+        self._kv_event_log = KVEventLog() if engine.records_kv_events else None
         # The load as of the last change made under ``lock``: ``load`` answers with it without
         # waiting for the lock, so a long step never holds back a report (replaced, never
         # changed in place: readers take the reference without a lock).
@@ -160,6 +166,7 @@ class EngineLoop:
             try:
                 yield
             finally:
+                self._log_kv_events_locked()
                 self._load_report = self._measure_load_locked()
 
     def fail(
@@ -210,6 +217,18 @@ class EngineLoop:
         return dataclasses.replace(
             report, counters=counters, seconds_since_progress=since_progress_s
         )
+
+    def kv_events(self, cursor: KVCursor) -> KVEventsReply:
+        """The prefix cache's KV events after ``cursor``, or a snapshot (never waiting for the
+        step in progress; engine/messages/kv_events.py). Raises ValueError when the engine does
+        not record them."""
+        if self._kv_event_log is None:
+            raise ValueError(f"worker {self.worker_id} does not record KV events")
+        return self._kv_event_log.since(cursor)
+
+    def _log_kv_events_locked(self) -> None:
+        if self._kv_event_log is not None:
+            self._kv_event_log.append(self.engine.take_kv_events())
 
     def _measure_load_locked(self) -> WorkerLoad:
         """The engine's load now, without the worker's KV transfer totals."""
@@ -264,7 +283,9 @@ class EngineLoop:
         return self.engine.group is not None and isinstance(error, (ConnectionError, TimeoutError))
 
     def _end_turn_locked(self) -> None:
-        """A turn of the loop (a step, or a wait for work) ended: take the load again."""
+        """A turn of the loop (a step, or a wait for work) ended: log its KV events, take the
+        load again."""
+        self._log_kv_events_locked()
         self._load_report = self._measure_load_locked()
         self._turn_ended_at = time.monotonic()
 

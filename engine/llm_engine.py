@@ -16,7 +16,9 @@ import torch
 
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.kv_events import KVEventRecorder
 from engine.messages import PrefillResult, SampleStart, TokenEvent, WorkerCounters
+from engine.messages.kv_events import KVBlocksEvent
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.expert_tokens import ExpertTokenCounts
@@ -69,9 +71,13 @@ class LLMEngine:
         scheduler: SchedulerConfig,
         speculative: SpeculativeConfig | None = None,
         parallel: ParallelConfig | None = None,
+        *,
+        record_kv_events: bool = False,
     ) -> None:
         """``parallel``: the worker's tensor-parallel ranks, of which this engine is rank 0
-        (its followers run engine/parallel/follower.py with the same configs); None: one."""
+        (its followers run engine/parallel/follower.py with the same configs); None: one.
+        ``record_kv_events``: note the blocks the prefix cache stores and removes, for
+        ``take_kv_events`` (a worker's, which the router's index follows)."""
         parallel = parallel or ParallelConfig()
         check_configs(load, scheduler, speculative, parallel)
         # rank 0 of the worker's ranks (None: the worker is this one rank)
@@ -98,6 +104,7 @@ class LLMEngine:
         num_blocks = rank.num_kv_blocks
         eos = frozenset(self.model_config.eos_token_ids)
         rope = self.model_config.rope
+        self._kv_events = KVEventRecorder() if record_kv_events else None
         self.block_manager = BlockManager(
             num_blocks,
             cache.block_size,
@@ -105,6 +112,7 @@ class LLMEngine:
             # LongRoPE: a prompt past the pre-training length is computed with the long set
             rope.original_max_position_embeddings if rope.scaling_type == "longrope" else None,
             self.model_config.cache_groups,
+            self._kv_events,
         )
         proposer = None
         if speculative is not None:
@@ -459,6 +467,15 @@ class LLMEngine:
         if not kv_received:
             self.block_manager.release(blocks or [])
         self._requests[request_id] = state
+
+    @property
+    def records_kv_events(self) -> bool:
+        return self._kv_events is not None
+
+    def take_kv_events(self) -> tuple[KVBlocksEvent, ...]:
+        """The blocks the cache stored and removed since the last call, in order (none unless
+        the engine records them)."""
+        return () if self._kv_events is None else self._kv_events.take()
 
     @property
     def num_preemptions(self) -> int:

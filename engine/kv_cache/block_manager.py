@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.cache_groups import CacheGroups
+from engine.kv_cache.kv_events import KVEventRecorder
 from engine.kv_cache.prefix_hash import BlockHash, extend_block_hashes
 from engine.sequence import Sequence
 
@@ -41,10 +42,11 @@ class BlockManager:
         enable_prefix_caching: bool,
         long_prompt_length: int | None = None,
         cache_groups: CacheGroups | None = None,
+        kv_events: KVEventRecorder | None = None,  # told of blocks cached and evicted
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_events)
         # a model whose KV differs for prompts past this length (LongRoPE: their frequencies are
         # the long set): such prompts' blocks are salted apart from shorter prompts' (None: no
         # such length)

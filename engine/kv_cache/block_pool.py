@@ -8,20 +8,28 @@ A block is in exactly one of three states:
                 list is empty.
 
 A hash is registered per KV cache group (engine/kv_cache/cache_groups.py): the same tokens'
-blocks of two groups hold different layers' KV.
+blocks of two groups hold different layers' KV. Each hash registered and each one forgotten is
+told to the pool's ``KVEventRecorder``, where it has one (tier "device": a worker's pool, whose
+events the router's index follows).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from engine.kv_cache.kv_events import KVEventRecorder
 from engine.kv_cache.prefix_hash import BlockHash
 
 _CacheKey = tuple[int, BlockHash]  # (cache group, prefix hash)
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool,
+        events: KVEventRecorder | None = None,  # told of hashes registered and forgotten
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -33,6 +41,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.num_cache_queries = 0  # full blocks looked up
         self.num_cache_hits = 0  # full blocks found
+        self.events = events  # None: no one follows this pool's events
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,6 +85,13 @@ class BlockPool:
         else:
             self._free.append(block_id)
 
+    def cached_hashes(self) -> dict[int, frozenset[BlockHash]]:
+        """The prefix hashes this pool caches, by cache group (what its KV events told)."""
+        held: dict[int, set[BlockHash]] = {}
+        for group, block_hash in self._block_of_hash:
+            held.setdefault(group, set()).add(block_hash)
+        return {group: frozenset(hashes) for group, hashes in held.items()}
+
     def cached_block(self, block_hash: BlockHash, group: int = 0) -> int | None:
         """The block caching this prefix hash of cache group ``group``, or None."""
         return self._block_of_hash.get((group, block_hash))
@@ -95,8 +111,12 @@ class BlockPool:
             return  # an identical block is already cached; keep the first one
         self._hash_of_block[block_id] = key
         self._block_of_hash[key] = block_id
+        if self.events is not None:
+            self.events.stored("device", group, block_hash)
 
     def _forget_hash(self, block_id: int) -> None:
         key = self._hash_of_block.pop(block_id, None)
         if key is not None:
             del self._block_of_hash[key]
+            if self.events is not None:
+                self.events.removed("device", *key)

@@ -6,6 +6,9 @@ workers and the engine import it.
   first_token -- worker -> gateway, on a request's first ``TokenEvent``: its
                  ``FirstTokenTrace``, the times it passed each hop (router and gateway add theirs)
   load        -- worker -> router: ``WorkerLoad`` with its ``WorkerCounters``
+  kv_events   -- worker -> router: ``KVEventsReply`` to the router's ``KVCursor``, the blocks its
+                 prefix cache stored and removed (``KVEventBatch``es of ``KVBlocksEvent``s) or
+                 a ``KVCacheSnapshot`` of them
   handoff     -- prefill worker -> decode worker, directly: the hand-off calls
                  (``ReserveBlocks`` ... ``ReceiveKV``, carrying the ``PrefillResult``) and their
                  answers (``Reservation``)
@@ -29,6 +32,13 @@ from engine.messages.handoff import (
     ReserveBlocks,
     SampleStart,
 )
+from engine.messages.kv_events import (
+    KVBlocksEvent,
+    KVCacheSnapshot,
+    KVCursor,
+    KVEventBatch,
+    KVEventsReply,
+)
 from engine.messages.load import WorkerCounters, WorkerLoad
 from engine.messages.requests import GenerateRequest, OutputBatch, RequestFailure, TokenEvent
 
@@ -42,6 +52,11 @@ __all__ = [
     "HandoffCall",
     "HandoffReceiver",
     "JoinChannel",
+    "KVBlocksEvent",
+    "KVCacheSnapshot",
+    "KVCursor",
+    "KVEventBatch",
+    "KVEventsReply",
     "OutputBatch",
     "PinChannel",
     "PrefillResult",
