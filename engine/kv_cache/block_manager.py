@@ -24,6 +24,7 @@ from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.cache_groups import CacheGroups
 from engine.kv_cache.kv_events import KVEventRecorder
 from engine.kv_cache.prefix_hash import BlockHash, extend_block_hashes
+from engine.messages.kv_events import KVTier
 from engine.sequence import Sequence
 
 # a block-table entry whose block was given back (outside the attention window); never read
@@ -76,6 +77,11 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by sequences (cached-but-free blocks count as free)."""
         return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def cached_block_hashes(self) -> dict[tuple[KVTier, int], frozenset[BlockHash]]:
+        """The prefix hashes cached, by (tier, cache group), the non-empty ones: what the KV
+        events of this manager's pool add up to."""
+        return {("device", group): held for group, held in self.pool.cached_hashes().items()}
 
     def attach_cached_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no blocks the cached blocks of its longest cached prefix: in
