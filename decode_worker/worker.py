@@ -32,6 +32,7 @@ from engine.messages import (
     CancelReservation,
     GenerateRequest,
     JoinChannel,
+    KVCursor,
     OutputBatch,
     PinChannel,
     PrefillResult,
@@ -72,7 +73,14 @@ class DecodeWorker:
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
-        self.engine = LLMEngine(load, cache, scheduler, speculative, parallel)
+        self.engine = LLMEngine(
+            load,
+            cache,
+            scheduler,
+            speculative,
+            parallel,
+            record_kv_events=True,  # the router's index follows its prefix cache
+        )
         cache_groups = self.engine.model_config.cache_groups.handshake_name
         scales = self.engine.kv_cache_scales
         kv_scales = None if scales is None else scales.per_layer
@@ -271,9 +279,10 @@ class DecodeWorker:
     def next_batch(self, gateway_id: str, timeout_s: float) -> OutputBatch | None:
         return self.loop.next_batch(gateway_id, timeout_s)
 
-    def load(self) -> WorkerLoad:
-        """This worker's load report; never waits for the engine (see ``EngineLoop.load``)."""
-        return self.loop.load(self._transfer_totals.snapshot())
+    def load(self, kv_cursor: KVCursor | None = None) -> WorkerLoad:
+        """This worker's load report; never waits for the engine (see ``EngineLoop.load``).
+        With ``kv_cursor``, its KV events after it."""
+        return self.loop.load(self._transfer_totals.snapshot(), kv_cursor)
 
     def _sweep_expired_reservations(self) -> None:
         """Give back expired reservations a few times per TTL, on a thread of their own (so

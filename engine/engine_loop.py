@@ -33,7 +33,6 @@ from engine.messages import (
     FirstTokenTrace,
     GenerateRequest,
     KVCursor,
-    KVEventsReply,
     OutputBatch,
     PrefillResult,
     RequestFailure,
@@ -201,10 +200,13 @@ class EngineLoop:
         except queue.Empty:
             return None
 
-    def load(self, kv_transfers: tuple[int, int, float] = (0, 0, 0.0)) -> WorkerLoad:
+    def load(
+        self, kv_transfers: tuple[int, int, float] = (0, 0, 0.0), kv_cursor: KVCursor | None = None
+    ) -> WorkerLoad:
         """This worker's load report for the router, as of the last change made under the lock
         (never waiting for the step in progress); ``kv_transfers`` are the worker's KV hand-off
-        totals (transfers, bytes, seconds), which the engine does not see."""
+        totals (transfers, bytes, seconds), which the engine does not see. With ``kv_cursor``
+        it carries the KV events after that cursor (where the engine records them)."""
         report = self._load_report
         num_transfers, num_bytes, seconds = kv_transfers
         counters = dataclasses.replace(
@@ -214,17 +216,15 @@ class EngineLoop:
             kv_transfer_seconds=seconds,
         )
         since_progress_s = max(0.0, time.monotonic() - self._turn_ended_at)
+        kv_events = None
+        if kv_cursor is not None and self._kv_event_log is not None:
+            kv_events = self._kv_event_log.since(kv_cursor)
         return dataclasses.replace(
-            report, counters=counters, seconds_since_progress=since_progress_s
+            report,
+            counters=counters,
+            seconds_since_progress=since_progress_s,
+            kv_events=kv_events,
         )
-
-    def kv_events(self, cursor: KVCursor) -> KVEventsReply:
-        """The prefix cache's KV events after ``cursor``, or a snapshot (never waiting for the
-        step in progress; engine/messages/kv_events.py). Raises ValueError when the engine does
-        not record them."""
-        if self._kv_event_log is None:
-            raise ValueError(f"worker {self.worker_id} does not record KV events")
-        return self._kv_event_log.since(cursor)
 
     def _log_kv_events_locked(self) -> None:
         if self._kv_event_log is not None:

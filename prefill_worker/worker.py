@@ -34,6 +34,7 @@ from engine.messages import (
     GenerateRequest,
     GetLocality,
     JoinChannel,
+    KVCursor,
     OutputBatch,
     PinChannel,
     PrefillResult,
@@ -82,7 +83,14 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.transfer = transfer
         # no decode graphs: a prefill worker's sequences stop after their first token
-        self.engine = LLMEngine(replace(load, enforce_eager=True), cache, scheduler, None, parallel)
+        self.engine = LLMEngine(
+            replace(load, enforce_eager=True),
+            cache,
+            scheduler,
+            None,
+            parallel,
+            record_kv_events=True,  # the router's index follows its prefix cache
+        )
         cache_groups = self.engine.model_config.cache_groups.handshake_name
         scales = self.engine.kv_cache_scales
         kv_scales = None if scales is None else scales.per_layer
@@ -192,10 +200,11 @@ class PrefillWorker:
     def next_batch(self, gateway_id: str, timeout_s: float) -> OutputBatch | None:
         return self.loop.next_batch(gateway_id, timeout_s)
 
-    def load(self) -> WorkerLoad:
+    def load(self, kv_cursor: KVCursor | None = None) -> WorkerLoad:
+        """This worker's load report; with ``kv_cursor``, its KV events after it."""
         with self._targets_lock:  # the router asks every report interval: a sweep for free
             self._forget_finished_locked()
-        return self.loop.load(self._transfer_totals.snapshot())
+        return self.loop.load(self._transfer_totals.snapshot(), kv_cursor)
 
     def shutdown(self) -> None:
         self.loop.stop()

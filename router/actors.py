@@ -22,7 +22,7 @@ import ray
 
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.kv_quantization import KVCacheScales
-from engine.messages import GenerateRequest, HandoffCall, OutputBatch, WorkerLoad
+from engine.messages import GenerateRequest, HandoffCall, KVCursor, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import TransferConfig
@@ -93,8 +93,8 @@ class DecodeActor:
         """Answer a prefill worker's hand-off call (sent by ``RayDecodePeer``)."""
         return call.run_on(self.worker)
 
-    def load(self) -> WorkerLoad:
-        return self.worker.load()
+    def load(self, kv_cursor: KVCursor | None = None) -> WorkerLoad:
+        return self.worker.load(kv_cursor)
 
     def stream(self, gateway_id: str) -> Iterator[OutputBatch]:
         yield from self.worker.stream(gateway_id)
@@ -170,8 +170,8 @@ class PrefillActor:
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
 
-    def load(self) -> WorkerLoad:
-        return self.worker.load()
+    def load(self, kv_cursor: KVCursor | None = None) -> WorkerLoad:
+        return self.worker.load(kv_cursor)
 
     def stream(self, gateway_id: str) -> Iterator[OutputBatch]:
         yield from self.worker.stream(gateway_id)

@@ -24,6 +24,7 @@ from kv_transfer.policy import describe_auto
 from router.cluster_config import ClusterConfig
 from router.gateway.reasoning import REASONING_PARSERS
 from router.gateway.tool_calls import TOOL_CALL_PARSERS
+from router.kv_aware import KVAwareWeights
 from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
 from router.serve_defaults import pick_layout, step_budget
@@ -117,7 +118,27 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "address, which makes Ray listen on every interface; with --address, default: the "
         "node's cluster address as Ray finds it",
     )
-    cluster.add_argument("--router-policy", default="least_loaded", choices=list(POLICY_NAMES))
+    cluster.add_argument(
+        "--router-policy",
+        default="kv_aware",
+        choices=list(POLICY_NAMES),
+        help="kv_aware (default): each prompt to the prefill worker whose cache holds most of "
+        "it, weighed against its queue, as the workers' own KV events tell (docs/kv-routing.md)",
+    )
+    cluster.add_argument(
+        "--kv-aware-queue-weight",
+        type=float,
+        default=KVAwareWeights().queue_weight,
+        help="kv_aware: how many of a prompt's own tokens to compute one queued prompt token "
+        "of a worker is worth (default %(default)s)",
+    )
+    cluster.add_argument(
+        "--kv-aware-host-hit-weight",
+        type=float,
+        default=KVAwareWeights().host_hit_weight,
+        help="kv_aware: what a prompt token found in a worker's host tier costs, as a fraction "
+        "of computing it (default %(default)s)",
+    )
     cluster.add_argument(
         "--kv-transport",
         default="auto",
@@ -477,6 +498,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         address=args.address,
         node_ip=args.node_ip,
         router_policy=args.router_policy,
+        kv_aware=KVAwareWeights(args.kv_aware_queue_weight, args.kv_aware_host_hit_weight),
         kv_transport=args.kv_transport,
         kv_transfer_checksum=args.kv_transfer_checksum,
         block_size=args.block_size,

@@ -36,6 +36,7 @@ from engine.messages import FirstTokenTrace, GenerateRequest, RequestFailure, To
 from engine.sampling.params import SamplingParams
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import bind_this_process, plan_cpu_binding, threads_per_worker
+from router.kv_aware import PrefixHitStats
 from router.local_ray import start_ray
 from router.output_pump import OutputPump
 from router.placements import Placements, RequestFailedError
@@ -243,6 +244,10 @@ class Cluster:
     def worker_restarts(self) -> list[SlotRestarts]:
         """Each slot's restarts so far (``--max-worker-restarts`` bounds them)."""
         return self.pool.restarts()
+
+    def prefix_hit_stats(self) -> PrefixHitStats | None:
+        """The cached tokens found for the prompts kv_aware routed (None: another policy)."""
+        return self.placements.prefix_hit_stats()
 
     def local_prefills(self) -> dict[str, int]:
         """Prompts routed to be prefilled on their decode worker so far, by reason."""

@@ -13,6 +13,7 @@ from engine.parallel.shard import check_tensor_parallel_size
 from engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig, SchedulingPolicy
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import FailurePolicy, TransferConfig, describe_auto, transports_for
+from router.kv_aware import KVAwareWeights
 from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
 
@@ -36,7 +37,10 @@ class ClusterConfig:
     # this node's address for Ray (router.local_ray): a local Ray's processes listen on it, on
     # 127.0.0.1 only when None; a joined cluster's, when None, is the one Ray finds
     node_ip: str | None = None
-    router_policy: str = "least_loaded"
+    # how prompts find their workers (router/policies.py); kv_aware follows the workers' KV
+    # events and weighs cached prefixes against queues by ``kv_aware``'s weights
+    router_policy: str = "kv_aware"
+    kv_aware: KVAwareWeights = field(default_factory=KVAwareWeights)
     kv_transport: str = "auto"  # auto: per pair, kv_transfer.policy.transport_between
     data_plane_host: str = "auto"  # auto: each worker binds to its node's cluster address
     block_size: int = 16

@@ -36,8 +36,18 @@ from engine.messages import (
     TokenEvent,
 )
 from router.cluster_config import ClusterConfig
+from router.kv_aware import KVAware, KVAwareWeights, PrefixHitStats
+from router.kv_index import KVIndex
 from router.local_prefill import LOCAL_PREFILL_REASONS
-from router.policies import NoWorkerError, RoutingInfo, make_policy
+from router.policies import (
+    POLICY_NAMES,
+    LeastLoaded,
+    NoWorkerError,
+    PrefixAffinity,
+    RoundRobin,
+    RoutingInfo,
+    RoutingPolicy,
+)
 from router.request_tracker import ClientItem, RequestTracker
 from router.worker_pool import WorkerHandle, WorkerPool
 from router.worker_slots import CALL_TIMEOUT_S
@@ -54,7 +64,9 @@ class Placements:
     def __init__(self, config: ClusterConfig, pool: WorkerPool) -> None:
         self.config = config
         self.pool = pool
-        self.policy = make_policy(config.router_policy, config.block_size)
+        self.policy = make_policy(
+            config.router_policy, config.block_size, pool.kv_index, config.kv_aware
+        )
         self._lock = threading.RLock()
         self._trackers: dict[str, RequestTracker] = {}  # by request id
         self._placed: dict[str, RequestTracker] = {}  # by placement id (what workers know)
@@ -106,6 +118,13 @@ class Placements:
         """Prompts routed to be prefilled on their decode worker so far, by reason."""
         with self._lock:
             return {reason: self._local_prefills[reason] for reason in LOCAL_PREFILL_REASONS}
+
+    def prefix_hit_stats(self) -> PrefixHitStats | None:
+        """The hit tokens of the prompts ``kv_aware`` routed so far (None: another policy)."""
+        with self._lock:
+            if isinstance(self.policy, KVAware):
+                return self.policy.stats.snapshot()
+            return None
 
     def _forget_locked(self, tracker: RequestTracker) -> None:
         """Stop tracking a request that ended ; late events about it are dropped."""
@@ -436,6 +455,26 @@ class Placements:
             )
         except (RequestFailedError, ValueError, ray.exceptions.RayError) as error:
             self._end_locked(tracker, f"could not re-route the request: {error}")
+
+
+def make_policy(
+    name: str,
+    block_size: int,
+    kv_index: KVIndex | None = None,
+    kv_aware_weights: KVAwareWeights | None = None,
+) -> RoutingPolicy:
+    """The routing policy ``name``; kv_aware reads ``kv_index`` (the pool's)."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    if name == "prefix_affinity":
+        return PrefixAffinity(block_size)
+    if name == "kv_aware":
+        if kv_index is None:
+            raise ValueError("router policy kv_aware needs the pool's KV index")
+        return KVAware(block_size, kv_index, kv_aware_weights)
+    raise ValueError(f"router policy must be one of {', '.join(POLICY_NAMES)}; got {name!r}")
 
 
 def _traced_here(

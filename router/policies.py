@@ -7,6 +7,7 @@ Pure Python over the workers' latest load reports; no Ray, no torch. Policies:
   prefix_affinity -- a prompt sharing a long prefix with recent prompts goes to the prefill
                      worker that ran them (its prefix cache has the blocks), unless that worker
                      is loaded well beyond the least-loaded one; otherwise least_loaded
+  kv_aware        -- by what each worker's cache really holds (router/kv_aware.py)
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Protocol
 from engine.kv_cache.prefix_hash import BlockHash, extend_block_hashes
 from engine.messages import WorkerLoad
 
-POLICY_NAMES = ("round_robin", "least_loaded", "prefix_affinity")
+# kv_aware (router/kv_aware.py) routes by the workers' own KV events; router.placements makes
+# the policy a cluster is configured with
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,13 +141,3 @@ class PrefixAffinity:
             self._owners.move_to_end(block_hash)
         while len(self._owners) > self.max_remembered_blocks:
             self._owners.popitem(last=False)
-
-
-def make_policy(name: str, block_size: int) -> RoutingPolicy:
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_loaded":
-        return LeastLoaded()
-    if name == "prefix_affinity":
-        return PrefixAffinity(block_size)
-    raise ValueError(f"router policy must be one of {', '.join(POLICY_NAMES)}; got {name!r}")

@@ -24,13 +24,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import ray
 
-from engine.messages import GenerateRequest, WorkerLoad
+from engine.messages import GenerateRequest, KVCursor, WorkerLoad
 from router.cluster_config import ClusterConfig
+from router.kv_index import KVIndex
 from router.load_ledger import LoadLedger
 from router.worker_shutdown import join_threads, stop_actors
 from router.worker_slots import CALL_TIMEOUT_S, WorkerLauncher, WorkerSlot
@@ -112,6 +113,9 @@ class WorkerPool:
         self._slots = {w.slot: WorkerSlot(w.slot, w.role) for w in workers}
         self._slots.update((slot.name, slot) for slot in slots)
         self._launcher = launcher
+        # what each worker's prefix cache holds, from the KV events its load reports carry;
+        # kept for the kv_aware policy only (None: the reports carry no events)
+        self.kv_index = KVIndex() if config.router_policy == "kv_aware" else None
         # Held while a worker joins and while a stalled prefill worker is taken back, so that
         # every prefill worker in rotation knows every decode worker (``_join``).
         self._membership = threading.Lock()
@@ -212,7 +216,7 @@ class WorkerPool:
         """
         calls = {}
         for worker in [w for w in list(self.workers.values()) if w.alive]:
-            call = worker.load_call or worker.actor.load.remote()
+            call = worker.load_call or worker.actor.load.remote(self._kv_cursor(worker))
             with self._lock:
                 if not worker.alive:  # taken out meanwhile: its call is dropped
                     continue
@@ -245,11 +249,26 @@ class WorkerPool:
                 self._report_lost(worker, stalled=True)
             return
         with self._lock:
+            if not worker.alive:  # taken out meanwhile: its KV events no longer count
+                return
+            load = self._take_kv_events_locked(worker, load)
             worker.ledger.record(load, worker.load_asked_at, is_open)
             worker.last_report, worker.report_asked_at = time.monotonic(), worker.load_asked_at
             worker.load_call = None  # the next round asks again
         if load.seconds_since_progress >= self.config.dead_after_s:  # it answers, its engine
             self._report_lost(worker, stalled=True)  # is stuck: silent all the same
+
+    def _kv_cursor(self, worker: WorkerHandle) -> KVCursor | None:
+        """What to ask a worker's KV events with (None: the index is off)."""
+        return None if self.kv_index is None else self.kv_index.cursor(worker.worker_id)
+
+    def _take_kv_events_locked(self, worker: WorkerHandle, load: WorkerLoad) -> WorkerLoad:
+        """Apply the KV events a report carries to the index; the report without them."""
+        if load.kv_events is None:
+            return load
+        if self.kv_index is not None:
+            self.kv_index.apply(worker.worker_id, load.kv_events)
+        return replace(load, kv_events=None)
 
     def take_out(self, worker: WorkerHandle, *, stalled: bool = False) -> bool:
         """Take a worker out of rotation; True if it was in rotation (the caller recovers its
@@ -267,6 +286,8 @@ class WorkerPool:
             worker.alive, worker.stalled = False, stalled
             worker.load_call = None
             worker.ledger.drop_all()  # its reports stopped: nothing else would drop them
+            if self.kv_index is not None:  # its blocks are not routed to any more
+                self.kv_index.forget(worker.worker_id)
         if not stalled:
             self._on_process_gone(worker)
         return True

@@ -229,7 +229,7 @@ def test_serve_prints_its_urls_answers_http_and_stops_on_ctrl_c(chat_model_dir: 
     extra += ("--prefill", "1", "--decode", "1")
     with _serving(chat_model_dir, *extra, "--dtype", "float32") as (text, url, pid):
         assert (
-            "1 prefill + 1 decode workers (policy least_loaded, KV over shm within a host, gloo between hosts)"
+            "1 prefill + 1 decode workers (policy kv_aware, KV over shm within a host, gloo between hosts)"
             in text
         ), text
         assert "gRPC         127.0.0.1:" in text and "curl http://127.0.0.1:" in text
@@ -492,6 +492,9 @@ class _IdleCluster:
 
     def worker_restarts(self) -> list[SlotRestarts]:
         return []
+
+    def prefix_hit_stats(self) -> None:
+        return None
 
 
 @pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])

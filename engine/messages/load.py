@@ -1,11 +1,15 @@
 """What a worker reports to the router: its load, for routing, and its totals, for metrics.
 
-The router asks each worker for a ``WorkerLoad`` every report interval (an actor call).
+The router asks each worker for a ``WorkerLoad`` every report interval (an actor call), with
+the cursor of the worker's KV events it has followed so far: the report carries the events
+after it (engine/messages/kv_events.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine.messages.kv_events import KVEventsReply
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +21,9 @@ class WorkerCounters:
     num_preemptions: int = 0  # sequences preempted for lack of KV blocks (recomputed later)
     num_prefix_cache_queried_tokens: int = 0  # prompt tokens (full blocks) looked up in the cache
     num_prefix_cache_hit_tokens: int = 0  # of those, the tokens found
+    num_prefix_cache_host_hit_tokens: int = 0  # of the tokens found, those the host tier held
+    num_kv_offloaded_bytes: int = 0  # KV bytes copied from the device cache to the host tier
+    num_kv_loaded_bytes: int = 0  # KV bytes copied from the host tier back to the device cache
     num_kv_transfers: int = 0  # KV hand-offs sent (prefill) or received (decode)
     num_kv_transfer_bytes: int = 0  # their payload bytes
     kv_transfer_seconds: float = 0.0  # their wall time
@@ -41,3 +48,6 @@ class WorkerLoad:
     # seconds since the engine loop last finished a turn (a step, or a wait for work): it
     # grows only while a step hangs or the loop cannot run; the report itself never waits
     seconds_since_progress: float = 0.0
+    # the prefix cache's KV events after the cursor the router asked with (None: it asked with
+    # none, or the worker records none); the router's index takes them out of the report
+    kv_events: KVEventsReply | None = None

@@ -27,12 +27,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 
 from engine.messages.first_token import HOPS, FirstTokenTrace
+from router.kv_aware import HIT_TOKEN_BUCKETS, PrefixHitStats
 
 if TYPE_CHECKING:
     from router.cluster import SlotRestarts, WorkerStatus
@@ -138,16 +140,19 @@ class _WorkerCollector(Collector):
 
 
 class _RouterCollector(Collector):
-    """The router's own counts: prompts it had decode workers prefill, by reason, and workers
-    started in a slot of a pool after its first one died."""
+    """The router's own counts: prompts it had decode workers prefill, by reason, workers
+    started in a slot of a pool after its first one died, and (kv_aware) the cached tokens of
+    the prompts it routed."""
 
     def __init__(
         self,
         local_prefills: Callable[[], Mapping[str, int]],
         worker_restarts: Callable[[], Sequence[SlotRestarts]],
+        prefix_hit_stats: Callable[[], PrefixHitStats | None],
     ) -> None:
         self._local_prefills = local_prefills
         self._worker_restarts = worker_restarts
+        self._prefix_hit_stats = prefix_hit_stats
 
     def collect(self) -> Iterable[Metric]:
         local = CounterMetricFamily(
@@ -166,6 +171,33 @@ class _RouterCollector(Collector):
         for slot in self._worker_restarts():
             restarts.add_metric([slot.role, slot.slot], slot.restarts)
         yield from (local, restarts)
+        stats = self._prefix_hit_stats()
+        if stats is not None:
+            yield from _prefix_hit_metrics(stats)
+
+
+def _prefix_hit_metrics(stats: PrefixHitStats) -> Iterable[Metric]:
+    """kv_aware's routed prompts: their cached tokens on the chosen worker, as a histogram of
+    hit tokens per routed request and a count per tier."""
+    cumulative, buckets = 0, []
+    for bound, count in zip((*HIT_TOKEN_BUCKETS, float("inf")), stats.bucket_counts):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    per_request = HistogramMetricFamily(
+        "pdserve:routed_prefix_hit_tokens",
+        "kv_aware: prompt tokens the chosen prefill worker holds in cache (device or host), "
+        "per routed request",
+        buckets=buckets,
+        sum_value=stats.device_hit_tokens + stats.host_hit_tokens,
+    )
+    by_tier = CounterMetricFamily(
+        "pdserve:routed_prefix_hit_tokens_by_tier",
+        "kv_aware: prompt tokens the chosen prefill worker holds, by the tier they are in",
+        labels=["tier"],
+    )
+    by_tier.add_metric(["device"], stats.device_hit_tokens)
+    by_tier.add_metric(["host"], stats.host_hit_tokens)
+    yield from (per_request, by_tier)
 
 
 class GatewayMetrics:
@@ -176,6 +208,7 @@ class GatewayMetrics:
         worker_restarts: Callable[[], Sequence[SlotRestarts]],
         slo: SloTargets,
         model_info: Mapping[str, str] | None = None,
+        prefix_hit_stats: Callable[[], PrefixHitStats | None] = lambda: None,
     ) -> None:
         """``model_info``: labels of ``pdserve:model_info`` (the served model's name, its
         weights' quantization and what its KV cache stores), a gauge of 1 as Prometheus info
@@ -183,7 +216,7 @@ class GatewayMetrics:
         self.slo = slo
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_WorkerCollector(worker_statuses))
-        self.registry.register(_RouterCollector(local_prefills, worker_restarts))
+        self.registry.register(_RouterCollector(local_prefills, worker_restarts, prefix_hit_stats))
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

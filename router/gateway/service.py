@@ -36,6 +36,7 @@ from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import GenerationBackend, TextGeneration
+from router.kv_aware import PrefixHitStats
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -57,6 +58,8 @@ class ClusterBackend(GenerationBackend, Protocol):
     def local_prefills(self) -> dict[str, int]: ...
 
     def worker_restarts(self) -> list[SlotRestarts]: ...
+
+    def prefix_hit_stats(self) -> PrefixHitStats | None: ...
 
     def is_ready(self) -> bool: ...
 
@@ -108,6 +111,7 @@ class Gateway:
                 "quantization": model.quantization or "none",
                 "kv_cache_dtype": model.kv_cache_dtype,
             },
+            prefix_hit_stats=backend.prefix_hit_stats,
         )
         self.num_in_flight = 0
         self.draining = False  # shutting down: new requests are refused

@@ -16,6 +16,9 @@ class OneLiveWorker:
     def worker_restarts(self) -> list[SlotRestarts]:
         return []
 
+    def prefix_hit_stats(self) -> None:
+        return None
+
     def is_ready(self) -> bool:
         return True
 

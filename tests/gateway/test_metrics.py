@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.messages import WorkerCounters, WorkerLoad
 from engine.messages.first_token import HOPS
+from engine.messages.kv_events import KV_TIERS
 from router.cluster import SlotRestarts, WorkerStatus
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.server import GatewayServer
@@ -139,6 +140,7 @@ def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewaySer
         | set(LOCAL_PREFILL_REASONS)
         | {"ok", "invalid", "unauthorized", "rejected", "failed", "aborted"}
         | set(HOPS)  # first_token_hop_seconds{hop}
+        | set(KV_TIERS)  # routed_prefix_hit_tokens_by_tier{tier}
         # model_info{model_name, quantization, kv_cache_dtype}: the server's own
         | {MODEL_NAME, "none", gateway_server.gateway.model.kv_cache_dtype}
     )

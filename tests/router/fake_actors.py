@@ -20,7 +20,7 @@ import router.cluster
 import router.output_pump
 import router.placements
 import router.worker_pool
-from engine.messages import GenerateRequest, TokenEvent, WorkerLoad
+from engine.messages import GenerateRequest, KVCursor, TokenEvent, WorkerLoad
 from engine.sampling.params import SamplingParams
 from router.cluster import Cluster, WorkerHandle
 from router.cluster_config import ClusterConfig
@@ -143,7 +143,8 @@ class FakeActor:
         self.targets[request_id] = decode_id
         return True
 
-    def do_load(self) -> WorkerLoad:
+    def do_load(self, kv_cursor: KVCursor | None = None) -> WorkerLoad:
+        """An idle worker's load (one whose cache holds nothing: no KV events)."""
         return WorkerLoad(self.worker_id, 0, 0, 0, 0.0)
 
 

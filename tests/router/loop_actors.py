@@ -17,7 +17,7 @@ from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
 from engine.kv_cache.budget import KVBudget
 from engine.llm_engine import LLMEngine
-from engine.messages import GenerateRequest, OutputBatch
+from engine.messages import GenerateRequest, KVCursor, OutputBatch, WorkerLoad
 from engine.scheduler import SchedulerConfig
 from router.cluster import Cluster, WorkerHandle
 from router.cluster_config import ClusterConfig
@@ -38,6 +38,9 @@ class LoopActor(FakeActor):
     def do_abort(self, request_id: str) -> None:
         super().do_abort(request_id)
         self.loop.abort(request_id)
+
+    def do_load(self, kv_cursor: KVCursor | None = None) -> WorkerLoad:
+        return self.loop.load(kv_cursor=kv_cursor)
 
     @property
     def stream(self) -> _LoopStream:
@@ -74,17 +77,21 @@ class LoopCluster:
             actor.loop.stop()
 
 
-def loop_cluster(model_dir: Path, num_prefill: int, **config: Any) -> LoopCluster:
+def loop_cluster(
+    model_dir: Path, num_prefill: int, num_kv_blocks: int = 256, **config: Any
+) -> LoopCluster:
     """``num_prefill`` prefill workers (0: colocated) and one decode worker, each on an engine
-    loop over ``model_dir``; the output pumps run, the load monitor does not."""
+    loop over ``model_dir`` with a cache of ``num_kv_blocks`` blocks of 8 tokens; the output
+    pumps run, the load monitor does not."""
     actors: dict[str, LoopActor] = {}
     for role, worker_id in [("decode", "decode-0")] + [
         ("prefill", f"prefill-{i}") for i in range(num_prefill)
     ]:
         engine = LLMEngine(
             LoadConfig(str(model_dir), dtype="float32", device="cpu"),
-            CacheConfig(block_size=8, budget=KVBudget(num_blocks=256)),
+            CacheConfig(block_size=8, budget=KVBudget(num_blocks=num_kv_blocks)),
             SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+            record_kv_events=True,
         )
         loop = EngineLoop(engine, worker_id)
         loop.start()
@@ -93,6 +100,7 @@ def loop_cluster(model_dir: Path, num_prefill: int, **config: Any) -> LoopCluste
             actor.peers = {"decode-0": actors["decode-0"]}
     handles = [WorkerHandle(a.worker_id, a.role, a) for a in actors.values()]
     handles.sort(key=lambda w: w.role != "prefill")
+    config.setdefault("block_size", 8)  # the engines' (the router hashes prompts alike)
     cluster_config = ClusterConfig(
         model_dir=str(model_dir), num_prefill=num_prefill, num_decode=1, **config
     )

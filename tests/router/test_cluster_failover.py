@@ -452,7 +452,7 @@ def test_a_worker_taken_out_by_a_placement_during_a_poll_is_skipped_by_the_poll(
     _first_of(cluster, "decode-1")
     tracker, _ = submit(cluster, "r1", max_tokens=4)
 
-    def load_finding_decode_1_dead() -> WorkerLoad:
+    def load_finding_decode_1_dead(kv_cursor: object = None) -> WorkerLoad:
         actors["decode-1"].dead = True
         cluster.placements._lose(cluster.pool.workers["decode-1"])
         return WorkerLoad("decode-0", 0, 0, 0, 0.0)
@@ -470,7 +470,7 @@ def test_a_worker_a_failed_poll_took_out_is_recovered_by_the_next() -> None:
     tracker, _ = submit(cluster, "r1", max_tokens=4)
     actors["decode-0"].dead = True
 
-    def broken_load() -> WorkerLoad:
+    def broken_load(kv_cursor: object = None) -> WorkerLoad:
         raise RuntimeError("a bug in a load report")
 
     actors["decode-1"].do_load = broken_load  # type: ignore[method-assign]
@@ -495,7 +495,7 @@ def test_a_worker_whose_engine_is_stuck_is_late_then_stalled_though_it_answers()
     _first_of(cluster, "decode-0")
     first, _ = submit(cluster, "r1", max_tokens=4)
     stuck_s = 5.0
-    actors["decode-0"].do_load = lambda: _stuck_for("decode-0", stuck_s)  # type: ignore[method-assign]
+    actors["decode-0"].do_load = lambda kv_cursor=None: _stuck_for("decode-0", stuck_s)  # type: ignore[method-assign]
     cluster.poll()
     decode_0 = cluster.pool.workers["decode-0"]
     assert decode_0.alive

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from engine.messages import WorkerLoad
+from router.placements import make_policy
 from router.policies import (
     LeastLoaded,
     NoWorkerError,
     PrefixAffinity,
     RoundRobin,
     RoutingInfo,
-    make_policy,
 )
 
 
