@@ -18,6 +18,7 @@ from bench.serving.report import (
     result_dict,
     summary_table,
     sweep_dict,
+    turn_table,
     write_json,
 )
 from bench.serving.runner import BenchConfig, BenchmarkError, run_benchmark, sweep
@@ -60,11 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix prompts")
     work.add_argument("--prefix-len", type=int, default=256, help="shared-prefix length")
     work.add_argument("--suffix-range", type=int_pair, default=(16, 64), metavar="MIN,MAX")
+    work.add_argument("--num-conversations", type=int, default=64, help="multi-turn")
+    work.add_argument("--num-turns", type=int, default=6, help="multi-turn: per conversation")
+    work.add_argument("--system-prompt-len", type=int, default=1000, help="multi-turn: shared")
+    work.add_argument(
+        "--user-range", type=int_pair, default=(50, 200), metavar="MIN,MAX", help="multi-turn"
+    )
+    work.add_argument(
+        "--reply-range", type=int_pair, default=(100, 200), metavar="MIN,MAX", help="multi-turn"
+    )
     work.add_argument("--num-prompts", type=int, default=100)
     work.add_argument("--seed", type=int, default=0)
 
     load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=math.inf, help="req/s or inf")
+    load.add_argument(
+        "--request-rate", type=float, default=math.inf, help="req/s or inf (multi-turn: conv/s)"
+    )
     load.add_argument("--request-rates", type=_float_list, default=None, help="sweep: 1,2,4,inf")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     load.add_argument(
@@ -76,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--slo-ttft-ms", type=float, default=None)
     out.add_argument("--slo-tpot-ms", type=float, default=None)
     out.add_argument("--percentiles", type=_float_list, default=(50.0, 90.0, 99.0))
+    out.add_argument(
+        "--server-counters",
+        action="store_true",
+        help="read the server's /metrics before and after: prefill tokens, prefix hit rate",
+    )
     out.add_argument("--result-json", type=Path, default=None)
     out.add_argument("--plot-dir", type=Path, default=None)
     out.add_argument("--no-progress", action="store_true")
@@ -103,7 +120,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         num_prefixes=args.num_prefixes,
         prefix_len=args.prefix_len,
         suffix_range=args.suffix_range,
+        num_conversations=args.num_conversations,
+        num_turns=args.num_turns,
+        system_prompt_len=args.system_prompt_len,
+        user_range=args.user_range,
+        reply_range=args.reply_range,
     )
+    if workload.kind == "multi-turn" and endpoint.endpoint != "completions":
+        raise ValueError("the multi-turn workload sends token ids: use --endpoint completions")
     return BenchConfig(
         endpoint=endpoint,
         tokenizer_dir=args.tokenizer or args.model,
@@ -115,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         num_warmups=args.num_warmups,
         percentiles=tuple(args.percentiles),
         progress=not args.no_progress,
+        server_counters=args.server_counters,
     )
 
 
@@ -137,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench.serve: {error}", file=sys.stderr)
         return 1
     print(summary_table(runs))
+    for run in runs:
+        if run.reply_token_ids is not None:  # multi-turn
+            print(f"\nrate {rate_label(run.config.arrivals.request_rate)}:\n{turn_table(run)}")
     if args.result_json is not None:
         print(f"wrote {write_json(args.result_json, payload)}")
     if args.plot_dir is not None:

@@ -3,7 +3,10 @@
 The request goes out as ``POST {base_url}/completions`` (or ``/chat/completions``) with
 ``stream: true`` and ``stream_options.include_usage``; the reply is read as server-sent
 events: ``data: {json}`` lines until ``data: [DONE]``. A non-200 status, an ``{"error": ...}``
-event, a stream that ends without ``[DONE]`` or a transport error fails the request.
+event, a stream that ends without ``[DONE]`` or a transport error fails the request. A prompt
+given as token ids goes out as a list of ints (completions); with ``return_token_ids`` (vLLM's
+field, which pdserve's completions implement too) the chunks' ``token_ids`` make up the reply's
+token ids.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class EndpointConfig:
     temperature: float = 0.0  # sampling temperature (0 = greedy)
     ignore_eos: bool = True  # generate exactly max_tokens (vLLM and pdserve accept it)
     timeout_s: float = 600.0  # per-request limit on connecting and on each read
+    return_token_ids: bool = False  # ask for the reply's token ids (completions)
 
     @property
     def url(self) -> str:
@@ -51,11 +55,25 @@ def request_body(config: EndpointConfig, request: BenchRequest) -> dict[str, Any
     }
     if config.ignore_eos:
         body["ignore_eos"] = True
-    if config.endpoint == "chat":
+    if config.return_token_ids:
+        body["return_token_ids"] = True
+    if request.prompt_token_ids is not None:
+        if config.endpoint == "chat":
+            raise ValueError("a prompt of token ids is sent to completions only")
+        body["prompt"] = list(request.prompt_token_ids)
+    elif config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         body["prompt"] = request.prompt
     return body
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a request generated, beside its record's timings."""
+
+    text: str  # the generated text, all chunks joined
+    token_ids: tuple[int, ...] | None  # the chunks' token_ids joined; None: the server sent none
 
 
 @dataclass(slots=True)
@@ -64,6 +82,7 @@ class _Stream:
 
     chunk_times: list[float]  # perf_counter() of each chunk with text
     texts: list[str]  # the text of those chunks
+    token_ids: list[int] | None = None  # the chunks' token_ids; None until a chunk has some
     usage: dict[str, Any] | None = None  # the last non-null ``usage`` seen
     done: bool = False  # ``data: [DONE]`` arrived
     error: str = ""  # why the stream failed
@@ -77,6 +96,18 @@ async def stream_request(
     origin: float,
 ) -> RequestRecord:
     """Send ``request`` and time its stream; ``origin`` is the benchmark's perf_counter start."""
+    record, _ = await stream_reply(client, config, request, count_tokens, origin)
+    return record
+
+
+async def stream_reply(
+    client: httpx.AsyncClient,
+    config: EndpointConfig,
+    request: BenchRequest,
+    count_tokens: Callable[[str], int],
+    origin: float,
+) -> tuple[RequestRecord, Reply]:
+    """``stream_request``, and what the request generated."""
     state = _Stream([], [])
     start = time.perf_counter()
     try:
@@ -92,7 +123,9 @@ async def stream_request(
     end = time.perf_counter()
     if not state.error and not state.done:
         state.error = "stream ended without data: [DONE]"
-    return _record(request, state, start - origin, end - start, start, count_tokens)
+    record = _record(request, state, start - origin, end - start, start, count_tokens)
+    token_ids = tuple(state.token_ids) if state.token_ids is not None else None
+    return record, Reply("".join(state.texts), token_ids)
 
 
 async def _read_events(response: httpx.Response, endpoint: Endpoint, state: _Stream) -> None:
@@ -110,6 +143,10 @@ async def _read_events(response: httpx.Response, endpoint: Endpoint, state: _Str
             return
         if payload.get("usage"):
             state.usage = payload["usage"]
+        token_ids = chunk_token_ids(payload)
+        if token_ids is not None:
+            state.token_ids = state.token_ids or []
+            state.token_ids.extend(token_ids)
         text = chunk_text(payload, endpoint)
         if text:
             state.chunk_times.append(now)
@@ -127,6 +164,16 @@ def chunk_text(payload: dict[str, Any], endpoint: Endpoint) -> str:
     return "".join(parts)
 
 
+def chunk_token_ids(payload: dict[str, Any]) -> list[int] | None:
+    """The output token ids in one stream chunk (all choices); None when it carries none."""
+    found = [
+        choice["token_ids"]
+        for choice in payload.get("choices") or []
+        if choice.get("token_ids") is not None
+    ]
+    return [int(t) for ids in found for t in ids] if found else None
+
+
 def _record(
     request: BenchRequest,
     state: _Stream,
@@ -141,6 +188,8 @@ def _record(
         output_tokens, source = int(usage["completion_tokens"]), "usage"
     else:
         output_tokens, source = count_tokens("".join(state.texts)), "tokenizer"
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
     return RequestRecord(
         index=request.index,
         prompt_len=int(usage.get("prompt_tokens") or request.prompt_len),
@@ -153,6 +202,9 @@ def _record(
         itl_s=tuple(later - earlier for earlier, later in zip(times, times[1:])),
         output_tokens=output_tokens,
         output_tokens_source=source,
+        conversation_id=request.conversation_id,
+        turn_index=request.turn_index,
+        cached_tokens=int(cached) if cached is not None else None,
     )
 
 

@@ -34,6 +34,11 @@ class RequestRecord:
     itl_s: tuple[float, ...] = ()  # gaps between consecutive text chunks
     output_tokens: int = 0  # usage's completion_tokens, else the tokenizer's count
     output_tokens_source: str = "usage"  # "usage" or "tokenizer"
+    conversation_id: int | None = None  # multi-turn: the conversation it is a turn of
+    turn_index: int | None = None  # multi-turn: its turn (0 first)
+    # prompt tokens the server's prefix cache served (usage's prompt_tokens_details); None:
+    # the server did not say
+    cached_tokens: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -103,6 +108,20 @@ def latency_stats(
         mean_ms=float(values_ms.mean()),
         percentiles_ms={percentile_key(p): float(np.percentile(values_ms, p)) for p in percentiles},
     )
+
+
+def per_turn_ttft(
+    records: Sequence[RequestRecord], percentiles: Sequence[float] = DEFAULT_PERCENTILES
+) -> dict[int, LatencyStats]:
+    """TTFT stats of the successful turns of each turn index (multi-turn records), in order."""
+    samples: dict[int, list[float]] = {}
+    for record in records:
+        if record.turn_index is None:
+            continue
+        turn = samples.setdefault(record.turn_index, [])
+        if record.success and record.ttft_s is not None:
+            turn.append(record.ttft_s)
+    return {turn: latency_stats(samples[turn], percentiles) for turn in sorted(samples)}
 
 
 def summarize(

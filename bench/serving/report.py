@@ -10,22 +10,34 @@ from typing import Any
 
 from bench.results_json import jsonable
 from bench.results_json import write_json as write_json  # re-exported for existing callers
+from bench.serving.metrics import per_turn_ttft
 from bench.serving.runner import BenchResult, SweepResult
+from bench.serving.server_metrics import ServerCounters
 
 
 def result_dict(result: BenchResult) -> dict[str, Any]:
+    """Settings, aggregates and per-request records; the server's counters when read, and for
+    a multi-turn workload the TTFT stats of each turn index and the replies' ids' source."""
     records = [{**asdict(r), "tpot_s": r.tpot_s} for r in result.records]
     config = asdict(result.config)
     if config["endpoint"]["api_key"]:
         config["endpoint"]["api_key"] = "<redacted>"  # results get shared; keys must not be
-    return jsonable(
-        {
-            "started_at": result.started_at,
-            "config": config,
-            "summary": asdict(result.summary),
-            "records": records,
-        }
-    )
+    body: dict[str, Any] = {
+        "started_at": result.started_at,
+        "config": config,
+        "summary": asdict(result.summary),
+    }
+    if result.server_counters is not None:
+        body["server_counters"] = counters_dict(result.server_counters)
+    if result.reply_token_ids is not None:
+        body["reply_token_ids"] = result.reply_token_ids
+        turns = per_turn_ttft(result.records, result.config.percentiles)
+        body["per_turn_ttft"] = {str(turn): asdict(stats) for turn, stats in turns.items()}
+    return jsonable({**body, "records": records})
+
+
+def counters_dict(counters: ServerCounters) -> dict[str, Any]:
+    return {**asdict(counters), "prefix_hit_rate": counters.prefix_hit_rate}
 
 
 def sweep_dict(result: SweepResult) -> dict[str, Any]:
@@ -112,12 +124,46 @@ def summary_table(results: Sequence[BenchResult]) -> str:
     return "\n".join(lines)
 
 
+def turn_table(result: BenchResult) -> str:
+    """A multi-turn run's TTFT by turn index, and the server's counters if read."""
+    header = f"{'turn':>4} {'ok':>5} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'mean prompt':>11}"
+    lines = [header, "-" * len(header)]
+    prompts: dict[int, list[int]] = {}
+    for record in result.records:
+        if record.success and record.turn_index is not None:
+            prompts.setdefault(record.turn_index, []).append(record.prompt_len)
+    for turn, stats in per_turn_ttft(result.records, result.config.percentiles).items():
+        lengths = prompts.get(turn, [])
+        mean = f"{sum(lengths) / len(lengths):.0f}" if lengths else "-"
+        lines.append(
+            f"{turn:>4} {stats.count:>5} {_ms(stats.percentile(50)):>9} "
+            f"{_ms(stats.percentile(90)):>8} {_ms(stats.percentile(99)):>8} {mean:>11}"
+        )
+    lines.append(f"(replies' token ids from the {result.reply_token_ids}; latencies in ms)")
+    counters = result.server_counters
+    if counters is not None:
+        rate = counters.prefix_hit_rate
+        lines.append(
+            f"server ({counters.server}): prompt tokens {_count(counters.prompt_tokens)}, "
+            f"prefill tokens computed {_count(counters.prefill_tokens_computed)}, prefix hit "
+            "rate " + ("-" if rate is None else f"{rate:.1%}")
+        )
+    return "\n".join(lines)
+
+
 def _run_title(result: BenchResult, with_rate: bool = True) -> str:
     config = result.config
     title = f"{config.endpoint.model} {config.endpoint.endpoint} {config.workload.kind}"
     if with_rate:
         title += f", rate {rate_label(config.arrivals.request_rate)} req/s"
+    workload = config.workload
+    if workload.kind == "multi-turn":
+        return title + f", {workload.num_conversations} conversations x {workload.num_turns} turns"
     return title + f", {config.num_prompts} requests"
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _ms(value: float | None) -> str:

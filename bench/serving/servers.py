@@ -89,12 +89,14 @@ def vllm_server(
     served_name: str,
     max_model_len: int,
     kv_cache_gib: int = 1,
+    extra_args: tuple[str, ...] = (),
 ) -> ServerSpec:
+    """``extra_args``: more flags of vLLM's OpenAI server."""
     argv = (
         vllm_python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir, "--served-model-name", served_name, "--dtype", "float32",
         "--max-model-len", str(max_model_len), "--enforce-eager",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", "127.0.0.1", "--port", str(port), *extra_args,
     )  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     return ServerSpec("vLLM (CPU)", argv, port, "/health", env)

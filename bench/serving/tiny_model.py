@@ -9,6 +9,7 @@ the same way.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,12 +19,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 DEMO_VOCAB_SIZE = 4096  # the demo tokenizer's
 
 
-def build_tiny_llama(out_dir: Path) -> Path:
-    """Writes the model (safetensors, float32) and the demo tokenizer into ``out_dir``."""
+def build_tiny_llama(out_dir: Path, max_position_embeddings: int | None = None) -> Path:
+    """Writes the model (safetensors, float32) and the demo tokenizer into ``out_dir``.
+
+    ``max_position_embeddings``: a longer context than the model's 1024 positions (rotary
+    positions have no weights, so the weights are the same); None keeps 1024."""
     from bench.offline_throughput import build_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
     build_model(out_dir, DEMO_VOCAB_SIZE)
+    if max_position_embeddings is not None:
+        config_path = out_dir / "config.json"
+        config = json.loads(config_path.read_text())
+        config["max_position_embeddings"] = max_position_embeddings
+        config_path.write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(Path(DEMO_MODEL_DIR) / name, out_dir / name)
     return out_dir

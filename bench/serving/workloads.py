@@ -14,6 +14,11 @@ Workloads (lengths in tokens, counted without special tokens):
 - ``shared-prefix``: ``num_prefixes`` system prompts of ``prefix_len`` tokens; each request
   takes one at random plus its own suffix of a length uniform over ``suffix_range`` and asks
   for ``output_len`` tokens. A request's encoding starts with its prefix's exact token ids.
+- ``multi-turn``: ``num_conversations`` chats of ``num_turns`` turns sharing one system prompt
+  of ``system_prompt_len`` tokens; each turn adds user tokens (``user_range``) and asks for a
+  reply (``reply_range``), and sends the whole conversation so far as token ids. Its later
+  prompts hold the server's replies, so it is built as conversations (``conversations``) and
+  run turn by turn (``conversation_runner``), not as requests.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Literal
 
 from bench.serving.tokens import TokenCodec
 
-WorkloadKind = Literal["fixed", "uniform", "chat-like", "shared-prefix"]
-WORKLOAD_KINDS: tuple[WorkloadKind, ...] = ("fixed", "uniform", "chat-like", "shared-prefix")
+WorkloadKind = Literal["fixed", "uniform", "chat-like", "shared-prefix", "multi-turn"]
+WORKLOAD_KINDS: tuple[WorkloadKind, ...] = (
+    "fixed", "uniform", "chat-like", "shared-prefix", "multi-turn",
+)  # fmt: skip
 _MAX_FIXUPS = 64  # decode / re-encode rounds before a prompt's length is taken as it is
 
 
@@ -42,18 +49,27 @@ class WorkloadSpec:
     num_prefixes: int = 4  # shared-prefix: distinct system prompts
     prefix_len: int = 256  # shared-prefix: tokens per system prompt
     suffix_range: tuple[int, int] = (16, 64)  # shared-prefix: per-request suffix tokens
+    num_conversations: int = 64  # multi-turn: conversations (they arrive at the request rate)
+    num_turns: int = 6  # multi-turn: turns per conversation
+    system_prompt_len: int = 1000  # multi-turn: tokens of the system prompt all of them share
+    user_range: tuple[int, int] = (50, 200)  # multi-turn: new user tokens per turn (inclusive)
+    reply_range: tuple[int, int] = (100, 200)  # multi-turn: reply tokens per turn (inclusive)
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
             raise ValueError(f"unknown workload {self.kind!r}; choose from {WORKLOAD_KINDS}")
-        for name in ("input_range", "output_range", "suffix_range"):
+        for name in ("input_range", "output_range", "suffix_range", "user_range", "reply_range"):
             low, high = getattr(self, name)
             if not 0 <= low <= high:
                 raise ValueError(f"{name} must be 0 <= min <= max, got {(low, high)}")
-        if min(self.input_len, self.prefix_len) < 0 or self.num_prefixes < 1:
-            raise ValueError("lengths must be >= 0 and num_prefixes >= 1")
-        if min(self.output_len, self.output_range[0]) < 1:
+        if min(self.input_len, self.prefix_len, self.system_prompt_len) < 0:
+            raise ValueError("lengths must be >= 0")
+        if min(self.num_prefixes, self.num_conversations, self.num_turns) < 1:
+            raise ValueError("num_prefixes, num_conversations and num_turns must be >= 1")
+        if min(self.output_len, self.output_range[0], self.reply_range[0]) < 1:
             raise ValueError("output lengths must be >= 1")
+        if self.system_prompt_len + self.user_range[0] < 1:
+            raise ValueError("a multi-turn first prompt needs at least one token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +79,22 @@ class BenchRequest:
     prompt_len: int  # tokens the prompt encodes to (without special tokens)
     output_len: int  # tokens asked for (max_tokens, with ignore_eos)
     prefix_id: int | None = None  # shared-prefix: which system prompt it starts with
+    # sent as the prompt instead of the text when set (completions only; multi-turn)
+    prompt_token_ids: tuple[int, ...] | None = None
+    conversation_id: int | None = None  # multi-turn: the conversation it is a turn of
+    turn_index: int | None = None  # multi-turn: its turn (0 first)
 
 
 def build_requests(
     spec: WorkloadSpec, codec: TokenCodec, num_requests: int, seed: int
 ) -> list[BenchRequest]:
-    """``num_requests`` requests of ``spec``, the same for the same seed."""
+    """``num_requests`` requests of ``spec``, the same for the same seed. A multi-turn workload
+    is built with ``conversations.build_conversations`` instead (ValueError here)."""
+    if spec.kind == "multi-turn":
+        raise ValueError(
+            "a multi-turn workload's later prompts hold the server's replies: build it with "
+            "bench.serving.conversations.build_conversations"
+        )
     rng = random.Random(seed)
     if spec.kind == "shared-prefix":
         return _shared_prefix_requests(spec, codec, num_requests, rng)

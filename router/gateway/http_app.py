@@ -37,6 +37,7 @@ from router.gateway.openai_response import (
     Echo,
     LogprobsFormatter,
     ResponseHeader,
+    TokenIds,
     chat_response,
     completion_response,
     output_decoder,
@@ -326,7 +327,8 @@ async def _respond_whole(
             header, choices, usage, logprobs, job.tool_calls, job.reasoning, decode
         )
     else:
-        body = completion_response(header, choices, total_usage(generations), logprobs)
+        token_ids = TokenIds(job.returned_prompt_token_ids(), job.n)
+        body = completion_response(header, choices, total_usage(generations), logprobs, token_ids)
     # the response's id in X-Request-Id, as OpenAI sends (openai's client reads _request_id)
     return JSONResponse(body, headers={"X-Request-Id": header.id})
 

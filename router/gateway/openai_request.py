@@ -10,6 +10,8 @@ are cut to ``truncate_prompt_tokens`` (``truncation``) as they are tokenized; ``
 on the job for the response to apply. vLLM's ``prompt_logprobs``, and ``echo`` with ``logprobs``
 on completions, ask the workers for the prompt's logprobs (``prompt_logprobs``) as vLLM does.
 vLLM's ``priority`` goes with every prompt's job (0 unless the workers schedule by priority).
+vLLM's ``return_token_ids`` (completions only) has each choice show its prompt's token ids and
+its output's.
 Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) are checked in
 ``structured_fields``; chat's ``tools`` and ``tool_choice``, which may constrain the output
 instead, in ``tool_fields``; under ``--reasoning-parser``, chat's reasoning options and the
@@ -69,6 +71,16 @@ class OpenAIJob:
     tool_calls: ToolCallMode | None = None
     # chat under --reasoning-parser: how the output's reasoning is split off first; None: not
     reasoning: ReasoningMode | None = None
+    # completions: vLLM's return_token_ids, each choice carries its prompt's token ids and its
+    # output's (streamed: the prompt's in the choice's first chunk, the output's per chunk)
+    return_token_ids: bool = False
+
+    def returned_prompt_token_ids(self) -> list[list[int]] | None:
+        """Per prompt, the token ids its choices return under ``return_token_ids``; None when
+        the request did not ask for them."""
+        if not self.return_token_ids:
+            return None
+        return [spec.prompt_token_ids for spec in self.specs]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +111,8 @@ def parse_job(
     stream = optional_field(body, "stream", bool) or False
     include_usage = _stream_options(body, stream)
     include_stop = optional_field(body, "include_stop_str_in_output", bool, False)
+    # (refused on chat by check_unsupported when true)
+    return_token_ids = optional_field(body, "return_token_ids", bool, False)
     priority = optional_field(body, "priority", int, 0)  # checked in make_spec, as gRPC's
     wire_names: dict[str, str] = {}
     tools = checked_tools(body, model.tool_call_parser) if kind == "chat" else None
@@ -158,6 +172,7 @@ def parse_job(
         show_prompt_logprobs=not stream and sampling["prompt_logprobs"] is not None,
         tool_calls=tools.mode if tools is not None else None,
         reasoning=reasoning,
+        return_token_ids=kind == "completion" and return_token_ids,
     )
 
 

@@ -117,6 +117,29 @@ class Echo:
         return self.texts[index // self.n]
 
 
+@dataclass(slots=True)
+class TokenIds:
+    """vLLM's ``return_token_ids`` on completion choices: every choice (a stream: every chunk)
+    shows its output's token ids, and its prompt's once: in the choice (a stream: its first
+    chunk)."""
+
+    prompts: list[list[int]] | None  # per prompt (choice index // n); None: not asked for
+    n: int  # choices per prompt
+    _sent: set[int] = field(default_factory=set)  # choices that showed their prompt's
+
+    def fields(self, index: int, token_ids: Sequence[int]) -> dict[str, list[int]]:
+        """The fields choice ``index`` adds for its output tokens ``token_ids``; {} when not
+        asked for."""
+        if self.prompts is None:
+            return {}
+        shown: dict[str, list[int]] = {}
+        if index not in self._sent:
+            self._sent.add(index)
+            shown["prompt_token_ids"] = list(self.prompts[index // self.n])
+        shown["token_ids"] = list(token_ids)
+        return shown
+
+
 class LogprobsFormatter:
     """Token logprobs as OpenAI shows them: token text, logprob, top alternatives (-inf, which
     structured outputs give the tokens they forbid, as vLLM's -9999.0)."""
@@ -202,7 +225,9 @@ def completion_response(
     choices: Sequence[ChoiceText],
     usage: Usage,
     logprobs: LogprobsFormatter | None,
+    token_ids: TokenIds | None = None,
 ) -> dict[str, Any]:
+    """``token_ids``: the choices' token ids under ``return_token_ids``; None: not shown."""
     body = []
     for i, choice in enumerate(choices):
         entry = {
@@ -215,6 +240,8 @@ def completion_response(
         }
         if choice.prompt_logprobs is not None:  # vLLM's extra field, on each choice
             entry["prompt_logprobs"] = choice.prompt_logprobs
+        if token_ids is not None:  # vLLM's extra fields, on each choice
+            entry.update(token_ids.fields(i, choice.token_ids))
         body.append(entry)
     return {**_envelope(header, "text_completion", body), "usage": usage.body()}
 
@@ -255,14 +282,21 @@ def chat_response(
 
 
 def completion_chunk(
-    header: ResponseHeader, index: int, delta: SampleDelta, logprobs: dict[str, Any] | None
+    header: ResponseHeader,
+    index: int,
+    delta: SampleDelta,
+    logprobs: dict[str, Any] | None,
+    token_ids: TokenIds | None = None,
 ) -> dict[str, Any]:
+    """``token_ids``: the choices' token ids under ``return_token_ids``; None: not shown."""
     choice = {
         "index": index,
         "text": delta.text,
         "logprobs": logprobs,
         "finish_reason": delta.finish_reason,
     }
+    if token_ids is not None:
+        choice.update(token_ids.fields(index, delta.token_ids))
     return _envelope(header, "text_completion", [choice])
 
 

@@ -33,6 +33,7 @@ from router.gateway.openai_response import (
     Echo,
     LogprobsFormatter,
     ResponseHeader,
+    TokenIds,
     Usage,
     chat_chunk,
     completion_chunk,
@@ -84,6 +85,7 @@ async def _chunks(
     offsets = [0] * (len(generations) * job.n)  # text offsets for completion logprobs
     unfinished = set(range(len(offsets)))
     echo = Echo(job.echo_texts, job.n)
+    token_ids = TokenIds(job.returned_prompt_token_ids(), job.n)  # completions' return_token_ids
     chat_deltas = ChatDeltas(job.tool_calls, job.reasoning)  # reasoning, content or calls
     # under a reasoning parser, each choice's output, whose thought's tokens the usage counts
     counted = job.reasoning is not None and job.include_usage
@@ -114,7 +116,7 @@ async def _chunks(
                 else:
                     generation = generations[prompt_index]
                     chunk = _completion_chunk(
-                        job, header, index, delta, echo, generation, formatter, offsets
+                        job, header, index, delta, echo, token_ids, generation, formatter, offsets
                     )
                 yield _with_usage(chunk, job)
     except (asyncio.CancelledError, anyio.get_cancelled_exc_class(), GeneratorExit):
@@ -122,7 +124,8 @@ async def _chunks(
         raise
     if live.aborted.is_set():  # an Abort call cut it short: end each choice as gRPC does
         for index in sorted(unfinished):
-            yield _with_usage(_aborted_chunk(job, header, index, echo.first(index)), job)
+            chunk = _aborted_chunk(job, header, index, echo.first(index), token_ids)
+            yield _with_usage(chunk, job)
     gateway.record_ended(generations, aborted=live.aborted.is_set())
     if job.include_usage:
         name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
@@ -146,13 +149,14 @@ def _completion_chunk(
     index: int,
     delta: SampleDelta,
     echo: Echo,
+    token_ids: TokenIds,
     generation: TextGeneration,
     formatter: LogprobsFormatter | None,
     offsets: list[int],
 ) -> dict[str, Any]:
     """Choice ``index``'s chunk of ``delta``: its first carries the echo (and, with logprobs,
-    the prompt's entries first); ``offsets[index]`` moves on by the tokens' text, as the whole
-    response counts it."""
+    the prompt's entries first) and, under return_token_ids, the prompt's token ids;
+    ``offsets[index]`` moves on by the tokens' text, as the whole response counts it."""
     delta = shown(job, delta)
     logprobs = None
     if formatter is not None:
@@ -161,16 +165,18 @@ def _completion_chunk(
         logprobs = formatter.completion(delta.logprobs, offset, head)
         offsets[index] += sum(map(len, logprobs["tokens"]))
     delta = dataclasses.replace(delta, text=echo.first(index) + delta.text)
-    return completion_chunk(header, index, delta, logprobs)
+    return completion_chunk(header, index, delta, logprobs, token_ids)
 
 
-def _aborted_chunk(job: OpenAIJob, header: ResponseHeader, index: int, echo: str) -> dict[str, Any]:
+def _aborted_chunk(
+    job: OpenAIJob, header: ResponseHeader, index: int, echo: str, token_ids: TokenIds
+) -> dict[str, Any]:
     """The last chunk of a choice that an Abort call ended: no text but its echo, if it had not
-    been sent yet; finish_reason "abort"."""
+    been sent yet (and its prompt's token ids under return_token_ids); finish_reason "abort"."""
     if job.kind == "chat":
         return chat_chunk(header, index, {}, "abort", None)
     delta = SampleDelta(index % job.n, echo, [], [], "abort")
-    return completion_chunk(header, index, delta, None)
+    return completion_chunk(header, index, delta, None, token_ids)
 
 
 def _with_usage(chunk: dict[str, Any], job: OpenAIJob) -> dict[str, Any]:
