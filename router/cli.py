@@ -140,6 +140,14 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "of computing it (default %(default)s)",
     )
     cluster.add_argument(
+        "--kv-aware-local-prefill-weight",
+        type=float,
+        default=KVAwareWeights().local_prefill_weight,
+        help="kv_aware: what a prompt token computed on a decode worker that holds the rest of "
+        "the prompt (a conversation's earlier turns) costs, in tokens computed on a prefill "
+        "worker (default %(default)s)",
+    )
+    cluster.add_argument(
         "--kv-transport",
         default="auto",
         choices=["auto", "gloo", "shm", "nccl", "cuda_ipc"],
@@ -498,7 +506,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         address=args.address,
         node_ip=args.node_ip,
         router_policy=args.router_policy,
-        kv_aware=KVAwareWeights(args.kv_aware_queue_weight, args.kv_aware_host_hit_weight),
+        kv_aware=KVAwareWeights(
+            args.kv_aware_queue_weight,
+            args.kv_aware_host_hit_weight,
+            args.kv_aware_local_prefill_weight,
+        ),
         kv_transport=args.kv_transport,
         kv_transfer_checksum=args.kv_transfer_checksum,
         block_size=args.block_size,

@@ -10,8 +10,17 @@ on device-or-host. The worker's cost for the prompt, in prompt tokens' worth of 
 
 and the cheapest worker wins (ties: fewer queued tokens, fewer waiting, then worker id; with no
 hits anywhere that is least_loaded's choice). A prompt's hashes carry its tenant's salt, so one
-tenant's cached blocks never attract another's prompts. The decode worker is least_loaded's:
-lowest KV usage, then fewest sequences.
+tenant's cached blocks never attract another's prompts.
+
+Decode workers publish their caches too, and after a conversation's turn the decode worker that
+generated the reply holds the whole conversation so far (the prompt it received and the reply's
+blocks). So a decode worker holding a prefix of the prompt is a candidate as well: it would
+prefill the rest itself, with no hand-off, at the same cost with its own queue and each token it
+computes weighed by ``local_prefill_weight`` (its running batch waits meanwhile). When one of
+them is cheaper than every prefill worker, the prompt goes there (a local prefill, reason
+"cached"); else to the cheapest prefill worker, and its decode worker is least_loaded's:
+lowest KV usage, then fewest sequences. Where decode workers prefill every prompt (colocated)
+they are chosen by the same cost.
 
 Every decision is logged at debug level with its inputs (each candidate's hits per tier, queue
 and cost), and its hit tokens per tier are counted (``PrefixHitStats``, exported as the
@@ -27,7 +36,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache.prefix_hash import BlockHash, extend_block_hashes
 from engine.messages import WorkerLoad
 from router.kv_index import KVIndex, PrefixHits
-from router.policies import LeastLoaded, NoWorkerError, RoutingInfo
+from router.policies import LeastLoaded, NoWorkerError, RoutingInfo, decode_order
 
 logger = logging.getLogger("router.kv_aware")
 # upper bounds of the hit-token histogram's buckets (a prompt's hit tokens per routed request)
@@ -42,6 +51,9 @@ class KVAwareWeights:
     queue_weight: float = 1.0
     # a token found in a worker's host tier costs this fraction of computing it (its copy back)
     host_hit_weight: float = 0.1
+    # a prompt token a decode worker computes (its running batch waits) costs this many tokens
+    # computed on a prefill worker
+    local_prefill_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.queue_weight >= 0:
@@ -49,6 +61,10 @@ class KVAwareWeights:
         if not 0 <= self.host_hit_weight <= 1:
             raise ValueError(
                 f"--kv-aware-host-hit-weight must be in [0, 1], got {self.host_hit_weight}"
+            )
+        if not self.local_prefill_weight >= 0:
+            raise ValueError(
+                f"--kv-aware-local-prefill-weight must be >= 0, got {self.local_prefill_weight}"
             )
 
 
@@ -109,28 +125,89 @@ class KVAware:
     def choose_prefill(self, request: RoutingInfo, loads: Sequence[WorkerLoad]) -> str:
         if not loads:
             raise NoWorkerError("no live prefill worker")
-        num_prompt_tokens = len(request.prompt_token_ids)
         hashes = self.prompt_hashes(request)
+        chosen, candidates = self._cheapest(request, hashes, loads, compute_weight=1.0)
+        self._count(request, chosen, candidates)
+        return chosen.worker_id
+
+    def choose_decode(self, request: RoutingInfo, loads: Sequence[WorkerLoad]) -> str:
+        """The decode worker a prefill worker hands the prompt to: least_loaded's."""
+        return self._decode.choose_decode(request, loads)
+
+    def choose_prefilling_decode(self, request: RoutingInfo, loads: Sequence[WorkerLoad]) -> str:
+        """The decode worker that prefills the prompt itself (colocated workers, a resumed
+        request): the cheapest by the cost above, ties to least_loaded's order."""
+        if not loads:
+            raise NoWorkerError("no live decode worker")
+        hashes = self.prompt_hashes(request)
+        chosen, candidates = self._cheapest(request, hashes, loads, compute_weight=1.0, decode=True)
+        self._count(request, chosen, candidates)
+        return chosen.worker_id
+
+    def choose_cached_decode(
+        self,
+        request: RoutingInfo,
+        prefill_loads: Sequence[WorkerLoad],
+        decode_loads: Sequence[WorkerLoad],
+    ) -> str | None:
+        """A decode worker that holds a prefix of the prompt and would prefill the rest for
+        less than any prefill worker; None: the prefill pool takes the prompt (then counted
+        by ``choose_prefill``)."""
+        hashes = self.prompt_hashes(request)
+        hits = self.index.prefix_hits([w.worker_id for w in decode_loads], hashes)
+        holding = [w for w in decode_loads if hits[w.worker_id].num_blocks > 0]
+        if not holding or not prefill_loads:
+            return None
+        weight = self.weights.local_prefill_weight
+        local, locals_ = self._cheapest(
+            request, hashes, holding, compute_weight=weight, decode=True
+        )
+        pooled, _ = self._cheapest(request, hashes, prefill_loads, compute_weight=1.0)
+        if local.cost >= pooled.cost:
+            return None
+        self._count(request, local, locals_)
+        return local.worker_id
+
+    def _cheapest(
+        self,
+        request: RoutingInfo,
+        hashes: list[BlockHash],
+        loads: Sequence[WorkerLoad],
+        *,
+        compute_weight: float,
+        decode: bool = False,
+    ) -> tuple[_Candidate, list[_Candidate]]:
+        """The cheapest of ``loads`` for the prompt (whose ``hashes`` are given), and every
+        candidate; ``decode``: ties go by least_loaded's decode order (KV usage, then
+        sequences)."""
+        num_prompt_tokens = len(request.prompt_token_ids)
         hits = self.index.prefix_hits([w.worker_id for w in loads], hashes)
         candidates = [
-            self._candidate(load, hits[load.worker_id], num_prompt_tokens) for load in loads
+            self._candidate(load, hits[load.worker_id], num_prompt_tokens, compute_weight)
+            for load in loads
         ]
-        chosen = min(
-            candidates, key=lambda c: (c.cost, c.queued_tokens, c.num_waiting, c.worker_id)
-        )
+        if decode:
+            order = {w.worker_id: decode_order(w) for w in loads}
+            chosen = min(candidates, key=lambda c: (c.cost, order[c.worker_id]))
+        else:
+            chosen = min(
+                candidates, key=lambda c: (c.cost, c.queued_tokens, c.num_waiting, c.worker_id)
+            )
+        return chosen, candidates
+
+    def _count(
+        self, request: RoutingInfo, chosen: _Candidate, candidates: list[_Candidate]
+    ) -> None:
+        """Count a decision's hits and log its inputs (debug)."""
         self.stats.count(chosen.device_tokens, chosen.host_tokens)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "kv_aware %s (%d prompt tokens) -> %s; %s",
                 request.request_id,
-                num_prompt_tokens,
+                len(request.prompt_token_ids),
                 chosen.worker_id,
                 "; ".join(c.describe() for c in candidates),
             )
-        return chosen.worker_id
-
-    def choose_decode(self, request: RoutingInfo, loads: Sequence[WorkerLoad]) -> str:
-        return self._decode.choose_decode(request, loads)
 
     def prompt_hashes(self, request: RoutingInfo) -> list[BlockHash]:
         """The prefix hashes of the prompt's full blocks that a cache can serve (the engine
@@ -143,12 +220,14 @@ class KVAware:
         )
         return hashes
 
-    def _candidate(self, load: WorkerLoad, hits: PrefixHits, num_prompt_tokens: int) -> _Candidate:
+    def _candidate(
+        self, load: WorkerLoad, hits: PrefixHits, num_prompt_tokens: int, compute_weight: float
+    ) -> _Candidate:
         device_tokens = hits.num_device_blocks * self.block_size
         host_tokens = hits.num_host_blocks * self.block_size
         to_compute = num_prompt_tokens - device_tokens - host_tokens
         cost = (
-            to_compute
+            compute_weight * to_compute
             + self.weights.host_hit_weight * host_tokens
             + self.weights.queue_weight * load.num_queued_prompt_tokens
         )

@@ -9,7 +9,7 @@ decode steps, no KV hand-off):
                       ``max_prefill_queue_tokens`` prompt tokens queued, and the decode worker
                       none: the prompt starts sooner there, and the decode worker takes on one
                       such prompt at a time, which bounds what its running batch waits
-Both are off by default. Pure Python over the load reports (with the router's charges on top).
+Both are off by default. A third reason, "cached", is the kv_aware policy's (router/kv_aware.py). Pure Python over the load reports (with the router's charges on top).
 The router counts its local prefills by reason (``pdserve:local_prefills_total{reason}``): a
 steady "backlog" count means the prefill pool is too small.
 """
@@ -21,7 +21,10 @@ from dataclasses import dataclass
 
 from engine.messages import WorkerLoad
 
-LOCAL_PREFILL_REASONS = ("short", "backlog")
+# "cached": the kv_aware policy found the prompt's prefix in the decode worker's own cache (a
+# conversation's earlier turns, replies included) and computing the rest there costs less than
+# anywhere in the prefill pool (router/kv_aware.py)
+LOCAL_PREFILL_REASONS = ("short", "backlog", "cached")
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from engine.messages import (
     OutputBatch,
     RequestFailure,
     TokenEvent,
+    WorkerLoad,
 )
 from router.cluster_config import ClusterConfig
 from router.kv_aware import KVAware, KVAwareWeights, PrefixHitStats
@@ -230,21 +231,44 @@ class Placements:
         info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
         with self._lock:
             try:
-                decode_id = self.policy.choose_decode(info, self.pool.routable_loads("decode"))
+                decode_loads = self.pool.routable_loads("decode")
                 prefill_id = local = None
-                if not self.config.colocated and not request.resume_token_ids:
-                    prefill_loads = self.pool.routable_loads("prefill")
-                    local = self.config.local_prefill.reason(
-                        len(request.prompt_token_ids),
-                        prefill_loads,
-                        self.pool.load_of(decode_id),
+                if self.config.colocated or request.resume_token_ids:
+                    decode_id = self._choose_prefilling_decode(info, decode_loads)
+                else:
+                    prefill_id, decode_id, local = self._choose_disaggregated_locked(
+                        info, decode_loads
                     )
-                    if local is None:
-                        prefill_id = self.policy.choose_prefill(info, prefill_loads)
             except NoWorkerError as error:
                 raise RequestFailedError(str(error)) from error
             self.pool.charge_routed(prefill_id, decode_id, request)
         return prefill_id, decode_id, local
+
+    def _choose_prefilling_decode(self, info: RoutingInfo, loads: list[WorkerLoad]) -> str:
+        """The decode worker for a prompt it prefills itself (colocated, or resumed)."""
+        if isinstance(self.policy, KVAware):
+            return self.policy.choose_prefilling_decode(info, loads)
+        return self.policy.choose_decode(info, loads)
+
+    def _choose_disaggregated_locked(
+        self, info: RoutingInfo, decode_loads: list[WorkerLoad]
+    ) -> tuple[str | None, str, str | None]:
+        """(prefill worker, decode worker, None) for a new prompt of a disaggregated cluster,
+        or (None, decode worker, why) when the decode worker prefills it itself: a short
+        prompt, a prefill backlog (router/local_prefill.py), or, under kv_aware, a decode
+        worker holding its prefix ("cached", router/kv_aware.py)."""
+        decode_id = self.policy.choose_decode(info, decode_loads)
+        prefill_loads = self.pool.routable_loads("prefill")
+        local = self.config.local_prefill.reason(
+            len(info.prompt_token_ids), prefill_loads, self.pool.load_of(decode_id)
+        )
+        if local is not None:
+            return None, decode_id, local
+        if isinstance(self.policy, KVAware):
+            cached = self.policy.choose_cached_decode(info, prefill_loads, decode_loads)
+            if cached is not None:
+                return None, cached, "cached"
+        return self.policy.choose_prefill(info, prefill_loads), decode_id, None
 
     def _record_placement(
         self, tracker: RequestTracker, prefill_id: str | None, decode_id: str, local: str | None

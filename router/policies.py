@@ -69,14 +69,15 @@ class LeastLoaded:
 
     def choose_decode(self, request: RoutingInfo, loads: Sequence[WorkerLoad]) -> str:
         _require(loads, "decode")
-        return min(loads, key=_decode_load).worker_id
+        return min(loads, key=decode_order).worker_id
 
 
 def _prefill_load(load: WorkerLoad) -> tuple[int, int, str]:
     return (load.num_queued_prompt_tokens, load.num_waiting, load.worker_id)
 
 
-def _decode_load(load: WorkerLoad) -> tuple[float, int, str]:
+def decode_order(load: WorkerLoad) -> tuple[float, int, str]:
+    """least_loaded's order of decode workers: KV usage (to 1 %), sequences, worker id."""
     return (round(load.kv_usage, 2), load.num_running + load.num_waiting, load.worker_id)
 
 

@@ -158,7 +158,7 @@ class _RouterCollector(Collector):
         local = CounterMetricFamily(
             "pdserve:local_prefills",
             "Prompts prefilled on their decode worker (short: by length; backlog: the prefill "
-            "pool was backed up)",
+            "pool was backed up; cached: the decode worker held most of the prompt already)",
             labels=["reason"],
         )
         for reason, count in self._local_prefills().items():

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from engine import SamplingParams
-from engine.messages import GenerateRequest, OutputBatch, TokenEvent, WorkerLoad
+from engine.messages import GenerateRequest, KVCursor, OutputBatch, TokenEvent, WorkerLoad
 from router.cluster import Cluster, WorkerHandle
 from router.cluster_config import ClusterConfig
 
@@ -55,8 +55,8 @@ class GatedWorker:
         while True:
             yield self.outputs.get()
 
-    def load(self) -> WorkerLoad:
-        return WorkerLoad(self.worker_id, 0, 0, 0, 0.0)
+    def load(self, kv_cursor: KVCursor | None = None) -> WorkerLoad:
+        return WorkerLoad(self.worker_id, 0, 0, 0, 0.0)  # (its cache holds nothing)
 
     def abort(self, request_id: str) -> None:
         pass

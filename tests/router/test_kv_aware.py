@@ -104,6 +104,38 @@ def test_a_prompt_of_whole_blocks_leaves_its_last_block_to_compute() -> None:
     assert policy.stats.device_hit_tokens == 20  # 5 blocks: the engine computes the last one
 
 
+def test_a_decode_worker_holding_the_conversation_prefills_the_rest_itself() -> None:
+    """Turn 2 of a conversation: its decode worker holds turn 1's prompt and reply (6 blocks);
+    the prefill worker holds the prompt only (3 blocks): the decode worker computes less."""
+    index = KVIndex()
+    _caching(index, "d1", SYSTEM)
+    _caching(index, "p", SYSTEM[:12])
+    policy = KVAware(BLOCK, index)
+    request = RoutingInfo("r", PROMPT)
+    prefills, decodes = [_load("p")], [_load("d0"), _load("d1")]
+    assert policy.choose_cached_decode(request, prefills, decodes) == "d1"  # 3 vs 15
+    assert policy.stats.device_hit_tokens == 24
+    # its own queue, or a dearer local token, sends the prompt to the prefill pool
+    busy = [_load("d0"), _load("d1", queued=20)]
+    assert policy.choose_cached_decode(request, prefills, busy) is None
+    dear = KVAware(BLOCK, index, KVAwareWeights(local_prefill_weight=6.0))
+    assert dear.choose_cached_decode(request, prefills, decodes) is None  # 18 vs 15
+    # a prefill worker holding as much wins the tie: the decode batch is left alone
+    _caching(index, "p", SYSTEM)
+    assert policy.choose_cached_decode(request, prefills, decodes) is None
+    assert KVAware(BLOCK, KVIndex()).choose_cached_decode(request, prefills, decodes) is None
+
+
+def test_a_decode_worker_that_prefills_is_chosen_by_its_cache_then_as_least_loaded() -> None:
+    index = KVIndex()
+    _caching(index, "d1", SYSTEM)
+    policy = KVAware(BLOCK, index)
+    decodes = [WorkerLoad("d0", 0, 0, 0, 0.1), WorkerLoad("d1", 0, 5, 0, 0.6)]
+    assert policy.choose_prefilling_decode(RoutingInfo("r", PROMPT), decodes) == "d1"
+    other = RoutingInfo("r", list(range(100, 130)))
+    assert policy.choose_prefilling_decode(other, decodes) == "d0"  # lower KV usage
+
+
 def test_each_decision_is_logged_with_its_inputs(caplog: pytest.LogCaptureFixture) -> None:
     index = KVIndex()
     _caching(index, "b", SYSTEM)
@@ -122,6 +154,8 @@ def test_the_weights_are_checked_naming_the_flag() -> None:
         KVAwareWeights(queue_weight=-1)
     with pytest.raises(ValueError, match="--kv-aware-host-hit-weight"):
         KVAwareWeights(host_hit_weight=2)
+    with pytest.raises(ValueError, match="--kv-aware-local-prefill-weight"):
+        KVAwareWeights(local_prefill_weight=-0.5)
 
 
 # ---- a router over workers whose engines run here ---------------------------------------------
