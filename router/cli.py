@@ -107,6 +107,14 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     )
     _add_kv_cache_dtype(cluster)
     cluster.add_argument(
+        "--kv-offload-gb",
+        type=float,
+        default=0.0,
+        help="GiB of host memory per worker rank (pinned on cuda) that keeps the blocks its KV "
+        "cache evicts, LRU; a prefix hit there is copied back instead of recomputed, and the "
+        "router routes by it (docs/kv-offload.md). Default 0: none",
+    )
+    cluster.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs of decode steps (cuda only)"
     )
     cluster.add_argument("--address", default=None, help="'auto' joins a running Ray cluster")
@@ -502,6 +510,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         dtype=dtype,
         attention_backend=args.attention_backend,
         kv_cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
+        kv_offload_gb=args.kv_offload_gb,
         enforce_eager=args.enforce_eager,
         address=args.address,
         node_ip=args.node_ip,

@@ -32,6 +32,9 @@ class ClusterConfig:
     # quantized cache's scales are the checkpoint's, else the first worker calibrates them and
     # the others (and every restart) get the same (router/cluster.py)
     kv_cache_dtype: str = "auto"
+    # GiB of host memory per worker rank for blocks its KV cache evicts (LRU), brought back on a
+    # hit (docs/kv-offload.md); 0: none
+    kv_offload_gb: float = 0.0
     enforce_eager: bool = False  # no CUDA graphs of decode steps (LoadConfig.enforce_eager)
     address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     # this node's address for Ray (router.local_ray): a local Ray's processes listen on it, on
@@ -220,6 +223,7 @@ class ClusterConfig:
             budget=budget,
             attention_backend=self.attention_backend,
             kv_cache_dtype=self.kv_cache_dtype,
+            kv_offload_gb=self.kv_offload_gb,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

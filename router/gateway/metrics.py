@@ -8,7 +8,7 @@ Two sources, one endpoint:
   token spent in each hop of its path, ``first_token_hop_seconds{hop}``, from its trace);
 - worker-level gauges and counters labelled ``role`` and ``worker``, read at scrape time from
   the load reports the router already polls from every worker (running, waiting, KV usage,
-  prefix-cache hit rate, preemptions, KV transfer bytes and seconds, speculative decoding's draft
+  prefix-cache hit rate and hits by tier, bytes moved to and from a host tier, preemptions, KV transfer bytes and seconds, speculative decoding's draft
   tokens and those accepted; a mixture-of-experts model's tokens per expert and each sparse
   layer's imbalance). So ``/metrics`` covers every worker, however many there are,
   without Ray's metrics export.
@@ -85,6 +85,18 @@ class _WorkerCollector(Collector):
         preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks")
         queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        hits_by_tier = CounterMetricFamily(
+            "pdserve:prefix_cache_hits_by_tier",
+            "Prompt tokens found in the prefix cache, by the tier that held them (host: the "
+            "--kv-offload-gb tier, copied back)",
+            labels=[*labels, "tier"],
+        )
+        offload_bytes = CounterMetricFamily(
+            "pdserve:kv_offload_bytes",
+            "KV bytes copied between the device cache and the host tier (to_host: evicted "
+            "blocks kept; to_device: host hits brought back)",
+            labels=[*labels, "direction"],
+        )
         transfer_bytes = counter("kv_transfer_bytes", "KV bytes sent (prefill) or received")
         drafts = counter(
             "spec_decode_num_draft_tokens", "Speculative draft tokens the worker checked"
@@ -124,6 +136,13 @@ class _WorkerCollector(Collector):
             preemptions.add_metric(values, totals.num_preemptions)
             queries.add_metric(values, queried)
             hits.add_metric(values, totals.num_prefix_cache_hit_tokens)
+            host_hits = totals.num_prefix_cache_host_hit_tokens
+            hits_by_tier.add_metric(
+                [*values, "device"], totals.num_prefix_cache_hit_tokens - host_hits
+            )
+            hits_by_tier.add_metric([*values, "host"], host_hits)
+            offload_bytes.add_metric([*values, "to_host"], totals.num_kv_offloaded_bytes)
+            offload_bytes.add_metric([*values, "to_device"], totals.num_kv_loaded_bytes)
             transfer_bytes.add_metric(values, totals.num_kv_transfer_bytes)
             transfer_seconds.add_metric(
                 values, count_value=totals.num_kv_transfers, sum_value=totals.kv_transfer_seconds
@@ -135,7 +154,8 @@ class _WorkerCollector(Collector):
             for layer, ratio in totals.expert_layer_imbalance:
                 imbalance.add_metric([*values, str(layer)], ratio)
         yield from (alive, running, waiting, kv_usage, hit_rate, generated, prefilled, preemptions)
-        yield from (queries, hits, transfer_bytes, transfer_seconds, drafts, accepted)
+        yield from (queries, hits, hits_by_tier, offload_bytes, transfer_bytes, transfer_seconds)
+        yield from (drafts, accepted)
         yield from (expert_tokens, imbalance)
 
 

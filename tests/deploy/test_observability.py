@@ -13,6 +13,7 @@ from engine.messages import WorkerCounters, WorkerLoad
 from router.cli import build_parser
 from router.cluster import SlotRestarts, WorkerStatus
 from router.gateway.metrics import GatewayMetrics, SloTargets
+from router.kv_aware import PrefixHitStats
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 _SUFFIXES = ("_total", "_bucket", "_count", "_sum")
@@ -23,7 +24,11 @@ def _exported_families() -> set[str]:
     statuses = [WorkerStatus("decode-0", "decode", True, load)]
     restarts = [SlotRestarts("decode-0", "decode", 1)]
     metrics = GatewayMetrics(
-        lambda: statuses, lambda: {"backlog": 1}, lambda: restarts, SloTargets()
+        lambda: statuses,
+        lambda: {"backlog": 1},
+        lambda: restarts,
+        SloTargets(),
+        prefix_hit_stats=PrefixHitStats,  # (as under kv_aware, the default policy)
     )
     metrics.first_token(0.1)
     return {f.name for f in text_string_to_metric_families(metrics.render().decode())}

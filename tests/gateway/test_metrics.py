@@ -140,7 +140,8 @@ def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewaySer
         | set(LOCAL_PREFILL_REASONS)
         | {"ok", "invalid", "unauthorized", "rejected", "failed", "aborted"}
         | set(HOPS)  # first_token_hop_seconds{hop}
-        | set(KV_TIERS)  # routed_prefix_hit_tokens_by_tier{tier}
+        | set(KV_TIERS)  # routed_prefix_hit_tokens_by_tier{tier}, prefix_cache_hits_by_tier
+        | {"to_host", "to_device"}  # kv_offload_bytes{direction}
         # model_info{model_name, quantization, kv_cache_dtype}: the server's own
         | {MODEL_NAME, "none", gateway_server.gateway.model.kv_cache_dtype}
     )
@@ -226,3 +227,24 @@ def test_expert_tokens_and_layer_imbalance_are_exported_per_worker() -> None:
     assert value(imbalance, {**decode_0, "layer": "1"}) is None  # a dense layer
     prefill_0 = {"role": "prefill", "worker": "prefill-0", "expert": "0"}
     assert value(tokens, prefill_0) is None
+
+
+def test_prefix_hits_by_tier_and_host_tier_bytes_are_exported_per_worker() -> None:
+    counters = WorkerCounters(
+        num_prefix_cache_hit_tokens=96,
+        num_prefix_cache_host_hit_tokens=32,
+        num_kv_offloaded_bytes=4096,
+        num_kv_loaded_bytes=1024,
+    )
+    load = WorkerLoad("prefill-0", 0, 0, 0, 0.0, counters)
+    metrics = GatewayMetrics(
+        lambda: [WorkerStatus("prefill-0", "prefill", True, load)], dict, list, SloTargets()
+    )
+    value = metrics.registry.get_sample_value
+    worker = {"role": "prefill", "worker": "prefill-0"}
+    hits = "pdserve:prefix_cache_hits_by_tier_total"
+    assert value(hits, {**worker, "tier": "device"}) == 64
+    assert value(hits, {**worker, "tier": "host"}) == 32
+    moved = "pdserve:kv_offload_bytes_total"
+    assert value(moved, {**worker, "direction": "to_host"}) == 4096
+    assert value(moved, {**worker, "direction": "to_device"}) == 1024
