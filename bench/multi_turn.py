@@ -192,7 +192,9 @@ def make_plan(args: argparse.Namespace, configs: list[str]) -> Plan:
     model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS))
     max_model_len = max(MODEL_POSITIONS, max_context_len(workload))
     num_workers = args.prefill + args.decode
-    cores = args.cores_per_worker or max(1, ((os.cpu_count() or 1) - 2) // num_workers)
+    cores = args.cores_per_worker
+    if cores is None:  # all cores but 2, split evenly; 0 (no reservation) where that is none
+        cores = max(0, ((os.cpu_count() or 1) - 2) // num_workers)
     common = ("--max-model-len", str(max_model_len))
     servers, skipped = [], {}
     for offset, name in enumerate(configs):
