@@ -99,6 +99,9 @@ class CacheConfig:
     # a quantized cache's scales, when given (the cluster hands every worker the same ones);
     # None: the checkpoint's, else calibrated at start-up
     kv_cache_scales: KVCacheScales | None = None
+    # GiB of host memory per rank for a tier that keeps the blocks the KV cache evicts, LRU
+    # (docs/kv-offload.md; engine/kv_cache/host_tier.py); 0: none. Needs prefix caching.
+    kv_offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -115,6 +118,13 @@ class CacheConfig:
                 f"{self.kv_cache_dtype}"
             )
 
+        if not self.kv_offload_gb >= 0:
+            raise ValueError(f"kv_offload_gb must be >= 0, got {self.kv_offload_gb}")
+        if self.kv_offload_gb > 0 and not self.enable_prefix_caching:
+            raise ValueError(
+                f"kv_offload_gb ({self.kv_offload_gb}) needs enable_prefix_caching: the host "
+                "tier keeps cached blocks by their prefix hashes"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "

@@ -58,6 +58,7 @@ class LLM:
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         kv_cache_scales: KVCacheScales | None = None,
+        kv_offload_gb: float = 0.0,
         linear_backend: str = "auto",
         enforce_eager: bool = False,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
@@ -69,7 +70,9 @@ class LLM:
         """``tensor_parallel_timeout_s``: the longest rank 0 waits in a collective, so a step
         with a follower that died or hangs fails within it. ``kv_cache_dtype``: auto (the
         model's dtype), fp8_e4m3 (or fp8) or int8 (engine/kv_cache/kv_quantization.py), with
-        ``kv_cache_scales`` when given, else the checkpoint's or calibrated ones."""
+        ``kv_cache_scales`` when given, else the checkpoint's or calibrated ones.
+        ``kv_offload_gb``: GiB of host memory per rank that keep the blocks the KV cache evicts
+        (docs/kv-offload.md); 0: none."""
         if isinstance(speculative_config, Mapping):  # vLLM's dict
             speculative_config = SpeculativeConfig.from_mapping(speculative_config)
         parallel = ParallelConfig(tensor_parallel_size, timeout_s=tensor_parallel_timeout_s)
@@ -92,6 +95,7 @@ class LLM:
                 attention_backend,
                 parse_kv_cache_dtype(kv_cache_dtype),
                 kv_cache_scales,
+                kv_offload_gb,
             ),
             SchedulerConfig(
                 max_num_seqs,

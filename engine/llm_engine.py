@@ -113,6 +113,7 @@ class LLMEngine:
             rope.original_max_position_embeddings if rope.scaling_type == "longrope" else None,
             self.model_config.cache_groups,
             self._kv_events,
+            rank.num_host_slots,
         )
         proposer = None
         if speculative is not None:
@@ -138,7 +139,9 @@ class LLMEngine:
             grammar_cursors=grammar_cursors,
             group=self.group,
             expert_tokens=None if moe is None else ExpertTokenCounts(moe),
+            host_kv_cache=rank.host_kv_cache,
         )
+        self._num_ranks = 1 if self.group is None else self.group.size
         self.stats = EngineStats()
         # async scheduling: the step launched ahead, to be sampled and applied by the next step()
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
@@ -294,6 +297,7 @@ class LLMEngine:
             return self._step_ahead(started)
         output = self.scheduler.schedule()
         if output.is_empty:
+            self._move_blocks_of_empty(output)
             return StepResult([], [], [])
         self._note_scheduled(output)
         return self._apply(output, self.runner.execute(output), started)
@@ -312,11 +316,19 @@ class LLMEngine:
 
     def _launch(self, output: SchedulerOutput) -> tuple[SchedulerOutput, LaunchedStep] | None:
         if output.is_empty:
+            self._move_blocks_of_empty(output)
             return None
         self._note_scheduled(output)
         launched = self.runner.launch(output)
         self.scheduler.commit_launched(output)  # a prompt admitted ahead finds its blocks
         return output, launched
+
+    def _move_blocks_of_empty(self, output: SchedulerOutput) -> None:
+        """A step that computes nothing still makes the block moves its scheduling owed: blocks
+        brought back from the host tier for a sequence that did not fit stay cached under their
+        hashes, so their content must land before any later step reads them."""
+        if output.moves_blocks:
+            self.runner.move_blocks(output)
 
     def _note_scheduled(self, output: SchedulerOutput) -> None:
         self._note_first_scheduled(output, time.monotonic())
@@ -491,12 +503,19 @@ class LLMEngine:
         pool = self.block_manager.pool
         block_size = self.block_manager.block_size
         expert_tokens = self.runner.expert_tokens
+        host, copier = self.block_manager.host, self.runner.host_copier
+        num_host_hit_blocks = 0 if host is None else host.num_hit_blocks
+        # every rank moves the same blocks of its own heads, as many bytes as rank 0's
+        offloaded, loaded = (0, 0) if copier is None else copier.num_bytes_moved
         return WorkerCounters(
             num_generated_tokens=self.stats.num_generated_tokens,
             num_prefill_tokens=self.stats.num_prefill_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queried_tokens=pool.num_cache_queries * block_size,
             num_prefix_cache_hit_tokens=pool.num_cache_hits * block_size,
+            num_prefix_cache_host_hit_tokens=num_host_hit_blocks * block_size,
+            num_kv_offloaded_bytes=offloaded * self._num_ranks,
+            num_kv_loaded_bytes=loaded * self._num_ranks,
             num_kv_transfers=num_kv_transfers,
             num_kv_transfer_bytes=num_kv_transfer_bytes,
             kv_transfer_seconds=kv_transfer_seconds,

@@ -1,18 +1,21 @@
 """Turns a SchedulerOutput into one model forward and one sampling call.
 
-Per step: copy-on-write block copies -> flatten the scheduled tokens (prompt chunks first, then
-single-token decodes) -> attention metadata -> forward under the forward context -> logits of
-the last token of every sequence that samples -> sampler -> logits of the prompt positions of
-sequences that owe prompt logprobs, only theirs (engine/prompt_logprobs.py). A decode step
-(no prompt chunk; drafts allowed) replays a captured CUDA graph of the forward instead, when
-the runner has them and it fits (engine/decode_graphs.py). A sequence with draft tokens
-(speculative decoding) runs its token and drafts like a prompt chunk, gives logits at each of
-them, and has its drafts checked (engine/speculative/rejection.py) instead of sampling once.
+Per step: the block moves (swap-outs to the host tier, swap-ins from it, then copy-on-write
+copies; engine/kv_cache/host_copies.py orders the swaps on the device) -> flatten the scheduled
+tokens (prompt chunks first, then single-token decodes) -> attention metadata -> forward under
+the forward context -> logits of the last token of every sequence that samples -> sampler ->
+logits of the prompt positions of sequences that owe prompt logprobs, only theirs
+(engine/prompt_logprobs.py). A decode step (no prompt chunk; drafts allowed) replays a captured
+CUDA graph of the forward instead, when the runner has them and it fits
+(engine/decode_graphs.py). A sequence with draft tokens (speculative decoding) runs its token
+and drafts like a prompt chunk, gives logits at each of them, and has its drafts checked
+(engine/speculative/rejection.py) instead of sampling once.
 
 Under tensor parallelism this runner is rank 0's: before each model call it broadcasts the
 command its followers need to make the same call (engine/parallel/step_commands.py): the
-block copies, then the forward's inputs, at ``launch``; one logits command per ``logits_at``. Only rank
-0 samples. Every step runs eagerly then (no CUDA graphs: a replay would skip the broadcast).
+block swaps and copies, then the forward's inputs, at ``launch``; one logits command per
+``logits_at``. Only rank 0 samples. Every step runs eagerly then (no CUDA graphs: a replay
+would skip the broadcast).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from engine.decode_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.host_to_device import to_device
 from engine.kernels.linear import has_packed_linears, padded_rows
+from engine.kv_cache.host_copies import HostCopier
 from engine.models.expert_tokens import ExpertTokenCounts
 from engine.models.registry import CausalLM
 from engine.parallel.group import TensorParallelGroup
@@ -40,6 +44,7 @@ from engine.parallel.step_commands import (
     ForwardInputs,
     LogitsCommand,
     StopCommand,
+    SwapBlocksCommand,
     send_command,
 )
 from engine.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_spans
@@ -104,11 +109,16 @@ class ModelRunner:
         grammar_cursors: GrammarCursors | None = None,
         group: TensorParallelGroup | None = None,
         expert_tokens: ExpertTokenCounts | None = None,
+        # [num_host_slots, num_slots, kv_planes, block_size, num_kv_heads, head_dim]: the host
+        # tier's blocks (None: no host tier)
+        host_kv_cache: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
         self.attn_backend = attn_backend
+        # copies blocks between the cache and the host tier, and counts their bytes
+        self.host_copier = None if host_kv_cache is None else HostCopier(kv_cache, host_kv_cache)
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.decode_graphs = decode_graphs  # None: every step runs eagerly
@@ -171,10 +181,7 @@ class ModelRunner:
         """Start a step's forward (on a GPU it runs on while the host goes on). An entry that
         awaits its token takes it from the tokens the last ``sample`` drew, on the device."""
         with self._on_device():
-            if output.block_copies:
-                if self._followers is not None:
-                    send_command(self._followers, CopyBlocksCommand(tuple(output.block_copies)))
-                copy_blocks(self.kv_cache, output.block_copies)
+            self._move_blocks(output)
             prefills = [e for e in output.scheduled if e.num_query_tokens > 1]
             decodes = [e for e in output.scheduled if e.num_query_tokens == 1]
             ordered = prefills + decodes
@@ -182,6 +189,27 @@ class ModelRunner:
             started = time.perf_counter()
             hidden = forward()  # [num_tokens, hidden]
             return LaunchedStep(prefills, ordered, hidden, started)
+
+    def move_blocks(self, output: SchedulerOutput) -> None:
+        """Make a step's block moves without running it (a step that computes nothing may still
+        owe some: ``SchedulerOutput.moves_blocks``)."""
+        with self._on_device():
+            self._move_blocks(output)
+
+    def _move_blocks(self, output: SchedulerOutput) -> None:
+        """Swap-outs, then swap-ins, then copy-on-write copies, queued before anything launched
+        after them (the forward reads what they write)."""
+        if output.swap_outs or output.swap_ins:
+            if self.host_copier is None:
+                raise RuntimeError("the step swaps blocks with a host tier this runner lacks")
+            if self._followers is not None:
+                command = SwapBlocksCommand(output.swap_outs, output.swap_ins)
+                send_command(self._followers, command)
+            self.host_copier.swap(output.swap_outs, output.swap_ins)
+        if output.block_copies:
+            if self._followers is not None:
+                send_command(self._followers, CopyBlocksCommand(tuple(output.block_copies)))
+            copy_blocks(self.kv_cache, output.block_copies)
 
     def sample(self, step: LaunchedStep) -> SampledStep:
         """Draw the step's tokens on the device, from the sequences' state now (async

@@ -13,6 +13,10 @@ hand-off) are taken with ``reserve`` and, unless a sequence adopts them, given b
 ``release``. A hand-off moves, of each group, the prompt's blocks from the first one the next
 token's window reaches (``blocks_to_hand_off``): the decode side reserves those alone, and
 ``adopt`` marks the ones before them RELEASED.
+
+With a host-memory tier (``num_host_slots``; engine/kv_cache/host_tier.py), the cached blocks
+the pool evicts are kept in host memory and a prefix lookup takes them back from there; the
+copies each step owes between the tiers are drained with ``take_swaps`` by the scheduler.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Iterator
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.cache_groups import CacheGroups
+from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.kv_events import KVEventRecorder
 from engine.kv_cache.prefix_hash import BlockHash, extend_block_hashes
 from engine.messages.kv_events import KVTier
@@ -44,10 +49,13 @@ class BlockManager:
         long_prompt_length: int | None = None,
         cache_groups: CacheGroups | None = None,
         kv_events: KVEventRecorder | None = None,  # told of blocks cached and evicted
+        num_host_slots: int = 0,  # blocks the host-memory tier holds (0: no host tier)
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_events)
+        # evicted cached blocks go here (engine/kv_cache/host_tier.py); None: they are dropped
+        self.host = HostTier(num_host_slots, kv_events) if num_host_slots > 0 else None
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_events, self.host)
         # a model whose KV differs for prompts past this length (LongRoPE: their frequencies are
         # the long set): such prompts' blocks are salted apart from shorter prompts' (None: no
         # such length)
@@ -80,13 +88,33 @@ class BlockManager:
 
     def cached_block_hashes(self) -> dict[tuple[KVTier, int], frozenset[BlockHash]]:
         """The prefix hashes cached, by (tier, cache group), the non-empty ones: what the KV
-        events of this manager's pool add up to."""
-        return {("device", group): held for group, held in self.pool.cached_hashes().items()}
+        events of this manager's pool and host tier add up to."""
+        held: dict[tuple[KVTier, int], frozenset[BlockHash]] = {
+            ("device", group): hashes for group, hashes in self.pool.cached_hashes().items()
+        }
+        if self.host is not None:
+            held.update(
+                (("host", group), hashes) for group, hashes in self.host.cached_hashes().items()
+            )
+        return held
+
+    def take_swaps(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """The host-tier copies the step being built owes (engine/kv_cache/host_tier.py):
+        swap-outs (device block, host slot), then swap-ins (host slot, device block)."""
+        if self.host is None:
+            return (), ()
+        return self.host.take_swaps()
 
     def attach_cached_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no blocks the cached blocks of its longest cached prefix: in
         every group that sees the whole context, each of its blocks; in a windowed group, those
         the window of the first token left to compute reaches (the ones before are RELEASED).
+
+        A block the device cache holds is shared. One only the host tier holds is brought back:
+        a fresh device block, registered under its hash, that the step being built fills from
+        the host before its forward (a swap-in). Copying a block back costs less than computing
+        it again on every device this engine runs on, so a block the host tier holds is always
+        taken (a preempted sequence's blocks come back so, instead of being recomputed).
 
         Returns the number of tokens whose KV is thereby already computed. At least one token is
         always left to compute, since its logits are needed to sample the next token.
@@ -103,6 +131,7 @@ class BlockManager:
             return 0
         self._give_tables(seq)
         num_tokens = num_hit * self.block_size
+        loads: list[tuple[int, int, int]] = []  # (group, block index, host slot) to bring back
         for group, table in enumerate(seq.block_tables):
             first_kept = self._first_kept_block(group, num_tokens)
             for index, block_hash in enumerate(hashes[:num_hit]):
@@ -110,37 +139,79 @@ class BlockManager:
                     table.append(RELEASED)
                     continue
                 block_id = self.pool.cached_block(block_hash, group)
-                assert block_id is not None
-                self.pool.incref(block_id)
+                if block_id is None:  # only the host holds it: its device block comes below
+                    assert self.host is not None
+                    loads.append((group, index, self.host.pin(block_hash, group)))
+                    block_id = RELEASED
+                else:
+                    self.pool.incref(block_id)
                 table.append(block_id)
             seq.num_released_blocks[group] = first_kept
+        # the shared blocks are held and the slots pinned: these allocations evict neither
+        for group, index, slot in loads:
+            assert self.host is not None
+            block_id = self.pool.allocate()
+            self.pool.register(block_id, hashes[index], group)
+            self.host.swap_in(slot, block_id)
+            seq.block_tables[group][index] = block_id
+        if loads and self.host is not None:
+            self.host.count_hits(len({index for _, index, _ in loads}))
         seq.num_computed_tokens = num_tokens
         return num_tokens
 
     def _longest_cached_prefix(self, hashes: list[BlockHash]) -> int:
         """How many of the leading blocks named by ``hashes`` a sequence can take from the
-        cache: every one of them in each group that sees the whole context, and in each
-        windowed group the ones the next token's window reaches."""
+        cache's tiers: every one of them in each group that sees the whole context, and in each
+        windowed group the ones the next token's window reaches; so many that the device has
+        free blocks for those only the host tier holds."""
         num_hit = len(hashes)
         for group, window in enumerate(self.windows):
             if window is None:
                 run = 0
-                while run < num_hit and self.pool.cached_block(hashes[run], group) is not None:
+                while run < num_hit and self._is_cached(hashes[run], group):
                     run += 1
                 num_hit = run
-        windowed = [group for group, window in enumerate(self.windows) if window is not None]
-        while num_hit > 0 and not all(self._holds_window(g, hashes, num_hit) for g in windowed):
+        counts = [self._running_counts(hashes[:num_hit], g) for g in range(self.num_groups)]
+        while num_hit > 0 and not self._can_take(counts, num_hit):
             num_hit -= 1
         return num_hit
 
-    def _holds_window(self, group: int, hashes: list[BlockHash], num_blocks: int) -> bool:
-        """The cache holds ``group``'s blocks that the token after ``num_blocks`` full blocks
-        sees."""
-        first = self._first_kept_block(group, num_blocks * self.block_size)
-        return all(
-            self.pool.cached_block(hashes[index], group) is not None
-            for index in range(first, num_blocks)
-        )
+    def _is_cached(self, block_hash: BlockHash, group: int) -> bool:
+        """A tier (the device or the host) holds ``group``'s block named by ``block_hash``."""
+        if self.pool.cached_block(block_hash, group) is not None:
+            return True
+        return self.host is not None and self.host.slot_of(block_hash, group) is not None
+
+    def _running_counts(self, hashes: list[BlockHash], group: int) -> list[tuple[int, int, int]]:
+        """For i = 0 .. len(hashes): of ``group``'s first i blocks named by ``hashes``, how many
+        no tier holds, how many the host tier alone holds (to bring back), and how many the
+        device holds unreferenced (taking them leaves fewer free blocks)."""
+        running = [(0, 0, 0)]
+        for block_hash in hashes:
+            missing, loads, revived = running[-1]
+            block_id = self.pool.cached_block(block_hash, group)
+            if block_id is not None:
+                revived += int(self.pool.ref_count(block_id) == 0)
+            elif self.host is not None and self.host.slot_of(block_hash, group) is not None:
+                loads += 1
+            else:
+                missing += 1
+            running.append((missing, loads, revived))
+        return running
+
+    def _can_take(self, counts: list[list[tuple[int, int, int]]], num_blocks: int) -> bool:
+        """Whether a sequence can take ``num_blocks`` leading blocks (``counts``: each group's
+        ``_running_counts``): every group's blocks the next token sees are held, and those to
+        bring back from the host have free device blocks to land in."""
+        num_loads = num_revived = 0
+        for group, running in enumerate(counts):
+            first = self._first_kept_block(group, num_blocks * self.block_size)
+            (missing, loads, revived), before = running[num_blocks], running[first]
+            if missing != before[0]:
+                return False
+            num_loads += loads - before[1]
+            num_revived += revived - before[2]
+        return num_loads == 0 or num_loads + num_revived <= self.pool.num_free_blocks
 
     def release_outside_window(self, seq: Sequence) -> None:
         """Give back ``seq``'s blocks, in each windowed group, that no query of it will read
@@ -288,7 +359,8 @@ class BlockManager:
         num_blocks = self.num_blocks_to_hand_off(num_tokens)
         if num_blocks > self.pool.num_free_blocks:
             return None
-        return [self.pool.allocate() for _ in range(num_blocks)]
+        # the KV lands in them outside any step: a block they evict is not copied to the host
+        return [self.pool.allocate(offload=False) for _ in range(num_blocks)]
 
     def release(self, block_ids: list[int]) -> None:
         """Give back blocks taken with ``reserve`` that no sequence adopted."""

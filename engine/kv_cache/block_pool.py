@@ -10,13 +10,16 @@ A block is in exactly one of three states:
 A hash is registered per KV cache group (engine/kv_cache/cache_groups.py): the same tokens'
 blocks of two groups hold different layers' KV. Each hash registered and each one forgotten is
 told to the pool's ``KVEventRecorder``, where it has one (tier "device": a worker's pool, whose
-events the router's index follows).
+events the router's index follows). With a host tier (engine/kv_cache/host_tier.py), a cached
+block the pool evicts is told to it, which keeps the block's content (a swap-out the step being
+built performs before anything of it writes the block).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.kv_events import KVEventRecorder
 from engine.kv_cache.prefix_hash import BlockHash
 
@@ -29,6 +32,7 @@ class BlockPool:
         num_blocks: int,
         enable_prefix_caching: bool,
         events: KVEventRecorder | None = None,  # told of hashes registered and forgotten
+        host: HostTier | None = None,  # told of each cached block evicted (None: no host tier)
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -42,6 +46,7 @@ class BlockPool:
         self.num_cache_queries = 0  # full blocks looked up
         self.num_cache_hits = 0  # full blocks found
         self.events = events  # None: no one follows this pool's events
+        self.host = host
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,13 +60,17 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def allocate(self) -> int:
-        """Take one block (ref_count 1), evicting the least recently used cached block if needed."""
+    def allocate(self, *, offload: bool = True) -> int:
+        """Take one block (ref_count 1), evicting the least recently used cached block if needed
+        (into the host tier, where there is one, unless ``offload`` is False: the block's new
+        owner writes it before a step could copy it out, as received KV does)."""
         if self._free:
             block_id = self._free.popleft()
         elif self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
-            self._forget_hash(block_id)
+            group, block_hash = self._forget_hash(block_id)
+            if self.host is not None:
+                self.host.evicted(block_id, block_hash, group, offload=offload)
         else:
             raise RuntimeError("out of KV blocks: check num_free_blocks before allocating")
         self._ref_counts[block_id] = 1
@@ -114,9 +123,9 @@ class BlockPool:
         if self.events is not None:
             self.events.stored("device", group, block_hash)
 
-    def _forget_hash(self, block_id: int) -> None:
-        key = self._hash_of_block.pop(block_id, None)
-        if key is not None:
-            del self._block_of_hash[key]
-            if self.events is not None:
-                self.events.removed("device", *key)
+    def _forget_hash(self, block_id: int) -> _CacheKey:
+        key = self._hash_of_block.pop(block_id)
+        del self._block_of_hash[key]
+        if self.events is not None:
+            self.events.removed("device", *key)
+        return key

@@ -98,6 +98,18 @@ def gpu_kv_bytes(
     return min(int(total * memory_fraction) - own, free) - peak_activation_bytes
 
 
+def num_host_kv_slots(kv_offload_gb: float, layout: KVLayout) -> int:
+    """Blocks of ``layout`` (this rank's: every layer slot and plane, at its storage dtype) that
+    ``kv_offload_gb`` GiB of host memory hold; raises ValueError naming it when none fits."""
+    num_slots = int(kv_offload_gb * (1 << 30)) // layout.bytes_per_block
+    if num_slots < 1:
+        raise ValueError(
+            f"kv_offload_gb ({kv_offload_gb}) holds no KV block: a block needs "
+            f"{layout.bytes_per_block} bytes ({layout.bytes_per_block / (1 << 30):.3g} GiB)"
+        )
+    return num_slots
+
+
 def num_kv_blocks(
     budget: KVBudget, layout: KVLayout, device: torch.device, peak_activation_bytes: int = 0
 ) -> int:

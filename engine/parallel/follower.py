@@ -1,11 +1,12 @@
 """A follower rank of a tensor-parallel worker: runs the model calls rank 0 makes, in order.
 
 Lifecycle of a follower process (``run_follower``, started by engine/parallel/ranks.py): join
-the worker's group -> build its model shard and KV cache shard from the same configs as rank 0
-(engine/parallel/rank_model.py) -> ``Follower.run``: each command rank 0 broadcasts (block
-copies; a forward; logits of rows of that forward's hidden states) is run as rank 0 runs it,
-until the stop command -> leave the group. It never schedules or samples: its logits are
-computed only because the model's gather of them is a collective.
+the worker's group -> build its model shard and KV cache shard (and host tier buffer) from the
+same configs as rank 0 (engine/parallel/rank_model.py) -> ``Follower.run``: each command rank 0
+broadcasts (block swaps with the host tier; block copies; a forward; logits of rows of that
+forward's hidden states) is run as rank 0 runs it, until the stop command -> leave the group.
+It never schedules or samples: its logits are computed only because the model's gather of them
+is a collective.
 
 The follower waits for rank 0's next step without a practical bound (a worker may sit idle);
 it stops when rank 0's process is gone (a thread watches it) or when the group fails (a peer
@@ -24,6 +25,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.forward_context import ForwardContext, set_forward_context
+from engine.kv_cache.host_copies import HostCopier
 from engine.model_runner import copy_blocks
 from engine.models.registry import CausalLM
 from engine.parallel.group import TensorParallelGroup
@@ -33,6 +35,7 @@ from engine.parallel.step_commands import (
     ForwardCommand,
     LogitsCommand,
     StopCommand,
+    SwapBlocksCommand,
     receive_command,
 )
 from engine.scheduler import SchedulerConfig
@@ -53,12 +56,16 @@ class Follower:
         kv_cache: torch.Tensor,  # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
         attn_backend: AttentionBackend,
         device: torch.device,
+        # [num_host_slots, num_slots, kv_planes, block_size, num_kv_heads, head_dim]: this
+        # rank's host tier (None: the worker has none)
+        host_kv_cache: torch.Tensor | None = None,
     ) -> None:
         self.group = group
         self.model = model
         self.kv_cache = kv_cache
         self.attn_backend = attn_backend
         self.device = device
+        self.host_copier = None if host_kv_cache is None else HostCopier(kv_cache, host_kv_cache)
         self.num_forwards = 0
         self.num_logits = 0
 
@@ -70,7 +77,13 @@ class Follower:
                 command, input_ids = receive_command(self.group, self.device)
                 if isinstance(command, StopCommand):
                     return
-                if isinstance(command, CopyBlocksCommand):
+                if isinstance(command, SwapBlocksCommand):
+                    if self.host_copier is None:
+                        raise RuntimeError(
+                            "rank 0 sent block swaps, but this rank has no host tier"
+                        )
+                    self.host_copier.swap(command.swap_outs, command.swap_ins)
+                elif isinstance(command, CopyBlocksCommand):
                     copy_blocks(self.kv_cache, command.copies)
                 elif isinstance(command, ForwardCommand):
                     assert input_ids is not None
@@ -124,7 +137,14 @@ def build_follower(
     except BaseException:
         group.close()
         raise
-    follower = Follower(group, built.model, built.kv_cache, built.attn_backend, built.device)
+    follower = Follower(
+        group,
+        built.model,
+        built.kv_cache,
+        built.attn_backend,
+        built.device,
+        built.host_kv_cache,
+    )
     return follower, built
 
 

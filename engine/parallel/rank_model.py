@@ -3,7 +3,7 @@ backend that reads them, and (size 1 on CUDA) the decode graphs.
 
 Every rank of a tensor-parallel worker calls ``build_rank_model`` with the same configs, so the
 collectives in it (the group's join check, the memory profile's forward on CUDA, the agreed
-number of KV blocks) line up rank by rank. Rank 0 builds its scheduler and runner on top
+number of KV blocks and of host-tier slots) line up rank by rank. Rank 0 builds its scheduler and runner on top
 (engine/llm_engine.py); the others follow its steps (engine/parallel/follower.py).
 """
 
@@ -28,7 +28,8 @@ from engine.decode_graphs import (
 )
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kernels.linear import resolve_linear_backend
-from engine.kv_cache.budget import KVLayout, num_kv_blocks
+from engine.kv_cache.budget import KVLayout, num_host_kv_slots, num_kv_blocks
+from engine.kv_cache.host_copies import host_cache_like
 from engine.kv_cache.kv_quantization import KVCacheScales, storage_dtype
 from engine.kv_calibration import (
     MAX_CALIBRATION_TOKENS,
@@ -67,10 +68,18 @@ class RankModel:
     # a quantized cache's scales, the whole model's (this rank's attention layers hold their
     # heads' share); None: the cache stores the model's dtype
     kv_cache_scales: KVCacheScales | None = None
+    # the host-memory tier's blocks, [num_host_slots, num_slots, kv_planes, block_size,
+    # shard.num_kv_heads, head_dim] in the cache's dtype (page-locked beside a GPU cache);
+    # num_host_slots is the same on every rank. None: no host tier (kv_offload_gb 0)
+    host_kv_cache: torch.Tensor | None = None
 
     @property
     def num_kv_blocks(self) -> int:
         return int(self.kv_cache.shape[2])
+
+    @property
+    def num_host_slots(self) -> int:
+        return 0 if self.host_kv_cache is None else int(self.host_kv_cache.shape[0])
 
 
 def rank_device(load: LoadConfig, rank: int) -> torch.device:
@@ -227,6 +236,12 @@ def build_rank_model(
         num_blocks = group.min_int(num_blocks)
     # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
     kv_cache = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
+    host_kv_cache = None
+    if cache.kv_offload_gb > 0:
+        num_host_slots = num_host_kv_slots(cache.kv_offload_gb, layout)
+        if group is not None:  # rank 0's tier decides for every rank's
+            num_host_slots = group.min_int(num_host_slots)
+        host_kv_cache = host_cache_like(kv_cache, num_host_slots)
     decode_graphs = None
     if graph_batch_sizes is not None:
         decode_graphs = DecodeGraphs(
@@ -252,6 +267,7 @@ def build_rank_model(
         max_num_sample_rows=max_num_sample_rows,
         num_threads_before=num_threads_before,
         kv_cache_scales=kv_cache_scales,
+        host_kv_cache=host_kv_cache,
     )
 
 

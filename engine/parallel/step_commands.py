@@ -2,6 +2,8 @@
 
 Each model call of rank 0's runner is a collective (the model all-reduces and all-gathers
 inside), so every follower runs the same call on the same rows, in the same order:
+  SwapBlocksCommand  copies between the KV cache and its host-memory tier, first of a step that
+                  has any (swap-outs, then swap-ins; engine/kv_cache/host_copies.py)
   CopyBlocksCommand  copy-on-write copies of KV blocks, before the forward of a step that has any
   ForwardCommand  one forward of the step's batch; its input ids follow as a tensor broadcast
                   (async scheduling writes awaited tokens into them on the device, after the
@@ -86,6 +88,14 @@ class ForwardInputs:
 
 
 @dataclass(frozen=True, slots=True)
+class SwapBlocksCommand:
+    """Move KV blocks between the cache and the host tier (this rank's heads of each)."""
+
+    swap_outs: tuple[tuple[int, int], ...]  # (device block, host slot), copied first
+    swap_ins: tuple[tuple[int, int], ...]  # (host slot, device block), copied after them
+
+
+@dataclass(frozen=True, slots=True)
 class CopyBlocksCommand:
     """Copy KV blocks (every layer's K and V) before the next forward."""
 
@@ -111,7 +121,7 @@ class StopCommand:
     """The worker is closing: the follower leaves its loop and its group."""
 
 
-StepCommand = CopyBlocksCommand | ForwardCommand | LogitsCommand | StopCommand
+StepCommand = SwapBlocksCommand | CopyBlocksCommand | ForwardCommand | LogitsCommand | StopCommand
 
 
 def send_command(
@@ -131,7 +141,7 @@ def receive_command(
 ) -> tuple[StepCommand, torch.Tensor | None]:
     """A follower: rank 0's next command, with a forward's input ids on ``device``."""
     command = group.broadcast_object(None)
-    if not isinstance(command, CopyBlocksCommand | ForwardCommand | LogitsCommand | StopCommand):
+    if not isinstance(command, StepCommand):
         raise TypeError(f"rank 0 sent {type(command).__name__}, not a step command")
     if not isinstance(command, ForwardCommand):
         return command, None

@@ -59,14 +59,31 @@ class AppendedTokens:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
+    """One step. The runner moves its blocks first, in this order: swap-outs, swap-ins,
+    copy-on-write copies; then it runs the forward. A step that schedules nothing may still
+    move blocks (a sequence that did not fit gave back blocks it had brought from the host)."""
+
     scheduled: list[ScheduledSequence]  # in scheduling order
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before forward
     num_batched_tokens: int  # sum of num_query_tokens (drafts included)
     num_preempted: int  # sequences preempted while building this step
+    # host-memory tier (engine/kv_cache/host_tier.py): (device block, host slot) of each cached
+    # block evicted while building this step, whose content goes to the host before anything
+    # of the step writes the block
+    swap_outs: tuple[tuple[int, int], ...] = ()
+    # (host slot, device block) of each block a prefix hit brings back from the host, copied
+    # in after the swap-outs and before the forward
+    swap_ins: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (blocks to move or not)."""
         return not self.scheduled
+
+    @property
+    def moves_blocks(self) -> bool:
+        """Blocks to swap with the host tier or to copy, before anything else of the step."""
+        return bool(self.swap_outs or self.swap_ins or self.block_copies)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,18 @@
-"""Continuous batching with chunked prefill, prefix caching and recompute preemption.
+"""Continuous batching with chunked prefill, prefix caching and preemption.
 
 Lifecycle of a sequence:
   waiting --(admitted: cached prefix attached, blocks allocated)--> running
   (a sequence whose KV was received from a prefill worker waits holding its blocks; only
    ``_reclaim_waiting_blocks`` takes them, when nothing else could give blocks back)
   running --(every step: its next chunk or its next token is scheduled)--> running
-  running --(out of blocks: newest running sequence is preempted, blocks freed)--> waiting (front)
+  running --(out of blocks: newest running sequence is preempted, its full blocks committed to
+             the prefix cache, then freed)--> waiting (front)
   running --(stop token / max tokens / abort)--> finished (blocks freed)
+
+A preempted sequence comes back through the prefix cache: its blocks still cached on the device,
+or kept by the host-memory tier once evicted there (engine/kv_cache/host_tier.py), are taken
+back; only the rest is recomputed. Each step's output carries the copies between the tiers its
+building made owed (``BlockManager.take_swaps``), whether or not it schedules anything.
 
 Each step, sequences already running are served first in arrival order (decodes and unfinished
 prompt chunks alike), each taking what it needs from the step's token budget; waiting sequences
@@ -152,9 +158,7 @@ class Scheduler:
         """The next step. ``step_in_flight``: the step scheduled last is not applied yet (async
         scheduling; see the module's docstring)."""
         if step_in_flight and not self._fits_ahead():
-            return SchedulerOutput(
-                scheduled=[], block_copies=[], num_batched_tokens=0, num_preempted=0
-            )
+            return self._output([], [], 0, 0)
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         copies: list[tuple[int, int]] = []
@@ -192,11 +196,25 @@ class Scheduler:
                 index += 1
         if num_preempted == 0:
             budget = self._admit_waiting(budget, scheduled, copies)
+        num_batched = self.config.max_num_batched_tokens - budget
+        return self._output(scheduled, copies, num_batched, num_preempted)
+
+    def _output(
+        self,
+        scheduled: list[ScheduledSequence],
+        copies: list[tuple[int, int]],
+        num_batched_tokens: int,
+        num_preempted: int,
+    ) -> SchedulerOutput:
+        """The step, with every copy between the cache's tiers its building made owed."""
+        swap_outs, swap_ins = self.block_manager.take_swaps()
         return SchedulerOutput(
             scheduled=scheduled,
             block_copies=copies,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            num_batched_tokens=num_batched_tokens,
             num_preempted=num_preempted,
+            swap_outs=swap_outs,
+            swap_ins=swap_ins,
         )
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[AppendedTokens]:
@@ -449,7 +467,11 @@ class Scheduler:
             self.running.append(seq)
 
     def _drop_kv(self, seq: Sequence) -> None:
-        """Free the sequence's blocks; a preemption: its KV is recomputed when it runs again."""
+        """Free the sequence's blocks; a preemption. Its full computed blocks (prompt and
+        generated tokens alike) are committed first, so they stay cached: when it runs again it
+        takes them back from the device cache or, once evicted there, from the host tier, and
+        recomputes only what neither holds."""
+        self.block_manager.commit_computed(seq)
         self.block_manager.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
