@@ -78,18 +78,26 @@ class LoopCluster:
 
 
 def loop_cluster(
-    model_dir: Path, num_prefill: int, num_kv_blocks: int = 256, **config: Any
+    model_dir: Path,
+    num_prefill: int,
+    num_kv_blocks: int = 256,
+    kv_offload_gb: float = 0.0,
+    **config: Any,
 ) -> LoopCluster:
     """``num_prefill`` prefill workers (0: colocated) and one decode worker, each on an engine
-    loop over ``model_dir`` with a cache of ``num_kv_blocks`` blocks of 8 tokens; the output
-    pumps run, the load monitor does not."""
+    loop over ``model_dir`` with a cache of ``num_kv_blocks`` blocks of 8 tokens (and a host
+    tier of ``kv_offload_gb``); the output pumps run, the load monitor does not."""
     actors: dict[str, LoopActor] = {}
     for role, worker_id in [("decode", "decode-0")] + [
         ("prefill", f"prefill-{i}") for i in range(num_prefill)
     ]:
         engine = LLMEngine(
             LoadConfig(str(model_dir), dtype="float32", device="cpu"),
-            CacheConfig(block_size=8, budget=KVBudget(num_blocks=num_kv_blocks)),
+            CacheConfig(
+                block_size=8,
+                budget=KVBudget(num_blocks=num_kv_blocks),
+                kv_offload_gb=kv_offload_gb,
+            ),
             SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
             record_kv_events=True,
         )
