@@ -19,8 +19,9 @@ prefill the rest itself, with no hand-off, at the same cost with its own queue a
 computes weighed by ``local_prefill_weight`` (its running batch waits meanwhile). When one of
 them is cheaper than every prefill worker, the prompt goes there (a local prefill, reason
 "cached"); else to the cheapest prefill worker, and its decode worker is least_loaded's:
-lowest KV usage, then fewest sequences. Where decode workers prefill every prompt (colocated)
-they are chosen by the same cost.
+lowest KV usage, then fewest sequences (also for a request resumed after a worker's loss). Where
+decode workers prefill every prompt (colocated) they are chosen by the same cost as prefill
+workers.
 
 Every decision is logged at debug level with its inputs (each candidate's hits per tier, queue
 and cost), and its hit tokens per tier are counted (``PrefixHitStats``, exported as the
@@ -114,11 +115,17 @@ class _Candidate:
 
 class KVAware:
     def __init__(
-        self, block_size: int, index: KVIndex, weights: KVAwareWeights | None = None
+        self,
+        block_size: int,
+        index: KVIndex,
+        weights: KVAwareWeights | None = None,
+        *,
+        colocated: bool = False,  # the decode workers prefill every prompt (no prefill pool)
     ) -> None:
         self.block_size = block_size
         self.index = index
         self.weights = weights or KVAwareWeights()
+        self.colocated = colocated
         self.stats = PrefixHitStats()
         self._decode = LeastLoaded()
 
@@ -131,12 +138,11 @@ class KVAware:
         return chosen.worker_id
 
     def choose_decode(self, request: RoutingInfo, loads: Sequence[WorkerLoad]) -> str:
-        """The decode worker a prefill worker hands the prompt to: least_loaded's."""
-        return self._decode.choose_decode(request, loads)
-
-    def choose_prefilling_decode(self, request: RoutingInfo, loads: Sequence[WorkerLoad]) -> str:
-        """The decode worker that prefills the prompt itself (colocated workers, a resumed
-        request): the cheapest by the cost above, ties to least_loaded's order."""
+        """The decode worker: least_loaded's, where a prefill worker hands the prompt to it;
+        colocated, where it prefills the prompt itself, the cheapest by the cost above (ties
+        in least_loaded's order)."""
+        if not self.colocated:
+            return self._decode.choose_decode(request, loads)
         if not loads:
             raise NoWorkerError("no live decode worker")
         hashes = self.prompt_hashes(request)

@@ -66,7 +66,11 @@ class Placements:
         self.config = config
         self.pool = pool
         self.policy = make_policy(
-            config.router_policy, config.block_size, pool.kv_index, config.kv_aware
+            config.router_policy,
+            config.block_size,
+            pool.kv_index,
+            config.kv_aware,
+            colocated=config.colocated,
         )
         self._lock = threading.RLock()
         self._trackers: dict[str, RequestTracker] = {}  # by request id
@@ -234,7 +238,7 @@ class Placements:
                 decode_loads = self.pool.routable_loads("decode")
                 prefill_id = local = None
                 if self.config.colocated or request.resume_token_ids:
-                    decode_id = self._choose_prefilling_decode(info, decode_loads)
+                    decode_id = self.policy.choose_decode(info, decode_loads)
                 else:
                     prefill_id, decode_id, local = self._choose_disaggregated_locked(
                         info, decode_loads
@@ -243,12 +247,6 @@ class Placements:
                 raise RequestFailedError(str(error)) from error
             self.pool.charge_routed(prefill_id, decode_id, request)
         return prefill_id, decode_id, local
-
-    def _choose_prefilling_decode(self, info: RoutingInfo, loads: list[WorkerLoad]) -> str:
-        """The decode worker for a prompt it prefills itself (colocated, or resumed)."""
-        if isinstance(self.policy, KVAware):
-            return self.policy.choose_prefilling_decode(info, loads)
-        return self.policy.choose_decode(info, loads)
 
     def _choose_disaggregated_locked(
         self, info: RoutingInfo, decode_loads: list[WorkerLoad]
@@ -486,8 +484,11 @@ def make_policy(
     block_size: int,
     kv_index: KVIndex | None = None,
     kv_aware_weights: KVAwareWeights | None = None,
+    *,
+    colocated: bool = False,
 ) -> RoutingPolicy:
-    """The routing policy ``name``; kv_aware reads ``kv_index`` (the pool's)."""
+    """The routing policy ``name``; kv_aware reads ``kv_index`` (the pool's) and, ``colocated``
+    (no prefill pool), chooses decode workers by their caches too."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
@@ -497,7 +498,7 @@ def make_policy(
     if name == "kv_aware":
         if kv_index is None:
             raise ValueError("router policy kv_aware needs the pool's KV index")
-        return KVAware(block_size, kv_index, kv_aware_weights)
+        return KVAware(block_size, kv_index, kv_aware_weights, colocated=colocated)
     raise ValueError(f"router policy must be one of {', '.join(POLICY_NAMES)}; got {name!r}")
 
 

@@ -126,14 +126,16 @@ def test_a_decode_worker_holding_the_conversation_prefills_the_rest_itself() -> 
     assert KVAware(BLOCK, KVIndex()).choose_cached_decode(request, prefills, decodes) is None
 
 
-def test_a_decode_worker_that_prefills_is_chosen_by_its_cache_then_as_least_loaded() -> None:
+def test_colocated_decode_workers_are_chosen_by_their_cache_then_as_least_loaded() -> None:
     index = KVIndex()
     _caching(index, "d1", SYSTEM)
-    policy = KVAware(BLOCK, index)
     decodes = [WorkerLoad("d0", 0, 0, 0, 0.1), WorkerLoad("d1", 0, 5, 0, 0.6)]
-    assert policy.choose_prefilling_decode(RoutingInfo("r", PROMPT), decodes) == "d1"
+    colocated = KVAware(BLOCK, index, colocated=True)
+    assert colocated.choose_decode(RoutingInfo("r", PROMPT), decodes) == "d1"
     other = RoutingInfo("r", list(range(100, 130)))
-    assert policy.choose_prefilling_decode(other, decodes) == "d0"  # lower KV usage
+    assert colocated.choose_decode(other, decodes) == "d0"  # lower KV usage
+    # with a prefill pool, the decode worker a hand-off goes to is least_loaded's
+    assert KVAware(BLOCK, index).choose_decode(RoutingInfo("r", PROMPT), decodes) == "d0"
 
 
 def test_each_decision_is_logged_with_its_inputs(caplog: pytest.LogCaptureFixture) -> None:
