@@ -430,8 +430,17 @@ class LLMEngine:
         blocks = self.block_manager.reserve(num_tokens)
         if blocks is None:
             return None
+        self._swap_out_now()
         self._reservations[request_id] = blocks
         return list(blocks)
+
+    def _swap_out_now(self) -> None:
+        """Copy to the host tier, and wait for it, the cached blocks a reservation evicted: the
+        KV a hand-off receives lands in them outside any step, so no step's moves would come
+        first. (Between steps no other swap is owed: each step's building takes its own.)"""
+        swap_outs, swap_ins = self.block_manager.take_swaps()
+        if swap_outs or swap_ins:
+            self.runner.swap_blocks(swap_outs, swap_ins, wait=True)
 
     def reserved_blocks(self, request_id: str) -> list[int] | None:
         blocks = self._reservations.get(request_id)

@@ -200,16 +200,35 @@ class ModelRunner:
         """Swap-outs, then swap-ins, then copy-on-write copies, queued before anything launched
         after them (the forward reads what they write)."""
         if output.swap_outs or output.swap_ins:
-            if self.host_copier is None:
-                raise RuntimeError("the step swaps blocks with a host tier this runner lacks")
-            if self._followers is not None:
-                command = SwapBlocksCommand(output.swap_outs, output.swap_ins)
-                send_command(self._followers, command)
-            self.host_copier.swap(output.swap_outs, output.swap_ins)
+            self._swap(output.swap_outs, output.swap_ins)
         if output.block_copies:
             if self._followers is not None:
                 send_command(self._followers, CopyBlocksCommand(tuple(output.block_copies)))
             copy_blocks(self.kv_cache, output.block_copies)
+
+    def swap_blocks(
+        self,
+        swap_outs: tuple[tuple[int, int], ...],
+        swap_ins: tuple[tuple[int, int], ...],
+        *,
+        wait: bool,
+    ) -> None:
+        """Make block moves with the host tier outside a step; ``wait``: return once they are
+        done (on a GPU, with everything queued before them)."""
+        with self._on_device():
+            self._swap(swap_outs, swap_ins)
+            if wait and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+
+    def _swap(
+        self, swap_outs: tuple[tuple[int, int], ...], swap_ins: tuple[tuple[int, int], ...]
+    ) -> None:
+        """Swap-outs, then swap-ins, on every rank."""
+        if self.host_copier is None:
+            raise RuntimeError("the step swaps blocks with a host tier this runner lacks")
+        if self._followers is not None:
+            send_command(self._followers, SwapBlocksCommand(swap_outs, swap_ins))
+        self.host_copier.swap(swap_outs, swap_ins)
 
     def sample(self, step: LaunchedStep) -> SampledStep:
         """Draw the step's tokens on the device, from the sequences' state now (async

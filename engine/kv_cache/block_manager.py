@@ -359,8 +359,9 @@ class BlockManager:
         num_blocks = self.num_blocks_to_hand_off(num_tokens)
         if num_blocks > self.pool.num_free_blocks:
             return None
-        # the KV lands in them outside any step: a block they evict is not copied to the host
-        return [self.pool.allocate(offload=False) for _ in range(num_blocks)]
+        # the KV lands in them outside any step: the caller makes the swap-outs of the cached
+        # blocks they evict at once (LLMEngine.reserve_blocks), before the KV can arrive
+        return [self.pool.allocate() for _ in range(num_blocks)]
 
     def release(self, block_ids: list[int]) -> None:
         """Give back blocks taken with ``reserve`` that no sequence adopted."""

@@ -60,17 +60,16 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def allocate(self, *, offload: bool = True) -> int:
+    def allocate(self) -> int:
         """Take one block (ref_count 1), evicting the least recently used cached block if needed
-        (into the host tier, where there is one, unless ``offload`` is False: the block's new
-        owner writes it before a step could copy it out, as received KV does)."""
+        (into the host tier, where there is one)."""
         if self._free:
             block_id = self._free.popleft()
         elif self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             group, block_hash = self._forget_hash(block_id)
             if self.host is not None:
-                self.host.evicted(block_id, block_hash, group, offload=offload)
+                self.host.evicted(block_id, block_hash, group)
         else:
             raise RuntimeError("out of KV blocks: check num_free_blocks before allocating")
         self._ref_counts[block_id] = 1

@@ -64,21 +64,16 @@ class HostTier:
             held.setdefault(group, set()).add(block_hash)
         return {group: frozenset(hashes) for group, hashes in held.items()}
 
-    def evicted(
-        self, block_id: int, block_hash: BlockHash, group: int = 0, *, offload: bool = True
-    ) -> None:
+    def evicted(self, block_id: int, block_hash: BlockHash, group: int = 0) -> None:
         """The device evicted ``block_id``, which held group ``group``'s block ``block_hash``:
-        keep its content here (a swap-out; ``offload`` False: not this time, the block's new
-        owner writes it before a step could copy it). A full tier makes room by forgetting its
-        least recently used unpinned block; with every slot pinned the block is not kept."""
+        keep its content here (a swap-out). A full tier makes room by forgetting its least
+        recently used unpinned block; with every slot pinned the block is not kept."""
         key = (group, block_hash)
         slot = self._swap_ins.pop(block_id, None)
         if slot is not None:  # its content had yet to come from here: it is here already
             assert self._key_of.get(slot) == key
         if key in self._slot_of:
             self._slot_of.move_to_end(key)
-            return
-        if not offload:
             return
         slot = self._take_slot()
         if slot is None:

@@ -162,6 +162,42 @@ def test_a_block_evicted_to_the_host_and_brought_back_is_bitwise_what_it_was(
     assert torch.equal(after.view(torch.uint8), before.view(torch.uint8))
 
 
+def test_blocks_a_hand_off_reservation_evicts_go_to_the_host_before_the_kv_lands(
+    llama_dir: Path,
+) -> None:
+    """A decode worker's reservation for a hand-off takes the whole device cache: the cached
+    blocks it evicts are copied to the host at once (the received KV overwrites them outside
+    any step), and a prompt over them takes them back bit for bit."""
+    llm = LLM(
+        str(llama_dir),
+        dtype="float32",
+        device="cpu",
+        skip_tokenizer_init=True,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=16,
+        kv_offload_gb=offload_gb(llama_dir, 32),
+    )
+    engine = llm.engine
+    prompt = workload()[4]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([prompt], params)
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompt, BLOCK_SIZE, None)
+    pool, host = engine.block_manager.pool, engine.block_manager.host
+    assert host is not None
+    blocks = [pool.cached_block(h) for h in hashes]
+    before = engine.kv_cache[:, :, blocks].clone()
+    reserved = engine.reserve_blocks("handed-off", 16 * BLOCK_SIZE)
+    assert reserved is not None and set(blocks) <= set(reserved)
+    engine.kv_cache[:, :, reserved] = 7.0  # the received KV lands
+    assert engine.counters().num_kv_offloaded_bytes > 0
+    engine.cancel_reservation("handed-off")
+    (again,) = llm.generate([prompt], params)
+    assert again.num_cached_tokens == 48
+    back = [pool.cached_block(h) for h in hashes]
+    assert torch.equal(engine.kv_cache[:, :, back], before)
+
+
 # ---- greedy outputs ---------------------------------------------------------------------
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-step", "async"])
 def test_greedy_outputs_with_offload_equal_transformers_and_the_engine_without(
