@@ -33,6 +33,7 @@ from engine.messages import (
     FirstTokenTrace,
     GenerateRequest,
     KVCursor,
+    KVEventsReply,
     OutputBatch,
     PrefillResult,
     RequestFailure,
@@ -75,6 +76,9 @@ class EngineLoop:
         # the blocks the engine's prefix cache stored and removed, batched per turn, for the
         # router's index (None: the engine does not record them)
         self._kv_event_log = KVEventLog() if engine.records_kv_events else None
+        # gateway id -> the last event batch its output batches carried: set when a request of
+        # a new gateway comes in (under ``lock``), then moved on by the loop's thread only
+        self._kv_streamed: dict[str, int] = {}
         # The load as of the last change made under ``lock``: ``load`` answers with it without
         # waiting for the lock, so a long step never holds back a report (replaced, never
         # changed in place: readers take the reference without a lock).
@@ -122,6 +126,7 @@ class EngineLoop:
                 resume_token_ids=request.resume_token_ids or None,
             )
             self._gateway_of[request.request_id] = request.gateway_id
+            self._stream_kv_events_to_locked(request.gateway_id)
             # when the engine took it: its queue time (TokenEvent.queue_seconds) counts from here
             self._arrivals[request.request_id] = (received_at, time.time())
             self._work.notify()
@@ -146,6 +151,7 @@ class EngineLoop:
         """Route a request's outputs (e.g. one admitted from a prefill worker) to a gateway."""
         with self.lock:
             self._gateway_of[request_id] = gateway_id
+            self._stream_kv_events_to_locked(gateway_id)
 
     def release(self, request_id: str) -> None:
         """End a handed-off request here: its lease is released, its outputs go elsewhere."""
@@ -324,7 +330,28 @@ class EngineLoop:
             )
             events[index] = dataclasses.replace(event, first_token_trace=trace)
         for gateway, events in outputs.events.items():
-            self._queue(gateway).put(OutputBatch(self.worker_id, events))
+            batch = OutputBatch(self.worker_id, events, kv_events=self._kv_events_for(gateway))
+            self._queue(gateway).put(batch)
+
+    def _stream_kv_events_to_locked(self, gateway_id: str) -> None:
+        """A gateway's output batches carry the KV events from the log's current batch on
+        (earlier ones: the router's load poll brings them in a snapshot)."""
+        if self._kv_event_log is not None and gateway_id not in self._kv_streamed:
+            self._kv_streamed[gateway_id] = self._kv_event_log.number
+
+    def _kv_events_for(self, gateway_id: str) -> KVEventsReply | None:
+        """The KV event batches to send a gateway with a step's tokens: those since the ones
+        it was last sent."""
+        log = self._kv_event_log
+        if log is None:
+            return None
+        last = self._kv_streamed.get(gateway_id)
+        if last is None:
+            self._kv_streamed[gateway_id] = log.number
+            return None
+        reply = log.after(last)
+        self._kv_streamed[gateway_id] = reply.number
+        return reply if reply.batches else None
 
     def _forget_locked(self, request_id: str) -> None:
         """The request's outputs go nowhere from here (it ended, or went elsewhere)."""

@@ -3,7 +3,9 @@
 Built from the workers' own KV events (engine/messages/kv_events.py), never from what the router
 sent where: each load poll asks a worker with the cursor of its events applied so far, and the
 report brings the batches after it (or a snapshot, for a new router, a new worker, or a cursor
-the worker's bounded log no longer reaches). Applied in order, they make the index equal, block
+the worker's bounded log no longer reaches). The workers' output batches carry their latest
+event batches too (``follow``), so the index learns a step's blocks with the step's tokens,
+not up to a report interval later; each batch applies once, whichever brings it first. Applied in order, they make the index equal, block
 for block, to what each worker's tiers hold as of the batch applied last. A worker taken out of
 rotation is forgotten at once; should it come back, its next report starts it from a snapshot.
 
@@ -81,16 +83,35 @@ class KVIndex:
                 return
             for batch in reply.batches:
                 if batch.number <= number:
-                    continue  # applied already
+                    continue  # applied already (from the worker's output stream)
                 if batch.number != number + 1:
                     self._reset_locked(worker_id, f"batch {number + 1} missing")
                     return
                 for event in batch.events:
                     blocks.apply(event)
                 number = batch.number
-            if number != reply.number:
+            if number < reply.number:
                 self._reset_locked(worker_id, f"batches {number + 1} .. {reply.number} missing")
                 return
+            blocks.cursor = KVCursor(reply.log_id, number)
+
+    def follow(self, worker_id: str, reply: KVEventsReply) -> None:
+        """Take the event batches a worker's output stream carried: those that continue from
+        the worker's cursor, in order; the rest are left to its next load report (a batch
+        after a gap, a worker not known yet or of another log: nothing is reset)."""
+        with self._lock:
+            blocks = self._workers.get(worker_id)
+            if blocks is None or blocks.cursor.log_id != reply.log_id:
+                return
+            number = blocks.cursor.number
+            for batch in reply.batches:
+                if batch.number <= number:
+                    continue
+                if batch.number != number + 1:
+                    break
+                for event in batch.events:
+                    blocks.apply(event)
+                number = batch.number
             blocks.cursor = KVCursor(reply.log_id, number)
 
     def _reset_locked(self, worker_id: str, why: str) -> None:

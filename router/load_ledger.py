@@ -3,7 +3,8 @@ it that the report may not show yet.
 
 A request counts towards its worker from the moment it is routed. It stops being added on top
 of the reports once a report asked for *after* the worker was known to hold it has come back
-(that report shows it), or once the request has ended. Until then a report cannot cancel it: a
+(that report shows it), or once the request has ended (dropped then, not at the next report: a
+conversation's next turn, sent as the last one ends, must not see it queued still). Until then a report cannot cancel it: a
 worker accepts requests only between engine steps, so a report taken mid-step does not show
 the requests still waiting at its door, and routing by it alone sent a burst to one worker.
 """

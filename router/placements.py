@@ -132,9 +132,11 @@ class Placements:
             return None
 
     def _forget_locked(self, tracker: RequestTracker) -> None:
-        """Stop tracking a request that ended ; late events about it are dropped."""
+        """Stop tracking a request that ended ; late events about it are dropped, and it no
+        longer counts towards its workers' loads."""
         if self._trackers.get(tracker.request_id) is tracker:
             del self._trackers[tracker.request_id]
+            self.pool.drop_charges(tracker.request_id)
         for placement_id in tracker.placement_ids:
             if self._placed.get(placement_id) is tracker:
                 del self._placed[placement_id]
@@ -306,6 +308,8 @@ class Placements:
         """Carry one output batch of a worker into the trackers of its requests. ``received_at``:
         when the gateway received the batch (``time.time()``; default: now), for first tokens'
         traces."""
+        if batch.kv_events is not None:  # the step's blocks, before its tokens reach a client
+            self.pool.follow_kv_events(batch.worker_id, batch.kv_events)
         with self._lock:
             for event in batch.events:
                 tracker = self._placed.get(event.request_id)

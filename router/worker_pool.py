@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import ray
 
-from engine.messages import GenerateRequest, KVCursor, WorkerLoad
+from engine.messages import GenerateRequest, KVCursor, KVEventsReply, WorkerLoad
 from router.cluster_config import ClusterConfig
 from router.kv_index import KVIndex
 from router.load_ledger import LoadLedger
@@ -197,6 +197,13 @@ class WorkerPool:
         with self._lock:
             self.workers[decode_id].ledger.charge(request_id, num_sequences=num_sequences)
 
+    def drop_charges(self, request_id: str) -> None:
+        """A request ended: it no longer counts towards any worker's load (no report after
+        its end would show it, so none need be waited for)."""
+        with self._lock:
+            for worker in self.workers.values():
+                worker.ledger.drop(request_id)
+
     def mark_held(self, request_id: str, now: float, worker_id: str | None = None) -> None:
         """``worker_id`` (None: every worker) holds the request from ``now`` on: its reports
         asked for later show it."""
@@ -257,6 +264,14 @@ class WorkerPool:
             worker.load_call = None  # the next round asks again
         if load.seconds_since_progress >= self.config.dead_after_s:  # it answers, its engine
             self._report_lost(worker, stalled=True)  # is stuck: silent all the same
+
+    def follow_kv_events(self, worker_id: str, reply: KVEventsReply) -> None:
+        """Apply the KV event batches a worker's output batch carried (the index takes those
+        that continue from where it is; a worker out of rotation is not followed)."""
+        with self._lock:
+            worker = self.workers.get(worker_id)
+            if self.kv_index is not None and worker is not None and worker.alive:
+                self.kv_index.follow(worker_id, reply)
 
     def _kv_cursor(self, worker: WorkerHandle) -> KVCursor | None:
         """What to ask a worker's KV events with (None: the index is off)."""

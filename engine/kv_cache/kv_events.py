@@ -4,7 +4,8 @@
 call it as they change) and hands them over, merged into runs, once per step. ``KVEventLog``
 numbers those batches, keeps the latest ``max_batches`` of them and a mirror of what the tiers
 hold, and answers a router's ``KVCursor`` with the batches after it or with a snapshot (see
-engine/messages/kv_events.py). The recorder is the engine's (called under its loop's lock); the
+engine/messages/kv_events.py); the worker's output stream also carries, with each batch of
+tokens, the event batches since its last one (``after``). The recorder is the engine's (called under its loop's lock); the
 log has its own lock, so the router's call never waits for a step.
 """
 
@@ -94,6 +95,19 @@ class KVEventLog:
                 batches = tuple(b for b in self._batches if b.number > cursor.number)
                 return KVEventsReply(self.log_id, self._number, None, batches)
             return KVEventsReply(self.log_id, self._number, self._snapshot_locked(), ())
+
+    def after(self, number: int) -> KVEventsReply:
+        """The batches kept after batch ``number`` (never a snapshot: those kept may start
+        later than ``number + 1``, which the asker then cannot apply)."""
+        with self._lock:
+            batches = tuple(b for b in self._batches if b.number > number)
+            return KVEventsReply(self.log_id, self._number, None, batches)
+
+    @property
+    def number(self) -> int:
+        """The latest batch's number."""
+        with self._lock:
+            return self._number
 
     def holdings(self) -> dict[tuple[KVTier, int], frozenset[BlockHash]]:
         """What the log says each tier and group holds now (non-empty ones)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.messages.first_token import FirstTokenTrace
+from engine.messages.kv_events import KVEventsReply
 from engine.sampling.messages import PromptTokenLogprobs, TokenLogprobs
 from engine.sampling.params import SamplingParams
 
@@ -61,3 +62,8 @@ class OutputBatch:
     # wall clock (time.time()) when the worker's output stream took the batch off its queue to
     # send it; None until then
     streamed_at: float | None = None
+    # the worker's KV events since the ones its last batch to this gateway carried (None: it
+    # records none, or none came since); the router's index applies them at once, so a
+    # conversation's next turn finds the blocks its reply just filled (the load poll's copy of
+    # them, up to a report interval later, is applied once only)
+    kv_events: KVEventsReply | None = None

@@ -542,3 +542,16 @@ def test_a_request_whose_recovery_fails_is_failed_and_the_others_are_recovered()
     cluster.poll()
     assert isinstance(first_items[-1], RequestFailure) and first.closed
     assert second.decode_worker == "decode-1" and second.num_retries == 1
+
+
+def test_a_request_that_ends_stops_counting_towards_its_workers_load_at_once() -> None:
+    """A conversation's next turn comes as soon as the last one ends: the ended one's charge
+    (its prompt tokens queued on the decode worker that prefilled it) is gone by then, not at
+    the next load report."""
+    cluster, _ = make_cluster(0, 1)
+    submit(cluster, "r1", prompt=tuple(range(3, 40)), max_tokens=1)
+    load = cluster.pool.load_of("decode-0")
+    assert load is not None and load.num_queued_prompt_tokens == 37
+    cluster.placements.dispatch(OutputBatch("decode-0", [token("r1", 0, 7, "length")]))
+    load = cluster.pool.load_of("decode-0")
+    assert load is not None and (load.num_queued_prompt_tokens, load.num_running) == (0, 0)

@@ -69,6 +69,29 @@ def test_a_batch_applied_twice_counts_once_and_a_gap_resets_the_worker() -> None
     assert index.holdings("w") == log.holdings()
 
 
+def test_batches_from_the_output_stream_apply_once_and_a_gap_waits_for_the_poll() -> None:
+    log, index = KVEventLog(), KVIndex()
+    index.follow("w", log.after(0))  # a worker the poll has not brought yet: not followed
+    assert index.cursor("w") == KVCursor("")
+    log.append((_stored(H[0]),))
+    _follow(index, "w", log)  # the poll's snapshot, at batch 1
+    stale = log.since(index.cursor("w"))  # a poll answer still on its way (nothing new)
+    log.append((_stored(H[1]),))
+    log.append((_removed(H[0]),))
+    index.follow("w", log.after(1))  # the output stream: batches 2 and 3
+    assert index.cursor("w") == KVCursor(log.log_id, 3)
+    index.apply("w", stale)  # behind the stream: changes nothing, resets nothing
+    assert index.cursor("w") == KVCursor(log.log_id, 3)
+    assert index.holdings("w") == log.holdings()
+    log.append((_stored(H[2]),))
+    log.append((_stored(H[3]),))
+    index.follow("w", log.after(4))  # batch 5 without 4: left to the poll
+    assert index.cursor("w") == KVCursor(log.log_id, 3)
+    _follow(index, "w", log)
+    assert index.cursor("w") == KVCursor(log.log_id, 5)
+    assert index.holdings("w") == log.holdings()
+
+
 def test_a_log_that_dropped_batches_resyncs_the_index_by_snapshot() -> None:
     log, index = KVEventLog(max_batches=3), KVIndex()
     _follow(index, "w", log)
@@ -112,7 +135,9 @@ def _prompts(rng: random.Random, num_prompts: int) -> list[list[int]]:
     ]
 
 
-async def _run_all(cluster: Cluster, prompts: list[list[int]], salts: list[str | None]) -> None:
+async def _run_all(
+    cluster: Cluster, prompts: list[list[int]], salts: list[str | None], *, poll: bool = True
+) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     async def one(index: int) -> None:
@@ -124,7 +149,8 @@ async def _run_all(cluster: Cluster, prompts: list[list[int]], salts: list[str |
 
     for start in range(0, len(prompts), 16):  # a few at a time, polled in between
         await asyncio.gather(*(one(i) for i in range(start, min(start + 16, len(prompts)))))
-        cluster.poll()
+        if poll:
+            cluster.poll()
 
 
 def _wait_until_idle(workers: LoopCluster) -> None:
@@ -141,6 +167,23 @@ def _held(workers: LoopCluster, worker_id: str) -> dict[tuple[str, int], frozens
     return workers.actors[worker_id].loop.call(
         lambda engine: engine.block_manager.cached_block_hashes()
     )
+
+
+def test_the_index_learns_a_steps_blocks_with_its_tokens_without_a_poll(llama_dir: Path) -> None:
+    """After the first poll, no other: a request's blocks reach the index with its tokens (the
+    output batches carry the worker's KV events), before its client has the last one."""
+    workers = loop_cluster(llama_dir, num_prefill=0, router_policy="kv_aware")
+    index = workers.cluster.pool.kv_index
+    assert index is not None
+    try:
+        prompts = [list(range(3, 60)), list(range(100, 150))]
+        asyncio.run(
+            asyncio.wait_for(_run_all(workers.cluster, prompts, [None, None], poll=False), 60)
+        )
+        held = _held(workers, "decode-0")
+        assert held and index.holdings("decode-0") == held
+    finally:
+        workers.stop()
 
 
 def test_the_index_equals_every_worker_cache_after_churn_loss_and_router_restart(
