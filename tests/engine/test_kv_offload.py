@@ -121,6 +121,31 @@ def test_the_copier_moves_blocks_bit_for_bit(dtype: torch.dtype) -> None:
     assert copier.num_bytes_moved == (2 * copier.block_bytes, 3 * copier.block_bytes)
 
 
+def _one_prompt_cached(
+    model_dir: Path, kv_cache_dtype: str
+) -> tuple[LLM, list[int], list[bytes], list[int]]:
+    """An engine of 16 device blocks and a host tier of 32, after one prompt of 49 tokens (its
+    twelve full blocks cached): the engine, the prompt, its blocks' hashes and device blocks."""
+    element_bytes = 4 if kv_cache_dtype == "auto" else 1
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        skip_tokenizer_init=True,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=16,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_offload_gb=offload_gb(model_dir, 32, element_bytes=element_bytes),
+    )
+    prompt = workload()[4]
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompt, BLOCK_SIZE, None)
+    blocks = [llm.engine.block_manager.pool.cached_block(h) for h in hashes]
+    assert None not in blocks
+    return llm, prompt, hashes, [b for b in blocks if b is not None]
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
 def test_a_block_evicted_to_the_host_and_brought_back_is_bitwise_what_it_was(
     llama_dir: Path, kv_cache_dtype: str
@@ -128,27 +153,10 @@ def test_a_block_evicted_to_the_host_and_brought_back_is_bitwise_what_it_was(
     """A prompt's blocks, cached; other prompts take the whole device cache (they go to the
     host); the prompt again takes them back from the host, into other device blocks, bit for
     bit."""
-    element_bytes = 4 if kv_cache_dtype == "auto" else 1
-    llm = LLM(
-        str(llama_dir),
-        dtype="float32",
-        device="cpu",
-        skip_tokenizer_init=True,
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=16,
-        kv_cache_dtype=kv_cache_dtype,
-        kv_offload_gb=offload_gb(llama_dir, 32, element_bytes=element_bytes),
-    )
-    engine = llm.engine
-    prompt = workload()[4]  # 49 tokens: twelve full blocks
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    llm.generate([prompt], params)
-    hashes: list[bytes] = []
-    extend_block_hashes(hashes, prompt, BLOCK_SIZE, None)
+    llm, prompt, hashes, blocks = _one_prompt_cached(llama_dir, kv_cache_dtype)
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=1)
     pool, host = engine.block_manager.pool, engine.block_manager.host
     assert host is not None
-    blocks = [pool.cached_block(h) for h in hashes]
-    assert None not in blocks
     before = engine.kv_cache[:, :, blocks].clone()
     llm.generate([[7] * 60, [8] * 60], params)  # fifteen blocks each
     assert all(pool.cached_block(h) is None and host.slot_of(h) is not None for h in hashes)
@@ -168,24 +176,9 @@ def test_blocks_a_hand_off_reservation_evicts_go_to_the_host_before_the_kv_lands
     """A decode worker's reservation for a hand-off takes the whole device cache: the cached
     blocks it evicts are copied to the host at once (the received KV overwrites them outside
     any step), and a prompt over them takes them back bit for bit."""
-    llm = LLM(
-        str(llama_dir),
-        dtype="float32",
-        device="cpu",
-        skip_tokenizer_init=True,
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=16,
-        kv_offload_gb=offload_gb(llama_dir, 32),
-    )
-    engine = llm.engine
-    prompt = workload()[4]
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    llm.generate([prompt], params)
-    hashes: list[bytes] = []
-    extend_block_hashes(hashes, prompt, BLOCK_SIZE, None)
-    pool, host = engine.block_manager.pool, engine.block_manager.host
-    assert host is not None
-    blocks = [pool.cached_block(h) for h in hashes]
+    llm, prompt, hashes, blocks = _one_prompt_cached(llama_dir, "auto")
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=1)
+    pool = engine.block_manager.pool
     before = engine.kv_cache[:, :, blocks].clone()
     reserved = engine.reserve_blocks("handed-off", 16 * BLOCK_SIZE)
     assert reserved is not None and set(blocks) <= set(reserved)
