@@ -11,6 +11,7 @@ log has its own lock, so the router's call never waits for a step.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
 from collections import deque
@@ -92,7 +93,7 @@ class KVEventLog:
         with self._lock:
             oldest = self._batches[0].number if self._batches else self._number + 1
             if cursor.log_id == self.log_id and oldest - 1 <= cursor.number <= self._number:
-                batches = tuple(b for b in self._batches if b.number > cursor.number)
+                batches = self._batches_after_locked(cursor.number)
                 return KVEventsReply(self.log_id, self._number, None, batches)
             return KVEventsReply(self.log_id, self._number, self._snapshot_locked(), ())
 
@@ -100,8 +101,15 @@ class KVEventLog:
         """The batches kept after batch ``number`` (never a snapshot: those kept may start
         later than ``number + 1``, which the asker then cannot apply)."""
         with self._lock:
-            batches = tuple(b for b in self._batches if b.number > number)
-            return KVEventsReply(self.log_id, self._number, None, batches)
+            return KVEventsReply(
+                self.log_id, self._number, None, self._batches_after_locked(number)
+            )
+
+    def _batches_after_locked(self, number: int) -> tuple[KVEventBatch, ...]:
+        """The kept batches numbered above ``number``, read from the newest end (the output
+        stream asks every step for the one or two just added)."""
+        newest = itertools.islice(reversed(self._batches), max(0, self._number - number))
+        return tuple(reversed(list(newest)))
 
     @property
     def number(self) -> int:
