@@ -11,6 +11,10 @@ the worker got it (``submit``'s ``received_at``), when it entered the engine, wh
 scheduled, the start and end of the step that sampled the token, and when that step's batch was
 put on the output queue; the stream stamps each batch as it takes it off the queue
 (``OutputBatch.streamed_at``).
+
+Where the engine records KV events (a worker's), each turn's events become one batch of the
+loop's ``KVEventLog``: the load report answers the router's cursor from it, and each output
+batch carries the event batches since that gateway's previous one (engine/kv_cache/kv_events.py).
 """
 
 from __future__ import annotations
