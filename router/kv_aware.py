@@ -49,7 +49,9 @@ class KVAwareWeights:
     """How ``kv_aware`` weighs a prefill worker's hits against its queue (``--kv-aware-*``)."""
 
     # one queued prompt token delays this prompt as much as this many tokens of its own compute
-    queue_weight: float = 1.0
+    # (below 1: a token computed where the prefix is not also delays every prompt queued after
+    # it; 0.25 served the multi-turn chat benchmark best, docs/benchmarks.md)
+    queue_weight: float = 0.25
     # a token found in a worker's host tier costs this fraction of computing it (its copy back)
     host_hit_weight: float = 0.1
     # a prompt token a decode worker computes (its running batch waits) costs this many tokens

@@ -26,6 +26,7 @@ from tests.router.loop_actors import loop_cluster
 BLOCK = 4
 SYSTEM = list(range(10, 34))  # 6 blocks
 PROMPT = SYSTEM + [90, 91, 92]  # 27 tokens: 6 full blocks a cache can serve
+UNIT_QUEUE = KVAwareWeights(queue_weight=1.0)  # a queued token weighs as one to compute
 
 
 def _load(worker_id: str, queued: int = 0) -> WorkerLoad:
@@ -50,7 +51,7 @@ def _caching(index: KVIndex, worker_id: str, tokens: list[int], *, salt: str | N
 def test_the_worker_holding_the_prefix_wins_until_its_queue_outweighs_it() -> None:
     index = KVIndex()
     _caching(index, "b", SYSTEM)
-    policy = KVAware(BLOCK, index)
+    policy = KVAware(BLOCK, index, UNIT_QUEUE)
     request = RoutingInfo("r", PROMPT)
     assert policy.choose_prefill(request, [_load("a"), _load("b")]) == "b"
     # b saves 24 tokens of compute: a queue 20 tokens longer than a's is worth it, 30 is not
@@ -110,7 +111,7 @@ def test_a_decode_worker_holding_the_conversation_prefills_the_rest_itself() -> 
     index = KVIndex()
     _caching(index, "d1", SYSTEM)
     _caching(index, "p", SYSTEM[:12])
-    policy = KVAware(BLOCK, index)
+    policy = KVAware(BLOCK, index, UNIT_QUEUE)
     request = RoutingInfo("r", PROMPT)
     prefills, decodes = [_load("p")], [_load("d0"), _load("d1")]
     assert policy.choose_cached_decode(request, prefills, decodes) == "d1"  # 3 vs 15
@@ -118,7 +119,7 @@ def test_a_decode_worker_holding_the_conversation_prefills_the_rest_itself() -> 
     # its own queue, or a dearer local token, sends the prompt to the prefill pool
     busy = [_load("d0"), _load("d1", queued=20)]
     assert policy.choose_cached_decode(request, prefills, busy) is None
-    dear = KVAware(BLOCK, index, KVAwareWeights(local_prefill_weight=6.0))
+    dear = KVAware(BLOCK, index, KVAwareWeights(queue_weight=1.0, local_prefill_weight=6.0))
     assert dear.choose_cached_decode(request, prefills, decodes) is None  # 18 vs 15
     # a prefill worker holding as much wins the tie: the decode batch is left alone
     _caching(index, "p", SYSTEM)
@@ -142,7 +143,7 @@ def test_each_decision_is_logged_with_its_inputs(caplog: pytest.LogCaptureFixtur
     index = KVIndex()
     _caching(index, "b", SYSTEM)
     with caplog.at_level(logging.DEBUG, logger="router.kv_aware"):
-        KVAware(BLOCK, index).choose_prefill(
+        KVAware(BLOCK, index, UNIT_QUEUE).choose_prefill(
             RoutingInfo("req-7", PROMPT), [_load("a", 3), _load("b")]
         )
     (line,) = [r.getMessage() for r in caplog.records]
