@@ -132,12 +132,7 @@ class KVAware:
         self._decode = LeastLoaded()
 
     def choose_prefill(self, request: RoutingInfo, loads: Sequence[WorkerLoad]) -> str:
-        if not loads:
-            raise NoWorkerError("no live prefill worker")
-        hashes = self.prompt_hashes(request)
-        chosen, candidates = self._cheapest(request, hashes, loads, compute_weight=1.0)
-        self._count(request, chosen, candidates)
-        return chosen.worker_id
+        return self._choose(request, loads, "prefill")
 
     def choose_decode(self, request: RoutingInfo, loads: Sequence[WorkerLoad]) -> str:
         """The decode worker: least_loaded's, where a prefill worker hands the prompt to it;
@@ -145,10 +140,16 @@ class KVAware:
         in least_loaded's order)."""
         if not self.colocated:
             return self._decode.choose_decode(request, loads)
+        return self._choose(request, loads, "decode")
+
+    def _choose(self, request: RoutingInfo, loads: Sequence[WorkerLoad], pool: str) -> str:
+        """The cheapest worker of ``pool`` for the prompt, its decision counted."""
         if not loads:
-            raise NoWorkerError("no live decode worker")
+            raise NoWorkerError(f"no live {pool} worker")
         hashes = self.prompt_hashes(request)
-        chosen, candidates = self._cheapest(request, hashes, loads, compute_weight=1.0, decode=True)
+        chosen, candidates = self._cheapest(
+            request, hashes, loads, compute_weight=1.0, decode=pool == "decode"
+        )
         self._count(request, chosen, candidates)
         return chosen.worker_id
 
@@ -168,7 +169,7 @@ class KVAware:
             return None
         weight = self.weights.local_prefill_weight
         local, locals_ = self._cheapest(
-            request, hashes, holding, compute_weight=weight, decode=True
+            request, hashes, holding, compute_weight=weight, decode=True, hits=hits
         )
         pooled, _ = self._cheapest(request, hashes, prefill_loads, compute_weight=1.0)
         if local.cost >= pooled.cost:
@@ -184,12 +185,14 @@ class KVAware:
         *,
         compute_weight: float,
         decode: bool = False,
+        hits: dict[str, PrefixHits] | None = None,
     ) -> tuple[_Candidate, list[_Candidate]]:
         """The cheapest of ``loads`` for the prompt (whose ``hashes`` are given), and every
         candidate; ``decode``: ties go by least_loaded's decode order (KV usage, then
-        sequences)."""
+        sequences); ``hits``: the index's answer for them, where the caller has it already."""
         num_prompt_tokens = len(request.prompt_token_ids)
-        hits = self.index.prefix_hits([w.worker_id for w in loads], hashes)
+        if hits is None:
+            hits = self.index.prefix_hits([w.worker_id for w in loads], hashes)
         candidates = [
             self._candidate(load, hits[load.worker_id], num_prompt_tokens, compute_weight)
             for load in loads

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache.prefix_hash import BlockHash
-from engine.messages import KVBlocksEvent, KVCursor, KVEventsReply
+from engine.messages import KVBlocksEvent, KVCursor, KVEventBatch, KVEventsReply
 from engine.messages.kv_events import KVTier
 
 logger = logging.getLogger("router.kv_index")
@@ -53,6 +53,19 @@ class _WorkerBlocks:
         else:
             held.difference_update(event.block_hashes)
 
+    def apply_batches(self, batches: Sequence[KVEventBatch], number: int) -> int:
+        """Apply, in order, the batches that continue from batch ``number`` (those at or
+        before it applied already), up to the first gap; returns the last one applied."""
+        for batch in batches:
+            if batch.number <= number:
+                continue
+            if batch.number != number + 1:
+                break
+            for event in batch.events:
+                self.apply(event)
+            number = batch.number
+        return number
+
 
 class KVIndex:
     def __init__(self) -> None:
@@ -81,15 +94,8 @@ class KVIndex:
             else:
                 self._reset_locked(worker_id, f"a reply of log {reply.log_id} without a snapshot")
                 return
-            for batch in reply.batches:
-                if batch.number <= number:
-                    continue  # applied already (from the worker's output stream)
-                if batch.number != number + 1:
-                    self._reset_locked(worker_id, f"batch {number + 1} missing")
-                    return
-                for event in batch.events:
-                    blocks.apply(event)
-                number = batch.number
+            # (those at or before the cursor came in the worker's output stream already)
+            number = blocks.apply_batches(reply.batches, number)
             if number < reply.number:
                 self._reset_locked(worker_id, f"batches {number + 1} .. {reply.number} missing")
                 return
@@ -103,15 +109,7 @@ class KVIndex:
             blocks = self._workers.get(worker_id)
             if blocks is None or blocks.cursor.log_id != reply.log_id:
                 return
-            number = blocks.cursor.number
-            for batch in reply.batches:
-                if batch.number <= number:
-                    continue
-                if batch.number != number + 1:
-                    break
-                for event in batch.events:
-                    blocks.apply(event)
-                number = batch.number
+            number = blocks.apply_batches(reply.batches, blocks.cursor.number)
             blocks.cursor = KVCursor(reply.log_id, number)
 
     def _reset_locked(self, worker_id: str, why: str) -> None:
