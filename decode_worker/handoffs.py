@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
@@ -56,7 +56,11 @@ T = TypeVar("T")
 class ReservingEngine(Protocol):
     """What the hand-offs need of the engine (``LLMEngine``): blocks reserved by request."""
 
-    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None: ...
+    def reserve_blocks(
+        self, request_id: str, num_tokens: int, prefix_hashes: Sequence[bytes] = ()
+    ) -> list[int] | None: ...
+
+    def num_shared_reserved(self, request_id: str) -> int: ...
 
     def cancel_reservation(self, request_id: str) -> None: ...
 
@@ -113,8 +117,13 @@ class DecodeHandoffs:
             return None  # the prefill worker gave up on this hand-off already
         if call.request_id in self._live:
             raise ValueError(f"request_id {call.request_id!r} is already in use")
-        request_id, num_tokens = call.request_id, call.num_tokens
-        block_ids = self._engine.call(lambda engine: engine.reserve_blocks(request_id, num_tokens))
+        request_id, num_tokens, hashes = call.request_id, call.num_tokens, call.prefix_hashes
+
+        def reserve(engine: ReservingEngine) -> tuple[list[int] | None, int]:
+            block_ids = engine.reserve_blocks(request_id, num_tokens, hashes)
+            return block_ids, engine.num_shared_reserved(request_id)
+
+        block_ids, num_shared = self._engine.call(reserve)
         if block_ids is None:
             return None
         handoff = self._live[call.request_id] = _Handoff(call.handoff_id, self._clock())
@@ -122,7 +131,7 @@ class DecodeHandoffs:
         pinned = channel_id is not None and self._channels.pin(call.request_id, channel_id)
         if pinned:
             handoff.state = "pinned"
-        return Reservation(block_ids, channel_id if pinned else None)
+        return Reservation(block_ids, channel_id if pinned else None, num_shared)
 
     def pin(self, call: PinChannel) -> bool:
         """reserved/pinned -> pinned on ``call.channel_id``; False if that channel is not open

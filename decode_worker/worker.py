@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from decode_worker.handoffs import DecodeHandoffs
+from decode_worker.prefix_lender import PrefixLender
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
@@ -33,18 +34,28 @@ from engine.messages import (
     GenerateRequest,
     JoinChannel,
     KVCursor,
+    LendPrefix,
+    OpenLendChannel,
     OutputBatch,
     PinChannel,
     PrefillResult,
     ReceiveKV,
     Reservation,
     ReserveBlocks,
+    ReturnLent,
+    SendLentBlocks,
     WorkerLoad,
 )
 from engine.parallel.shard import kv_heads_of_ranks
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
-from kv_transfer import KVCacheLayout, KVChannel, TransferError, TransferTicket
+from kv_transfer import (
+    ChannelRendezvous,
+    KVCacheLayout,
+    KVChannel,
+    TransferError,
+    TransferTicket,
+)
 from kv_transfer.channel_table import ChannelTable, WorkerChannel, close_channels
 from kv_transfer.locality import locality_of
 from kv_transfer.policy import Locality, TransferConfig
@@ -99,6 +110,17 @@ class DecodeWorker:
         self.channels = ChannelTable(transfer.max_channels)  # from prefill workers
         # every hand-off's state; called under self.loop.lock only (see DecodeHandoffs)
         self.handoffs = DecodeHandoffs(self.loop, self.channels, transfer.reservation_ttl_s)
+        # the prefixes its cache holds, copied by prefill workers (one rank: all the heads)
+        self.lender = PrefixLender(
+            worker_id,
+            self.loop,
+            self.engine.kv_cache,
+            self.layout,
+            transfer.host,
+            transfer.timeout_s,
+            transfer.reservation_ttl_s,
+            lends=len(self._kv_heads) == 1,
+        )
         self._stopping = threading.Event()
         self._sweeper = threading.Thread(
             target=self._sweep_expired_reservations, name=f"sweep-{worker_id}", daemon=True
@@ -271,6 +293,24 @@ class DecodeWorker:
         self.loop.track(result.request_id, gateway_id)
         return True
 
+    # ---- a cached prefix copied to a prefill worker (engine.messages.handoff) -----------
+    def lend_prefix(self, call: LendPrefix) -> int:
+        """Hold the leading run of the named blocks this cache holds, for a prefill worker to
+        copy; how many (0: none)."""
+        return self.lender.lend(call)
+
+    def open_lend_channel(self, call: OpenLendChannel) -> ChannelRendezvous:
+        """Listen for a prefill worker's channel for lent blocks (this worker sends on it)."""
+        return self.lender.open_channel(call)
+
+    def send_lent(self, call: SendLentBlocks) -> bool:
+        """Send a lend's blocks to the prefill worker, then stop holding them; False if not."""
+        return self.lender.send(call)
+
+    def return_lent(self, call: ReturnLent) -> None:
+        """Stop holding a lend's blocks: the prefill worker will not copy them."""
+        self.lender.give_back(call)
+
     # ---- outputs and load ---------------------------------------------------------------
     def stream(self, gateway_id: str) -> Iterator[OutputBatch]:
         """Output batches for one gateway, as steps produce them, until shutdown."""
@@ -291,6 +331,8 @@ class DecodeWorker:
         while not self._stopping.wait(interval_s):
             with self.loop.lock:
                 self._expire_reservations_locked()
+            for lend_id in self.lender.expire():
+                logger.warning("lend %s expired without its send; blocks given back", lend_id)
 
     def _expire_reservations_locked(self) -> None:
         """Give back reservations whose transfer never began."""
@@ -303,6 +345,7 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self._stopping.set()
+        self.lender.close()
         self.loop.stop()
         close_channels(self.channels.remove_all())
         self._rank0.shutdown()

@@ -17,6 +17,7 @@ import torch
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.kv_events import KVEventRecorder
+from engine.kv_cache.prefix_hash import BlockHash
 from engine.messages import PrefillResult, SampleStart, TokenEvent, WorkerCounters
 from engine.messages.kv_events import KVBlocksEvent
 from engine.model_config import ModelConfig, load_model_config
@@ -149,6 +150,13 @@ class LLMEngine:
         # decode side: request id -> blocks its KV comes into (which hand-off holds them, and
         # until when, is the decode worker's: decode_worker/handoffs.py)
         self._reservations: dict[str, list[int]] = {}
+        # decode side: request id -> how many leading blocks of its reservation this cache
+        # held already (their KV does not move)
+        self._num_shared_reserved: dict[str, int] = {}
+        # blocks held for another worker's fetch of a prefix (lend id -> the blocks), and, on
+        # the side that fetched it, for the request that will use it (request id -> blocks)
+        self._lent: dict[str, list[int]] = {}
+        self._prefix_holds: dict[str, tuple[int, list[int]]] = {}  # (how many are cached)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -244,8 +252,9 @@ class LLMEngine:
         """Drop a request wherever it is: queued, running, or handed off under a lease."""
         self.cancel_reservation(request_id)
         state = self._requests.pop(request_id, None)
-        if state is None:
+        if state is None:  # (a prefix held for a request still to come stays: its fetch ends)
             return
+        self.drop_prefix_hold(request_id)
         for seq in self.scheduler.abort(request_id):
             self.runner.forget(seq.seq_id)
         for seq in state.seqs.values():
@@ -419,20 +428,37 @@ class LLMEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
+        self.drop_prefix_hold(request_id)
         for seq in state.seqs.values():
             self.scheduler.release(seq)
             self.runner.forget(seq.seq_id)
 
-    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Decode side: fresh blocks to receive a prompt's KV into; None if they don't fit now."""
+    def reserve_blocks(
+        self, request_id: str, num_tokens: int, prefix_hashes: SequenceOf[BlockHash] = ()
+    ) -> list[int] | None:
+        """Decode side: blocks to receive a prompt's KV into; None if they don't fit now.
+
+        ``prefix_hashes``: the prompt's block hashes (``PrefillResult.prompt_block_hashes``).
+        The leading blocks this cache holds already come first, shared, and their KV need not
+        move (``num_shared_reserved``); at least the prompt's last block is always fresh.
+        """
         if request_id in self._reservations or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        blocks = self.block_manager.reserve(num_tokens)
+        manager = self.block_manager
+        servable = (num_tokens - 1) // manager.block_size
+        shared = manager.share_cached_prefix(prefix_hashes[:servable])
+        blocks = manager.reserve(num_tokens, shared)
         if blocks is None:
+            manager.release(shared)
             return None
         self._swap_out_now()
         self._reservations[request_id] = blocks
+        self._num_shared_reserved[request_id] = len(shared)
         return list(blocks)
+
+    def num_shared_reserved(self, request_id: str) -> int:
+        """How many leading blocks of the request's reservation this cache held already."""
+        return self._num_shared_reserved.get(request_id, 0)
 
     def _swap_out_now(self) -> None:
         """Copy to the host tier, and wait for it, the cached blocks a reservation evicted: the
@@ -447,7 +473,71 @@ class LLMEngine:
         return None if blocks is None else list(blocks)
 
     def cancel_reservation(self, request_id: str) -> None:
+        self._num_shared_reserved.pop(request_id, None)
         self.block_manager.release(self._reservations.pop(request_id, []))
+
+    # ---- a prefix's KV fetched from another worker (reuse across the cluster) -------------
+    def servable_prompt_hashes(
+        self, prompt_token_ids: SequenceOf[int], cache_salt: str | None
+    ) -> list[BlockHash]:
+        """The prefix hashes of a prompt's blocks a cache can serve, as this engine names them
+        (the tenant's salt, and the long-prompt mark of a LongRoPE model)."""
+        return self.block_manager.servable_prompt_hashes(prompt_token_ids, cache_salt)
+
+    def lend_blocks(self, lend_id: str, hashes: SequenceOf[BlockHash]) -> list[int]:
+        """The side that holds a prefix: the blocks caching the leading run of ``hashes``, held
+        (never evicted) until ``return_lent`` so another worker can copy them; [] for none."""
+        if lend_id in self._lent:
+            raise ValueError(f"lend id {lend_id!r} is already in use")
+        held = self.block_manager.share_cached_prefix(hashes)
+        if held:
+            self._lent[lend_id] = held
+        return list(held)
+
+    def lent_blocks(self, lend_id: str) -> list[int]:
+        """The blocks ``lend_blocks`` holds for ``lend_id`` ([] when none: returned already)."""
+        return list(self._lent.get(lend_id, []))
+
+    def return_lent(self, lend_id: str) -> None:
+        """The blocks of ``lend_blocks`` are copied (or will not be): no longer held."""
+        self.block_manager.release(self._lent.pop(lend_id, []))
+
+    def hold_prefix(
+        self, request_id: str, hashes: SequenceOf[BlockHash]
+    ) -> tuple[int, list[int]] | None:
+        """The side that fetches a prefix, before adding the request: the leading blocks of
+        ``hashes`` this cache holds, held for the request (how many), and fresh blocks for the
+        rest to arrive in (give the ones that did to ``received_prefix``); None when they do
+        not fit now (nothing is held then)."""
+        if request_id in self._prefix_holds or request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        manager = self.block_manager
+        held = manager.share_cached_prefix(hashes)
+        fresh = manager.take_fresh(len(hashes) - len(held))
+        if fresh is None:
+            manager.release(held)
+            return None
+        self._swap_out_now()  # (the KV lands in them outside any step)
+        self._prefix_holds[request_id] = (len(held), held + fresh)
+        return len(held), list(fresh)
+
+    def received_prefix(
+        self, request_id: str, hashes: SequenceOf[BlockHash], num_received: int
+    ) -> None:
+        """``hashes``: those given to ``hold_prefix``. The first ``num_received`` fresh blocks
+        now hold the blocks they name after the ones held here: a prefix lookup finds them. The
+        other fresh blocks are given back; the rest stay held for the request until it ends
+        (so no eviction takes them before its prefill does)."""
+        num_held, blocks = self._prefix_holds[request_id]
+        end = num_held + num_received
+        self.block_manager.register_received(blocks[num_held:end], hashes[num_held:end])
+        self.block_manager.release(blocks[end:])
+        self._prefix_holds[request_id] = (end, blocks[:end])
+
+    def drop_prefix_hold(self, request_id: str) -> None:
+        """The request's held prefix blocks (``hold_prefix``) are no longer held for it."""
+        _, blocks = self._prefix_holds.pop(request_id, (0, []))
+        self.block_manager.release(blocks)
 
     def admit_prefilled(self, result: PrefillResult, *, kv_received: bool) -> None:
         """Decode side: continue the unfinished samples of a request prefilled elsewhere.
@@ -458,6 +548,7 @@ class LLMEngine:
         """
         request_id = result.request_id
         blocks = self._reservations.pop(request_id, None)
+        self._num_shared_reserved.pop(request_id, None)
         seqs: list[Sequence] = []
         try:
             if kv_received and blocks is None:
@@ -537,12 +628,14 @@ class LLMEngine:
     # ---- helpers ------------------------------------------------------------------------
     def _finish(self, state: RequestState) -> RequestOutput:
         del self._requests[state.request_id]
+        self.drop_prefix_hold(state.request_id)
         for seq in state.seqs.values():
             self.runner.forget(seq.seq_id)
         return state.output()
 
     def _prefill_result(self, state: RequestState) -> PrefillResult:
         handed_off = [s for s in state.seqs.values() if s.status is SequenceStatus.HANDED_OFF]
+        num_servable = (state.parent.num_prompt_tokens - 1) // self.block_manager.block_size
         samples = tuple(
             SampleStart(
                 index=index,
@@ -562,6 +655,7 @@ class LLMEngine:
             block_ids=self.block_manager.blocks_to_hand_off(handed_off[0]),
             num_cached_tokens=state.parent.num_cached_prompt_tokens,
             priority=state.parent.priority,
+            prompt_block_hashes=tuple(handed_off[0].block_hashes[:num_servable]),
         )
 
     def _admitted_sequence(

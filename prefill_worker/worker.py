@@ -21,7 +21,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
@@ -56,6 +56,7 @@ from kv_transfer.ranked_channel import RankedListener
 from kv_transfer.totals import TransferTotals
 from prefill_worker.handoff_lanes import HandoffLanes
 from prefill_worker.pair_transports import PairTransports
+from prefill_worker.prefix_fetch import PrefixFetcher
 
 logger = logging.getLogger(__name__)
 _RESERVE_RETRY_S = 0.01
@@ -113,20 +114,58 @@ class PrefillWorker:
         self._targets: dict[str, _Target] = {}  # request id -> where it goes after prefill
         self._queued: dict[str, PrefillResult] = {}  # prefilled, hand-off not started yet
         self._targets_lock = threading.Lock()
+        self._fetching: set[str] = set()  # requests whose prefix is being fetched (targeted)
+        self._fetches = ThreadPoolExecutor(
+            transfer.max_concurrent_handoffs, thread_name_prefix=f"fetch-{worker_id}"
+        )
         self.channels = ChannelTable(transfer.max_channels)  # by decode worker
         self._transfer_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._transfer_ids = itertools.count()
         self._handoffs = HandoffLanes(transfer.max_concurrent_handoffs, f"handoff-{worker_id}")
         self._transfer_totals = TransferTotals()  # KV hand-offs sent
         self.loop = EngineLoop(self.engine, worker_id, on_handed_off=self._schedule_handoff)
+        self.fetcher = PrefixFetcher(
+            worker_id,
+            self.loop,
+            self.engine.kv_cache,
+            self.layout,
+            transfer,
+            self._transports,
+            lambda: self._peers,
+            self._transfer_ids,
+            # one rank each (the lend channel moves every head), one whole-context cache group
+            fetches=len(self._kv_heads) == 1
+            and len(self._decode_heads) == 1
+            and self.engine.block_manager.windows == (None,),
+        )
         self.loop.start()
 
     # ---- requests -----------------------------------------------------------------------
-    def submit(self, request: GenerateRequest, decode_worker_id: str) -> None:
-        """Queue a prompt; its decode continues on ``decode_worker_id``."""
+    def submit(
+        self, request: GenerateRequest, decode_worker_id: str, fetch_blocks: int = 0
+    ) -> None:
+        """Queue a prompt; its decode continues on ``decode_worker_id``.
+
+        ``fetch_blocks``: first copy the prompt's leading blocks, up to this many, from
+        ``decode_worker_id``'s cache (prefill_worker/prefix_fetch.py), so that only the rest is
+        computed here and handed back. The copy runs on a fetch thread and the request is
+        queued after it: this call returns at once (a request the engine then refuses fails
+        through its gateway's output stream).
+        """
         received_at = time.time()  # (its first token's trace: the wait for the locks counts)
         if decode_worker_id not in self._peers:
             raise ValueError(f"unknown decode worker {decode_worker_id!r}")
+        if fetch_blocks > 0 and self.fetcher.fetches:
+            request_id = request.request_id
+            with self._targets_lock:
+                if request_id in self._targets:
+                    raise ValueError(f"request_id {request_id!r} is already in use")
+                self._fetching.add(request_id)  # (kept from the sweep: not in the engine yet)
+                self._targets[request_id] = _Target(decode_worker_id, request.gateway_id)
+            self._fetches.submit(
+                self._fetch_then_queue, request, decode_worker_id, fetch_blocks, received_at
+            )
+            return
         # The target and its request come in under one hold of the targets lock: a sweep
         # (``_forget_finished_locked``) never sees the one without the other.
         with self._targets_lock:
@@ -137,6 +176,35 @@ class PrefillWorker:
                 del self._targets[request.request_id]
                 raise
 
+    @property
+    def num_fetching(self) -> int:
+        """Requests whose prefix is being copied from a decode worker (not queued yet)."""
+        with self._targets_lock:
+            return len(self._fetching)
+
+    def _fetch_then_queue(
+        self, request: GenerateRequest, decode_worker_id: str, fetch_blocks: int, received_at: float
+    ) -> None:
+        """Copy the prompt's prefix from the decode worker, then queue the prompt (unless it
+        was aborted meanwhile: then the blocks held for it are given back)."""
+        request_id = request.request_id
+        try:
+            self.fetcher.fetch(request, decode_worker_id, fetch_blocks)
+        except Exception:  # (best effort: the prompt computes what did not come)
+            logger.exception("fetching the prefix of %s failed", request_id)
+        with self._targets_lock:
+            self._fetching.discard(request_id)
+            target = self._targets.get(request_id)
+            try:
+                if target is None:  # aborted while fetching
+                    raise ValueError("aborted")
+                self.loop.submit(request, prefill_only=True, received_at=received_at)
+            except ValueError as refusal:
+                self._targets.pop(request_id, None)
+                self.loop.call(lambda engine: engine.drop_prefix_hold(request_id))
+                if target is not None:
+                    self.loop.fail(request_id, str(refusal), target.gateway_id)
+
     def _forget_finished_locked(self) -> None:
         """Drop the targets of requests that ended here without a hand-off (targets lock held).
 
@@ -146,7 +214,11 @@ class PrefillWorker:
         its lease, until its hand-off has taken the target.
         """
         with self.loop.lock:
-            ended = [rid for rid in self._targets if not self.engine.has_request(rid)]
+            ended = [
+                rid
+                for rid in self._targets
+                if rid not in self._fetching and not self.engine.has_request(rid)
+            ]
         for request_id in ended:
             del self._targets[request_id]
 
@@ -177,6 +249,7 @@ class PrefillWorker:
         its channel is closed (an NCCL one holds GPU memory; the cap would close it only once
         it is idle and over). Waits for a transfer to it in progress, which its deadline ends."""
         self._peers = {wid: p for wid, p in self._peers.items() if wid != decode_worker_id}
+        self.fetcher.forget(decode_worker_id)
         with self._transfer_locks[decode_worker_id]:
             channel = self.channels.get(decode_worker_id)
             if channel is not None:
@@ -209,6 +282,8 @@ class PrefillWorker:
     def shutdown(self) -> None:
         self.loop.stop()
         self._handoffs.shutdown()
+        self._fetches.shutdown(wait=False, cancel_futures=True)
+        self.fetcher.close()
         close_channels(self.channels.remove_all())
         self._rank0.shutdown()
         self.engine.close()  # its follower ranks stop (none for a worker of one rank)
@@ -269,10 +344,12 @@ class PrefillWorker:
                     decode_worker_id, peer, result.request_id, handoff_id, reservation.channel_id
                 )
                 try:
+                    # the prompt's leading blocks the decode worker caches already stay here
+                    shared = reservation.num_shared_blocks
                     ticket = TransferTicket(
                         transfer_id=next(self._transfer_ids),
                         request_id=result.request_id,
-                        num_blocks=len(result.block_ids),
+                        num_blocks=len(result.block_ids) - shared,
                         timeout_s=timeout_s,
                         checksum=self.transfer.checksum,
                     )
@@ -281,13 +358,13 @@ class PrefillWorker:
                         handoff_id=handoff_id,
                         result=result,
                         ticket=ticket,
-                        block_ids=reservation.block_ids,
+                        block_ids=reservation.block_ids[shared:],
                         gateway_id=target.gateway_id,
                         policy=self.transfer.failure_policy,
                     )
                     receipt = peer.send(receive)
                     owes_cancel = False  # the receive gives the blocks back if it fails
-                    self._send(decode_worker_id, channel, result, ticket)
+                    self._send(decode_worker_id, channel, result.block_ids[shared:], ticket)
                 finally:
                     close_channels(self.channels.release(decode_worker_id))
             receipt.result(timeout=2 * timeout_s)
@@ -299,14 +376,13 @@ class PrefillWorker:
         self,
         decode_worker_id: str,
         channel: WorkerChannel,
-        result: PrefillResult,
+        block_ids: list[int],
         ticket: TransferTicket,
     ) -> None:
-        """Send the prompt's KV; a failed transfer's channel is dropped (rebuilt on next use)."""
+        """Send the prompt's KV in ``block_ids``; a failed transfer's channel is dropped (rebuilt
+        on next use)."""
         try:
-            self._transfer_totals.add(
-                channel.send_blocks(self.engine.kv_cache, result.block_ids, ticket)
-            )
+            self._transfer_totals.add(channel.send_blocks(self.engine.kv_cache, block_ids, ticket))
         except TransferError:
             logger.warning("KV transfer of %s failed; channel rebuilt on next use", ticket)
             self.channels.remove(decode_worker_id, channel)
@@ -315,7 +391,13 @@ class PrefillWorker:
     def _reserve(
         self, peer: DecodePeer, result: PrefillResult, handoff_id: str, channel_id: str | None
     ) -> Reservation | None:
-        reserve = ReserveBlocks(result.request_id, handoff_id, result.num_prompt_tokens, channel_id)
+        reserve = ReserveBlocks(
+            result.request_id,
+            handoff_id,
+            result.num_prompt_tokens,
+            channel_id,
+            result.prompt_block_hashes,
+        )
         deadline = time.monotonic() + self.transfer.reserve_timeout_s
         while True:
             reservation = peer.send(reserve).result(timeout=self.transfer.timeout_s)

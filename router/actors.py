@@ -149,8 +149,10 @@ class PrefillActor:
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
 
-    def submit(self, request: GenerateRequest, decode_worker_id: str) -> None:
-        self.worker.submit(request, decode_worker_id)
+    def submit(
+        self, request: GenerateRequest, decode_worker_id: str, fetch_blocks: int = 0
+    ) -> None:
+        self.worker.submit(request, decode_worker_id, fetch_blocks)
 
     def retarget(self, request_id: str, decode_worker_id: str) -> bool:
         return self.worker.retarget(request_id, decode_worker_id)

@@ -156,6 +156,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "worker (default %(default)s)",
     )
     cluster.add_argument(
+        "--kv-aware-move-weight",
+        type=float,
+        default=KVAwareWeights().move_weight,
+        help="kv_aware: what a prompt token whose KV a prefill worker copies from a decode "
+        "worker's cache costs, as a fraction of computing it (default %(default)s)",
+    )
+    cluster.add_argument(
         "--kv-transport",
         default="auto",
         choices=["auto", "gloo", "shm", "nccl", "cuda_ipc"],
@@ -519,6 +526,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             args.kv_aware_queue_weight,
             args.kv_aware_host_hit_weight,
             args.kv_aware_local_prefill_weight,
+            args.kv_aware_move_weight,
         ),
         kv_transport=args.kv_transport,
         kv_transfer_checksum=args.kv_transfer_checksum,

@@ -14,14 +14,16 @@ tenant's cached blocks never attract another's prompts.
 
 Decode workers publish their caches too, and after a conversation's turn the decode worker that
 generated the reply holds the whole conversation so far (the prompt it received and the reply's
-blocks). So a decode worker holding a prefix of the prompt is a candidate as well: it would
-prefill the rest itself, with no hand-off, at the same cost with its own queue and each token it
-computes weighed by ``local_prefill_weight`` (its running batch waits meanwhile). When one of
-them is cheaper than every prefill worker, the prompt goes there (a local prefill, reason
-"cached"); else to the cheapest prefill worker, and its decode worker is least_loaded's:
-lowest KV usage, then fewest sequences (also for a request resumed after a worker's loss). Where
-decode workers prefill every prompt (colocated) they are chosen by the same cost as prefill
-workers.
+blocks). So a decode worker holding a prefix of the prompt offers two more ways
+(``choose_reuse``): it prefills the rest itself, with no hand-off, at the same cost with its own
+queue and each token it computes weighed by ``local_prefill_weight`` (its running batch waits
+meanwhile); or a prefill worker copies the prefix's blocks it lacks from it, each token copied
+weighed by ``move_weight``, computes the rest at its own cost, and hands back to it only the
+blocks it does not hold. When one of them is cheaper than every prefill worker computing from
+its own cache, the prompt goes that way (a local prefill, reason "cached"; or a fetch); else to
+the cheapest prefill worker, and its decode worker is least_loaded's: lowest KV usage, then
+fewest sequences (also for a request resumed after a worker's loss). Where decode workers
+prefill every prompt (colocated) they are chosen by the same cost as prefill workers.
 
 Every decision is logged at debug level with its inputs (each candidate's hits per tier, queue
 and cost), and its hit tokens per tier are counted (``PrefixHitStats``, exported as the
@@ -31,8 +33,9 @@ and cost), and its hit tokens per tier are counted (``PrefixHitStats``, exported
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.kv_cache.prefix_hash import BlockHash, extend_block_hashes
 from engine.messages import WorkerLoad
@@ -57,6 +60,9 @@ class KVAwareWeights:
     # a prompt token a decode worker computes (its running batch waits) costs this many tokens
     # computed on a prefill worker
     local_prefill_weight: float = 1.0
+    # a prompt token whose KV a prefill worker copies from a decode worker's cache costs this
+    # fraction of computing it (measured: 0.0005-0.054 on the CPU machine, docs/benchmarks.md)
+    move_weight: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.queue_weight >= 0:
@@ -69,6 +75,8 @@ class KVAwareWeights:
             raise ValueError(
                 f"--kv-aware-local-prefill-weight must be >= 0, got {self.local_prefill_weight}"
             )
+        if not 0 <= self.move_weight <= 1:
+            raise ValueError(f"--kv-aware-move-weight must be in [0, 1], got {self.move_weight}")
 
 
 @dataclass(slots=True)
@@ -78,6 +86,8 @@ class PrefixHitStats:
     num_routed: int = 0
     device_hit_tokens: int = 0  # summed over routed prompts
     host_hit_tokens: int = 0
+    num_fetches: int = 0  # prompts whose prefill worker copies a prefix from a decode worker
+    fetched_tokens: int = 0  # the prompt tokens those copy (planned), summed
     # per bucket of HIT_TOKEN_BUCKETS (and one over the last): prompts whose hit tokens (device
     # and host) were at most the bucket's bound and above the one before
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(HIT_TOKEN_BUCKETS) + 1))
@@ -93,10 +103,24 @@ class PrefixHitStats:
         )
         self.bucket_counts[bucket] += 1
 
+    def count_fetch(self, tokens: int) -> None:
+        self.num_fetches += 1
+        self.fetched_tokens += tokens
+
     def snapshot(self) -> PrefixHitStats:
-        return PrefixHitStats(
-            self.num_routed, self.device_hit_tokens, self.host_hit_tokens, list(self.bucket_counts)
-        )
+        return replace(self, bucket_counts=list(self.bucket_counts))
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """``choose_reuse``'s answer: a prompt goes to the decode worker caching its prefix."""
+
+    decode_worker_id: str  # caches a prefix of the prompt, and decodes the reply
+    # None: the decode worker prefills the rest itself; else this prefill worker does
+    prefill_worker_id: str | None
+    # the prefill worker first copies the prompt's first this many blocks from the decode
+    # worker's cache (0 for a local prefill)
+    fetch_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +147,16 @@ class KVAware:
         weights: KVAwareWeights | None = None,
         *,
         colocated: bool = False,  # the decode workers prefill every prompt (no prefill pool)
+        fetch: bool = True,  # prefill workers may copy prefixes from decode workers' caches
     ) -> None:
         self.block_size = block_size
         self.index = index
         self.weights = weights or KVAwareWeights()
         self.colocated = colocated
+        self.fetch = fetch
+        # the routing info last hashed, and its hashes: ``choose_reuse`` then ``choose_prefill``
+        # ask for the same prompt's (the router decides one request at a time)
+        self._last_hashed: tuple[RoutingInfo, list[BlockHash]] | None = None
         self.stats = PrefixHitStats()
         self._decode = LeastLoaded()
 
@@ -153,15 +182,17 @@ class KVAware:
         self._count(request, chosen, candidates)
         return chosen.worker_id
 
-    def choose_cached_decode(
+    def choose_reuse(
         self,
         request: RoutingInfo,
         prefill_loads: Sequence[WorkerLoad],
         decode_loads: Sequence[WorkerLoad],
-    ) -> str | None:
-        """A decode worker that holds a prefix of the prompt and would prefill the rest for
-        less than any prefill worker; None: the prefill pool takes the prompt (then counted
-        by ``choose_prefill``)."""
+    ) -> Reuse | None:
+        """Where a prompt whose prefix a decode worker caches goes, when that is cheaper than
+        any prefill worker computing it from its own cache: the decode worker prefills the rest
+        itself (a local prefill), or a prefill worker copies the prefix from it, computes the
+        rest and hands it back (only the rest moves back). None: neither is cheaper, the prefill
+        pool takes the prompt as usual (then counted by ``choose_prefill``)."""
         hashes = self.prompt_hashes(request)
         hits = self.index.prefix_hits([w.worker_id for w in decode_loads], hashes)
         holding = [w for w in decode_loads if hits[w.worker_id].num_blocks > 0]
@@ -171,11 +202,48 @@ class KVAware:
         local, locals_ = self._cheapest(
             request, hashes, holding, compute_weight=weight, decode=True, hits=hits
         )
-        pooled, _ = self._cheapest(request, hashes, prefill_loads, compute_weight=1.0)
-        if local.cost >= pooled.cost:
+        pooled, pooled_all = self._cheapest(request, hashes, prefill_loads, compute_weight=1.0)
+        fetch = self._cheapest_fetch(request, holding, hits, pooled_all) if self.fetch else None
+        if min(local.cost, math.inf if fetch is None else fetch[2]) >= pooled.cost:
             return None
-        self._count(request, local, locals_)
-        return local.worker_id
+        if fetch is None or local.cost <= fetch[2]:
+            self._count(request, local, locals_)
+            return Reuse(local.worker_id, None, 0)
+        holder, prefill, cost = fetch
+        num_blocks = hits[holder].num_device_blocks
+        held = num_blocks * self.block_size
+        fetched = replace(prefill, device_tokens=held, cost=cost)
+        self._count(request, fetched, [*locals_, *pooled_all], fetching_from=holder)
+        self.stats.count_fetch(held - prefill.device_tokens)
+        return Reuse(holder, prefill.worker_id, num_blocks)
+
+    def _cheapest_fetch(
+        self,
+        request: RoutingInfo,
+        holding: Sequence[WorkerLoad],
+        hits: dict[str, PrefixHits],
+        prefill_candidates: list[_Candidate],
+    ) -> tuple[str, _Candidate, float] | None:
+        """The cheapest (decode worker, prefill worker, cost) where the prefill worker copies
+        the prefix the decode worker caches beyond its own device hits and computes the rest;
+        None when no decode worker holds more than a prefill worker."""
+        num_prompt_tokens = len(request.prompt_token_ids)
+        best: tuple[str, _Candidate, float] | None = None
+        for load in holding:  # (what a decode worker's host tier holds is not lent)
+            held = hits[load.worker_id].num_device_blocks * self.block_size
+            for prefill in prefill_candidates:
+                moved = held - prefill.device_tokens
+                if moved <= 0:
+                    continue
+                cost = (
+                    num_prompt_tokens
+                    - held
+                    + self.weights.move_weight * moved
+                    + self.weights.queue_weight * prefill.queued_tokens
+                )
+                if best is None or cost < best[2]:
+                    best = (load.worker_id, prefill, cost)
+        return best
 
     def _cheapest(
         self,
@@ -207,16 +275,24 @@ class KVAware:
         return chosen, candidates
 
     def _count(
-        self, request: RoutingInfo, chosen: _Candidate, candidates: list[_Candidate]
+        self,
+        request: RoutingInfo,
+        chosen: _Candidate,
+        candidates: list[_Candidate],
+        *,
+        fetching_from: str | None = None,
     ) -> None:
         """Count a decision's hits and log its inputs (debug)."""
         self.stats.count(chosen.device_tokens, chosen.host_tokens)
         if logger.isEnabledFor(logging.DEBUG):
+            fetch = "" if fetching_from is None else f" fetching from {fetching_from}"
             logger.debug(
-                "kv_aware %s (%d prompt tokens) -> %s; %s",
+                "kv_aware %s (%d prompt tokens) -> %s%s (cost %.0f); %s",
                 request.request_id,
                 len(request.prompt_token_ids),
                 chosen.worker_id,
+                fetch,
+                chosen.cost,
                 "; ".join(c.describe() for c in candidates),
             )
 
@@ -224,11 +300,15 @@ class KVAware:
         """The prefix hashes of the prompt's full blocks that a cache can serve (the engine
         always computes the last prompt token, so a prompt of whole blocks leaves its last
         block out)."""
+        last = self._last_hashed
+        if last is not None and last[0] is request:  # (asked again for the same decision)
+            return last[1]
         num_usable = (len(request.prompt_token_ids) - 1) // self.block_size
         hashes: list[BlockHash] = []
         extend_block_hashes(
             hashes, request.prompt_token_ids, self.block_size, request.cache_salt, num_usable
         )
+        self._last_hashed = (request, hashes)
         return hashes
 
     def _candidate(

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -61,6 +61,16 @@ class RequestFailedError(RuntimeError):
     """The cluster could not complete a request; the message says why."""
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a request is placed: the workers, and how the prompt reaches the decode worker."""
+
+    prefill_id: str | None  # None: the decode worker prefills it itself
+    decode_id: str
+    local: str | None  # why the decode worker prefills it (router/local_prefill.py, "cached")
+    fetch_blocks: int = 0  # the prefill worker first copies this many prefix blocks from it
+
+
 class Placements:
     def __init__(self, config: ClusterConfig, pool: WorkerPool) -> None:
         self.config = config
@@ -71,6 +81,8 @@ class Placements:
             pool.kv_index,
             config.kv_aware,
             colocated=config.colocated,
+            # a prefix's KV is copied between workers of one rank each (prefix_fetch.py)
+            fetch=config.prefill_tp == 1 and config.decode_tp == 1,
         )
         self._lock = threading.RLock()
         self._trackers: dict[str, RequestTracker] = {}  # by request id
@@ -157,7 +169,8 @@ class Placements:
         given_up: list[tuple[str, str]] = []  # (worker, placement id): accepted, given up
         try:
             for _ in range(len(self.pool.workers)):
-                prefill_id, decode_id, local = self._choose(request)
+                route = self._choose(request)
+                prefill_id, decode_id, local = route.prefill_id, route.decode_id, route.local
                 if not tracker.has_delivered:  # (its first token is yet to come)
                     tracker.stamps.routed_at = time.time()
                 with self._lock:
@@ -166,7 +179,10 @@ class Placements:
                 target = self.pool.get(prefill_id or decode_id)
                 placed = replace(request, request_id=placement_id)
                 decode_target = decode_id if prefill_id else None
-                if not self._submit_to(target, placed, decode_target, tracker, wait_s):
+                fetch_blocks = route.fetch_blocks
+                if not self._submit_to(
+                    target, placed, decode_target, fetch_blocks, tracker, wait_s
+                ):
                     continue
                 if self._record_placement(tracker, prefill_id, decode_id, local):
                     return
@@ -184,18 +200,22 @@ class Placements:
         target: WorkerHandle,
         placed: GenerateRequest,
         decode_id: str | None,
+        fetch_blocks: int,
         tracker: RequestTracker,
         wait_s: float,
     ) -> bool:
         """Ask ``target`` to take a placement of ``tracker``'s request (a prefill worker: for
-        ``decode_id``); False if it is lost (out of rotation, its other requests recovered).
-        A slow worker is waited for up to ``wait_s``."""
+        ``decode_id``, first copying ``fetch_blocks`` of its prefix from it); False if it is
+        lost (out of rotation, its other requests recovered). A slow worker is waited for up
+        to ``wait_s``."""
         stamps = None if tracker.has_delivered else tracker.stamps  # (first token yet to come)
         try:
             if stamps is not None:
                 stamps.submit_sent_at = time.time()
             if decode_id is None:
                 ref = target.actor.submit.remote(placed)
+            elif fetch_blocks > 0:
+                ref = target.actor.submit.remote(placed, decode_id, fetch_blocks)
             else:
                 ref = target.actor.submit.remote(placed, decode_id)
             ray.get(ref, timeout=wait_s)
@@ -229,46 +249,47 @@ class Placements:
             self._placed[placement_id] = tracker
         return placement_id
 
-    def _choose(self, request: GenerateRequest) -> tuple[str | None, str, str | None]:
-        """(prefill worker, decode worker, why the decode worker prefills it) for the request,
-        among the routable ones; no prefill worker when the decode worker prefills it
-        (colocated, resumed, or a local prefill: the reason). The choice counts towards their
-        load at once, so requests routed meanwhile see it."""
+    def _choose(self, request: GenerateRequest) -> Route:
+        """Where the request goes, among the routable workers; no prefill worker when the
+        decode worker prefills it (colocated, resumed, or a local prefill: the reason). The
+        choice counts towards their load at once, so requests routed meanwhile see it."""
         info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
         with self._lock:
             try:
                 decode_loads = self.pool.routable_loads("decode")
-                prefill_id = local = None
                 if self.config.colocated or request.resume_token_ids:
-                    decode_id = self.policy.choose_decode(info, decode_loads)
+                    route = Route(None, self.policy.choose_decode(info, decode_loads), None)
                 else:
-                    prefill_id, decode_id, local = self._choose_disaggregated_locked(
-                        info, decode_loads
-                    )
+                    route = self._choose_disaggregated_locked(info, decode_loads)
             except NoWorkerError as error:
                 raise RequestFailedError(str(error)) from error
-            self.pool.charge_routed(prefill_id, decode_id, request)
-        return prefill_id, decode_id, local
+            self.pool.charge_routed(route.prefill_id, route.decode_id, request)
+        return route
 
     def _choose_disaggregated_locked(
         self, info: RoutingInfo, decode_loads: list[WorkerLoad]
-    ) -> tuple[str | None, str, str | None]:
-        """(prefill worker, decode worker, None) for a new prompt of a disaggregated cluster,
-        or (None, decode worker, why) when the decode worker prefills it itself: a short
-        prompt, a prefill backlog (router/local_prefill.py), or, under kv_aware, a decode
-        worker holding its prefix ("cached", router/kv_aware.py)."""
+    ) -> Route:
+        """A prefill worker and a decode worker for a new prompt of a disaggregated cluster,
+        or the decode worker alone when it prefills the prompt itself: a short prompt, a
+        prefill backlog (router/local_prefill.py), or, under kv_aware, a decode worker holding
+        its prefix ("cached", router/kv_aware.py; or a prefill worker copies the prefix from
+        it first)."""
         decode_id = self.policy.choose_decode(info, decode_loads)
         prefill_loads = self.pool.routable_loads("prefill")
         local = self.config.local_prefill.reason(
             len(info.prompt_token_ids), prefill_loads, self.pool.load_of(decode_id)
         )
         if local is not None:
-            return None, decode_id, local
+            return Route(None, decode_id, local)
         if isinstance(self.policy, KVAware):
-            cached = self.policy.choose_cached_decode(info, prefill_loads, decode_loads)
-            if cached is not None:
-                return None, cached, "cached"
-        return self.policy.choose_prefill(info, prefill_loads), decode_id, None
+            reuse = self.policy.choose_reuse(info, prefill_loads, decode_loads)
+            if reuse is not None and reuse.prefill_worker_id is None:
+                return Route(None, reuse.decode_worker_id, "cached")
+            if reuse is not None:
+                return Route(
+                    reuse.prefill_worker_id, reuse.decode_worker_id, None, reuse.fetch_blocks
+                )
+        return Route(self.policy.choose_prefill(info, prefill_loads), decode_id, None)
 
     def _record_placement(
         self, tracker: RequestTracker, prefill_id: str | None, decode_id: str, local: str | None
@@ -490,9 +511,11 @@ def make_policy(
     kv_aware_weights: KVAwareWeights | None = None,
     *,
     colocated: bool = False,
+    fetch: bool = True,
 ) -> RoutingPolicy:
     """The routing policy ``name``; kv_aware reads ``kv_index`` (the pool's) and, ``colocated``
-    (no prefill pool), chooses decode workers by their caches too."""
+    (no prefill pool), chooses decode workers by their caches too; ``fetch``: it may have
+    prefill workers copy prefixes from decode workers' caches."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
@@ -502,7 +525,7 @@ def make_policy(
     if name == "kv_aware":
         if kv_index is None:
             raise ValueError("router policy kv_aware needs the pool's KV index")
-        return KVAware(block_size, kv_index, kv_aware_weights, colocated=colocated)
+        return KVAware(block_size, kv_index, kv_aware_weights, colocated=colocated, fetch=fetch)
     raise ValueError(f"router policy must be one of {', '.join(POLICY_NAMES)}; got {name!r}")
 
 

@@ -22,6 +22,7 @@ copies each step owes between the tiers are drained with ``take_swaps`` by the s
 from __future__ import annotations
 
 from collections.abc import Iterator
+from collections.abc import Sequence as SequenceOf
 
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.block_table import BlockTable
@@ -72,10 +73,25 @@ class BlockManager:
 
     def _salt(self, seq: Sequence) -> str | None:
         """The prefix-hash salt of ``seq``'s blocks: its tenant's, and the long-prompt mark."""
+        return self.prompt_salt(seq.num_prompt_tokens, seq.cache_salt)
+
+    def prompt_salt(self, num_prompt_tokens: int, cache_salt: str | None) -> str | None:
+        """The prefix-hash salt of a prompt's blocks: its tenant's, and the long-prompt mark."""
         limit = self.long_prompt_length
-        if limit is None or seq.num_prompt_tokens <= limit:
-            return seq.cache_salt
-        return f"{seq.cache_salt or ''}\x00long-prompt"
+        if limit is None or num_prompt_tokens <= limit:
+            return cache_salt
+        return f"{cache_salt or ''}\x00long-prompt"
+
+    def servable_prompt_hashes(
+        self, prompt_token_ids: SequenceOf[int], cache_salt: str | None
+    ) -> list[BlockHash]:
+        """The prefix hashes of the prompt's blocks a cache can serve: its full blocks but the
+        one holding its last token (whose logits are computed)."""
+        num_servable = (len(prompt_token_ids) - 1) // self.block_size
+        salt = self.prompt_salt(len(prompt_token_ids), cache_salt)
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, prompt_token_ids, self.block_size, salt, num_servable)
+        return hashes
 
     @property
     def num_free_blocks(self) -> int:
@@ -353,15 +369,49 @@ class BlockManager:
         first_visible = max(num_tokens - window + 1, 0)
         return min(first_visible // self.block_size, num_blocks_for(num_tokens, self.block_size))
 
-    def reserve(self, num_tokens: int) -> list[int] | None:
-        """Fresh blocks for the KV a hand-off of a ``num_tokens``-token prompt moves
-        (``blocks_to_hand_off``), or None when they do not fit now."""
-        num_blocks = self.num_blocks_to_hand_off(num_tokens)
-        if num_blocks > self.pool.num_free_blocks:
+    def reserve(self, num_tokens: int, shared: list[int] | None = None) -> list[int] | None:
+        """Blocks for the KV a hand-off of a ``num_tokens``-token prompt moves
+        (``blocks_to_hand_off``), or None when they do not fit now: ``shared`` (the prompt's
+        leading blocks this cache holds already, from ``share_cached_prefix``), then fresh ones
+        for the rest."""
+        shared = shared or []
+        num_fresh = self.num_blocks_to_hand_off(num_tokens) - len(shared)
+        if num_fresh > self.pool.num_free_blocks:
             return None
         # the KV lands in them outside any step: the caller makes the swap-outs of the cached
         # blocks they evict at once (LLMEngine.reserve_blocks), before the KV can arrive
+        return shared + [self.pool.allocate() for _ in range(num_fresh)]
+
+    def share_cached_prefix(self, hashes: SequenceOf[BlockHash]) -> list[int]:
+        """The device blocks caching the leading run of the blocks named by ``hashes``, each
+        taken with a reference (give them back with ``release``): a prefix whose KV need not
+        move between workers, since this cache holds it. Only for a model whose one cache group
+        sees the whole context (a windowed group's blocks move from the window on, and several
+        groups' blocks interleave in a hand-off): [] otherwise, and without prefix caching."""
+        if not self.enable_prefix_caching or self.windows != (None,):
+            return []
+        held: list[int] = []
+        for block_hash in hashes:
+            block_id = self.pool.cached_block(block_hash, 0)
+            if block_id is None:
+                break
+            self.pool.incref(block_id)
+            held.append(block_id)
+        return held
+
+    def take_fresh(self, num_blocks: int) -> list[int] | None:
+        """``num_blocks`` blocks for KV that arrives from elsewhere (a prefix fetched from
+        another worker), or None when they do not fit now; ``register_received`` names the
+        ones that arrived, ``release`` gives them back."""
+        if num_blocks > self.pool.num_free_blocks:
+            return None
         return [self.pool.allocate() for _ in range(num_blocks)]
+
+    def register_received(self, block_ids: list[int], hashes: SequenceOf[BlockHash]) -> None:
+        """The blocks hold the full blocks named by ``hashes`` (received from another worker
+        into blocks of ``take_fresh``): a prefix lookup finds them from now on."""
+        for block_id, block_hash in zip(block_ids, hashes, strict=True):
+            self.pool.register(block_id, block_hash, 0)
 
     def release(self, block_ids: list[int]) -> None:
         """Give back blocks taken with ``reserve`` that no sequence adopted."""

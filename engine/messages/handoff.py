@@ -16,6 +16,13 @@ the router sees none of them), in this order:
   CancelReservation  -- in place of ReceiveKV, when the hand-off failed before its transfer
   AdmitWithoutKV     -- in place of all the above, when no blocks could be reserved: the
                         decode worker runs the prompt again
+Before a prompt is prefilled, the prefill worker may copy the prefix of it that the decode
+worker caches (a conversation's earlier turns), so that it computes the rest only:
+  LendPrefix         -- hold the leading blocks it caches of those named
+  OpenLendChannel    -- when no channel from the decode worker is open: listen for one (the
+                        decode worker sends, the prefill worker receives)
+  SendLentBlocks     -- send them, then stop holding them
+  ReturnLent         -- in place of SendLentBlocks, when the copy failed before its transfer
 Each hand-off (one try at moving one request) has its own ``handoff_id``, which its calls
 carry, so a late call of a failed try never touches a later try of the same request.
 
@@ -65,6 +72,10 @@ class PrefillResult:
     block_ids: list[int]
     num_cached_tokens: int  # prompt tokens the prefill side served from its prefix cache
     priority: int = 0  # the request's scheduling priority, kept on the decode side
+    # the prefix hashes of the prompt's blocks a cache can serve (all full blocks but the one
+    # holding the last token), as the prefill side named them; empty without prefix caching.
+    # The decode side reserves the leading ones it caches already, and their KV does not move
+    prompt_block_hashes: tuple[bytes, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,6 +95,9 @@ class Reservation:
     # the channel the prefill worker asked for, pinned open on the decode side until the
     # receive ends; None when the decode side has no such channel open (it closed it)
     channel_id: str | None
+    # how many leading blocks of ``block_ids`` the decode side caches already (the prompt's
+    # prefix it holds): the transfer moves the blocks after them only
+    num_shared_blocks: int = 0
 
 
 class HandoffCall(ABC, Generic[Answer]):
@@ -113,6 +127,9 @@ class ReserveBlocks(HandoffCall[Reservation | None]):
     num_tokens: int  # the prompt's length: the blocks hold that many tokens
     # the channel the prefill worker means to send on, to pin open (None: it has none open)
     channel_id: str | None
+    # the prompt's block hashes (``PrefillResult.prompt_block_hashes``): the leading blocks
+    # the decode side caches already are reserved shared, and not moved
+    prefix_hashes: tuple[bytes, ...] = ()
 
     def run_on(self, decode: HandoffReceiver) -> Reservation | None:
         return decode.reserve(self)
@@ -190,6 +207,60 @@ class AdmitWithoutKV(HandoffCall[None]):
         decode.admit_without_kv(self)
 
 
+# ---- the other way: a prefix the decode worker caches, copied to the prefill worker --------
+@dataclass(frozen=True, slots=True)
+class LendPrefix(HandoffCall[int]):
+    """Asks the decode worker to hold the leading run of the named blocks its cache holds (a
+    prompt's prefix, after the ones the prefill worker holds), for the prefill worker to copy
+    (``SendLentBlocks``); answered how many it holds, 0 for none. Held until sent, returned
+    (``ReturnLent``) or expired."""
+
+    lend_id: str  # names the lend in the calls after it
+    block_hashes: tuple[bytes, ...]  # the blocks wanted, in the prompt's order
+
+    def run_on(self, decode: HandoffReceiver) -> int:
+        return decode.lend_prefix(self)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenLendChannel(HandoffCall[ChannelRendezvous]):
+    """Asks the decode worker to listen for a channel from it to the prefill worker (the other
+    way from a hand-off's) for lent blocks; answered its rendezvous, which the prefill worker
+    joins (the handshake checks the layouts). One per prefill worker: it replaces the one
+    before."""
+
+    prefill_worker_id: str  # who joins it
+    channel_id: str  # names it
+    transport: str  # one of kv_transfer's SUPPORTED_TRANSPORTS
+
+    def run_on(self, decode: HandoffReceiver) -> ChannelRendezvous:
+        return decode.open_lend_channel(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SendLentBlocks(HandoffCall[bool]):
+    """Tells the decode worker to send the first ``ticket.num_blocks`` lent blocks of a lend on
+    its lend channel (the prefill worker receives them meanwhile), then to stop holding them;
+    answered False when it could not (the lend expired, the channel is gone or broke)."""
+
+    lend_id: str  # the lend
+    channel_id: str  # the lend channel (``OpenLendChannel``)
+    ticket: TransferTicket  # the transfer, as the receiver runs it
+
+    def run_on(self, decode: HandoffReceiver) -> bool:
+        return decode.send_lent(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnLent(HandoffCall[None]):
+    """The prefill worker will not copy a lend's blocks (it failed before): stop holding them."""
+
+    lend_id: str
+
+    def run_on(self, decode: HandoffReceiver) -> None:
+        decode.return_lent(self)
+
+
 class HandoffReceiver(Protocol):
     """A decode worker's side of the hand-off: one verb per call."""
 
@@ -206,6 +277,14 @@ class HandoffReceiver(Protocol):
     def cancel_reservation(self, call: CancelReservation) -> None: ...
 
     def admit_without_kv(self, call: AdmitWithoutKV) -> None: ...
+
+    def lend_prefix(self, call: LendPrefix) -> int: ...
+
+    def open_lend_channel(self, call: OpenLendChannel) -> ChannelRendezvous: ...
+
+    def send_lent(self, call: SendLentBlocks) -> bool: ...
+
+    def return_lent(self, call: ReturnLent) -> None: ...
 
 
 class DecodePeer(Protocol):

@@ -217,7 +217,18 @@ def _prefix_hit_metrics(stats: PrefixHitStats) -> Iterable[Metric]:
     )
     by_tier.add_metric(["device"], stats.device_hit_tokens)
     by_tier.add_metric(["host"], stats.host_hit_tokens)
-    yield from (per_request, by_tier)
+    fetches = CounterMetricFamily(
+        "pdserve:routed_prefix_fetches",
+        "kv_aware: prompts whose prefill worker first copies their prefix's KV from the decode "
+        "worker caching it",
+    )
+    fetches.add_metric([], stats.num_fetches)
+    fetched = CounterMetricFamily(
+        "pdserve:routed_prefix_fetch_tokens",
+        "kv_aware: prompt tokens whose KV prefill workers were sent to copy from decode workers",
+    )
+    fetched.add_metric([], stats.fetched_tokens)
+    yield from (per_request, by_tier, fetches, fetched)
 
 
 class GatewayMetrics:

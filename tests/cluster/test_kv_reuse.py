@@ -16,6 +16,7 @@ import ray
 from engine import LLM, SamplingParams
 from engine.messages import WorkerCounters
 from router.cluster import Cluster
+from router.kv_aware import KVAwareWeights
 from tests.fixtures.local_cluster import local_cluster_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -87,6 +88,39 @@ def test_a_conversations_next_turn_computes_only_its_new_tokens(
     other = _prefill_tokens(cluster)
     assert sum(other.values()) - sum(after.values()) == len(turn_2)
     assert cluster.local_prefills()["cached"] == 1
+
+
+def test_a_prefill_worker_copies_the_conversation_when_its_decode_worker_should_not_compute(
+    start_cluster,  # type: ignore[no-untyped-def]
+    llama_dir: Path,
+) -> None:
+    """1P1D with decode workers' tokens weighed dear: turn 2 goes to the prefill worker, which
+    copies turn 1's reply from the decode worker over the lend channel, computes only the new
+    tokens, and hands back only the blocks the decode worker does not hold. The decode worker
+    computes nothing; the reply is a cold engine's."""
+    weights = KVAwareWeights(local_prefill_weight=100.0)
+    cluster = start_cluster(model_dir=llama_dir, num_prefill=1, num_decode=1, kv_aware=weights)
+    rng = random.Random(6)
+    turn_1 = [rng.randrange(3, 250) for _ in range(61)]
+    reply_1 = _generate(cluster, turn_1, max_tokens=24)
+    turn_2 = turn_1 + reply_1 + [rng.randrange(3, 250) for _ in range(13)]
+    bytes_before = _counters(cluster)["decode-0"].num_kv_transfer_bytes
+    reply_2 = _generate(cluster, turn_2, max_tokens=12)
+    cached = (len(turn_1) + len(reply_1) - 1) // BLOCK  # turn 1's full blocks, on decode-0
+    assert _prefill_tokens(cluster) == {
+        "prefill-0": len(turn_1) + len(turn_2) - cached * BLOCK,
+        "decode-0": 0,
+    }
+    stats = cluster.placements.prefix_hit_stats()
+    assert stats is not None and stats.num_fetches == 1
+    assert stats.fetched_tokens == (cached - len(turn_1) // BLOCK) * BLOCK
+    # the hand-off back: the blocks after the cached ones (turn 2 has 98 tokens: 13 blocks)
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4
+    moved = _counters(cluster)["decode-0"].num_kv_transfer_bytes - bytes_before
+    assert moved == (-(-len(turn_2) // BLOCK) - cached) * block_bytes
+    cold = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert reply_2 == cold.generate([turn_2], params)[0].outputs[0].token_ids
 
 
 def _held(actor: object) -> dict[tuple[str, int], frozenset[bytes]]:

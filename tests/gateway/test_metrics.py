@@ -103,11 +103,12 @@ def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -
     assert delta("pdserve:e2e_request_latency_seconds_count") == 3
     assert delta("pdserve:request_queue_time_seconds_count") == 3
     assert delta("pdserve:inter_token_latency_seconds_count") == 3 * 5
-    # one hand-off per request, counted on both ends; 5 blocks of the tiny Llama's KV each
+    # one hand-off per request, counted on both ends: the first moves the prompt's 5 blocks of
+    # the tiny Llama's KV, the repeats only the last (the decode worker caches the 4 before it)
     block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # layers * (k, v) * block_size * kv_heads * dim * fp32
     for role in ("prefill", "decode"):
         assert delta("pdserve:kv_transfer_seconds_count", role=role) == 3
-        assert delta("pdserve:kv_transfer_bytes_total", role=role) == 3 * 5 * block_bytes
+        assert delta("pdserve:kv_transfer_bytes_total", role=role) == (5 + 1 + 1) * block_bytes
     # the repeated prompt hits the prefill worker's prefix cache (all but the last block)
     assert delta("pdserve:prefix_cache_hits_total", role="prefill") >= 2 * 32
     assert delta("pdserve:worker_generation_tokens_total") == 3 * 6

@@ -17,7 +17,7 @@ from engine.messages import KVBlocksEvent, WorkerLoad
 from engine.sampling.params import SamplingParams
 from router.cluster import Cluster
 from router.gateway.metrics import GatewayMetrics, SloTargets
-from router.kv_aware import KVAware, KVAwareWeights
+from router.kv_aware import KVAware, KVAwareWeights, Reuse
 from router.kv_index import KVIndex
 from router.policies import NoWorkerError, RoutingInfo
 from tests.router.fake_actors import use_fake_ray
@@ -111,20 +111,52 @@ def test_a_decode_worker_holding_the_conversation_prefills_the_rest_itself() -> 
     index = KVIndex()
     _caching(index, "d1", SYSTEM)
     _caching(index, "p", SYSTEM[:12])
-    policy = KVAware(BLOCK, index, UNIT_QUEUE)
+    policy = KVAware(BLOCK, index, UNIT_QUEUE, fetch=False)
     request = RoutingInfo("r", PROMPT)
     prefills, decodes = [_load("p")], [_load("d0"), _load("d1")]
-    assert policy.choose_cached_decode(request, prefills, decodes) == "d1"  # 3 vs 15
+    assert policy.choose_reuse(request, prefills, decodes) == Reuse("d1", None, 0)  # 3 vs 15
     assert policy.stats.device_hit_tokens == 24
     # its own queue, or a dearer local token, sends the prompt to the prefill pool
     busy = [_load("d0"), _load("d1", queued=20)]
-    assert policy.choose_cached_decode(request, prefills, busy) is None
-    dear = KVAware(BLOCK, index, KVAwareWeights(queue_weight=1.0, local_prefill_weight=6.0))
-    assert dear.choose_cached_decode(request, prefills, decodes) is None  # 18 vs 15
+    assert policy.choose_reuse(request, prefills, busy) is None
+    dear = KVAware(
+        BLOCK, index, KVAwareWeights(queue_weight=1.0, local_prefill_weight=6.0), fetch=False
+    )
+    assert dear.choose_reuse(request, prefills, decodes) is None  # 18 vs 15
     # a prefill worker holding as much wins the tie: the decode batch is left alone
     _caching(index, "p", SYSTEM)
-    assert policy.choose_cached_decode(request, prefills, decodes) is None
-    assert KVAware(BLOCK, KVIndex()).choose_cached_decode(request, prefills, decodes) is None
+    assert policy.choose_reuse(request, prefills, decodes) is None
+    assert KVAware(BLOCK, KVIndex()).choose_reuse(request, prefills, decodes) is None
+
+
+def test_a_prefill_worker_copies_the_prefix_when_the_decode_worker_should_not_compute() -> None:
+    """The same turn 2, but the decode worker holding the conversation is busy (or its tokens
+    dear): the prefill worker copies the 12 tokens it lacks from it (at the move weight),
+    computes the 3 after them, and hands them back to it."""
+    index = KVIndex()
+    _caching(index, "d1", SYSTEM)
+    _caching(index, "p", SYSTEM[:12])
+    policy = KVAware(BLOCK, index, UNIT_QUEUE)
+    request = RoutingInfo("r", PROMPT)
+    prefills = [_load("p")]
+    busy = [_load("d0"), _load("d1", queued=20)]
+    # local: 3 + 20 queued; pooled: 15; the fetch: 3 + 0.05 * 12 moved
+    assert policy.choose_reuse(request, prefills, busy) == Reuse("d1", "p", 6)
+    assert policy.stats.device_hit_tokens == 24
+    # the local prefill wins where it is cheaper (3 against 3.6)
+    assert policy.choose_reuse(request, prefills, [_load("d1")]) == Reuse("d1", None, 0)
+    # moving as dear as computing: the prefill pool computes it (15 against 3 + 12)
+    dear = KVAware(BLOCK, index, KVAwareWeights(queue_weight=1.0, move_weight=1.0))
+    assert dear.choose_reuse(request, prefills, busy) is None
+    # a prefill worker's queue counts against its fetch: the other one, holding less, copies
+    prefills = [_load("p", queued=10), _load("q")]
+    assert policy.choose_reuse(request, prefills, busy) == Reuse("d1", "q", 6)
+    # the decode worker's host tier is not lent: it holds nothing to copy on device
+    host_only = KVIndex()
+    _caching(host_only, "d1", SYSTEM, host_from=0)
+    lone = KVAware(BLOCK, host_only, UNIT_QUEUE)
+    busier = [_load("d0"), _load("d1", queued=30)]  # local: 3 + 0.1 * 24 + 30; pooled: 27
+    assert lone.choose_reuse(request, [_load("p")], busier) is None
 
 
 def test_colocated_decode_workers_are_chosen_by_their_cache_then_as_least_loaded() -> None:

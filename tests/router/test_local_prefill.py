@@ -10,6 +10,7 @@ from engine.messages import GenerateRequest, WorkerLoad
 from router.cluster import Cluster, WorkerHandle
 from router.cluster_config import ClusterConfig
 from router.local_prefill import LocalPrefillRule
+from router.placements import Route
 
 
 def _load(worker_id: str, num_queued_prompt_tokens: int) -> WorkerLoad:
@@ -70,8 +71,8 @@ def _request(request_id: str, num_prompt_tokens: int) -> GenerateRequest:
 
 def test_the_router_routes_a_local_prompt_to_the_decode_worker_only() -> None:
     cluster = _cluster(LocalPrefillRule(max_local_prompt_tokens=16), prefill_queued=0)
-    assert cluster.placements._choose(_request("short", 16)) == (None, "decode-0", "short")
-    assert cluster.placements._choose(_request("long", 17)) == ("prefill-0", "decode-0", None)
+    assert cluster.placements._choose(_request("short", 16)) == Route(None, "decode-0", "short")
+    assert cluster.placements._choose(_request("long", 17)) == Route("prefill-0", "decode-0", None)
     # the local prompt's tokens count towards the decode worker until its reports show them
     decode_load = cluster.pool.workers["decode-0"].load
     assert decode_load is not None and decode_load.num_queued_prompt_tokens == 16
@@ -79,10 +80,10 @@ def test_the_router_routes_a_local_prompt_to_the_decode_worker_only() -> None:
 
 def test_during_a_backlog_the_decode_worker_takes_one_prompt_until_it_has_prefilled_it() -> None:
     cluster = _cluster(LocalPrefillRule(max_prefill_queue_tokens=1000), prefill_queued=2000)
-    assert cluster.placements._choose(_request("a", 300)) == (None, "decode-0", "backlog")
-    assert cluster.placements._choose(_request("b", 300)) == ("prefill-0", "decode-0", None)
+    assert cluster.placements._choose(_request("a", 300)) == Route(None, "decode-0", "backlog")
+    assert cluster.placements._choose(_request("b", 300)) == Route("prefill-0", "decode-0", None)
     # a report asked for after the worker took "a" shows no prompt queued: "a" is prefilled
     decode = cluster.pool.workers["decode-0"]
     decode.ledger.mark_held("a", 0.5)
     decode.ledger.record(_load("decode-0", 0), 1.0, lambda request_id: True)
-    assert cluster.placements._choose(_request("c", 300)) == (None, "decode-0", "backlog")
+    assert cluster.placements._choose(_request("c", 300)) == Route(None, "decode-0", "backlog")

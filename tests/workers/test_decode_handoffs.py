@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import pytest
@@ -38,12 +38,18 @@ class _Engine:
         self.reserved: dict[str, list[int]] = {}
         self.running: set[str] = set()
 
-    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def reserve_blocks(
+        self, request_id: str, num_tokens: int, prefix_hashes: Sequence[bytes] = ()
+    ) -> list[int] | None:
         assert request_id not in self.reserved and request_id not in self.running
+        assert not prefix_hashes  # (no prefix caching here)
         block_ids = self.blocks.reserve(num_tokens)
         if block_ids is not None:
             self.reserved[request_id] = block_ids
         return block_ids
+
+    def num_shared_reserved(self, request_id: str) -> int:
+        return 0
 
     def cancel_reservation(self, request_id: str) -> None:
         self.blocks.release(self.reserved.pop(request_id, []))
