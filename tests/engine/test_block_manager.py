@@ -256,3 +256,36 @@ def test_what_a_request_can_hold_counts_a_window_and_a_step_per_windowed_group()
     assert manager.max_blocks_held(100, step_tokens=None) == 50
     # chunks of 8: the windowed group holds ceil((6 - 1 + 8) / 4) + 1 = 5
     assert manager.max_blocks_held(100, step_tokens=8) == 25 + 5
+
+
+def test_a_reservation_shares_the_leading_blocks_the_cache_holds() -> None:
+    """A hand-off's reservation takes the prompt's leading blocks this cache holds with a
+    reference (their KV need not move) and fresh blocks for the rest; cached blocks taken so
+    leave the free count, and the reservation's release gives them back to the cache."""
+    manager = BlockManager(8, block_size=4, enable_prefix_caching=True)
+    first = _seq(0, list(range(13)))
+    _compute(manager, first, 13)  # 3 full blocks cached
+    manager.free(first)
+    hashes = manager.servable_prompt_hashes(list(range(12)) + [70, 71, 72, 73, 74], None)
+    assert hashes[:3] == first.block_hashes[:3] and len(hashes) == 4
+    shared = manager.share_cached_prefix(hashes)
+    assert len(shared) == 3
+    assert manager.num_free_blocks == 5
+    reserved = manager.reserve(17, shared)  # 5 blocks: 3 shared, 2 fresh
+    assert reserved is not None and reserved[:3] == shared and manager.num_free_blocks == 3
+    manager.release(reserved)
+    assert manager.num_free_blocks == 8
+    assert manager.share_cached_prefix(hashes) == shared  # still cached
+    # another tenant's hashes name none of them; a reservation that does not fit takes nothing
+    assert manager.share_cached_prefix(manager.servable_prompt_hashes(list(range(13)), "b")) == []
+    assert manager.reserve(41, shared) is None
+    assert manager.num_free_blocks == 5
+
+
+def test_a_cache_of_windowed_layers_shares_no_prefix() -> None:
+    """A sliding-window group's blocks move from the window on: nothing is shared."""
+    manager = BlockManager(16, block_size=4, enable_prefix_caching=True, cache_groups=MIXED)
+    seq = _seq(0, list(range(13)))
+    _compute(manager, seq, 13)
+    manager.free(seq)
+    assert manager.share_cached_prefix(seq.block_hashes[:3]) == []
