@@ -51,6 +51,7 @@ class Sequence:
         "num_prompt_logprob_positions",
         "priority",
         "arrival",
+        "prefix_lookup",
     )
 
     def __init__(
@@ -110,6 +111,9 @@ class Sequence:
         # a request's other samples share it)
         self.priority = priority
         self.arrival = seq_id if arrival is None else arrival
+        # the last prefix lookup's (blocks looked up, blocks found), counted once the sequence
+        # is admitted with it (BlockManager.count_lookup)
+        self.prefix_lookup: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -133,7 +133,8 @@ class BlockManager:
         taken (a preempted sequence's blocks come back so, instead of being recomputed).
 
         Returns the number of tokens whose KV is thereby already computed. At least one token is
-        always left to compute, since its logits are needed to sample the next token.
+        always left to compute, since its logits are needed to sample the next token. The lookup
+        is counted by ``count_lookup``, once the sequence is admitted.
         """
         assert not seq.block_tables and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
@@ -142,7 +143,7 @@ class BlockManager:
         max_cached_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = seq.block_hashes[:max_cached_blocks]
         num_hit = self._longest_cached_prefix(hashes)
-        self.pool.count_lookups(min(num_hit + 1, max_cached_blocks), num_hit)
+        seq.prefix_lookup = (min(num_hit + 1, max_cached_blocks), num_hit)
         if num_hit == 0:
             return 0
         self._give_tables(seq)
@@ -170,10 +171,20 @@ class BlockManager:
             self.pool.register(block_id, hashes[index], group)
             self.host.swap_in(slot, block_id)
             seq.block_tables[group][index] = block_id
-        if loads and self.host is not None:
+        if loads and self.host is not None:  # (copied back now, whether or not it is admitted)
             self.host.count_hits(len({index for _, index, _ in loads}))
         seq.num_computed_tokens = num_tokens
         return num_tokens
+
+    def count_lookup(self, seq: Sequence) -> None:
+        """Count the prefix lookup ``attach_cached_prefix`` made for ``seq`` (its queried and
+        hit blocks), once: when the sequence is admitted with it. A queued head that did not
+        fit gives its prefix back and looks it up again on its next try, which counted every
+        try's hits (more hits than prompt tokens under memory pressure). (The host tier counts
+        the blocks it copies back as it copies them.)"""
+        if seq.prefix_lookup is not None:
+            self.pool.count_lookups(*seq.prefix_lookup)
+            seq.prefix_lookup = None
 
     def _longest_cached_prefix(self, hashes: list[BlockHash]) -> int:
         """How many of the leading blocks named by ``hashes`` a sequence can take from the

@@ -338,6 +338,7 @@ class Scheduler:
                     self.block_manager.free(seq)
                 break
             self.waiting.popleft()
+            self.block_manager.count_lookup(seq)
             copies += self.block_manager.allocate_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self._add_running(seq)

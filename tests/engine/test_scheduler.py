@@ -302,3 +302,29 @@ def test_received_kv_waiting_gives_its_blocks_to_the_only_running_sequence() -> 
         assert seq.output_token_ids == expected_output([3 + i] * 4, 12)
     assert received.output_token_ids == expected_output(received_prompt, 3)
     assert harness.manager.num_free_blocks == 6
+
+
+def test_a_head_waiting_for_blocks_counts_its_prefix_hits_once() -> None:
+    """A queued head whose cached prefix it attached does not fit gives it back and looks it up
+    again at every step until it fits: its hits count once, when it is admitted (every try
+    counted them, and the prefix cache served more tokens than the prompts had)."""
+    harness = Harness(num_blocks=10, block_size=4)
+    shared = list(range(10, 22))  # 3 full blocks
+    harness.add(shared, max_tokens=1)
+    harness.run_to_completion()
+    pool = harness.manager.pool
+    assert pool.num_cache_hits == 0
+    harness.add(list(range(30, 50)), max_tokens=4)  # 5 blocks, 6 once it decodes
+    out = harness.scheduler.schedule()
+    harness.scheduler.update(out, fake_run(out))
+    waiting = harness.add(shared + list(range(60, 76)), max_tokens=1)  # 7 blocks, 3 cached
+    tries = 0
+    while any(seq is waiting for seq in harness.scheduler.waiting):
+        assert tries < 100, "the head was never admitted"
+        out = harness.scheduler.schedule()
+        harness.scheduler.update(out, fake_run(out))
+        tries += 1
+    assert tries > 2  # it waited for the running sequence to finish
+    assert waiting.num_cached_prompt_tokens == 12
+    assert pool.num_cache_hits == 3
+    harness.run_to_completion()
