@@ -163,6 +163,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "worker's cache costs, as a fraction of computing it (default %(default)s)",
     )
     cluster.add_argument(
+        "--kv-aware-holder-kv-limit",
+        type=float,
+        default=KVAwareWeights().holder_kv_limit,
+        help="kv_aware: a decode worker whose KV usage has reached this fraction is sent no "
+        "more prompts for the prefix it caches (default %(default)s)",
+    )
+    cluster.add_argument(
         "--kv-transport",
         default="auto",
         choices=["auto", "gloo", "shm", "nccl", "cuda_ipc"],
@@ -527,6 +534,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             args.kv_aware_host_hit_weight,
             args.kv_aware_local_prefill_weight,
             args.kv_aware_move_weight,
+            args.kv_aware_holder_kv_limit,
         ),
         kv_transport=args.kv_transport,
         kv_transfer_checksum=args.kv_transfer_checksum,

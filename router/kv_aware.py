@@ -63,6 +63,10 @@ class KVAwareWeights:
     # a prompt token whose KV a prefill worker copies from a decode worker's cache costs this
     # fraction of computing it (measured: 0.0005-0.054 on the CPU machine, docs/benchmarks.md)
     move_weight: float = 0.05
+    # a decode worker whose KV usage has reached this fraction is sent no more prompts for its
+    # cached prefix (a local prefill or a fetch would grow its conversations there until it
+    # preempts); they go the pooled way, to least_loaded's decode worker
+    holder_kv_limit: float = 0.9
 
     def __post_init__(self) -> None:
         if not self.queue_weight >= 0:
@@ -77,6 +81,10 @@ class KVAwareWeights:
             )
         if not 0 <= self.move_weight <= 1:
             raise ValueError(f"--kv-aware-move-weight must be in [0, 1], got {self.move_weight}")
+        if not 0 < self.holder_kv_limit <= 1:
+            raise ValueError(
+                f"--kv-aware-holder-kv-limit must be in (0, 1], got {self.holder_kv_limit}"
+            )
 
 
 @dataclass(slots=True)
@@ -195,7 +203,10 @@ class KVAware:
         pool takes the prompt as usual (then counted by ``choose_prefill``)."""
         hashes = self.prompt_hashes(request)
         hits = self.index.prefix_hits([w.worker_id for w in decode_loads], hashes)
-        holding = [w for w in decode_loads if hits[w.worker_id].num_blocks > 0]
+        limit = self.weights.holder_kv_limit
+        holding = [
+            w for w in decode_loads if hits[w.worker_id].num_blocks > 0 and w.kv_usage < limit
+        ]
         if not holding or not prefill_loads:
             return None
         weight = self.weights.local_prefill_weight

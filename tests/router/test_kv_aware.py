@@ -250,3 +250,21 @@ def test_a_cluster_routes_a_shared_prefix_to_its_cache_and_counts_the_hits(
     assert samples[("pdserve:routed_prefix_hit_tokens_bucket", "0")] == 2  # r0 and r2
     assert samples[("pdserve:routed_prefix_hit_tokens_bucket", "64")] == 3
     assert samples[("pdserve:routed_prefix_hit_tokens_by_tier_total", "device")] == 64
+
+
+def test_a_decode_worker_near_full_is_sent_no_more_of_its_conversations() -> None:
+    """The decode worker holding the conversation has used 90 % of its KV: another turn there
+    (prefilled locally, or fetched and handed back) would grow it until it preempts, so the
+    prompt goes the pooled way."""
+    index = KVIndex()
+    _caching(index, "d1", SYSTEM)
+    policy = KVAware(BLOCK, index, UNIT_QUEUE)
+    request = RoutingInfo("r", PROMPT)
+    holder = WorkerLoad("d1", 0, 4, 0, 0.89)
+    assert policy.choose_reuse(request, [_load("p")], [holder]) == Reuse("d1", None, 0)
+    full = WorkerLoad("d1", 0, 4, 0, 0.9)
+    assert policy.choose_reuse(request, [_load("p")], [full]) is None
+    lax = KVAware(BLOCK, index, KVAwareWeights(queue_weight=1.0, holder_kv_limit=1.0))
+    assert lax.choose_reuse(request, [_load("p")], [full]) == Reuse("d1", None, 0)
+    with pytest.raises(ValueError, match="--kv-aware-holder-kv-limit"):
+        KVAwareWeights(holder_kv_limit=0.0)
