@@ -107,25 +107,30 @@ class PrefixLender:
     def send(self, call: SendLentBlocks) -> bool:
         """sending -> sent: the first ``ticket.num_blocks`` blocks of the lend, on its channel;
         False (the blocks given back all the same) when the lend or the channel is gone, or
-        the transfer failed (the channel is then closed: the prefill worker opens another)."""
+        the transfer failed (the channel is then closed: the prefill worker opens another). A
+        lend being sent no longer expires: its blocks are given back once the send ends."""
+        lend_id = call.lend_id
+        with self._lock:
+            lent = self._held.pop(lend_id, None) is not None
         try:
             channel = self._channel(call.channel_id)
             if channel is None:
                 return False
-            blocks = self._loop.call(lambda engine: engine.lent_blocks(call.lend_id))
-            if len(blocks) < call.ticket.num_blocks:
+            blocks = self._loop.call(lambda engine: engine.lent_blocks(lend_id))
+            if not lent or len(blocks) < call.ticket.num_blocks:  # (expired, or never lent)
                 channel.close()  # ends the receive that waits for these bytes
                 return False
             try:
-                lent = blocks[: call.ticket.num_blocks]
-                self.totals.add(channel.send_blocks(self._kv_cache, lent, call.ticket))
+                sent = blocks[: call.ticket.num_blocks]
+                self.totals.add(channel.send_blocks(self._kv_cache, sent, call.ticket))
             except TransferError:
-                logger.warning("lend %s failed on channel %s", call.lend_id, call.channel_id)
+                logger.warning("lend %s failed on channel %s", lend_id, call.channel_id)
                 channel.close()
                 return False
             return True
         finally:
-            self._end(call.lend_id)
+            if lent:
+                self._loop.call(lambda engine: engine.return_lent(lend_id))
 
     def expire(self) -> list[str]:
         """expired: the lends older than ``ttl_s``, their blocks given back."""

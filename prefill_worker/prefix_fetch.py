@@ -75,7 +75,8 @@ class PrefixFetcher:
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._channels: dict[str, KVChannel] = {}  # by decode worker (each one's lend channel)
         self.totals = TransferTotals()  # prefixes received
-        self.num_fetched_blocks = 0  # blocks received, over all fetches
+        self._num_fetched_blocks = 0  # blocks received, over all fetches
+        self._count_lock = threading.Lock()  # (fetches run on several threads)
 
     def fetch(self, request: GenerateRequest, decode_worker_id: str, num_blocks: int) -> int:
         """Copy what this cache lacks of the prompt's first ``num_blocks`` blocks from
@@ -106,8 +107,15 @@ class PrefixFetcher:
             )
         finally:
             self._loop.call(lambda engine: engine.received_prefix(request_id, hashes, received))
-        self.num_fetched_blocks += received
+        with self._count_lock:
+            self._num_fetched_blocks += received
         return received
+
+    @property
+    def num_fetched_blocks(self) -> int:
+        """Blocks received, over all fetches."""
+        with self._count_lock:
+            return self._num_fetched_blocks
 
     def forget(self, decode_worker_id: str) -> None:
         """Close the lend channel from a decode worker that is gone."""

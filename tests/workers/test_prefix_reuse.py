@@ -6,8 +6,10 @@ stay token for token the offline engine's."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
 from engine.messages import LendPrefix, ReturnLent, SendLentBlocks
 from engine.scheduler import SchedulerConfig
-from kv_transfer import TransferTicket
+from kv_transfer import TransferStats, TransferTicket
 from kv_transfer.policy import TransferConfig
 from prefill_worker.worker import PrefillWorker
 from tests.workers.local_peer import LocalDecodePeer
@@ -249,3 +251,56 @@ def test_a_request_aborted_while_its_prefix_is_fetched_holds_nothing(
     pair.wait_all_blocks_free()
     assert not pair.prefill.loop.call(lambda e: e.has_unfinished_requests())
     assert pair.generate(turn_2, max_tokens=9, fetch_blocks=8) == _greedy(offline, turn_2, 9)
+
+
+class _HeldSend:
+    """A lend channel whose send waits until the test lets it go (a slow transfer)."""
+
+    broken = False
+
+    def __init__(self) -> None:
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def send_blocks(self, kv_cache: object, block_ids: list[int], ticket: object) -> TransferStats:
+        self.started.set()
+        assert self.go.wait(30)
+        return TransferStats(0, len(block_ids) * BLOCK_BYTES, 1, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def close(self) -> None:
+        self.broken = True
+
+
+def test_a_lend_being_sent_does_not_expire_under_the_send(
+    pairs,  # type: ignore[no-untyped-def]
+) -> None:
+    """The sweeper passes while a lend's blocks are on the wire: they stay held (no eviction
+    may reuse them mid-send) and go back when the send ends."""
+    pair = pairs()
+    prompt, _ = _turns(6)
+    pair.generate(prompt, max_tokens=12)
+    decode = pair.decode
+    clock = _Clock()
+    lender = PrefixLender(
+        "d0", decode.loop, decode.engine.kv_cache, decode.layout, "127.0.0.1", 5.0, 2.0, clock=clock
+    )
+    hashes = decode.engine.servable_prompt_hashes(prompt, None)
+    assert lender.lend(LendPrefix("lend-1", tuple(hashes))) == 5
+    channel = _HeldSend()
+    accepted: Future[object] = Future()
+    accepted.set_result(channel)
+    lender._channels["p0"] = ("lend-channel", accepted)  # type: ignore[assignment]
+    ticket = TransferTicket(0, "r", 5, 5.0)
+    answers: list[bool] = []
+    sending = threading.Thread(
+        target=lambda: answers.append(lender.send(SendLentBlocks("lend-1", "lend-channel", ticket)))
+    )
+    sending.start()
+    assert channel.started.wait(30)
+    clock.now = 10.0
+    assert lender.expire() == []
+    pool = decode.engine.block_manager.pool
+    assert decode.loop.call(lambda e: pool.num_used_blocks) == 5
+    channel.go.set()
+    sending.join(30)
+    assert answers == [True]
+    assert decode.loop.call(lambda e: pool.num_used_blocks) == 0
