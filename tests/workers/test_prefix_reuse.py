@@ -191,30 +191,30 @@ class _Clock:
         return self.now
 
 
+def _decode_with_lender(
+    pair: Pair, seed: int
+) -> tuple[DecodeWorker, list[int], PrefixLender, _Clock]:
+    """The pair's decode worker once it has decoded a prompt (so it caches the prompt's 5
+    blocks), the prompt, and a lender over it on a clock of the test's (TTL 2 s)."""
+    prompt, _ = _turns(seed)
+    pair.generate(prompt, max_tokens=12)
+    decode, clock = pair.decode, _Clock()
+    lender = PrefixLender(
+        "d0", decode.loop, decode.engine.kv_cache, decode.layout, "127.0.0.1", 5.0, 2.0, clock=clock
+    )
+    return decode, prompt, lender, clock
+
+
 def test_a_lend_never_sent_is_given_back_when_it_expires(
     pairs,  # type: ignore[no-untyped-def]
 ) -> None:
     """A prefill worker that dies between the lend and the send holds the decode worker's
     blocks until the lend's deadline, then no more; a send that comes later sends nothing."""
     pair = pairs()
-    prompt, _ = _turns(4)
-    pair.generate(prompt, max_tokens=12)
-    decode = pair.decode
-    clock = _Clock()
-    lender = PrefixLender(
-        "d0", decode.loop, decode.engine.kv_cache, decode.layout, "127.0.0.1", 5.0, 2.0, clock=clock
-    )
+    decode, prompt, lender, clock = _decode_with_lender(pair, seed=4)
     hashes = decode.engine.servable_prompt_hashes(prompt, None)
     assert lender.lend(LendPrefix("lend-1", tuple(hashes))) == len(hashes) == 5
-    assert (
-        lender.lend(
-            LendPrefix(
-                "lend-2",
-                tuple(hashes[2:]),
-            )
-        )
-        == 3
-    )
+    assert lender.lend(LendPrefix("lend-2", tuple(hashes[2:]))) == 3
     pool = decode.engine.block_manager.pool
     assert decode.loop.call(lambda e: pool.num_used_blocks) == 5  # shared by the two lends
     clock.now = 1.5
@@ -276,13 +276,7 @@ def test_a_lend_being_sent_does_not_expire_under_the_send(
     """The sweeper passes while a lend's blocks are on the wire: they stay held (no eviction
     may reuse them mid-send) and go back when the send ends."""
     pair = pairs()
-    prompt, _ = _turns(6)
-    pair.generate(prompt, max_tokens=12)
-    decode = pair.decode
-    clock = _Clock()
-    lender = PrefixLender(
-        "d0", decode.loop, decode.engine.kv_cache, decode.layout, "127.0.0.1", 5.0, 2.0, clock=clock
-    )
+    decode, prompt, lender, clock = _decode_with_lender(pair, seed=6)
     hashes = decode.engine.servable_prompt_hashes(prompt, None)
     assert lender.lend(LendPrefix("lend-1", tuple(hashes))) == 5
     channel = _HeldSend()
