@@ -17,7 +17,7 @@ import torch
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.kv_events import KVEventRecorder
-from engine.kv_cache.prefix_hash import BlockHash
+from engine.kv_cache.prefix_hash import BlockHash, num_servable_blocks
 from engine.messages import PrefillResult, SampleStart, TokenEvent, WorkerCounters
 from engine.messages.kv_events import KVBlocksEvent
 from engine.model_config import ModelConfig, load_model_config
@@ -445,7 +445,7 @@ class LLMEngine:
         if request_id in self._reservations or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         manager = self.block_manager
-        servable = (num_tokens - 1) // manager.block_size
+        servable = num_servable_blocks(num_tokens, manager.block_size)
         shared = manager.share_cached_prefix(prefix_hashes[:servable])
         blocks = manager.reserve(num_tokens, shared)
         if blocks is None:
@@ -635,7 +635,9 @@ class LLMEngine:
 
     def _prefill_result(self, state: RequestState) -> PrefillResult:
         handed_off = [s for s in state.seqs.values() if s.status is SequenceStatus.HANDED_OFF]
-        num_servable = (state.parent.num_prompt_tokens - 1) // self.block_manager.block_size
+        num_servable = num_servable_blocks(
+            state.parent.num_prompt_tokens, self.block_manager.block_size
+        )
         samples = tuple(
             SampleStart(
                 index=index,

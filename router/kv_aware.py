@@ -37,7 +37,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from engine.kv_cache.prefix_hash import BlockHash, extend_block_hashes
+from engine.kv_cache.prefix_hash import BlockHash, servable_block_hashes
 from engine.messages import WorkerLoad
 from router.kv_index import KVIndex, PrefixHits
 from router.policies import LeastLoaded, NoWorkerError, RoutingInfo, decode_order
@@ -165,6 +165,11 @@ class KVAware:
         # the routing info last hashed, and its hashes: ``choose_reuse`` then ``choose_prefill``
         # ask for the same prompt's (the router decides one request at a time)
         self._last_hashed: tuple[RoutingInfo, list[BlockHash]] | None = None
+        # and, when ``choose_reuse`` sent it the pooled way, the prefill workers' costs it
+        # weighed, with the loads they came from: the ``choose_prefill`` after it takes them
+        self._last_pooled: (
+            tuple[RoutingInfo, Sequence[WorkerLoad], tuple[_Candidate, list[_Candidate]]] | None
+        ) = None
         self.stats = PrefixHitStats()
         self._decode = LeastLoaded()
 
@@ -183,10 +188,16 @@ class KVAware:
         """The cheapest worker of ``pool`` for the prompt, its decision counted."""
         if not loads:
             raise NoWorkerError(f"no live {pool} worker")
-        hashes = self.prompt_hashes(request)
-        chosen, candidates = self._cheapest(
-            request, hashes, loads, compute_weight=1.0, decode=pool == "decode"
-        )
+        # the prefill pool's costs ``choose_reuse`` computed for this request and these loads
+        # just before, when it found nothing cheaper (taken once)
+        weighed, self._last_pooled = self._last_pooled, None
+        if weighed is not None and weighed[0] is request and weighed[1] is loads:
+            chosen, candidates = weighed[2]
+        else:
+            hashes = self.prompt_hashes(request)
+            chosen, candidates = self._cheapest(
+                request, hashes, loads, compute_weight=1.0, decode=pool == "decode"
+            )
         self._count(request, chosen, candidates)
         return chosen.worker_id
 
@@ -216,6 +227,7 @@ class KVAware:
         pooled, pooled_all = self._cheapest(request, hashes, prefill_loads, compute_weight=1.0)
         fetch = self._cheapest_fetch(request, holding, hits, pooled_all) if self.fetch else None
         if min(local.cost, math.inf if fetch is None else fetch[2]) >= pooled.cost:
+            self._last_pooled = (request, prefill_loads, (pooled, pooled_all))  # for choose_prefill
             return None
         if fetch is None or local.cost <= fetch[2]:
             self._count(request, local, locals_)
@@ -314,10 +326,8 @@ class KVAware:
         last = self._last_hashed
         if last is not None and last[0] is request:  # (asked again for the same decision)
             return last[1]
-        num_usable = (len(request.prompt_token_ids) - 1) // self.block_size
-        hashes: list[BlockHash] = []
-        extend_block_hashes(
-            hashes, request.prompt_token_ids, self.block_size, request.cache_salt, num_usable
+        hashes = servable_block_hashes(
+            request.prompt_token_ids, self.block_size, request.cache_salt
         )
         self._last_hashed = (request, hashes)
         return hashes

@@ -29,7 +29,12 @@ from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.cache_groups import CacheGroups
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.kv_events import KVEventRecorder
-from engine.kv_cache.prefix_hash import BlockHash, extend_block_hashes
+from engine.kv_cache.prefix_hash import (
+    BlockHash,
+    extend_block_hashes,
+    num_servable_blocks,
+    servable_block_hashes,
+)
 from engine.messages.kv_events import KVTier
 from engine.sequence import Sequence
 
@@ -87,11 +92,8 @@ class BlockManager:
     ) -> list[BlockHash]:
         """The prefix hashes of the prompt's blocks a cache can serve: its full blocks but the
         one holding its last token (whose logits are computed)."""
-        num_servable = (len(prompt_token_ids) - 1) // self.block_size
         salt = self.prompt_salt(len(prompt_token_ids), cache_salt)
-        hashes: list[BlockHash] = []
-        extend_block_hashes(hashes, prompt_token_ids, self.block_size, salt, num_servable)
-        return hashes
+        return servable_block_hashes(prompt_token_ids, self.block_size, salt)
 
     @property
     def num_free_blocks(self) -> int:
@@ -140,7 +142,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self._salt(seq))
-        max_cached_blocks = (seq.num_tokens - 1) // self.block_size
+        max_cached_blocks = num_servable_blocks(seq.num_tokens, self.block_size)
         hashes = seq.block_hashes[:max_cached_blocks]
         num_hit = self._longest_cached_prefix(hashes)
         seq.prefix_lookup = (min(num_hit + 1, max_cached_blocks), num_hit)

@@ -43,3 +43,19 @@ def extend_block_hashes(
         start = block_index * block_size
         parent = block_hashes[-1] if block_hashes else None
         block_hashes.append(hash_block(parent, token_ids[start : start + block_size], cache_salt))
+
+
+def num_servable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading blocks of a ``num_tokens``-token prompt a prefix cache can serve: its
+    full blocks but the one holding its last token (whose logits are always computed)."""
+    return (num_tokens - 1) // block_size
+
+
+def servable_block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None
+) -> list[BlockHash]:
+    """The prefix hashes of a prompt's blocks a prefix cache can serve (``num_servable_blocks``)."""
+    hashes: list[BlockHash] = []
+    num_servable = num_servable_blocks(len(token_ids), block_size)
+    extend_block_hashes(hashes, token_ids, block_size, cache_salt, num_servable)
+    return hashes
