@@ -122,7 +122,8 @@ class PrefixLender:
                 return False
             try:
                 sent = blocks[: call.ticket.num_blocks]
-                self.totals.add(channel.send_blocks(self._kv_cache, sent, call.ticket))
+                stats = channel.send_blocks(self._kv_cache, sent, call.ticket)
+                self.totals.add(stats, channel.rendezvous.transport, len(sent))
             except TransferError:
                 logger.warning("lend %s failed on channel %s", lend_id, call.channel_id)
                 channel.close()

@@ -255,7 +255,8 @@ class DecodeWorker:
         if channel is None:
             return f"no open KV channel {channel_id!r}"
         try:
-            self._transfer_totals.add(channel.recv_blocks(self.engine.kv_cache, block_ids, ticket))
+            stats = channel.recv_blocks(self.engine.kv_cache, block_ids, ticket)
+            self._transfer_totals.add(stats, channel.rendezvous.transport, len(block_ids))
         except TransferError as failure:
             self._drop_channel(channel_id, channel)
             return str(failure)

@@ -42,6 +42,7 @@ from engine.messages import (
     PrefillResult,
     RequestFailure,
     TokenEvent,
+    TransferTiming,
     WorkerLoad,
 )
 from engine.sampling import SamplingParams
@@ -211,12 +212,17 @@ class EngineLoop:
             return None
 
     def load(
-        self, kv_transfers: tuple[int, int, float] = (0, 0, 0.0), kv_cursor: KVCursor | None = None
+        self,
+        kv_transfers: tuple[int, int, float] = (0, 0, 0.0),
+        kv_cursor: KVCursor | None = None,
+        transfer_timings: tuple[TransferTiming, ...] = (),
     ) -> WorkerLoad:
         """This worker's load report for the router, as of the last change made under the lock
         (never waiting for the step in progress); ``kv_transfers`` are the worker's KV hand-off
-        totals (transfers, bytes, seconds), which the engine does not see. With ``kv_cursor``
-        it carries the KV events after that cursor (where the engine records them)."""
+        totals (transfers, bytes, seconds), which the engine does not see, and
+        ``transfer_timings`` those it ran since its last report. With ``kv_cursor`` it carries
+        the KV events after that cursor (where the engine records them). It carries the timings
+        of the steps since the last report (taken: each goes in one report)."""
         report = self._load_report
         num_transfers, num_bytes, seconds = kv_transfers
         counters = dataclasses.replace(
@@ -234,6 +240,8 @@ class EngineLoop:
             counters=counters,
             seconds_since_progress=since_progress_s,
             kv_events=kv_events,
+            step_timings=self.engine.step_timings.take(),
+            transfer_timings=transfer_timings,
         )
 
     def _log_kv_events_locked(self) -> None:
@@ -253,6 +261,7 @@ class EngineLoop:
             num_queued_prompt_tokens=queued,
             kv_usage=self.engine.block_manager.usage,
             counters=self.engine.counters(),
+            num_context_tokens=sum(s.num_computed_tokens for s in scheduler.running),
         )
 
     # ---- the loop -----------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +40,7 @@ from engine.scheduler import (
 from engine.sequence import SequenceStatus
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
+from engine.step_timings import StepTimingLog, step_timing
 from engine.structured.cursors import GrammarCursors
 from engine.structured.model_grammars import ModelGrammars
 
@@ -144,6 +145,7 @@ class LLMEngine:
         )
         self._num_ranks = 1 if self.group is None else self.group.size
         self.stats = EngineStats()
+        self.step_timings = StepTimingLog()  # for the worker's load reports
         # async scheduling: the step launched ahead, to be sampled and applied by the next step()
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._requests: dict[str, RequestState] = {}
@@ -347,6 +349,7 @@ class LLMEngine:
         self, output: SchedulerOutput, result: ModelRunnerOutput, started: float
     ) -> StepResult:
         """A step's results into the sequences; its tokens and the requests it ended."""
+        shape = step_timing(output, 0.0)  # (what it computed, before the sequences move on)
         updated = self.scheduler.update(output, result)
         self._record_prompt_logprobs(output, result)
         new_tokens: list[TokenEvent] = []
@@ -377,7 +380,9 @@ class LLMEngine:
             self.stats.num_draft_tokens += drafts.num_drafts
             self.stats.num_accepted_draft_tokens += len(drafts.token_ids)
         self.stats.forward_seconds += result.forward_seconds
-        self.stats.step_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.stats.step_seconds += seconds
+        self.step_timings.record(replace(shape, seconds=seconds))
         self._drop_step_of_ended_requests()
         return StepResult(new_tokens, finished, handed_off)
 

@@ -171,7 +171,7 @@ class PrefixFetcher:
                 if not sent.result(timeout=timeout_s):
                     self._drop(decode_worker_id, channel)
                     return 0
-            self.totals.add(stats)
+            self.totals.add(stats, channel.rendezvous.transport, ticket.num_blocks)
             return ticket.num_blocks
         finally:
             if owes_return:

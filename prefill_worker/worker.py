@@ -41,6 +41,7 @@ from engine.messages import (
     ReceiveKV,
     Reservation,
     ReserveBlocks,
+    TransferTiming,
     WorkerLoad,
 )
 from engine.parallel.shard import kv_heads_of_ranks
@@ -122,7 +123,8 @@ class PrefillWorker:
         self._transfer_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._transfer_ids = itertools.count()
         self._handoffs = HandoffLanes(transfer.max_concurrent_handoffs, f"handoff-{worker_id}")
-        self._transfer_totals = TransferTotals()  # KV hand-offs sent
+        # KV hand-offs sent, each one's timing for the router's latency model
+        self._transfer_totals = TransferTotals(keep_timings=True)
         self.loop = EngineLoop(self.engine, worker_id, on_handed_off=self._schedule_handoff)
         self.fetcher = PrefixFetcher(
             worker_id,
@@ -277,7 +279,8 @@ class PrefillWorker:
         """This worker's load report; with ``kv_cursor``, its KV events after it."""
         with self._targets_lock:  # the router asks every report interval: a sweep for free
             self._forget_finished_locked()
-        return self.loop.load(self._transfer_totals.snapshot(), kv_cursor)
+        sent = tuple(TransferTiming(*timing) for timing in self._transfer_totals.take_timings())
+        return self.loop.load(self._transfer_totals.snapshot(), kv_cursor, sent)
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -382,7 +385,8 @@ class PrefillWorker:
         """Send the prompt's KV in ``block_ids``; a failed transfer's channel is dropped (rebuilt
         on next use)."""
         try:
-            self._transfer_totals.add(channel.send_blocks(self.engine.kv_cache, block_ids, ticket))
+            stats = channel.send_blocks(self.engine.kv_cache, block_ids, ticket)
+            self._transfer_totals.add(stats, channel.rendezvous.transport, len(block_ids))
         except TransferError:
             logger.warning("KV transfer of %s failed; channel rebuilt on next use", ticket)
             self.channels.remove(decode_worker_id, channel)

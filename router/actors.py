@@ -73,6 +73,12 @@ class DecodeActor:
     def ready(self) -> str:
         return self.worker.worker_id
 
+    def profile_latency(self) -> int:
+        """Run the start-up latency profile (engine/latency_profile.py); the steps it ran."""
+        from engine.latency_profile import run_latency_profile
+
+        return self.worker.loop.call(run_latency_profile)
+
     def kv_cache_scales(self) -> KVCacheScales | None:
         """Its quantized cache's scales (the cluster hands them to every other worker)."""
         return self.worker.engine.kv_cache_scales
@@ -145,6 +151,12 @@ class PrefillActor:
 
     def ready(self) -> str:
         return self.worker.worker_id
+
+    def profile_latency(self) -> int:
+        """Run the start-up latency profile (engine/latency_profile.py); the steps it ran."""
+        from engine.latency_profile import run_latency_profile
+
+        return self.worker.loop.call(run_latency_profile)
 
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())

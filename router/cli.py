@@ -23,6 +23,7 @@ from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import describe_auto
 from router.cluster_config import ClusterConfig
 from router.gateway.reasoning import REASONING_PARSERS
+from router.gateway.slo_admission import ADMISSION_MODES, AdmissionPolicy
 from router.gateway.tool_calls import TOOL_CALL_PARSERS
 from router.kv_aware import KVAwareWeights
 from router.local_prefill import LocalPrefillRule
@@ -330,10 +331,48 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="allow binding a non-loopback --host without API keys",
     )
     front.add_argument(
-        "--slo-ttft-ms", type=float, default=1000.0, help="time-to-first-token SLO (goodput)"
+        "--slo-ttft-ms",
+        type=float,
+        default=1000.0,
+        help="time-to-first-token SLO (goodput, and --admission slo)",
     )
     front.add_argument(
-        "--slo-tpot-ms", type=float, default=100.0, help="time-per-output-token SLO (goodput)"
+        "--slo-tpot-ms",
+        type=float,
+        default=100.0,
+        help="time-per-output-token SLO (goodput, and --admission slo)",
+    )
+    front.add_argument(
+        "--admission",
+        choices=ADMISSION_MODES,
+        default="none",
+        help="slo: refuse at once (429 with Retry-After) a request whose prompts are predicted "
+        "to miss --slo-ttft-ms or --slo-tpot-ms on their best placement, and, on a loaded "
+        "server, a request of an API key holding more than its fair share; the prediction is "
+        "the router's latency model, fitted from the workers' step timings "
+        "(router/gateway/slo_admission.py; default: none, only --max-concurrent-requests)",
+    )
+    front.add_argument(
+        "--admission-margin",
+        type=float,
+        default=AdmissionPolicy().margin,
+        help="--admission slo refuses a request predicted to miss an SLO by more than this "
+        "fraction of it (default: %(default)s)",
+    )
+    front.add_argument(
+        "--admission-fair-share-after",
+        type=float,
+        default=AdmissionPolicy().fair_share_after,
+        help="--admission slo refuses the requests of a key over its fair share of those in "
+        "flight once a prompt's predicted TTFT passes this fraction of --slo-ttft-ms "
+        "(default: %(default)s)",
+    )
+    front.add_argument(
+        "--latency-profile",
+        action="store_true",
+        help="each worker runs a few synthetic requests at start-up so that the router's "
+        "latency model predicts from the first request on (always with --admission slo; "
+        "otherwise it predicts once the workers have run enough steps of real traffic)",
     )
     front.add_argument(
         "--first-token-trace",
@@ -560,6 +599,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefill_resources={args.prefill_resource: 1.0} if args.prefill_resource else {},
         decode_resources={args.decode_resource: 1.0} if args.decode_resource else {},
         speculative=args.speculative_config,
+        latency_profile=args.latency_profile or args.admission == "slo",
     )
     return run_serve(args, config)
 

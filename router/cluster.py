@@ -32,11 +32,13 @@ from typing import Any
 
 import ray
 
+from engine.kv_cache.prefix_hash import servable_block_hashes
 from engine.messages import FirstTokenTrace, GenerateRequest, RequestFailure, TokenEvent
 from engine.sampling.params import SamplingParams
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import bind_this_process, plan_cpu_binding, threads_per_worker
 from router.kv_aware import PrefixHitStats
+from router.latency_forecast import Forecast, LatencyForecaster, PromptToPlace, StepBudgets
 from router.local_ray import start_ray
 from router.output_pump import OutputPump
 from router.placements import Placements, RequestFailedError
@@ -75,6 +77,16 @@ class Cluster:
         self.pool = WorkerPool(config, workers, launcher, slots)
         self.placements = Placements(config, self.pool)
         self.pump = OutputPump(self.gateway_id, self.pool, self.placements)
+        self.forecaster = LatencyForecaster(
+            self.pool.latency_model,
+            StepBudgets(
+                prefill=config.prefill_max_num_batched_tokens or config.max_num_batched_tokens,
+                decode=config.max_num_batched_tokens,
+            ),
+            config.block_size,
+            colocated=config.colocated,
+            by_priority=config.scheduling_policy == "priority",
+        )
         self._placing = ThreadPoolExecutor(
             _MAX_PLACEMENTS_IN_FLIGHT, thread_name_prefix="placement"
         )
@@ -121,6 +133,8 @@ class Cluster:
                 launcher.use_kv_cache_scales(ray.get(actor.kv_cache_scales.remote()))
             workers.append(WorkerHandle(slot.name, slot.role, actor, slot=slot.name))
         ray.get([w.actor.ready.remote() for w in workers])
+        if config.latency_profile:  # its steps go in each worker's first load report
+            ray.get([w.actor.profile_latency.remote() for w in workers])
         workers.sort(key=lambda w: w.role != "prefill")  # listed prefill first
         cluster = cls(config, workers, launcher, slots)
         cluster.poll_until_reported()
@@ -234,6 +248,33 @@ class Cluster:
 
     def abort(self, request_id: str) -> None:
         self.placements.abort(request_id)
+
+    def forecast(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Forecast | None:
+        """A prompt's predicted TTFT and TPOT on its best placement now (router/latency_forecast
+        .py); None until the workers' step timings fit the latency model."""
+        cached: dict[str, int] = {}
+        index = self.pool.kv_index
+        roles = ("decode",) if self.config.colocated else ("prefill",)
+        prompt_loads = [load for role in roles for load in self.pool.routable_loads(role)]
+        if index is not None:
+            block_size = self.config.block_size
+            hashes = servable_block_hashes(prompt_token_ids, block_size, cache_salt)
+            hits = index.prefix_hits([load.worker_id for load in prompt_loads], hashes)
+            cached = {w: h.num_device_blocks * block_size for w, h in hits.items()}
+        prompt = PromptToPlace(len(prompt_token_ids), max_tokens, priority, cached)
+        return self.forecaster.forecast(
+            prompt,
+            [] if self.config.colocated else prompt_loads,
+            self.pool.routable_loads("decode"),
+            self.placements.queued_prompts(),
+        )
 
     # ---- statuses -----------------------------------------------------------------------
     def worker_statuses(self) -> list[WorkerStatus]:

@@ -77,6 +77,9 @@ class ClusterConfig:
     kv_transfer_checksum: bool = False  # receivers check a CRC32 of each transfer (TransferConfig)
     failure_policy: FailurePolicy = "recompute"
     report_interval_s: float = 0.5  # how often the router polls worker load
+    # each worker runs a few synthetic requests at start-up (engine/latency_profile.py), so the
+    # router's latency model has step times to predict from before any traffic
+    latency_profile: bool = False
     # a worker whose latest load report is older is late: routed to only when its pool has no
     # worker that reported in time
     late_after_s: float = 2.0

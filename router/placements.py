@@ -131,6 +131,21 @@ class Placements:
     def num_open(self) -> int:
         return len(self._trackers)
 
+    def queued_prompts(self) -> dict[str, list[tuple[int, int]]]:
+        """By worker: (priority, prompt tokens) of each request placed there to be prefilled
+        whose first token has not come yet (the latency forecast's queues by priority)."""
+        queued: dict[str, list[tuple[int, int]]] = {}
+        with self._lock:
+            for tracker in self._trackers.values():
+                if tracker.placing or tracker.has_delivered:
+                    continue
+                worker = tracker.prefill_worker or tracker.decode_worker
+                request = tracker.request
+                queued.setdefault(worker, []).append(
+                    (request.priority, len(request.prompt_token_ids))
+                )
+        return queued
+
     def local_prefills(self) -> dict[str, int]:
         """Prompts routed to be prefilled on their decode worker so far, by reason."""
         with self._lock:

@@ -34,6 +34,7 @@ from router.gateway.metrics import SloTargets
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer, check_bind_address
 from router.gateway.service import Gateway
+from router.gateway.slo_admission import AdmissionPolicy
 from router.gateway.tool_calls import TOOL_CALL_PARSERS
 from router.gil_switch import hand_off_the_gil_sooner
 from router.local_ray import stop_ray
@@ -74,6 +75,9 @@ def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     )
     limits = request_limits(args, config, model.max_model_len)
     slo = SloTargets(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)
+    admission = AdmissionPolicy(
+        args.admission, args.admission_margin, args.admission_fair_share_after
+    )
     grpc_port = None if args.grpc_port < 0 else args.grpc_port
     trace_log = None
     if not args.prompt:  # before the workers load, which takes minutes on GPUs
@@ -92,7 +96,7 @@ def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
                 return _generate_once(
                     cluster, model, args.prompt, args.max_tokens, args.temperature
                 )
-            gateway = Gateway(cluster, model, limits, keys, slo, trace_log)
+            gateway = Gateway(cluster, model, limits, keys, slo, trace_log, admission)
             server = GatewayServer(gateway, args.host, args.http_port, grpc_port)
             banner = functools.partial(
                 _banner, config, model, server, keys.enabled, args.drain_timeout_s

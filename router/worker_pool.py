@@ -32,6 +32,7 @@ import ray
 from engine.messages import GenerateRequest, KVCursor, KVEventsReply, WorkerLoad
 from router.cluster_config import ClusterConfig
 from router.kv_index import KVIndex
+from router.latency_model import LatencyModel
 from router.load_ledger import LoadLedger
 from router.worker_shutdown import join_threads, stop_actors
 from router.worker_slots import CALL_TIMEOUT_S, WorkerLauncher, WorkerSlot
@@ -116,6 +117,8 @@ class WorkerPool:
         # what each worker's prefix cache holds, from the KV events its load reports carry;
         # kept for the kv_aware policy only (None: the reports carry no events)
         self.kv_index = KVIndex() if config.router_policy == "kv_aware" else None
+        # each worker's step times and the hand-offs', fitted from the timings its reports carry
+        self.latency_model = LatencyModel()
         # Held while a worker joins and while a stalled prefill worker is taken back, so that
         # every prefill worker in rotation knows every decode worker (``_join``).
         self._membership = threading.Lock()
@@ -258,7 +261,7 @@ class WorkerPool:
         with self._lock:
             if not worker.alive:  # taken out meanwhile: its KV events no longer count
                 return
-            load = self._take_kv_events_locked(worker, load)
+            load = self._take_timings(worker, self._take_kv_events_locked(worker, load))
             worker.ledger.record(load, worker.load_asked_at, is_open)
             worker.last_report, worker.report_asked_at = time.monotonic(), worker.load_asked_at
             worker.load_call = None  # the next round asks again
@@ -276,6 +279,16 @@ class WorkerPool:
     def _kv_cursor(self, worker: WorkerHandle) -> KVCursor | None:
         """What to ask a worker's KV events with (None: the index is off)."""
         return None if self.kv_index is None else self.kv_index.cursor(worker.worker_id)
+
+    def _take_timings(self, worker: WorkerHandle, load: WorkerLoad) -> WorkerLoad:
+        """Give the step and transfer timings a report carries to the latency model; the report
+        without them."""
+        if not load.step_timings and not load.transfer_timings:
+            return load
+        self.latency_model.observe(
+            worker.worker_id, worker.role, load.step_timings, load.transfer_timings
+        )
+        return replace(load, step_timings=(), transfer_timings=())
 
     def _take_kv_events_locked(self, worker: WorkerHandle, load: WorkerLoad) -> WorkerLoad:
         """Apply the KV events a report carries to the index; the report without them."""
@@ -304,6 +317,7 @@ class WorkerPool:
             if self.kv_index is not None:  # its blocks are not routed to any more
                 self.kv_index.forget(worker.worker_id)
         if not stalled:
+            self.latency_model.forget(worker.worker_id)  # (a new worker has an id of its own)
             self._on_process_gone(worker)
         return True
 
@@ -360,7 +374,7 @@ class WorkerPool:
                 return False  # it answers, but its engine is not moving yet
             with self._lock:
                 worker.probe = worker.load_call = None
-                worker.ledger.record(load, requested_at, is_open)
+                worker.ledger.record(self._take_timings(worker, load), requested_at, is_open)
                 worker.last_report, worker.report_asked_at = time.monotonic(), requested_at
                 worker.stalled, worker.alive = False, True
             return True
@@ -523,6 +537,7 @@ class WorkerPool:
         """Put a worker started in a slot in rotation, with its first load, asked for at
         ``asked_at`` (under ``_membership`` too); the slot's earlier workers whose
         process is gone count as replaced."""
+        load = self._take_timings(worker, load)
         worker.ledger.record(load, asked_at, lambda request_id: True)  # (it holds none yet)
         worker.last_report, worker.report_asked_at = time.monotonic(), asked_at
         for earlier in self.workers.values():  # a stalled one may still come back

@@ -5,7 +5,8 @@ workers and the engine import it.
                  one ``OutputBatch`` per step, ``RequestFailure``s
   first_token -- worker -> gateway, on a request's first ``TokenEvent``: its
                  ``FirstTokenTrace``, the times it passed each hop (router and gateway add theirs)
-  load        -- worker -> router: ``WorkerLoad`` with its ``WorkerCounters``
+  load        -- worker -> router: ``WorkerLoad`` with its ``WorkerCounters`` and the
+                 ``StepTiming``s and ``TransferTiming``s since its last report
   kv_events   -- worker -> router: ``KVEventsReply`` to the router's ``KVCursor``, the blocks its
                  prefix cache stored and removed (``KVEventBatch``es of ``KVBlocksEvent``s) or
                  a ``KVCacheSnapshot`` of them
@@ -43,7 +44,7 @@ from engine.messages.kv_events import (
     KVEventBatch,
     KVEventsReply,
 )
-from engine.messages.load import WorkerCounters, WorkerLoad
+from engine.messages.load import StepTiming, TransferTiming, WorkerCounters, WorkerLoad
 from engine.messages.requests import GenerateRequest, OutputBatch, RequestFailure, TokenEvent
 
 __all__ = [
@@ -73,7 +74,9 @@ __all__ = [
     "ReturnLent",
     "SampleStart",
     "SendLentBlocks",
+    "StepTiming",
     "TokenEvent",
+    "TransferTiming",
     "WorkerCounters",
     "WorkerLoad",
 ]

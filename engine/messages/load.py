@@ -2,7 +2,9 @@
 
 The router asks each worker for a ``WorkerLoad`` every report interval (an actor call), with
 the cursor of the worker's KV events it has followed so far: the report carries the events
-after it (engine/messages/kv_events.py).
+after it (engine/messages/kv_events.py). It also carries the timings of the engine steps and KV
+transfers the worker ran since its last report, which the router's latency model is fitted
+from (router/latency_model.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,29 @@ class WorkerCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class StepTiming:
+    """One engine step that ran the model: what it computed and how long it took."""
+
+    num_prefill_tokens: int  # prompt tokens computed (chunks, recomputes)
+    # attention work of those: each prompt chunk's new tokens times the context they attend
+    # to (cached prefix, earlier chunks and themselves), summed
+    prefill_attention_tokens: int
+    num_decode_tokens: int  # tokens of running sequences (one each, plus speculative drafts)
+    decode_context_tokens: int  # KV tokens those decode rows read, summed
+    seconds: float  # wall time of the step, from scheduling to its tokens applied
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTiming:
+    """One KV hand-off this worker sent."""
+
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    transport: str  # "gloo", "shm", "nccl", "cuda_ipc", ...
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLoad:
     """What a worker reports to the router for routing decisions."""
 
@@ -51,3 +76,9 @@ class WorkerLoad:
     # the prefix cache's KV events after the cursor the router asked with (None: it asked with
     # none, or the worker records none); the router's index takes them out of the report
     kv_events: KVEventsReply | None = None
+    # KV tokens of the running sequences (what a decode step of the batch reads)
+    num_context_tokens: int = 0
+    # the steps and KV transfers this worker ran since its previous report (the latest few,
+    # when reports were far apart); for the router's latency model
+    step_timings: tuple[StepTiming, ...] = ()
+    transfer_timings: tuple[TransferTiming, ...] = ()

@@ -210,8 +210,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         arrived_at: float,
     ) -> None:
         request_id = new_request_id("gen")
-        with self.gateway.admitted(request_id, caller) as live:
-            generation = self.gateway.generation(spec, request_id, arrived_at)
+        with self.gateway.admitted(request_id, caller, [spec]) as live:
+            generation = self.gateway.generation(spec, request_id, arrived_at, live.forecasts[0])
             formatter = (
                 LogprobsFormatter(self.gateway.model.tokenizer)
                 if spec.params.logprobs is not None

@@ -209,18 +209,18 @@ async def _generate(
     if job.stream:
         # admitted now, so that a refusal is still a status code; the stream gives the slot back
         admission = contextlib.ExitStack()
-        live = admission.enter_context(gateway.admitted(header.id, caller))
+        live = admission.enter_context(gateway.admitted(header.id, caller, job.specs))
         front = FrontDoorStamps(arrived_on_wall_clock, parsed_at, time.time())
-        generations = _generations(gateway, job, header, arrived_at)
+        generations = _generations(gateway, job, header, arrived_at, live)
         for generation in generations:  # placed while the response's headers go out
             generation.start()
             admission.callback(generation.close)  # (if the response never streams)
         events = _ending_with_cut_off(event_stream(gateway, job, header, generations, live), live)
         events = _recording_first_tokens(events, gateway, generations, front)
         return EventStreamResponse(events, on_close=admission.close, request_id=header.id)
-    with gateway.admitted(header.id, caller) as live:
+    with gateway.admitted(header.id, caller, job.specs) as live:
         front = FrontDoorStamps(arrived_on_wall_clock, parsed_at, time.time())
-        generations = _generations(gateway, job, header, arrived_at)
+        generations = _generations(gateway, job, header, arrived_at, live)
         return await _respond_whole(gateway, request, job, header, generations, live, front)
 
 
@@ -259,10 +259,15 @@ async def _recording_first_tokens(
 
 
 def _generations(
-    gateway: Gateway, job: OpenAIJob, header: ResponseHeader, arrived_at: float
+    gateway: Gateway,
+    job: OpenAIJob,
+    header: ResponseHeader,
+    arrived_at: float,
+    live: LiveRequest,
 ) -> list[TextGeneration]:
     return [
-        gateway.generation(spec, f"{header.id}-{i}", arrived_at) for i, spec in enumerate(job.specs)
+        gateway.generation(spec, f"{header.id}-{i}", arrived_at, forecast)
+        for i, (spec, forecast) in enumerate(zip(job.specs, live.forecasts, strict=True))
     ]
 
 

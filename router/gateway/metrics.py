@@ -5,7 +5,10 @@ Two sources, one endpoint:
   latency, time per output token, end-to-end and queue time, per prompt; generation requests
   by outcome; prompts sent to the cluster; tokens; goodput as ``slo_met_total``, the requests
   whose every prompt met the configured TTFT and TPOT targets; the time each prompt's first
-  token spent in each hop of its path, ``first_token_hop_seconds{hop}``, from its trace);
+  token spent in each hop of its path, ``first_token_hop_seconds{hop}``, from its trace; the
+  latencies the router predicted for each prompt at admission, ``predicted_*_seconds``, and how
+  far the observed ones were from them, ``latency_prediction_ratio{slo}`` (observed over
+  predicted); requests refused by ``--admission slo``, ``admission_refusals_total{reason}``);
 - worker-level gauges and counters labelled ``role`` and ``worker``, read at scrape time from
   the load reports the router already polls from every worker (running, waiting, KV usage,
   prefix-cache hit rate and hits by tier, bytes moved to and from a host tier, preemptions, KV transfer bytes and seconds, speculative decoding's draft
@@ -34,7 +37,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from engine.messages.first_token import HOPS, FirstTokenTrace
+from router.gateway.slo_admission import REFUSAL_REASONS
 from router.kv_aware import HIT_TOKEN_BUCKETS, PrefixHitStats
+from router.latency_forecast import Forecast
 
 if TYPE_CHECKING:
     from router.cluster import SlotRestarts, WorkerStatus
@@ -48,6 +53,8 @@ _HOP_BUCKETS = (
     2.5, 5.0, 10.0,
 )  # fmt: skip
 REQUEST_STATUSES = ("ok", "invalid", "unauthorized", "rejected", "failed", "aborted")
+# observed over predicted latency: 1 is a perfect prediction
+_PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +310,33 @@ class GatewayMetrics:
             registry=r,
         )
         self._first_token_hops = {hop: hops.labels(hop=hop) for hop in HOPS}
+        self.predicted_time_to_first_token = histogram(
+            "predicted_time_to_first_token_seconds",
+            "Time to first token the router predicted for a prompt at admission",
+            _LATENCY_BUCKETS,
+        )
+        self.predicted_time_per_output_token = histogram(
+            "predicted_time_per_output_token_seconds",
+            "Time per output token the router predicted for a prompt at admission",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+        ratios = Histogram(
+            "pdserve:latency_prediction_ratio",
+            "A finished prompt's observed latency over the router's prediction (1: exact)",
+            ["slo"],
+            buckets=_PREDICTION_RATIO_BUCKETS,
+            registry=r,
+        )
+        self._prediction_ratios = {slo: ratios.labels(slo=slo) for slo in ("ttft", "tpot")}
+        self.admission_refusals = Counter(
+            "pdserve:admission_refusals",
+            "Requests refused by --admission slo, by reason (ttft, tpot: predicted to miss "
+            "that SLO; fair_share: the key held more than its share of a loaded server)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.admission_refusals.labels(reason=reason)
         targets = Gauge("pdserve:slo_target_seconds", "SLO targets", ["slo"], registry=r)
         targets.labels(slo="ttft").set(slo.ttft_s)
         targets.labels(slo="tpot").set(slo.tpot_s)
@@ -338,7 +372,18 @@ class GatewayMetrics:
         if ttft is None or tpot is None:
             return False  # no token arrived
         self.time_per_output_token.observe(tpot)
+        forecast = generation.forecast
+        if forecast is not None:
+            if forecast.ttft_s > 0:
+                self._prediction_ratios["ttft"].observe(ttft / forecast.ttft_s)
+            if forecast.tpot_s > 0 and tpot > 0:  # (a prompt of one token has no gap)
+                self._prediction_ratios["tpot"].observe(tpot / forecast.tpot_s)
         return ttft <= self.slo.ttft_s and tpot <= self.slo.tpot_s
+
+    def predicted(self, forecast: Forecast) -> None:
+        """A prompt's latencies as the router predicted them at its admission."""
+        self.predicted_time_to_first_token.observe(forecast.ttft_s)
+        self.predicted_time_per_output_token.observe(forecast.tpot_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

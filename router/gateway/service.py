@@ -3,7 +3,11 @@ metrics it records (with its first token's trace: ``record_first_token``), and t
 live requests that ``Abort`` reaches.
 
 Admission answers 503 while the cluster cannot serve (no live prefill or decode worker) and 429
-once ``max_concurrent_requests`` are in flight through this gateway, both with Retry-After.
+once ``max_concurrent_requests`` are in flight through this gateway, both with Retry-After. It
+asks the router for each prompt's predicted latencies (router/latency_forecast.py), recorded
+beside the observed ones; with ``--admission slo`` a request predicted to miss its SLOs, or of
+a key over its fair share of a loaded server, is refused with 429 and the predicted drain time
+as Retry-After (router/gateway/slo_admission.py).
 
 Shutting down: ``start_draining`` -> every new request is refused (503, Retry-After) while those
 in flight run on -> ``wait_idle`` until they have ended or the drain timeout ->
@@ -22,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,9 +39,11 @@ from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.limits import RequestLimits
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.served_model import ServedModel
+from router.gateway.slo_admission import AdmissionPolicy, KeyLoad, judge
 from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import GenerationBackend, TextGeneration
 from router.kv_aware import PrefixHitStats
+from router.latency_forecast import Forecast
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -65,6 +72,15 @@ class ClusterBackend(GenerationBackend, Protocol):
 
     def queue_is_full(self) -> bool: ...
 
+    def forecast(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Forecast | None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class FrontDoorStamps:
@@ -79,6 +95,8 @@ class FrontDoorStamps:
 @dataclass(slots=True)
 class LiveRequest:
     tenant_salt: str | None  # only the same tenant may abort it
+    # each prompt's latencies as predicted at admission (None: no prediction), in prompt order
+    forecasts: list[Forecast | None] = field(default_factory=list)
     aborted: asyncio.Event = field(default_factory=asyncio.Event)  # set: end it now
     # why the server ended it unfinished (it was in flight when the drain at shutdown ran
     # out): the error its client is sent; None: it ends by itself or by an Abort call
@@ -94,10 +112,14 @@ class Gateway:
         keys: ApiKeys,
         slo: SloTargets | None = None,
         first_token_log: FirstTokenLog | None = None,
+        admission: AdmissionPolicy | None = None,
     ) -> None:
         """``first_token_log``: where each prompt's first-token trace is written as a JSON line
-        (None: traces go to the metrics only)."""
+        (None: traces go to the metrics only); ``admission``: refusals by predicted latency
+        (default: none)."""
         self.backend = backend
+        self.slo = slo or SloTargets()
+        self.admission = admission or AdmissionPolicy()
         self.model = model
         self.limits = limits
         self.keys = keys
@@ -105,7 +127,7 @@ class Gateway:
             backend.worker_statuses,
             backend.local_prefills,
             backend.worker_restarts,
-            slo or SloTargets(),
+            self.slo,
             {
                 "model_name": model.name,
                 "quantization": model.quantization or "none",
@@ -114,6 +136,7 @@ class Gateway:
             prefix_hit_stats=backend.prefix_hit_stats,
         )
         self.num_in_flight = 0
+        self._in_flight_by_key: Counter[str | None] = Counter()  # by the key's tenant salt
         self.draining = False  # shutting down: new requests are refused
         self._live: dict[str, LiveRequest] = {}
         self._idle = asyncio.Event()  # set while no request is in flight
@@ -150,19 +173,66 @@ class Gateway:
         self.metrics.requests.labels(status="invalid").inc()
 
     @contextlib.contextmanager
-    def admitted(self, request_id: str, caller: Caller) -> Iterator[LiveRequest]:
-        """Hold one of the gateway's in-flight slots while a request runs."""
+    def admitted(
+        self, request_id: str, caller: Caller, specs: Sequence[GenerationSpec] = ()
+    ) -> Iterator[LiveRequest]:
+        """Hold one of the gateway's in-flight slots while a request of prompts ``specs`` runs;
+        its prompts' predicted latencies go with it."""
         self.check_admission()
+        forecasts = self._admit_by_forecast(caller, specs)
+        key = caller.tenant_salt
         self.num_in_flight += 1
+        self._in_flight_by_key[key] += 1
         self._idle.clear()
-        live = self._live[request_id] = LiveRequest(caller.tenant_salt)
+        live = self._live[request_id] = LiveRequest(key, forecasts)
         try:
             yield live
         finally:
             self.num_in_flight -= 1
+            self._in_flight_by_key[key] -= 1
+            if not self._in_flight_by_key[key]:
+                del self._in_flight_by_key[key]
             del self._live[request_id]
             if not self.num_in_flight:
                 self._idle.set()
+
+    def _admit_by_forecast(
+        self, caller: Caller, specs: Sequence[GenerationSpec]
+    ) -> list[Forecast | None]:
+        """Each prompt's predicted latencies; ApiError(429) when ``--admission slo`` refuses the
+        request by them (counted by reason)."""
+        forecasts = [
+            self.backend.forecast(
+                spec.prompt_token_ids,
+                self._max_tokens(spec),
+                cache_salt=spec.cache_salt,
+                priority=spec.priority,
+            )
+            for spec in specs
+        ]
+        keys = KeyLoad(
+            self._in_flight_by_key[caller.tenant_salt],
+            self.num_in_flight,
+            len(self._in_flight_by_key) + (caller.tenant_salt not in self._in_flight_by_key),
+        )
+        max_tokens = max((self._max_tokens(spec) for spec in specs), default=1)
+        refusal = judge(
+            forecasts, max_tokens, self.slo.ttft_s, self.slo.tpot_s, self.admission, keys
+        )
+        if refusal is not None:
+            self.metrics.requests.labels(status="rejected").inc()
+            self.metrics.admission_refusals.labels(reason=refusal.reason).inc()
+            raise ApiError(
+                429,
+                refusal.message,
+                "rate_limit_error",
+                code="slo_fair_share" if refusal.reason == "fair_share" else "slo_predicted_miss",
+                retry_after_s=refusal.retry_after_s,
+            )
+        for forecast in forecasts:
+            if forecast is not None:
+                self.metrics.predicted(forecast)
+        return forecasts
 
     def check_admission(self) -> None:
         """ApiError(503) while the server shuts down or the cluster cannot serve, ApiError(429)
@@ -188,6 +258,12 @@ class Gateway:
                 f"the server is at its limit of {self.limits.max_concurrent_requests} "
                 "concurrent requests; retry later"
             )
+
+    def _max_tokens(self, spec: GenerationSpec) -> int:
+        """The most tokens a prompt may generate: its max_tokens, else the context left."""
+        if spec.params.max_tokens is not None:
+            return spec.params.max_tokens
+        return max(1, self.model.max_model_len - len(spec.prompt_token_ids))
 
     def start_draining(self) -> None:
         """Refuses every new request from now on; those in flight run on. /health says 503."""
@@ -220,10 +296,15 @@ class Gateway:
         return True
 
     def generation(
-        self, spec: GenerationSpec, request_id: str, arrived_at: float
+        self,
+        spec: GenerationSpec,
+        request_id: str,
+        arrived_at: float,
+        forecast: Forecast | None = None,
     ) -> TextGeneration:
         """One prompt of an admitted request that reached the front door at ``arrived_at``
-        (``time.monotonic()``, taken before its body was read and parsed)."""
+        (``time.monotonic()``, taken before its body was read and parsed), with its latencies
+        as predicted at admission."""
         self.metrics.prompts.inc()
         return TextGeneration(
             self.backend,
@@ -232,6 +313,7 @@ class Gateway:
             request_id,
             timing=self.metrics,
             arrived_at=arrived_at,
+            forecast=forecast,
         )
 
     def record_ended(self, generations: Sequence[TextGeneration], aborted: bool) -> None:

@@ -28,6 +28,7 @@ from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from router.gateway.errors import refused
 from router.gateway.prompt_logprobs import ScoredPrompt, scored_prompt
 from router.gateway.spec import GenerationSpec
+from router.latency_forecast import Forecast
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
@@ -93,6 +94,7 @@ class FinishedGeneration:
     time_per_output_token: float | None  # mean gap between sample 0's later tokens (0 for one)
     num_prompt_tokens: int
     num_completion_tokens: int  # over all samples
+    forecast: Forecast | None = None  # the latencies predicted at admission
 
 
 @dataclass(slots=True)
@@ -114,6 +116,8 @@ class TextGeneration:
     # the first token's trace as the cluster yielded it (the gateway completes and records
     # it); None until then, or when it came untraced
     first_token_trace: FirstTokenTrace | None = None
+    # its latencies as the router predicted them at admission (None: no prediction)
+    forecast: Forecast | None = None
     _samples: list[_Sample] = field(default_factory=list, init=False)
     # the cluster's stream and the task taking its first event, once ``start`` sent the prompt
     # ahead of ``deltas``; None before, and once ``deltas`` or ``close`` took them
@@ -218,6 +222,7 @@ class TextGeneration:
             tpot,
             self.num_prompt_tokens,
             self.num_completion_tokens,
+            self.forecast,
         )
 
     def _time(self, sample: _Sample, sample_index: int) -> None:

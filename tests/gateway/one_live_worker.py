@@ -1,9 +1,13 @@
 """What a scripted stand-in for the cluster answers besides ``generate``: one live decode
-worker, no local prefills, ready, room in the router's queue."""
+worker, no local prefills, ready, room in the router's queue, no latency forecast (its workers
+report no step timings)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from router.cluster import SlotRestarts, WorkerStatus
+from router.latency_forecast import Forecast
 
 
 class OneLiveWorker:
@@ -24,3 +28,13 @@ class OneLiveWorker:
 
     def queue_is_full(self) -> bool:
         return False
+
+    def forecast(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Forecast | None:
+        return None

@@ -1,0 +1,54 @@
+"""The timings of an engine's latest steps, kept for the worker's next load report.
+
+Each step that ran the model is recorded with what it computed (prompt tokens and the context
+they attend to, decode rows and the KV they read) and its wall time; the router's latency model
+(router/latency_model.py) is fitted from them. The engine thread records, the thread answering
+the load report takes: both through one bounded deque, safe without a lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.messages import StepTiming
+from engine.scheduler.outputs import SchedulerOutput
+
+# steps kept between two reports: the latest ones are kept when reports are far apart
+STEP_TIMINGS_KEPT = 256
+
+
+class StepTimingLog:
+    def __init__(self, capacity: int = STEP_TIMINGS_KEPT) -> None:
+        self._timings: deque[StepTiming] = deque(maxlen=capacity)
+
+    def record(self, timing: StepTiming) -> None:
+        self._timings.append(timing)
+
+    def take(self) -> tuple[StepTiming, ...]:
+        """The timings recorded since the last take, oldest first."""
+        taken = []
+        while self._timings:
+            try:
+                taken.append(self._timings.popleft())
+            except IndexError:  # (cannot happen with one taker; kept safe all the same)
+                break
+        return tuple(taken)
+
+
+def step_timing(output: SchedulerOutput, seconds: float) -> StepTiming:
+    """What ``output``'s step computed, taken before its tokens are applied, and ``seconds``.
+
+    A prompt chunk (an entry of several new tokens, or one at a prompt position) attends, for
+    its ``n`` new tokens from position ``s``, to ``n * s + n * (n + 1) / 2`` (query, key) pairs;
+    a decode row reads the KV of every position up to its own.
+    """
+    prefill_tokens = attention = decode_tokens = context = 0
+    for entry in output.scheduled:
+        start, new = entry.start_position, entry.num_new_tokens
+        if new > 1 or start < entry.seq.num_prompt_tokens:
+            prefill_tokens += new
+            attention += new * start + new * (new + 1) // 2
+        else:
+            decode_tokens += entry.num_query_tokens
+            context += entry.num_query_tokens * (start + 1)
+    return StepTiming(prefill_tokens, attention, decode_tokens, context, seconds)

@@ -1,0 +1,127 @@
+"""Admission by predicted latency (``--admission slo``): a request refused at the door, before
+any worker does anything for it, when the cluster as it stands would not serve it within its
+SLOs.
+
+For each of its prompts the router forecasts (router/latency_forecast.py) the TTFT and TPOT on
+its best placement. The request is refused (429, ``Retry-After``) when a prompt's predicted
+TTFT exceeds ``--slo-ttft-ms`` by more than the margin, or its TPOT ``--slo-tpot-ms`` by more
+than the margin. Retry-After is the predicted drain time: how long the queue ahead of the prompt
+takes to shrink to what the SLO leaves room for (for TPOT: one request's decode, the time it
+takes the running batch to change). Under ``--scheduling-policy priority`` the forecast counts
+only the prompts that come before this one on a worker, so a request of higher priority (lower
+number) is admitted, and served ahead of those already queued, when one of lower priority would
+be refused.
+
+Fair share between API keys: once the cluster is loaded (a prompt's predicted TTFT above
+``fair_share_after`` of its SLO), a key holding more than its fair share of the requests in
+flight (in flight over keys with requests in flight, this one counted) is refused first, so the
+remaining room goes to the other keys. Without API keys every caller is one key.
+
+Without a forecast (the workers have not run enough steps to fit the latency model yet) every
+request is admitted: the model has nothing to refuse by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from router.latency_forecast import Forecast
+
+AdmissionMode = Literal["none", "slo"]
+ADMISSION_MODES: tuple[AdmissionMode, ...] = ("none", "slo")
+# why a request was refused: the label of pdserve:admission_refusals_total
+REFUSAL_REASONS = ("ttft", "tpot", "fair_share")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    mode: AdmissionMode = "none"
+    # a prompt is refused when predicted to miss an SLO by more than this fraction of it
+    margin: float = 0.1
+    # a key over its fair share is refused once a prompt's predicted TTFT passes this fraction
+    # of the TTFT SLO
+    fair_share_after: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.mode not in ADMISSION_MODES:
+            raise ValueError(
+                f"--admission must be one of {', '.join(ADMISSION_MODES)}; got {self.mode!r}"
+            )
+        if not self.margin >= 0:
+            raise ValueError(f"--admission-margin must be >= 0, got {self.margin}")
+        if not 0 < self.fair_share_after <= 1 + self.margin:
+            raise ValueError(
+                f"--admission-fair-share-after must be in (0, 1 + margin], "
+                f"got {self.fair_share_after}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: str  # one of REFUSAL_REASONS
+    message: str
+    retry_after_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLoad:
+    """The requests in flight through the gateway: the caller's key's, all keys' together, and
+    how many keys have any (the caller's included)."""
+
+    own: int
+    total: int
+    num_keys: int
+
+
+def judge(
+    forecasts: Sequence[Forecast | None],
+    max_tokens: int,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+    policy: AdmissionPolicy,
+    keys: KeyLoad,
+) -> Refusal | None:
+    """The refusal of a request whose prompts have ``forecasts`` (each generating up to
+    ``max_tokens``), or None to admit it."""
+    known = [f for f in forecasts if f is not None]
+    if policy.mode != "slo" or not known:
+        return None
+    worst_ttft = max(known, key=lambda f: f.ttft_s)
+    if worst_ttft.ttft_s > ttft_slo_s * (1 + policy.margin):
+        # what has to drain first: the part of the queue the SLO has no room for
+        drain_s = worst_ttft.ttft_s - ttft_slo_s
+        return Refusal(
+            "ttft",
+            f"predicted time to first token {worst_ttft.ttft_s * 1000:.0f} ms exceeds the "
+            f"server's SLO of {ttft_slo_s * 1000:.0f} ms (--slo-ttft-ms) by more than its "
+            f"margin of {policy.margin:.0%}; retry later",
+            _whole_seconds(drain_s),
+        )
+    worst_tpot = max(known, key=lambda f: f.tpot_s)
+    if worst_tpot.tpot_s > tpot_slo_s * (1 + policy.margin):
+        return Refusal(
+            "tpot",
+            f"predicted time per output token {worst_tpot.tpot_s * 1000:.1f} ms exceeds the "
+            f"server's SLO of {tpot_slo_s * 1000:.1f} ms (--slo-tpot-ms) by more than its "
+            f"margin of {policy.margin:.0%}; retry later",
+            _whole_seconds(worst_tpot.tpot_s * max_tokens),
+        )
+    loaded = worst_ttft.ttft_s > ttft_slo_s * policy.fair_share_after
+    fair_share = (keys.total + 1) / max(1, keys.num_keys)
+    if loaded and keys.num_keys > 1 and keys.own + 1 > fair_share:
+        return Refusal(
+            "fair_share",
+            f"the server is loaded and this API key has {keys.own} of the {keys.total} "
+            f"requests in flight, more than its fair share of {fair_share:.1f} among "
+            f"{keys.num_keys} keys; retry later",
+            _whole_seconds(worst_ttft.queue_s),
+        )
+    return None
+
+
+def _whole_seconds(seconds: float) -> int:
+    """A Retry-After value: whole seconds, at least 1."""
+    return max(1, math.ceil(seconds))

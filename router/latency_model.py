@@ -1,0 +1,262 @@
+"""The latency model: how long a worker's engine steps and a KV hand-off take, fitted online.
+
+Workers report the timing of every engine step they ran (``engine.messages.StepTiming``: prompt
+tokens computed and the context they attend to, decode rows and the KV they read, seconds) and
+the prefill workers each hand-off they sent (bytes, seconds, transport) with their loads. From
+a window of each worker's latest steps the model fits
+
+    step seconds = overhead + a * prompt tokens + b * attention pairs
+                 + c * decode rows + d * decode context tokens
+
+by least squares with every coefficient kept >= 0 (a coefficient the data would make negative
+is dropped and the rest fitted again), each feature scaled to its own size first and a little
+ridge added, so that a window where two features move together (every prompt step full, say)
+still fits. A worker with too few steps of its own borrows its role's fit over every worker of
+that role. Hand-offs fit ``seconds = latency + bytes / bandwidth`` per transport the same way.
+
+Fits are redone lazily, when asked for after new timings came. Thread-safe: the load monitor
+feeds it, the front doors ask it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.messages import StepTiming, TransferTiming
+
+STEP_WINDOW = 512  # a worker's latest steps the fit is over
+TRANSFER_WINDOW = 256  # a transport's latest hand-offs
+MIN_STEPS = 8  # fewer of a worker's own: its role's fit stands in
+MIN_TRANSFERS = 2
+_RIDGE = 1e-6  # relative to the (scaled) features' own size
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step computes (a ``StepTiming`` without its seconds)."""
+
+    num_prefill_tokens: int = 0
+    prefill_attention_tokens: int = 0
+    num_decode_tokens: int = 0
+    decode_context_tokens: int = 0
+
+    def features(self) -> tuple[float, ...]:
+        return (
+            1.0,
+            float(self.num_prefill_tokens),
+            float(self.prefill_attention_tokens),
+            float(self.num_decode_tokens),
+            float(self.decode_context_tokens),
+        )
+
+
+def shape_of(timing: StepTiming) -> StepShape:
+    return StepShape(
+        timing.num_prefill_tokens,
+        timing.prefill_attention_tokens,
+        timing.num_decode_tokens,
+        timing.decode_context_tokens,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """A fitted step time: seconds per unit of each feature of ``StepShape``."""
+
+    overhead_s: float
+    per_prefill_token_s: float
+    per_attention_pair_s: float
+    per_decode_token_s: float
+    per_context_token_s: float
+    num_samples: int  # steps it was fitted on
+
+    def seconds(self, shape: StepShape) -> float:
+        return (
+            self.overhead_s
+            + self.per_prefill_token_s * shape.num_prefill_tokens
+            + self.per_attention_pair_s * shape.prefill_attention_tokens
+            + self.per_decode_token_s * shape.num_decode_tokens
+            + self.per_context_token_s * shape.decode_context_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TransferCost:
+    """A fitted hand-off time on one transport."""
+
+    latency_s: float
+    per_byte_s: float  # 1 / bandwidth
+    bytes_per_block: float  # what a block of the hand-offs moved (all layers, all ranks)
+    num_samples: int
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + self.per_byte_s * num_bytes
+
+    def seconds_for_blocks(self, num_blocks: int) -> float:
+        return self.seconds(num_blocks * self.bytes_per_block)
+
+
+def fit_nonnegative(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """Least-squares coefficients of ``rows`` (each a feature vector) for ``targets``, each kept
+    >= 0: columns are scaled to unit root-mean-square (a column of zeros gets 0), a ridge of
+    ``_RIDGE`` times the row count steadies collinear columns, and while a coefficient comes out
+    negative the most negative one is fixed at 0 and the rest fitted again."""
+    num_features = len(rows[0]) if rows else 0
+    scales = []
+    for j in range(num_features):
+        rms = math.sqrt(sum(row[j] * row[j] for row in rows) / len(rows))
+        scales.append(rms)
+    active = [j for j in range(num_features) if scales[j] > 0]
+    coefficients = [0.0] * num_features
+    while active:
+        solved = _ridge_solve(rows, targets, active, scales)
+        worst = min(range(len(active)), key=lambda i: solved[i])
+        if solved[worst] >= 0:
+            for i, j in enumerate(active):
+                coefficients[j] = solved[i] / scales[j]
+            break
+        del active[worst]
+    return coefficients
+
+
+def _ridge_solve(
+    rows: Sequence[Sequence[float]],
+    targets: Sequence[float],
+    columns: list[int],
+    scales: list[float],
+) -> list[float]:
+    """Coefficients (of the scaled ``columns``) minimising squared error plus the ridge."""
+    n = len(columns)
+    gram = [[0.0] * n for _ in range(n)]
+    moment = [0.0] * n
+    for row, target in zip(rows, targets, strict=True):
+        x = [row[j] / scales[j] for j in columns]
+        for a in range(n):
+            moment[a] += x[a] * target
+            for b in range(a, n):
+                gram[a][b] += x[a] * x[b]
+    ridge = _RIDGE * len(rows)
+    for a in range(n):
+        gram[a][a] += ridge
+        for b in range(a):
+            gram[a][b] = gram[b][a]
+    return _solve(gram, moment)
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
+    """``matrix`` x = ``vector`` by Gaussian elimination with partial pivoting (the matrix is
+    symmetric positive definite here, a few columns wide)."""
+    n = len(vector)
+    m = [row[:] + [vector[i]] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0:
+            continue
+        for r in range(col + 1, n):
+            factor = m[r][col] / m[col][col]
+            if factor:
+                for c in range(col, n + 1):
+                    m[r][c] -= factor * m[col][c]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        if m[r][r] == 0:
+            continue
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+class _StepWindow:
+    def __init__(self) -> None:
+        self.timings: deque[StepTiming] = deque(maxlen=STEP_WINDOW)
+        self.fitted: StepCost | None = None
+        self.stale = False
+
+    def cost(self) -> StepCost | None:
+        if self.stale:
+            self.stale = False
+            self.fitted = _fit_steps(self.timings) if len(self.timings) >= MIN_STEPS else None
+        return self.fitted
+
+
+class LatencyModel:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._workers: dict[str, _StepWindow] = {}
+        self._roles: dict[str, _StepWindow] = defaultdict(_StepWindow)
+        self._role_of: dict[str, str] = {}
+        self._transfers: dict[str, deque[TransferTiming]] = {}
+        self._transfer_fits: dict[str, TransferCost | None] = {}
+
+    def observe(
+        self,
+        worker_id: str,
+        role: str,
+        steps: Iterable[StepTiming],
+        transfers: Iterable[TransferTiming] = (),
+    ) -> None:
+        """Take a report's timings from ``worker_id`` of ``role``."""
+        steps, transfers = list(steps), list(transfers)
+        if not steps and not transfers:
+            return
+        with self._lock:
+            if steps:
+                self._role_of[worker_id] = role
+                own = self._workers.setdefault(worker_id, _StepWindow())
+                pooled = self._roles[role]
+                own.timings.extend(steps)
+                pooled.timings.extend(steps)
+                own.stale = pooled.stale = True
+            for timing in transfers:
+                window = self._transfers.setdefault(timing.transport, deque(maxlen=TRANSFER_WINDOW))
+                window.append(timing)
+                self._transfer_fits.pop(timing.transport, None)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker left: its own fit goes (its steps stay in its role's window)."""
+        with self._lock:
+            self._workers.pop(worker_id, None)
+            self._role_of.pop(worker_id, None)
+
+    def step_cost(self, worker_id: str, role: str) -> StepCost | None:
+        """The worker's fitted step time, its role's where it has too few steps of its own;
+        None before any worker of the role ran enough steps."""
+        with self._lock:
+            own = self._workers.get(worker_id)
+            cost = None if own is None else own.cost()
+            if cost is not None:
+                return cost
+            return self._roles[role].cost() if role in self._roles else None
+
+    def transfer_cost(self, transport: str | None = None) -> TransferCost | None:
+        """The fitted hand-off time on ``transport`` (None: over the transport seen most)."""
+        with self._lock:
+            if transport is None:
+                if not self._transfers:
+                    return None
+                transport = max(self._transfers, key=lambda t: len(self._transfers[t]))
+            window = self._transfers.get(transport)
+            if window is None or len(window) < MIN_TRANSFERS:
+                return None
+            if transport not in self._transfer_fits:
+                self._transfer_fits[transport] = _fit_transfers(window)
+            return self._transfer_fits[transport]
+
+
+def _fit_steps(timings: Iterable[StepTiming]) -> StepCost:
+    timings = list(timings)
+    rows = [shape_of(t).features() for t in timings]
+    c = fit_nonnegative(rows, [t.seconds for t in timings])
+    return StepCost(c[0], c[1], c[2], c[3], c[4], len(timings))
+
+
+def _fit_transfers(timings: Iterable[TransferTiming]) -> TransferCost:
+    timings = list(timings)
+    c = fit_nonnegative([(1.0, float(t.num_bytes)) for t in timings], [t.seconds for t in timings])
+    num_blocks = sum(t.num_blocks for t in timings)
+    bytes_per_block = sum(t.num_bytes for t in timings) / num_blocks if num_blocks else 0.0
+    return TransferCost(c[0], c[1], bytes_per_block, len(timings))
