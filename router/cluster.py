@@ -276,6 +276,12 @@ class Cluster:
             self.placements.queued_prompts(),
         )
 
+    def observe_latencies(self, forecast: Forecast, ttft_s: float, tpot_s: float | None) -> None:
+        """A finished prompt's latencies as its client saw them (TPOT None: one token), against
+        its ``forecast``: the latency model learns what the workers' steps do not show."""
+        tpot_residual = None if tpot_s is None else tpot_s - forecast.steps_tpot_s
+        self.pool.latency_model.observe_request(ttft_s - forecast.steps_ttft_s, tpot_residual)
+
     # ---- statuses -----------------------------------------------------------------------
     def worker_statuses(self) -> list[WorkerStatus]:
         """The workers in the pools: in rotation or not, leaving out those whose slot has a

@@ -21,8 +21,10 @@ transport fitted most, and reported beside them; it delays the second token only
 
 TPOT is a decode step of the decode worker's running batch with this request in it; on a
 colocated worker, plus its share of the prompt chunks queued there, spread over the request's
-tokens. A prediction needs the fits of the roles it uses: None until the workers have reported
-enough steps (``pdserve serve --latency-profile`` runs a few at start-up).
+tokens. Both then get the model's path corrections: what finished requests' clients saw beyond
+their steps (the gateway's and router's hops, the stream). A prediction needs the fits of the
+roles it uses: None until the workers have reported enough steps (``pdserve serve
+--latency-profile`` runs a few at start-up).
 """
 
 from __future__ import annotations
@@ -50,12 +52,24 @@ class PromptToPlace:
 class Forecast:
     """A prompt's predicted latencies on its best placement."""
 
-    ttft_s: float  # queue + prefill on the prefill worker of least TTFT
+    ttft_s: float  # queue + prefill on the prefill worker of least TTFT, + the path's
     queue_s: float  # of which the wait for the prompts ahead of it
     prefill_worker_id: str
-    tpot_s: float  # decode step on the decode worker of least TPOT
+    tpot_s: float  # decode step on the decode worker of least TPOT, + the path's
     decode_worker_id: str
     handoff_s: float  # the prompt's KV moving to it (0 colocated, or before any hand-off)
+    # of ttft_s and tpot_s: the path corrections (what the steps do not see)
+    ttft_path_s: float = 0.0
+    tpot_path_s: float = 0.0
+
+    @property
+    def steps_ttft_s(self) -> float:
+        """TTFT as the workers' steps alone predict it."""
+        return self.ttft_s - self.ttft_path_s
+
+    @property
+    def steps_tpot_s(self) -> float:
+        return self.tpot_s - self.tpot_path_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +135,19 @@ class LatencyForecaster:
         transfer = None if self.colocated else self.model.transfer_cost()
         if transfer is not None:
             handoff_s = transfer.seconds_for_blocks(-(-prompt.num_prompt_tokens // self.block_size))
+        # (a correction never takes away more than half the steps' own time)
+        ttft_path, tpot_path = self.model.path_corrections()
+        ttft_path = max(ttft_path, -best_ttft[0] / 2)
+        tpot_path = max(tpot_path, -best_tpot[0] / 2)
         return Forecast(
-            ttft_s=best_ttft[0],
+            ttft_s=best_ttft[0] + ttft_path,
             queue_s=best_ttft[1],
             prefill_worker_id=best_ttft[2],
-            tpot_s=best_tpot[0],
+            tpot_s=best_tpot[0] + tpot_path,
             decode_worker_id=best_tpot[1],
             handoff_s=handoff_s,
+            ttft_path_s=ttft_path,
+            tpot_path_s=tpot_path,
         )
 
     def _share_ahead(self, priority: int, queued: Sequence[tuple[int, int]]) -> float:

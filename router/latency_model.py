@@ -14,8 +14,13 @@ ridge added, so that a window where two features move together (every prompt ste
 still fits. A worker with too few steps of its own borrows its role's fit over every worker of
 that role. Hand-offs fit ``seconds = latency + bytes / bandwidth`` per transport the same way.
 
+What the workers' steps cannot see (the gateway's parsing, the router's hops, the output stream
+to the client) is learned from finished requests: the median, over the latest ones, of what
+their clients observed minus what the steps predicted, for TTFT and TPOT apart; the forecast
+adds it (``path_corrections``).
+
 Fits are redone lazily, when asked for after new timings came. Thread-safe: the load monitor
-feeds it, the front doors ask it.
+and the front doors feed it, the front doors ask it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ STEP_WINDOW = 512  # a worker's latest steps the fit is over
 TRANSFER_WINDOW = 256  # a transport's latest hand-offs
 MIN_STEPS = 8  # fewer of a worker's own: its role's fit stands in
 MIN_TRANSFERS = 2
+PATH_WINDOW = 64  # finished requests whose residuals the path corrections are the median of
 _RIDGE = 1e-6  # relative to the (scaled) features' own size
 
 
@@ -191,6 +197,9 @@ class LatencyModel:
         self._role_of: dict[str, str] = {}
         self._transfers: dict[str, deque[TransferTiming]] = {}
         self._transfer_fits: dict[str, TransferCost | None] = {}
+        # observed minus predicted, of finished requests: TTFT's, TPOT's
+        self._ttft_residuals: deque[float] = deque(maxlen=PATH_WINDOW)
+        self._tpot_residuals: deque[float] = deque(maxlen=PATH_WINDOW)
 
     def observe(
         self,
@@ -215,6 +224,20 @@ class LatencyModel:
                 window = self._transfers.setdefault(timing.transport, deque(maxlen=TRANSFER_WINDOW))
                 window.append(timing)
                 self._transfer_fits.pop(timing.transport, None)
+
+    def observe_request(self, ttft_residual_s: float, tpot_residual_s: float | None) -> None:
+        """A finished request's observed latencies minus those its workers' steps predicted
+        (its TPOT's None: it had one token)."""
+        with self._lock:
+            self._ttft_residuals.append(ttft_residual_s)
+            if tpot_residual_s is not None:
+                self._tpot_residuals.append(tpot_residual_s)
+
+    def path_corrections(self) -> tuple[float, float]:
+        """What to add to the steps' TTFT and TPOT for what they cannot see (0 before any
+        request finished)."""
+        with self._lock:
+            return _median(self._ttft_residuals), _median(self._tpot_residuals)
 
     def forget(self, worker_id: str) -> None:
         """A worker left: its own fit goes (its steps stay in its role's window)."""
@@ -260,3 +283,13 @@ def _fit_transfers(timings: Iterable[TransferTiming]) -> TransferCost:
     num_blocks = sum(t.num_blocks for t in timings)
     bytes_per_block = sum(t.num_bytes for t in timings) / num_blocks if num_blocks else 0.0
     return TransferCost(c[0], c[1], bytes_per_block, len(timings))
+
+
+def _median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2

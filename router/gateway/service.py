@@ -81,6 +81,10 @@ class ClusterBackend(GenerationBackend, Protocol):
         priority: int = 0,
     ) -> Forecast | None: ...
 
+    def observe_latencies(
+        self, forecast: Forecast, ttft_s: float, tpot_s: float | None
+    ) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class FrontDoorStamps:
@@ -322,7 +326,12 @@ class Gateway:
         if aborted:
             self.record_outcome("aborted")
             return
-        self.metrics.finished([generation.finished() for generation in generations])
+        finished = [generation.finished() for generation in generations]
+        self.metrics.finished(finished)
+        for prompt in finished:  # what the forecast missed, for its path corrections
+            ttft, tpot = prompt.time_to_first_token, prompt.time_per_output_token
+            if prompt.forecast is not None and ttft is not None:
+                self.backend.observe_latencies(prompt.forecast, ttft, tpot or None)
         self.record_outcome("ok")
 
     def record_first_token(

@@ -38,3 +38,6 @@ class OneLiveWorker:
         priority: int = 0,
     ) -> Forecast | None:
         return None
+
+    def observe_latencies(self, forecast: Forecast, ttft_s: float, tpot_s: float | None) -> None:
+        pass

@@ -1,0 +1,362 @@
+"""``--admission slo``: requests refused at the door by their predicted latency.
+
+The burst tests run the gateway's admission over a simulated prefill worker on a fake clock:
+prompts queue there in steps of its token budget, each step taking the time the worker's cost
+says, and the router's real latency model (fitted from that worker's steps) and forecast decide.
+Every prompt's TTFT is then known exactly, so "the accepted ones meet the SLO" is asserted, not
+hoped for. The front-door tests check what a refused client sees on both wires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+import pytest
+
+from engine.messages import StepTiming, WorkerLoad
+from engine.sampling import SamplingParams
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.gateway.auth import ApiKeys, Caller
+from router.gateway.errors import ApiError
+from router.gateway.limits import RequestLimits
+from router.gateway.metrics import SloTargets
+from router.gateway.served_model import ServedModel
+from router.gateway.server import GatewayServer
+from router.gateway.service import Gateway
+from router.gateway.slo_admission import AdmissionPolicy, KeyLoad, judge
+from router.gateway.spec import GenerationSpec
+from router.latency_forecast import Forecast, LatencyForecaster, PromptToPlace, StepBudgets
+from router.latency_model import LatencyModel
+from tests.gateway.token_script import (
+    ScriptedCluster,
+    demo_model,  # noqa: F401 (the "model" fixture)
+    script_answer,
+)
+
+BUDGET = 256  # the simulated prefill worker's tokens per step
+OVERHEAD_S, PER_TOKEN_S = 0.010, 100e-6  # its step: 10 ms + 100 us a prompt token
+DECODE_STEP_S = 0.004
+SLO = SloTargets(ttft_s=0.5, tpot_s=0.05)
+
+
+def _forecast(ttft_s: float, tpot_s: float = 0.01, queue_s: float = 0.0) -> Forecast:
+    return Forecast(ttft_s, queue_s, "p0", tpot_s, "d0", 0.0)
+
+
+# ---- the rule ---------------------------------------------------------------------------------
+def test_the_rule_refuses_a_predicted_miss_beyond_the_margin_with_the_drain_time() -> None:
+    policy = AdmissionPolicy("slo", margin=0.1)
+    alone = KeyLoad(0, 0, 1)
+    assert judge([_forecast(0.54)], 16, 0.5, 0.05, policy, alone) is None  # within 10 %
+    refusal = judge([_forecast(0.3), _forecast(2.6)], 16, 0.5, 0.05, policy, alone)
+    assert refusal is not None and refusal.reason == "ttft"
+    assert refusal.retry_after_s == 3  # 2.1 s of queue to drain first, rounded up
+    assert "--slo-ttft-ms" in refusal.message and "2600 ms" in refusal.message
+    slow_decode = judge([_forecast(0.1, tpot_s=0.2)], 16, 0.5, 0.05, policy, alone)
+    assert slow_decode is not None and slow_decode.reason == "tpot"
+    assert slow_decode.retry_after_s == math.ceil(0.2 * 16)  # one request's decode
+    assert "--slo-tpot-ms" in slow_decode.message
+
+
+def test_the_rule_admits_without_a_forecast_or_without_slo_admission() -> None:
+    alone = KeyLoad(0, 0, 1)
+    assert judge([None], 16, 0.5, 0.05, AdmissionPolicy("slo"), alone) is None
+    assert judge([_forecast(9.0)], 16, 0.5, 0.05, AdmissionPolicy("none"), alone) is None
+
+
+def test_a_key_over_its_fair_share_is_refused_once_the_server_is_loaded() -> None:
+    policy = AdmissionPolicy("slo", fair_share_after=0.5)
+    loaded = _forecast(0.3, queue_s=0.25)  # 60 % of the TTFT SLO
+    flooding = KeyLoad(own=10, total=11, num_keys=2)
+    other = KeyLoad(own=1, total=11, num_keys=2)
+    refusal = judge([loaded], 16, 0.5, 0.05, policy, flooding)
+    assert refusal is not None and refusal.reason == "fair_share"
+    assert "10 of the 11" in refusal.message
+    assert judge([loaded], 16, 0.5, 0.05, policy, other) is None
+    assert judge([_forecast(0.1)], 16, 0.5, 0.05, policy, flooding) is None  # not loaded
+    assert judge([loaded], 16, 0.5, 0.05, policy, KeyLoad(10, 10, 1)) is None  # one key
+
+
+def test_bad_admission_settings_name_their_flag() -> None:
+    with pytest.raises(ValueError, match="--admission must be one of none, slo"):
+        AdmissionPolicy("fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--admission-margin must be >= 0"):
+        AdmissionPolicy("slo", margin=-0.1)
+    with pytest.raises(ValueError, match="--admission-fair-share-after"):
+        AdmissionPolicy("slo", fair_share_after=0)
+
+
+# ---- a burst on a fake clock ------------------------------------------------------------------
+@dataclass
+class _Queued:
+    request_id: str
+    priority: int
+    num_tokens: int
+    remaining: int
+    arrived_at: float
+
+
+@dataclass
+class SimulatedCluster(ScriptedCluster):
+    """One prefill worker simulated on a fake clock (its queue served by priority, then
+    arrival, in steps of ``BUDGET`` tokens) and one idle decode worker; the forecast is the
+    router's, over a latency model fitted from the worker's own steps."""
+
+    by_priority: bool = False
+    now: float = 0.0
+    queue: list[_Queued] = field(default_factory=list)
+    ttft: dict[str, float] = field(default_factory=dict)  # request id -> its first token's
+    model: LatencyModel = field(default_factory=LatencyModel)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        sizes = (16, 64, 128, 256)
+        steps = [StepTiming(n, 0, 0, 0, OVERHEAD_S + PER_TOKEN_S * n) for n in sizes] * 4
+        self.model.observe("p0", "prefill", steps)
+        self.model.observe("d0", "decode", [StepTiming(0, 0, 1, 0, DECODE_STEP_S)] * 8)
+        self.forecaster = LatencyForecaster(
+            self.model,
+            StepBudgets(BUDGET, BUDGET),
+            16,
+            colocated=False,
+            by_priority=self.by_priority,
+        )
+
+    def forecast(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Forecast | None:
+        queued = sum(q.remaining for q in self.queue)
+        prefill = WorkerLoad("p0", len(self.queue), 0, queued, 0.0)
+        decode = WorkerLoad("d0", 0, 0, 0, 0.0)
+        waiting = {"p0": [(q.priority, q.remaining) for q in self.queue]}
+        prompt = PromptToPlace(len(prompt_token_ids), max_tokens, priority)
+        return self.forecaster.forecast(prompt, [prefill], [decode], waiting)
+
+    def enqueue(self, request_id: str, num_tokens: int, priority: int = 0) -> None:
+        self.queue.append(_Queued(request_id, priority, num_tokens, num_tokens, self.now))
+
+    def run_until(self, until: float) -> None:
+        """Step the worker until the clock reaches ``until`` (a step is never cut short)."""
+        while self.queue:
+            order = sorted(self.queue, key=lambda q: q.priority) if self.by_priority else self.queue
+            room, chunk = BUDGET, []
+            for queued in order:
+                take = min(room, queued.remaining)
+                chunk.append((queued, take))
+                room -= take
+                if not room:
+                    break
+            tokens = BUDGET - room
+            step_s = OVERHEAD_S + PER_TOKEN_S * tokens
+            if self.now + step_s > until:
+                break
+            self.now += step_s
+            for queued, take in chunk:
+                queued.remaining -= take
+                if not queued.remaining:
+                    self.queue.remove(queued)
+                    self.ttft[queued.request_id] = self.now - queued.arrived_at
+        self.now = max(self.now, until)
+
+
+def _spec(num_tokens: int, priority: int = 0) -> GenerationSpec:
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    return GenerationSpec(list(range(3, 3 + num_tokens)), params, (), None, priority=priority)
+
+
+def _gateway(cluster: SimulatedCluster, model: ServedModel, policy: AdmissionPolicy) -> Gateway:
+    limits = RequestLimits(
+        max_model_len=model.max_model_len,
+        scheduling_policy="priority" if cluster.by_priority else "fcfs",
+    )
+    return Gateway(cluster, model, limits, ApiKeys([]), SLO, admission=policy)
+
+
+def _admit(
+    gateway: Gateway,
+    cluster: SimulatedCluster,
+    request_id: str,
+    spec: GenerationSpec,
+    caller: Caller,
+) -> ApiError | None:
+    """Admit one prompt at the fake clock's now (queued on the simulated worker); the refusal,
+    if it was refused."""
+    try:
+        with gateway.admitted(request_id, caller, [spec]):
+            cluster.enqueue(request_id, len(spec.prompt_token_ids), spec.priority)
+    except ApiError as error:
+        return error
+    return None
+
+
+def test_a_burst_beyond_capacity_is_refused_with_retry_after_and_the_accepted_meet_the_slo(
+    model: ServedModel,
+) -> None:
+    """60 prompts of 300 tokens arrive together: at 10 ms a step of 256 tokens plus 100 us a
+    token, the worker computes about 3600 tokens in the 0.5 s TTFT SLO, so about 12 fit. Those admitted all make it; the rest are refused with a
+    Retry-After after which a retry is admitted."""
+    cluster = SimulatedCluster()
+    gateway = _gateway(cluster, model, AdmissionPolicy("slo", margin=0.0))
+    refusals = {}
+    for i in range(60):
+        error = _admit(gateway, cluster, f"r{i}", _spec(300), Caller(None))
+        if error is not None:
+            refusals[f"r{i}"] = error
+    admitted = 60 - len(refusals)
+    assert 9 <= admitted <= 12
+    assert {e.status for e in refusals.values()} == {429}
+    assert {e.code for e in refusals.values()} == {"slo_predicted_miss"}
+    retry_after = refusals["r59"].retry_after_s
+    assert retry_after is not None and retry_after >= 1
+    cluster.run_until(10.0)
+    assert len(cluster.ttft) == admitted
+    assert max(cluster.ttft.values()) <= SLO.ttft_s  # every accepted prompt met its SLO
+    # after its Retry-After, a refused prompt gets in (the queue has drained meanwhile)
+    cluster.now = 0.0
+    cluster.queue.clear()
+    for i in range(admitted):
+        cluster.enqueue(f"again{i}", 300)
+    assert _admit(gateway, cluster, "late", _spec(300), Caller(None)) is not None
+    cluster.run_until(float(retry_after))
+    assert _admit(gateway, cluster, "late", _spec(300), Caller(None)) is None
+    counted = gateway.metrics.admission_refusals.labels(reason="ttft")._value.get()
+    assert counted == len(refusals) + 1
+
+
+def test_a_higher_priority_prompt_is_admitted_ahead_of_the_lower_ones_queued(
+    model: ServedModel,
+) -> None:
+    """Under priority scheduling the queue is full for priority 5 (lower): its next prompt is
+    refused, while one of priority 0 gets in, is served first and meets its SLO."""
+    cluster = SimulatedCluster(by_priority=True)
+    gateway = _gateway(cluster, model, AdmissionPolicy("slo", margin=0.0))
+    i = 0
+    while _admit(gateway, cluster, f"low{i}", _spec(300, priority=5), Caller(None)) is None:
+        i += 1
+    assert i >= 5
+    assert _admit(gateway, cluster, "urgent", _spec(300, priority=0), Caller(None)) is None
+    assert _admit(gateway, cluster, "low-more", _spec(300, priority=5), Caller(None)) is not None
+    cluster.run_until(10.0)
+    assert cluster.ttft["urgent"] <= SLO.ttft_s
+    assert cluster.ttft["urgent"] < min(cluster.ttft[f"low{j}"] for j in range(i))
+    assert max(cluster.ttft.values()) > SLO.ttft_s  # the lower ones it went ahead of wait
+
+
+def test_a_key_flooding_a_loaded_server_is_refused_before_the_others(model: ServedModel) -> None:
+    """Key B has a prompt in flight; key A sends prompt after prompt. Once the server is loaded
+    (predicted TTFT past half the SLO) A, holding more than its share, is refused, while the
+    room left under the SLO still takes B's next."""
+    cluster = SimulatedCluster()
+    gateway = _gateway(cluster, model, AdmissionPolicy("slo", margin=0.0, fair_share_after=0.5))
+    alice, bob = Caller("salt-a"), Caller("salt-b")
+    with contextlib.ExitStack() as in_flight:
+        in_flight.enter_context(gateway.admitted("b0", bob, [_spec(300)]))
+        cluster.enqueue("b0", 300)
+        refused = None
+        for i in range(20):
+            try:
+                in_flight.enter_context(gateway.admitted(f"a{i}", alice, [_spec(300)]))
+            except ApiError as error:
+                refused = error
+                break
+            cluster.enqueue(f"a{i}", 300)
+        assert refused is not None and refused.code == "slo_fair_share"
+        assert refused.retry_after_s is not None and refused.retry_after_s >= 1
+        assert 3 <= i <= 8  # refused once loaded, well before the SLO itself binds
+        in_flight.enter_context(gateway.admitted("b1", bob, [_spec(300)]))
+        cluster.enqueue("b1", 300)
+        counted = gateway.metrics.admission_refusals.labels(reason="fair_share")._value.get()
+        assert counted == 1
+    cluster.run_until(10.0)
+    assert cluster.ttft["b1"] <= SLO.ttft_s
+
+
+# ---- the front doors ------------------------------------------------------------------------
+class ForecastCluster(ScriptedCluster):
+    """A scripted cluster whose forecast is set by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.predicted: Forecast | None = None
+
+    def forecast(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Forecast | None:
+        return self.predicted
+
+
+@dataclass
+class Doors:
+    cluster: ForecastCluster
+    http: httpx.Client
+    grpc: pb_grpc.GenerationStub
+
+
+@pytest.fixture
+def doors(model: ServedModel) -> Iterator[Doors]:
+    cluster = ForecastCluster()
+    script_answer(cluster, model, "Hi there")
+    limits = RequestLimits(max_model_len=model.max_model_len)
+    gateway = Gateway(cluster, model, limits, ApiKeys([]), SLO, admission=AdmissionPolicy("slo"))
+    server = GatewayServer(gateway, "127.0.0.1", 0, 0)
+    server.start()
+    try:
+        with (
+            httpx.Client(base_url=server.http_url, timeout=30) as http,
+            grpc.insecure_channel(server.grpc_target) as channel,
+        ):
+            yield Doors(cluster, http, pb_grpc.GenerationStub(channel))
+    finally:
+        server.stop()
+
+
+COMPLETION = {"prompt": "Hello", "max_tokens": 4}
+
+
+def test_a_refused_request_is_a_429_with_retry_after_and_the_server_serves_on(
+    doors: Doors,
+) -> None:
+    doors.cluster.predicted = _forecast(3.2)
+    response = doors.http.post("/v1/completions", json=COMPLETION)
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "3"  # 2.7 s over the 0.5 s SLO, rounded up
+    error = response.json()["error"]
+    assert error["code"] == "slo_predicted_miss" and error["type"] == "rate_limit_error"
+    assert "--slo-ttft-ms" in error["message"]
+    assert doors.cluster.prompts == []  # refused before any work
+    stream = doors.http.post("/v1/completions", json={**COMPLETION, "stream": True})
+    assert stream.status_code == 429  # a stream is refused before it starts, as a status
+    doors.cluster.predicted = _forecast(0.2, tpot_s=0.01)
+    served = doors.http.post("/v1/completions", json=COMPLETION)
+    assert served.status_code == 200
+    metrics = doors.http.get("/metrics").text
+    assert 'pdserve:admission_refusals_total{reason="ttft"} 2.0' in metrics
+    assert "pdserve:predicted_time_to_first_token_seconds_count 1.0" in metrics
+    assert 'pdserve:latency_prediction_ratio_count{slo="ttft"} 1.0' in metrics
+
+
+def test_grpc_refuses_with_resource_exhausted_and_retry_after(doors: Doors) -> None:
+    doors.cluster.predicted = _forecast(0.1, tpot_s=0.5)  # decode too slow
+    request = pb.GenerateRequest(text="Hello", max_tokens=4)
+    with pytest.raises(grpc.RpcError) as raised:
+        list(doors.grpc.Generate(request, timeout=30))
+    error = raised.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--slo-tpot-ms" in error.details()
+    assert dict(error.trailing_metadata())["retry-after"] == "2"  # 0.5 s a token, 4 tokens

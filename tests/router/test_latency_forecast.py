@@ -1,0 +1,130 @@
+"""A prompt's predicted TTFT and TPOT from the workers' loads and their fitted step times."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.messages import StepTiming, TransferTiming, WorkerLoad
+from router.latency_forecast import LatencyForecaster, PromptToPlace, StepBudgets
+from router.latency_model import LatencyModel
+
+
+def _approx(expected: float) -> object:
+    """Up to the fit's ridge (a relative 1e-6)."""
+    return pytest.approx(expected, rel=1e-4)
+
+
+# steps cost 2 ms + 100 us a prompt token (no attention cost) + 1 ms a decode row
+OVERHEAD, PER_TOKEN, PER_ROW = 2e-3, 100e-6, 1e-3
+
+
+def _model() -> LatencyModel:
+    model = LatencyModel()
+    prompts = [StepTiming(n, 0, 0, 0, OVERHEAD + PER_TOKEN * n) for n in (16, 64, 128, 256)] * 4
+    decodes = [StepTiming(0, 0, r, 0, OVERHEAD + PER_ROW * r) for r in (1, 2, 4, 8)] * 4
+    model.observe("p0", "prefill", prompts)
+    model.observe("d0", "decode", decodes)
+    model.observe(
+        "p0",
+        "prefill",
+        [],
+        [TransferTiming(b, b * 1000, 1e-3 + b * 1e-5, "shm") for b in (1, 8, 32)],
+    )
+    return model
+
+
+def _load(worker_id: str, queued: int = 0, waiting: int = 0, running: int = 0) -> WorkerLoad:
+    return WorkerLoad(worker_id, waiting, running, queued, 0.0)
+
+
+def _forecaster(
+    model: LatencyModel, *, colocated: bool = False, by_priority: bool = False
+) -> LatencyForecaster:
+    return LatencyForecaster(
+        model,
+        StepBudgets(prefill=256, decode=256),
+        16,
+        colocated=colocated,
+        by_priority=by_priority,
+    )
+
+
+def test_an_idle_cluster_predicts_the_prompts_own_steps_and_a_batch_of_one() -> None:
+    forecaster = _forecaster(_model())
+    forecast = forecaster.forecast(PromptToPlace(100, 10), [_load("p0")], [_load("d0")], {})
+    assert forecast is not None
+    assert forecast.queue_s == 0
+    assert forecast.ttft_s == _approx(OVERHEAD + PER_TOKEN * 100)
+    assert forecast.tpot_s == _approx(OVERHEAD + PER_ROW * 1)
+    assert forecast.handoff_s == _approx(1e-3 + 7 * 1e-5)  # 7 blocks of 16 tokens
+
+
+def test_queued_prompt_tokens_wait_in_steps_of_the_budget() -> None:
+    """600 tokens queued ahead, 100 of its own, at 256 a step: 3 steps."""
+    forecaster = _forecaster(_model())
+    forecast = forecaster.forecast(
+        PromptToPlace(100, 10), [_load("p0", queued=600, waiting=3)], [_load("d0")], {}
+    )
+    assert forecast is not None
+    assert forecast.queue_s == _approx(3 * OVERHEAD + PER_TOKEN * 600)
+    assert forecast.ttft_s == _approx(3 * OVERHEAD + PER_TOKEN * 700)
+
+
+def test_the_best_placement_is_the_least_queued_and_a_cached_prefix_is_not_recomputed() -> None:
+    forecaster = _forecaster(_model())
+    prefill = [_load("p0", queued=2000, waiting=8), _load("p1", queued=50, waiting=1)]
+    decode = [_load("d0", running=8), _load("d1", running=1)]
+    forecast = forecaster.forecast(PromptToPlace(200, 10), prefill, decode, {})
+    assert forecast is not None
+    assert (forecast.prefill_worker_id, forecast.decode_worker_id) == ("p1", "d1")
+    assert forecast.tpot_s == _approx(OVERHEAD + 2 * PER_ROW)
+    cached = forecaster.forecast(
+        PromptToPlace(200, 10, cached_tokens={"p1": 160}), prefill, decode, {}
+    )
+    assert cached is not None
+    assert cached.ttft_s == _approx(OVERHEAD + PER_TOKEN * (50 + 40))
+
+
+def test_under_priority_scheduling_only_the_prompts_served_first_are_ahead() -> None:
+    """1000 tokens queued: 800 of priority 5, 200 of priority 0. A priority-0 request waits for
+    the 200 only; a priority-5 one for all of them; in arrival order, everyone for all."""
+    model = _model()
+    queued = {"p0": [(5, 400), (5, 400), (0, 200)]}
+    loads = [_load("p0", queued=1000, waiting=3)]
+    by_priority = _forecaster(model, by_priority=True)
+    urgent = by_priority.forecast(PromptToPlace(10, 4, priority=0), loads, [_load("d0")], queued)
+    patient = by_priority.forecast(PromptToPlace(10, 4, priority=5), loads, [_load("d0")], queued)
+    in_order = _forecaster(model).forecast(PromptToPlace(10, 4), loads, [_load("d0")], queued)
+    assert urgent is not None and patient is not None and in_order is not None
+    assert urgent.queue_s == _approx(OVERHEAD + PER_TOKEN * 200)
+    assert patient.queue_s == _approx(in_order.queue_s)
+    assert patient.queue_s == _approx(4 * OVERHEAD + PER_TOKEN * 1000)
+
+
+def test_a_colocated_worker_steps_its_running_batch_with_every_prompt_chunk() -> None:
+    """56 sequences decode in every step: 200 tokens of room a step, each step a decode of 56
+    rows too."""
+    model = LatencyModel()
+    mixed = [
+        StepTiming(p, 0, r, 0, OVERHEAD + PER_TOKEN * p + PER_ROW * r)
+        for p in (0, 32, 128)
+        for r in (1, 8, 32)
+    ] * 2
+    model.observe("d0", "decode", mixed)
+    forecaster = _forecaster(model, colocated=True)
+    load = _load("d0", queued=300, waiting=2, running=56)
+    forecast = forecaster.forecast(PromptToPlace(100, 50), [], [load], {})
+    assert forecast is not None
+    step = OVERHEAD + PER_ROW * 56
+    assert forecast.ttft_s == _approx(2 * step + PER_TOKEN * 400)
+    assert forecast.handoff_s == 0
+    # its decode: 57 rows, plus the queued prompts' chunks spread over its 50 tokens
+    assert forecast.tpot_s == _approx(OVERHEAD + PER_ROW * 57 + PER_TOKEN * 300 / 50)
+
+
+def test_no_forecast_before_a_role_has_a_fit() -> None:
+    model = LatencyModel()
+    model.observe("d0", "decode", [StepTiming(0, 0, 1, 0, 0.003)] * 10)
+    forecaster = _forecaster(model)
+    assert forecaster.forecast(PromptToPlace(10, 4), [_load("p0")], [_load("d0")], {}) is None
+    assert forecaster.forecast(PromptToPlace(10, 4), [], [_load("d0")], {}) is None  # no worker

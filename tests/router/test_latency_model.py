@@ -1,0 +1,126 @@
+"""The latency model: step times and hand-off times fitted from the timings workers report."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.messages import StepTiming, TransferTiming
+from router.latency_model import (
+    MIN_STEPS,
+    LatencyModel,
+    StepShape,
+    fit_nonnegative,
+)
+
+# a worker whose steps cost 4 ms + 50 us a prompt token + 2 ns an attention pair + 300 us a
+# decode row + 20 ns a KV token read
+TRUE = (4e-3, 50e-6, 2e-9, 300e-6, 20e-9)
+
+
+def _seconds(shape: StepShape) -> float:
+    return sum(c * x for c, x in zip(TRUE, shape.features(), strict=True))
+
+
+def _timings(count: int, seed: int = 0, noise: float = 0.0) -> list[StepTiming]:
+    rng = random.Random(seed)
+    timings = []
+    for _ in range(count):
+        prefill = rng.choice([0, 0, rng.randrange(1, 512)])
+        start = rng.randrange(0, 1024) if prefill else 0
+        attention = prefill * start + prefill * (prefill + 1) // 2
+        decode = rng.randrange(0, 32)
+        context = decode * rng.randrange(16, 2048)
+        shape = StepShape(prefill, attention, decode, context)
+        seconds = _seconds(shape) * (1 + rng.uniform(-noise, noise))
+        timings.append(StepTiming(prefill, attention, decode, context, seconds))
+    return timings
+
+
+def test_a_worker_fit_recovers_its_step_costs_from_mixed_steps() -> None:
+    model = LatencyModel()
+    model.observe("w0", "decode", _timings(300))
+    cost = model.step_cost("w0", "decode")
+    assert cost is not None and cost.num_samples == 300
+    fitted = (
+        cost.overhead_s,
+        cost.per_prefill_token_s,
+        cost.per_attention_pair_s,
+        cost.per_decode_token_s,
+        cost.per_context_token_s,
+    )
+    assert fitted == pytest.approx(TRUE, rel=1e-3)
+
+
+def test_with_noise_the_fit_predicts_unseen_steps_within_a_few_percent() -> None:
+    model = LatencyModel()
+    model.observe("w0", "decode", _timings(400, noise=0.1))
+    cost = model.step_cost("w0", "decode")
+    assert cost is not None
+    for timing in _timings(50, seed=7):
+        shape = StepShape(
+            timing.num_prefill_tokens,
+            timing.prefill_attention_tokens,
+            timing.num_decode_tokens,
+            timing.decode_context_tokens,
+        )
+        assert cost.seconds(shape) == pytest.approx(_seconds(shape), rel=0.05)
+
+
+def test_prompt_steps_of_one_size_still_fit_their_own_time() -> None:
+    """Every step a full budget of prompt tokens: overhead and per-token time move together
+    (collinear); the ridge splits them, and a step of that size is still predicted right."""
+    shape = StepShape(512, 512 * 513 // 2)
+    steps = [StepTiming(512, 512 * 513 // 2, 0, 0, _seconds(shape))] * 20
+    model = LatencyModel()
+    model.observe("p0", "prefill", steps)
+    cost = model.step_cost("p0", "prefill")
+    assert cost is not None
+    assert cost.seconds(shape) == pytest.approx(_seconds(shape), rel=1e-3)
+    assert min(cost.overhead_s, cost.per_prefill_token_s, cost.per_attention_pair_s) >= 0
+
+
+def test_coefficients_stay_non_negative() -> None:
+    """Step times that fall as batches grow (noise, a warm cache) would fit a negative cost
+    per row: it is dropped, and the rest fitted without it."""
+    rows = [(1.0, float(n)) for n in range(1, 20)]
+    targets = [0.01 - 0.0001 * n for n in range(1, 20)]
+    coefficients = fit_nonnegative(rows, targets)
+    assert coefficients[1] == 0.0
+    assert coefficients[0] == pytest.approx(sum(targets) / len(targets))
+
+
+def test_a_worker_with_few_steps_borrows_its_roles_fit_and_forgetting_drops_its_own() -> None:
+    model = LatencyModel()
+    assert model.step_cost("d0", "decode") is None  # nothing reported yet
+    model.observe("d0", "decode", _timings(100))
+    model.observe("d1", "decode", _timings(MIN_STEPS - 1, seed=3))
+    own = model.step_cost("d0", "decode")
+    borrowed = model.step_cost("d1", "decode")
+    assert borrowed is not None and borrowed.num_samples == 100 + MIN_STEPS - 1
+    assert own is not None and own.num_samples == 100
+    assert model.step_cost("p0", "prefill") is None  # no prefill worker reported
+    model.forget("d0")
+    after = model.step_cost("d0", "decode")
+    assert after is not None and after.num_samples == borrowed.num_samples  # its role's
+
+
+def test_hand_offs_fit_latency_and_bandwidth_per_transport() -> None:
+    model = LatencyModel()
+    assert model.transfer_cost() is None
+    gloo = [
+        TransferTiming(blocks, blocks * 4096, 0.002 + blocks * 4096 / 1e9, "gloo")
+        for blocks in (1, 4, 16, 64)
+    ]
+    shm = [TransferTiming(b, b * 4096, 0.0005 + b * 4096 / 5e9, "shm") for b in (2, 8)]
+    model.observe("p0", "prefill", [], gloo + shm)
+    cost = model.transfer_cost("gloo")
+    assert cost is not None
+    assert cost.latency_s == pytest.approx(0.002, rel=1e-3)
+    assert cost.per_byte_s == pytest.approx(1e-9, rel=1e-3)
+    assert cost.bytes_per_block == 4096
+    assert cost.seconds_for_blocks(10) == pytest.approx(0.002 + 40960 / 1e9, rel=1e-3)
+    assert model.transfer_cost() == cost  # the transport seen most
+    shm_cost = model.transfer_cost("shm")
+    assert shm_cost is not None and shm_cost.per_byte_s == pytest.approx(1 / 5e9, rel=1e-3)
