@@ -34,6 +34,10 @@ DASHBOARD_METRICS = (
     "pdserve:worker_restarts",
     "pdserve:spec_decode_num_draft_tokens",
     "pdserve:spec_decode_num_accepted_tokens",
+    "pdserve:time_per_output_token_seconds",
+    "pdserve:predicted_time_to_first_token_seconds",
+    "pdserve:predicted_time_per_output_token_seconds",
+    "pdserve:admission_refusals",
 )
 
 

@@ -204,6 +204,15 @@ function render() {
   drawChart("prefill", workerSeries("pdserve:worker_prefill_tokens_total", counterRate));
   drawChart("spec", workerSeries("pdserve:spec_decode_num_draft_tokens_total", acceptanceRate)
     .filter((line) => line.points.length));
+  const median = (label, name) => series(label, (i) => quantile(i, name, 0.5));
+  drawChart("prediction", [
+    median("TTFT", "pdserve:time_to_first_token_seconds"),
+    median("TTFT predicted", "pdserve:predicted_time_to_first_token_seconds"),
+    median("TPOT", "pdserve:time_per_output_token_seconds"),
+    median("TPOT predicted", "pdserve:predicted_time_per_output_token_seconds"),
+  ]);
+  drawChart("refusals", ["ttft", "tpot", "fair_share"].map((reason) =>
+    series(reason, (i) => rate(i, "pdserve:admission_refusals_total", { reason }))));
   advice(latest);
 }
 
