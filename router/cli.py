@@ -27,6 +27,7 @@ from router.gateway.slo_admission import ADMISSION_MODES, AdmissionPolicy
 from router.gateway.tool_calls import TOOL_CALL_PARSERS
 from router.kv_aware import KVAwareWeights
 from router.local_prefill import LocalPrefillRule
+from router.planner.command import add_plan_args, run_plan
 from router.policies import POLICY_NAMES
 from router.serve_defaults import pick_layout, step_budget
 
@@ -81,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="generate with the bundled demo model, offline")
     demo.add_argument("--max-tokens", type=int, default=24)
+
+    plan = commands.add_parser(
+        "plan",
+        help="the cheapest layout (colocated xN, or xPyD with TP sizes) that serves a workload "
+        "within its SLOs, by simulating each with the workers' own scheduler",
+    )
+    add_plan_args(plan)
     return parser
 
 
@@ -618,6 +626,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "plan":
+            return run_plan(args)
         return _run_demo(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"pdserve: error: {error}", file=sys.stderr)

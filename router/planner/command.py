@@ -1,0 +1,152 @@
+"""``pdserve plan`` and ``pdserve profile``: their flags and what they run (docs/planner.md).
+
+    pdserve profile --model DIR --out this-machine.json
+    pdserve plan --model DIR --hardware h100|this-machine.json --rate 20 \\
+        --prompt-len 1024 --output-len 256 --slo-ttft-ms 500 --slo-tpot-ms 50 --out plan/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from router.planner.hardware import PRESETS, Hardware, hardware_named
+from router.planner.model_costs import ModelCosts
+from router.planner.plan import LayoutResult, Planner, Slo, rates_around
+from router.planner.report import deploy_snippet, results_table, write_plot
+from router.planner.workload import PlanWorkload
+
+
+def add_plan_args(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("--model", required=True, help="model directory (config.json is enough)")
+    plan.add_argument("--dtype", default="bfloat16", help="weights' and KV's element type")
+    plan.add_argument(
+        "--hardware",
+        default="h100",
+        help=f"a preset ({', '.join(PRESETS)}) or a profile JSON from pdserve profile",
+    )
+    plan.add_argument("--flops", type=float, default=None, help="override: FLOP/s per device")
+    plan.add_argument("--memory-gbs", type=float, default=None, help="override: memory GB/s")
+    plan.add_argument("--link-gbs", type=float, default=None, help="override: hand-off GB/s")
+    plan.add_argument(
+        "--device-memory-gib", type=float, default=None, help="override: memory per device"
+    )
+    work = plan.add_argument_group("workload")
+    work.add_argument("--rate", type=float, required=True, help="requests per second to serve")
+    work.add_argument("--prompt-len", type=int, default=512, help="median prompt tokens")
+    work.add_argument("--output-len", type=int, default=128, help="median output tokens")
+    work.add_argument("--length-sigma", type=float, default=0.5, help="std-dev of ln(length)")
+    work.add_argument("--prefix-share", type=float, default=0.0, help="share with a system prompt")
+    work.add_argument("--prefix-len", type=int, default=0, help="its tokens")
+    work.add_argument("--num-requests", type=int, default=400, help="simulated per run")
+    work.add_argument("--seed", type=int, default=0)
+    slo = plan.add_argument_group("SLOs and the search")
+    slo.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    slo.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    slo.add_argument(
+        "--attainment", type=float, default=0.9, help="share of requests meeting both SLOs"
+    )
+    slo.add_argument("--max-devices", type=int, default=8, help="devices (GPUs) at most")
+    slo.add_argument("--tp-sizes", default="1,2,4,8", help="tensor-parallel sizes to try")
+    slo.add_argument("--gpus-per-node", type=int, default=8, help="for the deploy snippet")
+    engine = plan.add_argument_group("worker settings (as pdserve serve's)")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--prefill-max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--num-kv-blocks", type=int, default=None, help="per worker")
+    plan.add_argument("--out", type=Path, default=Path("pdserve-plan"), help="output directory")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    model = ModelCosts.load(args.model, args.dtype)
+    hardware = _with_overrides(hardware_named(args.hardware), args)
+    workload = PlanWorkload(
+        rate=args.rate,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        sigma=args.length_sigma,
+        max_len=model.max_model_len,
+        prefix_share=args.prefix_share,
+        prefix_len=args.prefix_len,
+        num_requests=args.num_requests,
+        seed=args.seed,
+    )
+    if not 0 < args.attainment <= 1:
+        raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
+    slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000, args.attainment)
+    planner = Planner(
+        model,
+        hardware,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        memory_fraction=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+    )
+    tp_sizes = [int(size) for size in args.tp_sizes.split(",") if size.strip()]
+    layouts = planner.layouts(args.max_devices, tp_sizes)
+    if not layouts:
+        raise ValueError(
+            f"no layout of at most {args.max_devices} devices holds {model.name}'s "
+            f"{model.weight_bytes / 2**30:.1f} GiB of weights with room for KV (--tp-sizes "
+            f"{args.tp_sizes}, {hardware.device_memory_bytes / 2**30:.0f} GiB per device)"
+        )
+    best, results = planner.choose(layouts, workload, slo)
+    print(f"{model.name} on {hardware.name}, {args.rate:g} req/s, SLOs TTFT "
+          f"{args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms, {args.attainment:.0%} of "
+          "requests")  # fmt: skip
+    print(results_table(results, slo))
+    args.out.mkdir(parents=True, exist_ok=True)
+    shown = sorted(results, key=lambda r: -r.goodput)[:4]
+    if best is not None and best not in shown:
+        shown.insert(0, best)
+    rates = rates_around(args.rate)
+    sweeps = {r.layout.name: planner.sweep(r.layout, workload, slo, rates) for r in shown}
+    plot = write_plot(args.out / "goodput.png", sweeps, args.rate)
+    document = {
+        "model": asdict(model),
+        "hardware": hardware.to_json(),
+        "workload": asdict(workload),
+        "slo": asdict(slo),
+        "chosen": None if best is None else _result_json(best),
+        "layouts": [_result_json(r) for r in results],
+        "sweeps": {name: [_result_json(r) for r in rs] for name, rs in sweeps.items()},
+    }
+    (args.out / "plan.json").write_text(json.dumps(document, indent=1) + "\n")
+    if best is None:
+        print(f"no layout of at most {args.max_devices} devices meets the SLOs at this rate")
+        return 1
+    flags = " ".join(best.layout.serve_flags())
+    snippet = deploy_snippet(best.layout, model.name, args.gpus_per_node)
+    (args.out / "deploy-values.yaml").write_text(snippet)
+    print(f"\nchosen: {best.layout.name} ({best.layout.devices} devices)")
+    print(f"pdserve serve --model {args.model} {flags}")
+    print(f"wrote {args.out / 'plan.json'}, {args.out / 'deploy-values.yaml'}" + (
+        f", {plot}" if plot else " (no plot: matplotlib is not installed)"))  # fmt: skip
+    return 0
+
+
+def _with_overrides(hardware: Hardware, args: argparse.Namespace) -> Hardware:
+    changes = {}
+    if args.flops is not None:
+        changes["flops_per_s"] = args.flops
+    if args.memory_gbs is not None:
+        changes["memory_bytes_per_s"] = args.memory_gbs * 1e9
+    if args.link_gbs is not None:
+        changes["link_bytes_per_s"] = args.link_gbs * 1e9
+    if args.device_memory_gib is not None:
+        changes["device_memory_bytes"] = args.device_memory_gib * 2**30
+    return replace(hardware, **changes) if changes else hardware
+
+
+def _result_json(result: LayoutResult) -> dict[str, Any]:
+    body = asdict(result)
+    body["layout"]["name"] = result.layout.name
+    body["layout"]["devices"] = result.layout.devices
+    return body

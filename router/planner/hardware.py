@@ -1,0 +1,132 @@
+"""What a device does per second, and a step's time on it for a model (``pdserve plan``).
+
+A ``Hardware`` profile is given (``--hardware h100`` and the other presets, or a JSON file) or
+measured on the machine at hand (``pdserve profile``). Its step time for a model on a worker of
+tensor-parallel size ``tp`` is a roofline:
+
+    step = overhead + max(compute, memory) + all-reduces
+    compute   = (FLOPs of the step's tokens + attention pairs) / (tp * FLOP/s)
+    memory    = (weight bytes + KV bytes the step reads or writes) / (tp * memory bytes/s)
+    all-reduces (tp > 1): two per layer of the step's activations, over the link
+
+A profile measured on the machine carries the step-time fit of the model it was measured with
+(``measured``: the router's ``StepCost``, fitted from a few hundred real engine steps), which is
+used as it is for that model at tensor-parallel size 1: on a CPU, where a roofline is a loose
+guide, that is what the workers will do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from router.latency_model import StepCost, StepShape
+from router.planner.model_costs import ModelCosts
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    name: str
+    flops_per_s: float  # sustained dense matmul FLOP/s of one device
+    memory_bytes_per_s: float  # its memory bandwidth
+    device_memory_bytes: float  # weights + KV cache must fit in this (times --memory-fraction)
+    link_bytes_per_s: float  # a KV hand-off's bandwidth between two workers
+    link_latency_s: float = 50e-6  # a hand-off's fixed cost
+    step_overhead_s: float = 1e-3  # per step, besides compute and memory (scheduling, launch)
+    path_overhead_s: float = 5e-3  # per request: the gateway's and router's hops to its first token
+    measured_model: str | None = None  # the model ``measured`` was fitted on
+    measured: StepCost | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "flops_per_s",
+            "memory_bytes_per_s",
+            "device_memory_bytes",
+            "link_bytes_per_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"hardware profile {self.name!r}: {name} must be > 0")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Hardware:
+        measured = data.get("measured")
+        fields = {**data, "measured": None if measured is None else StepCost(**measured)}
+        try:
+            return cls(**fields)
+        except TypeError as error:  # a missing or unknown key
+            raise ValueError(f"hardware profile: {error}") from error
+
+    @classmethod
+    def load(cls, path: str | Path) -> Hardware:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+
+# Presets: datasheet peaks derated to what serving sustains (dense bf16 matmuls at ~60 % of peak,
+# HBM at ~80 %); links are NVLink between GPUs of a node.
+PRESETS = {
+    "h100": Hardware("h100", 0.6 * 989e12, 0.8 * 3.35e12, 80e9, 0.8 * 450e9),
+    "h200": Hardware("h200", 0.6 * 989e12, 0.8 * 4.8e12, 141e9, 0.8 * 450e9),
+    "a100": Hardware("a100", 0.6 * 312e12, 0.8 * 2.0e12, 80e9, 0.8 * 300e9),
+    "l40s": Hardware("l40s", 0.6 * 362e12, 0.8 * 0.864e12, 48e9, 0.8 * 32e9),
+}
+
+
+def hardware_named(name_or_path: str) -> Hardware:
+    """A preset by name, or a profile's JSON file."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(
+            f"--hardware must be one of {', '.join(PRESETS)} or a profile JSON file "
+            f"(pdserve profile); {name_or_path!r} is neither"
+        )
+    return Hardware.load(path)
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeModel:
+    """A step's seconds for one model on one worker of a given tensor-parallel size."""
+
+    model: ModelCosts
+    hardware: Hardware
+    tp: int = 1
+
+    def __call__(self, shape: StepShape) -> float:
+        hardware, model = self.hardware, self.model
+        if hardware.measured is not None and hardware.measured_model == model.name and self.tp == 1:
+            return hardware.measured.seconds(shape)
+        tokens = shape.num_prefill_tokens + shape.num_decode_tokens
+        pairs = shape.prefill_attention_tokens + shape.decode_context_tokens
+        compute = (model.flops_per_token * tokens + model.attention_flops_per_pair * pairs) / (
+            self.tp * hardware.flops_per_s
+        )
+        kv_bytes = model.kv_bytes_per_token * (
+            shape.decode_context_tokens + shape.num_prefill_tokens
+        )
+        memory = (model.weight_bytes + kv_bytes) / (self.tp * hardware.memory_bytes_per_s)
+        reduce = 0.0
+        if self.tp > 1:
+            payload = 2 * model.num_layers * tokens * model.activation_bytes_per_token
+            reduce = 2 * (self.tp - 1) / self.tp * payload / hardware.link_bytes_per_s
+        return hardware.step_overhead_s + max(compute, memory) + reduce
+
+
+def transfer_seconds(
+    hardware: Hardware, model: ModelCosts, block_size: int, num_blocks: int
+) -> float:
+    """A hand-off of ``num_blocks`` blocks' KV over the link."""
+    return (
+        hardware.link_latency_s
+        + num_blocks * block_size * model.kv_bytes_per_token / hardware.link_bytes_per_s
+    )

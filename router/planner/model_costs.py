@@ -1,0 +1,97 @@
+"""What a model costs per step, from its ``config.json`` alone (no weights): the bytes of its
+weights, the FLOPs of one token through its layers, of one (query, key) pair of attention, and
+the bytes of one token's KV cache.
+
+Counted: the attention projections (multi-head, grouped-query, or DeepSeek's latent attention),
+the gated MLPs (a mixture-of-experts layer stores every expert and computes its top k, plus its
+shared expert), the embedding and the LM head (stored once when tied). Norms, biases and the
+router's small matrices are left out (well under 1 % of any supported model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.model_config import ModelConfig, load_model_config
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "int8": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCosts:
+    name: str
+    num_layers: int
+    num_kv_heads: int  # of the KV cache (MLA: 1)
+    weight_bytes: int  # every stored parameter
+    flops_per_token: float  # matmuls of one token through the layers and the LM head
+    attention_flops_per_pair: float  # one (query, key) pair, over all layers and heads
+    kv_bytes_per_token: int
+    activation_bytes_per_token: (
+        int  # one token's hidden state (what a tensor-parallel all-reduce moves)
+    )
+    max_model_len: int
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: str = "bfloat16") -> ModelCosts:
+        return cls.of(load_model_config(model_dir), Path(model_dir).name, dtype)
+
+    @classmethod
+    def of(cls, config: ModelConfig, name: str, dtype: str = "bfloat16") -> ModelCosts:
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"--dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}")
+        width = _DTYPE_BYTES[dtype]
+        hidden = config.hidden_size
+        attention, attention_flops = _attention(config)
+        stored = computed = 0
+        for layer in range(config.num_layers):
+            layer_stored, layer_computed = _mlp(config, layer)
+            stored += attention + layer_stored
+            computed += attention + layer_computed
+        embedding = config.vocab_size * hidden
+        stored += embedding if config.tie_word_embeddings else 2 * embedding
+        computed += embedding  # the LM head (the embedding is a lookup)
+        kv_elements = config.kv_planes * config.num_kv_heads * config.head_dim
+        return cls(
+            name=name,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            weight_bytes=stored * width,
+            flops_per_token=2.0 * computed,
+            attention_flops_per_pair=attention_flops * config.num_layers,
+            kv_bytes_per_token=config.num_layers * kv_elements * width,
+            activation_bytes_per_token=hidden * width,
+            max_model_len=config.max_position_embeddings,
+        )
+
+
+def _attention(config: ModelConfig) -> tuple[int, float]:
+    """(parameters of one layer's attention projections, FLOPs of one (query, key) pair in one
+    layer: the score and the weighted value, 2 per multiply-add)."""
+    hidden, heads = config.hidden_size, config.num_heads
+    mla = config.mla
+    if mla is None:
+        head_dim = config.head_dim
+        params = 2 * hidden * heads * head_dim + 2 * hidden * config.num_kv_heads * head_dim
+        return params, 2.0 * heads * 2 * head_dim
+    if mla.q_lora_rank is None:
+        q = hidden * heads * mla.qk_head_dim
+    else:
+        q = hidden * mla.q_lora_rank + mla.q_lora_rank * heads * mla.qk_head_dim
+    kv = hidden * mla.latent_width + mla.kv_lora_rank * heads * (
+        mla.qk_nope_head_dim + mla.v_head_dim
+    )
+    o = heads * mla.v_head_dim * hidden
+    return q + kv + o, 2.0 * heads * (mla.qk_head_dim + mla.v_head_dim)
+
+
+def _mlp(config: ModelConfig, layer: int) -> tuple[int, int]:
+    """(parameters stored, parameters one token computes) of a layer's MLP."""
+    hidden = config.hidden_size
+    moe = config.moe
+    if moe is None or layer not in moe.sparse_layers:
+        dense = 3 * hidden * config.intermediate_size
+        return dense, dense
+    expert = 3 * hidden * moe.expert_intermediate_size
+    shared = 3 * hidden * moe.shared_expert_intermediate_size
+    return moe.num_experts * expert + shared, moe.num_experts_per_token * expert + shared

@@ -1,0 +1,195 @@
+"""The planner's search: every layout that fits the devices, simulated at the target rate; the
+cheapest (fewest devices) whose SLO attainment reaches the target wins, ties going to the higher
+goodput. Each layout is also swept over rates for the goodput-vs-rate plot.
+
+A layout is colocated xN (N workers that both prefill and decode) or xPyD (P prefill workers of
+tensor-parallel size a, D decode workers of size b). A worker's KV cache is what its devices'
+memory holds after its share of the weights (``memory_fraction`` of it, as
+``--gpu-memory-utilization``); a size whose weights do not fit, or that does not divide the
+model's attention heads, is left out.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.planner.hardware import Hardware, StepTimeModel, transfer_seconds
+from router.planner.model_costs import ModelCosts
+from router.planner.simulator import ClusterShape, SimulatedRequest, Simulation, WorkerShape
+from router.planner.workload import PlanWorkload
+
+MAX_KV_BLOCKS = 1 << 16  # a worker's simulated cache is capped here (more never binds)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    num_prefill: int  # 0: colocated
+    prefill_tp: int
+    num_decode: int
+    decode_tp: int
+
+    @property
+    def devices(self) -> int:
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+    @property
+    def name(self) -> str:
+        tp = lambda size: f" tp{size}" if size > 1 else ""  # noqa: E731
+        if not self.num_prefill:
+            return f"colocated x{self.num_decode}{tp(self.decode_tp)}"
+        return f"{self.num_prefill}P{tp(self.prefill_tp)} {self.num_decode}D{tp(self.decode_tp)}"
+
+    def serve_flags(self) -> list[str]:
+        """The ``pdserve serve`` flags of this layout."""
+        flags = ["--prefill", str(self.num_prefill), "--decode", str(self.num_decode)]
+        if self.num_prefill:
+            flags += ["--prefill-tp", str(self.prefill_tp), "--decode-tp", str(self.decode_tp)]
+        elif self.decode_tp > 1:
+            flags += ["--tensor-parallel-size", str(self.decode_tp)]
+        return flags
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9  # the share of requests that must meet both
+
+    def met_by(self, request: SimulatedRequest) -> bool:
+        ttft, tpot = request.ttft_s, request.tpot_s
+        return ttft is not None and ttft <= self.ttft_s and (tpot is None or tpot <= self.tpot_s)
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutResult:
+    layout: Layout
+    rate: float
+    attainment: float  # requests meeting both SLOs / requests
+    goodput: float  # requests meeting both SLOs per second
+    ttft_s: dict[str, float]  # p50, p90, p99
+    tpot_s: dict[str, float]
+
+    def meets(self, slo: Slo) -> bool:
+        return self.attainment >= slo.attainment
+
+
+@dataclass(frozen=True, slots=True)
+class Planner:
+    model: ModelCosts
+    hardware: Hardware
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    prefill_max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    memory_fraction: float = 0.9
+    num_kv_blocks: int | None = None  # per worker, instead of what its memory holds
+
+    def layouts(self, max_devices: int, tp_sizes: Sequence[int]) -> list[Layout]:
+        sizes = [tp for tp in tp_sizes if self.kv_blocks(tp) > 0 and self._divides(tp)]
+        found = []
+        for tp in sizes:
+            for n in range(1, max_devices // tp + 1):
+                found.append(Layout(0, 1, n, tp))
+        for prefill_tp in sizes:
+            for decode_tp in sizes:
+                for p in range(1, max_devices // prefill_tp + 1):
+                    for d in range(1, (max_devices - p * prefill_tp) // decode_tp + 1):
+                        found.append(Layout(p, prefill_tp, d, decode_tp))
+        return sorted(found, key=lambda layout: (layout.devices, layout.name))
+
+    def _divides(self, tp: int) -> bool:
+        heads = self.model.num_kv_heads
+        return heads % tp == 0 or tp % heads == 0
+
+    def kv_blocks(self, tp: int) -> int:
+        """KV blocks of a worker of ``tp`` devices (0: its weights do not fit)."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        free = (
+            tp * self.hardware.device_memory_bytes * self.memory_fraction - self.model.weight_bytes
+        )
+        block_bytes = self.block_size * self.model.kv_bytes_per_token
+        return max(0, min(MAX_KV_BLOCKS, int(free // block_bytes)))
+
+    def cluster(self, layout: Layout) -> ClusterShape:
+        decode = self._workers(layout.num_decode, layout.decode_tp, self.max_num_batched_tokens)
+        prefill = None
+        if layout.num_prefill:
+            budget = self.prefill_max_num_batched_tokens or self.max_num_batched_tokens
+            prefill = self._workers(layout.num_prefill, layout.prefill_tp, budget)
+        return ClusterShape(
+            decode,
+            prefill,
+            self.block_size,
+            lambda blocks: transfer_seconds(self.hardware, self.model, self.block_size, blocks),
+            self.hardware.path_overhead_s,
+        )
+
+    def _workers(self, count: int, tp: int, budget: int) -> WorkerShape:
+        return WorkerShape(
+            count,
+            StepTimeModel(self.model, self.hardware, tp),
+            self.kv_blocks(tp),
+            budget,
+            self.max_num_seqs,
+        )
+
+    def simulate(self, layout: Layout, workload: PlanWorkload, slo: Slo) -> LayoutResult:
+        requests = workload.requests()
+        capped = [
+            r
+            for r in requests
+            if len(r.prompt_token_ids) + r.output_len <= self.model.max_model_len
+        ]
+        simulated = Simulation(self.cluster(layout), capped).run()
+        met = [s for s in simulated if slo.met_by(s)]
+        duration = max((s.last_token_s or 0.0) for s in simulated) - min(
+            s.request.arrival_s for s in simulated
+        )
+        return LayoutResult(
+            layout,
+            workload.rate,
+            len(met) / len(simulated),
+            len(met) / duration if duration > 0 else 0.0,
+            _percentiles([s.ttft_s for s in simulated]),
+            _percentiles([s.tpot_s for s in simulated]),
+        )
+
+    def choose(
+        self, layouts: Sequence[Layout], workload: PlanWorkload, slo: Slo
+    ) -> tuple[LayoutResult | None, list[LayoutResult]]:
+        """The cheapest layout meeting ``slo`` at the workload's rate (None: none does), and the
+        results of the layouts simulated, cheapest first: every one up to the first device
+        count at which one meets the SLO (those costing more are not simulated)."""
+        results: list[LayoutResult] = []
+        for layout in sorted(layouts, key=lambda layout: layout.devices):
+            meeting = [r for r in results if r.meets(slo)]
+            if meeting and layout.devices > meeting[0].layout.devices:
+                break
+            results.append(self.simulate(layout, workload, slo))
+        meeting = [r for r in results if r.meets(slo)]
+        if not meeting:
+            return None, results
+        return max(meeting, key=lambda r: r.goodput), results
+
+    def sweep(
+        self, layout: Layout, workload: PlanWorkload, slo: Slo, rates: Sequence[float]
+    ) -> list[LayoutResult]:
+        return [self.simulate(layout, workload.at_rate(rate), slo) for rate in rates]
+
+
+def _percentiles(values: Sequence[float | None]) -> dict[str, float]:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return {}
+    if len(known) == 1:
+        return {"p50": known[0], "p90": known[0], "p99": known[0]}
+    cuts = statistics.quantiles(known, n=100, method="inclusive")
+    return {"p50": cuts[49], "p90": cuts[89], "p99": cuts[98]}
+
+
+def rates_around(rate: float, num: int = 8) -> list[float]:
+    """Rates for the goodput plot: from a quarter of the target to twice it."""
+    return [rate * (0.25 + 1.75 * i / (num - 1)) for i in range(num)]

@@ -1,0 +1,260 @@
+"""A discrete-event simulation of a pdserve cluster serving a workload, on a simulated clock.
+
+Each worker is the engine's own scheduler and block manager (engine/scheduler, engine/kv_cache:
+pure CPU), so batching, chunked prefill, the prefix cache, block shortage and preemption follow
+the workers' rules exactly; only the model is replaced by a step time (``StepTimes``: a step's
+shape, as ``engine.step_timings`` records it, to seconds). A worker steps back to back while it
+has work: a step is scheduled, takes its time, then its tokens are applied (every sampled token
+an ordinary one: outputs run to their length).
+
+Routing is least_loaded's: a prompt goes to the prefill worker (colocated: the decode worker)
+with the fewest queued prompt tokens, then fewest waiting; its decode worker is the one of lowest
+KV usage, then fewest running. In a disaggregated layout a prompt's first token leaves the
+prefill worker with the step that samples it; its KV then moves to the decode worker once that
+worker has blocks for it (``Handoffs``), taking ``transfer_seconds`` for its blocks, and the
+decode worker continues it. Every request's first token also takes ``path_overhead_s`` (the
+gateway's and router's hops).
+
+Out: each request's arrival, first token and last token times, from which TTFT, TPOT and
+goodput follow (``SimulatedRequest``).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_manager import BlockManager
+from engine.sampling.params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler.outputs import ModelRunnerOutput
+from engine.sequence import Sequence as EngineSequence
+from engine.sequence import SequenceStatus
+from engine.step_timings import step_timing
+from router.latency_model import StepShape
+
+_TOKEN = 7  # every sampled token (never an end of sequence: the scheduler is given none)
+
+StepTimes = Callable[[StepShape], float]  # a step's seconds on one worker
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequest:
+    arrival_s: float
+    prompt_token_ids: tuple[int, ...]
+    output_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerShape:
+    """One pool's workers: how each schedules and how long its steps take."""
+
+    count: int
+    step_times: StepTimes
+    num_kv_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterShape:
+    decode: WorkerShape
+    prefill: WorkerShape | None = None  # None: colocated, the decode workers prefill
+    block_size: int = 16
+    transfer_seconds: Callable[[int], float] = lambda num_blocks: 0.0
+    path_overhead_s: float = 0.0
+
+
+@dataclass(slots=True)
+class SimulatedRequest:
+    request: WorkloadRequest
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    num_tokens: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return self.first_token_s - self.request.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_token_s is None or self.last_token_s is None or self.num_tokens < 2:
+            return None
+        return (self.last_token_s - self.first_token_s) / (self.num_tokens - 1)
+
+    @property
+    def done(self) -> bool:
+        return self.num_tokens >= self.request.output_len
+
+
+@dataclass(slots=True)
+class _Worker:
+    name: str
+    shape: WorkerShape
+    scheduler: Scheduler
+    busy: bool = False
+    # hand-offs waiting for this (decode) worker's blocks, in arrival order
+    handoffs: deque[EngineSequence] = field(default_factory=deque)
+
+
+class Simulation:
+    def __init__(self, cluster: ClusterShape, requests: Sequence[WorkloadRequest]) -> None:
+        self.cluster = cluster
+        self.requests = [SimulatedRequest(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._seq_ids = itertools.count()
+        self.decode = [
+            self._worker(f"decode-{i}", cluster.decode) for i in range(cluster.decode.count)
+        ]
+        prefill = cluster.prefill
+        self.prefill = (
+            []
+            if prefill is None
+            else [self._worker(f"prefill-{i}", prefill) for i in range(prefill.count)]
+        )
+        self._of_seq: dict[int, SimulatedRequest] = {}
+        self._decode_of: dict[int, _Worker] = {}  # prefill seq id -> its decode worker
+        self._prefill_of: dict[int, _Worker] = {}  # handed-off seq id -> its prefill worker
+
+    def _worker(self, name: str, shape: WorkerShape) -> _Worker:
+        manager = BlockManager(
+            shape.num_kv_blocks, self.cluster.block_size, enable_prefix_caching=True
+        )
+        config = SchedulerConfig(
+            max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens
+        )
+        return _Worker(name, shape, Scheduler(config, manager, eos_token_ids=()))
+
+    # ---- the run --------------------------------------------------------------------------
+    def run(self) -> list[SimulatedRequest]:
+        for simulated in self.requests:
+            self._at(simulated.request.arrival_s, functools.partial(self._arrive, simulated))
+        while self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+        return self.requests
+
+    def _at(self, time_s: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (time_s, next(self._order), action))
+
+    def _arrive(self, simulated: SimulatedRequest) -> None:
+        request = simulated.request
+        decode = min(
+            self.decode,
+            key=lambda w: (w.scheduler.block_manager.usage, len(w.scheduler.running), w.name),
+        )
+        prompt_workers = self.prefill or self.decode
+        prompt_worker = min(
+            prompt_workers, key=lambda w: (_queued_tokens(w), len(w.scheduler.waiting), w.name)
+        )
+        seq_id = next(self._seq_ids)
+        params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+        seq = EngineSequence(
+            seq_id,
+            f"r{seq_id}",
+            list(request.prompt_token_ids),
+            params,
+            len(request.prompt_token_ids) + request.output_len,
+            prefill_only=bool(self.prefill),
+            arrival=seq_id,
+        )
+        self._of_seq[seq_id] = simulated
+        if self.prefill:
+            self._decode_of[seq_id] = decode
+        prompt_worker.scheduler.check_fits(seq)
+        prompt_worker.scheduler.add(seq)
+        self._kick(prompt_worker)
+
+    def _kick(self, worker: _Worker) -> None:
+        """Start the worker's next step if it is idle and has work."""
+        if worker.busy or not worker.scheduler.num_unfinished:
+            return
+        output = worker.scheduler.schedule()
+        if output.is_empty:
+            return  # waits for blocks: a hand-off or a finish kicks it again
+        timing = step_timing(output, 0.0)
+        shape = StepShape(
+            timing.num_prefill_tokens,
+            timing.prefill_attention_tokens,
+            timing.num_decode_tokens,
+            timing.decode_context_tokens,
+        )
+        worker.busy = True
+        done = functools.partial(self._step_done, worker, output)
+        self._at(self.now + worker.shape.step_times(shape), done)
+
+    def _step_done(self, worker: _Worker, output: SchedulerOutput) -> None:
+        sampled = {seq.seq_id: _TOKEN for entry in output.scheduled for seq in entry.sample_seqs}
+        appended = worker.scheduler.update(output, ModelRunnerOutput(sampled))
+        for tokens in appended:
+            seq = tokens.seq
+            simulated = self._of_seq[seq.seq_id]
+            if simulated.first_token_s is None:
+                simulated.first_token_s = self.now + self.cluster.path_overhead_s
+            simulated.last_token_s = self.now + self.cluster.path_overhead_s
+            simulated.num_tokens += tokens.num_tokens
+            if seq.status is SequenceStatus.HANDED_OFF:
+                self._hand_off(worker, seq)
+        worker.busy = False
+        self._kick(worker)
+        if worker in self.decode:  # blocks may have come free for the hand-offs waiting
+            self._start_handoffs(worker)
+
+    # ---- hand-offs ------------------------------------------------------------------------
+    def _hand_off(self, prefill: _Worker, seq: EngineSequence) -> None:
+        decode = self._decode_of.pop(seq.seq_id)
+        decode.handoffs.append(seq)
+        self._prefill_of[seq.seq_id] = prefill
+        self._start_handoffs(decode)
+
+    def _start_handoffs(self, decode: _Worker) -> None:
+        """Reserve blocks for the hand-offs waiting, in order, while they fit; each moves its
+        KV, then continues on the decode worker."""
+        manager = decode.scheduler.block_manager
+        while decode.handoffs:
+            seq = decode.handoffs[0]
+            blocks = manager.reserve(seq.num_prompt_tokens)
+            if blocks is None:
+                return
+            decode.handoffs.popleft()
+            seconds = self.cluster.transfer_seconds(len(blocks))
+            self._at(self.now + seconds, functools.partial(self._received, decode, seq, blocks))
+
+    def _received(self, decode: _Worker, handed: EngineSequence, blocks: list[int]) -> None:
+        prefill = self._prefill_of.pop(handed.seq_id)
+        prefill.scheduler.release(handed)  # the prefill worker's lease ends
+        self._kick(prefill)
+        simulated = self._of_seq.pop(handed.seq_id)
+        if simulated.done:  # one output token: nothing to decode
+            decode.scheduler.block_manager.release(blocks)
+            return
+        seq_id = next(self._seq_ids)
+        seq = EngineSequence(
+            seq_id,
+            handed.request_id,
+            handed.prompt_token_ids,
+            handed.params,
+            handed.max_total_tokens,
+            arrival=seq_id,
+        )
+        seq.token_ids.append(_TOKEN)  # the first token, sampled by the prefill worker
+        seq.num_computed_tokens = seq.num_tokens - 1
+        decode.scheduler.block_manager.adopt(seq, blocks, share=False)
+        decode.scheduler.add_computed(seq)
+        self._of_seq[seq_id] = simulated
+        self._kick(decode)
+
+
+def _queued_tokens(worker: _Worker) -> int:
+    scheduler = worker.scheduler
+    return sum(s.num_uncomputed_tokens for s in scheduler.waiting) + sum(
+        s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1
+    )
