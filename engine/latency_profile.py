@@ -4,9 +4,10 @@ The router's latency model (router/latency_model.py) fits each worker's step tim
 steps it reports; before any traffic it has none. This runs a few synthetic requests through the
 engine's own path, so that their steps, recorded like any others, go in the worker's first load
 report: prompts alone, of a few sizes up to the step budget (prompt steps of different sizes),
-then batches of short prompts decoding together (decode steps of different batch sizes). The
-prompts are random token ids under a cache salt of their own, so no request's prefix ever
-matches theirs; their blocks stay cached until evicted, like any finished request's.
+then batches of prompts decoding together (decode steps of different batch sizes, over short
+and longer contexts). The prompts are random token ids under a cache salt of their own, so no
+request's prefix ever matches theirs; their blocks stay cached until evicted, like any finished
+request's.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ _DECODE_STEPS = 8
 _BATCH_SIZES = (1, 4, 16)
 
 
-def run_latency_profile(engine: LLMEngine, seed: int = 0) -> int:
+def run_latency_profile(
+    engine: LLMEngine, seed: int = 0, batch_sizes: tuple[int, ...] = _BATCH_SIZES
+) -> int:
     """Run the profile's requests to their end on ``engine`` (the caller holds it: no other
-    request may be in flight); returns the steps it ran."""
+    request may be in flight), decoding in batches of ``batch_sizes``; returns the steps it
+    ran."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     config = engine.scheduler.config
@@ -35,11 +39,13 @@ def run_latency_profile(engine: LLMEngine, seed: int = 0) -> int:
     longest = max(1, min(config.max_num_batched_tokens, engine.max_model_len - 2, capacity // 2))
     prompt_sizes = sorted({max(1, longest // 8), max(1, longest // 4), longest // 2, longest})
     jobs: list[tuple[list[int], int]] = [(prompt_sizes, 1)]  # alone, one token each
-    per_request = _DECODE_PROMPT_TOKENS + _DECODE_STEPS
-    for batch in _BATCH_SIZES:
-        batch = min(batch, config.max_num_seqs, capacity // (2 * per_request))
-        if batch >= 1 and per_request < engine.max_model_len:
-            jobs.append(([_DECODE_PROMPT_TOKENS] * batch, _DECODE_STEPS))
+    # decode batches of short and of longer contexts: rows and KV read vary apart
+    for context in sorted({_DECODE_PROMPT_TOKENS, max(_DECODE_PROMPT_TOKENS, longest // 2)}):
+        per_request = context + _DECODE_STEPS
+        for batch in batch_sizes:
+            batch = min(batch, config.max_num_seqs, capacity // (2 * per_request))
+            if batch >= 1 and per_request < engine.max_model_len:
+                jobs.append(([context] * batch, _DECODE_STEPS))
     steps = 0
     for number, (sizes, max_tokens) in enumerate(jobs):
         if sizes is prompt_sizes:  # one at a time: each its own prompt steps

@@ -28,6 +28,7 @@ from router.gateway.tool_calls import TOOL_CALL_PARSERS
 from router.kv_aware import KVAwareWeights
 from router.local_prefill import LocalPrefillRule
 from router.planner.command import add_plan_args, run_plan
+from router.planner.profile_command import add_profile_args, run_profile
 from router.policies import POLICY_NAMES
 from router.serve_defaults import pick_layout, step_budget
 
@@ -89,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         "within its SLOs, by simulating each with the workers' own scheduler",
     )
     add_plan_args(plan)
+    profile = commands.add_parser(
+        "profile",
+        help="measure this machine's step times for a model (a hardware profile for pdserve plan)",
+    )
+    add_profile_args(profile)
     return parser
 
 
@@ -628,6 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_serve(args)
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "profile":
+            return run_profile(args)
         return _run_demo(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"pdserve: error: {error}", file=sys.stderr)

@@ -185,7 +185,7 @@ class _StepWindow:
     def cost(self) -> StepCost | None:
         if self.stale:
             self.stale = False
-            self.fitted = _fit_steps(self.timings) if len(self.timings) >= MIN_STEPS else None
+            self.fitted = fit_step_cost(self.timings) if len(self.timings) >= MIN_STEPS else None
         return self.fitted
 
 
@@ -270,7 +270,8 @@ class LatencyModel:
             return self._transfer_fits[transport]
 
 
-def _fit_steps(timings: Iterable[StepTiming]) -> StepCost:
+def fit_step_cost(timings: Iterable[StepTiming]) -> StepCost:
+    """The step time fitted to ``timings`` (see the module's docstring)."""
     timings = list(timings)
     rows = [shape_of(t).features() for t in timings]
     c = fit_nonnegative(rows, [t.seconds for t in timings])

@@ -25,6 +25,10 @@ from typing import Any
 from router.latency_model import StepCost, StepShape
 from router.planner.model_costs import ModelCosts
 
+# the gateway's and router's own time to a request's first token, when not measured (5.5 ms on the
+# CPU machine: tests/cluster/test_latency_forecast_cluster.py's path correction)
+DEFAULT_PATH_OVERHEAD_S = 5e-3
+
 
 @dataclass(frozen=True, slots=True)
 class Hardware:
@@ -35,7 +39,9 @@ class Hardware:
     link_bytes_per_s: float  # a KV hand-off's bandwidth between two workers
     link_latency_s: float = 50e-6  # a hand-off's fixed cost
     step_overhead_s: float = 1e-3  # per step, besides compute and memory (scheduling, launch)
-    path_overhead_s: float = 5e-3  # per request: the gateway's and router's hops to its first token
+    path_overhead_s: float = (
+        DEFAULT_PATH_OVERHEAD_S  # per request: the front doors' and router's hops
+    )
     measured_model: str | None = None  # the model ``measured`` was fitted on
     measured: StepCost | None = None
 
