@@ -67,7 +67,7 @@ class LayoutResult:
     layout: Layout
     rate: float
     attainment: float  # requests meeting both SLOs / requests
-    goodput: float  # requests meeting both SLOs per second
+    goodput: float  # of the offered requests per second, those meeting both SLOs
     ttft_s: dict[str, float]  # p50, p90, p99
     tpot_s: dict[str, float]
 
@@ -144,15 +144,12 @@ class Planner:
             if len(r.prompt_token_ids) + r.output_len <= self.model.max_model_len
         ]
         simulated = Simulation(self.cluster(layout), capped).run()
-        met = [s for s in simulated if slo.met_by(s)]
-        duration = max((s.last_token_s or 0.0) for s in simulated) - min(
-            s.request.arrival_s for s in simulated
-        )
+        attainment = sum(slo.met_by(s) for s in simulated) / len(simulated)
         return LayoutResult(
             layout,
             workload.rate,
-            len(met) / len(simulated),
-            len(met) / duration if duration > 0 else 0.0,
+            attainment,
+            attainment * workload.rate,
             _percentiles([s.ttft_s for s in simulated]),
             _percentiles([s.tpot_s for s in simulated]),
         )

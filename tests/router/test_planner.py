@@ -1,0 +1,201 @@
+"""``pdserve plan``: a model's costs from its config alone, the cluster simulation on the
+workers' own scheduler, the search's choice, and the command's outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from router.cli import main
+from router.latency_model import StepShape
+from router.planner.hardware import PRESETS, Hardware, StepTimeModel
+from router.planner.model_costs import ModelCosts
+from router.planner.plan import Layout, Planner, Slo
+from router.planner.simulator import (
+    ClusterShape,
+    Simulation,
+    WorkerShape,
+    WorkloadRequest,
+)
+from router.planner.workload import PlanWorkload
+
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="module")
+def llama_8b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama-3-8B's config.json alone: the planner needs no weights."""
+    directory = tmp_path_factory.mktemp("llama-3-8b")
+    (directory / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    return directory
+
+
+def test_a_models_costs_come_from_its_config(llama_8b: Path, tmp_path: Path) -> None:
+    costs = ModelCosts.load(llama_8b)
+    assert costs.weight_bytes == pytest.approx(16.06e9, rel=1e-3)  # 8.03 B parameters, bf16
+    assert costs.kv_bytes_per_token == 128 * 1024  # DESIGN.md's 128 KiB
+    assert costs.flops_per_token == pytest.approx(2 * 7.50e9, rel=1e-2)  # without the embedding
+    assert costs.attention_flops_per_pair == 32 * 2 * 32 * 2 * 128
+    moe = dict(
+        LLAMA_3_8B,
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    mixtral = ModelCosts.load(tmp_path)
+    expert = 3 * 4096 * 14336 * 32  # one expert's MLP over the layers
+    assert mixtral.weight_bytes - costs.weight_bytes == pytest.approx(7 * expert * 2, rel=1e-6)
+    assert mixtral.flops_per_token - costs.flops_per_token == pytest.approx(2 * expert, rel=1e-6)
+
+
+def _linear(seconds_per_step: float, per_token: float) -> WorkerShape:
+    def step(shape: StepShape) -> float:
+        return seconds_per_step + per_token * (shape.num_prefill_tokens + shape.num_decode_tokens)
+
+    return WorkerShape(1, step, num_kv_blocks=1000, max_num_batched_tokens=256)
+
+
+def test_a_colocated_worker_prefills_in_budget_chunks_then_decodes_step_by_step() -> None:
+    """300 prompt tokens at 256 a step: two steps (10 ms + 0.1 ms a token each), the second
+    sampling the first token; then one decode step per token."""
+    cluster = ClusterShape(_linear(0.010, 1e-4))
+    (run,) = Simulation(cluster, [WorkloadRequest(0.0, tuple(range(300)), 5)]).run()
+    assert run.ttft_s == pytest.approx(0.020 + 300e-4)
+    assert run.tpot_s == pytest.approx(0.010 + 1e-4)
+    assert run.num_tokens == 5
+
+
+def test_a_hand_off_delays_the_second_token_and_queued_prompts_wait() -> None:
+    cluster = ClusterShape(
+        _linear(0.010, 1e-4),
+        prefill=_linear(0.010, 1e-4),
+        transfer_seconds=lambda blocks: 0.001 * blocks,
+        path_overhead_s=0.002,
+    )
+    requests = [
+        WorkloadRequest(0.0, tuple(range(100)), 4),
+        WorkloadRequest(0.001, tuple(range(1000, 1200)), 1),
+    ]
+    first, second = Simulation(cluster, requests).run()
+    assert first.ttft_s == pytest.approx(0.020 + 0.002)
+    # three gaps: the hand-off of 7 blocks (7 ms) and three decode steps
+    assert first.tpot_s == pytest.approx((0.007 + 3 * 0.0101) / 3)
+    # the second waits for the first's step (done at 20 ms), then its own 200 tokens
+    assert second.ttft_s == pytest.approx(0.020 + 0.030 + 0.002 - 0.001)
+    assert second.num_tokens == 1
+
+
+def test_a_decode_worker_short_of_blocks_makes_hand_offs_wait_and_every_request_ends() -> None:
+    """16 requests of 160 + 40 tokens, a decode cache of 40 blocks of 16 (three requests at
+    a time): the rest wait for blocks, or are preempted and recomputed, and all finish."""
+    decode = WorkerShape(1, lambda shape: 0.005, num_kv_blocks=40, max_num_batched_tokens=256)
+    cluster = ClusterShape(decode, prefill=_linear(0.002, 1e-5))
+    requests = [WorkloadRequest(0.001 * i, tuple(range(i, i + 160)), 40) for i in range(16)]
+    runs = Simulation(cluster, requests).run()
+    assert all(run.done for run in runs)
+    assert max(run.tpot_s or 0 for run in runs) > 0.005  # some waited for room mid-decode
+
+
+def test_the_choice_follows_the_workload_prompt_heavy_to_prefill_output_heavy_to_decode(
+    llama_8b: Path,
+) -> None:
+    """Four H100s split between the pools: long prompts and short outputs want three prefill
+    workers; short prompts and long outputs, under a tight TPOT SLO, three decode workers."""
+    planner = Planner(ModelCosts.load(llama_8b), PRESETS["h100"])
+    layouts = [Layout(1, 1, 3, 1), Layout(2, 1, 2, 1), Layout(3, 1, 1, 1)]
+    slo = Slo(ttft_s=0.5, tpot_s=0.012, attainment=0.5)
+    prompts = PlanWorkload(rate=30, prompt_len=4096, output_len=32, num_requests=200)
+    outputs = PlanWorkload(rate=40, prompt_len=512, output_len=1024, num_requests=200)
+    best_for_prompts, by_prompts = planner.choose(layouts, prompts, slo)
+    best_for_outputs, by_outputs = planner.choose(layouts, outputs, slo)
+    assert best_for_prompts is not None and best_for_prompts.layout == Layout(3, 1, 1, 1)
+    assert best_for_outputs is not None and best_for_outputs.layout == Layout(1, 1, 3, 1)
+    assert by_prompts[0].attainment < 0.5  # 1P 3D cannot keep up with the prompts
+    assert by_outputs[-1].attainment < 0.5  # 3P 1D cannot keep up with the decodes
+
+
+def test_layouts_leave_out_what_does_not_fit_and_cost_what_they_hold(llama_8b: Path) -> None:
+    small = Hardware("24 GB", 1e14, 1e12, 24e9, 1e10)
+    planner = Planner(ModelCosts.load(llama_8b), small)
+    assert planner.kv_blocks(1) > 0 and planner.kv_blocks(2) > planner.kv_blocks(1)
+    tiny = Hardware("8 GB", 1e14, 1e12, 8e9, 1e10)
+    planner = Planner(ModelCosts.load(llama_8b), tiny)
+    layouts = planner.layouts(max_devices=4, tp_sizes=(1, 2, 4))
+    assert layouts and all(
+        min(x.prefill_tp, x.decode_tp) >= 4 or x.num_prefill == 0 for x in layouts
+    )
+    assert {x.decode_tp for x in layouts} == {4}  # 16 GB of weights need 4 devices of 8 GB
+    assert Layout(1, 2, 3, 4).devices == 14
+    assert Layout(0, 1, 2, 2).serve_flags() == [
+        "--prefill",
+        "0",
+        "--decode",
+        "2",
+        "--tensor-parallel-size",
+        "2",
+    ]
+
+
+def test_a_measured_profile_is_used_for_its_own_model_at_tp_1(llama_8b: Path) -> None:
+    from router.latency_model import StepCost
+
+    costs = ModelCosts.load(llama_8b)
+    measured = StepCost(0.004, 1e-5, 0.0, 2e-4, 0.0, 100)
+    hardware = Hardware("box", 1e14, 1e12, 80e9, 1e10, measured_model=costs.name, measured=measured)
+    shape = StepShape(100, 0, 4, 0)
+    assert StepTimeModel(costs, hardware)(shape) == pytest.approx(0.004 + 1e-3 + 8e-4)
+    roofline = StepTimeModel(costs, hardware, tp=2)(shape)  # another size: the roofline
+    assert roofline != pytest.approx(0.004 + 1e-3 + 8e-4)
+    saved = Hardware.from_json(json.loads(json.dumps(hardware.to_json())))
+    assert saved == hardware
+
+
+def test_pdserve_plan_prints_the_choice_and_writes_its_files(
+    llama_8b: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan"
+    status = main(
+        [
+            "plan", "--model", str(llama_8b), "--hardware", "h100", "--rate", "4",
+            "--num-requests", "60", "--max-devices", "2", "--tp-sizes", "1",
+            "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--out", str(out),
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "chosen: colocated x1 (1 devices)" in printed
+    assert f"pdserve serve --model {llama_8b} --prefill 0 --decode 1" in printed
+    document = json.loads((out / "plan.json").read_text())
+    assert document["chosen"]["layout"]["name"] == "colocated x1"
+    assert "replicas: 1" in (out / "deploy-values.yaml").read_text()
+    assert (out / "goodput.png").stat().st_size > 0
+
+
+def test_pdserve_plan_refuses_bad_input_naming_the_flag(
+    llama_8b: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["plan", "--model", str(llama_8b), "--out", str(tmp_path)]
+    assert main([*base, "--rate", "0"]) == 2
+    assert "--rate must be > 0" in capsys.readouterr().err
+    assert main([*base, "--rate", "1", "--hardware", "tpu9"]) == 2
+    assert "--hardware must be one of h100" in capsys.readouterr().err
+    assert main([*base, "--rate", "1", "--device-memory-gib", "4", "--max-devices", "2"]) == 2
+    assert "no layout of at most 2 devices holds" in capsys.readouterr().err
