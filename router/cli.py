@@ -30,6 +30,7 @@ from router.local_prefill import LocalPrefillRule
 from router.planner.command import add_plan_args, run_plan
 from router.planner.profile_command import add_profile_args, run_profile
 from router.policies import POLICY_NAMES
+from router.rebalance_policy import RebalanceConfig
 from router.serve_defaults import pick_layout, step_budget
 
 # --max-body-bytes at most: the gRPC server's receive limit is twice it, in a C int
@@ -242,6 +243,34 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="disaggregated: while every prefill worker has more prompt tokens than this "
         "queued, a new prompt is prefilled on its decode worker if that one is prefilling "
         "nothing (one at a time; default: never)",
+    )
+    cluster.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="move a worker between the prefill and decode pools when one pool is the "
+        "bottleneck (its predicted TTFT or TPOT near --slo-ttft-ms / --slo-tpot-ms) while the "
+        "other has room to spare, for --rebalance-window-s; it drains, finishes or hands on "
+        "what it holds (no request fails) and restarts in the other role; at most one switch "
+        "per --rebalance-cooldown-s, one worker kept per pool (router/rebalancer.py)",
+    )
+    cluster.add_argument(
+        "--rebalance-window-s",
+        type=float,
+        default=10.0,
+        help="how long a pool must be the bottleneck before a worker switches (default: 10)",
+    )
+    cluster.add_argument(
+        "--rebalance-cooldown-s",
+        type=float,
+        default=60.0,
+        help="no switch for this long after one (default: 60)",
+    )
+    cluster.add_argument(
+        "--rebalance-drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="a switching worker's requests still running after this long are resumed on the "
+        "other workers (default: 30)",
     )
     cluster.add_argument(
         "--max-worker-restarts",
@@ -613,9 +642,22 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefill_resources={args.prefill_resource: 1.0} if args.prefill_resource else {},
         decode_resources={args.decode_resource: 1.0} if args.decode_resource else {},
         speculative=args.speculative_config,
-        latency_profile=args.latency_profile or args.admission == "slo",
+        latency_profile=args.latency_profile or args.admission == "slo" or args.rebalance,
+        rebalance=_rebalance_config(args),
     )
     return run_serve(args, config)
+
+
+def _rebalance_config(args: argparse.Namespace) -> RebalanceConfig | None:
+    if not args.rebalance:
+        return None
+    return RebalanceConfig(
+        args.slo_ttft_ms / 1000,
+        args.slo_tpot_ms / 1000,
+        window_s=args.rebalance_window_s,
+        cooldown_s=args.rebalance_cooldown_s,
+        drain_timeout_s=args.rebalance_drain_timeout_s,
+    )
 
 
 def _run_demo(args: argparse.Namespace) -> int:

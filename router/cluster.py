@@ -43,6 +43,7 @@ from router.local_ray import start_ray
 from router.output_pump import OutputPump
 from router.placements import Placements, RequestFailedError
 from router.ray_capacity import cpus_shortfall, gpus_shortfall, resources_shortfall
+from router.rebalancer import Rebalancer
 from router.request_tracker import ClientItem, RequestTracker
 from router.worker_pool import SlotRestarts, WorkerHandle, WorkerPool, WorkerStatus
 from router.worker_slots import WorkerLauncher, WorkerSlot, plan_slots
@@ -87,6 +88,15 @@ class Cluster:
             colocated=config.colocated,
             by_priority=config.scheduling_policy == "priority",
         )
+        self.rebalancer = None
+        if config.rebalance is not None:
+            self.rebalancer = Rebalancer(
+                config.rebalance,
+                self.pool,
+                self.forecast,
+                self.placements.num_placed_on,
+                self.placements.recover,
+            )
         self._placing = ThreadPoolExecutor(
             _MAX_PLACEMENTS_IN_FLIGHT, thread_name_prefix="placement"
         )
@@ -146,6 +156,8 @@ class Cluster:
         for worker in self.pool.workers.values():
             self.pump.start(worker)
         self.pool.spawn(self._monitor, name="load-monitor")
+        if self.rebalancer is not None:
+            self.pool.spawn(self.rebalancer.run, self.config.report_interval_s, name="rebalancer")
 
     def shutdown(self) -> None:
         self.pool.stop_workers()
@@ -182,6 +194,9 @@ class Cluster:
 
         def sink(item: ClientItem) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
+
+        if self.rebalancer is not None:  # what a typical request is, for its signals
+            self.rebalancer.note_request(len(request.prompt_token_ids), params.max_tokens or 1)
 
         await self._wait_for_workers()
         # Routing makes blocking Ray calls: keep them off the event loop that serves clients.
@@ -291,6 +306,10 @@ class Cluster:
     def worker_restarts(self) -> list[SlotRestarts]:
         """Each slot's restarts so far (``--max-worker-restarts`` bounds them)."""
         return self.pool.restarts()
+
+    def role_switches(self) -> dict[tuple[str, str], int]:
+        """Workers moved between the pools by ``--rebalance`` so far, by (from, to) role."""
+        return {} if self.rebalancer is None else self.rebalancer.switch_counts()
 
     def prefix_hit_stats(self) -> PrefixHitStats | None:
         """The cached tokens found for the prompts kv_aware routed (None: another policy)."""

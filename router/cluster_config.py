@@ -16,6 +16,7 @@ from kv_transfer.policy import FailurePolicy, TransferConfig, describe_auto, tra
 from router.kv_aware import KVAwareWeights
 from router.local_prefill import LocalPrefillRule
 from router.policies import POLICY_NAMES
+from router.rebalance_policy import RebalanceConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,9 @@ class ClusterConfig:
     # each worker runs a few synthetic requests at start-up (engine/latency_profile.py), so the
     # router's latency model has step times to predict from before any traffic
     latency_profile: bool = False
+    # move workers between the prefill and decode pools as the traffic shifts (--rebalance,
+    # router/rebalancer.py); None: the pools keep their sizes
+    rebalance: RebalanceConfig | None = None
     # a worker whose latest load report is older is late: routed to only when its pool has no
     # worker that reported in time
     late_after_s: float = 2.0
@@ -151,6 +155,27 @@ class ClusterConfig:
             )
         self._check_engine_configs()
         self._check_tensor_parallel()
+        self._check_rebalance()
+
+    def _check_rebalance(self) -> None:
+        """A worker that changes role must fit where the other role's workers run."""
+        if self.rebalance is None:
+            return
+        if self.colocated:
+            raise ValueError(
+                "--rebalance moves workers between the prefill and decode pools; with "
+                "--prefill 0 every worker does both"
+            )
+        if self.prefill_tp != self.decode_tp:
+            raise ValueError(
+                f"--rebalance needs workers of one size in both pools: --prefill-tp "
+                f"{self.prefill_tp} and --decode-tp {self.decode_tp} differ"
+            )
+        if self.prefill_resources != self.decode_resources:
+            raise ValueError(
+                "--rebalance needs both pools' workers to fit the same nodes: "
+                "--prefill-resource and --decode-resource differ"
+            )
 
     def _check_tensor_parallel(self) -> None:
         """Refuse, naming the flag and the numbers, a TP size the model's heads cannot split or

@@ -197,6 +197,7 @@ class LatencyModel:
         self._role_of: dict[str, str] = {}
         self._transfers: dict[str, deque[TransferTiming]] = {}
         self._transfer_fits: dict[str, TransferCost | None] = {}
+        self._busy_s: dict[str, float] = defaultdict(float)  # each worker's steps' seconds
         # observed minus predicted, of finished requests: TTFT's, TPOT's
         self._ttft_residuals: deque[float] = deque(maxlen=PATH_WINDOW)
         self._tpot_residuals: deque[float] = deque(maxlen=PATH_WINDOW)
@@ -219,6 +220,7 @@ class LatencyModel:
                 pooled = self._roles[role]
                 own.timings.extend(steps)
                 pooled.timings.extend(steps)
+                self._busy_s[worker_id] += sum(t.seconds for t in steps)
                 own.stale = pooled.stale = True
             for timing in transfers:
                 window = self._transfers.setdefault(timing.transport, deque(maxlen=TRANSFER_WINDOW))
@@ -239,11 +241,17 @@ class LatencyModel:
         with self._lock:
             return _median(self._ttft_residuals), _median(self._tpot_residuals)
 
+    def busy_seconds(self) -> dict[str, float]:
+        """Each worker's steps' seconds so far (its busy time), by worker id."""
+        with self._lock:
+            return dict(self._busy_s)
+
     def forget(self, worker_id: str) -> None:
         """A worker left: its own fit goes (its steps stay in its role's window)."""
         with self._lock:
             self._workers.pop(worker_id, None)
             self._role_of.pop(worker_id, None)
+            self._busy_s.pop(worker_id, None)
 
     def step_cost(self, worker_id: str, role: str) -> StepCost | None:
         """The worker's fitted step time, its role's where it has too few steps of its own;

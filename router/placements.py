@@ -131,6 +131,16 @@ class Placements:
     def num_open(self) -> int:
         return len(self._trackers)
 
+    def num_placed_on(self, worker_id: str) -> int:
+        """Requests whose current placement uses the worker (not ended yet)."""
+        with self._lock:
+            return sum(
+                1
+                for t in self._trackers.values()
+                if worker_id in (t.prefill_worker, t.decode_worker)
+                or (t.placing and worker_id in t.candidates)
+            )
+
     def queued_prompts(self) -> dict[str, list[tuple[int, int]]]:
         """By worker: (priority, prompt tokens) of each request placed there to be prefilled
         whose first token has not come yet (the latency forecast's queues by priority)."""

@@ -9,6 +9,8 @@ A worker's health, as the load poll sees it (slow is not dead):
              process may live on: out of rotation, its requests recovered elsewhere; probed
              every round, and back in rotation once it answers with its engine moving
   gone    -- its process is gone (Ray says so): out for good; a new worker starts in its slot
+  draining -- changing role (router/rebalancer.py): in rotation for what it holds, routed
+             nothing new; then retired (out, stopped, its slot closed, no replacement)
 The pool finds deaths and reports them (``PoolChanges``); recovering the requests that were
 on a worker is the placements' job (``router.placements``), never the pool's.
 
@@ -20,6 +22,7 @@ Locks, in the one order they are taken: ``Placements._lock`` -> ``WorkerPool._me
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -64,6 +67,8 @@ class WorkerHandle:
     probe_roster: int = 0  # a prefill worker's probe: the decode roster version it carried
     slot: str = ""  # its slot in the pool (router.worker_slots); "": its worker id
     replaced: bool = False  # its process is gone and a new worker took its slot
+    draining: bool = False  # routed nothing new: it is leaving its role (then retired)
+    retired: bool = False  # stopped for good by the rebalancer (never replaced)
 
     @property
     def load(self) -> WorkerLoad | None:
@@ -138,7 +143,11 @@ class WorkerPool:
         when none is prompt (slow is not dead: a late worker is routed to last)."""
         now = time.monotonic()
         with self._lock:
-            live = [w for w in self.workers.values() if w.role == role and w.alive and w.load]
+            live = [
+                w
+                for w in self.workers.values()
+                if w.role == role and w.alive and w.load and not w.draining
+            ]
             prompt = [w for w in live if self._is_prompt_locked(w, now)]
             return [w.load for w in prompt or live if w.load is not None]
 
@@ -393,18 +402,73 @@ class WorkerPool:
     # ---- statuses ---------------------------------------------------------------------------
     def statuses(self) -> list[WorkerStatus]:
         """The workers in the pools: in rotation or not, leaving out those whose slot has a
-        newer worker."""
+        newer worker and those retired."""
         with self._lock:
             return [
                 WorkerStatus(w.worker_id, w.role, w.alive, w.load)
                 for w in self.workers.values()
-                if not w.replaced
+                if not (w.replaced or w.retired)
             ]
 
     def restarts(self) -> list[SlotRestarts]:
         """Each slot's restarts so far (``--max-worker-restarts`` bounds them)."""
         with self._lock:
             return [SlotRestarts(s.name, s.role, s.restarts) for s in self._slots.values()]
+
+    # ---- changing a worker's role (router/rebalancer.py) --------------------------------
+    def start_draining(self, worker_id: str) -> WorkerHandle:
+        """Route nothing new to the worker; what it holds runs on."""
+        with self._lock:
+            worker = self.workers[worker_id]
+            worker.draining = True
+            return worker
+
+    def retire(self, worker: WorkerHandle) -> bool:
+        """Take a draining worker out of rotation for good: no new worker starts in its slot,
+        and the prefill workers forget it (a decode one). False if it was out already (lost
+        meanwhile: the poll recovers its requests). Its actor is stopped by ``stop_retired``,
+        once its requests are recovered elsewhere."""
+        with self._lock:
+            if not worker.alive:
+                return False
+            worker.alive, worker.retired = False, True
+            worker.load_call = None
+            worker.ledger.drop_all()
+            if self.kv_index is not None:
+                self.kv_index.forget(worker.worker_id)
+            slot = self._slots.pop(worker.slot, None)
+        self.latency_model.forget(worker.worker_id)
+        if worker.role == "decode":
+            for prefill in list(self.workers.values()):
+                if prefill.role == "prefill" and (prefill.alive or prefill.stalled):
+                    prefill.actor.forget_decode_peer.remote(worker.worker_id)
+        if slot is not None and self._launcher is not None:
+            self._launcher.release(slot.name)
+        logger.warning("%s worker %s retired from its pool", worker.role, worker.worker_id)
+        return True
+
+    def stop_retired(self, worker: WorkerHandle) -> None:
+        stop_actors([worker.actor])
+
+    def start_worker(self, role: str, cpus: tuple[int, ...] = ()) -> WorkerHandle | None:
+        """Start a worker of ``role`` in a new slot of its pool (bound to ``cpus``) and put it
+        in rotation; None if it failed to start or join."""
+        with self._lock:
+            taken = {name for name in self._slots} | {w.slot for w in self.workers.values()}
+            index = next(i for i in itertools.count() if f"{role}-{i}" not in taken)
+            slot = WorkerSlot(f"{role}-{index}", role, cpus)
+            self._slots[slot.name] = slot
+            slot.replacing = True  # (it is being started: no replacement meanwhile)
+        worker = self._start_in(slot)
+        if worker is not None and self._join(worker, slot):
+            return worker
+        with self._lock:
+            self._slots.pop(slot.name, None)
+        return None
+
+    def slot_cpus(self, worker: WorkerHandle) -> tuple[int, ...]:
+        slot = self._slots.get(worker.slot)
+        return () if slot is None else slot.cpus
 
     # ---- replacement ------------------------------------------------------------------------
     def _on_process_gone(self, dead: WorkerHandle) -> None:
@@ -421,8 +485,8 @@ class WorkerPool:
         own (a model takes minutes to load on a GPU). Nothing happens if the slot is starting
         one already or has used its ``max_worker_restarts``."""
         slot = self._slots.get(dead.slot)
-        if slot is None or self._launcher is None or self.stopping.is_set():
-            return
+        if slot is None or self._launcher is None or self.stopping.is_set() or dead.draining:
+            return  # (a draining one was leaving its role: the rebalancer starts the other)
         with self._lock:
             if slot.replacing:
                 return
@@ -472,14 +536,17 @@ class WorkerPool:
         and a new one takes the autoscaler minutes."""
         assert self._launcher is not None
         worker_id = slot.worker_id(slot.restarts)
-        logger.warning(
-            "starting %s worker %s in slot %s (restart %d of at most %d)",
-            slot.role,
-            worker_id,
-            slot.name,
-            slot.restarts,
-            self.config.max_worker_restarts,
-        )
+        if slot.restarts:
+            logger.warning(
+                "starting %s worker %s in slot %s (restart %d of at most %d)",
+                slot.role,
+                worker_id,
+                slot.name,
+                slot.restarts,
+                self.config.max_worker_restarts,
+            )
+        else:
+            logger.warning("starting %s worker %s in a new slot", slot.role, worker_id)
         actor = self._launcher.launch(slot, worker_id, self.decode_handles())
         ready = actor.ready.remote()
         while not ray.wait([ready], timeout=1.0)[0]:

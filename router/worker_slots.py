@@ -128,6 +128,12 @@ class WorkerLauncher:
             self._placements[slot.name] = placement
         return placement
 
+    def release(self, slot_name: str) -> None:
+        """Give back the placement group of a slot that closed (its worker retired)."""
+        placement = self._placements.pop(slot_name, None)
+        if placement is not None:
+            placement.remove()
+
     def release_all(self, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
         """Give back every worker's placement group (the cluster is stopping), waiting at
         most ``timeout_s``: Ray's removal blocks for as long as its control store is

@@ -496,6 +496,9 @@ class _IdleCluster:
     def prefix_hit_stats(self) -> None:
         return None
 
+    def role_switches(self) -> dict[tuple[str, str], int]:
+        return {}
+
 
 @pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
 def test_a_port_taken_after_the_check_is_one_error_naming_the_flag(

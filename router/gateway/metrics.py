@@ -168,18 +168,20 @@ class _WorkerCollector(Collector):
 
 class _RouterCollector(Collector):
     """The router's own counts: prompts it had decode workers prefill, by reason, workers
-    started in a slot of a pool after its first one died, and (kv_aware) the cached tokens of
-    the prompts it routed."""
+    started in a slot of a pool after its first one died, workers ``--rebalance`` moved between
+    the pools, and (kv_aware) the cached tokens of the prompts it routed."""
 
     def __init__(
         self,
         local_prefills: Callable[[], Mapping[str, int]],
         worker_restarts: Callable[[], Sequence[SlotRestarts]],
         prefix_hit_stats: Callable[[], PrefixHitStats | None],
+        role_switches: Callable[[], Mapping[tuple[str, str], int]],
     ) -> None:
         self._local_prefills = local_prefills
         self._worker_restarts = worker_restarts
         self._prefix_hit_stats = prefix_hit_stats
+        self._role_switches = role_switches
 
     def collect(self) -> Iterable[Metric]:
         local = CounterMetricFamily(
@@ -197,7 +199,15 @@ class _RouterCollector(Collector):
         )
         for slot in self._worker_restarts():
             restarts.add_metric([slot.role, slot.slot], slot.restarts)
-        yield from (local, restarts)
+        switches = CounterMetricFamily(
+            "pdserve:role_switches",
+            "Workers --rebalance moved from one pool to the other",
+            labels=["from_role", "to_role"],
+        )
+        counts = self._role_switches()
+        for from_role, to_role in (("prefill", "decode"), ("decode", "prefill")):
+            switches.add_metric([from_role, to_role], counts.get((from_role, to_role), 0))
+        yield from (local, restarts, switches)
         stats = self._prefix_hit_stats()
         if stats is not None:
             yield from _prefix_hit_metrics(stats)
@@ -247,6 +257,7 @@ class GatewayMetrics:
         slo: SloTargets,
         model_info: Mapping[str, str] | None = None,
         prefix_hit_stats: Callable[[], PrefixHitStats | None] = lambda: None,
+        role_switches: Callable[[], Mapping[tuple[str, str], int]] = dict,
     ) -> None:
         """``model_info``: labels of ``pdserve:model_info`` (the served model's name, its
         weights' quantization and what its KV cache stores), a gauge of 1 as Prometheus info
@@ -254,7 +265,9 @@ class GatewayMetrics:
         self.slo = slo
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_WorkerCollector(worker_statuses))
-        self.registry.register(_RouterCollector(local_prefills, worker_restarts, prefix_hit_stats))
+        self.registry.register(
+            _RouterCollector(local_prefills, worker_restarts, prefix_hit_stats, role_switches)
+        )
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

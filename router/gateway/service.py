@@ -68,6 +68,8 @@ class ClusterBackend(GenerationBackend, Protocol):
 
     def prefix_hit_stats(self) -> PrefixHitStats | None: ...
 
+    def role_switches(self) -> dict[tuple[str, str], int]: ...
+
     def is_ready(self) -> bool: ...
 
     def queue_is_full(self) -> bool: ...
@@ -138,6 +140,7 @@ class Gateway:
                 "kv_cache_dtype": model.kv_cache_dtype,
             },
             prefix_hit_stats=backend.prefix_hit_stats,
+            role_switches=backend.role_switches,
         )
         self.num_in_flight = 0
         self._in_flight_by_key: Counter[str | None] = Counter()  # by the key's tenant salt

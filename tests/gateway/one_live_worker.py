@@ -1,5 +1,5 @@
 """What a scripted stand-in for the cluster answers besides ``generate``: one live decode
-worker, no local prefills, ready, room in the router's queue, no latency forecast (its workers
+worker, no local prefills, ready, room in the router's queue, no role switches, no latency forecast (its workers
 report no step timings)."""
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ class OneLiveWorker:
 
     def prefix_hit_stats(self) -> None:
         return None
+
+    def role_switches(self) -> dict[tuple[str, str], int]:
+        return {}
 
     def is_ready(self) -> bool:
         return True

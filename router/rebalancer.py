@@ -1,0 +1,213 @@
+"""Live rebalancing (``--rebalance``): a worker moves between the prefill and decode pools when
+one pool is the bottleneck and the other has room to spare.
+
+Every report interval the rebalancer reads, per pool:
+  pressure     -- how close the pool is to its SLO: the latency model's predicted TTFT of a
+                  typical prompt (the recent requests' mean prompt and output lengths) over
+                  ``--slo-ttft-ms`` for the prefill pool; its predicted TPOT over
+                  ``--slo-tpot-ms`` for the decode pool;
+  utilization  -- the share of the window its workers spent in engine steps (from the step
+                  timings they report).
+A worker moves from pool A to pool B when, for a whole ``window_s``, B's pressure is at least
+``pressure_high`` while A's is at most ``donor_pressure_low`` and A's utilization at most
+``donor_utilization_low``, and A keeps at least one worker. After a switch none follows for
+``cooldown_s`` (and the thresholds' gap keeps the two directions apart): roles do not flap.
+
+A switch (``Rebalancer.switch``): the pool's least busy worker stops being routed new work
+(draining); what it holds runs on, for up to ``drain_timeout_s``; anything still on it then is
+resumed elsewhere (a decode worker's requests are recomputed after the tokens their clients
+have, as after a worker's loss: no request fails); then it is retired (its process stopped, its
+slot closed) and a worker of the other role starts on the same cores and joins its pool. The
+switch is logged, counted (``pdserve:role_switches_total{from_role,to_role}``) and charted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.latency_forecast import Forecast
+from router.latency_model import LatencyModel
+from router.rebalance_policy import ROLES, PoolSignals, RebalanceConfig, RebalancePolicy, Switch
+from router.worker_pool import WorkerHandle, WorkerPool
+
+logger = logging.getLogger("router.rebalancer")
+_DRAIN_POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class _RecentRequests:
+    """Mean prompt and output lengths of recent requests (exponentially weighted)."""
+
+    prompt_tokens: float = 0.0
+    max_tokens: float = 0.0
+    seen: bool = False
+    weight: float = 0.05
+
+    def note(self, prompt_tokens: int, max_tokens: int) -> None:
+        if not self.seen:
+            self.prompt_tokens, self.max_tokens, self.seen = prompt_tokens, max_tokens, True
+            return
+        self.prompt_tokens += self.weight * (prompt_tokens - self.prompt_tokens)
+        self.max_tokens += self.weight * (max_tokens - self.max_tokens)
+
+
+@dataclass(slots=True)
+class SwitchCounts:
+    counts: Counter[tuple[str, str]] = field(default_factory=Counter)  # (from, to) -> switches
+
+
+class Rebalancer:
+    def __init__(
+        self,
+        config: RebalanceConfig,
+        pool: WorkerPool,
+        forecast: Callable[[list[int], int], Forecast | None],
+        num_placed_on: Callable[[str], int],
+        recover: Callable[[list[WorkerHandle]], None],
+    ) -> None:
+        """``forecast(prompt, max_tokens)``: the cluster's; ``num_placed_on(worker_id)``: the
+        requests placed on a worker; ``recover``: the placements' recovery of a worker's
+        requests once it is out of rotation."""
+        self.config = config
+        self.policy = RebalancePolicy(config)
+        self.pool = pool
+        self._forecast = forecast
+        self._num_placed_on = num_placed_on
+        self._recover = recover
+        self._recent = _RecentRequests()
+        self._lock = threading.Lock()
+        self._busy_at: tuple[float, dict[str, float]] | None = None
+        self.switches = SwitchCounts()
+        self.switching: Switch | None = None  # the switch under way
+
+    @property
+    def model(self) -> LatencyModel:
+        return self.pool.latency_model
+
+    def note_request(self, prompt_tokens: int, max_tokens: int) -> None:
+        with self._lock:
+            self._recent.note(prompt_tokens, max_tokens)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self, interval_s: float) -> None:
+        """Tick every ``interval_s`` until the pool stops (the cluster's thread)."""
+        while not self.pool.stopping.wait(interval_s):
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # a bug: keep serving with the pools as they are
+                logger.exception("rebalancing failed")
+
+    def tick(self, now: float) -> Switch | None:
+        """Read the signals, decide, and carry out a switch; the switch made, if any."""
+        signals = self.signals(now)
+        if signals is None:
+            return None
+        decision = self.policy.decide(now, signals)
+        if decision is None:
+            return None
+        self.switch(decision)
+        self.policy.switched(time.monotonic())
+        return decision
+
+    def signals(self, now: float) -> PoolSignals | None:
+        """The pools' signals now; None before the latency model can predict (or before a
+        first interval to measure utilization over)."""
+        with self._lock:
+            recent = self._recent
+            if not recent.seen:
+                return None
+            prompt_len, max_tokens = round(recent.prompt_tokens), round(recent.max_tokens)
+        busy = self.model.busy_seconds()
+        earlier, self._busy_at = self._busy_at, (now, busy)
+        if earlier is None or now <= earlier[0]:
+            return None
+        forecast = self._forecast([0] * max(1, prompt_len), max(1, max_tokens))
+        if forecast is None:
+            return None
+        workers = self._workers_by_role()
+        elapsed = now - earlier[0]
+        utilization = {}
+        for role in ROLES:
+            ids = workers[role]
+            spent = sum(busy.get(w, 0.0) - earlier[1].get(w, 0.0) for w in ids)
+            utilization[role] = spent / (elapsed * len(ids)) if ids else 0.0
+        return PoolSignals(
+            {role: len(workers[role]) for role in ROLES},
+            {
+                "prefill": forecast.ttft_s / self.config.slo_ttft_s,
+                "decode": forecast.tpot_s / self.config.slo_tpot_s,
+            },
+            utilization,
+        )
+
+    def _workers_by_role(self) -> dict[str, list[str]]:
+        workers: dict[str, list[str]] = {role: [] for role in ROLES}
+        for worker in self.pool.workers.values():
+            if worker.alive and not worker.draining and worker.role in workers:
+                workers[worker.role].append(worker.worker_id)
+        return workers
+
+    # ---- a switch -------------------------------------------------------------------------
+    def switch(self, decision: Switch) -> WorkerHandle | None:
+        """Move the least busy worker of ``decision.from_role`` to the other pool; the new
+        worker, or None if none started (the pool is then one worker short, as after a
+        failed restart)."""
+        leaving = self._least_busy(decision.from_role)
+        if leaving is None:
+            return None
+        logger.warning(
+            "rebalancing: %s worker %s becomes a %s worker (%s)",
+            decision.from_role,
+            leaving.worker_id,
+            decision.to_role,
+            decision.reason,
+        )
+        self.switching = decision
+        try:
+            self.pool.start_draining(leaving.worker_id)
+            drain_by = time.monotonic() + self.config.drain_timeout_s
+            while self._num_placed_on(leaving.worker_id) and time.monotonic() < drain_by:
+                if self.pool.stopping.wait(_DRAIN_POLL_S):
+                    return None
+            cpus = self.pool.slot_cpus(leaving)
+            if self.pool.retire(leaving):
+                self._recover([leaving])  # what it still holds: resumed elsewhere
+                self.pool.stop_retired(leaving)
+            joined = self.pool.start_worker(decision.to_role, cpus)
+            if joined is None:
+                logger.error(
+                    "rebalancing: no %s worker started in place of %s; the %s pool is one "
+                    "worker short",
+                    decision.to_role,
+                    leaving.worker_id,
+                    decision.to_role,
+                )
+                return None
+            with self._lock:
+                self.switches.counts[(decision.from_role, decision.to_role)] += 1
+            logger.warning(
+                "rebalancing: %s worker %s in rotation in place of %s",
+                decision.to_role,
+                joined.worker_id,
+                leaving.worker_id,
+            )
+            return joined
+        finally:
+            self.switching = None
+
+    def _least_busy(self, role: str) -> WorkerHandle | None:
+        candidates = [
+            w for w in self.pool.workers.values() if w.role == role and w.alive and not w.draining
+        ]
+        if len(candidates) < 2:  # the floor: a pool keeps one worker
+            return None
+        return min(candidates, key=lambda w: (self._num_placed_on(w.worker_id), w.worker_id))
+
+    def switch_counts(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self.switches.counts)
