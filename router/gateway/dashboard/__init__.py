@@ -38,6 +38,7 @@ DASHBOARD_METRICS = (
     "pdserve:predicted_time_to_first_token_seconds",
     "pdserve:predicted_time_per_output_token_seconds",
     "pdserve:admission_refusals",
+    "pdserve:role_switches",
 )
 
 

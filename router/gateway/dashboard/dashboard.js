@@ -181,9 +181,11 @@ function render() {
   const latest = history[history.length - 1];
   const alive = (role) => sum(latest, "pdserve:worker_alive", { role });
   const restarts = sum(latest, "pdserve:worker_restarts_total");
+  const switches = sum(latest, "pdserve:role_switches_total");
   document.getElementById("pools").textContent =
     `pools: ${alive("prefill")} prefill · ${alive("decode")} decode` +
-    (restarts ? ` · ${restarts} worker restart${restarts === 1 ? "" : "s"} since start` : "");
+    (restarts ? ` · ${restarts} worker restart${restarts === 1 ? "" : "s"} since start` : "") +
+    (switches ? ` · ${switches} role switch${switches === 1 ? "" : "es"} (--rebalance)` : "");
   const slo = (name) => sum(latest, "pdserve:slo_target_seconds", { slo: name });
   const quantiles = (name) => [0.5, 0.9, 0.99].map((q) =>
     series(`p${Math.round(q * 100)}`, (i) => quantile(i, name, q)));
@@ -213,6 +215,8 @@ function render() {
   ]);
   drawChart("refusals", ["ttft", "tpot", "fair_share"].map((reason) =>
     series(reason, (i) => rate(i, "pdserve:admission_refusals_total", { reason }))));
+  drawChart("poolsizes", ["prefill", "decode"].map((role) =>
+    series(role, (i) => sum(history[i], "pdserve:worker_alive", { role }))));
   advice(latest);
 }
 

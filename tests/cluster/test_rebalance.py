@@ -1,0 +1,96 @@
+"""``--rebalance`` on a local Ray: a workload that shifts from prompt-heavy to output-heavy
+makes one prefill worker become a decode worker, once, with no request failed and every output
+what the offline engine gives."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from router.cluster import Cluster
+from router.rebalance_policy import RebalanceConfig
+from tests.fixtures.local_cluster import local_cluster_config
+
+pytestmark = pytest.mark.timeout(300)
+BLOCK = 8  # local_cluster_config's block size
+CLIENTS = 4
+
+
+async def _phase(
+    cluster: Cluster,
+    rng: random.Random,
+    prompt_len: int,
+    max_tokens: int,
+    until: float,
+    done: list[tuple[list[int], int, list[int]]],
+) -> None:
+    """``CLIENTS`` clients, each sending its next prompt as its last one ends, until ``until``
+    (monotonic); every request's prompt, max_tokens and tokens go in ``done``."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def client() -> None:
+        while time.monotonic() < until:
+            prompt = [rng.randrange(3, 500) for _ in range(prompt_len)]
+            tokens = [e.token_id async for e in cluster.generate(prompt, params)]
+            done.append((prompt, max_tokens, tokens))
+
+    await asyncio.gather(*(client() for _ in range(CLIENTS)))
+
+
+def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
+    ray_session: None, llama_dir: Path
+) -> None:
+    # decode's TPOT SLO is out of reach (its pressure is always high): what keeps the prefill
+    # pool from giving a worker while prompts are long is its own utilization
+    rebalance = RebalanceConfig(
+        slo_ttft_s=30.0,
+        slo_tpot_s=0.0005,
+        window_s=1.5,
+        cooldown_s=3.0,
+        donor_utilization_low=0.15,
+        drain_timeout_s=20.0,
+    )
+    config = local_cluster_config(
+        llama_dir,
+        num_prefill=2,
+        num_decode=1,
+        latency_profile=True,
+        rebalance=rebalance,
+        max_model_len=2048,
+    )
+    cluster = Cluster.start(config)
+    try:
+        rng = random.Random(0)
+        done: list[tuple[list[int], int, list[int]]] = []
+        asyncio.run(_phase(cluster, rng, 1200, 2, time.monotonic() + 4.0, done))
+        assert cluster.role_switches() == {}  # prompt-heavy: the prefill pool is busy
+        num_prompt_heavy = len(done)
+
+        deadline = time.monotonic() + 120
+        shifted = time.monotonic()
+        while not cluster.role_switches() and time.monotonic() < deadline:
+            asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))
+        assert cluster.role_switches() == {("prefill", "decode"): 1}, "no switch in 120 s"
+        switched_after = time.monotonic() - shifted
+        # well past the cooldown: nothing more moves (the prefill pool keeps its one worker,
+        # and it is not the bottleneck)
+        asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 2 * rebalance.cooldown_s, done))
+        assert cluster.role_switches() == {("prefill", "decode"): 1}
+        roles = sorted(s.role for s in cluster.worker_statuses() if s.alive)
+        assert roles == ["decode", "decode", "prefill"]
+    finally:
+        cluster.shutdown()
+
+    assert num_prompt_heavy >= CLIENTS and len(done) > num_prompt_heavy
+    assert switched_after >= rebalance.window_s
+    offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
+    for prompt_len in (1200, 4):  # one batch per shape
+        runs = [(p, m, t) for p, m, t in done if len(p) == prompt_len]
+        params = SamplingParams(temperature=0.0, max_tokens=runs[0][1], ignore_eos=True)
+        expected = offline.generate([p for p, _, _ in runs], params)
+        assert [t for _, _, t in runs] == [o.outputs[0].token_ids for o in expected]
