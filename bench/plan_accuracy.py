@@ -1,0 +1,274 @@
+"""How well ``pdserve plan`` predicts a real cluster (issue 35's "Measure": the planner's
+prediction error per layout and rate, in a table).
+
+    .venv/bin/python -m bench.plan_accuracy [--layouts colocated2,1p1d] [--loads 0.5,1.0,1.5]
+
+Steps: ``pdserve profile`` measures this machine on the model (a tiny random Llama without
+``--model``); then, for each layout, ``pdserve serve`` runs it, a closed loop measures its
+capacity, and Poisson traffic runs at each ``--loads`` fraction of that capacity. The planner
+simulates the same layout serving the same requests (their lengths and send times, as sent) on
+the profile, and the two are compared: goodput (the offered rate times the share of requests
+within both SLOs), SLO attainment, TTFT and TPOT percentiles. The gateway's own time per
+request (the planner's ``path_overhead_s``) is measured first, once: the TTFT of requests sent
+one at a time to the first layout, minus what the simulation gives them.
+
+Writes a JSON with every number and prints the table with each goodput's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.results_json import write_json
+from bench.serving.arrivals import ArrivalSpec
+from bench.serving.client import EndpointConfig
+from bench.serving.metrics import SLO, RequestRecord
+from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
+from bench.serving.servers import RunningServer, pdserve_server
+from bench.serving.tiny_model import build_tiny_llama
+from bench.serving.workloads import WorkloadSpec
+from router.planner.hardware import Hardware
+from router.planner.model_costs import ModelCosts
+from router.planner.plan import Layout, Planner, Slo
+from router.planner.simulator import SimulatedRequest, Simulation, WorkloadRequest
+
+SERVED_NAME = "pdserve-demo"
+MODEL_POSITIONS = 2048
+STEP_BUDGET = 512  # pdserve serve's on CPU
+LAYOUTS = {"colocated2": Layout(0, 1, 2, 1), "1p1d": Layout(1, 1, 1, 1)}
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    layout: str
+    rate: float
+    measured_goodput: float
+    predicted_goodput: float
+    measured_attainment: float
+    predicted_attainment: float
+    measured_ttft_ms: dict[str, float]
+    predicted_ttft_ms: dict[str, float]
+    measured_tpot_ms: dict[str, float]
+    predicted_tpot_ms: dict[str, float]
+
+    @property
+    def goodput_error(self) -> float | None:
+        """(predicted - measured) / measured; None when nothing met the SLOs."""
+        if not self.measured_goodput:
+            return None
+        return (self.predicted_goodput - self.measured_goodput) / self.measured_goodput
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.plan_accuracy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, help="model dir; default: a tiny Llama")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
+    parser.add_argument("--loads", default="0.5,1.0,1.5", help="fractions of the capacity")
+    parser.add_argument("--num-prompts", type=int, default=200, help="per rate")
+    parser.add_argument("--prompt-len", type=int, default=256, help="median")
+    parser.add_argument("--output-len", type=int, default=64, help="median")
+    parser.add_argument("--sigma", type=float, default=0.5, help="of ln(length)")
+    parser.add_argument("--num-kv-blocks", type=int, default=2048, help="per worker")
+    parser.add_argument("--cores-per-worker", type=int, default=None, help="default: split")
+    parser.add_argument("--slo-ttft-ms", type=float, default=300.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=60.0)
+    parser.add_argument("--port", type=int, default=8480)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/plan_accuracy"))
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _profile(args: argparse.Namespace, model_dir: str) -> Hardware:
+    path = args.out / "profile.json"
+    command = [
+        sys.executable, "-m", "router.cli", "profile", "--model", model_dir,
+        "--max-num-batched-tokens", str(STEP_BUDGET), "--num-kv-blocks", str(args.num_kv_blocks),
+        "--out", str(path),
+    ]  # fmt: skip
+    subprocess.run(command, check=True)
+    return Hardware.load(path)
+
+
+def _workload(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
+        kind="chat-like",
+        input_len=args.prompt_len,
+        output_len=args.output_len,
+        input_sigma=args.sigma,
+        output_sigma=args.sigma,
+        input_range=(1, MODEL_POSITIONS // 2),
+        output_range=(2, MODEL_POSITIONS // 4),
+    )
+
+
+def _bench(
+    args: argparse.Namespace, port: int, model_dir: str, arrivals: ArrivalSpec, n: int, seed: int
+) -> BenchResult:
+    config = BenchConfig(
+        endpoint=EndpointConfig(f"http://127.0.0.1:{port}/v1", SERVED_NAME, timeout_s=600),
+        tokenizer_dir=model_dir,
+        workload=_workload(args),
+        arrivals=arrivals,
+        slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+        num_prompts=n,
+        seed=seed,
+        num_warmups=2,
+        progress=not args.no_progress,
+    )
+    return run_benchmark(config)
+
+
+def _simulate(
+    planner: Planner, layout: Layout, records: tuple[RequestRecord, ...]
+) -> list[SimulatedRequest]:
+    """The planner's simulation of ``layout`` serving the requests as they were sent."""
+    rng = random.Random(0)
+    requests = [
+        WorkloadRequest(
+            r.send_time_s,
+            tuple(rng.randrange(3, 4000) for _ in range(r.prompt_len)),
+            r.output_len,
+        )
+        for r in records
+    ]
+    return Simulation(planner.cluster(layout), requests).run()
+
+
+def _percentiles_ms(values: list[float | None]) -> dict[str, float]:
+    known = sorted(v * 1000 for v in values if v is not None)
+    if len(known) < 2:
+        return {}
+    cuts = statistics.quantiles(known, n=100, method="inclusive")
+    return {"p50": cuts[49], "p90": cuts[89]}
+
+
+def compare(
+    name: str, rate: float, result: BenchResult, simulated: list[SimulatedRequest], slo: Slo
+) -> Comparison:
+    records = result.records
+    measured = result.summary.num_good / len(records)
+    predicted = sum(slo.met_by(s) for s in simulated) / len(simulated)
+    return Comparison(
+        name,
+        rate,
+        measured * rate,
+        predicted * rate,
+        measured,
+        predicted,
+        _percentiles_ms([r.ttft_s for r in records]),
+        _percentiles_ms([s.ttft_s for s in simulated]),
+        _percentiles_ms([r.tpot_s for r in records]),
+        _percentiles_ms([s.tpot_s for s in simulated]),
+    )
+
+
+def table(comparisons: list[Comparison]) -> str:
+    rows = [
+        f"{'layout':11} {'rate/s':>7} {'goodput meas':>12} {'pred':>6} {'error':>7} "
+        f"{'ttft p50 meas/pred':>19} {'ttft p90 meas/pred':>19} {'tpot p50 meas/pred':>19}"
+    ]
+    for c in comparisons:
+        error = c.goodput_error
+        rows.append(
+            f"{c.layout:11} {c.rate:7.2f} {c.measured_goodput:12.2f} {c.predicted_goodput:6.2f} "
+            f"{'-' if error is None else f'{error:+.0%}':>7} "
+            f"{_pair(c.measured_ttft_ms, c.predicted_ttft_ms, 'p50'):>19} "
+            f"{_pair(c.measured_ttft_ms, c.predicted_ttft_ms, 'p90'):>19} "
+            f"{_pair(c.measured_tpot_ms, c.predicted_tpot_ms, 'p50'):>19}"
+        )
+    return "\n".join(rows)
+
+
+def _pair(measured: dict[str, float], predicted: dict[str, float], key: str) -> str:
+    if key not in measured or key not in predicted:
+        return "-"
+    return f"{measured[key]:.0f}/{predicted[key]:.0f} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
+    loads = [float(x) for x in args.loads.split(",") if x.strip()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS))
+    hardware = _profile(args, model_dir)
+    model = ModelCosts.load(model_dir, "float32")
+    slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+    planner = Planner(
+        model, hardware, block_size=16, max_num_batched_tokens=STEP_BUDGET,
+        num_kv_blocks=args.num_kv_blocks,
+    )  # fmt: skip
+    cores = args.cores_per_worker
+    if cores is None:
+        cores = max(0, ((os.cpu_count() or 1) - 2) // 2)
+    comparisons: list[Comparison] = []
+    extra: dict[str, Any] = {}
+    for index, name in enumerate(names):
+        layout = LAYOUTS[name]
+        spec = pdserve_server(
+            name, layout.num_prefill, layout.num_decode, args.port + index, model_dir,
+            SERVED_NAME, args.num_kv_blocks, cores_per_worker=cores,
+            extra_args=("--max-model-len", str(MODEL_POSITIONS)),
+        )  # fmt: skip
+        print(f"== {name}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
+        with RunningServer(spec, args.out / f"{name}.log"):
+            port = spec.port
+            if "path_overhead_s" not in extra:  # the front door's own time, measured once
+                idle = _bench(args, port, model_dir, ArrivalSpec(max_concurrency=1), 20, 7)
+                simulated = _simulate(planner, layout, idle.records)
+                gap = statistics.median(
+                    r.ttft_s for r in idle.records if r.ttft_s
+                ) - statistics.median(s.ttft_s for s in simulated if s.ttft_s)
+                extra["path_overhead_s"] = max(0.0, gap + hardware.path_overhead_s)
+                planner = replace(
+                    planner, hardware=replace(hardware, path_overhead_s=extra["path_overhead_s"])
+                )
+            closed = _bench(args, port, model_dir, ArrivalSpec(max_concurrency=16), 100, 11)
+            capacity = closed.summary.request_throughput
+            extra[f"{name}_capacity"] = capacity
+            for load in loads:
+                rate = load * capacity
+                result = _bench(
+                    args,
+                    port,
+                    model_dir,
+                    ArrivalSpec(request_rate=rate),
+                    args.num_prompts,
+                    args.seed,
+                )
+                comparisons.append(
+                    compare(name, rate, result, _simulate(planner, layout, result.records), slo)
+                )
+    print(table(comparisons))
+    errors = [abs(c.goodput_error) for c in comparisons if c.goodput_error is not None]
+    if errors:
+        print(f"goodput error: mean {statistics.mean(errors):.0%}, worst {max(errors):.0%}")
+    payload = {
+        "command": " ".join(sys.argv),
+        "hardware": hardware.to_json(),
+        "slo": asdict(slo),
+        **extra,
+        "comparisons": [{**asdict(c), "goodput_error": c.goodput_error} for c in comparisons],
+    }
+    print(f"wrote {write_json(args.out / 'plan_accuracy.json', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""A shifting workload (issue 35's "Measure"): fixed pools against ``--rebalance``, in one run.
+
+    .venv/bin/python -m bench.rebalance [--prefill 3 --decode 1] [--phase-s 60]
+        [--prompt-heavy 1024,16 --output-heavy 64,256] [--rate-a R --rate-b R]
+
+Both configurations start with the same pools (by default 3 prefill + 1 decode, right for the
+first phase) and serve the same traffic, Poisson arrivals in two phases of ``--phase-s`` each:
+  A  prompt-heavy: long prompts, short outputs (``--prompt-heavy PROMPT,OUTPUT`` tokens)
+  B  output-heavy: short prompts, long outputs (``--output-heavy``)
+then ``fixed`` keeps its pools and ``rebalance`` (``--rebalance`` with a short window and
+cooldown, ``--rebalance-window-s``/``--rebalance-cooldown-s``) moves workers as phase B's
+decode load builds up. Reports per configuration and phase: requests, completed, SLO attainment
+and goodput (requests per s within ``--slo-ttft-ms`` and ``--slo-tpot-ms``), TTFT and TPOT p50,
+and the role switches the server counted; the goal: rebalance's goodput over both phases at
+least 1.3x fixed's. Rates default to measured ones: each phase at about 80 % of what a fixed
+cluster completes in a closed loop of that phase's requests. Without ``--model`` both serve a
+tiny random Llama. Writes one JSON with every record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.results_json import write_json
+from bench.serving.arrivals import ArrivalSpec
+from bench.serving.cli import int_pair
+from bench.serving.client import EndpointConfig
+from bench.serving.metrics import SLO
+from bench.serving.report import result_dict
+from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
+from bench.serving.servers import RunningServer, ServerSpec, pdserve_server
+from bench.serving.tiny_model import build_tiny_llama
+from bench.serving.workloads import WorkloadSpec
+
+SERVED_NAME = "pdserve-demo"
+MODEL_POSITIONS = 2048
+GOAL = 1.3
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseOutcome:
+    config: str
+    phase: str
+    rate: float
+    num_sent: int
+    num_completed: int
+    num_good: int
+    duration_s: float
+    ttft_p50_ms: float | None
+    tpot_p50_ms: float | None
+
+    @property
+    def attainment(self) -> float:
+        return self.num_good / self.num_sent if self.num_sent else 0.0
+
+    @property
+    def goodput(self) -> float:
+        return self.num_good / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def phase_outcome(config: str, phase: str, result: BenchResult) -> PhaseOutcome:
+    summary = result.summary
+    return PhaseOutcome(
+        config,
+        phase,
+        result.config.arrivals.request_rate,
+        summary.num_requests,
+        summary.num_completed,
+        summary.num_good,
+        summary.duration_s,
+        summary.ttft.percentile(50),
+        summary.tpot.percentile(50),
+    )
+
+
+def overall_goodput(outcomes: list[PhaseOutcome]) -> float:
+    """Requests within both SLOs per second over the phases together."""
+    duration = sum(o.duration_s for o in outcomes)
+    return sum(o.num_good for o in outcomes) / duration if duration > 0 else 0.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.rebalance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, help="model dir; default: a tiny Llama")
+    parser.add_argument("--prefill", type=int, default=3)
+    parser.add_argument("--decode", type=int, default=1)
+    parser.add_argument("--cores-per-worker", type=int, default=None, help="default: split")
+    parser.add_argument("--num-kv-blocks", type=int, default=2048, help="per worker")
+    parser.add_argument("--prompt-heavy", type=int_pair, default=(1024, 16), metavar="IN,OUT")
+    parser.add_argument("--output-heavy", type=int_pair, default=(64, 256), metavar="IN,OUT")
+    parser.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
+    parser.add_argument("--rate-a", type=float, default=None, help="default: measured")
+    parser.add_argument("--rate-b", type=float, default=None, help="default: measured")
+    parser.add_argument("--load", type=float, default=0.8, help="of the measured capacity")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument("--rebalance-window-s", type=float, default=5.0)
+    parser.add_argument("--rebalance-cooldown-s", type=float, default=15.0)
+    parser.add_argument("--pdserve-args", default="", help="more flags for both servers")
+    parser.add_argument("--port", type=int, default=8470)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/rebalance"))
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _server(
+    args: argparse.Namespace, model_dir: str, name: str, flags: tuple[str, ...]
+) -> ServerSpec:
+    num_workers = args.prefill + args.decode
+    cores = args.cores_per_worker
+    if cores is None:
+        cores = max(0, ((os.cpu_count() or 1) - 2) // num_workers)
+    extra = (
+        "--max-model-len", str(MODEL_POSITIONS),
+        "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}",
+        *flags, *args.pdserve_args.split(),
+    )  # fmt: skip
+    return pdserve_server(
+        name, args.prefill, args.decode, args.port, model_dir, SERVED_NAME,
+        args.num_kv_blocks, cores_per_worker=cores, extra_args=extra,
+    )  # fmt: skip
+
+
+def _config(
+    args: argparse.Namespace,
+    spec: ServerSpec,
+    model_dir: str,
+    lengths: tuple[int, int],
+    arrivals: ArrivalSpec,
+    num_prompts: int,
+    seed: int,
+) -> BenchConfig:
+    workload = WorkloadSpec(kind="fixed", input_len=lengths[0], output_len=lengths[1])
+    return BenchConfig(
+        endpoint=EndpointConfig(spec.base_url, SERVED_NAME, timeout_s=600),
+        tokenizer_dir=model_dir,
+        workload=workload,
+        arrivals=arrivals,
+        slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+        num_prompts=num_prompts,
+        seed=seed,
+        num_warmups=1,
+        progress=not args.no_progress,
+    )
+
+
+def _capacity(
+    args: argparse.Namespace, spec: ServerSpec, model_dir: str, lengths: tuple[int, int]
+) -> float:
+    closed = ArrivalSpec(max_concurrency=16)
+    return run_benchmark(
+        _config(args, spec, model_dir, lengths, closed, 64, args.seed + 99)
+    ).summary.request_throughput
+
+
+def _switches(spec: ServerSpec) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{spec.port}/metrics", timeout=10).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve:role_switches_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels[len("pdserve:role_switches_total") :]] = float(value)
+    return counts
+
+
+def _run_phases(
+    args: argparse.Namespace, spec: ServerSpec, model_dir: str, rates: tuple[float, float]
+) -> tuple[list[BenchResult], dict[str, float]]:
+    results = []
+    for index, (lengths, rate) in enumerate(zip((args.prompt_heavy, args.output_heavy), rates)):
+        arrivals = ArrivalSpec(request_rate=rate)
+        num = max(1, round(rate * args.phase_s))
+        results.append(
+            run_benchmark(_config(args, spec, model_dir, lengths, arrivals, num, args.seed + index))
+        )
+    return results, _switches(spec)
+
+
+def table(outcomes: list[PhaseOutcome]) -> str:
+    rows = [
+        f"{'config':10} {'phase':6} {'rate/s':>7} {'sent':>5} {'done':>5} {'good':>5} "
+        f"{'attain':>7} {'goodput/s':>9} {'ttft p50':>9} {'tpot p50':>9}"
+    ]
+    for o in outcomes:
+        rows.append(
+            f"{o.config:10} {o.phase:6} {o.rate:7.2f} {o.num_sent:5d} {o.num_completed:5d} "
+            f"{o.num_good:5d} {o.attainment:7.1%} {o.goodput:9.2f} "
+            f"{_ms(o.ttft_p50_ms):>9} {_ms(o.tpot_p50_ms):>9}"
+        )
+    return "\n".join(rows)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS))
+    fixed = _server(args, model_dir, "fixed", ())
+    rebalance_flags = (
+        "--rebalance", "--rebalance-window-s", f"{args.rebalance_window_s:g}",
+        "--rebalance-cooldown-s", f"{args.rebalance_cooldown_s:g}",
+    )  # fmt: skip
+    rebalanced = _server(args, model_dir, "rebalance", rebalance_flags)
+    runs: dict[str, tuple[list[BenchResult], dict[str, float]]] = {}
+    rates = (args.rate_a, args.rate_b)
+    for spec in (fixed, rebalanced):
+        print(f"== {spec.name}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
+        with RunningServer(spec, args.out / f"{spec.name}.log"):
+            if None in rates:  # measured once, on the fixed pools
+                rate_a = rates[0] or args.load * _capacity(args, spec, model_dir, args.prompt_heavy)
+                rate_b = rates[1] or args.load * _capacity(args, spec, model_dir, args.output_heavy)
+                rates = (rate_a, rate_b)
+                print(f"rates: phase A {rate_a:.2f}/s, phase B {rate_b:.2f}/s", file=sys.stderr)
+            runs[spec.name] = _run_phases(args, spec, model_dir, rates)  # type: ignore[arg-type]
+    outcomes = [
+        phase_outcome(name, phase, result)
+        for name, (results, _) in runs.items()
+        for phase, result in zip(("A", "B"), results)
+    ]
+    print(table(outcomes))
+    goodputs = {name: overall_goodput([o for o in outcomes if o.config == name]) for name in runs}
+    ratio = goodputs["rebalance"] / goodputs["fixed"] if goodputs["fixed"] else float("inf")
+    for name, (_, switches) in runs.items():
+        print(f"{name}: goodput over both phases {goodputs[name]:.2f}/s; role switches {switches}")
+    met = ratio >= GOAL
+    print(f"{'met' if met else 'NOT met'}: rebalance goodput >= {GOAL}x fixed ({ratio:.2f}x)")
+    payload: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "servers": {s.name: list(s.argv) for s in (fixed, rebalanced)},
+        "rates": {"A": rates[0], "B": rates[1]},
+        "outcomes": [
+            {**asdict(o), "attainment": o.attainment, "goodput": o.goodput} for o in outcomes
+        ],
+        "goodput": goodputs,
+        "goal": {"ratio": ratio, "met": met},
+        "switches": {name: switches for name, (_, switches) in runs.items()},
+        "runs": {name: [result_dict(r) for r in results] for name, (results, _) in runs.items()},
+    }
+    print(f"wrote {write_json(args.out / 'rebalance.json', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
