@@ -61,13 +61,12 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         num_decode=1,
         latency_profile=True,
         rebalance=rebalance,
-        max_model_len=2048,
     )
     cluster = Cluster.start(config)
     try:
         rng = random.Random(0)
         done: list[tuple[list[int], int, list[int]]] = []
-        asyncio.run(_phase(cluster, rng, 1200, 2, time.monotonic() + 4.0, done))
+        asyncio.run(_phase(cluster, rng, 400, 2, time.monotonic() + 4.0, done))
         assert cluster.role_switches() == {}  # prompt-heavy: the prefill pool is busy
         num_prompt_heavy = len(done)
 
@@ -89,7 +88,7 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
     assert num_prompt_heavy >= CLIENTS and len(done) > num_prompt_heavy
     assert switched_after >= rebalance.window_s
     offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
-    for prompt_len in (1200, 4):  # one batch per shape
+    for prompt_len in (400, 4):  # one batch per shape
         runs = [(p, m, t) for p, m, t in done if len(p) == prompt_len]
         params = SamplingParams(temperature=0.0, max_tokens=runs[0][1], ignore_eos=True)
         expected = offline.generate([p for p, _, _ in runs], params)
