@@ -12,9 +12,10 @@ cooldown, ``--rebalance-window-s``/``--rebalance-cooldown-s``) moves workers as 
 decode load builds up. Reports per configuration and phase: requests, completed, SLO attainment
 and goodput (requests per s within ``--slo-ttft-ms`` and ``--slo-tpot-ms``), TTFT and TPOT p50,
 and the role switches the server counted; the goal: rebalance's goodput over both phases at
-least 1.3x fixed's. Rates default to measured ones: each phase at about 80 % of what a fixed
-cluster completes in a closed loop of that phase's requests. Without ``--model`` both serve a
-tiny random Llama. Writes one JSON with every record.
+least 1.3x fixed's. Rates default to measured ones, of what the fixed pools complete in a
+closed loop of each phase's requests: phase A at 0.8 of it (``--load-a``), phase B at 1.5
+(``--load-b``): beyond the fixed pools, within what the pools rebalanced can do. Without
+``--model`` both serve a tiny random Llama. Writes one JSON with every record.
 """
 
 from __future__ import annotations
@@ -102,7 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
     parser.add_argument("--rate-a", type=float, default=None, help="default: measured")
     parser.add_argument("--rate-b", type=float, default=None, help="default: measured")
-    parser.add_argument("--load", type=float, default=0.8, help="of the measured capacity")
+    parser.add_argument(
+        "--load-a", type=float, default=0.8, help="phase A's rate, of the fixed pools' capacity"
+    )
+    parser.add_argument(
+        "--load-b",
+        type=float,
+        default=1.5,
+        help="phase B's rate, of the fixed pools' capacity (beyond it: what rebalancing is for)",
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--rebalance-window-s", type=float, default=5.0)
@@ -221,8 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {spec.name}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
         with RunningServer(spec, args.out / f"{spec.name}.log"):
             if None in rates:  # measured once, on the fixed pools
-                rate_a = rates[0] or args.load * _capacity(args, spec, model_dir, args.prompt_heavy)
-                rate_b = rates[1] or args.load * _capacity(args, spec, model_dir, args.output_heavy)
+                rate_a = rates[0] or args.load_a * _capacity(
+                    args, spec, model_dir, args.prompt_heavy
+                )
+                rate_b = rates[1] or args.load_b * _capacity(
+                    args, spec, model_dir, args.output_heavy
+                )
                 rates = (rate_a, rate_b)
                 print(f"rates: phase A {rate_a:.2f}/s, phase B {rate_b:.2f}/s", file=sys.stderr)
             runs[spec.name] = _run_phases(args, spec, model_dir, rates)  # type: ignore[arg-type]
