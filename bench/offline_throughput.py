@@ -40,7 +40,10 @@ from transformers import (
 from engine import LLM, LLMEngine, SamplingParams
 
 
-def build_model(out_dir: Path, vocab_size: int, kind: str = "dense") -> Path:
+def build_model(
+    out_dir: Path, vocab_size: int, kind: str = "dense", resize: dict[str, int] | None = None
+) -> Path:
+    """``resize``: config keys to change (hidden_size, num_hidden_layers ...)."""
     shape = {
         "vocab_size": vocab_size,
         "hidden_size": 256,
@@ -54,6 +57,7 @@ def build_model(out_dir: Path, vocab_size: int, kind: str = "dense") -> Path:
         "eos_token_id": 2,
         "tie_word_embeddings": False,
     }
+    shape.update(resize or {})
     torch.manual_seed(0)
     if kind == "moe":
         moe = MixtralConfig(**shape, num_local_experts=8, num_experts_per_tok=2)

@@ -15,7 +15,7 @@ and the role switches the server counted; the goal: rebalance's goodput over bot
 least 1.3x fixed's. Rates default to measured ones, of what the fixed pools complete in a
 closed loop of each phase's requests: phase A at 0.8 of it (``--load-a``), phase B at 1.5
 (``--load-b``): beyond the fixed pools, within what the pools rebalanced can do. Without
-``--model`` both serve a tiny random Llama. Writes one JSON with every record.
+``--model`` both serve a random Llama of ``--model-size``. Writes one JSON with every record.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from bench.serving.metrics import SLO
 from bench.serving.report import result_dict
 from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
 from bench.serving.servers import RunningServer, ServerSpec, pdserve_server
-from bench.serving.tiny_model import build_tiny_llama
+from bench.serving.tiny_model import SMALL_LLAMA, build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 
 SERVED_NAME = "pdserve-demo"
@@ -93,7 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default=None, help="model dir; default: a tiny Llama")
+    parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
+    parser.add_argument(
+        "--model-size",
+        choices=("tiny", "small"),
+        default="small",
+        help="the random Llama: tiny (3 M parameters) or small (29 M: on a small CPU machine "
+        "its engines' compute outweighs the gateway's work, as on GPUs)",
+    )
     parser.add_argument("--prefill", type=int, default=3)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--cores-per-worker", type=int, default=None, help="default: split")
@@ -217,7 +224,8 @@ def _ms(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS))
+    resize = SMALL_LLAMA if args.model_size == "small" else None
+    model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS, resize))
     fixed = _server(args, model_dir, "fixed", ())
     rebalance_flags = (
         "--rebalance", "--rebalance-window-s", f"{args.rebalance_window_s:g}",

@@ -288,7 +288,7 @@ class Cluster:
             prompt,
             [] if self.config.colocated else prompt_loads,
             self.pool.routable_loads("decode"),
-            self.placements.queued_prompts(),
+            self.placements.queued_prompts() if self.forecaster.by_priority else {},
         )
 
     def observe_latencies(self, forecast: Forecast, ttft_s: float, tpot_s: float | None) -> None:

@@ -143,17 +143,18 @@ class Placements:
 
     def queued_prompts(self) -> dict[str, list[tuple[int, int]]]:
         """By worker: (priority, prompt tokens) of each request placed there to be prefilled
-        whose first token has not come yet (the latency forecast's queues by priority)."""
+        whose first token has not come yet (the latency forecast's queues by priority).
+
+        Read without the lock (a snapshot of the trackers, their fields as they are): the front
+        doors ask on their event loop, which must not wait while a recovery holds the lock; an
+        estimate a request out of date is as good."""
         queued: dict[str, list[tuple[int, int]]] = {}
-        with self._lock:
-            for tracker in self._trackers.values():
-                if tracker.placing or tracker.has_delivered:
-                    continue
-                worker = tracker.prefill_worker or tracker.decode_worker
-                request = tracker.request
-                queued.setdefault(worker, []).append(
-                    (request.priority, len(request.prompt_token_ids))
-                )
+        for tracker in list(self._trackers.values()):
+            if tracker.placing or tracker.has_delivered:
+                continue
+            worker = tracker.prefill_worker or tracker.decode_worker
+            request = tracker.request
+            queued.setdefault(worker, []).append((request.priority, len(request.prompt_token_ids)))
         return queued
 
     def local_prefills(self) -> dict[str, int]:

@@ -19,15 +19,31 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 DEMO_VOCAB_SIZE = 4096  # the demo tokenizer's
 
 
-def build_tiny_llama(out_dir: Path, max_position_embeddings: int | None = None) -> Path:
+# a larger one, for benchmarks where the engines' compute must outweigh the gateway's own work
+# on a small CPU machine (29 M parameters: hidden 512, 8 layers, 8 heads of 64)
+SMALL_LLAMA = {
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+}
+
+
+def build_tiny_llama(
+    out_dir: Path,
+    max_position_embeddings: int | None = None,
+    resize: dict[str, int] | None = None,
+) -> Path:
     """Writes the model (safetensors, float32) and the demo tokenizer into ``out_dir``.
 
     ``max_position_embeddings``: a longer context than the model's 1024 positions (rotary
-    positions have no weights, so the weights are the same); None keeps 1024."""
+    positions have no weights, so the weights are the same); None keeps 1024. ``resize``:
+    other config keys to change (``SMALL_LLAMA``)."""
     from bench.offline_throughput import build_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    build_model(out_dir, DEMO_VOCAB_SIZE)
+    build_model(out_dir, DEMO_VOCAB_SIZE, resize=resize)
     if max_position_embeddings is not None:
         config_path = out_dir / "config.json"
         config = json.loads(config_path.read_text())
