@@ -96,10 +96,17 @@ def _profile(args: argparse.Namespace, model_dir: str) -> Hardware:
     command = [
         sys.executable, "-m", "router.cli", "profile", "--model", model_dir,
         "--max-num-batched-tokens", str(STEP_BUDGET), "--num-kv-blocks", str(args.num_kv_blocks),
-        "--out", str(path),
+        "--worker-num-cpus", str(_cores(args)), "--out", str(path),
     ]  # fmt: skip
     subprocess.run(command, check=True)
     return Hardware.load(path)
+
+
+def _cores(args: argparse.Namespace) -> int:
+    """Each worker's Ray CPUs (its threads): all cores but 2, split between the two workers."""
+    if args.cores_per_worker is not None:
+        return int(args.cores_per_worker)
+    return max(0, ((os.cpu_count() or 1) - 2) // 2)
 
 
 def _workload(args: argparse.Namespace) -> WorkloadSpec:
@@ -214,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         model, hardware, block_size=16, max_num_batched_tokens=STEP_BUDGET,
         num_kv_blocks=args.num_kv_blocks,
     )  # fmt: skip
-    cores = args.cores_per_worker
-    if cores is None:
-        cores = max(0, ((os.cpu_count() or 1) - 2) // 2)
+    cores = _cores(args)
     comparisons: list[Comparison] = []
     extra: dict[str, Any] = {}
     for index, name in enumerate(names):

@@ -1,6 +1,7 @@
 """``pdserve profile``: a hardware profile of the machine at hand, for ``pdserve plan``.
 
-It loads the model on one device of this machine (the engine a worker runs), runs the start-up
+It loads the model on one device of this machine (the engine a worker runs, on a CPU with the
+threads a worker of ``--worker-num-cpus`` computes on), runs the start-up
 latency profile's synthetic requests a few times with larger decode batches
 (engine/latency_profile.py), and fits the router's step-time model to those steps
 (router/latency_model.py): that fit is the profile's ``measured`` step time for this model. From
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from router.cpu_binding import threads_per_worker
 from router.latency_model import fit_step_cost
 from router.planner.hardware import DEFAULT_PATH_OVERHEAD_S, Hardware
 from router.planner.model_costs import ModelCosts
@@ -35,6 +37,12 @@ def add_profile_args(profile: argparse.ArgumentParser) -> None:
     profile.add_argument("--model", required=True, help="Hugging Face model directory")
     profile.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     profile.add_argument("--dtype", default="float32", help="as pdserve serve's --dtype")
+    profile.add_argument(
+        "--worker-num-cpus",
+        type=float,
+        default=1.0,
+        help="as pdserve serve's: a CPU worker computes on this many threads (0: one)",
+    )
     profile.add_argument("--max-num-batched-tokens", type=int, default=512)
     profile.add_argument("--num-kv-blocks", type=int, default=2048)
     profile.add_argument("--block-size", type=int, default=16)
@@ -54,6 +62,8 @@ def run_profile(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
     from engine.scheduler import SchedulerConfig
 
+    if args.device == "cpu":  # the threads a served worker has (router/cpu_binding.py)
+        torch.set_num_threads(threads_per_worker(args.worker_num_cpus))
     engine = LLMEngine(
         LoadConfig(args.model, dtype=args.dtype, device=args.device),
         CacheConfig(block_size=args.block_size, budget=KVBudget(num_blocks=args.num_kv_blocks)),
