@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO
 from bench.serving.report import result_dict
 from bench.serving.runner import BenchConfig, BenchmarkError, BenchResult, run_benchmark
-from bench.serving.servers import RunningServer, ServerSpec, pdserve_server
+from bench.serving.servers import RunningServer, ServerSpec, cores_per_worker, pdserve_server
 from bench.serving.tiny_model import build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 
@@ -121,10 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _server(args: argparse.Namespace, model_dir: str, flags: tuple[str, ...]) -> ServerSpec:
-    num_workers = args.prefill + args.decode
-    cores = args.cores_per_worker
-    if cores is None:  # all cores but 2, split evenly
-        cores = max(0, ((os.cpu_count() or 1) - 2) // num_workers)
+    cores = cores_per_worker(args.prefill + args.decode, args.cores_per_worker)
     extra = ("--max-model-len", str(MODEL_POSITIONS), *flags, *args.pdserve_args.split())
     name = "admission " + (flags[1] if flags[:1] == ("--admission",) else "none")
     return pdserve_server(

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 import subprocess
 import sys
@@ -59,7 +58,13 @@ from bench.serving.multi_turn_report import (
 )
 from bench.serving.report import sweep_dict
 from bench.serving.runner import BenchConfig, BenchmarkError, BenchResult, SweepResult, sweep
-from bench.serving.servers import RunningServer, ServerSpec, pdserve_server, vllm_server
+from bench.serving.servers import (
+    RunningServer,
+    ServerSpec,
+    cores_per_worker,
+    pdserve_server,
+    vllm_server,
+)
 from bench.serving.tiny_model import build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 
@@ -197,9 +202,7 @@ def make_plan(args: argparse.Namespace, configs: list[str]) -> Plan:
     model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS))
     max_model_len = max(MODEL_POSITIONS, max_context_len(workload))
     num_workers = args.prefill + args.decode
-    cores = args.cores_per_worker
-    if cores is None:  # all cores but 2, split evenly; 0 (no reservation) where that is none
-        cores = max(0, ((os.cpu_count() or 1) - 2) // num_workers)
+    cores = cores_per_worker(num_workers, args.cores_per_worker)
     common = ("--max-model-len", str(max_model_len))
     servers, skipped = [], {}
     for offset, name in enumerate(configs):

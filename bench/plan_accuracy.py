@@ -18,7 +18,6 @@ Writes a JSON with every number and prints the table with each goodput's error.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ from bench.serving.arrivals import ArrivalSpec
 from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO, RequestRecord
 from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
-from bench.serving.servers import RunningServer, pdserve_server
+from bench.serving.servers import RunningServer, cores_per_worker, pdserve_server
 from bench.serving.tiny_model import build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 from router.planner.hardware import Hardware
@@ -104,9 +103,7 @@ def _profile(args: argparse.Namespace, model_dir: str) -> Hardware:
 
 def _cores(args: argparse.Namespace) -> int:
     """Each worker's Ray CPUs (its threads): all cores but 2, split between the two workers."""
-    if args.cores_per_worker is not None:
-        return int(args.cores_per_worker)
-    return max(0, ((os.cpu_count() or 1) - 2) // 2)
+    return cores_per_worker(2, args.cores_per_worker)
 
 
 def _workload(args: argparse.Namespace) -> WorkloadSpec:

@@ -21,7 +21,6 @@ closed loop of each phase's requests: phase A at 0.8 of it (``--load-a``), phase
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO
 from bench.serving.report import result_dict
 from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
-from bench.serving.servers import RunningServer, ServerSpec, pdserve_server
+from bench.serving.servers import RunningServer, ServerSpec, cores_per_worker, pdserve_server
 from bench.serving.tiny_model import SMALL_LLAMA, build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 
@@ -134,10 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _server(
     args: argparse.Namespace, model_dir: str, name: str, flags: tuple[str, ...]
 ) -> ServerSpec:
-    num_workers = args.prefill + args.decode
-    cores = args.cores_per_worker
-    if cores is None:
-        cores = max(0, ((os.cpu_count() or 1) - 2) // num_workers)
+    cores = cores_per_worker(args.prefill + args.decode, args.cores_per_worker)
     extra = (
         "--max-model-len", str(MODEL_POSITIONS),
         "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}",

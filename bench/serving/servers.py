@@ -37,6 +37,14 @@ PDSERVE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
 ROUND_SEED_STRIDE = 1000  # benchmarks' rounds: round i's seed is the base + i * this
 
 
+def cores_per_worker(num_workers: int, given: int | None = None) -> int:
+    """The Ray CPUs (and so the torch threads) each of ``num_workers`` workers reserves:
+    ``given``, else all cores but 2 split evenly, 0 (no reservation) where that is none."""
+    if given is not None:
+        return given
+    return max(0, ((os.cpu_count() or 1) - 2) // max(1, num_workers))
+
+
 def rotated(specs: Sequence[ServerSpec], round_index: int) -> list[ServerSpec]:
     """A round's order of the systems: no system always runs first, on a machine fresh from
     idling."""
