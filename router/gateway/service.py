@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import logging
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +46,7 @@ from router.gateway.text_stream import GenerationBackend, TextGeneration
 from router.kv_aware import PrefixHitStats
 from router.latency_forecast import Forecast
 
+logger = logging.getLogger("router.gateway")
 P = ParamSpec("P")
 T = TypeVar("T")
 # Threads that parse requests. A fast tokenizer encodes without the GIL, so two let a short
@@ -208,15 +210,7 @@ class Gateway:
     ) -> list[Forecast | None]:
         """Each prompt's predicted latencies; ApiError(429) when ``--admission slo`` refuses the
         request by them (counted by reason)."""
-        forecasts = [
-            self.backend.forecast(
-                spec.prompt_token_ids,
-                self._max_tokens(spec),
-                cache_salt=spec.cache_salt,
-                priority=spec.priority,
-            )
-            for spec in specs
-        ]
+        forecasts = [self._forecast(spec) for spec in specs]
         keys = KeyLoad(
             self._in_flight_by_key[caller.tenant_salt],
             self.num_in_flight,
@@ -265,6 +259,20 @@ class Gateway:
                 f"the server is at its limit of {self.limits.max_concurrent_requests} "
                 "concurrent requests; retry later"
             )
+
+    def _forecast(self, spec: GenerationSpec) -> Forecast | None:
+        """A prompt's predicted latencies; None if the prediction failed (a bug: logged, and
+        the request is admitted as without a forecast)."""
+        try:
+            return self.backend.forecast(
+                spec.prompt_token_ids,
+                self._max_tokens(spec),
+                cache_salt=spec.cache_salt,
+                priority=spec.priority,
+            )
+        except Exception:
+            logger.exception("forecasting a prompt's latencies failed")
+            return None
 
     def _max_tokens(self, spec: GenerationSpec) -> int:
         """The most tokens a prompt may generate: its max_tokens, else the context left."""

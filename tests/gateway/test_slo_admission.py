@@ -289,6 +289,7 @@ class ForecastCluster(ScriptedCluster):
     def __init__(self) -> None:
         super().__init__()
         self.predicted: Forecast | None = None
+        self.broken = False  # the forecast raises (a bug in the router)
 
     def forecast(
         self,
@@ -298,6 +299,8 @@ class ForecastCluster(ScriptedCluster):
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> Forecast | None:
+        if self.broken:
+            raise RuntimeError("a bug in the forecast")
         return self.predicted
 
 
@@ -360,3 +363,9 @@ def test_grpc_refuses_with_resource_exhausted_and_retry_after(doors: Doors) -> N
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--slo-tpot-ms" in error.details()
     assert dict(error.trailing_metadata())["retry-after"] == "2"  # 0.5 s a token, 4 tokens
+
+
+def test_a_forecast_that_fails_admits_the_request(doors: Doors) -> None:
+    """The prediction is an aid: a bug in it is logged, and the request served as without one."""
+    doors.cluster.broken = True
+    assert doors.http.post("/v1/completions", json=COMPLETION).status_code == 200
