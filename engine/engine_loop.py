@@ -66,6 +66,7 @@ class EngineLoop:
         exits, so that the router takes the worker out of rotation and recovers its requests
         elsewhere, as for any worker whose process is gone."""
         self.engine = engine
+        engine.step_timings.hold_for_turns = True  # each step's time: its turn's (``_run``)
         self.worker_id = worker_id
         self._on_ranks_lost = on_ranks_lost or _exit_process
         self.lock = StepBoundaryLock()  # held while the engine steps or is called into
@@ -273,7 +274,7 @@ class EngineLoop:
                     self._end_turn_locked()  # (callers may change the engine without ``call``)
                 if self._stopping:
                     return
-                step_started_at = time.time()
+                step_started_at, turn_started = time.time(), time.perf_counter()
                 try:
                     step = self.engine.step()
                     step_ended_at = time.time()
@@ -291,6 +292,8 @@ class EngineLoop:
                 finally:
                     self._end_turn_locked()
                 outputs = self._outputs_locked(step)
+                # the step's time, for the latency model: its whole turn, outputs included
+                self.engine.step_timings.end_turn(time.perf_counter() - turn_started)
             self._publish(outputs, step_started_at, step_ended_at)
             if self._on_handed_off is not None:
                 for result in step.handed_off:

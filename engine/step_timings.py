@@ -4,11 +4,18 @@ Each step that ran the model is recorded with what it computed (prompt tokens an
 they attend to, decode rows and the KV they read) and its wall time; the router's latency model
 (router/latency_model.py) is fitted from them. The engine thread records, the thread answering
 the load report takes: both through one bounded deque, safe without a lock.
+
+In a worker, a step's time is its engine loop's turn (engine/engine_loop.py): the step, and the
+work of turning its tokens into events for the gateways, which steps back to back pay too. The
+loop holds each step's timing back (``hold_for_turns``) and gives it the turn's time when the
+turn ends (``end_turn``); a step run outside a turn (the start-up profile, under ``call``) keeps
+its own time.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from engine.messages import StepTiming
 from engine.scheduler.outputs import SchedulerOutput
@@ -20,9 +27,24 @@ STEP_TIMINGS_KEPT = 256
 class StepTimingLog:
     def __init__(self, capacity: int = STEP_TIMINGS_KEPT) -> None:
         self._timings: deque[StepTiming] = deque(maxlen=capacity)
+        self.hold_for_turns = False  # a loop ends each step's turn (``end_turn``)
+        self._held: StepTiming | None = None  # the step of the turn under way
 
     def record(self, timing: StepTiming) -> None:
-        self._timings.append(timing)
+        """A step ran (on the engine's thread, or under its lock)."""
+        if self._held is not None:  # a step outside any turn: it keeps its own time
+            self._timings.append(self._held)
+        if self.hold_for_turns:
+            self._held = timing
+        else:
+            self._held = None
+            self._timings.append(timing)
+
+    def end_turn(self, seconds: float) -> None:
+        """The loop's turn around the step recorded last took ``seconds`` in all."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._timings.append(replace(held, seconds=max(held.seconds, seconds)))
 
     def take(self) -> tuple[StepTiming, ...]:
         """The timings recorded since the last take, oldest first."""

@@ -12,7 +12,9 @@ from engine.engine_loop import EngineLoop
 from engine.kv_cache.budget import KVBudget
 from engine.latency_profile import run_latency_profile
 from engine.llm_engine import LLMEngine
+from engine.messages import StepTiming
 from engine.scheduler import SchedulerConfig
+from engine.step_timings import StepTimingLog
 
 
 def _engine(model_dir: Path, budget: int = 16, num_blocks: int = 128) -> LLMEngine:
@@ -86,3 +88,15 @@ def test_the_latency_profile_runs_prompt_steps_of_several_sizes_and_decode_batch
     decode_batches = {t.num_decode_tokens for t in timings if t.num_prefill_tokens == 0}
     assert {1, 4, 8} <= decode_batches  # (16 sequences held to max_num_seqs 8)
     assert engine.block_manager.usage == 0  # every profile request ended, its blocks freed
+
+
+def test_in_a_loop_a_step_takes_its_turns_time_and_a_step_outside_a_turn_keeps_its_own() -> None:
+    log = StepTimingLog()
+    log.hold_for_turns = True
+    log.record(StepTiming(8, 36, 0, 0, 0.002))
+    assert log.take() == ()  # held until its turn ends
+    log.end_turn(0.005)  # the step, then its outputs: 5 ms in all
+    log.record(StepTiming(0, 0, 1, 9, 0.001))  # run under ``call`` (no turn ends it) ...
+    log.record(StepTiming(0, 0, 1, 10, 0.001))  # ... kept as it was once the next one comes
+    log.end_turn(0.0005)  # a turn shorter than the step's own time cannot shorten it
+    assert [t.seconds for t in log.take()] == [0.005, 0.001, 0.001]
