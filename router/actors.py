@@ -75,9 +75,9 @@ class DecodeActor:
 
     def profile_latency(self) -> int:
         """Run the start-up latency profile (engine/latency_profile.py); the steps it ran."""
-        from engine.latency_profile import run_latency_profile
+        from engine.latency_profile import run_latency_profile_in_loop
 
-        return self.worker.loop.call(run_latency_profile)
+        return run_latency_profile_in_loop(self.worker.loop)
 
     def kv_cache_scales(self) -> KVCacheScales | None:
         """Its quantized cache's scales (the cluster hands them to every other worker)."""
@@ -154,9 +154,9 @@ class PrefillActor:
 
     def profile_latency(self) -> int:
         """Run the start-up latency profile (engine/latency_profile.py); the steps it ran."""
-        from engine.latency_profile import run_latency_profile
+        from engine.latency_profile import run_latency_profile_in_loop
 
-        return self.worker.loop.call(run_latency_profile)
+        return run_latency_profile_in_loop(self.worker.loop)
 
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())

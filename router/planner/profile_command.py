@@ -1,15 +1,16 @@
 """``pdserve profile``: a hardware profile of the machine at hand, for ``pdserve plan``.
 
 It loads the model on one device of this machine (the engine a worker runs, on a CPU with the
-threads a worker of ``--worker-num-cpus`` computes on), runs the start-up
-latency profile's synthetic requests a few times with larger decode batches
-(engine/latency_profile.py), and fits the router's step-time model to those steps
-(router/latency_model.py): that fit is the profile's ``measured`` step time for this model. From
-it and the model's sizes come the effective FLOP/s (a prompt token's FLOPs over its fitted
-seconds) and memory bandwidth (a KV token's bytes over its fitted read time); a hand-off's link
-is measured as a copy of a 256 MiB buffer on the device (on a CPU, the shared-memory transport is
-such a copy). The gateway's and router's own time per request is not measured here: the
-profile keeps the default (``path_overhead_s``), which ``--path-overhead-ms`` sets.
+threads a worker of ``--worker-num-cpus`` computes on), runs the start-up latency profile's
+synthetic requests through its engine loop (each step timed as the loop's turn, as a served
+worker's) a few times with larger decode batches (engine/latency_profile.py), and fits the
+router's step-time model to those steps (router/latency_model.py): that fit is the profile's
+``measured`` step time for this model. From it and the model's sizes come the effective FLOP/s
+(a prompt token's FLOPs over its fitted seconds) and memory bandwidth (a KV token's bytes over
+its fitted read time); a hand-off's link is measured as a copy of a 256 MiB buffer on the device
+(on a CPU, the shared-memory transport is such a copy). The gateway's and router's own time per
+request is not measured here: the profile keeps the default (``path_overhead_s``), which
+``--path-overhead-ms`` sets.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def run_profile(args: argparse.Namespace) -> int:
     import torch
 
     from engine.engine_config import CacheConfig, LoadConfig
+    from engine.engine_loop import EngineLoop
     from engine.kv_cache.budget import KVBudget
-    from engine.latency_profile import run_latency_profile
+    from engine.latency_profile import run_latency_profile_in_loop
     from engine.llm_engine import LLMEngine
     from engine.scheduler import SchedulerConfig
 
@@ -69,11 +71,16 @@ def run_profile(args: argparse.Namespace) -> int:
         CacheConfig(block_size=args.block_size, budget=KVBudget(num_blocks=args.num_kv_blocks)),
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens),
     )
-    run_latency_profile(engine, seed=-1)  # warm-up: its steps are not kept
-    engine.step_timings.take()
-    for seed in range(_ROUNDS):
-        run_latency_profile(engine, seed=seed, batch_sizes=_BATCH_SIZES)
-    timings = engine.step_timings.take()
+    loop = EngineLoop(engine, "profile")  # as a worker serves: steps timed as loop turns
+    loop.start()
+    try:
+        run_latency_profile_in_loop(loop, seed=-1)  # warm-up: its steps are not kept
+        engine.step_timings.take()
+        for seed in range(_ROUNDS):
+            run_latency_profile_in_loop(loop, seed=seed, batch_sizes=_BATCH_SIZES)
+        timings = engine.step_timings.take()
+    finally:
+        loop.stop()
     cost = fit_step_cost(timings)
     element = torch.empty((), dtype=engine.kv_cache.dtype).element_size()
     model = ModelCosts.of(engine.model_config, Path(args.model).name, _dtype_name(element))

@@ -1,5 +1,6 @@
 """Step timings: what each engine step computed and how long it took, in the worker's load
-report once (the router's latency model is fitted from them), and the start-up profile's steps.
+report once (the router's latency model is fitted from them), a loop's step taking its turn's
+time, and the start-up profile's steps, on the engine and through a worker's loop.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from engine import GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.engine_loop import EngineLoop
 from engine.kv_cache.budget import KVBudget
-from engine.latency_profile import run_latency_profile
+from engine.latency_profile import run_latency_profile_in_loop
 from engine.llm_engine import LLMEngine
 from engine.messages import StepTiming
 from engine.scheduler import SchedulerConfig
@@ -75,21 +76,6 @@ def test_a_load_report_carries_the_steps_since_the_one_before(llama_dir: Path) -
         loop.stop()
 
 
-def test_the_latency_profile_runs_prompt_steps_of_several_sizes_and_decode_batches(
-    llama_dir: Path,
-) -> None:
-    engine = _engine(llama_dir, budget=64, num_blocks=256)
-    steps = run_latency_profile(engine)
-    timings = engine.step_timings.take()
-    assert steps == len(timings) > 0
-    assert not engine.has_unfinished_requests()
-    prompt_sizes = {t.num_prefill_tokens for t in timings if t.num_decode_tokens == 0}
-    assert {8, 16, 32, 64} <= prompt_sizes
-    decode_batches = {t.num_decode_tokens for t in timings if t.num_prefill_tokens == 0}
-    assert {1, 4, 8} <= decode_batches  # (16 sequences held to max_num_seqs 8)
-    assert engine.block_manager.usage == 0  # every profile request ended, its blocks freed
-
-
 def test_in_a_loop_a_step_takes_its_turns_time_and_a_step_outside_a_turn_keeps_its_own() -> None:
     log = StepTimingLog()
     log.hold_for_turns = True
@@ -100,3 +86,23 @@ def test_in_a_loop_a_step_takes_its_turns_time_and_a_step_outside_a_turn_keeps_i
     log.record(StepTiming(0, 0, 1, 10, 0.001))  # ... kept as it was once the next one comes
     log.end_turn(0.0005)  # a turn shorter than the step's own time cannot shorten it
     assert [t.seconds for t in log.take()] == [0.005, 0.001, 0.001]
+
+
+def test_the_profile_runs_through_a_workers_loop_prompt_sizes_and_decode_batches(
+    llama_dir: Path,
+) -> None:
+    engine = _engine(llama_dir, budget=64, num_blocks=256)
+    loop = EngineLoop(engine, "worker-0")
+    loop.start()
+    try:
+        steps = run_latency_profile_in_loop(loop)
+        assert steps > 0 and not engine.has_unfinished_requests()
+        timings = loop.load().step_timings
+        assert len(timings) == steps  # each turn ended before its outputs went out
+    finally:
+        loop.stop()
+    prompt_sizes = {t.num_prefill_tokens for t in timings if t.num_decode_tokens == 0}
+    assert {8, 16, 32, 64} <= prompt_sizes
+    decode_batches = {t.num_decode_tokens for t in timings if t.num_prefill_tokens == 0}
+    assert {1, 4, 8} <= decode_batches  # (16 sequences held to max_num_seqs 8)
+    assert engine.block_manager.usage == 0  # every profile request ended, its blocks freed
