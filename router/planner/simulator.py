@@ -235,6 +235,8 @@ class Simulation:
         simulated = self._of_seq.pop(handed.seq_id)
         if simulated.done:  # one output token: nothing to decode
             decode.scheduler.block_manager.release(blocks)
+            self._kick(decode)  # (a sequence waiting for blocks may fit now)
+            self._start_handoffs(decode)
             return
         seq_id = next(self._seq_ids)
         seq = EngineSequence(
