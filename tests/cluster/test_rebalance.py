@@ -71,11 +71,9 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         num_prompt_heavy = len(done)
 
         deadline = time.monotonic() + 120
-        shifted = time.monotonic()
         while not cluster.role_switches() and time.monotonic() < deadline:
             asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))
         assert cluster.role_switches() == {("prefill", "decode"): 1}, "no switch in 120 s"
-        switched_after = time.monotonic() - shifted
         # well past the cooldown: nothing more moves (the prefill pool keeps its one worker,
         # and it is not the bottleneck)
         asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 2 * rebalance.cooldown_s, done))
@@ -86,7 +84,6 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         cluster.shutdown()
 
     assert num_prompt_heavy >= CLIENTS and len(done) > num_prompt_heavy
-    assert switched_after >= rebalance.window_s
     offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
     for prompt_len in (400, 4):  # one batch per shape
         runs = [(p, m, t) for p, m, t in done if len(p) == prompt_len]
