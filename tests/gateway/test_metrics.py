@@ -17,6 +17,7 @@ from engine.messages.kv_events import KV_TIERS
 from router.cluster import SlotRestarts, WorkerStatus
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.server import GatewayServer
+from router.gateway.slo_admission import REFUSAL_REASONS
 from router.gateway.text_stream import FinishedGeneration
 from router.local_prefill import LOCAL_PREFILL_REASONS
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
@@ -143,6 +144,7 @@ def test_label_values_are_bounded(http: httpx.Client, gateway_server: GatewaySer
         | set(HOPS)  # first_token_hop_seconds{hop}
         | set(KV_TIERS)  # routed_prefix_hit_tokens_by_tier{tier}, prefix_cache_hits_by_tier
         | {"to_host", "to_device"}  # kv_offload_bytes{direction}
+        | set(REFUSAL_REASONS)  # admission_refusals{reason}
         # model_info{model_name, quantization, kv_cache_dtype}: the server's own
         | {MODEL_NAME, "none", gateway_server.gateway.model.kv_cache_dtype}
     )
