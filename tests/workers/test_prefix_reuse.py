@@ -22,6 +22,7 @@ from engine.kv_cache.budget import KVBudget
 from engine.messages import LendPrefix, ReturnLent, SendLentBlocks
 from engine.scheduler import SchedulerConfig
 from kv_transfer import TransferStats, TransferTicket
+from kv_transfer.messages import ChannelRendezvous
 from kv_transfer.policy import TransferConfig
 from prefill_worker.worker import PrefillWorker
 from tests.workers.local_peer import LocalDecodePeer
@@ -257,6 +258,7 @@ class _HeldSend:
     """A lend channel whose send waits until the test lets it go (a slow transfer)."""
 
     broken = False
+    rendezvous = ChannelRendezvous("fake", "lend-channel", "127.0.0.1", 0)
 
     def __init__(self) -> None:
         self.started, self.go = threading.Event(), threading.Event()
