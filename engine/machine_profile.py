@@ -1,0 +1,105 @@
+"""What ``pdserve profile`` measures on the machine at hand (router/planner/profile_command.py
+fits and writes it; this module does the measuring, the router never imports torch).
+
+The model is loaded as a worker loads it, on a CPU with the threads a worker has; the start-up
+latency profile's requests (engine/latency_profile.py) run through an engine loop, so each
+step is timed as a served worker's turn; and a 256 MiB copy on the device stands for a hand-off's
+link (on a CPU, the shared-memory transport is such a copy).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.engine_config import CacheConfig, LoadConfig
+from engine.engine_loop import EngineLoop
+from engine.kv_cache.budget import KVBudget
+from engine.latency_profile import run_latency_profile_in_loop
+from engine.llm_engine import LLMEngine
+from engine.messages import StepTiming
+from engine.model_config import ModelConfig
+from engine.scheduler import SchedulerConfig
+
+_COPY_BYTES = 256 << 20
+_DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "int8"}  # by a KV element's bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MachineMeasurement:
+    model_config: ModelConfig
+    kv_dtype: str  # what one KV element is, by its width: "float32", "bfloat16", "int8"
+    step_timings: tuple[StepTiming, ...]
+    copy_bytes_per_s: float  # one copy of a large buffer on the device
+    device_memory_bytes: float
+
+
+def measure_machine(
+    model_dir: str,
+    *,
+    device: str,
+    dtype: str,
+    num_threads: int,
+    block_size: int,
+    num_kv_blocks: int,
+    max_num_batched_tokens: int,
+    rounds: int,
+    batch_sizes: tuple[int, ...],
+) -> MachineMeasurement:
+    """Load the model, run the profile ``rounds`` times (after one warm-up round whose steps are
+    dropped), and measure the device's copies and memory. ``num_threads``: a CPU's torch
+    threads (a served worker's)."""
+    if device == "cpu":
+        torch.set_num_threads(num_threads)
+    engine = LLMEngine(
+        LoadConfig(model_dir, dtype=dtype, device=device),
+        CacheConfig(block_size=block_size, budget=KVBudget(num_blocks=num_kv_blocks)),
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
+    )
+    try:
+        loop = EngineLoop(engine, "profile")  # as a worker serves: steps timed as loop turns
+        loop.start()
+        try:
+            run_latency_profile_in_loop(loop, seed=-1)  # warm-up: its steps are not kept
+            engine.step_timings.take()
+            for seed in range(rounds):
+                run_latency_profile_in_loop(loop, seed=seed, batch_sizes=batch_sizes)
+            timings = engine.step_timings.take()
+        finally:
+            loop.stop()
+        element = torch.empty((), dtype=engine.kv_cache.dtype).element_size()
+        return MachineMeasurement(
+            engine.model_config,
+            _DTYPE_NAMES[element],
+            timings,
+            _copy_bandwidth(engine.device),
+            _device_memory(engine.device),
+        )
+    finally:
+        engine.close()
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of one copy of a 256 MiB buffer (read and write each count once: the
+    bytes a hand-off moves); the best of five."""
+    source = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return _COPY_BYTES / best
+
+
+def _device_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
