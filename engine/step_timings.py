@@ -49,11 +49,8 @@ class StepTimingLog:
     def take(self) -> tuple[StepTiming, ...]:
         """The timings recorded since the last take, oldest first."""
         taken = []
-        while self._timings:
-            try:
-                taken.append(self._timings.popleft())
-            except IndexError:  # (cannot happen with one taker; kept safe all the same)
-                break
+        while self._timings:  # (only this thread takes: the deque cannot empty meanwhile)
+            taken.append(self._timings.popleft())
         return tuple(taken)
 
 

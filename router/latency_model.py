@@ -194,7 +194,6 @@ class LatencyModel:
         self._lock = threading.Lock()
         self._workers: dict[str, _StepWindow] = {}
         self._roles: dict[str, _StepWindow] = defaultdict(_StepWindow)
-        self._role_of: dict[str, str] = {}
         self._transfers: dict[str, deque[TransferTiming]] = {}
         self._transfer_fits: dict[str, TransferCost | None] = {}
         self._busy_s: dict[str, float] = defaultdict(float)  # each worker's steps' seconds
@@ -215,7 +214,6 @@ class LatencyModel:
             return
         with self._lock:
             if steps:
-                self._role_of[worker_id] = role
                 own = self._workers.setdefault(worker_id, _StepWindow())
                 pooled = self._roles[role]
                 own.timings.extend(steps)
@@ -250,7 +248,6 @@ class LatencyModel:
         """A worker left: its own fit goes (its steps stay in its role's window)."""
         with self._lock:
             self._workers.pop(worker_id, None)
-            self._role_of.pop(worker_id, None)
             self._busy_s.pop(worker_id, None)
 
     def step_cost(self, worker_id: str, role: str) -> StepCost | None:

@@ -28,10 +28,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.latency_forecast import Forecast
-from router.latency_model import LatencyModel
 from router.rebalance_policy import ROLES, PoolSignals, RebalanceConfig, RebalancePolicy, Switch
 from router.worker_pool import WorkerHandle, WorkerPool
 
@@ -56,11 +55,6 @@ class _RecentRequests:
         self.max_tokens += self.weight * (max_tokens - self.max_tokens)
 
 
-@dataclass(slots=True)
-class SwitchCounts:
-    counts: Counter[tuple[str, str]] = field(default_factory=Counter)  # (from, to) -> switches
-
-
 class Rebalancer:
     def __init__(
         self,
@@ -82,12 +76,7 @@ class Rebalancer:
         self._recent = _RecentRequests()
         self._lock = threading.Lock()
         self._busy_at: tuple[float, dict[str, float]] | None = None
-        self.switches = SwitchCounts()
-        self.switching: Switch | None = None  # the switch under way
-
-    @property
-    def model(self) -> LatencyModel:
-        return self.pool.latency_model
+        self._switches: Counter[tuple[str, str]] = Counter()  # (from, to) role -> switches
 
     def note_request(self, prompt_tokens: int, max_tokens: int) -> None:
         with self._lock:
@@ -122,7 +111,7 @@ class Rebalancer:
             if not recent.seen:
                 return None
             prompt_len, max_tokens = round(recent.prompt_tokens), round(recent.max_tokens)
-        busy = self.model.busy_seconds()
+        busy = self.pool.latency_model.busy_seconds()
         earlier, self._busy_at = self._busy_at, (now, busy)
         if earlier is None or now <= earlier[0]:
             return None
@@ -167,38 +156,33 @@ class Rebalancer:
             decision.to_role,
             decision.reason,
         )
-        self.switching = decision
-        try:
-            self.pool.start_draining(leaving.worker_id)
-            drain_by = time.monotonic() + self.config.drain_timeout_s
-            while self._num_placed_on(leaving.worker_id) and time.monotonic() < drain_by:
-                if self.pool.stopping.wait(_DRAIN_POLL_S):
-                    return None
-            cpus = self.pool.slot_cpus(leaving)
-            if self.pool.retire(leaving):
-                self._recover([leaving])  # what it still holds: resumed elsewhere
-                self.pool.stop_retired(leaving)
-            joined = self.pool.start_worker(decision.to_role, cpus)
-            if joined is None:
-                logger.error(
-                    "rebalancing: no %s worker started in place of %s; the %s pool is one "
-                    "worker short",
-                    decision.to_role,
-                    leaving.worker_id,
-                    decision.to_role,
-                )
+        self.pool.start_draining(leaving.worker_id)
+        drain_by = time.monotonic() + self.config.drain_timeout_s
+        while self._num_placed_on(leaving.worker_id) and time.monotonic() < drain_by:
+            if self.pool.stopping.wait(_DRAIN_POLL_S):
                 return None
-            with self._lock:
-                self.switches.counts[(decision.from_role, decision.to_role)] += 1
-            logger.warning(
-                "rebalancing: %s worker %s in rotation in place of %s",
+        cpus = self.pool.slot_cpus(leaving)
+        if self.pool.retire(leaving):
+            self._recover([leaving])  # what it still holds: resumed elsewhere
+            self.pool.stop_retired(leaving)
+        joined = self.pool.start_worker(decision.to_role, cpus)
+        if joined is None:
+            logger.error(
+                "rebalancing: no %s worker started in place of %s; the %s pool is one worker short",
                 decision.to_role,
-                joined.worker_id,
                 leaving.worker_id,
+                decision.to_role,
             )
-            return joined
-        finally:
-            self.switching = None
+            return None
+        with self._lock:
+            self._switches[(decision.from_role, decision.to_role)] += 1
+        logger.warning(
+            "rebalancing: %s worker %s in rotation in place of %s",
+            decision.to_role,
+            joined.worker_id,
+            leaving.worker_id,
+        )
+        return joined
 
     def _least_busy(self, role: str) -> WorkerHandle | None:
         candidates = [
@@ -210,4 +194,4 @@ class Rebalancer:
 
     def switch_counts(self) -> dict[tuple[str, str], int]:
         with self._lock:
-            return dict(self.switches.counts)
+            return dict(self._switches)
