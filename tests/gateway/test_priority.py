@@ -22,12 +22,12 @@ from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.gateway.auth import ApiKeys
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
-from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
 from tests.gateway.token_script import (
     USER_HI,
     ScriptedCluster,
     bad_request_error,
+    both_doors,
     demo_model,  # noqa: F401 (the "model" fixture)
     post_json,
     script_answer,
@@ -49,16 +49,8 @@ def _doors(model: ServedModel, policy: SchedulingPolicy) -> Iterator[Doors]:
     cluster = ScriptedCluster()
     script_answer(cluster, model, "Hi there")
     limits = RequestLimits(max_model_len=model.max_model_len, scheduling_policy=policy)
-    server = GatewayServer(Gateway(cluster, model, limits, ApiKeys([])), "127.0.0.1", 0, 0)
-    server.start()
-    try:
-        with (
-            httpx.Client(base_url=server.http_url, timeout=30) as http,
-            grpc.insecure_channel(server.grpc_target) as channel,
-        ):
-            yield Doors(cluster, http, pb_grpc.GenerationStub(channel))
-    finally:
-        server.stop()
+    with both_doors(Gateway(cluster, model, limits, ApiKeys([]))) as (http, stub):
+        yield Doors(cluster, http, stub)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from router.gateway.errors import ApiError
 from router.gateway.limits import RequestLimits
 from router.gateway.metrics import SloTargets
 from router.gateway.served_model import ServedModel
-from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
 from router.gateway.slo_admission import AdmissionPolicy, KeyLoad, judge
 from router.gateway.spec import GenerationSpec
@@ -35,6 +34,7 @@ from router.latency_forecast import Forecast, LatencyForecaster, PromptToPlace, 
 from router.latency_model import LatencyModel
 from tests.gateway.token_script import (
     ScriptedCluster,
+    both_doors,
     demo_model,  # noqa: F401 (the "model" fixture)
     script_answer,
 )
@@ -317,16 +317,8 @@ def doors(model: ServedModel) -> Iterator[Doors]:
     script_answer(cluster, model, "Hi there")
     limits = RequestLimits(max_model_len=model.max_model_len)
     gateway = Gateway(cluster, model, limits, ApiKeys([]), SLO, admission=AdmissionPolicy("slo"))
-    server = GatewayServer(gateway, "127.0.0.1", 0, 0)
-    server.start()
-    try:
-        with (
-            httpx.Client(base_url=server.http_url, timeout=30) as http,
-            grpc.insecure_channel(server.grpc_target) as channel,
-        ):
-            yield Doors(cluster, http, pb_grpc.GenerationStub(channel))
-    finally:
-        server.stop()
+    with both_doors(gateway) as (http, stub):
+        yield Doors(cluster, http, stub)
 
 
 COMPLETION = {"prompt": "Hello", "max_tokens": 4}

@@ -4,7 +4,8 @@ Asked for logprobs, each token has made-up ones (``scripted_logprobs``); asked f
 logprobs, it sends ``scripted_prompt_logprobs`` on the first token, as the workers do.
 
 Also what the gateway tests over it share: the requests they send (``post_json``,
-``stream_chunks``, ``bad_request_error``) and two fixtures, ``model`` (the demo model) and
+``stream_chunks``, ``bad_request_error``), both front doors of a gateway (``both_doors``) and
+two fixtures, ``model`` (the demo model) and
 ``http`` (a client of a gateway over the test module's own ``cluster`` fixture; one per module:
 ``module_gateway_client``). A test module imports the fixtures by their functions' names,
 ``demo_model`` and ``scripted_gateway_client`` (or ``module_gateway_client``)."""
@@ -18,11 +19,13 @@ from collections.abc import AsyncGenerator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
 from engine.messages import TokenEvent
 from engine.sampling import PromptTokenLogprobs, SamplingParams, TokenLogprobs
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.gateway.auth import ApiKeys
 from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.limits import RequestLimits
@@ -149,6 +152,21 @@ def http_client(
     try:
         with httpx.Client(base_url=server.http_url, timeout=30) as client:
             yield client
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def both_doors(gateway: Gateway) -> Iterator[tuple[httpx.Client, pb_grpc.GenerationStub]]:
+    """An HTTP client and a gRPC stub of ``gateway``, served on free ports until the end."""
+    server = GatewayServer(gateway, "127.0.0.1", 0, 0)
+    server.start()
+    try:
+        with (
+            httpx.Client(base_url=server.http_url, timeout=30) as http,
+            grpc.insecure_channel(server.grpc_target) as channel,
+        ):
+            yield http, pb_grpc.GenerationStub(channel)
     finally:
         server.stop()
 
