@@ -35,7 +35,7 @@ from engine.scheduler.outputs import ModelRunnerOutput
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
 from engine.step_timings import step_timing
-from router.latency_model import StepShape
+from router.latency_model import StepShape, shape_of
 
 _TOKEN = 7  # every sampled token (never an end of sequence: the scheduler is given none)
 
@@ -180,13 +180,7 @@ class Simulation:
         output = worker.scheduler.schedule()
         if output.is_empty:
             return  # waits for blocks: a hand-off or a finish kicks it again
-        timing = step_timing(output, 0.0)
-        shape = StepShape(
-            timing.num_prefill_tokens,
-            timing.prefill_attention_tokens,
-            timing.num_decode_tokens,
-            timing.decode_context_tokens,
-        )
+        shape = shape_of(step_timing(output, 0.0))
         worker.busy = True
         done = functools.partial(self._step_done, worker, output)
         self._at(self.now + worker.shape.step_times(shape), done)
