@@ -21,6 +21,11 @@ class RebalanceConfig:
     donor_pressure_low: float = 0.5  # the giving pool's, at most
     donor_utilization_low: float = 0.5  # the giving pool's busy share of the window, at most
     drain_timeout_s: float = 30.0  # then what the leaving worker still holds is resumed elsewhere
+    # a switch helped when, at the end of its cooldown, the receiving pool's pressure is at most
+    # (1 - this) of what it was; after k in a row that did not, the next switch that way waits
+    # 2 ** k more cooldowns (k at most max_backoff); one that helped clears k
+    min_relief: float = 0.1
+    max_backoff: int = 3
 
     def __post_init__(self) -> None:
         if min(self.slo_ttft_s, self.slo_tpot_s) <= 0:
@@ -30,6 +35,8 @@ class RebalanceConfig:
                 "--rebalance-window-s must be > 0, --rebalance-cooldown-s and "
                 "--rebalance-drain-timeout-s >= 0"
             )
+        if not 0 <= self.min_relief < 1 or self.max_backoff < 0:
+            raise ValueError("min_relief must be in [0, 1) and max_backoff >= 0")
         if not 0 <= self.donor_pressure_low < self.pressure_high:
             raise ValueError(
                 f"the donor pool's pressure bound ({self.donor_pressure_low}) must be below the "
@@ -51,6 +58,25 @@ class Switch:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether a switch relieved the pool it fed, judged at the end of its cooldown."""
+
+    from_role: str
+    to_role: str
+    pressure_before: float  # the receiving pool's, when the switch was decided
+    pressure_after: float
+    helped: bool
+    next_allowed_at: float  # the earliest time of the next switch that way
+
+    def describe(self) -> str:
+        outcome = "relieved" if self.helped else "did not relieve"
+        return (
+            f"the {self.from_role} -> {self.to_role} switch {outcome} the {self.to_role} pool "
+            f"(pressure {self.pressure_before:.2f} -> {self.pressure_after:.2f})"
+        )
+
+
 class RebalancePolicy:
     """When to switch (pure: fed signals and the time, no cluster)."""
 
@@ -58,13 +84,25 @@ class RebalancePolicy:
         self.config = config
         self._last_switch_at = float("-inf")
         self._since: dict[tuple[str, str], float] = {}  # direction -> when it started to hold
+        # the switch decided (direction, receiving pool's pressure then), until carried out;
+        # then the switch carried out, until judged
+        self._decided: tuple[tuple[str, str], float] | None = None
+        self._on_trial: tuple[tuple[str, str], float] | None = None
+        self._backoff: dict[tuple[str, str], int] = {}  # direction -> switches in a row not helping
+        self._blocked_until: dict[tuple[str, str], float] = {}
+        self.verdicts: list[Verdict] = []  # judged, not yet taken (``take_verdicts``)
 
     def decide(self, now: float, signals: PoolSignals) -> Switch | None:
         config = self.config
         if now - self._last_switch_at < config.cooldown_s:
             self._since.clear()
             return None
+        if self._on_trial is not None:
+            self._judge(now, signals)
         for donor, receiver in (("prefill", "decode"), ("decode", "prefill")):
+            if now < self._blocked_until.get((donor, receiver), float("-inf")):
+                self._since.pop((donor, receiver), None)
+                continue
             holds = (
                 signals.pressure[receiver] >= config.pressure_high
                 and signals.pressure[donor] <= config.donor_pressure_low
@@ -76,6 +114,7 @@ class RebalancePolicy:
                 continue
             since = self._since.setdefault((donor, receiver), now)
             if now - since >= config.window_s:
+                self._decided = ((donor, receiver), signals.pressure[receiver])
                 return Switch(
                     donor,
                     receiver,
@@ -87,5 +126,30 @@ class RebalancePolicy:
         return None
 
     def switched(self, now: float) -> None:
+        """The switch decided last was carried out (or tried) at ``now``."""
         self._last_switch_at = now
         self._since.clear()
+        self._on_trial, self._decided = self._decided, None
+
+    def take_verdicts(self) -> list[Verdict]:
+        verdicts, self.verdicts = self.verdicts, []
+        return verdicts
+
+    def _judge(self, now: float, signals: PoolSignals) -> None:
+        """The switch on trial, at the end of its cooldown: did it relieve its pool? One that
+        did not makes the next that way wait ``cooldown_s * 2 ** k`` more (k: such switches in
+        a row, at most ``max_backoff``); one that did clears the count."""
+        assert self._on_trial is not None
+        direction, before = self._on_trial
+        self._on_trial = None
+        after = signals.pressure[direction[1]]
+        helped = after <= before * (1 - self.config.min_relief)
+        if helped:
+            self._backoff.pop(direction, None)
+            self._blocked_until.pop(direction, None)
+        else:
+            misses = min(self._backoff.get(direction, 0) + 1, self.config.max_backoff)
+            self._backoff[direction] = misses
+            self._blocked_until[direction] = now + self.config.cooldown_s * 2**misses
+        allowed = self._blocked_until.get(direction, now)
+        self.verdicts.append(Verdict(*direction, before, after, helped, allowed))

@@ -12,6 +12,8 @@ A worker moves from pool A to pool B when, for a whole ``window_s``, B's pressur
 ``pressure_high`` while A's is at most ``donor_pressure_low`` and A's utilization at most
 ``donor_utilization_low``, and A keeps at least one worker. After a switch none follows for
 ``cooldown_s`` (and the thresholds' gap keeps the two directions apart): roles do not flap.
+At the cooldown's end the switch is judged: one that did not lower its pool's pressure makes
+the next switch that way wait longer (``RebalancePolicy``'s back-off); the verdict is logged.
 
 A switch (``Rebalancer.switch``): the pool's least busy worker stops being routed new work
 (draining); what it holds runs on, for up to ``drain_timeout_s``; anything still on it then is
@@ -97,6 +99,12 @@ class Rebalancer:
         if signals is None:
             return None
         decision = self.policy.decide(now, signals)
+        for verdict in self.policy.take_verdicts():
+            logger.warning(
+                "rebalancing: %s; the next switch that way is allowed in %.0f s",
+                verdict.describe(),
+                max(0.0, verdict.next_allowed_at - now),
+            )
         if decision is None:
             return None
         self.switch(decision)

@@ -81,3 +81,79 @@ def test_bad_settings_name_their_flags() -> None:
         RebalanceConfig(0.0, 0.05)
     with pytest.raises(ValueError, match="must be below the switching one"):
         RebalanceConfig(1.0, 0.05, donor_pressure_low=0.9, pressure_high=0.8)
+
+
+def _switch_at(policy: RebalancePolicy, start: float, signals: PoolSignals) -> float:
+    """Hold ``signals`` from ``start`` until the policy switches; when it switched."""
+    t = start
+    while policy.decide(t, signals) is None:
+        t += 1.0
+        assert t < start + 10_000, "no switch"
+    policy.switched(t)
+    return t
+
+
+def test_a_switch_that_relieved_its_pool_leaves_the_next_one_free() -> None:
+    policy = RebalancePolicy(CONFIG)
+    at = _switch_at(policy, 0.0, _signals(decode=1.5, num_prefill=3))
+    assert at == 10.0
+    relieved = _signals(decode=1.2, num_prefill=2)  # lower, still over: another is wanted
+    assert policy.decide(at + 60.0, relieved) is None
+    (verdict,) = policy.take_verdicts()
+    assert verdict.helped and verdict.pressure_before == 1.5 and verdict.pressure_after == 1.2
+    assert "relieved the decode pool (pressure 1.50 -> 1.20)" in verdict.describe()
+    assert _switch_at(policy, at + 61.0, relieved) == at + 70.0  # cooldown, then the window
+
+
+def test_a_switch_that_did_not_relieve_its_pool_backs_off_that_direction_only() -> None:
+    policy = RebalancePolicy(CONFIG)
+    stuck = _signals(decode=1.5, num_prefill=3)
+    at = _switch_at(policy, 0.0, stuck)
+    assert policy.decide(at + 60.0, stuck) is None  # judged: not relieved
+    (verdict,) = policy.take_verdicts()
+    assert not verdict.helped and verdict.next_allowed_at == at + 60.0 + 2 * 60.0
+    assert "did not relieve" in verdict.describe()
+    # the same way again only after 2 more cooldowns (and a window)
+    second = _switch_at(policy, at + 61.0, stuck)
+    assert second == verdict.next_allowed_at + 10.0
+    # still no relief: 4 cooldowns next, then at most 8
+    waits = []
+    for _ in range(3):
+        assert policy.decide(second + 60.0, stuck) is None
+        (verdict,) = policy.take_verdicts()
+        waits.append(verdict.next_allowed_at - (second + 60.0))
+        second = _switch_at(policy, second + 61.0, stuck)
+    assert waits == [4 * 60.0, 8 * 60.0, 8 * 60.0]
+
+
+def test_a_backed_off_direction_leaves_the_other_free() -> None:
+    policy = RebalancePolicy(CONFIG)
+    at = _switch_at(policy, 0.0, _signals(decode=1.5, num_prefill=3))
+    prefill_bound = _signals(prefill=1.5, prefill_busy=0.9, decode=1.5, num_prefill=2)
+    assert policy.decide(at + 60.0, prefill_bound) is None
+    assert not policy.take_verdicts()[0].helped
+    # decode's pressure is not low enough to give a worker; once it is, prefill gets one
+    eased = _signals(prefill=1.5, prefill_busy=0.9, decode=0.3, num_prefill=2, num_decode=3)
+    for t in range(61, 71):
+        assert policy.decide(at + t, eased) is None
+    switch = policy.decide(at + 71.0, eased)
+    assert switch is not None and (switch.from_role, switch.to_role) == ("decode", "prefill")
+
+
+def test_a_relieving_switch_clears_the_back_off() -> None:
+    policy = RebalancePolicy(CONFIG)
+    stuck = _signals(decode=1.5, num_prefill=4)
+    at = _switch_at(policy, 0.0, stuck)
+    policy.decide(at + 60.0, stuck)
+    assert not policy.take_verdicts()[0].helped
+    at = _switch_at(policy, at + 61.0, stuck)  # after the back-off
+    policy.decide(at + 60.0, _signals(decode=0.9, num_prefill=3))
+    assert policy.take_verdicts()[0].helped
+    assert _switch_at(policy, at + 61.0, stuck) == at + 70.0
+
+
+def test_bad_relief_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="min_relief"):
+        RebalanceConfig(1.0, 0.05, min_relief=1.0)
+    with pytest.raises(ValueError, match="max_backoff"):
+        RebalanceConfig(1.0, 0.05, max_backoff=-1)
