@@ -36,7 +36,7 @@ from bench.serving.metrics import SLO
 from bench.serving.report import result_dict
 from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
 from bench.serving.servers import RunningServer, ServerSpec, cores_per_worker, pdserve_server
-from bench.serving.tiny_model import SMALL_LLAMA, build_tiny_llama
+from bench.serving.tiny_model import MEDIUM_LLAMA, SMALL_LLAMA, build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 
 SERVED_NAME = "pdserve-demo"
@@ -95,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
     parser.add_argument(
         "--model-size",
-        choices=("tiny", "small"),
+        choices=("tiny", "small", "medium"),
         default="small",
-        help="the random Llama: tiny (3 M parameters) or small (29 M: on a small CPU machine "
-        "its engines' compute outweighs the gateway's work, as on GPUs)",
+        help="the random Llama: tiny (3 M parameters), small (29 M: on a small CPU machine "
+        "its engines' compute outweighs the gateway's work, as on GPUs) or medium (101 M)",
     )
     parser.add_argument("--prefill", type=int, default=3)
     parser.add_argument("--decode", type=int, default=1)
@@ -220,7 +220,7 @@ def _ms(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    resize = SMALL_LLAMA if args.model_size == "small" else None
+    resize = {"tiny": None, "small": SMALL_LLAMA, "medium": MEDIUM_LLAMA}[args.model_size]
     model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS, resize))
     fixed = _server(args, model_dir, "fixed", ())
     rebalance_flags = (

@@ -334,9 +334,10 @@ class PrefillWorker:
         try:
             current = self.channels.get(decode_worker_id)
             asked = None if current is None or current.broken else current.rendezvous.channel_id
-            reservation = self._reserve(peer, result, handoff_id, asked)
+            reservation, waited_s = self._reserve(peer, result, handoff_id, asked)
             if reservation is None:  # the decode worker stayed full: it recomputes the prompt
                 owes_cancel = False
+                self._transfer_totals.waited(decode_worker_id, waited_s)
                 peer.send(AdmitWithoutKV(result, target.gateway_id)).result(timeout=timeout_s)
                 return
             # One transfer at a time per decode worker, so both ends take the tickets in one
@@ -367,7 +368,8 @@ class PrefillWorker:
                     )
                     receipt = peer.send(receive)
                     owes_cancel = False  # the receive gives the blocks back if it fails
-                    self._send(decode_worker_id, channel, result.block_ids[shared:], ticket)
+                    blocks = result.block_ids[shared:]
+                    self._send(decode_worker_id, channel, blocks, ticket, waited_s)
                 finally:
                     close_channels(self.channels.release(decode_worker_id))
             receipt.result(timeout=2 * timeout_s)
@@ -381,12 +383,14 @@ class PrefillWorker:
         channel: WorkerChannel,
         block_ids: list[int],
         ticket: TransferTicket,
+        waited_s: float,
     ) -> None:
-        """Send the prompt's KV in ``block_ids``; a failed transfer's channel is dropped (rebuilt
-        on next use)."""
+        """Send the prompt's KV in ``block_ids`` (after ``waited_s`` for the decode worker's
+        blocks); a failed transfer's channel is dropped (rebuilt on next use)."""
         try:
             stats = channel.send_blocks(self.engine.kv_cache, block_ids, ticket)
-            self._transfer_totals.add(stats, channel.rendezvous.transport, len(block_ids))
+            transport = channel.rendezvous.transport
+            self._transfer_totals.add(stats, transport, len(block_ids), decode_worker_id, waited_s)
         except TransferError:
             logger.warning("KV transfer of %s failed; channel rebuilt on next use", ticket)
             self.channels.remove(decode_worker_id, channel)
@@ -394,7 +398,9 @@ class PrefillWorker:
 
     def _reserve(
         self, peer: DecodePeer, result: PrefillResult, handoff_id: str, channel_id: str | None
-    ) -> Reservation | None:
+    ) -> tuple[Reservation | None, float]:
+        """The decode worker's blocks for the prompt (None: none came free within the reserve
+        timeout), and the seconds waited for them."""
         reserve = ReserveBlocks(
             result.request_id,
             handoff_id,
@@ -402,11 +408,13 @@ class PrefillWorker:
             channel_id,
             result.prompt_block_hashes,
         )
-        deadline = time.monotonic() + self.transfer.reserve_timeout_s
+        started = time.monotonic()
+        deadline = started + self.transfer.reserve_timeout_s
         while True:
             reservation = peer.send(reserve).result(timeout=self.transfer.timeout_s)
-            if reservation is not None or time.monotonic() >= deadline:
-                return reservation
+            now = time.monotonic()
+            if reservation is not None or now >= deadline:
+                return reservation, now - started
             time.sleep(_RESERVE_RETRY_S)
 
     def _acquire_channel(

@@ -16,12 +16,14 @@ colocated worker's steps also carry its running sequences' decode rows, which ta
 time in every step.
 
 The first token leaves the prefill worker as soon as it is sampled (the hand-off comes after
-it), so TTFT is the queue and the prefill. The hand-off is predicted from its bytes on the
-transport fitted most, and reported beside them; it delays the second token only.
+it), so TTFT is the queue and the prefill. The hand-off is predicted as the decode worker's
+current wait for blocks (router/latency_model.py) and its bytes on the transport fitted most,
+and reported beside them; it delays the second token only.
 
 TPOT is a decode step of the decode worker's running batch with this request in it; on a
 colocated worker, plus its share of the prompt chunks queued there, spread over the request's
-tokens. Both then get the model's path corrections: what finished requests' clients saw beyond
+tokens; on a decode worker whose hand-offs wait for blocks (its KV cache full), plus that wait
+spread over the request's tokens after the first. Both then get the model's path corrections: what finished requests' clients saw beyond
 their steps (the gateway's and router's hops, the stream). A prediction needs the fits of the
 roles it uses: None until the workers have reported enough steps (``pdserve serve
 --latency-profile`` runs a few at start-up).
@@ -57,7 +59,8 @@ class Forecast:
     prefill_worker_id: str
     tpot_s: float  # decode step on the decode worker of least TPOT, + the path's
     decode_worker_id: str
-    handoff_s: float  # the prompt's KV moving to it (0 colocated, or before any hand-off)
+    # the prompt's KV moving to it: the wait for its blocks, then the transfer (0 colocated)
+    handoff_s: float
     # of ttft_s and tpot_s: the path corrections (what the steps do not see)
     ttft_path_s: float = 0.0
     tpot_path_s: float = 0.0
@@ -121,20 +124,23 @@ class LatencyForecaster:
             queue_s, total_s = self._prefill_seconds(cost, load, share, prompt, cached)
             if best_ttft is None or total_s < best_ttft[0]:
                 best_ttft = (total_s, queue_s, load.worker_id)
-        best_tpot: tuple[float, str] | None = None
+        best_tpot: tuple[float, str, float] | None = None
         for load in decode_loads:
             cost = self.model.step_cost(load.worker_id, "decode")
             if cost is None:
                 return None
-            tpot = self._tpot_seconds(cost, load, prompt)
+            # a wait for the decode worker's blocks delays the second token: spread over the rest
+            wait_s = 0.0 if self.colocated else self.model.reserve_wait(load.worker_id)
+            tpot = self._tpot_seconds(cost, load, prompt) + wait_s / max(1, prompt.max_tokens - 1)
             if best_tpot is None or tpot < best_tpot[0]:
-                best_tpot = (tpot, load.worker_id)
+                best_tpot = (tpot, load.worker_id, wait_s)
         if best_ttft is None or best_tpot is None:
             return None
-        handoff_s = 0.0
+        handoff_s = best_tpot[2]
         transfer = None if self.colocated else self.model.transfer_cost()
         if transfer is not None:
-            handoff_s = transfer.seconds_for_blocks(-(-prompt.num_prompt_tokens // self.block_size))
+            num_blocks = -(-prompt.num_prompt_tokens // self.block_size)
+            handoff_s += transfer.seconds_for_blocks(num_blocks)
         # (a correction never takes away more than half the steps' own time)
         ttft_path, tpot_path = self.model.path_corrections()
         ttft_path = max(ttft_path, -best_ttft[0] / 2)

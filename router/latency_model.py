@@ -14,6 +14,11 @@ ridge added, so that a window where two features move together (every prompt ste
 still fits. A worker with too few steps of its own borrows its role's fit over every worker of
 that role. Hand-offs fit ``seconds = latency + bytes / bandwidth`` per transport the same way.
 
+A hand-off first waits for the decode worker's blocks, which a decode worker whose KV cache is
+full does not have until sequences finish: each hand-off reports that wait, and a decode
+worker's current wait is the mean over the hand-offs to it reported in the last
+``WAIT_HORIZON_S`` (none: 0). It is a queue, not a cost, so it is observed rather than fitted.
+
 What the workers' steps cannot see (the gateway's parsing, the router's hops, the output stream
 to the client) is learned from finished requests: the median, over the latest ones, of what
 their clients observed minus what the steps predicted, for TTFT and TPOT apart; the forecast
@@ -27,8 +32,9 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.messages import StepTiming, TransferTiming
@@ -38,6 +44,8 @@ TRANSFER_WINDOW = 256  # a transport's latest hand-offs
 MIN_STEPS = 8  # fewer of a worker's own: its role's fit stands in
 MIN_TRANSFERS = 2
 PATH_WINDOW = 64  # finished requests whose residuals the path corrections are the median of
+WAIT_WINDOW = 32  # a decode worker's latest hand-offs' waits for its blocks
+WAIT_HORIZON_S = 10.0  # of which those reported this recently count
 _RIDGE = 1e-6  # relative to the (scaled) features' own size
 
 
@@ -190,7 +198,8 @@ class _StepWindow:
 
 
 class LatencyModel:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._workers: dict[str, _StepWindow] = {}
         self._roles: dict[str, _StepWindow] = defaultdict(_StepWindow)
@@ -200,6 +209,8 @@ class LatencyModel:
         # observed minus predicted, of finished requests: TTFT's, TPOT's
         self._ttft_residuals: deque[float] = deque(maxlen=PATH_WINDOW)
         self._tpot_residuals: deque[float] = deque(maxlen=PATH_WINDOW)
+        # per decode worker: (reported at, seconds) of the hand-offs' waits for its blocks
+        self._waits: dict[str, deque[tuple[float, float]]] = {}
 
     def observe(
         self,
@@ -220,7 +231,15 @@ class LatencyModel:
                 pooled.timings.extend(steps)
                 self._busy_s[worker_id] += sum(t.seconds for t in steps)
                 own.stale = pooled.stale = True
+            now = self._clock()
             for timing in transfers:
+                if timing.decode_worker_id:
+                    waits = self._waits.setdefault(
+                        timing.decode_worker_id, deque(maxlen=WAIT_WINDOW)
+                    )
+                    waits.append((now, timing.reserve_wait_s))
+                if not timing.num_blocks:  # given up waiting: nothing moved
+                    continue
                 window = self._transfers.setdefault(timing.transport, deque(maxlen=TRANSFER_WINDOW))
                 window.append(timing)
                 self._transfer_fits.pop(timing.transport, None)
@@ -244,11 +263,24 @@ class LatencyModel:
         with self._lock:
             return dict(self._busy_s)
 
+    def reserve_wait(self, decode_worker_id: str) -> float:
+        """How long a hand-off to the decode worker now waits for its blocks: the mean of the
+        waits reported in the last ``WAIT_HORIZON_S`` (0: none)."""
+        with self._lock:
+            waits = self._waits.get(decode_worker_id)
+            if not waits:
+                return 0.0
+            since = self._clock() - WAIT_HORIZON_S
+            recent = [seconds for at, seconds in waits if at >= since]
+            return sum(recent) / len(recent) if recent else 0.0
+
     def forget(self, worker_id: str) -> None:
-        """A worker left: its own fit goes (its steps stay in its role's window)."""
+        """A worker left: its own fit goes (its steps stay in its role's window), and the
+        waits of hand-offs to it."""
         with self._lock:
             self._workers.pop(worker_id, None)
             self._busy_s.pop(worker_id, None)
+            self._waits.pop(worker_id, None)
 
     def step_cost(self, worker_id: str, role: str) -> StepCost | None:
         """The worker's fitted step time, its role's where it has too few steps of its own;

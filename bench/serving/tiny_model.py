@@ -29,6 +29,16 @@ SMALL_LLAMA = {
     "num_key_value_heads": 8,
 }
 
+# larger still (101 M parameters: hidden 1024, 8 layers, 16 heads of 64): a decode step's
+# compute outweighs the gateway's streaming of its tokens several times over
+MEDIUM_LLAMA = {
+    "hidden_size": 1024,
+    "intermediate_size": 2752,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+}
+
 
 def build_tiny_llama(
     out_dir: Path,
@@ -39,7 +49,7 @@ def build_tiny_llama(
 
     ``max_position_embeddings``: a longer context than the model's 1024 positions (rotary
     positions have no weights, so the weights are the same); None keeps 1024. ``resize``:
-    other config keys to change (``SMALL_LLAMA``)."""
+    other config keys to change (``SMALL_LLAMA``, ``MEDIUM_LLAMA``)."""
     from bench.offline_throughput import build_model
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -52,12 +52,16 @@ class StepTiming:
 
 @dataclass(frozen=True, slots=True)
 class TransferTiming:
-    """One KV hand-off this worker sent."""
+    """One KV hand-off this worker made: its transfer, and how long it first waited for the
+    decode worker's blocks. 0 blocks: none came free in time, so nothing moved (the decode
+    worker computes the prompt again)."""
 
     num_blocks: int
     num_bytes: int
-    seconds: float
+    seconds: float  # the transfer's
     transport: str  # "gloo", "shm", "nccl", "cuda_ipc", ...
+    decode_worker_id: str = ""
+    reserve_wait_s: float = 0.0  # from the first ask for blocks to the reservation (or giving up)
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,3 +128,25 @@ def test_no_forecast_before_a_role_has_a_fit() -> None:
     forecaster = _forecaster(model)
     assert forecaster.forecast(PromptToPlace(10, 4), [_load("p0")], [_load("d0")], {}) is None
     assert forecaster.forecast(PromptToPlace(10, 4), [], [_load("d0")], {}) is None  # no worker
+
+
+def test_a_decode_worker_whose_hand_offs_wait_for_blocks_adds_the_wait_to_tpot() -> None:
+    """A full decode worker's wait delays each request's second token: spread over its tokens
+    after the first, it counts in TPOT, and the forecast prefers a worker with room."""
+    model = _model()
+    waited = TransferTiming(8, 8000, 1e-3 + 8e-5, "shm", "d0", 0.9)
+    model.observe("p0", "prefill", [], [waited] * 3)
+    forecaster = _forecaster(model)
+    prompt = PromptToPlace(100, 10)
+    alone = forecaster.forecast(prompt, [_load("p0")], [_load("d0")], {})
+    assert alone is not None and alone.decode_worker_id == "d0"
+    assert alone.tpot_s == _approx(OVERHEAD + PER_ROW + 0.9 / 9)
+    assert alone.handoff_s == pytest.approx(0.9 + 1e-3 + 7e-5, rel=1e-3)
+    # a decode worker with room (and a busier batch) is the better placement
+    both = forecaster.forecast(prompt, [_load("p0")], [_load("d0"), _load("d1", running=3)], {})
+    assert both is not None and both.decode_worker_id == "d1"
+    assert both.tpot_s == _approx(OVERHEAD + PER_ROW * 4)
+    assert both.handoff_s == pytest.approx(1e-3 + 7e-5, rel=1e-3)
+    # colocated workers hand nothing off
+    colocated = _forecaster(model, colocated=True).forecast(prompt, [], [_load("d0")], {})
+    assert colocated is not None and colocated.handoff_s == 0.0

@@ -9,6 +9,7 @@ import pytest
 from engine.messages import StepTiming, TransferTiming
 from router.latency_model import (
     MIN_STEPS,
+    WAIT_HORIZON_S,
     LatencyModel,
     StepShape,
     fit_nonnegative,
@@ -124,3 +125,29 @@ def test_hand_offs_fit_latency_and_bandwidth_per_transport() -> None:
     assert model.transfer_cost() == cost  # the transport seen most
     shm_cost = model.transfer_cost("shm")
     assert shm_cost is not None and shm_cost.per_byte_s == pytest.approx(1 / 5e9, rel=1e-3)
+
+
+def test_a_decode_workers_wait_for_blocks_is_the_mean_of_its_recent_hand_offs() -> None:
+    clock = [100.0]
+    model = LatencyModel(clock=lambda: clock[0])
+    assert model.reserve_wait("d0") == 0.0
+
+    def hand_off(decode: str, wait_s: float, blocks: int = 4) -> TransferTiming:
+        transport = "shm" if blocks else ""
+        return TransferTiming(blocks, blocks * 4096, 1e-3, transport, decode, wait_s)
+
+    model.observe("p0", "prefill", [], [hand_off("d0", 0.2), hand_off("d0", 0.4)])
+    model.observe("p1", "prefill", [], [hand_off("d1", 0.0), hand_off("d0", 10.0, blocks=0)])
+    assert model.reserve_wait("d0") == pytest.approx((0.2 + 0.4 + 10.0) / 3)
+    assert model.reserve_wait("d1") == 0.0
+    # a hand-off that moved nothing is no transfer to fit
+    cost = model.transfer_cost()
+    assert cost is not None and cost.num_samples == 3 and cost.bytes_per_block == 4096
+    clock[0] += WAIT_HORIZON_S / 2
+    model.observe("p0", "prefill", [], [hand_off("d0", 0.0)])
+    clock[0] += WAIT_HORIZON_S / 2 + 0.1  # the first three are now too old
+    assert model.reserve_wait("d0") == 0.0
+    model.observe("p0", "prefill", [], [hand_off("d0", 3.0)])
+    assert model.reserve_wait("d0") == pytest.approx(1.5)
+    model.forget("d0")
+    assert model.reserve_wait("d0") == 0.0

@@ -936,3 +936,47 @@ def test_a_request_whose_kv_is_arriving_is_refused_a_second_submission(
     cluster.collector.wait_finished([("r", 0)])
     assert not cluster.collector.failures
     assert cluster.collector.output("r") == expected
+
+
+class _FullForAWhilePeer(LocalDecodePeer):
+    """A decode worker whose cache is full (reserves refused) for ``full_for_s`` from the
+    first ask."""
+
+    def __init__(self, worker: DecodeWorker, full_for_s: float) -> None:
+        super().__init__(worker)
+        self.full_for_s = full_for_s
+        self.room_at: float | None = None
+
+    def send(self, call: HandoffCall[T]) -> Future[T]:
+        if isinstance(call, ReserveBlocks):
+            if self.room_at is None:
+                self.room_at = time.monotonic() + self.full_for_s
+            if time.monotonic() < self.room_at:
+                return answered(None)  # type: ignore[arg-type]
+        return super().send(call)
+
+
+@pytest.mark.parametrize("room_comes", [True, False], ids=["room-comes", "stays-full"])
+def test_a_hand_off_reports_how_long_it_waited_for_the_decode_workers_blocks(
+    llama_dir: Path, offline: LLM, room_comes: bool
+) -> None:
+    """The latency model's hand-off wait (router/latency_model.py) comes from these reports:
+    the wait, the decode worker it was for; a hand-off that gave up (the decode worker then
+    computes the prompt) reports its wait with no blocks moved."""
+    transfer = TransferConfig(transport="gloo", timeout_s=10.0, reserve_timeout_s=1.0)
+    full_for_s = 0.4 if room_comes else 60.0
+    with _one_pair(llama_dir, transfer, lambda d: _FullForAWhilePeer(d, full_for_s)) as pair:
+        prompt = make_prompts(seed=31)[2]
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        pair.prefill.submit(GenerateRequest("w", prompt, params, GATEWAY), "d0")
+        pair.collector.wait_finished([("w", 0)], timeout_s=60)
+        expected = offline.generate([prompt], params)[0].outputs[0].token_ids
+        assert pair.collector.output("w") == expected
+        (timing,) = pair.prefill.load().transfer_timings
+        assert timing.decode_worker_id == "d0"
+        if room_comes:
+            assert 0.35 <= timing.reserve_wait_s < 10.0
+            assert timing.num_blocks == -(-len(prompt) // 8) and timing.transport == "gloo"
+        else:  # the reserve timeout, then given up
+            assert 1.0 <= timing.reserve_wait_s < 10.0
+            assert (timing.num_blocks, timing.num_bytes, timing.transport) == (0, 0, "")
