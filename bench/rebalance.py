@@ -1,7 +1,7 @@
 """A shifting workload (issue 35's "Measure"): fixed pools against ``--rebalance``, in one run.
 
     .venv/bin/python -m bench.rebalance [--prefill 3 --decode 1] [--phase-s 60]
-        [--prompt-heavy 1024,16 --output-heavy 64,256] [--rate-a R --rate-b R]
+        [--prompt-heavy 1024,16 --output-heavy 64,256] [--rate-a R --rate-b R] [--rounds N]
 
 Both configurations start with the same pools (by default 3 prefill + 1 decode, right for the
 first phase) and serve the same traffic, Poisson arrivals in two phases of ``--phase-s`` each:
@@ -14,8 +14,10 @@ and goodput (requests per s within ``--slo-ttft-ms`` and ``--slo-tpot-ms``), TTF
 and the role switches the server counted; the goal: rebalance's goodput over both phases at
 least 1.3x fixed's. Rates default to measured ones, of what the fixed pools complete in a
 closed loop of each phase's requests: phase A at 0.8 of it (``--load-a``), phase B at 1.5
-(``--load-b``): beyond the fixed pools, within what the pools rebalanced can do. Without
-``--model`` both serve a random Llama of ``--model-size``. Writes one JSON with every record.
+(``--load-b``): beyond the fixed pools, within what the pools rebalanced can do. With
+``--rounds N`` both configurations run N times, in turn first (a machine's drift favours
+neither), and each configuration's goodput is over all its rounds. Without ``--model`` both
+serve a random Llama of ``--model-size``. Writes one JSON with every record.
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO
 from bench.serving.report import result_dict
 from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
-from bench.serving.servers import RunningServer, ServerSpec, cores_per_worker, pdserve_server
+from bench.serving.servers import (
+    RunningServer,
+    ServerSpec,
+    cores_per_worker,
+    pdserve_server,
+    rotated,
+)
 from bench.serving.tiny_model import MEDIUM_LLAMA, SMALL_LLAMA, build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 
@@ -48,6 +56,7 @@ GOAL = 1.3
 class PhaseOutcome:
     config: str
     phase: str
+    round_index: int
     rate: float
     num_sent: int
     num_completed: int
@@ -65,11 +74,12 @@ class PhaseOutcome:
         return self.num_good / self.duration_s if self.duration_s > 0 else 0.0
 
 
-def phase_outcome(config: str, phase: str, result: BenchResult) -> PhaseOutcome:
+def phase_outcome(config: str, phase: str, round_index: int, result: BenchResult) -> PhaseOutcome:
     summary = result.summary
     return PhaseOutcome(
         config,
         phase,
+        round_index,
         result.config.arrivals.request_rate,
         summary.num_requests,
         summary.num_completed,
@@ -123,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rebalance-window-s", type=float, default=5.0)
     parser.add_argument("--rebalance-cooldown-s", type=float, default=15.0)
     parser.add_argument("--pdserve-args", default="", help="more flags for both servers")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of both, in turn first")
     parser.add_argument("--port", type=int, default=8470)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/rebalance"))
@@ -202,12 +213,12 @@ def _run_phases(
 
 def table(outcomes: list[PhaseOutcome]) -> str:
     rows = [
-        f"{'config':10} {'phase':6} {'rate/s':>7} {'sent':>5} {'done':>5} {'good':>5} "
+        f"{'config':10} {'phase':6} {'round':>5} {'rate/s':>7} {'sent':>5} {'done':>5} {'good':>5} "
         f"{'attain':>7} {'goodput/s':>9} {'ttft p50':>9} {'tpot p50':>9}"
     ]
     for o in outcomes:
         rows.append(
-            f"{o.config:10} {o.phase:6} {o.rate:7.2f} {o.num_sent:5d} {o.num_completed:5d} "
+            f"{o.config:10} {o.phase:6} {o.round_index:5d} {o.rate:7.2f} {o.num_sent:5d} {o.num_completed:5d} "
             f"{o.num_good:5d} {o.attainment:7.1%} {o.goodput:9.2f} "
             f"{_ms(o.ttft_p50_ms):>9} {_ms(o.tpot_p50_ms):>9}"
         )
@@ -228,31 +239,39 @@ def main(argv: list[str] | None = None) -> int:
         "--rebalance-cooldown-s", f"{args.rebalance_cooldown_s:g}",
     )  # fmt: skip
     rebalanced = _server(args, model_dir, "rebalance", rebalance_flags)
-    runs: dict[str, tuple[list[BenchResult], dict[str, float]]] = {}
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    # (config, round) -> the phases' results and the role switches the server counted
+    runs: dict[tuple[str, int], tuple[list[BenchResult], dict[str, float]]] = {}
     rates = (args.rate_a, args.rate_b)
-    for spec in (fixed, rebalanced):
-        print(f"== {spec.name}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
-        with RunningServer(spec, args.out / f"{spec.name}.log"):
-            if None in rates:  # measured once, on the fixed pools
-                rate_a = rates[0] or args.load_a * _capacity(
-                    args, spec, model_dir, args.prompt_heavy
-                )
-                rate_b = rates[1] or args.load_b * _capacity(
-                    args, spec, model_dir, args.output_heavy
-                )
-                rates = (rate_a, rate_b)
-                print(f"rates: phase A {rate_a:.2f}/s, phase B {rate_b:.2f}/s", file=sys.stderr)
-            runs[spec.name] = _run_phases(args, spec, model_dir, rates)  # type: ignore[arg-type]
+    for round_index in range(args.rounds):
+        for spec in rotated((fixed, rebalanced), round_index):
+            print(f"== {spec.name}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
+            log = args.out / f"{spec.name}-{round_index}.log"
+            with RunningServer(spec, log):
+                if None in rates:  # measured once, on the fixed pools (or the first to run)
+                    rate_a = rates[0] or args.load_a * _capacity(
+                        args, spec, model_dir, args.prompt_heavy
+                    )
+                    rate_b = rates[1] or args.load_b * _capacity(
+                        args, spec, model_dir, args.output_heavy
+                    )
+                    rates = (rate_a, rate_b)
+                    print(f"rates: phase A {rate_a:.2f}/s, phase B {rate_b:.2f}/s", file=sys.stderr)
+                runs[(spec.name, round_index)] = _run_phases(args, spec, model_dir, rates)
     outcomes = [
-        phase_outcome(name, phase, result)
-        for name, (results, _) in runs.items()
+        phase_outcome(name, phase, round_index, result)
+        for (name, round_index), (results, _) in runs.items()
         for phase, result in zip(("A", "B"), results)
     ]
     print(table(outcomes))
-    goodputs = {name: overall_goodput([o for o in outcomes if o.config == name]) for name in runs}
+    names = (fixed.name, rebalanced.name)
+    goodputs = {name: overall_goodput([o for o in outcomes if o.config == name]) for name in names}
     ratio = goodputs["rebalance"] / goodputs["fixed"] if goodputs["fixed"] else float("inf")
-    for name, (_, switches) in runs.items():
-        print(f"{name}: goodput over both phases {goodputs[name]:.2f}/s; role switches {switches}")
+    for (name, round_index), (_, switches) in runs.items():
+        print(f"{name} round {round_index}: role switches {switches}")
+    for name in names:
+        print(f"{name}: goodput over both phases and every round {goodputs[name]:.2f}/s")
     met = ratio >= GOAL
     print(f"{'met' if met else 'NOT met'}: rebalance goodput >= {GOAL}x fixed ({ratio:.2f}x)")
     payload: dict[str, Any] = {
@@ -264,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "goodput": goodputs,
         "goal": {"ratio": ratio, "met": met},
-        "switches": {name: switches for name, (_, switches) in runs.items()},
-        "runs": {name: [result_dict(r) for r in results] for name, (results, _) in runs.items()},
+        "switches": {f"{name}/{r}": switches for (name, r), (_, switches) in runs.items()},
+        "runs": {
+            f"{name}/{r}": [result_dict(x) for x in results]
+            for (name, r), (results, _) in runs.items()
+        },
     }
     print(f"wrote {write_json(args.out / 'rebalance.json', payload)}")
     return 0

@@ -41,11 +41,15 @@ def _result(records: list[RequestRecord], rate: float) -> BenchResult:
 
 def test_a_phase_counts_good_requests_and_the_phases_add_up() -> None:
     records = [_record(i, 0.05) for i in range(8)] + [_record(8, 0.5), _record(9, 0.5)]
-    a = phase_outcome("fixed", "A", _result(records, 1.0))
+    a = phase_outcome("fixed", "A", 0, _result(records, 1.0))
     assert (a.num_sent, a.num_good, a.attainment, a.goodput) == (10, 8, 0.8, 0.8)
-    b = PhaseOutcome("fixed", "B", 1.0, 10, 10, 2, 10.0, 50.0, 10.0)
+    b = PhaseOutcome("fixed", "B", 0, 1.0, 10, 10, 2, 10.0, 50.0, 10.0)
     assert overall_goodput([a, b]) == 0.5  # 10 good in 20 s
-    assert "fixed" in phases_table([a, b])
+    # a second round's phases add in: 10 + 4 good in 20 + 20 s
+    again = [PhaseOutcome("fixed", phase, 1, 1.0, 10, 10, 2, 10.0, None, None) for phase in "AB"]
+    assert overall_goodput([a, b, *again]) == 14 / 40
+    printed = phases_table([a, b, *again])
+    assert "fixed" in printed and " round " in printed
 
 
 def test_a_simulation_is_compared_with_its_measured_run() -> None:
