@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -573,6 +574,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     from router.serve_command import run_serve
 
+    _log_with_times()
     model, dtype, name = args.model, args.dtype, args.served_model_name
     if model is None:  # the bundled demo model (bfloat16 on disk; float32 is faster on CPU)
         from engine.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
@@ -646,6 +648,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         rebalance=_rebalance_config(args),
     )
     return run_serve(args, config)
+
+
+def _log_with_times() -> None:
+    """The server's warnings and errors (a worker lost, a role switch, a refused forecast) on
+    stderr, each with its time and logger; a root logger configured already (a program that
+    embeds the server) is left as it is."""
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def _rebalance_config(args: argparse.Namespace) -> RebalanceConfig | None:

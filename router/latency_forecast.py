@@ -23,10 +23,10 @@ and reported beside them; it delays the second token only.
 TPOT is a decode step of the decode worker's running batch with this request in it; on a
 colocated worker, plus its share of the prompt chunks queued there, spread over the request's
 tokens; on a decode worker whose hand-offs wait for blocks (its KV cache full), plus that wait
-spread over the request's tokens after the first. Both then get the model's path corrections: what finished requests' clients saw beyond
-their steps (the gateway's and router's hops, the stream). A prediction needs the fits of the
-roles it uses: None until the workers have reported enough steps (``pdserve serve
---latency-profile`` runs a few at start-up).
+spread over the request's tokens after the first. Both then get the model's path corrections:
+what finished requests' clients saw beyond their steps (the gateway's and router's hops, the
+stream). A prediction needs the fits of the roles it uses: None until the workers have reported
+enough steps (``pdserve serve --latency-profile`` runs a few at start-up).
 """
 
 from __future__ import annotations

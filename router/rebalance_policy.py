@@ -90,7 +90,7 @@ class RebalancePolicy:
         self._on_trial: tuple[tuple[str, str], float] | None = None
         self._backoff: dict[tuple[str, str], int] = {}  # direction -> switches in a row not helping
         self._blocked_until: dict[tuple[str, str], float] = {}
-        self.verdicts: list[Verdict] = []  # judged, not yet taken (``take_verdicts``)
+        self._verdicts: list[Verdict] = []  # judged, not yet taken
 
     def decide(self, now: float, signals: PoolSignals) -> Switch | None:
         config = self.config
@@ -132,7 +132,8 @@ class RebalancePolicy:
         self._on_trial, self._decided = self._decided, None
 
     def take_verdicts(self) -> list[Verdict]:
-        verdicts, self.verdicts = self.verdicts, []
+        """The verdicts given since the last take, oldest first."""
+        verdicts, self._verdicts = self._verdicts, []
         return verdicts
 
     def _judge(self, now: float, signals: PoolSignals) -> None:
@@ -152,4 +153,4 @@ class RebalancePolicy:
             self._backoff[direction] = misses
             self._blocked_until[direction] = now + self.config.cooldown_s * 2**misses
         allowed = self._blocked_until.get(direction, now)
-        self.verdicts.append(Verdict(*direction, before, after, helped, allowed))
+        self._verdicts.append(Verdict(*direction, before, after, helped, allowed))
