@@ -17,6 +17,7 @@ from router.planner.hardware import PRESETS, Hardware, hardware_named
 from router.planner.model_costs import ModelCosts
 from router.planner.plan import LayoutResult, Planner, Slo, rates_around
 from router.planner.report import deploy_snippet, results_table, write_plot
+from router.planner.simulator import ROUTER_POLICIES
 from router.planner.workload import PlanWorkload
 
 
@@ -59,6 +60,12 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--num-kv-blocks", type=int, default=None, help="per worker")
+    engine.add_argument(
+        "--router-policy",
+        choices=ROUTER_POLICIES,
+        default=ROUTER_POLICIES[0],
+        help="the router's, simulated (kv_aware: serve's default)",
+    )
     plan.add_argument("--out", type=Path, default=Path("pdserve-plan"), help="output directory")
 
 
@@ -88,6 +95,7 @@ def run_plan(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         memory_fraction=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
+        router_policy=args.router_policy,
     )
     tp_sizes = [int(size) for size in args.tp_sizes.split(",") if size.strip()]
     layouts = planner.layouts(args.max_devices, tp_sizes)
@@ -114,6 +122,7 @@ def run_plan(args: argparse.Namespace) -> int:
         "hardware": hardware.to_json(),
         "workload": asdict(workload),
         "slo": asdict(slo),
+        "router_policy": args.router_policy,
         "chosen": None if best is None else _result_json(best),
         "layouts": [_result_json(r) for r in results],
         "sweeps": {name: [_result_json(r) for r in rs] for name, rs in sweeps.items()},
@@ -123,6 +132,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"no layout of at most {args.max_devices} devices meets the SLOs at this rate")
         return 1
     flags = " ".join(best.layout.serve_flags())
+    if args.router_policy != ROUTER_POLICIES[0]:
+        flags += f" --router-policy {args.router_policy}"
     snippet = deploy_snippet(best.layout, model.name, args.gpus_per_node)
     (args.out / "deploy-values.yaml").write_text(snippet)
     print(f"\nchosen: {best.layout.name} ({best.layout.devices} devices)")

@@ -85,6 +85,7 @@ class Planner:
     max_num_seqs: int = 256
     memory_fraction: float = 0.9
     num_kv_blocks: int | None = None  # per worker, instead of what its memory holds
+    router_policy: str = "kv_aware"  # the router's, simulated (simulator.ROUTER_POLICIES)
 
     def layouts(self, max_devices: int, tp_sizes: Sequence[int]) -> list[Layout]:
         sizes = [tp for tp in tp_sizes if self.kv_blocks(tp) > 0 and self._divides(tp)]
@@ -125,6 +126,7 @@ class Planner:
             self.block_size,
             lambda blocks: transfer_seconds(self.hardware, self.model, self.block_size, blocks),
             self.hardware.path_overhead_s,
+            self.router_policy,
         )
 
     def _workers(self, count: int, tp: int, budget: int) -> WorkerShape:

@@ -7,9 +7,13 @@ shape, as ``engine.step_timings`` records it, to seconds). A worker steps back t
 has work: a step is scheduled, takes its time, then its tokens are applied (every sampled token
 an ordinary one: outputs run to their length).
 
-Routing is least_loaded's: a prompt goes to the prefill worker (colocated: the decode worker)
-with the fewest queued prompt tokens, then fewest waiting; its decode worker is the one of lowest
-KV usage, then fewest running. In a disaggregated layout a prompt's first token leaves the
+Routing is the router's own policy (``router_policy``, router/policies.py), fed the workers'
+loads and, for kv_aware, a KV index that follows the workers' prefix caches (their KV events,
+applied before every decision: the real router's view lags by a report interval at most):
+least_loaded sends a prompt to the prefill worker (colocated: the decode worker) with the fewest
+queued prompt tokens, its decode worker the one of lowest KV usage; kv_aware weighs each
+worker's cached prefix of the prompt against its queue (its reuse of a decode worker's cache,
+by local prefill or fetch, is not simulated). In a disaggregated layout a prompt's first token leaves the
 prefill worker with the step that samples it; its KV then moves to the decode worker once that
 worker has blocks for it (``Handoffs``), taking ``transfer_seconds`` for its blocks, and the
 decode worker continues it. Every request's first token also takes ``path_overhead_s`` (the
@@ -29,17 +33,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.kv_events import KVEventRecorder
+from engine.messages import WorkerLoad
+from engine.messages.kv_events import KVCacheSnapshot, KVEventBatch, KVEventsReply
 from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.scheduler.outputs import ModelRunnerOutput
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
 from engine.step_timings import step_timing
+from router.kv_aware import KVAware
+from router.kv_index import KVIndex
 from router.latency_model import StepShape, shape_of
+from router.policies import LeastLoaded, RoutingInfo, RoutingPolicy
 
 _TOKEN = 7  # every sampled token (never an end of sequence: the scheduler is given none)
 
 StepTimes = Callable[[StepShape], float]  # a step's seconds on one worker
+ROUTER_POLICIES = ("kv_aware", "least_loaded")  # those simulated; the first is serve's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +78,14 @@ class ClusterShape:
     block_size: int = 16
     transfer_seconds: Callable[[int], float] = lambda num_blocks: 0.0
     path_overhead_s: float = 0.0
+    router_policy: str = "kv_aware"
+
+    def __post_init__(self) -> None:
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(
+                f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, "
+                f"not {self.router_policy!r}"
+            )
 
 
 @dataclass(slots=True)
@@ -101,6 +120,8 @@ class _Worker:
     busy: bool = False
     # hand-offs waiting for this (decode) worker's blocks, in arrival order
     handoffs: deque[EngineSequence] = field(default_factory=deque)
+    kv_events: KVEventRecorder | None = None  # its prefix cache's, for kv_aware's index
+    num_event_batches: int = 0  # batches of them the index has
 
 
 class Simulation:
@@ -123,15 +144,25 @@ class Simulation:
         self._of_seq: dict[int, SimulatedRequest] = {}
         self._decode_of: dict[int, _Worker] = {}  # prefill seq id -> its decode worker
         self._prefill_of: dict[int, _Worker] = {}  # handed-off seq id -> its prefill worker
+        self._index = KVIndex()
+        self._policy: RoutingPolicy = (
+            KVAware(cluster.block_size, self._index, colocated=not self.prefill, fetch=False)
+            if cluster.router_policy == "kv_aware"
+            else LeastLoaded()
+        )
 
     def _worker(self, name: str, shape: WorkerShape) -> _Worker:
+        events = KVEventRecorder() if self.cluster.router_policy == "kv_aware" else None
         manager = BlockManager(
-            shape.num_kv_blocks, self.cluster.block_size, enable_prefix_caching=True
+            shape.num_kv_blocks,
+            self.cluster.block_size,
+            enable_prefix_caching=True,
+            kv_events=events,
         )
         config = SchedulerConfig(
             max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens
         )
-        return _Worker(name, shape, Scheduler(config, manager, eos_token_ids=()))
+        return _Worker(name, shape, Scheduler(config, manager, eos_token_ids=()), kv_events=events)
 
     # ---- the run --------------------------------------------------------------------------
     def run(self) -> list[SimulatedRequest]:
@@ -147,15 +178,8 @@ class Simulation:
 
     def _arrive(self, simulated: SimulatedRequest) -> None:
         request = simulated.request
-        decode = min(
-            self.decode,
-            key=lambda w: (w.scheduler.block_manager.usage, len(w.scheduler.running), w.name),
-        )
-        prompt_workers = self.prefill or self.decode
-        prompt_worker = min(
-            prompt_workers, key=lambda w: (_queued_tokens(w), len(w.scheduler.waiting), w.name)
-        )
         seq_id = next(self._seq_ids)
+        prompt_worker, decode = self._route(RoutingInfo(f"r{seq_id}", request.prompt_token_ids))
         params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
         seq = EngineSequence(
             seq_id,
@@ -172,6 +196,39 @@ class Simulation:
         prompt_worker.scheduler.check_fits(seq)
         prompt_worker.scheduler.add(seq)
         self._kick(prompt_worker)
+
+    def _route(self, routing: RoutingInfo) -> tuple[_Worker, _Worker]:
+        """(the worker that prefills the prompt, the one that decodes it), as the router's
+        policy places it on the workers as they are now."""
+        self._publish_kv_events()
+        workers = {w.name: w for w in (*self.prefill, *self.decode)}
+        decode_loads = [_load(w) for w in self.decode]
+        if not self.prefill:  # colocated: the decode worker prefills
+            chosen = workers[self._policy.choose_decode(routing, decode_loads)]
+            return chosen, chosen
+        prefill = workers[self._policy.choose_prefill(routing, [_load(w) for w in self.prefill])]
+        return prefill, workers[self._policy.choose_decode(routing, decode_loads)]
+
+    def _publish_kv_events(self) -> None:
+        """The workers' prefix-cache events since the last decision, into kv_aware's index."""
+        for worker in (*self.prefill, *self.decode):
+            if worker.kv_events is None:
+                continue
+            events = worker.kv_events.take()
+            if not events and worker.num_event_batches:
+                continue
+            first = worker.num_event_batches == 0
+            worker.num_event_batches += 1
+            number = worker.num_event_batches
+            self._index.apply(
+                worker.name,
+                KVEventsReply(
+                    worker.name,
+                    number,
+                    KVCacheSnapshot(0, ()) if first else None,
+                    (KVEventBatch(number, events),),
+                ),
+            )
 
     def _kick(self, worker: _Worker) -> None:
         """Start the worker's next step if it is idle and has work."""
@@ -247,6 +304,18 @@ class Simulation:
         decode.scheduler.add_computed(seq)
         self._of_seq[seq_id] = simulated
         self._kick(decode)
+
+
+def _load(worker: _Worker) -> WorkerLoad:
+    """The worker's load report, as the router would have it."""
+    scheduler = worker.scheduler
+    return WorkerLoad(
+        worker.name,
+        len(scheduler.waiting),
+        len(scheduler.running),
+        _queued_tokens(worker),
+        scheduler.block_manager.usage,
+    )
 
 
 def _queued_tokens(worker: _Worker) -> int:

@@ -4,6 +4,7 @@ workers' own scheduler, the search's choice, and the command's outputs."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,39 @@ def test_a_decode_worker_short_of_blocks_makes_hand_offs_wait_and_every_request_
     assert max(run.tpot_s or 0 for run in runs) > 0.005  # some waited for room mid-decode
 
 
+def test_the_simulated_kv_aware_router_follows_the_cached_prefixes() -> None:
+    """Two prefill workers, each with room for one 512-token prefix. Prompts on prefixes A and
+    B arrive together (A first), then, once both are done, B's and A's again: kv_aware sends
+    each to the worker that caches its prefix; least_loaded sends B to the idle first worker,
+    whose A it evicts, and A to the other (B's): both compute everything again."""
+    a, b = tuple(range(512)), tuple(range(10_000, 10_512))
+    requests = [
+        WorkloadRequest(0.0, a + (1, 2, 3), 2),
+        WorkloadRequest(0.001, b + (1, 2, 3), 2),
+        WorkloadRequest(5.0, b + (4, 5, 6), 2),
+        WorkloadRequest(5.001, a + (4, 5, 6), 2),
+    ]
+    prefill = replace(_linear(0.010, 1e-4), count=2, num_kv_blocks=40)
+
+    def simulate(policy: str) -> tuple[int, list[float]]:
+        simulation = Simulation(
+            ClusterShape(_linear(0.010, 1e-4), prefill=prefill, router_policy=policy), requests
+        )
+        runs = simulation.run()
+        hit_blocks = sum(w.scheduler.block_manager.pool.num_cache_hits for w in simulation.prefill)
+        return hit_blocks, [run.ttft_s or 0.0 for run in runs]
+
+    kv_hits, kv_ttfts = simulate("kv_aware")
+    least_hits, least_ttfts = simulate("least_loaded")
+    assert (kv_hits, least_hits) == (2 * 32, 0)  # 32 full blocks a prefix
+    assert kv_ttfts[:2] == pytest.approx(least_ttfts[:2])
+    # the last two compute 3 tokens (one step each) instead of 515 (three)
+    assert kv_ttfts[2] == pytest.approx(0.010 + 3e-4)
+    assert least_ttfts[2] == pytest.approx(3 * 0.010 + 515e-4)
+    with pytest.raises(ValueError, match="router_policy must be one of kv_aware, least_loaded"):
+        ClusterShape(_linear(0.010, 1e-4), router_policy="round_robin")
+
+
 def test_the_choice_follows_the_workload_prompt_heavy_to_prefill_output_heavy_to_decode(
     llama_8b: Path,
 ) -> None:
@@ -187,6 +221,18 @@ def test_pdserve_plan_prints_the_choice_and_writes_its_files(
     assert document["chosen"]["layout"]["name"] == "colocated x1"
     assert "replicas: 1" in (out / "deploy-values.yaml").read_text()
     assert (out / "goodput.png").stat().st_size > 0
+    assert document["router_policy"] == "kv_aware"  # serve's default, so no flag for it
+    least = tmp_path / "least"
+    flags = ["--router-policy", "least_loaded", "--out", str(least), "--num-requests", "30"]
+    assert (
+        main(["plan", "--model", str(llama_8b), "--rate", "4", "--max-devices", "1", *flags]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert (
+        f"pdserve serve --model {llama_8b} --prefill 0 --decode 1 --router-policy least_loaded"
+        in printed
+    )
+    assert json.loads((least / "plan.json").read_text())["router_policy"] == "least_loaded"
 
 
 def test_pdserve_plan_refuses_bad_input_naming_the_flag(
