@@ -218,8 +218,8 @@ def table(outcomes: list[PhaseOutcome]) -> str:
     ]
     for o in outcomes:
         rows.append(
-            f"{o.config:10} {o.phase:6} {o.round_index:5d} {o.rate:7.2f} {o.num_sent:5d} {o.num_completed:5d} "
-            f"{o.num_good:5d} {o.attainment:7.1%} {o.goodput:9.2f} "
+            f"{o.config:10} {o.phase:6} {o.round_index:5d} {o.rate:7.2f} {o.num_sent:5d} "
+            f"{o.num_completed:5d} {o.num_good:5d} {o.attainment:7.1%} {o.goodput:9.2f} "
             f"{_ms(o.ttft_p50_ms):>9} {_ms(o.tpot_p50_ms):>9}"
         )
     return "\n".join(rows)

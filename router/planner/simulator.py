@@ -13,11 +13,12 @@ applied before every decision: the real router's view lags by a report interval 
 least_loaded sends a prompt to the prefill worker (colocated: the decode worker) with the fewest
 queued prompt tokens, its decode worker the one of lowest KV usage; kv_aware weighs each
 worker's cached prefix of the prompt against its queue (its reuse of a decode worker's cache,
-by local prefill or fetch, is not simulated). In a disaggregated layout a prompt's first token leaves the
-prefill worker with the step that samples it; its KV then moves to the decode worker once that
-worker has blocks for it (``Handoffs``), taking ``transfer_seconds`` for its blocks, and the
-decode worker continues it. Every request's first token also takes ``path_overhead_s`` (the
-gateway's and router's hops).
+by local prefill or fetch, is not simulated).
+
+In a disaggregated layout a prompt's first token leaves the prefill worker with the step that
+samples it; its KV then moves to the decode worker once that worker has blocks for it,
+taking ``transfer_seconds`` for its blocks, and the decode worker continues it. Every request's
+first token also takes ``path_overhead_s`` (the gateway's and router's hops).
 
 Out: each request's arrival, first token and last token times, from which TTFT, TPOT and
 goodput follow (``SimulatedRequest``).
