@@ -252,14 +252,11 @@ class EngineLoop:
     def _measure_load_locked(self) -> WorkerLoad:
         """The engine's load now, without the worker's KV transfer totals."""
         scheduler = self.engine.scheduler
-        queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting) + sum(
-            s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1
-        )
         return WorkerLoad(
             worker_id=self.worker_id,
             num_waiting=len(scheduler.waiting),
             num_running=len(scheduler.running),
-            num_queued_prompt_tokens=queued,
+            num_queued_prompt_tokens=scheduler.num_queued_prompt_tokens,
             kv_usage=self.engine.block_manager.usage,
             counters=self.engine.counters(),
             num_context_tokens=sum(s.num_computed_tokens for s in scheduler.running),

@@ -153,6 +153,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens not computed yet: the waiting sequences', and the rest of the running
+        ones' prompts being prefilled in chunks (a decoding sequence's one token is no prompt)."""
+        return sum(s.num_uncomputed_tokens for s in self.waiting) + sum(
+            s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1
+        )
+
     # ---- one step -----------------------------------------------------------------------
     def schedule(self, *, step_in_flight: bool = False) -> SchedulerOutput:
         """The next step. ``step_in_flight``: the step scheduled last is not applied yet (async

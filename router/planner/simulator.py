@@ -314,13 +314,6 @@ def _load(worker: _Worker) -> WorkerLoad:
         worker.name,
         len(scheduler.waiting),
         len(scheduler.running),
-        _queued_tokens(worker),
+        scheduler.num_queued_prompt_tokens,
         scheduler.block_manager.usage,
-    )
-
-
-def _queued_tokens(worker: _Worker) -> int:
-    scheduler = worker.scheduler
-    return sum(s.num_uncomputed_tokens for s in scheduler.waiting) + sum(
-        s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1
     )

@@ -7,7 +7,6 @@ at the front door, each prompt ends at its own last token, goodput is in request
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import socket
@@ -24,11 +23,9 @@ from ray.exceptions import RayTaskError
 from engine.messages import TokenEvent
 from engine.sampling import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
-from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.gateway.auth import ApiKeys
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
-from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
 from tests.gateway.test_streams_on_a_scripted_cluster import (
     DEMO_MODEL,
@@ -36,6 +33,7 @@ from tests.gateway.test_streams_on_a_scripted_cluster import (
     _requests_by_status,
     _wait_until_idle,
 )
+from tests.gateway.token_script import both_doors
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,23 +118,6 @@ class _Broken(ScriptedCluster):
             yield event
 
 
-@contextlib.contextmanager
-def _serve(
-    gateway: Gateway,
-) -> Iterator[tuple[httpx.Client, pb_grpc.GenerationStub]]:
-    """``gateway`` served over HTTP and gRPC: an HTTP client on its base URL, and a stub."""
-    server = GatewayServer(gateway, "127.0.0.1", 0, 0)
-    server.start()
-    try:
-        with (
-            httpx.Client(base_url=server.http_url, timeout=60) as http,
-            grpc.insecure_channel(server.grpc_target) as channel,
-        ):
-            yield http, pb_grpc.GenerationStub(channel)
-    finally:
-        server.stop()
-
-
 def _gateway(cluster: ScriptedCluster, model: ServedModel, keys: ApiKeys | None = None) -> Gateway:
     limits = RequestLimits(max_model_len=model.max_model_len, max_n=8)
     return Gateway(cluster, model, limits, keys or ApiKeys([]))
@@ -157,7 +138,7 @@ def test_latencies_count_from_the_arrival_before_the_parse(served_demo: ServedMo
     generation's start after it: a client waiting 0.8 s showed as 0.0004 s.)"""
     limits = RequestLimits(max_model_len=served_demo.max_model_len)
     gateway = _SlowParseGateway(ScriptedCluster(pace_s=0.0), served_demo, limits, ApiKeys([]))
-    with _serve(gateway) as (http, stub):
+    with both_doors(gateway, timeout_s=60) as (http, stub):
         body = {"prompt": "hi", "max_tokens": 2}
         assert http.post("/v1/completions", json=body).status_code == 200
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
@@ -174,7 +155,7 @@ def test_each_prompt_ends_at_its_own_last_token(served_demo: ServedModel) -> Non
     """Of one request's two prompts, the one that ends at its first token has the short e2e
     latency (both had the whole request's, 0.5 s)."""
     gateway = _gateway(_ByPromptLength(pace_s=0.1), served_demo)
-    with _serve(gateway) as (http, _):
+    with both_doors(gateway, timeout_s=60) as (http, _):
         body = {"prompt": [[5], [5, 6, 7, 8, 9, 10]], "max_tokens": 6}
         response = http.post("/v1/completions", json=body)
         assert [c["finish_reason"] for c in response.json()["choices"]] == ["length"] * 2
@@ -187,7 +168,7 @@ def test_goodput_is_in_requests_as_the_request_rate_is(served_demo: ServedModel)
     """A request of four prompts within both SLOs is one request of goodput (it was four, next
     to one ok request); its TTFT is still observed per prompt."""
     gateway = _gateway(ScriptedCluster(pace_s=0.0), served_demo)
-    with _serve(gateway) as (http, _):
+    with both_doors(gateway, timeout_s=60) as (http, _):
         body = {"prompt": ["a", "b", "c", "d"], "max_tokens": 3}
         assert http.post("/v1/completions", json=body).status_code == 200
     assert _requests_by_status(gateway) == {"ok": 1.0}
@@ -202,7 +183,7 @@ def test_an_http_request_aborted_through_grpc_ends_as_aborted(served_demo: Serve
     cluster = _ByPromptLength(pace_s=0.2)
     gateway = _gateway(cluster, served_demo)
     body = {"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 6, "n": 2}
-    with _serve(gateway) as (http, stub):
+    with both_doors(gateway, timeout_s=60) as (http, stub):
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             events = _events(response.iter_lines())
             first = json.loads(next(events))
@@ -238,7 +219,7 @@ def test_an_unexpected_error_mid_stream_ends_the_stream_and_is_counted(
     [DONE], counted failed (it reset the connection, counted nowhere). Whole, it is a 500 after
     which the connection serves on (the next request on it was reset)."""
     gateway = _gateway(_Broken(pace_s=0.01), served_demo)
-    with _serve(gateway) as (http, _):
+    with both_doors(gateway, timeout_s=60) as (http, _):
         body = {"prompt": "hi", "max_tokens": 6, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as response:
             events = list(_events(response.iter_lines()))
@@ -258,7 +239,7 @@ def test_a_request_the_workers_refuse_is_a_400_naming_the_limit(served_demo: Ser
     server serves on."""
     gateway = _gateway(_Refusing(pace_s=0.0), served_demo)
     message = "n (8) must be <= max_num_seqs (4)"
-    with _serve(gateway) as (http, stub):
+    with both_doors(gateway, timeout_s=60) as (http, stub):
         body = {"prompt": "hi", "max_tokens": 2, "n": 8}
         whole = http.post("/v1/completions", json=body)
         assert whole.status_code == 400
@@ -283,7 +264,7 @@ def test_metrics_polls_without_a_key_are_not_counted_as_requests(
     """``requests_total`` counts generation requests: the dashboard's first /metrics poll
     without its key is no unauthorized request (it swelled the backlog advice's denominator)."""
     gateway = _gateway(ScriptedCluster(pace_s=0.0), served_demo, ApiKeys(["sk-test-0123456789"]))
-    with _serve(gateway) as (http, _):
+    with both_doors(gateway, timeout_s=60) as (http, _):
         assert http.get("/metrics").status_code == 401
         assert http.get("/v1/models").status_code == 401
         assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 401
@@ -297,7 +278,7 @@ def test_grpc_calls_that_generate_nothing_are_not_counted_as_requests(
     no generation request (each counted unauthorized); a Generate without one is."""
     gateway = _gateway(ScriptedCluster(pace_s=0.0), served_demo, ApiKeys(["sk-test-0123456789"]))
     wrong = (("authorization", "Bearer sk-wrong"),)
-    with _serve(gateway) as (_, stub):
+    with both_doors(gateway, timeout_s=60) as (_, stub):
         for call in (
             lambda: stub.ListModels(pb.ListModelsRequest(), metadata=wrong),
             lambda: stub.Abort(pb.AbortRequest(request_id="gen-x"), metadata=wrong),
@@ -317,7 +298,7 @@ def test_a_grpc_call_whose_deadline_passes_while_parsed_is_counted_aborted(
     one that leaves then (the call was counted nowhere)."""
     limits = RequestLimits(max_model_len=served_demo.max_model_len)
     gateway = _SlowParseGateway(ScriptedCluster(pace_s=0.0), served_demo, limits, ApiKeys([]))
-    with _serve(gateway) as (_, stub):
+    with both_doors(gateway, timeout_s=60) as (_, stub):
         with pytest.raises(grpc.RpcError) as raised:
             list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=PARSE_S / 3))
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -335,7 +316,7 @@ def test_a_client_gone_while_its_body_is_read_is_aborted_not_failed(
     client timeout under load) ends as aborted: it was counted failed, answered 500 and logged
     as an ASGI traceback."""
     gateway = _gateway(ScriptedCluster(0.01), served_demo)
-    with _serve(gateway) as (http, _):
+    with both_doors(gateway, timeout_s=60) as (http, _):
         host, port = str(http.base_url).removeprefix("http://").rstrip("/").rsplit(":", 1)
         body = b'{"model": "pdserve-demo", "prompt": "The os module", "max_tokens": 8}'
         with socket.create_connection((host, int(port))) as client:

@@ -157,13 +157,16 @@ def http_client(
 
 
 @contextlib.contextmanager
-def both_doors(gateway: Gateway) -> Iterator[tuple[httpx.Client, pb_grpc.GenerationStub]]:
-    """An HTTP client and a gRPC stub of ``gateway``, served on free ports until the end."""
+def both_doors(
+    gateway: Gateway, timeout_s: float = 30.0
+) -> Iterator[tuple[httpx.Client, pb_grpc.GenerationStub]]:
+    """An HTTP client (of ``timeout_s``) and a gRPC stub of ``gateway``, served on free ports
+    until the end."""
     server = GatewayServer(gateway, "127.0.0.1", 0, 0)
     server.start()
     try:
         with (
-            httpx.Client(base_url=server.http_url, timeout=30) as http,
+            httpx.Client(base_url=server.http_url, timeout=timeout_s) as http,
             grpc.insecure_channel(server.grpc_target) as channel,
         ):
             yield http, pb_grpc.GenerationStub(channel)
