@@ -46,6 +46,7 @@ from engine.messages import (
     SendLentBlocks,
     WorkerLoad,
 )
+from engine.parallel.rank_model import LoadedWeights
 from engine.parallel.shard import kv_heads_of_ranks
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
@@ -81,6 +82,8 @@ class DecodeWorker:
         speculative: SpeculativeConfig | None = None,  # ngram drafts checked each step; None: off
         parallel: ParallelConfig | None = None,  # its ranks (this one schedules); None: one
         follower_ranks: Sequence[RankPeer] = (),  # KV ports of its ranks 1 .. N-1, in order
+        # the model of the worker this process ran before (one rank): kept, not loaded again
+        weights: LoadedWeights | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
@@ -91,6 +94,7 @@ class DecodeWorker:
             speculative,
             parallel,
             record_kv_events=True,  # the router's index follows its prefix cache
+            weights=weights,
         )
         cache_groups = self.engine.model_config.cache_groups.handshake_name
         scales = self.engine.kv_cache_scales

@@ -25,7 +25,12 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.expert_tokens import ExpertTokenCounts
 from engine.outputs import RequestOutput
 from engine.parallel.group import TensorParallelGroup
-from engine.parallel.rank_model import build_rank_model, check_max_model_len, join_group
+from engine.parallel.rank_model import (
+    LoadedWeights,
+    build_rank_model,
+    check_max_model_len,
+    join_group,
+)
 from engine.parallel.shard import TensorParallelShard
 from engine.request_state import RequestState
 from engine.sampling import SamplingParams, TokenLogprobs
@@ -75,11 +80,14 @@ class LLMEngine:
         parallel: ParallelConfig | None = None,
         *,
         record_kv_events: bool = False,
+        weights: LoadedWeights | None = None,
     ) -> None:
         """``parallel``: the worker's tensor-parallel ranks, of which this engine is rank 0
         (its followers run engine/parallel/follower.py with the same configs); None: one.
         ``record_kv_events``: note the blocks the prefix cache stores and removes, for
-        ``take_kv_events`` (a worker's, which the router's index follows)."""
+        ``take_kv_events`` (a worker's, which the router's index follows). ``weights``: the
+        model of an engine this worker ran before (``loaded_weights``), kept instead of loaded
+        again (one rank)."""
         parallel = parallel or ParallelConfig()
         check_configs(load, scheduler, speculative, parallel)
         # rank 0 of the worker's ranks (None: the worker is this one rank)
@@ -87,7 +95,7 @@ class LLMEngine:
         if parallel.tensor_parallel_size > 1:
             self.group = join_group(load, parallel, 0, parallel.timeout_s)
         try:
-            rank = build_rank_model(load, cache, scheduler, speculative, self.group)
+            rank = build_rank_model(load, cache, scheduler, speculative, self.group, weights)
         except BaseException:
             self.close()
             raise
@@ -96,6 +104,7 @@ class LLMEngine:
         self.dtype = rank.dtype
         self.max_model_len = rank.max_model_len
         self.model = rank.model
+        self._rank = rank if rank.shard.size == 1 else None  # (for ``loaded_weights``)
         self.shard = rank.shard
         # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]; this rank's heads
         self.kv_cache = rank.kv_cache
@@ -294,6 +303,13 @@ class LLMEngine:
             pass  # a follower already gone: its process is stopped by whoever started it
         finally:
             group.close()
+
+    def loaded_weights(self) -> LoadedWeights:
+        """Its model's weights, for the engine of the role its worker takes next (a worker of
+        one rank; ValueError for several, whose ranks load theirs anew)."""
+        if self._rank is None:
+            raise ValueError("a worker of several ranks loads its weights anew")
+        return self._rank.loaded_weights()
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> StepResult:

@@ -44,6 +44,7 @@ from engine.messages import (
     TransferTiming,
     WorkerLoad,
 )
+from engine.parallel.rank_model import LoadedWeights
 from engine.parallel.shard import kv_heads_of_ranks
 from engine.scheduler import SchedulerConfig
 from kv_transfer import KVCacheLayout, KVChannel, TransferError, TransferTicket
@@ -81,6 +82,8 @@ class PrefillWorker:
         parallel: ParallelConfig | None = None,  # its ranks (this one schedules); None: one
         follower_ranks: Sequence[RankPeer] = (),  # KV ports of its ranks 1 .. N-1, in order
         decode_tensor_parallel_size: int = 1,  # the ranks of each decode worker it hands to
+        # the model of the worker this process ran before (one rank): kept, not loaded again
+        weights: LoadedWeights | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
@@ -92,6 +95,7 @@ class PrefillWorker:
             None,
             parallel,
             record_kv_events=True,  # the router's index follows its prefix cache
+            weights=weights,
         )
         cache_groups = self.engine.model_config.cache_groups.handshake_name
         scales = self.engine.kv_cache_scales

@@ -18,8 +18,11 @@ the next switch that way wait longer (``RebalancePolicy``'s back-off); the verdi
 A switch (``Rebalancer.switch``): the pool's least busy worker stops being routed new work
 (draining); what it holds runs on, for up to ``drain_timeout_s``; anything still on it then is
 resumed elsewhere (a decode worker's requests are recomputed after the tokens their clients
-have, as after a worker's loss: no request fails); then it is retired (its process stopped, its
-slot closed) and a worker of the other role starts on the same cores and joins its pool. The
+have, as after a worker's loss: no request fails); then it is retired (out of rotation, its slot
+closed) and its process becomes a worker of the other role, in a new slot of that pool: the
+model's weights stay in memory, the engine and KV cache are built anew for the role
+(``WorkerActor.change_role``). Where the pools' workers have several ranks, or reserve
+different resources, its process is stopped instead and a new one starts on the same cores. The
 switch is logged, counted (``pdserve:role_switches_total{from_role,to_role}``) and charted.
 """
 
@@ -170,10 +173,15 @@ class Rebalancer:
             if self.pool.stopping.wait(_DRAIN_POLL_S):
                 return None
         cpus = self.pool.slot_cpus(leaving)
+        joined = None
         if self.pool.retire(leaving):
             self._recover([leaving])  # what it still holds: resumed elsewhere
-            self.pool.stop_retired(leaving)
-        joined = self.pool.start_worker(decision.to_role, cpus)
+            if self.pool.changes_roles_in_place:
+                joined = self.pool.change_role(leaving, decision.to_role, cpus)
+            else:
+                self.pool.stop_retired(leaving)
+        if joined is None:  # (lost meanwhile, or the change failed: its process is stopped)
+            joined = self.pool.start_worker(decision.to_role, cpus)
         if joined is None:
             logger.error(
                 "rebalancing: no %s worker started in place of %s; the %s pool is one worker short",

@@ -453,18 +453,58 @@ class WorkerPool:
     def start_worker(self, role: str, cpus: tuple[int, ...] = ()) -> WorkerHandle | None:
         """Start a worker of ``role`` in a new slot of its pool (bound to ``cpus``) and put it
         in rotation; None if it failed to start or join."""
-        with self._lock:
-            taken = {name for name in self._slots} | {w.slot for w in self.workers.values()}
-            index = next(i for i in itertools.count() if f"{role}-{i}" not in taken)
-            slot = WorkerSlot(f"{role}-{index}", role, cpus)
-            self._slots[slot.name] = slot
-            slot.replacing = True  # (it is being started: no replacement meanwhile)
+        slot = self._new_slot(role, cpus)
         worker = self._start_in(slot)
         if worker is not None and self._join(worker, slot):
             return worker
         with self._lock:
             self._slots.pop(slot.name, None)
         return None
+
+    @property
+    def changes_roles_in_place(self) -> bool:
+        """Whether a retired worker's process can take the other role (``change_role``)."""
+        return self._launcher is not None and self._launcher.changes_in_place()
+
+    def change_role(
+        self, retired: WorkerHandle, role: str, cpus: tuple[int, ...] = ()
+    ) -> WorkerHandle | None:
+        """Make a retired worker's process a worker of ``role``, in a new slot of that pool,
+        and put it in rotation: its weights stay, its engine and KV cache are built anew
+        (``WorkerActor.change_role``). None if that failed (its process is stopped then)."""
+        assert self._launcher is not None
+        slot = self._new_slot(role, cpus)
+        worker_id = slot.worker_id(0)
+        logger.warning("%s worker %s becomes %s worker %s", retired.role, retired.worker_id,
+                       role, worker_id)  # fmt: skip
+        spec = self._launcher.spec(role, worker_id, self.decode_handles())
+        changed = retired.actor.change_role.remote(spec)
+        try:
+            while not ray.wait([changed], timeout=1.0)[0]:
+                if self.stopping.is_set():
+                    raise ray.exceptions.RayError("the cluster is stopping")
+            ray.get(changed)
+        except ray.exceptions.RayError as error:
+            logger.error("%s could not become %s: %s", retired.worker_id, worker_id, error)
+            _kill(retired.actor)
+            with self._lock:
+                self._slots.pop(slot.name, None)
+            return None
+        worker = WorkerHandle(worker_id, role, retired.actor, slot=slot.name)
+        if self._join(worker, slot):
+            return worker
+        with self._lock:
+            self._slots.pop(slot.name, None)
+        return None
+
+    def _new_slot(self, role: str, cpus: tuple[int, ...]) -> WorkerSlot:
+        """A new slot of ``role``'s pool, its worker being started (no replacement meanwhile)."""
+        with self._lock:
+            taken = {name for name in self._slots} | {w.slot for w in self.workers.values()}
+            index = next(i for i in itertools.count() if f"{role}-{i}" not in taken)
+            slot = WorkerSlot(f"{role}-{index}", role, cpus, replacing=True)
+            self._slots[slot.name] = slot
+            return slot
 
     def slot_cpus(self, worker: WorkerHandle) -> tuple[int, ...]:
         slot = self._slots.get(worker.slot)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.kv_cache.kv_quantization import KVCacheScales
-from router.actors import remote_decode_actor, remote_prefill_actor
+from router.actors import WorkerSpec, remote_worker_actor
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import CpuBinding
 from router.rank_placement import RankPlacement, rank_bundle
@@ -65,15 +65,15 @@ class WorkerLauncher:
         self._prefill_scheduler = config.prefill_scheduler_config()
         self._speculative = config.speculative  # the decode pool's only: prefill never drafts
         common = {"num_cpus": config.worker_num_cpus, "num_gpus": config.worker_num_gpus}
-        self._decode_cls = remote_decode_actor(**common, resources=config.decode_resources or None)
-        self._prefill_cls = remote_prefill_actor(
-            **common, resources=config.prefill_resources or None
-        )
+        self._resources = {"prefill": config.prefill_resources, "decode": config.decode_resources}
+        self._actor_cls = {
+            role: remote_worker_actor(**common, resources=resources or None)
+            for role, resources in self._resources.items()
+        }
         self._parallel = {role: config.parallel_config(role) for role in ("prefill", "decode")}
         cpus, gpus = config.worker_num_cpus, config.worker_num_gpus
         self._bundles = {
-            "prefill": rank_bundle(cpus, gpus, config.prefill_resources),
-            "decode": rank_bundle(cpus, gpus, config.decode_resources),
+            role: rank_bundle(cpus, gpus, resources) for role, resources in self._resources.items()
         }
         self._placements: dict[str, RankPlacement] = {}  # slot name -> its worker's ranks'
 
@@ -87,34 +87,50 @@ class WorkerLauncher:
         """Every worker launched from now on (restarts too) takes these scales."""
         self._cache = replace(self._cache, kv_cache_scales=scales)
 
-    def launch(self, slot: WorkerSlot, worker_id: str, decode_handles: Mapping[str, Any]) -> Any:
-        """A new actor for ``slot``; a prefill one reaches the decode workers of
-        ``decode_handles`` (by id)."""
-        parallel = self._parallel[slot.role]
-        placement = self._place(slot, worker_id, parallel.tensor_parallel_size)
-        if slot.role == "decode":
-            return self._decode_cls.options(**placement.options(0)).remote(
+    def spec(self, role: str, worker_id: str, decode_handles: Mapping[str, Any]) -> WorkerSpec:
+        """The worker ``role``'s pool runs as ``worker_id``; a prefill one reaches the decode
+        workers of ``decode_handles`` (by id)."""
+        if role == "decode":
+            return WorkerSpec(
+                role,
                 worker_id,
                 self._load,
                 self._cache,
                 self._scheduler,
                 self._transfer,
-                slot.cpus,
+                self._parallel[role],
                 self._speculative,
-                parallel,
-                placement,
             )
-        return self._prefill_cls.options(**placement.options(0)).remote(
+        return WorkerSpec(
+            role,
             worker_id,
             self._load,
             self._cache,
             self._prefill_scheduler,
             self._transfer,
-            dict(decode_handles),
-            slot.cpus,
-            parallel,
-            placement,
-            self._parallel["decode"].tensor_parallel_size,
+            self._parallel[role],
+            decode_handles=dict(decode_handles),
+            decode_tp=self._parallel["decode"].tensor_parallel_size,
+        )
+
+    def launch(self, slot: WorkerSlot, worker_id: str, decode_handles: Mapping[str, Any]) -> Any:
+        """A new actor for ``slot``; a prefill one reaches the decode workers of
+        ``decode_handles`` (by id)."""
+        spec = self.spec(slot.role, worker_id, decode_handles)
+        placement = self._place(slot, worker_id, spec.num_ranks)
+        return (
+            self._actor_cls[slot.role]
+            .options(**placement.options(0))
+            .remote(spec, slot.cpus, placement)
+        )
+
+    def changes_in_place(self) -> bool:
+        """Whether a worker changes role in its own process (``WorkerActor.change_role``):
+        when both pools' workers are of one rank and reserve the same resources, so that the
+        actor's reservation fits the other role as well."""
+        return (
+            all(p.tensor_parallel_size == 1 for p in self._parallel.values())
+            and self._resources["prefill"] == self._resources["decode"]
         )
 
     def _place(self, slot: WorkerSlot, worker_id: str, size: int) -> RankPlacement:

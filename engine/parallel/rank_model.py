@@ -13,6 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -39,6 +40,7 @@ from engine.kv_calibration import (
 from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model, safetensors_files
+from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import CausalLM
 from engine.parallel.group import ProcessGroupRanks, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard, kv_heads_of_ranks
@@ -72,6 +74,14 @@ class RankModel:
     # shard.num_kv_heads, head_dim] in the cache's dtype (page-locked beside a GPU cache);
     # num_host_slots is the same on every rank. None: no host tier (kv_offload_gb 0)
     host_kv_cache: torch.Tensor | None = None
+    # how its weights were loaded (``_loaded_as``), for ``loaded_weights``
+    loaded_as: tuple[str, str, int, str, str, str] | None = None
+
+    def loaded_weights(self) -> LoadedWeights:
+        """Its weights, for the engine of the role its worker takes next (one rank only)."""
+        if self.shard.size > 1 or self.loaded_as is None:
+            raise ValueError("a worker of several ranks loads its weights anew")
+        return LoadedWeights(cast(LlamaForCausalLM, self.model), self.loaded_as)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -80,6 +90,42 @@ class RankModel:
     @property
     def num_host_slots(self) -> int:
         return 0 if self.host_kv_cache is None else int(self.host_kv_cache.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedWeights:
+    """A worker's model with its weights in memory, as it loaded them: what it keeps when it
+    changes role (router/rebalancer.py), its KV cache, attention backend and graphs built anew
+    for the other role's configs. One rank only: a tensor-parallel worker's ranks reload."""
+
+    model: LlamaForCausalLM
+    loaded_as: tuple[str, str, int, str, str, str]  # (see ``_loaded_as``)
+
+    def check_loaded_as(
+        self, load: LoadConfig, device: torch.device, dtype: torch.dtype, linear_backend: str
+    ) -> None:
+        """Raise ValueError unless these are the weights ``load`` would load."""
+        wanted = _loaded_as(load, device, dtype, linear_backend)
+        if wanted != self.loaded_as:
+            raise ValueError(
+                f"the weights kept were loaded as {self.loaded_as}, not as {wanted}: "
+                "a worker keeps its weights only for the same model, dtype and device"
+            )
+
+
+def _loaded_as(
+    load: LoadConfig, device: torch.device, dtype: torch.dtype, linear_backend: str
+) -> tuple[str, str, int, str, str, str]:
+    """What decides a model's loaded weights: its directory, format, seed (random weights),
+    device, dtype and linear layers' backend."""
+    return (
+        str(Path(load.model_dir).resolve()),
+        load.load_format,
+        load.seed,
+        str(device),
+        str(dtype),
+        linear_backend,
+    )
 
 
 def rank_device(load: LoadConfig, rank: int) -> torch.device:
@@ -139,8 +185,11 @@ def build_rank_model(
     scheduler: SchedulerConfig,
     speculative: SpeculativeConfig | None,
     group: TensorParallelGroup | None,
+    weights: LoadedWeights | None = None,
 ) -> RankModel:
-    """This rank's model shard and KV cache shard (``group`` None: the one rank of a worker)."""
+    """This rank's model shard and KV cache shard (``group`` None: the one rank of a worker).
+    ``weights``: a worker's one rank loaded already (``RankModel.loaded_weights`` of the engine
+    it had before it changed role): kept, and the rest built anew for these configs."""
     model_config = load_model_config(load.model_dir)
     size, rank = (1, 0) if group is None else (group.size, group.rank)
     shard = TensorParallelShard.of(model_config, rank, size)
@@ -152,18 +201,24 @@ def build_rank_model(
     max_model_len = check_max_model_len(load, model_config)
     torch.manual_seed(load.seed)
     linear_backend = resolve_linear_backend(load.linear_backend, device, dtype)
-    model = load_model(
-        load.model_dir,
-        model_config,
-        dtype,
-        device,
-        load.load_format,
-        load.seed,
-        linear_backend,
-        # size 1 takes the loader's unsharded path, exactly as before tensor parallelism
-        shard=shard if size > 1 else None,
-        group=group if size > 1 else None,
-    )
+    if weights is not None:
+        if size > 1:
+            raise ValueError("a worker of several ranks loads its weights anew")
+        weights.check_loaded_as(load, device, dtype, linear_backend)
+        model = weights.model
+    else:
+        model = load_model(
+            load.model_dir,
+            model_config,
+            dtype,
+            device,
+            load.load_format,
+            load.seed,
+            linear_backend,
+            # size 1 takes the loader's unsharded path, exactly as before tensor parallelism
+            shard=shard if size > 1 else None,
+            group=group if size > 1 else None,
+        )
     cache_groups = model_config.cache_groups
     float_layout = KVLayout(
         num_layers=cache_groups.num_slots,
@@ -268,6 +323,7 @@ def build_rank_model(
         num_threads_before=num_threads_before,
         kv_cache_scales=kv_cache_scales,
         host_kv_cache=host_kv_cache,
+        loaded_as=_loaded_as(load, device, dtype, linear_backend),
     )
 
 

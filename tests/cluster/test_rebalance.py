@@ -1,6 +1,6 @@
 """``--rebalance`` on a local Ray: a workload that shifts from prompt-heavy to output-heavy
-makes one prefill worker become a decode worker, once, with no request failed and every output
-what the offline engine gives."""
+makes one prefill worker become a decode worker, once, in its own process (no new one starts),
+with no request failed and every output what the offline engine gives."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
     )
     cluster = Cluster.start(config)
     try:
+        processes = {w.actor._actor_id for w in cluster.pool.workers.values()}
         rng = random.Random(0)
         done: list[tuple[list[int], int, list[int]]] = []
         asyncio.run(_phase(cluster, rng, 400, 2, time.monotonic() + 4.0, done))
@@ -80,6 +81,9 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         assert cluster.role_switches() == {("prefill", "decode"): 1}
         roles = sorted(s.role for s in cluster.worker_statuses() if s.alive)
         assert roles == ["decode", "decode", "prefill"]
+        # the switched worker is the prefill worker's process, its weights kept: none started
+        serving = {w.actor._actor_id for w in cluster.pool.workers.values() if w.alive}
+        assert serving == processes
     finally:
         cluster.shutdown()
 

@@ -95,7 +95,7 @@ class _Refusing(ScriptedCluster):
         if params.n > 4:
             cause = ValueError(f"n ({params.n}) must be <= max_num_seqs (4)")
             traceback = f"Traceback (most recent call last):\n  ...\nValueError: {cause}"
-            raise RayTaskError("PrefillActor.submit", traceback, cause).as_instanceof_cause()
+            raise RayTaskError("WorkerActor.submit", traceback, cause).as_instanceof_cause()
         async for event in super().generate(prompt_token_ids, params, request_id=request_id):
             yield event
 

@@ -1,75 +1,86 @@
 """The launcher hands each pool's actors their settings: speculative decoding goes to the decode
 pool only (a prefill worker samples each prompt's first token, never a draft), the same for a
-worker started in a dead one's slot; every worker schedules by the cluster's scheduling policy,
-asynchronously if it says so. Actor classes are recorders here; no Ray."""
+worker started in a dead one's slot and for a worker changing role; every worker schedules by
+the cluster's scheduling policy, asynchronously if it says so. A worker changes role in its own
+process only where both pools' workers are one rank reserving the same resources. Actor classes
+are recorders here; no Ray."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
+from router.actors import WorkerSpec
 from router.cluster_config import ClusterConfig
 from router.worker_slots import WorkerLauncher, plan_slots
 
 
 class _RecordingActor:
-    def __init__(self, role: str, started: list[tuple[str, tuple[Any, ...]]]) -> None:
-        self.role, self.started = role, started
+    def __init__(self, resources: Any, started: list[WorkerSpec]) -> None:
+        self.resources, self.started = resources, started
 
     def options(self, **options: Any) -> _RecordingActor:
         assert not options  # a worker of one rank: its class's own reservation, no group
         return self
 
-    def remote(self, *args: Any, **kwargs: Any) -> str:
-        self.started.append((self.role, (*args, *kwargs.values())))
-        return f"{self.role}-actor"
+    def remote(self, spec: WorkerSpec, cpus: tuple[int, ...], placement: Any) -> str:
+        self.started.append(spec)
+        return f"{spec.role}-actor"
 
 
 @pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[Any, ...]]]:
-    calls: list[tuple[str, tuple[Any, ...]]] = []
+def started(monkeypatch: pytest.MonkeyPatch) -> list[WorkerSpec]:
+    calls: list[WorkerSpec] = []
     monkeypatch.setattr(
-        "router.worker_slots.remote_decode_actor", lambda **_: _RecordingActor("decode", calls)
-    )
-    monkeypatch.setattr(
-        "router.worker_slots.remote_prefill_actor", lambda **_: _RecordingActor("prefill", calls)
+        "router.worker_slots.remote_worker_actor",
+        lambda resources=None, **_: _RecordingActor(resources, calls),
     )
     return calls
 
 
 @pytest.mark.parametrize("num_prefill", [1, 0], ids=["disaggregated", "colocated"])
 def test_the_speculative_config_reaches_decode_actors_only(
-    started: list[tuple[str, tuple[Any, ...]]], num_prefill: int
+    started: list[WorkerSpec], num_prefill: int
 ) -> None:
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
     config = ClusterConfig("model", num_prefill=num_prefill, num_decode=2, speculative=spec)
     launcher = WorkerLauncher(config)
     for slot in plan_slots(config, None):
         launcher.launch(slot, slot.worker_id(0), {})
-    assert [role for role, _ in started] == ["decode", "decode"] + ["prefill"] * num_prefill
-    for role, args in started:
-        if role == "decode":  # DecodeActor(worker_id, load, cache, scheduler, transfer, cpus,
-            assert args[6] is spec  # spec, parallel, placement)
-        else:
-            assert spec not in args
+    assert [s.role for s in started] == ["decode", "decode"] + ["prefill"] * num_prefill
+    for worker in started:
+        assert worker.speculative is (spec if worker.role == "decode" else None)
+    # a worker changing role gets its new role's: a prefill one none, a decode one the config
+    assert launcher.spec("prefill", "prefill-7", {}).speculative is None
+    assert launcher.spec("decode", "decode-7", {}).speculative is spec
 
 
-def test_without_a_speculative_config_decode_actors_get_none(
-    started: list[tuple[str, tuple[Any, ...]]],
-) -> None:
+def test_without_a_speculative_config_decode_actors_get_none(started: list[WorkerSpec]) -> None:
     config = ClusterConfig("model", num_prefill=0, num_decode=1)
     (slot,) = plan_slots(config, None)
     WorkerLauncher(config).launch(slot, slot.worker_id(1), {})  # a replacement, the same way
-    ((_, args),) = started
-    assert args[0] == "decode-0-r1" and args[6] is None
+    (spec,) = started
+    assert spec.worker_id == "decode-0-r1" and spec.speculative is None
+
+
+def test_a_prefill_actor_gets_the_decode_workers_and_their_ranks(
+    started: list[WorkerSpec],
+) -> None:
+    config = ClusterConfig("model", num_prefill=1, num_decode=1)
+    launcher = WorkerLauncher(config)
+    prefill_slot = next(s for s in plan_slots(config, None) if s.role == "prefill")
+    launcher.launch(prefill_slot, "prefill-0", {"decode-0": "handle"})
+    (spec,) = started
+    assert spec.decode_handles == {"decode-0": "handle"} and spec.decode_tp == 1
+    assert spec.scheduler == config.prefill_scheduler_config()
 
 
 @pytest.mark.parametrize("num_prefill", [1, 0], ids=["disaggregated", "colocated"])
 def test_every_actor_schedules_by_the_clusters_policy(
-    started: list[tuple[str, tuple[Any, ...]]], num_prefill: int
+    started: list[WorkerSpec], num_prefill: int
 ) -> None:
     config = ClusterConfig(
         "model", num_prefill=num_prefill, num_decode=2, scheduling_policy="priority"
@@ -77,19 +88,30 @@ def test_every_actor_schedules_by_the_clusters_policy(
     launcher = WorkerLauncher(config)
     for slot in plan_slots(config, None):
         launcher.launch(slot, slot.worker_id(0), {})
-    schedulers = [a for _, args in started for a in args if isinstance(a, SchedulerConfig)]
-    assert len(schedulers) == len(started) == 2 + num_prefill
-    assert {s.policy for s in schedulers} == {"priority"}
+    assert len(started) == 2 + num_prefill
+    assert {s.scheduler.policy for s in started} == {"priority"}
 
 
 @pytest.mark.parametrize("num_prefill", [1, 0], ids=["disaggregated", "colocated"])
 def test_every_actor_schedules_asynchronously_if_the_cluster_does(
-    started: list[tuple[str, tuple[Any, ...]]], num_prefill: int
+    started: list[WorkerSpec], num_prefill: int
 ) -> None:
     config = ClusterConfig("model", num_prefill=num_prefill, num_decode=2, async_scheduling=True)
     launcher = WorkerLauncher(config)
     for slot in plan_slots(config, None):
         launcher.launch(slot, slot.worker_id(0), {})
-    schedulers = [a for _, args in started for a in args if isinstance(a, SchedulerConfig)]
-    assert len(schedulers) == len(started) == 2 + num_prefill
-    assert {s.async_scheduling for s in schedulers} == {True}
+    assert len(started) == 2 + num_prefill
+    assert {s.scheduler.async_scheduling for s in started} == {True}
+
+
+def test_workers_change_role_in_place_when_both_pools_are_alike(
+    started: list[WorkerSpec], llama_dir: Path
+) -> None:
+    assert WorkerLauncher(ClusterConfig("model", num_prefill=1, num_decode=1)).changes_in_place()
+    # a role's own resources (its nodes): a worker of the other role may not fit where it is
+    config = ClusterConfig("model", num_prefill=1, num_decode=1, prefill_resources={"p": 1.0})
+    assert not WorkerLauncher(config).changes_in_place()
+    # several ranks: the follower ranks' processes would have to follow
+    for sizes in ({"prefill_tp": 2, "decode_tp": 2}, {"decode_tp": 2}):
+        config = ClusterConfig(str(llama_dir), num_prefill=1, num_decode=1, **sizes)
+        assert not WorkerLauncher(config).changes_in_place()

@@ -21,8 +21,7 @@ RAY_LISTENERS = (
     "gcs_server",
     "raylet",
     "ray::RuntimeEnvAgent",
-    "ray::PrefillActor",
-    "ray::DecodeActor",
+    "ray::WorkerActor",
 )
 WAIT_S = 60.0
 
