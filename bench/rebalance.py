@@ -11,8 +11,8 @@ then ``fixed`` keeps its pools and ``rebalance`` (``--rebalance`` with a short w
 cooldown, ``--rebalance-window-s``/``--rebalance-cooldown-s``) moves workers as phase B's
 decode load builds up. Reports per configuration and phase: requests, completed, SLO attainment
 and goodput (requests per s within ``--slo-ttft-ms`` and ``--slo-tpot-ms``), TTFT and TPOT p50,
-and the role switches the server counted; the goal: rebalance's goodput over both phases at
-least 1.3x fixed's. Rates default to measured ones, of what the fixed pools complete in a
+and the role switches the server counted (each one's drain and join times from its log); the
+goal: rebalance's goodput over both phases at least 1.3x fixed's. Rates default to measured ones, of what the fixed pools complete in a
 closed loop of each phase's requests: phase A at 0.8 of it (``--load-a``), phase B at 1.5
 (``--load-b``): beyond the fixed pools, within what the pools rebalanced can do. With
 ``--rounds N`` both configurations run N times, in turn first (a machine's drift favours
@@ -23,6 +23,7 @@ serve a random Llama of ``--model-size``. Writes one JSON with every record.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -198,6 +199,27 @@ def _switches(spec: ServerSpec) -> dict[str, float]:
     return counts
 
 
+_SWITCH_LINE = re.compile(
+    r"rebalancing: (\w+) worker (\S+) in rotation in place of (\S+) \((the same process|a new "
+    r"process); drained in ([\d.]+) s, joined ([\d.]+) s later\)"
+)
+
+
+def switch_times(log: str) -> list[dict[str, Any]]:
+    """The switches a server's log tells of: each new worker, the one it replaced, whether it
+    is the same process, and the seconds it took to drain and then to join."""
+    return [
+        {
+            "worker": m[2],
+            "in_place_of": m[3],
+            "same_process": m[4] == "the same process",
+            "drain_s": float(m[5]),
+            "join_s": float(m[6]),
+        }
+        for m in _SWITCH_LINE.finditer(log)
+    ]
+
+
 def _run_phases(
     args: argparse.Namespace, spec: ServerSpec, model_dir: str, rates: tuple[float, float]
 ) -> tuple[list[BenchResult], dict[str, float]]:
@@ -243,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--rounds must be >= 1")
     # (config, round) -> the phases' results and the role switches the server counted
     runs: dict[tuple[str, int], tuple[list[BenchResult], dict[str, float]]] = {}
+    timings: dict[tuple[str, int], list[dict[str, Any]]] = {}  # and each switch's, from its log
     rates = (args.rate_a, args.rate_b)
     for round_index in range(args.rounds):
         for spec in rotated((fixed, rebalanced), round_index):
@@ -259,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     rates = (rate_a, rate_b)
                     print(f"rates: phase A {rate_a:.2f}/s, phase B {rate_b:.2f}/s", file=sys.stderr)
                 runs[(spec.name, round_index)] = _run_phases(args, spec, model_dir, rates)
+            timings[(spec.name, round_index)] = switch_times(log.read_text(errors="replace"))
     outcomes = [
         phase_outcome(name, phase, round_index, result)
         for (name, round_index), (results, _) in runs.items()
@@ -270,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     ratio = goodputs["rebalance"] / goodputs["fixed"] if goodputs["fixed"] else float("inf")
     for (name, round_index), (_, switches) in runs.items():
         print(f"{name} round {round_index}: role switches {switches}")
+        for t in timings.get((name, round_index), []):
+            print(
+                f"  {t['in_place_of']} -> {t['worker']}: drained in {t['drain_s']:.1f} s, joined "
+                f"{t['join_s']:.1f} s later ({'in place' if t['same_process'] else 'new process'})"
+            )
     for name in names:
         print(f"{name}: goodput over both phases and every round {goodputs[name]:.2f}/s")
     met = ratio >= GOAL
@@ -284,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "goodput": goodputs,
         "goal": {"ratio": ratio, "met": met},
         "switches": {f"{name}/{r}": switches for (name, r), (_, switches) in runs.items()},
+        "switch_times": {f"{name}/{r}": t for (name, r), t in timings.items()},
         "runs": {
             f"{name}/{r}": [result_dict(x) for x in results]
             for (name, r), (results, _) in runs.items()

@@ -168,11 +168,13 @@ class Rebalancer:
             decision.reason,
         )
         self.pool.start_draining(leaving.worker_id)
-        drain_by = time.monotonic() + self.config.drain_timeout_s
+        started = time.monotonic()
+        drain_by = started + self.config.drain_timeout_s
         while self._num_placed_on(leaving.worker_id) and time.monotonic() < drain_by:
             if self.pool.stopping.wait(_DRAIN_POLL_S):
                 return None
         cpus = self.pool.slot_cpus(leaving)
+        drained = time.monotonic()
         joined = None
         if self.pool.retire(leaving):
             self._recover([leaving])  # what it still holds: resumed elsewhere
@@ -192,11 +194,16 @@ class Rebalancer:
             return None
         with self._lock:
             self._switches[(decision.from_role, decision.to_role)] += 1
+        joined_at = time.monotonic()
         logger.warning(
-            "rebalancing: %s worker %s in rotation in place of %s",
+            "rebalancing: %s worker %s in rotation in place of %s (%s; drained in %.1f s, "
+            "joined %.1f s later)",
             decision.to_role,
             joined.worker_id,
             leaving.worker_id,
+            "the same process" if joined.actor is leaving.actor else "a new process",
+            drained - started,
+            joined_at - drained,
         )
         return joined
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.kv_cache.kv_quantization import KVCacheScales
-from router.actors import WorkerSpec, remote_worker_actor
+from router.actors import remote_worker_actor
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import CpuBinding
 from router.rank_placement import RankPlacement, rank_bundle
+from router.worker_host import WorkerSpec
 
 MAX_RESTART_DELAY_S = 60.0
 RELEASE_TIMEOUT_S = 5.0  # the longest the cluster's stop waits to give placement groups back  # the longest wait before a slot's next start

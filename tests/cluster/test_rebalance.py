@@ -5,12 +5,14 @@ with no request failed and every output what the offline engine gives."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.rebalance import switch_times
 from engine import LLM, SamplingParams
 from router.cluster import Cluster
 from router.rebalance_policy import RebalanceConfig
@@ -43,8 +45,9 @@ async def _phase(
 
 
 def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
-    ray_session: None, llama_dir: Path
+    ray_session: None, llama_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="router.rebalancer")
     # decode's TPOT SLO is out of reach (its pressure is always high): what keeps the prefill
     # pool from giving a worker while prompts are long is its own utilization
     rebalance = RebalanceConfig(
@@ -84,6 +87,10 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         # the switched worker is the prefill worker's process, its weights kept: none started
         serving = {w.actor._actor_id for w in cluster.pool.workers.values() if w.alive}
         assert serving == processes
+        # as logged (and read back by bench.rebalance)
+        (switch,) = switch_times(caplog.text)
+        assert switch["worker"] == "decode-1" and switch["in_place_of"].startswith("prefill-")
+        assert switch["same_process"]
     finally:
         cluster.shutdown()
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from engine.speculative.config import SpeculativeConfig
-from router.actors import WorkerSpec
 from router.cluster_config import ClusterConfig
+from router.worker_host import WorkerSpec
 from router.worker_slots import WorkerLauncher, plan_slots
 
 

@@ -1,16 +1,16 @@
-"""A worker changes role in its own process (``WorkerActor.change_role``, what ``--rebalance``
+"""A worker changes role in its own process (``WorkerHost.change_role``, what ``--rebalance``
 does): its weights stay in memory, its old KV cache is freed, and the new role's worker serves
 exactly what the offline engine gives -- a prefill worker that became a decode worker decodes
 hand-offs and runs requests of its own, and a decode worker that became a prefill worker hands
-off to it. Both actors run in this process, without Ray: a prefill worker reaches its decode
-peer's ``handoff`` through a handle of the same shape as Ray's."""
+off to it. Both run in this process, without Ray (the cluster's actors are these hosts in processes of
+their own): a prefill worker's decode peer calls the host's ``handoff`` on a thread pool."""
 
 from __future__ import annotations
 
 import gc
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,10 @@ import pytest
 from engine import LLM, GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
-from engine.messages import OutputBatch
+from engine.messages import HandoffCall, OutputBatch
 from engine.scheduler import SchedulerConfig
 from kv_transfer.policy import TransferConfig
-from router.actors import WorkerActor, WorkerSpec
+from router.worker_host import WorkerHost, WorkerSpec
 from tests.engine.test_parity import make_prompts
 from tests.workers.output_collector import OutputCollector
 
@@ -31,29 +31,16 @@ GATEWAY = "test-gateway"
 pytestmark = pytest.mark.timeout(300)
 
 
-class _Remote:
-    """``handle.method.remote(...).future()``, as on a Ray actor handle, run on a thread pool."""
+class _HostPeer:
+    """A prefill worker's peer on a decode worker's host in this process: each hand-off call
+    runs on a thread of the pool, on whichever worker the host runs then (as a Ray handle's
+    call runs on its actor)."""
 
-    def __init__(self, method: Callable[..., Any], pool: ThreadPoolExecutor) -> None:
-        self._method, self._pool = method, pool
+    def __init__(self, host: WorkerHost, pool: ThreadPoolExecutor) -> None:
+        self.host, self.pool = host, pool
 
-    def remote(self, *args: Any) -> _Remote:
-        self._future = self._pool.submit(self._method, *args)
-        return self
-
-    def future(self) -> Future[Any]:
-        return self._future
-
-
-class _LocalHandle:
-    """A prefill worker's handle on a decode actor in this process (its ``handoff`` only)."""
-
-    def __init__(self, actor: WorkerActor, pool: ThreadPoolExecutor) -> None:
-        self.actor, self.pool = actor, pool
-
-    @property
-    def handoff(self) -> _Remote:
-        return _Remote(self.actor.handoff, self.pool)
+    def send(self, call: HandoffCall[Any]) -> Future[Any]:
+        return self.pool.submit(self.host.handoff, call)
 
 
 def _spec(model_dir: Path, role: str, worker_id: str, **decode: Any) -> WorkerSpec:
@@ -68,12 +55,12 @@ def _spec(model_dir: Path, role: str, worker_id: str, **decode: Any) -> WorkerSp
     )
 
 
-def _outputs(actor: WorkerActor) -> Callable[[str, float], OutputBatch | None]:
+def _outputs(actor: WorkerHost) -> Callable[[str, float], OutputBatch | None]:
     """The collector's source: the batches of whichever worker the actor runs now."""
 
     def next_batch(gateway_id: str, timeout_s: float) -> OutputBatch | None:
         try:
-            return actor._current().next_batch(gateway_id, timeout_s)
+            return actor.worker.next_batch(gateway_id, timeout_s)
         except RuntimeError:  # changing role
             time.sleep(timeout_s)
             return None
@@ -95,14 +82,13 @@ def test_workers_change_role_in_place_and_serve_as_the_offline_engine(
     offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8)
     expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
 
-    decode = WorkerActor(_spec(llama_dir, "decode", "decode-0"))
-    first = WorkerActor(
-        _spec(
-            llama_dir,
-            "prefill",
-            "prefill-0",
-            decode_handles={"decode-0": _LocalHandle(decode, pool)},
-        )
+    def peers(hosts: Mapping[str, Any]) -> dict[str, _HostPeer]:
+        return {worker_id: _HostPeer(host, pool) for worker_id, host in hosts.items()}
+
+    decode = WorkerHost(_spec(llama_dir, "decode", "decode-0"), decode_peers=peers)
+    first = WorkerHost(
+        _spec(llama_dir, "prefill", "prefill-0", decode_handles={"decode-0": decode}),
+        decode_peers=peers,
     )
     collector = OutputCollector([_outputs(decode), _outputs(first)], GATEWAY)
     try:
@@ -117,10 +103,10 @@ def test_workers_change_role_in_place_and_serve_as_the_offline_engine(
         run(range(0, 4), lambda r: first.submit(r, "decode-0"))  # prefill-0 -> decode-0
 
         # prefill-0 becomes decode-1: the same weights, its old KV cache freed
-        model = first._current().engine.model
-        old_cache = weakref.ref(first._current().engine.kv_cache)
+        model = first.worker.engine.model
+        old_cache = weakref.ref(first.worker.engine.kv_cache)
         assert first.change_role(_spec(llama_dir, "decode", "decode-1")) == "decode-1"
-        assert first.ready() == "decode-1" and first._current().engine.model is model
+        assert first.ready() == "decode-1" and first.worker.engine.model is model
         deadline = time.monotonic() + 30
         while old_cache() is not None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -133,7 +119,7 @@ def test_workers_change_role_in_place_and_serve_as_the_offline_engine(
             llama_dir,
             "prefill",
             "prefill-1",
-            decode_handles={"decode-1": _LocalHandle(first, pool)},
+            decode_handles={"decode-1": first},
         )
         assert decode.change_role(prefill_spec) == "prefill-1"
         run(range(7, 12), lambda r: decode.submit(r, "decode-1"))
@@ -145,7 +131,7 @@ def test_workers_change_role_in_place_and_serve_as_the_offline_engine(
 
 
 def test_calls_for_the_other_role_are_refused_by_name(llama_dir: Path) -> None:
-    actor = WorkerActor(_spec(llama_dir, "decode", "decode-0"))
+    actor = WorkerHost(_spec(llama_dir, "decode", "decode-0"))
     try:
         request = GenerateRequest("r", [5, 6, 7], SamplingParams(max_tokens=2), GATEWAY)
         with pytest.raises(RuntimeError, match="decode-0 is a decode worker, not a prefill"):
