@@ -1,0 +1,137 @@
+"""A worker's change of role in place against starting a worker of the new role, same run.
+
+    .venv/bin/python -m bench.role_change [--model DIR | --model-size medium] [--device cpu]
+        [--rounds 3] [--num-kv-blocks 512]
+
+What ``--rebalance`` saves by keeping a switching worker's weights (router/worker_host.py:
+``WorkerHost.change_role``). Each round, in one process and without Ray:
+  in place  -- a decode worker becomes a prefill worker, then a decode worker again: the old
+               worker stops, its KV cache is freed, the new role's engine and KV cache are
+               built on the weights in memory;
+  new       -- the old worker stops, and a worker of the new role is built from the model's
+               files (what a switch did before: its process stopped, a new one loaded the
+               model), each role once.
+The new process's own start (Python, torch, Ray's actor) comes on top of ``new`` in a cluster
+and is not counted here. After every change to decode, one greedy request runs on the new
+worker and its tokens are checked against a fresh decode worker's. Prints the median seconds
+per change and writes JSON with every time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.results_json import write_json
+from bench.serving.tiny_model import MEDIUM_LLAMA, SMALL_LLAMA, build_tiny_llama
+from engine import GenerateRequest, SamplingParams
+from engine.engine_config import CacheConfig, LoadConfig
+from engine.kv_cache.budget import KVBudget
+from engine.scheduler import SchedulerConfig
+from kv_transfer.policy import TransferConfig
+from router.worker_host import WorkerHost, WorkerSpec
+
+GATEWAY = "bench"
+ROLES = ("prefill", "decode")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.role_change",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
+    parser.add_argument("--model-size", choices=("tiny", "small", "medium"), default="medium")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-kv-blocks", type=int, default=512, help="per worker")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/role_change"))
+    return parser
+
+
+def _spec(args: argparse.Namespace, model_dir: str, role: str, worker_id: str) -> WorkerSpec:
+    return WorkerSpec(
+        role,
+        worker_id,
+        LoadConfig(model_dir, dtype=args.dtype, device=args.device),
+        CacheConfig(block_size=16, budget=KVBudget(num_blocks=args.num_kv_blocks)),
+        SchedulerConfig(max_num_batched_tokens=512),
+        TransferConfig(host="127.0.0.1"),
+    )
+
+
+def _greedy(host: WorkerHost, request_id: str) -> list[int]:
+    """One greedy request's tokens on the host's decode worker."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    host.submit(GenerateRequest(request_id, list(range(5, 37)), params, GATEWAY))
+    tokens: list[int] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        batch = host.worker.next_batch(GATEWAY, 0.1)
+        for event in () if batch is None else batch.events:
+            tokens.append(event.token_id)
+            if event.finish_reason is not None:
+                return tokens
+    raise RuntimeError(f"{request_id} did not finish in 300 s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    resize = {"tiny": None, "small": SMALL_LLAMA, "medium": MEDIUM_LLAMA}[args.model_size]
+    model_dir = args.model or str(build_tiny_llama(args.out / "model", None, resize))
+    times: dict[str, dict[str, list[float]]] = {"in_place": {}, "new": {}}
+    for way in times:
+        times[way] = {role: [] for role in ROLES}
+    host = WorkerHost(_spec(args, model_dir, "decode", "decode-0"))
+    expected = _greedy(host, "warm")
+    serial = 0
+    try:
+        for _ in range(args.rounds):
+            for role in ("prefill", "decode"):  # in place: decode -> prefill -> decode
+                serial += 1
+                began = time.perf_counter()
+                host.change_role(_spec(args, model_dir, role, f"{role}-{serial}"))
+                times["in_place"][role].append(time.perf_counter() - began)
+                if role == "decode" and _greedy(host, f"r{serial}") != expected:
+                    raise AssertionError("a worker that changed role decoded other tokens")
+            for role in ("prefill", "decode"):  # new: stop it, build one from the files
+                serial += 1
+                began = time.perf_counter()
+                host.shutdown()
+                host = WorkerHost(_spec(args, model_dir, role, f"{role}-{serial}"))
+                times["new"][role].append(time.perf_counter() - began)
+                if role == "decode" and _greedy(host, f"r{serial}") != expected:
+                    raise AssertionError("a new decode worker decoded other tokens")
+    finally:
+        host.shutdown()
+    medians = {
+        way: {role: statistics.median(values) for role, values in by_role.items()}
+        for way, by_role in times.items()
+    }
+    print(f"{'to role':8} {'in place s':>10} {'new s':>8} {'saved':>6}")
+    for role in ROLES:
+        in_place, new = medians["in_place"][role], medians["new"][role]
+        print(f"{role:8} {in_place:10.3f} {new:8.3f} {1 - in_place / new:6.0%}")
+    payload: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "model": model_dir,
+        "device": args.device,
+        "dtype": args.dtype,
+        "num_kv_blocks": args.num_kv_blocks,
+        "seconds": times,
+        "median_seconds": medians,
+    }
+    print(f"wrote {write_json(args.out / 'role_change.json', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
