@@ -49,15 +49,27 @@ class OutputCollector:
                     self.failures[failure.request_id] = failure.message
                     self.retryable[failure.request_id] = failure.retryable
 
-    def wait_finished(self, samples: list[tuple[str, int]], timeout_s: float = 60.0) -> None:
+    def wait_finished(
+        self, samples: list[tuple[str, int]], timeout_s: float = 60.0, *, whole: bool = False
+    ) -> None:
+        """Wait until each sample has failed or finished; ``whole``: finished with every token
+        before its last too (a request's first token comes from its prefill worker, on a stream
+        of its own, and may be read after the decode worker's last)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if all(s in self.finish or s[0] in self.failures for s in samples):
+                if all(
+                    s[0] in self.failures or (s in self.finish and not (whole and self._gap(s)))
+                    for s in samples
+                ):
                     return
             time.sleep(0.01)
         missing = [s for s in samples if s not in self.finish]
         raise AssertionError(f"not finished within {timeout_s}s: {missing[:5]}")
+
+    def _gap(self, sample: tuple[str, int]) -> bool:
+        positions = self.tokens[sample[0]][sample[1]]
+        return max(positions, default=-1) + 1 != len(positions)
 
     def output(self, request_id: str, sample_index: int = 0) -> list[int]:
         with self._lock:

@@ -96,7 +96,7 @@ def test_workers_change_role_in_place_and_serve_as_the_offline_engine(
         def run(ids: range, submit: Callable[[GenerateRequest], object]) -> None:
             for i in ids:
                 submit(GenerateRequest(f"r{i}", prompts[i], params[i], GATEWAY))
-            collector.wait_finished([(f"r{i}", 0) for i in ids])
+            collector.wait_finished([(f"r{i}", 0) for i in ids], whole=True)
             assert not collector.failures
             assert [collector.output(f"r{i}") for i in ids] == expected[ids.start : ids.stop]
 
