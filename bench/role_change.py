@@ -8,19 +8,22 @@ What ``--rebalance`` saves by keeping a switching worker's weights (router/worke
   in place  -- a decode worker becomes a prefill worker, then a decode worker again: the old
                worker stops, its KV cache is freed, the new role's engine and KV cache are
                built on the weights in memory;
-  new       -- the old worker stops, and a worker of the new role is built from the model's
-               files (what a switch did before: its process stopped, a new one loaded the
-               model), each role once.
-The new process's own start (Python, torch, Ray's actor) comes on top of ``new`` in a cluster
-and is not counted here. After every change to decode, one greedy request runs on the new
-worker and its tokens are checked against a fresh decode worker's. Prints the median seconds
-per change and writes JSON with every time.
+  new       -- the old worker stops, and a worker of the new role is built in this process
+               from the model's files;
+  new process -- a worker of the new role is built in a process of its own, from its start
+               (Python, torch, the worker's modules) to its worker ready: what a switch did
+               before (the old process stopped, a new actor loaded the model; Ray's own
+               scheduling of the actor is not counted).
+After every change to decode, one greedy request runs on the new worker and its tokens are
+checked against the first decode worker's. Prints the median seconds per change and writes
+JSON with every time.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-kv-blocks", type=int, default=512, help="per worker")
     parser.add_argument("--out", type=Path, default=Path("bench/results/role_change"))
+    parser.add_argument("--build-one", choices=ROLES, help=argparse.SUPPRESS)  # (a child's)
     return parser
 
 
@@ -81,13 +85,42 @@ def _greedy(host: WorkerHost, request_id: str) -> list[int]:
     raise RuntimeError(f"{request_id} did not finish in 300 s")
 
 
+def _new_process_seconds(args: argparse.Namespace, model_dir: str, role: str) -> float:
+    """From starting a process to its worker of ``role`` ready (then it is stopped)."""
+    argv = [
+        sys.executable, "-m", "bench.role_change", "--build-one", role, "--model", model_dir,
+        "--device", args.device, "--dtype", args.dtype,
+        "--num-kv-blocks", str(args.num_kv_blocks),
+    ]  # fmt: skip
+    began = time.perf_counter()
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
+        assert child.stdout is not None and child.stdin is not None
+        line = child.stdout.readline()
+        seconds = time.perf_counter() - began
+        child.stdin.close()  # its cue to stop
+        if line.strip() != "ready" or child.wait(timeout=120) != 0:
+            raise RuntimeError(f"the {role} worker's process did not start: {line!r}")
+    return seconds
+
+
+def _build_one(args: argparse.Namespace) -> int:
+    """(In the child process of ``_new_process_seconds``.)"""
+    host = WorkerHost(_spec(args, args.model, args.build_one, f"{args.build_one}-new"))
+    print("ready", flush=True)
+    sys.stdin.read()
+    host.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.build_one:
+        return _build_one(args)
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
     resize = {"tiny": None, "small": SMALL_LLAMA, "medium": MEDIUM_LLAMA}[args.model_size]
     model_dir = args.model or str(build_tiny_llama(args.out / "model", None, resize))
-    times: dict[str, dict[str, list[float]]] = {"in_place": {}, "new": {}}
+    times: dict[str, dict[str, list[float]]] = {"in_place": {}, "new": {}, "new_process": {}}
     for way in times:
         times[way] = {role: [] for role in ROLES}
     host = WorkerHost(_spec(args, model_dir, "decode", "decode-0"))
@@ -110,16 +143,20 @@ def main(argv: list[str] | None = None) -> int:
                 times["new"][role].append(time.perf_counter() - began)
                 if role == "decode" and _greedy(host, f"r{serial}") != expected:
                     raise AssertionError("a new decode worker decoded other tokens")
+            for role in ROLES:
+                times["new_process"][role].append(_new_process_seconds(args, model_dir, role))
     finally:
         host.shutdown()
     medians = {
         way: {role: statistics.median(values) for role, values in by_role.items()}
         for way, by_role in times.items()
     }
-    print(f"{'to role':8} {'in place s':>10} {'new s':>8} {'saved':>6}")
+    print(f"{'to role':8} {'in place s':>10} {'new s':>8} {'new process s':>14}")
     for role in ROLES:
-        in_place, new = medians["in_place"][role], medians["new"][role]
-        print(f"{role:8} {in_place:10.3f} {new:8.3f} {1 - in_place / new:6.0%}")
+        print(
+            f"{role:8} {medians['in_place'][role]:10.3f} {medians['new'][role]:8.3f} "
+            f"{medians['new_process'][role]:14.3f}"
+        )
     payload: dict[str, Any] = {
         "command": " ".join(sys.argv),
         "model": model_dir,

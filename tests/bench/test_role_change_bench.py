@@ -1,5 +1,6 @@
 """``python -m bench.role_change`` runs end to end on CPU at a small size and writes its JSON: a
-worker changed role in place and a new one built, each role each round, and every decode worker
+worker changed role in place, a new one built and one started in a process of its own, each
+role each round, and every decode worker
 after a change decoded the first one's tokens (the bench fails otherwise)."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def test_the_role_change_benchmark_runs_and_times_both_ways(tmp_path: Path) -> N
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "role_change.json").read_text())
-    for way in ("in_place", "new"):
+    for way in ("in_place", "new", "new_process"):
         for role in ("prefill", "decode"):
             times = result["seconds"][way][role]
             assert len(times) == 2 and all(t > 0 for t in times)
