@@ -233,8 +233,10 @@ def build_worker(
 
 
 def _free_device_memory(device: Any) -> None:
-    """Give the caching allocator's free blocks back to the device (a GPU's), so that the KV
-    cache of the next engine is sized to the memory really free."""
+    """Free the stopped worker's KV cache now (its engine's objects refer to each other: only
+    a collection frees them), so that two caches are never held at once; on a GPU, give the
+    caching allocator's free blocks back too, so that the next cache is sized to the memory
+    really free. (A full collection: 0.2 s in a process with torch and transformers loaded.)"""
     gc.collect()
     if device.type == "cuda":
         import torch
