@@ -22,6 +22,7 @@ JSON with every time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, dict[str, list[float]]] = {"in_place": {}, "new": {}, "new_process": {}}
     for way in times:
         times[way] = {role: [] for role in ROLES}
+    parts: list[dict[str, Any]] = []  # each change in place's own account of its parts
     host = WorkerHost(_spec(args, model_dir, "decode", "decode-0"))
     expected = _greedy(host, "warm")
     serial = 0
@@ -131,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             for role in ("prefill", "decode"):  # in place: decode -> prefill -> decode
                 serial += 1
                 began = time.perf_counter()
-                host.change_role(_spec(args, model_dir, role, f"{role}-{serial}"))
+                change = host.change_role(_spec(args, model_dir, role, f"{role}-{serial}"))
                 times["in_place"][role].append(time.perf_counter() - began)
+                parts.append({"to_role": role, **dataclasses.asdict(change)})
                 if role == "decode" and _greedy(host, f"r{serial}") != expected:
                     raise AssertionError("a worker that changed role decoded other tokens")
             for role in ("prefill", "decode"):  # new: stop it, build one from the files
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_kv_blocks": args.num_kv_blocks,
         "seconds": times,
         "median_seconds": medians,
+        "in_place_parts": parts,
     }
     print(f"wrote {write_json(args.out / 'role_change.json', payload)}")
     return 0

@@ -31,7 +31,7 @@ from kv_transfer.rank_calls import RankCall, RankPort
 from router.cpu_binding import bind_this_thread
 from router.gil_switch import hand_off_the_gil_sooner
 from router.rank_placement import RankPlacement
-from router.worker_host import WorkerHost, WorkerSpec
+from router.worker_host import RoleChange, WorkerHost, WorkerSpec
 
 logger = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 32
@@ -72,7 +72,7 @@ class WorkerActor(WorkerHost):
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
 
-    def change_role(self, spec: WorkerSpec) -> str:
+    def change_role(self, spec: WorkerSpec) -> RoleChange:
         return super().change_role(dataclasses.replace(spec, transfer=_bind_to_node(spec.transfer)))
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -60,6 +61,22 @@ class WorkerSpec:
     @property
     def num_ranks(self) -> int:
         return 1 if self.parallel is None else self.parallel.tensor_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
+class RoleChange:
+    """A worker's change of role in place, as its host reports it."""
+
+    worker_id: str  # its id in its new role
+    stop_s: float  # the old role's worker stopping (its loop, hand-offs, channels)
+    free_s: float  # its KV cache freed
+    build_s: float  # the new role's worker built on the weights kept
+
+    def describe(self) -> str:
+        return (
+            f"the old worker stopped in {self.stop_s:.2f} s, its cache freed in "
+            f"{self.free_s:.2f} s, the new one built in {self.build_s:.2f} s"
+        )
 
 
 class WorkerHost:
@@ -123,27 +140,33 @@ class WorkerHost:
             if self._worker is not None:
                 self._worker.shutdown()
 
-    def change_role(self, spec: WorkerSpec) -> str:
+    def change_role(self, spec: WorkerSpec) -> RoleChange:
         """Stop the worker it runs (what that one still holds is lost: its requests were moved
-        elsewhere first) and run ``spec``'s, of the other role, on the same weights; its id.
-        Only a worker of one rank changes in place (its ranks' processes would have to follow:
-        the rebalancer starts a new worker for several)."""
+        elsewhere first) and run ``spec``'s, of the other role, on the same weights; how long
+        each part took. Only a worker of one rank changes in place (its ranks' processes would
+        have to follow: the rebalancer starts a new worker for several)."""
         if spec.num_ranks != 1 or self.spec.num_ranks != 1:
             raise ValueError("only a worker of one rank changes role in place")
         with self._role_lock:
+            began = time.perf_counter()
             leaving, self._worker = self._worker, None
             if leaving is None:
                 raise RuntimeError(f"{self.spec.worker_id} has stopped")
             weights = leaving.engine.loaded_weights()
             device = leaving.engine.device
             leaving.shutdown()
+            stopped = time.perf_counter()
             del leaving  # its KV cache goes before the new one is allocated
             _free_device_memory(device)
+            freed = time.perf_counter()
             worker = build_worker(spec, (), self._decode_peers, weights)
             self.spec = spec  # (first: a call that finds the new worker reads its role)
             self._worker = worker
-        logger.warning("now %s worker %s", spec.role, spec.worker_id)
-        return spec.worker_id
+        change = RoleChange(
+            spec.worker_id, stopped - began, freed - stopped, time.perf_counter() - freed
+        )
+        logger.warning("now %s worker %s (%s)", spec.role, spec.worker_id, change.describe())
+        return change
 
     @property
     def worker(self) -> PrefillWorker | DecodeWorker:

@@ -37,6 +37,7 @@ from router.cluster_config import ClusterConfig
 from router.kv_index import KVIndex
 from router.latency_model import LatencyModel
 from router.load_ledger import LoadLedger
+from router.worker_host import RoleChange
 from router.worker_shutdown import join_threads, stop_actors
 from router.worker_slots import CALL_TIMEOUT_S, WorkerLauncher, WorkerSlot
 
@@ -483,13 +484,15 @@ class WorkerPool:
             while not ray.wait([changed], timeout=1.0)[0]:
                 if self.stopping.is_set():
                     raise ray.exceptions.RayError("the cluster is stopping")
-            ray.get(changed)
+            change: RoleChange = ray.get(changed)
         except ray.exceptions.RayError as error:
             logger.error("%s could not become %s: %s", retired.worker_id, worker_id, error)
             _kill(retired.actor)
             with self._lock:
                 self._slots.pop(slot.name, None)
             return None
+        logger.warning("%s is %s worker %s: %s", retired.worker_id, role, worker_id,
+                       change.describe())  # fmt: skip
         worker = WorkerHandle(worker_id, role, retired.actor, slot=slot.name)
         if self._join(worker, slot):
             return worker

@@ -105,7 +105,8 @@ def test_workers_change_role_in_place_and_serve_as_the_offline_engine(
         # prefill-0 becomes decode-1: the same weights, its old KV cache freed
         model = first.worker.engine.model
         old_cache = weakref.ref(first.worker.engine.kv_cache)
-        assert first.change_role(_spec(llama_dir, "decode", "decode-1")) == "decode-1"
+        change = first.change_role(_spec(llama_dir, "decode", "decode-1"))
+        assert change.worker_id == "decode-1" and min(change.stop_s, change.build_s) > 0
         assert first.ready() == "decode-1" and first.worker.engine.model is model
         deadline = time.monotonic() + 30
         while old_cache() is not None and time.monotonic() < deadline:
@@ -121,7 +122,7 @@ def test_workers_change_role_in_place_and_serve_as_the_offline_engine(
             "prefill-1",
             decode_handles={"decode-1": first},
         )
-        assert decode.change_role(prefill_spec) == "prefill-1"
+        assert decode.change_role(prefill_spec).worker_id == "prefill-1"
         run(range(7, 12), lambda r: decode.submit(r, "decode-1"))
         assert collector.num_duplicates == 0
     finally:
