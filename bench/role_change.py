@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-kv-blocks", type=int, default=512, help="per worker")
+    parser.add_argument("--transport", default="shm", help="KV transport (pdserve's on one host)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/role_change"))
     parser.add_argument("--build-one", choices=ROLES, help=argparse.SUPPRESS)  # (a child's)
     return parser
@@ -67,7 +68,7 @@ def _spec(args: argparse.Namespace, model_dir: str, role: str, worker_id: str) -
         LoadConfig(model_dir, dtype=args.dtype, device=args.device),
         CacheConfig(block_size=16, budget=KVBudget(num_blocks=args.num_kv_blocks)),
         SchedulerConfig(max_num_batched_tokens=512),
-        TransferConfig(host="127.0.0.1"),
+        TransferConfig(transport=args.transport, host="127.0.0.1"),
     )
 
 
@@ -91,7 +92,7 @@ def _new_process_seconds(args: argparse.Namespace, model_dir: str, role: str) ->
     argv = [
         sys.executable, "-m", "bench.role_change", "--build-one", role, "--model", model_dir,
         "--device", args.device, "--dtype", args.dtype,
-        "--num-kv-blocks", str(args.num_kv_blocks),
+        "--num-kv-blocks", str(args.num_kv_blocks), "--transport", args.transport,
     ]  # fmt: skip
     began = time.perf_counter()
     with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:

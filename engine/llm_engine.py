@@ -304,12 +304,14 @@ class LLMEngine:
         finally:
             group.close()
 
-    def loaded_weights(self) -> LoadedWeights:
-        """Its model's weights, for the engine of the role its worker takes next (a worker of
+    def loaded_weights(self, keep_kv_cache: bool = True) -> LoadedWeights:
+        """Its model's weights, for the engine of the role its worker takes next once this one
+        has stopped; with ``keep_kv_cache``, its KV cache too, which the next one may take:
+        this one must not step again, and nothing may write to its cache any more (a worker of
         one rank; ValueError for several, whose ranks load theirs anew)."""
         if self._rank is None:
             raise ValueError("a worker of several ranks loads its weights anew")
-        return self._rank.loaded_weights()
+        return self._rank.loaded_weights(keep_kv_cache)
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> StepResult:

@@ -72,8 +72,9 @@ class WorkerActor(WorkerHost):
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
 
-    def change_role(self, spec: WorkerSpec) -> RoleChange:
-        return super().change_role(dataclasses.replace(spec, transfer=_bind_to_node(spec.transfer)))
+    def change_role(self, spec: WorkerSpec, keep_kv_cache: bool = True) -> RoleChange:
+        spec = dataclasses.replace(spec, transfer=_bind_to_node(spec.transfer))
+        return super().change_role(spec, keep_kv_cache)
 
 
 class RayDecodePeer:

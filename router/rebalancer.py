@@ -20,7 +20,8 @@ A switch (``Rebalancer.switch``): the pool's least busy worker stops being route
 resumed elsewhere (a decode worker's requests are recomputed after the tokens their clients
 have, as after a worker's loss: no request fails); then it is retired (out of rotation, its slot
 closed) and its process becomes a worker of the other role, in a new slot of that pool: the
-model's weights stay in memory, the engine and KV cache are built anew for the role
+model's weights stay in memory, the engine is built anew for the role, on the same KV cache if
+it drained (nothing writes to it any more) and the role's cache has its shape
 (``WorkerActor.change_role``). Where the pools' workers have several ranks, or reserve
 different resources, its process is stopped instead and a new one starts on the same cores. The
 switch is logged, counted (``pdserve:role_switches_total{from_role,to_role}``) and charted.
@@ -175,11 +176,12 @@ class Rebalancer:
                 return None
         cpus = self.pool.slot_cpus(leaving)
         drained = time.monotonic()
+        emptied = not self._num_placed_on(leaving.worker_id)  # (else: resumed elsewhere)
         joined = None
         if self.pool.retire(leaving):
             self._recover([leaving])  # what it still holds: resumed elsewhere
             if self.pool.changes_roles_in_place:
-                joined = self.pool.change_role(leaving, decision.to_role, cpus)
+                joined = self.pool.change_role(leaving, decision.to_role, cpus, emptied)
             else:
                 self.pool.stop_retired(leaving)
         if joined is None:  # (lost meanwhile, or the change failed: its process is stopped)

@@ -8,7 +8,6 @@ rest of the router, imports without torch.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import threading
 import time
@@ -69,14 +68,10 @@ class RoleChange:
 
     worker_id: str  # its id in its new role
     stop_s: float  # the old role's worker stopping (its loop, hand-offs, channels)
-    free_s: float  # its KV cache freed
-    build_s: float  # the new role's worker built on the weights kept
+    build_s: float  # the new role's worker built on the weights (and KV cache) kept
 
     def describe(self) -> str:
-        return (
-            f"the old worker stopped in {self.stop_s:.2f} s, its cache freed in "
-            f"{self.free_s:.2f} s, the new one built in {self.build_s:.2f} s"
-        )
+        return f"the old worker stopped in {self.stop_s:.2f} s, the new one built in {self.build_s:.2f} s"
 
 
 class WorkerHost:
@@ -140,11 +135,14 @@ class WorkerHost:
             if self._worker is not None:
                 self._worker.shutdown()
 
-    def change_role(self, spec: WorkerSpec) -> RoleChange:
+    def change_role(self, spec: WorkerSpec, keep_kv_cache: bool = True) -> RoleChange:
         """Stop the worker it runs (what that one still holds is lost: its requests were moved
         elsewhere first) and run ``spec``'s, of the other role, on the same weights; how long
-        each part took. Only a worker of one rank changes in place (its ranks' processes would
-        have to follow: the rebalancer starts a new worker for several)."""
+        each part took. ``keep_kv_cache``: the new worker takes the old one's KV cache where it
+        has its shape -- only when no hand-off or prefix copy may still be writing to it (the
+        worker drained: each request on it ended); else the cache is allocated anew. Only a
+        worker of one rank changes in place (its ranks' processes would have to follow: the
+        rebalancer starts a new worker for several)."""
         if spec.num_ranks != 1 or self.spec.num_ranks != 1:
             raise ValueError("only a worker of one rank changes role in place")
         with self._role_lock:
@@ -152,19 +150,14 @@ class WorkerHost:
             leaving, self._worker = self._worker, None
             if leaving is None:
                 raise RuntimeError(f"{self.spec.worker_id} has stopped")
-            weights = leaving.engine.loaded_weights()
-            device = leaving.engine.device
+            weights = leaving.engine.loaded_weights(keep_kv_cache)
             leaving.shutdown()
+            del leaving  # (freed by the new engine's build where it needs the memory)
             stopped = time.perf_counter()
-            del leaving  # its KV cache goes before the new one is allocated
-            _free_device_memory(device)
-            freed = time.perf_counter()
             worker = build_worker(spec, (), self._decode_peers, weights)
             self.spec = spec  # (first: a call that finds the new worker reads its role)
             self._worker = worker
-        change = RoleChange(
-            spec.worker_id, stopped - began, freed - stopped, time.perf_counter() - freed
-        )
+        change = RoleChange(spec.worker_id, stopped - began, time.perf_counter() - stopped)
         logger.warning("now %s worker %s (%s)", spec.role, spec.worker_id, change.describe())
         return change
 
@@ -253,15 +246,3 @@ def build_worker(
         spec.decode_tp,
         weights,
     )
-
-
-def _free_device_memory(device: Any) -> None:
-    """Free the stopped worker's KV cache now (its engine's objects refer to each other: only
-    a collection frees them), so that two caches are never held at once; on a GPU, give the
-    caching allocator's free blocks back too, so that the next cache is sized to the memory
-    really free. (A full collection: 0.2 s in a process with torch and transformers loaded.)"""
-    gc.collect()
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()

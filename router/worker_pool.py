@@ -468,18 +468,24 @@ class WorkerPool:
         return self._launcher is not None and self._launcher.changes_in_place()
 
     def change_role(
-        self, retired: WorkerHandle, role: str, cpus: tuple[int, ...] = ()
+        self,
+        retired: WorkerHandle,
+        role: str,
+        cpus: tuple[int, ...] = (),
+        drained: bool = True,
     ) -> WorkerHandle | None:
         """Make a retired worker's process a worker of ``role``, in a new slot of that pool,
-        and put it in rotation: its weights stay, its engine and KV cache are built anew
-        (``WorkerActor.change_role``). None if that failed (its process is stopped then)."""
+        and put it in rotation: its weights stay, its engine is built anew, and its KV cache is
+        kept (where it fits) if it ``drained``: every request on it ended, none writes to its
+        cache any more (``WorkerActor.change_role``). None if that failed (its process is
+        stopped then)."""
         assert self._launcher is not None
         slot = self._new_slot(role, cpus)
         worker_id = slot.worker_id(0)
         logger.warning("%s worker %s becomes %s worker %s", retired.role, retired.worker_id,
                        role, worker_id)  # fmt: skip
         spec = self._launcher.spec(role, worker_id, self.decode_handles())
-        changed = retired.actor.change_role.remote(spec)
+        changed = retired.actor.change_role.remote(spec, drained)
         try:
             while not ray.wait([changed], timeout=1.0)[0]:
                 if self.stopping.is_set():

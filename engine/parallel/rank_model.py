@@ -10,6 +10,7 @@ number of KV blocks and of host-tier slots) line up rank by rank. Rank 0 builds 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,11 +78,13 @@ class RankModel:
     # how its weights were loaded (``_loaded_as``), for ``loaded_weights``
     loaded_as: tuple[str, str, int, str, str, str] | None = None
 
-    def loaded_weights(self) -> LoadedWeights:
-        """Its weights, for the engine of the role its worker takes next (one rank only)."""
+    def loaded_weights(self, keep_kv_cache: bool = True) -> LoadedWeights:
+        """Its weights (and KV cache), for the engine of the role its worker takes next (one
+        rank only)."""
         if self.shard.size > 1 or self.loaded_as is None:
             raise ValueError("a worker of several ranks loads its weights anew")
-        return LoadedWeights(cast(LlamaForCausalLM, self.model), self.loaded_as)
+        kept = KeptKVCache(self.kv_cache) if keep_kv_cache else None
+        return LoadedWeights(cast(LlamaForCausalLM, self.model), self.loaded_as, kept)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -92,14 +95,39 @@ class RankModel:
         return 0 if self.host_kv_cache is None else int(self.host_kv_cache.shape[0])
 
 
+class KeptKVCache:
+    """A stopped engine's KV cache, held for the next engine of its worker: taken as it is when
+    the next one's layout has its shape and dtype (its blocks' old contents are never read: the
+    new block manager starts with every block free, as a freed block is reused), else let go.
+    Allocating a cache touches every page of it: seconds for gigabytes on a busy CPU host."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor: torch.Tensor | None = tensor
+
+    def take_if(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """The cache if it is of ``shape``, ``dtype`` and on ``device``; either way no longer
+        held here."""
+        tensor, self._tensor = self._tensor, None
+        if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            return None
+        return tensor if tensor.device == device else None
+
+    def release(self) -> None:
+        self._tensor = None
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedWeights:
-    """A worker's model with its weights in memory, as it loaded them: what it keeps when it
-    changes role (router/rebalancer.py), its KV cache, attention backend and graphs built anew
-    for the other role's configs. One rank only: a tensor-parallel worker's ranks reload."""
+    """A worker's model with its weights in memory, as it loaded them, and its KV cache: what it
+    keeps when it changes role (router/rebalancer.py); its attention backend, graphs and (unless
+    the kept one fits) KV cache are built anew for the other role's configs. One rank only: a
+    tensor-parallel worker's ranks reload."""
 
     model: LlamaForCausalLM
     loaded_as: tuple[str, str, int, str, str, str]  # (see ``_loaded_as``)
+    kv_cache: KeptKVCache | None = None
 
     def check_loaded_as(
         self, load: LoadConfig, device: torch.device, dtype: torch.dtype, linear_backend: str
@@ -111,6 +139,16 @@ class LoadedWeights:
                 f"the weights kept were loaded as {self.loaded_as}, not as {wanted}: "
                 "a worker keeps its weights only for the same model, dtype and device"
             )
+
+
+def _collect_engine_before(device: torch.device) -> None:
+    """Free what the stopped engine of this worker still holds: its objects refer to each other,
+    so only a collection frees them (0.2-0.3 s with torch and transformers loaded); on a GPU,
+    give the caching allocator's free blocks back too, so that what is allocated next is sized
+    to the memory really free."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _loaded_as(
@@ -201,11 +239,17 @@ def build_rank_model(
     max_model_len = check_max_model_len(load, model_config)
     torch.manual_seed(load.seed)
     linear_backend = resolve_linear_backend(load.linear_backend, device, dtype)
+    kept = None  # the KV cache of the engine before, if it may fit this one's
     if weights is not None:
         if size > 1:
             raise ValueError("a worker of several ranks loads its weights anew")
         weights.check_loaded_as(load, device, dtype, linear_backend)
         model = weights.model
+        kept = weights.kv_cache
+        if kept is not None and device.type == "cuda" and cache.budget.num_blocks is None:
+            kept.release()  # the memory profile below sizes the cache to the memory free
+            _collect_engine_before(device)
+            kept = None
     else:
         model = load_model(
             load.model_dir,
@@ -290,7 +334,14 @@ def build_rank_model(
     if group is not None:  # each rank measured its own memory; the cache is what all can hold
         num_blocks = group.min_int(num_blocks)
     # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
-    kv_cache = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
+    kv_cache = None
+    if weights is not None:  # the engine before on these weights: its cache if it fits
+        if kept is not None:
+            kv_cache = kept.take_if(layout.shape(num_blocks), layout.dtype, device)
+        if kv_cache is None or device.type == "cuda":
+            _collect_engine_before(device)  # its cache (not taken) and a GPU's buffers freed
+    if kv_cache is None:
+        kv_cache = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
     host_kv_cache = None
     if cache.kv_offload_gb > 0:
         num_host_slots = num_host_kv_slots(cache.kv_offload_gb, layout)

@@ -1,9 +1,10 @@
 """A worker changes role in its own process (``WorkerHost.change_role``, what ``--rebalance``
-does): its weights stay in memory, its old KV cache is freed, and the new role's worker serves
-exactly what the offline engine gives -- a prefill worker that became a decode worker decodes
-hand-offs and runs requests of its own, and a decode worker that became a prefill worker hands
-off to it. Both run in this process, without Ray (the cluster's actors are these hosts in processes of
-their own): a prefill worker's decode peer calls the host's ``handoff`` on a thread pool."""
+does): its weights stay in memory, its KV cache too where the new role's has its shape (else it
+is freed), and the new role's worker serves exactly what the offline engine gives -- a prefill
+worker that became a decode worker decodes hand-offs and runs requests of its own, and a decode
+worker that became a prefill worker hands off to it. Both run in this process, without Ray (the
+cluster's actors are these hosts in processes of their own): a prefill worker's decode peer
+calls the host's ``handoff`` on a thread pool."""
 
 from __future__ import annotations
 
@@ -43,12 +44,14 @@ class _HostPeer:
         return self.pool.submit(self.host.handoff, call)
 
 
-def _spec(model_dir: Path, role: str, worker_id: str, **decode: Any) -> WorkerSpec:
+def _spec(
+    model_dir: Path, role: str, worker_id: str, num_blocks: int = 300, **decode: Any
+) -> WorkerSpec:
     return WorkerSpec(
         role,
         worker_id,
         LoadConfig(str(model_dir), dtype="float32", device="cpu"),
-        CacheConfig(block_size=8, budget=KVBudget(num_blocks=300)),
+        CacheConfig(block_size=8, budget=KVBudget(num_blocks=num_blocks)),
         SchedulerConfig(max_num_batched_tokens=128),
         TransferConfig(transport="gloo", host="127.0.0.1", timeout_s=10.0),
         **decode,
@@ -102,27 +105,28 @@ def test_workers_change_role_in_place_and_serve_as_the_offline_engine(
 
         run(range(0, 4), lambda r: first.submit(r, "decode-0"))  # prefill-0 -> decode-0
 
-        # prefill-0 becomes decode-1: the same weights, its old KV cache freed
-        model = first.worker.engine.model
-        old_cache = weakref.ref(first.worker.engine.kv_cache)
+        # prefill-0 becomes decode-1: the same weights, and its KV cache (of the same shape)
+        model, cache = first.worker.engine.model, first.worker.engine.kv_cache
         change = first.change_role(_spec(llama_dir, "decode", "decode-1"))
         assert change.worker_id == "decode-1" and min(change.stop_s, change.build_s) > 0
         assert first.ready() == "decode-1" and first.worker.engine.model is model
+        assert first.worker.engine.kv_cache is cache
+        del cache
+        run(range(4, 7), first.submit)  # decode-1 runs requests of its own
+
+        # decode-0 becomes prefill-1, of a smaller cache: its old one is freed; it hands off
+        # to decode-1
+        old_cache = weakref.ref(decode.worker.engine.kv_cache)
+        prefill_spec = _spec(
+            llama_dir, "prefill", "prefill-1", 200, decode_handles={"decode-1": first}
+        )
+        assert decode.change_role(prefill_spec).worker_id == "prefill-1"
+        assert decode.worker.engine.kv_cache.shape[2] == 200
         deadline = time.monotonic() + 30
         while old_cache() is not None and time.monotonic() < deadline:
             time.sleep(0.05)
             gc.collect()
         assert old_cache() is None, "the old role's KV cache outlived the change"
-        run(range(4, 7), first.submit)  # decode-1 runs requests of its own
-
-        # decode-0 becomes prefill-1 and hands off to decode-1
-        prefill_spec = _spec(
-            llama_dir,
-            "prefill",
-            "prefill-1",
-            decode_handles={"decode-1": first},
-        )
-        assert decode.change_role(prefill_spec).worker_id == "prefill-1"
         run(range(7, 12), lambda r: decode.submit(r, "decode-1"))
         assert collector.num_duplicates == 0
     finally:
