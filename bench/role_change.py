@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--rounds must be >= 1")
     resize = {"tiny": None, "small": SMALL_LLAMA, "medium": MEDIUM_LLAMA}[args.model_size]
     model_dir = args.model or str(build_tiny_llama(args.out / "model", None, resize))
-    times: dict[str, dict[str, list[float]]] = {"in_place": {}, "new": {}, "new_process": {}}
-    for way in times:
-        times[way] = {role: [] for role in ROLES}
+    times: dict[str, dict[str, list[float]]] = {
+        way: {role: [] for role in ROLES} for way in ("in_place", "new", "new_process")
+    }
     parts: list[dict[str, Any]] = []  # each change in place's own account of its parts
     host = WorkerHost(_spec(args, model_dir, "decode", "decode-0"))
     expected = _greedy(host, "warm")

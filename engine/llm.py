@@ -20,10 +20,11 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import replace
 from typing import Any
 
+from engine.config_checks import check_configs
 from engine.engine_config import CacheConfig, LoadConfig, LoadFormat, ParallelConfig
 from engine.kv_cache.budget import KVBudget
 from engine.kv_cache.kv_quantization import KVCacheScales, parse_kv_cache_dtype
-from engine.llm_engine import LLMEngine, StepResult, check_configs
+from engine.llm_engine import LLMEngine, StepResult
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.group import free_port
 from engine.parallel.ranks import FollowerProcesses

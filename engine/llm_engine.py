@@ -14,24 +14,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.config_checks import check_configs
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.kv_events import KVEventRecorder
 from engine.kv_cache.prefix_hash import BlockHash, num_servable_blocks
 from engine.messages import PrefillResult, SampleStart, TokenEvent, WorkerCounters
 from engine.messages.kv_events import KVBlocksEvent
-from engine.model_config import ModelConfig, load_model_config
+from engine.model_config import ModelConfig
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.expert_tokens import ExpertTokenCounts
 from engine.outputs import RequestOutput
 from engine.parallel.group import TensorParallelGroup
-from engine.parallel.rank_model import (
-    LoadedWeights,
-    build_rank_model,
-    check_max_model_len,
-    join_group,
-)
-from engine.parallel.shard import TensorParallelShard
+from engine.parallel.rank_model import LoadedWeights, build_rank_model, join_group
 from engine.request_state import RequestState
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sampling.seeds import derive_seed
@@ -86,8 +81,8 @@ class LLMEngine:
         (its followers run engine/parallel/follower.py with the same configs); None: one.
         ``record_kv_events``: note the blocks the prefix cache stores and removes, for
         ``take_kv_events`` (a worker's, which the router's index follows). ``weights``: the
-        model of an engine this worker ran before (``loaded_weights``), kept instead of loaded
-        again (one rank)."""
+        model of an engine this worker ran before (its ``rank_model.loaded_weights()``), kept
+        instead of loaded again (one rank)."""
         parallel = parallel or ParallelConfig()
         check_configs(load, scheduler, speculative, parallel)
         # rank 0 of the worker's ranks (None: the worker is this one rank)
@@ -104,7 +99,9 @@ class LLMEngine:
         self.dtype = rank.dtype
         self.max_model_len = rank.max_model_len
         self.model = rank.model
-        self._rank = rank if rank.shard.size == 1 else None  # (for ``loaded_weights``)
+        # what it computes with, whole: a worker that changes role keeps its weights (and
+        # cache) for its next engine (``RankModel.loaded_weights``)
+        self.rank_model = rank
         self.shard = rank.shard
         # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]; this rank's heads
         self.kv_cache = rank.kv_cache
@@ -303,15 +300,6 @@ class LLMEngine:
             pass  # a follower already gone: its process is stopped by whoever started it
         finally:
             group.close()
-
-    def loaded_weights(self, keep_kv_cache: bool = True) -> LoadedWeights:
-        """Its model's weights, for the engine of the role its worker takes next once this one
-        has stopped; with ``keep_kv_cache``, its KV cache too, which the next one may take:
-        this one must not step again, and nothing may write to its cache any more (a worker of
-        one rank; ValueError for several, whose ranks load theirs anew)."""
-        if self._rank is None:
-            raise ValueError("a worker of several ranks loads its weights anew")
-        return self._rank.loaded_weights(keep_kv_cache)
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -791,27 +779,3 @@ def _num_prefill_tokens(output: SchedulerOutput) -> int:
         for entry in output.scheduled
         if entry.num_new_tokens > 1 or entry.seq.num_output_tokens == 0
     )
-
-
-def check_configs(
-    load: LoadConfig,
-    scheduler: SchedulerConfig,
-    speculative: SpeculativeConfig | None,
-    parallel: ParallelConfig,
-) -> ModelConfig:
-    """The model's config, once the engine's configs are checked against it and each other;
-    raises ValueError naming the field (before any rank process starts)."""
-    model_config = load_model_config(load.model_dir)
-    max_model_len = check_max_model_len(load, model_config)
-    if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}) must be >= "
-            f"max_model_len ({max_model_len}) when chunked prefill is disabled"
-        )
-    if scheduler.async_scheduling and speculative is not None:
-        raise ValueError(
-            "async_scheduling does not combine with speculative decoding "
-            "(num_speculative_tokens): drafts are proposed from the tokens of the step before"
-        )
-    TensorParallelShard.of(model_config, 0, parallel.tensor_parallel_size)  # heads divide
-    return model_config

@@ -150,7 +150,7 @@ class WorkerHost:
             leaving, self._worker = self._worker, None
             if leaving is None:
                 raise RuntimeError(f"{self.spec.worker_id} has stopped")
-            weights = leaving.engine.loaded_weights(keep_kv_cache)
+            weights = leaving.engine.rank_model.loaded_weights(keep_kv_cache)
             leaving.shutdown()
             del leaving  # (freed by the new engine's build where it needs the memory)
             stopped = time.perf_counter()

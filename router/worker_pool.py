@@ -458,8 +458,7 @@ class WorkerPool:
         worker = self._start_in(slot)
         if worker is not None and self._join(worker, slot):
             return worker
-        with self._lock:
-            self._slots.pop(slot.name, None)
+        self._close_slot(slot)
         return None
 
     @property
@@ -494,17 +493,20 @@ class WorkerPool:
         except ray.exceptions.RayError as error:
             logger.error("%s could not become %s: %s", retired.worker_id, worker_id, error)
             _kill(retired.actor)
-            with self._lock:
-                self._slots.pop(slot.name, None)
+            self._close_slot(slot)
             return None
         logger.warning("%s is %s worker %s: %s", retired.worker_id, role, worker_id,
                        change.describe())  # fmt: skip
         worker = WorkerHandle(worker_id, role, retired.actor, slot=slot.name)
         if self._join(worker, slot):
             return worker
+        self._close_slot(slot)
+        return None
+
+    def _close_slot(self, slot: WorkerSlot) -> None:
+        """Drop a new slot whose worker did not join."""
         with self._lock:
             self._slots.pop(slot.name, None)
-        return None
 
     def _new_slot(self, role: str, cpus: tuple[int, ...]) -> WorkerSlot:
         """A new slot of ``role``'s pool, its worker being started (no replacement meanwhile)."""

@@ -91,27 +91,18 @@ class WorkerLauncher:
     def spec(self, role: str, worker_id: str, decode_handles: Mapping[str, Any]) -> WorkerSpec:
         """The worker ``role``'s pool runs as ``worker_id``; a prefill one reaches the decode
         workers of ``decode_handles`` (by id)."""
-        if role == "decode":
-            return WorkerSpec(
-                role,
-                worker_id,
-                self._load,
-                self._cache,
-                self._scheduler,
-                self._transfer,
-                self._parallel[role],
-                self._speculative,
-            )
+        decode = role == "decode"
         return WorkerSpec(
             role,
             worker_id,
             self._load,
             self._cache,
-            self._prefill_scheduler,
+            self._scheduler if decode else self._prefill_scheduler,
             self._transfer,
             self._parallel[role],
-            decode_handles=dict(decode_handles),
-            decode_tp=self._parallel["decode"].tensor_parallel_size,
+            self._speculative if decode else None,
+            {} if decode else dict(decode_handles),
+            self._parallel["decode"].tensor_parallel_size,
         )
 
     def launch(self, slot: WorkerSlot, worker_id: str, decode_handles: Mapping[str, Any]) -> Any:

@@ -79,11 +79,13 @@ class RankModel:
     loaded_as: tuple[str, str, int, str, str, str] | None = None
 
     def loaded_weights(self, keep_kv_cache: bool = True) -> LoadedWeights:
-        """Its weights (and KV cache), for the engine of the role its worker takes next (one
-        rank only)."""
+        """Its weights, for the engine of the role its worker takes next once its engine has
+        stopped; with ``keep_kv_cache``, its KV cache too, which the next one may take: its
+        engine must not step again, and nothing may write to its cache any more (one rank
+        only: ValueError for several, whose ranks load theirs anew)."""
         if self.shard.size > 1 or self.loaded_as is None:
             raise ValueError("a worker of several ranks loads its weights anew")
-        kept = KeptKVCache(self.kv_cache) if keep_kv_cache else None
+        kept = KeptKVCache(self.kv_cache if keep_kv_cache else None)
         return LoadedWeights(cast(LlamaForCausalLM, self.model), self.loaded_as, kept)
 
     @property
@@ -101,8 +103,8 @@ class KeptKVCache:
     new block manager starts with every block free, as a freed block is reused), else let go.
     Allocating a cache touches every page of it: seconds for gigabytes on a busy CPU host."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor: torch.Tensor | None = tensor
+    def __init__(self, tensor: torch.Tensor | None) -> None:  # None: nothing kept
+        self._tensor = tensor
 
     def take_if(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -127,7 +129,7 @@ class LoadedWeights:
 
     model: LlamaForCausalLM
     loaded_as: tuple[str, str, int, str, str, str]  # (see ``_loaded_as``)
-    kv_cache: KeptKVCache | None = None
+    kv_cache: KeptKVCache
 
     def check_loaded_as(
         self, load: LoadConfig, device: torch.device, dtype: torch.dtype, linear_backend: str
@@ -239,17 +241,15 @@ def build_rank_model(
     max_model_len = check_max_model_len(load, model_config)
     torch.manual_seed(load.seed)
     linear_backend = resolve_linear_backend(load.linear_backend, device, dtype)
-    kept = None  # the KV cache of the engine before, if it may fit this one's
     if weights is not None:
         if size > 1:
             raise ValueError("a worker of several ranks loads its weights anew")
         weights.check_loaded_as(load, device, dtype, linear_backend)
         model = weights.model
-        kept = weights.kv_cache
-        if kept is not None and device.type == "cuda" and cache.budget.num_blocks is None:
-            kept.release()  # the memory profile below sizes the cache to the memory free
+        if device.type == "cuda":  # what is allocated below is sized to the memory free
+            if cache.budget.num_blocks is None:  # (by the memory profile, without the cache)
+                weights.kv_cache.release()
             _collect_engine_before(device)
-            kept = None
     else:
         model = load_model(
             load.model_dir,
@@ -334,12 +334,11 @@ def build_rank_model(
     if group is not None:  # each rank measured its own memory; the cache is what all can hold
         num_blocks = group.min_int(num_blocks)
     # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
-    kv_cache = None
-    if weights is not None:  # the engine before on these weights: its cache if it fits
-        if kept is not None:
-            kv_cache = kept.take_if(layout.shape(num_blocks), layout.dtype, device)
-        if kv_cache is None or device.type == "cuda":
-            _collect_engine_before(device)  # its cache (not taken) and a GPU's buffers freed
+    kv_cache = None  # the engine before on these weights: its cache if it fits
+    if weights is not None:
+        kv_cache = weights.kv_cache.take_if(layout.shape(num_blocks), layout.dtype, device)
+        if kv_cache is None and device.type != "cuda":  # (a GPU's was collected above)
+            _collect_engine_before(device)  # its cache, not taken, freed first
     if kv_cache is None:
         kv_cache = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
     host_kv_cache = None

@@ -46,7 +46,7 @@ def test_an_engine_on_kept_weights_serves_as_the_offline_engine(
     first = _engine(llama_dir)
     prompts = make_prompts(seed=5)
     _greedy(first, prompts[1], 9)  # its cache holds KV the next engine must not read
-    weights = first.loaded_weights(keep_kv_cache=keep)
+    weights = first.rank_model.loaded_weights(keep_kv_cache=keep)
     cache = CacheConfig(block_size=8, budget=KVBudget(num_blocks=num_blocks))
     second = _engine(llama_dir, weights=weights, cache=cache)
     assert second.model is first.model
@@ -60,6 +60,6 @@ def test_an_engine_on_kept_weights_serves_as_the_offline_engine(
 
 
 def test_weights_loaded_otherwise_are_refused(llama_dir: Path, tmp_path: Path) -> None:
-    weights = _engine(llama_dir).loaded_weights()
+    weights = _engine(llama_dir).rank_model.loaded_weights()
     with pytest.raises(ValueError, match="a worker keeps its weights only for the same model"):
         _engine(llama_dir, dtype="bfloat16", weights=weights)
