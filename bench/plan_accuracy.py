@@ -2,6 +2,7 @@
 prediction error per layout and rate, in a table).
 
     .venv/bin/python -m bench.plan_accuracy [--layouts colocated2,1p1d] [--loads 0.5,1.0,1.5]
+        [--model-size tiny|small|medium]
 
 Steps: ``pdserve profile`` measures this machine on the model (a tiny random Llama without
 ``--model``); then, for each layout, ``pdserve serve`` runs it, a closed loop measures its
@@ -32,7 +33,7 @@ from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO, RequestRecord
 from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
 from bench.serving.servers import RunningServer, cores_per_worker, pdserve_server
-from bench.serving.tiny_model import build_tiny_llama
+from bench.serving.tiny_model import MODEL_SIZES, build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 from router.planner.hardware import Hardware
 from router.planner.model_costs import ModelCosts
@@ -72,7 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default=None, help="model dir; default: a tiny Llama")
+    parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
+    parser.add_argument(
+        "--model-size",
+        choices=tuple(MODEL_SIZES),
+        default="tiny",
+        help="the random Llama: tiny (3 M parameters: the front door's work per token weighs as "
+        "much as the engines' on a 2-core machine) or small / medium (29 M / 101 M: the engines' "
+        "compute outweighs it, as on GPUs)",
+    )
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
     parser.add_argument("--loads", default="0.5,1.0,1.5", help="fractions of the capacity")
     parser.add_argument("--num-prompts", type=int, default=200, help="per rate")
@@ -210,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS))
+    model_dir = args.model or str(
+        build_tiny_llama(args.out / "model", MODEL_POSITIONS, MODEL_SIZES[args.model_size])
+    )
     hardware = _profile(args, model_dir)
     model = ModelCosts.load(model_dir, "float32")
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)

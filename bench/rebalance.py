@@ -45,7 +45,7 @@ from bench.serving.servers import (
     pdserve_server,
     rotated,
 )
-from bench.serving.tiny_model import MEDIUM_LLAMA, SMALL_LLAMA, build_tiny_llama
+from bench.serving.tiny_model import MODEL_SIZES, build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 
 SERVED_NAME = "pdserve-demo"
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
     parser.add_argument(
         "--model-size",
-        choices=("tiny", "small", "medium"),
+        choices=tuple(MODEL_SIZES),
         default="small",
         help="the random Llama: tiny (3 M parameters), small (29 M: on a small CPU machine "
         "its engines' compute outweighs the gateway's work, as on GPUs) or medium (101 M)",
@@ -253,7 +253,7 @@ def _ms(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    resize = {"tiny": None, "small": SMALL_LLAMA, "medium": MEDIUM_LLAMA}[args.model_size]
+    resize = MODEL_SIZES[args.model_size]
     model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS, resize))
     fixed = _server(args, model_dir, "fixed", ())
     rebalance_flags = (

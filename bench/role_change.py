@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.results_json import write_json
-from bench.serving.tiny_model import MEDIUM_LLAMA, SMALL_LLAMA, build_tiny_llama
+from bench.serving.tiny_model import MODEL_SIZES, build_tiny_llama
 from engine import GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
-    parser.add_argument("--model-size", choices=("tiny", "small", "medium"), default="medium")
+    parser.add_argument("--model-size", choices=tuple(MODEL_SIZES), default="medium")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         return _build_one(args)
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
-    resize = {"tiny": None, "small": SMALL_LLAMA, "medium": MEDIUM_LLAMA}[args.model_size]
+    resize = MODEL_SIZES[args.model_size]
     model_dir = args.model or str(build_tiny_llama(args.out / "model", None, resize))
     times: dict[str, dict[str, list[float]]] = {
         way: {role: [] for role in ROLES} for way in ("in_place", "new", "new_process")

@@ -39,6 +39,13 @@ MEDIUM_LLAMA = {
     "num_key_value_heads": 16,
 }
 
+# a benchmark's --model-size: the config keys each size changes (tiny: none)
+MODEL_SIZES: dict[str, dict[str, int] | None] = {
+    "tiny": None,
+    "small": SMALL_LLAMA,
+    "medium": MEDIUM_LLAMA,
+}
+
 
 def build_tiny_llama(
     out_dir: Path,
