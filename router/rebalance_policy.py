@@ -23,9 +23,7 @@ class RebalanceConfig:
     drain_timeout_s: float = 30.0  # then what the leaving worker still holds is resumed elsewhere
     # a switch helped when, at the end of its cooldown, the receiving pool's pressure is at most
     # (1 - this) of what it was; after k in a row that did not, the next switch that way waits
-    # 2 ** k more cooldowns (k at most max_backoff); one that helped clears k. One that raised
-    # the pressure by min_relief or more is undone once it stays above its level before for a
-    # window
+    # 2 ** k more cooldowns (k at most max_backoff); one that helped clears k
     min_relief: float = 0.1
     max_backoff: int = 3
 
@@ -70,16 +68,12 @@ class Verdict:
     pressure_after: float
     helped: bool
     next_allowed_at: float  # the earliest time of the next switch that way
-    made_worse: bool  # the pressure rose by min_relief or more: a switch to undo
 
     def describe(self) -> str:
-        outcome = (
-            "relieved" if self.helped else "made worse" if self.made_worse else "did not relieve"
-        )
-        undo = "; undone if that holds for a window" if self.made_worse else ""
+        outcome = "relieved" if self.helped else "did not relieve"
         return (
             f"the {self.from_role} -> {self.to_role} switch {outcome} the {self.to_role} pool "
-            f"(pressure {self.pressure_before:.2f} -> {self.pressure_after:.2f}{undo})"
+            f"(pressure {self.pressure_before:.2f} -> {self.pressure_after:.2f})"
         )
 
 
@@ -97,9 +91,6 @@ class RebalancePolicy:
         self._backoff: dict[tuple[str, str], int] = {}  # direction -> switches in a row not helping
         self._blocked_until: dict[tuple[str, str], float] = {}
         self._verdicts: list[Verdict] = []  # judged, not yet taken
-        # a switch judged to have made its pool worse, to undo: (its direction, the pressure
-        # before it, since)
-        self._undo: tuple[tuple[str, str], float, float] | None = None
 
     def decide(self, now: float, signals: PoolSignals) -> Switch | None:
         config = self.config
@@ -108,10 +99,6 @@ class RebalancePolicy:
             return None
         if self._on_trial is not None:
             self._judge(now, signals)
-        if self._undo is not None:
-            undo = self._undo_switch(now, signals)
-            if undo is not None:
-                return undo
         for donor, receiver in (("prefill", "decode"), ("decode", "prefill")):
             if now < self._blocked_until.get((donor, receiver), float("-inf")):
                 self._since.pop((donor, receiver), None)
@@ -166,29 +153,4 @@ class RebalancePolicy:
             self._backoff[direction] = misses
             self._blocked_until[direction] = now + self.config.cooldown_s * 2**misses
         allowed = self._blocked_until.get(direction, now)
-        made_worse = after >= before * (1 + self.config.min_relief)
-        self._verdicts.append(Verdict(*direction, before, after, helped, allowed, made_worse))
-        if made_worse:
-            self._undo = (direction, before, now)
-
-    def _undo_switch(self, now: float, signals: PoolSignals) -> Switch | None:
-        """The switch judged to have made its pool worse, undone once that pool has stayed at or
-        above its pressure before the switch for a window (the worker it gained only adds
-        contention there, as on a host whose cores the workers share); forgotten once the
-        pressure falls below that. An undo is not judged itself, and the back-off keeps the
-        switch from being made again soon."""
-        assert self._undo is not None
-        (donor, receiver), before, since = self._undo
-        pressure = signals.pressure[receiver]
-        if pressure < before or signals.num_workers[receiver] < 2:
-            self._undo = None
-            return None
-        if now - since < self.config.window_s:
-            return None
-        self._undo, self._decided = None, None
-        return Switch(
-            receiver,
-            donor,
-            f"undoing the {donor} -> {receiver} switch: {receiver} pressure {pressure:.2f}, "
-            f"not below its {before:.2f} before it, for {now - since:.0f} s",
-        )
+        self._verdicts.append(Verdict(*direction, before, after, helped, allowed))

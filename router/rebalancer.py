@@ -13,10 +13,7 @@ A worker moves from pool A to pool B when, for a whole ``window_s``, B's pressur
 ``donor_utilization_low``, and A keeps at least one worker. After a switch none follows for
 ``cooldown_s`` (and the thresholds' gap keeps the two directions apart): roles do not flap.
 At the cooldown's end the switch is judged: one that did not lower its pool's pressure makes
-the next switch that way wait longer (``RebalancePolicy``'s back-off); one that raised it is
-undone, once, if the pool stays at least as pressed as before it for a window (a worker gained
-can add contention rather than compute, as on a host whose cores the workers share). Verdicts
-and undoings are logged.
+the next switch that way wait longer (``RebalancePolicy``'s back-off); the verdict is logged.
 
 A switch (``Rebalancer.switch``): the pool's least busy worker stops being routed new work
 (draining); what it holds runs on, for up to ``drain_timeout_s``; anything still on it then is
