@@ -9,9 +9,18 @@ Steps: ``pdserve profile`` measures this machine on the model (a tiny random Lla
 capacity, and Poisson traffic runs at each ``--loads`` fraction of that capacity. The planner
 simulates the same layout serving the same requests (their lengths and send times, as sent) on
 the profile, and the two are compared: goodput (the offered rate times the share of requests
-within both SLOs), SLO attainment, TTFT and TPOT percentiles. The gateway's own time per
-request (the planner's ``path_overhead_s``) is measured first, once: the TTFT of requests sent
-one at a time to the first layout, minus what the simulation gives them.
+within both SLOs), SLO attainment, TTFT and TPOT percentiles. Quantities of this machine
+beyond the profile are measured on the served clusters, each once: the gateway's own time per
+request (the planner's ``path_overhead_s``: the TTFT of requests sent one at a time to the
+first layout, minus what the simulation gives them); and the CPU time of the host's work
+besides the engines' steps (the machine's busy CPU time during a capacity run, less the
+simulated steps of its requests, alone), which the workers share the cores with: per streamed
+token on the colocated layout (``host_seconds_per_token``), then what a disaggregated layout
+spends beyond that per KV hand-off (``host_seconds_per_handoff``). That work runs on two
+threads, the gateway's and the load generator's (``host_front_door_threads``). Colocated
+layouts run first. Each point is also simulated with every worker on cores of its own
+(``alone``), to show what the shared host changes. ``--resimulate DIR`` predicts a finished
+run's points again with the planner as it is now, measuring nothing.
 
 Writes a JSON with every number and prints the table with each goodput's error.
 """
@@ -19,6 +28,8 @@ Writes a JSON with every number and prints the table with each goodput's error.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
 import subprocess
@@ -30,7 +41,7 @@ from typing import Any
 from bench.results_json import write_json
 from bench.serving.arrivals import ArrivalSpec
 from bench.serving.client import EndpointConfig
-from bench.serving.metrics import SLO, RequestRecord
+from bench.serving.metrics import SLO, RequestRecord, summarize
 from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
 from bench.serving.servers import RunningServer, cores_per_worker, pdserve_server
 from bench.serving.tiny_model import MODEL_SIZES, build_tiny_llama
@@ -44,6 +55,7 @@ SERVED_NAME = "pdserve-demo"
 MODEL_POSITIONS = 2048
 STEP_BUDGET = 512  # pdserve serve's on CPU
 LAYOUTS = {"colocated2": Layout(0, 1, 2, 1), "1p1d": Layout(1, 1, 1, 1)}
+FRONT_DOOR_THREADS = 2  # streaming tokens on this host: the gateway's and the load generator's
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +64,7 @@ class Comparison:
     rate: float
     measured_goodput: float
     predicted_goodput: float
+    alone_goodput: float  # predicted with each worker on cores of its own
     measured_attainment: float
     predicted_attainment: float
     measured_ttft_ms: dict[str, float]
@@ -96,7 +109,44 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/plan_accuracy"))
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--resimulate",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="predict the points of a finished run in DIR again (its profile, model and "
+        "requests) with the planner as it is now; nothing is served",
+    )
     return parser
+
+
+def resimulate(directory: Path) -> int:
+    """The saved run's points, predicted again."""
+    saved = json.loads((directory / "plan_accuracy.json").read_text())
+    if "runs" not in saved:
+        raise SystemExit(
+            f"--resimulate: {directory} holds no requests (a run before they were saved)"
+        )
+    slo = Slo(saved["slo"]["ttft_s"], saved["slo"]["tpot_s"])
+    planner = Planner(
+        ModelCosts.load(directory / "model", "float32"), Hardware.from_json(saved["hardware"]),
+        block_size=16, max_num_batched_tokens=STEP_BUDGET,
+        num_kv_blocks=saved.get("num_kv_blocks", 2048),
+    )  # fmt: skip
+    comparisons = []
+    for run in saved["runs"]:
+        records = tuple(
+            RequestRecord(i, r["prompt_len"], r["output_len"], r["success"],
+                          send_time_s=r["send_time_s"], ttft_s=r["ttft_s"],
+                          e2e_s=_e2e_s(r), output_tokens=r["output_tokens"])
+            for i, r in enumerate(run["records"])
+        )  # fmt: skip
+        layout = LAYOUTS[run["layout"]]
+        simulated = _simulate(planner, layout, records)
+        alone = _simulate(_alone(planner), layout, records)
+        comparisons.append(compare(run["layout"], run["rate"], records, simulated, slo, alone))
+    print(table(comparisons))
+    return 0
 
 
 def _profile(args: argparse.Namespace, model_dir: str) -> Hardware:
@@ -144,9 +194,7 @@ def _bench(
     return run_benchmark(config)
 
 
-def _simulate(
-    planner: Planner, layout: Layout, records: tuple[RequestRecord, ...]
-) -> list[SimulatedRequest]:
+def _simulation(planner: Planner, layout: Layout, records: tuple[RequestRecord, ...]) -> Simulation:
     """The planner's simulation of ``layout`` serving the requests as they were sent."""
     rng = random.Random(0)
     requests = [
@@ -157,7 +205,75 @@ def _simulate(
         )
         for r in records
     ]
-    return Simulation(planner.cluster(layout), requests).run()
+    return Simulation(planner.cluster(layout), requests)
+
+
+def _simulate(
+    planner: Planner, layout: Layout, records: tuple[RequestRecord, ...]
+) -> list[SimulatedRequest]:
+    return _simulation(planner, layout, records).run()
+
+
+def _alone(planner: Planner) -> Planner:
+    """The planner with every worker on cores of its own (no shared host)."""
+    return replace(planner, hardware=replace(planner.hardware, host_cores=0))
+
+
+def _busy_cpu_seconds() -> float:
+    """The machine's CPU time spent busy so far, all cores (/proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _other_work_s(
+    planner: Planner, layout: Layout, result: BenchResult, busy_cpu_s: float
+) -> float:
+    """CPU seconds of everything but the engines' steps (the gateway, the router, Ray, the
+    workers' calls and hand-offs, the load generator) during ``result``'s run: the machine's
+    busy time less the simulated steps of its requests, alone."""
+    simulation = _simulation(_alone(planner), layout, result.records)
+    simulation.run()
+    return max(0.0, busy_cpu_s - simulation.step_seconds * planner.hardware.worker_threads)
+
+
+def _measure_host(
+    planner: Planner, layout: Layout, result: BenchResult, busy_cpu_s: float
+) -> dict[str, float]:
+    """The host's other work in ``result``'s run, as the planner's fields: per streamed token
+    on a colocated layout; on a disaggregated one, what it spent beyond the tokens' (the
+    per-token cost measured before) per hand-off."""
+    other_s = _other_work_s(planner, layout, result, busy_cpu_s)
+    tokens = sum(r.output_tokens for r in result.records)
+    if not layout.num_prefill:
+        return {"host_seconds_per_token": other_s / max(1, tokens)}
+    beyond = other_s - tokens * planner.hardware.host_seconds_per_token
+    return {"host_seconds_per_handoff": max(0.0, beyond) / len(result.records)}
+
+
+def _e2e_s(saved: dict[str, Any]) -> float:
+    """A saved request's end (runs of session 51 saved its TPOT instead)."""
+    if "e2e_s" in saved:
+        return float(saved["e2e_s"])
+    if saved["tpot_s"] is None or saved["ttft_s"] is None:
+        return float(saved["ttft_s"] or 0.0)
+    return float(saved["ttft_s"] + saved["tpot_s"] * (saved["output_tokens"] - 1))
+
+
+def _sent(records: tuple[RequestRecord, ...]) -> list[dict[str, Any]]:
+    """Each request's lengths and send time, and how it was served."""
+    return [
+        {
+            "send_time_s": r.send_time_s,
+            "prompt_len": r.prompt_len,
+            "output_len": r.output_len,
+            "output_tokens": r.output_tokens,
+            "success": r.success,
+            "ttft_s": r.ttft_s,
+            "e2e_s": r.e2e_s,
+        }
+        for r in records
+    ]
 
 
 def _percentiles_ms(values: list[float | None]) -> dict[str, float]:
@@ -169,16 +285,25 @@ def _percentiles_ms(values: list[float | None]) -> dict[str, float]:
 
 
 def compare(
-    name: str, rate: float, result: BenchResult, simulated: list[SimulatedRequest], slo: Slo
+    name: str,
+    rate: float,
+    records: tuple[RequestRecord, ...],
+    simulated: list[SimulatedRequest],
+    slo: Slo,
+    alone: list[SimulatedRequest] | None = None,
 ) -> Comparison:
-    records = result.records
-    measured = result.summary.num_good / len(records)
+    """``records``: the requests as served; ``alone``: the same simulated with every worker on
+    cores of its own."""
+    within = summarize(records, 1.0, SLO(slo.ttft_s * 1000, slo.tpot_s * 1000)).num_good
+    measured = within / len(records)
     predicted = sum(slo.met_by(s) for s in simulated) / len(simulated)
+    alone = simulated if alone is None else alone
     return Comparison(
         name,
         rate,
         measured * rate,
         predicted * rate,
+        sum(slo.met_by(s) for s in alone) / len(alone) * rate,
         measured,
         predicted,
         _percentiles_ms([r.ttft_s for r in records]),
@@ -191,13 +316,14 @@ def compare(
 def table(comparisons: list[Comparison]) -> str:
     rows = [
         f"{'layout':11} {'rate/s':>7} {'goodput meas':>12} {'pred':>6} {'error':>7} "
+        f"{'alone':>6} "
         f"{'ttft p50 meas/pred':>19} {'ttft p90 meas/pred':>19} {'tpot p50 meas/pred':>19}"
     ]
     for c in comparisons:
         error = c.goodput_error
         rows.append(
             f"{c.layout:11} {c.rate:7.2f} {c.measured_goodput:12.2f} {c.predicted_goodput:6.2f} "
-            f"{'-' if error is None else f'{error:+.0%}':>7} "
+            f"{'-' if error is None else f'{error:+.0%}':>7} {c.alone_goodput:6.2f} "
             f"{_pair(c.measured_ttft_ms, c.predicted_ttft_ms, 'p50'):>19} "
             f"{_pair(c.measured_ttft_ms, c.predicted_ttft_ms, 'p90'):>19} "
             f"{_pair(c.measured_tpot_ms, c.predicted_tpot_ms, 'p50'):>19}"
@@ -213,16 +339,19 @@ def _pair(measured: dict[str, float], predicted: dict[str, float], key: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.resimulate is not None:
+        return resimulate(args.resimulate)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         raise SystemExit(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
+    names.sort(key=lambda n: LAYOUTS[n].num_prefill > 0)  # colocated first: see the docstring
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.model or str(
         build_tiny_llama(args.out / "model", MODEL_POSITIONS, MODEL_SIZES[args.model_size])
     )
-    hardware = _profile(args, model_dir)
+    hardware = replace(_profile(args, model_dir), host_front_door_threads=FRONT_DOOR_THREADS)
     model = ModelCosts.load(model_dir, "float32")
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     planner = Planner(
@@ -231,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     cores = _cores(args)
     comparisons: list[Comparison] = []
+    runs: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     for index, name in enumerate(names):
         layout = LAYOUTS[name]
@@ -250,9 +380,17 @@ def main(argv: list[str] | None = None) -> int:
                 ) - statistics.median(s.ttft_s for s in simulated if s.ttft_s)
                 extra["path_overhead_s"] = max(0.0, gap + hardware.path_overhead_s)
                 planner = replace(
-                    planner, hardware=replace(hardware, path_overhead_s=extra["path_overhead_s"])
+                    planner,
+                    hardware=replace(planner.hardware, path_overhead_s=extra["path_overhead_s"]),
                 )
+            busy_before = _busy_cpu_seconds()
             closed = _bench(args, port, model_dir, ArrivalSpec(max_concurrency=16), 100, 11)
+            busy_cpu_s = _busy_cpu_seconds() - busy_before
+            for field, value in _measure_host(planner, layout, closed, busy_cpu_s).items():
+                extra[f"{name}_{field}"] = value
+                if field not in extra:  # measured once, as the path's time
+                    extra[field] = value
+                    planner = replace(planner, hardware=replace(planner.hardware, **{field: value}))
             capacity = closed.summary.request_throughput
             extra[f"{name}_capacity"] = capacity
             for load in loads:
@@ -265,19 +403,21 @@ def main(argv: list[str] | None = None) -> int:
                     args.num_prompts,
                     args.seed,
                 )
-                comparisons.append(
-                    compare(name, rate, result, _simulate(planner, layout, result.records), slo)
-                )
+                simulated = _simulate(planner, layout, result.records)
+                alone = _simulate(_alone(planner), layout, result.records)
+                comparisons.append(compare(name, rate, result.records, simulated, slo, alone))
+                runs.append({"layout": name, "rate": rate, "records": _sent(result.records)})
     print(table(comparisons))
     errors = [abs(c.goodput_error) for c in comparisons if c.goodput_error is not None]
     if errors:
         print(f"goodput error: mean {statistics.mean(errors):.0%}, worst {max(errors):.0%}")
     payload = {
         "command": " ".join(sys.argv),
-        "hardware": hardware.to_json(),
+        "hardware": planner.hardware.to_json(),
         "slo": asdict(slo),
         **extra,
         "comparisons": [{**asdict(c), "goodput_error": c.goodput_error} for c in comparisons],
+        "runs": runs,  # each point's requests, as sent and as served: to simulate again
     }
     print(f"wrote {write_json(args.out / 'plan_accuracy.json', payload)}")
     return 0

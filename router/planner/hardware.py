@@ -9,6 +9,12 @@ tensor-parallel size ``tp`` is a roofline:
     memory    = (weight bytes + KV bytes the step reads or writes) / (tp * memory bytes/s)
     all-reduces (tp > 1): two per layer of the step's activations, over the link
 
+On a CPU machine (``host_cores``) the workers' steps share the host's cores with each other and
+with the host's other work, on ``host_front_door_threads`` threads: per streamed token
+(``host_seconds_per_token``: the gateway's streaming, a load generator's) and per KV hand-off
+(``host_seconds_per_handoff``). The simulation slows the steps by the share of a core they get
+and delivers a token once its streaming is done (shared_host.py).
+
 A profile measured on the machine carries the step-time fit of the model it was measured with
 (``measured``: the router's ``StepCost``, fitted from a few hundred real engine steps), which is
 used as it is for that model at tensor-parallel size 1: on a CPU, where a roofline is a loose
@@ -44,8 +50,25 @@ class Hardware:
     )
     measured_model: str | None = None  # the model ``measured`` was fitted on
     measured: StepCost | None = None
+    # a CPU machine: its cores are shared by the workers' threads and the host's other work
+    host_cores: int = 0  # 0: each worker computes on devices of its own
+    host_seconds_per_token: float = 0.0  # CPU seconds of that other work per streamed token
+    host_seconds_per_handoff: float = 0.0  # and per KV hand-off
+    host_front_door_threads: int = 1  # the threads that work runs on (the gateway's)
+    worker_threads: int = 1  # a worker rank's threads (as measured)
 
     def __post_init__(self) -> None:
+        seconds = min(self.host_seconds_per_token, self.host_seconds_per_handoff)
+        if (
+            self.host_cores < 0
+            or seconds < 0
+            or min(self.worker_threads, self.host_front_door_threads) < 1
+        ):
+            raise ValueError(
+                f"hardware profile {self.name!r}: host_cores, host_seconds_per_token and "
+                f"host_seconds_per_handoff must be >= 0, worker_threads and "
+                f"host_front_door_threads >= 1"
+            )
         for name in (
             "flops_per_s",
             "memory_bytes_per_s",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from router.planner.hardware import Hardware, StepTimeModel, transfer_seconds
 from router.planner.model_costs import ModelCosts
+from router.planner.shared_host import HostShare
 from router.planner.simulator import ClusterShape, SimulatedRequest, Simulation, WorkerShape
 from router.planner.workload import PlanWorkload
 
@@ -127,6 +128,19 @@ class Planner:
             lambda blocks: transfer_seconds(self.hardware, self.model, self.block_size, blocks),
             self.hardware.path_overhead_s,
             self.router_policy,
+            self._host(),
+        )
+
+    def _host(self) -> HostShare | None:
+        """The cores the workers share, on a CPU machine."""
+        hardware = self.hardware
+        if not hardware.host_cores:
+            return None
+        return HostShare(
+            hardware.host_cores,
+            hardware.host_seconds_per_token,
+            hardware.host_seconds_per_handoff,
+            hardware.host_front_door_threads,
         )
 
     def _workers(self, count: int, tp: int, budget: int) -> WorkerShape:
@@ -136,6 +150,7 @@ class Planner:
             self.kv_blocks(tp),
             budget,
             self.max_num_seqs,
+            tp * self.hardware.worker_threads,
         )
 
     def simulate(self, layout: Layout, workload: PlanWorkload, slo: Slo) -> LayoutResult:

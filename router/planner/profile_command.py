@@ -11,7 +11,10 @@ its fitted read time); a hand-off's link is measured as a copy of a 256 MiB buff
 (on a CPU, the shared-memory transport is such a copy). The measuring, which needs torch, is
 engine/machine_profile.py's; this module fits and writes. The gateway's and router's own time per
 request is not measured here: the profile keeps the default (``path_overhead_s``), which
-``--path-overhead-ms`` sets.
+``--path-overhead-ms`` sets. On a CPU the profile records the host's cores, which the workers
+share (``host_cores``), and the threads a worker computes on; the CPU time of the host's other
+work (per streamed token, per hand-off) needs a served cluster to measure and is left at 0
+(bench.plan_accuracy measures it; a profile's JSON can be given it).
 """
 
 from __future__ import annotations
@@ -52,11 +55,12 @@ def add_profile_args(profile: argparse.ArgumentParser) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     from engine.machine_profile import measure_machine  # (it loads torch: not at import)
 
+    threads = threads_per_worker(args.worker_num_cpus)  # a served worker's
     measured = measure_machine(
         args.model,
         device=args.device,
         dtype=args.dtype,
-        num_threads=threads_per_worker(args.worker_num_cpus),  # a served worker's
+        num_threads=threads,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -82,6 +86,9 @@ def run_profile(args: argparse.Namespace) -> int:
         else args.path_overhead_ms / 1000,
         measured_model=model.name,
         measured=cost,
+        # a CPU machine's workers share its cores (a GPU's compute on devices of their own)
+        host_cores=(os.cpu_count() or 1) if args.device == "cpu" else 0,
+        worker_threads=threads,
     )
     hardware.save(args.out)
     print(

@@ -20,6 +20,13 @@ samples it; its KV then moves to the decode worker once that worker has blocks f
 taking ``transfer_seconds`` for its blocks, and the decode worker continues it. Every request's
 first token also takes ``path_overhead_s`` (the gateway's and router's hops).
 
+On a CPU machine (``host``) the workers have no device of their own: their steps and the
+host's other work, the streaming of each token to its client and each hand-off's copies and
+calls, share its cores (router/planner/shared_host.py): a step takes longer while more
+threads want to run than there are cores, and a token reaches its client once its streaming
+is done. Elsewhere each worker computes on its own devices, a step takes its time alone and
+a token is delivered as it is sampled.
+
 Out: each request's arrival, first token and last token times, from which TTFT, TPOT and
 goodput follow (``SimulatedRequest``).
 """
@@ -46,6 +53,7 @@ from engine.step_timings import step_timing
 from router.kv_aware import KVAware
 from router.kv_index import KVIndex
 from router.latency_model import StepShape, shape_of
+from router.planner.shared_host import HostShare, SharedHost
 from router.policies import LeastLoaded, RoutingInfo, RoutingPolicy
 
 _TOKEN = 7  # every sampled token (never an end of sequence: the scheduler is given none)
@@ -70,6 +78,7 @@ class WorkerShape:
     num_kv_blocks: int
     max_num_batched_tokens: int
     max_num_seqs: int = 256
+    threads: int = 1  # cores a busy worker computes on (on a shared host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +89,7 @@ class ClusterShape:
     transfer_seconds: Callable[[int], float] = lambda num_blocks: 0.0
     path_overhead_s: float = 0.0
     router_policy: str = "kv_aware"
+    host: HostShare | None = None  # the cores the workers share (a CPU machine); None: devices
 
     def __post_init__(self) -> None:
         if self.router_policy not in ROUTER_POLICIES:
@@ -146,6 +156,10 @@ class Simulation:
         self._decode_of: dict[int, _Worker] = {}  # prefill seq id -> its decode worker
         self._prefill_of: dict[int, _Worker] = {}  # handed-off seq id -> its prefill worker
         self._index = KVIndex()
+        self.step_seconds = 0.0  # the steps' times alone, all workers together
+        self._host = (
+            None if cluster.host is None else SharedHost(cluster.host, lambda: self.now, self._at)
+        )
         self._policy: RoutingPolicy = (
             KVAware(cluster.block_size, self._index, colocated=not self.prefill, fetch=False)
             if cluster.router_policy == "kv_aware"
@@ -241,7 +255,12 @@ class Simulation:
         shape = shape_of(step_timing(output, 0.0))
         worker.busy = True
         done = functools.partial(self._step_done, worker, output)
-        self._at(self.now + worker.shape.step_times(shape), done)
+        seconds = worker.shape.step_times(shape)
+        self.step_seconds += seconds
+        if self._host is None:
+            self._at(self.now + seconds, done)
+        else:
+            self._host.start(worker.name, seconds, worker.shape.threads, done)
 
     def _step_done(self, worker: _Worker, output: SchedulerOutput) -> None:
         sampled = {seq.seq_id: _TOKEN for entry in output.scheduled for seq in entry.sample_seqs}
@@ -249,10 +268,12 @@ class Simulation:
         for tokens in appended:
             seq = tokens.seq
             simulated = self._of_seq[seq.seq_id]
-            if simulated.first_token_s is None:
-                simulated.first_token_s = self.now + self.cluster.path_overhead_s
-            simulated.last_token_s = self.now + self.cluster.path_overhead_s
             simulated.num_tokens += tokens.num_tokens
+            delivered = functools.partial(self._delivered, simulated)
+            if self._host is None:
+                delivered()
+            else:  # streamed on the host's cores, after the tokens before it
+                self._host.stream(tokens.num_tokens * self._host.share.seconds_per_token, delivered)
             if seq.status is SequenceStatus.HANDED_OFF:
                 self._hand_off(worker, seq)
         worker.busy = False
@@ -260,8 +281,17 @@ class Simulation:
         if worker in self.decode:  # blocks may have come free for the hand-offs waiting
             self._start_handoffs(worker)
 
+    def _delivered(self, simulated: SimulatedRequest) -> None:
+        """A token of the request reaches its client (now, and the path's hops)."""
+        at = self.now + self.cluster.path_overhead_s
+        if simulated.first_token_s is None:
+            simulated.first_token_s = at
+        simulated.last_token_s = at
+
     # ---- hand-offs ------------------------------------------------------------------------
     def _hand_off(self, prefill: _Worker, seq: EngineSequence) -> None:
+        if self._host is not None:  # its copies and calls, on the host's cores
+            self._host.add_work(self._host.share.seconds_per_handoff)
         decode = self._decode_of.pop(seq.seq_id)
         decode.handoffs.append(seq)
         self._prefill_of[seq.seq_id] = prefill

@@ -3,17 +3,36 @@ goodput; a measured run against its simulation, and the goodput error."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
 from bench.plan_accuracy import compare, table
+from bench.plan_accuracy import main as plan_accuracy_main
 from bench.rebalance import PhaseOutcome, overall_goodput, phase_outcome
 from bench.rebalance import table as phases_table
 from bench.serving.arrivals import ArrivalSpec
 from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO, RequestRecord, summarize
 from bench.serving.runner import BenchConfig, BenchResult
+from router.latency_model import StepCost
+from router.planner.hardware import Hardware
 from router.planner.plan import Slo
 from router.planner.simulator import SimulatedRequest, WorkloadRequest
 
 BOUNDS = SLO(ttft_ms=100, tpot_ms=20)
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 4096,
+    "max_position_embeddings": 2048,
+}
 
 
 def _record(index: int, ttft_s: float) -> RequestRecord:
@@ -61,8 +80,44 @@ def test_a_simulation_is_compared_with_its_measured_run() -> None:
         if i >= 8:
             run.last_token_s = 0.39
         simulated.append(run)
-    comparison = compare("1p1d", 5.0, _result(records, 5.0), simulated, Slo(0.1, 0.02))
+    alone = simulated[:8]  # with every worker on cores of its own: all 8 within the SLOs
+    comparison = compare("1p1d", 5.0, tuple(records), simulated, Slo(0.1, 0.02), alone)
     assert comparison.measured_goodput == 3.0  # 6 of 10 within the SLOs at 5/s
     assert comparison.predicted_goodput == 4.0  # 8 of 10
+    assert comparison.alone_goodput == 5.0
     assert comparison.goodput_error == (4.0 - 3.0) / 3.0
-    assert "+33%" in table([comparison])
+    assert "+33%   5.00" in table([comparison])
+
+
+def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--resimulate``: a finished run's requests, as saved, simulated again on its profile
+    (a worker of 10 ms a step + 0.1 ms a token, two of them sharing two cores with 1 ms of
+    streaming per token): the table compares them with how they were served."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
+    hardware = Hardware(
+        "box", 1e11, 1e10, 8e9, 1e10, measured_model="model",
+        measured=StepCost(0.010, 1e-4, 0.0, 1e-4, 0.0, 100),
+        host_cores=2, host_seconds_per_token=1e-3,
+    )  # fmt: skip
+    served = [
+        {"send_time_s": 0.1 * i, "prompt_len": 50, "output_len": 10, "output_tokens": 10,
+         "success": True, "ttft_s": 0.05, "e2e_s": 0.05 + 9 * (0.01 if i < 8 else 0.05)}
+        for i in range(10)
+    ]  # fmt: skip
+    saved = {
+        "hardware": hardware.to_json(),
+        "slo": {"ttft_s": 0.1, "tpot_s": 0.02, "attainment": 0.9},
+        "runs": [{"layout": "colocated2", "rate": 10.0, "records": served}],
+    }
+    (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
+    assert plan_accuracy_main(["--resimulate", str(tmp_path)]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "colocated2" in line]
+    # measured: 8 of 10 within the SLOs; simulated: each alone on a worker, all within
+    assert row.split()[1:6] == ["10.00", "8.00", "10.00", "+25%", "10.00"]
+    del saved["runs"]
+    (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="holds no requests"):
+        plan_accuracy_main(["--resimulate", str(tmp_path)])

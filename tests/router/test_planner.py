@@ -4,6 +4,7 @@ workers' own scheduler, the search's choice, and the command's outputs."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from router.latency_model import StepShape
 from router.planner.hardware import PRESETS, Hardware, StepTimeModel
 from router.planner.model_costs import ModelCosts
 from router.planner.plan import Layout, Planner, Slo
+from router.planner.shared_host import HostShare
 from router.planner.simulator import (
     ClusterShape,
     Simulation,
@@ -102,6 +104,59 @@ def test_a_hand_off_delays_the_second_token_and_queued_prompts_wait() -> None:
     # the second waits for the first's step (done at 20 ms), then its own 200 tokens
     assert second.ttft_s == pytest.approx(0.020 + 0.030 + 0.002 - 0.001)
     assert second.num_tokens == 1
+
+
+def test_on_a_shared_host_steps_and_streaming_share_its_cores() -> None:
+    """Two colocated workers each prefilling 100 tokens at once: 20 ms each alone, 40 ms on
+    one shared core. A token's streaming (10 ms of the host's CPU) shares the core with the
+    next decode step (10.1 ms alone): both at half speed, so the first token, sampled at 20 ms,
+    reaches its client at 40 ms, and each next one about 20 ms later."""
+    prompts = [
+        WorkloadRequest(0.0, tuple(range(100)), 1),
+        WorkloadRequest(0.0, tuple(range(200, 300)), 1),
+    ]
+    two = replace(_linear(0.010, 1e-4), count=2)
+    alone = Simulation(ClusterShape(two, router_policy="least_loaded"), prompts).run()
+    assert [run.ttft_s for run in alone] == pytest.approx([0.020, 0.020])
+    shared = ClusterShape(two, router_policy="least_loaded", host=HostShare(1))
+    assert [run.ttft_s for run in Simulation(shared, prompts).run()] == pytest.approx([0.04, 0.04])
+    streaming = ClusterShape(_linear(0.010, 1e-4), host=HostShare(1, seconds_per_token=0.010))
+    (run,) = Simulation(streaming, [WorkloadRequest(0.0, tuple(range(100)), 5)]).run()
+    assert run.ttft_s == pytest.approx(0.040)  # sampled at 20 ms, streamed beside a step
+    # tokens 2-4 each 20.1 ms after the one before; the last streamed with no step beside it
+    assert run.tpot_s == pytest.approx((3 * 0.0201 + 0.0101) / 4)
+    # at 20 ms the first token is sampled and handed off (its KV moves at once): its 1 ms of
+    # streaming, then the hand-off's 30 ms of copies and calls, share the core with the decode
+    # worker's step (10.1 ms alone): the token is delivered at 22 ms, the step ends at 40.2 ms
+    # (sampling the last token) with 9.1 ms of the copies done, the rest alone by 61.1 ms, and
+    # the last token's streaming after them
+    handing_off = ClusterShape(
+        _linear(0.010, 1e-4),
+        prefill=_linear(0.010, 1e-4),
+        host=HostShare(1, seconds_per_token=0.001, seconds_per_handoff=0.030),
+    )
+    (run,) = Simulation(handing_off, [WorkloadRequest(0.0, tuple(range(100)), 2)]).run()
+    assert run.ttft_s == pytest.approx(0.022)
+    assert run.last_token_s == pytest.approx(0.0621)
+
+
+def test_a_cpu_profile_makes_the_planners_workers_share_its_cores(llama_8b: Path) -> None:
+    costs = ModelCosts.load(llama_8b)
+    box = Hardware(
+        "box", 1e14, 1e12, 80e9, 1e10, host_cores=8, host_seconds_per_token=2e-4,
+        host_seconds_per_handoff=3e-3, host_front_door_threads=2,
+    )  # fmt: skip
+    planner = Planner(costs, replace(box, worker_threads=2))
+    cluster = planner.cluster(Layout(1, 2, 1, 1))
+    assert cluster.host == HostShare(8, 2e-4, 3e-3, front_door_threads=2)
+    assert cluster.decode.threads == 2 and cluster.prefill is not None
+    assert cluster.prefill.threads == 4  # TP 2: two ranks of two threads
+    assert Planner(costs, PRESETS["h100"]).cluster(Layout(1, 1, 1, 1)).host is None
+    assert Hardware.from_json(json.loads(json.dumps(box.to_json()))) == box
+    with pytest.raises(ValueError, match="host_seconds_per_handoff must be >= 0"):
+        Hardware("box", 1e14, 1e12, 80e9, 1e10, host_cores=-1)
+    with pytest.raises(ValueError, match="host_front_door_threads >= 1"):
+        Hardware("box", 1e14, 1e12, 80e9, 1e10, host_front_door_threads=0)
 
 
 def test_a_decode_worker_short_of_blocks_makes_hand_offs_wait_and_every_request_ends() -> None:
@@ -245,3 +300,21 @@ def test_pdserve_plan_refuses_bad_input_naming_the_flag(
     assert "--hardware must be one of h100" in capsys.readouterr().err
     assert main([*base, "--rate", "1", "--device-memory-gib", "4", "--max-devices", "2"]) == 2
     assert "no layout of at most 2 devices holds" in capsys.readouterr().err
+
+
+def test_pdserve_profile_measures_this_machine_and_records_its_shared_cores(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "this-machine.json"
+    argv = ["profile", "--model", str(llama_dir), "--num-kv-blocks", "256", "--out", str(out)]
+    assert main(argv) == 0
+    hardware = Hardware.load(out)
+    assert hardware.measured is not None and hardware.measured.overhead_s > 0
+    assert hardware.measured_model == llama_dir.name
+    assert hardware.host_cores == os.cpu_count() and hardware.worker_threads == 1
+    # the host's other work needs a served cluster to measure: none is assumed
+    assert hardware.host_seconds_per_token == hardware.host_seconds_per_handoff == 0.0
+    model = ModelCosts.load(llama_dir)
+    assert Planner(model, hardware).cluster(Layout(0, 1, 2, 1)).host == HostShare(
+        os.cpu_count() or 1
+    )
