@@ -44,7 +44,7 @@ from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO, RequestRecord, summarize
 from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
 from bench.serving.servers import RunningServer, cores_per_worker, pdserve_server
-from bench.serving.tiny_model import MODEL_SIZES, build_tiny_llama
+from bench.serving.tiny_model import MODEL_SIZES, add_model_args, build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 from router.planner.hardware import Hardware
 from router.planner.model_costs import ModelCosts
@@ -86,15 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
-    parser.add_argument(
-        "--model-size",
-        choices=tuple(MODEL_SIZES),
-        default="tiny",
-        help="the random Llama: tiny (3 M parameters: the front door's work per token weighs as "
-        "much as the engines' on a 2-core machine) or small / medium (29 M / 101 M: the engines' "
-        "compute outweighs it, as on GPUs)",
-    )
+    add_model_args(parser, "tiny")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
     parser.add_argument("--loads", default="0.5,1.0,1.5", help="fractions of the capacity")
     parser.add_argument("--num-prompts", type=int, default=200, help="per rate")

@@ -45,7 +45,7 @@ from bench.serving.servers import (
     pdserve_server,
     rotated,
 )
-from bench.serving.tiny_model import MODEL_SIZES, build_tiny_llama
+from bench.serving.tiny_model import MODEL_SIZES, add_model_args, build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
 
 SERVED_NAME = "pdserve-demo"
@@ -103,14 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
-    parser.add_argument(
-        "--model-size",
-        choices=tuple(MODEL_SIZES),
-        default="small",
-        help="the random Llama: tiny (3 M parameters), small (29 M: on a small CPU machine "
-        "its engines' compute outweighs the gateway's work, as on GPUs) or medium (101 M)",
-    )
+    add_model_args(parser, "small")
     parser.add_argument("--prefill", type=int, default=3)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--cores-per-worker", type=int, default=None, help="default: split")

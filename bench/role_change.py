@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.results_json import write_json
-from bench.serving.tiny_model import MODEL_SIZES, build_tiny_llama
+from bench.serving.tiny_model import MODEL_SIZES, add_model_args, build_tiny_llama
 from engine import GenerateRequest, SamplingParams
 from engine.engine_config import CacheConfig, LoadConfig
 from engine.kv_cache.budget import KVBudget
@@ -49,8 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
-    parser.add_argument("--model-size", choices=tuple(MODEL_SIZES), default="medium")
+    add_model_args(parser, "medium")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3)

@@ -9,6 +9,7 @@ the same way.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -45,6 +46,19 @@ MODEL_SIZES: dict[str, dict[str, int] | None] = {
     "small": SMALL_LLAMA,
     "medium": MEDIUM_LLAMA,
 }
+
+
+def add_model_args(parser: argparse.ArgumentParser, default_size: str) -> None:
+    """A benchmark's model: ``--model DIR``, or a random Llama of ``--model-size``."""
+    parser.add_argument("--model", default=None, help="model dir; default: a random Llama")
+    parser.add_argument(
+        "--model-size",
+        choices=tuple(MODEL_SIZES),
+        default=default_size,
+        help="the random Llama: tiny (3 M parameters: on a 2-core machine the front door's "
+        "work per token weighs as much as its engines'), small (29 M) or medium (101 M: the "
+        "engines' compute outweighs the front door's, as on GPUs)",
+    )
 
 
 def build_tiny_llama(
