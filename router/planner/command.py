@@ -109,6 +109,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"{model.name} on {hardware.name}, {args.rate:g} req/s, SLOs TTFT "
           f"{args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms, {args.attainment:.0%} of "
           "requests")  # fmt: skip
+    if hardware.host_cores:
+        print(shared_host_line(hardware))
     print(results_table(results, slo))
     args.out.mkdir(parents=True, exist_ok=True)
     shown = sorted(results, key=lambda r: -r.goodput)[:4]
@@ -141,6 +143,22 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"wrote {args.out / 'plan.json'}, {args.out / 'deploy-values.yaml'}" + (
         f", {plot}" if plot else " (no plot: matplotlib is not installed)"))  # fmt: skip
     return 0
+
+
+def shared_host_line(hardware: Hardware) -> str:
+    """What the simulation assumes of a CPU machine's shared cores."""
+    other = (
+        f"{hardware.host_seconds_per_token * 1000:.2f} ms a streamed token and "
+        f"{hardware.host_seconds_per_handoff * 1000:.1f} ms a hand-off, on "
+        f"{hardware.host_front_door_threads} thread(s)"
+        if hardware.host_seconds_per_token or hardware.host_seconds_per_handoff
+        else "none measured (the profile's JSON takes host_seconds_per_token and "
+        "host_seconds_per_handoff)"
+    )
+    return (
+        f"the workers share this host's {hardware.host_cores} cores "
+        f"({hardware.worker_threads} thread(s) a worker rank); its other work: {other}"
+    )
 
 
 def _with_overrides(hardware: Hardware, args: argparse.Namespace) -> Hardware:

@@ -288,6 +288,27 @@ def test_pdserve_plan_prints_the_choice_and_writes_its_files(
         in printed
     )
     assert json.loads((least / "plan.json").read_text())["router_policy"] == "least_loaded"
+    # a CPU machine's profile: what the simulation assumes of its shared cores is said
+    box = Hardware(
+        "box", 6e14, 3e12, 80e9, 1e10, host_cores=2, host_seconds_per_token=4e-4,
+        host_seconds_per_handoff=9e-3, host_front_door_threads=2,
+    )  # fmt: skip
+    profile = box.save(tmp_path / "box.json")
+    flags = [
+        "--rate",
+        "2",
+        "--out",
+        str(tmp_path / "box"),
+        "--num-requests",
+        "20",
+        "--max-devices",
+        "1",
+    ]
+    assert main(["plan", "--model", str(llama_8b), "--hardware", str(profile), *flags]) == 0
+    assert (
+        "the workers share this host's 2 cores (1 thread(s) a worker rank); its other work: "
+        "0.40 ms a streamed token and 9.0 ms a hand-off, on 2 thread(s)"
+    ) in capsys.readouterr().out
 
 
 def test_pdserve_plan_refuses_bad_input_naming_the_flag(
