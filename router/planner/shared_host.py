@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 _EPSILON_S = 1e-12
@@ -85,18 +85,19 @@ class SharedHost:
         self._steps[key] = _Step(max(0.0, work_s), max(1, threads), done)
         self._reschedule()
 
-    def add_work(self, seconds: float) -> None:
-        """CPU seconds of the host's other work that delivers nothing (a hand-off's), after
-        the work before it."""
-        if seconds > 0:
-            self.stream(seconds, _nothing)
-
-    def stream(self, seconds: float, delivered: Callable[[], None]) -> None:
-        """CPU seconds of the host's other work (a token's streaming), after the work before
-        it; ``delivered()`` once it is done (at once when it costs nothing and none waits)."""
+    def stream(self, work: Sequence[tuple[float, Callable[[], None] | None]]) -> None:
+        """CPU seconds of the host's other work, in order (each token's streaming, each
+        hand-off's), after the work before it; each ``delivered()`` (None: nothing to deliver)
+        once its work is done: at once when none costs anything and none waits before it."""
+        if not self._deliveries and all(seconds <= 0 for seconds, _ in work):
+            for _, delivered in work:
+                if delivered is not None:
+                    delivered()
+            return
         self._advance()
-        self._added_s += max(0.0, seconds)
-        self._deliveries.append((self._added_s, delivered))
+        for seconds, delivered in work:
+            self._added_s += max(0.0, seconds)
+            self._deliveries.append((self._added_s, delivered or _nothing))
         self._reschedule()
 
     @property

@@ -265,17 +265,25 @@ class Simulation:
     def _step_done(self, worker: _Worker, output: SchedulerOutput) -> None:
         sampled = {seq.seq_id: _TOKEN for entry in output.scheduled for seq in entry.sample_seqs}
         appended = worker.scheduler.update(output, ModelRunnerOutput(sampled))
+        # on a shared host, the step's tokens are streamed and its hand-offs' copies done on
+        # its cores, in order, after the work before them
+        host_work: list[tuple[float, Callable[[], None] | None]] = []
         for tokens in appended:
-            seq = tokens.seq
-            simulated = self._of_seq[seq.seq_id]
+            simulated = self._of_seq[tokens.seq.seq_id]
             simulated.num_tokens += tokens.num_tokens
             delivered = functools.partial(self._delivered, simulated)
             if self._host is None:
                 delivered()
-            else:  # streamed on the host's cores, after the tokens before it
-                self._host.stream(tokens.num_tokens * self._host.share.seconds_per_token, delivered)
-            if seq.status is SequenceStatus.HANDED_OFF:
-                self._hand_off(worker, seq)
+                continue
+            share = self._host.share
+            host_work.append((tokens.num_tokens * share.seconds_per_token, delivered))
+            if tokens.seq.status is SequenceStatus.HANDED_OFF:
+                host_work.append((share.seconds_per_handoff, None))
+        if self._host is not None:
+            self._host.stream(host_work)
+        for tokens in appended:
+            if tokens.seq.status is SequenceStatus.HANDED_OFF:
+                self._hand_off(worker, tokens.seq)
         worker.busy = False
         self._kick(worker)
         if worker in self.decode:  # blocks may have come free for the hand-offs waiting
@@ -290,8 +298,6 @@ class Simulation:
 
     # ---- hand-offs ------------------------------------------------------------------------
     def _hand_off(self, prefill: _Worker, seq: EngineSequence) -> None:
-        if self._host is not None:  # its copies and calls, on the host's cores
-            self._host.add_work(self._host.share.seconds_per_handoff)
         decode = self._decode_of.pop(seq.seq_id)
         decode.handoffs.append(seq)
         self._prefill_of[seq.seq_id] = prefill

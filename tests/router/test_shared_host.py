@@ -71,8 +71,7 @@ def test_streaming_takes_its_share_and_delivers_each_token_once_its_work_is_done
     by then) ends at 1.25 s."""
     clock, host, ended = _host(2)
     host.start("a", 1.0, 2, _ends(clock, ended, "a"))
-    host.stream(0.25, _ends(clock, ended, "first"))
-    host.stream(0.25, _ends(clock, ended, "second"))
+    host.stream([(0.25, _ends(clock, ended, "first")), (0.25, _ends(clock, ended, "second"))])
     assert host.speed() == pytest.approx(2 / 3)
     clock.run()
     assert ended == pytest.approx({"first": 0.375, "second": 0.75, "a": 1.25})
@@ -82,19 +81,19 @@ def test_streaming_takes_its_share_and_delivers_each_token_once_its_work_is_done
 
 def test_free_streaming_is_delivered_at_once_unless_behind_other_tokens() -> None:
     clock, host, ended = _host(1)
-    host.stream(0.0, _ends(clock, ended, "free"))
+    host.stream([(0.0, _ends(clock, ended, "free"))])
     clock.run()
     assert ended == {"free": 0.0}
-    host.stream(0.5, _ends(clock, ended, "costly"))
-    host.stream(0.0, _ends(clock, ended, "behind"))  # first come, first served
+    host.stream([(0.5, _ends(clock, ended, "costly"))])
+    host.stream([(0.0, _ends(clock, ended, "behind"))])  # first come, first served
     clock.run()
     assert ended == pytest.approx({"free": 0.0, "costly": 0.5, "behind": 0.5})
 
 
 def test_work_that_delivers_nothing_still_delays_the_tokens_behind_it() -> None:
     clock, host, ended = _host(1)
-    host.add_work(0.3)  # a hand-off's copies
-    host.stream(0.1, _ends(clock, ended, "token"))
+    host.stream([(0.3, None)])  # a hand-off's copies
+    host.stream([(0.1, _ends(clock, ended, "token"))])
     clock.run()
     assert ended == pytest.approx({"token": 0.4})
     assert host.busy_thread_seconds == pytest.approx(0.4)
@@ -104,7 +103,7 @@ def test_more_front_door_threads_stream_faster_while_cores_are_free() -> None:
     clock = _Clock()
     host = SharedHost(HostShare(2, front_door_threads=2), lambda: clock.now, clock.at)
     ended: dict[str, float] = {}
-    host.stream(1.0, _ends(clock, ended, "t"))  # on two threads of two cores: 0.5 s
+    host.stream([(1.0, _ends(clock, ended, "t"))])  # on two threads of two cores: 0.5 s
     clock.run()
     assert ended == pytest.approx({"t": 0.5})
 
