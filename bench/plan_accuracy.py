@@ -41,7 +41,7 @@ from typing import Any
 from bench.results_json import write_json
 from bench.serving.arrivals import ArrivalSpec
 from bench.serving.client import EndpointConfig
-from bench.serving.metrics import SLO, RequestRecord, summarize
+from bench.serving.metrics import SLO, RequestRecord
 from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
 from bench.serving.servers import RunningServer, cores_per_worker, pdserve_server
 from bench.serving.tiny_model import MODEL_SIZES, add_model_args, build_tiny_llama
@@ -120,17 +120,15 @@ def resimulate(directory: Path) -> int:
             f"--resimulate: {directory} holds no requests (a run before they were saved)"
         )
     slo = Slo(saved["slo"]["ttft_s"], saved["slo"]["tpot_s"])
-    planner = Planner(
-        ModelCosts.load(directory / "model", "float32"), Hardware.from_json(saved["hardware"]),
-        block_size=16, max_num_batched_tokens=STEP_BUDGET,
-        num_kv_blocks=saved.get("num_kv_blocks", 2048),
-    )  # fmt: skip
+    planner = _planner(
+        directory / "model", Hardware.from_json(saved["hardware"]), saved["num_kv_blocks"]
+    )
     comparisons = []
     for run in saved["runs"]:
         records = tuple(
             RequestRecord(i, r["prompt_len"], r["output_len"], r["success"],
                           send_time_s=r["send_time_s"], ttft_s=r["ttft_s"],
-                          e2e_s=_e2e_s(r), output_tokens=r["output_tokens"])
+                          e2e_s=r["e2e_s"], output_tokens=r["output_tokens"])
             for i, r in enumerate(run["records"])
         )  # fmt: skip
         layout = LAYOUTS[run["layout"]]
@@ -139,6 +137,14 @@ def resimulate(directory: Path) -> int:
         comparisons.append(compare(run["layout"], run["rate"], records, simulated, slo, alone))
     print(table(comparisons))
     return 0
+
+
+def _planner(model_dir: str | Path, hardware: Hardware, num_kv_blocks: int) -> Planner:
+    """The planner of the served clusters' settings."""
+    return Planner(
+        ModelCosts.load(model_dir, "float32"), hardware, block_size=16,
+        max_num_batched_tokens=STEP_BUDGET, num_kv_blocks=num_kv_blocks,
+    )  # fmt: skip
 
 
 def _profile(args: argparse.Namespace, model_dir: str) -> Hardware:
@@ -243,15 +249,6 @@ def _measure_host(
     return {"host_seconds_per_handoff": max(0.0, beyond) / len(result.records)}
 
 
-def _e2e_s(saved: dict[str, Any]) -> float:
-    """A saved request's end (runs of session 51 saved its TPOT instead)."""
-    if "e2e_s" in saved:
-        return float(saved["e2e_s"])
-    if saved["tpot_s"] is None or saved["ttft_s"] is None:
-        return float(saved["ttft_s"] or 0.0)
-    return float(saved["ttft_s"] + saved["tpot_s"] * (saved["output_tokens"] - 1))
-
-
 def _sent(records: tuple[RequestRecord, ...]) -> list[dict[str, Any]]:
     """Each request's lengths and send time, and how it was served."""
     return [
@@ -282,14 +279,13 @@ def compare(
     records: tuple[RequestRecord, ...],
     simulated: list[SimulatedRequest],
     slo: Slo,
-    alone: list[SimulatedRequest] | None = None,
+    alone: list[SimulatedRequest],
 ) -> Comparison:
     """``records``: the requests as served; ``alone``: the same simulated with every worker on
     cores of its own."""
-    within = summarize(records, 1.0, SLO(slo.ttft_s * 1000, slo.tpot_s * 1000)).num_good
-    measured = within / len(records)
+    bounds = SLO(slo.ttft_s * 1000, slo.tpot_s * 1000)
+    measured = sum(bounds.met_by(r) for r in records) / len(records)
     predicted = sum(slo.met_by(s) for s in simulated) / len(simulated)
-    alone = simulated if alone is None else alone
     return Comparison(
         name,
         rate,
@@ -344,12 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         build_tiny_llama(args.out / "model", MODEL_POSITIONS, MODEL_SIZES[args.model_size])
     )
     hardware = replace(_profile(args, model_dir), host_front_door_threads=FRONT_DOOR_THREADS)
-    model = ModelCosts.load(model_dir, "float32")
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
-    planner = Planner(
-        model, hardware, block_size=16, max_num_batched_tokens=STEP_BUDGET,
-        num_kv_blocks=args.num_kv_blocks,
-    )  # fmt: skip
+    planner = _planner(model_dir, hardware, args.num_kv_blocks)
     cores = _cores(args)
     comparisons: list[Comparison] = []
     runs: list[dict[str, Any]] = []
@@ -407,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(sys.argv),
         "hardware": planner.hardware.to_json(),
         "slo": asdict(slo),
+        "num_kv_blocks": args.num_kv_blocks,
         **extra,
         "comparisons": [{**asdict(c), "goodput_error": c.goodput_error} for c in comparisons],
         "runs": runs,  # each point's requests, as sent and as served: to simulate again

@@ -110,6 +110,7 @@ def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
     saved = {
         "hardware": hardware.to_json(),
         "slo": {"ttft_s": 0.1, "tpot_s": 0.02, "attainment": 0.9},
+        "num_kv_blocks": 1000,
         "runs": [{"layout": "colocated2", "rate": 10.0, "records": served}],
     }
     (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
