@@ -27,6 +27,7 @@ from engine.models.expert_tokens import ExpertTokenCounts
 from engine.outputs import RequestOutput
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.rank_model import LoadedWeights, build_rank_model, join_group
+from engine.parallel.step_commands import RebuildCommand, send_command
 from engine.request_state import RequestState
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sampling.seeds import derive_seed
@@ -81,13 +82,23 @@ class LLMEngine:
         (its followers run engine/parallel/follower.py with the same configs); None: one.
         ``record_kv_events``: note the blocks the prefix cache stores and removes, for
         ``take_kv_events`` (a worker's, which the router's index follows). ``weights``: the
-        model of an engine this worker ran before (its ``rank_model.loaded_weights()``), kept
-        instead of loaded again (one rank)."""
+        model of an engine this worker ran before (its ``keep_for_next_role()``), kept instead
+        of loaded again; a tensor-parallel worker's, with its group: its followers, running
+        still, rebuild on theirs as this engine builds."""
         parallel = parallel or ParallelConfig()
         check_configs(load, scheduler, speculative, parallel)
         # rank 0 of the worker's ranks (None: the worker is this one rank)
         self.group: TensorParallelGroup | None = None
-        if parallel.tensor_parallel_size > 1:
+        if weights is not None and weights.group is not None:
+            if weights.group.size != parallel.tensor_parallel_size:
+                raise ValueError(
+                    f"weights kept by a worker of {weights.group.size} ranks cannot build one "
+                    f"of tensor_parallel_size {parallel.tensor_parallel_size}"
+                )
+            self.group = weights.group
+            rebuild = RebuildCommand(load, cache, scheduler, speculative, weights.kv_cache.held)
+            send_command(self.group, rebuild)
+        elif parallel.tensor_parallel_size > 1:
             self.group = join_group(load, parallel, 0, parallel.timeout_s)
         try:
             rank = build_rank_model(load, cache, scheduler, speculative, self.group, weights)
@@ -282,6 +293,15 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def keep_for_next_role(self, keep_kv_cache: bool) -> LoadedWeights:
+        """What the engine of this worker's next role builds on (``weights``): its weights,
+        its KV cache with ``keep_kv_cache``, and its ranks' group with the followers running
+        (this engine's ``close`` no longer stops them). It must never step again: its loop
+        stops before the next engine builds on them."""
+        group, self.group = self.group, None
+        self._num_threads_before = None  # (the next engine gives them back)
+        return self.rank_model.loaded_weights(keep_kv_cache, group)
 
     def close(self) -> None:
         """Stop the worker's followers, leave their group and give this process back the

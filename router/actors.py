@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
@@ -32,6 +32,9 @@ from router.cpu_binding import bind_this_thread
 from router.gil_switch import hand_off_the_gil_sooner
 from router.rank_placement import RankPlacement
 from router.worker_host import RoleChange, WorkerHost, WorkerSpec
+
+if TYPE_CHECKING:
+    from engine.parallel.rank_model import RankModel
 
 logger = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 32
@@ -146,14 +149,27 @@ class RankActor:
             follower, built = build_follower(
                 load, cache, scheduler, speculative, parallel, self.rank
             )
-            try:
-                self._port = RankKVPort(
+
+            ports: list[RankKVPort] = []
+
+            def serve_kv(built: RankModel) -> None:
+                """Its KV port on the cache it holds now (after a change of role, the old
+                role's channels close with the old port)."""
+                port = RankKVPort(
                     built.kv_cache,
                     built.shard.kv_heads,
                     self.transfer.host,
                     built.model_config.cache_groups.handshake_name,
                     None if built.kv_cache_scales is None else built.kv_cache_scales.per_layer,
                 )
+                self._port = port
+                if ports:
+                    ports.pop().close_all()
+                ports.append(port)
+
+            try:
+                serve_kv(built)
+                follower.on_rebuilt = serve_kv
                 self._built.set()
                 follower.run()
             finally:

@@ -178,9 +178,10 @@ class Rebalancer:
         drained = time.monotonic()
         emptied = not self._num_placed_on(leaving.worker_id)  # (else: resumed elsewhere)
         joined = None
-        if self.pool.retire(leaving):
+        in_place = self.pool.changes_roles_in_place
+        if self.pool.retire(leaving, keep_placement=in_place):
             self._recover([leaving])  # what it still holds: resumed elsewhere
-            if self.pool.changes_roles_in_place:
+            if in_place:
                 joined = self.pool.change_role(leaving, decision.to_role, cpus, emptied)
             else:
                 self.pool.stop_retired(leaving)

@@ -89,6 +89,7 @@ class WorkerHost:
     ) -> None:
         self.spec = spec
         self._decode_peers = decode_peers
+        self._follower_ranks = list(follower_ranks)  # (they follow it into its next role)
         self._role_lock = threading.Lock()  # held while it changes role
         self._worker: PrefillWorker | DecodeWorker | None = build_worker(
             spec, follower_ranks, decode_peers, None
@@ -140,21 +141,25 @@ class WorkerHost:
         elsewhere first) and run ``spec``'s, of the other role, on the same weights; how long
         each part took. ``keep_kv_cache``: the new worker takes the old one's KV cache where it
         has its shape -- only when no hand-off or prefix copy may still be writing to it (the
-        worker drained: each request on it ended); else the cache is allocated anew. Only a
-        worker of one rank changes in place (its ranks' processes would have to follow: the
-        rebalancer starts a new worker for several)."""
-        if spec.num_ranks != 1 or self.spec.num_ranks != 1:
-            raise ValueError("only a worker of one rank changes role in place")
+        worker drained: each request on it ended); else the cache is allocated anew. A
+        tensor-parallel worker's ranks change with it, on the group they run (each rebuilds on
+        its own shard), so the new role's worker has as many ranks."""
+        if spec.num_ranks != self.spec.num_ranks:
+            raise ValueError(
+                f"a worker of {self.spec.num_ranks} ranks changes role in place only to a worker "
+                f"of as many, not {spec.num_ranks} (--prefill-tp and --decode-tp must match)"
+            )
+        spec = dataclasses.replace(spec, parallel=self.spec.parallel)  # its ranks' own group
         with self._role_lock:
             began = time.perf_counter()
             leaving, self._worker = self._worker, None
             if leaving is None:
                 raise RuntimeError(f"{self.spec.worker_id} has stopped")
-            weights = leaving.engine.rank_model.loaded_weights(keep_kv_cache)
-            leaving.shutdown()
+            weights = leaving.engine.keep_for_next_role(keep_kv_cache)
+            leaving.shutdown()  # (its followers run on: their group is the weights')
             del leaving  # (freed by the new engine's build where it needs the memory)
             stopped = time.perf_counter()
-            worker = build_worker(spec, (), self._decode_peers, weights)
+            worker = build_worker(spec, self._follower_ranks, self._decode_peers, weights)
             self.spec = spec  # (first: a call that finds the new worker reads its role)
             self._worker = worker
         change = RoleChange(spec.worker_id, stopped - began, time.perf_counter() - stopped)

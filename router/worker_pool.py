@@ -424,11 +424,12 @@ class WorkerPool:
             worker.draining = True
             return worker
 
-    def retire(self, worker: WorkerHandle) -> bool:
+    def retire(self, worker: WorkerHandle, keep_placement: bool = False) -> bool:
         """Take a draining worker out of rotation for good: no new worker starts in its slot,
         and the prefill workers forget it (a decode one). False if it was out already (lost
         meanwhile: the poll recovers its requests). Its actor is stopped by ``stop_retired``,
-        once its requests are recovered elsewhere."""
+        once its requests are recovered elsewhere, or changes role (``change_role``): then,
+        with ``keep_placement``, its ranks' placement group is kept for it."""
         with self._lock:
             if not worker.alive:
                 return False
@@ -443,7 +444,7 @@ class WorkerPool:
             for prefill in list(self.workers.values()):
                 if prefill.role == "prefill" and (prefill.alive or prefill.stalled):
                     prefill.actor.forget_decode_peer.remote(worker.worker_id)
-        if slot is not None and self._launcher is not None:
+        if slot is not None and self._launcher is not None and not keep_placement:
             self._launcher.release(slot.name)
         logger.warning("%s worker %s retired from its pool", worker.role, worker.worker_id)
         return True
@@ -476,10 +477,12 @@ class WorkerPool:
         """Make a retired worker's process a worker of ``role``, in a new slot of that pool,
         and put it in rotation: its weights stay, its engine is built anew, and its KV cache is
         kept (where it fits) if it ``drained``: every request on it ended, none writes to its
-        cache any more (``WorkerActor.change_role``). None if that failed (its process is
-        stopped then)."""
+        cache any more (``WorkerActor.change_role``). A tensor-parallel worker's ranks change
+        with it, in their placement group (kept by ``retire``), which the new slot takes. None
+        if that failed (its processes are stopped then)."""
         assert self._launcher is not None
         slot = self._new_slot(role, cpus)
+        self._launcher.move_placement(retired.slot, slot.name)
         worker_id = slot.worker_id(0)
         logger.warning("%s worker %s becomes %s worker %s", retired.role, retired.worker_id,
                        role, worker_id)  # fmt: skip
@@ -504,9 +507,11 @@ class WorkerPool:
         return None
 
     def _close_slot(self, slot: WorkerSlot) -> None:
-        """Drop a new slot whose worker did not join."""
+        """Drop a new slot whose worker did not join (its ranks' placement group given back)."""
         with self._lock:
             self._slots.pop(slot.name, None)
+        if self._launcher is not None:
+            self._launcher.release(slot.name)
 
     def _new_slot(self, role: str, cpus: tuple[int, ...]) -> WorkerSlot:
         """A new slot of ``role``'s pool, its worker being started (no replacement meanwhile)."""

@@ -117,13 +117,18 @@ class WorkerLauncher:
         )
 
     def changes_in_place(self) -> bool:
-        """Whether a worker changes role in its own process (``WorkerActor.change_role``):
-        when both pools' workers are of one rank and reserve the same resources, so that the
-        actor's reservation fits the other role as well."""
-        return (
-            all(p.tensor_parallel_size == 1 for p in self._parallel.values())
-            and self._resources["prefill"] == self._resources["decode"]
-        )
+        """Whether a worker changes role in its own processes (``WorkerActor.change_role``):
+        when both pools' workers have as many ranks and reserve the same resources, so that
+        the reservations of its ranks fit the other role as well."""
+        sizes = {p.tensor_parallel_size for p in self._parallel.values()}
+        return len(sizes) == 1 and self._resources["prefill"] == self._resources["decode"]
+
+    def move_placement(self, from_slot: str, to_slot: str) -> None:
+        """A worker changed role in place: its ranks' placement group (if it has one) is now
+        the new slot's, given back with that slot."""
+        placement = self._placements.pop(from_slot, None)
+        if placement is not None:
+            self._placements[to_slot] = placement
 
     def _place(self, slot: WorkerSlot, worker_id: str, size: int) -> RankPlacement:
         """The ranks' placement of a new worker in ``slot``; the group of the slot's worker

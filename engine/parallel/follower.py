@@ -19,6 +19,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -34,6 +35,7 @@ from engine.parallel.step_commands import (
     CopyBlocksCommand,
     ForwardCommand,
     LogitsCommand,
+    RebuildCommand,
     StopCommand,
     SwapBlocksCommand,
     receive_command,
@@ -52,22 +54,26 @@ class Follower:
     def __init__(
         self,
         group: TensorParallelGroup,
-        model: CausalLM,
-        kv_cache: torch.Tensor,  # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
-        attn_backend: AttentionBackend,
-        device: torch.device,
-        # [num_host_slots, num_slots, kv_planes, block_size, num_kv_heads, head_dim]: this
-        # rank's host tier (None: the worker has none)
-        host_kv_cache: torch.Tensor | None = None,
+        built: RankModel,  # what this rank computes with (build_rank_model's)
+        on_rebuilt: Callable[[RankModel], None] | None = None,  # after each rebuild
     ) -> None:
         self.group = group
-        self.model = model
-        self.kv_cache = kv_cache
-        self.attn_backend = attn_backend
-        self.device = device
-        self.host_copier = None if host_kv_cache is None else HostCopier(kv_cache, host_kv_cache)
+        self.on_rebuilt = on_rebuilt
         self.num_forwards = 0
         self.num_logits = 0
+        self._use(built)
+
+    def _use(self, built: RankModel) -> None:
+        self.built = built
+        self.model: CausalLM = built.model
+        # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = built.kv_cache
+        self.attn_backend: AttentionBackend = built.attn_backend
+        self.device = built.device
+        # this rank's host tier, [num_host_slots, num_slots, kv_planes, block_size,
+        # num_kv_heads, head_dim] (none: the worker has none)
+        host = built.host_kv_cache
+        self.host_copier = None if host is None else HostCopier(built.kv_cache, host)
 
     def run(self) -> None:
         """Run commands until rank 0's stop command."""
@@ -95,6 +101,23 @@ class Follower:
                     rows = torch.from_numpy(command.rows).to(self.device)
                     self.model.compute_logits(hidden.index_select(0, rows))
                     self.num_logits += 1
+                elif isinstance(command, RebuildCommand):
+                    hidden = None
+                    self._rebuild(command)
+
+    def _rebuild(self, command: RebuildCommand) -> None:
+        """Build this rank for the worker's new role on the weights it holds (rank 0 builds
+        its own at the same time: engine/llm_engine.py)."""
+        kept = self.built.loaded_weights(command.keep_kv_cache, self.group)
+        del self.built, self.model, self.kv_cache, self.attn_backend, self.host_copier
+        with torch.inference_mode(False):  # (built as its first build was: outside the loop's)
+            built = build_rank_model(
+                command.load, command.cache, command.scheduler, command.speculative, self.group,
+                kept,
+            )  # fmt: skip
+        self._use(built)
+        if self.on_rebuilt is not None:
+            self.on_rebuilt(built)
 
     def _forward(self, command: ForwardCommand, input_ids: torch.Tensor) -> torch.Tensor:
         positions, metadata = command.inputs.on_device(self.device)
@@ -137,14 +160,7 @@ def build_follower(
     except BaseException:
         group.close()
         raise
-    follower = Follower(
-        group,
-        built.model,
-        built.kv_cache,
-        built.attn_backend,
-        built.device,
-        built.host_kv_cache,
-    )
+    follower = Follower(group, built)
     return follower, built
 
 

@@ -78,15 +78,27 @@ class RankModel:
     # how its weights were loaded (``_loaded_as``), for ``loaded_weights``
     loaded_as: tuple[str, str, int, str, str, str] | None = None
 
-    def loaded_weights(self, keep_kv_cache: bool = True) -> LoadedWeights:
+    def loaded_weights(
+        self, keep_kv_cache: bool = True, group: TensorParallelGroup | None = None
+    ) -> LoadedWeights:
         """Its weights, for the engine of the role its worker takes next once its engine has
         stopped; with ``keep_kv_cache``, its KV cache too, which the next one may take: its
-        engine must not step again, and nothing may write to its cache any more (one rank
-        only: ValueError for several, whose ranks load theirs anew)."""
-        if self.shard.size > 1 or self.loaded_as is None:
-            raise ValueError("a worker of several ranks loads its weights anew")
+        engine must not step again, and nothing may write to its cache any more. A rank of
+        several keeps its worker's ``group`` with them (its ranks rebuild together on it)."""
+        if self.loaded_as is None:
+            raise ValueError("these weights were not loaded by build_rank_model")
+        if (group is None) != (self.shard.size == 1) or (group and group.size != self.shard.size):
+            raise ValueError(
+                f"a rank of {self.shard.size} keeps its weights with its group of as many ranks"
+            )
         kept = KeptKVCache(self.kv_cache if keep_kv_cache else None)
-        return LoadedWeights(cast(LlamaForCausalLM, self.model), self.loaded_as, kept)
+        return LoadedWeights(
+            cast(LlamaForCausalLM, self.model),
+            self.loaded_as,
+            kept,
+            group,
+            self.num_threads_before,
+        )
 
     @property
     def num_kv_blocks(self) -> int:
@@ -119,17 +131,26 @@ class KeptKVCache:
     def release(self) -> None:
         self._tensor = None
 
+    @property
+    def held(self) -> bool:
+        """Whether a cache is held (for the next engine to take)."""
+        return self._tensor is not None
+
 
 @dataclass(frozen=True, slots=True)
 class LoadedWeights:
     """A worker's model with its weights in memory, as it loaded them, and its KV cache: what it
     keeps when it changes role (router/rebalancer.py); its attention backend, graphs and (unless
-    the kept one fits) KV cache are built anew for the other role's configs. One rank only: a
-    tensor-parallel worker's ranks reload."""
+    the kept one fits) KV cache are built anew for the other role's configs. A rank of a
+    tensor-parallel worker keeps the worker's group too: every rank rebuilds on its own shard,
+    in step (rank 0's engine tells its followers, engine/parallel/follower.py)."""
 
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM  # this rank's shard of the weights
     loaded_as: tuple[str, str, int, str, str, str]  # (see ``_loaded_as``)
     kv_cache: KeptKVCache
+    group: TensorParallelGroup | None = None  # the worker's ranks (None: one)
+    # the process's torch threads before the ranks shared the cores (None: not shared)
+    num_threads_before: int | None = None
 
     def check_loaded_as(
         self, load: LoadConfig, device: torch.device, dtype: torch.dtype, linear_backend: str
@@ -234,16 +255,16 @@ def build_rank_model(
     size, rank = (1, 0) if group is None else (group.size, group.rank)
     shard = TensorParallelShard.of(model_config, rank, size)
     device = rank_device(load, rank)
-    num_threads_before = None
-    if device.type == "cpu" and size > 1:
+    num_threads_before = None if weights is None else weights.num_threads_before
+    if device.type == "cpu" and size > 1 and weights is None:  # (kept: shared already)
         num_threads_before = share_cpu_threads(size)
     dtype = load.torch_dtype(model_config.checkpoint_dtype)
     max_model_len = check_max_model_len(load, model_config)
     torch.manual_seed(load.seed)
     linear_backend = resolve_linear_backend(load.linear_backend, device, dtype)
     if weights is not None:
-        if size > 1:
-            raise ValueError("a worker of several ranks loads its weights anew")
+        if weights.group is not group:
+            raise ValueError("kept weights are rebuilt on the group they were kept with")
         weights.check_loaded_as(load, device, dtype, linear_backend)
         model = weights.model
         if device.type == "cuda":  # what is allocated below is sized to the memory free

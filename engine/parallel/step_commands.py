@@ -11,6 +11,9 @@ inside), so every follower runs the same call on the same rows, in the same orde
   LogitsCommand   logits of rows of the last forward's hidden states (sampling rows, a pass
                   of prompt logprobs, drafts to check); one per ``compute_logits`` call
   StopCommand     the worker is closing: the follower leaves its loop
+  RebuildCommand  the worker changes role in its processes (router/worker_host.py): each rank
+                  builds its attention backend and cache for the new role's configs on the
+                  weights (and, where it fits, the KV cache) it holds, as rank 0 does
 A command crosses as one pickled object from rank 0 (``TensorParallelGroup.broadcast_object``).
 """
 
@@ -22,8 +25,11 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.engine_config import CacheConfig, LoadConfig
 from engine.host_to_device import to_device
 from engine.parallel.group import TensorParallelGroup
+from engine.scheduler import SchedulerConfig
+from engine.speculative.config import SpeculativeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +127,26 @@ class StopCommand:
     """The worker is closing: the follower leaves its loop and its group."""
 
 
-StepCommand = SwapBlocksCommand | CopyBlocksCommand | ForwardCommand | LogitsCommand | StopCommand
+@dataclass(frozen=True, slots=True)
+class RebuildCommand:
+    """Build this rank anew for the worker's new role, on the weights it holds (the same
+    configs rank 0 builds with: the collectives in the build line up)."""
+
+    load: LoadConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    speculative: SpeculativeConfig | None
+    keep_kv_cache: bool  # the new build may take the rank's KV cache where it has its shape
+
+
+StepCommand = (
+    SwapBlocksCommand
+    | CopyBlocksCommand
+    | ForwardCommand
+    | LogitsCommand
+    | StopCommand
+    | RebuildCommand
+)
 
 
 def send_command(

@@ -1,6 +1,7 @@
 """``--rebalance`` on a local Ray: a workload that shifts from prompt-heavy to output-heavy
-makes one prefill worker become a decode worker, once, in its own process (no new one starts),
-with no request failed and every output what the offline engine gives."""
+makes one prefill worker become a decode worker, once, in its own process (no new one starts;
+a tensor-parallel worker's ranks change with it, in theirs), with no request failed and every
+output what the offline engine gives."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from bench.rebalance import switch_times
 from engine import LLM, SamplingParams
@@ -44,8 +46,15 @@ async def _phase(
     await asyncio.gather(*(client() for _ in range(CLIENTS)))
 
 
+def _num_ranks(actor: object) -> int:
+    """The ranks of the worker an actor runs (on the actor)."""
+    group = actor.worker.engine.group  # type: ignore[attr-defined]
+    return 1 if group is None else int(group.size)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["one-rank", "two-ranks"])
 def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
-    ray_session: None, llama_dir: Path, caplog: pytest.LogCaptureFixture
+    ray_session: None, llama_dir: Path, caplog: pytest.LogCaptureFixture, tensor_parallel_size: int
 ) -> None:
     caplog.set_level(logging.WARNING, logger="router.rebalancer")
     # decode's TPOT SLO is out of reach (its pressure is always high): what keeps the prefill
@@ -64,6 +73,8 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         num_decode=1,
         latency_profile=True,
         rebalance=rebalance,
+        prefill_tp=tensor_parallel_size,
+        decode_tp=tensor_parallel_size,
     )
     cluster = Cluster.start(config)
     try:
@@ -91,6 +102,10 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         (switch,) = switch_times(caplog.text)
         assert switch["worker"] == "decode-1" and switch["in_place_of"].startswith("prefill-")
         assert switch["same_process"]
+        # its ranks came with it: the new decode worker steps on the group they run
+        (switched,) = [w for w in cluster.pool.workers.values() if w.worker_id == "decode-1"]
+        ranks = ray.get(switched.actor.__ray_call__.remote(_num_ranks))
+        assert ranks == tensor_parallel_size
     finally:
         cluster.shutdown()
 
