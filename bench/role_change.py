@@ -1,7 +1,7 @@
 """A worker's change of role in place against starting a worker of the new role, same run.
 
     .venv/bin/python -m bench.role_change [--model DIR | --model-size medium] [--device cpu]
-        [--rounds 3] [--num-kv-blocks 512]
+        [--rounds 3] [--num-kv-blocks 512] [--tensor-parallel-size 1]
 
 What ``--rebalance`` saves by keeping a switching worker's weights (router/worker_host.py:
 ``WorkerHost.change_role``). Each round, in one process and without Ray:
@@ -16,7 +16,10 @@ What ``--rebalance`` saves by keeping a switching worker's weights (router/worke
                scheduling of the actor is not counted).
 After every change to decode, one greedy request runs on the new worker and its tokens are
 checked against the first decode worker's. Prints the median seconds per change and writes
-JSON with every time.
+JSON with every time. With ``--tensor-parallel-size`` N > 1 each worker has N ranks, its
+followers in processes of their own (engine/parallel/ranks.py, as the offline ``LLM`` starts
+them): in place they rebuild with rank 0 on the shards they hold; a new worker, or a new
+process, starts new followers, which load their shards from the files.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from typing import Any
 from bench.results_json import write_json
 from bench.serving.tiny_model import MODEL_SIZES, add_model_args, build_tiny_llama
 from engine import GenerateRequest, SamplingParams
-from engine.engine_config import CacheConfig, LoadConfig
+from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.budget import KVBudget
+from engine.parallel.group import free_port
+from engine.parallel.ranks import FollowerProcesses
 from engine.scheduler import SchedulerConfig
 from kv_transfer.policy import TransferConfig
 from router.worker_host import WorkerHost, WorkerSpec
@@ -55,12 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-kv-blocks", type=int, default=512, help="per worker")
     parser.add_argument("--transport", default="shm", help="KV transport (pdserve's on one host)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per worker")
     parser.add_argument("--out", type=Path, default=Path("bench/results/role_change"))
     parser.add_argument("--build-one", choices=ROLES, help=argparse.SUPPRESS)  # (a child's)
     return parser
 
 
 def _spec(args: argparse.Namespace, model_dir: str, role: str, worker_id: str) -> WorkerSpec:
+    parallel = None  # one rank; else a group of its own, on a port of its own
+    if args.tensor_parallel_size > 1:
+        parallel = ParallelConfig(args.tensor_parallel_size, port=free_port("127.0.0.1"))
     return WorkerSpec(
         role,
         worker_id,
@@ -68,7 +77,31 @@ def _spec(args: argparse.Namespace, model_dir: str, role: str, worker_id: str) -
         CacheConfig(block_size=16, budget=KVBudget(num_blocks=args.num_kv_blocks)),
         SchedulerConfig(max_num_batched_tokens=512),
         TransferConfig(transport=args.transport, host="127.0.0.1"),
+        parallel,
     )
+
+
+class _Worker:
+    """A worker built from the model's files: its host (rank 0, in this process) and, with
+    several ranks, its followers' processes."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.followers = None
+        if spec.parallel is not None:
+            configs = (spec.load, spec.cache, spec.scheduler, spec.speculative)
+            self.followers = FollowerProcesses.start(*configs, spec.parallel)
+        try:
+            self.host = WorkerHost(spec)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop rank 0 (its engine tells its followers to stop), then reap the followers."""
+        if hasattr(self, "host"):
+            self.host.shutdown()
+        if self.followers is not None:
+            self.followers.stop()
 
 
 def _greedy(host: WorkerHost, request_id: str) -> list[int]:
@@ -92,6 +125,7 @@ def _new_process_seconds(args: argparse.Namespace, model_dir: str, role: str) ->
         sys.executable, "-m", "bench.role_change", "--build-one", role, "--model", model_dir,
         "--device", args.device, "--dtype", args.dtype,
         "--num-kv-blocks", str(args.num_kv_blocks), "--transport", args.transport,
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
     ]  # fmt: skip
     began = time.perf_counter()
     with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
@@ -113,10 +147,10 @@ def _new_process_seconds(args: argparse.Namespace, model_dir: str, role: str) ->
 
 def _build_one(args: argparse.Namespace) -> int:
     """(In the child process of ``_new_process_seconds``.)"""
-    host = WorkerHost(_spec(args, args.model, args.build_one, f"{args.build_one}-new"))
+    worker = _Worker(_spec(args, args.model, args.build_one, f"{args.build_one}-new"))
     print("ready", flush=True)
     sys.stdin.read()
-    host.shutdown()
+    worker.shutdown()
     return 0
 
 
@@ -126,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         return _build_one(args)
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
+    if args.tensor_parallel_size < 1:
+        raise SystemExit("--tensor-parallel-size must be >= 1")
     resize = MODEL_SIZES[args.model_size]
     model_dir = args.model or str(build_tiny_llama(args.out / "model", None, resize))
     times: dict[str, dict[str, list[float]]] = {
         way: {role: [] for role in ROLES} for way in ("in_place", "new", "new_process")
     }
     parts: list[dict[str, Any]] = []  # each change in place's own account of its parts
-    host = WorkerHost(_spec(args, model_dir, "decode", "decode-0"))
+    worker = _Worker(_spec(args, model_dir, "decode", "decode-0"))
+    host = worker.host
     expected = _greedy(host, "warm")
     serial = 0
     try:
@@ -148,15 +185,16 @@ def main(argv: list[str] | None = None) -> int:
             for role in ("prefill", "decode"):  # new: stop it, build one from the files
                 serial += 1
                 began = time.perf_counter()
-                host.shutdown()
-                host = WorkerHost(_spec(args, model_dir, role, f"{role}-{serial}"))
+                worker.shutdown()
+                worker = _Worker(_spec(args, model_dir, role, f"{role}-{serial}"))
+                host = worker.host
                 times["new"][role].append(time.perf_counter() - began)
                 if role == "decode" and _greedy(host, f"r{serial}") != expected:
                     raise AssertionError("a new decode worker decoded other tokens")
             for role in ROLES:
                 times["new_process"][role].append(_new_process_seconds(args, model_dir, role))
     finally:
-        host.shutdown()
+        worker.shutdown()
     medians = {
         way: {role: statistics.median(values) for role, values in by_role.items()}
         for way, by_role in times.items()
@@ -173,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "num_kv_blocks": args.num_kv_blocks,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "seconds": times,
         "median_seconds": medians,
         "in_place_parts": parts,
