@@ -21,9 +21,10 @@ class RebalanceConfig:
     donor_pressure_low: float = 0.5  # the giving pool's, at most
     donor_utilization_low: float = 0.5  # the giving pool's busy share of the window, at most
     drain_timeout_s: float = 30.0  # then what the leaving worker still holds is resumed elsewhere
-    # a switch helped when, at the end of its cooldown, the receiving pool's pressure is at most
-    # (1 - this) of what it was; after k in a row that did not, the next switch that way waits
-    # 2 ** k more cooldowns (k at most max_backoff); one that helped clears k
+    # a switch helped when, at the end of its cooldown, the receiving pool's pressure (as its
+    # step timings predict it) is at most (1 - this) of what it was; after k in a row that did
+    # not, the next switch that way waits 2 ** k more cooldowns (k at most max_backoff); one
+    # that helped clears k
     min_relief: float = 0.1
     max_backoff: int = 3
 
@@ -49,6 +50,14 @@ class PoolSignals:
     num_workers: Mapping[str, int]  # in rotation and not draining, by role
     pressure: Mapping[str, float]  # predicted latency over its SLO, by role
     utilization: Mapping[str, float]  # busy share of the last interval, by role
+    # the pressure as the workers' step timings alone predict it, by role: what a switch is
+    # judged on (the path's correction, learned from finished requests, still holds those
+    # served before the switch at its cooldown's end); None: ``pressure``
+    step_pressure: Mapping[str, float] | None = None
+
+    def judged(self, role: str) -> float:
+        """The pressure a switch into ``role``'s pool is judged on."""
+        return (self.pressure if self.step_pressure is None else self.step_pressure)[role]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +73,9 @@ class Verdict:
 
     from_role: str
     to_role: str
-    pressure_before: float  # the receiving pool's, when the switch was decided
+    # the receiving pool's, as its step timings predict it: when the switch was decided, and at
+    # the end of its cooldown
+    pressure_before: float
     pressure_after: float
     helped: bool
     next_allowed_at: float  # the earliest time of the next switch that way
@@ -73,7 +84,7 @@ class Verdict:
         outcome = "relieved" if self.helped else "did not relieve"
         return (
             f"the {self.from_role} -> {self.to_role} switch {outcome} the {self.to_role} pool "
-            f"(pressure {self.pressure_before:.2f} -> {self.pressure_after:.2f})"
+            f"(step pressure {self.pressure_before:.2f} -> {self.pressure_after:.2f})"
         )
 
 
@@ -84,8 +95,8 @@ class RebalancePolicy:
         self.config = config
         self._last_switch_at = float("-inf")
         self._since: dict[tuple[str, str], float] = {}  # direction -> when it started to hold
-        # the switch decided (direction, receiving pool's pressure then), until carried out;
-        # then the switch carried out, until judged
+        # the switch decided (direction, the receiving pool's judged pressure then), until
+        # carried out; then the switch carried out, until judged
         self._decided: tuple[tuple[str, str], float] | None = None
         self._on_trial: tuple[tuple[str, str], float] | None = None
         self._backoff: dict[tuple[str, str], int] = {}  # direction -> switches in a row not helping
@@ -114,7 +125,7 @@ class RebalancePolicy:
                 continue
             since = self._since.setdefault((donor, receiver), now)
             if now - since >= config.window_s:
-                self._decided = ((donor, receiver), signals.pressure[receiver])
+                self._decided = ((donor, receiver), signals.judged(receiver))
                 return Switch(
                     donor,
                     receiver,
@@ -143,7 +154,7 @@ class RebalancePolicy:
         assert self._on_trial is not None
         direction, before = self._on_trial
         self._on_trial = None
-        after = signals.pressure[direction[1]]
+        after = signals.judged(direction[1])
         helped = after <= before * (1 - self.config.min_relief)
         if helped:
             self._backoff.pop(direction, None)

@@ -12,8 +12,9 @@ A worker moves from pool A to pool B when, for a whole ``window_s``, B's pressur
 ``pressure_high`` while A's is at most ``donor_pressure_low`` and A's utilization at most
 ``donor_utilization_low``, and A keeps at least one worker. After a switch none follows for
 ``cooldown_s`` (and the thresholds' gap keeps the two directions apart): roles do not flap.
-At the cooldown's end the switch is judged: one that did not lower its pool's pressure makes
-the next switch that way wait longer (``RebalancePolicy``'s back-off); the verdict is logged.
+At the cooldown's end the switch is judged: one that did not lower its pool's pressure, as the
+workers' step timings predict it, makes the next switch that way wait longer
+(``RebalancePolicy``'s back-off); the verdict is logged.
 
 A switch (``Rebalancer.switch``): the pool's least busy worker stops being routed new work
 (draining); what it holds runs on, for up to ``drain_timeout_s``; anything still on it then is
@@ -22,9 +23,9 @@ have, as after a worker's loss: no request fails); then it is retired (out of ro
 closed) and its process becomes a worker of the other role, in a new slot of that pool: the
 model's weights stay in memory, the engine is built anew for the role, on the same KV cache if
 it drained (nothing writes to it any more) and the role's cache has its shape
-(``WorkerActor.change_role``). Where the pools' workers have several ranks, or reserve
-different resources, its process is stopped instead and a new one starts on the same cores. The
-switch is logged, counted (``pdserve:role_switches_total{from_role,to_role}``) and charted.
+(``WorkerActor.change_role``; a tensor-parallel worker's follower ranks rebuild with it, in
+their own processes). Where the pools reserve different resources, its process is stopped
+instead and a new one starts on the same cores. The switch is logged, counted (``pdserve:role_switches_total{from_role,to_role}``) and charted.
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ class Rebalancer:
                 "decode": forecast.tpot_s / self.config.slo_tpot_s,
             },
             utilization,
+            {
+                "prefill": forecast.steps_ttft_s / self.config.slo_ttft_s,
+                "decode": forecast.steps_tpot_s / self.config.slo_tpot_s,
+            },
         )
 
     def _workers_by_role(self) -> dict[str, list[str]]:

@@ -101,7 +101,7 @@ def test_a_switch_that_relieved_its_pool_leaves_the_next_one_free() -> None:
     assert policy.decide(at + 60.0, relieved) is None
     (verdict,) = policy.take_verdicts()
     assert verdict.helped and verdict.pressure_before == 1.5 and verdict.pressure_after == 1.2
-    assert "relieved the decode pool (pressure 1.50 -> 1.20)" in verdict.describe()
+    assert "relieved the decode pool (step pressure 1.50 -> 1.20)" in verdict.describe()
     assert _switch_at(policy, at + 61.0, relieved) == at + 70.0  # cooldown, then the window
 
 
@@ -124,6 +124,30 @@ def test_a_switch_that_did_not_relieve_its_pool_backs_off_that_direction_only() 
         waits.append(verdict.next_allowed_at - (second + 60.0))
         second = _switch_at(policy, second + 61.0, stuck)
     assert waits == [4 * 60.0, 8 * 60.0, 8 * 60.0]
+
+
+def test_a_switch_is_judged_on_the_pressure_its_step_timings_predict() -> None:
+    """The path's correction, learned from finished requests, lags a switch: at the end of the
+    cooldown it still holds requests served before it. The verdict reads the steps' pressure."""
+    policy = RebalancePolicy(CONFIG)
+
+    def signals(pressure: float, step_pressure: float, num_prefill: int) -> PoolSignals:
+        return PoolSignals(
+            {"prefill": num_prefill, "decode": 2},
+            {"prefill": 0.2, "decode": pressure},
+            {"prefill": 0.1, "decode": 0.9},
+            {"prefill": 0.1, "decode": step_pressure},
+        )
+
+    at = _switch_at(policy, 0.0, signals(1.5, 1.2, 3))
+    # the steps see the new worker's relief at once; the path's correction has not caught up
+    policy.decide(at + 60.0, signals(1.5, 0.7, 2))
+    (verdict,) = policy.take_verdicts()
+    assert verdict.helped and (verdict.pressure_before, verdict.pressure_after) == (1.2, 0.7)
+    # and one the steps show no relief from backs off, whatever the path's correction does
+    at = _switch_at(policy, at + 61.0, signals(1.5, 1.2, 2))
+    policy.decide(at + 60.0, signals(0.9, 1.2, 1))
+    assert not policy.take_verdicts()[0].helped
 
 
 def test_a_backed_off_direction_leaves_the_other_free() -> None:
