@@ -62,6 +62,16 @@ class PackedIntWeights:
         checkpoints store them either way)."""
         return not self.symmetric or self.method == "gptq"
 
+    @property
+    def stored_bits_per_weight(self) -> float:
+        """Bits a weight takes in memory, its group's 16-bit scale (and zero point) shared in:
+        what a capacity plan counts (router/planner/model_costs.py). Per-row scales (no group)
+        are left out: one per input row of thousands."""
+        if self.group_size is None:
+            return float(self.num_bits)
+        shared = 16 + (self.num_bits if self.has_zero_points else 0)
+        return self.num_bits + shared / self.group_size
+
     def describe(self) -> str:
         """E.g. ``compressed-tensors w4a16 (group 128, asymmetric)``."""
         group = "per channel" if self.group_size is None else f"group {self.group_size}"
@@ -79,6 +89,11 @@ class Fp8BlockWeights:
     block_cols: int  # input features a scale covers
     method: str = "fp8"
 
+    @property
+    def stored_bits_per_weight(self) -> float:
+        """8 bits, and the block's float32 scale shared in."""
+        return 8 + 32 / (self.block_rows * self.block_cols)
+
     def describe(self) -> str:
         """E.g. ``fp8 e4m3 (blocks of 128 x 128)``."""
         return f"{self.method} e4m3 (blocks of {self.block_rows} x {self.block_cols})"
@@ -95,6 +110,11 @@ class W8A8Weights:
     weight_strategy: str = "channel"  # "channel": a scale per output row; "tensor": one
     static_inputs: bool = False  # True: an ``input_scale`` per layer; False: per token
     method: str = "compressed-tensors"
+
+    @property
+    def stored_bits_per_weight(self) -> float:
+        """8 bits (a scale per row or per tensor is left out: one per thousands)."""
+        return 8.0
 
     def describe(self) -> str:
         """E.g. ``compressed-tensors w8a8 int8 (per channel, dynamic per-token inputs)``."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from router.planner.hardware import PRESETS, Hardware, hardware_named
-from router.planner.model_costs import ModelCosts
+from router.planner.model_costs import KV_CACHE_DTYPE_BYTES, ModelCosts
 from router.planner.plan import LayoutResult, Planner, Slo, rates_around
 from router.planner.report import deploy_snippet, results_table, write_plot
 from router.planner.simulator import ROUTER_POLICIES
@@ -23,7 +23,17 @@ from router.planner.workload import PlanWorkload
 
 def add_plan_args(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--model", required=True, help="model directory (config.json is enough)")
-    plan.add_argument("--dtype", default="bfloat16", help="weights' and KV's element type")
+    plan.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="weights' and KV's element type (a quantized checkpoint's linear layers: its own)",
+    )
+    plan.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=sorted(KV_CACHE_DTYPE_BYTES),
+        help="as pdserve serve's (auto: --dtype)",
+    )
     plan.add_argument(
         "--hardware",
         default="h100",
@@ -70,7 +80,7 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    model = ModelCosts.load(args.model, args.dtype)
+    model = ModelCosts.load(args.model, args.dtype, args.kv_cache_dtype)
     hardware = _with_overrides(hardware_named(args.hardware), args)
     workload = PlanWorkload(
         rate=args.rate,
@@ -136,6 +146,8 @@ def run_plan(args: argparse.Namespace) -> int:
     flags = " ".join(best.layout.serve_flags())
     if args.router_policy != ROUTER_POLICIES[0]:
         flags += f" --router-policy {args.router_policy}"
+    if args.kv_cache_dtype != "auto":
+        flags += f" --kv-cache-dtype {args.kv_cache_dtype}"
     snippet = deploy_snippet(best.layout, model.name, args.gpus_per_node)
     (args.out / "deploy-values.yaml").write_text(snippet)
     print(f"\nchosen: {best.layout.name} ({best.layout.devices} devices)")

@@ -6,6 +6,12 @@ Counted: the attention projections (multi-head, grouped-query, or DeepSeek's lat
 the gated MLPs (a mixture-of-experts layer stores every expert and computes its top k, plus its
 shared expert), the embedding and the LM head (stored once when tied). Norms, biases and the
 router's small matrices are left out (well under 1 % of any supported model).
+
+A quantized checkpoint (``quantization_config``, as the engine loads it) stores its decoder's
+linear layers at its bits per weight, scales and zero points shared in (4-bit groups of 128:
+4.25 bits, 4.125 symmetric); the embedding and the LM head stay in ``dtype``. A quantized KV
+cache (``kv_cache_dtype`` fp8_e4m3 or int8) stores a byte per element (its per-head scales left
+out). FLOPs are counted alike either way: what a faster FP8 matmul gains is not modelled.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from pathlib import Path
 from engine.model_config import ModelConfig, load_model_config
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "int8": 1}
+# a KV cache's element, by pdserve serve's --kv-cache-dtype ("auto": the model's dtype)
+KV_CACHE_DTYPE_BYTES = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,33 +41,45 @@ class ModelCosts:
     max_model_len: int
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str = "bfloat16") -> ModelCosts:
-        return cls.of(load_model_config(model_dir), Path(model_dir).name, dtype)
+    def load(
+        cls, model_dir: str | Path, dtype: str = "bfloat16", kv_cache_dtype: str = "auto"
+    ) -> ModelCosts:
+        return cls.of(load_model_config(model_dir), Path(model_dir).name, dtype, kv_cache_dtype)
 
     @classmethod
-    def of(cls, config: ModelConfig, name: str, dtype: str = "bfloat16") -> ModelCosts:
+    def of(
+        cls, config: ModelConfig, name: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto"
+    ) -> ModelCosts:
         if dtype not in _DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_BYTES)}; "
+                f"got {kv_cache_dtype!r}"
+            )
         width = _DTYPE_BYTES[dtype]
+        kv_width = KV_CACHE_DTYPE_BYTES[kv_cache_dtype] or width
+        quantized = config.quantization
+        linear_bits = 8 * width if quantized is None else quantized.stored_bits_per_weight
         hidden = config.hidden_size
         attention, attention_flops = _attention(config)
-        stored = computed = 0
+        linear = computed = 0  # the decoder's linear layers' parameters: stored, computed
         for layer in range(config.num_layers):
             layer_stored, layer_computed = _mlp(config, layer)
-            stored += attention + layer_stored
+            linear += attention + layer_stored
             computed += attention + layer_computed
         embedding = config.vocab_size * hidden
-        stored += embedding if config.tie_word_embeddings else 2 * embedding
+        embeddings = embedding if config.tie_word_embeddings else 2 * embedding
         computed += embedding  # the LM head (the embedding is a lookup)
         kv_elements = config.kv_planes * config.num_kv_heads * config.head_dim
         return cls(
             name=name,
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
-            weight_bytes=stored * width,
+            weight_bytes=round(linear * linear_bits / 8) + embeddings * width,
             flops_per_token=2.0 * computed,
             attention_flops_per_pair=attention_flops * config.num_layers,
-            kv_bytes_per_token=config.num_layers * kv_elements * width,
+            kv_bytes_per_token=config.num_layers * kv_elements * kv_width,
             activation_bytes_per_token=hidden * width,
             max_model_len=config.max_position_embeddings,
         )

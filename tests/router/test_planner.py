@@ -69,6 +69,40 @@ def test_a_models_costs_come_from_its_config(llama_8b: Path, tmp_path: Path) -> 
     assert mixtral.flops_per_token - costs.flops_per_token == pytest.approx(2 * expert, rel=1e-6)
 
 
+AWQ_4BIT = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+
+
+def test_a_quantized_checkpoint_and_kv_cache_cost_their_own_bytes(
+    llama_8b: Path, tmp_path: Path
+) -> None:
+    bf16 = ModelCosts.load(llama_8b)
+    (tmp_path / "config.json").write_text(
+        json.dumps(dict(LLAMA_3_8B, quantization_config=AWQ_4BIT))
+    )
+    awq = ModelCosts.load(tmp_path)
+    embeddings = 2 * 128256 * 4096  # embedding and LM head, untied: bf16 still
+    linear = (bf16.weight_bytes - 2 * embeddings) / 2  # the decoder's linear layers' weights
+    # 4 bits a weight, and each group of 128 shares a 16-bit scale and a 4-bit zero point
+    assert awq.weight_bytes == pytest.approx(linear * (4 + 20 / 128) / 8 + 2 * embeddings)
+    assert awq.weight_bytes == pytest.approx(5.73e9, rel=1e-3)  # published 8B AWQ: 5.7 GB
+    assert (awq.flops_per_token, awq.kv_bytes_per_token) == (
+        bf16.flops_per_token,
+        bf16.kv_bytes_per_token,
+    )
+    fp8_kv = ModelCosts.load(llama_8b, kv_cache_dtype="fp8_e4m3")
+    assert fp8_kv.kv_bytes_per_token == bf16.kv_bytes_per_token // 2
+    assert fp8_kv.weight_bytes == bf16.weight_bytes
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto"):
+        ModelCosts.load(llama_8b, kv_cache_dtype="int4")
+    # 16 GB of bf16 weights need 4 devices of 8 GB; the 4-bit checkpoint fits on one
+    small = Hardware("8 GB", 1e14, 1e12, 8e9, 1e10)
+    layouts = Planner(awq, small).layouts(max_devices=4, tp_sizes=(1, 2, 4))
+    assert Layout(0, 1, 1, 1) in layouts
+    # and a cache of a byte an element holds twice the blocks
+    plain, halved = Planner(bf16, small), Planner(fp8_kv, small)
+    assert halved.kv_blocks(4) == pytest.approx(2 * plain.kv_blocks(4), abs=1)
+
+
 def _linear(seconds_per_step: float, per_token: float) -> WorkerShape:
     def step(shape: StepShape) -> float:
         return seconds_per_step + per_token * (shape.num_prefill_tokens + shape.num_decode_tokens)
@@ -288,6 +322,11 @@ def test_pdserve_plan_prints_the_choice_and_writes_its_files(
         in printed
     )
     assert json.loads((least / "plan.json").read_text())["router_policy"] == "least_loaded"
+    # a quantized KV cache's plan tells serve to quantize it too
+    flags = ["--kv-cache-dtype", "fp8_e4m3", "--out", str(tmp_path / "fp8"), "--num-requests"]
+    assert main(["plan", "--model", str(llama_8b), "--rate", "4", *flags, "30"]) == 0
+    printed = capsys.readouterr().out
+    assert f"--model {llama_8b} --prefill 0 --decode 1 --kv-cache-dtype fp8_e4m3" in printed
     # a CPU machine's profile: what the simulation assumes of its shared cores is said
     box = Hardware(
         "box", 6e14, 3e12, 80e9, 1e10, host_cores=2, host_seconds_per_token=4e-4,
