@@ -3,10 +3,11 @@ gateway, the router, a load generator on the same machine): the planner's model 
 machine, where workers have no device of their own (``pdserve plan``'s simulation).
 
 A fluid processor-sharing model. A busy worker runs a step of ``work_s`` seconds (its time
-alone, as the profile measured it) on ``threads`` cores. The host's other work is the
-streaming of tokens: each sampled token costs CPU seconds of it, done first come first served
-by ``front_door_threads`` threads, and reaches its client when its share is done (a KV
-hand-off's copies and calls are such work too, delivering nothing). While the
+alone, as the profile measured it) on ``threads`` cores; a prefill worker's KV hand-offs
+(their copies and calls, ``seconds_per_handoff`` each) run in its process as such work too,
+after the step that finished their prompts. The host's other work is the streaming of tokens:
+each sampled token costs CPU seconds of it, done first come first served by
+``front_door_threads`` threads, and reaches its client when its share is done. While the
 runnable threads outnumber the cores, each runs at ``cores / runnable`` of its speed (the
 kernel's fair share); otherwise at full speed. So a step ends later than alone by the share it
 lost, and on a saturated host tokens queue behind the streaming of those before them.
@@ -28,8 +29,9 @@ class HostShare:
 
     cores: int
     seconds_per_token: float = 0.0  # CPU seconds of the host's other work a streamed token costs
-    seconds_per_handoff: float = 0.0  # and a KV hand-off (its copies and calls)
-    front_door_threads: int = 1  # the threads that work runs on, at most
+    # and a KV hand-off (its copies and calls), in the prefill worker's process
+    seconds_per_handoff: float = 0.0
+    front_door_threads: int = 1  # the threads the streaming runs on, at most
 
     def __post_init__(self) -> None:
         if (

@@ -21,11 +21,13 @@ taking ``transfer_seconds`` for its blocks, and the decode worker continues it. 
 first token also takes ``path_overhead_s`` (the gateway's and router's hops).
 
 On a CPU machine (``host``) the workers have no device of their own: their steps and the
-host's other work, the streaming of each token to its client and each hand-off's copies and
-calls, share its cores (router/planner/shared_host.py): a step takes longer while more
-threads want to run than there are cores, and a token reaches its client once its streaming
-is done. Elsewhere each worker computes on its own devices, a step takes its time alone and
-a token is delivered as it is sampled.
+host's other work share its cores (router/planner/shared_host.py): a step takes longer while
+more threads want to run than there are cores. The streaming of each token to its client runs
+on the front door's threads, and a token reaches its client once its streaming is done; each
+hand-off's copies and calls run in the prefill worker's own process, after the step that
+finished its prompt and before its next step (its threads share one interpreter lock), and the
+KV moves once they are done. Elsewhere each worker computes on its own devices, a step takes
+its time alone and a token is delivered as it is sampled.
 
 Out: each request's arrival, first token and last token times, from which TTFT, TPOT and
 goodput follow (``SimulatedRequest``).
@@ -265,9 +267,9 @@ class Simulation:
     def _step_done(self, worker: _Worker, output: SchedulerOutput) -> None:
         sampled = {seq.seq_id: _TOKEN for entry in output.scheduled for seq in entry.sample_seqs}
         appended = worker.scheduler.update(output, ModelRunnerOutput(sampled))
-        # on a shared host, the step's tokens are streamed and its hand-offs' copies done on
-        # its cores, in order, after the work before them
-        host_work: list[tuple[float, Callable[[], None] | None]] = []
+        # on a shared host, the step's tokens are streamed on its cores, in order, after the
+        # streaming before them
+        streaming: list[tuple[float, Callable[[], None] | None]] = []
         for tokens in appended:
             simulated = self._of_seq[tokens.seq.seq_id]
             simulated.num_tokens += tokens.num_tokens
@@ -275,15 +277,22 @@ class Simulation:
             if self._host is None:
                 delivered()
                 continue
-            share = self._host.share
-            host_work.append((tokens.num_tokens * share.seconds_per_token, delivered))
-            if tokens.seq.status is SequenceStatus.HANDED_OFF:
-                host_work.append((share.seconds_per_handoff, None))
+            streaming.append((tokens.num_tokens * self._host.share.seconds_per_token, delivered))
         if self._host is not None:
-            self._host.stream(host_work)
-        for tokens in appended:
-            if tokens.seq.status is SequenceStatus.HANDED_OFF:
-                self._hand_off(worker, tokens.seq)
+            self._host.stream(streaming)
+        handed = [t.seq for t in appended if t.seq.status is SequenceStatus.HANDED_OFF]
+        done = functools.partial(self._after_step, worker, handed)
+        handoff_s = 0.0 if self._host is None else self._host.share.seconds_per_handoff
+        if handed and handoff_s > 0:  # the hand-offs' copies and calls, in the worker's process
+            assert self._host is not None
+            self._host.start(worker.name, len(handed) * handoff_s, 1, done)
+        else:
+            done()
+
+    def _after_step(self, worker: _Worker, handed: list[EngineSequence]) -> None:
+        """The worker is free for its next step; the prompts its step finished hand off."""
+        for seq in handed:
+            self._hand_off(worker, seq)
         worker.busy = False
         self._kick(worker)
         if worker in self.decode:  # blocks may have come free for the hand-offs waiting

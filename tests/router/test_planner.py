@@ -144,7 +144,8 @@ def test_on_a_shared_host_steps_and_streaming_share_its_cores() -> None:
     """Two colocated workers each prefilling 100 tokens at once: 20 ms each alone, 40 ms on
     one shared core. A token's streaming (10 ms of the host's CPU) shares the core with the
     next decode step (10.1 ms alone): both at half speed, so the first token, sampled at 20 ms,
-    reaches its client at 40 ms, and each next one about 20 ms later."""
+    reaches its client at 40 ms, and each next one about 20 ms later. A prefill worker's
+    hand-offs run in its own process, between its steps, and the KV moves after them."""
     prompts = [
         WorkloadRequest(0.0, tuple(range(100)), 1),
         WorkloadRequest(0.0, tuple(range(200, 300)), 1),
@@ -159,19 +160,24 @@ def test_on_a_shared_host_steps_and_streaming_share_its_cores() -> None:
     assert run.ttft_s == pytest.approx(0.040)  # sampled at 20 ms, streamed beside a step
     # tokens 2-4 each 20.1 ms after the one before; the last streamed with no step beside it
     assert run.tpot_s == pytest.approx((3 * 0.0201 + 0.0101) / 4)
-    # at 20 ms the first token is sampled and handed off (its KV moves at once): its 1 ms of
-    # streaming, then the hand-off's 30 ms of copies and calls, share the core with the decode
-    # worker's step (10.1 ms alone): the token is delivered at 22 ms, the step ends at 40.2 ms
-    # (sampling the last token) with 9.1 ms of the copies done, the rest alone by 61.1 ms, and
-    # the last token's streaming after them
+    # at 20 ms the first token is sampled; its 1 ms of streaming runs on one core, the
+    # hand-off's 30 ms of copies and calls in the prefill worker's process on the other: the
+    # token is delivered at 21 ms, the KV moves at 50 ms, the decode worker's step (10.1 ms)
+    # samples the last token at 60.1 ms, streamed by 61.1 ms; a second prompt, arriving at
+    # 30 ms, waits for the hand-off before its prefill (20 ms): its token at 71 ms
     handing_off = ClusterShape(
         _linear(0.010, 1e-4),
         prefill=_linear(0.010, 1e-4),
-        host=HostShare(1, seconds_per_token=0.001, seconds_per_handoff=0.030),
+        host=HostShare(2, seconds_per_token=0.001, seconds_per_handoff=0.030),
     )
-    (run,) = Simulation(handing_off, [WorkloadRequest(0.0, tuple(range(100)), 2)]).run()
-    assert run.ttft_s == pytest.approx(0.022)
-    assert run.last_token_s == pytest.approx(0.0621)
+    prompts = [
+        WorkloadRequest(0.0, tuple(range(100)), 2),
+        WorkloadRequest(0.030, tuple(range(100, 200)), 2),
+    ]
+    first, second = Simulation(handing_off, prompts).run()
+    assert first.ttft_s == pytest.approx(0.021)
+    assert first.last_token_s == pytest.approx(0.0611)
+    assert second.first_token_s == pytest.approx(0.071)
 
 
 def test_a_cpu_profile_makes_the_planners_workers_share_its_cores(llama_8b: Path) -> None:
