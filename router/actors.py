@@ -27,7 +27,7 @@ from engine.messages import HandoffCall
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import TransferConfig
-from kv_transfer.rank_calls import RankCall, RankPort
+from kv_transfer.rank_calls import RankCall
 from router.cpu_binding import bind_this_thread
 from router.gil_switch import hand_off_the_gil_sooner
 from router.rank_placement import RankPlacement
@@ -35,6 +35,7 @@ from router.worker_host import RoleChange, WorkerHost, WorkerSpec
 
 if TYPE_CHECKING:
     from engine.parallel.rank_model import RankModel
+    from kv_transfer.rank_port import RankKVPort
 
 logger = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 32
@@ -112,7 +113,7 @@ class RankActor:
         hand_off_the_gil_sooner()
         self.rank = rank
         self.transfer = transfer
-        self._port: RankPort | None = None  # set once its shard is built
+        self._port: RankKVPort | None = None  # set once its shard is built
         self._built = threading.Event()
         thread = threading.Thread(
             target=self._follow,
@@ -150,22 +151,19 @@ class RankActor:
                 load, cache, scheduler, speculative, parallel, self.rank
             )
 
-            ports: list[RankKVPort] = []
-
             def serve_kv(built: RankModel) -> None:
                 """Its KV port on the cache it holds now (after a change of role, the old
                 role's channels close with the old port)."""
-                port = RankKVPort(
+                old = self._port
+                self._port = RankKVPort(
                     built.kv_cache,
                     built.shard.kv_heads,
                     self.transfer.host,
                     built.model_config.cache_groups.handshake_name,
                     None if built.kv_cache_scales is None else built.kv_cache_scales.per_layer,
                 )
-                self._port = port
-                if ports:
-                    ports.pop().close_all()
-                ports.append(port)
+                if old is not None:
+                    old.close_all()
 
             try:
                 serve_kv(built)
