@@ -29,6 +29,7 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.messages import (
     AdmitWithoutKV,
+    BlockWait,
     CancelReservation,
     DecodePeer,
     GenerateRequest,
@@ -129,6 +130,10 @@ class PrefillWorker:
         self._handoffs = HandoffLanes(transfer.max_concurrent_handoffs, f"handoff-{worker_id}")
         # KV hand-offs sent, each one's timing for the router's latency model
         self._transfer_totals = TransferTotals(keep_timings=True)
+        # hand-offs waiting now for a decode worker's blocks: hand-off id -> (decode worker,
+        # when the wait began, monotonic), for the load report
+        self._block_waits: dict[str, tuple[str, float]] = {}
+        self._block_waits_lock = threading.Lock()
         self.loop = EngineLoop(self.engine, worker_id, on_handed_off=self._schedule_handoff)
         self.fetcher = PrefixFetcher(
             worker_id,
@@ -284,7 +289,11 @@ class PrefillWorker:
         with self._targets_lock:  # the router asks every report interval: a sweep for free
             self._forget_finished_locked()
         sent = tuple(TransferTiming(*timing) for timing in self._transfer_totals.take_timings())
-        return self.loop.load(self._transfer_totals.snapshot(), kv_cursor, sent)
+        load = self.loop.load(self._transfer_totals.snapshot(), kv_cursor, sent)
+        now = time.monotonic()
+        with self._block_waits_lock:
+            waits = tuple(BlockWait(d, now - since) for d, since in self._block_waits.values())
+        return replace(load, block_waits=waits) if waits else load
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -338,7 +347,7 @@ class PrefillWorker:
         try:
             current = self.channels.get(decode_worker_id)
             asked = None if current is None or current.broken else current.rendezvous.channel_id
-            reservation, waited_s = self._reserve(peer, result, handoff_id, asked)
+            reservation, waited_s = self._reserve(decode_worker_id, peer, result, handoff_id, asked)
             if reservation is None:  # the decode worker stayed full: it recomputes the prompt
                 owes_cancel = False
                 self._transfer_totals.waited(decode_worker_id, waited_s)
@@ -401,10 +410,16 @@ class PrefillWorker:
             channel.close()
 
     def _reserve(
-        self, peer: DecodePeer, result: PrefillResult, handoff_id: str, channel_id: str | None
+        self,
+        decode_worker_id: str,
+        peer: DecodePeer,
+        result: PrefillResult,
+        handoff_id: str,
+        channel_id: str | None,
     ) -> tuple[Reservation | None, float]:
         """The decode worker's blocks for the prompt (None: none came free within the reserve
-        timeout), and the seconds waited for them."""
+        timeout), and the seconds waited for them. While the first ask is refused, the wait
+        goes in the load reports (``block_waits``)."""
         reserve = ReserveBlocks(
             result.request_id,
             handoff_id,
@@ -414,12 +429,18 @@ class PrefillWorker:
         )
         started = time.monotonic()
         deadline = started + self.transfer.reserve_timeout_s
-        while True:
-            reservation = peer.send(reserve).result(timeout=self.transfer.timeout_s)
-            now = time.monotonic()
-            if reservation is not None or now >= deadline:
-                return reservation, now - started
-            time.sleep(_RESERVE_RETRY_S)
+        try:
+            while True:
+                reservation = peer.send(reserve).result(timeout=self.transfer.timeout_s)
+                now = time.monotonic()
+                if reservation is not None or now >= deadline:
+                    return reservation, now - started
+                with self._block_waits_lock:
+                    self._block_waits.setdefault(handoff_id, (decode_worker_id, started))
+                time.sleep(_RESERVE_RETRY_S)
+        finally:
+            with self._block_waits_lock:
+                self._block_waits.pop(handoff_id, None)
 
     def _acquire_channel(
         self,

@@ -15,9 +15,12 @@ still fits. A worker with too few steps of its own borrows its role's fit over e
 that role. Hand-offs fit ``seconds = latency + bytes / bandwidth`` per transport the same way.
 
 A hand-off first waits for the decode worker's blocks, which a decode worker whose KV cache is
-full does not have until sequences finish: each hand-off reports that wait, and a decode
-worker's current wait is the mean over the hand-offs to it reported in the last
-``WAIT_HORIZON_S`` (none: 0). It is a queue, not a cost, so it is observed rather than fitted.
+full does not have until sequences finish: each hand-off reports that wait once it ended, and
+each prefill worker's load report the waits of its hand-offs still waiting. A decode worker's
+current wait is the mean over the hand-offs to it reported in the last ``WAIT_HORIZON_S``, or
+the longest still waiting where that is longer (none: 0), so a cache that fills shows at the
+next report, not only once its first waiting hand-off ends. It is a queue, not a cost, so it is
+observed rather than fitted.
 
 What the workers' steps cannot see (the gateway's parsing, the router's hops, the output stream
 to the client) is learned from finished requests: the median, over the latest ones, of what
@@ -37,7 +40,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.messages import StepTiming, TransferTiming
+from engine.messages import BlockWait, StepTiming, TransferTiming
 
 STEP_WINDOW = 512  # a worker's latest steps the fit is over
 TRANSFER_WINDOW = 256  # a transport's latest hand-offs
@@ -211,6 +214,9 @@ class LatencyModel:
         self._tpot_residuals: deque[float] = deque(maxlen=PATH_WINDOW)
         # per decode worker: (reported at, seconds) of the hand-offs' waits for its blocks
         self._waits: dict[str, deque[tuple[float, float]]] = {}
+        # per prefill worker, as its latest report had them: its hand-offs waiting now, the
+        # longest wait so far per decode worker
+        self._waiting: dict[str, dict[str, float]] = {}
 
     def observe(
         self,
@@ -244,6 +250,20 @@ class LatencyModel:
                 window.append(timing)
                 self._transfer_fits.pop(timing.transport, None)
 
+    def observe_waiting(self, prefill_worker_id: str, block_waits: Iterable[BlockWait]) -> None:
+        """A prefill worker's report of its hand-offs waiting now for decode workers' blocks
+        (none: its earlier ones ended)."""
+        longest: dict[str, float] = {}
+        for wait in block_waits:
+            longest[wait.decode_worker_id] = max(
+                longest.get(wait.decode_worker_id, 0.0), wait.waited_s
+            )
+        with self._lock:
+            if longest:
+                self._waiting[prefill_worker_id] = longest
+            else:
+                self._waiting.pop(prefill_worker_id, None)
+
     def observe_request(self, ttft_residual_s: float, tpot_residual_s: float | None) -> None:
         """A finished request's observed latencies minus those its workers' steps predicted
         (its TPOT's None: it had one token)."""
@@ -265,14 +285,19 @@ class LatencyModel:
 
     def reserve_wait(self, decode_worker_id: str) -> float:
         """How long a hand-off to the decode worker now waits for its blocks: the mean of the
-        waits reported in the last ``WAIT_HORIZON_S`` (0: none)."""
+        waits reported in the last ``WAIT_HORIZON_S``, or the longest of those still waiting
+        (as the prefill workers last reported them) where that is longer; 0: none."""
         with self._lock:
+            waiting = max(
+                (by_decode.get(decode_worker_id, 0.0) for by_decode in self._waiting.values()),
+                default=0.0,
+            )
             waits = self._waits.get(decode_worker_id)
             if not waits:
-                return 0.0
+                return waiting
             since = self._clock() - WAIT_HORIZON_S
             recent = [seconds for at, seconds in waits if at >= since]
-            return sum(recent) / len(recent) if recent else 0.0
+            return max(waiting, sum(recent) / len(recent) if recent else 0.0)
 
     def forget(self, worker_id: str) -> None:
         """A worker left: its own fit goes (its steps stay in its role's window), and the
@@ -281,6 +306,9 @@ class LatencyModel:
             self._workers.pop(worker_id, None)
             self._busy_s.pop(worker_id, None)
             self._waits.pop(worker_id, None)
+            self._waiting.pop(worker_id, None)
+            for by_decode in self._waiting.values():
+                by_decode.pop(worker_id, None)
 
     def step_cost(self, worker_id: str, role: str) -> StepCost | None:
         """The worker's fitted step time, its role's where it has too few steps of its own;

@@ -291,8 +291,10 @@ class WorkerPool:
         return None if self.kv_index is None else self.kv_index.cursor(worker.worker_id)
 
     def _take_timings(self, worker: WorkerHandle, load: WorkerLoad) -> WorkerLoad:
-        """Give the step and transfer timings a report carries to the latency model; the report
-        without them."""
+        """Give the step and transfer timings a report carries, and a prefill worker's waits
+        for decode workers' blocks, to the latency model; the report without them."""
+        if worker.role == "prefill":
+            self.latency_model.observe_waiting(worker.worker_id, load.block_waits)
         if not load.step_timings and not load.transfer_timings:
             return load
         self.latency_model.observe(

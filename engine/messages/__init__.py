@@ -44,11 +44,18 @@ from engine.messages.kv_events import (
     KVEventBatch,
     KVEventsReply,
 )
-from engine.messages.load import StepTiming, TransferTiming, WorkerCounters, WorkerLoad
+from engine.messages.load import (
+    BlockWait,
+    StepTiming,
+    TransferTiming,
+    WorkerCounters,
+    WorkerLoad,
+)
 from engine.messages.requests import GenerateRequest, OutputBatch, RequestFailure, TokenEvent
 
 __all__ = [
     "AdmitWithoutKV",
+    "BlockWait",
     "CancelReservation",
     "DecodePeer",
     "FirstTokenTrace",

@@ -65,6 +65,16 @@ class TransferTiming:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockWait:
+    """A KV hand-off of this (prefill) worker waiting, as it reports, for a decode worker's
+    blocks: the latency model sees a decode worker's cache run short before any hand-off to it
+    has ended its wait."""
+
+    decode_worker_id: str
+    waited_s: float  # so far: from its first ask for blocks to the report
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLoad:
     """What a worker reports to the router for routing decisions."""
 
@@ -86,3 +96,5 @@ class WorkerLoad:
     # when reports were far apart); for the router's latency model
     step_timings: tuple[StepTiming, ...] = ()
     transfer_timings: tuple[TransferTiming, ...] = ()
+    # a prefill worker's hand-offs waiting now for decode workers' blocks
+    block_waits: tuple[BlockWait, ...] = ()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.messages import StepTiming, TransferTiming
+from engine.messages import BlockWait, StepTiming, TransferTiming
 from router.latency_model import (
     MIN_STEPS,
     WAIT_HORIZON_S,
@@ -151,3 +151,22 @@ def test_a_decode_workers_wait_for_blocks_is_the_mean_of_its_recent_hand_offs() 
     assert model.reserve_wait("d0") == pytest.approx(1.5)
     model.forget("d0")
     assert model.reserve_wait("d0") == 0.0
+
+
+def test_a_hand_off_still_waiting_for_blocks_counts_before_it_ends() -> None:
+    """A decode worker whose cache filled shows at the next report of a prefill worker whose
+    hand-off waits for it, not once that wait ends; the wait ended, the report drops it."""
+    model = LatencyModel(clock=lambda: 100.0)
+    model.observe("p0", "prefill", [], [TransferTiming(4, 4 * 4096, 1e-3, "shm", "d0", 0.5)])
+    assert model.reserve_wait("d0") == pytest.approx(0.5)
+    model.observe_waiting("p0", [BlockWait("d0", 2.0), BlockWait("d0", 0.3)])
+    model.observe_waiting("p1", [BlockWait("d0", 1.2), BlockWait("d1", 0.1)])
+    assert model.reserve_wait("d0") == pytest.approx(2.0)  # the longest still waiting
+    assert model.reserve_wait("d1") == pytest.approx(0.1)
+    model.observe_waiting("p0", [])  # its hand-offs got their blocks
+    assert model.reserve_wait("d0") == pytest.approx(1.2)
+    model.forget("p1")  # a prefill worker gone: its waits go with it
+    assert model.reserve_wait("d0") == pytest.approx(0.5)
+    model.observe_waiting("p0", [BlockWait("d1", 3.0)])
+    model.forget("d1")  # a decode worker gone: nothing waits for it
+    assert model.reserve_wait("d1") == 0.0

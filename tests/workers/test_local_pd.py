@@ -962,17 +962,28 @@ def test_a_hand_off_reports_how_long_it_waited_for_the_decode_workers_blocks(
 ) -> None:
     """The latency model's hand-off wait (router/latency_model.py) comes from these reports:
     the wait, the decode worker it was for; a hand-off that gave up (the decode worker then
-    computes the prompt) reports its wait with no blocks moved."""
+    computes the prompt) reports its wait with no blocks moved; and while it waits, the
+    prefill worker's load reports carry its wait so far."""
     transfer = TransferConfig(transport="gloo", timeout_s=10.0, reserve_timeout_s=1.0)
     full_for_s = 0.4 if room_comes else 60.0
     with _one_pair(llama_dir, transfer, lambda d: _FullForAWhilePeer(d, full_for_s)) as pair:
         prompt = make_prompts(seed=31)[2]
         params = SamplingParams(temperature=0.0, max_tokens=6)
         pair.prefill.submit(GenerateRequest("w", prompt, params, GATEWAY), "d0")
+        # while it waits, its load reports say so (the wait so far, the decode worker)
+        reports = [pair.prefill.load()]
+        deadline = time.monotonic() + 30
+        while not reports[-1].block_waits and time.monotonic() < deadline:
+            time.sleep(0.01)
+            reports.append(pair.prefill.load())
+        waits = reports[-1].block_waits
+        assert [w.decode_worker_id for w in waits] == ["d0"] and waits[0].waited_s >= 0
         pair.collector.wait_finished([("w", 0)], timeout_s=60)
+        reports.append(pair.prefill.load())
+        assert reports[-1].block_waits == ()  # ended
         expected = offline.generate([prompt], params)[0].outputs[0].token_ids
         assert pair.collector.output("w") == expected
-        (timing,) = pair.prefill.load().transfer_timings
+        (timing,) = [t for report in reports for t in report.transfer_timings]
         assert timing.decode_worker_id == "d0"
         if room_comes:
             assert 0.35 <= timing.reserve_wait_s < 10.0
