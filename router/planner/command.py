@@ -119,6 +119,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"{model.name} on {hardware.name}, {args.rate:g} req/s, SLOs TTFT "
           f"{args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms, {args.attainment:.0%} of "
           "requests")  # fmt: skip
+    print(model.describe())
     if hardware.host_cores:
         print(shared_host_line(hardware))
     print(results_table(results, slo))

@@ -39,6 +39,16 @@ class ModelCosts:
         int  # one token's hidden state (what a tensor-parallel all-reduce moves)
     )
     max_model_len: int
+    # how the weights are stored: "bfloat16", or the checkpoint's quantization described
+    weights_stored_as: str = ""
+
+    def describe(self) -> str:
+        """E.g. ``weights 15.0 GiB (bfloat16), KV 128 KiB a token``."""
+        stored = f" ({self.weights_stored_as})" if self.weights_stored_as else ""
+        return (
+            f"weights {self.weight_bytes / 2**30:.1f} GiB{stored}, "
+            f"KV {self.kv_bytes_per_token / 2**10:g} KiB a token"
+        )
 
     @classmethod
     def load(
@@ -82,6 +92,7 @@ class ModelCosts:
             kv_bytes_per_token=config.num_layers * kv_elements * kv_width,
             activation_bytes_per_token=hidden * width,
             max_model_len=config.max_position_embeddings,
+            weights_stored_as=dtype if quantized is None else quantized.describe(),
         )
 
 

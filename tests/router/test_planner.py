@@ -85,6 +85,9 @@ def test_a_quantized_checkpoint_and_kv_cache_cost_their_own_bytes(
     # 4 bits a weight, and each group of 128 shares a 16-bit scale and a 4-bit zero point
     assert awq.weight_bytes == pytest.approx(linear * (4 + 20 / 128) / 8 + 2 * embeddings)
     assert awq.weight_bytes == pytest.approx(5.73e9, rel=1e-3)  # published 8B AWQ: 5.7 GB
+    assert awq.describe() == (
+        "weights 5.3 GiB (awq w4a16 (group 128, asymmetric)), KV 128 KiB a token"
+    )
     assert (awq.flops_per_token, awq.kv_bytes_per_token) == (
         bf16.flops_per_token,
         bf16.kv_bytes_per_token,
@@ -333,6 +336,7 @@ def test_pdserve_plan_prints_the_choice_and_writes_its_files(
     assert main(["plan", "--model", str(llama_8b), "--rate", "4", *flags, "30"]) == 0
     printed = capsys.readouterr().out
     assert f"--model {llama_8b} --prefill 0 --decode 1 --kv-cache-dtype fp8_e4m3" in printed
+    assert "weights 15.0 GiB (bfloat16), KV 64 KiB a token" in printed
     # a CPU machine's profile: what the simulation assumes of its shared cores is said
     box = Hardware(
         "box", 6e14, 3e12, 80e9, 1e10, host_cores=2, host_seconds_per_token=4e-4,
