@@ -53,10 +53,6 @@ class _Step:
     done: Callable[[], None]
 
 
-def _nothing() -> None:
-    pass
-
-
 class SharedHost:
     """The steps running on the host and its backlog of other work, on the simulation's
     clock: ``at(time, action)`` schedules an action, ``clock()`` reads the time."""
@@ -87,19 +83,18 @@ class SharedHost:
         self._steps[key] = _Step(max(0.0, work_s), max(1, threads), done)
         self._reschedule()
 
-    def stream(self, work: Sequence[tuple[float, Callable[[], None] | None]]) -> None:
-        """CPU seconds of the host's other work, in order (each token's streaming, each
-        hand-off's), after the work before it; each ``delivered()`` (None: nothing to deliver)
-        once its work is done: at once when none costs anything and none waits before it."""
+    def stream(self, work: Sequence[tuple[float, Callable[[], None]]]) -> None:
+        """CPU seconds of the host's other work, in order (each token's streaming), after the
+        work before it; each ``delivered()`` once its work is done: at once when none costs
+        anything and none waits before it."""
         if not self._deliveries and all(seconds <= 0 for seconds, _ in work):
             for _, delivered in work:
-                if delivered is not None:
-                    delivered()
+                delivered()
             return
         self._advance()
         for seconds, delivered in work:
             self._added_s += max(0.0, seconds)
-            self._deliveries.append((self._added_s, delivered or _nothing))
+            self._deliveries.append((self._added_s, delivered))
         self._reschedule()
 
     @property

@@ -269,7 +269,7 @@ class Simulation:
         appended = worker.scheduler.update(output, ModelRunnerOutput(sampled))
         # on a shared host, the step's tokens are streamed on its cores, in order, after the
         # streaming before them
-        streaming: list[tuple[float, Callable[[], None] | None]] = []
+        streaming: list[tuple[float, Callable[[], None]]] = []
         for tokens in appended:
             simulated = self._of_seq[tokens.seq.seq_id]
             simulated.num_tokens += tokens.num_tokens

@@ -90,9 +90,9 @@ def test_free_streaming_is_delivered_at_once_unless_behind_other_tokens() -> Non
     assert ended == pytest.approx({"free": 0.0, "costly": 0.5, "behind": 0.5})
 
 
-def test_work_that_delivers_nothing_still_delays_the_tokens_behind_it() -> None:
+def test_work_whose_end_nobody_waits_for_still_delays_the_tokens_behind_it() -> None:
     clock, host, ended = _host(1)
-    host.stream([(0.3, None)])  # a hand-off's copies
+    host.stream([(0.3, lambda: None)])
     host.stream([(0.1, _ends(clock, ended, "token"))])
     clock.run()
     assert ended == pytest.approx({"token": 0.4})
