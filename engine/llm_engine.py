@@ -26,8 +26,7 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.expert_tokens import ExpertTokenCounts
 from engine.outputs import RequestOutput
 from engine.parallel.group import TensorParallelGroup
-from engine.parallel.rank_model import LoadedWeights, build_rank_model, join_group
-from engine.parallel.step_commands import RebuildCommand, send_command
+from engine.parallel.rank_model import LoadedWeights, build_rank_model, rank0_group
 from engine.request_state import RequestState
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sampling.seeds import derive_seed
@@ -88,18 +87,9 @@ class LLMEngine:
         parallel = parallel or ParallelConfig()
         check_configs(load, scheduler, speculative, parallel)
         # rank 0 of the worker's ranks (None: the worker is this one rank)
-        self.group: TensorParallelGroup | None = None
-        if weights is not None and weights.group is not None:
-            if weights.group.size != parallel.tensor_parallel_size:
-                raise ValueError(
-                    f"weights kept by a worker of {weights.group.size} ranks cannot build one "
-                    f"of tensor_parallel_size {parallel.tensor_parallel_size}"
-                )
-            self.group = weights.group
-            rebuild = RebuildCommand(load, cache, scheduler, speculative, weights.kv_cache.held)
-            send_command(self.group, rebuild)
-        elif parallel.tensor_parallel_size > 1:
-            self.group = join_group(load, parallel, 0, parallel.timeout_s)
+        self.group: TensorParallelGroup | None = rank0_group(
+            load, cache, scheduler, speculative, parallel, weights
+        )
         try:
             rank = build_rank_model(load, cache, scheduler, speculative, self.group, weights)
         except BaseException:

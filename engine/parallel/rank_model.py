@@ -4,7 +4,9 @@ backend that reads them, and (size 1 on CUDA) the decode graphs.
 Every rank of a tensor-parallel worker calls ``build_rank_model`` with the same configs, so the
 collectives in it (the group's join check, the memory profile's forward on CUDA, the agreed
 number of KV blocks and of host-tier slots) line up rank by rank. Rank 0 builds its scheduler and runner on top
-(engine/llm_engine.py); the others follow its steps (engine/parallel/follower.py).
+(engine/llm_engine.py); the others follow its steps (engine/parallel/follower.py). Rank 0
+joins its group (``rank0_group``), or, changing role, keeps the one its followers run on and
+tells them to rebuild.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import CausalLM
 from engine.parallel.group import ProcessGroupRanks, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard, kv_heads_of_ranks
+from engine.parallel.step_commands import RebuildCommand, send_command
 from engine.quantization.kv_cache_scheme import checkpoint_kv_scales
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
@@ -217,6 +220,30 @@ def join_group(
         parallel.tensor_parallel_size,
         timeout_s,
     )
+
+
+def rank0_group(
+    load: LoadConfig,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    speculative: SpeculativeConfig | None,
+    parallel: ParallelConfig,
+    weights: LoadedWeights | None,
+) -> TensorParallelGroup | None:
+    """Rank 0's group (None: one rank): the one ``weights`` were kept with, its followers
+    told to rebuild for these configs as rank 0 does (a worker changing role), else joined."""
+    if weights is not None and weights.group is not None:
+        if weights.group.size != parallel.tensor_parallel_size:
+            raise ValueError(
+                f"weights kept by a worker of {weights.group.size} ranks cannot build one "
+                f"of tensor_parallel_size {parallel.tensor_parallel_size}"
+            )
+        rebuild = RebuildCommand(load, cache, scheduler, speculative, weights.kv_cache.held)
+        send_command(weights.group, rebuild)
+        return weights.group
+    if parallel.tensor_parallel_size > 1:
+        return join_group(load, parallel, 0, parallel.timeout_s)
+    return None
 
 
 def share_cpu_threads(size: int) -> int:
