@@ -13,14 +13,20 @@ within both SLOs), SLO attainment, TTFT and TPOT percentiles. Quantities of this
 beyond the profile are measured on the served clusters, each once: the gateway's own time per
 request (the planner's ``path_overhead_s``: the TTFT of requests sent one at a time to the
 first layout, minus what the simulation gives them); and the CPU time of the host's work
-besides the engines' steps (the machine's busy CPU time during a capacity run, less the
-simulated steps of its requests, alone), which the workers share the cores with: per streamed
-token on the colocated layout (``host_seconds_per_token``), then what a disaggregated layout
-spends beyond that per KV hand-off (``host_seconds_per_handoff``). That work runs on two
-threads, the gateway's and the load generator's (``host_front_door_threads``). Colocated
+besides the engines' steps, which the workers share the cores with, from the machine's busy
+time during a capacity run and the workers' counters of their processes' and their steps' CPU
+time (``pdserve:worker_process_cpu_seconds``, ``pdserve:worker_step_thread_cpu_seconds``): on
+the colocated layout, per sampled token, the time outside the workers' processes (the
+gateway, the router, Ray's daemons, the load generator: ``host_seconds_per_token``), which
+runs on two threads, the gateway's and the load generator's (``host_front_door_threads``), and
+the workers' processes' time beyond their steps (their outputs:
+``host_worker_seconds_per_token``); on a disaggregated one, the workers' processes' time
+beyond their steps and outputs per KV hand-off (``host_seconds_per_handoff``). Colocated
 layouts run first. Each point is also simulated with every worker on cores of its own
-(``alone``), to show what the shared host changes. ``--resimulate DIR`` predicts a finished
-run's points again with the planner as it is now, measuring nothing.
+(``alone``), and on a machine 10 % slower and faster than profiled (``±10% speed``: how far
+the prediction moves with this machine's speed, which varies from run to run by more than
+that). ``--resimulate DIR`` predicts a finished run's points again with the planner as it is
+now, measuring nothing.
 
 Writes a JSON with every number and prints the table with each goodput's error.
 """
@@ -55,6 +61,11 @@ SERVED_NAME = "pdserve-demo"
 MODEL_POSITIONS = 2048
 STEP_BUDGET = 512  # pdserve serve's on CPU
 LAYOUTS = {"colocated2": Layout(0, 1, 2, 1), "1p1d": Layout(1, 1, 1, 1)}
+# the sensitivity shown beside each prediction: step and host times this much longer, and
+# shorter (this machine's capacity varies more than that from one run to the next)
+SPEED_BAND = 0.1
+STEPS_CPU = "pdserve:worker_step_thread_cpu_seconds_total"
+PROCESS_CPU = "pdserve:worker_process_cpu_seconds_total"
 FRONT_DOOR_THREADS = 2  # streaming tokens on this host: the gateway's and the load generator's
 
 
@@ -65,6 +76,8 @@ class Comparison:
     measured_goodput: float
     predicted_goodput: float
     alone_goodput: float  # predicted with each worker on cores of its own
+    # predicted on a machine SPEED_BAND slower, and as much faster, than profiled
+    band_goodput: tuple[float, float]
     measured_attainment: float
     predicted_attainment: float
     measured_ttft_ms: dict[str, float]
@@ -131,10 +144,7 @@ def resimulate(directory: Path) -> int:
                           e2e_s=r["e2e_s"], output_tokens=r["output_tokens"])
             for i, r in enumerate(run["records"])
         )  # fmt: skip
-        layout = LAYOUTS[run["layout"]]
-        simulated = _simulate(planner, layout, records)
-        alone = _simulate(_alone(planner), layout, records)
-        comparisons.append(compare(run["layout"], run["rate"], records, simulated, slo, alone))
+        comparisons.append(_compared(planner, run["layout"], run["rate"], records, slo))
     print(table(comparisons))
     return 0
 
@@ -176,7 +186,13 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
 
 
 def _bench(
-    args: argparse.Namespace, port: int, model_dir: str, arrivals: ArrivalSpec, n: int, seed: int
+    args: argparse.Namespace,
+    port: int,
+    model_dir: str,
+    arrivals: ArrivalSpec,
+    n: int,
+    seed: int,
+    server_counters: bool = False,
 ) -> BenchResult:
     config = BenchConfig(
         endpoint=EndpointConfig(f"http://127.0.0.1:{port}/v1", SERVED_NAME, timeout_s=600),
@@ -188,6 +204,7 @@ def _bench(
         seed=seed,
         num_warmups=2,
         progress=not args.no_progress,
+        server_counters=server_counters,
     )
     return run_benchmark(config)
 
@@ -212,6 +229,39 @@ def _simulate(
     return _simulation(planner, layout, records).run()
 
 
+def _compared(
+    planner: Planner, name: str, rate: float, records: tuple[RequestRecord, ...], slo: Slo
+) -> Comparison:
+    """One point: its requests as served against the planner's predictions of them."""
+    layout = LAYOUTS[name]
+    return compare(
+        name, rate, records, _simulate(planner, layout, records), slo,
+        _simulate(_alone(planner), layout, records),
+        (_simulate(_at_speed(planner, 1 + SPEED_BAND), layout, records),
+         _simulate(_at_speed(planner, 1 - SPEED_BAND), layout, records)),
+    )  # fmt: skip
+
+
+def _at_speed(planner: Planner, factor: float) -> Planner:
+    """The planner with every time of its profile ``factor`` times as long: the same machine,
+    slower (or faster) than when it was profiled."""
+    hardware = planner.hardware
+    measured = hardware.measured
+    return replace(
+        planner,
+        hardware=replace(
+            hardware,
+            flops_per_s=hardware.flops_per_s / factor,
+            memory_bytes_per_s=hardware.memory_bytes_per_s / factor,
+            step_overhead_s=hardware.step_overhead_s * factor,
+            measured=None if measured is None else measured.scaled(factor),
+            host_seconds_per_token=hardware.host_seconds_per_token * factor,
+            host_seconds_per_handoff=hardware.host_seconds_per_handoff * factor,
+            host_worker_seconds_per_token=hardware.host_worker_seconds_per_token * factor,
+        ),
+    )
+
+
 def _alone(planner: Planner) -> Planner:
     """The planner with every worker on cores of its own (no shared host)."""
     return replace(planner, hardware=replace(planner.hardware, host_cores=0))
@@ -224,29 +274,62 @@ def _busy_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def _other_work_s(
-    planner: Planner, layout: Layout, result: BenchResult, busy_cpu_s: float
-) -> float:
-    """CPU seconds of everything but the engines' steps (the gateway, the router, Ray, the
-    workers' calls and hand-offs, the load generator) during ``result``'s run: the machine's
-    busy time less the simulated steps of its requests, alone."""
+@dataclass(frozen=True, slots=True)
+class HostCPU:
+    """Where the machine's CPU went during a run (seconds, all cores together), from its
+    busy time (/proc/stat) and the workers' counters (their processes', their steps')."""
+
+    busy_s: float
+    # the workers' processes by role ("prefill", "decode"), all their threads
+    processes_s: dict[str, float]
+    steps_s: dict[str, float]  # their engine threads in their steps
+    simulated_steps_s: float  # the same requests' steps as the planner has them, alone
+    num_tokens: int
+    num_requests: int
+
+    @property
+    def front_door_s(self) -> float:
+        """Everything outside the workers' processes: the gateway, the router, Ray's
+        daemons, the load generator."""
+        return max(0.0, self.busy_s - sum(self.processes_s.values()))
+
+    def beyond_steps_s(self, role: str) -> float:
+        """The role's workers' processes besides their steps: their outputs made and streamed
+        out, hand-offs, calls."""
+        return max(0.0, self.processes_s.get(role, 0.0) - self.steps_s.get(role, 0.0))
+
+
+def _host_cpu(planner: Planner, layout: Layout, result: BenchResult, busy_s: float) -> HostCPU:
+    counters = result.server_counters
+    if counters is None or not any(name == PROCESS_CPU for name, _ in counters.role_totals):
+        raise SystemExit(f"the server's /metrics has no {PROCESS_CPU}: a pdserve before it?")
     simulation = _simulation(_alone(planner), layout, result.records)
     simulation.run()
-    return max(0.0, busy_cpu_s - simulation.step_seconds * planner.hardware.worker_threads)
+    by_role = counters.role_totals
+    return HostCPU(
+        busy_s,
+        {role: value for (name, role), value in by_role.items() if name == PROCESS_CPU},
+        {role: value for (name, role), value in by_role.items() if name == STEPS_CPU},
+        simulation.step_seconds * planner.hardware.worker_threads,
+        sum(r.output_tokens for r in result.records), len(result.records),
+    )  # fmt: skip
 
 
-def _measure_host(
-    planner: Planner, layout: Layout, result: BenchResult, busy_cpu_s: float
-) -> dict[str, float]:
-    """The host's other work in ``result``'s run, as the planner's fields: per streamed token
-    on a colocated layout; on a disaggregated one, what it spent beyond the tokens' (the
-    per-token cost measured before) per hand-off."""
-    other_s = _other_work_s(planner, layout, result, busy_cpu_s)
-    tokens = sum(r.output_tokens for r in result.records)
+def _measure_host(layout: Layout, cpu: HostCPU, hardware: Hardware) -> dict[str, float]:
+    """The host's other work in a run, as the planner's fields. On a colocated layout, per
+    sampled token: the time outside the workers' processes (the front door's streaming), and
+    the workers' processes' time beyond their steps (their outputs). On a disaggregated one,
+    per KV hand-off: the workers' processes' time beyond their steps and their tokens' outputs
+    (as measured before): its copies and calls."""
+    tokens = max(1, cpu.num_tokens)
     if not layout.num_prefill:
-        return {"host_seconds_per_token": other_s / max(1, tokens)}
-    beyond = other_s - tokens * planner.hardware.host_seconds_per_token
-    return {"host_seconds_per_handoff": max(0.0, beyond) / len(result.records)}
+        return {
+            "host_seconds_per_token": cpu.front_door_s / tokens,
+            "host_worker_seconds_per_token": cpu.beyond_steps_s("decode") / tokens,
+        }
+    beyond_s = cpu.beyond_steps_s("prefill") + cpu.beyond_steps_s("decode")
+    outputs_s = cpu.num_tokens * hardware.host_worker_seconds_per_token
+    return {"host_seconds_per_handoff": max(0.0, beyond_s - outputs_s) / max(1, cpu.num_requests)}
 
 
 def _sent(records: tuple[RequestRecord, ...]) -> list[dict[str, Any]]:
@@ -280,18 +363,24 @@ def compare(
     simulated: list[SimulatedRequest],
     slo: Slo,
     alone: list[SimulatedRequest],
+    band: tuple[list[SimulatedRequest], list[SimulatedRequest]],
 ) -> Comparison:
     """``records``: the requests as served; ``alone``: the same simulated with every worker on
-    cores of its own."""
+    cores of its own; ``band``: simulated on a machine slower, and faster, than profiled."""
     bounds = SLO(slo.ttft_s * 1000, slo.tpot_s * 1000)
     measured = sum(bounds.met_by(r) for r in records) / len(records)
-    predicted = sum(slo.met_by(s) for s in simulated) / len(simulated)
+
+    def goodput(simulated: list[SimulatedRequest]) -> float:
+        return sum(slo.met_by(s) for s in simulated) / len(simulated) * rate
+
+    predicted = goodput(simulated) / rate
     return Comparison(
         name,
         rate,
         measured * rate,
         predicted * rate,
-        sum(slo.met_by(s) for s in alone) / len(alone) * rate,
+        goodput(alone),
+        (goodput(band[0]), goodput(band[1])),
         measured,
         predicted,
         _percentiles_ms([r.ttft_s for r in records]),
@@ -304,7 +393,7 @@ def compare(
 def table(comparisons: list[Comparison]) -> str:
     rows = [
         f"{'layout':11} {'rate/s':>7} {'goodput meas':>12} {'pred':>6} {'error':>7} "
-        f"{'alone':>6} "
+        f"{'alone':>6} {f'±{SPEED_BAND:.0%} speed':>11} "
         f"{'ttft p50 meas/pred':>19} {'ttft p90 meas/pred':>19} {'tpot p50 meas/pred':>19}"
     ]
     for c in comparisons:
@@ -312,6 +401,7 @@ def table(comparisons: list[Comparison]) -> str:
         rows.append(
             f"{c.layout:11} {c.rate:7.2f} {c.measured_goodput:12.2f} {c.predicted_goodput:6.2f} "
             f"{'-' if error is None else f'{error:+.0%}':>7} {c.alone_goodput:6.2f} "
+            f"{f'{c.band_goodput[0]:.1f}-{c.band_goodput[1]:.1f}':>11} "
             f"{_pair(c.measured_ttft_ms, c.predicted_ttft_ms, 'p50'):>19} "
             f"{_pair(c.measured_ttft_ms, c.predicted_ttft_ms, 'p90'):>19} "
             f"{_pair(c.measured_tpot_ms, c.predicted_tpot_ms, 'p50'):>19}"
@@ -368,9 +458,11 @@ def main(argv: list[str] | None = None) -> int:
                     hardware=replace(planner.hardware, path_overhead_s=extra["path_overhead_s"]),
                 )
             busy_before = _busy_cpu_seconds()
-            closed = _bench(args, port, model_dir, ArrivalSpec(max_concurrency=16), 100, 11)
-            busy_cpu_s = _busy_cpu_seconds() - busy_before
-            for field, value in _measure_host(planner, layout, closed, busy_cpu_s).items():
+            closed = _bench(args, port, model_dir, ArrivalSpec(max_concurrency=16), 300, 11, True)
+            cpu = _host_cpu(planner, layout, closed, _busy_cpu_seconds() - busy_before)
+            print(f"{name}: {cpu}", file=sys.stderr, flush=True)
+            extra[f"{name}_cpu"] = asdict(cpu)
+            for field, value in _measure_host(layout, cpu, planner.hardware).items():
                 extra[f"{name}_{field}"] = value
                 if field not in extra:  # measured once, as the path's time
                     extra[field] = value
@@ -387,9 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.num_prompts,
                     args.seed,
                 )
-                simulated = _simulate(planner, layout, result.records)
-                alone = _simulate(_alone(planner), layout, result.records)
-                comparisons.append(compare(name, rate, result.records, simulated, slo, alone))
+                comparisons.append(_compared(planner, name, rate, result.records, slo))
                 runs.append({"layout": name, "rate": rate, "records": _sent(result.records)})
     print(table(comparisons))
     errors = [abs(c.goodput_error) for c in comparisons if c.goodput_error is not None]

@@ -220,7 +220,8 @@ class EngineLoop:
     ) -> WorkerLoad:
         """This worker's load report for the router, as of the last change made under the lock
         (never waiting for the step in progress); ``kv_transfers`` are the worker's KV hand-off
-        totals (transfers, bytes, seconds), which the engine does not see, and
+        totals (transfers, bytes, seconds), which the engine does not see (nor its process's
+        CPU time, all threads, read now), and
         ``transfer_timings`` those it ran since its last report. With ``kv_cursor`` it carries
         the KV events after that cursor (where the engine records them). It carries the timings
         of the steps since the last report (taken: each goes in one report)."""
@@ -231,6 +232,7 @@ class EngineLoop:
             num_kv_transfers=num_transfers,
             num_kv_transfer_bytes=num_bytes,
             kv_transfer_seconds=seconds,
+            process_cpu_seconds=time.process_time(),
         )
         since_progress_s = max(0.0, time.monotonic() - self._turn_ended_at)
         kv_events = None

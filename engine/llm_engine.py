@@ -40,7 +40,7 @@ from engine.scheduler import (
 from engine.sequence import SequenceStatus
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
-from engine.step_timings import StepTimingLog, step_timing
+from engine.step_timings import StepClock, StepTimingLog, step_timing
 from engine.structured.cursors import GrammarCursors
 from engine.structured.model_grammars import ModelGrammars
 
@@ -60,6 +60,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_prefill_tokens: int = 0  # tokens computed for prompts (and recomputes), not decodes
     step_seconds: float = 0.0  # wall time of step() calls that ran the model
+    step_thread_cpu_seconds: float = 0.0  # the engine thread's CPU time in them
     forward_seconds: float = 0.0  # of which model forward + logits
     num_draft_tokens: int = 0  # speculative decoding: drafts computed and checked
     num_accepted_draft_tokens: int = 0  # of which stood
@@ -319,7 +320,7 @@ class LLMEngine:
         launches the next (scheduled before this step's tokens are known) before it waits for
         them: the host's scheduling, input building and bookkeeping overlap the GPU's forward.
         """
-        started = time.perf_counter()
+        started = StepClock.start()
         if self.scheduler.config.async_scheduling:
             return self._step_ahead(started)
         output = self.scheduler.schedule()
@@ -329,7 +330,7 @@ class LLMEngine:
         self._note_scheduled(output)
         return self._apply(output, self.runner.execute(output), started)
 
-    def _step_ahead(self, started: float) -> StepResult:
+    def _step_ahead(self, started: StepClock) -> StepResult:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:  # nothing launched ahead: schedule and launch this step now
             in_flight = self._launch(self.scheduler.schedule())
@@ -362,7 +363,7 @@ class LLMEngine:
         self.stats.num_prefill_tokens += _num_prefill_tokens(output)
 
     def _apply(
-        self, output: SchedulerOutput, result: ModelRunnerOutput, started: float
+        self, output: SchedulerOutput, result: ModelRunnerOutput, started: StepClock
     ) -> StepResult:
         """A step's results into the sequences; its tokens and the requests it ended."""
         shape = step_timing(output, 0.0)  # (what it computed, before the sequences move on)
@@ -396,8 +397,9 @@ class LLMEngine:
             self.stats.num_draft_tokens += drafts.num_drafts
             self.stats.num_accepted_draft_tokens += len(drafts.token_ids)
         self.stats.forward_seconds += result.forward_seconds
-        seconds = time.perf_counter() - started
+        seconds, thread_cpu_s = started.elapsed()
         self.stats.step_seconds += seconds
+        self.stats.step_thread_cpu_seconds += thread_cpu_s
         self.step_timings.record(replace(shape, seconds=seconds))
         self._drop_step_of_ended_requests()
         return StepResult(new_tokens, finished, handed_off)
@@ -630,6 +632,9 @@ class LLMEngine:
         offloaded, loaded = (0, 0) if copier is None else copier.num_bytes_moved
         return WorkerCounters(
             num_generated_tokens=self.stats.num_generated_tokens,
+            num_steps=self.stats.num_steps,
+            step_seconds=self.stats.step_seconds,
+            step_thread_cpu_seconds=self.stats.step_thread_cpu_seconds,
             num_prefill_tokens=self.stats.num_prefill_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queried_tokens=pool.num_cache_queries * block_size,

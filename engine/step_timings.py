@@ -14,8 +14,9 @@ its own time.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from engine.messages import StepTiming
 from engine.scheduler.outputs import SchedulerOutput
@@ -52,6 +53,23 @@ class StepTimingLog:
         while self._timings:  # (only this thread takes: the deque cannot empty meanwhile)
             taken.append(self._timings.popleft())
         return tuple(taken)
+
+
+@dataclass(frozen=True, slots=True)
+class StepClock:
+    """When a step began: the wall clock, and the CPU time of the thread running it."""
+
+    wall_s: float
+    thread_cpu_s: float
+
+    @classmethod
+    def start(cls) -> StepClock:
+        return cls(time.perf_counter(), time.thread_time())
+
+    def elapsed(self) -> tuple[float, float]:
+        """(wall seconds, this thread's CPU seconds) since the start: on a shared host the
+        CPU time falls short of the wall time by what other threads took from it."""
+        return time.perf_counter() - self.wall_s, time.thread_time() - self.thread_cpu_s
 
 
 def step_timing(output: SchedulerOutput, seconds: float) -> StepTiming:

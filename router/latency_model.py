@@ -100,6 +100,17 @@ class StepCost:
             + self.per_context_token_s * shape.decode_context_tokens
         )
 
+    def scaled(self, factor: float) -> StepCost:
+        """Every step ``factor`` times as long (a machine that much slower)."""
+        return StepCost(
+            self.overhead_s * factor,
+            self.per_prefill_token_s * factor,
+            self.per_attention_pair_s * factor,
+            self.per_decode_token_s * factor,
+            self.per_context_token_s * factor,
+            self.num_samples,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class TransferCost:

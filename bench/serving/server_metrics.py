@@ -46,6 +46,8 @@ class ServerCounters:
     prefix_cache_queries: float | None  # tokens looked up in the prefix cache (its measure)
     prefix_cache_hits: float | None  # tokens the prefix cache served
     totals: dict[str, float] = field(default_factory=dict)  # every *_total, summed over labels
+    # pdserve: every *_total of the workers, summed over those of each role: (name, role)
+    role_totals: dict[tuple[str, str], float] = field(default_factory=dict)
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -64,6 +66,7 @@ class ServerCounters:
             _minus(self.prefix_cache_queries, before.prefix_cache_queries),
             _minus(self.prefix_cache_hits, before.prefix_cache_hits),
             {k: v - before.totals.get(k, 0.0) for k, v in self.totals.items()},
+            {k: v - before.role_totals.get(k, 0.0) for k, v in self.role_totals.items()},
         )
 
     def key_values(self) -> tuple[float | None, ...]:
@@ -109,6 +112,7 @@ def counters_from_text(text: str) -> ServerCounters | None:
             _total(samples, "pdserve:prefix_cache_queries_total"),
             _total(samples, "pdserve:prefix_cache_hits_total"),
             totals,
+            _role_totals(samples),
         )
     if any(n.startswith("vllm:") for n in names):
         prompt = _total(samples, "vllm:prompt_tokens_total")
@@ -117,6 +121,16 @@ def counters_from_text(text: str) -> ServerCounters | None:
         computed = _vllm_computed(samples, prompt, hits)
         return ServerCounters("vllm", prompt, computed, queries, hits, totals)
     return None
+
+
+def _role_totals(samples: Samples) -> dict[tuple[str, str], float]:
+    """Each ``*_total`` sample labelled with a worker role, summed over that role's workers."""
+    found: dict[tuple[str, str], float] = {}
+    for (name, labels), value in samples.items():
+        role = dict(labels).get("role")
+        if role is not None and name.endswith("_total"):
+            found[name, role] = found.get((name, role), 0.0) + value
+    return found
 
 
 def _vllm_computed(

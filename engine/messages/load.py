@@ -19,6 +19,10 @@ class WorkerCounters:
     """Totals since the worker started; the router exports them as Prometheus counters."""
 
     num_generated_tokens: int = 0  # tokens sampled
+    num_steps: int = 0  # engine steps that ran the model
+    step_seconds: float = 0.0  # their wall time: the worker's busy time
+    step_thread_cpu_seconds: float = 0.0  # the engine thread's CPU time in them
+    process_cpu_seconds: float = 0.0  # the worker's process's (rank 0's), all its threads
     num_prefill_tokens: int = 0  # tokens computed for prompts (and recomputes), not decodes
     num_preemptions: int = 0  # sequences preempted for lack of KV blocks (recomputed later)
     num_prefix_cache_queried_tokens: int = 0  # prompt tokens (full blocks) looked up in the cache

@@ -90,6 +90,18 @@ class _WorkerCollector(Collector):
             "worker_prefill_tokens", "Prompt (and recomputed) tokens the worker computed"
         )
         preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks")
+        steps = counter("worker_steps", "Engine steps the worker ran (that ran the model)")
+        step_seconds = counter("worker_step_seconds", "Wall time of those steps: its busy time")
+        step_cpu = counter(
+            "worker_step_thread_cpu_seconds",
+            "CPU time of the worker's engine thread in those steps (below their wall time by "
+            "what waits took: the device, a shared host's other work)",
+        )
+        process_cpu = counter(
+            "worker_process_cpu_seconds",
+            "CPU time of the worker's process (its first rank's), all its threads: its steps, "
+            "the outputs it streams, its calls and KV hand-offs",
+        )
         queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         hits_by_tier = CounterMetricFamily(
@@ -141,6 +153,10 @@ class _WorkerCollector(Collector):
             generated.add_metric(values, totals.num_generated_tokens)
             prefilled.add_metric(values, totals.num_prefill_tokens)
             preemptions.add_metric(values, totals.num_preemptions)
+            steps.add_metric(values, totals.num_steps)
+            step_seconds.add_metric(values, totals.step_seconds)
+            step_cpu.add_metric(values, totals.step_thread_cpu_seconds)
+            process_cpu.add_metric(values, totals.process_cpu_seconds)
             queries.add_metric(values, queried)
             hits.add_metric(values, totals.num_prefix_cache_hit_tokens)
             host_hits = totals.num_prefix_cache_host_hit_tokens
@@ -162,7 +178,7 @@ class _WorkerCollector(Collector):
                 imbalance.add_metric([*values, str(layer)], ratio)
         yield from (alive, running, waiting, kv_usage, hit_rate, generated, prefilled, preemptions)
         yield from (queries, hits, hits_by_tier, offload_bytes, transfer_bytes, transfer_seconds)
-        yield from (drafts, accepted)
+        yield from (drafts, accepted, steps, step_seconds, step_cpu, process_cpu)
         yield from (expert_tokens, imbalance)
 
 

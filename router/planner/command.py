@@ -160,13 +160,19 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def shared_host_line(hardware: Hardware) -> str:
     """What the simulation assumes of a CPU machine's shared cores."""
+    measured = (
+        hardware.host_seconds_per_token,
+        hardware.host_seconds_per_handoff,
+        hardware.host_worker_seconds_per_token,
+    )
     other = (
         f"{hardware.host_seconds_per_token * 1000:.2f} ms a streamed token and "
         f"{hardware.host_seconds_per_handoff * 1000:.1f} ms a hand-off, on "
-        f"{hardware.host_front_door_threads} thread(s)"
-        if hardware.host_seconds_per_token or hardware.host_seconds_per_handoff
-        else "none measured (the profile's JSON takes host_seconds_per_token and "
-        "host_seconds_per_handoff)"
+        f"{hardware.host_front_door_threads} thread(s), and "
+        f"{hardware.host_worker_seconds_per_token * 1000:.2f} ms a token in its worker"
+        if any(measured)
+        else "none measured (the profile's JSON takes host_seconds_per_token, "
+        "host_seconds_per_handoff and host_worker_seconds_per_token)"
     )
     return (
         f"the workers share this host's {hardware.host_cores} cores "

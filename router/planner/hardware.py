@@ -12,8 +12,9 @@ tensor-parallel size ``tp`` is a roofline:
 On a CPU machine (``host_cores``) the workers' steps share the host's cores with each other and
 with the host's other work, on ``host_front_door_threads`` threads: per streamed token
 (``host_seconds_per_token``: the gateway's streaming, a load generator's) and per KV hand-off
-(``host_seconds_per_handoff``). The simulation slows the steps by the share of a core they get
-and delivers a token once its streaming is done (shared_host.py).
+(``host_seconds_per_handoff``), and each worker's own process per token it samples, after its
+step (``host_worker_seconds_per_token``). The simulation slows the steps by the share of a core
+they get and delivers a token once its streaming is done (shared_host.py).
 
 A profile measured on the machine carries the step-time fit of the model it was measured with
 (``measured``: the router's ``StepCost``, fitted from a few hundred real engine steps), which is
@@ -55,18 +56,26 @@ class Hardware:
     host_seconds_per_token: float = 0.0  # CPU seconds of that other work per streamed token
     host_seconds_per_handoff: float = 0.0  # and per KV hand-off
     host_front_door_threads: int = 1  # the threads that work runs on (the gateway's)
+    # CPU seconds a worker's own process spends per token it samples besides its steps (its
+    # output batches made and streamed out), after each step: its threads share one lock
+    host_worker_seconds_per_token: float = 0.0
     worker_threads: int = 1  # a worker rank's threads (as measured)
 
     def __post_init__(self) -> None:
-        seconds = min(self.host_seconds_per_token, self.host_seconds_per_handoff)
+        seconds = min(
+            self.host_seconds_per_token,
+            self.host_seconds_per_handoff,
+            self.host_worker_seconds_per_token,
+        )
         if (
             self.host_cores < 0
             or seconds < 0
             or min(self.worker_threads, self.host_front_door_threads) < 1
         ):
             raise ValueError(
-                f"hardware profile {self.name!r}: host_cores, host_seconds_per_token and "
-                f"host_seconds_per_handoff must be >= 0, worker_threads and "
+                f"hardware profile {self.name!r}: host_cores, host_seconds_per_token, "
+                f"host_seconds_per_handoff and host_worker_seconds_per_token must be >= 0, "
+                f"worker_threads and "
                 f"host_front_door_threads >= 1"
             )
         for name in (

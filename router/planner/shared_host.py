@@ -3,9 +3,10 @@ gateway, the router, a load generator on the same machine): the planner's model 
 machine, where workers have no device of their own (``pdserve plan``'s simulation).
 
 A fluid processor-sharing model. A busy worker runs a step of ``work_s`` seconds (its time
-alone, as the profile measured it) on ``threads`` cores; a prefill worker's KV hand-offs
-(their copies and calls, ``seconds_per_handoff`` each) run in its process as such work too,
-after the step that finished their prompts. The host's other work is the streaming of tokens:
+alone, as the profile measured it) on ``threads`` cores; after it, its process's work on the
+step's outputs (``worker_seconds_per_token`` a sampled token) runs on one core as such work
+too, and so do a prefill worker's KV hand-offs (their copies and calls,
+``seconds_per_handoff`` each), after the outputs of the step that finished their prompts. The host's other work is the streaming of tokens:
 each sampled token costs CPU seconds of it, done first come first served by
 ``front_door_threads`` threads, and reaches its client when its share is done. While the
 runnable threads outnumber the cores, each runs at ``cores / runnable`` of its speed (the
@@ -32,17 +33,16 @@ class HostShare:
     # and a KV hand-off (its copies and calls), in the prefill worker's process
     seconds_per_handoff: float = 0.0
     front_door_threads: int = 1  # the threads the streaming runs on, at most
+    # and a sampled token in its worker's own process (its output made and streamed out)
+    worker_seconds_per_token: float = 0.0
 
     def __post_init__(self) -> None:
-        if (
-            self.cores < 1
-            or min(self.seconds_per_token, self.seconds_per_handoff) < 0
-            or self.front_door_threads < 1
-        ):
+        seconds = (self.seconds_per_token, self.seconds_per_handoff, self.worker_seconds_per_token)
+        if self.cores < 1 or min(seconds) < 0 or self.front_door_threads < 1:
             raise ValueError(
-                f"a shared host needs cores >= 1, seconds_per_token and seconds_per_handoff "
-                f">= 0 and front_door_threads >= 1, not {self.cores}, {self.seconds_per_token}, "
-                f"{self.seconds_per_handoff} and {self.front_door_threads}"
+                f"a shared host needs cores >= 1, seconds_per_token, seconds_per_handoff and "
+                f"worker_seconds_per_token >= 0 and front_door_threads >= 1, not "
+                f"{self.cores}, {seconds} and {self.front_door_threads}"
             )
 
 

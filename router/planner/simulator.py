@@ -22,11 +22,12 @@ first token also takes ``path_overhead_s`` (the gateway's and router's hops).
 
 On a CPU machine (``host``) the workers have no device of their own: their steps and the
 host's other work share its cores (router/planner/shared_host.py): a step takes longer while
-more threads want to run than there are cores. The streaming of each token to its client runs
-on the front door's threads, and a token reaches its client once its streaming is done; each
-hand-off's copies and calls run in the prefill worker's own process, after the step that
-finished its prompt and before its next step (its threads share one interpreter lock), and the
-KV moves once they are done. Elsewhere each worker computes on its own devices, a step takes
+more threads want to run than there are cores. After each step the worker's own process makes
+its outputs (CPU time per token, before its next step: its threads share one interpreter
+lock); then the streaming of each token to its client runs on the front door's threads, and a
+token reaches its client once its streaming is done; each hand-off's copies and calls run in the
+prefill worker's process after the outputs of the step that finished its prompt, and the KV
+moves once they are done. Elsewhere each worker computes on its own devices, a step takes
 its time alone and a token is delivered as it is sampled.
 
 Out: each request's arrival, first token and last token times, from which TTFT, TPOT and
@@ -267,27 +268,45 @@ class Simulation:
     def _step_done(self, worker: _Worker, output: SchedulerOutput) -> None:
         sampled = {seq.seq_id: _TOKEN for entry in output.scheduled for seq in entry.sample_seqs}
         appended = worker.scheduler.update(output, ModelRunnerOutput(sampled))
-        # on a shared host, the step's tokens are streamed on its cores, in order, after the
-        # streaming before them
-        streaming: list[tuple[float, Callable[[], None]]] = []
+        handed = [t.seq for t in appended if t.seq.status is SequenceStatus.HANDED_OFF]
+        deliveries: list[tuple[int, Callable[[], None]]] = []  # (tokens, their delivery)
         for tokens in appended:
             simulated = self._of_seq[tokens.seq.seq_id]
             simulated.num_tokens += tokens.num_tokens
-            delivered = functools.partial(self._delivered, simulated)
-            if self._host is None:
+            deliveries.append((tokens.num_tokens, functools.partial(self._delivered, simulated)))
+        if self._host is None:  # on a device of its own: each token out as it is sampled
+            for _, delivered in deliveries:
                 delivered()
-                continue
-            streaming.append((tokens.num_tokens * self._host.share.seconds_per_token, delivered))
-        if self._host is not None:
-            self._host.stream(streaming)
-        handed = [t.seq for t in appended if t.seq.status is SequenceStatus.HANDED_OFF]
-        done = functools.partial(self._after_step, worker, handed)
-        handoff_s = 0.0 if self._host is None else self._host.share.seconds_per_handoff
-        if handed and handoff_s > 0:  # the hand-offs' copies and calls, in the worker's process
+            self._after_step(worker, handed)
+            return
+        # on a shared host the worker's process makes the step's outputs first
+        made = functools.partial(self._outputs_made, worker, deliveries, handed)
+        num_tokens = sum(n for n, _ in deliveries)
+        self._in_worker(worker, num_tokens * self._host.share.worker_seconds_per_token, made)
+
+    def _outputs_made(
+        self,
+        worker: _Worker,
+        deliveries: list[tuple[int, Callable[[], None]]],
+        handed: list[EngineSequence],
+    ) -> None:
+        """A step's outputs leave the worker's process: its tokens are streamed on the host's
+        cores, in order, after the streaming before them; then its hand-offs' copies and calls
+        run in the process."""
+        assert self._host is not None
+        share = self._host.share
+        self._host.stream([(n * share.seconds_per_token, d) for n, d in deliveries])
+        after = functools.partial(self._after_step, worker, handed)
+        self._in_worker(worker, len(handed) * share.seconds_per_handoff, after)
+
+    def _in_worker(self, worker: _Worker, seconds: float, then: Callable[[], None]) -> None:
+        """``seconds`` of CPU work in the worker's own process (on one core of the shared
+        host), then ``then()``: at once when there is none."""
+        if seconds > 0:
             assert self._host is not None
-            self._host.start(worker.name, len(handed) * handoff_s, 1, done)
+            self._host.start(worker.name, seconds, 1, then)
         else:
-            done()
+            then()
 
     def _after_step(self, worker: _Worker, handed: list[EngineSequence]) -> None:
         """The worker is free for its next step; the prompts its step finished hand off."""

@@ -64,6 +64,10 @@ def test_pdserve_counters_sum_over_workers() -> None:
     assert (counters.prefix_cache_queries, counters.prefix_cache_hits) == (2800, 2080)
     assert counters.prefix_hit_rate == pytest.approx(2080 / 3000)
     assert counters.totals["pdserve:prompt_tokens_total"] == 3000
+    # and over the workers of each role
+    computed = "pdserve:worker_prefill_tokens_total"
+    assert counters.role_totals[computed, "prefill"] == 900 + 700
+    assert counters.role_totals[computed, "decode"] == 16
 
 
 def test_the_change_over_a_run_is_after_minus_before() -> None:
@@ -75,6 +79,7 @@ def test_the_change_over_a_run_is_after_minus_before() -> None:
     assert change.prefix_cache_hits == 2800
     assert change.prefix_hit_rate == pytest.approx(0.7)
     assert change.totals["pdserve:prompt_tokens_total"] == 4000
+    assert change.role_totals["pdserve:worker_prefill_tokens_total", "prefill"] == 1200
 
 
 def test_a_pdserve_page_before_any_worker_reported_has_no_worker_counters() -> None:

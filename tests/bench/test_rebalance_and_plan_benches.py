@@ -81,12 +81,15 @@ def test_a_simulation_is_compared_with_its_measured_run() -> None:
             run.last_token_s = 0.39
         simulated.append(run)
     alone = simulated[:8]  # with every worker on cores of its own: all 8 within the SLOs
-    comparison = compare("1p1d", 5.0, tuple(records), simulated, Slo(0.1, 0.02), alone)
+    slower = simulated[2:]  # on a slower machine: 6 of 8
+    band = (slower, alone)
+    comparison = compare("1p1d", 5.0, tuple(records), simulated, Slo(0.1, 0.02), alone, band)
     assert comparison.measured_goodput == 3.0  # 6 of 10 within the SLOs at 5/s
     assert comparison.predicted_goodput == 4.0  # 8 of 10
     assert comparison.alone_goodput == 5.0
+    assert comparison.band_goodput == (3.75, 5.0)
     assert comparison.goodput_error == (4.0 - 3.0) / 3.0
-    assert "+33%   5.00" in table([comparison])
+    assert "+33%   5.00     3.8-5.0" in table([comparison])
 
 
 def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
@@ -94,7 +97,8 @@ def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
 ) -> None:
     """``--resimulate``: a finished run's requests, as saved, simulated again on its profile
     (a worker of 10 ms a step + 0.1 ms a token, two of them sharing two cores with 1 ms of
-    streaming per token): the table compares them with how they were served."""
+    streaming per token): the table compares them with how they were served, and shows the
+    prediction on a machine 10 % slower and faster."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
     hardware = Hardware(
@@ -109,7 +113,7 @@ def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
     ]  # fmt: skip
     saved = {
         "hardware": hardware.to_json(),
-        "slo": {"ttft_s": 0.1, "tpot_s": 0.02, "attainment": 0.9},
+        "slo": {"ttft_s": 0.1, "tpot_s": 0.0105, "attainment": 0.9},
         "num_kv_blocks": 1000,
         "runs": [{"layout": "colocated2", "rate": 10.0, "records": served}],
     }
@@ -118,6 +122,8 @@ def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
     (row,) = [line for line in capsys.readouterr().out.splitlines() if "colocated2" in line]
     # measured: 8 of 10 within the SLOs; simulated: each alone on a worker, all within
     assert row.split()[1:6] == ["10.00", "8.00", "10.00", "+25%", "10.00"]
+    # 10 % slower, each decode step (10.1 ms alone) takes 11.1 ms: over the 10.5 ms TPOT SLO
+    assert row.split()[6] == "0.0-10.0"
     del saved["runs"]
     (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match="holds no requests"):

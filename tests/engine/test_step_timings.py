@@ -57,6 +57,25 @@ def test_each_step_records_its_prompt_chunks_decode_rows_and_their_context(
     assert engine.step_timings.take() == ()  # taken once
 
 
+def test_the_engine_counts_its_steps_their_wall_time_and_its_threads_cpu_time(
+    llama_dir: Path,
+) -> None:
+    """The worker's totals (exported as ``pdserve:worker_step*``): the steps that ran the model,
+    their wall time as the timings have it, and the engine thread's CPU time in them, which a
+    busy thread spends on them (within the wall time: nothing else runs on its behalf)."""
+    engine = _engine(llama_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("r", list(range(3, 23)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # nothing to run: not a step
+    counters = engine.counters()
+    timings = engine.step_timings.take()
+    assert counters.num_steps == len(timings) == 4
+    assert abs(counters.step_seconds - sum(t.seconds for t in timings)) < 1e-9
+    assert 0 < counters.step_thread_cpu_seconds <= counters.step_seconds + 0.01
+
+
 def test_a_load_report_carries_the_steps_since_the_one_before(llama_dir: Path) -> None:
     engine = _engine(llama_dir)
     loop = EngineLoop(engine, "worker-0")
@@ -71,7 +90,12 @@ def test_a_load_report_carries_the_steps_since_the_one_before(llama_dir: Path) -
             events += len(batch.events)
         first = loop.load()
         assert [t.num_decode_tokens for t in first.step_timings] == [0, 1, 1, 1]
-        assert loop.load().step_timings == ()
+        # the report carries the process's CPU time as it is when taken: its steps' and more
+        again = loop.load()
+        assert again.step_timings == ()
+        steps_cpu_s = first.counters.step_thread_cpu_seconds
+        assert 0 < steps_cpu_s < first.counters.process_cpu_seconds
+        assert first.counters.process_cpu_seconds <= again.counters.process_cpu_seconds
     finally:
         loop.stop()
 

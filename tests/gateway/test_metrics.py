@@ -251,3 +251,19 @@ def test_prefix_hits_by_tier_and_host_tier_bytes_are_exported_per_worker() -> No
     moved = "pdserve:kv_offload_bytes_total"
     assert value(moved, {**worker, "direction": "to_host"}) == 4096
     assert value(moved, {**worker, "direction": "to_device"}) == 1024
+
+
+def test_a_workers_steps_and_their_busy_and_cpu_time_are_exported() -> None:
+    counters = WorkerCounters(
+        num_steps=40, step_seconds=2.5, step_thread_cpu_seconds=1.25, process_cpu_seconds=3.5
+    )
+    load = WorkerLoad("decode-0", 0, 0, 0, 0.0, counters)
+    metrics = GatewayMetrics(
+        lambda: [WorkerStatus("decode-0", "decode", True, load)], dict, list, SloTargets()
+    )
+    value = metrics.registry.get_sample_value
+    worker = {"role": "decode", "worker": "decode-0"}
+    assert value("pdserve:worker_steps_total", worker) == 40
+    assert value("pdserve:worker_step_seconds_total", worker) == 2.5
+    assert value("pdserve:worker_step_thread_cpu_seconds_total", worker) == 1.25
+    assert value("pdserve:worker_process_cpu_seconds_total", worker) == 3.5

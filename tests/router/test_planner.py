@@ -183,21 +183,50 @@ def test_on_a_shared_host_steps_and_streaming_share_its_cores() -> None:
     assert second.first_token_s == pytest.approx(0.071)
 
 
+def test_on_a_shared_host_a_worker_makes_its_outputs_before_its_next_step() -> None:
+    """A worker's own work per sampled token (3 ms: its output batches made and streamed
+    out, in its process) runs after each step and before the next, then the token's
+    streaming (1 ms): on two cores, each alone. 100 prompt tokens (20 ms): the first token
+    at 20 + 3 + 1 = 24 ms; each next decode step (10.1 ms) starts 3 ms after the one before
+    ended, so tokens come 13.1 ms apart."""
+    cluster = ClusterShape(
+        _linear(0.010, 1e-4),
+        host=HostShare(2, seconds_per_token=0.001, worker_seconds_per_token=0.003),
+    )
+    (run,) = Simulation(cluster, [WorkloadRequest(0.0, tuple(range(100)), 4)]).run()
+    assert run.ttft_s == pytest.approx(0.024)
+    assert run.tpot_s == pytest.approx(0.0131)
+    # a prefill worker's hand-off's work waits for the outputs of the step that finished the
+    # prompt: 20 ms step + 3 ms of its token + 30 ms of the hand-off, then the KV moves
+    handing_off = ClusterShape(
+        _linear(0.010, 1e-4),
+        prefill=_linear(0.010, 1e-4),
+        host=HostShare(
+            2, seconds_per_token=0.001, seconds_per_handoff=0.030, worker_seconds_per_token=0.003
+        ),
+    )
+    (run,) = Simulation(handing_off, [WorkloadRequest(0.0, tuple(range(100)), 2)]).run()
+    assert run.ttft_s == pytest.approx(0.024)
+    # the KV moves at 53 ms; the decode step (10.1 ms), its outputs (3 ms), streaming (1 ms)
+    assert run.last_token_s == pytest.approx(0.053 + 0.0101 + 0.003 + 0.001)
+
+
 def test_a_cpu_profile_makes_the_planners_workers_share_its_cores(llama_8b: Path) -> None:
     costs = ModelCosts.load(llama_8b)
     box = Hardware(
         "box", 1e14, 1e12, 80e9, 1e10, host_cores=8, host_seconds_per_token=2e-4,
         host_seconds_per_handoff=3e-3, host_front_door_threads=2,
+        host_worker_seconds_per_token=1e-4,
     )  # fmt: skip
     planner = Planner(costs, replace(box, worker_threads=2))
     cluster = planner.cluster(Layout(1, 2, 1, 1))
-    assert cluster.host == HostShare(8, 2e-4, 3e-3, front_door_threads=2)
+    assert cluster.host == HostShare(8, 2e-4, 3e-3, 2, worker_seconds_per_token=1e-4)
     assert cluster.decode.threads == 2 and cluster.prefill is not None
     assert cluster.prefill.threads == 4  # TP 2: two ranks of two threads
     assert Planner(costs, PRESETS["h100"]).cluster(Layout(1, 1, 1, 1)).host is None
     assert Hardware.from_json(json.loads(json.dumps(box.to_json()))) == box
-    with pytest.raises(ValueError, match="host_seconds_per_handoff must be >= 0"):
-        Hardware("box", 1e14, 1e12, 80e9, 1e10, host_cores=-1)
+    with pytest.raises(ValueError, match="host_worker_seconds_per_token must be >= 0"):
+        Hardware("box", 1e14, 1e12, 80e9, 1e10, host_worker_seconds_per_token=-1e-4)
     with pytest.raises(ValueError, match="host_front_door_threads >= 1"):
         Hardware("box", 1e14, 1e12, 80e9, 1e10, host_front_door_threads=0)
 
@@ -341,6 +370,7 @@ def test_pdserve_plan_prints_the_choice_and_writes_its_files(
     box = Hardware(
         "box", 6e14, 3e12, 80e9, 1e10, host_cores=2, host_seconds_per_token=4e-4,
         host_seconds_per_handoff=9e-3, host_front_door_threads=2,
+        host_worker_seconds_per_token=1.5e-4,
     )  # fmt: skip
     profile = box.save(tmp_path / "box.json")
     flags = [
@@ -356,7 +386,8 @@ def test_pdserve_plan_prints_the_choice_and_writes_its_files(
     assert main(["plan", "--model", str(llama_8b), "--hardware", str(profile), *flags]) == 0
     assert (
         "the workers share this host's 2 cores (1 thread(s) a worker rank); its other work: "
-        "0.40 ms a streamed token and 9.0 ms a hand-off, on 2 thread(s)"
+        "0.40 ms a streamed token and 9.0 ms a hand-off, on 2 thread(s), and 0.15 ms a token "
+        "in its worker"
     ) in capsys.readouterr().out
 
 
