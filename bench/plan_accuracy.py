@@ -66,6 +66,7 @@ LAYOUTS = {"colocated2": Layout(0, 1, 2, 1), "1p1d": Layout(1, 1, 1, 1)}
 SPEED_BAND = 0.1
 STEPS_CPU = "pdserve:worker_step_thread_cpu_seconds_total"
 PROCESS_CPU = "pdserve:worker_process_cpu_seconds_total"
+STEPS_WALL = "pdserve:worker_step_seconds_total"
 FRONT_DOOR_THREADS = 2  # streaming tokens on this host: the gateway's and the load generator's
 
 
@@ -283,7 +284,10 @@ class HostCPU:
     # the workers' processes by role ("prefill", "decode"), all their threads
     processes_s: dict[str, float]
     steps_s: dict[str, float]  # their engine threads in their steps
-    simulated_steps_s: float  # the same requests' steps as the planner has them, alone
+    steps_wall_s: dict[str, float]  # those steps' wall time (longer while others ran)
+    # the same requests' steps as the planner has them, by role: (alone, as simulated on
+    # the shared host)
+    simulated_steps_s: dict[str, tuple[float, float]]
     num_tokens: int
     num_requests: int
 
@@ -303,14 +307,16 @@ def _host_cpu(planner: Planner, layout: Layout, result: BenchResult, busy_s: flo
     counters = result.server_counters
     if counters is None or not any(name == PROCESS_CPU for name, _ in counters.role_totals):
         raise SystemExit(f"the server's /metrics has no {PROCESS_CPU}: a pdserve before it?")
-    simulation = _simulation(_alone(planner), layout, result.records)
+    simulation = _simulation(planner, layout, result.records)
     simulation.run()
     by_role = counters.role_totals
+
+    def of(counter: str) -> dict[str, float]:
+        return {role: value for (name, role), value in by_role.items() if name == counter}
+
     return HostCPU(
-        busy_s,
-        {role: value for (name, role), value in by_role.items() if name == PROCESS_CPU},
-        {role: value for (name, role), value in by_role.items() if name == STEPS_CPU},
-        simulation.step_seconds * planner.hardware.worker_threads,
+        busy_s, of(PROCESS_CPU), of(STEPS_CPU), of(STEPS_WALL),
+        {role: (t.alone_s, t.wall_s) for role, t in simulation.steps_by_role().items()},
         sum(r.output_tokens for r in result.records), len(result.records),
     )  # fmt: skip
 

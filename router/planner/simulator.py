@@ -127,11 +127,23 @@ class SimulatedRequest:
 
 
 @dataclass(slots=True)
+class StepTotals:
+    """A worker's steps over a run: their time alone, and as they ran (longer on a shared
+    host, while other work takes cores from them)."""
+
+    num_steps: int = 0
+    alone_s: float = 0.0
+    wall_s: float = 0.0
+
+
+@dataclass(slots=True)
 class _Worker:
     name: str
     shape: WorkerShape
     scheduler: Scheduler
     busy: bool = False
+    step_started_s: float = 0.0  # the step under way's
+    steps: StepTotals = field(default_factory=StepTotals)
     # hand-offs waiting for this (decode) worker's blocks, in arrival order
     handoffs: deque[EngineSequence] = field(default_factory=deque)
     kv_events: KVEventRecorder | None = None  # its prefix cache's, for kv_aware's index
@@ -159,7 +171,6 @@ class Simulation:
         self._decode_of: dict[int, _Worker] = {}  # prefill seq id -> its decode worker
         self._prefill_of: dict[int, _Worker] = {}  # handed-off seq id -> its prefill worker
         self._index = KVIndex()
-        self.step_seconds = 0.0  # the steps' times alone, all workers together
         self._host = (
             None if cluster.host is None else SharedHost(cluster.host, lambda: self.now, self._at)
         )
@@ -190,6 +201,22 @@ class Simulation:
             self.now, _, action = heapq.heappop(self._events)
             action()
         return self.requests
+
+    @property
+    def step_seconds(self) -> float:
+        """The steps' times alone, all workers together."""
+        return sum(w.steps.alone_s for w in (*self.prefill, *self.decode))
+
+    def steps_by_role(self) -> dict[str, StepTotals]:
+        """The workers' steps, summed over those of each role ("prefill", "decode")."""
+        totals: dict[str, StepTotals] = {}
+        for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
+            for worker in workers:
+                total = totals.setdefault(role, StepTotals())
+                total.num_steps += worker.steps.num_steps
+                total.alone_s += worker.steps.alone_s
+                total.wall_s += worker.steps.wall_s
+        return totals
 
     def _at(self, time_s: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (time_s, next(self._order), action))
@@ -259,13 +286,16 @@ class Simulation:
         worker.busy = True
         done = functools.partial(self._step_done, worker, output)
         seconds = worker.shape.step_times(shape)
-        self.step_seconds += seconds
+        worker.step_started_s = self.now
+        worker.steps.num_steps += 1
+        worker.steps.alone_s += seconds
         if self._host is None:
             self._at(self.now + seconds, done)
         else:
             self._host.start(worker.name, seconds, worker.shape.threads, done)
 
     def _step_done(self, worker: _Worker, output: SchedulerOutput) -> None:
+        worker.steps.wall_s += self.now - worker.step_started_s
         sampled = {seq.seq_id: _TOKEN for entry in output.scheduled for seq in entry.sample_seqs}
         appended = worker.scheduler.update(output, ModelRunnerOutput(sampled))
         handed = [t.seq for t in appended if t.seq.status is SequenceStatus.HANDED_OFF]

@@ -157,7 +157,15 @@ def test_on_a_shared_host_steps_and_streaming_share_its_cores() -> None:
     alone = Simulation(ClusterShape(two, router_policy="least_loaded"), prompts).run()
     assert [run.ttft_s for run in alone] == pytest.approx([0.020, 0.020])
     shared = ClusterShape(two, router_policy="least_loaded", host=HostShare(1))
-    assert [run.ttft_s for run in Simulation(shared, prompts).run()] == pytest.approx([0.04, 0.04])
+    simulation = Simulation(shared, prompts)
+    assert [run.ttft_s for run in simulation.run()] == pytest.approx([0.04, 0.04])
+    # the steps' totals: 20 ms each alone, 40 ms each as they ran
+    (totals,) = simulation.steps_by_role().values()
+    assert (totals.num_steps, totals.alone_s, totals.wall_s) == (
+        2,
+        pytest.approx(0.04),
+        pytest.approx(0.08),
+    )
     streaming = ClusterShape(_linear(0.010, 1e-4), host=HostShare(1, seconds_per_token=0.010))
     (run,) = Simulation(streaming, [WorkloadRequest(0.0, tuple(range(100)), 5)]).run()
     assert run.ttft_s == pytest.approx(0.040)  # sampled at 20 ms, streamed beside a step
