@@ -274,6 +274,15 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "other workers (default: 30)",
     )
     cluster.add_argument(
+        "--rebalance-place-timeout-s",
+        type=float,
+        default=120.0,
+        help="pools of different --prefill-tp and --decode-tp: a switching worker's processes "
+        "stop and a worker of the other pool's size starts; if Ray has not placed its ranks "
+        "after this long (no node has room), a worker of the old role starts in their place "
+        "(default: 120; an autoscaler adds a node in minutes)",
+    )
+    cluster.add_argument(
         "--max-worker-restarts",
         type=_int_in(0),
         default=10,
@@ -668,6 +677,7 @@ def _rebalance_config(args: argparse.Namespace) -> RebalanceConfig | None:
         window_s=args.rebalance_window_s,
         cooldown_s=args.rebalance_cooldown_s,
         drain_timeout_s=args.rebalance_drain_timeout_s,
+        place_timeout_s=args.rebalance_place_timeout_s,
     )
 
 

@@ -166,11 +166,6 @@ class ClusterConfig:
                 "--rebalance moves workers between the prefill and decode pools; with "
                 "--prefill 0 every worker does both"
             )
-        if self.prefill_tp != self.decode_tp:
-            raise ValueError(
-                f"--rebalance needs workers of one size in both pools: --prefill-tp "
-                f"{self.prefill_tp} and --decode-tp {self.decode_tp} differ"
-            )
         if self.prefill_resources != self.decode_resources:
             raise ValueError(
                 "--rebalance needs both pools' workers to fit the same nodes: "

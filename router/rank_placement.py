@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -73,6 +74,14 @@ class RankPlacement:
             "resources": resources,
             "scheduling_strategy": strategy,
         }
+
+    def placed(self, timeout_s: float) -> bool:
+        """Whether Ray has placed the group's bundles, waiting ``timeout_s`` at most (a
+        worker of one rank has none: True)."""
+        if self.group is None:
+            return True
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
+        return bool(ready)
 
     def remove(self) -> None:
         """Give the group's reservations back (its actors, if still alive, are killed)."""

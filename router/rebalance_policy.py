@@ -21,6 +21,9 @@ class RebalanceConfig:
     donor_pressure_low: float = 0.5  # the giving pool's, at most
     donor_utilization_low: float = 0.5  # the giving pool's busy share of the window, at most
     drain_timeout_s: float = 30.0  # then what the leaving worker still holds is resumed elsewhere
+    # pools of different sizes: a worker of the other pool's size not placed by Ray in this
+    # long is given up, and one of the old role starts instead
+    place_timeout_s: float = 120.0
     # a switch helped when, at the end of its cooldown, the receiving pool's pressure (as its
     # step timings predict it) is at most (1 - this) of what it was; after k in a row that did
     # not, the next switch that way waits 2 ** k more cooldowns (k at most max_backoff); one
@@ -31,10 +34,14 @@ class RebalanceConfig:
     def __post_init__(self) -> None:
         if min(self.slo_ttft_s, self.slo_tpot_s) <= 0:
             raise ValueError("--rebalance needs --slo-ttft-ms and --slo-tpot-ms > 0")
-        if self.window_s <= 0 or self.cooldown_s < 0 or self.drain_timeout_s < 0:
+        if (
+            self.window_s <= 0
+            or min(self.cooldown_s, self.drain_timeout_s) < 0
+            or self.place_timeout_s <= 0
+        ):
             raise ValueError(
-                "--rebalance-window-s must be > 0, --rebalance-cooldown-s and "
-                "--rebalance-drain-timeout-s >= 0"
+                "--rebalance-window-s and --rebalance-place-timeout-s must be > 0, "
+                "--rebalance-cooldown-s and --rebalance-drain-timeout-s >= 0"
             )
         if not 0 <= self.min_relief < 1 or self.max_backoff < 0:
             raise ValueError("min_relief must be in [0, 1) and max_backoff >= 0")

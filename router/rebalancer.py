@@ -24,8 +24,11 @@ closed) and its process becomes a worker of the other role, in a new slot of tha
 model's weights stay in memory, the engine is built anew for the role, on the same KV cache if
 it drained (nothing writes to it any more) and the role's cache has its shape
 (``WorkerActor.change_role``; a tensor-parallel worker's follower ranks rebuild with it, in
-their own processes). Where the pools reserve different resources, its process is stopped
-instead and a new one starts on the same cores. The switch is logged, counted (``pdserve:role_switches_total{from_role,to_role}``) and charted.
+their own processes). Where the pools' workers have different numbers of ranks
+(``--prefill-tp`` and ``--decode-tp`` differ), its processes are stopped instead, their
+reservations given back, and a worker of the other pool's size starts where Ray places it; if
+Ray has not placed its ranks after ``place_timeout_s`` (no node has room), a worker of the old
+role starts instead and the pools keep their sizes. The switch is logged, counted (``pdserve:role_switches_total{from_role,to_role}``) and charted.
 """
 
 from __future__ import annotations
@@ -190,8 +193,21 @@ class Rebalancer:
                 joined = self.pool.change_role(leaving, decision.to_role, cpus, emptied)
             else:
                 self.pool.stop_retired(leaving)
-        if joined is None:  # (lost meanwhile, or the change failed: its process is stopped)
+        if joined is None and in_place:  # (lost meanwhile, or the change failed: it is stopped)
             joined = self.pool.start_worker(decision.to_role, cpus)
+        elif joined is None:  # a worker of the other pool's size, where Ray finds room
+            joined = self.pool.start_worker(decision.to_role, cpus, self.config.place_timeout_s)
+            if joined is None:
+                restored = self.pool.start_worker(decision.from_role, cpus)
+                logger.error(
+                    "rebalancing: no %s worker started in place of %s; %s",
+                    decision.to_role,
+                    leaving.worker_id,
+                    f"a {decision.from_role} worker, {restored.worker_id}, took its place"
+                    if restored is not None
+                    else f"the {decision.from_role} pool is one worker short",
+                )
+                return None
         if joined is None:
             logger.error(
                 "rebalancing: no %s worker started in place of %s; the %s pool is one worker short",

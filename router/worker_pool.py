@@ -454,11 +454,14 @@ class WorkerPool:
     def stop_retired(self, worker: WorkerHandle) -> None:
         stop_actors([worker.actor])
 
-    def start_worker(self, role: str, cpus: tuple[int, ...] = ()) -> WorkerHandle | None:
+    def start_worker(
+        self, role: str, cpus: tuple[int, ...] = (), place_within_s: float | None = None
+    ) -> WorkerHandle | None:
         """Start a worker of ``role`` in a new slot of its pool (bound to ``cpus``) and put it
-        in rotation; None if it failed to start or join."""
+        in rotation; None if it failed to start or join, or if Ray did not place its ranks
+        within ``place_within_s`` (None: it waits as long as Ray takes)."""
         slot = self._new_slot(role, cpus)
-        worker = self._start_in(slot)
+        worker = self._start_in(slot, place_within_s)
         if worker is not None and self._join(worker, slot):
             return worker
         self._close_slot(slot)
@@ -588,10 +591,13 @@ class WorkerPool:
         with self._lock:
             slot.replacing = False
 
-    def _start_in(self, slot: WorkerSlot) -> WorkerHandle | None:
+    def _start_in(
+        self, slot: WorkerSlot, place_within_s: float | None = None
+    ) -> WorkerHandle | None:
         """A new worker in ``slot``, once it is ready; None if it failed to start (or the
-        cluster stopped first). It may wait long for Ray to place it: its node may be gone,
-        and a new one takes the autoscaler minutes."""
+        cluster stopped first, or its ranks were not placed within ``place_within_s``). It
+        may wait long for Ray to place it: its node may be gone, and a new one takes the
+        autoscaler minutes."""
         assert self._launcher is not None
         worker_id = slot.worker_id(slot.restarts)
         if slot.restarts:
@@ -606,6 +612,15 @@ class WorkerPool:
         else:
             logger.warning("starting %s worker %s in a new slot", slot.role, worker_id)
         actor = self._launcher.launch(slot, worker_id, self.decode_handles())
+        if place_within_s is not None and not self._launcher.placed(slot.name, place_within_s):
+            logger.error(
+                "%s worker %s: Ray did not place its ranks within %.0f s (no node has room)",
+                slot.role,
+                worker_id,
+                place_within_s,
+            )
+            _kill(actor)
+            return None
         ready = actor.ready.remote()
         while not ray.wait([ready], timeout=1.0)[0]:
             if self.stopping.is_set():

@@ -141,6 +141,13 @@ class WorkerLauncher:
             self._placements[slot.name] = placement
         return placement
 
+    def placed(self, slot_name: str, timeout_s: float) -> bool:
+        """Whether Ray placed the ranks of the worker started in ``slot_name`` within
+        ``timeout_s`` (a worker of one rank, without a group, counts as placed: Ray places its
+        actor as any other)."""
+        placement = self._placements.get(slot_name)
+        return placement is None or placement.placed(timeout_s)
+
     def release(self, slot_name: str) -> None:
         """Give back the placement group of a slot that closed (its worker retired)."""
         placement = self._placements.pop(slot_name, None)

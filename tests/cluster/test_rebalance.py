@@ -1,7 +1,8 @@
 """``--rebalance`` on a local Ray: a workload that shifts from prompt-heavy to output-heavy
 makes one prefill worker become a decode worker, once, in its own process (no new one starts;
-a tensor-parallel worker's ranks change with it, in theirs), with no request failed and every
-output what the offline engine gives."""
+a tensor-parallel worker's ranks change with it, in theirs), or, where the decode pool's
+workers have more ranks than the prefill pool's, as a new worker of the decode pool's size in
+new processes, with no request failed and every output what the offline engine gives."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from bench.rebalance import switch_times
 from engine import LLM, SamplingParams
 from router.cluster import Cluster
 from router.rebalance_policy import RebalanceConfig
+from router.worker_slots import WorkerLauncher
 from tests.fixtures.local_cluster import local_cluster_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,9 +54,17 @@ def _num_ranks(actor: object) -> int:
     return 1 if group is None else int(group.size)
 
 
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["one-rank", "two-ranks"])
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp"),
+    [(1, 1), (2, 2), (1, 2)],
+    ids=["one-rank", "two-ranks", "one-rank-to-two"],
+)
 def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
-    ray_session: None, llama_dir: Path, caplog: pytest.LogCaptureFixture, tensor_parallel_size: int
+    ray_session: None,
+    llama_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    prefill_tp: int,
+    decode_tp: int,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="router.rebalancer")
     # decode's TPOT SLO is out of reach (its pressure is always high): what keeps the prefill
@@ -73,8 +83,8 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         num_decode=1,
         latency_profile=True,
         rebalance=rebalance,
-        prefill_tp=tensor_parallel_size,
-        decode_tp=tensor_parallel_size,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
     )
     cluster = Cluster.start(config)
     try:
@@ -95,17 +105,17 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         assert cluster.role_switches() == {("prefill", "decode"): 1}
         roles = sorted(s.role for s in cluster.worker_statuses() if s.alive)
         assert roles == ["decode", "decode", "prefill"]
-        # the switched worker is the prefill worker's process, its weights kept: none started
         serving = {w.actor._actor_id for w in cluster.pool.workers.values() if w.alive}
-        assert serving == processes
-        # as logged (and read back by bench.rebalance)
-        (switch,) = switch_times(caplog.text)
+        (switch,) = switch_times(caplog.text)  # as logged (and read back by bench.rebalance)
         assert switch["worker"] == "decode-1" and switch["in_place_of"].startswith("prefill-")
-        assert switch["same_process"]
-        # its ranks came with it: the new decode worker steps on the group they run
+        # workers of one size: the switched worker is the prefill worker's process, its weights
+        # kept (none started); else a new worker of the decode pool's size, in new processes
+        in_place = prefill_tp == decode_tp
+        assert switch["same_process"] is in_place
+        assert (serving == processes) is in_place and len(serving - processes) == 1 - in_place
+        # the new decode worker steps on a group of the decode pool's ranks
         (switched,) = [w for w in cluster.pool.workers.values() if w.worker_id == "decode-1"]
-        ranks = ray.get(switched.actor.__ray_call__.remote(_num_ranks))
-        assert ranks == tensor_parallel_size
+        assert ray.get(switched.actor.__ray_call__.remote(_num_ranks)) == decode_tp
     finally:
         cluster.shutdown()
 
@@ -116,3 +126,50 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         params = SamplingParams(temperature=0.0, max_tokens=runs[0][1], ignore_eos=True)
         expected = offline.generate([p for p, _, _ in runs], params)
         assert [t for _, _, t in runs] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_switch_to_a_bigger_worker_ray_cannot_place_restores_the_old_role(
+    ray_session: None,
+    llama_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill workers of one rank, decode workers of two: when no node has room for the
+    switching worker's two ranks within ``place_timeout_s``, a prefill worker starts in its
+    place, the pools keep their sizes, and no request fails."""
+    caplog.set_level(logging.WARNING, logger="router.rebalancer")
+    # Ray places every group on this machine's Ray; a decode worker's is taken as never placed
+    monkeypatch.setattr(
+        WorkerLauncher, "placed", lambda self, slot, timeout_s: not slot.startswith("decode")
+    )
+    rebalance = RebalanceConfig(
+        slo_ttft_s=30.0,
+        slo_tpot_s=0.0005,
+        window_s=1.5,
+        cooldown_s=30.0,
+        donor_utilization_low=0.15,
+        drain_timeout_s=20.0,
+        place_timeout_s=1.0,
+    )
+    config = local_cluster_config(
+        llama_dir, num_prefill=2, num_decode=1, latency_profile=True, rebalance=rebalance,
+        prefill_tp=1, decode_tp=2,
+    )  # fmt: skip
+    cluster = Cluster.start(config)
+    try:
+        rng = random.Random(1)
+        done: list[tuple[list[int], int, list[int]]] = []
+        deadline = time.monotonic() + 120
+        while "took its place" not in caplog.text and time.monotonic() < deadline:
+            asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))
+        assert "took its place" in caplog.text, "no switch tried in 120 s"
+        assert cluster.role_switches() == {}
+        roles = sorted(s.role for s in cluster.worker_statuses() if s.alive)
+        assert roles == ["decode", "prefill", "prefill"]
+        asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))  # still served
+    finally:
+        cluster.shutdown()
+    offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    expected = offline.generate([p for p, _, _ in done], params)
+    assert [t for _, _, t in done] == [o.outputs[0].token_ids for o in expected]

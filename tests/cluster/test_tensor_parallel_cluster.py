@@ -14,6 +14,7 @@ import ray
 
 from engine import SamplingParams
 from router.cluster import Cluster
+from router.rank_placement import RankPlacement, rank_bundle
 from tests.cluster.tp_workload import (
     all_running,
     followers,
@@ -87,3 +88,17 @@ def test_a_lost_rank_takes_its_worker_out_and_its_requests_finish_elsewhere(
     # one placement group per live worker: the lost worker's was given back
     groups = ray.util.placement_group_table().values()
     assert sum(group["state"] == "CREATED" for group in groups) == 2
+
+
+def test_a_group_is_placed_where_a_node_has_room_and_not_where_none_has(ray_session: None) -> None:
+    """``RankPlacement.placed``: a worker's ranks are placed on this machine's Ray, but not if
+    they reserve a resource no node has, within the time allowed."""
+    fits = RankPlacement.create("pdserve-fits", 2, rank_bundle(0.0, 0.0, {}))
+    never = RankPlacement.create("pdserve-never", 2, rank_bundle(0.0, 0.0, {"no_such_node": 1}))
+    try:
+        assert fits.placed(timeout_s=60)
+        assert not never.placed(timeout_s=0.5)
+        assert RankPlacement.create("pdserve-one", 1, rank_bundle(0.0, 0.0, {})).placed(0.0)
+    finally:
+        fits.remove()
+        never.remove()

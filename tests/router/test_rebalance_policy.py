@@ -75,8 +75,10 @@ def test_after_a_switch_none_follows_within_the_cooldown_in_either_direction() -
 
 
 def test_bad_settings_name_their_flags() -> None:
-    with pytest.raises(ValueError, match="--rebalance-window-s must be > 0"):
+    with pytest.raises(ValueError, match="--rebalance-window-s and --rebalance-place-timeout-s must be > 0"):
         RebalanceConfig(1.0, 0.05, window_s=0)
+    with pytest.raises(ValueError, match="--rebalance-place-timeout-s must be > 0"):
+        RebalanceConfig(1.0, 0.05, place_timeout_s=0)
     with pytest.raises(ValueError, match="--slo-ttft-ms and --slo-tpot-ms > 0"):
         RebalanceConfig(0.0, 0.05)
     with pytest.raises(ValueError, match="must be below the switching one"):
