@@ -612,7 +612,7 @@ class WorkerPool:
         else:
             logger.warning("starting %s worker %s in a new slot", slot.role, worker_id)
         actor = self._launcher.launch(slot, worker_id, self.decode_handles())
-        if place_within_s is not None and not self._launcher.placed(slot.name, place_within_s):
+        if place_within_s is not None and not self._placed_in_time(slot, place_within_s):
             logger.error(
                 "%s worker %s: Ray did not place its ranks within %.0f s (no node has room)",
                 slot.role,
@@ -633,6 +633,16 @@ class WorkerPool:
             _kill(actor)
             return None
         return WorkerHandle(worker_id, slot.role, actor, slot=slot.name)
+
+    def _placed_in_time(self, slot: WorkerSlot, within_s: float) -> bool:
+        """Whether Ray places the ranks of the worker starting in ``slot`` within ``within_s``
+        (False at once if the cluster stops meanwhile)."""
+        assert self._launcher is not None
+        deadline = time.monotonic() + within_s
+        while not self._launcher.placed(slot.name, min(1.0, max(0.0, deadline - time.monotonic()))):
+            if self.stopping.is_set() or time.monotonic() >= deadline:
+                return False
+        return True
 
     def _join(self, worker: WorkerHandle, slot: WorkerSlot) -> bool:
         """Put a started worker in rotation; False (and it is stopped) if it cannot join.

@@ -75,8 +75,7 @@ class Hardware:
             raise ValueError(
                 f"hardware profile {self.name!r}: host_cores, host_seconds_per_token, "
                 f"host_seconds_per_handoff and host_worker_seconds_per_token must be >= 0, "
-                f"worker_threads and "
-                f"host_front_door_threads >= 1"
+                f"worker_threads and host_front_door_threads >= 1"
             )
         for name in (
             "flops_per_s",

@@ -6,11 +6,11 @@ A fluid processor-sharing model. A busy worker runs a step of ``work_s`` seconds
 alone, as the profile measured it) on ``threads`` cores; after it, its process's work on the
 step's outputs (``worker_seconds_per_token`` a sampled token) runs on one core as such work
 too, and so do a prefill worker's KV hand-offs (their copies and calls,
-``seconds_per_handoff`` each), after the outputs of the step that finished their prompts. The host's other work is the streaming of tokens:
-each sampled token costs CPU seconds of it, done first come first served by
-``front_door_threads`` threads, and reaches its client when its share is done. While the
-runnable threads outnumber the cores, each runs at ``cores / runnable`` of its speed (the
-kernel's fair share); otherwise at full speed. So a step ends later than alone by the share it
+``seconds_per_handoff`` each), after the outputs of the step that finished their prompts. The
+host's other work is the streaming of tokens: each sampled token costs CPU seconds of it, done
+first come first served by ``front_door_threads`` threads, and reaches its client when its
+share is done. While the runnable threads outnumber the cores, each runs at
+``cores / runnable`` of its speed (the kernel's fair share); otherwise at full speed. So a step ends later than alone by the share it
 lost, and on a saturated host tokens queue behind the streaming of those before them.
 """
 
