@@ -18,6 +18,7 @@ import ray
 from bench.rebalance import switch_times
 from engine import LLM, SamplingParams
 from router.cluster import Cluster
+from router.cluster_config import ClusterConfig
 from router.rebalance_policy import RebalanceConfig
 from router.worker_slots import WorkerLauncher
 from tests.fixtures.local_cluster import local_cluster_config
@@ -48,6 +49,24 @@ async def _phase(
     await asyncio.gather(*(client() for _ in range(CLIENTS)))
 
 
+def _rebalance(cooldown_s: float, place_timeout_s: float = 120.0) -> RebalanceConfig:
+    """decode's TPOT SLO is out of reach (its pressure is always high): what keeps the prefill
+    pool from giving a worker while prompts are long is its own utilization."""
+    return RebalanceConfig(
+        slo_ttft_s=30.0, slo_tpot_s=0.0005, window_s=1.5, cooldown_s=cooldown_s,
+        donor_utilization_low=0.15, drain_timeout_s=20.0, place_timeout_s=place_timeout_s,
+    )  # fmt: skip
+
+
+def _two_prefill_one_decode(
+    llama_dir: Path, rebalance: RebalanceConfig, prefill_tp: int, decode_tp: int
+) -> ClusterConfig:
+    return local_cluster_config(
+        llama_dir, num_prefill=2, num_decode=1, latency_profile=True, rebalance=rebalance,
+        prefill_tp=prefill_tp, decode_tp=decode_tp,
+    )  # fmt: skip
+
+
 def _num_ranks(actor: object) -> int:
     """The ranks of the worker an actor runs (on the actor)."""
     group = actor.worker.engine.group  # type: ignore[attr-defined]
@@ -67,26 +86,8 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
     decode_tp: int,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="router.rebalancer")
-    # decode's TPOT SLO is out of reach (its pressure is always high): what keeps the prefill
-    # pool from giving a worker while prompts are long is its own utilization
-    rebalance = RebalanceConfig(
-        slo_ttft_s=30.0,
-        slo_tpot_s=0.0005,
-        window_s=1.5,
-        cooldown_s=3.0,
-        donor_utilization_low=0.15,
-        drain_timeout_s=20.0,
-    )
-    config = local_cluster_config(
-        llama_dir,
-        num_prefill=2,
-        num_decode=1,
-        latency_profile=True,
-        rebalance=rebalance,
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-    )
-    cluster = Cluster.start(config)
+    rebalance = _rebalance(cooldown_s=3.0)
+    cluster = Cluster.start(_two_prefill_one_decode(llama_dir, rebalance, prefill_tp, decode_tp))
     try:
         processes = {w.actor._actor_id for w in cluster.pool.workers.values()}
         rng = random.Random(0)
@@ -142,20 +143,8 @@ def test_a_switch_to_a_bigger_worker_ray_cannot_place_restores_the_old_role(
     monkeypatch.setattr(
         WorkerLauncher, "placed", lambda self, slot, timeout_s: not slot.startswith("decode")
     )
-    rebalance = RebalanceConfig(
-        slo_ttft_s=30.0,
-        slo_tpot_s=0.0005,
-        window_s=1.5,
-        cooldown_s=30.0,
-        donor_utilization_low=0.15,
-        drain_timeout_s=20.0,
-        place_timeout_s=1.0,
-    )
-    config = local_cluster_config(
-        llama_dir, num_prefill=2, num_decode=1, latency_profile=True, rebalance=rebalance,
-        prefill_tp=1, decode_tp=2,
-    )  # fmt: skip
-    cluster = Cluster.start(config)
+    rebalance = _rebalance(cooldown_s=30.0, place_timeout_s=1.0)
+    cluster = Cluster.start(_two_prefill_one_decode(llama_dir, rebalance, 1, 2))
     try:
         rng = random.Random(1)
         done: list[tuple[list[int], int, list[int]]] = []
