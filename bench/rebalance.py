@@ -193,14 +193,15 @@ def _switches(spec: ServerSpec) -> dict[str, float]:
 
 
 _SWITCH_LINE = re.compile(
-    r"rebalancing: (\w+) worker (\S+) in rotation in place of (\S+) \((the same process|a new "
+    r"rebalancing: (\w+) worker (.+?) in rotation in place of (.+?) \((the same process|a new "
     r"process); drained in ([\d.]+) s, joined ([\d.]+) s later\)"
 )
 
 
 def switch_times(log: str) -> list[dict[str, Any]]:
-    """The switches a server's log tells of: each new worker, the one it replaced, whether it
-    is the same process, and the seconds it took to drain and then to join."""
+    """The switches a server's log tells of: each new worker (or workers, of an exchange
+    between pools of different sizes), the one (or ones) it replaced, whether it is the same
+    process, and the seconds it took to drain and then to join."""
     return [
         {
             "worker": m[2],

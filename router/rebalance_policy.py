@@ -68,10 +68,34 @@ class PoolSignals:
 
 
 @dataclass(frozen=True, slots=True)
+class Exchange:
+    """How many workers a switch takes from the giving pool, and how many of the receiving
+    pool's size it starts on their ranks' room: one for one where the pools' workers have as
+    many ranks; else as many givers as one receiver needs, and as many receivers as they make
+    room for."""
+
+    given: int
+    started: int
+
+
+def exchange(giver_ranks: int, receiver_ranks: int) -> Exchange:
+    """The exchange between workers of ``giver_ranks`` and of ``receiver_ranks`` ranks: TP 1
+    to TP 2 gives two workers for one, TP 4 to TP 2 one for two."""
+    if min(giver_ranks, receiver_ranks) < 1:
+        raise ValueError(f"workers have at least one rank, not {giver_ranks} and {receiver_ranks}")
+    given = -(-receiver_ranks // giver_ranks)
+    return Exchange(given, given * giver_ranks // receiver_ranks)
+
+
+ONE_FOR_ONE = Exchange(1, 1)
+
+
+@dataclass(frozen=True, slots=True)
 class Switch:
     from_role: str
     to_role: str
     reason: str
+    exchange: Exchange = ONE_FOR_ONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +122,13 @@ class Verdict:
 class RebalancePolicy:
     """When to switch (pure: fed signals and the time, no cluster)."""
 
-    def __init__(self, config: RebalanceConfig) -> None:
+    def __init__(
+        self, config: RebalanceConfig, exchanges: Mapping[tuple[str, str], Exchange] | None = None
+    ) -> None:
+        """``exchanges``: by direction (giving role, receiving role), the workers a switch
+        takes and starts (default: one for one)."""
         self.config = config
+        self._exchanges = dict(exchanges or {})
         self._last_switch_at = float("-inf")
         self._since: dict[tuple[str, str], float] = {}  # direction -> when it started to hold
         # the switch decided (direction, the receiving pool's judged pressure then), until
@@ -121,11 +150,12 @@ class RebalancePolicy:
             if now < self._blocked_until.get((donor, receiver), float("-inf")):
                 self._since.pop((donor, receiver), None)
                 continue
+            trade = self._exchanges.get((donor, receiver), ONE_FOR_ONE)
             holds = (
                 signals.pressure[receiver] >= config.pressure_high
                 and signals.pressure[donor] <= config.donor_pressure_low
                 and signals.utilization[donor] <= config.donor_utilization_low
-                and signals.num_workers[donor] > 1
+                and signals.num_workers[donor] > trade.given  # it keeps one at least
             )
             if not holds:
                 self._since.pop((donor, receiver), None)
@@ -140,6 +170,7 @@ class RebalancePolicy:
                     f"{config.pressure_high}) while {donor} pressure "
                     f"{signals.pressure[donor]:.2f} and utilization "
                     f"{signals.utilization[donor]:.2f}, for {now - since:.0f} s",
+                    trade,
                 )
         return None
 

@@ -25,10 +25,13 @@ model's weights stay in memory, the engine is built anew for the role, on the sa
 it drained (nothing writes to it any more) and the role's cache has its shape
 (``WorkerActor.change_role``; a tensor-parallel worker's follower ranks rebuild with it, in
 their own processes). Where the pools' workers have different numbers of ranks
-(``--prefill-tp`` and ``--decode-tp`` differ), its processes are stopped instead, their
-reservations given back, and a worker of the other pool's size starts where Ray places it; if
-Ray has not placed its ranks after ``place_timeout_s`` (no node has room), a worker of the old
-role starts instead and the pools keep their sizes. The switch is logged, counted (``pdserve:role_switches_total{from_role,to_role}``) and charted.
+(``--prefill-tp`` and ``--decode-tp`` differ) a switch is an exchange (``exchange``): as many
+workers leave as the other pool's worker needs ranks (TP 1 to TP 2: two), their processes stop
+and their reservations are given back, and as many workers of the other pool's size start as
+that room holds (TP 4 to TP 2: two), where Ray places them; if Ray places none within
+``place_timeout_s`` (no node has room), workers of the old role start again instead and the
+pools keep their sizes. The switch is logged, counted
+(``pdserve:role_switches_total{from_role,to_role}``) and charted.
 """
 
 from __future__ import annotations
@@ -41,7 +44,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.latency_forecast import Forecast
-from router.rebalance_policy import ROLES, PoolSignals, RebalanceConfig, RebalancePolicy, Switch
+from router.rebalance_policy import (
+    ROLES,
+    PoolSignals,
+    RebalanceConfig,
+    RebalancePolicy,
+    Switch,
+    exchange,
+)
 from router.worker_pool import WorkerHandle, WorkerPool
 
 logger = logging.getLogger("router.rebalancer")
@@ -78,7 +88,10 @@ class Rebalancer:
         requests placed on a worker; ``recover``: the placements' recovery of a worker's
         requests once it is out of rotation."""
         self.config = config
-        self.policy = RebalancePolicy(config)
+        sizes = {"prefill": pool.config.prefill_tp, "decode": pool.config.decode_tp}
+        self.policy = RebalancePolicy(
+            config, {(a, b): exchange(sizes[a], sizes[b]) for a in ROLES for b in ROLES if a != b}
+        )
         self.pool = pool
         self._forecast = forecast
         self._num_placed_on = num_placed_on
@@ -162,60 +175,38 @@ class Rebalancer:
         return workers
 
     # ---- a switch -------------------------------------------------------------------------
-    def switch(self, decision: Switch) -> WorkerHandle | None:
-        """Move the least busy worker of ``decision.from_role`` to the other pool; the new
-        worker, or None if none started (the pool is then one worker short, as after a
-        failed restart)."""
-        leaving = self._least_busy(decision.from_role)
-        if leaving is None:
-            return None
+    def switch(self, decision: Switch) -> list[WorkerHandle]:
+        """Move the least busy workers of ``decision.from_role`` (as many as its exchange
+        gives) to the other pool; the new workers (none if none started: the pools are then
+        as after a failed restart, or as before where the old role's workers came back)."""
+        trade = decision.exchange
+        leaving = self._least_busy(decision.from_role, trade.given)
+        if not leaving:
+            return []
+        names = ", ".join(w.worker_id for w in leaving)
         logger.warning(
-            "rebalancing: %s worker %s becomes a %s worker (%s)",
-            decision.from_role,
-            leaving.worker_id,
-            decision.to_role,
-            decision.reason,
-        )
-        self.pool.start_draining(leaving.worker_id)
+            "rebalancing: %s worker%s %s become%s %s %s worker%s (%s)",
+            decision.from_role, "s" * (len(leaving) > 1), names, "s" * (len(leaving) == 1),
+            trade.started, decision.to_role, "s" * (trade.started > 1), decision.reason,
+        )  # fmt: skip
         started = time.monotonic()
+        for worker in leaving:
+            self.pool.start_draining(worker.worker_id)
         drain_by = started + self.config.drain_timeout_s
-        while self._num_placed_on(leaving.worker_id) and time.monotonic() < drain_by:
+        while any(self._num_placed_on(w.worker_id) for w in leaving):
+            if time.monotonic() >= drain_by:
+                break
             if self.pool.stopping.wait(_DRAIN_POLL_S):
-                return None
-        cpus = self.pool.slot_cpus(leaving)
+                return []
+        cpus = self.pool.slot_cpus(leaving[0])
         drained = time.monotonic()
-        emptied = not self._num_placed_on(leaving.worker_id)  # (else: resumed elsewhere)
-        joined = None
-        in_place = self.pool.changes_roles_in_place
-        if self.pool.retire(leaving, keep_placement=in_place):
-            self._recover([leaving])  # what it still holds: resumed elsewhere
-            if in_place:
-                joined = self.pool.change_role(leaving, decision.to_role, cpus, emptied)
-            else:
-                self.pool.stop_retired(leaving)
-        if joined is None and in_place:  # (lost meanwhile, or the change failed: it is stopped)
-            joined = self.pool.start_worker(decision.to_role, cpus)
-        elif joined is None:  # a worker of the other pool's size, where Ray finds room
-            joined = self.pool.start_worker(decision.to_role, cpus, self.config.place_timeout_s)
-            if joined is None:
-                restored = self.pool.start_worker(decision.from_role, cpus)
-                logger.error(
-                    "rebalancing: no %s worker started in place of %s; %s",
-                    decision.to_role,
-                    leaving.worker_id,
-                    f"a {decision.from_role} worker, {restored.worker_id}, took its place"
-                    if restored is not None
-                    else f"the {decision.from_role} pool is one worker short",
-                )
-                return None
-        if joined is None:
-            logger.error(
-                "rebalancing: no %s worker started in place of %s; the %s pool is one worker short",
-                decision.to_role,
-                leaving.worker_id,
-                decision.to_role,
-            )
-            return None
+        in_place = self.pool.changes_roles_in_place and len(leaving) == trade.started == 1
+        if in_place:
+            joined = self._change_in_place(leaving[0], decision, cpus)
+        else:
+            joined = self._exchange(leaving, decision, cpus)
+        if not joined:
+            return []
         with self._lock:
             self._switches[(decision.from_role, decision.to_role)] += 1
         joined_at = time.monotonic()
@@ -223,21 +214,82 @@ class Rebalancer:
             "rebalancing: %s worker %s in rotation in place of %s (%s; drained in %.1f s, "
             "joined %.1f s later)",
             decision.to_role,
-            joined.worker_id,
-            leaving.worker_id,
-            "the same process" if joined.actor is leaving.actor else "a new process",
+            ", ".join(w.worker_id for w in joined),
+            names,
+            "the same process" if joined[0].actor is leaving[0].actor else "a new process",
             drained - started,
             joined_at - drained,
         )
         return joined
 
-    def _least_busy(self, role: str) -> WorkerHandle | None:
+    def _change_in_place(
+        self, leaving: WorkerHandle, decision: Switch, cpus: tuple[int, ...]
+    ) -> list[WorkerHandle]:
+        """The leaving worker's processes become a worker of the other role (or, if that
+        fails, a new one starts on the same cores)."""
+        emptied = not self._num_placed_on(leaving.worker_id)  # (else: resumed elsewhere)
+        joined = None
+        if self.pool.retire(leaving, keep_placement=True):
+            self._recover([leaving])  # what it still holds: resumed elsewhere
+            joined = self.pool.change_role(leaving, decision.to_role, cpus, emptied)
+        if joined is None:  # (lost meanwhile, or the change failed: it is stopped)
+            joined = self.pool.start_worker(decision.to_role, cpus)
+        if joined is None:
+            logger.error(
+                "rebalancing: no %s worker started in place of %s; the %s pool is one worker short",
+                decision.to_role,
+                leaving.worker_id,
+                decision.to_role,
+            )
+            return []
+        return [joined]
+
+    def _exchange(
+        self, leaving: list[WorkerHandle], decision: Switch, cpus: tuple[int, ...]
+    ) -> list[WorkerHandle]:
+        """The leaving workers' processes stop and workers of the other pool's size start
+        where Ray places them; if Ray places none within ``place_timeout_s`` (no node has
+        room), workers of the old role start again in the room given back."""
+        for worker in leaving:
+            if self.pool.retire(worker, keep_placement=False):
+                self._recover([worker])  # what it still holds: resumed elsewhere
+                self.pool.stop_retired(worker)
+        joined: list[WorkerHandle] = []
+        for _ in range(decision.exchange.started):
+            started = self.pool.start_worker(decision.to_role, cpus, self.config.place_timeout_s)
+            if started is None:
+                break
+            joined.append(started)
+        names = ", ".join(w.worker_id for w in leaving)
+        if joined and len(joined) < decision.exchange.started:
+            logger.warning(
+                "rebalancing: %d of %d %s workers started in place of %s (Ray placed no more)",
+                len(joined), decision.exchange.started, decision.to_role, names,
+            )  # fmt: skip
+        if joined:
+            return joined
+        restored = [self.pool.start_worker(decision.from_role, cpus) for _ in leaving]
+        back = [w.worker_id for w in restored if w is not None]
+        logger.error(
+            "rebalancing: no %s worker started in place of %s; %s",
+            decision.to_role,
+            names,
+            f"{decision.from_role} workers {', '.join(back)} took their place"
+            if back
+            else f"the {decision.from_role} pool is {len(leaving)} worker(s) short",
+        )
+        return []
+
+    def _least_busy(self, role: str, count: int) -> list[WorkerHandle]:
+        """The ``count`` least busy workers of ``role``'s pool; none if it would keep none
+        (the floor: a pool keeps one worker)."""
         candidates = [
             w for w in self.pool.workers.values() if w.role == role and w.alive and not w.draining
         ]
-        if len(candidates) < 2:  # the floor: a pool keeps one worker
-            return None
-        return min(candidates, key=lambda w: (self._num_placed_on(w.worker_id), w.worker_id))
+        if len(candidates) <= count:
+            return []
+        candidates.sort(key=lambda w: (self._num_placed_on(w.worker_id), w.worker_id))
+        return candidates[:count]
 
     def switch_counts(self) -> dict[tuple[str, str], int]:
         with self._lock:

@@ -1,8 +1,9 @@
 """``--rebalance`` on a local Ray: a workload that shifts from prompt-heavy to output-heavy
 makes one prefill worker become a decode worker, once, in its own process (no new one starts;
 a tensor-parallel worker's ranks change with it, in theirs), or, where the decode pool's
-workers have more ranks than the prefill pool's, as a new worker of the decode pool's size in
-new processes, with no request failed and every output what the offline engine gives."""
+workers have twice the ranks of the prefill pool's, two prefill workers make way for a new
+decode worker of the decode pool's size, in new processes; with no request failed and every
+output what the offline engine gives."""
 
 from __future__ import annotations
 
@@ -58,12 +59,16 @@ def _rebalance(cooldown_s: float, place_timeout_s: float = 120.0) -> RebalanceCo
     )  # fmt: skip
 
 
-def _two_prefill_one_decode(
+def _prefill_heavy(
     llama_dir: Path, rebalance: RebalanceConfig, prefill_tp: int, decode_tp: int
 ) -> ClusterConfig:
+    """One decode worker and, beside the prefill worker a switch leaves, those it takes: one
+    where the workers have as many ranks, two where a decode worker has twice a prefill one's
+    (and so needs the room of two)."""
+    given = -(-decode_tp // prefill_tp)
     return local_cluster_config(
-        llama_dir, num_prefill=2, num_decode=1, latency_profile=True, rebalance=rebalance,
-        prefill_tp=prefill_tp, decode_tp=decode_tp,
+        llama_dir, num_prefill=1 + given, num_decode=1, latency_profile=True,
+        rebalance=rebalance, prefill_tp=prefill_tp, decode_tp=decode_tp,
     )  # fmt: skip
 
 
@@ -87,7 +92,7 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="router.rebalancer")
     rebalance = _rebalance(cooldown_s=3.0)
-    cluster = Cluster.start(_two_prefill_one_decode(llama_dir, rebalance, prefill_tp, decode_tp))
+    cluster = Cluster.start(_prefill_heavy(llama_dir, rebalance, prefill_tp, decode_tp))
     try:
         processes = {w.actor._actor_id for w in cluster.pool.workers.values()}
         rng = random.Random(0)
@@ -113,6 +118,7 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         # kept (none started); else a new worker of the decode pool's size, in new processes
         in_place = prefill_tp == decode_tp
         assert switch["same_process"] is in_place
+        assert len(switch["in_place_of"].split(", ")) == -(-decode_tp // prefill_tp)
         assert (serving == processes) is in_place and len(serving - processes) == 1 - in_place
         # the new decode worker steps on a group of the decode pool's ranks
         (switched,) = [w for w in cluster.pool.workers.values() if w.worker_id == "decode-1"]
@@ -136,29 +142,65 @@ def test_a_switch_to_a_bigger_worker_ray_cannot_place_restores_the_old_role(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Prefill workers of one rank, decode workers of two: when no node has room for the
-    switching worker's two ranks within ``place_timeout_s``, a prefill worker starts in its
-    place, the pools keep their sizes, and no request fails."""
+    new decode worker's two ranks within ``place_timeout_s``, prefill workers start in the
+    place of the two that left, the pools keep their sizes, and no request fails."""
     caplog.set_level(logging.WARNING, logger="router.rebalancer")
     # Ray places every group on this machine's Ray; a decode worker's is taken as never placed
     monkeypatch.setattr(
         WorkerLauncher, "placed", lambda self, slot, timeout_s: not slot.startswith("decode")
     )
     rebalance = _rebalance(cooldown_s=30.0, place_timeout_s=1.0)
-    cluster = Cluster.start(_two_prefill_one_decode(llama_dir, rebalance, 1, 2))
+    cluster = Cluster.start(_prefill_heavy(llama_dir, rebalance, 1, 2))
     try:
         rng = random.Random(1)
         done: list[tuple[list[int], int, list[int]]] = []
         deadline = time.monotonic() + 120
-        while "took its place" not in caplog.text and time.monotonic() < deadline:
+        while "took their place" not in caplog.text and time.monotonic() < deadline:
             asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))
-        assert "took its place" in caplog.text, "no switch tried in 120 s"
+        assert "took their place" in caplog.text, "no switch tried in 120 s"
         assert cluster.role_switches() == {}
         roles = sorted(s.role for s in cluster.worker_statuses() if s.alive)
-        assert roles == ["decode", "prefill", "prefill"]
+        assert roles == ["decode", "prefill", "prefill", "prefill"]
         asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))  # still served
     finally:
         cluster.shutdown()
     offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    expected = offline.generate([p for p, _, _ in done], params)
+    assert [t for _, _, t in done] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_decode_worker_of_two_ranks_makes_room_for_two_prefill_workers_of_one(
+    ray_session: None, llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prompt-heavy traffic under an out-of-reach TTFT SLO, decode workers of two ranks
+    idle: one of them leaves and two prefill workers of one rank start in its room."""
+    caplog.set_level(logging.WARNING, logger="router.rebalancer")
+    rebalance = RebalanceConfig(
+        slo_ttft_s=0.0005, slo_tpot_s=30.0, window_s=1.5, cooldown_s=30.0,
+        donor_utilization_low=0.5, drain_timeout_s=20.0,
+    )  # fmt: skip
+    config = local_cluster_config(
+        llama_dir, num_prefill=1, num_decode=2, latency_profile=True, rebalance=rebalance,
+        prefill_tp=1, decode_tp=2,
+    )  # fmt: skip
+    cluster = Cluster.start(config)
+    try:
+        rng = random.Random(2)
+        done: list[tuple[list[int], int, list[int]]] = []
+        deadline = time.monotonic() + 120
+        while not cluster.role_switches() and time.monotonic() < deadline:
+            asyncio.run(_phase(cluster, rng, 200, 2, time.monotonic() + 1.0, done))
+        assert cluster.role_switches() == {("decode", "prefill"): 1}, "no switch in 120 s"
+        roles = sorted(s.role for s in cluster.worker_statuses() if s.alive)
+        assert roles == ["decode", "prefill", "prefill", "prefill"]
+        (switch,) = switch_times(caplog.text)
+        assert switch["in_place_of"].startswith("decode-") and not switch["same_process"]
+        assert len(switch["worker"].split(", ")) == 2
+        asyncio.run(_phase(cluster, rng, 200, 2, time.monotonic() + 1.0, done))  # all serve
+    finally:
+        cluster.shutdown()
+    offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     expected = offline.generate([p for p, _, _ in done], params)
     assert [t for _, _, t in done] == [o.outputs[0].token_ids for o in expected]

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from router.rebalance_policy import PoolSignals, RebalanceConfig, RebalancePolicy
+from router.rebalance_policy import (
+    Exchange,
+    PoolSignals,
+    RebalanceConfig,
+    RebalancePolicy,
+    exchange,
+)
 
 CONFIG = RebalanceConfig(slo_ttft_s=1.0, slo_tpot_s=0.05, window_s=10.0, cooldown_s=60.0)
 
@@ -75,7 +81,9 @@ def test_after_a_switch_none_follows_within_the_cooldown_in_either_direction() -
 
 
 def test_bad_settings_name_their_flags() -> None:
-    with pytest.raises(ValueError, match="--rebalance-window-s and --rebalance-place-timeout-s must be > 0"):
+    with pytest.raises(
+        ValueError, match="--rebalance-window-s and --rebalance-place-timeout-s must be > 0"
+    ):
         RebalanceConfig(1.0, 0.05, window_s=0)
     with pytest.raises(ValueError, match="--rebalance-place-timeout-s must be > 0"):
         RebalanceConfig(1.0, 0.05, place_timeout_s=0)
@@ -183,3 +191,23 @@ def test_bad_relief_settings_are_refused() -> None:
         RebalanceConfig(1.0, 0.05, min_relief=1.0)
     with pytest.raises(ValueError, match="max_backoff"):
         RebalanceConfig(1.0, 0.05, max_backoff=-1)
+
+
+def test_pools_of_different_sizes_exchange_workers_by_their_ranks() -> None:
+    """TP 1 to TP 2 takes two workers for one; TP 4 to TP 2 starts two for one; as many
+    ranks one for one. A pool gives workers only if it keeps one."""
+    assert exchange(1, 2) == Exchange(2, 1) and exchange(4, 2) == Exchange(1, 2)
+    assert exchange(2, 2) == Exchange(1, 1) and exchange(2, 4) == Exchange(2, 1)
+    assert exchange(2, 3) == Exchange(2, 1)  # 4 ranks of room hold one worker of 3
+    with pytest.raises(ValueError, match="at least one rank"):
+        exchange(0, 2)
+    policy = RebalancePolicy(CONFIG, {("prefill", "decode"): exchange(1, 2)})
+    two = _signals(decode=1.1, decode_busy=0.9)  # 2 prefill workers: giving 2 leaves none
+    assert all(policy.decide(float(t), two) is None for t in range(0, 30))
+    three = _signals(decode=1.1, decode_busy=0.9, num_prefill=3)
+    switch = next(s for t in range(30, 60) if (s := policy.decide(float(t), three)) is not None)
+    assert (switch.from_role, switch.to_role, switch.exchange) == (
+        "prefill",
+        "decode",
+        Exchange(2, 1),
+    )
