@@ -184,10 +184,14 @@ class Rebalancer:
         if not leaving:
             return []
         names = ", ".join(w.worker_id for w in leaving)
+        several = len(leaving) > 1
+        becomes = f"{trade.started} {decision.to_role} workers" if trade.started > 1 else (
+            f"a {decision.to_role} worker"
+        )  # fmt: skip
         logger.warning(
-            "rebalancing: %s worker%s %s become%s %s %s worker%s (%s)",
-            decision.from_role, "s" * (len(leaving) > 1), names, "s" * (len(leaving) == 1),
-            trade.started, decision.to_role, "s" * (trade.started > 1), decision.reason,
+            "rebalancing: %s worker%s %s become%s %s (%s)",
+            decision.from_role, "s" * several, names, "" if several else "s", becomes,
+            decision.reason,
         )  # fmt: skip
         started = time.monotonic()
         for worker in leaving:
