@@ -202,11 +202,6 @@ class Simulation:
             action()
         return self.requests
 
-    @property
-    def step_seconds(self) -> float:
-        """The steps' times alone, all workers together."""
-        return sum(w.steps.alone_s for w in (*self.prefill, *self.decode))
-
     def steps_by_role(self) -> dict[str, StepTotals]:
         """The workers' steps, summed over those of each role ("prefill", "decode")."""
         totals: dict[str, StepTotals] = {}

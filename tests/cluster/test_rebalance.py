@@ -11,6 +11,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,31 @@ async def _phase(
             done.append((prompt, max_tokens, tokens))
 
     await asyncio.gather(*(client() for _ in range(CLIENTS)))
+
+
+def _serve_until(
+    cluster: Cluster,
+    rng: random.Random,
+    shape: tuple[int, int],
+    done: list[tuple[list[int], int, list[int]]],
+    reached: Callable[[], bool],
+) -> None:
+    """Phases of a second of (prompt length, max_tokens) ``shape`` requests until
+    ``reached()``, for 120 s at most."""
+    deadline = time.monotonic() + 120
+    while not reached() and time.monotonic() < deadline:
+        asyncio.run(_phase(cluster, rng, *shape, time.monotonic() + 1.0, done))
+
+
+def _assert_as_offline(llama_dir: Path, done: list[tuple[list[int], int, list[int]]]) -> None:
+    """Every request's tokens are what the offline engine gives its prompt (one batch per
+    max_tokens)."""
+    offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
+    for max_tokens in sorted({m for _, m, _ in done}):
+        runs = [(p, t) for p, m, t in done if m == max_tokens]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        expected = offline.generate([p for p, _ in runs], params)
+        assert [t for _, t in runs] == [o.outputs[0].token_ids for o in expected]
 
 
 def _rebalance(cooldown_s: float, place_timeout_s: float = 120.0) -> RebalanceConfig:
@@ -101,9 +127,7 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         assert cluster.role_switches() == {}  # prompt-heavy: the prefill pool is busy
         num_prompt_heavy = len(done)
 
-        deadline = time.monotonic() + 120
-        while not cluster.role_switches() and time.monotonic() < deadline:
-            asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))
+        _serve_until(cluster, rng, (4, 48), done, lambda: bool(cluster.role_switches()))
         assert cluster.role_switches() == {("prefill", "decode"): 1}, "no switch in 120 s"
         # well past the cooldown: nothing more moves (the prefill pool keeps its one worker,
         # and it is not the bottleneck)
@@ -127,12 +151,7 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         cluster.shutdown()
 
     assert num_prompt_heavy >= CLIENTS and len(done) > num_prompt_heavy
-    offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
-    for prompt_len in (400, 4):  # one batch per shape
-        runs = [(p, m, t) for p, m, t in done if len(p) == prompt_len]
-        params = SamplingParams(temperature=0.0, max_tokens=runs[0][1], ignore_eos=True)
-        expected = offline.generate([p for p, _, _ in runs], params)
-        assert [t for _, _, t in runs] == [o.outputs[0].token_ids for o in expected]
+    _assert_as_offline(llama_dir, done)
 
 
 def test_a_switch_to_a_bigger_worker_ray_cannot_place_restores_the_old_role(
@@ -154,9 +173,7 @@ def test_a_switch_to_a_bigger_worker_ray_cannot_place_restores_the_old_role(
     try:
         rng = random.Random(1)
         done: list[tuple[list[int], int, list[int]]] = []
-        deadline = time.monotonic() + 120
-        while "took their place" not in caplog.text and time.monotonic() < deadline:
-            asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))
+        _serve_until(cluster, rng, (4, 48), done, lambda: "took their place" in caplog.text)
         assert "took their place" in caplog.text, "no switch tried in 120 s"
         assert cluster.role_switches() == {}
         roles = sorted(s.role for s in cluster.worker_statuses() if s.alive)
@@ -164,10 +181,7 @@ def test_a_switch_to_a_bigger_worker_ray_cannot_place_restores_the_old_role(
         asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))  # still served
     finally:
         cluster.shutdown()
-    offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    expected = offline.generate([p for p, _, _ in done], params)
-    assert [t for _, _, t in done] == [o.outputs[0].token_ids for o in expected]
+    _assert_as_offline(llama_dir, done)
 
 
 def test_a_decode_worker_of_two_ranks_makes_room_for_two_prefill_workers_of_one(
@@ -188,9 +202,7 @@ def test_a_decode_worker_of_two_ranks_makes_room_for_two_prefill_workers_of_one(
     try:
         rng = random.Random(2)
         done: list[tuple[list[int], int, list[int]]] = []
-        deadline = time.monotonic() + 120
-        while not cluster.role_switches() and time.monotonic() < deadline:
-            asyncio.run(_phase(cluster, rng, 200, 2, time.monotonic() + 1.0, done))
+        _serve_until(cluster, rng, (200, 2), done, lambda: bool(cluster.role_switches()))
         assert cluster.role_switches() == {("decode", "prefill"): 1}, "no switch in 120 s"
         roles = sorted(s.role for s in cluster.worker_statuses() if s.alive)
         assert roles == ["decode", "prefill", "prefill", "prefill"]
@@ -200,7 +212,4 @@ def test_a_decode_worker_of_two_ranks_makes_room_for_two_prefill_workers_of_one(
         asyncio.run(_phase(cluster, rng, 200, 2, time.monotonic() + 1.0, done))  # all serve
     finally:
         cluster.shutdown()
-    offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    expected = offline.generate([p for p, _, _ in done], params)
-    assert [t for _, _, t in done] == [o.outputs[0].token_ids for o in expected]
+    _assert_as_offline(llama_dir, done)
