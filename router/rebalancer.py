@@ -204,8 +204,7 @@ class Rebalancer:
                 return []
         cpus = self.pool.slot_cpus(leaving[0])
         drained = time.monotonic()
-        in_place = self.pool.changes_roles_in_place and len(leaving) == trade.started == 1
-        if in_place:
+        if self.pool.changes_roles_in_place:  # (pools of one size: one for one)
             joined = self._change_in_place(leaving[0], decision, cpus)
         else:
             joined = self._exchange(leaving, decision, cpus)
