@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 PROFILE_SALT = "pdserve-latency-profile"
 PROFILE_GATEWAY = "latency-profile"  # the output stream the profile's requests go to
 _DECODE_PROMPT_TOKENS = 16
-_DECODE_STEPS = 8
+DECODE_STEPS = 8  # a decode batch's steps at start-up (pdserve profile runs longer ones)
 _BATCH_SIZES = (1, 4, 16)
 
 
@@ -44,11 +44,16 @@ class ProfileRequest:
 
 
 def profile_batches(
-    engine: LLMEngine, seed: int = 0, batch_sizes: tuple[int, ...] = _BATCH_SIZES
+    engine: LLMEngine,
+    seed: int = 0,
+    batch_sizes: tuple[int, ...] = _BATCH_SIZES,
+    decode_steps: int = DECODE_STEPS,
 ) -> list[list[ProfileRequest]]:
     """The profile's requests, in batches run one after another (each batch's requests
     together): prompts alone, of a few sizes up to the step budget, one token each; then batches
-    of ``batch_sizes`` prompts of a short and of a longer context, decoding together."""
+    of ``batch_sizes`` prompts of a short and of a longer context, decoding together for
+    ``decode_steps`` steps (a batch's first few steps are slower than its later ones: on a CPU,
+    by about 10 % over the first four of 32)."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     config = engine.scheduler.config
@@ -64,14 +69,14 @@ def profile_batches(
     ]
     # decode batches of short and of longer contexts: rows and KV read vary apart
     for context in sorted({_DECODE_PROMPT_TOKENS, max(_DECODE_PROMPT_TOKENS, longest // 2)}):
-        per_request = context + _DECODE_STEPS
+        per_request = context + decode_steps
         for size in batch_sizes:
             size = min(size, config.max_num_seqs, capacity // (2 * per_request))
             if size < 1 or per_request >= engine.max_model_len:
                 continue
             name = f"latency-profile-{seed}-{context}x{size}"
             batches.append(
-                [ProfileRequest(f"{name}-{i}", prompt(context), _DECODE_STEPS) for i in range(size)]
+                [ProfileRequest(f"{name}-{i}", prompt(context), decode_steps) for i in range(size)]
             )
     return batches
 
@@ -81,13 +86,14 @@ def run_latency_profile_in_loop(
     seed: int = 0,
     batch_sizes: tuple[int, ...] = _BATCH_SIZES,
     timeout_s: float = 600.0,
+    decode_steps: int = DECODE_STEPS,
 ) -> int:
     """Run the profile's requests through a worker's engine loop, as served requests run (their
     steps timed as the loop's turns, outputs included); returns the steps it ran. Raises
     TimeoutError if they have not all ended within ``timeout_s``."""
     steps_before = loop.engine.stats.num_steps
     deadline = time.monotonic() + timeout_s
-    for batch in profile_batches(loop.engine, seed, batch_sizes):
+    for batch in profile_batches(loop.engine, seed, batch_sizes, decode_steps):
         unfinished = {request.request_id for request in batch}
         for request in batch:
             loop.submit(

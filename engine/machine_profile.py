@@ -23,8 +23,12 @@ from engine.llm_engine import LLMEngine
 from engine.messages import StepTiming
 from engine.model_config import ModelConfig
 from engine.scheduler import SchedulerConfig
+from engine.step_timings import StepTimingLog
 
 _COPY_BYTES = 256 << 20
+# every step of the profile's rounds is kept (a worker's log keeps its latest 256 between two
+# load reports; the rounds run thousands)
+_STEPS_KEPT = 1 << 16
 _DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "int8"}  # by a KV element's bytes
 
 
@@ -48,6 +52,7 @@ def measure_machine(
     max_num_batched_tokens: int,
     rounds: int,
     batch_sizes: tuple[int, ...],
+    decode_steps: int,
 ) -> MachineMeasurement:
     """Load the model, run the profile ``rounds`` times (after one warm-up round whose steps are
     dropped), and measure the device's copies and memory. ``num_threads``: a CPU's torch
@@ -59,6 +64,7 @@ def measure_machine(
         CacheConfig(block_size=block_size, budget=KVBudget(num_blocks=num_kv_blocks)),
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
     )
+    engine.step_timings = StepTimingLog(_STEPS_KEPT)
     try:
         loop = EngineLoop(engine, "profile")  # as a worker serves: steps timed as loop turns
         loop.start()
@@ -66,7 +72,9 @@ def measure_machine(
             run_latency_profile_in_loop(loop, seed=-1)  # warm-up: its steps are not kept
             engine.step_timings.take()
             for seed in range(rounds):
-                run_latency_profile_in_loop(loop, seed=seed, batch_sizes=batch_sizes)
+                run_latency_profile_in_loop(
+                    loop, seed=seed, batch_sizes=batch_sizes, decode_steps=decode_steps
+                )
             timings = engine.step_timings.take()
         finally:
             loop.stop()

@@ -30,6 +30,9 @@ from router.planner.model_costs import ModelCosts
 
 _ROUNDS = 3
 _BATCH_SIZES = (1, 4, 16, 64)
+# each decode batch's steps: long enough that its steady steps outweigh its first few, slower
+# ones (the start-up profile's 8 made a decode step's fit ~10-20 % above a served worker's)
+_DECODE_STEPS = 32
 
 
 def add_profile_args(profile: argparse.ArgumentParser) -> None:
@@ -66,6 +69,7 @@ def run_profile(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         rounds=_ROUNDS,
         batch_sizes=_BATCH_SIZES,
+        decode_steps=_DECODE_STEPS,
     )
     cost = fit_step_cost(measured.step_timings)
     model = ModelCosts.of(measured.model_config, Path(args.model).name, measured.kv_dtype)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.step_timings import STEP_TIMINGS_KEPT
 from router.cli import main
 from router.latency_model import StepShape
 from router.planner.hardware import PRESETS, Hardware, StepTimeModel
@@ -419,6 +420,8 @@ def test_pdserve_profile_measures_this_machine_and_records_its_shared_cores(
     assert main(argv) == 0
     hardware = Hardware.load(out)
     assert hardware.measured is not None and hardware.measured.overhead_s > 0
+    # fitted on every step of its rounds, not only the latest a worker's step log keeps
+    assert hardware.measured.num_samples > STEP_TIMINGS_KEPT
     assert hardware.measured_model == llama_dir.name
     assert hardware.host_cores == os.cpu_count() and hardware.worker_threads == 1
     # the host's other work needs a served cluster to measure: none is assumed
