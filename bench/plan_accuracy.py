@@ -28,6 +28,12 @@ the prediction moves with this machine's speed, which varies from run to run by 
 that). ``--resimulate DIR`` predicts a finished run's points again with the planner as it is
 now, measuring nothing.
 
+Where each point's first tokens spent their time, served and predicted, is a second table
+(bench/ttft_phases.py: wait, prompt, after; served from ``--first-token-trace``, which the
+bench turns on). And each capacity run's ``HostCPU`` (printed, and in the JSON) sets the
+workers' steps as served (their CPU and wall time, their number) beside the profile's time for
+the same steps (``profiled_steps_s``) and the planner's simulation of the run.
+
 Writes a JSON with every number and prints the table with each goodput's error.
 """
 
@@ -40,7 +46,8 @@ import random
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +59,15 @@ from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
 from bench.serving.servers import RunningServer, cores_per_worker, pdserve_server
 from bench.serving.tiny_model import MODEL_SIZES, add_model_args, build_tiny_llama
 from bench.serving.workloads import WorkloadSpec
+from bench.ttft_phases import (
+    Phases,
+    phases_header,
+    phases_row,
+    served_phases,
+    simulated_phases,
+    traces_since,
+)
+from router.latency_model import StepShape
 from router.planner.hardware import Hardware
 from router.planner.model_costs import ModelCosts
 from router.planner.plan import Layout, Planner, Slo
@@ -67,6 +83,7 @@ SPEED_BAND = 0.1
 STEPS_CPU = "pdserve:worker_step_thread_cpu_seconds_total"
 PROCESS_CPU = "pdserve:worker_process_cpu_seconds_total"
 STEPS_WALL = "pdserve:worker_step_seconds_total"
+STEPS = "pdserve:worker_steps_total"
 FRONT_DOOR_THREADS = 2  # streaming tokens on this host: the gateway's and the load generator's
 
 
@@ -85,6 +102,9 @@ class Comparison:
     predicted_ttft_ms: dict[str, float]
     measured_tpot_ms: dict[str, float]
     predicted_tpot_ms: dict[str, float]
+    # where the first token's time went (bench/ttft_phases.py); measured: none without traces
+    measured_ttft_phases_ms: Phases = field(default_factory=dict)
+    predicted_ttft_phases_ms: Phases = field(default_factory=dict)
 
     @property
     def goodput_error(self) -> float | None:
@@ -231,15 +251,22 @@ def _simulate(
 
 
 def _compared(
-    planner: Planner, name: str, rate: float, records: tuple[RequestRecord, ...], slo: Slo
+    planner: Planner,
+    name: str,
+    rate: float,
+    records: tuple[RequestRecord, ...],
+    slo: Slo,
+    traces: list[dict[str, Any]] | None = None,
 ) -> Comparison:
-    """One point: its requests as served against the planner's predictions of them."""
+    """One point: its requests as served (and their first tokens' traces) against the
+    planner's predictions of them."""
     layout = LAYOUTS[name]
     return compare(
         name, rate, records, _simulate(planner, layout, records), slo,
         _simulate(_alone(planner), layout, records),
         (_simulate(_at_speed(planner, 1 + SPEED_BAND), layout, records),
          _simulate(_at_speed(planner, 1 - SPEED_BAND), layout, records)),
+        traces,
     )  # fmt: skip
 
 
@@ -288,6 +315,10 @@ class HostCPU:
     # the same requests' steps as the planner has them, by role: (alone, as simulated on
     # the shared host)
     simulated_steps_s: dict[str, tuple[float, float]]
+    num_steps: dict[str, tuple[float, int]]  # by role: (served, simulated)
+    # the profile's time for the steps the workers ran: their number (the counters) and what
+    # they computed (the requests' prompts and outputs)
+    profiled_steps_s: dict[str, float]
     num_tokens: int
     num_requests: int
 
@@ -309,6 +340,7 @@ def _host_cpu(planner: Planner, layout: Layout, result: BenchResult, busy_s: flo
         raise SystemExit(f"the server's /metrics has no {PROCESS_CPU}: a pdserve before it?")
     simulation = _simulation(planner, layout, result.records)
     simulation.run()
+    simulated = simulation.steps_by_role()
     by_role = counters.role_totals
 
     def of(counter: str) -> dict[str, float]:
@@ -316,9 +348,43 @@ def _host_cpu(planner: Planner, layout: Layout, result: BenchResult, busy_s: flo
 
     return HostCPU(
         busy_s, of(PROCESS_CPU), of(STEPS_CPU), of(STEPS_WALL),
-        {role: (t.alone_s, t.wall_s) for role, t in simulation.steps_by_role().items()},
+        {role: (t.alone_s, t.wall_s) for role, t in simulated.items()},
+        {role: (of(STEPS).get(role, 0.0), t.num_steps) for role, t in simulated.items()},
+        _profiled(planner, layout, of(STEPS), result.records),
         sum(r.output_tokens for r in result.records), len(result.records),
     )  # fmt: skip
+
+
+def _profiled(
+    planner: Planner,
+    layout: Layout,
+    num_steps: dict[str, float],
+    records: tuple[RequestRecord, ...],
+) -> dict[str, float]:
+    """The profile's time for the steps each role's workers ran: ``num_steps`` of them, which
+    computed every prompt (its attention pairs whatever its chunks: p (p + 1) / 2) and every
+    decode row after the first token (each reading the KV before it). The step time being
+    linear in what a step computes, the sum is exact but for the warm-up requests' steps."""
+    cost = planner.hardware.measured
+    if cost is None:
+        return {}
+    prompts = [r.prompt_len for r in records]
+    rows = [(r.prompt_len, max(0, r.output_tokens - 1)) for r in records]
+    prompt_tokens, pairs = sum(prompts), sum(p * (p + 1) // 2 for p in prompts)
+    decode_rows = sum(n for _, n in rows)
+    context = sum(n * p + n * (n + 1) // 2 for p, n in rows)
+    shapes = (
+        {
+            "prefill": StepShape(prompt_tokens, pairs),
+            "decode": StepShape(0, 0, decode_rows, context),
+        }
+        if layout.num_prefill
+        else {"decode": StepShape(prompt_tokens, pairs, decode_rows, context)}
+    )
+    return {
+        role: cost.seconds(shape) + cost.overhead_s * (num_steps.get(role, 1.0) - 1)
+        for role, shape in shapes.items()
+    }
 
 
 def _measure_host(layout: Layout, cpu: HostCPU, hardware: Hardware) -> dict[str, float]:
@@ -370,9 +436,11 @@ def compare(
     slo: Slo,
     alone: list[SimulatedRequest],
     band: tuple[list[SimulatedRequest], list[SimulatedRequest]],
+    traces: list[dict[str, Any]] | None = None,
 ) -> Comparison:
     """``records``: the requests as served; ``alone``: the same simulated with every worker on
-    cores of its own; ``band``: simulated on a machine slower, and faster, than profiled."""
+    cores of its own; ``band``: simulated on a machine slower, and faster, than profiled;
+    ``traces``: the served requests' first-token traces (bench/ttft_phases.py)."""
     bounds = SLO(slo.ttft_s * 1000, slo.tpot_s * 1000)
     measured = sum(bounds.met_by(r) for r in records) / len(records)
 
@@ -393,6 +461,8 @@ def compare(
         _percentiles_ms([s.ttft_s for s in simulated]),
         _percentiles_ms([r.tpot_s for r in records]),
         _percentiles_ms([s.tpot_s for s in simulated]),
+        served_phases(traces or ()),
+        simulated_phases(simulated),
     )
 
 
@@ -412,6 +482,11 @@ def table(comparisons: list[Comparison]) -> str:
             f"{_pair(c.measured_ttft_ms, c.predicted_ttft_ms, 'p90'):>19} "
             f"{_pair(c.measured_tpot_ms, c.predicted_tpot_ms, 'p50'):>19}"
         )
+    rows.append("\nwhere the first token's time went, ms measured/predicted (bench/ttft_phases.py)")
+    rows.append(f"{'layout':11} {'rate/s':>7} {phases_header()}")
+    for c in comparisons:
+        phases = phases_row(c.measured_ttft_phases_ms, c.predicted_ttft_phases_ms)
+        rows.append(f"{c.layout:11} {c.rate:7.2f} {phases}")
     return "\n".join(rows)
 
 
@@ -444,10 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, Any] = {}
     for index, name in enumerate(names):
         layout = LAYOUTS[name]
+        traced = args.out / f"{name}.first_token.jsonl"
         spec = pdserve_server(
             name, layout.num_prefill, layout.num_decode, args.port + index, model_dir,
             SERVED_NAME, args.num_kv_blocks, cores_per_worker=cores,
-            extra_args=("--max-model-len", str(MODEL_POSITIONS)),
+            extra_args=("--max-model-len", str(MODEL_POSITIONS), "--first-token-trace", str(traced)),
         )  # fmt: skip
         print(f"== {name}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
         with RunningServer(spec, args.out / f"{name}.log"):
@@ -485,7 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                     args.num_prompts,
                     args.seed,
                 )
-                comparisons.append(_compared(planner, name, rate, result.records, slo))
+                began = datetime.fromisoformat(result.started_at).timestamp()
+                traces = traces_since(traced, began)
+                comparisons.append(_compared(planner, name, rate, result.records, slo, traces))
                 runs.append({"layout": name, "rate": rate, "records": _sent(result.records)})
     print(table(comparisons))
     errors = [abs(c.goodput_error) for c in comparisons if c.goodput_error is not None]

@@ -31,7 +31,8 @@ moves once they are done. Elsewhere each worker computes on its own devices, a s
 its time alone and a token is delivered as it is sampled.
 
 Out: each request's arrival, first token and last token times, from which TTFT, TPOT and
-goodput follow (``SimulatedRequest``).
+goodput follow (``SimulatedRequest``), and where its first token's time went: when a step
+first computed its prompt, and when the step that sampled the token ended.
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ class ClusterShape:
 @dataclass(slots=True)
 class SimulatedRequest:
     request: WorkloadRequest
+    # the first token's way: when a step first computed its prompt, when the step that
+    # sampled it ended, when it reached its client
+    scheduled_s: float | None = None
+    prompt_done_s: float | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0
@@ -278,6 +283,10 @@ class Simulation:
         if output.is_empty:
             return  # waits for blocks: a hand-off or a finish kicks it again
         shape = shape_of(step_timing(output, 0.0))
+        for entry in output.scheduled:
+            simulated = self._of_seq[entry.seq.seq_id]
+            if simulated.scheduled_s is None:
+                simulated.scheduled_s = self.now
         worker.busy = True
         done = functools.partial(self._step_done, worker, output)
         seconds = worker.shape.step_times(shape)
@@ -297,6 +306,8 @@ class Simulation:
         deliveries: list[tuple[int, Callable[[], None]]] = []  # (tokens, their delivery)
         for tokens in appended:
             simulated = self._of_seq[tokens.seq.seq_id]
+            if simulated.prompt_done_s is None:
+                simulated.prompt_done_s = self.now
             simulated.num_tokens += tokens.num_tokens
             deliveries.append((tokens.num_tokens, functools.partial(self._delivered, simulated)))
         if self._host is None:  # on a device of its own: each token out as it is sampled

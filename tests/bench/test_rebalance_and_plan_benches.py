@@ -119,7 +119,8 @@ def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
     }
     (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
     assert plan_accuracy_main(["--resimulate", str(tmp_path)]) == 0
-    (row,) = [line for line in capsys.readouterr().out.splitlines() if "colocated2" in line]
+    row, phases = [line for line in capsys.readouterr().out.splitlines() if "colocated2" in line]
+    assert phases.split()[2:] == ["-"] * 6  # a saved run's first tokens were not traced
     # measured: 8 of 10 within the SLOs; simulated: each alone on a worker, all within
     assert row.split()[1:6] == ["10.00", "8.00", "10.00", "+25%", "10.00"]
     # 10 % slower, each decode step (10.1 ms alone) takes 11.1 ms: over the 10.5 ms TPOT SLO

@@ -122,6 +122,8 @@ def test_a_colocated_worker_prefills_in_budget_chunks_then_decodes_step_by_step(
     assert run.ttft_s == pytest.approx(0.020 + 300e-4)
     assert run.tpot_s == pytest.approx(0.010 + 1e-4)
     assert run.num_tokens == 5
+    # where its first token's time went: computed from 0, sampled by the step ending at 50 ms
+    assert (run.scheduled_s, run.prompt_done_s) == (0.0, pytest.approx(0.050))
 
 
 def test_a_hand_off_delays_the_second_token_and_queued_prompts_wait() -> None:
@@ -142,6 +144,7 @@ def test_a_hand_off_delays_the_second_token_and_queued_prompts_wait() -> None:
     # the second waits for the first's step (done at 20 ms), then its own 200 tokens
     assert second.ttft_s == pytest.approx(0.020 + 0.030 + 0.002 - 0.001)
     assert second.num_tokens == 1
+    assert (second.scheduled_s, second.prompt_done_s) == pytest.approx((0.020, 0.050))
 
 
 def test_on_a_shared_host_steps_and_streaming_share_its_cores() -> None:
@@ -205,6 +208,8 @@ def test_on_a_shared_host_a_worker_makes_its_outputs_before_its_next_step() -> N
     (run,) = Simulation(cluster, [WorkloadRequest(0.0, tuple(range(100)), 4)]).run()
     assert run.ttft_s == pytest.approx(0.024)
     assert run.tpot_s == pytest.approx(0.0131)
+    # sampled at 20 ms; the 4 ms after it are the outputs made and the token streamed
+    assert run.prompt_done_s == pytest.approx(0.020)
     # a prefill worker's hand-off's work waits for the outputs of the step that finished the
     # prompt: 20 ms step + 3 ms of its token + 30 ms of the hand-off, then the KV moves
     handing_off = ClusterShape(
