@@ -21,8 +21,12 @@ gateway, the router, Ray's daemons, the load generator: ``host_seconds_per_token
 runs on two threads, the gateway's and the load generator's (``host_front_door_threads``), and
 the workers' processes' time beyond their steps (their outputs:
 ``host_worker_seconds_per_token``); on a disaggregated one, the workers' processes' time
-beyond their steps and outputs per KV hand-off (``host_seconds_per_handoff``). Colocated
-layouts run first. Each point is also simulated with every worker on cores of its own
+beyond their steps and outputs per KV hand-off (``host_seconds_per_handoff``), and how much
+more CPU time the workers' steps took on this busy host than the profile (measured on a quiet
+one) gives the same steps: a prefill worker's, all computing prompt tokens
+(``host_prompt_step_cpu_factor``), and a decode worker's, none
+(``host_decode_step_cpu_factor``). Colocated layouts run first; every point is predicted once
+all the capacity runs have measured. Each point is also simulated with every worker on cores of its own
 (``alone``), and on a machine 10 % slower and faster than profiled (``±10% speed``: how far
 the prediction moves with this machine's speed, which varies from run to run by more than
 that). ``--resimulate DIR`` predicts a finished run's points again with the planner as it is
@@ -328,6 +332,12 @@ class HostCPU:
         daemons, the load generator."""
         return max(0.0, self.busy_s - sum(self.processes_s.values()))
 
+    def step_cpu_factor(self, role: str) -> float:
+        """The role's steps' CPU time over the profile's time for the same steps (1.0 when
+        either is unknown)."""
+        served, profiled = self.steps_s.get(role, 0.0), self.profiled_steps_s.get(role, 0.0)
+        return served / profiled if served > 0 and profiled > 0 else 1.0
+
     def beyond_steps_s(self, role: str) -> float:
         """The role's workers' processes besides their steps: their outputs made and streamed
         out, hand-offs, calls."""
@@ -392,7 +402,9 @@ def _measure_host(layout: Layout, cpu: HostCPU, hardware: Hardware) -> dict[str,
     sampled token: the time outside the workers' processes (the front door's streaming), and
     the workers' processes' time beyond their steps (their outputs). On a disaggregated one,
     per KV hand-off: the workers' processes' time beyond their steps and their tokens' outputs
-    (as measured before): its copies and calls."""
+    (as measured before): its copies and calls; and the steps' CPU time on this busy host over
+    the profile's time for them, of a prompt step (the prefill worker's) and of a decode-only
+    one (the decode worker's)."""
     tokens = max(1, cpu.num_tokens)
     if not layout.num_prefill:
         return {
@@ -401,7 +413,12 @@ def _measure_host(layout: Layout, cpu: HostCPU, hardware: Hardware) -> dict[str,
         }
     beyond_s = cpu.beyond_steps_s("prefill") + cpu.beyond_steps_s("decode")
     outputs_s = cpu.num_tokens * hardware.host_worker_seconds_per_token
-    return {"host_seconds_per_handoff": max(0.0, beyond_s - outputs_s) / max(1, cpu.num_requests)}
+    return {
+        "host_seconds_per_handoff": max(0.0, beyond_s - outputs_s) / max(1, cpu.num_requests),
+        # the prefill workers' steps all compute prompt tokens, the decode workers' none
+        "host_prompt_step_cpu_factor": cpu.step_cpu_factor("prefill"),
+        "host_decode_step_cpu_factor": cpu.step_cpu_factor("decode"),
+    }
 
 
 def _sent(records: tuple[RequestRecord, ...]) -> list[dict[str, Any]]:
@@ -514,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     planner = _planner(model_dir, hardware, args.num_kv_blocks)
     cores = _cores(args)
-    comparisons: list[Comparison] = []
+    # each point: (layout, rate, its requests as served, their first tokens' traces)
+    points: list[tuple[str, float, tuple[RequestRecord, ...], list[dict[str, Any]]]] = []
     runs: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     for index, name in enumerate(names):
@@ -562,9 +580,13 @@ def main(argv: list[str] | None = None) -> int:
                     args.seed,
                 )
                 began = datetime.fromisoformat(result.started_at).timestamp()
-                traces = traces_since(traced, began)
-                comparisons.append(_compared(planner, name, rate, result.records, slo, traces))
+                points.append((name, rate, result.records, traces_since(traced, began)))
                 runs.append({"layout": name, "rate": rate, "records": _sent(result.records)})
+    # every point predicted with what the capacity runs measured, all of it
+    comparisons = [
+        _compared(planner, name, rate, records, slo, traces)
+        for name, rate, records, traces in points
+    ]
     print(table(comparisons))
     errors = [abs(c.goodput_error) for c in comparisons if c.goodput_error is not None]
     if errors:

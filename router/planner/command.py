@@ -174,9 +174,16 @@ def shared_host_line(hardware: Hardware) -> str:
         else "none measured (the profile's JSON takes host_seconds_per_token, "
         "host_seconds_per_handoff and host_worker_seconds_per_token)"
     )
+    factors = (hardware.host_prompt_step_cpu_factor, hardware.host_decode_step_cpu_factor)
+    busy = (
+        f"; on it a step takes {factors[0]:.2f}x its profiled time with prompt tokens, "
+        f"{factors[1]:.2f}x without"
+        if factors != (1.0, 1.0)
+        else ""
+    )
     return (
         f"the workers share this host's {hardware.host_cores} cores "
-        f"({hardware.worker_threads} thread(s) a worker rank); its other work: {other}"
+        f"({hardware.worker_threads} thread(s) a worker rank); its other work: {other}{busy}"
     )
 
 

@@ -14,7 +14,11 @@ with the host's other work, on ``host_front_door_threads`` threads: per streamed
 (``host_seconds_per_token``: the gateway's streaming, a load generator's) and per KV hand-off
 (``host_seconds_per_handoff``), and each worker's own process per token it samples, after its
 step (``host_worker_seconds_per_token``). The simulation slows the steps by the share of a core
-they get and delivers a token once its streaming is done (shared_host.py).
+they get and delivers a token once its streaming is done (shared_host.py). A profile is
+measured on a quiet machine; on the busy host a step costs more CPU time than that (its caches
+and memory shared, its thread switched out and back): ``host_prompt_step_cpu_factor`` times its
+profiled time for a step that computes prompt tokens, ``host_decode_step_cpu_factor`` for a
+decode-only one (measured on a served cluster: bench.plan_accuracy).
 
 A profile measured on the machine carries the step-time fit of the model it was measured with
 (``measured``: the router's ``StepCost``, fitted from a few hundred real engine steps), which is
@@ -60,6 +64,10 @@ class Hardware:
     # output batches made and streamed out), after each step: its threads share one lock
     host_worker_seconds_per_token: float = 0.0
     worker_threads: int = 1  # a worker rank's threads (as measured)
+    # a step's CPU time on the busy host over its profiled time: one computing prompt tokens,
+    # and a decode-only one
+    host_prompt_step_cpu_factor: float = 1.0
+    host_decode_step_cpu_factor: float = 1.0
 
     def __post_init__(self) -> None:
         seconds = min(
@@ -67,15 +75,18 @@ class Hardware:
             self.host_seconds_per_handoff,
             self.host_worker_seconds_per_token,
         )
+        factors = min(self.host_prompt_step_cpu_factor, self.host_decode_step_cpu_factor)
         if (
             self.host_cores < 0
             or seconds < 0
             or min(self.worker_threads, self.host_front_door_threads) < 1
+            or not factors > 0
         ):
             raise ValueError(
                 f"hardware profile {self.name!r}: host_cores, host_seconds_per_token, "
                 f"host_seconds_per_handoff and host_worker_seconds_per_token must be >= 0, "
-                f"worker_threads and host_front_door_threads >= 1"
+                f"worker_threads and host_front_door_threads >= 1, "
+                f"host_prompt_step_cpu_factor and host_decode_step_cpu_factor > 0"
             )
         for name in (
             "flops_per_s",
@@ -140,6 +151,15 @@ class StepTimeModel:
     tp: int = 1
 
     def __call__(self, shape: StepShape) -> float:
+        seconds = self._quiet(shape)
+        if not self.hardware.host_cores:
+            return seconds
+        if shape.num_prefill_tokens:
+            return seconds * self.hardware.host_prompt_step_cpu_factor
+        return seconds * self.hardware.host_decode_step_cpu_factor
+
+    def _quiet(self, shape: StepShape) -> float:
+        """The step's time as profiled, alone on a quiet machine."""
         hardware, model = self.hardware, self.model
         if hardware.measured is not None and hardware.measured_model == model.name and self.tp == 1:
             return hardware.measured.seconds(shape)

@@ -4,11 +4,12 @@ goodput; a measured run against its simulation, and the goodput error."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench.plan_accuracy import compare, table
+from bench.plan_accuracy import HostCPU, _measure_host, compare, table
 from bench.plan_accuracy import main as plan_accuracy_main
 from bench.rebalance import PhaseOutcome, overall_goodput, phase_outcome
 from bench.rebalance import table as phases_table
@@ -18,7 +19,7 @@ from bench.serving.metrics import SLO, RequestRecord, summarize
 from bench.serving.runner import BenchConfig, BenchResult
 from router.latency_model import StepCost
 from router.planner.hardware import Hardware
-from router.planner.plan import Slo
+from router.planner.plan import Layout, Slo
 from router.planner.simulator import SimulatedRequest, WorkloadRequest
 
 BOUNDS = SLO(ttft_ms=100, tpot_ms=20)
@@ -129,3 +130,27 @@ def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
     (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match="holds no requests"):
         plan_accuracy_main(["--resimulate", str(tmp_path)])
+
+
+def test_a_disaggregated_capacity_run_measures_each_kind_of_steps_cpu_on_the_busy_host() -> None:
+    """The prefill worker's steps (all computing prompts) took 5 s of CPU where the profile
+    gives the same steps 4 s, the decode worker's 11 s for 10 s: the planner's busy-host
+    factors 1.25 and 1.1; with the hand-off's work (each process's time beyond its steps, less
+    its tokens' outputs) per request."""
+    cpu = HostCPU(
+        busy_s=30.0, processes_s={"prefill": 7.0, "decode": 13.0},
+        steps_s={"prefill": 5.0, "decode": 11.0}, steps_wall_s={"prefill": 8.0, "decode": 15.0},
+        simulated_steps_s={}, num_steps={}, profiled_steps_s={"prefill": 4.0, "decode": 10.0},
+        num_tokens=1000, num_requests=100,
+    )  # fmt: skip
+    hardware = Hardware("box", 1e11, 1e10, 8e9, 1e10, host_worker_seconds_per_token=1e-3)
+    measured = _measure_host(Layout(1, 1, 1, 1), cpu, hardware)
+    assert measured == pytest.approx(
+        {
+            "host_seconds_per_handoff": (2.0 + 2.0 - 1.0) / 100,
+            "host_prompt_step_cpu_factor": 1.25,
+            "host_decode_step_cpu_factor": 1.1,
+        }
+    )
+    # nothing profiled (a profile without a measured fit): no factor
+    assert replace(cpu, profiled_steps_s={}).step_cpu_factor("prefill") == 1.0

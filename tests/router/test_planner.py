@@ -13,6 +13,7 @@ import pytest
 from engine.step_timings import STEP_TIMINGS_KEPT
 from router.cli import main
 from router.latency_model import StepShape
+from router.planner.command import shared_host_line
 from router.planner.hardware import PRESETS, Hardware, StepTimeModel
 from router.planner.model_costs import ModelCosts
 from router.planner.plan import Layout, Planner, Slo
@@ -341,6 +342,32 @@ def test_a_measured_profile_is_used_for_its_own_model_at_tp_1(llama_8b: Path) ->
     assert roofline != pytest.approx(0.004 + 1e-3 + 8e-4)
     saved = Hardware.from_json(json.loads(json.dumps(hardware.to_json())))
     assert saved == hardware
+
+
+def test_on_a_busy_host_a_step_costs_its_measured_factor_of_the_profile(llama_8b: Path) -> None:
+    """A profile is measured on a quiet machine; a CPU host's steps cost more beside the rest
+    of the cluster: a step computing prompt tokens its prompt factor times the profiled time,
+    a decode-only one its decode factor. Workers on devices of their own keep the profile."""
+    from router.latency_model import StepCost
+
+    costs = ModelCosts.load(llama_8b)
+    measured = StepCost(0.004, 1e-5, 0.0, 2e-4, 0.0, 100)
+    busy = Hardware(
+        "box", 1e14, 1e12, 80e9, 1e10, measured_model=costs.name, measured=measured,
+        host_cores=2, host_prompt_step_cpu_factor=1.3, host_decode_step_cpu_factor=1.1,
+    )  # fmt: skip
+    mixed, decode = StepShape(100, 0, 4, 0), StepShape(0, 0, 4, 0)
+    assert StepTimeModel(costs, busy)(mixed) == pytest.approx(1.3 * (0.004 + 1e-3 + 8e-4))
+    assert StepTimeModel(costs, busy)(decode) == pytest.approx(1.1 * (0.004 + 8e-4))
+    on_devices = replace(busy, host_cores=0)
+    assert StepTimeModel(costs, on_devices)(decode) == pytest.approx(0.004 + 8e-4)
+    assert "a step takes 1.30x its profiled time with prompt tokens, 1.10x without" in (
+        shared_host_line(busy)
+    )
+    quiet = replace(busy, host_prompt_step_cpu_factor=1.0, host_decode_step_cpu_factor=1.0)
+    assert "profiled time" not in shared_host_line(quiet)
+    with pytest.raises(ValueError, match="host_prompt_step_cpu_factor and host_decode_step"):
+        replace(busy, host_decode_step_cpu_factor=0.0)
 
 
 def test_pdserve_plan_prints_the_choice_and_writes_its_files(
