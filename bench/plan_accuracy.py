@@ -20,8 +20,8 @@ the colocated layout, per sampled token, the time outside the workers' processes
 gateway, the router, Ray's daemons, the load generator: ``host_seconds_per_token``), which
 runs on two threads, the gateway's and the load generator's (``host_front_door_threads``), and
 the workers' processes' time beyond their steps (their outputs:
-``host_worker_seconds_per_token``); on a disaggregated one, the workers' processes' time
-beyond their steps and outputs per KV hand-off (``host_seconds_per_handoff``), and how much
+``host_worker_seconds_per_token``); on a disaggregated one, the prefill workers' processes'
+time beyond their steps and outputs per KV hand-off (``host_seconds_per_handoff``), and how much
 more CPU time the workers' steps took on this busy host than the profile (measured on a quiet
 one) gives the same steps: a prefill worker's, all computing prompt tokens
 (``host_prompt_step_cpu_factor``), and a decode worker's, none
@@ -401,8 +401,10 @@ def _measure_host(layout: Layout, cpu: HostCPU, hardware: Hardware) -> dict[str,
     """The host's other work in a run, as the planner's fields. On a colocated layout, per
     sampled token: the time outside the workers' processes (the front door's streaming), and
     the workers' processes' time beyond their steps (their outputs). On a disaggregated one,
-    per KV hand-off: the workers' processes' time beyond their steps and their tokens' outputs
-    (as measured before): its copies and calls; and the steps' CPU time on this busy host over
+    per KV hand-off: the prefill workers' processes' time beyond their steps and their first
+    tokens' outputs (as measured before), its copies and calls, which the planner runs in that
+    process (the decode worker's outputs cost it less a token than a colocated worker's: its
+    share of the hand-off is within them); and the steps' CPU time on this busy host over
     the profile's time for them, of a prompt step (the prefill worker's) and of a decode-only
     one (the decode worker's)."""
     tokens = max(1, cpu.num_tokens)
@@ -411,10 +413,11 @@ def _measure_host(layout: Layout, cpu: HostCPU, hardware: Hardware) -> dict[str,
             "host_seconds_per_token": cpu.front_door_s / tokens,
             "host_worker_seconds_per_token": cpu.beyond_steps_s("decode") / tokens,
         }
-    beyond_s = cpu.beyond_steps_s("prefill") + cpu.beyond_steps_s("decode")
-    outputs_s = cpu.num_tokens * hardware.host_worker_seconds_per_token
+    # a prefill worker outputs each request's first token, then hands its KV off
+    outputs_s = cpu.num_requests * hardware.host_worker_seconds_per_token
+    handoffs_s = max(0.0, cpu.beyond_steps_s("prefill") - outputs_s)
     return {
-        "host_seconds_per_handoff": max(0.0, beyond_s - outputs_s) / max(1, cpu.num_requests),
+        "host_seconds_per_handoff": handoffs_s / max(1, cpu.num_requests),
         # the prefill workers' steps all compute prompt tokens, the decode workers' none
         "host_prompt_step_cpu_factor": cpu.step_cpu_factor("prefill"),
         "host_decode_step_cpu_factor": cpu.step_cpu_factor("decode"),

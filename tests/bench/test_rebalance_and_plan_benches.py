@@ -135,8 +135,8 @@ def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
 def test_a_disaggregated_capacity_run_measures_each_kind_of_steps_cpu_on_the_busy_host() -> None:
     """The prefill worker's steps (all computing prompts) took 5 s of CPU where the profile
     gives the same steps 4 s, the decode worker's 11 s for 10 s: the planner's busy-host
-    factors 1.25 and 1.1; with the hand-off's work (each process's time beyond its steps, less
-    its tokens' outputs) per request."""
+    factors 1.25 and 1.1; and each hand-off's work: the prefill worker's process's time beyond
+    its steps, less its first tokens' outputs, per request."""
     cpu = HostCPU(
         busy_s=30.0, processes_s={"prefill": 7.0, "decode": 13.0},
         steps_s={"prefill": 5.0, "decode": 11.0}, steps_wall_s={"prefill": 8.0, "decode": 15.0},
@@ -147,7 +147,7 @@ def test_a_disaggregated_capacity_run_measures_each_kind_of_steps_cpu_on_the_bus
     measured = _measure_host(Layout(1, 1, 1, 1), cpu, hardware)
     assert measured == pytest.approx(
         {
-            "host_seconds_per_handoff": (2.0 + 2.0 - 1.0) / 100,
+            "host_seconds_per_handoff": (2.0 - 100 * 1e-3) / 100,
             "host_prompt_step_cpu_factor": 1.25,
             "host_decode_step_cpu_factor": 1.1,
         }
