@@ -26,8 +26,8 @@ more CPU time the workers' steps took on this busy host than the profile (measur
 one) gives the same steps: a prefill worker's, all computing prompt tokens
 (``host_prompt_step_cpu_factor``), and a decode worker's, none
 (``host_decode_step_cpu_factor``). Colocated layouts run first; every point is predicted once
-all the capacity runs have measured. Each point is also simulated with every worker on cores of its own
-(``alone``), and on a machine 10 % slower and faster than profiled (``±10% speed``: how far
+all the capacity runs have measured. Each point is also simulated with every worker on cores
+of its own (``alone``), and on a machine 10 % slower and faster than profiled (``±10% speed``: how far
 the prediction moves with this machine's speed, which varies from run to run by more than
 that). ``--resimulate DIR`` predicts a finished run's points again with the planner as it is
 now, measuring nothing.
@@ -374,7 +374,8 @@ def _profiled(
     """The profile's time for the steps each role's workers ran: ``num_steps`` of them, which
     computed every prompt (its attention pairs whatever its chunks: p (p + 1) / 2) and every
     decode row after the first token (each reading the KV before it). The step time being
-    linear in what a step computes, the sum is exact but for the warm-up requests' steps."""
+    linear in what a step computes, the sum is exact (but for the counters, which come with
+    the workers' load reports every half second: a few steps either side of the run)."""
     cost = planner.hardware.measured
     if cost is None:
         return {}
