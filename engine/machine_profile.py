@@ -27,7 +27,7 @@ from engine.step_timings import StepTimingLog
 
 _COPY_BYTES = 256 << 20
 # every step of the profile's rounds is kept (a worker's log keeps its latest 256 between two
-# load reports; the rounds run thousands)
+# load reports; the rounds run about a thousand)
 _STEPS_KEPT = 1 << 16
 _DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "int8"}  # by a KV element's bytes
 

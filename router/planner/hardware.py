@@ -21,7 +21,7 @@ profiled time for a step that computes prompt tokens, ``host_decode_step_cpu_fac
 decode-only one (measured on a served cluster: bench.plan_accuracy).
 
 A profile measured on the machine carries the step-time fit of the model it was measured with
-(``measured``: the router's ``StepCost``, fitted from a few hundred real engine steps), which is
+(``measured``: the router's ``StepCost``, fitted to about a thousand real engine steps), which is
 used as it is for that model at tensor-parallel size 1: on a CPU, where a roofline is a loose
 guide, that is what the workers will do.
 """
