@@ -128,7 +128,7 @@ async def _run_rates(
         client = await run_benchmark_async(config, codec)
         await asyncio.sleep(_REPORT_LAG_S)  # the workers' last load reports of the run
         transfers_after = _kv_transfers(args.port)
-        lines, read_from = _new_lines(trace_path, read_from)
+        lines, read_from = new_lines(trace_path, read_from)
         began = datetime.fromisoformat(client.started_at).timestamp()
         traces = [t for t in lines if (t["stamps"]["arrived"] or 0.0) >= began]
         kv = (
@@ -153,7 +153,7 @@ def _kv_transfers(port: int) -> tuple[float, float]:
     return totals["count"], totals["sum"]
 
 
-def _new_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+def new_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     """The JSON lines of ``path`` from byte ``offset`` on, and the offset after them."""
     with path.open("rb") as file:
         file.seek(offset)

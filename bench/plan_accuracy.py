@@ -65,6 +65,7 @@ from bench.serving.tiny_model import MODEL_SIZES, add_model_args, build_tiny_lla
 from bench.serving.workloads import WorkloadSpec
 from bench.ttft_phases import (
     Phases,
+    percentiles_ms,
     phases_header,
     phases_row,
     served_phases,
@@ -356,11 +357,12 @@ def _host_cpu(planner: Planner, layout: Layout, result: BenchResult, busy_s: flo
     def of(counter: str) -> dict[str, float]:
         return {role: value for (name, role), value in by_role.items() if name == counter}
 
+    steps = of(STEPS)
     return HostCPU(
         busy_s, of(PROCESS_CPU), of(STEPS_CPU), of(STEPS_WALL),
         {role: (t.alone_s, t.wall_s) for role, t in simulated.items()},
-        {role: (of(STEPS).get(role, 0.0), t.num_steps) for role, t in simulated.items()},
-        _profiled(planner, layout, of(STEPS), result.records),
+        {role: (steps.get(role, 0.0), t.num_steps) for role, t in simulated.items()},
+        _profiled(planner, layout, steps, result.records),
         sum(r.output_tokens for r in result.records), len(result.records),
     )  # fmt: skip
 
@@ -441,14 +443,6 @@ def _sent(records: tuple[RequestRecord, ...]) -> list[dict[str, Any]]:
     ]
 
 
-def _percentiles_ms(values: list[float | None]) -> dict[str, float]:
-    known = sorted(v * 1000 for v in values if v is not None)
-    if len(known) < 2:
-        return {}
-    cuts = statistics.quantiles(known, n=100, method="inclusive")
-    return {"p50": cuts[49], "p90": cuts[89]}
-
-
 def compare(
     name: str,
     rate: float,
@@ -478,10 +472,10 @@ def compare(
         (goodput(band[0]), goodput(band[1])),
         measured,
         predicted,
-        _percentiles_ms([r.ttft_s for r in records]),
-        _percentiles_ms([s.ttft_s for s in simulated]),
-        _percentiles_ms([r.tpot_s for r in records]),
-        _percentiles_ms([s.tpot_s for s in simulated]),
+        percentiles_ms([r.ttft_s for r in records]),
+        percentiles_ms([s.ttft_s for s in simulated]),
+        percentiles_ms([r.tpot_s for r in records]),
+        percentiles_ms([s.tpot_s for s in simulated]),
         served_phases(traces or ()),
         simulated_phases(simulated),
     )

@@ -15,12 +15,12 @@ misses.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from bench.first_token_trace import new_lines
 from router.planner.simulator import SimulatedRequest
 
 PHASES = ("wait", "prompt", "after")
@@ -30,42 +30,44 @@ Phases = dict[str, dict[str, float]]  # phase -> {"p50": ms, "p90": ms}
 def served_phases(traces: Iterable[dict[str, Any]]) -> Phases:
     """The phases' percentiles over the traces that have the stamps (a prompt chunked over
     several steps counts from its first)."""
-    samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
-    for trace in traces:
-        stamps = trace["stamps"]
-        scheduled = stamps.get("scheduled") or stamps.get("step_started")
-        times = (stamps.get("arrived"), scheduled, stamps.get("step_ended"), stamps.get("written"))
-        if any(t is None for t in times):
-            continue
-        for phase, start, end in zip(PHASES, times, times[1:], strict=False):
-            samples[phase].append(end - start)
-    return _percentiles(samples)
+    return _phases(
+        (
+            stamps.get("arrived"),
+            stamps.get("scheduled") or stamps.get("step_started"),
+            stamps.get("step_ended"),
+            stamps.get("written"),
+        )
+        for stamps in (trace["stamps"] for trace in traces)
+    )
 
 
 def simulated_phases(requests: Iterable[SimulatedRequest]) -> Phases:
-    samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
-    for request in requests:
-        times = (
-            request.request.arrival_s,
-            request.scheduled_s,
-            request.prompt_done_s,
-            request.first_token_s,
-        )
+    return _phases(
+        (r.request.arrival_s, r.scheduled_s, r.prompt_done_s, r.first_token_s) for r in requests
+    )
+
+
+def _phases(stamps: Iterable[tuple[float | None, ...]]) -> Phases:
+    """Each phase's percentiles, from each request's four stamps (arrival, prompt first
+    computed, first token sampled, first token at its client); a request missing any is left
+    out."""
+    samples: dict[str, list[float | None]] = {phase: [] for phase in PHASES}
+    for times in stamps:
         if any(t is None for t in times):
             continue
         for phase, start, end in zip(PHASES, times, times[1:], strict=False):
             samples[phase].append(end - start)  # type: ignore[operator]
-    return _percentiles(samples)
+    phases = {phase: percentiles_ms(values) for phase, values in samples.items()}
+    return {phase: cuts for phase, cuts in phases.items() if cuts}
 
 
-def _percentiles(samples: dict[str, list[float]]) -> Phases:
-    phases: Phases = {}
-    for phase, values in samples.items():
-        if len(values) < 2:
-            continue
-        cuts = statistics.quantiles(sorted(v * 1000 for v in values), n=100, method="inclusive")
-        phases[phase] = {"p50": cuts[49], "p90": cuts[89]}
-    return phases
+def percentiles_ms(values_s: Iterable[float | None]) -> dict[str, float]:
+    """p50 and p90 of the known ``values_s``, in ms; none from fewer than two."""
+    known = sorted(v * 1000 for v in values_s if v is not None)
+    if len(known) < 2:
+        return {}
+    cuts = statistics.quantiles(known, n=100, method="inclusive")
+    return {"p50": cuts[49], "p90": cuts[89]}
 
 
 def traces_since(path: Path, began_s: float) -> list[dict[str, Any]]:
@@ -73,7 +75,7 @@ def traces_since(path: Path, began_s: float) -> list[dict[str, Any]]:
     when the file is missing)."""
     if not path.exists():
         return []
-    lines = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    lines, _ = new_lines(path, 0)
     return [t for t in lines if (t["stamps"].get("arrived") or 0.0) >= began_s]
 
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 PROFILE_SALT = "pdserve-latency-profile"
 PROFILE_GATEWAY = "latency-profile"  # the output stream the profile's requests go to
 _DECODE_PROMPT_TOKENS = 16
-DECODE_STEPS = 8  # a decode batch's steps at start-up (pdserve profile runs longer ones)
+_DECODE_STEPS = 8  # a decode batch's steps at start-up (pdserve profile runs longer ones)
 _BATCH_SIZES = (1, 4, 16)
 
 
@@ -47,7 +47,7 @@ def profile_batches(
     engine: LLMEngine,
     seed: int = 0,
     batch_sizes: tuple[int, ...] = _BATCH_SIZES,
-    decode_steps: int = DECODE_STEPS,
+    decode_steps: int = _DECODE_STEPS,
 ) -> list[list[ProfileRequest]]:
     """The profile's requests, in batches run one after another (each batch's requests
     together): prompts alone, of a few sizes up to the step budget, one token each; then batches
@@ -86,7 +86,7 @@ def run_latency_profile_in_loop(
     seed: int = 0,
     batch_sizes: tuple[int, ...] = _BATCH_SIZES,
     timeout_s: float = 600.0,
-    decode_steps: int = DECODE_STEPS,
+    decode_steps: int = _DECODE_STEPS,
 ) -> int:
     """Run the profile's requests through a worker's engine loop, as served requests run (their
     steps timed as the loop's turns, outputs included); returns the steps it ran. Raises

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from bench.first_token_trace import _new_lines, hop_stats, server_ttft_s
+from bench.first_token_trace import hop_stats, new_lines, server_ttft_s
 from engine.messages.first_token import HOPS
 
 
@@ -19,10 +19,10 @@ def _line(request_id: str, arrived: float, hops: dict[str, float], written: floa
 def test_each_rate_reads_the_lines_written_since_the_last(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     path.write_text(_line("a", 1.0, {}, 2.0) + _line("b", 3.0, {}, 4.0))
-    first, offset = _new_lines(path, 0)
+    first, offset = new_lines(path, 0)
     with path.open("a") as file:
         file.write(_line("c", 5.0, {}, None) + '{"request_id": "half')  # a line being written
-    second, _ = _new_lines(path, offset)
+    second, _ = new_lines(path, offset)
     assert [t["request_id"] for t in first] == ["a", "b"]
     assert [t["request_id"] for t in second] == ["c"]
 
