@@ -38,7 +38,13 @@ from engine.sampling.params import SamplingParams
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import bind_this_process, plan_cpu_binding, threads_per_worker
 from router.kv_aware import PrefixHitStats
-from router.latency_forecast import Forecast, LatencyForecaster, PromptToPlace, StepBudgets
+from router.latency_forecast import (
+    AllowedWorkers,
+    Forecast,
+    LatencyForecaster,
+    PromptToPlace,
+    StepBudgets,
+)
 from router.local_ray import start_ray
 from router.output_pump import OutputPump
 from router.placements import Placements, RequestFailedError
@@ -172,11 +178,13 @@ class Cluster:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        allowed: AllowedWorkers | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Token events of every sample, in order per sample, each exactly once.
 
         ``priority`` orders the request on its workers under ``scheduling_policy`` "priority"
         (lower first, then arrival; kept when it is resumed elsewhere); "fcfs" takes only 0.
+        ``allowed``: the workers it is first placed among (``Placements.submit``).
         Raises ValueError for an invalid request and RequestFailedError when the cluster
         cannot complete it. Leaving the iterator early aborts the request everywhere.
         """
@@ -200,7 +208,7 @@ class Cluster:
 
         await self._wait_for_workers()
         # Routing makes blocking Ray calls: keep them off the event loop that serves clients.
-        submitted = loop.run_in_executor(self._placing, self.submit, request, sink)
+        submitted = loop.run_in_executor(self._placing, self.submit, request, sink, allowed)
         try:
             tracker = await asyncio.shield(submitted)
         except asyncio.CancelledError:  # the client left while routing: abort once it is placed
@@ -256,10 +264,14 @@ class Cluster:
                 self._num_waiting -= 1
 
     def submit(
-        self, request: GenerateRequest, sink: Callable[[ClientItem], None]
+        self,
+        request: GenerateRequest,
+        sink: Callable[[ClientItem], None],
+        allowed: AllowedWorkers | None = None,
     ) -> RequestTracker:
-        """Route and submit a request; its events go to ``sink`` (from other threads)."""
-        return self.placements.submit(request, sink)
+        """Route and submit a request (among ``allowed``, see ``Placements.submit``); its
+        events go to ``sink`` (from other threads)."""
+        return self.placements.submit(request, sink, allowed)
 
     def abort(self, request_id: str) -> None:
         self.placements.abort(request_id)
@@ -376,6 +388,7 @@ def _with_router_stamps(
         submit_sent_at=stamps.submit_sent_at,
         submit_returned_at=stamps.submit_returned_at,
         yielded_at=time.time(),
+        decode_worker_id=tracker.decode_worker,
     )
     return dataclasses.replace(event, first_token_trace=trace)
 

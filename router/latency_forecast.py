@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.messages import WorkerLoad
 from router.latency_model import LatencyModel, StepCost, StepShape
@@ -51,8 +51,16 @@ class PromptToPlace:
 
 
 @dataclass(frozen=True, slots=True)
+class AllowedWorkers:
+    """The workers a request may be placed on: those predicted to serve it within limits."""
+
+    prompt_worker_ids: frozenset[str]  # that prefill it (colocated: the same as decode's)
+    decode_worker_ids: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
 class Forecast:
-    """A prompt's predicted latencies on its best placement."""
+    """A prompt's predicted latencies on its best placement, and on every candidate."""
 
     ttft_s: float  # queue + prefill on the prefill worker of least TTFT, + the path's
     queue_s: float  # of which the wait for the prompts ahead of it
@@ -61,17 +69,84 @@ class Forecast:
     decode_worker_id: str
     # the prompt's KV moving to it: the wait for its blocks, then the transfer (0 colocated)
     handoff_s: float
-    # of ttft_s and tpot_s: the path corrections (what the steps do not see)
+    # the path corrections (what the steps do not see), added to the steps' TTFT and TPOT
+    # (but never taking away more than half of them)
     ttft_path_s: float = 0.0
     tpot_path_s: float = 0.0
+    # each candidate's as the workers' steps predict it: TTFT by the worker that would
+    # prefill the prompt, TPOT by the one that would decode it (colocated: the same workers)
+    steps_ttft_by_worker: Mapping[str, float] = field(default_factory=dict)
+    steps_tpot_by_worker: Mapping[str, float] = field(default_factory=dict)
+    colocated: bool = False
+    # how much later than the path corrections say the slowest of recent requests were
+    # (``LatencyModel.path_tails``): admission adds them, so it admits what makes the SLOs
+    # in most cases, not in half of them
+    ttft_tail_s: float = 0.0
+    tpot_tail_s: float = 0.0
+
+    def ttft_on(self, worker_id: str) -> float:
+        """The prompt's TTFT if the worker prefills it, the path's correction included."""
+        return _corrected(self._steps_ttfts()[worker_id], self.ttft_path_s)
+
+    def tpot_on(self, worker_id: str) -> float:
+        """Its TPOT if the worker decodes it, the path's correction included."""
+        return _corrected(self._steps_tpots()[worker_id], self.tpot_path_s)
+
+    def workers_within(
+        self, ttft_s: float, tpot_s: float, *, with_tails: bool = False
+    ) -> AllowedWorkers | None:
+        """The placements predicted to meet both limits (``with_tails``: in most cases, the
+        tails added): the prompt workers within ``ttft_s`` and the decode workers within
+        ``tpot_s`` (colocated: the workers within both); None where there is none."""
+        ttft_tail = self.ttft_tail_s if with_tails else 0.0
+        tpot_tail = self.tpot_tail_s if with_tails else 0.0
+        prompt = frozenset(w for w in self._steps_ttfts() if self.ttft_on(w) + ttft_tail <= ttft_s)
+        decode = frozenset(w for w in self._steps_tpots() if self.tpot_on(w) + tpot_tail <= tpot_s)
+        if self.colocated:
+            prompt = decode = prompt & decode
+        if not prompt or not decode:
+            return None
+        return AllowedWorkers(prompt, decode)
+
+    def least_tpot_within(self, ttft_s: float, *, with_tails: bool = False) -> float:
+        """The least TPOT predicted on a placement (colocated: a worker) whose TTFT is within
+        ``ttft_s`` (any, where none is); ``with_tails``: both with their tails."""
+        ttft_tail = self.ttft_tail_s if with_tails else 0.0
+        tpot_tail = self.tpot_tail_s if with_tails else 0.0
+        decode = list(self._steps_tpots())
+        if self.colocated:
+            decode = [w for w in decode if self.ttft_on(w) + ttft_tail <= ttft_s] or decode
+        return min(self.tpot_on(w) for w in decode) + tpot_tail
+
+    def placed_on(self, prompt_worker_id: str, decode_worker_id: str | None) -> Forecast:
+        """The forecast of the placement the prompt got: its workers' predictions where they
+        were candidates (a prompt prefilled on its decode worker, say, keeps the best's)."""
+        forecast = self
+        if prompt_worker_id in self.steps_ttft_by_worker:
+            ttft_s = self.ttft_on(prompt_worker_id)
+            forecast = replace(forecast, ttft_s=ttft_s, prefill_worker_id=prompt_worker_id)
+        if decode_worker_id is not None and decode_worker_id in self.steps_tpot_by_worker:
+            tpot_s = self.tpot_on(decode_worker_id)
+            forecast = replace(forecast, tpot_s=tpot_s, decode_worker_id=decode_worker_id)
+        return forecast
+
+    def _steps_ttfts(self) -> Mapping[str, float]:
+        return self.steps_ttft_by_worker or {self.prefill_worker_id: self.steps_ttft_s}
+
+    def _steps_tpots(self) -> Mapping[str, float]:
+        return self.steps_tpot_by_worker or {self.decode_worker_id: self.steps_tpot_s}
 
     @property
     def steps_ttft_s(self) -> float:
-        """TTFT as the workers' steps alone predict it."""
+        """TTFT on the best placement as the workers' steps alone predict it."""
+        if self.steps_ttft_by_worker:
+            return self.steps_ttft_by_worker[self.prefill_worker_id]
         return self.ttft_s - self.ttft_path_s
 
     @property
     def steps_tpot_s(self) -> float:
+        if self.steps_tpot_by_worker:
+            return self.steps_tpot_by_worker[self.decode_worker_id]
         return self.tpot_s - self.tpot_path_s
 
 
@@ -114,7 +189,7 @@ class LatencyForecaster:
         requests placed there whose first token has not come. None without fits or workers."""
         prefill_role = "decode" if self.colocated else "prefill"
         prompt_workers = decode_loads if self.colocated else prefill_loads
-        best_ttft: tuple[float, float, str] | None = None
+        ttfts: dict[str, tuple[float, float]] = {}  # worker -> (queue + prefill, queue)
         for load in prompt_workers:
             cost = self.model.step_cost(load.worker_id, prefill_role)
             if cost is None:
@@ -122,9 +197,8 @@ class LatencyForecaster:
             share = self._share_ahead(prompt.priority, queued.get(load.worker_id, ()))
             cached = min(prompt.cached_tokens.get(load.worker_id, 0), prompt.num_prompt_tokens - 1)
             queue_s, total_s = self._prefill_seconds(cost, load, share, prompt, cached)
-            if best_ttft is None or total_s < best_ttft[0]:
-                best_ttft = (total_s, queue_s, load.worker_id)
-        best_tpot: tuple[float, str, float] | None = None
+            ttfts[load.worker_id] = (total_s, queue_s)
+        tpots: dict[str, tuple[float, float]] = {}  # worker -> (TPOT, wait for its blocks)
         for load in decode_loads:
             cost = self.model.step_cost(load.worker_id, "decode")
             if cost is None:
@@ -132,28 +206,35 @@ class LatencyForecaster:
             # a wait for the decode worker's blocks delays the second token: spread over the rest
             wait_s = 0.0 if self.colocated else self.model.reserve_wait(load.worker_id)
             tpot = self._tpot_seconds(cost, load, prompt) + wait_s / max(1, prompt.max_tokens - 1)
-            if best_tpot is None or tpot < best_tpot[0]:
-                best_tpot = (tpot, load.worker_id, wait_s)
-        if best_ttft is None or best_tpot is None:
+            tpots[load.worker_id] = (tpot, wait_s)
+        if not ttfts or not tpots:
             return None
+        # the best: least TTFT, then least TPOT (colocated: on the worker of least TTFT)
+        best_prompt = min(ttfts, key=lambda w: ttfts[w][0])
+        best_decode = best_prompt if self.colocated else min(tpots, key=lambda w: tpots[w][0])
+        best_ttft = (ttfts[best_prompt][0], ttfts[best_prompt][1], best_prompt)
+        best_tpot = (tpots[best_decode][0], best_decode, tpots[best_decode][1])
         handoff_s = best_tpot[2]
         transfer = None if self.colocated else self.model.transfer_cost()
         if transfer is not None:
             num_blocks = -(-prompt.num_prompt_tokens // self.block_size)
             handoff_s += transfer.seconds_for_blocks(num_blocks)
-        # (a correction never takes away more than half the steps' own time)
         ttft_path, tpot_path = self.model.path_corrections()
-        ttft_path = max(ttft_path, -best_ttft[0] / 2)
-        tpot_path = max(tpot_path, -best_tpot[0] / 2)
+        ttft_tail, tpot_tail = self.model.path_tails()
         return Forecast(
-            ttft_s=best_ttft[0] + ttft_path,
+            ttft_s=_corrected(best_ttft[0], ttft_path),
             queue_s=best_ttft[1],
             prefill_worker_id=best_ttft[2],
-            tpot_s=best_tpot[0] + tpot_path,
+            tpot_s=_corrected(best_tpot[0], tpot_path),
             decode_worker_id=best_tpot[1],
             handoff_s=handoff_s,
             ttft_path_s=ttft_path,
             tpot_path_s=tpot_path,
+            steps_ttft_by_worker={w: t for w, (t, _) in ttfts.items()},
+            steps_tpot_by_worker={w: t for w, (t, _) in tpots.items()},
+            colocated=self.colocated,
+            ttft_tail_s=ttft_tail,
+            tpot_tail_s=tpot_tail,
         )
 
     def _share_ahead(self, priority: int, queued: Sequence[tuple[int, int]]) -> float:
@@ -209,3 +290,9 @@ class LatencyForecaster:
         room = max(1, self.budgets.decode - rows)
         per_step = min(room, load.num_queued_prompt_tokens / max(1, prompt.max_tokens))
         return step + cost.per_prefill_token_s * per_step
+
+
+def _corrected(steps_s: float, path_s: float) -> float:
+    """A latency the steps predict, with the path's correction (which never takes away more
+    than half the steps' own time)."""
+    return steps_s + max(path_s, -steps_s / 2)

@@ -25,7 +25,12 @@ observed rather than fitted.
 What the workers' steps cannot see (the gateway's parsing, the router's hops, the output stream
 to the client) is learned from finished requests: the median, over the latest ones, of what
 their clients observed minus what the steps predicted, for TTFT and TPOT apart; the forecast
-adds it (``path_corrections``).
+adds it (``path_corrections``). How much more the slowest tenth of them saw is the path's tail
+(``path_tails``), which admission adds (the forecast is a median: admitting every request
+predicted within its SLO admits, under a sustained overload, requests that miss it in half the
+cases). Only requests finished in the last ``PATH_HORIZON_S`` count: a burst's first requests,
+slow while the workers' fits still had the quiet start-up profile, must not make admission
+refuse everything, and so see no request finish that would correct them, for good.
 
 Fits are redone lazily, when asked for after new timings came. Thread-safe: the load monitor
 and the front doors feed it, the front doors ask it.
@@ -47,6 +52,9 @@ TRANSFER_WINDOW = 256  # a transport's latest hand-offs
 MIN_STEPS = 8  # fewer of a worker's own: its role's fit stands in
 MIN_TRANSFERS = 2
 PATH_WINDOW = 64  # finished requests whose residuals the path corrections are the median of
+PATH_HORIZON_S = 10.0  # of which those observed this recently count
+TAIL_QUANTILE = 0.9  # of those residuals: the path's tail (``path_tails``)
+MIN_TAIL_RESIDUALS = 10  # fewer: no tail
 WAIT_WINDOW = 32  # a decode worker's latest hand-offs' waits for its blocks
 WAIT_HORIZON_S = 10.0  # of which those reported this recently count
 _RIDGE = 1e-6  # relative to the (scaled) features' own size
@@ -221,8 +229,9 @@ class LatencyModel:
         self._transfer_fits: dict[str, TransferCost | None] = {}
         self._busy_s: dict[str, float] = defaultdict(float)  # each worker's steps' seconds
         # observed minus predicted, of finished requests: TTFT's, TPOT's
-        self._ttft_residuals: deque[float] = deque(maxlen=PATH_WINDOW)
-        self._tpot_residuals: deque[float] = deque(maxlen=PATH_WINDOW)
+        # finished requests' (time observed, residual)
+        self._ttft_residuals: deque[tuple[float, float]] = deque(maxlen=PATH_WINDOW)
+        self._tpot_residuals: deque[tuple[float, float]] = deque(maxlen=PATH_WINDOW)
         # per decode worker: (reported at, seconds) of the hand-offs' waits for its blocks
         self._waits: dict[str, deque[tuple[float, float]]] = {}
         # per prefill worker, as its latest report had them: its hand-offs waiting now, the
@@ -279,15 +288,33 @@ class LatencyModel:
         """A finished request's observed latencies minus those its workers' steps predicted
         (its TPOT's None: it had one token)."""
         with self._lock:
-            self._ttft_residuals.append(ttft_residual_s)
+            now = self._clock()
+            self._ttft_residuals.append((now, ttft_residual_s))
             if tpot_residual_s is not None:
-                self._tpot_residuals.append(tpot_residual_s)
+                self._tpot_residuals.append((now, tpot_residual_s))
 
     def path_corrections(self) -> tuple[float, float]:
         """What to add to the steps' TTFT and TPOT for what they cannot see (0 before any
         request finished)."""
         with self._lock:
-            return _median(self._ttft_residuals), _median(self._tpot_residuals)
+            ttft, tpot = self._recent_residuals_locked()
+            return _median(ttft), _median(tpot)
+
+    def path_tails(self) -> tuple[float, float]:
+        """How much later than the path corrections the slowest of the latest requests were:
+        the residuals' ``TAIL_QUANTILE`` less their median, for TTFT and TPOT (0 before any
+        request finished)."""
+        with self._lock:
+            ttft, tpot = self._recent_residuals_locked()
+            return _tail(ttft), _tail(tpot)
+
+    def _recent_residuals_locked(self) -> tuple[list[float], list[float]]:
+        """The TTFT and TPOT residuals observed in the last ``PATH_HORIZON_S``."""
+        since = self._clock() - PATH_HORIZON_S
+        return (
+            [r for at, r in self._ttft_residuals if at >= since],
+            [r for at, r in self._tpot_residuals if at >= since],
+        )
 
     def busy_seconds(self) -> dict[str, float]:
         """Each worker's steps' seconds so far (its busy time), by worker id."""
@@ -360,6 +387,24 @@ def _fit_transfers(timings: Iterable[TransferTiming]) -> TransferCost:
     num_blocks = sum(t.num_blocks for t in timings)
     bytes_per_block = sum(t.num_bytes for t in timings) / num_blocks if num_blocks else 0.0
     return TransferCost(c[0], c[1], bytes_per_block, len(timings))
+
+
+def _tail(residuals: list[float]) -> float:
+    """How much later than their median the slowest of the residuals are (0 for too few)."""
+    if len(residuals) < MIN_TAIL_RESIDUALS:
+        return 0.0
+    return _quantile(residuals, TAIL_QUANTILE) - _median(residuals)
+
+
+def _quantile(values: Iterable[float], quantile: float) -> float:
+    """The ``quantile`` of the values, interpolated between the two nearest (0 for none)."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    position = quantile * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def _median(values: Iterable[float]) -> float:

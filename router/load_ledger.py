@@ -21,6 +21,7 @@ from engine.messages import WorkerLoad
 class _Charge:
     num_sequences: int  # added to the report's num_running
     num_prompt_tokens: int  # added to the report's num_queued_prompt_tokens
+    num_context_tokens: int  # added to the report's num_context_tokens
     held_since: float | None = None  # monotonic time the worker was known to hold it
 
 
@@ -32,10 +33,17 @@ class LoadLedger:
         self._charges: dict[str, _Charge] = {}  # by request id
 
     def charge(
-        self, request_id: str, *, num_sequences: int = 0, num_prompt_tokens: int = 0
+        self,
+        request_id: str,
+        *,
+        num_sequences: int = 0,
+        num_prompt_tokens: int = 0,
+        num_context_tokens: int = 0,
     ) -> None:
-        """Count a request routed here (replacing an earlier charge for the same request)."""
-        self._charges[request_id] = _Charge(num_sequences, num_prompt_tokens)
+        """Count a request routed here (replacing an earlier charge for the same request):
+        its sequences running, its prompt tokens queued, the KV its sequences' decode steps
+        read."""
+        self._charges[request_id] = _Charge(num_sequences, num_prompt_tokens, num_context_tokens)
 
     def mark_held(self, request_id: str, now: float) -> None:
         """The worker holds the request from ``now`` on: reports asked for later show it."""
@@ -75,6 +83,8 @@ class LoadLedger:
             num_running=self.report.num_running + sum(c.num_sequences for c in charges),
             num_queued_prompt_tokens=self.report.num_queued_prompt_tokens
             + sum(c.num_prompt_tokens for c in charges),
+            num_context_tokens=self.report.num_context_tokens
+            + sum(c.num_context_tokens for c in charges),
         )
 
     @property

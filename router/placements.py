@@ -2,8 +2,9 @@
 tracker, and its recovery when a worker it was on is lost.
 
 Life of a placement (``RequestTracker.placing`` while it is being made):
-  choosing   -- the policy picks among the routable workers' loads; the choice counts towards
-                their load at once
+  choosing   -- the policy picks among the routable workers' loads (a first placement: among
+                those the request is allowed, admission's, where any of them is routable); the
+                choice counts towards their load at once
   submitting -- the chosen worker is asked to take it (outside the lock: a worker takes a
                 request between two engine steps); a worker found dead here is taken out of
                 rotation and the choice made again, each try a placement id of its own
@@ -39,6 +40,7 @@ from engine.messages import (
 from router.cluster_config import ClusterConfig
 from router.kv_aware import KVAware, KVAwareWeights, PrefixHitStats
 from router.kv_index import KVIndex
+from router.latency_forecast import AllowedWorkers
 from router.local_prefill import LOCAL_PREFILL_REASONS
 from router.policies import (
     POLICY_NAMES,
@@ -91,9 +93,15 @@ class Placements:
 
     # ---- requests -----------------------------------------------------------------------
     def submit(
-        self, request: GenerateRequest, sink: Callable[[ClientItem], None]
+        self,
+        request: GenerateRequest,
+        sink: Callable[[ClientItem], None],
+        allowed: AllowedWorkers | None = None,
     ) -> RequestTracker:
-        """Route and submit a request; its events go to ``sink`` (from other threads)."""
+        """Route and submit a request; its events go to ``sink`` (from other threads).
+        ``allowed``: the workers its first placement is chosen among, those of them the routing
+        could use (admission's: those predicted to make its SLOs); a placement after a
+        worker's loss is chosen among all."""
         placing_at = time.time()
         with self._lock:
             if request.request_id in self._trackers or request.request_id in self._placed:
@@ -102,7 +110,7 @@ class Placements:
             tracker.stamps.placing_at = placing_at
             self._trackers[request.request_id] = tracker
         try:
-            self._place(tracker, request, self.config.dead_after_s)
+            self._place(tracker, request, self.config.dead_after_s, allowed)
         except BaseException:
             with self._lock:
                 self._forget_locked(tracker)
@@ -180,9 +188,16 @@ class Placements:
                 del self._placed[placement_id]
 
     # ---- placing ----------------------------------------------------------------------------
-    def _place(self, tracker: RequestTracker, request: GenerateRequest, wait_s: float) -> None:
-        """Pick workers for a (re)submitted request and send it there, waiting up to
-        ``wait_s`` for a worker to take it (one that takes longer is taken out as stalled).
+    def _place(
+        self,
+        tracker: RequestTracker,
+        request: GenerateRequest,
+        wait_s: float,
+        allowed: AllowedWorkers | None = None,
+    ) -> None:
+        """Pick workers for a (re)submitted request (among ``allowed``, see ``submit``) and
+        send it there, waiting up to ``wait_s`` for a worker to take it (one that takes longer
+        is taken out as stalled).
 
         The lock is taken to choose and to record, not while the worker accepts: holding it
         meanwhile would stall every other request's tokens for up to a step. While
@@ -195,7 +210,7 @@ class Placements:
         given_up: list[tuple[str, str]] = []  # (worker, placement id): accepted, given up
         try:
             for _ in range(len(self.pool.workers)):
-                route = self._choose(request)
+                route = self._choose(request, allowed)
                 prefill_id, decode_id, local = route.prefill_id, route.decode_id, route.local
                 if not tracker.has_delivered:  # (its first token is yet to come)
                     tracker.stamps.routed_at = time.time()
@@ -275,25 +290,33 @@ class Placements:
             self._placed[placement_id] = tracker
         return placement_id
 
-    def _choose(self, request: GenerateRequest) -> Route:
-        """Where the request goes, among the routable workers; no prefill worker when the
-        decode worker prefills it (colocated, resumed, or a local prefill: the reason). The
-        choice counts towards their load at once, so requests routed meanwhile see it."""
+    def _choose(self, request: GenerateRequest, allowed: AllowedWorkers | None = None) -> Route:
+        """Where the request goes, among the routable workers (those ``allowed`` of them, if
+        any is); no prefill worker when the decode worker prefills it (colocated, resumed, or
+        a local prefill: the reason). The choice counts towards their load at once, so
+        requests routed meanwhile see it."""
         info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
         with self._lock:
             try:
-                decode_loads = self.pool.routable_loads("decode")
+                decode_loads = _among(
+                    self.pool.routable_loads("decode"),
+                    None if allowed is None else allowed.decode_worker_ids,
+                )
                 if self.config.colocated or request.resume_token_ids:
                     route = Route(None, self.policy.choose_decode(info, decode_loads), None)
                 else:
-                    route = self._choose_disaggregated_locked(info, decode_loads)
+                    prefill_loads = _among(
+                        self.pool.routable_loads("prefill"),
+                        None if allowed is None else allowed.prompt_worker_ids,
+                    )
+                    route = self._choose_disaggregated_locked(info, prefill_loads, decode_loads)
             except NoWorkerError as error:
                 raise RequestFailedError(str(error)) from error
             self.pool.charge_routed(route.prefill_id, route.decode_id, request)
         return route
 
     def _choose_disaggregated_locked(
-        self, info: RoutingInfo, decode_loads: list[WorkerLoad]
+        self, info: RoutingInfo, prefill_loads: list[WorkerLoad], decode_loads: list[WorkerLoad]
     ) -> Route:
         """A prefill worker and a decode worker for a new prompt of a disaggregated cluster,
         or the decode worker alone when it prefills the prompt itself: a short prompt, a
@@ -301,7 +324,6 @@ class Placements:
         its prefix ("cached", router/kv_aware.py; or a prefill worker copies the prefix from
         it first)."""
         decode_id = self.policy.choose_decode(info, decode_loads)
-        prefill_loads = self.pool.routable_loads("prefill")
         local = self.config.local_prefill.reason(
             len(info.prompt_token_ids), prefill_loads, self.pool.load_of(decode_id)
         )
@@ -528,6 +550,13 @@ class Placements:
             )
         except (RequestFailedError, ValueError, ray.exceptions.RayError) as error:
             self._end_locked(tracker, f"could not re-route the request: {error}")
+
+
+def _among(loads: list[WorkerLoad], worker_ids: frozenset[str] | None) -> list[WorkerLoad]:
+    """The loads of ``worker_ids`` (None: all); all where none of them is among the loads."""
+    if worker_ids is None:
+        return loads
+    return [load for load in loads if load.worker_id in worker_ids] or loads
 
 
 def make_policy(

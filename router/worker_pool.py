@@ -196,14 +196,21 @@ class WorkerPool:
             for worker in self.workers.values():
                 worker.ledger.drop(request_id)
             decode = self.workers[decode_id].ledger
+            # its sequences decode on the decode worker, each reading the prompt's KV
+            num_sequences = request.params.n
+            resumed = sum(len(tokens) for tokens in request.resume_token_ids.values())
+            context = num_sequences * num_prompt_tokens + resumed
             if prefill_id is None:  # the decode worker prefills the prompt itself
                 decode.charge(
-                    request_id, num_sequences=request.params.n, num_prompt_tokens=num_prompt_tokens
+                    request_id,
+                    num_sequences=num_sequences,
+                    num_prompt_tokens=num_prompt_tokens,
+                    num_context_tokens=context,
                 )
             else:
                 prefill = self.workers[prefill_id].ledger
                 prefill.charge(request_id, num_prompt_tokens=num_prompt_tokens)
-                decode.charge(request_id, num_sequences=request.params.n)
+                decode.charge(request_id, num_sequences=num_sequences, num_context_tokens=context)
 
     def charge_decode(self, decode_id: str, request_id: str, num_sequences: int) -> None:
         """Count a request pointed at another decode worker towards it."""

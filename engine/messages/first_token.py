@@ -105,6 +105,7 @@ class FirstTokenTrace:
     submit_sent_at: float | None = None  # the submit call about to be sent to the worker
     submit_returned_at: float | None = None  # the submit call's answer reached the router
     yielded_at: float | None = None  # Cluster.generate yielded it, on the event loop
+    decode_worker_id: str | None = None  # the router's: the worker that decodes the rest
     # the gateway's stamps, filled when the trace is recorded
     arrived_at: float | None = None  # the HTTP route began
     parsed_at: float | None = None  # the body read, parsed and tokenized

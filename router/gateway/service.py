@@ -40,7 +40,7 @@ from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.limits import RequestLimits
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.served_model import ServedModel
-from router.gateway.slo_admission import AdmissionPolicy, KeyLoad, judge
+from router.gateway.slo_admission import AdmissionPolicy, KeyLoad, allowed_workers, judge
 from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import GenerationBackend, TextGeneration
 from router.kv_aware import PrefixHitStats
@@ -319,7 +319,8 @@ class Gateway:
     ) -> TextGeneration:
         """One prompt of an admitted request that reached the front door at ``arrived_at``
         (``time.monotonic()``, taken before its body was read and parsed), with its latencies
-        as predicted at admission."""
+        as predicted at admission; under ``--admission slo`` it is placed among the workers
+        predicted to make its SLOs (router/gateway/slo_admission.py)."""
         self.metrics.prompts.inc()
         return TextGeneration(
             self.backend,
@@ -329,6 +330,7 @@ class Gateway:
             timing=self.metrics,
             arrived_at=arrived_at,
             forecast=forecast,
+            allowed=allowed_workers(forecast, self.slo.ttft_s, self.slo.tpot_s, self.admission),
         )
 
     def record_ended(self, generations: Sequence[TextGeneration], aborted: bool) -> None:
@@ -364,7 +366,7 @@ class Gateway:
         )
         self.metrics.first_token_traced(trace)
         if self._first_token_log is not None:
-            self._first_token_log.write(generation.request_id, trace)
+            self._first_token_log.write(generation.request_id, trace, generation.forecast)
         return True
 
     def record_outcome(self, status: str) -> None:

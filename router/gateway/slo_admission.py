@@ -3,9 +3,16 @@ any worker does anything for it, when the cluster as it stands would not serve i
 SLOs.
 
 For each of its prompts the router forecasts (router/latency_forecast.py) the TTFT and TPOT on
-its best placement. The request is refused (429, ``Retry-After``) when a prompt's predicted
-TTFT exceeds ``--slo-ttft-ms`` by more than the margin, or its TPOT ``--slo-tpot-ms`` by more
-than the margin. Retry-After is the predicted drain time: how long the queue ahead of the prompt
+every placement; admission adds to each the path's tail, how much later than forecast the
+slowest tenth of recent requests were (a forecast is a median: under a sustained overload,
+admitting every request whose median is within the SLO fills the cluster up to where half of
+them miss it). The request is refused (429, ``Retry-After``) when a prompt's TTFT so
+predicted on its best placement exceeds ``--slo-ttft-ms`` by more than the margin, or when no
+placement is so predicted within the margin of both ``--slo-ttft-ms`` and ``--slo-tpot-ms``
+(its TPOT then: colocated, one worker prefills and decodes it, and must make both). An admitted
+prompt is then placed among the workers predicted to make its SLOs (within the margin where
+none is within the SLOs): the routing policy chooses among those, so it cannot place the prompt
+where it was predicted to miss. Retry-After is the predicted drain time: how long the queue ahead of the prompt
 takes to shrink to what the SLO leaves room for (for TPOT: one request's decode, the time it
 takes the running batch to change). Under ``--scheduling-policy priority`` the forecast counts
 only the prompts that come before this one on a worker, so a request of higher priority (lower
@@ -28,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from router.latency_forecast import Forecast
+from router.latency_forecast import AllowedWorkers, Forecast
 
 AdmissionMode = Literal["none", "slo"]
 ADMISSION_MODES: tuple[AdmissionMode, ...] = ("none", "slo")
@@ -89,25 +96,31 @@ def judge(
     known = [f for f in forecasts if f is not None]
     if policy.mode != "slo" or not known:
         return None
-    worst_ttft = max(known, key=lambda f: f.ttft_s)
-    if worst_ttft.ttft_s > ttft_slo_s * (1 + policy.margin):
+    ttft_limit_s, tpot_limit_s = ttft_slo_s * (1 + policy.margin), tpot_slo_s * (1 + policy.margin)
+    # each prompt's TTFT on its best placement, with its tail
+    worst_ttft = max(known, key=lambda f: f.ttft_s + f.ttft_tail_s)
+    ttft_s = worst_ttft.ttft_s + worst_ttft.ttft_tail_s
+    if ttft_s > ttft_limit_s:
         # what has to drain first: the part of the queue the SLO has no room for
-        drain_s = worst_ttft.ttft_s - ttft_slo_s
         return Refusal(
             "ttft",
-            f"predicted time to first token {worst_ttft.ttft_s * 1000:.0f} ms exceeds the "
+            f"predicted time to first token {ttft_s * 1000:.0f} ms exceeds the "
             f"server's SLO of {ttft_slo_s * 1000:.0f} ms (--slo-ttft-ms) by more than its "
             f"margin of {policy.margin:.0%}; retry later",
-            _whole_seconds(drain_s),
+            _whole_seconds(ttft_s - ttft_slo_s),
         )
-    worst_tpot = max(known, key=lambda f: f.tpot_s)
-    if worst_tpot.tpot_s > tpot_slo_s * (1 + policy.margin):
+    # a placement must make both: colocated, one worker must
+    missed = [
+        f for f in known if f.workers_within(ttft_limit_s, tpot_limit_s, with_tails=True) is None
+    ]
+    if missed:
+        tpot_s = max(f.least_tpot_within(ttft_limit_s, with_tails=True) for f in missed)
         return Refusal(
             "tpot",
-            f"predicted time per output token {worst_tpot.tpot_s * 1000:.1f} ms exceeds the "
+            f"predicted time per output token {tpot_s * 1000:.1f} ms exceeds the "
             f"server's SLO of {tpot_slo_s * 1000:.1f} ms (--slo-tpot-ms) by more than its "
             f"margin of {policy.margin:.0%}; retry later",
-            _whole_seconds(worst_tpot.tpot_s * max_tokens),
+            _whole_seconds(tpot_s * max_tokens),
         )
     loaded = worst_ttft.ttft_s > ttft_slo_s * policy.fair_share_after
     fair_share = (keys.total + 1) / max(1, keys.num_keys)
@@ -125,3 +138,17 @@ def judge(
 def _whole_seconds(seconds: float) -> int:
     """A Retry-After value: whole seconds, at least 1."""
     return max(1, math.ceil(seconds))
+
+
+def allowed_workers(
+    forecast: Forecast | None, ttft_slo_s: float, tpot_slo_s: float, policy: AdmissionPolicy
+) -> AllowedWorkers | None:
+    """The workers an admitted prompt may be placed on: those predicted to make its SLOs,
+    else (none is) those within the margin; None (any) without ``--admission slo`` or a
+    forecast."""
+    if policy.mode != "slo" or forecast is None:
+        return None
+    margin = 1 + policy.margin
+    return forecast.workers_within(
+        ttft_slo_s, tpot_slo_s, with_tails=True
+    ) or forecast.workers_within(ttft_slo_s * margin, tpot_slo_s * margin, with_tails=True)

@@ -28,7 +28,7 @@ from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from router.gateway.errors import refused
 from router.gateway.prompt_logprobs import ScoredPrompt, scored_prompt
 from router.gateway.spec import GenerationSpec
-from router.latency_forecast import Forecast
+from router.latency_forecast import AllowedWorkers, Forecast
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
@@ -44,9 +44,11 @@ class GenerationBackend(Protocol):
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        allowed: AllowedWorkers | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
-        """Raises ValueError for a request the workers refuse (e.g. ``n`` above their
-        max_num_seqs), possibly as a Ray task error that wraps it."""
+        """``allowed``: the workers to place it among (admission's; None: any). Raises
+        ValueError for a request the workers refuse (e.g. ``n`` above their max_num_seqs),
+        possibly as a Ray task error that wraps it."""
         ...
 
 
@@ -94,7 +96,8 @@ class FinishedGeneration:
     time_per_output_token: float | None  # mean gap between sample 0's later tokens (0 for one)
     num_prompt_tokens: int
     num_completion_tokens: int  # over all samples
-    forecast: Forecast | None = None  # the latencies predicted at admission
+    # the latencies predicted at admission, on the placement it got
+    forecast: Forecast | None = None
 
 
 @dataclass(slots=True)
@@ -118,6 +121,8 @@ class TextGeneration:
     first_token_trace: FirstTokenTrace | None = None
     # its latencies as the router predicted them at admission (None: no prediction)
     forecast: Forecast | None = None
+    # the workers admission allows it (those predicted to make its SLOs; None: any)
+    allowed: AllowedWorkers | None = None
     _samples: list[_Sample] = field(default_factory=list, init=False)
     # the cluster's stream and the task taking its first event, once ``start`` sent the prompt
     # ahead of ``deltas``; None before, and once ``deltas`` or ``close`` took them
@@ -198,6 +203,7 @@ class TextGeneration:
             request_id=self.request_id,
             cache_salt=self.spec.cache_salt,
             priority=self.spec.priority,
+            allowed=self.allowed,
         )
 
     def scored_prompt(self) -> ScoredPrompt:
@@ -222,8 +228,15 @@ class TextGeneration:
             tpot,
             self.num_prompt_tokens,
             self.num_completion_tokens,
-            self.forecast,
+            self._placed_forecast(),
         )
+
+    def _placed_forecast(self) -> Forecast | None:
+        """The forecast of the placement the prompt got (its first token's trace names it)."""
+        trace = self.first_token_trace
+        if self.forecast is None or trace is None:
+            return self.forecast
+        return self.forecast.placed_on(trace.worker_id, trace.decode_worker_id)
 
     def _time(self, sample: _Sample, sample_index: int) -> None:
         if sample.finished:

@@ -28,6 +28,7 @@ from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import DrainOutcome, GatewayServer
 from router.gateway.service import Gateway
+from router.latency_forecast import AllowedWorkers
 from tests.gateway.one_live_worker import OneLiveWorker
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,6 +53,7 @@ class HeldCluster(OneLiveWorker):
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        allowed: AllowedWorkers | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         num_tokens = params.max_tokens or 4
         for position in range(num_tokens):

@@ -18,10 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.messages.first_token import HOPS, SIDE_STAMPS, STAMPS
+from engine.messages.first_token import HOPS, SIDE_STAMPS, STAMPS, FirstTokenTrace
 from router.cli import build_parser
 from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.served_model import ServedModel
+from router.latency_forecast import Forecast
 from router.serve_command import first_token_log
 from tests.gateway.token_script import http_client
 from tests.router.fake_actors import use_fake_ray
@@ -75,6 +76,7 @@ def test_a_streamed_prompts_trace_carries_every_hop_in_order(
     response_id = _complete(http, stream=True)
     line = _trace_lines(trace_path)[f"{response_id}-0"]  # the prompt's id: response id, index
     assert line["worker_id"] == "prefill-0"
+    assert line["decode_worker_id"] == "decode-0"  # where the router placed the rest
     stamps = line["stamps"]
     assert list(stamps) == [*STAMPS, *SIDE_STAMPS]
     path = [stamps[name] for name in STAMPS]
@@ -94,6 +96,29 @@ def test_a_whole_responses_trace_ends_with_its_first_token_on_the_event_loop(
     line = _trace_lines(trace_path)[f"{response_id}-0"]
     assert line["stamps"]["written"] is None  # no chunk: the whole response comes at the end
     assert list(line["hops"]) == list(HOPS[:-1])
+
+
+def test_a_prompts_forecast_is_written_beside_its_trace(tmp_path: Path) -> None:
+    """The latencies predicted at admission and the placement they were predicted on, next
+    to where it ran: a forecast's error can be told from a placement elsewhere."""
+    log = FirstTokenLog(tmp_path / "trace.jsonl")
+    trace = FirstTokenTrace("prefill-1", 1.0, 1.0, 1.0, 1.0, 1.2, 1.2, decode_worker_id="decode-0")
+    log.write("r-0", trace, Forecast(0.25, 0.05, "prefill-0", 0.01, "decode-1", 0.0))
+    log.write("r-1", trace)
+    log.close()
+    lines = _trace_lines(tmp_path / "trace.jsonl")
+    assert (lines["r-0"]["worker_id"], lines["r-0"]["decode_worker_id"]) == (
+        "prefill-1",
+        "decode-0",
+    )
+    assert lines["r-0"]["forecast"] == {
+        "ttft_s": 0.25,
+        "queue_s": 0.05,
+        "prefill_worker_id": "prefill-0",
+        "tpot_s": 0.01,
+        "decode_worker_id": "decode-1",
+    }
+    assert "forecast" not in lines["r-1"]  # none was made
 
 
 def test_metrics_show_each_hops_buckets_after_a_request(http: httpx.Client) -> None:

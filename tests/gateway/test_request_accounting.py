@@ -27,6 +27,7 @@ from router.gateway.auth import ApiKeys
 from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.service import Gateway
+from router.latency_forecast import AllowedWorkers
 from tests.gateway.test_streams_on_a_scripted_cluster import (
     DEMO_MODEL,
     ScriptedCluster,
@@ -72,6 +73,7 @@ class _ByPromptLength(ScriptedCluster):
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        allowed: AllowedWorkers | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         self.request_ids.append(request_id or "")
         max_tokens = min(params.max_tokens or self.length, len(prompt_token_ids))
@@ -91,6 +93,7 @@ class _Refusing(ScriptedCluster):
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        allowed: AllowedWorkers | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         if params.n > 4:
             cause = ValueError(f"n ({params.n}) must be <= max_num_seqs (4)")
@@ -111,6 +114,7 @@ class _Broken(ScriptedCluster):
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        allowed: AllowedWorkers | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         async for event in super().generate(prompt_token_ids, params, request_id=request_id):
             if event.position == 2:

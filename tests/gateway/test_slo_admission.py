@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import httpx
@@ -28,7 +28,7 @@ from router.gateway.limits import RequestLimits
 from router.gateway.metrics import SloTargets
 from router.gateway.served_model import ServedModel
 from router.gateway.service import Gateway
-from router.gateway.slo_admission import AdmissionPolicy, KeyLoad, judge
+from router.gateway.slo_admission import AdmissionPolicy, KeyLoad, allowed_workers, judge
 from router.gateway.spec import GenerationSpec
 from router.latency_forecast import Forecast, LatencyForecaster, PromptToPlace, StepBudgets
 from router.latency_model import LatencyModel
@@ -62,6 +62,62 @@ def test_the_rule_refuses_a_predicted_miss_beyond_the_margin_with_the_drain_time
     assert slow_decode is not None and slow_decode.reason == "tpot"
     assert slow_decode.retry_after_s == math.ceil(0.2 * 16)  # one request's decode
     assert "--slo-tpot-ms" in slow_decode.message
+
+
+def _colocated(ttfts: dict[str, float], tpots: dict[str, float]) -> Forecast:
+    best = min(ttfts, key=ttfts.__getitem__)
+    return Forecast(
+        ttfts[best], 0.0, best, tpots[best], best, 0.0,
+        steps_ttft_by_worker=ttfts, steps_tpot_by_worker=tpots, colocated=True,
+    )  # fmt: skip
+
+
+def test_colocated_one_worker_must_make_both_slos() -> None:
+    """c0 makes the TTFT SLO but not the TPOT one, c1 the reverse: no worker makes both, so
+    the prompt is refused (it would be placed on one of them), and admitted once c1 makes
+    both."""
+    policy, alone = AdmissionPolicy("slo", margin=0.0), KeyLoad(0, 0, 1)
+    split = _colocated({"c0": 0.2, "c1": 0.9}, {"c0": 0.08, "c1": 0.02})
+    refusal = judge([split], 16, 0.5, 0.05, policy, alone)
+    assert refusal is not None and refusal.reason == "tpot"
+    assert "80.0 ms" in refusal.message  # c0's: the worker within the TTFT SLO
+    both = _colocated({"c0": 0.2, "c1": 0.4}, {"c0": 0.08, "c1": 0.02})
+    assert judge([both], 16, 0.5, 0.05, policy, alone) is None
+    allowed = allowed_workers(both, 0.5, 0.05, policy)
+    assert allowed is not None and allowed.decode_worker_ids == {"c1"}
+
+
+def test_an_admitted_prompt_is_allowed_the_workers_predicted_to_make_its_slos() -> None:
+    """Within the SLOs where any placement is; else within the margin, where admission let
+    it in; any worker without slo admission or a forecast."""
+    forecast = Forecast(
+        0.3, 0.1, "p1", 0.02, "d0", 0.0,
+        steps_ttft_by_worker={"p0": 0.52, "p1": 0.3, "p2": 0.9},
+        steps_tpot_by_worker={"d0": 0.02, "d1": 0.04, "d2": 0.054},
+    )  # fmt: skip
+    policy = AdmissionPolicy("slo", margin=0.1)
+    allowed = allowed_workers(forecast, 0.5, 0.05, policy)
+    assert allowed is not None
+    assert (allowed.prompt_worker_ids, allowed.decode_worker_ids) == ({"p1"}, {"d0", "d1"})
+    # under tighter SLOs no prompt worker is within them: those within the margin
+    tighter = allowed_workers(forecast, 0.29, 0.0195, policy)
+    assert tighter is not None
+    assert (tighter.prompt_worker_ids, tighter.decode_worker_ids) == ({"p1"}, {"d0"})
+    assert allowed_workers(forecast, 0.5, 0.05, AdmissionPolicy("none")) is None
+    assert allowed_workers(None, 0.5, 0.05, policy) is None
+
+
+def test_the_rule_adds_the_paths_tail_to_the_forecast() -> None:
+    """Predicted 450 ms, its slowest tenth 100 ms later than that: past the 500 ms SLO."""
+    policy, alone = AdmissionPolicy("slo", margin=0.0), KeyLoad(0, 0, 1)
+    forecast = Forecast(0.45, 0.1, "p0", 0.01, "d0", 0.0)
+    assert judge([forecast], 16, 0.5, 0.05, policy, alone) is None
+    tailed = replace(forecast, ttft_tail_s=0.1)
+    refusal = judge([tailed], 16, 0.5, 0.05, policy, alone)
+    assert refusal is not None and refusal.reason == "ttft" and "550 ms" in refusal.message
+    slow_tail = replace(forecast, tpot_tail_s=0.045)
+    refusal = judge([slow_tail], 16, 0.5, 0.05, policy, alone)
+    assert refusal is not None and refusal.reason == "tpot" and "55.0 ms" in refusal.message
 
 
 def test_the_rule_admits_without_a_forecast_or_without_slo_admission() -> None:
@@ -232,6 +288,21 @@ def test_a_burst_beyond_capacity_is_refused_with_retry_after_and_the_accepted_me
     assert _admit(gateway, cluster, "late", _spec(300), Caller(None)) is None
     counted = gateway.metrics.admission_refusals.labels(reason="ttft")._value.get()
     assert counted == len(refusals) + 1
+
+
+def test_an_admitted_prompt_goes_to_the_cluster_with_the_workers_allowed_it(
+    model: ServedModel,
+) -> None:
+    forecast = Forecast(
+        0.1, 0.0, "p0", 0.01, "d0", 0.0,
+        steps_ttft_by_worker={"p0": 0.1, "p1": 0.7}, steps_tpot_by_worker={"d0": 0.01},
+    )  # fmt: skip
+    slo = _gateway(SimulatedCluster(), model, AdmissionPolicy("slo"))
+    generation = slo.generation(_spec(100), "r0", 0.0, forecast)
+    assert generation.allowed is not None
+    assert generation.allowed.prompt_worker_ids == {"p0"}
+    unguarded = _gateway(SimulatedCluster(), model, AdmissionPolicy("none"))
+    assert unguarded.generation(_spec(100), "r1", 0.0, forecast).allowed is None
 
 
 def test_a_higher_priority_prompt_is_admitted_ahead_of_the_lower_ones_queued(

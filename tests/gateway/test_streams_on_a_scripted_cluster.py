@@ -34,6 +34,7 @@ from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
+from router.latency_forecast import AllowedWorkers
 from tests.gateway.one_live_worker import OneLiveWorker
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,6 +60,7 @@ class ScriptedCluster(OneLiveWorker):
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        allowed: AllowedWorkers | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         num_tokens = min(params.max_tokens or self.length, self.length)
         for position in range(num_tokens):

@@ -32,6 +32,7 @@ from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
 from router.gateway.service import ClusterBackend, Gateway
+from router.latency_forecast import AllowedWorkers
 from tests.gateway.one_live_worker import OneLiveWorker
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "engine" / "demo_model" / "assets"
@@ -57,6 +58,7 @@ class ScriptedCluster(OneLiveWorker):
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        allowed: AllowedWorkers | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         self.prompts.append(list(prompt_token_ids))
         self.params.append(params)

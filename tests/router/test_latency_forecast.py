@@ -85,6 +85,92 @@ def test_the_best_placement_is_the_least_queued_and_a_cached_prefix_is_not_recom
     assert cached.ttft_s == _approx(OVERHEAD + PER_TOKEN * (50 + 40))
 
 
+def test_every_candidate_is_predicted_and_those_within_limits_are_the_allowed_placements() -> None:
+    forecaster = _forecaster(_model())
+    prefill = [_load("p0", queued=2000, waiting=8), _load("p1", queued=50, waiting=1)]
+    decode = [_load("d0", running=8), _load("d1", running=1)]
+    forecast = forecaster.forecast(PromptToPlace(200, 10), prefill, decode, {})
+    assert forecast is not None
+    assert forecast.ttft_on("p1") == _approx(forecast.ttft_s)
+    # p0: 2000 queued + 200 of its own at 256 a step: 9 steps
+    assert forecast.ttft_on("p0") == _approx(9 * OVERHEAD + PER_TOKEN * 2200)
+    assert forecast.tpot_on("d0") == _approx(OVERHEAD + 9 * PER_ROW)
+    assert forecast.tpot_on("d1") == _approx(OVERHEAD + 2 * PER_ROW)
+    wide = forecast.workers_within(1.0, 1.0)
+    assert wide is not None
+    assert (wide.prompt_worker_ids, wide.decode_worker_ids) == ({"p0", "p1"}, {"d0", "d1"})
+    tight = forecast.workers_within(0.05, 0.005)
+    assert tight is not None
+    assert (tight.prompt_worker_ids, tight.decode_worker_ids) == ({"p1"}, {"d1"})
+    assert forecast.workers_within(0.01, 1.0) is None  # no prompt worker makes 10 ms
+    assert forecast.workers_within(1.0, 0.002) is None  # nor a decode worker 2 ms
+
+
+def test_a_colocated_placement_is_one_worker_making_both_latencies() -> None:
+    """c0 has the shorter queue but the larger batch, c1 the reverse: the best TTFT is c0's, so
+    the forecast's TPOT is c0's too, not c1's; a limit on both allows the worker that makes
+    both, and none when neither does."""
+    model = LatencyModel()
+    mixed = [
+        StepTiming(p, 0, r, 0, OVERHEAD + PER_TOKEN * p + PER_ROW * r)
+        for p in (0, 32, 128)
+        for r in (1, 8, 32)
+    ] * 2
+    model.observe("c0", "decode", mixed)
+    model.observe("c1", "decode", mixed)
+    forecaster = _forecaster(model, colocated=True)
+    loads = [_load("c0", running=40), _load("c1", queued=1000, waiting=4, running=2)]
+    forecast = forecaster.forecast(PromptToPlace(100, 50), [], loads, {})
+    assert forecast is not None
+    assert forecast.prefill_worker_id == forecast.decode_worker_id == "c0"
+    assert forecast.tpot_s == _approx(OVERHEAD + PER_ROW * 41)
+    c0_ttft, c1_tpot = forecast.ttft_on("c0"), forecast.tpot_on("c1")
+    assert c1_tpot < forecast.tpot_s and forecast.ttft_on("c1") > c0_ttft
+    assert forecast.workers_within(c0_ttft, c1_tpot) is None  # c0 is too slow a step, c1 late
+    assert forecast.least_tpot_within(c0_ttft) == _approx(forecast.tpot_s)
+    allowed = forecast.workers_within(c0_ttft, forecast.tpot_s)
+    assert allowed is not None
+    assert allowed.prompt_worker_ids == allowed.decode_worker_ids == {"c0"}
+
+
+def test_the_paths_median_corrects_every_candidate_and_its_tail_is_what_admission_adds() -> None:
+    """Requests finished 10 ms after their steps' TTFT, a tenth of them 110 ms after, and
+    TPOT 1 ms after: each candidate gets the median, 10 ms; the tail is the residuals' 0.9
+    quantile (of 20: interpolated, 10 % of the way from 10 to 110 ms) less the median."""
+    model = _model()
+    for i in range(20):
+        model.observe_request(0.110 if i % 10 == 9 else 0.010, 0.001)
+    forecaster = _forecaster(model)
+    prefill = [_load("p0", queued=2000, waiting=8), _load("p1", queued=50, waiting=1)]
+    forecast = forecaster.forecast(PromptToPlace(200, 10), prefill, [_load("d0")], {})
+    assert forecast is not None
+    assert forecast.ttft_on("p0") == _approx(9 * OVERHEAD + PER_TOKEN * 2200 + 0.010)
+    assert forecast.steps_ttft_s == _approx(OVERHEAD + PER_TOKEN * 250)  # p1's: 27 ms
+    assert forecast.ttft_s == _approx(0.037)
+    assert forecast.ttft_tail_s == pytest.approx(0.010, abs=1e-9)
+    assert forecast.tpot_tail_s == pytest.approx(0.0, abs=1e-12)
+    assert forecast.workers_within(0.040, 1.0) is not None
+    assert forecast.workers_within(0.040, 1.0, with_tails=True) is None  # 47 ms with its tail
+    assert forecast.workers_within(0.0475, 1.0, with_tails=True) is not None
+
+
+def test_a_forecast_placed_on_the_workers_the_prompt_got_predicts_theirs() -> None:
+    forecaster = _forecaster(_model())
+    prefill = [_load("p0", queued=2000, waiting=8), _load("p1", queued=50, waiting=1)]
+    decode = [_load("d0", running=8), _load("d1", running=1)]
+    forecast = forecaster.forecast(PromptToPlace(200, 10), prefill, decode, {})
+    assert forecast is not None
+    placed = forecast.placed_on("p0", "d0")
+    assert (placed.prefill_worker_id, placed.decode_worker_id) == ("p0", "d0")
+    assert placed.ttft_s == _approx(forecast.ttft_on("p0"))
+    assert placed.steps_ttft_s == _approx(9 * OVERHEAD + PER_TOKEN * 2200)
+    assert placed.tpot_s == _approx(OVERHEAD + 9 * PER_ROW)
+    # a worker that was no candidate (a prompt prefilled on its decode worker): the best's
+    local = forecast.placed_on("d1", "d1")
+    assert local.ttft_s == forecast.ttft_s and local.prefill_worker_id == "p1"
+    assert local.tpot_s == _approx(OVERHEAD + 2 * PER_ROW)
+
+
 def test_under_priority_scheduling_only_the_prompts_served_first_are_ahead() -> None:
     """1000 tokens queued: 800 of priority 5, 200 of priority 0. A priority-0 request waits for
     the 200 only; a priority-5 one for all of them; in arrival order, everyone for all."""

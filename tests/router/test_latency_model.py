@@ -9,6 +9,8 @@ import pytest
 from engine.messages import BlockWait, StepTiming, TransferTiming
 from router.latency_model import (
     MIN_STEPS,
+    MIN_TAIL_RESIDUALS,
+    PATH_HORIZON_S,
     WAIT_HORIZON_S,
     LatencyModel,
     StepShape,
@@ -170,3 +172,32 @@ def test_a_hand_off_still_waiting_for_blocks_counts_before_it_ends() -> None:
     model.observe_waiting("p0", [BlockWait("d1", 3.0)])
     model.forget("d1")  # a decode worker gone: nothing waits for it
     assert model.reserve_wait("d1") == 0.0
+
+
+def test_the_path_corrections_and_tails_count_only_recent_requests() -> None:
+    """A burst's first requests, 600 ms later than their steps said, must not hold the
+    corrections once newer ones finish, nor for good when none does (admission refusing all
+    on them would see no request finish to correct them)."""
+    clock = [100.0]
+    model = LatencyModel(clock=lambda: clock[0])
+    for _ in range(12):
+        model.observe_request(0.600, 0.002)
+    assert model.path_corrections() == pytest.approx((0.600, 0.002))
+    clock[0] += PATH_HORIZON_S + 0.1
+    assert model.path_corrections() == (0.0, 0.0)
+    assert model.path_tails() == (0.0, 0.0)
+    for i in range(20):
+        model.observe_request(0.110 if i % 10 == 9 else 0.010, 0.001)
+    assert model.path_corrections() == pytest.approx((0.010, 0.001))
+    # the 0.9 quantile of the twenty (10 % of the way from 10 to 110 ms) less their median
+    assert model.path_tails() == pytest.approx((0.010, 0.0), abs=1e-9)
+
+
+def test_a_tail_needs_enough_requests() -> None:
+    model = LatencyModel(clock=lambda: 100.0)
+    for residual in range(MIN_TAIL_RESIDUALS - 1):
+        model.observe_request(residual * 0.1, None)
+    assert model.path_tails() == (0.0, 0.0)
+    model.observe_request(5.0, None)
+    ttft_tail, tpot_tail = model.path_tails()
+    assert ttft_tail > 0 and tpot_tail == 0.0

@@ -15,6 +15,7 @@ from engine.messages import TokenEvent
 from engine.sampling.params import SamplingParams
 from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import SampleDelta, TextGeneration, merged_deltas
+from router.latency_forecast import AllowedWorkers
 
 TEXT = "Hello 😀🚀 world 世界 naïve café 👩‍👩‍👧 end"
 
@@ -36,6 +37,7 @@ class ScriptedTokens:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        allowed: AllowedWorkers | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         num_sent = 0
         total = sum(len(s) for s in self.samples)
