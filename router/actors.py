@@ -26,6 +26,7 @@ from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.messages import HandoffCall
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
+from engine.startup_heap import freeze_startup_heap
 from kv_transfer.policy import TransferConfig
 from kv_transfer.rank_calls import RankCall
 from router.cpu_binding import bind_this_thread
@@ -72,6 +73,7 @@ class WorkerActor(WorkerHost):
             [RayRankPeer(handle) for handle in self._followers],
             _decode_peers,
         )
+        freeze_startup_heap()  # (its model, engine and loop are built)
 
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
@@ -169,6 +171,7 @@ class RankActor:
                 serve_kv(built)
                 follower.on_rebuilt = serve_kv
                 self._built.set()
+                freeze_startup_heap()  # (its shard of the model is built)
                 follower.run()
             finally:
                 follower.group.close()

@@ -303,6 +303,17 @@ class Cluster:
             self.placements.queued_prompts() if self.forecaster.by_priority else {},
         )
 
+    def hold_placement(
+        self, request_id: str, forecast: Forecast, num_prompt_tokens: int, num_sequences: int
+    ) -> None:
+        """Count an admitted prompt towards its forecast's best placement now, until it is
+        routed (which replaces the charge) or the next load report finds it was not (a client
+        gone first): the prompts admitted next, before it is routed, are predicted behind it."""
+        prefill_id = None if self.config.colocated else forecast.prefill_worker_id
+        self.pool.charge(
+            request_id, prefill_id, forecast.decode_worker_id, num_prompt_tokens, num_sequences
+        )
+
     def observe_latencies(self, forecast: Forecast, ttft_s: float, tpot_s: float | None) -> None:
         """A finished prompt's latencies as its client saw them (TPOT None: one token), against
         its ``forecast``: the latency model learns what the workers' steps do not show."""

@@ -83,6 +83,8 @@ class Forecast:
     # in most cases, not in half of them
     ttft_tail_s: float = 0.0
     tpot_tail_s: float = 0.0
+    # finished requests the path corrections and tails are from (None: not known)
+    num_observed: int | None = None
 
     def ttft_on(self, worker_id: str) -> float:
         """The prompt's TTFT if the worker prefills it, the path's correction included."""
@@ -129,6 +131,11 @@ class Forecast:
             tpot_s = self.tpot_on(decode_worker_id)
             forecast = replace(forecast, tpot_s=tpot_s, decode_worker_id=decode_worker_id)
         return forecast
+
+    @property
+    def num_prompt_workers(self) -> int:
+        """The workers that could prefill the prompt (the candidates)."""
+        return len(self._steps_ttfts())
 
     def _steps_ttfts(self) -> Mapping[str, float]:
         return self.steps_ttft_by_worker or {self.prefill_worker_id: self.steps_ttft_s}
@@ -235,6 +242,7 @@ class LatencyForecaster:
             colocated=self.colocated,
             ttft_tail_s=ttft_tail,
             tpot_tail_s=tpot_tail,
+            num_observed=self.model.num_recent_requests(),
         )
 
     def _share_ahead(self, priority: int, queued: Sequence[tuple[int, int]]) -> float:

@@ -55,6 +55,8 @@ PATH_WINDOW = 64  # finished requests whose residuals the path corrections are t
 PATH_HORIZON_S = 10.0  # of which those observed this recently count
 TAIL_QUANTILE = 0.9  # of those residuals: the path's tail (``path_tails``)
 MIN_TAIL_RESIDUALS = 10  # fewer: no tail
+# finished requests (in the horizon) before admission trusts the forecast under load
+WARM_AFTER = MIN_TAIL_RESIDUALS
 WAIT_WINDOW = 32  # a decode worker's latest hand-offs' waits for its blocks
 WAIT_HORIZON_S = 10.0  # of which those reported this recently count
 _RIDGE = 1e-6  # relative to the (scaled) features' own size
@@ -307,6 +309,12 @@ class LatencyModel:
         with self._lock:
             ttft, tpot = self._recent_residuals_locked()
             return _tail(ttft), _tail(tpot)
+
+    def num_recent_requests(self) -> int:
+        """Finished requests the path corrections are from (those of the last
+        ``PATH_HORIZON_S``)."""
+        with self._lock:
+            return len(self._recent_residuals_locked()[0])
 
     def _recent_residuals_locked(self) -> tuple[list[float], list[float]]:
         """The TTFT and TPOT residuals observed in the last ``PATH_HORIZON_S``."""

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import ray
 
 from engine.sampling.params import SamplingParams
+from engine.startup_heap import freeze_startup_heap
 from router.cluster import Cluster, RequestFailedError
 from router.cluster_config import ClusterConfig
 from router.detokenizer import IncrementalDetokenizer
@@ -117,6 +118,7 @@ def _serve_until_stopped(
     """Serves until a stop signal, then drains; the servers are stopped on the way out.
     ``banner()`` is printed once the servers listen."""
     start_server(server)
+    freeze_startup_heap()  # (the cluster, the model's tokenizer and the servers are built)
     try:
         signals = StopSignals()
         signals.install()

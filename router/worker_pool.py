@@ -191,15 +191,35 @@ class WorkerPool:
     ) -> None:
         """Count a routed request towards its workers' load (any earlier routing of it no
         longer counts) until their reports show it."""
-        request_id, num_prompt_tokens = request.request_id, len(request.prompt_token_ids)
+        resumed = sum(len(tokens) for tokens in request.resume_token_ids.values())
+        self.charge(
+            request.request_id,
+            prefill_id,
+            decode_id,
+            len(request.prompt_token_ids),
+            request.params.n,
+            resumed,
+        )
+
+    def charge(
+        self,
+        request_id: str,
+        prefill_id: str | None,
+        decode_id: str,
+        num_prompt_tokens: int,
+        num_sequences: int,
+        num_resumed_tokens: int = 0,
+    ) -> None:
+        """Count a request towards the workers it is (or is to be) placed on, replacing any
+        earlier charge of it: its prompt queued on the prefill worker (None: on the decode
+        worker), its sequences running on the decode worker, each reading the prompt's KV."""
         with self._lock:
+            if any(w not in self.workers for w in (prefill_id, decode_id) if w is not None):
+                return  # (a worker that left meanwhile: nothing to count it towards)
             for worker in self.workers.values():
                 worker.ledger.drop(request_id)
             decode = self.workers[decode_id].ledger
-            # its sequences decode on the decode worker, each reading the prompt's KV
-            num_sequences = request.params.n
-            resumed = sum(len(tokens) for tokens in request.resume_token_ids.values())
-            context = num_sequences * num_prompt_tokens + resumed
+            context = num_sequences * num_prompt_tokens + num_resumed_tokens
             if prefill_id is None:  # the decode worker prefills the prompt itself
                 decode.charge(
                     request_id,

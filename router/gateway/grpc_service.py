@@ -210,7 +210,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         arrived_at: float,
     ) -> None:
         request_id = new_request_id("gen")
-        with self.gateway.admitted(request_id, caller, [spec]) as live:
+        with self.gateway.admitted(request_id, caller, [spec], [request_id]) as live:
             generation = self.gateway.generation(spec, request_id, arrived_at, live.forecasts[0])
             formatter = (
                 LogprobsFormatter(self.gateway.model.tokenizer)

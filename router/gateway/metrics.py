@@ -8,7 +8,8 @@ Two sources, one endpoint:
   token spent in each hop of its path, ``first_token_hop_seconds{hop}``, from its trace; the
   latencies the router predicted for each prompt at admission, ``predicted_*_seconds``, and how
   far the observed ones were from them, ``latency_prediction_ratio{slo}`` (observed over
-  predicted); requests refused by ``--admission slo``, ``admission_refusals_total{reason}``);
+  predicted); requests refused by ``--admission slo``, ``admission_refusals_total{reason}``, and let in as
+  probes, ``admission_probes_total``);
 - worker-level gauges and counters labelled ``role`` and ``worker``, read at scrape time from
   the load reports the router already polls from every worker (running, waiting, KV usage,
   prefix-cache hit rate and hits by tier, bytes moved to and from a host tier, preemptions, KV transfer bytes and seconds, speculative decoding's draft
@@ -360,12 +361,21 @@ class GatewayMetrics:
         self.admission_refusals = Counter(
             "pdserve:admission_refusals",
             "Requests refused by --admission slo, by reason (ttft, tpot: predicted to miss "
-            "that SLO; fair_share: the key held more than its share of a loaded server)",
+            "that SLO; warming_up: more in flight than a model that has seen few requests "
+            "finish vouches for; fair_share: the key held more than its share of a loaded "
+            "server)",
             ["reason"],
             registry=r,
         )
         for reason in REFUSAL_REASONS:
             self.admission_refusals.labels(reason=reason)
+        self.admission_probes = Counter(
+            "pdserve:admission_probes",
+            "Requests --admission slo let in although predicted to miss, one at a time, as "
+            "probes: nothing queued ahead, the steps alone within the SLOs, only the path's "
+            "corrections (learned from earlier requests) against",
+            registry=r,
+        )
         targets = Gauge("pdserve:slo_target_seconds", "SLO targets", ["slo"], registry=r)
         targets.labels(slo="ttft").set(slo.ttft_s)
         targets.labels(slo="tpot").set(slo.tpot_s)

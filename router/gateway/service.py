@@ -40,7 +40,13 @@ from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.limits import RequestLimits
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.served_model import ServedModel
-from router.gateway.slo_admission import AdmissionPolicy, KeyLoad, allowed_workers, judge
+from router.gateway.slo_admission import (
+    AdmissionPolicy,
+    KeyLoad,
+    allowed_workers,
+    judge,
+    worth_probing,
+)
 from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import GenerationBackend, TextGeneration
 from router.kv_aware import PrefixHitStats
@@ -56,6 +62,8 @@ _PARSER_THREADS = 2
 # characters take well under a millisecond there, less than the hand-off to a parser thread
 # and back (measured 2-3 ms on a busy 2-core gateway, in the first-token trace's parse hop).
 INLINE_PARSE_MAX_BYTES = 8 << 10
+# a 429's error code by admission's reason (the rest: slo_predicted_miss)
+_REFUSAL_CODES = {"fair_share": "slo_fair_share", "warming_up": "slo_warming_up"}
 _SHUTDOWN_RETRY_AFTER_S = 5  # Retry-After of the 503s a shutting-down server answers
 
 
@@ -84,6 +92,10 @@ class ClusterBackend(GenerationBackend, Protocol):
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> Forecast | None: ...
+
+    def hold_placement(
+        self, request_id: str, forecast: Forecast, num_prompt_tokens: int, num_sequences: int
+    ) -> None: ...
 
     def observe_latencies(
         self, forecast: Forecast, ttft_s: float, tpot_s: float | None
@@ -146,6 +158,7 @@ class Gateway:
         )
         self.num_in_flight = 0
         self._in_flight_by_key: Counter[str | None] = Counter()  # by the key's tenant salt
+        self._probe: str | None = None  # the request in flight as admission's probe
         self.draining = False  # shutting down: new requests are refused
         self._live: dict[str, LiveRequest] = {}
         self._idle = asyncio.Event()  # set while no request is in flight
@@ -183,12 +196,21 @@ class Gateway:
 
     @contextlib.contextmanager
     def admitted(
-        self, request_id: str, caller: Caller, specs: Sequence[GenerationSpec] = ()
+        self,
+        request_id: str,
+        caller: Caller,
+        specs: Sequence[GenerationSpec] = (),
+        prompt_ids: Sequence[str] | None = None,
     ) -> Iterator[LiveRequest]:
         """Hold one of the gateway's in-flight slots while a request of prompts ``specs`` runs;
-        its prompts' predicted latencies go with it."""
+        its prompts' predicted latencies go with it. ``prompt_ids``: the ids the prompts will
+        be generated under (default ``<request_id>-<index>``)."""
         self.check_admission()
-        forecasts = self._admit_by_forecast(caller, specs)
+        if prompt_ids is None:
+            prompt_ids = [f"{request_id}-{i}" for i in range(len(specs))]
+        forecasts, probe = self._admit_by_forecast(caller, specs, prompt_ids)
+        if probe:
+            self._probe = request_id
         key = caller.tenant_salt
         self.num_in_flight += 1
         self._in_flight_by_key[key] += 1
@@ -202,14 +224,20 @@ class Gateway:
             if not self._in_flight_by_key[key]:
                 del self._in_flight_by_key[key]
             del self._live[request_id]
+            if self._probe == request_id:
+                self._probe = None
             if not self.num_in_flight:
                 self._idle.set()
 
     def _admit_by_forecast(
-        self, caller: Caller, specs: Sequence[GenerationSpec]
-    ) -> list[Forecast | None]:
-        """Each prompt's predicted latencies; ApiError(429) when ``--admission slo`` refuses the
-        request by them (counted by reason)."""
+        self, caller: Caller, specs: Sequence[GenerationSpec], prompt_ids: Sequence[str]
+    ) -> tuple[list[Forecast | None], bool]:
+        """Each prompt's predicted latencies, and whether the request goes in as the probe
+        (one at a time: slo_admission.worth_probing); ApiError(429) when ``--admission slo``
+        refuses the request by them (counted by reason). Admitted, each prompt counts towards its best
+        placement at once (``hold_placement``), so the next prompts admitted before it is routed
+        are predicted behind it: a burst parsed in one turn of the event loop is not all
+        admitted on the same empty queue."""
         forecasts = [self._forecast(spec) for spec in specs]
         keys = KeyLoad(
             self._in_flight_by_key[caller.tenant_salt],
@@ -220,6 +248,15 @@ class Gateway:
         refusal = judge(
             forecasts, max_tokens, self.slo.ttft_s, self.slo.tpot_s, self.admission, keys
         )
+        probe = (
+            refusal is not None
+            and refusal.reason in ("ttft", "tpot")
+            and self._probe is None
+            and worth_probing(forecasts, self.slo.ttft_s, self.slo.tpot_s, self.admission)
+        )
+        if probe:
+            refusal = None
+            self.metrics.admission_probes.inc()
         if refusal is not None:
             self.metrics.requests.labels(status="rejected").inc()
             self.metrics.admission_refusals.labels(reason=refusal.reason).inc()
@@ -227,13 +264,17 @@ class Gateway:
                 429,
                 refusal.message,
                 "rate_limit_error",
-                code="slo_fair_share" if refusal.reason == "fair_share" else "slo_predicted_miss",
+                code=_REFUSAL_CODES.get(refusal.reason, "slo_predicted_miss"),
                 retry_after_s=refusal.retry_after_s,
             )
-        for forecast in forecasts:
+        for prompt_id, spec, forecast in zip(prompt_ids, specs, forecasts, strict=True):
             if forecast is not None:
                 self.metrics.predicted(forecast)
-        return forecasts
+                if self.admission.mode == "slo":
+                    self.backend.hold_placement(
+                        prompt_id, forecast, len(spec.prompt_token_ids), spec.params.n
+                    )
+        return forecasts, probe
 
     def check_admission(self) -> None:
         """ApiError(503) while the server shuts down or the cluster cannot serve, ApiError(429)

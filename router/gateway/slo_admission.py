@@ -19,6 +19,21 @@ only the prompts that come before this one on a worker, so a request of higher p
 number) is admitted, and served ahead of those already queued, when one of lower priority would
 be refused.
 
+A slow start: until the latency model has seen ``WARM_AFTER`` requests finish in the last
+``PATH_HORIZON_S`` (after start-up, or a quiet spell), it knows neither the path's corrections
+nor how the workers' steps slow under load (their fits still hold the quiet start-up profile),
+so at most one request per worker that prefills, plus one per request seen finishing, is in
+flight; the rest are refused (``warming_up``, Retry-After 1 s). Without it, the first second of
+a burst at start-up was admitted on the quiet profile: two thirds of those requests missed
+their TTFT SLO, predicted at a quarter to a half of what they took.
+
+Probes: a request refused on its predicted TTFT or TPOT goes in anyway when nothing is queued
+ahead of it and the workers' steps alone make its SLOs (only the path's corrections said it
+would miss) and no other probe is in flight (``worth_probing``; counted in
+``pdserve:admission_probes_total``). The corrections come from requests finished earlier; when
+every request is refused, none finishes to correct them, and admission stayed shut: for 10 s,
+in a run where the first requests after start-up had come through stalls of 300 ms.
+
 Fair share between API keys: once the cluster is loaded (a prompt's predicted TTFT above
 ``fair_share_after`` of its SLO), a key holding more than its fair share of the requests in
 flight (in flight over keys with requests in flight, this one counted) is refused first, so the
@@ -36,11 +51,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from router.latency_forecast import AllowedWorkers, Forecast
+from router.latency_model import PATH_HORIZON_S, WARM_AFTER
 
 AdmissionMode = Literal["none", "slo"]
 ADMISSION_MODES: tuple[AdmissionMode, ...] = ("none", "slo")
 # why a request was refused: the label of pdserve:admission_refusals_total
-REFUSAL_REASONS = ("ttft", "tpot", "fair_share")
+REFUSAL_REASONS = ("ttft", "tpot", "warming_up", "fair_share")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +138,19 @@ def judge(
             f"margin of {policy.margin:.0%}; retry later",
             _whole_seconds(tpot_s * max_tokens),
         )
+    # a slow start: the fewer requests it has seen finish lately, the fewer it vouches for
+    cold = [f for f in known if f.num_observed is not None and f.num_observed < WARM_AFTER]
+    if cold:
+        seen = min(f.num_observed or 0 for f in cold)
+        in_flight_cap = min(f.num_prompt_workers for f in cold) + seen
+        if keys.total + 1 > in_flight_cap:
+            return Refusal(
+                "warming_up",
+                f"the server has seen {seen} requests finish in the last "
+                f"{PATH_HORIZON_S:.0f} s, too few to predict latencies under load; until "
+                f"{WARM_AFTER} have, it admits {in_flight_cap} in flight at most; retry shortly",
+                1,
+            )
     loaded = worst_ttft.ttft_s > ttft_slo_s * policy.fair_share_after
     fair_share = (keys.total + 1) / max(1, keys.num_keys)
     if loaded and keys.num_keys > 1 and keys.own + 1 > fair_share:
@@ -138,6 +167,27 @@ def judge(
 def _whole_seconds(seconds: float) -> int:
     """A Retry-After value: whole seconds, at least 1."""
     return max(1, math.ceil(seconds))
+
+
+def worth_probing(
+    forecasts: Sequence[Forecast | None],
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+    policy: AdmissionPolicy,
+) -> bool:
+    """Whether a request refused on its predicted latencies may go in as a probe: nothing is
+    queued ahead of any of its prompts, and their workers' steps alone make the SLOs (within
+    the margin), so only the path's corrections, learned from requests finished earlier, said
+    it would miss. Those can be out of date (a start-up's slow first requests), and once every
+    request is refused none finishes to correct them: a probe, one at a time, does."""
+    known = [f for f in forecasts if f is not None]
+    margin = 1 + policy.margin
+    return bool(known) and all(
+        f.queue_s <= 0
+        and f.steps_ttft_s <= ttft_slo_s * margin
+        and f.steps_tpot_s <= tpot_slo_s * margin
+        for f in known
+    )
 
 
 def allowed_workers(

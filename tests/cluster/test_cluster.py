@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -99,6 +100,14 @@ def test_concurrent_greedy_requests_match_offline_engine(
     transports = {w.worker_id: _channel_transports(w.actor) for w in cluster.pool.workers.values()}
     opened = [t for per_worker in transports.values() for t in per_worker.values()]
     assert set(opened) == ({"shm"} if num_prefill else set()), transports
+    # each worker froze its start-up heap: its collections skip the model's objects
+    frozen = {w.worker_id: _frozen_objects(w.actor) for w in cluster.pool.workers.values()}
+    assert all(count > 10_000 for count in frozen.values()), frozen
+
+
+def _frozen_objects(actor: object) -> int:
+    ref = actor.__ray_call__.remote(lambda self: gc.get_freeze_count())  # type: ignore[attr-defined]
+    return int(ray.get(ref))
 
 
 def _channel_transports(actor: object) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """What a scripted stand-in for the cluster answers besides ``generate``: one live decode
 worker, no local prefills, ready, room in the router's queue, no role switches, no latency forecast (its workers
-report no step timings)."""
+report no step timings); the placements admission holds are listed."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from router.latency_forecast import Forecast
 
 
 class OneLiveWorker:
+    def __init__(self) -> None:
+        # the admitted prompts counted towards their placements: (id, forecast, tokens, n)
+        self.holds: list[tuple[str, Forecast, int, int]] = []
+
     def worker_statuses(self) -> list[WorkerStatus]:
         return [WorkerStatus("decode-0", "decode", True, None)]
 
@@ -41,6 +45,11 @@ class OneLiveWorker:
         priority: int = 0,
     ) -> Forecast | None:
         return None
+
+    def hold_placement(
+        self, request_id: str, forecast: Forecast, num_prompt_tokens: int, num_sequences: int
+    ) -> None:
+        self.holds.append((request_id, forecast, num_prompt_tokens, num_sequences))
 
     def observe_latencies(self, forecast: Forecast, ttft_s: float, tpot_s: float | None) -> None:
         pass

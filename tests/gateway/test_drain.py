@@ -43,6 +43,7 @@ class HeldCluster(OneLiveWorker):
     is set; until then the request stays in flight."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.release = threading.Event()
 
     async def generate(

@@ -28,10 +28,16 @@ from router.gateway.limits import RequestLimits
 from router.gateway.metrics import SloTargets
 from router.gateway.served_model import ServedModel
 from router.gateway.service import Gateway
-from router.gateway.slo_admission import AdmissionPolicy, KeyLoad, allowed_workers, judge
+from router.gateway.slo_admission import (
+    AdmissionPolicy,
+    KeyLoad,
+    allowed_workers,
+    judge,
+    worth_probing,
+)
 from router.gateway.spec import GenerationSpec
 from router.latency_forecast import Forecast, LatencyForecaster, PromptToPlace, StepBudgets
-from router.latency_model import LatencyModel
+from router.latency_model import WARM_AFTER, LatencyModel
 from tests.gateway.token_script import (
     ScriptedCluster,
     both_doors,
@@ -120,6 +126,25 @@ def test_the_rule_adds_the_paths_tail_to_the_forecast() -> None:
     assert refusal is not None and refusal.reason == "tpot" and "55.0 ms" in refusal.message
 
 
+def test_a_cold_model_admits_one_request_per_prompt_worker_plus_one_per_request_seen() -> None:
+    """Two prefill workers, three requests seen finishing: five in flight at most until ten
+    have; a forecast whose model is not known (None) has no such limit."""
+    policy = AdmissionPolicy("slo")
+    cold = Forecast(
+        0.1, 0.0, "p0", 0.01, "d0", 0.0,
+        steps_ttft_by_worker={"p0": 0.1, "p1": 0.2}, num_observed=3,
+    )  # fmt: skip
+    assert judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 4, 1)) is None
+    refusal = judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 5, 1))
+    assert refusal is not None and refusal.reason == "warming_up"
+    assert refusal.retry_after_s == 1
+    assert "seen 3 requests finish" in refusal.message and "5 in flight" in refusal.message
+    warm = replace(cold, num_observed=WARM_AFTER)
+    assert judge([warm], 16, 0.5, 0.05, policy, KeyLoad(0, 50, 1)) is None
+    unknown = replace(cold, num_observed=None)
+    assert judge([unknown], 16, 0.5, 0.05, policy, KeyLoad(0, 50, 1)) is None
+
+
 def test_the_rule_admits_without_a_forecast_or_without_slo_admission() -> None:
     alone = KeyLoad(0, 0, 1)
     assert judge([None], 16, 0.5, 0.05, AdmissionPolicy("slo"), alone) is None
@@ -162,13 +187,15 @@ class _Queued:
 class SimulatedCluster(ScriptedCluster):
     """One prefill worker simulated on a fake clock (its queue served by priority, then
     arrival, in steps of ``BUDGET`` tokens) and one idle decode worker; the forecast is the
-    router's, over a latency model fitted from the worker's own steps."""
+    router's, over a latency model fitted from the worker's own steps, warm: it has seen
+    requests finish that took what their steps said (no path correction, no tail)."""
 
     by_priority: bool = False
     now: float = 0.0
     queue: list[_Queued] = field(default_factory=list)
     ttft: dict[str, float] = field(default_factory=dict)  # request id -> its first token's
-    model: LatencyModel = field(default_factory=LatencyModel)
+    # (its horizon for finished requests on a clock that stands still)
+    model: LatencyModel = field(default_factory=lambda: LatencyModel(clock=lambda: 0.0))
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -176,6 +203,8 @@ class SimulatedCluster(ScriptedCluster):
         steps = [StepTiming(n, 0, 0, 0, OVERHEAD_S + PER_TOKEN_S * n) for n in sizes] * 4
         self.model.observe("p0", "prefill", steps)
         self.model.observe("d0", "decode", [StepTiming(0, 0, 1, 0, DECODE_STEP_S)] * 8)
+        for _ in range(WARM_AFTER):
+            self.model.observe_request(0.0, 0.0)
         self.forecaster = LatencyForecaster(
             self.model,
             StepBudgets(BUDGET, BUDGET),
@@ -395,6 +424,34 @@ def doors(model: ServedModel) -> Iterator[Doors]:
 COMPLETION = {"prompt": "Hello", "max_tokens": 4}
 
 
+def test_a_request_refused_only_by_the_paths_corrections_goes_in_as_the_one_probe(
+    model: ServedModel,
+) -> None:
+    """Its steps take 0.2 s of the 0.5 s SLO with nothing queued ahead; the path's correction,
+    0.9 s, was learned from requests finished earlier. Refusing every such request, none would
+    finish to correct it: one goes in at a time."""
+    cluster = ForecastCluster()
+    limits = RequestLimits(max_model_len=model.max_model_len)
+    gateway = Gateway(cluster, model, limits, ApiKeys([]), SLO, admission=AdmissionPolicy("slo"))
+    cluster.predicted = Forecast(1.1, 0.0, "p0", 0.01, "d0", 0.0, ttft_path_s=0.9)
+    assert worth_probing([cluster.predicted], SLO.ttft_s, SLO.tpot_s, AdmissionPolicy("slo"))
+    caller = Caller(None)
+    with gateway.admitted("probe", caller, [_spec(100)]):
+        with pytest.raises(ApiError) as second, gateway.admitted("second", caller, [_spec(100)]):
+            pass
+        assert second.value.status == 429 and second.value.code == "slo_predicted_miss"
+    with gateway.admitted("next probe", caller, [_spec(100)]):  # the first one is done
+        pass
+    queued = replace(cluster.predicted, queue_s=0.1)  # prompts ahead: the queue is real
+    slow_steps = Forecast(1.1, 0.0, "p0", 0.01, "d0", 0.0, ttft_path_s=0.1)  # 1 s of steps
+    for refused in (queued, slow_steps):
+        cluster.predicted = refused
+        assert not worth_probing([refused], SLO.ttft_s, SLO.tpot_s, AdmissionPolicy("slo"))
+        with pytest.raises(ApiError), gateway.admitted("refused", caller, [_spec(100)]):
+            pass
+    assert gateway.metrics.admission_probes._value.get() == 2
+
+
 def test_a_refused_request_is_a_429_with_retry_after_and_the_server_serves_on(
     doors: Doors,
 ) -> None:
@@ -415,6 +472,24 @@ def test_a_refused_request_is_a_429_with_retry_after_and_the_server_serves_on(
     assert 'pdserve:admission_refusals_total{reason="ttft"} 2.0' in metrics
     assert "pdserve:predicted_time_to_first_token_seconds_count 1.0" in metrics
     assert 'pdserve:latency_prediction_ratio_count{slo="ttft"} 1.0' in metrics
+
+
+def test_an_admitted_prompt_holds_its_placement_under_the_id_it_is_generated_with(
+    doors: Doors,
+) -> None:
+    """So that the prompts admitted next, before it is routed, see it queued; its routing
+    replaces the hold because the ids match. A refused prompt holds nothing."""
+    doors.cluster.predicted = _forecast(3.2)
+    assert doors.http.post("/v1/completions", json=COMPLETION).status_code == 429
+    assert doors.cluster.holds == []
+    doors.cluster.predicted = _forecast(0.2)
+    response = doors.http.post("/v1/completions", json={**COMPLETION, "n": 2})
+    assert response.status_code == 200
+    ((held_id, forecast, num_tokens, n),) = doors.cluster.holds
+    assert held_id == f"{response.json()['id']}-0" == doors.cluster.request_ids[-1]
+    assert (forecast, num_tokens, n) == (doors.cluster.predicted, len(doors.cluster.prompts[-1]), 2)
+    list(doors.grpc.Generate(pb.GenerateRequest(text="Hello", max_tokens=4), timeout=30))
+    assert doors.cluster.holds[-1][0] == doors.cluster.request_ids[-1]  # gRPC's own id
 
 
 def test_grpc_refuses_with_resource_exhausted_and_retry_after(doors: Doors) -> None:

@@ -48,6 +48,7 @@ class ScriptedCluster(OneLiveWorker):
     position ``fail_at``."""
 
     def __init__(self, pace_s: float, fail_at: int | None = None, length: int = len(TOKENS)):
+        super().__init__()
         self.pace_s = pace_s
         self.fail_at = fail_at
         self.length = length

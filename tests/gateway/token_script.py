@@ -43,11 +43,13 @@ class ScriptedCluster(OneLiveWorker):
     """Answers every sample with ``tokens``, the last one ending it with ``finish_reason``."""
 
     def __init__(self, tokens: Sequence[int] = ()) -> None:
+        super().__init__()
         self.tokens: list[int] = list(tokens)  # output token ids, answered to every sample
         self.finish_reason = "length"
         self.prompts: list[list[int]] = []  # prompt token ids, as asked
         self.params: list[SamplingParams] = []  # sampling params, as asked
         self.priorities: list[int] = []  # request priorities, as asked
+        self.request_ids: list[str] = []  # the prompts' ids, as asked
         self.first_prompt_logprob: float | None = None  # replaces position 1's logprob when set
 
     async def generate(
@@ -63,6 +65,7 @@ class ScriptedCluster(OneLiveWorker):
         self.prompts.append(list(prompt_token_ids))
         self.params.append(params)
         self.priorities.append(priority)
+        self.request_ids.append(request_id or "")
         num_tokens = min(params.max_tokens or len(self.tokens), len(self.tokens))
         for position in range(num_tokens):
             finish = None

@@ -8,7 +8,7 @@ from engine import SamplingParams
 from engine.messages import GenerateRequest, WorkerLoad
 from router.cluster import Cluster, WorkerHandle
 from router.cluster_config import ClusterConfig
-from router.latency_forecast import AllowedWorkers
+from router.latency_forecast import AllowedWorkers, Forecast
 from router.placements import Route
 
 
@@ -74,3 +74,25 @@ def test_a_routed_prompt_counts_its_kv_towards_its_decode_worker_at_once() -> No
     assert (decode.num_running, decode.num_context_tokens) == (2, 140)
     prefill = cluster.pool.workers["prefill-0"].load
     assert prefill is not None and prefill.num_context_tokens == 0
+
+
+def test_an_admitted_prompt_counts_towards_its_best_placement_until_routed() -> None:
+    """Prompts admitted together, before any is routed, are each predicted behind the ones
+    admitted before them; the routing replaces the hold (no double count)."""
+    cluster = _cluster(2, 1)
+    forecast = Forecast(0.1, 0.0, "prefill-1", 0.01, "decode-0", 0.0)
+    cluster.hold_placement("a", forecast, 300, 1)
+    prefill = cluster.pool.workers["prefill-1"].load
+    decode = cluster.pool.workers["decode-0"].load
+    assert prefill is not None and prefill.num_queued_prompt_tokens == 300
+    assert decode is not None and (decode.num_running, decode.num_context_tokens) == (1, 300)
+    allowed = AllowedWorkers(frozenset({"prefill-0"}), frozenset({"decode-0"}))
+    cluster.placements._choose(_request("a", 300), allowed)  # routed elsewhere than held
+    loads = {w: cluster.pool.workers[w].load for w in ("prefill-0", "prefill-1", "decode-0")}
+    assert {
+        w: (load.num_queued_prompt_tokens, load.num_running) for w, load in loads.items() if load
+    } == {
+        "prefill-0": (300, 0),
+        "prefill-1": (0, 0),
+        "decode-0": (0, 1),
+    }

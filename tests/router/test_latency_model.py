@@ -183,8 +183,10 @@ def test_the_path_corrections_and_tails_count_only_recent_requests() -> None:
     for _ in range(12):
         model.observe_request(0.600, 0.002)
     assert model.path_corrections() == pytest.approx((0.600, 0.002))
+    assert model.num_recent_requests() == 12
     clock[0] += PATH_HORIZON_S + 0.1
     assert model.path_corrections() == (0.0, 0.0)
+    assert model.num_recent_requests() == 0
     assert model.path_tails() == (0.0, 0.0)
     for i in range(20):
         model.observe_request(0.110 if i % 10 == 9 else 0.010, 0.001)

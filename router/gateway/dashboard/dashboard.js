@@ -213,7 +213,7 @@ function render() {
     median("TPOT", "pdserve:time_per_output_token_seconds"),
     median("TPOT predicted", "pdserve:predicted_time_per_output_token_seconds"),
   ]);
-  drawChart("refusals", ["ttft", "tpot", "fair_share"].map((reason) =>
+  drawChart("refusals", ["ttft", "tpot", "warming_up", "fair_share"].map((reason) =>
     series(reason, (i) => rate(i, "pdserve:admission_refusals_total", { reason }))));
   drawChart("poolsizes", ["prefill", "decode"].map((role) =>
     series(role, (i) => sum(history[i], "pdserve:worker_alive", { role }))));
