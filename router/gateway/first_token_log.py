@@ -1,8 +1,9 @@
 """First-token traces as JSON lines, one per prompt (``pdserve serve --first-token-trace PATH``).
 
 ``worker_id`` sampled the first token, ``decode_worker_id`` decodes the rest (the router's
-placement). A line is appended when the gateway records a prompt's trace (a streamed response: once the
-first chunk after its first token is written; a whole response: once it is complete):
+placement). A line is appended when the gateway records a prompt's trace (a streamed
+response: once the first chunk after its first token is written; a whole response: once it
+is complete):
 
   {"request_id": "cmpl-...-0", "worker_id": "prefill-0", "decode_worker_id": "decode-1",
    "stamps": {"arrived": 1767000000.123, ..., "written": ..., "scheduled": ...,
@@ -15,8 +16,8 @@ first chunk after its first token is written; a whole response: once it is compl
 where none was taken; ``hops`` are seconds, those whose two stamps were taken, in path order
 (``engine.messages.first_token`` names them both); ``forecast`` is the prompt's latencies as
 predicted at admission and the placement they were predicted on (router/latency_forecast.py;
-absent without one). Each line is written whole and flushed as it
-is written, so the file can be followed while the server runs.
+absent without one). Each line is written whole and flushed as it is written, so the file
+can be followed while the server runs.
 """
 
 from __future__ import annotations

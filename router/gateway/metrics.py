@@ -8,8 +8,8 @@ Two sources, one endpoint:
   token spent in each hop of its path, ``first_token_hop_seconds{hop}``, from its trace; the
   latencies the router predicted for each prompt at admission, ``predicted_*_seconds``, and how
   far the observed ones were from them, ``latency_prediction_ratio{slo}`` (observed over
-  predicted); requests refused by ``--admission slo``, ``admission_refusals_total{reason}``, and let in as
-  probes, ``admission_probes_total``);
+  predicted); requests refused by ``--admission slo``, ``admission_refusals_total{reason}``,
+  and let in as probes, ``admission_probes_total``);
 - worker-level gauges and counters labelled ``role`` and ``worker``, read at scrape time from
   the load reports the router already polls from every worker (running, waiting, KV usage,
   prefix-cache hit rate and hits by tier, bytes moved to and from a host tier, preemptions, KV transfer bytes and seconds, speculative decoding's draft

@@ -11,10 +11,10 @@ predicted on its best placement exceeds ``--slo-ttft-ms`` by more than the margi
 placement is so predicted within the margin of both ``--slo-ttft-ms`` and ``--slo-tpot-ms``
 (its TPOT then: colocated, one worker prefills and decodes it, and must make both). An admitted
 prompt is then placed among the workers predicted to make its SLOs (within the margin where
-none is within the SLOs): the routing policy chooses among those, so it cannot place the prompt
-where it was predicted to miss. Retry-After is the predicted drain time: how long the queue ahead of the prompt
-takes to shrink to what the SLO leaves room for (for TPOT: one request's decode, the time it
-takes the running batch to change). Under ``--scheduling-policy priority`` the forecast counts
+none is within the SLOs): the routing policy chooses among those, so it cannot place the
+prompt where it was predicted to miss. Retry-After is the predicted drain time: how long the
+queue ahead of the prompt takes to shrink to what the SLO leaves room for (for TPOT: one
+request's decode, the time it takes the running batch to change). Under ``--scheduling-policy priority`` the forecast counts
 only the prompts that come before this one on a worker, so a request of higher priority (lower
 number) is admitted, and served ahead of those already queued, when one of lower priority would
 be refused.

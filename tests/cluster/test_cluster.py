@@ -106,8 +106,8 @@ def test_concurrent_greedy_requests_match_offline_engine(
 
 
 def _frozen_objects(actor: object) -> int:
-    ref = actor.__ray_call__.remote(lambda self: gc.get_freeze_count())  # type: ignore[attr-defined]
-    return int(ray.get(ref))
+    frozen = actor.__ray_call__.remote  # type: ignore[attr-defined]
+    return int(ray.get(frozen(lambda self: gc.get_freeze_count())))
 
 
 def _channel_transports(actor: object) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.messages import StepTiming, TransferTiming, WorkerLoad
-from router.latency_forecast import LatencyForecaster, PromptToPlace, StepBudgets
+from router.latency_forecast import Forecast, LatencyForecaster, PromptToPlace, StepBudgets
 from router.latency_model import LatencyModel
 
 
@@ -49,6 +49,25 @@ def _forecaster(
     )
 
 
+def _mixed_steps() -> list[StepTiming]:
+    """A colocated worker's steps: prompt chunks with decode rows, at the true costs."""
+    return [
+        StepTiming(p, 0, r, 0, OVERHEAD + PER_TOKEN * p + PER_ROW * r)
+        for p in (0, 32, 128)
+        for r in (1, 8, 32)
+    ] * 2
+
+
+def _two_by_two(forecaster: LatencyForecaster) -> Forecast:
+    """The forecast of a 200-token prompt over p0 (2000 tokens queued), p1 (50), d0 (8
+    running) and d1 (1)."""
+    prefill = [_load("p0", queued=2000, waiting=8), _load("p1", queued=50, waiting=1)]
+    decode = [_load("d0", running=8), _load("d1", running=1)]
+    forecast = forecaster.forecast(PromptToPlace(200, 10), prefill, decode, {})
+    assert forecast is not None
+    return forecast
+
+
 def test_an_idle_cluster_predicts_the_prompts_own_steps_and_a_batch_of_one() -> None:
     forecaster = _forecaster(_model())
     forecast = forecaster.forecast(PromptToPlace(100, 10), [_load("p0")], [_load("d0")], {})
@@ -86,11 +105,7 @@ def test_the_best_placement_is_the_least_queued_and_a_cached_prefix_is_not_recom
 
 
 def test_every_candidate_is_predicted_and_those_within_limits_are_the_allowed_placements() -> None:
-    forecaster = _forecaster(_model())
-    prefill = [_load("p0", queued=2000, waiting=8), _load("p1", queued=50, waiting=1)]
-    decode = [_load("d0", running=8), _load("d1", running=1)]
-    forecast = forecaster.forecast(PromptToPlace(200, 10), prefill, decode, {})
-    assert forecast is not None
+    forecast = _two_by_two(_forecaster(_model()))
     assert forecast.ttft_on("p1") == _approx(forecast.ttft_s)
     # p0: 2000 queued + 200 of its own at 256 a step: 9 steps
     assert forecast.ttft_on("p0") == _approx(9 * OVERHEAD + PER_TOKEN * 2200)
@@ -111,11 +126,7 @@ def test_a_colocated_placement_is_one_worker_making_both_latencies() -> None:
     the forecast's TPOT is c0's too, not c1's; a limit on both allows the worker that makes
     both, and none when neither does."""
     model = LatencyModel()
-    mixed = [
-        StepTiming(p, 0, r, 0, OVERHEAD + PER_TOKEN * p + PER_ROW * r)
-        for p in (0, 32, 128)
-        for r in (1, 8, 32)
-    ] * 2
+    mixed = _mixed_steps()
     model.observe("c0", "decode", mixed)
     model.observe("c1", "decode", mixed)
     forecaster = _forecaster(model, colocated=True)
@@ -140,10 +151,7 @@ def test_the_paths_median_corrects_every_candidate_and_its_tail_is_what_admissio
     model = _model()
     for i in range(20):
         model.observe_request(0.110 if i % 10 == 9 else 0.010, 0.001)
-    forecaster = _forecaster(model)
-    prefill = [_load("p0", queued=2000, waiting=8), _load("p1", queued=50, waiting=1)]
-    forecast = forecaster.forecast(PromptToPlace(200, 10), prefill, [_load("d0")], {})
-    assert forecast is not None
+    forecast = _two_by_two(_forecaster(model))
     assert forecast.ttft_on("p0") == _approx(9 * OVERHEAD + PER_TOKEN * 2200 + 0.010)
     assert forecast.steps_ttft_s == _approx(OVERHEAD + PER_TOKEN * 250)  # p1's: 27 ms
     assert forecast.ttft_s == _approx(0.037)
@@ -155,11 +163,7 @@ def test_the_paths_median_corrects_every_candidate_and_its_tail_is_what_admissio
 
 
 def test_a_forecast_placed_on_the_workers_the_prompt_got_predicts_theirs() -> None:
-    forecaster = _forecaster(_model())
-    prefill = [_load("p0", queued=2000, waiting=8), _load("p1", queued=50, waiting=1)]
-    decode = [_load("d0", running=8), _load("d1", running=1)]
-    forecast = forecaster.forecast(PromptToPlace(200, 10), prefill, decode, {})
-    assert forecast is not None
+    forecast = _two_by_two(_forecaster(_model()))
     placed = forecast.placed_on("p0", "d0")
     assert (placed.prefill_worker_id, placed.decode_worker_id) == ("p0", "d0")
     assert placed.ttft_s == _approx(forecast.ttft_on("p0"))
@@ -191,11 +195,7 @@ def test_a_colocated_worker_steps_its_running_batch_with_every_prompt_chunk() ->
     """56 sequences decode in every step: 200 tokens of room a step, each step a decode of 56
     rows too."""
     model = LatencyModel()
-    mixed = [
-        StepTiming(p, 0, r, 0, OVERHEAD + PER_TOKEN * p + PER_ROW * r)
-        for p in (0, 32, 128)
-        for r in (1, 8, 32)
-    ] * 2
+    mixed = _mixed_steps()
     model.observe("d0", "decode", mixed)
     forecaster = _forecaster(model, colocated=True)
     load = _load("d0", queued=300, waiting=2, running=56)
