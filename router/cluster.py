@@ -314,11 +314,26 @@ class Cluster:
             request_id, prefill_id, forecast.decode_worker_id, num_prompt_tokens, num_sequences
         )
 
-    def observe_latencies(self, forecast: Forecast, ttft_s: float, tpot_s: float | None) -> None:
-        """A finished prompt's latencies as its client saw them (TPOT None: one token), against
-        its ``forecast``: the latency model learns what the workers' steps do not show."""
-        tpot_residual = None if tpot_s is None else tpot_s - forecast.steps_tpot_s
-        self.pool.latency_model.observe_request(ttft_s - forecast.steps_ttft_s, tpot_residual)
+    def observe_latencies(
+        self,
+        forecast: Forecast,
+        ttft_s: float,
+        first_gap_s: float | None,
+        later_gap_s: float | None,
+    ) -> None:
+        """A finished prompt's latencies as its client saw them against its ``forecast``: its
+        TTFT, the gap between its first two tokens (None: one token; disaggregated, across
+        the hand-off) and the mean of its gaps after that (None: fewer than three tokens).
+        The latency model learns what the workers' steps do not show: for TTFT, and for the
+        gaps of a decode, and how much longer the first gap is than those."""
+        decode_residual = first_gap_excess = None
+        if later_gap_s is not None:
+            decode_residual = later_gap_s - forecast.steps_tpot_s
+            if first_gap_s is not None:
+                first_gap_excess = first_gap_s - later_gap_s
+        self.pool.latency_model.observe_request(
+            ttft_s - forecast.steps_ttft_s, decode_residual, first_gap_excess
+        )
 
     # ---- statuses -----------------------------------------------------------------------
     def worker_statuses(self) -> list[WorkerStatus]:

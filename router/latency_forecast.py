@@ -25,7 +25,9 @@ colocated worker, plus its share of the prompt chunks queued there, spread over 
 tokens; on a decode worker whose hand-offs wait for blocks (its KV cache full), plus that wait
 spread over the request's tokens after the first. Both then get the model's path corrections:
 what finished requests' clients saw beyond their steps (the gateway's and router's hops, the
-stream). A prediction needs the fits of the roles it uses: None until the workers have reported
+stream); TPOT also how much longer a request's first gap is than its later ones (the
+hand-off, as clients see it), spread over its ``max_tokens`` - 1 gaps: it weighs more in a
+short output. A prediction needs the fits of the roles it uses: None until the workers have reported
 enough steps (``pdserve serve --latency-profile`` runs a few at start-up).
 """
 
@@ -227,6 +229,8 @@ class LatencyForecaster:
             num_blocks = -(-prompt.num_prompt_tokens // self.block_size)
             handoff_s += transfer.seconds_for_blocks(num_blocks)
         ttft_path, tpot_path = self.model.path_corrections()
+        # the first gap's excess (a hand-off's) spread over the request's gaps
+        tpot_path += self.model.first_gap_excess() / max(1, prompt.max_tokens - 1)
         ttft_tail, tpot_tail = self.model.path_tails()
         return Forecast(
             ttft_s=_corrected(best_ttft[0], ttft_path),

@@ -25,7 +25,9 @@ observed rather than fitted.
 What the workers' steps cannot see (the gateway's parsing, the router's hops, the output stream
 to the client) is learned from finished requests: the median, over the latest ones, of what
 their clients observed minus what the steps predicted, for TTFT and TPOT apart; the forecast
-adds it (``path_corrections``). How much more the slowest tenth of them saw is the path's tail
+adds it (``path_corrections``; for TPOT, the gaps after a request's first: the first gap, across
+a disaggregated request's hand-off, is longer, by ``first_gap_excess``, which the forecast
+spreads over the request's tokens). How much more the slowest tenth of them saw is the path's tail
 (``path_tails``), which admission adds (the forecast is a median: admitting every request
 predicted within its SLO admits, under a sustained overload, requests that miss it in half the
 cases). Only requests finished in the last ``PATH_HORIZON_S`` count: a burst's first requests,
@@ -234,6 +236,7 @@ class LatencyModel:
         # finished requests' (time observed, residual)
         self._ttft_residuals: deque[tuple[float, float]] = deque(maxlen=PATH_WINDOW)
         self._tpot_residuals: deque[tuple[float, float]] = deque(maxlen=PATH_WINDOW)
+        self._first_gap_excesses: deque[tuple[float, float]] = deque(maxlen=PATH_WINDOW)
         # per decode worker: (reported at, seconds) of the hand-offs' waits for its blocks
         self._waits: dict[str, deque[tuple[float, float]]] = {}
         # per prefill worker, as its latest report had them: its hand-offs waiting now, the
@@ -286,14 +289,30 @@ class LatencyModel:
             else:
                 self._waiting.pop(prefill_worker_id, None)
 
-    def observe_request(self, ttft_residual_s: float, tpot_residual_s: float | None) -> None:
-        """A finished request's observed latencies minus those its workers' steps predicted
-        (its TPOT's None: it had one token)."""
+    def observe_request(
+        self,
+        ttft_residual_s: float,
+        tpot_residual_s: float | None,
+        first_gap_excess_s: float | None = None,
+    ) -> None:
+        """A finished request's observed latencies minus those its workers' steps predicted:
+        its TTFT's, and its inter-token gaps' after the first (None: under three tokens); and
+        how much longer its first gap was than those (None: not known)."""
         with self._lock:
             now = self._clock()
             self._ttft_residuals.append((now, ttft_residual_s))
             if tpot_residual_s is not None:
                 self._tpot_residuals.append((now, tpot_residual_s))
+            if first_gap_excess_s is not None:
+                self._first_gap_excesses.append((now, first_gap_excess_s))
+
+    def first_gap_excess(self) -> float:
+        """How much longer a request's first inter-token gap is than its later ones (a
+        disaggregated request's crosses the hand-off): the median over the latest requests
+        (0 before any)."""
+        with self._lock:
+            since = self._clock() - PATH_HORIZON_S
+            return _median(e for at, e in self._first_gap_excesses if at >= since)
 
     def path_corrections(self) -> tuple[float, float]:
         """What to add to the steps' TTFT and TPOT for what they cannot see (0 before any

@@ -98,7 +98,11 @@ class ClusterBackend(GenerationBackend, Protocol):
     ) -> None: ...
 
     def observe_latencies(
-        self, forecast: Forecast, ttft_s: float, tpot_s: float | None
+        self,
+        forecast: Forecast,
+        ttft_s: float,
+        first_gap_s: float | None,
+        later_gap_s: float | None,
     ) -> None: ...
 
 
@@ -383,9 +387,11 @@ class Gateway:
         finished = [generation.finished() for generation in generations]
         self.metrics.finished(finished)
         for prompt in finished:  # what the forecast missed, for its path corrections
-            ttft, tpot = prompt.time_to_first_token, prompt.time_per_output_token
+            ttft = prompt.time_to_first_token
             if prompt.forecast is not None and ttft is not None:
-                self.backend.observe_latencies(prompt.forecast, ttft, tpot or None)
+                self.backend.observe_latencies(
+                    prompt.forecast, ttft, prompt.first_gap_s, prompt.later_gap_s
+                )
         self.record_outcome("ok")
 
     def record_first_token(

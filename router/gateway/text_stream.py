@@ -78,6 +78,7 @@ class _Sample:
     num_tokens: int = 0  # tokens counted in usage (up to the one that completed a stop string)
     finished: bool = False
     first_token_at: float | None = None  # monotonic arrival time of the sample's first token
+    second_token_at: float | None = None  # ... of its second one
     last_token_at: float = 0.0  # ... and of its latest one
 
     @property
@@ -98,6 +99,10 @@ class FinishedGeneration:
     num_completion_tokens: int  # over all samples
     # the latencies predicted at admission, on the placement it got
     forecast: Forecast | None = None
+    # sample 0's gap between its first and second token (disaggregated: across the hand-off;
+    # None under two tokens), and the mean of its gaps after that (None under three)
+    first_gap_s: float | None = None
+    later_gap_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -215,11 +220,15 @@ class TextGeneration:
         """The prompt's latencies, its end being its last sample's last token (the time it
         finished, not the time the whole request did)."""
         first = self._samples[0] if self._samples else None
-        ttft = tpot = None
+        ttft = tpot = first_gap = later_gap = None
         if first is not None and first.first_token_at is not None:
             ttft = first.first_token_at - self.arrived_at
             gaps = first.num_tokens - 1
             tpot = (first.last_token_at - first.first_token_at) / gaps if gaps > 0 else 0.0
+            if first.second_token_at is not None:
+                first_gap = first.second_token_at - first.first_token_at
+                if gaps > 1:
+                    later_gap = (first.last_token_at - first.second_token_at) / (gaps - 1)
         ended_at = max((s.last_token_at for s in self._samples), default=0.0)
         return FinishedGeneration(
             (ended_at or time.monotonic()) - self.arrived_at,
@@ -229,6 +238,8 @@ class TextGeneration:
             self.num_prompt_tokens,
             self.num_completion_tokens,
             self._placed_forecast(),
+            first_gap,
+            later_gap,
         )
 
     def _placed_forecast(self) -> Forecast | None:
@@ -246,8 +257,11 @@ class TextGeneration:
             sample.first_token_at = now
             if self.timing is not None and sample_index == 0:
                 self.timing.first_token(now - self.arrived_at)
-        elif self.timing is not None:
-            self.timing.next_token(now - sample.last_token_at)
+        else:
+            if sample.second_token_at is None:
+                sample.second_token_at = now
+            if self.timing is not None:
+                self.timing.next_token(now - sample.last_token_at)
         sample.last_token_at = now
 
     def _advance(self, sample: _Sample, event: TokenEvent) -> SampleDelta | None:

@@ -51,5 +51,11 @@ class OneLiveWorker:
     ) -> None:
         self.holds.append((request_id, forecast, num_prompt_tokens, num_sequences))
 
-    def observe_latencies(self, forecast: Forecast, ttft_s: float, tpot_s: float | None) -> None:
+    def observe_latencies(
+        self,
+        forecast: Forecast,
+        ttft_s: float,
+        first_gap_s: float | None,
+        later_gap_s: float | None,
+    ) -> None:
         pass

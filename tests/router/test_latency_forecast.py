@@ -162,6 +162,21 @@ def test_the_paths_median_corrects_every_candidate_and_its_tail_is_what_admissio
     assert forecast.workers_within(0.0475, 1.0, with_tails=True) is not None
 
 
+def test_the_first_gaps_excess_is_spread_over_the_requests_gaps() -> None:
+    """Its first gap 50 ms longer than the rest, on median: 5 ms more a token over 11
+    tokens, 1 ms over 51."""
+    model = _model()
+    for _ in range(3):
+        model.observe_request(0.0, 0.0, 0.050)
+    forecaster = _forecaster(model)
+    short = forecaster.forecast(PromptToPlace(100, 11), [_load("p0")], [_load("d0")], {})
+    long = forecaster.forecast(PromptToPlace(100, 51), [_load("p0")], [_load("d0")], {})
+    assert short is not None and long is not None
+    assert short.tpot_s == _approx(OVERHEAD + PER_ROW + 0.005)
+    assert long.tpot_s == _approx(OVERHEAD + PER_ROW + 0.001)
+    assert short.steps_tpot_s == _approx(OVERHEAD + PER_ROW)  # (the steps' own, unchanged)
+
+
 def test_a_forecast_placed_on_the_workers_the_prompt_got_predicts_theirs() -> None:
     forecast = _two_by_two(_forecaster(_model()))
     placed = forecast.placed_on("p0", "d0")

@@ -203,3 +203,15 @@ def test_a_tail_needs_enough_requests() -> None:
     model.observe_request(5.0, None)
     ttft_tail, tpot_tail = model.path_tails()
     assert ttft_tail > 0 and tpot_tail == 0.0
+
+
+def test_the_first_gaps_excess_is_the_median_of_recent_requests() -> None:
+    clock = [100.0]
+    model = LatencyModel(clock=lambda: clock[0])
+    assert model.first_gap_excess() == 0.0
+    for excess in (0.030, 0.040, 0.200):
+        model.observe_request(0.0, 0.001, excess)
+    model.observe_request(0.0, None)  # (one token: no gaps known)
+    assert model.first_gap_excess() == pytest.approx(0.040)
+    clock[0] += PATH_HORIZON_S + 0.1
+    assert model.first_gap_excess() == 0.0

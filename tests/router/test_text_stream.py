@@ -219,3 +219,32 @@ def test_closing_a_started_generation_that_never_streamed_ends_its_request(
     asyncio.run(main())
     assert backend.stream_closed
     assert not first_token_came or backend.closed_early
+
+
+class SlowSecondToken(ScriptedTokens):
+    """Its second token comes ``first_gap_s`` after the first (a hand-off), the rest at the
+    pace."""
+
+    def __init__(self, samples: list[list[int]], pace_s: float, first_gap_s: float) -> None:
+        super().__init__(samples, pace_s=pace_s)
+        self.first_gap_s = first_gap_s
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[TokenEvent, None]:
+        async for event in super().generate(*args, **kwargs):
+            yield event
+            if event.position == 0:
+                await asyncio.sleep(self.first_gap_s)
+
+
+def test_a_finished_prompt_reports_its_first_gap_apart_from_the_later_ones(
+    tokenizer: Any,
+) -> None:
+    tokens = tokenizer.encode(TEXT)[:6]
+    generation = TextGeneration(SlowSecondToken([tokens], 0.005, 0.2), tokenizer, _spec(1), "r")
+    _run(generation)
+    finished = generation.finished()
+    assert finished.first_gap_s is not None and finished.later_gap_s is not None
+    assert finished.first_gap_s >= 0.2 > finished.later_gap_s
+    tpot = finished.time_per_output_token
+    assert tpot is not None
+    assert tpot * 5 == pytest.approx(finished.first_gap_s + 4 * finished.later_gap_s)
