@@ -85,9 +85,14 @@ def _settled(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]]
 
 def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -> None:
     before = _settled(http)
-    prompt = [random.Random(11).randrange(3, 1000) for _ in range(40)]  # 5 blocks of 8
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
-    for _ in range(3):
+    rng = random.Random(11)
+    prefix = [rng.randrange(3, 1000) for _ in range(32)]  # 4 blocks of 8, shared
+    # each prompt's fifth block its own: were the three the same, once the decode worker's
+    # events showed it caching the whole first prompt (a report's timing), kv_aware would send
+    # a repeat there, or have the prefill worker fetch the block from it, and hand nothing off
+    prompts = [prefix + [rng.randrange(3, 1000) for _ in range(8)] for _ in range(3)]
+    for prompt in prompts:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
         assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
     after = _settled(http)
     names = {name for name, _ in after}
@@ -105,12 +110,12 @@ def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -
     assert delta("pdserve:request_queue_time_seconds_count") == 3
     assert delta("pdserve:inter_token_latency_seconds_count") == 3 * 5
     # one hand-off per request, counted on both ends: the first moves the prompt's 5 blocks of
-    # the tiny Llama's KV, the repeats only the last (the decode worker caches the 4 before it)
+    # the tiny Llama's KV, the others only their last (the decode worker caches the 4 before it)
     block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # layers * (k, v) * block_size * kv_heads * dim * fp32
     for role in ("prefill", "decode"):
         assert delta("pdserve:kv_transfer_seconds_count", role=role) == 3
         assert delta("pdserve:kv_transfer_bytes_total", role=role) == (5 + 1 + 1) * block_bytes
-    # the repeated prompt hits the prefill worker's prefix cache (all but the last block)
+    # the shared prefix hits the prefill worker's prefix cache (all but the last block)
     assert delta("pdserve:prefix_cache_hits_total", role="prefill") >= 2 * 32
     assert delta("pdserve:worker_generation_tokens_total") == 3 * 6
     # the prefill worker computes every prompt token the cache did not have; the decode
