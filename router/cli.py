@@ -421,6 +421,14 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     front.add_argument(
+        "--admission-attainment",
+        type=float,
+        default=AdmissionPolicy().attainment,
+        help="--admission slo admits a request when it is predicted to make its SLOs in this "
+        "share of cases: the prediction plus this quantile of recent requests' errors "
+        "(default: %(default)s)",
+    )
+    front.add_argument(
         "--latency-profile",
         action="store_true",
         help="each worker runs a few synthetic requests at start-up so that the router's "

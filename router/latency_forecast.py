@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.messages import WorkerLoad
-from router.latency_model import LatencyModel, StepCost, StepShape
+from router.latency_model import LatencyModel, RecentPath, StepCost, StepShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +80,10 @@ class Forecast:
     steps_ttft_by_worker: Mapping[str, float] = field(default_factory=dict)
     steps_tpot_by_worker: Mapping[str, float] = field(default_factory=dict)
     colocated: bool = False
-    # how much later than the path corrections say the slowest of recent requests were
-    # (``LatencyModel.path_tails``): admission adds them, so it admits what makes the SLOs
-    # in most cases, not in half of them
-    ttft_tail_s: float = 0.0
-    tpot_tail_s: float = 0.0
-    # finished requests the path corrections and tails are from (None: not known)
-    num_observed: int | None = None
+    # what recently finished requests saw beyond their steps (the corrections above are from
+    # it): admission adds its tails, so it admits what makes the SLOs in most cases, not in
+    # half of them (None: not known)
+    path: RecentPath | None = None
 
     def ttft_on(self, worker_id: str) -> float:
         """The prompt's TTFT if the worker prefills it, the path's correction included."""
@@ -96,14 +93,25 @@ class Forecast:
         """Its TPOT if the worker decodes it, the path's correction included."""
         return _corrected(self._steps_tpots()[worker_id], self.tpot_path_s)
 
+    def tails(self, quantile: float | None) -> tuple[float, float]:
+        """How much later than this forecast the slowest ``quantile`` of recent requests were,
+        for TTFT and TPOT (``RecentPath.tails``); None, or no path known: 0."""
+        if quantile is None or self.path is None:
+            return 0.0, 0.0
+        return self.path.tails(quantile)
+
+    @property
+    def num_observed(self) -> int | None:
+        """Finished requests the path corrections and tails are from (None: not known)."""
+        return None if self.path is None else self.path.num_requests
+
     def workers_within(
-        self, ttft_s: float, tpot_s: float, *, with_tails: bool = False
+        self, ttft_s: float, tpot_s: float, *, tail_quantile: float | None = None
     ) -> AllowedWorkers | None:
-        """The placements predicted to meet both limits (``with_tails``: in most cases, the
-        tails added): the prompt workers within ``ttft_s`` and the decode workers within
-        ``tpot_s`` (colocated: the workers within both); None where there is none."""
-        ttft_tail = self.ttft_tail_s if with_tails else 0.0
-        tpot_tail = self.tpot_tail_s if with_tails else 0.0
+        """The placements predicted to meet both limits (``tail_quantile``: in that share of
+        cases, the tails added): the prompt workers within ``ttft_s`` and the decode workers
+        within ``tpot_s`` (colocated: the workers within both); None where there is none."""
+        ttft_tail, tpot_tail = self.tails(tail_quantile)
         prompt = frozenset(w for w in self._steps_ttfts() if self.ttft_on(w) + ttft_tail <= ttft_s)
         decode = frozenset(w for w in self._steps_tpots() if self.tpot_on(w) + tpot_tail <= tpot_s)
         if self.colocated:
@@ -112,11 +120,10 @@ class Forecast:
             return None
         return AllowedWorkers(prompt, decode)
 
-    def least_tpot_within(self, ttft_s: float, *, with_tails: bool = False) -> float:
+    def least_tpot_within(self, ttft_s: float, *, tail_quantile: float | None = None) -> float:
         """The least TPOT predicted on a placement (colocated: a worker) whose TTFT is within
-        ``ttft_s`` (any, where none is); ``with_tails``: both with their tails."""
-        ttft_tail = self.ttft_tail_s if with_tails else 0.0
-        tpot_tail = self.tpot_tail_s if with_tails else 0.0
+        ``ttft_s`` (any, where none is); ``tail_quantile``: both with their tails."""
+        ttft_tail, tpot_tail = self.tails(tail_quantile)
         decode = list(self._steps_tpots())
         if self.colocated:
             decode = [w for w in decode if self.ttft_on(w) + ttft_tail <= ttft_s] or decode
@@ -228,10 +235,10 @@ class LatencyForecaster:
         if transfer is not None:
             num_blocks = -(-prompt.num_prompt_tokens // self.block_size)
             handoff_s += transfer.seconds_for_blocks(num_blocks)
-        ttft_path, tpot_path = self.model.path_corrections()
+        path = self.model.recent_path()
+        ttft_path, tpot_path = path.corrections()
         # the first gap's excess (a hand-off's) spread over the request's gaps
-        tpot_path += self.model.first_gap_excess() / max(1, prompt.max_tokens - 1)
-        ttft_tail, tpot_tail = self.model.path_tails()
+        tpot_path += path.first_gap_excess_s / max(1, prompt.max_tokens - 1)
         return Forecast(
             ttft_s=_corrected(best_ttft[0], ttft_path),
             queue_s=best_ttft[1],
@@ -244,9 +251,7 @@ class LatencyForecaster:
             steps_ttft_by_worker={w: t for w, (t, _) in ttfts.items()},
             steps_tpot_by_worker={w: t for w, (t, _) in tpots.items()},
             colocated=self.colocated,
-            ttft_tail_s=ttft_tail,
-            tpot_tail_s=tpot_tail,
-            num_observed=self.model.num_recent_requests(),
+            path=path,
         )
 
     def _share_ahead(self, priority: int, queued: Sequence[tuple[int, int]]) -> float:

@@ -23,16 +23,17 @@ next report, not only once its first waiting hand-off ends. It is a queue, not a
 observed rather than fitted.
 
 What the workers' steps cannot see (the gateway's parsing, the router's hops, the output stream
-to the client) is learned from finished requests: the median, over the latest ones, of what
-their clients observed minus what the steps predicted, for TTFT and TPOT apart; the forecast
-adds it (``path_corrections``; for TPOT, the gaps after a request's first: the first gap, across
-a disaggregated request's hand-off, is longer, by ``first_gap_excess``, which the forecast
-spreads over the request's tokens). How much more the slowest tenth of them saw is the path's tail
-(``path_tails``), which admission adds (the forecast is a median: admitting every request
-predicted within its SLO admits, under a sustained overload, requests that miss it in half the
-cases). Only requests finished in the last ``PATH_HORIZON_S`` count: a burst's first requests,
-slow while the workers' fits still had the quiet start-up profile, must not make admission
-refuse everything, and so see no request finish that would correct them, for good.
+to the client) is learned from finished requests (``recent_path``): what their clients observed
+minus what the steps predicted, for TTFT and TPOT apart. The forecast adds the median
+(``RecentPath.corrections``; for TPOT, of the gaps after a request's first: the first gap,
+across a disaggregated request's hand-off, is longer, by ``first_gap_excess_s``, which the
+forecast spreads over the request's tokens). How much more the slowest of them saw is the
+path's tail (``RecentPath.tails``, at the quantile admission asks for: the forecast is a
+median, and admitting every request predicted within its SLO admits, under a sustained
+overload, requests that miss it in half the cases). Only requests finished in the last
+``PATH_HORIZON_S`` count: a burst's first requests, slow while the workers' fits still had the
+quiet start-up profile, must not make admission refuse everything, and so see no request finish
+that would correct them, for good.
 
 Fits are redone lazily, when asked for after new timings came. Thread-safe: the load monitor
 and the front doors feed it, the front doors ask it.
@@ -55,8 +56,7 @@ MIN_STEPS = 8  # fewer of a worker's own: its role's fit stands in
 MIN_TRANSFERS = 2
 PATH_WINDOW = 64  # finished requests whose residuals the path corrections are the median of
 PATH_HORIZON_S = 10.0  # of which those observed this recently count
-TAIL_QUANTILE = 0.9  # of those residuals: the path's tail (``path_tails``)
-MIN_TAIL_RESIDUALS = 10  # fewer: no tail
+MIN_TAIL_RESIDUALS = 10  # fewer: no tail (``RecentPath.tails``)
 # finished requests (in the horizon) before admission trusts the forecast under load
 WARM_AFTER = MIN_TAIL_RESIDUALS
 WAIT_WINDOW = 32  # a decode worker's latest hand-offs' waits for its blocks
@@ -138,6 +138,33 @@ class TransferCost:
 
     def seconds_for_blocks(self, num_blocks: int) -> float:
         return self.seconds(num_blocks * self.bytes_per_block)
+
+
+@dataclass(frozen=True, slots=True)
+class RecentPath:
+    """What recently finished requests' clients saw beyond their workers' steps: each one's
+    observed latency minus the one its steps predicted (its residual), for TTFT and TPOT (the
+    gaps after its first), sorted; and how much longer a request's first gap was than its
+    later ones (a disaggregated request's crosses the hand-off), the median."""
+
+    ttft_residuals_s: tuple[float, ...] = ()
+    tpot_residuals_s: tuple[float, ...] = ()
+    first_gap_excess_s: float = 0.0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.ttft_residuals_s)
+
+    def corrections(self) -> tuple[float, float]:
+        """What to add to the steps' TTFT and TPOT for what they cannot see: the residuals'
+        medians (0 before any request finished)."""
+        return _median(self.ttft_residuals_s), _median(self.tpot_residuals_s)
+
+    def tails(self, quantile: float) -> tuple[float, float]:
+        """How much later than the corrections the slowest requests were: the residuals'
+        ``quantile`` less their median, for TTFT and TPOT (0 with under
+        ``MIN_TAIL_RESIDUALS``)."""
+        return _tail(self.ttft_residuals_s, quantile), _tail(self.tpot_residuals_s, quantile)
 
 
 def fit_nonnegative(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
@@ -306,42 +333,15 @@ class LatencyModel:
             if first_gap_excess_s is not None:
                 self._first_gap_excesses.append((now, first_gap_excess_s))
 
-    def first_gap_excess(self) -> float:
-        """How much longer a request's first inter-token gap is than its later ones (a
-        disaggregated request's crosses the hand-off): the median over the latest requests
-        (0 before any)."""
+    def recent_path(self) -> RecentPath:
+        """What the requests finished in the last ``PATH_HORIZON_S`` saw beyond their steps."""
         with self._lock:
             since = self._clock() - PATH_HORIZON_S
-            return _median(e for at, e in self._first_gap_excesses if at >= since)
-
-    def path_corrections(self) -> tuple[float, float]:
-        """What to add to the steps' TTFT and TPOT for what they cannot see (0 before any
-        request finished)."""
-        with self._lock:
-            ttft, tpot = self._recent_residuals_locked()
-            return _median(ttft), _median(tpot)
-
-    def path_tails(self) -> tuple[float, float]:
-        """How much later than the path corrections the slowest of the latest requests were:
-        the residuals' ``TAIL_QUANTILE`` less their median, for TTFT and TPOT (0 before any
-        request finished)."""
-        with self._lock:
-            ttft, tpot = self._recent_residuals_locked()
-            return _tail(ttft), _tail(tpot)
-
-    def num_recent_requests(self) -> int:
-        """Finished requests the path corrections are from (those of the last
-        ``PATH_HORIZON_S``)."""
-        with self._lock:
-            return len(self._recent_residuals_locked()[0])
-
-    def _recent_residuals_locked(self) -> tuple[list[float], list[float]]:
-        """The TTFT and TPOT residuals observed in the last ``PATH_HORIZON_S``."""
-        since = self._clock() - PATH_HORIZON_S
-        return (
-            [r for at, r in self._ttft_residuals if at >= since],
-            [r for at, r in self._tpot_residuals if at >= since],
-        )
+            return RecentPath(
+                tuple(sorted(r for at, r in self._ttft_residuals if at >= since)),
+                tuple(sorted(r for at, r in self._tpot_residuals if at >= since)),
+                _median(e for at, e in self._first_gap_excesses if at >= since),
+            )
 
     def busy_seconds(self) -> dict[str, float]:
         """Each worker's steps' seconds so far (its busy time), by worker id."""
@@ -416,11 +416,11 @@ def _fit_transfers(timings: Iterable[TransferTiming]) -> TransferCost:
     return TransferCost(c[0], c[1], bytes_per_block, len(timings))
 
 
-def _tail(residuals: list[float]) -> float:
-    """How much later than their median the slowest of the residuals are (0 for too few)."""
+def _tail(residuals: Sequence[float], quantile: float) -> float:
+    """How much later than their median the residuals' ``quantile`` is (0 for too few)."""
     if len(residuals) < MIN_TAIL_RESIDUALS:
         return 0.0
-    return _quantile(residuals, TAIL_QUANTILE) - _median(residuals)
+    return _quantile(residuals, quantile) - _median(residuals)
 
 
 def _quantile(values: Iterable[float], quantile: float) -> float:

@@ -76,9 +76,7 @@ def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
     )
     limits = request_limits(args, config, model.max_model_len)
     slo = SloTargets(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)
-    admission = AdmissionPolicy(
-        args.admission, args.admission_margin, args.admission_fair_share_after
-    )
+    admission = admission_policy(args)
     grpc_port = None if args.grpc_port < 0 else args.grpc_port
     trace_log = None
     if not args.prompt:  # before the workers load, which takes minutes on GPUs
@@ -182,6 +180,16 @@ def request_limits(
         max_messages=args.max_messages,
         max_concurrent_requests=args.max_concurrent_requests,
         scheduling_policy=config.scheduling_policy,
+    )
+
+
+def admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
+    """The gateway's admission settings from the flags (a bad one names its flag)."""
+    return AdmissionPolicy(
+        args.admission,
+        args.admission_margin,
+        args.admission_fair_share_after,
+        args.admission_attainment,
     )
 
 

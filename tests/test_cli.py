@@ -31,6 +31,7 @@ from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
 from router.serve_command import (
     _generate_once,
+    admission_policy,
     auto_tool_call_parser,
     check_ports_free,
     request_limits,
@@ -346,6 +347,18 @@ def test_serve_without_a_model_serves_the_bundled_demo() -> None:
 
 def _serve_args(*flags: str) -> argparse.Namespace:
     return build_parser().parse_args(["serve", *flags])
+
+
+def test_the_admission_flags_reach_the_gateways_policy() -> None:
+    policy = admission_policy(
+        _serve_args(
+            "--admission", "slo", "--admission-margin", "0", "--admission-attainment", "0.99"
+        )
+    )
+    assert (policy.mode, policy.margin, policy.attainment) == ("slo", 0.0, 0.99)
+    assert admission_policy(_serve_args()).attainment == 0.95
+    with pytest.raises(ValueError, match=r"--admission-attainment must be in \[0.5, 1\)"):
+        admission_policy(_serve_args("--admission", "slo", "--admission-attainment", "1"))
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,10 @@ SLOs.
 
 For each of its prompts the router forecasts (router/latency_forecast.py) the TTFT and TPOT on
 every placement; admission adds to each the path's tail, how much later than forecast the
-slowest tenth of recent requests were (a forecast is a median: under a sustained overload,
-admitting every request whose median is within the SLO fills the cluster up to where half of
-them miss it). The request is refused (429, ``Retry-After``) when a prompt's TTFT so
+slowest of recent requests were: their forecast errors' ``--admission-attainment`` quantile
+(default 0.95) less the median (a forecast is a median: under a sustained overload, admitting
+every request whose median is within the SLO fills the cluster up to where half of them miss
+it; with the 0.9 quantile, two workers per pool made 85-92 % of what they admitted). The request is refused (429, ``Retry-After``) when a prompt's TTFT so
 predicted on its best placement exceeds ``--slo-ttft-ms`` by more than the margin, or when no
 placement is so predicted within the margin of both ``--slo-ttft-ms`` and ``--slo-tpot-ms``
 (its TPOT then: colocated, one worker prefills and decodes it, and must make both). An admitted
@@ -67,6 +68,9 @@ class AdmissionPolicy:
     # a key over its fair share is refused once a prompt's predicted TTFT passes this fraction
     # of the TTFT SLO
     fair_share_after: float = 0.5
+    # the share of admitted requests meant to make their SLOs: the quantile of recent
+    # requests' forecast errors admission adds to each prediction (the path's tail)
+    attainment: float = 0.95
 
     def __post_init__(self) -> None:
         if self.mode not in ADMISSION_MODES:
@@ -80,6 +84,8 @@ class AdmissionPolicy:
                 f"--admission-fair-share-after must be in (0, 1 + margin], "
                 f"got {self.fair_share_after}"
             )
+        if not 0.5 <= self.attainment < 1:
+            raise ValueError(f"--admission-attainment must be in [0.5, 1), got {self.attainment}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +120,9 @@ def judge(
         return None
     ttft_limit_s, tpot_limit_s = ttft_slo_s * (1 + policy.margin), tpot_slo_s * (1 + policy.margin)
     # each prompt's TTFT on its best placement, with its tail
-    worst_ttft = max(known, key=lambda f: f.ttft_s + f.ttft_tail_s)
-    ttft_s = worst_ttft.ttft_s + worst_ttft.ttft_tail_s
+    quantile = policy.attainment
+    worst_ttft = max(known, key=lambda f: f.ttft_s + f.tails(quantile)[0])
+    ttft_s = worst_ttft.ttft_s + worst_ttft.tails(quantile)[0]
     if ttft_s > ttft_limit_s:
         # what has to drain first: the part of the queue the SLO has no room for
         return Refusal(
@@ -127,10 +134,12 @@ def judge(
         )
     # a placement must make both: colocated, one worker must
     missed = [
-        f for f in known if f.workers_within(ttft_limit_s, tpot_limit_s, with_tails=True) is None
+        f
+        for f in known
+        if f.workers_within(ttft_limit_s, tpot_limit_s, tail_quantile=quantile) is None
     ]
     if missed:
-        tpot_s = max(f.least_tpot_within(ttft_limit_s, with_tails=True) for f in missed)
+        tpot_s = max(f.least_tpot_within(ttft_limit_s, tail_quantile=quantile) for f in missed)
         return Refusal(
             "tpot",
             f"predicted time per output token {tpot_s * 1000:.1f} ms exceeds the "
@@ -199,6 +208,7 @@ def allowed_workers(
     if policy.mode != "slo" or forecast is None:
         return None
     margin = 1 + policy.margin
+    quantile = policy.attainment
     return forecast.workers_within(
-        ttft_slo_s, tpot_slo_s, with_tails=True
-    ) or forecast.workers_within(ttft_slo_s * margin, tpot_slo_s * margin, with_tails=True)
+        ttft_slo_s, tpot_slo_s, tail_quantile=quantile
+    ) or forecast.workers_within(ttft_slo_s * margin, tpot_slo_s * margin, tail_quantile=quantile)

@@ -37,7 +37,7 @@ from router.gateway.slo_admission import (
 )
 from router.gateway.spec import GenerationSpec
 from router.latency_forecast import Forecast, LatencyForecaster, PromptToPlace, StepBudgets
-from router.latency_model import WARM_AFTER, LatencyModel
+from router.latency_model import WARM_AFTER, LatencyModel, RecentPath
 from tests.gateway.token_script import (
     ScriptedCluster,
     both_doors,
@@ -113,17 +113,27 @@ def test_an_admitted_prompt_is_allowed_the_workers_predicted_to_make_its_slos() 
     assert allowed_workers(None, 0.5, 0.05, policy) is None
 
 
-def test_the_rule_adds_the_paths_tail_to_the_forecast() -> None:
-    """Predicted 450 ms, its slowest tenth 100 ms later than that: past the 500 ms SLO."""
-    policy, alone = AdmissionPolicy("slo", margin=0.0), KeyLoad(0, 0, 1)
+def _path(ttft_residuals_s: Sequence[float], tpot_residuals_s: Sequence[float]) -> RecentPath:
+    return RecentPath(tuple(sorted(ttft_residuals_s)), tuple(sorted(tpot_residuals_s)))
+
+
+def test_the_rule_adds_the_paths_tail_at_the_attainment_asked_for() -> None:
+    """Predicted 450 ms; of 20 recent requests, 18 were as forecast, one 50 ms and one 150 ms
+    later: their 0.9 quantile is 5 ms past the median, their 0.95 quantile 55 ms, past the
+    500 ms SLO. The same with TPOT, 10 ms predicted, 50 ms SLO."""
+    alone = KeyLoad(0, 0, 1)
     forecast = Forecast(0.45, 0.1, "p0", 0.01, "d0", 0.0)
-    assert judge([forecast], 16, 0.5, 0.05, policy, alone) is None
-    tailed = replace(forecast, ttft_tail_s=0.1)
-    refusal = judge([tailed], 16, 0.5, 0.05, policy, alone)
-    assert refusal is not None and refusal.reason == "ttft" and "550 ms" in refusal.message
-    slow_tail = replace(forecast, tpot_tail_s=0.045)
-    refusal = judge([slow_tail], 16, 0.5, 0.05, policy, alone)
-    assert refusal is not None and refusal.reason == "tpot" and "55.0 ms" in refusal.message
+    most = AdmissionPolicy("slo", margin=0.0, attainment=0.9)
+    nearly_all = AdmissionPolicy("slo", margin=0.0, attainment=0.95)
+    assert judge([forecast], 16, 0.5, 0.05, nearly_all, alone) is None
+    tailed = replace(forecast, path=_path([0.0] * 18 + [0.05, 0.15], [0.0] * 20))
+    assert judge([tailed], 16, 0.5, 0.05, most, alone) is None
+    refusal = judge([tailed], 16, 0.5, 0.05, nearly_all, alone)
+    assert refusal is not None and refusal.reason == "ttft" and "505 ms" in refusal.message
+    slow_tail = replace(forecast, path=_path([0.0] * 20, [0.0] * 18 + [0.05, 0.15]))
+    assert judge([slow_tail], 16, 0.5, 0.05, most, alone) is None
+    refusal = judge([slow_tail], 16, 0.5, 0.05, nearly_all, alone)
+    assert refusal is not None and refusal.reason == "tpot" and "65.0 ms" in refusal.message
 
 
 def test_a_cold_model_admits_one_request_per_prompt_worker_plus_one_per_request_seen() -> None:
@@ -132,16 +142,16 @@ def test_a_cold_model_admits_one_request_per_prompt_worker_plus_one_per_request_
     policy = AdmissionPolicy("slo")
     cold = Forecast(
         0.1, 0.0, "p0", 0.01, "d0", 0.0,
-        steps_ttft_by_worker={"p0": 0.1, "p1": 0.2}, num_observed=3,
+        steps_ttft_by_worker={"p0": 0.1, "p1": 0.2}, path=_path([0.0] * 3, []),
     )  # fmt: skip
     assert judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 4, 1)) is None
     refusal = judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 5, 1))
     assert refusal is not None and refusal.reason == "warming_up"
     assert refusal.retry_after_s == 1
     assert "seen 3 requests finish" in refusal.message and "5 in flight" in refusal.message
-    warm = replace(cold, num_observed=WARM_AFTER)
+    warm = replace(cold, path=_path([0.0] * WARM_AFTER, []))
     assert judge([warm], 16, 0.5, 0.05, policy, KeyLoad(0, 50, 1)) is None
-    unknown = replace(cold, num_observed=None)
+    unknown = replace(cold, path=None)
     assert judge([unknown], 16, 0.5, 0.05, policy, KeyLoad(0, 50, 1)) is None
 
 
@@ -171,6 +181,8 @@ def test_bad_admission_settings_name_their_flag() -> None:
         AdmissionPolicy("slo", margin=-0.1)
     with pytest.raises(ValueError, match="--admission-fair-share-after"):
         AdmissionPolicy("slo", fair_share_after=0)
+    with pytest.raises(ValueError, match=r"--admission-attainment must be in \[0.5, 1\)"):
+        AdmissionPolicy("slo", attainment=1.0)
 
 
 # ---- a burst on a fake clock ------------------------------------------------------------------

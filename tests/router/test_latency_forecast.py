@@ -147,7 +147,8 @@ def test_a_colocated_placement_is_one_worker_making_both_latencies() -> None:
 def test_the_paths_median_corrects_every_candidate_and_its_tail_is_what_admission_adds() -> None:
     """Requests finished 10 ms after their steps' TTFT, a tenth of them 110 ms after, and
     TPOT 1 ms after: each candidate gets the median, 10 ms; the tail is the residuals' 0.9
-    quantile (of 20: interpolated, 10 % of the way from 10 to 110 ms) less the median."""
+    quantile asked for (of 20, 0.9: interpolated, 10 % of the way from 10 to 110 ms) less the
+    median."""
     model = _model()
     for i in range(20):
         model.observe_request(0.110 if i % 10 == 9 else 0.010, 0.001)
@@ -155,11 +156,14 @@ def test_the_paths_median_corrects_every_candidate_and_its_tail_is_what_admissio
     assert forecast.ttft_on("p0") == _approx(9 * OVERHEAD + PER_TOKEN * 2200 + 0.010)
     assert forecast.steps_ttft_s == _approx(OVERHEAD + PER_TOKEN * 250)  # p1's: 27 ms
     assert forecast.ttft_s == _approx(0.037)
-    assert forecast.ttft_tail_s == pytest.approx(0.010, abs=1e-9)
-    assert forecast.tpot_tail_s == pytest.approx(0.0, abs=1e-12)
+    assert forecast.tails(0.9) == pytest.approx((0.010, 0.0), abs=1e-9)
+    assert forecast.tails(None) == (0.0, 0.0)
     assert forecast.workers_within(0.040, 1.0) is not None
-    assert forecast.workers_within(0.040, 1.0, with_tails=True) is None  # 47 ms with its tail
-    assert forecast.workers_within(0.0475, 1.0, with_tails=True) is not None
+    assert forecast.workers_within(0.040, 1.0, tail_quantile=0.9) is None  # 47 ms with its tail
+    assert forecast.workers_within(0.0475, 1.0, tail_quantile=0.9) is not None
+    # the 0.95 quantile's tail: 100 ms (both slow ones), so 137 ms in all
+    assert forecast.workers_within(0.0475, 1.0, tail_quantile=0.95) is None
+    assert forecast.workers_within(0.1375, 1.0, tail_quantile=0.95) is not None
 
 
 def test_the_first_gaps_excess_is_spread_over_the_requests_gaps() -> None:

@@ -13,6 +13,7 @@ from router.latency_model import (
     PATH_HORIZON_S,
     WAIT_HORIZON_S,
     LatencyModel,
+    RecentPath,
     StepShape,
     fit_nonnegative,
 )
@@ -182,36 +183,37 @@ def test_the_path_corrections_and_tails_count_only_recent_requests() -> None:
     model = LatencyModel(clock=lambda: clock[0])
     for _ in range(12):
         model.observe_request(0.600, 0.002)
-    assert model.path_corrections() == pytest.approx((0.600, 0.002))
-    assert model.num_recent_requests() == 12
+    assert model.recent_path().corrections() == pytest.approx((0.600, 0.002))
+    assert model.recent_path().num_requests == 12
     clock[0] += PATH_HORIZON_S + 0.1
-    assert model.path_corrections() == (0.0, 0.0)
-    assert model.num_recent_requests() == 0
-    assert model.path_tails() == (0.0, 0.0)
+    assert model.recent_path() == RecentPath()
     for i in range(20):
         model.observe_request(0.110 if i % 10 == 9 else 0.010, 0.001)
-    assert model.path_corrections() == pytest.approx((0.010, 0.001))
+    path = model.recent_path()
+    assert path.corrections() == pytest.approx((0.010, 0.001))
     # the 0.9 quantile of the twenty (10 % of the way from 10 to 110 ms) less their median
-    assert model.path_tails() == pytest.approx((0.010, 0.0), abs=1e-9)
+    assert path.tails(0.9) == pytest.approx((0.010, 0.0), abs=1e-9)
+    # the 0.95 quantile: between the two slow ones
+    assert path.tails(0.95) == pytest.approx((0.100, 0.0), abs=1e-9)
 
 
 def test_a_tail_needs_enough_requests() -> None:
     model = LatencyModel(clock=lambda: 100.0)
     for residual in range(MIN_TAIL_RESIDUALS - 1):
         model.observe_request(residual * 0.1, None)
-    assert model.path_tails() == (0.0, 0.0)
+    assert model.recent_path().tails(0.9) == (0.0, 0.0)
     model.observe_request(5.0, None)
-    ttft_tail, tpot_tail = model.path_tails()
+    ttft_tail, tpot_tail = model.recent_path().tails(0.9)
     assert ttft_tail > 0 and tpot_tail == 0.0
 
 
 def test_the_first_gaps_excess_is_the_median_of_recent_requests() -> None:
     clock = [100.0]
     model = LatencyModel(clock=lambda: clock[0])
-    assert model.first_gap_excess() == 0.0
+    assert model.recent_path().first_gap_excess_s == 0.0
     for excess in (0.030, 0.040, 0.200):
         model.observe_request(0.0, 0.001, excess)
     model.observe_request(0.0, None)  # (one token: no gaps known)
-    assert model.first_gap_excess() == pytest.approx(0.040)
+    assert model.recent_path().first_gap_excess_s == pytest.approx(0.040)
     clock[0] += PATH_HORIZON_S + 0.1
-    assert model.first_gap_excess() == 0.0
+    assert model.recent_path().first_gap_excess_s == 0.0

@@ -15,9 +15,10 @@ def test_a_prompts_gaps_are_learned_apart() -> None:
     model = cluster.pool.latency_model
     forecast = Forecast(0.1, 0.0, "prefill-0", 0.01, "decode-0", 0.0)  # its steps: 100, 10 ms
     cluster.observe_latencies(forecast, 0.15, 0.06, 0.012)
-    assert model.path_corrections() == pytest.approx((0.05, 0.002))
-    assert model.first_gap_excess() == pytest.approx(0.048)
+    assert model.recent_path().corrections() == pytest.approx((0.05, 0.002))
+    assert model.recent_path().first_gap_excess_s == pytest.approx(0.048)
     two_tokens = _cluster(1, 1)  # one gap: neither the decode's nor the excess is known
     two_tokens.observe_latencies(forecast, 0.15, 0.06, None)
-    assert two_tokens.pool.latency_model.path_corrections() == pytest.approx((0.05, 0.0))
-    assert two_tokens.pool.latency_model.first_gap_excess() == 0.0
+    path = two_tokens.pool.latency_model.recent_path()
+    assert path.corrections() == pytest.approx((0.05, 0.0))
+    assert path.first_gap_excess_s == 0.0
