@@ -356,7 +356,8 @@ def test_the_admission_flags_reach_the_gateways_policy() -> None:
         )
     )
     assert (policy.mode, policy.margin, policy.attainment) == ("slo", 0.0, 0.99)
-    assert admission_policy(_serve_args()).attainment == 0.95
+    default = admission_policy(_serve_args())
+    assert (default.margin, default.attainment) == (0.0, 0.95)
     with pytest.raises(ValueError, match=r"--admission-attainment must be in \[0.5, 1\)"):
         admission_policy(_serve_args("--admission", "slo", "--admission-attainment", "1"))
 
