@@ -3,7 +3,7 @@ attainment of accepted and of all requests, goodput, and the goals."""
 
 from __future__ import annotations
 
-from bench.admission import Outcome, goals, outcome, table
+from bench.admission import Outcome, goals, outcome, pooled, table
 from bench.serving.arrivals import ArrivalSpec
 from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO, RequestRecord, summarize
@@ -47,3 +47,15 @@ def test_the_goals_compare_attainment_and_goodput() -> None:
     assert goodput["met"] and goodput["value"] == 2.0
     worse = Outcome("admission slo", 8.0, 10, 2, 8, 5, 10.0, 50.0, 500.0)
     assert not goals(baseline, worse)[0]["met"]  # 5 of 8 accepted
+
+
+def test_repeated_runs_pool_their_requests_and_time() -> None:
+    runs = [
+        Outcome("admission slo #1", 8.0, 10, 4, 6, 6, 10.0, 50.0, 90.0),
+        Outcome("admission slo #2", 8.0, 10, 2, 8, 5, 12.0, 60.0, 400.0),
+    ]
+    both = pooled("admission slo", runs)
+    assert (both.num_sent, both.num_refused, both.num_completed, both.num_good) == (20, 6, 14, 11)
+    assert both.attainment_of_accepted == 11 / 14
+    assert both.goodput == 11 / 22
+    assert both.ttft_p50_ms is None and "admission slo" in table([both])
