@@ -7,8 +7,10 @@ every placement; admission adds to each the path's tail, how much later than for
 slowest of recent requests were: their forecast errors' ``--admission-attainment`` quantile
 (default 0.95) less the median (a forecast is a median: under a sustained overload, admitting
 every request whose median is within the SLO fills the cluster up to where half of them miss
-it; with the 0.9 quantile, two workers per pool made 85-92 % of what they admitted). The request is refused (429, ``Retry-After``) when a prompt's TTFT so
-predicted on its best placement exceeds ``--slo-ttft-ms`` by more than the margin, or when no
+it; with the 0.9 quantile, two workers per pool made 85-92 % of what they admitted). The
+request is refused (429, ``Retry-After``) when a prompt's TTFT so predicted on its best
+placement exceeds ``--slo-ttft-ms`` by more than the margin (``--admission-margin``, default 0:
+the tail already makes the prediction the attainment's), or when no
 placement is so predicted within the margin of both ``--slo-ttft-ms`` and ``--slo-tpot-ms``
 (its TPOT then: colocated, one worker prefills and decodes it, and must make both). An admitted
 prompt is then placed among the workers predicted to make its SLOs (within the margin where
