@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.engine_config import CacheConfig, LoadConfig
+from engine.engine_config import CacheConfig, LoadConfig, LoadFormat
 from engine.engine_loop import EngineLoop
 from engine.kv_cache.budget import KVBudget
 from engine.latency_profile import run_latency_profile_in_loop
@@ -53,14 +53,16 @@ def measure_machine(
     rounds: int,
     batch_sizes: tuple[int, ...],
     decode_steps: int,
+    load_format: LoadFormat = "auto",
 ) -> MachineMeasurement:
     """Load the model, run the profile ``rounds`` times (after one warm-up round whose steps are
     dropped), and measure the device's copies and memory. ``num_threads``: a CPU's torch
-    threads (a served worker's)."""
+    threads (a served worker's); ``load_format`` "dummy": random weights from the model's
+    config.json alone (a step's time depends on the model's shapes, not its weights)."""
     if device == "cpu":
         torch.set_num_threads(num_threads)
     engine = LLMEngine(
-        LoadConfig(model_dir, dtype=dtype, device=device),
+        LoadConfig(model_dir, dtype=dtype, device=device, load_format=load_format),
         CacheConfig(block_size=block_size, budget=KVBudget(num_blocks=num_kv_blocks)),
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
     )

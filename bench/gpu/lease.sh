@@ -9,6 +9,9 @@
 #   bash bench/gpu/lease.sh quantized [box]  # ~3 min: bench.gpu --only quantized, 8B then 1B
 #                                   # (the quantized GEMMs and the 8-bit KV cache's decode
 #                                   # attention against bf16); box: seconds, default 300
+#   bash bench/gpu/lease.sh profile [box]  # ~3 min: pdserve profile of the 8B, then the 1B
+#                                   # shapes on the GPU (random weights from the config), the
+#                                   # hardware profile pdserve plan reads; box default 240
 # The longer calls, for device time left over or a later task:
 #   bash bench/gpu/lease.sh tests   # the gpu-marked tests (kernels at full size, graphs,
 #                                   # transports), then bench.structured_masks on cuda
@@ -46,6 +49,18 @@ quantized)  # $2: the time box, seconds; the 8B model's sections are saved first
     timeout "${2:-300}" "$python" -m bench.gpu --quick --only quantized --models 8b,1b \
         --batch-sizes 1,64,256 --out "$out/quantized.json" 2>&1 | tee "$out/quantized.log"
     ;;
+profile)  # $2: the time box, seconds, shared by the two shapes (the 8B's first)
+    deadline=$(( SECONDS + ${2:-240} ))
+    for shape in ${PROFILE_SHAPES:-8b 1b}; do
+        dir="$out/llama-$shape-shapes"
+        "$python" -c "import sys; from pathlib import Path; from bench.gpu.shapes import MODELS; \
+MODELS[sys.argv[1]].write_config(Path(sys.argv[2]), 4096, 'bfloat16')" "$shape" "$dir"
+        timeout $(( deadline - SECONDS > 0 ? deadline - SECONDS : 1 )) "$python" -m router.cli \
+            profile --model "$dir" --load-format dummy --device "${PROFILE_DEVICE:-cuda}" \
+            --dtype bfloat16 --max-num-batched-tokens 2048 --num-kv-blocks 4096 \
+            --out "$out/hardware_$shape.json" 2>&1 | tee "$out/profile_$shape.log"
+    done
+    ;;
 tests)
     gpu_tests 600 540 -q  # 600: the device call's own limit
     # structured outputs' per-step masking on the GPU (a state's mask copied there once)
@@ -69,7 +84,7 @@ async)
         --out "$out/async_scheduling_8b.json" 2>&1 | tee "$out/async_scheduling_8b.log"
     ;;
 *)
-    echo "usage: bash bench/gpu/lease.sh first|quantized [box]|tests|bench|speculative|async" >&2
+    echo "usage: bash bench/gpu/lease.sh first|quantized [box]|profile [box]|tests|bench|speculative|async" >&2
     exit 2
     ;;
 esac

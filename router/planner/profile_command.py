@@ -1,7 +1,8 @@
 """``pdserve profile``: a hardware profile of the machine at hand, for ``pdserve plan``.
 
 It loads the model on one device of this machine (the engine a worker runs, on a CPU with the
-threads a worker of ``--worker-num-cpus`` computes on), runs the start-up latency profile's
+threads a worker of ``--worker-num-cpus`` computes on; ``--load-format dummy``: random weights
+from its config.json, for a machine without the checkpoint), runs the start-up latency profile's
 synthetic requests through its engine loop (each step timed as the loop's turn, as a served
 worker's) a few times with larger decode batches (engine/latency_profile.py), and fits the
 router's step-time model to those steps (router/latency_model.py): that fit is the profile's
@@ -40,6 +41,13 @@ def add_profile_args(profile: argparse.ArgumentParser) -> None:
     profile.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     profile.add_argument("--dtype", default="float32", help="as pdserve serve's --dtype")
     profile.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy: random weights from the model's config.json alone (a step's time depends "
+        "on the model's shapes, not its weights: a model's profile without its checkpoint)",
+    )
+    profile.add_argument(
         "--worker-num-cpus",
         type=float,
         default=1.0,
@@ -70,6 +78,7 @@ def run_profile(args: argparse.Namespace) -> int:
         rounds=_ROUNDS,
         batch_sizes=_BATCH_SIZES,
         decode_steps=_DECODE_STEPS,
+        load_format=args.load_format,
     )
     cost = fit_step_cost(measured.step_timings)
     model = ModelCosts.of(measured.model_config, Path(args.model).name, measured.kv_dtype)

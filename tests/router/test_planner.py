@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -442,6 +443,24 @@ def test_pdserve_plan_refuses_bad_input_naming_the_flag(
     assert "--hardware must be one of h100" in capsys.readouterr().err
     assert main([*base, "--rate", "1", "--device-memory-gib", "4", "--max-devices", "2"]) == 2
     assert "no layout of at most 2 devices holds" in capsys.readouterr().err
+
+
+def test_pdserve_profile_of_a_model_without_its_weights(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--load-format dummy``: the model's config.json alone (random weights, its shapes): a
+    profile of an 8B model on a machine where its checkpoint is not (a lent GPU)."""
+    config_only = tmp_path / "llama-config-only"
+    config_only.mkdir()
+    shutil.copy(llama_dir / "config.json", config_only)
+    out = tmp_path / "shapes.json"
+    argv = ["profile", "--model", str(config_only), "--num-kv-blocks", "256", "--out", str(out)]
+    assert main(argv) != 0  # without --load-format dummy the weights are needed
+    assert "no model.safetensors" in capsys.readouterr().err
+    assert main([*argv, "--load-format", "dummy"]) == 0
+    hardware = Hardware.load(out)
+    assert hardware.measured is not None and hardware.measured.per_prefill_token_s > 0
+    assert hardware.measured_model == "llama-config-only"
 
 
 def test_pdserve_profile_measures_this_machine_and_records_its_shared_cores(
