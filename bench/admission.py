@@ -15,7 +15,9 @@ Steps, each server started and stopped in turn (the same layout, model and flags
      points from run to run on a busy host), the goals then on the runs pooled.
 Refused requests (HTTP 429) count as sent, not as completed. Reports per configuration: sent,
 refused, completed, met the SLOs; the SLO attainment of the accepted requests (met / accepted)
-and of all; goodput (requests per s that met both SLOs); TTFT p50/p99 of the completed ones.
+and of all; goodput (requests per s that met both SLOs); TTFT p50/p99 of the completed ones;
+the completed ones past the TTFT SLO, past the TPOT SLO, and those of either sent in the run's
+first second (before the latency model has seen requests finish).
 Goals: attainment of accepted >= 95 % with admission, and its goodput not below the baseline's.
 
 Without ``--model`` both serve a tiny random Llama (``bench/serving/tiny_model.py``). Writes
@@ -45,6 +47,9 @@ from bench.serving.workloads import WorkloadSpec
 SERVED_NAME = "pdserve-demo"
 MODEL_POSITIONS = 2048
 ATTAINMENT_GOAL = 0.95
+# a miss by a request sent this soon after the run began is counted apart too: before the
+# latency model has seen requests finish (the start-up profile's fits, no path corrections)
+EARLY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,11 @@ class Outcome:
     duration_s: float
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
+    # completed requests past the TTFT SLO, past the TPOT SLO (one past both counts in each),
+    # and those that missed either sent in the run's first EARLY_S
+    num_ttft_missed: int = 0
+    num_tpot_missed: int = 0
+    num_missed_early: int = 0
 
     @property
     def attainment_of_accepted(self) -> float | None:
@@ -79,6 +89,10 @@ def outcome(config: str, result: BenchResult) -> Outcome:
     records = result.records
     refused = sum(1 for r in records if r.error.startswith("HTTP 429"))
     summary = result.summary
+    slo = result.config.slo
+    done = [r for r in records if r.success]
+    ttft_ms = [None if r.ttft_s is None else r.ttft_s * 1e3 for r in done]
+    tpot_ms = [None if r.tpot_s is None else r.tpot_s * 1e3 for r in done]
     return Outcome(
         config,
         result.config.arrivals.request_rate,
@@ -89,6 +103,13 @@ def outcome(config: str, result: BenchResult) -> Outcome:
         summary.duration_s,
         summary.ttft.percentile(50),
         summary.ttft.percentile(99),
+        num_ttft_missed=sum(
+            slo.ttft_ms is not None and (t is None or t > slo.ttft_ms) for t in ttft_ms
+        ),
+        num_tpot_missed=sum(
+            slo.tpot_ms is not None and t is not None and t > slo.tpot_ms for t in tpot_ms
+        ),
+        num_missed_early=sum(r.send_time_s < EARLY_S and not slo.met_by(r) for r in done),
     )
 
 
@@ -105,6 +126,9 @@ def pooled(config: str, runs: list[Outcome]) -> Outcome:
         sum(o.duration_s for o in runs),
         None,
         None,
+        sum(o.num_ttft_missed for o in runs),
+        sum(o.num_tpot_missed for o in runs),
+        sum(o.num_missed_early for o in runs),
     )
 
 
@@ -182,7 +206,8 @@ def _measured_slo(idle: BenchResult, factor: float) -> tuple[float, float]:
 def table(outcomes: list[Outcome]) -> str:
     head = (
         f"{'config':16} {'rate/s':>7} {'sent':>5} {'429':>5} {'done':>5} {'good':>5} "
-        f"{'attain(acc)':>11} {'attain(all)':>11} {'goodput/s':>9} {'ttft p50':>9} {'ttft p99':>9}"
+        f"{'attain(acc)':>11} {'attain(all)':>11} {'goodput/s':>9} {'ttft p50':>9} {'ttft p99':>9} "
+        f"{'missed ttft/tpot/early':>22}"
     )
     rows = [head]
     for o in outcomes:
@@ -191,7 +216,8 @@ def table(outcomes: list[Outcome]) -> str:
             f"{o.config:16} {o.request_rate:7.2f} {o.num_sent:5d} {o.num_refused:5d} "
             f"{o.num_completed:5d} {o.num_good:5d} "
             f"{'-' if acc is None else f'{acc:.1%}':>11} {o.attainment_of_all:11.1%} "
-            f"{o.goodput:9.2f} {_ms(o.ttft_p50_ms):>9} {_ms(o.ttft_p99_ms):>9}"
+            f"{o.goodput:9.2f} {_ms(o.ttft_p50_ms):>9} {_ms(o.ttft_p99_ms):>9} "
+            f"{f'{o.num_ttft_missed}/{o.num_tpot_missed}/{o.num_missed_early}':>22}"
         )
     return "\n".join(rows)
 

@@ -23,7 +23,10 @@ def _record(index: int, *, refused: bool = False, ttft_s: float = 0.05) -> Reque
 
 def _result(records: list[RequestRecord], rate: float = 8.0) -> BenchResult:
     config = BenchConfig(
-        EndpointConfig("http://127.0.0.1:1/v1", "m"), "unused", arrivals=ArrivalSpec(rate)
+        EndpointConfig("http://127.0.0.1:1/v1", "m"),
+        "unused",
+        arrivals=ArrivalSpec(rate),
+        slo=SLO_BOUNDS,
     )
     return BenchResult(config, summarize(records, 10.0, SLO_BOUNDS), tuple(records), "now")
 
@@ -36,7 +39,9 @@ def test_refused_requests_count_as_sent_not_accepted() -> None:
     assert run.attainment_of_accepted == 6 / 7
     assert run.attainment_of_all == 0.6
     assert run.goodput == 0.6  # 6 good over the 10 s run
-    assert "admission slo" in table([run])
+    # the slow one missed its TTFT, sent in the run's first second
+    assert (run.num_ttft_missed, run.num_tpot_missed, run.num_missed_early) == (1, 0, 1)
+    assert "admission slo" in table([run]) and "1/0/1" in table([run])
 
 
 def test_the_goals_compare_attainment_and_goodput() -> None:
@@ -52,10 +57,11 @@ def test_the_goals_compare_attainment_and_goodput() -> None:
 def test_repeated_runs_pool_their_requests_and_time() -> None:
     runs = [
         Outcome("admission slo #1", 8.0, 10, 4, 6, 6, 10.0, 50.0, 90.0),
-        Outcome("admission slo #2", 8.0, 10, 2, 8, 5, 12.0, 60.0, 400.0),
+        Outcome("admission slo #2", 8.0, 10, 2, 8, 5, 12.0, 60.0, 400.0, 2, 1, 2),
     ]
     both = pooled("admission slo", runs)
     assert (both.num_sent, both.num_refused, both.num_completed, both.num_good) == (20, 6, 14, 11)
     assert both.attainment_of_accepted == 11 / 14
     assert both.goodput == 11 / 22
+    assert (both.num_ttft_missed, both.num_tpot_missed, both.num_missed_early) == (2, 1, 2)
     assert both.ttft_p50_ms is None and "admission slo" in table([both])
