@@ -45,6 +45,7 @@ from router.latency_forecast import (
     PromptToPlace,
     StepBudgets,
 )
+from router.latency_model import StepRatios
 from router.local_ray import start_ray
 from router.output_pump import OutputPump
 from router.placements import Placements, RequestFailedError
@@ -348,6 +349,10 @@ class Cluster:
     def role_switches(self) -> dict[tuple[str, str], int]:
         """Workers moved between the pools by ``--rebalance`` so far, by (from, to) role."""
         return {} if self.rebalancer is None else self.rebalancer.switch_counts()
+
+    def step_prediction_ratios(self) -> dict[str, StepRatios]:
+        """The workers' reported steps' time over the latency model's predictions, by role."""
+        return self.pool.latency_model.step_ratios()
 
     def prefix_hit_stats(self) -> PrefixHitStats | None:
         """The cached tokens found for the prompts kv_aware routed (None: another policy)."""

@@ -35,7 +35,9 @@ overload, requests that miss it in half the cases). Only requests finished in th
 quiet start-up profile, must not make admission refuse everything, and so see no request finish
 that would correct them, for good.
 
-Fits are redone lazily, when asked for after new timings came. Thread-safe: the load monitor
+Each reported step is also counted by its time over what its worker's fit, as the forecasts
+last used it, predicted (``step_ratios``: the model's error step by step, a histogram per role
+at /metrics). Fits are redone lazily, when asked for after new timings came. Thread-safe: the load monitor
 and the front doors feed it, the front doors ask it.
 """
 
@@ -46,7 +48,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.messages import BlockWait, StepTiming, TransferTiming
 
@@ -62,6 +64,9 @@ WARM_AFTER = MIN_TAIL_RESIDUALS
 WAIT_WINDOW = 32  # a decode worker's latest hand-offs' waits for its blocks
 WAIT_HORIZON_S = 10.0  # of which those reported this recently count
 _RIDGE = 1e-6  # relative to the (scaled) features' own size
+# a reported step's time over its prediction (``StepRatios``): the bounds of the histogram's
+# buckets, as the gateway's latency_prediction_ratio's
+STEP_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +143,25 @@ class TransferCost:
 
     def seconds_for_blocks(self, num_blocks: int) -> float:
         return self.seconds(num_blocks * self.bytes_per_block)
+
+
+@dataclass(slots=True)
+class StepRatios:
+    """Reported steps' time over what their worker's fit predicted for them when they came
+    (the fit the forecasts then used: its error, step by step), as a histogram."""
+
+    # per bucket of STEP_RATIO_BUCKETS (and one over the last): steps whose ratio was at most
+    # the bucket's bound and above the one before
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_RATIO_BUCKETS) + 1))
+    sum_ratio: float = 0.0
+
+    def count(self, ratio: float) -> None:
+        bucket = next(
+            (i for i, bound in enumerate(STEP_RATIO_BUCKETS) if ratio <= bound),
+            len(STEP_RATIO_BUCKETS),
+        )
+        self.bucket_counts[bucket] += 1
+        self.sum_ratio += ratio
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +283,7 @@ class LatencyModel:
         self._transfers: dict[str, deque[TransferTiming]] = {}
         self._transfer_fits: dict[str, TransferCost | None] = {}
         self._busy_s: dict[str, float] = defaultdict(float)  # each worker's steps' seconds
+        self._step_ratios: dict[str, StepRatios] = defaultdict(StepRatios)  # by role
         # observed minus predicted, of finished requests: TTFT's, TPOT's
         # finished requests' (time observed, residual)
         self._ttft_residuals: deque[tuple[float, float]] = deque(maxlen=PATH_WINDOW)
@@ -284,6 +309,10 @@ class LatencyModel:
         with self._lock:
             if steps:
                 own = self._workers.setdefault(worker_id, _StepWindow())
+                fit = own.fitted  # (the fit the forecasts use; none yet: its role's)
+                if fit is None and role in self._roles:
+                    fit = self._roles[role].cost()
+                self._count_step_ratios(role, steps, fit)
                 pooled = self._roles[role]
                 own.timings.extend(steps)
                 pooled.timings.extend(steps)
@@ -301,6 +330,27 @@ class LatencyModel:
                 window = self._transfers.setdefault(timing.transport, deque(maxlen=TRANSFER_WINDOW))
                 window.append(timing)
                 self._transfer_fits.pop(timing.transport, None)
+
+    def _count_step_ratios(
+        self, role: str, steps: Sequence[StepTiming], fit: StepCost | None
+    ) -> None:
+        """Each step's time over what ``fit`` (its worker's latest, else its role's; None:
+        none yet, nothing counted) predicted for it."""
+        if fit is None:
+            return
+        ratios = self._step_ratios[role]
+        for timing in steps:
+            predicted = fit.seconds(shape_of(timing))
+            if predicted > 0:
+                ratios.count(timing.seconds / predicted)
+
+    def step_ratios(self) -> dict[str, StepRatios]:
+        """The reported steps' time over their fits' predictions so far, by role."""
+        with self._lock:
+            return {
+                role: StepRatios(list(r.bucket_counts), r.sum_ratio)
+                for role, r in self._step_ratios.items()
+            }
 
     def observe_waiting(self, prefill_worker_id: str, block_waits: Iterable[BlockWait]) -> None:
         """A prefill worker's report of its hand-offs waiting now for decode workers' blocks

@@ -29,6 +29,7 @@ from router.gateway.limits import RequestLimits
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
 from router.gateway.service import Gateway
+from router.latency_model import StepRatios
 from router.serve_command import (
     _generate_once,
     admission_policy,
@@ -511,6 +512,9 @@ class _IdleCluster:
         return None
 
     def role_switches(self) -> dict[tuple[str, str], int]:
+        return {}
+
+    def step_prediction_ratios(self) -> dict[str, StepRatios]:
         return {}
 
 

@@ -41,6 +41,7 @@ from engine.messages.first_token import HOPS, FirstTokenTrace
 from router.gateway.slo_admission import REFUSAL_REASONS
 from router.kv_aware import HIT_TOKEN_BUCKETS, PrefixHitStats
 from router.latency_forecast import Forecast
+from router.latency_model import STEP_RATIO_BUCKETS, StepRatios
 
 if TYPE_CHECKING:
     from router.cluster import SlotRestarts, WorkerStatus
@@ -194,11 +195,13 @@ class _RouterCollector(Collector):
         worker_restarts: Callable[[], Sequence[SlotRestarts]],
         prefix_hit_stats: Callable[[], PrefixHitStats | None],
         role_switches: Callable[[], Mapping[tuple[str, str], int]],
+        step_prediction_ratios: Callable[[], Mapping[str, StepRatios]],
     ) -> None:
         self._local_prefills = local_prefills
         self._worker_restarts = worker_restarts
         self._prefix_hit_stats = prefix_hit_stats
         self._role_switches = role_switches
+        self._step_prediction_ratios = step_prediction_ratios
 
     def collect(self) -> Iterable[Metric]:
         local = CounterMetricFamily(
@@ -225,9 +228,28 @@ class _RouterCollector(Collector):
         for from_role, to_role in (("prefill", "decode"), ("decode", "prefill")):
             switches.add_metric([from_role, to_role], counts.get((from_role, to_role), 0))
         yield from (local, restarts, switches)
+        yield from _step_ratio_metrics(self._step_prediction_ratios())
         stats = self._prefix_hit_stats()
         if stats is not None:
             yield from _prefix_hit_metrics(stats)
+
+
+def _step_ratio_metrics(by_role: Mapping[str, StepRatios]) -> Iterable[Metric]:
+    """Each role's reported steps' time over the latency model's prediction, a histogram per
+    role (one family)."""
+    family = HistogramMetricFamily(
+        "pdserve:step_time_prediction_ratio",
+        "A worker's engine step's time over what the router's latency model predicted for it "
+        "when the step was reported (1: exact; docs/slo-admission.md)",
+        labels=["role"],
+    )
+    for role, ratios in sorted(by_role.items()):
+        cumulative, buckets = 0, []
+        for bound, count in zip((*STEP_RATIO_BUCKETS, float("inf")), ratios.bucket_counts):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        family.add_metric([role], buckets, ratios.sum_ratio)
+    yield family
 
 
 def _prefix_hit_metrics(stats: PrefixHitStats) -> Iterable[Metric]:
@@ -275,6 +297,7 @@ class GatewayMetrics:
         model_info: Mapping[str, str] | None = None,
         prefix_hit_stats: Callable[[], PrefixHitStats | None] = lambda: None,
         role_switches: Callable[[], Mapping[tuple[str, str], int]] = dict,
+        step_prediction_ratios: Callable[[], Mapping[str, StepRatios]] = dict,
     ) -> None:
         """``model_info``: labels of ``pdserve:model_info`` (the served model's name, its
         weights' quantization and what its KV cache stores), a gauge of 1 as Prometheus info
@@ -283,7 +306,13 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_WorkerCollector(worker_statuses))
         self.registry.register(
-            _RouterCollector(local_prefills, worker_restarts, prefix_hit_stats, role_switches)
+            _RouterCollector(
+                local_prefills,
+                worker_restarts,
+                prefix_hit_stats,
+                role_switches,
+                step_prediction_ratios,
+            )
         )
         r = self.registry
 

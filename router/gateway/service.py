@@ -51,6 +51,7 @@ from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import GenerationBackend, TextGeneration
 from router.kv_aware import PrefixHitStats
 from router.latency_forecast import Forecast
+from router.latency_model import StepRatios
 
 logger = logging.getLogger("router.gateway")
 P = ParamSpec("P")
@@ -79,6 +80,8 @@ class ClusterBackend(GenerationBackend, Protocol):
     def prefix_hit_stats(self) -> PrefixHitStats | None: ...
 
     def role_switches(self) -> dict[tuple[str, str], int]: ...
+
+    def step_prediction_ratios(self) -> dict[str, StepRatios]: ...
 
     def is_ready(self) -> bool: ...
 
@@ -159,6 +162,7 @@ class Gateway:
             },
             prefix_hit_stats=backend.prefix_hit_stats,
             role_switches=backend.role_switches,
+            step_prediction_ratios=backend.step_prediction_ratios,
         )
         self.num_in_flight = 0
         self._in_flight_by_key: Counter[str | None] = Counter()  # by the key's tenant salt

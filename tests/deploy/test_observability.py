@@ -14,6 +14,7 @@ from router.cli import build_parser
 from router.cluster import SlotRestarts, WorkerStatus
 from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.kv_aware import PrefixHitStats
+from router.latency_model import StepRatios
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 _SUFFIXES = ("_total", "_bucket", "_count", "_sum")
@@ -29,6 +30,7 @@ def _exported_families() -> set[str]:
         lambda: restarts,
         SloTargets(),
         prefix_hit_stats=PrefixHitStats,  # (as under kv_aware, the default policy)
+        step_prediction_ratios=lambda: {"decode": StepRatios()},
     )
     metrics.first_token(0.1)
     return {f.name for f in text_string_to_metric_families(metrics.render().decode())}

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from router.cluster import SlotRestarts, WorkerStatus
 from router.latency_forecast import Forecast
+from router.latency_model import StepRatios
 
 
 class OneLiveWorker:
@@ -28,6 +29,9 @@ class OneLiveWorker:
         return None
 
     def role_switches(self) -> dict[tuple[str, str], int]:
+        return {}
+
+    def step_prediction_ratios(self) -> dict[str, StepRatios]:
         return {}
 
     def is_ready(self) -> bool:

@@ -19,6 +19,7 @@ from router.gateway.metrics import GatewayMetrics, SloTargets
 from router.gateway.server import GatewayServer
 from router.gateway.slo_admission import REFUSAL_REASONS
 from router.gateway.text_stream import FinishedGeneration
+from router.latency_model import StepRatios
 from router.local_prefill import LOCAL_PREFILL_REASONS
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
 
@@ -178,6 +179,24 @@ def test_goodput_counts_only_requests_within_both_slos() -> None:
     assert value("pdserve:slo_met_total") == 3
     assert value("pdserve:time_per_output_token_seconds_count") == 8
     assert value("pdserve:time_per_output_token_seconds_sum") == pytest.approx(0.55)
+
+
+def test_the_steps_time_over_the_latency_models_prediction_is_a_histogram_per_role() -> None:
+    decode = StepRatios()
+    for ratio in (0.6, 1.0, 1.0, 1.8):
+        decode.count(ratio)
+    metrics = GatewayMetrics(
+        lambda: [], dict, list, SloTargets(), step_prediction_ratios=lambda: {"decode": decode}
+    )
+    value = metrics.registry.get_sample_value
+    bucket = "pdserve:step_time_prediction_ratio_bucket"
+    assert value(bucket, {"role": "decode", "le": "0.5"}) == 0
+    assert value(bucket, {"role": "decode", "le": "0.67"}) == 1
+    assert value(bucket, {"role": "decode", "le": "1.0"}) == 3
+    assert value(bucket, {"role": "decode", "le": "2.0"}) == 4
+    assert value(bucket, {"role": "decode", "le": "+Inf"}) == 4
+    assert value("pdserve:step_time_prediction_ratio_count", {"role": "decode"}) == 4
+    assert value("pdserve:step_time_prediction_ratio_sum", {"role": "decode"}) == 4.4
 
 
 def test_worker_restarts_are_counted_per_slot() -> None:

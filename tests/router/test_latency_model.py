@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +12,7 @@ from router.latency_model import (
     MIN_STEPS,
     MIN_TAIL_RESIDUALS,
     PATH_HORIZON_S,
+    STEP_RATIO_BUCKETS,
     WAIT_HORIZON_S,
     LatencyModel,
     RecentPath,
@@ -93,6 +95,25 @@ def test_coefficients_stay_non_negative() -> None:
     coefficients = fit_nonnegative(rows, targets)
     assert coefficients[1] == 0.0
     assert coefficients[0] == pytest.approx(sum(targets) / len(targets))
+
+
+def test_each_reported_step_is_counted_by_its_time_over_the_fit_it_came_to() -> None:
+    """Steps before any fit are not counted; steps 1.9 times as slow as the fit predicts (a
+    busy host's) land in the bucket up to 2, by role; a worker without a fit of its own is
+    measured against its role's."""
+    model = LatencyModel()
+    model.observe("d0", "decode", _timings(100))
+    assert model.step_ratios() == {}  # no fit yet when they came
+    assert model.step_cost("d0", "decode") is not None  # (a forecast fits it)
+    fast = [replace(t, seconds=0.95 * t.seconds) for t in _timings(5, seed=2)]
+    model.observe("d1", "decode", fast)  # d1 against the role's fit
+    slow = [replace(t, seconds=1.9 * t.seconds) for t in _timings(10, seed=1)]
+    model.observe("d0", "decode", slow)
+    ratios = model.step_ratios()["decode"]
+    assert ratios.bucket_counts[STEP_RATIO_BUCKETS.index(2.0)] == 10
+    assert ratios.bucket_counts[STEP_RATIO_BUCKETS.index(1.0)] == 5
+    assert sum(ratios.bucket_counts) == 15
+    assert ratios.sum_ratio == pytest.approx(1.9 * 10 + 0.95 * 5, rel=1e-2)
 
 
 def test_a_worker_with_few_steps_borrows_its_roles_fit_and_forgetting_drops_its_own() -> None:
