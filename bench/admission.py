@@ -243,7 +243,10 @@ def _ms(value: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     model_dir = args.model or str(build_tiny_llama(args.out / "model", MODEL_POSITIONS))
     baseline_spec = _server(args, model_dir, ())
     print(f"== {baseline_spec.name}: {' '.join(baseline_spec.argv)}", file=sys.stderr)

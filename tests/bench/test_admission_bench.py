@@ -3,7 +3,9 @@ attainment of accepted and of all requests, goodput, and the goals."""
 
 from __future__ import annotations
 
-from bench.admission import Outcome, goals, outcome, pooled, table
+import pytest
+
+from bench.admission import Outcome, goals, main, outcome, pooled, table
 from bench.serving.arrivals import ArrivalSpec
 from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO, RequestRecord, summarize
@@ -65,3 +67,11 @@ def test_repeated_runs_pool_their_requests_and_time() -> None:
     assert both.goodput == 11 / 22
     assert (both.num_ttft_missed, both.num_tpot_missed, both.num_missed_early) == (2, 1, 2)
     assert both.ttft_p50_ms is None and "admission slo" in table([both])
+
+
+def test_no_run_of_the_admission_server_is_refused_before_any_server_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--repeats", "0"])
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
