@@ -7,7 +7,8 @@ Life of a Generate call: the ``authorization`` metadata names the caller's tenan
 so one per token unless text was held back (the first carries the prompt's logprobs when they
 were asked for: they come with the first token) -> ``Usage``. An Abort call ends the stream
 with FINISH_REASON_ABORT chunks; a client that cancels, or whose deadline passes, has its
-handler cancelled by the gRPC runtime. Either way, leaving the delta stream aborts the request
+handler cancelled by the gRPC runtime (or a write under way fails on the ended call: counted
+aborted the same, not an internal error). Either way, leaving the delta stream aborts the request
 in the cluster and frees its KV blocks. While the server shuts down, new calls end UNAVAILABLE
 (with ``retry-after``) and Health says not serving; a call still running when the drain ends
 is cut off: its FINISH_REASON_ABORT chunks, then UNAVAILABLE saying why.
@@ -235,16 +236,28 @@ class GenerationService(pb_grpc.GenerationServicer):
             except ApiError:  # the workers refused the request (text_stream.refused)
                 self.gateway.count_invalid()
                 raise
+            except Exception:
+                if not context.done():
+                    raise
+                # a write raced the client's cancel or its deadline: the call ended before the
+                # handler was cancelled (grpc's write fails then); the client left, as above
+                self.gateway.record_outcome("aborted")
+                return
             # counted before the writes below, which may be cancelled
             self.gateway.record_ended([generation], aborted=live.aborted.is_set())
-            for index in sorted(unfinished):
-                await context.write(first_chunk.apply(aborted_message(index)))
-            if live.cut_off is not None:  # the server shut down before it finished
-                raise live.cut_off
-            usage = Usage(
-                generation.num_prompt_tokens, num_sent_tokens, generation.num_cached_tokens
-            )
-            await context.write(usage_message(usage))
+            try:
+                for index in sorted(unfinished):
+                    await context.write(first_chunk.apply(aborted_message(index)))
+                if live.cut_off is not None:  # the server shut down before it finished
+                    raise live.cut_off
+                usage = Usage(
+                    generation.num_prompt_tokens, num_sent_tokens, generation.num_cached_tokens
+                )
+                await context.write(usage_message(usage))
+            except Exception:
+                if not context.done():
+                    raise
+                # the client left after its last token (counted above): nothing to send it
 
     def _caller(self, context: grpc.aio.ServicerContext, *, counted: bool = True) -> Caller:
         """The caller the ``authorization`` metadata names; a refusal is counted in

@@ -253,3 +253,46 @@ def test_streams_flow_while_a_long_prompt_is_tokenized(served_demo: ServedModel)
     assert outcome == [400]  # longer than the context: refused, once tokenized
     worst_gap = max(later - earlier for earlier, later in itertools.pairwise(arrivals))
     assert worst_gap < tokenize_s / 2, (worst_gap, tokenize_s)
+
+
+class _CallEndedMidStream:
+    """A gRPC call whose deadline passes during its stream and whose write under way fails on
+    the ended call (as grpc's does, an ``ExecuteBatchError``) before the runtime cancels the
+    handler: the race that failed a CI run of tests/gateway/test_grpc.py once."""
+
+    def __init__(self, writes_before_the_end: int) -> None:
+        self.writes: list[object] = []
+        self.writes_before_the_end = writes_before_the_end
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def done(self) -> bool:
+        return len(self.writes) >= self.writes_before_the_end
+
+    async def write(self, message: object) -> None:
+        if self.done():
+            raise RuntimeError('Failed "execute_batch": (<SendMessageOperation>,)')
+        self.writes.append(message)
+
+    async def abort(self, code: object, details: str) -> None:
+        raise AssertionError(f"aborted {code}: {details}")
+
+
+@pytest.mark.parametrize("writes_before_the_end", [2, 3])  # mid-stream; at its usage
+def test_a_grpc_call_that_ended_under_a_write_counts_as_aborted_not_failed(
+    served_demo: ServedModel, caplog: pytest.LogCaptureFixture, writes_before_the_end: int
+) -> None:
+    from pdserve.v1 import generation_pb2 as pb
+    from router.gateway.grpc_service import GenerationService
+
+    limits = RequestLimits(max_model_len=served_demo.max_model_len)
+    gateway = Gateway(ScriptedCluster(pace_s=0.01, length=2), served_demo, limits, ApiKeys([]))
+    call = _CallEndedMidStream(writes_before_the_end)
+    request = pb.GenerateRequest(text="hi", max_tokens=2)
+    asyncio.run(GenerationService(gateway).Generate(request, call))  # type: ignore[arg-type]
+    assert "Generate failed" not in caplog.text
+    assert gateway.num_in_flight == 0
+    # mid-stream: the client left; at its usage (its 2 tokens sent, started first): it finished
+    expected = "aborted" if writes_before_the_end == 2 else "ok"
+    assert _requests_by_status(gateway) == {expected: 1.0}
