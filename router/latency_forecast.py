@@ -84,6 +84,8 @@ class Forecast:
     # it): admission adds its tails, so it admits what makes the SLOs in most cases, not in
     # half of them (None: not known)
     path: RecentPath | None = None
+    # the weight of the request's first inter-token gap in its TPOT: 1 / (max_tokens - 1)
+    first_gap_share: float = 0.0
 
     def ttft_on(self, worker_id: str) -> float:
         """The prompt's TTFT if the worker prefills it, the path's correction included."""
@@ -95,10 +97,13 @@ class Forecast:
 
     def tails(self, quantile: float | None) -> tuple[float, float]:
         """How much later than this forecast the slowest ``quantile`` of recent requests were,
-        for TTFT and TPOT (``RecentPath.tails``); None, or no path known: 0."""
+        for TTFT and TPOT (``RecentPath.tails``); TPOT's is the later gaps' tail plus the
+        first gap's, at its share of this request's gaps (a short output's TPOT carries much
+        of a slow hand-off). None, or no path known: 0."""
         if quantile is None or self.path is None:
             return 0.0, 0.0
-        return self.path.tails(quantile)
+        ttft_tail, tpot_tail = self.path.tails(quantile)
+        return ttft_tail, tpot_tail + self.first_gap_share * self.path.first_gap_tail(quantile)
 
     @property
     def num_observed(self) -> int | None:
@@ -238,7 +243,8 @@ class LatencyForecaster:
         path = self.model.recent_path()
         ttft_path, tpot_path = path.corrections()
         # the first gap's excess (a hand-off's) spread over the request's gaps
-        tpot_path += path.first_gap_excess_s / max(1, prompt.max_tokens - 1)
+        first_gap_share = 1 / max(1, prompt.max_tokens - 1)
+        tpot_path += path.first_gap_excess_s * first_gap_share
         return Forecast(
             ttft_s=_corrected(best_ttft[0], ttft_path),
             queue_s=best_ttft[1],
@@ -252,6 +258,7 @@ class LatencyForecaster:
             steps_tpot_by_worker={w: t for w, (t, _) in tpots.items()},
             colocated=self.colocated,
             path=path,
+            first_gap_share=first_gap_share,
         )
 
     def _share_ahead(self, priority: int, queued: Sequence[tuple[int, int]]) -> float:

@@ -168,16 +168,26 @@ class StepRatios:
 class RecentPath:
     """What recently finished requests' clients saw beyond their workers' steps: each one's
     observed latency minus the one its steps predicted (its residual), for TTFT and TPOT (the
-    gaps after its first), sorted; and how much longer a request's first gap was than its
-    later ones (a disaggregated request's crosses the hand-off), the median."""
+    gaps after its first), and how much longer its first gap was than its later ones (a
+    disaggregated request's crosses the hand-off), each sorted."""
 
     ttft_residuals_s: tuple[float, ...] = ()
     tpot_residuals_s: tuple[float, ...] = ()
-    first_gap_excess_s: float = 0.0
+    first_gap_excesses_s: tuple[float, ...] = ()
 
     @property
     def num_requests(self) -> int:
         return len(self.ttft_residuals_s)
+
+    @property
+    def first_gap_excess_s(self) -> float:
+        """The median first gap's excess over the later gaps (0 before any)."""
+        return _median(self.first_gap_excesses_s)
+
+    def first_gap_tail(self, quantile: float) -> float:
+        """How much longer than the median excess the slowest first gaps were: the excesses'
+        ``quantile`` less their median (0 with under ``MIN_TAIL_RESIDUALS``)."""
+        return _tail(self.first_gap_excesses_s, quantile)
 
     def corrections(self) -> tuple[float, float]:
         """What to add to the steps' TTFT and TPOT for what they cannot see: the residuals'
@@ -390,7 +400,7 @@ class LatencyModel:
             return RecentPath(
                 tuple(sorted(r for at, r in self._ttft_residuals if at >= since)),
                 tuple(sorted(r for at, r in self._tpot_residuals if at >= since)),
-                _median(e for at, e in self._first_gap_excesses if at >= since),
+                tuple(sorted(e for at, e in self._first_gap_excesses if at >= since)),
             )
 
     def busy_seconds(self) -> dict[str, float]:

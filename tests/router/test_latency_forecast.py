@@ -181,6 +181,23 @@ def test_the_first_gaps_excess_is_spread_over_the_requests_gaps() -> None:
     assert short.steps_tpot_s == _approx(OVERHEAD + PER_ROW)  # (the steps' own, unchanged)
 
 
+def test_the_first_gaps_tail_weighs_in_the_tpot_tail_by_its_share_of_the_gaps() -> None:
+    """Of 20 requests, 18 had first gaps 30 ms longer than the rest and 2 had 230 ms: at the
+    0.95 quantile, a first gap 200 ms past the median. Over 11 tokens (10 gaps) that is 20 ms
+    of TPOT, over 51 tokens 4 ms; the later gaps were all as predicted (no tail of their
+    own)."""
+    model = _model()
+    for i in range(20):
+        model.observe_request(0.0, 0.0, 0.230 if i % 10 == 9 else 0.030)
+    forecaster = _forecaster(model)
+    short = forecaster.forecast(PromptToPlace(100, 11), [_load("p0")], [_load("d0")], {})
+    long = forecaster.forecast(PromptToPlace(100, 51), [_load("p0")], [_load("d0")], {})
+    assert short is not None and long is not None
+    assert short.tails(0.95) == pytest.approx((0.0, 0.020), abs=1e-9)
+    assert long.tails(0.95) == pytest.approx((0.0, 0.004), abs=1e-9)
+    assert short.tails(None) == (0.0, 0.0)
+
+
 def test_a_forecast_placed_on_the_workers_the_prompt_got_predicts_theirs() -> None:
     forecast = _two_by_two(_forecaster(_model()))
     placed = forecast.placed_on("p0", "d0")
