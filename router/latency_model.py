@@ -37,12 +37,13 @@ that would correct them, for good.
 
 Each reported step is also counted by its time over what its worker's fit, as the forecasts
 last used it, predicted (``step_ratios``: the model's error step by step, a histogram per role
-at /metrics). Fits are redone lazily, when asked for after new timings came. Thread-safe: the load monitor
-and the front doors feed it, the front doors ask it.
+at /metrics). Fits are redone lazily, when asked for after new timings came. Thread-safe: the
+load monitor and the front doors feed it, the front doors ask it.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import time
@@ -64,9 +65,9 @@ WARM_AFTER = MIN_TAIL_RESIDUALS
 WAIT_WINDOW = 32  # a decode worker's latest hand-offs' waits for its blocks
 WAIT_HORIZON_S = 10.0  # of which those reported this recently count
 _RIDGE = 1e-6  # relative to the (scaled) features' own size
-# a reported step's time over its prediction (``StepRatios``): the bounds of the histogram's
-# buckets, as the gateway's latency_prediction_ratio's
-STEP_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
+# bounds of the buckets of an observed-over-predicted histogram: a reported step's
+# (``StepRatios``), a finished request's (the gateway's latency_prediction_ratio)
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,17 +151,15 @@ class StepRatios:
     """Reported steps' time over what their worker's fit predicted for them when they came
     (the fit the forecasts then used: its error, step by step), as a histogram."""
 
-    # per bucket of STEP_RATIO_BUCKETS (and one over the last): steps whose ratio was at most
+    # per bucket of PREDICTION_RATIO_BUCKETS (and one over the last): steps whose ratio was at most
     # the bucket's bound and above the one before
-    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_RATIO_BUCKETS) + 1))
+    bucket_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(PREDICTION_RATIO_BUCKETS) + 1)
+    )
     sum_ratio: float = 0.0
 
     def count(self, ratio: float) -> None:
-        bucket = next(
-            (i for i, bound in enumerate(STEP_RATIO_BUCKETS) if ratio <= bound),
-            len(STEP_RATIO_BUCKETS),
-        )
-        self.bucket_counts[bucket] += 1
+        self.bucket_counts[bisect.bisect_left(PREDICTION_RATIO_BUCKETS, ratio)] += 1
         self.sum_ratio += ratio
 
 

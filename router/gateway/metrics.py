@@ -41,7 +41,7 @@ from engine.messages.first_token import HOPS, FirstTokenTrace
 from router.gateway.slo_admission import REFUSAL_REASONS
 from router.kv_aware import HIT_TOKEN_BUCKETS, PrefixHitStats
 from router.latency_forecast import Forecast
-from router.latency_model import STEP_RATIO_BUCKETS, StepRatios
+from router.latency_model import PREDICTION_RATIO_BUCKETS, StepRatios
 
 if TYPE_CHECKING:
     from router.cluster import SlotRestarts, WorkerStatus
@@ -56,7 +56,6 @@ _HOP_BUCKETS = (
 )  # fmt: skip
 REQUEST_STATUSES = ("ok", "invalid", "unauthorized", "rejected", "failed", "aborted")
 # observed over predicted latency: 1 is a perfect prediction
-_PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,21 +243,25 @@ def _step_ratio_metrics(by_role: Mapping[str, StepRatios]) -> Iterable[Metric]:
         labels=["role"],
     )
     for role, ratios in sorted(by_role.items()):
-        cumulative, buckets = 0, []
-        for bound, count in zip((*STEP_RATIO_BUCKETS, float("inf")), ratios.bucket_counts):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        buckets = _cumulative(PREDICTION_RATIO_BUCKETS, ratios.bucket_counts)
         family.add_metric([role], buckets, ratios.sum_ratio)
     yield family
+
+
+def _cumulative(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
+    """A histogram's buckets as Prometheus has them, (upper bound, count at most it), from the
+    counts per bucket of ``bounds`` and one over the last."""
+    cumulative, buckets = 0.0, []
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    return buckets
 
 
 def _prefix_hit_metrics(stats: PrefixHitStats) -> Iterable[Metric]:
     """kv_aware's routed prompts: their cached tokens on the chosen worker, as a histogram of
     hit tokens per routed request and a count per tier."""
-    cumulative, buckets = 0, []
-    for bound, count in zip((*HIT_TOKEN_BUCKETS, float("inf")), stats.bucket_counts):
-        cumulative += count
-        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    buckets = _cumulative(HIT_TOKEN_BUCKETS, stats.bucket_counts)
     per_request = HistogramMetricFamily(
         "pdserve:routed_prefix_hit_tokens",
         "kv_aware: prompt tokens the chosen prefill worker holds in cache (device or host), "
@@ -383,7 +386,7 @@ class GatewayMetrics:
             "pdserve:latency_prediction_ratio",
             "A finished prompt's observed latency over the router's prediction (1: exact)",
             ["slo"],
-            buckets=_PREDICTION_RATIO_BUCKETS,
+            buckets=PREDICTION_RATIO_BUCKETS,
             registry=r,
         )
         self._prediction_ratios = {slo: ratios.labels(slo=slo) for slo in ("ttft", "tpot")}

@@ -17,10 +17,10 @@ prompt is then placed among the workers predicted to make its SLOs (within the m
 none is within the SLOs): the routing policy chooses among those, so it cannot place the
 prompt where it was predicted to miss. Retry-After is the predicted drain time: how long the
 queue ahead of the prompt takes to shrink to what the SLO leaves room for (for TPOT: one
-request's decode, the time it takes the running batch to change). Under ``--scheduling-policy priority`` the forecast counts
-only the prompts that come before this one on a worker, so a request of higher priority (lower
-number) is admitted, and served ahead of those already queued, when one of lower priority would
-be refused.
+request's decode, the time it takes the running batch to change). Under
+``--scheduling-policy priority`` the forecast counts only the prompts that come before this one
+on a worker, so a request of higher priority (lower number) is admitted, and served ahead of
+those already queued, when one of lower priority would be refused.
 
 A slow start: until the latency model has seen ``WARM_AFTER`` requests finish in the last
 ``PATH_HORIZON_S`` (after start-up, or a quiet spell), it knows neither the path's corrections
@@ -125,8 +125,9 @@ def judge(
     ttft_limit_s, tpot_limit_s = ttft_slo_s * (1 + policy.margin), tpot_slo_s * (1 + policy.margin)
     # each prompt's TTFT on its best placement, with its tail
     quantile = policy.attainment
-    worst_ttft = max(known, key=lambda f: f.ttft_s + f.tails(quantile)[0])
-    ttft_s = worst_ttft.ttft_s + worst_ttft.tails(quantile)[0]
+    ttft_s, worst_ttft = max(
+        ((f.ttft_s + f.tails(quantile)[0], f) for f in known), key=lambda pair: pair[0]
+    )
     if ttft_s > ttft_limit_s:
         # what has to drain first: the part of the queue the SLO has no room for
         return Refusal(

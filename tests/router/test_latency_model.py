@@ -12,7 +12,7 @@ from router.latency_model import (
     MIN_STEPS,
     MIN_TAIL_RESIDUALS,
     PATH_HORIZON_S,
-    STEP_RATIO_BUCKETS,
+    PREDICTION_RATIO_BUCKETS,
     WAIT_HORIZON_S,
     LatencyModel,
     RecentPath,
@@ -110,8 +110,8 @@ def test_each_reported_step_is_counted_by_its_time_over_the_fit_it_came_to() -> 
     slow = [replace(t, seconds=1.9 * t.seconds) for t in _timings(10, seed=1)]
     model.observe("d0", "decode", slow)
     ratios = model.step_ratios()["decode"]
-    assert ratios.bucket_counts[STEP_RATIO_BUCKETS.index(2.0)] == 10
-    assert ratios.bucket_counts[STEP_RATIO_BUCKETS.index(1.0)] == 5
+    assert ratios.bucket_counts[PREDICTION_RATIO_BUCKETS.index(2.0)] == 10
+    assert ratios.bucket_counts[PREDICTION_RATIO_BUCKETS.index(1.0)] == 5
     assert sum(ratios.bucket_counts) == 15
     assert ratios.sum_ratio == pytest.approx(1.9 * 10 + 0.95 * 5, rel=1e-2)
 
