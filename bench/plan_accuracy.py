@@ -16,10 +16,12 @@ first layout, minus what the simulation gives them); and the CPU time of the hos
 besides the engines' steps, which the workers share the cores with, from the machine's busy
 time during a capacity run and the workers' counters of their processes' and their steps' CPU
 time (``pdserve:worker_process_cpu_seconds``, ``pdserve:worker_step_thread_cpu_seconds``): on
-the colocated layout, per sampled token, the time outside the workers' processes (the
-gateway, the router, Ray's daemons, the load generator: ``host_seconds_per_token``), which
-runs on two threads, the gateway's and the load generator's (``host_front_door_threads``), and
-the workers' processes' time beyond their steps (their outputs:
+the colocated layout, per batch of a step's outputs and per sampled token (solved from the
+capacity run and the one of a request at a time, whose batches hold a token each), the time
+outside the workers' processes (the gateway, the router, Ray's daemons, the load generator:
+``host_seconds_per_batch``, ``host_seconds_per_token``), which runs on two threads, the
+gateway's and the load generator's (``host_front_door_threads``), and the workers' processes'
+time beyond their steps (their outputs: ``host_worker_seconds_per_batch``,
 ``host_worker_seconds_per_token``); on a disaggregated one, the prefill workers' processes'
 time beyond their steps and outputs per KV hand-off (``host_seconds_per_handoff``), and how much
 more CPU time the workers' steps took on this busy host than the profile (measured on a quiet
@@ -291,6 +293,8 @@ def _at_speed(planner: Planner, factor: float) -> Planner:
             host_seconds_per_token=hardware.host_seconds_per_token * factor,
             host_seconds_per_handoff=hardware.host_seconds_per_handoff * factor,
             host_worker_seconds_per_token=hardware.host_worker_seconds_per_token * factor,
+            host_worker_seconds_per_batch=hardware.host_worker_seconds_per_batch * factor,
+            host_seconds_per_batch=hardware.host_seconds_per_batch * factor,
         ),
     )
 
@@ -338,6 +342,10 @@ class HostCPU:
         either is unknown)."""
         served, profiled = self.steps_s.get(role, 0.0), self.profiled_steps_s.get(role, 0.0)
         return served / profiled if served > 0 and profiled > 0 else 1.0
+
+    def num_batches(self, role: str) -> float:
+        """The role's workers' steps as served (each sends its outputs as one batch)."""
+        return self.num_steps.get(role, (0.0, 0))[0]
 
     def beyond_steps_s(self, role: str) -> float:
         """The role's workers' processes besides their steps: their outputs made and streamed
@@ -400,24 +408,38 @@ def _profiled(
     }
 
 
-def _measure_host(layout: Layout, cpu: HostCPU, hardware: Hardware) -> dict[str, float]:
+def _measure_host(
+    layout: Layout, cpu: HostCPU, hardware: Hardware, few: HostCPU | None = None
+) -> dict[str, float]:
     """The host's other work in a run, as the planner's fields. On a colocated layout, per
-    sampled token: the time outside the workers' processes (the front door's streaming), and
-    the workers' processes' time beyond their steps (their outputs). On a disaggregated one,
-    per KV hand-off: the prefill workers' processes' time beyond their steps and their first
-    tokens' outputs (as measured before), its copies and calls, which the planner runs in that
-    process (the decode worker's outputs cost it less a token than a colocated worker's: its
-    share of the hand-off is within them); and the steps' CPU time on this busy host over
-    the profile's time for them, of a prompt step (the prefill worker's) and of a decode-only
-    one (the decode worker's)."""
-    tokens = max(1, cpu.num_tokens)
+    batch of a step's outputs and per sampled token, from the capacity run (``cpu``) and one of
+    a request at a time (``few``: a token a batch), solved together: the time outside the
+    workers' processes (the front door's receipt and streaming), and the workers' processes'
+    time beyond their steps (their outputs); without ``few``, all of it per token. On a
+    disaggregated one, per KV hand-off: the prefill workers' processes' time beyond their steps
+    and their first tokens' outputs (as measured before), its copies and calls, which the
+    planner runs in that process; and the steps' CPU time on this busy host over the profile's
+    time for them, of a prompt step (the prefill worker's) and of a decode-only one (the
+    decode worker's)."""
     if not layout.num_prefill:
+        runs = (cpu,) if few is None else (few, cpu)
+        per_batch, per_token = per_batch_and_token(
+            [(r.num_batches("decode"), r.num_tokens, r.front_door_s) for r in runs]
+        )
+        worker_per_batch, worker_per_token = per_batch_and_token(
+            [(r.num_batches("decode"), r.num_tokens, r.beyond_steps_s("decode")) for r in runs]
+        )
         return {
-            "host_seconds_per_token": cpu.front_door_s / tokens,
-            "host_worker_seconds_per_token": cpu.beyond_steps_s("decode") / tokens,
+            "host_seconds_per_token": per_token,
+            "host_seconds_per_batch": per_batch,
+            "host_worker_seconds_per_token": worker_per_token,
+            "host_worker_seconds_per_batch": worker_per_batch,
         }
     # a prefill worker outputs each request's first token, then hands its KV off
-    outputs_s = cpu.num_requests * hardware.host_worker_seconds_per_token
+    outputs_s = (
+        cpu.num_requests * hardware.host_worker_seconds_per_token
+        + cpu.num_batches("prefill") * hardware.host_worker_seconds_per_batch
+    )
     handoffs_s = max(0.0, cpu.beyond_steps_s("prefill") - outputs_s)
     return {
         "host_seconds_per_handoff": handoffs_s / max(1, cpu.num_requests),
@@ -425,6 +447,26 @@ def _measure_host(layout: Layout, cpu: HostCPU, hardware: Hardware) -> dict[str,
         "host_prompt_step_cpu_factor": cpu.step_cpu_factor("prefill"),
         "host_decode_step_cpu_factor": cpu.step_cpu_factor("decode"),
     }
+
+
+def per_batch_and_token(runs: list[tuple[float, int, float]]) -> tuple[float, float]:
+    """(seconds a batch, seconds a token), neither below 0, that fit the runs' ``(batches,
+    tokens, seconds)`` best (least squares); from one run, or runs of one ratio of tokens to
+    batches, all of it per token."""
+    bb = sum(b * b for b, _, _ in runs)
+    bt = sum(b * t for b, t, _ in runs)
+    tt = sum(t * t for _, t, _ in runs)
+    by = sum(b * y for b, _, y in runs)
+    ty = sum(t * y for _, t, y in runs)
+    determinant = bb * tt - bt * bt
+    if determinant > 1e-9 * bb * tt:
+        per_batch = (by * tt - ty * bt) / determinant
+        per_token = (bb * ty - bt * by) / determinant
+        if per_batch >= 0 and per_token >= 0:
+            return per_batch, per_token
+        if per_token < 0 and bb > 0:
+            return max(0.0, by / bb), 0.0
+    return 0.0, max(0.0, ty / tt) if tt > 0 else 0.0
 
 
 def _sent(records: tuple[RequestRecord, ...]) -> list[dict[str, Any]]:
@@ -544,8 +586,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {' '.join(spec.argv)}", file=sys.stderr, flush=True)
         with RunningServer(spec, args.out / f"{name}.log"):
             port = spec.port
+            few: HostCPU | None = None  # a request at a time: a token a batch
             if "path_overhead_s" not in extra:  # the front door's own time, measured once
-                idle = _bench(args, port, model_dir, ArrivalSpec(max_concurrency=1), 20, 7)
+                busy_before = _busy_cpu_seconds()
+                idle = _bench(args, port, model_dir, ArrivalSpec(max_concurrency=1), 20, 7, True)
+                few = _host_cpu(planner, layout, idle, _busy_cpu_seconds() - busy_before)
+                print(f"{name}, a request at a time: {few}", file=sys.stderr, flush=True)
+                extra[f"{name}_one_at_a_time_cpu"] = asdict(few)
                 simulated = _simulate(planner, layout, idle.records)
                 gap = statistics.median(
                     r.ttft_s for r in idle.records if r.ttft_s
@@ -560,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu = _host_cpu(planner, layout, closed, _busy_cpu_seconds() - busy_before)
             print(f"{name}: {cpu}", file=sys.stderr, flush=True)
             extra[f"{name}_cpu"] = asdict(cpu)
-            for field, value in _measure_host(layout, cpu, planner.hardware).items():
+            for field, value in _measure_host(layout, cpu, planner.hardware, few).items():
                 extra[f"{name}_{field}"] = value
                 if field not in extra:  # measured once, as the path's time
                     extra[field] = value
@@ -569,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             extra[f"{name}_capacity"] = capacity
             for load in loads:
                 rate = load * capacity
+                busy_before = _busy_cpu_seconds()
                 result = _bench(
                     args,
                     port,
@@ -576,10 +624,20 @@ def main(argv: list[str] | None = None) -> int:
                     ArrivalSpec(request_rate=rate),
                     args.num_prompts,
                     args.seed,
+                    True,
                 )
+                point_cpu = _host_cpu(planner, layout, result, _busy_cpu_seconds() - busy_before)
                 began = datetime.fromisoformat(result.started_at).timestamp()
                 points.append((name, rate, result.records, traces_since(traced, began)))
-                runs.append({"layout": name, "rate": rate, "records": _sent(result.records)})
+                runs.append(
+                    {
+                        "layout": name,
+                        "rate": rate,
+                        "records": _sent(result.records),
+                        "cpu": asdict(point_cpu),
+                        "duration_s": result.summary.duration_s,
+                    }
+                )
     # every point predicted with what the capacity runs measured, all of it
     comparisons = [
         _compared(planner, name, rate, records, slo, traces)

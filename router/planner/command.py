@@ -164,15 +164,20 @@ def shared_host_line(hardware: Hardware) -> str:
         hardware.host_seconds_per_token,
         hardware.host_seconds_per_handoff,
         hardware.host_worker_seconds_per_token,
+        hardware.host_worker_seconds_per_batch,
+        hardware.host_seconds_per_batch,
     )
     other = (
-        f"{hardware.host_seconds_per_token * 1000:.2f} ms a streamed token and "
+        f"{hardware.host_seconds_per_token * 1000:.2f} ms a streamed token, "
+        f"{hardware.host_seconds_per_batch * 1000:.2f} ms a batch of outputs and "
         f"{hardware.host_seconds_per_handoff * 1000:.1f} ms a hand-off, on "
         f"{hardware.host_front_door_threads} thread(s), and "
-        f"{hardware.host_worker_seconds_per_token * 1000:.2f} ms a token in its worker"
+        f"{hardware.host_worker_seconds_per_token * 1000:.2f} ms a token and "
+        f"{hardware.host_worker_seconds_per_batch * 1000:.2f} ms a batch in its worker"
         if any(measured)
         else "none measured (the profile's JSON takes host_seconds_per_token, "
-        "host_seconds_per_handoff and host_worker_seconds_per_token)"
+        "host_seconds_per_batch, host_seconds_per_handoff, host_worker_seconds_per_token "
+        "and host_worker_seconds_per_batch)"
     )
     factors = (hardware.host_prompt_step_cpu_factor, hardware.host_decode_step_cpu_factor)
     busy = (

@@ -13,7 +13,8 @@ On a CPU machine (``host_cores``) the workers' steps share the host's cores with
 with the host's other work, on ``host_front_door_threads`` threads: per streamed token
 (``host_seconds_per_token``: the gateway's streaming, a load generator's) and per KV hand-off
 (``host_seconds_per_handoff``), and each worker's own process per token it samples, after its
-step (``host_worker_seconds_per_token``). The simulation slows the steps by the share of a core
+step (``host_worker_seconds_per_token``); both also per step's batch of outputs
+(``host_seconds_per_batch``, ``host_worker_seconds_per_batch``). The simulation slows the steps by the share of a core
 they get and delivers a token once its streaming is done (shared_host.py). A profile is
 measured on a quiet machine; on the busy host a step costs more CPU time than that (its caches
 and memory shared, its thread switched out and back): ``host_prompt_step_cpu_factor`` times its
@@ -63,6 +64,11 @@ class Hardware:
     # CPU seconds a worker's own process spends per token it samples besides its steps (its
     # output batches made and streamed out), after each step: its threads share one lock
     host_worker_seconds_per_token: float = 0.0
+    # and per batch of a step's outputs, whatever its tokens: in the worker's process, and in
+    # the host's other work (the front door receives it); a busy host's cost per token falls
+    # as its batches grow
+    host_worker_seconds_per_batch: float = 0.0
+    host_seconds_per_batch: float = 0.0
     worker_threads: int = 1  # a worker rank's threads (as measured)
     # a step's CPU time on the busy host over its profiled time: one computing prompt tokens,
     # and a decode-only one
@@ -74,6 +80,8 @@ class Hardware:
             self.host_seconds_per_token,
             self.host_seconds_per_handoff,
             self.host_worker_seconds_per_token,
+            self.host_worker_seconds_per_batch,
+            self.host_seconds_per_batch,
         )
         factors = min(self.host_prompt_step_cpu_factor, self.host_decode_step_cpu_factor)
         if (
@@ -84,7 +92,8 @@ class Hardware:
         ):
             raise ValueError(
                 f"hardware profile {self.name!r}: host_cores, host_seconds_per_token, "
-                f"host_seconds_per_handoff and host_worker_seconds_per_token must be >= 0, "
+                f"host_seconds_per_handoff, host_worker_seconds_per_token, "
+                f"host_worker_seconds_per_batch and host_seconds_per_batch must be >= 0, "
                 f"worker_threads and host_front_door_threads >= 1, "
                 f"host_prompt_step_cpu_factor and host_decode_step_cpu_factor > 0"
             )

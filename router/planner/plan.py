@@ -142,6 +142,8 @@ class Planner:
             hardware.host_seconds_per_handoff,
             hardware.host_front_door_threads,
             hardware.host_worker_seconds_per_token,
+            hardware.host_worker_seconds_per_batch,
+            hardware.host_seconds_per_batch,
         )
 
     def _workers(self, count: int, tp: int, budget: int) -> WorkerShape:

@@ -10,8 +10,11 @@ too, and so do a prefill worker's KV hand-offs (their copies and calls,
 host's other work is the streaming of tokens: each sampled token costs CPU seconds of it, done
 first come first served by ``front_door_threads`` threads, and reaches its client when its
 share is done. While the runnable threads outnumber the cores, each runs at
-``cores / runnable`` of its speed (the kernel's fair share); otherwise at full speed. So a step ends later than alone by the share it
-lost, and on a saturated host tokens queue behind the streaming of those before them.
+``cores / runnable`` of its speed (the kernel's fair share); otherwise at full speed. So a step
+ends later than alone by the share it lost, and on a saturated host tokens queue behind the
+streaming of those before them. A step's outputs leave as one batch: besides its tokens' costs,
+the batch costs its worker's process ``worker_seconds_per_batch`` and the host's other work
+``seconds_per_batch`` (measured: a busy host's cost per token falls as batches grow).
 """
 
 from __future__ import annotations
@@ -35,14 +38,25 @@ class HostShare:
     front_door_threads: int = 1  # the threads the streaming runs on, at most
     # and a sampled token in its worker's own process (its output made and streamed out)
     worker_seconds_per_token: float = 0.0
+    # a step's batch of outputs, whatever its tokens: in the worker's process (made and sent)
+    # and in the host's other work (received and routed to the tokens' streams)
+    worker_seconds_per_batch: float = 0.0
+    seconds_per_batch: float = 0.0
 
     def __post_init__(self) -> None:
-        seconds = (self.seconds_per_token, self.seconds_per_handoff, self.worker_seconds_per_token)
+        seconds = (
+            self.seconds_per_token,
+            self.seconds_per_handoff,
+            self.worker_seconds_per_token,
+            self.worker_seconds_per_batch,
+            self.seconds_per_batch,
+        )
         if self.cores < 1 or min(seconds) < 0 or self.front_door_threads < 1:
             raise ValueError(
-                f"a shared host needs cores >= 1, seconds_per_token, seconds_per_handoff and "
-                f"worker_seconds_per_token >= 0 and front_door_threads >= 1, not "
-                f"{self.cores}, {seconds} and {self.front_door_threads}"
+                f"a shared host needs cores >= 1, seconds_per_token, seconds_per_handoff, "
+                f"worker_seconds_per_token, worker_seconds_per_batch and seconds_per_batch >= 0 "
+                f"and front_door_threads >= 1, not {self.cores}, {seconds} and "
+                f"{self.front_door_threads}"
             )
 
 

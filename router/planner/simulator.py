@@ -23,8 +23,8 @@ first token also takes ``path_overhead_s`` (the gateway's and router's hops).
 On a CPU machine (``host``) the workers have no device of their own: their steps and the
 host's other work share its cores (router/planner/shared_host.py): a step takes longer while
 more threads want to run than there are cores. After each step the worker's own process makes
-its outputs (CPU time per token, before its next step: its threads share one interpreter
-lock); then the streaming of each token to its client runs on the front door's threads, and a
+its outputs (CPU time per step's batch and per token, before its next step: its threads share
+one interpreter lock); then the front door receives the batch and streams each token to its client runs on the front door's threads, and a
 token reaches its client once its streaming is done; each hand-off's copies and calls run in the
 prefill worker's process after the outputs of the step that finished its prompt, and the KV
 moves once they are done. Elsewhere each worker computes on its own devices, a step takes
@@ -315,10 +315,14 @@ class Simulation:
                 delivered()
             self._after_step(worker, handed)
             return
-        # on a shared host the worker's process makes the step's outputs first
+        # on a shared host the worker's process makes the step's outputs first (one batch)
+        share = self._host.share
         made = functools.partial(self._outputs_made, worker, deliveries, handed)
         num_tokens = sum(n for n, _ in deliveries)
-        self._in_worker(worker, num_tokens * self._host.share.worker_seconds_per_token, made)
+        seconds = num_tokens * share.worker_seconds_per_token
+        if deliveries:
+            seconds += share.worker_seconds_per_batch
+        self._in_worker(worker, seconds, made)
 
     def _outputs_made(
         self,
@@ -331,7 +335,10 @@ class Simulation:
         run in the process."""
         assert self._host is not None
         share = self._host.share
-        self._host.stream([(n * share.seconds_per_token, d) for n, d in deliveries])
+        streamed = [(n * share.seconds_per_token, d) for n, d in deliveries]
+        if streamed:  # the batch is received before any of its tokens streams
+            streamed[0] = (streamed[0][0] + share.seconds_per_batch, streamed[0][1])
+        self._host.stream(streamed)
         after = functools.partial(self._after_step, worker, handed)
         self._in_worker(worker, len(handed) * share.seconds_per_handoff, after)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.plan_accuracy import HostCPU, _measure_host, compare, table
+from bench.plan_accuracy import HostCPU, _measure_host, compare, per_batch_and_token, table
 from bench.plan_accuracy import main as plan_accuracy_main
 from bench.rebalance import PhaseOutcome, overall_goodput, phase_outcome
 from bench.rebalance import table as phases_table
@@ -154,3 +154,59 @@ def test_a_disaggregated_capacity_run_measures_each_kind_of_steps_cpu_on_the_bus
     )
     # nothing profiled (a profile without a measured fit): no factor
     assert replace(cpu, profiled_steps_s={}).step_cpu_factor("prefill") == 1.0
+
+
+def test_a_colocated_layout_measures_the_hosts_work_per_batch_and_per_token() -> None:
+    """A request at a time, 1000 steps each sampling one token, against the capacity run's
+    2000 steps of 10 000 tokens: outside the workers' processes 1.5 s and 5 s (1 ms a batch,
+    0.3 ms a token), beyond the workers' steps 0.6 s and 2 s (0.5 ms, 0.1 ms). From the
+    capacity run alone, all of it per token; a prefill worker's outputs per batch and per
+    token leave its hand-offs."""
+
+    def run(steps: float, tokens: int, front_door_s: float, beyond_s: float) -> HostCPU:
+        return HostCPU(
+            busy_s=front_door_s + beyond_s + 10.0, processes_s={"decode": beyond_s + 10.0},
+            steps_s={"decode": 10.0}, steps_wall_s={}, simulated_steps_s={},
+            num_steps={"decode": (steps, 0)}, profiled_steps_s={}, num_tokens=tokens,
+            num_requests=10,
+        )  # fmt: skip
+
+    few, capacity = run(1000, 1000, 1.3, 0.6), run(2000, 10_000, 5.0, 2.0)
+    hardware = Hardware("box", 1e11, 1e10, 8e9, 1e10)
+    assert _measure_host(Layout(0, 1, 2, 1), capacity, hardware, few) == pytest.approx(
+        {
+            "host_seconds_per_batch": 1e-3,
+            "host_seconds_per_token": 3e-4,
+            "host_worker_seconds_per_batch": 5e-4,
+            "host_worker_seconds_per_token": 1e-4,
+        }
+    )
+    assert _measure_host(Layout(0, 1, 2, 1), capacity, hardware) == pytest.approx(
+        {
+            "host_seconds_per_batch": 0.0,
+            "host_seconds_per_token": 5e-4,
+            "host_worker_seconds_per_batch": 0.0,
+            "host_worker_seconds_per_token": 2e-4,
+        }
+    )
+    # a fit below 0 for either is that one at 0 and the other fitted alone
+    assert per_batch_and_token([(1000, 1000, 1.0), (2000, 10_000, 1.0)]) == pytest.approx(
+        (6e-4, 0.0)
+    )
+    assert per_batch_and_token([(1000, 1000, 1.0), (1000, 10_000, 10.0)]) == pytest.approx(
+        (0.0, 1e-3)
+    )
+    assert per_batch_and_token([]) == (0.0, 0.0)
+    disaggregated = replace(
+        capacity,
+        processes_s={"prefill": 3.0, "decode": 12.0},
+        steps_s={"prefill": 2.0, "decode": 10.0},
+        num_steps={"prefill": (100, 0), "decode": (2000, 0)},
+    )
+    measured = _measure_host(
+        Layout(1, 1, 1, 1),
+        disaggregated,
+        replace(hardware, host_worker_seconds_per_token=1e-4, host_worker_seconds_per_batch=5e-4),
+    )
+    # beyond the prefill worker's steps 1 s, less 10 first tokens and 100 batches: 0.949 s
+    assert measured["host_seconds_per_handoff"] == pytest.approx((1.0 - 10e-4 - 0.05) / 10)

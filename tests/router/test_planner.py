@@ -227,21 +227,59 @@ def test_on_a_shared_host_a_worker_makes_its_outputs_before_its_next_step() -> N
     assert run.last_token_s == pytest.approx(0.053 + 0.0101 + 0.003 + 0.001)
 
 
+def test_on_a_shared_host_each_steps_batch_of_outputs_costs_beside_its_tokens() -> None:
+    """A step's outputs leave as one batch: 2 ms of the worker's process a batch and 1 ms a
+    token before its next step, then 4 ms of the front door's receipt a batch and 1 ms a
+    token, on two cores (each alone). Two prompts of 100 tokens at once: the first prefills
+    alone (20 ms), its batch of one token is made by 23 ms and streamed by 28 ms. The next
+    step prefills the second and decodes the first (20.1 ms, to 43.1 ms); its batch of two
+    tokens is made in 2 + 2 ms (47.1 ms) and received in 4 ms, the first's token streamed
+    1 ms later (52.1 ms), the second's 1 ms after that (53.1 ms). With the same CPU time for
+    a batch of one token all of it per token (3 ms in the worker, 5 ms streaming), the batch
+    of two costs 6 ms to make and 10 ms to stream: the second's first token at 59.1 ms."""
+    batched = HostShare(
+        2,
+        seconds_per_token=0.001,
+        worker_seconds_per_token=0.001,
+        worker_seconds_per_batch=0.002,
+        seconds_per_batch=0.004,
+    )
+    cluster = ClusterShape(_linear(0.010, 1e-4), host=batched)
+    prompts = [
+        WorkloadRequest(0.0, tuple(range(100)), 2),
+        WorkloadRequest(0.0, tuple(range(200, 300)), 2),
+    ]
+    first, second = Simulation(cluster, prompts).run()
+    assert (first.ttft_s, first.last_token_s, second.ttft_s) == pytest.approx(
+        (0.028, 0.0521, 0.0531)
+    )
+    per_token = HostShare(2, seconds_per_token=0.005, worker_seconds_per_token=0.003)
+    first, second = Simulation(replace(cluster, host=per_token), prompts).run()
+    assert (first.ttft_s, first.last_token_s, second.ttft_s) == pytest.approx(
+        (0.028, 0.0541, 0.0591)
+    )
+    with pytest.raises(ValueError, match="seconds_per_batch >= 0"):
+        HostShare(2, seconds_per_batch=-1.0)
+    with pytest.raises(ValueError, match="host_worker_seconds_per_batch and host_seconds_per_b"):
+        Hardware("box", 1e14, 1e12, 80e9, 1e10, host_worker_seconds_per_batch=-1e-4)
+
+
 def test_a_cpu_profile_makes_the_planners_workers_share_its_cores(llama_8b: Path) -> None:
     costs = ModelCosts.load(llama_8b)
     box = Hardware(
         "box", 1e14, 1e12, 80e9, 1e10, host_cores=8, host_seconds_per_token=2e-4,
         host_seconds_per_handoff=3e-3, host_front_door_threads=2,
-        host_worker_seconds_per_token=1e-4,
+        host_worker_seconds_per_token=1e-4, host_worker_seconds_per_batch=5e-4,
+        host_seconds_per_batch=6e-4,
     )  # fmt: skip
     planner = Planner(costs, replace(box, worker_threads=2))
     cluster = planner.cluster(Layout(1, 2, 1, 1))
-    assert cluster.host == HostShare(8, 2e-4, 3e-3, 2, worker_seconds_per_token=1e-4)
+    assert cluster.host == HostShare(8, 2e-4, 3e-3, 2, 1e-4, 5e-4, 6e-4)
     assert cluster.decode.threads == 2 and cluster.prefill is not None
     assert cluster.prefill.threads == 4  # TP 2: two ranks of two threads
     assert Planner(costs, PRESETS["h100"]).cluster(Layout(1, 1, 1, 1)).host is None
     assert Hardware.from_json(json.loads(json.dumps(box.to_json()))) == box
-    with pytest.raises(ValueError, match="host_worker_seconds_per_token must be >= 0"):
+    with pytest.raises(ValueError, match="host_worker_seconds_per_token, host_worker_seconds_"):
         Hardware("box", 1e14, 1e12, 80e9, 1e10, host_worker_seconds_per_token=-1e-4)
     with pytest.raises(ValueError, match="host_front_door_threads >= 1"):
         Hardware("box", 1e14, 1e12, 80e9, 1e10, host_front_door_threads=0)
@@ -412,7 +450,8 @@ def test_pdserve_plan_prints_the_choice_and_writes_its_files(
     box = Hardware(
         "box", 6e14, 3e12, 80e9, 1e10, host_cores=2, host_seconds_per_token=4e-4,
         host_seconds_per_handoff=9e-3, host_front_door_threads=2,
-        host_worker_seconds_per_token=1.5e-4,
+        host_worker_seconds_per_token=1.5e-4, host_seconds_per_batch=6e-4,
+        host_worker_seconds_per_batch=5e-4,
     )  # fmt: skip
     profile = box.save(tmp_path / "box.json")
     flags = [
@@ -428,8 +467,8 @@ def test_pdserve_plan_prints_the_choice_and_writes_its_files(
     assert main(["plan", "--model", str(llama_8b), "--hardware", str(profile), *flags]) == 0
     assert (
         "the workers share this host's 2 cores (1 thread(s) a worker rank); its other work: "
-        "0.40 ms a streamed token and 9.0 ms a hand-off, on 2 thread(s), and 0.15 ms a token "
-        "in its worker"
+        "0.40 ms a streamed token, 0.60 ms a batch of outputs and 9.0 ms a hand-off, on 2 "
+        "thread(s), and 0.15 ms a token and 0.50 ms a batch in its worker"
     ) in capsys.readouterr().out
 
 

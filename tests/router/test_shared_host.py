@@ -115,9 +115,9 @@ def test_a_worker_runs_one_step_at_a_time_and_bad_shares_are_refused() -> None:
         host.start("a", 1.0, 1, _ends(clock, ended, "a"))
     with pytest.raises(ValueError, match="cores >= 1"):
         HostShare(0)
-    with pytest.raises(ValueError, match="seconds_per_handoff and worker_seconds_per_token >= 0"):
+    with pytest.raises(ValueError, match="worker_seconds_per_batch and seconds_per_batch >= 0"):
         HostShare(2, -1.0)
-    with pytest.raises(ValueError, match="seconds_per_handoff and worker_seconds_per_token >= 0"):
+    with pytest.raises(ValueError, match="worker_seconds_per_batch and seconds_per_batch >= 0"):
         HostShare(2, seconds_per_handoff=-1.0)
     with pytest.raises(ValueError, match="front_door_threads >= 1"):
         HostShare(2, front_door_threads=0)
