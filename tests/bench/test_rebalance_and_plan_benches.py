@@ -158,7 +158,7 @@ def test_a_disaggregated_capacity_run_measures_each_kind_of_steps_cpu_on_the_bus
 
 def test_a_colocated_layout_measures_the_hosts_work_per_batch_and_per_token() -> None:
     """A request at a time, 1000 steps each sampling one token, against the capacity run's
-    2000 steps of 10 000 tokens: outside the workers' processes 1.5 s and 5 s (1 ms a batch,
+    2000 steps of 10 000 tokens: outside the workers' processes 1.3 s and 5 s (1 ms a batch,
     0.3 ms a token), beyond the workers' steps 0.6 s and 2 s (0.5 ms, 0.1 ms). From the
     capacity run alone, all of it per token; a prefill worker's outputs per batch and per
     token leave its hand-offs."""
