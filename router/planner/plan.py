@@ -71,6 +71,10 @@ class LayoutResult:
     goodput: float  # of the offered requests per second, those meeting both SLOs
     ttft_s: dict[str, float]  # p50, p90, p99
     tpot_s: dict[str, float]
+    # kv_aware, disaggregated: the share of requests prefilled by their decode worker (whose
+    # cache held their prefix), and of those whose prefill worker fetched a prefix from one
+    local_prefill_share: float = 0.0
+    fetch_share: float = 0.0
 
     def meets(self, slo: Slo) -> bool:
         return self.attainment >= slo.attainment
@@ -129,6 +133,7 @@ class Planner:
             self.hardware.path_overhead_s,
             self.router_policy,
             self._host(),
+            prefix_fetch=layout.prefill_tp == 1 and layout.decode_tp == 1,
         )
 
     def _host(self) -> HostShare | None:
@@ -163,7 +168,8 @@ class Planner:
             for r in requests
             if len(r.prompt_token_ids) + r.output_len <= self.model.max_model_len
         ]
-        simulated = Simulation(self.cluster(layout), capped).run()
+        simulation = Simulation(self.cluster(layout), capped)
+        simulated = simulation.run()
         attainment = sum(slo.met_by(s) for s in simulated) / len(simulated)
         return LayoutResult(
             layout,
@@ -172,6 +178,8 @@ class Planner:
             attainment * workload.rate,
             _percentiles([s.ttft_s for s in simulated]),
             _percentiles([s.tpot_s for s in simulated]),
+            simulation.num_local_prefills / len(simulated),
+            simulation.num_fetches / len(simulated),
         )
 
     def choose(

@@ -12,13 +12,18 @@ loads and, for kv_aware, a KV index that follows the workers' prefix caches (the
 applied before every decision: the real router's view lags by a report interval at most):
 least_loaded sends a prompt to the prefill worker (colocated: the decode worker) with the fewest
 queued prompt tokens, its decode worker the one of lowest KV usage; kv_aware weighs each
-worker's cached prefix of the prompt against its queue (its reuse of a decode worker's cache,
-by local prefill or fetch, is not simulated).
+worker's cached prefix of the prompt against its queue and, disaggregated, the decode workers'
+caches too (``KVAware.choose_reuse``, as router/placements.py asks it): a decode worker holding
+a prefix of the prompt prefills the rest itself (a local prefill: no hand-off), or a prefill
+worker first copies the prefix from it (a fetch, ``transfer_seconds`` for the blocks it lacks;
+best effort, as the worker's: what does not fit or is no longer cached is computed) and hands
+back only what that decode worker does not hold.
 
 In a disaggregated layout a prompt's first token leaves the prefill worker with the step that
-samples it; its KV then moves to the decode worker once that worker has blocks for it,
-taking ``transfer_seconds`` for its blocks, and the decode worker continues it. Every request's
-first token also takes ``path_overhead_s`` (the gateway's and router's hops).
+samples it; its KV then moves to the decode worker once that worker has blocks for it, taking
+``transfer_seconds`` for its blocks less the prefix the decode worker's own cache holds (shared,
+as a decode worker reserves them), and the decode worker continues it. Every request's first
+token also takes ``path_overhead_s`` (the gateway's and router's hops).
 
 On a CPU machine (``host``) the workers have no device of their own: their steps and the
 host's other work share its cores (router/planner/shared_host.py): a step takes longer while
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.kv_events import KVEventRecorder
+from engine.kv_cache.prefix_hash import BlockHash, num_servable_blocks, servable_block_hashes
 from engine.messages import WorkerLoad
 from engine.messages.kv_events import KVCacheSnapshot, KVEventBatch, KVEventsReply
 from engine.sampling.params import SamplingParams
@@ -94,6 +100,9 @@ class ClusterShape:
     path_overhead_s: float = 0.0
     router_policy: str = "kv_aware"
     host: HostShare | None = None  # the cores the workers share (a CPU machine); None: devices
+    # kv_aware may have a prefill worker copy a prefix from a decode worker (the router's
+    # rule: between workers of one rank each)
+    prefix_fetch: bool = True
 
     def __post_init__(self) -> None:
         if self.router_policy not in ROUTER_POLICIES:
@@ -141,6 +150,13 @@ class StepTotals:
     wall_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Route:
+    prompt: _Worker  # prefills the prompt: its decode worker, or a prefill worker
+    decode: _Worker
+    fetch_blocks: int = 0  # the prompt's first blocks the prefill worker copies from ``decode``
+
+
 @dataclass(slots=True)
 class _Worker:
     name: str
@@ -175,12 +191,24 @@ class Simulation:
         self._of_seq: dict[int, SimulatedRequest] = {}
         self._decode_of: dict[int, _Worker] = {}  # prefill seq id -> its decode worker
         self._prefill_of: dict[int, _Worker] = {}  # handed-off seq id -> its prefill worker
+        # prefill seq id -> the blocks a fetch holds in its prefill worker's cache until it ends
+        self._fetched_holds: dict[int, list[int]] = {}
+        # kv_aware's reuse of the decode workers' caches: prompts prefilled by their decode
+        # worker ("cached"), prompts whose prefill worker fetched a prefix, blocks fetched
+        self.num_local_prefills = 0
+        self.num_fetches = 0
+        self.num_fetched_blocks = 0
         self._index = KVIndex()
         self._host = (
             None if cluster.host is None else SharedHost(cluster.host, lambda: self.now, self._at)
         )
         self._policy: RoutingPolicy = (
-            KVAware(cluster.block_size, self._index, colocated=not self.prefill, fetch=False)
+            KVAware(
+                cluster.block_size,
+                self._index,
+                colocated=not self.prefill,
+                fetch=cluster.prefix_fetch,
+            )
             if cluster.router_policy == "kv_aware"
             else LeastLoaded()
         )
@@ -224,35 +252,88 @@ class Simulation:
     def _arrive(self, simulated: SimulatedRequest) -> None:
         request = simulated.request
         seq_id = next(self._seq_ids)
-        prompt_worker, decode = self._route(RoutingInfo(f"r{seq_id}", request.prompt_token_ids))
+        route = self._route(RoutingInfo(f"r{seq_id}", request.prompt_token_ids))
         params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+        handed_off = route.prompt is not route.decode
         seq = EngineSequence(
             seq_id,
             f"r{seq_id}",
             list(request.prompt_token_ids),
             params,
             len(request.prompt_token_ids) + request.output_len,
-            prefill_only=bool(self.prefill),
+            prefill_only=handed_off,
             arrival=seq_id,
         )
         self._of_seq[seq_id] = simulated
-        if self.prefill:
-            self._decode_of[seq_id] = decode
-        prompt_worker.scheduler.check_fits(seq)
-        prompt_worker.scheduler.add(seq)
-        self._kick(prompt_worker)
+        if handed_off:
+            self._decode_of[seq_id] = route.decode
+        route.prompt.scheduler.check_fits(seq)
+        if route.fetch_blocks:
+            self._fetch(route, seq)
+        else:
+            self._queue(route.prompt, seq)
 
-    def _route(self, routing: RoutingInfo) -> tuple[_Worker, _Worker]:
-        """(the worker that prefills the prompt, the one that decodes it), as the router's
-        policy places it on the workers as they are now."""
+    def _queue(self, worker: _Worker, seq: EngineSequence) -> None:
+        worker.scheduler.add(seq)
+        self._kick(worker)
+
+    def _route(self, routing: RoutingInfo) -> _Route:
+        """Where the prompt is prefilled and decoded, as the router's policy places it on the
+        workers as they are now (router/placements.py)."""
         self._publish_kv_events()
         workers = {w.name: w for w in (*self.prefill, *self.decode)}
         decode_loads = [_load(w) for w in self.decode]
         if not self.prefill:  # colocated: the decode worker prefills
             chosen = workers[self._policy.choose_decode(routing, decode_loads)]
-            return chosen, chosen
-        prefill = workers[self._policy.choose_prefill(routing, [_load(w) for w in self.prefill])]
-        return prefill, workers[self._policy.choose_decode(routing, decode_loads)]
+            return _Route(chosen, chosen)
+        decode = workers[self._policy.choose_decode(routing, decode_loads)]
+        prefill_loads = [_load(w) for w in self.prefill]
+        if isinstance(self._policy, KVAware):
+            reuse = self._policy.choose_reuse(routing, prefill_loads, decode_loads)
+            if reuse is not None:
+                holder = workers[reuse.decode_worker_id]
+                if reuse.prefill_worker_id is None:
+                    self.num_local_prefills += 1
+                    return _Route(holder, holder)
+                return _Route(workers[reuse.prefill_worker_id], holder, reuse.fetch_blocks)
+        return _Route(workers[self._policy.choose_prefill(routing, prefill_loads)], decode)
+
+    def _fetch(self, route: _Route, seq: EngineSequence) -> None:
+        """The prefill worker copies the prompt's first ``route.fetch_blocks`` blocks from the
+        decode worker caching them (those its own cache lacks, of the leading run the decode
+        worker still holds), then queues the prompt, its prefix held in its cache until the
+        hand-off (prefill_worker/prefix_fetch.py)."""
+        hashes = servable_block_hashes(seq.prompt_token_ids, self.cluster.block_size, None)
+        hashes = hashes[: route.fetch_blocks]
+        manager = route.prompt.scheduler.block_manager
+        held = manager.share_cached_prefix(hashes)
+        lent = route.decode.scheduler.block_manager.share_cached_prefix(hashes)
+        fresh = manager.take_fresh(max(0, len(lent) - len(held)))
+        if not fresh:  # nothing to copy, or no room for it: the prompt computes the rest
+            route.decode.scheduler.block_manager.release(lent)
+            self._fetched_holds[seq.seq_id] = held
+            self._queue(route.prompt, seq)
+            return
+        self.num_fetches += 1
+        self.num_fetched_blocks += len(fresh)
+        done = functools.partial(self._fetched, route, seq, hashes, held, lent, fresh)
+        self._at(self.now + self.cluster.transfer_seconds(len(fresh)), done)
+
+    def _fetched(
+        self,
+        route: _Route,
+        seq: EngineSequence,
+        hashes: list[BlockHash],
+        held: list[int],
+        lent: list[int],
+        fresh: list[int],
+    ) -> None:
+        route.decode.scheduler.block_manager.release(lent)
+        route.prompt.scheduler.block_manager.register_received(
+            fresh, hashes[len(held) : len(held) + len(fresh)]
+        )
+        self._fetched_holds[seq.seq_id] = held + fresh
+        self._queue(route.prompt, seq)
 
     def _publish_kv_events(self) -> None:
         """The workers' prefix-cache events since the last decision, into kv_aware's index."""
@@ -380,16 +461,20 @@ class Simulation:
         manager = decode.scheduler.block_manager
         while decode.handoffs:
             seq = decode.handoffs[0]
-            blocks = manager.reserve(seq.num_prompt_tokens)
+            num_servable = num_servable_blocks(seq.num_prompt_tokens, self.cluster.block_size)
+            shared = manager.share_cached_prefix(seq.block_hashes[:num_servable])
+            blocks = manager.reserve(seq.num_prompt_tokens, shared)
             if blocks is None:
+                manager.release(shared)
                 return
             decode.handoffs.popleft()
-            seconds = self.cluster.transfer_seconds(len(blocks))
+            seconds = self.cluster.transfer_seconds(len(blocks) - len(shared))
             self._at(self.now + seconds, functools.partial(self._received, decode, seq, blocks))
 
     def _received(self, decode: _Worker, handed: EngineSequence, blocks: list[int]) -> None:
         prefill = self._prefill_of.pop(handed.seq_id)
         prefill.scheduler.release(handed)  # the prefill worker's lease ends
+        prefill.scheduler.block_manager.release(self._fetched_holds.pop(handed.seq_id, []))
         self._kick(prefill)
         simulated = self._of_seq.pop(handed.seq_id)
         if simulated.done:  # one output token: nothing to decode

@@ -1,0 +1,117 @@
+"""The planner's simulation of decode workers' caches as the cluster uses them: a hand-off
+shares the prefix the decode worker holds (only the rest moves), and kv_aware sends a prompt
+whose prefix a decode worker holds to be prefilled there (a local prefill) or has a prefill
+worker copy that prefix first (a fetch), as router/placements.py asks ``choose_reuse``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from router.latency_model import StepShape
+from router.planner.hardware import PRESETS
+from router.planner.model_costs import ModelCosts
+from router.planner.plan import Layout, Planner
+from router.planner.simulator import ClusterShape, Simulation, WorkerShape, WorkloadRequest
+from tests.router.test_planner import LLAMA_3_8B
+
+CONVERSATION = tuple(range(1000, 1160))  # a first turn: 10 blocks of 16
+REPLY = (7,) * 40  # every simulated token is 7: the first turn's reply, as the next turn holds it
+
+
+def _linear(seconds_per_step: float, per_token: float) -> WorkerShape:
+    def step(shape: StepShape) -> float:
+        return seconds_per_step + per_token * (shape.num_prefill_tokens + shape.num_decode_tokens)
+
+    return WorkerShape(1, step, num_kv_blocks=1000, max_num_batched_tokens=256)
+
+
+def _cluster(moved: list[int], **fields: object) -> ClusterShape:
+    """1P1D, 10 ms a step + 0.1 ms a token, a hand-off or fetch 1 ms a block (noted in
+    ``moved``)."""
+
+    def transfer(num_blocks: int) -> float:
+        moved.append(num_blocks)
+        return 0.001 * num_blocks
+
+    return ClusterShape(
+        _linear(0.010, 1e-4), prefill=_linear(0.010, 1e-4), transfer_seconds=transfer, **fields
+    )  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "kv_aware"])
+def test_a_hand_off_moves_only_what_the_decode_workers_cache_lacks(policy: str) -> None:
+    """Two prompts of 100 tokens (7 blocks) sharing their first 64 (4 blocks): the second's
+    hand-off shares those 4 in the decode worker's cache and moves 3; its prefill worker
+    computes only its last 36 tokens (13.6 ms)."""
+    moved: list[int] = []
+    prompts = [
+        WorkloadRequest(0.0, tuple(range(64)) + tuple(range(100, 136)), 2),
+        WorkloadRequest(0.2, tuple(range(64)) + tuple(range(200, 236)), 2),
+    ]
+    first, second = Simulation(_cluster(moved, router_policy=policy), prompts).run()
+    assert moved == [7, 3]
+    assert second.ttft_s == pytest.approx(0.0136)
+    # the decode step waits for the 3 blocks (3 ms) only
+    assert second.last_token_s == pytest.approx(0.2 + 0.0136 + 0.003 + 0.0101)
+    assert first.done and second.done
+
+
+def test_kv_aware_prefills_a_conversations_next_turn_on_the_decode_worker_holding_it() -> None:
+    """The first turn (160 tokens, 40 out) is prefilled by the prefill worker and decoded by
+    the decode worker, whose cache then holds it and its reply (12 full blocks). The next turn
+    (the first, its reply and 20 new tokens: 220) costs the decode worker 28 tokens to compute
+    and the prefill worker, holding the first turn only, 60: kv_aware prefills it on the decode
+    worker (12.8 ms, no hand-off); least_loaded sends it to the prefill worker (16 ms) and
+    hands 2 blocks back."""
+    next_turn = CONVERSATION + REPLY + tuple(range(2000, 2020))
+    prompts = [WorkloadRequest(0.0, CONVERSATION, 40), WorkloadRequest(1.0, next_turn, 2)]
+    moved: list[int] = []
+    simulation = Simulation(_cluster(moved), prompts)
+    _, turn = simulation.run()
+    assert (simulation.num_local_prefills, simulation.num_fetches) == (1, 0)
+    assert moved == [10]
+    assert turn.ttft_s == pytest.approx(0.0128)
+    moved.clear()
+    pooled = Simulation(_cluster(moved, router_policy="least_loaded"), prompts)
+    _, turn = pooled.run()
+    assert (pooled.num_local_prefills, moved) == (0, [10, 2])
+    assert turn.ttft_s == pytest.approx(0.016)
+
+
+def test_kv_aware_has_a_prefill_worker_fetch_the_prefix_when_the_decode_worker_is_busy() -> None:
+    """Another next turn of 600 new tokens, prefilled on the decode worker (256 tokens a step),
+    leaves most of it queued there when the 20-token turn arrives: the prefill worker copies
+    the reply's 2 blocks from the decode worker (2 ms), computes the 28 tokens left (12.8 ms)
+    and hands 2 blocks back. Without fetches (a pool of TP > 1) it computes 60 (16 ms)."""
+    busy_turn = CONVERSATION + REPLY + tuple(range(3000, 3600))
+    short_turn = CONVERSATION + REPLY + tuple(range(2000, 2020))
+    prompts = [
+        WorkloadRequest(0.0, CONVERSATION, 40),
+        WorkloadRequest(1.0, busy_turn, 2),
+        WorkloadRequest(1.001, short_turn, 2),
+    ]
+    moved: list[int] = []
+    simulation = Simulation(_cluster(moved), prompts)
+    _, busy, short = simulation.run()
+    assert (simulation.num_local_prefills, simulation.num_fetches) == (1, 1)
+    assert simulation.num_fetched_blocks == 2
+    assert moved == [10, 2, 2]  # the first turn's hand-off, the fetch, the hand-off back
+    assert short.ttft_s == pytest.approx(0.002 + 0.0128)
+    assert busy.done and short.done
+    moved.clear()
+    no_fetch = Simulation(_cluster(moved, prefix_fetch=False), prompts)
+    _, _, short = no_fetch.run()
+    assert (no_fetch.num_local_prefills, no_fetch.num_fetches, moved) == (1, 0, [10, 2])
+    assert short.ttft_s == pytest.approx(0.016)
+
+
+def test_the_planner_fetches_only_between_workers_of_one_rank(tmp_path: Path) -> None:
+    """As the router: kv_aware's fetch needs a prefill and a decode worker of TP 1."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    planner = Planner(ModelCosts.load(tmp_path), PRESETS["h100"])
+    assert planner.cluster(Layout(1, 1, 1, 1)).prefix_fetch
+    assert not planner.cluster(Layout(1, 2, 1, 1)).prefix_fetch
+    assert not planner.cluster(Layout(1, 1, 1, 2)).prefix_fetch
