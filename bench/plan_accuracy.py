@@ -2,7 +2,7 @@
 prediction error per layout and rate, in a table).
 
     .venv/bin/python -m bench.plan_accuracy [--layouts colocated2,1p1d] [--loads 0.5,1.0,1.5]
-        [--model-size tiny|small|medium]
+        [--model-size tiny|small|medium] [--workload chat-like|shared-prefix]
 
 Steps: ``pdserve profile`` measures this machine on the model (a tiny random Llama without
 ``--model``); then, for each layout, ``pdserve serve`` runs it, a closed loop measures its
@@ -34,6 +34,13 @@ the prediction moves with this machine's speed, which varies from run to run by 
 that). ``--resimulate DIR`` predicts a finished run's points again with the planner as it is
 now, measuring nothing.
 
+``--workload shared-prefix``: the points' requests start with one of ``--num-prefixes``
+system prompts of ``--prefix-len`` tokens (the machine is still measured on chat-like ones,
+the capacity on these); the simulation gives the requests of one system prompt the same first
+tokens, and a third table sets kv_aware's reuse of the decode workers' caches, served (the
+router's ``pdserve:local_prefills_total`` and ``pdserve:routed_prefix_fetches_total``) beside
+simulated: prompts prefilled on their decode worker, and prefixes fetched from one.
+
 Where each point's first tokens spent their time, served and predicted, is a second table
 (bench/ttft_phases.py: wait, prompt, after; served from ``--first-token-trace``, which the
 bench turns on). And each capacity run's ``HostCPU`` (printed, and in the JSON) sets the
@@ -47,8 +54,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import statistics
 import subprocess
 import sys
@@ -57,14 +62,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.plan_host_cpu import HostCPU, busy_cpu_seconds, host_cpu, measure_host
+from bench.plan_replay import Prompts, replay, replay_prompts
 from bench.results_json import write_json
 from bench.serving.arrivals import ArrivalSpec
 from bench.serving.client import EndpointConfig
 from bench.serving.metrics import SLO, RequestRecord
-from bench.serving.runner import BenchConfig, BenchResult, run_benchmark
+from bench.serving.runner import BenchConfig, BenchResult, load_codec, run_benchmark
+from bench.serving.server_metrics import ServerCounters
 from bench.serving.servers import RunningServer, cores_per_worker, pdserve_server
 from bench.serving.tiny_model import MODEL_SIZES, add_model_args, build_tiny_llama
-from bench.serving.workloads import WorkloadSpec
+from bench.serving.workloads import WorkloadSpec, build_requests
 from bench.ttft_phases import (
     Phases,
     percentiles_ms,
@@ -74,11 +82,10 @@ from bench.ttft_phases import (
     simulated_phases,
     traces_since,
 )
-from router.latency_model import StepShape
 from router.planner.hardware import Hardware
 from router.planner.model_costs import ModelCosts
 from router.planner.plan import Layout, Planner, Slo
-from router.planner.simulator import SimulatedRequest, Simulation, WorkloadRequest
+from router.planner.simulator import SimulatedRequest
 
 SERVED_NAME = "pdserve-demo"
 MODEL_POSITIONS = 2048
@@ -87,10 +94,8 @@ LAYOUTS = {"colocated2": Layout(0, 1, 2, 1), "1p1d": Layout(1, 1, 1, 1)}
 # the sensitivity shown beside each prediction: step and host times this much longer, and
 # shorter (this machine's capacity varies more than that from one run to the next)
 SPEED_BAND = 0.1
-STEPS_CPU = "pdserve:worker_step_thread_cpu_seconds_total"
-PROCESS_CPU = "pdserve:worker_process_cpu_seconds_total"
-STEPS_WALL = "pdserve:worker_step_seconds_total"
-STEPS = "pdserve:worker_steps_total"
+LOCAL_PREFILLS = "pdserve:local_prefills_total"
+FETCHES = "pdserve:routed_prefix_fetches_total"
 FRONT_DOOR_THREADS = 2  # streaming tokens on this host: the gateway's and the load generator's
 
 
@@ -112,6 +117,10 @@ class Comparison:
     # where the first token's time went (bench/ttft_phases.py); measured: none without traces
     measured_ttft_phases_ms: Phases = field(default_factory=dict)
     predicted_ttft_phases_ms: Phases = field(default_factory=dict)
+    # kv_aware's reuse of decode workers' caches: (local prefills, fetches), served (None:
+    # not counted) and simulated
+    measured_reuse: tuple[float, float] | None = None
+    predicted_reuse: tuple[int, int] = (0, 0)
 
     @property
     def goodput_error(self) -> float | None:
@@ -134,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=256, help="median")
     parser.add_argument("--output-len", type=int, default=64, help="median")
     parser.add_argument("--sigma", type=float, default=0.5, help="of ln(length)")
+    parser.add_argument(
+        "--workload",
+        choices=("chat-like", "shared-prefix"),
+        default="chat-like",
+        help="the points' requests: log-normal lengths, or system prompts shared (then the "
+        "machine is still measured on chat-like ones)",
+    )
+    parser.add_argument("--prefix-len", type=int, default=192, help="shared-prefix's")
+    parser.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix's")
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="per worker")
     parser.add_argument("--cores-per-worker", type=int, default=None, help="default: split")
     parser.add_argument("--slo-ttft-ms", type=float, default=300.0)
@@ -172,7 +190,16 @@ def resimulate(directory: Path) -> int:
                           e2e_s=r["e2e_s"], output_tokens=r["output_tokens"])
             for i, r in enumerate(run["records"])
         )  # fmt: skip
-        comparisons.append(_compared(planner, run["layout"], run["rate"], records, slo))
+        prompts = replay_prompts(
+            records, [r.get("prefix_id") for r in run["records"]], run.get("prefix_len", 0)
+        )
+        reuse = run.get("reuse")
+        comparisons.append(
+            _compared(
+                planner, run["layout"], run["rate"], records, slo, prompts=prompts,
+                measured_reuse=None if reuse is None else (reuse[0], reuse[1]),
+            )
+        )  # fmt: skip
     print(table(comparisons))
     return 0
 
@@ -201,6 +228,45 @@ def _cores(args: argparse.Namespace) -> int:
     return cores_per_worker(2, args.cores_per_worker)
 
 
+@dataclass(frozen=True, slots=True)
+class _Point:
+    """A rate served: its requests, their first tokens' traces, their prompts as simulated
+    and the server's counters over the run."""
+
+    layout: str
+    rate: float
+    records: tuple[RequestRecord, ...]
+    traces: list[dict[str, Any]]
+    prompts: Prompts
+    reuse: tuple[float, float] | None  # the router's local prefills and fetches
+
+
+def _points_workload(args: argparse.Namespace) -> WorkloadSpec:
+    """The points' requests: ``--workload``'s."""
+    if args.workload != "shared-prefix":
+        return _workload(args)
+    return WorkloadSpec(
+        kind="shared-prefix",
+        output_len=args.output_len,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+    )
+
+
+def _prefix_ids(
+    args: argparse.Namespace,
+    model_dir: str,
+    workload: WorkloadSpec,
+    records: tuple[RequestRecord, ...],
+) -> list[int | None] | None:
+    """Each served request's system prompt (the workload's requests built again, as the run
+    built them: same seed); None for a workload without them."""
+    if workload.kind != "shared-prefix":
+        return None
+    built = build_requests(workload, load_codec(model_dir), args.num_prompts, args.seed)
+    return [built[r.index].prefix_id for r in records]
+
+
 def _workload(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(
         kind="chat-like",
@@ -221,11 +287,12 @@ def _bench(
     n: int,
     seed: int,
     server_counters: bool = False,
+    workload: WorkloadSpec | None = None,
 ) -> BenchResult:
     config = BenchConfig(
         endpoint=EndpointConfig(f"http://127.0.0.1:{port}/v1", SERVED_NAME, timeout_s=600),
         tokenizer_dir=model_dir,
-        workload=_workload(args),
+        workload=workload or _workload(args),
         arrivals=arrivals,
         slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
         num_prompts=n,
@@ -237,26 +304,6 @@ def _bench(
     return run_benchmark(config)
 
 
-def _simulation(planner: Planner, layout: Layout, records: tuple[RequestRecord, ...]) -> Simulation:
-    """The planner's simulation of ``layout`` serving the requests as they were sent."""
-    rng = random.Random(0)
-    requests = [
-        WorkloadRequest(
-            r.send_time_s,
-            tuple(rng.randrange(3, 4000) for _ in range(r.prompt_len)),
-            r.output_len,
-        )
-        for r in records
-    ]
-    return Simulation(planner.cluster(layout), requests)
-
-
-def _simulate(
-    planner: Planner, layout: Layout, records: tuple[RequestRecord, ...]
-) -> list[SimulatedRequest]:
-    return _simulation(planner, layout, records).run()
-
-
 def _compared(
     planner: Planner,
     name: str,
@@ -264,17 +311,37 @@ def _compared(
     records: tuple[RequestRecord, ...],
     slo: Slo,
     traces: list[dict[str, Any]] | None = None,
+    prompts: Prompts | None = None,
+    measured_reuse: tuple[float, float] | None = None,
 ) -> Comparison:
-    """One point: its requests as served (and their first tokens' traces) against the
-    planner's predictions of them."""
+    """One point: its requests as served (their first tokens' traces, the router's local
+    prefills and fetches) against the planner's predictions of them."""
     layout = LAYOUTS[name]
-    return compare(
-        name, rate, records, _simulate(planner, layout, records), slo,
-        _simulate(_alone(planner), layout, records),
-        (_simulate(_at_speed(planner, 1 + SPEED_BAND), layout, records),
-         _simulate(_at_speed(planner, 1 - SPEED_BAND), layout, records)),
+    prompts = prompts or replay_prompts(records)
+
+    def simulate(planner: Planner) -> list[SimulatedRequest]:
+        return replay(planner, layout, records, prompts).run()
+
+    simulation = replay(planner, layout, records, prompts)
+    compared = compare(
+        name, rate, records, simulation.run(), slo, simulate(_alone(planner)),
+        (simulate(_at_speed(planner, 1 + SPEED_BAND)),
+         simulate(_at_speed(planner, 1 - SPEED_BAND))),
         traces,
     )  # fmt: skip
+    return replace(
+        compared,
+        measured_reuse=measured_reuse,
+        predicted_reuse=(simulation.num_local_prefills, simulation.num_fetches),
+    )
+
+
+def _served_reuse(counters: ServerCounters | None) -> tuple[float, float] | None:
+    """The router's local prefills and prefix fetches over a run; None: not counted."""
+    totals = {} if counters is None else counters.totals
+    if LOCAL_PREFILLS not in totals:
+        return None
+    return totals[LOCAL_PREFILLS], totals.get(FETCHES, 0.0)
 
 
 def _at_speed(planner: Planner, factor: float) -> Planner:
@@ -304,173 +371,11 @@ def _alone(planner: Planner) -> Planner:
     return replace(planner, hardware=replace(planner.hardware, host_cores=0))
 
 
-def _busy_cpu_seconds() -> float:
-    """The machine's CPU time spent busy so far, all cores (/proc/stat)."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True, slots=True)
-class HostCPU:
-    """Where the machine's CPU went during a run (seconds, all cores together), from its
-    busy time (/proc/stat) and the workers' counters (their processes', their steps')."""
-
-    busy_s: float
-    # the workers' processes by role ("prefill", "decode"), all their threads
-    processes_s: dict[str, float]
-    steps_s: dict[str, float]  # their engine threads in their steps
-    steps_wall_s: dict[str, float]  # those steps' wall time (longer while others ran)
-    # the same requests' steps as the planner has them, by role: (alone, as simulated on
-    # the shared host)
-    simulated_steps_s: dict[str, tuple[float, float]]
-    num_steps: dict[str, tuple[float, int]]  # by role: (served, simulated)
-    # the profile's time for the steps the workers ran: their number (the counters) and what
-    # they computed (the requests' prompts and outputs)
-    profiled_steps_s: dict[str, float]
-    num_tokens: int
-    num_requests: int
-
-    @property
-    def front_door_s(self) -> float:
-        """Everything outside the workers' processes: the gateway, the router, Ray's
-        daemons, the load generator."""
-        return max(0.0, self.busy_s - sum(self.processes_s.values()))
-
-    def step_cpu_factor(self, role: str) -> float:
-        """The role's steps' CPU time over the profile's time for the same steps (1.0 when
-        either is unknown)."""
-        served, profiled = self.steps_s.get(role, 0.0), self.profiled_steps_s.get(role, 0.0)
-        return served / profiled if served > 0 and profiled > 0 else 1.0
-
-    def num_batches(self, role: str) -> float:
-        """The role's workers' steps as served (each sends its outputs as one batch)."""
-        return self.num_steps.get(role, (0.0, 0))[0]
-
-    def beyond_steps_s(self, role: str) -> float:
-        """The role's workers' processes besides their steps: their outputs made and streamed
-        out, hand-offs, calls."""
-        return max(0.0, self.processes_s.get(role, 0.0) - self.steps_s.get(role, 0.0))
-
-
-def _host_cpu(planner: Planner, layout: Layout, result: BenchResult, busy_s: float) -> HostCPU:
-    counters = result.server_counters
-    if counters is None or not any(name == PROCESS_CPU for name, _ in counters.role_totals):
-        raise SystemExit(f"the server's /metrics has no {PROCESS_CPU}: a pdserve before it?")
-    simulation = _simulation(planner, layout, result.records)
-    simulation.run()
-    simulated = simulation.steps_by_role()
-    by_role = counters.role_totals
-
-    def of(counter: str) -> dict[str, float]:
-        return {role: value for (name, role), value in by_role.items() if name == counter}
-
-    steps = of(STEPS)
-    return HostCPU(
-        busy_s, of(PROCESS_CPU), of(STEPS_CPU), of(STEPS_WALL),
-        {role: (t.alone_s, t.wall_s) for role, t in simulated.items()},
-        {role: (steps.get(role, 0.0), t.num_steps) for role, t in simulated.items()},
-        _profiled(planner, layout, steps, result.records),
-        sum(r.output_tokens for r in result.records), len(result.records),
-    )  # fmt: skip
-
-
-def _profiled(
-    planner: Planner,
-    layout: Layout,
-    num_steps: dict[str, float],
-    records: tuple[RequestRecord, ...],
-) -> dict[str, float]:
-    """The profile's time for the steps each role's workers ran: ``num_steps`` of them, which
-    computed every prompt (its attention pairs whatever its chunks: p (p + 1) / 2) and every
-    decode row after the first token (each reading the KV before it). The step time being
-    linear in what a step computes, the sum is exact (but for the counters, which come with
-    the workers' load reports every half second: a few steps either side of the run)."""
-    cost = planner.hardware.measured
-    if cost is None:
-        return {}
-    prompts = [r.prompt_len for r in records]
-    rows = [(r.prompt_len, max(0, r.output_tokens - 1)) for r in records]
-    prompt_tokens, pairs = sum(prompts), sum(p * (p + 1) // 2 for p in prompts)
-    decode_rows = sum(n for _, n in rows)
-    context = sum(n * p + n * (n + 1) // 2 for p, n in rows)
-    shapes = (
-        {
-            "prefill": StepShape(prompt_tokens, pairs),
-            "decode": StepShape(0, 0, decode_rows, context),
-        }
-        if layout.num_prefill
-        else {"decode": StepShape(prompt_tokens, pairs, decode_rows, context)}
-    )
-    return {
-        role: cost.seconds(shape) + cost.overhead_s * (num_steps.get(role, 1.0) - 1)
-        for role, shape in shapes.items()
-    }
-
-
-def _measure_host(
-    layout: Layout, cpu: HostCPU, hardware: Hardware, few: HostCPU | None = None
-) -> dict[str, float]:
-    """The host's other work in a run, as the planner's fields. On a colocated layout, per
-    batch of a step's outputs and per sampled token, from the capacity run (``cpu``) and one of
-    a request at a time (``few``: a token a batch), solved together: the time outside the
-    workers' processes (the front door's receipt and streaming), and the workers' processes'
-    time beyond their steps (their outputs); without ``few``, all of it per token. On a
-    disaggregated one, per KV hand-off: the prefill workers' processes' time beyond their steps
-    and their first tokens' outputs (as measured before), its copies and calls, which the
-    planner runs in that process; and the steps' CPU time on this busy host over the profile's
-    time for them, of a prompt step (the prefill worker's) and of a decode-only one (the
-    decode worker's)."""
-    if not layout.num_prefill:
-        runs = (cpu,) if few is None else (few, cpu)
-        per_batch, per_token = per_batch_and_token(
-            [(r.num_batches("decode"), r.num_tokens, r.front_door_s) for r in runs]
-        )
-        worker_per_batch, worker_per_token = per_batch_and_token(
-            [(r.num_batches("decode"), r.num_tokens, r.beyond_steps_s("decode")) for r in runs]
-        )
-        return {
-            "host_seconds_per_token": per_token,
-            "host_seconds_per_batch": per_batch,
-            "host_worker_seconds_per_token": worker_per_token,
-            "host_worker_seconds_per_batch": worker_per_batch,
-        }
-    # a prefill worker outputs each request's first token, then hands its KV off
-    outputs_s = (
-        cpu.num_requests * hardware.host_worker_seconds_per_token
-        + cpu.num_batches("prefill") * hardware.host_worker_seconds_per_batch
-    )
-    handoffs_s = max(0.0, cpu.beyond_steps_s("prefill") - outputs_s)
-    return {
-        "host_seconds_per_handoff": handoffs_s / max(1, cpu.num_requests),
-        # the prefill workers' steps all compute prompt tokens, the decode workers' none
-        "host_prompt_step_cpu_factor": cpu.step_cpu_factor("prefill"),
-        "host_decode_step_cpu_factor": cpu.step_cpu_factor("decode"),
-    }
-
-
-def per_batch_and_token(runs: list[tuple[float, int, float]]) -> tuple[float, float]:
-    """(seconds a batch, seconds a token), neither below 0, that fit the runs' ``(batches,
-    tokens, seconds)`` best (least squares); from one run, or runs of one ratio of tokens to
-    batches, all of it per token."""
-    bb = sum(b * b for b, _, _ in runs)
-    bt = sum(b * t for b, t, _ in runs)
-    tt = sum(t * t for _, t, _ in runs)
-    by = sum(b * y for b, _, y in runs)
-    ty = sum(t * y for _, t, y in runs)
-    determinant = bb * tt - bt * bt
-    if determinant > 1e-9 * bb * tt:
-        per_batch = (by * tt - ty * bt) / determinant
-        per_token = (bb * ty - bt * by) / determinant
-        if per_batch >= 0 and per_token >= 0:
-            return per_batch, per_token
-        if per_token < 0 and bb > 0:
-            return max(0.0, by / bb), 0.0
-    return 0.0, max(0.0, ty / tt) if tt > 0 else 0.0
-
-
-def _sent(records: tuple[RequestRecord, ...]) -> list[dict[str, Any]]:
-    """Each request's lengths and send time, and how it was served."""
+def _sent(
+    records: tuple[RequestRecord, ...], prefix_ids: list[int | None] | None = None
+) -> list[dict[str, Any]]:
+    """Each request's lengths, send time and system prompt (``prefix_id``), and how it was
+    served."""
     return [
         {
             "send_time_s": r.send_time_s,
@@ -480,8 +385,9 @@ def _sent(records: tuple[RequestRecord, ...]) -> list[dict[str, Any]]:
             "success": r.success,
             "ttft_s": r.ttft_s,
             "e2e_s": r.e2e_s,
+            "prefix_id": None if prefix_ids is None else prefix_ids[i],
         }
-        for r in records
+        for i, r in enumerate(records)
     ]
 
 
@@ -544,6 +450,15 @@ def table(comparisons: list[Comparison]) -> str:
     for c in comparisons:
         phases = phases_row(c.measured_ttft_phases_ms, c.predicted_ttft_phases_ms)
         rows.append(f"{c.layout:11} {c.rate:7.2f} {phases}")
+    if any(c.measured_reuse or any(c.predicted_reuse) for c in comparisons):
+        rows.append("\nkv_aware's reuse of decode workers' caches, served/simulated")
+        rows.append(f"{'layout':11} {'rate/s':>7} {'local prefills':>15} {'fetches':>9}")
+        for c in comparisons:
+            served = ("-", "-") if c.measured_reuse is None else (
+                f"{c.measured_reuse[0]:.0f}", f"{c.measured_reuse[1]:.0f}"
+            )  # fmt: skip
+            local, fetched = (f"{n}/{p}" for n, p in zip(served, c.predicted_reuse, strict=True))
+            rows.append(f"{c.layout:11} {c.rate:7.2f} {local:>15} {fetched:>9}")
     return "\n".join(rows)
 
 
@@ -571,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     planner = _planner(model_dir, hardware, args.num_kv_blocks)
     cores = _cores(args)
-    # each point: (layout, rate, its requests as served, their first tokens' traces)
-    points: list[tuple[str, float, tuple[RequestRecord, ...], list[dict[str, Any]]]] = []
+    points: list[_Point] = []
+    points_workload = _points_workload(args)
     runs: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     for index, name in enumerate(names):
@@ -588,12 +503,12 @@ def main(argv: list[str] | None = None) -> int:
             port = spec.port
             few: HostCPU | None = None  # a request at a time: a token a batch
             if "path_overhead_s" not in extra:  # the front door's own time, measured once
-                busy_before = _busy_cpu_seconds()
+                busy_before = busy_cpu_seconds()
                 idle = _bench(args, port, model_dir, ArrivalSpec(max_concurrency=1), 20, 7, True)
-                few = _host_cpu(planner, layout, idle, _busy_cpu_seconds() - busy_before)
+                few = host_cpu(planner, layout, idle, busy_cpu_seconds() - busy_before)
                 print(f"{name}, a request at a time: {few}", file=sys.stderr, flush=True)
                 extra[f"{name}_one_at_a_time_cpu"] = asdict(few)
-                simulated = _simulate(planner, layout, idle.records)
+                simulated = replay(planner, layout, idle.records).run()
                 gap = statistics.median(
                     r.ttft_s for r in idle.records if r.ttft_s
                 ) - statistics.median(s.ttft_s for s in simulated if s.ttft_s)
@@ -602,46 +517,56 @@ def main(argv: list[str] | None = None) -> int:
                     planner,
                     hardware=replace(planner.hardware, path_overhead_s=extra["path_overhead_s"]),
                 )
-            busy_before = _busy_cpu_seconds()
+            busy_before = busy_cpu_seconds()
             closed = _bench(args, port, model_dir, ArrivalSpec(max_concurrency=16), 300, 11, True)
-            cpu = _host_cpu(planner, layout, closed, _busy_cpu_seconds() - busy_before)
+            cpu = host_cpu(planner, layout, closed, busy_cpu_seconds() - busy_before)
             print(f"{name}: {cpu}", file=sys.stderr, flush=True)
             extra[f"{name}_cpu"] = asdict(cpu)
-            for field, value in _measure_host(layout, cpu, planner.hardware, few).items():
+            for field, value in measure_host(layout, cpu, planner.hardware, few).items():
                 extra[f"{name}_{field}"] = value
                 if field not in extra:  # measured once, as the path's time
                     extra[field] = value
                     planner = replace(planner, hardware=replace(planner.hardware, **{field: value}))
             capacity = closed.summary.request_throughput
+            if points_workload.kind == "shared-prefix":  # its own: the prefixes are cached
+                capacity = _bench(
+                    args, port, model_dir, ArrivalSpec(max_concurrency=16), 300, 11,
+                    workload=points_workload,
+                ).summary.request_throughput  # fmt: skip
             extra[f"{name}_capacity"] = capacity
             for load in loads:
                 rate = load * capacity
-                busy_before = _busy_cpu_seconds()
+                busy_before = busy_cpu_seconds()
                 result = _bench(
-                    args,
-                    port,
-                    model_dir,
-                    ArrivalSpec(request_rate=rate),
-                    args.num_prompts,
-                    args.seed,
-                    True,
-                )
-                point_cpu = _host_cpu(planner, layout, result, _busy_cpu_seconds() - busy_before)
+                    args, port, model_dir, ArrivalSpec(request_rate=rate), args.num_prompts,
+                    args.seed, True, points_workload,
+                )  # fmt: skip
+                prefix_ids = _prefix_ids(args, model_dir, points_workload, result.records)
+                prompts = replay_prompts(result.records, prefix_ids, args.prefix_len)
+                busy_s = busy_cpu_seconds() - busy_before
+                point_cpu = host_cpu(planner, layout, result, busy_s, prompts)
                 began = datetime.fromisoformat(result.started_at).timestamp()
-                points.append((name, rate, result.records, traces_since(traced, began)))
+                points.append(
+                    _Point(
+                        name, rate, result.records, traces_since(traced, began), prompts,
+                        _served_reuse(result.server_counters),
+                    )
+                )  # fmt: skip
                 runs.append(
                     {
                         "layout": name,
                         "rate": rate,
-                        "records": _sent(result.records),
+                        "records": _sent(result.records, prefix_ids),
+                        "prefix_len": args.prefix_len if prefix_ids else 0,
+                        "reuse": points[-1].reuse,
                         "cpu": asdict(point_cpu),
                         "duration_s": result.summary.duration_s,
                     }
                 )
     # every point predicted with what the capacity runs measured, all of it
     comparisons = [
-        _compared(planner, name, rate, records, slo, traces)
-        for name, rate, records, traces in points
+        _compared(planner, p.layout, p.rate, p.records, slo, p.traces, p.prompts, p.reuse)
+        for p in points
     ]
     print(table(comparisons))
     errors = [abs(c.goodput_error) for c in comparisons if c.goodput_error is not None]

@@ -63,6 +63,7 @@ from engine.step_timings import step_timing
 from router.kv_aware import KVAware
 from router.kv_index import KVIndex
 from router.latency_model import StepShape, shape_of
+from router.load_ledger import LoadLedger
 from router.planner.shared_host import HostShare, SharedHost
 from router.policies import LeastLoaded, RoutingInfo, RoutingPolicy
 
@@ -103,6 +104,9 @@ class ClusterShape:
     # kv_aware may have a prefill worker copy a prefix from a decode worker (the router's
     # rule: between workers of one rank each)
     prefix_fetch: bool = True
+    # the router's load poll: it routes on each worker's latest report plus the requests routed
+    # to it that the report may not show (router/load_ledger.py); 0: on the loads as they are
+    report_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.router_policy not in ROUTER_POLICIES:
@@ -169,6 +173,7 @@ class _Worker:
     handoffs: deque[EngineSequence] = field(default_factory=deque)
     kv_events: KVEventRecorder | None = None  # its prefix cache's, for kv_aware's index
     num_event_batches: int = 0  # batches of them the index has
+    ledger: LoadLedger = field(default_factory=LoadLedger)  # its load, as the router sees it
 
 
 class Simulation:
@@ -198,6 +203,8 @@ class Simulation:
         self.num_local_prefills = 0
         self.num_fetches = 0
         self.num_fetched_blocks = 0
+        self._open: set[str] = set()  # the requests routed and not finished, by id
+        self._num_finished = 0
         self._index = KVIndex()
         self._host = (
             None if cluster.host is None else SharedHost(cluster.host, lambda: self.now, self._at)
@@ -230,6 +237,8 @@ class Simulation:
     def run(self) -> list[SimulatedRequest]:
         for simulated in self.requests:
             self._at(simulated.request.arrival_s, functools.partial(self._arrive, simulated))
+        if self.cluster.report_interval_s > 0:
+            self._at(0.0, self._report)
         while self._events:
             self.now, _, action = heapq.heappop(self._events)
             action()
@@ -245,6 +254,37 @@ class Simulation:
                 total.alone_s += worker.steps.alone_s
                 total.wall_s += worker.steps.wall_s
         return totals
+
+    def _report(self) -> None:
+        """The router's load poll: every worker's load now, into its ledger (which drops the
+        charges it shows); again after the interval while any request is unfinished."""
+        for worker in (*self.prefill, *self.decode):
+            worker.ledger.record(_load(worker), self.now, self._open.__contains__)
+        if self._num_finished < len(self.requests):
+            self._at(self.now + self.cluster.report_interval_s, self._report)
+
+    def _loads(self, workers: Sequence[_Worker]) -> list[WorkerLoad]:
+        """The workers' loads as the router sees them."""
+        if self.cluster.report_interval_s <= 0:
+            return [_load(w) for w in workers]
+        return [w.ledger.load or _load(w) for w in workers]
+
+    def _charge(self, route: _Route, request_id: str, num_prompt_tokens: int) -> None:
+        """The router counts a routed request towards its workers (WorkerPool.charge), the
+        prompt worker holding it at once."""
+        if route.prompt is route.decode:
+            route.decode.ledger.charge(
+                request_id,
+                num_sequences=1,
+                num_prompt_tokens=num_prompt_tokens,
+                num_context_tokens=num_prompt_tokens,
+            )
+        else:
+            route.prompt.ledger.charge(request_id, num_prompt_tokens=num_prompt_tokens)
+            route.decode.ledger.charge(
+                request_id, num_sequences=1, num_context_tokens=num_prompt_tokens
+            )
+        route.prompt.ledger.mark_held(request_id, self.now)
 
     def _at(self, time_s: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (time_s, next(self._order), action))
@@ -265,6 +305,8 @@ class Simulation:
             arrival=seq_id,
         )
         self._of_seq[seq_id] = simulated
+        self._open.add(seq.request_id)
+        self._charge(route, seq.request_id, len(request.prompt_token_ids))
         if handed_off:
             self._decode_of[seq_id] = route.decode
         route.prompt.scheduler.check_fits(seq)
@@ -282,12 +324,12 @@ class Simulation:
         workers as they are now (router/placements.py)."""
         self._publish_kv_events()
         workers = {w.name: w for w in (*self.prefill, *self.decode)}
-        decode_loads = [_load(w) for w in self.decode]
+        decode_loads = self._loads(self.decode)
         if not self.prefill:  # colocated: the decode worker prefills
             chosen = workers[self._policy.choose_decode(routing, decode_loads)]
             return _Route(chosen, chosen)
         decode = workers[self._policy.choose_decode(routing, decode_loads)]
-        prefill_loads = [_load(w) for w in self.prefill]
+        prefill_loads = self._loads(self.prefill)
         if isinstance(self._policy, KVAware):
             reuse = self._policy.choose_reuse(routing, prefill_loads, decode_loads)
             if reuse is not None:
@@ -387,9 +429,17 @@ class Simulation:
         deliveries: list[tuple[int, Callable[[], None]]] = []  # (tokens, their delivery)
         for tokens in appended:
             simulated = self._of_seq[tokens.seq.seq_id]
-            if simulated.prompt_done_s is None:
+            if simulated.prompt_done_s is None:  # its decode worker holds it from here on
                 simulated.prompt_done_s = self.now
+                for held_by in (*self.prefill, *self.decode):
+                    held_by.ledger.mark_held(tokens.seq.request_id, self.now)
+            was_done = simulated.done
             simulated.num_tokens += tokens.num_tokens
+            if simulated.done and not was_done:  # it no longer counts towards any worker
+                self._num_finished += 1
+                self._open.discard(tokens.seq.request_id)
+                for charged in (*self.prefill, *self.decode):
+                    charged.ledger.drop(tokens.seq.request_id)
             deliveries.append((tokens.num_tokens, functools.partial(self._delivered, simulated)))
         if self._host is None:  # on a device of its own: each token out as it is sampled
             for _, delivered in deliveries:

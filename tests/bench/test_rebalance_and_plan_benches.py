@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.plan_accuracy import HostCPU, _measure_host, compare, per_batch_and_token, table
+from bench.plan_accuracy import compare, table
 from bench.plan_accuracy import main as plan_accuracy_main
+from bench.plan_host_cpu import HostCPU, measure_host, per_batch_and_token
+from bench.plan_replay import replay_prompts
 from bench.rebalance import PhaseOutcome, overall_goodput, phase_outcome
 from bench.rebalance import table as phases_table
 from bench.serving.arrivals import ArrivalSpec
@@ -144,7 +146,7 @@ def test_a_disaggregated_capacity_run_measures_each_kind_of_steps_cpu_on_the_bus
         num_tokens=1000, num_requests=100,
     )  # fmt: skip
     hardware = Hardware("box", 1e11, 1e10, 8e9, 1e10, host_worker_seconds_per_token=1e-3)
-    measured = _measure_host(Layout(1, 1, 1, 1), cpu, hardware)
+    measured = measure_host(Layout(1, 1, 1, 1), cpu, hardware)
     assert measured == pytest.approx(
         {
             "host_seconds_per_handoff": (2.0 - 100 * 1e-3) / 100,
@@ -173,7 +175,7 @@ def test_a_colocated_layout_measures_the_hosts_work_per_batch_and_per_token() ->
 
     few, capacity = run(1000, 1000, 1.3, 0.6), run(2000, 10_000, 5.0, 2.0)
     hardware = Hardware("box", 1e11, 1e10, 8e9, 1e10)
-    assert _measure_host(Layout(0, 1, 2, 1), capacity, hardware, few) == pytest.approx(
+    assert measure_host(Layout(0, 1, 2, 1), capacity, hardware, few) == pytest.approx(
         {
             "host_seconds_per_batch": 1e-3,
             "host_seconds_per_token": 3e-4,
@@ -181,7 +183,7 @@ def test_a_colocated_layout_measures_the_hosts_work_per_batch_and_per_token() ->
             "host_worker_seconds_per_token": 1e-4,
         }
     )
-    assert _measure_host(Layout(0, 1, 2, 1), capacity, hardware) == pytest.approx(
+    assert measure_host(Layout(0, 1, 2, 1), capacity, hardware) == pytest.approx(
         {
             "host_seconds_per_batch": 0.0,
             "host_seconds_per_token": 5e-4,
@@ -203,10 +205,62 @@ def test_a_colocated_layout_measures_the_hosts_work_per_batch_and_per_token() ->
         steps_s={"prefill": 2.0, "decode": 10.0},
         num_steps={"prefill": (100, 0), "decode": (2000, 0)},
     )
-    measured = _measure_host(
+    measured = measure_host(
         Layout(1, 1, 1, 1),
         disaggregated,
         replace(hardware, host_worker_seconds_per_token=1e-4, host_worker_seconds_per_batch=5e-4),
     )
     # beyond the prefill worker's steps 1 s, less 10 first tokens and 100 batches: 0.949 s
     assert measured["host_seconds_per_handoff"] == pytest.approx((1.0 - 10e-4 - 0.05) / 10)
+
+
+def test_requests_sharing_a_system_prompt_are_replayed_with_one_prefix() -> None:
+    """Replayed prompts keep each record's length; those of one system prompt start with the
+    same ``prefix_len`` tokens, others (and requests without one) share nothing."""
+    records = tuple(
+        RequestRecord(i, length, 4, True) for i, length in enumerate((40, 50, 30, 20, 5))
+    )
+    prompts = replay_prompts(records, [0, 0, 1, None, 0], 16)
+    assert [len(p) for p in prompts] == [40, 50, 30, 20, 5]
+    assert prompts[0][:16] == prompts[1][:16] and prompts[0][16:20] != prompts[1][16:20]
+    assert prompts[2][:16] != prompts[0][:16]
+    assert prompts[3][:16] not in (prompts[0][:16], prompts[2][:16])
+    assert prompts[4][:4] == prompts[0][:4]  # shorter than the prefix: its first tokens
+    assert len(set(replay_prompts(records))) == 5
+
+
+def test_a_saved_shared_prefix_run_shows_kv_aware_reusing_the_decode_workers_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--resimulate`` of a 1P1D run whose requests share one system prompt of 96 tokens: the
+    simulated router prefills some on the decode worker, which holds the prompt from earlier
+    hand-offs, and the table says how many (served: not counted in this saved run)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
+    hardware = Hardware(
+        "box", 1e11, 1e10, 8e9, 1e10, measured_model="model",
+        measured=StepCost(0.002, 1e-4, 0.0, 1e-4, 0.0, 100),
+    )  # fmt: skip
+    served = [
+        {"send_time_s": 0.002 * i, "prompt_len": 128, "output_len": 8, "output_tokens": 8,
+         "success": True, "ttft_s": 0.05, "e2e_s": 0.1, "prefix_id": 0}
+        for i in range(40)
+    ]  # fmt: skip
+    saved = {
+        "hardware": hardware.to_json(),
+        "slo": {"ttft_s": 0.5, "tpot_s": 0.05, "attainment": 0.9},
+        "num_kv_blocks": 1000,
+        "runs": [{"layout": "1p1d", "rate": 500.0, "records": served, "prefix_len": 96}],
+    }
+    (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
+    assert plan_accuracy_main(["--resimulate", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "kv_aware's reuse of decode workers' caches, served/simulated" in printed
+    (row,) = [line for line in printed.splitlines()[-1:] if line.startswith("1p1d")]
+    local, fetched = row.split()[2:]
+    assert local.startswith("-/") and int(local[2:]) > 0  # served: not counted in this run
+    assert fetched.startswith("-/")
+    del saved["runs"][0]["prefix_len"]  # without its system prompt, nothing to reuse
+    (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
+    assert plan_accuracy_main(["--resimulate", str(tmp_path)]) == 0
+    assert "kv_aware's reuse" not in capsys.readouterr().out

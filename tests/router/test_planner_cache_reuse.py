@@ -115,3 +115,25 @@ def test_the_planner_fetches_only_between_workers_of_one_rank(tmp_path: Path) ->
     assert planner.cluster(Layout(1, 1, 1, 1)).prefix_fetch
     assert not planner.cluster(Layout(1, 2, 1, 1)).prefix_fetch
     assert not planner.cluster(Layout(1, 1, 1, 2)).prefix_fetch
+
+
+def test_the_router_weighs_the_loads_it_was_last_told_plus_what_it_routed_since() -> None:
+    """Ten prompts sharing a 64-token system prompt, one every 50 ms, each decoding 40 tokens.
+    Routed on the loads as they are, the prefill worker has nothing queued when the next
+    arrives: each prompt goes to it (16 tokens computed, 11.6 ms). The router's view (reports
+    every 0.5 s, router/load_ledger.py) still counts the prompts routed there since the last
+    report, while they run: so it prefills some on the decode worker, which holds the system
+    prompt, behind its running decode step (as served: 93-99 of 200 such prompts)."""
+    prompts = [
+        WorkloadRequest(0.05 * i, tuple(range(64)) + tuple(range(1000 + 20 * i, 1016 + 20 * i)), 40)
+        for i in range(10)
+    ]
+    exact = Simulation(_cluster([], report_interval_s=0.0), prompts)
+    runs = exact.run()
+    assert exact.num_local_prefills == 0
+    assert [run.ttft_s for run in runs[1:]] == pytest.approx([0.0116] * 9)
+    polled = Simulation(_cluster([]), prompts)
+    runs = polled.run()
+    assert polled.num_local_prefills == 4
+    assert all(run.done for run in runs)
+    assert max(run.ttft_s or 0 for run in runs[1:]) > 0.0116  # behind a decode step
