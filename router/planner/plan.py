@@ -1,6 +1,7 @@
 """The planner's search: every layout that fits the devices, simulated at the target rate; the
 cheapest (fewest devices) whose SLO attainment reaches the target wins, ties going to the higher
-goodput. Each layout is also swept over rates for the goodput-vs-rate plot.
+goodput, then to the more headroom under the SLOs (p90 TTFT and TPOT). Each layout is also
+swept over rates for the goodput-vs-rate plot.
 
 A layout is colocated xN (N workers that both prefill and decode) or xPyD (P prefill workers of
 tensor-parallel size a, D decode workers of size b). A worker's KV cache is what its devices'
@@ -78,6 +79,15 @@ class LayoutResult:
 
     def meets(self, slo: Slo) -> bool:
         return self.attainment >= slo.attainment
+
+    def headroom(self, slo: Slo) -> float:
+        """How far its p90 TTFT and TPOT stay below the SLOs, as a share of them (the smaller
+        of the two; 0 at an SLO, below 0 past it)."""
+        ttft, tpot = self.ttft_s.get("p90"), self.tpot_s.get("p90")
+        return min(
+            1.0 if ttft is None else 1.0 - ttft / slo.ttft_s,
+            1.0 if tpot is None else 1.0 - tpot / slo.tpot_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +207,7 @@ class Planner:
         meeting = [r for r in results if r.meets(slo)]
         if not meeting:
             return None, results
-        return max(meeting, key=lambda r: r.goodput), results
+        return max(meeting, key=lambda r: (r.goodput, r.headroom(slo))), results
 
     def sweep(
         self, layout: Layout, workload: PlanWorkload, slo: Slo, rates: Sequence[float]

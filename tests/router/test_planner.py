@@ -17,7 +17,7 @@ from router.latency_model import StepShape
 from router.planner.command import shared_host_line
 from router.planner.hardware import PRESETS, Hardware, StepTimeModel
 from router.planner.model_costs import ModelCosts
-from router.planner.plan import Layout, Planner, Slo
+from router.planner.plan import Layout, LayoutResult, Planner, Slo
 from router.planner.shared_host import HostShare
 from router.planner.simulator import (
     ClusterShape,
@@ -345,6 +345,32 @@ def test_the_choice_follows_the_workload_prompt_heavy_to_prefill_output_heavy_to
     assert best_for_outputs is not None and best_for_outputs.layout == Layout(1, 1, 3, 1)
     assert by_prompts[0].attainment < 0.5  # 1P 3D cannot keep up with the prompts
     assert by_outputs[-1].attainment < 0.5  # 3P 1D cannot keep up with the decodes
+
+
+def test_layouts_of_one_cost_and_goodput_go_to_the_one_with_more_headroom(llama_8b: Path) -> None:
+    """Every request within its SLOs on three two-device layouts: the one whose p90 TTFT and
+    TPOT stay furthest under the SLOs (the smaller of the two shares) is chosen, not the first
+    simulated."""
+    slo = Slo(ttft_s=0.5, tpot_s=0.040)
+    ahead = {
+        Layout(1, 1, 1, 1): ({"p90": 0.115}, {"p90": 0.025}),  # TPOT: 38 % under
+        Layout(0, 2, 1, 2): ({"p90": 0.090}, {"p90": 0.011}),  # TPOT: 72.5 % under
+        Layout(0, 1, 2, 1): ({"p90": 0.120}, {"p90": 0.017}),  # TPOT: 57.5 % under
+    }
+
+    class Scripted(Planner):
+        def simulate(self, layout: Layout, workload: PlanWorkload, slo: Slo) -> LayoutResult:
+            ttft, tpot = ahead[layout]
+            return LayoutResult(layout, workload.rate, 1.0, workload.rate, ttft, tpot)
+
+    planner = Scripted(ModelCosts.load(llama_8b), PRESETS["h100"])
+    best, results = planner.choose(list(ahead), PlanWorkload(rate=20), slo)
+    assert best is not None and best.layout == Layout(0, 2, 1, 2)
+    assert [r.headroom(slo) for r in results] == pytest.approx([0.375, 0.725, 0.575])
+    # past an SLO, headroom is below 0
+    assert LayoutResult(Layout(0, 1, 1, 1), 1.0, 0.5, 0.5, {"p90": 0.6}, {}).headroom(
+        slo
+    ) == pytest.approx(-0.2)
 
 
 def test_layouts_leave_out_what_does_not_fit_and_cost_what_they_hold(llama_8b: Path) -> None:
