@@ -14,8 +14,9 @@ with the host's other work, on ``host_front_door_threads`` threads: per streamed
 (``host_seconds_per_token``: the gateway's streaming, a load generator's) and per KV hand-off
 (``host_seconds_per_handoff``), and each worker's own process per token it samples, after its
 step (``host_worker_seconds_per_token``); both also per step's batch of outputs
-(``host_seconds_per_batch``, ``host_worker_seconds_per_batch``). The simulation slows the steps by the share of a core
-they get and delivers a token once its streaming is done (shared_host.py). A profile is
+(``host_seconds_per_batch``, ``host_worker_seconds_per_batch``). The simulation slows the
+steps by the share of a core they get and delivers a token once its streaming is done
+(shared_host.py). A profile is
 measured on a quiet machine; on the busy host a step costs more CPU time than that (its caches
 and memory shared, its thread switched out and back): ``host_prompt_step_cpu_factor`` times its
 profiled time for a step that computes prompt tokens, ``host_decode_step_cpu_factor`` for a

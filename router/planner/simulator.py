@@ -8,8 +8,10 @@ has work: a step is scheduled, takes its time, then its tokens are applied (ever
 an ordinary one: outputs run to their length).
 
 Routing is the router's own policy (``router_policy``, router/policies.py), fed the workers'
-loads and, for kv_aware, a KV index that follows the workers' prefix caches (their KV events,
-applied before every decision: the real router's view lags by a report interval at most):
+loads as the router sees them (each worker's report, polled every ``report_interval_s``, plus
+the requests routed to it that the report may not show: router/load_ledger.py) and, for
+kv_aware, a KV index that follows the workers' prefix caches (their KV events, applied before
+every decision: the real router's view lags by an output batch at most):
 least_loaded sends a prompt to the prefill worker (colocated: the decode worker) with the fewest
 queued prompt tokens, its decode worker the one of lowest KV usage; kv_aware weighs each
 worker's cached prefix of the prompt against its queue and, disaggregated, the decode workers'
@@ -29,10 +31,10 @@ On a CPU machine (``host``) the workers have no device of their own: their steps
 host's other work share its cores (router/planner/shared_host.py): a step takes longer while
 more threads want to run than there are cores. After each step the worker's own process makes
 its outputs (CPU time per step's batch and per token, before its next step: its threads share
-one interpreter lock); then the front door receives the batch and streams each token to its client runs on the front door's threads, and a
-token reaches its client once its streaming is done; each hand-off's copies and calls run in the
-prefill worker's process after the outputs of the step that finished its prompt, and the KV
-moves once they are done. Elsewhere each worker computes on its own devices, a step takes
+one interpreter lock); then the front door's threads receive the batch and stream each token to
+its client, and a token reaches its client once its streaming is done; each hand-off's copies
+and calls run in the prefill worker's process after the outputs of the step that finished its
+prompt, and the KV moves once they are done. Elsewhere each worker computes on its own devices, a step takes
 its time alone and a token is delivered as it is sampled.
 
 Out: each request's arrival, first token and last token times, from which TTFT, TPOT and
