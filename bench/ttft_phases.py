@@ -42,9 +42,7 @@ def served_phases(traces: Iterable[dict[str, Any]]) -> Phases:
 
 
 def simulated_phases(requests: Iterable[SimulatedRequest]) -> Phases:
-    return _phases(
-        (r.request.arrival_s, r.scheduled_s, r.prompt_done_s, r.first_token_s) for r in requests
-    )
+    return _phases((r.arrival_s, r.scheduled_s, r.prompt_done_s, r.first_token_s) for r in requests)
 
 
 def _phases(stamps: Iterable[tuple[float | None, ...]]) -> Phases:

@@ -52,6 +52,10 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
     work.add_argument("--length-sigma", type=float, default=0.5, help="std-dev of ln(length)")
     work.add_argument("--prefix-share", type=float, default=0.0, help="share with a system prompt")
     work.add_argument("--prefix-len", type=int, default=0, help="its tokens")
+    work.add_argument(
+        "--turns", type=int, default=1, help="a conversation's requests (its history re-sent)"
+    )
+    work.add_argument("--think-s", type=float, default=5.0, help="mean time between turns")
     work.add_argument("--num-requests", type=int, default=400, help="simulated per run")
     work.add_argument("--seed", type=int, default=0)
     slo = plan.add_argument_group("SLOs and the search")
@@ -92,6 +96,8 @@ def run_plan(args: argparse.Namespace) -> int:
         prefix_len=args.prefix_len,
         num_requests=args.num_requests,
         seed=args.seed,
+        turns=args.turns,
+        think_s=args.think_s,
     )
     if not 0 < args.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")

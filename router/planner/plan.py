@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from router.planner.hardware import Hardware, StepTimeModel, transfer_seconds
 from router.planner.model_costs import ModelCosts
 from router.planner.shared_host import HostShare
-from router.planner.simulator import ClusterShape, SimulatedRequest, Simulation, WorkerShape
+from router.planner.simulator import (
+    ClusterShape,
+    SimulatedRequest,
+    Simulation,
+    WorkerShape,
+    WorkloadRequest,
+)
 from router.planner.workload import PlanWorkload
 
 MAX_KV_BLOCKS = 1 << 16  # a worker's simulated cache is capped here (more never binds)
@@ -172,12 +178,7 @@ class Planner:
         )
 
     def simulate(self, layout: Layout, workload: PlanWorkload, slo: Slo) -> LayoutResult:
-        requests = workload.requests()
-        capped = [
-            r
-            for r in requests
-            if len(r.prompt_token_ids) + r.output_len <= self.model.max_model_len
-        ]
+        capped = fitting(workload.requests(), self.model.max_model_len)
         simulation = Simulation(self.cluster(layout), capped)
         simulated = simulation.run()
         attainment = sum(slo.met_by(s) for s in simulated) / len(simulated)
@@ -213,6 +214,21 @@ class Planner:
         self, layout: Layout, workload: PlanWorkload, slo: Slo, rates: Sequence[float]
     ) -> list[LayoutResult]:
         return [self.simulate(layout, workload.at_rate(rate), slo) for rate in rates]
+
+
+def fitting(requests: Sequence[WorkloadRequest], max_model_len: int) -> list[WorkloadRequest]:
+    """The requests whose prompt and output fit the model, less the later turns of a
+    conversation whose earlier turn does not."""
+    kept: list[WorkloadRequest] = []
+    kept_ids: set[int] = set()
+    for request in requests:
+        earlier = request.follows
+        if len(request.prompt_token_ids) + request.output_len <= max_model_len and (
+            earlier is None or id(earlier) in kept_ids
+        ):
+            kept.append(request)
+            kept_ids.add(id(request))
+    return kept
 
 
 def _percentiles(values: Sequence[float | None]) -> dict[str, float]:

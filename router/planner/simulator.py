@@ -69,17 +69,23 @@ from router.load_ledger import LoadLedger
 from router.planner.shared_host import HostShare, SharedHost
 from router.policies import LeastLoaded, RoutingInfo, RoutingPolicy
 
-_TOKEN = 7  # every sampled token (never an end of sequence: the scheduler is given none)
+# every sampled token (never an end of sequence: the scheduler is given none); a conversation's
+# next turn holds its replies as these
+SAMPLED_TOKEN = 7
 
 StepTimes = Callable[[StepShape], float]  # a step's seconds on one worker
 ROUTER_POLICIES = ("kv_aware", "least_loaded")  # those simulated; the first is serve's default
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class WorkloadRequest:
-    arrival_s: float
+    arrival_s: float  # a conversation's next turn: not before its earlier turn's
     prompt_token_ids: tuple[int, ...]
     output_len: int
+    # a conversation's next turn: sent ``think_s`` after this earlier turn's last token reached
+    # its client (its prompt holds that turn's prompt and reply)
+    follows: WorkloadRequest | None = None
+    think_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +134,18 @@ class SimulatedRequest:
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0
+    num_delivered: int = 0  # tokens that reached the client
+    sent_s: float | None = None  # when it was sent (a next turn's: once its earlier one ended)
+
+    @property
+    def arrival_s(self) -> float:
+        return self.request.arrival_s if self.sent_s is None else self.sent_s
 
     @property
     def ttft_s(self) -> float | None:
         if self.first_token_s is None:
             return None
-        return self.first_token_s - self.request.arrival_s
+        return self.first_token_s - self.arrival_s
 
     @property
     def tpot_s(self) -> float | None:
@@ -182,6 +194,16 @@ class Simulation:
     def __init__(self, cluster: ClusterShape, requests: Sequence[WorkloadRequest]) -> None:
         self.cluster = cluster
         self.requests = [SimulatedRequest(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
+        # a conversation's next turns, by the turn they follow (sent once it ends)
+        of_request = {id(s.request): s for s in self.requests}
+        self._next_turns: dict[int, list[SimulatedRequest]] = {}
+        for simulated in self.requests:
+            earlier = simulated.request.follows
+            if earlier is None:
+                continue
+            if id(earlier) not in of_request:
+                raise ValueError("a next turn follows a request that is not simulated")
+            self._next_turns.setdefault(id(earlier), []).append(simulated)
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
@@ -238,7 +260,8 @@ class Simulation:
     # ---- the run --------------------------------------------------------------------------
     def run(self) -> list[SimulatedRequest]:
         for simulated in self.requests:
-            self._at(simulated.request.arrival_s, functools.partial(self._arrive, simulated))
+            if simulated.request.follows is None:
+                self._at(simulated.request.arrival_s, functools.partial(self._arrive, simulated))
         if self.cluster.report_interval_s > 0:
             self._at(0.0, self._report)
         while self._events:
@@ -293,6 +316,7 @@ class Simulation:
 
     def _arrive(self, simulated: SimulatedRequest) -> None:
         request = simulated.request
+        simulated.sent_s = self.now
         seq_id = next(self._seq_ids)
         route = self._route(RoutingInfo(f"r{seq_id}", request.prompt_token_ids))
         params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
@@ -425,7 +449,9 @@ class Simulation:
 
     def _step_done(self, worker: _Worker, output: SchedulerOutput) -> None:
         worker.steps.wall_s += self.now - worker.step_started_s
-        sampled = {seq.seq_id: _TOKEN for entry in output.scheduled for seq in entry.sample_seqs}
+        sampled = {
+            seq.seq_id: SAMPLED_TOKEN for entry in output.scheduled for seq in entry.sample_seqs
+        }
         appended = worker.scheduler.update(output, ModelRunnerOutput(sampled))
         handed = [t.seq for t in appended if t.seq.status is SequenceStatus.HANDED_OFF]
         deliveries: list[tuple[int, Callable[[], None]]] = []  # (tokens, their delivery)
@@ -442,10 +468,15 @@ class Simulation:
                 self._open.discard(tokens.seq.request_id)
                 for charged in (*self.prefill, *self.decode):
                     charged.ledger.drop(tokens.seq.request_id)
-            deliveries.append((tokens.num_tokens, functools.partial(self._delivered, simulated)))
+            deliveries.append(
+                (
+                    tokens.num_tokens,
+                    functools.partial(self._delivered, simulated, tokens.num_tokens),
+                )
+            )
         if self._host is None:  # on a device of its own: each token out as it is sampled
-            for _, delivered in deliveries:
-                delivered()
+            for _, deliver in deliveries:
+                deliver()
             self._after_step(worker, handed)
             return
         # on a shared host the worker's process makes the step's outputs first (one batch)
@@ -493,12 +524,18 @@ class Simulation:
         if worker in self.decode:  # blocks may have come free for the hand-offs waiting
             self._start_handoffs(worker)
 
-    def _delivered(self, simulated: SimulatedRequest) -> None:
-        """A token of the request reaches its client (now, and the path's hops)."""
+    def _delivered(self, simulated: SimulatedRequest, num_tokens: int) -> None:
+        """Tokens of the request reach its client (now, and the path's hops); after its last,
+        its conversation's next turn is sent when the user has thought."""
         at = self.now + self.cluster.path_overhead_s
         if simulated.first_token_s is None:
             simulated.first_token_s = at
         simulated.last_token_s = at
+        simulated.num_delivered += num_tokens
+        if simulated.num_delivered >= simulated.request.output_len:
+            for turn in self._next_turns.pop(id(simulated.request), []):
+                send = functools.partial(self._arrive, turn)
+                self._at(max(at + turn.request.think_s, turn.request.arrival_s), send)
 
     # ---- hand-offs ------------------------------------------------------------------------
     def _hand_off(self, prefill: _Worker, seq: EngineSequence) -> None:
@@ -543,7 +580,7 @@ class Simulation:
             handed.max_total_tokens,
             arrival=seq_id,
         )
-        seq.token_ids.append(_TOKEN)  # the first token, sampled by the prefill worker
+        seq.token_ids.append(SAMPLED_TOKEN)  # the first token, sampled by the prefill worker
         seq.num_computed_tokens = seq.num_tokens - 1
         decode.scheduler.block_manager.adopt(seq, blocks, share=False)
         decode.scheduler.add_computed(seq)

@@ -508,6 +508,8 @@ def test_pdserve_plan_refuses_bad_input_naming_the_flag(
     assert "--hardware must be one of h100" in capsys.readouterr().err
     assert main([*base, "--rate", "1", "--device-memory-gib", "4", "--max-devices", "2"]) == 2
     assert "no layout of at most 2 devices holds" in capsys.readouterr().err
+    assert main([*base, "--rate", "1", "--turns", "0"]) == 2
+    assert "--turns must be >= 1 and --think-s >= 0, got 0 and 5.0" in capsys.readouterr().err
 
 
 def test_pdserve_profile_of_a_model_without_its_weights(

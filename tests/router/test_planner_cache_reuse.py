@@ -13,12 +13,19 @@ import pytest
 from router.latency_model import StepShape
 from router.planner.hardware import PRESETS
 from router.planner.model_costs import ModelCosts
-from router.planner.plan import Layout, Planner
-from router.planner.simulator import ClusterShape, Simulation, WorkerShape, WorkloadRequest
+from router.planner.plan import Layout, Planner, Slo, fitting
+from router.planner.simulator import (
+    SAMPLED_TOKEN,
+    ClusterShape,
+    Simulation,
+    WorkerShape,
+    WorkloadRequest,
+)
+from router.planner.workload import PlanWorkload
 from tests.router.test_planner import LLAMA_3_8B
 
 CONVERSATION = tuple(range(1000, 1160))  # a first turn: 10 blocks of 16
-REPLY = (7,) * 40  # every simulated token is 7: the first turn's reply, as the next turn holds it
+REPLY = (SAMPLED_TOKEN,) * 40  # the first turn's reply, as the next turn holds it
 
 
 def _linear(seconds_per_step: float, per_token: float) -> WorkerShape:
@@ -137,3 +144,54 @@ def test_the_router_weighs_the_loads_it_was_last_told_plus_what_it_routed_since(
     assert polled.num_local_prefills == 4
     assert all(run.done for run in runs)
     assert max(run.ttft_s or 0 for run in runs[1:]) > 0.0116  # behind a decode step
+
+
+def test_a_conversations_next_turn_is_sent_after_the_user_read_the_reply() -> None:
+    """The next turn (the first turn, its reply and 20 new tokens) is sent 0.5 s after the
+    first's last token reached its client (0.4299 s), and its TTFT counts from then; kv_aware
+    prefills it on the decode worker holding the conversation (12.8 ms)."""
+    first = WorkloadRequest(0.0, CONVERSATION, 40)
+    turn = WorkloadRequest(
+        0.0, CONVERSATION + REPLY + tuple(range(2000, 2020)), 2, follows=first, think_s=0.5
+    )
+    simulation = Simulation(_cluster([]), [first, turn])
+    ran_first, ran_turn = simulation.run()
+    assert ran_first.last_token_s == pytest.approx(0.4299)
+    assert ran_turn.arrival_s == pytest.approx(0.9299)
+    assert ran_turn.ttft_s == pytest.approx(0.0128)
+    assert simulation.num_local_prefills == 1
+    with pytest.raises(ValueError, match="follows a request that is not simulated"):
+        Simulation(_cluster([]), [turn])
+
+
+def test_a_workload_of_conversations_resends_each_turns_history(tmp_path: Path) -> None:
+    """Three turns a conversation: each next turn's prompt is the one before, its reply (the
+    simulation's sampled tokens) and a new message; conversations start at a third of the rate.
+    The planner leaves out a turn too long for the model, and the turns after it."""
+    workload = PlanWorkload(rate=3.0, prompt_len=50, output_len=10, turns=3, num_requests=30)
+    requests = workload.requests()
+    assert len(requests) == 30
+    for i in range(0, 30, 3):
+        first, second, third = requests[i : i + 3]
+        assert first.follows is None and second.follows is first and third.follows is second
+        reply = (SAMPLED_TOKEN,) * first.output_len
+        assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(reply)] == (
+            first.prompt_token_ids + reply
+        )
+        assert second.think_s >= 0 and third.arrival_s == first.arrival_s
+    starts = [r.arrival_s for r in requests if r.follows is None]
+    assert len(starts) == 10 and 10 / starts[-1] == pytest.approx(1.0, rel=0.6)
+    sizes = [len(r.prompt_token_ids) + r.output_len for r in requests]
+    limit = sorted(sizes[1::3])[5]  # about half the second turns fit
+    kept = fitting(requests, limit)
+    assert all(requests[i] in kept for i in range(0, 30, 3))  # every first turn
+    for i in range(1, 30, 3):
+        fits = sizes[i] <= limit
+        assert (requests[i] in kept) is fits
+        assert (requests[i + 1] in kept) is (fits and sizes[i + 1] <= limit)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    planner = Planner(ModelCosts.load(tmp_path), PRESETS["h100"])
+    result = planner.simulate(Layout(1, 1, 1, 1), workload, Slo(1.0, 0.1))
+    assert result.attainment == 1.0 and result.local_prefill_share > 0
+    with pytest.raises(ValueError, match="--turns must be >= 1"):
+        PlanWorkload(rate=1.0, turns=0)
