@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.plan_host_cpu import HostCPU, busy_cpu_seconds, host_cpu, measure_host
-from bench.plan_replay import Prompts, replay, replay_prompts
+from bench.plan_replay import Prompts, replay, replay_conversations, replay_prompts
 from bench.results_json import write_json
 from bench.serving.arrivals import ArrivalSpec
 from bench.serving.client import EndpointConfig
@@ -145,11 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sigma", type=float, default=0.5, help="of ln(length)")
     parser.add_argument(
         "--workload",
-        choices=("chat-like", "shared-prefix"),
+        choices=("chat-like", "shared-prefix", "multi-turn"),
         default="chat-like",
-        help="the points' requests: log-normal lengths, or system prompts shared (then the "
-        "machine is still measured on chat-like ones)",
+        help="the points' requests: log-normal lengths, system prompts shared, or "
+        "conversations (then the machine is still measured on chat-like ones)",
     )
+    parser.add_argument("--num-turns", type=int, default=4, help="multi-turn's, a conversation")
     parser.add_argument("--prefix-len", type=int, default=192, help="shared-prefix's")
     parser.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix's")
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="per worker")
@@ -187,11 +188,17 @@ def resimulate(directory: Path) -> int:
         records = tuple(
             RequestRecord(i, r["prompt_len"], r["output_len"], r["success"],
                           send_time_s=r["send_time_s"], ttft_s=r["ttft_s"],
-                          e2e_s=r["e2e_s"], output_tokens=r["output_tokens"])
+                          e2e_s=r["e2e_s"], output_tokens=r["output_tokens"],
+                          conversation_id=r.get("conversation_id"),
+                          turn_index=r.get("turn_index"))
             for i, r in enumerate(run["records"])
         )  # fmt: skip
-        prompts = replay_prompts(
-            records, [r.get("prefix_id") for r in run["records"]], run.get("prefix_len", 0)
+        prompts = (
+            replay_conversations(records, run.get("prefix_len", 0))
+            if run.get("workload") == "multi-turn"
+            else replay_prompts(
+                records, [r.get("prefix_id") for r in run["records"]], run.get("prefix_len", 0)
+            )
         )
         reuse = run.get("reuse")
         comparisons.append(
@@ -242,7 +249,18 @@ class _Point:
 
 
 def _points_workload(args: argparse.Namespace) -> WorkloadSpec:
-    """The points' requests: ``--workload``'s."""
+    """The points' requests: ``--workload``'s (multi-turn: ``--num-prompts`` requests in
+    conversations of ``--num-turns``, sharing a system prompt of ``--prefix-len``, 16-64 new
+    tokens a turn and replies of 16-64)."""
+    if args.workload == "multi-turn":
+        return WorkloadSpec(
+            kind="multi-turn",
+            num_conversations=max(1, args.num_prompts // args.num_turns),
+            num_turns=args.num_turns,
+            system_prompt_len=args.prefix_len,
+            user_range=(16, 64),
+            reply_range=(16, 64),
+        )
     if args.workload != "shared-prefix":
         return _workload(args)
     return WorkloadSpec(
@@ -386,6 +404,8 @@ def _sent(
             "ttft_s": r.ttft_s,
             "e2e_s": r.e2e_s,
             "prefix_id": None if prefix_ids is None else prefix_ids[i],
+            "conversation_id": r.conversation_id,
+            "turn_index": r.turn_index,
         }
         for i, r in enumerate(records)
     ]
@@ -488,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = _cores(args)
     points: list[_Point] = []
     points_workload = _points_workload(args)
+    multi_turn = points_workload.kind == "multi-turn"
     runs: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     for index, name in enumerate(names):
@@ -528,21 +549,26 @@ def main(argv: list[str] | None = None) -> int:
                     extra[field] = value
                     planner = replace(planner, hardware=replace(planner.hardware, **{field: value}))
             capacity = closed.summary.request_throughput
-            if points_workload.kind == "shared-prefix":  # its own: the prefixes are cached
+            if points_workload.kind != "chat-like":  # its own: the prefixes are cached
                 capacity = _bench(
                     args, port, model_dir, ArrivalSpec(max_concurrency=16), 300, 11,
                     workload=points_workload,
                 ).summary.request_throughput  # fmt: skip
             extra[f"{name}_capacity"] = capacity
             for load in loads:
-                rate = load * capacity
+                rate = load * capacity  # requests a second (conversations: a turn's share)
+                arrivals = rate / points_workload.num_turns if multi_turn else rate
                 busy_before = busy_cpu_seconds()
                 result = _bench(
-                    args, port, model_dir, ArrivalSpec(request_rate=rate), args.num_prompts,
+                    args, port, model_dir, ArrivalSpec(request_rate=arrivals), args.num_prompts,
                     args.seed, True, points_workload,
                 )  # fmt: skip
                 prefix_ids = _prefix_ids(args, model_dir, points_workload, result.records)
-                prompts = replay_prompts(result.records, prefix_ids, args.prefix_len)
+                prompts = (
+                    replay_conversations(result.records, args.prefix_len)
+                    if multi_turn
+                    else replay_prompts(result.records, prefix_ids, args.prefix_len)
+                )
                 busy_s = busy_cpu_seconds() - busy_before
                 point_cpu = host_cpu(planner, layout, result, busy_s, prompts)
                 began = datetime.fromisoformat(result.started_at).timestamp()
@@ -557,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
                         "layout": name,
                         "rate": rate,
                         "records": _sent(result.records, prefix_ids),
-                        "prefix_len": args.prefix_len if prefix_ids else 0,
+                        "workload": points_workload.kind,
+                        "prefix_len": args.prefix_len if prefix_ids or multi_turn else 0,
                         "reuse": points[-1].reuse,
                         "cpu": asdict(point_cpu),
                         "duration_s": result.summary.duration_s,

@@ -1,5 +1,6 @@
 """A served run's requests simulated again by the planner (bench.plan_accuracy): their send
-times, lengths and prompts' token ids (those sharing a system prompt start alike)."""
+times, lengths and prompts' token ids (those sharing a system prompt start alike; a
+conversation's next turn holds its earlier turn's prompt and reply)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 from bench.serving.metrics import RequestRecord
 from router.planner.plan import Layout, Planner
-from router.planner.simulator import Simulation, WorkloadRequest
+from router.planner.simulator import SAMPLED_TOKEN, Simulation, WorkloadRequest
 
 Prompts = list[tuple[int, ...]]  # each request's prompt token ids, as simulated
 
@@ -47,4 +48,31 @@ def replay_prompts(
             prompt = shared[prefix_id][: max(0, record.prompt_len - 1)]
         rest = record.prompt_len - len(prompt)
         prompts.append(prompt + tuple(rng.randrange(3, 4000) for _ in range(rest)))
+    return prompts
+
+
+def replay_conversations(records: tuple[RequestRecord, ...], system_len: int) -> Prompts:
+    """Token ids for a multi-turn run's prompts (bench/serving/conversations.py): every
+    conversation's first turn starts with one system prompt of ``system_len`` tokens, and each
+    next turn with its earlier turn's prompt and reply (as the simulation samples it), then new
+    tokens to its served length."""
+    rng = random.Random(0)
+    system = tuple(rng.randrange(3, 4000) for _ in range(system_len))
+    order = sorted(
+        range(len(records)),
+        key=lambda i: (records[i].conversation_id or 0, records[i].turn_index or 0),
+    )
+    prompts: list[tuple[int, ...]] = [()] * len(records)
+    history: dict[int, tuple[int, ...]] = {}  # conversation -> its last prompt and reply
+    for i in order:
+        record = records[i]
+        conversation = record.conversation_id
+        before = system if conversation is None else history.get(conversation, system)
+        before = before[: max(0, record.prompt_len - 1)]
+        prompt = before + tuple(
+            rng.randrange(3, 4000) for _ in range(record.prompt_len - len(before))
+        )
+        prompts[i] = prompt
+        if conversation is not None:
+            history[conversation] = prompt + (SAMPLED_TOKEN,) * record.output_tokens
     return prompts

@@ -12,7 +12,7 @@ import pytest
 from bench.plan_accuracy import compare, table
 from bench.plan_accuracy import main as plan_accuracy_main
 from bench.plan_host_cpu import HostCPU, measure_host, per_batch_and_token
-from bench.plan_replay import replay_prompts
+from bench.plan_replay import replay_conversations, replay_prompts
 from bench.rebalance import PhaseOutcome, overall_goodput, phase_outcome
 from bench.rebalance import table as phases_table
 from bench.serving.arrivals import ArrivalSpec
@@ -22,7 +22,7 @@ from bench.serving.runner import BenchConfig, BenchResult
 from router.latency_model import StepCost
 from router.planner.hardware import Hardware
 from router.planner.plan import Layout, Slo
-from router.planner.simulator import SimulatedRequest, WorkloadRequest
+from router.planner.simulator import SAMPLED_TOKEN, SimulatedRequest, WorkloadRequest
 
 BOUNDS = SLO(ttft_ms=100, tpot_ms=20)
 TINY_LLAMA = {
@@ -264,3 +264,18 @@ def test_a_saved_shared_prefix_run_shows_kv_aware_reusing_the_decode_workers_cac
     (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
     assert plan_accuracy_main(["--resimulate", str(tmp_path)]) == 0
     assert "kv_aware's reuse" not in capsys.readouterr().out
+
+
+def test_a_conversations_turns_are_replayed_holding_their_history() -> None:
+    """Two conversations of two turns behind a system prompt of 16 tokens: each first turn
+    starts with it, each second turn with its first turn's prompt and reply (the simulation's
+    sampled tokens), all at their served lengths."""
+    records = tuple(
+        RequestRecord(i, length, 8, True, output_tokens=5, conversation_id=c, turn_index=t)
+        for i, (length, c, t) in enumerate(((40, 0, 0), (30, 1, 0), (60, 0, 1), (50, 1, 1)))
+    )
+    first, other, second, other_second = replay_conversations(records, 16)
+    assert [len(p) for p in (first, other, second, other_second)] == [40, 30, 60, 50]
+    assert first[:16] == other[:16] and first[16:20] != other[16:20]
+    assert second[:45] == first + (SAMPLED_TOKEN,) * 5
+    assert other_second[:35] == other + (SAMPLED_TOKEN,) * 5
