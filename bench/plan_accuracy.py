@@ -2,7 +2,7 @@
 prediction error per layout and rate, in a table).
 
     .venv/bin/python -m bench.plan_accuracy [--layouts colocated2,1p1d] [--loads 0.5,1.0,1.5]
-        [--model-size tiny|small|medium] [--workload chat-like|shared-prefix]
+        [--model-size tiny|small|medium] [--workload chat-like|shared-prefix|multi-turn]
 
 Steps: ``pdserve profile`` measures this machine on the model (a tiny random Llama without
 ``--model``); then, for each layout, ``pdserve serve`` runs it, a closed loop measures its
@@ -40,6 +40,10 @@ the capacity on these); the simulation gives the requests of one system prompt t
 tokens, and a third table sets kv_aware's reuse of the decode workers' caches, served (the
 router's ``pdserve:local_prefills_total`` and ``pdserve:routed_prefix_fetches_total``) beside
 simulated: prompts prefilled on their decode worker, and prefixes fetched from one.
+``--workload multi-turn``: conversations of ``--num-turns`` behind one system prompt of
+``--prefix-len`` tokens, each turn the conversation so far (bench/serving/conversations.py),
+started at a turn's share of each point's rate; replayed as sent, each turn's prompt holding
+its earlier turn's prompt and reply.
 
 Where each point's first tokens spent their time, served and predicted, is a second table
 (bench/ttft_phases.py: wait, prompt, after; served from ``--first-token-trace``, which the
@@ -488,6 +492,49 @@ def _pair(measured: dict[str, float], predicted: dict[str, float], key: str) -> 
     return f"{measured[key]:.0f}/{predicted[key]:.0f} ms"
 
 
+def _serve_point(
+    args: argparse.Namespace,
+    port: int,
+    model_dir: str,
+    planner: Planner,
+    name: str,
+    rate: float,
+    workload: WorkloadSpec,
+) -> tuple[_Point, dict[str, Any]]:
+    """Poisson traffic at ``rate`` requests a second (conversations: started at a turn's share
+    of it) on the layout ``name`` served at ``port``: the point, and what the JSON keeps of it
+    to simulate again."""
+    multi_turn = workload.kind == "multi-turn"
+    arrivals = rate / workload.num_turns if multi_turn else rate
+    busy_before = busy_cpu_seconds()
+    result = _bench(
+        args, port, model_dir, ArrivalSpec(request_rate=arrivals), args.num_prompts, args.seed,
+        True, workload,
+    )  # fmt: skip
+    busy_s = busy_cpu_seconds() - busy_before
+    prefix_ids = _prefix_ids(args, model_dir, workload, result.records)
+    prompts = (
+        replay_conversations(result.records, args.prefix_len)
+        if multi_turn
+        else replay_prompts(result.records, prefix_ids, args.prefix_len)
+    )
+    point_cpu = host_cpu(planner, LAYOUTS[name], result, busy_s, prompts)
+    began = datetime.fromisoformat(result.started_at).timestamp()
+    traces = traces_since(args.out / f"{name}.first_token.jsonl", began)
+    reuse = _served_reuse(result.server_counters)
+    point = _Point(name, rate, result.records, traces, prompts, reuse)
+    return point, {
+        "layout": name,
+        "rate": rate,
+        "records": _sent(result.records, prefix_ids),
+        "workload": workload.kind,
+        "prefix_len": args.prefix_len if prefix_ids or multi_turn else 0,
+        "reuse": reuse,
+        "cpu": asdict(point_cpu),
+        "duration_s": result.summary.duration_s,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.resimulate is not None:
@@ -508,7 +555,6 @@ def main(argv: list[str] | None = None) -> int:
     cores = _cores(args)
     points: list[_Point] = []
     points_workload = _points_workload(args)
-    multi_turn = points_workload.kind == "multi-turn"
     runs: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     for index, name in enumerate(names):
@@ -556,40 +602,11 @@ def main(argv: list[str] | None = None) -> int:
                 ).summary.request_throughput  # fmt: skip
             extra[f"{name}_capacity"] = capacity
             for load in loads:
-                rate = load * capacity  # requests a second (conversations: a turn's share)
-                arrivals = rate / points_workload.num_turns if multi_turn else rate
-                busy_before = busy_cpu_seconds()
-                result = _bench(
-                    args, port, model_dir, ArrivalSpec(request_rate=arrivals), args.num_prompts,
-                    args.seed, True, points_workload,
-                )  # fmt: skip
-                prefix_ids = _prefix_ids(args, model_dir, points_workload, result.records)
-                prompts = (
-                    replay_conversations(result.records, args.prefix_len)
-                    if multi_turn
-                    else replay_prompts(result.records, prefix_ids, args.prefix_len)
+                point, run = _serve_point(
+                    args, port, model_dir, planner, name, load * capacity, points_workload
                 )
-                busy_s = busy_cpu_seconds() - busy_before
-                point_cpu = host_cpu(planner, layout, result, busy_s, prompts)
-                began = datetime.fromisoformat(result.started_at).timestamp()
-                points.append(
-                    _Point(
-                        name, rate, result.records, traces_since(traced, began), prompts,
-                        _served_reuse(result.server_counters),
-                    )
-                )  # fmt: skip
-                runs.append(
-                    {
-                        "layout": name,
-                        "rate": rate,
-                        "records": _sent(result.records, prefix_ids),
-                        "workload": points_workload.kind,
-                        "prefix_len": args.prefix_len if prefix_ids or multi_turn else 0,
-                        "reuse": points[-1].reuse,
-                        "cpu": asdict(point_cpu),
-                        "duration_s": result.summary.duration_s,
-                    }
-                )
+                points.append(point)
+                runs.append(run)
     # every point predicted with what the capacity runs measured, all of it
     comparisons = [
         _compared(planner, p.layout, p.rate, p.records, slo, p.traces, p.prompts, p.reuse)
