@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,8 +103,6 @@ def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
     (a worker of 10 ms a step + 0.1 ms a token, two of them sharing two cores with 1 ms of
     streaming per token): the table compares them with how they were served, and shows the
     prediction on a machine 10 % slower and faster."""
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
     hardware = Hardware(
         "box", 1e11, 1e10, 8e9, 1e10, measured_model="model",
         measured=StepCost(0.010, 1e-4, 0.0, 1e-4, 0.0, 100),
@@ -114,13 +113,10 @@ def test_a_saved_run_is_predicted_again_with_the_planner_as_it_is(
          "success": True, "ttft_s": 0.05, "e2e_s": 0.05 + 9 * (0.01 if i < 8 else 0.05)}
         for i in range(10)
     ]  # fmt: skip
-    saved = {
-        "hardware": hardware.to_json(),
-        "slo": {"ttft_s": 0.1, "tpot_s": 0.0105, "attainment": 0.9},
-        "num_kv_blocks": 1000,
-        "runs": [{"layout": "colocated2", "rate": 10.0, "records": served}],
-    }
-    (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
+    saved = _saved_run(
+        tmp_path, hardware, {"ttft_s": 0.1, "tpot_s": 0.0105, "attainment": 0.9},
+        {"layout": "colocated2", "rate": 10.0, "records": served},
+    )  # fmt: skip
     assert plan_accuracy_main(["--resimulate", str(tmp_path)]) == 0
     row, phases = [line for line in capsys.readouterr().out.splitlines() if "colocated2" in line]
     assert phases.split()[2:] == ["-"] * 6  # a saved run's first tokens were not traced
@@ -235,8 +231,6 @@ def test_a_saved_shared_prefix_run_shows_kv_aware_reusing_the_decode_workers_cac
     """``--resimulate`` of a 1P1D run whose requests share one system prompt of 96 tokens: the
     simulated router prefills some on the decode worker, which holds the prompt from earlier
     hand-offs, and the table says how many (served: not counted in this saved run)."""
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
     hardware = Hardware(
         "box", 1e11, 1e10, 8e9, 1e10, measured_model="model",
         measured=StepCost(0.002, 1e-4, 0.0, 1e-4, 0.0, 100),
@@ -246,13 +240,10 @@ def test_a_saved_shared_prefix_run_shows_kv_aware_reusing_the_decode_workers_cac
          "success": True, "ttft_s": 0.05, "e2e_s": 0.1, "prefix_id": 0}
         for i in range(40)
     ]  # fmt: skip
-    saved = {
-        "hardware": hardware.to_json(),
-        "slo": {"ttft_s": 0.5, "tpot_s": 0.05, "attainment": 0.9},
-        "num_kv_blocks": 1000,
-        "runs": [{"layout": "1p1d", "rate": 500.0, "records": served, "prefix_len": 96}],
-    }
-    (tmp_path / "plan_accuracy.json").write_text(json.dumps(saved))
+    saved = _saved_run(
+        tmp_path, hardware, {"ttft_s": 0.5, "tpot_s": 0.05, "attainment": 0.9},
+        {"layout": "1p1d", "rate": 500.0, "records": served, "prefix_len": 96},
+    )  # fmt: skip
     assert plan_accuracy_main(["--resimulate", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "kv_aware's reuse of decode workers' caches, served/simulated" in printed
@@ -279,3 +270,15 @@ def test_a_conversations_turns_are_replayed_holding_their_history() -> None:
     assert first[:16] == other[:16] and first[16:20] != other[16:20]
     assert second[:45] == first + (SAMPLED_TOKEN,) * 5
     assert other_second[:35] == other + (SAMPLED_TOKEN,) * 5
+
+
+def _saved_run(
+    directory: Path, hardware: Hardware, slo: dict[str, float], run: dict[str, Any]
+) -> dict[str, Any]:
+    """A finished bench.plan_accuracy run in ``directory``, as ``--resimulate`` reads it: the
+    tiny model's config, the profile, the SLOs and one point's requests."""
+    (directory / "model").mkdir()
+    (directory / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
+    saved = {"hardware": hardware.to_json(), "slo": slo, "num_kv_blocks": 1000, "runs": [run]}
+    (directory / "plan_accuracy.json").write_text(json.dumps(saved))
+    return saved
