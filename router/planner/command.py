@@ -13,9 +13,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from router.local_prefill import LocalPrefillRule
 from router.planner.hardware import PRESETS, Hardware, hardware_named
 from router.planner.model_costs import KV_CACHE_DTYPE_BYTES, ModelCosts
-from router.planner.plan import LayoutResult, Planner, Slo, rates_around
+from router.planner.plan import Layout, LayoutResult, Planner, Slo, rates_around
 from router.planner.report import deploy_snippet, results_table, write_plot
 from router.planner.simulator import ROUTER_POLICIES
 from router.planner.workload import PlanWorkload
@@ -75,6 +76,19 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--num-kv-blocks", type=int, default=None, help="per worker")
     engine.add_argument(
+        "--max-local-prefill-length",
+        type=int,
+        default=0,
+        help="disaggregated: prompts of at most this many tokens prefilled on their decode worker",
+    )
+    engine.add_argument(
+        "--max-prefill-queue-tokens",
+        type=int,
+        default=None,
+        help="disaggregated: past this many prompt tokens queued on every prefill worker, a "
+        "prompt is prefilled on its decode worker (if that one prefills nothing)",
+    )
+    engine.add_argument(
         "--router-policy",
         choices=ROUTER_POLICIES,
         default=ROUTER_POLICIES[0],
@@ -112,6 +126,9 @@ def run_plan(args: argparse.Namespace) -> int:
         memory_fraction=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         router_policy=args.router_policy,
+        local_prefill=LocalPrefillRule(
+            args.max_local_prefill_length, args.max_prefill_queue_tokens
+        ),
     )
     tp_sizes = [int(size) for size in args.tp_sizes.split(",") if size.strip()]
     layouts = planner.layouts(args.max_devices, tp_sizes)
@@ -150,11 +167,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if best is None:
         print(f"no layout of at most {args.max_devices} devices meets the SLOs at this rate")
         return 1
-    flags = " ".join(best.layout.serve_flags())
-    if args.router_policy != ROUTER_POLICIES[0]:
-        flags += f" --router-policy {args.router_policy}"
-    if args.kv_cache_dtype != "auto":
-        flags += f" --kv-cache-dtype {args.kv_cache_dtype}"
+    flags = " ".join(serve_flags(best.layout, args))
     snippet = deploy_snippet(best.layout, model.name, args.gpus_per_node)
     (args.out / "deploy-values.yaml").write_text(snippet)
     print(f"\nchosen: {best.layout.name} ({best.layout.devices} devices)")
@@ -162,6 +175,21 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"wrote {args.out / 'plan.json'}, {args.out / 'deploy-values.yaml'}" + (
         f", {plot}" if plot else " (no plot: matplotlib is not installed)"))  # fmt: skip
     return 0
+
+
+def serve_flags(layout: Layout, args: argparse.Namespace) -> list[str]:
+    """``pdserve serve``'s flags for ``layout`` and the settings the plan simulated that are
+    not serve's defaults."""
+    flags = layout.serve_flags()
+    if args.router_policy != ROUTER_POLICIES[0]:
+        flags += ["--router-policy", args.router_policy]
+    if args.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if layout.num_prefill and args.max_local_prefill_length:
+        flags += ["--max-local-prefill-length", str(args.max_local_prefill_length)]
+    if layout.num_prefill and args.max_prefill_queue_tokens is not None:
+        flags += ["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
+    return flags
 
 
 def shared_host_line(hardware: Hardware) -> str:

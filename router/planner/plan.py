@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.local_prefill import LocalPrefillRule
 from router.planner.hardware import Hardware, StepTimeModel, transfer_seconds
 from router.planner.model_costs import ModelCosts
 from router.planner.shared_host import HostShare
@@ -107,6 +108,7 @@ class Planner:
     memory_fraction: float = 0.9
     num_kv_blocks: int | None = None  # per worker, instead of what its memory holds
     router_policy: str = "kv_aware"  # the router's, simulated (simulator.ROUTER_POLICIES)
+    local_prefill: LocalPrefillRule = LocalPrefillRule()  # the router's conditional rule
 
     def layouts(self, max_devices: int, tp_sizes: Sequence[int]) -> list[Layout]:
         sizes = [tp for tp in tp_sizes if self.kv_blocks(tp) > 0 and self._divides(tp)]
@@ -150,6 +152,7 @@ class Planner:
             self.router_policy,
             self._host(),
             prefix_fetch=layout.prefill_tp == 1 and layout.decode_tp == 1,
+            local_prefill=self.local_prefill,
         )
 
     def _host(self) -> HostShare | None:

@@ -66,6 +66,7 @@ from router.kv_aware import KVAware
 from router.kv_index import KVIndex
 from router.latency_model import StepShape, shape_of
 from router.load_ledger import LoadLedger
+from router.local_prefill import LocalPrefillRule
 from router.planner.shared_host import HostShare, SharedHost
 from router.policies import LeastLoaded, RoutingInfo, RoutingPolicy
 
@@ -115,6 +116,9 @@ class ClusterShape:
     # the router's load poll: it routes on each worker's latest report plus the requests routed
     # to it that the report may not show (router/load_ledger.py); 0: on the loads as they are
     report_interval_s: float = 0.5
+    # the router's conditional disaggregation: short prompts, or prompts arriving while the
+    # prefill pool is backlogged, prefilled on their decode worker (router/local_prefill.py)
+    local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)
 
     def __post_init__(self) -> None:
         if self.router_policy not in ROUTER_POLICIES:
@@ -259,11 +263,11 @@ class Simulation:
 
     # ---- the run --------------------------------------------------------------------------
     def run(self) -> list[SimulatedRequest]:
+        if self.cluster.report_interval_s > 0:  # (the first before any arrival)
+            self._at(0.0, self._report)
         for simulated in self.requests:
             if simulated.request.follows is None:
                 self._at(simulated.request.arrival_s, functools.partial(self._arrive, simulated))
-        if self.cluster.report_interval_s > 0:
-            self._at(0.0, self._report)
         while self._events:
             self.now, _, action = heapq.heappop(self._events)
             action()
@@ -356,6 +360,11 @@ class Simulation:
             return _Route(chosen, chosen)
         decode = workers[self._policy.choose_decode(routing, decode_loads)]
         prefill_loads = self._loads(self.prefill)
+        decode_load = next(w for w in decode_loads if w.worker_id == decode.name)
+        rule = self.cluster.local_prefill
+        if rule.reason(len(routing.prompt_token_ids), prefill_loads, decode_load) is not None:
+            self.num_local_prefills += 1
+            return _Route(decode, decode)
         if isinstance(self._policy, KVAware):
             reuse = self._policy.choose_reuse(routing, prefill_loads, decode_loads)
             if reuse is not None:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from engine.step_timings import STEP_TIMINGS_KEPT
-from router.cli import main
+from router.cli import build_parser, main
 from router.latency_model import StepShape
-from router.planner.command import shared_host_line
+from router.planner.command import serve_flags, shared_host_line
 from router.planner.hardware import PRESETS, Hardware, StepTimeModel
 from router.planner.model_costs import ModelCosts
 from router.planner.plan import Layout, LayoutResult, Planner, Slo
@@ -510,6 +510,27 @@ def test_pdserve_plan_refuses_bad_input_naming_the_flag(
     assert "no layout of at most 2 devices holds" in capsys.readouterr().err
     assert main([*base, "--rate", "1", "--turns", "0"]) == 2
     assert "--turns must be >= 1 and --think-s >= 0, got 0 and 5.0" in capsys.readouterr().err
+    assert main([*base, "--rate", "1", "--max-local-prefill-length", "-1"]) == 2
+    assert "--max-local-prefill-length must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_the_plans_serve_flags_carry_the_routers_settings_it_simulated() -> None:
+    """The router's conditional local prefills go with a disaggregated layout only (a
+    colocated worker prefills every prompt anyway); serve's defaults are not repeated."""
+    args = build_parser().parse_args(
+        ["plan", "--model", "m", "--rate", "1", "--max-local-prefill-length", "64",
+         "--max-prefill-queue-tokens", "4096", "--router-policy", "least_loaded"]
+    )  # fmt: skip
+    assert serve_flags(Layout(1, 1, 2, 1), args) == [
+        "--prefill", "1", "--decode", "2", "--prefill-tp", "1", "--decode-tp", "1",
+        "--router-policy", "least_loaded", "--max-local-prefill-length", "64",
+        "--max-prefill-queue-tokens", "4096",
+    ]  # fmt: skip
+    assert serve_flags(Layout(0, 1, 2, 1), args) == [
+        "--prefill", "0", "--decode", "2", "--router-policy", "least_loaded",
+    ]  # fmt: skip
+    defaults = build_parser().parse_args(["plan", "--model", "m", "--rate", "1"])
+    assert serve_flags(Layout(1, 1, 1, 1), defaults) == Layout(1, 1, 1, 1).serve_flags()
 
 
 def test_pdserve_profile_of_a_model_without_its_weights(

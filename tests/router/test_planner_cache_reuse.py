@@ -1,7 +1,8 @@
 """The planner's simulation of decode workers' caches as the cluster uses them: a hand-off
 shares the prefix the decode worker holds (only the rest moves), and kv_aware sends a prompt
 whose prefix a decode worker holds to be prefilled there (a local prefill) or has a prefill
-worker copy that prefix first (a fetch), as router/placements.py asks ``choose_reuse``."""
+worker copy that prefix first (a fetch), as router/placements.py asks ``choose_reuse``; the
+router's view of the loads; conversations; the router's conditional local prefills."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from router.latency_model import StepShape
+from router.local_prefill import LocalPrefillRule
 from router.planner.hardware import PRESETS
 from router.planner.model_costs import ModelCosts
 from router.planner.plan import Layout, Planner, Slo, fitting
@@ -195,3 +197,28 @@ def test_a_workload_of_conversations_resends_each_turns_history(tmp_path: Path) 
     assert result.attainment == 1.0 and result.local_prefill_share > 0
     with pytest.raises(ValueError, match="--turns must be >= 1"):
         PlanWorkload(rate=1.0, turns=0)
+
+
+def test_the_routers_conditional_local_prefills_are_simulated_as_it_applies_them() -> None:
+    """Three prompts of 200 tokens at once and a 20-token one at 0.3 s, least_loaded. With a
+    short-prompt rule of 32 tokens, the short one is prefilled on the decode worker (no
+    hand-off). With a backlog rule of 100 queued tokens, the second prompt (the first's 200
+    queued ahead of it, as the router sees them) goes to the decode worker, the third to the
+    prefill worker again (the decode worker is prefilling one already)."""
+    prompts = [WorkloadRequest(0.0, tuple(range(i * 300, i * 300 + 200)), 4) for i in range(3)]
+    prompts.append(WorkloadRequest(0.3, tuple(range(5000, 5020)), 4))
+
+    def run(rule: LocalPrefillRule) -> tuple[Simulation, list[int], list[float | None]]:
+        moved: list[int] = []
+        cluster = _cluster(moved, router_policy="least_loaded", local_prefill=rule)
+        simulation = Simulation(cluster, prompts)
+        return simulation, moved, [r.ttft_s for r in simulation.run()]
+
+    simulation, moved, ttfts = run(LocalPrefillRule())
+    assert (simulation.num_local_prefills, moved) == (0, [13, 13, 13, 2])
+    simulation, moved, ttfts = run(LocalPrefillRule(max_local_prompt_tokens=32))
+    assert (simulation.num_local_prefills, moved) == (1, [13, 13, 13])
+    assert ttfts[3] == pytest.approx(0.012)
+    simulation, moved, ttfts = run(LocalPrefillRule(max_prefill_queue_tokens=100))
+    assert (simulation.num_local_prefills, moved) == (1, [13, 13, 2])
+    assert ttfts[:3] == pytest.approx([0.030, 0.030, 0.060])
