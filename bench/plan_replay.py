@@ -44,10 +44,10 @@ def replay_prompts(
         prompt: tuple[int, ...] = ()
         if prefix_id is not None and prefix_len:
             if prefix_id not in shared:
-                shared[prefix_id] = tuple(rng.randrange(3, 4000) for _ in range(prefix_len))
+                shared[prefix_id] = _tokens(rng, prefix_len)
             prompt = shared[prefix_id][: max(0, record.prompt_len - 1)]
         rest = record.prompt_len - len(prompt)
-        prompts.append(prompt + tuple(rng.randrange(3, 4000) for _ in range(rest)))
+        prompts.append(prompt + _tokens(rng, rest))
     return prompts
 
 
@@ -57,7 +57,7 @@ def replay_conversations(records: tuple[RequestRecord, ...], system_len: int) ->
     next turn with its earlier turn's prompt and reply (as the simulation samples it), then new
     tokens to its served length."""
     rng = random.Random(0)
-    system = tuple(rng.randrange(3, 4000) for _ in range(system_len))
+    system = _tokens(rng, system_len)
     order = sorted(
         range(len(records)),
         key=lambda i: (records[i].conversation_id or 0, records[i].turn_index or 0),
@@ -69,10 +69,13 @@ def replay_conversations(records: tuple[RequestRecord, ...], system_len: int) ->
         conversation = record.conversation_id
         before = system if conversation is None else history.get(conversation, system)
         before = before[: max(0, record.prompt_len - 1)]
-        prompt = before + tuple(
-            rng.randrange(3, 4000) for _ in range(record.prompt_len - len(before))
-        )
+        prompt = before + _tokens(rng, record.prompt_len - len(before))
         prompts[i] = prompt
         if conversation is not None:
             history[conversation] = prompt + (SAMPLED_TOKEN,) * record.output_tokens
     return prompts
+
+
+def _tokens(rng: random.Random, num_tokens: int) -> tuple[int, ...]:
+    """``num_tokens`` token ids drawn from ``rng`` (none special in the tiny vocabulary)."""
+    return tuple(rng.randrange(3, 4000) for _ in range(num_tokens))

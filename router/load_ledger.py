@@ -90,3 +90,27 @@ class LoadLedger:
     @property
     def num_charges(self) -> int:
         return len(self._charges)
+
+
+def charge_routed(
+    request_id: str,
+    prefill: LoadLedger | None,
+    decode: LoadLedger,
+    num_prompt_tokens: int,
+    num_sequences: int,
+    num_resumed_tokens: int = 0,
+) -> None:
+    """Count a routed request towards its workers: its prompt queued on the prefill worker
+    (None: on the decode worker, which prefills it itself), its sequences running on the decode
+    worker, each reading the prompt's KV (and its resumed tokens')."""
+    context = num_sequences * num_prompt_tokens + num_resumed_tokens
+    if prefill is None:
+        decode.charge(
+            request_id,
+            num_sequences=num_sequences,
+            num_prompt_tokens=num_prompt_tokens,
+            num_context_tokens=context,
+        )
+        return
+    prefill.charge(request_id, num_prompt_tokens=num_prompt_tokens)
+    decode.charge(request_id, num_sequences=num_sequences, num_context_tokens=context)

@@ -36,7 +36,7 @@ from engine.messages import GenerateRequest, KVCursor, KVEventsReply, WorkerLoad
 from router.cluster_config import ClusterConfig
 from router.kv_index import KVIndex
 from router.latency_model import LatencyModel
-from router.load_ledger import LoadLedger
+from router.load_ledger import LoadLedger, charge_routed
 from router.worker_host import RoleChange
 from router.worker_shutdown import join_threads, stop_actors
 from router.worker_slots import CALL_TIMEOUT_S, WorkerLauncher, WorkerSlot
@@ -218,19 +218,14 @@ class WorkerPool:
                 return  # (a worker that left meanwhile: nothing to count it towards)
             for worker in self.workers.values():
                 worker.ledger.drop(request_id)
-            decode = self.workers[decode_id].ledger
-            context = num_sequences * num_prompt_tokens + num_resumed_tokens
-            if prefill_id is None:  # the decode worker prefills the prompt itself
-                decode.charge(
-                    request_id,
-                    num_sequences=num_sequences,
-                    num_prompt_tokens=num_prompt_tokens,
-                    num_context_tokens=context,
-                )
-            else:
-                prefill = self.workers[prefill_id].ledger
-                prefill.charge(request_id, num_prompt_tokens=num_prompt_tokens)
-                decode.charge(request_id, num_sequences=num_sequences, num_context_tokens=context)
+            charge_routed(
+                request_id,
+                None if prefill_id is None else self.workers[prefill_id].ledger,
+                self.workers[decode_id].ledger,
+                num_prompt_tokens,
+                num_sequences,
+                num_resumed_tokens,
+            )
 
     def charge_decode(self, decode_id: str, request_id: str, num_sequences: int) -> None:
         """Count a request pointed at another decode worker towards it."""

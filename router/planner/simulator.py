@@ -65,7 +65,7 @@ from engine.step_timings import step_timing
 from router.kv_aware import KVAware
 from router.kv_index import KVIndex
 from router.latency_model import StepShape, shape_of
-from router.load_ledger import LoadLedger
+from router.load_ledger import LoadLedger, charge_routed
 from router.local_prefill import LocalPrefillRule
 from router.planner.shared_host import HostShare, SharedHost
 from router.policies import LeastLoaded, RoutingInfo, RoutingPolicy
@@ -221,6 +221,8 @@ class Simulation:
             if prefill is None
             else [self._worker(f"prefill-{i}", prefill) for i in range(prefill.count)]
         )
+        self._workers = (*self.prefill, *self.decode)
+        self._by_name = {w.name: w for w in self._workers}
         self._of_seq: dict[int, SimulatedRequest] = {}
         self._decode_of: dict[int, _Worker] = {}  # prefill seq id -> its decode worker
         self._prefill_of: dict[int, _Worker] = {}  # handed-off seq id -> its prefill worker
@@ -287,7 +289,7 @@ class Simulation:
     def _report(self) -> None:
         """The router's load poll: every worker's load now, into its ledger (which drops the
         charges it shows); again after the interval while any request is unfinished."""
-        for worker in (*self.prefill, *self.decode):
+        for worker in self._workers:
             worker.ledger.record(_load(worker), self.now, self._open.__contains__)
         if self._num_finished < len(self.requests):
             self._at(self.now + self.cluster.report_interval_s, self._report)
@@ -299,20 +301,10 @@ class Simulation:
         return [w.ledger.load or _load(w) for w in workers]
 
     def _charge(self, route: _Route, request_id: str, num_prompt_tokens: int) -> None:
-        """The router counts a routed request towards its workers (WorkerPool.charge), the
+        """The router counts a routed request towards its workers (as WorkerPool.charge), the
         prompt worker holding it at once."""
-        if route.prompt is route.decode:
-            route.decode.ledger.charge(
-                request_id,
-                num_sequences=1,
-                num_prompt_tokens=num_prompt_tokens,
-                num_context_tokens=num_prompt_tokens,
-            )
-        else:
-            route.prompt.ledger.charge(request_id, num_prompt_tokens=num_prompt_tokens)
-            route.decode.ledger.charge(
-                request_id, num_sequences=1, num_context_tokens=num_prompt_tokens
-            )
+        prefill = None if route.prompt is route.decode else route.prompt.ledger
+        charge_routed(request_id, prefill, route.decode.ledger, num_prompt_tokens, 1)
         route.prompt.ledger.mark_held(request_id, self.now)
 
     def _at(self, time_s: float, action: Callable[[], None]) -> None:
@@ -353,12 +345,11 @@ class Simulation:
         """Where the prompt is prefilled and decoded, as the router's policy places it on the
         workers as they are now (router/placements.py)."""
         self._publish_kv_events()
-        workers = {w.name: w for w in (*self.prefill, *self.decode)}
         decode_loads = self._loads(self.decode)
         if not self.prefill:  # colocated: the decode worker prefills
-            chosen = workers[self._policy.choose_decode(routing, decode_loads)]
+            chosen = self._by_name[self._policy.choose_decode(routing, decode_loads)]
             return _Route(chosen, chosen)
-        decode = workers[self._policy.choose_decode(routing, decode_loads)]
+        decode = self._by_name[self._policy.choose_decode(routing, decode_loads)]
         prefill_loads = self._loads(self.prefill)
         decode_load = next(w for w in decode_loads if w.worker_id == decode.name)
         rule = self.cluster.local_prefill
@@ -368,12 +359,12 @@ class Simulation:
         if isinstance(self._policy, KVAware):
             reuse = self._policy.choose_reuse(routing, prefill_loads, decode_loads)
             if reuse is not None:
-                holder = workers[reuse.decode_worker_id]
+                holder = self._by_name[reuse.decode_worker_id]
                 if reuse.prefill_worker_id is None:
                     self.num_local_prefills += 1
                     return _Route(holder, holder)
-                return _Route(workers[reuse.prefill_worker_id], holder, reuse.fetch_blocks)
-        return _Route(workers[self._policy.choose_prefill(routing, prefill_loads)], decode)
+                return _Route(self._by_name[reuse.prefill_worker_id], holder, reuse.fetch_blocks)
+        return _Route(self._by_name[self._policy.choose_prefill(routing, prefill_loads)], decode)
 
     def _fetch(self, route: _Route, seq: EngineSequence) -> None:
         """The prefill worker copies the prompt's first ``route.fetch_blocks`` blocks from the
@@ -414,7 +405,7 @@ class Simulation:
 
     def _publish_kv_events(self) -> None:
         """The workers' prefix-cache events since the last decision, into kv_aware's index."""
-        for worker in (*self.prefill, *self.decode):
+        for worker in self._workers:
             if worker.kv_events is None:
                 continue
             events = worker.kv_events.take()
@@ -468,14 +459,14 @@ class Simulation:
             simulated = self._of_seq[tokens.seq.seq_id]
             if simulated.prompt_done_s is None:  # its decode worker holds it from here on
                 simulated.prompt_done_s = self.now
-                for held_by in (*self.prefill, *self.decode):
+                for held_by in self._workers:
                     held_by.ledger.mark_held(tokens.seq.request_id, self.now)
             was_done = simulated.done
             simulated.num_tokens += tokens.num_tokens
             if simulated.done and not was_done:  # it no longer counts towards any worker
                 self._num_finished += 1
                 self._open.discard(tokens.seq.request_id)
-                for charged in (*self.prefill, *self.decode):
+                for charged in self._workers:
                     charged.ledger.drop(tokens.seq.request_id)
             deliveries.append(
                 (
