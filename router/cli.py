@@ -248,11 +248,20 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--rebalance",
         action="store_true",
-        help="move a worker between the prefill and decode pools when one pool is the "
+        help="move workers between the prefill and decode pools when one pool is the "
         "bottleneck (its predicted TTFT or TPOT near --slo-ttft-ms / --slo-tpot-ms) while the "
-        "other has room to spare, for --rebalance-window-s; it drains, finishes or hands on "
-        "what it holds (no request fails) and restarts in the other role; at most one switch "
+        "other has room to spare, for --rebalance-window-s (as many as the shift needs, "
+        "--rebalance-max-moves); each drains, finishes or hands on what it holds (no request "
+        "fails) and restarts in the other role; at most one switch "
         "per --rebalance-cooldown-s, one worker kept per pool (router/rebalancer.py)",
+    )
+    cluster.add_argument(
+        "--rebalance-max-moves",
+        type=_int_in(1),
+        default=None,
+        help="workers one switch moves at most (pools of different TP sizes: exchanges); "
+        "default: as many as bring the bottleneck pool's projected pressure to 0.7 of its SLO "
+        "while the giving pool's stays at most that",
     )
     cluster.add_argument(
         "--rebalance-window-s",
@@ -662,7 +671,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         decode_resources={args.decode_resource: 1.0} if args.decode_resource else {},
         speculative=args.speculative_config,
         latency_profile=args.latency_profile or args.admission == "slo" or args.rebalance,
-        rebalance=_rebalance_config(args),
+        rebalance=rebalance_config(args),
     )
     return run_serve(args, config)
 
@@ -676,7 +685,8 @@ def _log_with_times() -> None:
     )
 
 
-def _rebalance_config(args: argparse.Namespace) -> RebalanceConfig | None:
+def rebalance_config(args: argparse.Namespace) -> RebalanceConfig | None:
+    """The rebalancer's settings from ``serve``'s flags; None without ``--rebalance``."""
     if not args.rebalance:
         return None
     return RebalanceConfig(
@@ -686,6 +696,7 @@ def _rebalance_config(args: argparse.Namespace) -> RebalanceConfig | None:
         cooldown_s=args.rebalance_cooldown_s,
         drain_timeout_s=args.rebalance_drain_timeout_s,
         place_timeout_s=args.rebalance_place_timeout_s,
+        max_moves=args.rebalance_max_moves,
     )
 
 

@@ -30,6 +30,12 @@ class RebalanceConfig:
     # that helped clears k
     min_relief: float = 0.1
     max_backoff: int = 3
+    # how many moves (one worker for one, or one exchange between pools of different sizes) a
+    # switch makes: the fewest that bring the receiving pool's projected pressure to
+    # ``settle_pressure``, as many as leave the giving pool's projected pressure and
+    # utilization at most that; one at least, ``max_moves`` at most (None: no bound)
+    settle_pressure: float = 0.7
+    max_moves: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.slo_ttft_s, self.slo_tpot_s) <= 0:
@@ -45,6 +51,13 @@ class RebalanceConfig:
             )
         if not 0 <= self.min_relief < 1 or self.max_backoff < 0:
             raise ValueError("min_relief must be in [0, 1) and max_backoff >= 0")
+        if not 0 < self.settle_pressure <= self.pressure_high:
+            raise ValueError(
+                f"settle_pressure must be in (0, {self.pressure_high}] (the switching "
+                f"pressure), got {self.settle_pressure}"
+            )
+        if self.max_moves is not None and self.max_moves < 1:
+            raise ValueError(f"--rebalance-max-moves must be >= 1, got {self.max_moves}")
         if not 0 <= self.donor_pressure_low < self.pressure_high:
             raise ValueError(
                 f"the donor pool's pressure bound ({self.donor_pressure_low}) must be below the "
@@ -77,6 +90,10 @@ class Exchange:
     given: int
     started: int
 
+    def times(self, moves: int) -> Exchange:
+        """``moves`` of this exchange at once."""
+        return Exchange(self.given * moves, self.started * moves)
+
 
 def exchange(giver_ranks: int, receiver_ranks: int) -> Exchange:
     """The exchange between workers of ``giver_ranks`` and of ``receiver_ranks`` ranks: TP 1
@@ -95,7 +112,7 @@ class Switch:
     from_role: str
     to_role: str
     reason: str
-    exchange: Exchange = ONE_FOR_ONE
+    exchange: Exchange = ONE_FOR_ONE  # all its moves': workers that leave, workers that start
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,16 +180,42 @@ class RebalancePolicy:
             since = self._since.setdefault((donor, receiver), now)
             if now - since >= config.window_s:
                 self._decided = ((donor, receiver), signals.judged(receiver))
+                moves = self._moves(signals, donor, receiver, trade)
                 return Switch(
                     donor,
                     receiver,
                     f"{receiver} pressure {signals.pressure[receiver]:.2f} (>= "
                     f"{config.pressure_high}) while {donor} pressure "
                     f"{signals.pressure[donor]:.2f} and utilization "
-                    f"{signals.utilization[donor]:.2f}, for {now - since:.0f} s",
-                    trade,
+                    f"{signals.utilization[donor]:.2f}, for {now - since:.0f} s"
+                    + (f"; {moves} moves at once" if moves > 1 else ""),
+                    trade.times(moves),
                 )
         return None
+
+    def _moves(self, signals: PoolSignals, donor: str, receiver: str, trade: Exchange) -> int:
+        """How many of ``trade`` a switch makes: the fewest that bring the receiving pool's
+        projected pressure to ``settle_pressure``, as many as keep the giving pool's projected
+        pressure and utilization at most that and a worker in it (one at least, ``max_moves``
+        at most). A pool's load is taken to spread evenly over its workers: k more workers
+        scale its pressure and utilization by n / (n + k). A pressure has parts that more
+        workers do not divide (a prompt's own prefill, a decode step's fixed cost), so the
+        projection overstates the relief a move brings the receiving pool and the strain it
+        puts on the giving one: it errs towards fewer moves, the rest left to the next switch."""
+        config = self.config
+        num_donors = signals.num_workers[donor]
+        num_receivers = max(1, signals.num_workers[receiver])
+        receiving_load = signals.pressure[receiver] * num_receivers
+        giving_load = max(signals.pressure[donor], signals.utilization[donor]) * num_donors
+        moves = 1
+        while config.max_moves is None or moves < config.max_moves:
+            if receiving_load / (num_receivers + trade.started * moves) <= config.settle_pressure:
+                break  # the receiving pool settles with these
+            left = num_donors - trade.given * (moves + 1)
+            if left < 1 or giving_load / left > config.settle_pressure:
+                break  # one more would strain the giving pool (or empty it)
+            moves += 1
+        return moves
 
     def switched(self, now: float) -> None:
         """The switch decided last was carried out (or tried) at ``now``."""

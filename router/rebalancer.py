@@ -10,13 +10,17 @@ Every report interval the rebalancer reads, per pool:
                   timings they report).
 A worker moves from pool A to pool B when, for a whole ``window_s``, B's pressure is at least
 ``pressure_high`` while A's is at most ``donor_pressure_low`` and A's utilization at most
-``donor_utilization_low``, and A keeps at least one worker. After a switch none follows for
+``donor_utilization_low``, and A keeps at least one worker. A switch makes as many moves as
+the shift needs (``RebalancePolicy._moves``): the fewest that bring B's pressure, projected as
+spread over its workers, to ``settle_pressure``, as long as A's projected pressure and
+utilization stay at most that (``--rebalance-max-moves`` bounds them). After a switch none follows for
 ``cooldown_s`` (and the thresholds' gap keeps the two directions apart): roles do not flap.
 At the cooldown's end the switch is judged: one that did not lower its pool's pressure, as the
 workers' step timings predict it, makes the next switch that way wait longer
 (``RebalancePolicy``'s back-off); the verdict is logged.
 
-A switch (``Rebalancer.switch``): the pool's least busy worker stops being routed new work
+A switch (``Rebalancer.switch``): the pool's least busy worker (or workers: one per move, all
+drained at once, then changed one after another) stops being routed new work
 (draining); what it holds runs on, for up to ``drain_timeout_s``; anything still on it then is
 resumed elsewhere (a decode worker's requests are recomputed after the tokens their clients
 have, as after a worker's loss: no request fails); then it is retired (out of rotation, its slot
@@ -202,28 +206,43 @@ class Rebalancer:
                 break
             if self.pool.stopping.wait(_DRAIN_POLL_S):
                 return []
-        cpus = self.pool.slot_cpus(leaving[0])
         drained = time.monotonic()
         if self.pool.changes_roles_in_place:  # (pools of one size: one for one)
-            joined = self._change_in_place(leaving[0], decision, cpus)
+            joined = []
+            for worker in leaving:  # one after another, each in rotation once changed
+                changed = self._change_in_place(worker, decision, self.pool.slot_cpus(worker))
+                self._log_joined(changed, [worker], started, drained)
+                joined += changed
         else:
-            joined = self._exchange(leaving, decision, cpus)
+            joined = self._exchange(leaving, decision)
+            self._log_joined(joined, leaving, started, drained)
         if not joined:
             return []
         with self._lock:
             self._switches[(decision.from_role, decision.to_role)] += 1
-        joined_at = time.monotonic()
+        return joined
+
+    def _log_joined(
+        self,
+        joined: list[WorkerHandle],
+        leaving: list[WorkerHandle],
+        started: float,
+        drained: float,
+    ) -> None:
+        """Log the workers that joined their new pool in place of ``leaving`` (none: nothing
+        logged; the failure was)."""
+        if not joined:
+            return
         logger.warning(
             "rebalancing: %s worker %s in rotation in place of %s (%s; drained in %.1f s, "
             "joined %.1f s later)",
-            decision.to_role,
+            joined[0].role,
             ", ".join(w.worker_id for w in joined),
-            names,
+            ", ".join(w.worker_id for w in leaving),
             "the same process" if joined[0].actor is leaving[0].actor else "a new process",
             drained - started,
-            joined_at - drained,
+            time.monotonic() - drained,
         )
-        return joined
 
     def _change_in_place(
         self, leaving: WorkerHandle, decision: Switch, cpus: tuple[int, ...]
@@ -247,31 +266,33 @@ class Rebalancer:
             return []
         return [joined]
 
-    def _exchange(
-        self, leaving: list[WorkerHandle], decision: Switch, cpus: tuple[int, ...]
-    ) -> list[WorkerHandle]:
+    def _exchange(self, leaving: list[WorkerHandle], decision: Switch) -> list[WorkerHandle]:
         """The leaving workers' processes stop and workers of the other pool's size start
-        where Ray places them; if Ray places none within ``place_timeout_s`` (no node has
-        room), workers of the old role start again in the room given back."""
+        where Ray places them (each on the cores of the leaving workers whose room it takes,
+        where workers are bound to cores); if Ray places none within ``place_timeout_s`` (no
+        node has room), workers of the old role start again in the room given back."""
+        num_started = decision.exchange.started
+        cpus = [self.pool.slot_cpus(w) for w in leaving]
         for worker in leaving:
             if self.pool.retire(worker, keep_placement=False):
                 self._recover([worker])  # what it still holds: resumed elsewhere
                 self.pool.stop_retired(worker)
         joined: list[WorkerHandle] = []
-        for _ in range(decision.exchange.started):
-            started = self.pool.start_worker(decision.to_role, cpus, self.config.place_timeout_s)
+        for index in range(num_started):
+            room = cpus[index * len(leaving) // num_started]
+            started = self.pool.start_worker(decision.to_role, room, self.config.place_timeout_s)
             if started is None:
                 break
             joined.append(started)
         names = ", ".join(w.worker_id for w in leaving)
-        if joined and len(joined) < decision.exchange.started:
+        if joined and len(joined) < num_started:
             logger.warning(
                 "rebalancing: %d of %d %s workers started in place of %s (Ray placed no more)",
-                len(joined), decision.exchange.started, decision.to_role, names,
+                len(joined), num_started, decision.to_role, names,
             )  # fmt: skip
         if joined:
             return joined
-        restored = [self.pool.start_worker(decision.from_role, cpus) for _ in leaving]
+        restored = [self.pool.start_worker(decision.from_role, room) for room in cpus]
         back = [w.worker_id for w in restored if w is not None]
         logger.error(
             "rebalancing: no %s worker started in place of %s; %s",

@@ -21,7 +21,7 @@ from engine.messages import TokenEvent
 from engine.sampling.params import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import describe_auto
-from router.cli import build_parser, main
+from router.cli import build_parser, main, rebalance_config
 from router.cluster import RequestFailedError, SlotRestarts, WorkerStatus
 from router.cluster_config import ClusterConfig
 from router.gateway.auth import ApiKeys
@@ -363,6 +363,16 @@ def test_the_admission_flags_reach_the_gateways_policy() -> None:
         admission_policy(_serve_args("--admission", "slo", "--admission-attainment", "1"))
 
 
+def test_the_rebalance_flags_reach_the_policys_config() -> None:
+    slos = ("--slo-ttft-ms", "500", "--slo-tpot-ms", "50")
+    config = rebalance_config(_serve_args("--rebalance", *slos, "--rebalance-max-moves", "2"))
+    assert config is not None and (config.slo_ttft_s, config.slo_tpot_s) == (0.5, 0.05)
+    assert config.max_moves == 2
+    default = rebalance_config(_serve_args("--rebalance", *slos))
+    assert default is not None and default.max_moves is None  # as many as the shift needs
+    assert rebalance_config(_serve_args(*slos)) is None
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -375,6 +385,7 @@ def test_the_admission_flags_reach_the_gateways_policy() -> None:
         (("--max-tokens", "0"), "argument --max-tokens: must be >= 1, got 0"),
         (("--max-concurrent-requests", "0"), "argument --max-concurrent-requests: must be >= 1"),
         (("--max-worker-restarts", "-1"), "argument --max-worker-restarts: must be >= 0, got -1"),
+        (("--rebalance-max-moves", "0"), "argument --rebalance-max-moves: must be >= 1, got 0"),
     ],
 )
 def test_serve_refuses_flags_out_of_range_naming_the_flag(

@@ -1,6 +1,6 @@
 """``--rebalance`` on a local Ray: a workload that shifts from prompt-heavy to output-heavy
-makes one prefill worker become a decode worker, once, in its own process (no new one starts;
-a tensor-parallel worker's ranks change with it, in theirs), or, where the decode pool's
+makes prefill workers become decode workers, in one switch, each in its own process (no new
+one starts; a tensor-parallel worker's ranks change with it, in theirs), or, where the decode pool's
 workers have twice the ranks of the prefill pool's, two prefill workers make way for a new
 decode worker of the decode pool's size, in new processes; with no request failed and every
 output what the offline engine gives."""
@@ -86,14 +86,18 @@ def _rebalance(cooldown_s: float, place_timeout_s: float = 120.0) -> RebalanceCo
 
 
 def _prefill_heavy(
-    llama_dir: Path, rebalance: RebalanceConfig, prefill_tp: int, decode_tp: int
+    llama_dir: Path,
+    rebalance: RebalanceConfig,
+    prefill_tp: int,
+    decode_tp: int,
+    num_moves: int = 1,
 ) -> ClusterConfig:
-    """One decode worker and, beside the prefill worker a switch leaves, those it takes: one
-    where the workers have as many ranks, two where a decode worker has twice a prefill one's
-    (and so needs the room of two)."""
+    """One decode worker and, beside the prefill worker a switch leaves, those its
+    ``num_moves`` take: one each where the workers have as many ranks, two each where a decode
+    worker has twice a prefill one's (and so needs the room of two)."""
     given = -(-decode_tp // prefill_tp)
     return local_cluster_config(
-        llama_dir, num_prefill=1 + given, num_decode=1, latency_profile=True,
+        llama_dir, num_prefill=1 + given * num_moves, num_decode=1, latency_profile=True,
         rebalance=rebalance, prefill_tp=prefill_tp, decode_tp=decode_tp,
     )  # fmt: skip
 
@@ -105,20 +109,26 @@ def _num_ranks(actor: object) -> int:
 
 
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp"),
-    [(1, 1), (2, 2), (1, 2)],
-    ids=["one-rank", "two-ranks", "one-rank-to-two"],
+    ("prefill_tp", "decode_tp", "num_moves"),
+    [(1, 1, 2), (2, 2, 1), (1, 2, 1)],
+    ids=["one-rank-two-moves", "two-ranks", "one-rank-to-two"],
 )
-def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
+def test_a_shift_to_long_outputs_moves_prefill_workers_to_decode_in_one_switch(
     ray_session: None,
     llama_dir: Path,
     caplog: pytest.LogCaptureFixture,
     prefill_tp: int,
     decode_tp: int,
+    num_moves: int,
 ) -> None:
+    """Workers of one rank: three prefill workers, idle once outputs lengthen, give two to
+    the decode pool, whose TPOT SLO no number of workers makes, in one switch, each in its own
+    process (the pool keeps one); of two ranks, two give one; to a decode worker of two ranks,
+    two prefill workers of one make room for one, in new processes."""
     caplog.set_level(logging.WARNING, logger="router.rebalancer")
     rebalance = _rebalance(cooldown_s=3.0)
-    cluster = Cluster.start(_prefill_heavy(llama_dir, rebalance, prefill_tp, decode_tp))
+    config = _prefill_heavy(llama_dir, rebalance, prefill_tp, decode_tp, num_moves)
+    cluster = Cluster.start(config)
     try:
         processes = {w.actor._actor_id for w in cluster.pool.workers.values()}
         rng = random.Random(0)
@@ -127,6 +137,8 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         assert cluster.role_switches() == {}  # prompt-heavy: the prefill pool is busy
         num_prompt_heavy = len(done)
 
+        switched = [f"decode-{i}" for i in range(1, 1 + num_moves)]
+        # (a switch is counted once all its workers joined)
         _serve_until(cluster, rng, (4, 48), done, lambda: bool(cluster.role_switches()))
         assert cluster.role_switches() == {("prefill", "decode"): 1}, "no switch in 120 s"
         # well past the cooldown: nothing more moves (the prefill pool keeps its one worker,
@@ -134,19 +146,24 @@ def test_a_shift_to_long_outputs_moves_one_prefill_worker_to_decode(
         asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 2 * rebalance.cooldown_s, done))
         assert cluster.role_switches() == {("prefill", "decode"): 1}
         roles = sorted(s.role for s in cluster.worker_statuses() if s.alive)
-        assert roles == ["decode", "decode", "prefill"]
+        assert roles == ["decode"] * (1 + num_moves) + ["prefill"]
         serving = {w.actor._actor_id for w in cluster.pool.workers.values() if w.alive}
-        (switch,) = switch_times(caplog.text)  # as logged (and read back by bench.rebalance)
-        assert switch["worker"] == "decode-1" and switch["in_place_of"].startswith("prefill-")
-        # workers of one size: the switched worker is the prefill worker's process, its weights
-        # kept (none started); else a new worker of the decode pool's size, in new processes
+        # as logged (and read back by bench.rebalance): workers of one size change in their
+        # own processes, their weights kept (none started), one line each; else a new worker
+        # of the decode pool's size, in new processes, in place of two
+        logged = switch_times(caplog.text)
         in_place = prefill_tp == decode_tp
-        assert switch["same_process"] is in_place
-        assert len(switch["in_place_of"].split(", ")) == -(-decode_tp // prefill_tp)
-        assert (serving == processes) is in_place and len(serving - processes) == 1 - in_place
-        # the new decode worker steps on a group of the decode pool's ranks
-        (switched,) = [w for w in cluster.pool.workers.values() if w.worker_id == "decode-1"]
-        assert ray.get(switched.actor.__ray_call__.remote(_num_ranks)) == decode_tp
+        assert sorted(s["worker"] for s in logged) == switched
+        for switch in logged:
+            assert switch["same_process"] is in_place
+            assert switch["in_place_of"].startswith("prefill-")
+            assert len(switch["in_place_of"].split(", ")) == -(-decode_tp // prefill_tp)
+        assert (serving == processes) is in_place
+        assert len(serving - processes) == (0 if in_place else num_moves)
+        # the new decode workers step on groups of the decode pool's ranks
+        for worker in cluster.pool.workers.values():
+            if worker.worker_id in switched:
+                assert ray.get(worker.actor.__ray_call__.remote(_num_ranks)) == decode_tp
     finally:
         cluster.shutdown()
 

@@ -211,3 +211,50 @@ def test_pools_of_different_sizes_exchange_workers_by_their_ranks() -> None:
         "decode",
         Exchange(2, 1),
     )
+
+
+def _first_switch(policy: RebalancePolicy, signals: PoolSignals) -> Exchange:
+    """The exchange of the switch ``signals`` held for the window bring about."""
+    switch = next(s for t in range(0, 30) if (s := policy.decide(float(t), signals)) is not None)
+    return switch.exchange
+
+
+def test_a_large_shift_moves_as_many_workers_as_settle_the_pool_in_one_switch() -> None:
+    """The receiving pool's pressure spread over its workers and those moved: 2.0 on one
+    decode worker wants two more to come to 0.7 (2.0 / 3); the idle prefill pool of five keeps
+    three, at 0.2 * 5 / 3 of pressure. A shift one more worker settles takes one."""
+    policy = RebalancePolicy(CONFIG)
+    shift = _signals(decode=2.0, decode_busy=1.0, num_prefill=5, num_decode=1)
+    switch = next(s for t in range(0, 30) if (s := policy.decide(float(t), shift)) is not None)
+    assert switch.exchange == Exchange(2, 2) and "2 moves at once" in switch.reason
+    slight = _signals(decode=1.2, decode_busy=1.0, num_prefill=5, num_decode=1)
+    assert _first_switch(RebalancePolicy(CONFIG), slight) == Exchange(1, 1)
+    # pools of different sizes: each move is one exchange (two workers of one rank for one
+    # of two); seven prefill workers keep three
+    two_for_one = RebalancePolicy(CONFIG, {("prefill", "decode"): exchange(1, 2)})
+    wide = _signals(decode=2.0, decode_busy=1.0, num_prefill=7, num_decode=1)
+    assert _first_switch(two_for_one, wide) == Exchange(4, 2)
+
+
+def test_moves_stop_where_the_giving_pool_would_be_strained_or_emptied() -> None:
+    """Three prefill workers, a third busy: moving two would leave one at 0.3 * 3 = 0.9 of
+    its capacity (above 0.7): one moves, however far the decode pool is from settling; at
+    0.2 busy two move (0.6), never the third (the pool keeps one); ``max_moves`` bounds them."""
+    far = {"decode": 3.0, "decode_busy": 1.0, "num_prefill": 3, "num_decode": 1}
+    assert _first_switch(RebalancePolicy(CONFIG), _signals(**far, prefill_busy=0.3)) == Exchange(
+        1, 1
+    )
+    assert _first_switch(RebalancePolicy(CONFIG), _signals(**far, prefill_busy=0.2)) == Exchange(
+        2, 2
+    )
+    # the giving pool's pressure counts as its utilization does
+    near = _signals(**far, prefill=0.3, prefill_busy=0.1)
+    assert _first_switch(RebalancePolicy(CONFIG), near) == Exchange(1, 1)
+    bounded = RebalanceConfig(1.0, 0.05, window_s=10.0, max_moves=1)
+    idle = _signals(decode=3.0, decode_busy=1.0, num_prefill=8, num_decode=1)
+    assert _first_switch(RebalancePolicy(bounded), idle) == Exchange(1, 1)
+    assert _first_switch(RebalancePolicy(CONFIG), idle) == Exchange(4, 4)  # 3.0 / 5 <= 0.7
+    with pytest.raises(ValueError, match="--rebalance-max-moves must be >= 1, got 0"):
+        RebalanceConfig(1.0, 0.05, max_moves=0)
+    with pytest.raises(ValueError, match=r"settle_pressure must be in \(0, 0.8\]"):
+        RebalanceConfig(1.0, 0.05, settle_pressure=0.9)
