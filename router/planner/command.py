@@ -41,6 +41,12 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
         help=f"a preset ({', '.join(PRESETS)}) or a profile JSON from pdserve profile",
     )
     plan.add_argument("--flops", type=float, default=None, help="override: FLOP/s per device")
+    plan.add_argument(
+        "--fp8-flops", type=float, default=None, help="override: float8 matmul FLOP/s (0: none)"
+    )
+    plan.add_argument(
+        "--int8-ops", type=float, default=None, help="override: int8 matmul OP/s (0: none)"
+    )
     plan.add_argument("--memory-gbs", type=float, default=None, help="override: memory GB/s")
     plan.add_argument("--link-gbs", type=float, default=None, help="override: hand-off GB/s")
     plan.add_argument(
@@ -227,15 +233,23 @@ def shared_host_line(hardware: Hardware) -> str:
 
 
 def _with_overrides(hardware: Hardware, args: argparse.Namespace) -> Hardware:
+    """The profile with the flags that override its numbers (each refused, naming it, where
+    out of range: > 0, the 8-bit rates >= 0)."""
+    overrides = (  # flag, its value, the profile's field, its scale, 0 allowed
+        ("--flops", args.flops, "flops_per_s", 1.0, False),
+        ("--fp8-flops", args.fp8_flops, "fp8_flops_per_s", 1.0, True),
+        ("--int8-ops", args.int8_ops, "int8_ops_per_s", 1.0, True),
+        ("--memory-gbs", args.memory_gbs, "memory_bytes_per_s", 1e9, False),
+        ("--link-gbs", args.link_gbs, "link_bytes_per_s", 1e9, False),
+        ("--device-memory-gib", args.device_memory_gib, "device_memory_bytes", 2**30, False),
+    )
     changes = {}
-    if args.flops is not None:
-        changes["flops_per_s"] = args.flops
-    if args.memory_gbs is not None:
-        changes["memory_bytes_per_s"] = args.memory_gbs * 1e9
-    if args.link_gbs is not None:
-        changes["link_bytes_per_s"] = args.link_gbs * 1e9
-    if args.device_memory_gib is not None:
-        changes["device_memory_bytes"] = args.device_memory_gib * 2**30
+    for flag, value, field, scale, zero_allowed in overrides:
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and not zero_allowed):
+            raise ValueError(f"{flag} must be {'>= 0' if zero_allowed else '> 0'}, got {value:g}")
+        changes[field] = value * scale
     return replace(hardware, **changes) if changes else hardware
 
 

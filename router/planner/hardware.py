@@ -6,6 +6,8 @@ tensor-parallel size ``tp`` is a roofline:
 
     step = overhead + max(compute, memory) + all-reduces
     compute   = (FLOPs of the step's tokens + attention pairs) / (tp * FLOP/s)
+                (a checkpoint's 8-bit matmuls at the device's int8 or float8 rate, where it
+                has one: ``int8_ops_per_s``, ``fp8_flops_per_s``)
     memory    = (weight bytes + KV bytes the step reads or writes) / (tp * memory bytes/s)
     all-reduces (tp > 1): two per layer of the step's activations, over the link
 
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from router.latency_model import StepCost, StepShape
-from router.planner.model_costs import ModelCosts
+from router.planner.model_costs import EightBitMatmul, ModelCosts
 
 # the gateway's and router's own time to a request's first token, when not measured (5.5 ms on the
 # CPU machine: tests/cluster/test_latency_forecast_cluster.py's path correction)
@@ -46,7 +48,7 @@ DEFAULT_PATH_OVERHEAD_S = 5e-3
 @dataclass(frozen=True, slots=True)
 class Hardware:
     name: str
-    flops_per_s: float  # sustained dense matmul FLOP/s of one device
+    flops_per_s: float  # sustained dense matmul FLOP/s of one device (bf16)
     memory_bytes_per_s: float  # its memory bandwidth
     device_memory_bytes: float  # weights + KV cache must fit in this (times --memory-fraction)
     link_bytes_per_s: float  # a KV hand-off's bandwidth between two workers
@@ -75,6 +77,10 @@ class Hardware:
     # and a decode-only one
     host_prompt_step_cpu_factor: float = 1.0
     host_decode_step_cpu_factor: float = 1.0
+    # sustained dense matmul rates on 8-bit operands (a W8A8 or FP8 checkpoint's linear
+    # layers); 0: none faster than ``flops_per_s`` (no such tensor cores, or not measured)
+    int8_ops_per_s: float = 0.0
+    fp8_flops_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         seconds = min(
@@ -106,6 +112,17 @@ class Hardware:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {name} must be > 0")
+        if min(self.int8_ops_per_s, self.fp8_flops_per_s) < 0:
+            raise ValueError(
+                f"hardware profile {self.name!r}: int8_ops_per_s and fp8_flops_per_s must be "
+                f">= 0 (0: no faster than flops_per_s)"
+            )
+
+    def eight_bit_rate(self, kind: EightBitMatmul) -> float:
+        """Matmul FLOP/s on 8-bit operands of ``kind`` ("int8", "fp8"): the device's own, or
+        its ``flops_per_s`` where it has none faster."""
+        rate = self.int8_ops_per_s if kind == "int8" else self.fp8_flops_per_s
+        return max(rate, self.flops_per_s)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,14 +146,27 @@ class Hardware:
         return path
 
 
-# Presets: datasheet peaks derated to what serving sustains (dense bf16 matmuls at ~60 % of peak,
-# HBM at ~80 %); links are NVLink between GPUs of a node.
+# Presets: datasheet peaks derated to what serving sustains (dense matmuls at ~60 % of peak,
+# HBM at ~80 %); links are NVLink between GPUs of a node. Dense (not sparse) tensor-core peaks:
+# bf16, int8, float8 (the A100 has no float8 tensor cores: the engine's FP8 checkpoints run
+# there at its bf16 rate).
 PRESETS = {
-    "h100": Hardware("h100", 0.6 * 989e12, 0.8 * 3.35e12, 80e9, 0.8 * 450e9),
-    "h200": Hardware("h200", 0.6 * 989e12, 0.8 * 4.8e12, 141e9, 0.8 * 450e9),
-    "a100": Hardware("a100", 0.6 * 312e12, 0.8 * 2.0e12, 80e9, 0.8 * 300e9),
-    "l40s": Hardware("l40s", 0.6 * 362e12, 0.8 * 0.864e12, 48e9, 0.8 * 32e9),
-}
+    "h100": Hardware(
+        "h100", 0.6 * 989e12, 0.8 * 3.35e12, 80e9, 0.8 * 450e9,
+        int8_ops_per_s=0.6 * 1979e12, fp8_flops_per_s=0.6 * 1979e12,
+    ),
+    "h200": Hardware(
+        "h200", 0.6 * 989e12, 0.8 * 4.8e12, 141e9, 0.8 * 450e9,
+        int8_ops_per_s=0.6 * 1979e12, fp8_flops_per_s=0.6 * 1979e12,
+    ),
+    "a100": Hardware(
+        "a100", 0.6 * 312e12, 0.8 * 2.0e12, 80e9, 0.8 * 300e9, int8_ops_per_s=0.6 * 624e12
+    ),
+    "l40s": Hardware(
+        "l40s", 0.6 * 362e12, 0.8 * 0.864e12, 48e9, 0.8 * 32e9,
+        int8_ops_per_s=0.6 * 733e12, fp8_flops_per_s=0.6 * 733e12,
+    ),
+}  # fmt: skip
 
 
 def hardware_named(name_or_path: str) -> Hardware:
@@ -175,9 +205,12 @@ class StepTimeModel:
             return hardware.measured.seconds(shape)
         tokens = shape.num_prefill_tokens + shape.num_decode_tokens
         pairs = shape.prefill_attention_tokens + shape.decode_context_tokens
-        compute = (model.flops_per_token * tokens + model.attention_flops_per_pair * pairs) / (
-            self.tp * hardware.flops_per_s
-        )
+        eight_bit = model.eight_bit_flops_per_token * tokens
+        compute = (
+            model.flops_per_token * tokens - eight_bit + model.attention_flops_per_pair * pairs
+        ) / (self.tp * hardware.flops_per_s)
+        if model.eight_bit_matmul is not None:
+            compute += eight_bit / (self.tp * hardware.eight_bit_rate(model.eight_bit_matmul))
         kv_bytes = model.kv_bytes_per_token * (
             shape.decode_context_tokens + shape.num_prefill_tokens
         )

@@ -11,15 +11,24 @@ A quantized checkpoint (``quantization_config``, as the engine loads it) stores 
 linear layers at its bits per weight, scales and zero points shared in (4-bit groups of 128:
 4.25 bits, 4.125 symmetric); the embedding and the LM head stay in ``dtype``. A quantized KV
 cache (``kv_cache_dtype`` fp8_e4m3 or int8) stores a byte per element (its per-head scales left
-out). FLOPs are counted alike either way: what a faster FP8 matmul gains is not modelled.
+out). FLOPs are counted alike either way; those the engine computes on 8-bit operands on a GPU
+are counted apart (``eight_bit_flops_per_token``, of ``eight_bit_matmul``'s kind), for a device
+whose int8 or float8 tensor cores are faster (hardware.py): the decoder's linear layers of a
+W8A8 checkpoint (int8 or float8 inputs quantized per token) and of a block-wise FP8 one whose
+blocks the GPU kernels take (engine/kernels/fp8_block_matmul.py). A weight-only checkpoint
+(W4A16, AWQ, GPTQ) multiplies in ``dtype``: its gain is the bytes a step reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from engine.model_config import ModelConfig, load_model_config
+from engine.quantization.config import Fp8BlockWeights, W8A8Weights, WeightQuantization
+
+EightBitMatmul = Literal["int8", "fp8"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "int8": 1}
 # a KV cache's element, by pdserve serve's --kv-cache-dtype ("auto": the model's dtype)
@@ -41,13 +50,21 @@ class ModelCosts:
     max_model_len: int
     # how the weights are stored: "bfloat16", or the checkpoint's quantization described
     weights_stored_as: str = ""
+    # of ``flops_per_token``, those whose matmuls take 8-bit operands on a GPU, and their kind
+    # ("int8" or "fp8"; None: none do)
+    eight_bit_flops_per_token: float = 0.0
+    eight_bit_matmul: EightBitMatmul | None = None
 
     def describe(self) -> str:
         """E.g. ``weights 15.0 GiB (bfloat16), KV 128 KiB a token``."""
         stored = f" ({self.weights_stored_as})" if self.weights_stored_as else ""
+        matmuls = ""
+        if self.eight_bit_matmul is not None:
+            share = self.eight_bit_flops_per_token / self.flops_per_token
+            matmuls = f", {share:.0%} of its FLOPs in {self.eight_bit_matmul} matmuls"
         return (
             f"weights {self.weight_bytes / 2**30:.1f} GiB{stored}, "
-            f"KV {self.kv_bytes_per_token / 2**10:g} KiB a token"
+            f"KV {self.kv_bytes_per_token / 2**10:g} KiB a token{matmuls}"
         )
 
     @classmethod
@@ -82,6 +99,7 @@ class ModelCosts:
         embeddings = embedding if config.tie_word_embeddings else 2 * embedding
         computed += embedding  # the LM head (the embedding is a lookup)
         kv_elements = config.kv_planes * config.num_kv_heads * config.head_dim
+        eight_bit = None if quantized is None else eight_bit_matmul(quantized)
         return cls(
             name=name,
             num_layers=config.num_layers,
@@ -93,7 +111,27 @@ class ModelCosts:
             activation_bytes_per_token=hidden * width,
             max_model_len=config.max_position_embeddings,
             weights_stored_as=dtype if quantized is None else quantized.describe(),
+            # the decoder's linear layers (the LM head stays in ``dtype``)
+            eight_bit_flops_per_token=0.0 if eight_bit is None else 2.0 * (computed - embedding),
+            eight_bit_matmul=eight_bit,
         )
+
+
+def eight_bit_matmul(quantization: WeightQuantization) -> EightBitMatmul | None:
+    """The 8-bit matmuls the engine runs a checkpoint's linear layers with on a GPU: W8A8's
+    int8 or float8, block-wise FP8's float8 where its kernels take the blocks' inputs; None
+    for weight-only checkpoints (their weights dequantized, the matmul in the model's dtype)."""
+    if isinstance(quantization, W8A8Weights):
+        return "int8" if quantization.kind == "int" else "fp8"
+    if isinstance(quantization, Fp8BlockWeights) and _fp8_blocks_supported(quantization.block_cols):
+        return "fp8"
+    return None
+
+
+def _fp8_blocks_supported(block_cols: int) -> bool:
+    """engine/kernels/fp8_block_matmul.py's ``block_cols_supported`` (without Triton: the
+    router does not import it): groups of a power of two >= 32 inputs."""
+    return block_cols >= 32 and block_cols & (block_cols - 1) == 0
 
 
 def _attention(config: ModelConfig) -> tuple[int, float]:

@@ -16,7 +16,7 @@ from router.cli import build_parser, main
 from router.latency_model import StepShape
 from router.planner.command import serve_flags, shared_host_line
 from router.planner.hardware import PRESETS, Hardware, StepTimeModel
-from router.planner.model_costs import ModelCosts
+from router.planner.model_costs import ModelCosts, eight_bit_matmul
 from router.planner.plan import Layout, LayoutResult, Planner, Slo
 from router.planner.shared_host import HostShare
 from router.planner.simulator import (
@@ -107,6 +107,88 @@ def test_a_quantized_checkpoint_and_kv_cache_cost_their_own_bytes(
     # and a cache of a byte an element holds twice the blocks
     plain, halved = Planner(bf16, small), Planner(fp8_kv, small)
     assert halved.kv_blocks(4) == pytest.approx(2 * plain.kv_blocks(4), abs=1)
+
+
+W8A8_FP8 = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "ignore": ["lm_head"],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "type": "float", "num_bits": 8, "symmetric": True, "strategy": "channel",
+                "dynamic": False,
+            },
+            "input_activations": {
+                "type": "float", "num_bits": 8, "symmetric": True, "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
+}  # fmt: skip
+
+
+def _quantized(tmp_path: Path, name: str, quantization: dict[str, object]) -> ModelCosts:
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "config.json").write_text(
+        json.dumps(dict(LLAMA_3_8B, quantization_config=quantization))
+    )
+    return ModelCosts.load(directory)
+
+
+def test_8_bit_matmuls_run_at_the_devices_8_bit_rate(llama_8b: Path, tmp_path: Path) -> None:
+    """A W8A8 FP8 checkpoint's decoder layers compute at the device's float8 rate (an H100's
+    is twice its bf16), its LM head at bf16's; an A100, with no float8 tensor cores, runs it at
+    bf16's. Int8 W8A8 at the int8 rate; a weight-only (AWQ) checkpoint computes in bf16. A
+    prefill of 4,096 tokens is compute-bound: its time is the FLOPs over the rates."""
+    bf16 = ModelCosts.load(llama_8b)
+    fp8 = _quantized(tmp_path, "fp8", W8A8_FP8)
+    head = 2.0 * 128256 * 4096  # the LM head's FLOPs a token, in bf16 still
+    assert fp8.eight_bit_matmul == "fp8"
+    assert fp8.eight_bit_flops_per_token == pytest.approx(bf16.flops_per_token - head)
+    assert fp8.describe().endswith("KV 128 KiB a token, 93% of its FLOPs in fp8 matmuls")
+    int8_config = json.loads(json.dumps(W8A8_FP8).replace('"float"', '"int"'))
+    int8_config["format"] = "int-quantized"
+    int8 = _quantized(tmp_path, "int8", int8_config)
+    awq = _quantized(tmp_path, "awq", AWQ_4BIT)
+    assert (int8.eight_bit_matmul, awq.eight_bit_matmul) == ("int8", None)
+    assert awq.eight_bit_flops_per_token == 0.0
+
+    prefill = StepShape(4096, 0, 0, 0)  # (attention pairs left out: the matmuls alone)
+
+    def compute_s(costs: ModelCosts, hardware: Hardware) -> float:
+        return StepTimeModel(costs, hardware)(prefill) - hardware.step_overhead_s
+
+    h100, a100 = PRESETS["h100"], PRESETS["a100"]
+    eight_bit = fp8.eight_bit_flops_per_token * 4096
+    assert compute_s(fp8, h100) == pytest.approx(
+        head * 4096 / h100.flops_per_s + eight_bit / h100.fp8_flops_per_s
+    )
+    # 7 % of the FLOPs (the LM head) at bf16, 93 % at twice that: 0.07 + 0.93 / 2
+    assert compute_s(fp8, h100) == pytest.approx(0.535 * compute_s(bf16, h100), rel=0.01)
+    assert compute_s(fp8, a100) == pytest.approx(compute_s(bf16, a100))  # no float8 cores
+    assert compute_s(int8, a100) == pytest.approx(
+        head * 4096 / a100.flops_per_s + eight_bit / a100.int8_ops_per_s
+    )
+    assert compute_s(awq, h100) == pytest.approx(compute_s(bf16, h100))
+    # a profile without 8-bit rates (0) runs them at its bf16 rate
+    unmeasured = replace(h100, fp8_flops_per_s=0.0)
+    assert compute_s(fp8, unmeasured) == pytest.approx(compute_s(bf16, unmeasured))
+    with pytest.raises(ValueError, match="int8_ops_per_s and fp8_flops_per_s must be >= 0"):
+        replace(h100, int8_ops_per_s=-1.0)
+    saved = Hardware.from_json(json.loads(json.dumps(h100.to_json())))
+    assert saved == h100
+
+
+@pytest.mark.parametrize("block_cols", [16, 32, 48, 64, 96, 128, 256])
+def test_the_planner_knows_which_fp8_blocks_the_gpu_kernels_take(block_cols: int) -> None:
+    from engine.kernels.fp8_block_matmul import block_cols_supported
+    from engine.quantization.config import Fp8BlockWeights
+
+    expected = "fp8" if block_cols_supported(block_cols) else None
+    assert eight_bit_matmul(Fp8BlockWeights(128, block_cols)) == expected
 
 
 def _linear(seconds_per_step: float, per_token: float) -> WorkerShape:
@@ -512,6 +594,10 @@ def test_pdserve_plan_refuses_bad_input_naming_the_flag(
     assert "--turns must be >= 1 and --think-s >= 0, got 0 and 5.0" in capsys.readouterr().err
     assert main([*base, "--rate", "1", "--max-local-prefill-length", "-1"]) == 2
     assert "--max-local-prefill-length must be >= 0, got -1" in capsys.readouterr().err
+    assert main([*base, "--rate", "1", "--fp8-flops", "-1"]) == 2
+    assert "--fp8-flops must be >= 0, got -1" in capsys.readouterr().err
+    assert main([*base, "--rate", "1", "--memory-gbs", "0"]) == 2
+    assert "--memory-gbs must be > 0, got 0" in capsys.readouterr().err
 
 
 def test_the_plans_serve_flags_carry_the_routers_settings_it_simulated() -> None:
