@@ -244,7 +244,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 self.gateway.record_outcome("aborted")
                 return
             # counted before the writes below, which may be cancelled
-            self.gateway.record_ended([generation], aborted=live.aborted.is_set())
+            self.gateway.record_ended([generation], live)
             try:
                 for index in sorted(unfinished):
                     await context.write(first_chunk.apply(aborted_message(index)))

@@ -323,7 +323,7 @@ async def _respond_whole(
             choice.finish_reason = choice.finish_reason or "abort"
     for generation in generations:
         gateway.record_first_token(generation, front, written_at=None)
-    gateway.record_ended(generations, aborted=live.aborted.is_set())
+    gateway.record_ended(generations, live)
     logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
     if job.kind == "chat":
         usage = total_usage(generations)

@@ -408,6 +408,14 @@ class GatewayMetrics:
             "corrections (learned from earlier requests) against",
             registry=r,
         )
+        self.admission_scale = Gauge(
+            "pdserve:admission_slo_scale",
+            "What --admission slo scales the SLOs by when it judges a request: 1, or less "
+            "while fewer of the requests it admitted met their SLOs than "
+            "--admission-attainment asks (router/gateway/attainment_feedback.py)",
+            registry=r,
+        )
+        self.admission_scale.set(1.0)
         targets = Gauge("pdserve:slo_target_seconds", "SLO targets", ["slo"], registry=r)
         targets.labels(slo="ttft").set(slo.ttft_s)
         targets.labels(slo="tpot").set(slo.tpot_s)
@@ -426,12 +434,16 @@ class GatewayMetrics:
         for hop, seconds in trace.hops().items():
             self._first_token_hops[hop].observe(max(0.0, seconds))
 
-    def finished(self, generations: Sequence[FinishedGeneration]) -> None:
+    def finished(self, generations: Sequence[FinishedGeneration]) -> bool | None:
         """One request ended normally: each prompt's latencies and tokens; goodput when every
-        prompt met both SLOs (so that goodput and ``requests_total{status="ok"}`` agree)."""
+        prompt met both SLOs (so that goodput and ``requests_total{status="ok"}`` agree).
+        Whether it met them; None where a prompt had no token (no latency to judge)."""
         met = [self._prompt_finished(generation) for generation in generations]  # each one
         if all(met):
             self.slo_met.inc()
+        if any(g.time_to_first_token is None for g in generations):
+            return None
+        return all(met)
 
     def _prompt_finished(self, generation: FinishedGeneration) -> bool:
         """Record one prompt's latencies and tokens; whether it met both SLOs."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import ParamSpec, Protocol, TypeVar
 
 from router.cluster import SlotRestarts, WorkerStatus
+from router.gateway.attainment_feedback import AttainmentFeedback
 from router.gateway.auth import ApiKeys, Caller
 from router.gateway.errors import ApiError, overloaded, unavailable
 from router.gateway.first_token_log import FirstTokenLog
@@ -128,6 +129,8 @@ class LiveRequest:
     # why the server ended it unfinished (it was in flight when the drain at shutdown ran
     # out): the error its client is sent; None: it ends by itself or by an Abort call
     cut_off: ApiError | None = None
+    # admitted as admission's probe (predicted to miss: slo_admission.worth_probing)
+    probe: bool = False
 
 
 class Gateway:
@@ -147,6 +150,8 @@ class Gateway:
         self.backend = backend
         self.slo = slo or SloTargets()
         self.admission = admission or AdmissionPolicy()
+        # what admitted requests made of their SLOs, steering admission's limits
+        self.feedback = AttainmentFeedback(self.admission.attainment)
         self.model = model
         self.limits = limits
         self.keys = keys
@@ -223,7 +228,7 @@ class Gateway:
         self.num_in_flight += 1
         self._in_flight_by_key[key] += 1
         self._idle.clear()
-        live = self._live[request_id] = LiveRequest(key, forecasts)
+        live = self._live[request_id] = LiveRequest(key, forecasts, probe=probe)
         try:
             yield live
         finally:
@@ -254,7 +259,13 @@ class Gateway:
         )
         max_tokens = max((self._max_tokens(spec) for spec in specs), default=1)
         refusal = judge(
-            forecasts, max_tokens, self.slo.ttft_s, self.slo.tpot_s, self.admission, keys
+            forecasts,
+            max_tokens,
+            self.slo.ttft_s,
+            self.slo.tpot_s,
+            self.admission,
+            keys,
+            self.feedback.scale,
         )
         probe = (
             refusal is not None
@@ -379,17 +390,24 @@ class Gateway:
             timing=self.metrics,
             arrived_at=arrived_at,
             forecast=forecast,
-            allowed=allowed_workers(forecast, self.slo.ttft_s, self.slo.tpot_s, self.admission),
+            allowed=allowed_workers(
+                forecast, self.slo.ttft_s, self.slo.tpot_s, self.admission, self.feedback.scale
+            ),
         )
 
-    def record_ended(self, generations: Sequence[TextGeneration], aborted: bool) -> None:
+    def record_ended(self, generations: Sequence[TextGeneration], live: LiveRequest) -> None:
         """A request that ended without an error: counted "aborted" if an Abort call cut it
-        short, else "ok" with each prompt's latencies and goodput."""
-        if aborted:
+        short, else "ok" with each prompt's latencies and goodput; admitted by its forecasts
+        (not as the probe), whether it met its SLOs steers admission (``feedback``)."""
+        if live.aborted.is_set():
             self.record_outcome("aborted")
             return
         finished = [generation.finished() for generation in generations]
-        self.metrics.finished(finished)
+        met = self.metrics.finished(finished)
+        by_forecast = bool(live.forecasts) and all(f is not None for f in live.forecasts)
+        if self.admission.mode == "slo" and by_forecast and not live.probe and met is not None:
+            self.feedback.observe(met)
+            self.metrics.admission_scale.set(self.feedback.scale)
         for prompt in finished:  # what the forecast missed, for its path corrections
             ttft = prompt.time_to_first_token
             if prompt.forecast is not None and ttft is not None:

@@ -116,12 +116,16 @@ def judge(
     tpot_slo_s: float,
     policy: AdmissionPolicy,
     keys: KeyLoad,
+    scale: float = 1.0,
 ) -> Refusal | None:
     """The refusal of a request whose prompts have ``forecasts`` (each generating up to
-    ``max_tokens``), or None to admit it."""
+    ``max_tokens``), or None to admit it; ``scale``: the share of the SLOs admission holds
+    requests to (the attainment's feedback, attainment_feedback.py; 1: the SLOs)."""
     known = [f for f in forecasts if f is not None]
     if policy.mode != "slo" or not known:
         return None
+    held = "" if scale >= 1 else _held_to(scale, policy.attainment)
+    ttft_slo_s, tpot_slo_s = ttft_slo_s * scale, tpot_slo_s * scale
     ttft_limit_s, tpot_limit_s = ttft_slo_s * (1 + policy.margin), tpot_slo_s * (1 + policy.margin)
     # each prompt's TTFT on its best placement, with its tail
     quantile = policy.attainment
@@ -133,7 +137,7 @@ def judge(
         return Refusal(
             "ttft",
             f"predicted time to first token {ttft_s * 1000:.0f} ms exceeds the "
-            f"server's SLO of {ttft_slo_s * 1000:.0f} ms (--slo-ttft-ms) by more than its "
+            f"server's SLO of {ttft_slo_s * 1000:.0f} ms (--slo-ttft-ms{held}) by more than its "
             f"margin of {policy.margin:.0%}; retry later",
             _whole_seconds(ttft_s - ttft_slo_s),
         )
@@ -148,7 +152,7 @@ def judge(
         return Refusal(
             "tpot",
             f"predicted time per output token {tpot_s * 1000:.1f} ms exceeds the "
-            f"server's SLO of {tpot_slo_s * 1000:.1f} ms (--slo-tpot-ms) by more than its "
+            f"server's SLO of {tpot_slo_s * 1000:.1f} ms (--slo-tpot-ms{held}) by more than its "
             f"margin of {policy.margin:.0%}; retry later",
             _whole_seconds(tpot_s * max_tokens),
         )
@@ -178,6 +182,14 @@ def judge(
     return None
 
 
+def _held_to(scale: float, attainment: float) -> str:
+    """What a refusal says of SLOs scaled by the attainment's feedback."""
+    return (
+        f" x {scale:.2f}: fewer of the requests admitted lately met their SLOs than "
+        f"--admission-attainment's {attainment:.0%}"
+    )
+
+
 def _whole_seconds(seconds: float) -> int:
     """A Retry-After value: whole seconds, at least 1."""
     return max(1, math.ceil(seconds))
@@ -205,13 +217,18 @@ def worth_probing(
 
 
 def allowed_workers(
-    forecast: Forecast | None, ttft_slo_s: float, tpot_slo_s: float, policy: AdmissionPolicy
+    forecast: Forecast | None,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+    policy: AdmissionPolicy,
+    scale: float = 1.0,
 ) -> AllowedWorkers | None:
-    """The workers an admitted prompt may be placed on: those predicted to make its SLOs,
-    else (none is) those within the margin; None (any) without ``--admission slo`` or a
-    forecast."""
+    """The workers an admitted prompt may be placed on: those predicted to make its SLOs
+    (times ``scale``, as ``judge``), else (none is) those within the margin; None (any)
+    without ``--admission slo`` or a forecast."""
     if policy.mode != "slo" or forecast is None:
         return None
+    ttft_slo_s, tpot_slo_s = ttft_slo_s * scale, tpot_slo_s * scale
     margin = 1 + policy.margin
     quantile = policy.attainment
     return forecast.workers_within(

@@ -126,7 +126,7 @@ async def _chunks(
         for index in sorted(unfinished):
             chunk = _aborted_chunk(job, header, index, echo.first(index), token_ids)
             yield _with_usage(chunk, job)
-    gateway.record_ended(generations, aborted=live.aborted.is_set())
+    gateway.record_ended(generations, live)
     if job.include_usage:
         name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         yield usage_chunk(header, name, _usage(job, generations, outputs))

@@ -169,16 +169,21 @@ def test_goodput_counts_only_requests_within_both_slos() -> None:
         e2e = ttft + tpot * (num_tokens - 1)
         return FinishedGeneration(e2e, 0.0, ttft, tpot, 2, num_tokens)
 
-    metrics.finished([prompt(0.2, 0.01)])  # meets both
-    metrics.finished([prompt(0.9, 0.01)])  # TTFT too slow
-    metrics.finished([prompt(0.2, 0.2)])  # TPOT too slow
-    metrics.finished([prompt(0.5, 0.0, num_tokens=1)])  # one token, exactly on the TTFT target
-    metrics.finished([prompt(0.2, 0.01), prompt(0.2, 0.01)])  # both prompts meet both
-    metrics.finished([prompt(0.2, 0.3), prompt(0.2, 0.01)])  # one prompt's TPOT too slow
+    assert metrics.finished([prompt(0.2, 0.01)]) is True  # meets both
+    assert metrics.finished([prompt(0.9, 0.01)]) is False  # TTFT too slow
+    assert metrics.finished([prompt(0.2, 0.2)]) is False  # TPOT too slow
+    # one token, exactly on the TTFT target
+    assert metrics.finished([prompt(0.5, 0.0, num_tokens=1)]) is True
+    assert metrics.finished([prompt(0.2, 0.01), prompt(0.2, 0.01)]) is True  # both prompts
+    # one prompt's TPOT too slow
+    assert metrics.finished([prompt(0.2, 0.3), prompt(0.2, 0.01)]) is False
+    # no token: nothing to judge it by (and no goodput)
+    no_token = FinishedGeneration(0.3, 0.0, None, None, 2, 0)
+    assert metrics.finished([prompt(0.2, 0.01), no_token]) is None
     value = metrics.registry.get_sample_value
     assert value("pdserve:slo_met_total") == 3
-    assert value("pdserve:time_per_output_token_seconds_count") == 8
-    assert value("pdserve:time_per_output_token_seconds_sum") == pytest.approx(0.55)
+    assert value("pdserve:time_per_output_token_seconds_count") == 9
+    assert value("pdserve:time_per_output_token_seconds_sum") == pytest.approx(0.56)
 
 
 def test_the_steps_time_over_the_latency_models_prediction_is_a_histogram_per_role() -> None:
