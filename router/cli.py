@@ -434,8 +434,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=AdmissionPolicy().attainment,
         help="--admission slo admits a request when it is predicted to make its SLOs in this "
-        "share of cases: the prediction plus this quantile of recent requests' errors "
-        "(default: %(default)s)",
+        "share of cases: the prediction plus this quantile of recent requests' errors; while "
+        "fewer of the requests it admitted met their SLOs, it judges by SLOs scaled down "
+        "(pdserve:admission_slo_scale) (default: %(default)s)",
     )
     front.add_argument(
         "--latency-profile",

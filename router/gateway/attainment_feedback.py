@@ -24,8 +24,8 @@ from __future__ import annotations
 import threading
 
 # the scale moves by this much per request, times its share: a miss at 0.95 lowers it by
-# 0.0475, 19 requests that met both raise it back (tried on bench.admission: docs/benchmarks.md)
-STEP = 0.05
+# 0.019, 19 requests that met both raise it back (docs/benchmarks.md: 0.05 tried)
+STEP = 0.02
 LOWEST = 0.5  # admission's limits are never below half the SLOs
 
 

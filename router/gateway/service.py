@@ -52,7 +52,7 @@ from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import GenerationBackend, TextGeneration
 from router.kv_aware import PrefixHitStats
 from router.latency_forecast import Forecast
-from router.latency_model import StepRatios
+from router.latency_model import WARM_AFTER, StepRatios
 
 logger = logging.getLogger("router.gateway")
 P = ParamSpec("P")
@@ -131,6 +131,24 @@ class LiveRequest:
     cut_off: ApiError | None = None
     # admitted as admission's probe (predicted to miss: slo_admission.worth_probing)
     probe: bool = False
+
+
+def _steers(live: LiveRequest) -> bool:
+    """Whether a request's outcome tells admission something: it was admitted by its
+    forecasts on a warm latency model (a slow start's requests were admitted by their count,
+    on a model still holding the quiet start-up profile), not as the probe."""
+    forecasts = live.forecasts
+    return (
+        bool(forecasts)
+        and all(f is not None and not _cold(f) for f in forecasts)
+        and not live.probe
+    )
+
+
+def _cold(forecast: Forecast) -> bool:
+    """Made by a latency model that had seen too few requests finish lately (not known: warm,
+    as admission takes it)."""
+    return forecast.num_observed is not None and forecast.num_observed < WARM_AFTER
 
 
 class Gateway:
@@ -404,8 +422,7 @@ class Gateway:
             return
         finished = [generation.finished() for generation in generations]
         met = self.metrics.finished(finished)
-        by_forecast = bool(live.forecasts) and all(f is not None for f in live.forecasts)
-        if self.admission.mode == "slo" and by_forecast and not live.probe and met is not None:
+        if self.admission.mode == "slo" and _steers(live) and met is not None:
             self.feedback.observe(met)
             self.metrics.admission_scale.set(self.feedback.scale)
         for prompt in finished:  # what the forecast missed, for its path corrections

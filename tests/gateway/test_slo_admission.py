@@ -13,7 +13,7 @@ import contextlib
 import math
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -206,9 +206,9 @@ class SimulatedCluster(ScriptedCluster):
     requests finish that took what their steps said (no path correction, no tail)."""
 
     by_priority: bool = False
-    # the worker's steps take this many times what the model was fitted from (a host whose
-    # cores the workers share, slower in spells the model does not foresee)
-    slowdown: float = 1.0
+    # at a time, how many times what the model was fitted from the worker's steps take then (a
+    # host whose cores the workers share, slower in spells the model does not foresee)
+    slowdown: Callable[[float], float] = lambda at: 1.0
     now: float = 0.0
     queue: list[_Queued] = field(default_factory=list)
     # the step under way: when it ends, and the tokens it takes of each prompt
@@ -281,7 +281,7 @@ class SimulatedCluster(ScriptedCluster):
             room -= take
             if not room:
                 break
-        step_s = (OVERHEAD_S + PER_TOKEN_S * (BUDGET - room)) * self.slowdown
+        step_s = (OVERHEAD_S + PER_TOKEN_S * (BUDGET - room)) * self.slowdown(self.now)
         return self.now + step_s, chunk
 
 
@@ -349,52 +349,59 @@ def test_a_burst_beyond_capacity_is_refused_with_retry_after_and_the_accepted_me
     assert counted == len(refusals) + 1
 
 
-def _sustained_overload(
-    model: ServedModel, slowdown: float, feedback: bool
-) -> tuple[int, int, list[bool]]:
-    """Prompts of 300 tokens arriving at twice what the simulated worker computes, for 60 s
-    of its clock (Poisson, seeded), its steps ``slowdown`` times what the latency model knows;
-    each admitted prompt, once its first token came, tells admission whether it met the TTFT
-    SLO (``feedback``; else nothing does). (admitted, refused, each admitted prompt's outcome
-    in order of finishing)."""
+def _spells(at: float) -> float:
+    """A host whose cores the workers share: each 2 s, 1.5 s at the pace the latency model
+    was fitted at, then 0.5 s at a third of it."""
+    return 3.0 if at % 2.0 >= 1.5 else 1.0
+
+
+def _sustained_overload(model: ServedModel, feedback: bool) -> tuple[int, int, list[bool]]:
+    """Prompts of 300 tokens arriving at twice what the simulated worker computes, for 120 s
+    of its clock (Poisson, seeded), its steps slowed in ``_spells``; each admitted prompt,
+    once its first token came, teaches the latency model its error (the path's corrections and
+    tails) and, with ``feedback``, tells admission whether it met the TTFT SLO. (admitted,
+    refused, each admitted prompt's outcome in order of finishing)."""
     rng = random.Random(0)
-    cluster = SimulatedCluster(slowdown=slowdown)
+    cluster = SimulatedCluster(slowdown=_spells)
     gateway = _gateway(cluster, model, AdmissionPolicy("slo"))
-    capacity = BUDGET / (OVERHEAD_S + PER_TOKEN_S * BUDGET) / 300 / slowdown  # prompts a second
+    # prompts a second, at its mean pace (1.5 s at 1, 0.5 s at 3 slower)
+    capacity = BUDGET / (OVERHEAD_S + PER_TOKEN_S * BUDGET) / 300 / 1.5
+    predicted: dict[str, Forecast] = {}
     outcomes: list[bool] = []
     admitted = refused = 0
     at, index = 0.0, 0
-    while at < 60.0:
+    while at < 120.0:
         at += rng.expovariate(2 * capacity)
         cluster.run_until(at)
         for request_id in sorted(cluster.ttft, key=cluster.ttft.__getitem__):
-            met = cluster.ttft.pop(request_id) <= SLO.ttft_s
+            ttft = cluster.ttft.pop(request_id)
+            cluster.model.observe_request(ttft - predicted.pop(request_id).steps_ttft_s, None)
+            met = ttft <= SLO.ttft_s
             outcomes.append(met)
             if feedback:
                 gateway.feedback.observe(met)
-        error = _admit(gateway, cluster, f"r{index}", _spec(300), Caller(None))
+        request_id = f"r{index}"
         index += 1
-        admitted, refused = admitted + (error is None), refused + (error is not None)
+        if _admit(gateway, cluster, request_id, _spec(300), Caller(None)) is None:
+            admitted += 1
+            predicted[request_id] = cluster.holds[-1][1]
+        else:
+            refused += 1
     return admitted, refused, outcomes
 
 
 def test_admission_steers_what_it_admits_to_the_attainment_asked(model: ServedModel) -> None:
-    """A latency model that is right: the feedback leaves admission as it is (every admitted
-    prompt meets its SLO). Steps 1.5x slower than it knows: admitting by the predictions
-    alone, under a sustained overload nearly every admitted prompt misses (the queue is kept
-    at what the model says takes 0.5 s, which takes 0.75); with each admitted prompt's outcome
-    fed back, admission's limits fall until the misses are about 5 %: 95 % of the prompts
-    finished in the second half met it (94.8 % when written)."""
-    admitted, _, outcomes = _sustained_overload(model, 1.0, feedback=True)
-    assert admitted > 100 and all(outcomes)
-    _, _, blind = _sustained_overload(model, 1.5, feedback=False)
-    half = len(blind) // 2
-    assert sum(blind[half:]) / len(blind[half:]) < 0.1
-    admitted, refused, steered = _sustained_overload(model, 1.5, feedback=True)
-    half = len(steered) // 2
-    assert sum(steered[half:]) / len(steered[half:]) >= 0.93
-    # it serves what its worker can: about half of twice its capacity
-    assert admitted > 700 and refused > 700
+    """A worker whose steps are slower than its latency model knows, in spells: the errors
+    of the prompts that finished lately (the path's median and tail) do not say how slow the
+    next spell is, and under a sustained overload fewer than the 95 % asked of the prompts
+    admitted meet their SLO; fed back each admitted prompt's outcome, admission scales the
+    SLOs it judges by down until 95 % do."""
+    _, _, blind = _sustained_overload(model, feedback=False)
+    assert sum(blind) / len(blind) < 0.94  # 93.7 % when written (the run is seeded)
+    admitted, refused, steered = _sustained_overload(model, feedback=True)
+    later = steered[len(steered) // 2 :]  # once the scale has settled
+    assert sum(later) / len(later) >= 0.95  # 95.4 % (95.0 % over the whole run)
+    assert admitted > 1500 and refused > 1500  # it serves on: twice its capacity came
 
 
 def test_the_feedback_moves_the_scale_by_its_step_within_its_bounds() -> None:
@@ -589,8 +596,8 @@ def test_each_request_admitted_by_its_forecast_tells_admission_whether_it_met_it
 ) -> None:
     """Over HTTP (whole and streamed) and gRPC: a request admitted by its forecast, once
     ended, counts as within its SLOs (a scripted answer within 0.5 s) or not (no first token
-    comes within a microsecond), and admission's scale falls with each miss; the probe and a
-    request without a forecast say nothing."""
+    comes within a microsecond), and admission's scale falls with each miss; a request
+    admitted on a cold latency model, the probe and one without a forecast say nothing."""
     cluster = ForecastCluster()
     script_answer(cluster, model, "Hi there")
     limits = RequestLimits(max_model_len=model.max_model_len)
@@ -602,10 +609,13 @@ def test_each_request_admitted_by_its_forecast_tells_admission_whether_it_met_it
         assert streamed.status_code == 200 and "[DONE]" in streamed.text
         list(stub.Generate(pb.GenerateRequest(text="Hello", max_tokens=4), timeout=30))
         assert gateway.feedback.counts() == ((3, 0) if met else (0, 3))
-        scale = 1.0 if met else 1 - 3 * 0.05 * 0.95
+        scale = 1.0 if met else 1 - 3 * 0.02 * 0.95
         assert gateway.feedback.scale == pytest.approx(scale)
         gauge = re.search(r"^pdserve:admission_slo_scale (\S+)$", http.get("/metrics").text, re.M)
         assert gauge is not None and float(gauge[1]) == pytest.approx(scale)
+        # admitted by a latency model that has seen 3 requests finish (a slow start)
+        cluster.predicted = replace(_forecast(1e-7, tpot_s=1e-3), path=_path([0.0] * 3, []))
+        assert http.post("/v1/completions", json=COMPLETION).status_code == 200
         # refused by the path's correction alone, it goes in as the probe
         cluster.predicted = Forecast(1.0, 0.0, "p0", 1e-3, "d0", 0.0, ttft_path_s=1.0)
         assert http.post("/v1/completions", json=COMPLETION).status_code == 200
