@@ -13,8 +13,9 @@ A worker moves from pool A to pool B when, for a whole ``window_s``, B's pressur
 ``donor_utilization_low``, and A keeps at least one worker. A switch makes as many moves as
 the shift needs (``RebalancePolicy._moves``): the fewest that bring B's pressure, projected as
 spread over its workers, to ``settle_pressure``, as long as A's projected pressure and
-utilization stay at most that (``--rebalance-max-moves`` bounds them). After a switch none follows for
-``cooldown_s`` (and the thresholds' gap keeps the two directions apart): roles do not flap.
+utilization stay at most that (``--rebalance-max-moves`` bounds them). After a switch none
+follows for ``cooldown_s`` (and the thresholds' gap keeps the two directions apart): roles do
+not flap.
 At the cooldown's end the switch is judged: one that did not lower its pool's pressure, as the
 workers' step timings predict it, makes the next switch that way wait longer
 (``RebalancePolicy``'s back-off); the verdict is logged.
