@@ -42,6 +42,10 @@ Fair share between API keys: once the cluster is loaded (a prompt's predicted TT
 flight (in flight over keys with requests in flight, this one counted) is refused first, so the
 remaining room goes to the other keys. Without API keys every caller is one key.
 
+What admitted requests made of their SLOs steers the rule: while fewer of them met both than
+``--admission-attainment``, the SLOs it judges by are scaled down (``scale``, from
+router/gateway/attainment_feedback.py; 1 otherwise), and a refusal says so.
+
 Without a forecast (the workers have not run enough steps to fit the latency model yet) every
 request is admitted: the model has nothing to refuse by.
 """
