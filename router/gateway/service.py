@@ -408,9 +408,7 @@ class Gateway:
             timing=self.metrics,
             arrived_at=arrived_at,
             forecast=forecast,
-            allowed=allowed_workers(
-                forecast, self.slo.ttft_s, self.slo.tpot_s, self.admission, self.feedback.scale
-            ),
+            allowed=allowed_workers(forecast, self.slo.ttft_s, self.slo.tpot_s, self.admission),
         )
 
     def record_ended(self, generations: Sequence[TextGeneration], live: LiveRequest) -> None:

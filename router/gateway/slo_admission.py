@@ -44,7 +44,8 @@ remaining room goes to the other keys. Without API keys every caller is one key.
 
 What admitted requests made of their SLOs steers the rule: while fewer of them met both than
 ``--admission-attainment``, the SLOs it judges by are scaled down (``scale``, from
-router/gateway/attainment_feedback.py; 1 otherwise), and a refusal says so.
+router/gateway/attainment_feedback.py; 1 otherwise), and a refusal says so; an admitted
+prompt's placement is chosen by the SLOs themselves (``allowed_workers``).
 
 Without a forecast (the workers have not run enough steps to fit the latency model yet) every
 request is admitted: the model has nothing to refuse by.
@@ -221,18 +222,15 @@ def worth_probing(
 
 
 def allowed_workers(
-    forecast: Forecast | None,
-    ttft_slo_s: float,
-    tpot_slo_s: float,
-    policy: AdmissionPolicy,
-    scale: float = 1.0,
+    forecast: Forecast | None, ttft_slo_s: float, tpot_slo_s: float, policy: AdmissionPolicy
 ) -> AllowedWorkers | None:
-    """The workers an admitted prompt may be placed on: those predicted to make its SLOs
-    (times ``scale``, as ``judge``), else (none is) those within the margin; None (any)
-    without ``--admission slo`` or a forecast."""
+    """The workers an admitted prompt may be placed on: those predicted to make its SLOs,
+    else (none is) those within the margin; None (any) without ``--admission slo`` or a
+    forecast. By the SLOs themselves, not scaled by the attainment's feedback as ``judge``
+    is: scaled, often one decode worker was allowed, and the prompts admitted until its next
+    load report all went to it (TPOT misses 5-15 a run against 1-2, docs/benchmarks.md)."""
     if policy.mode != "slo" or forecast is None:
         return None
-    ttft_slo_s, tpot_slo_s = ttft_slo_s * scale, tpot_slo_s * scale
     margin = 1 + policy.margin
     quantile = policy.attainment
     return forecast.workers_within(
