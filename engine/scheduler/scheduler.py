@@ -58,7 +58,7 @@ from engine.scheduler.outputs import (
 )
 from engine.scheduler.stop import finish_reason_after_append
 from engine.sequence import FinishReason, Sequence, SequenceStatus
-from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import DraftProposer
 
 # (sequence, its drafts) -> the leading drafts it may take
 DraftFilter = Callable[[Sequence, tuple[int, ...]], tuple[int, ...]]
@@ -96,7 +96,7 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         eos_token_ids: Collection[int],
-        proposer: NgramProposer | None = None,
+        proposer: DraftProposer | None = None,
         draft_filter: DraftFilter | None = None,
     ) -> None:
         """``draft_filter``: the leading drafts a sequence may take (its structured output's

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from router.planner.model_costs import KV_CACHE_DTYPE_BYTES, ModelCosts
 from router.planner.plan import Layout, LayoutResult, Planner, Slo, rates_around
 from router.planner.report import deploy_snippet, results_table, write_plot
 from router.planner.simulator import ROUTER_POLICIES
+from router.planner.speculation import Speculation
 from router.planner.workload import PlanWorkload
 
 
@@ -95,6 +97,21 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
         "prompt is prefilled on its decode worker (if that one prefills nothing)",
     )
     engine.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="speculative decoding (serve's --speculative-config): drafts a decoding sequence "
+        "proposes a step (default: none)",
+    )
+    engine.add_argument(
+        "--draft-acceptance",
+        type=float,
+        default=0.5,
+        help="with --num-speculative-tokens: the share of draft tokens that stand, as pdserve "
+        "reports a served model's (pdserve:spec_decode_num_accepted_tokens over "
+        "..._num_draft_tokens) (default: %(default)s)",
+    )
+    engine.add_argument(
         "--router-policy",
         choices=ROUTER_POLICIES,
         default=ROUTER_POLICIES[0],
@@ -135,6 +152,7 @@ def run_plan(args: argparse.Namespace) -> int:
         local_prefill=LocalPrefillRule(
             args.max_local_prefill_length, args.max_prefill_queue_tokens
         ),
+        speculation=speculation(args),
     )
     tp_sizes = [int(size) for size in args.tp_sizes.split(",") if size.strip()]
     layouts = planner.layouts(args.max_devices, tp_sizes)
@@ -195,7 +213,17 @@ def serve_flags(layout: Layout, args: argparse.Namespace) -> list[str]:
         flags += ["--max-local-prefill-length", str(args.max_local_prefill_length)]
     if layout.num_prefill and args.max_prefill_queue_tokens is not None:
         flags += ["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
+    if args.num_speculative_tokens is not None:
+        config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+        flags += ["--speculative-config", shlex.quote(json.dumps(config))]
     return flags
+
+
+def speculation(args: argparse.Namespace) -> Speculation | None:
+    """The speculative decoding the plan simulates (None: none)."""
+    if args.num_speculative_tokens is None:
+        return None
+    return Speculation(args.num_speculative_tokens, args.draft_acceptance)
 
 
 def shared_host_line(hardware: Hardware) -> str:

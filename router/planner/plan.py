@@ -27,6 +27,7 @@ from router.planner.simulator import (
     WorkerShape,
     WorkloadRequest,
 )
+from router.planner.speculation import Speculation
 from router.planner.workload import PlanWorkload
 
 MAX_KV_BLOCKS = 1 << 16  # a worker's simulated cache is capped here (more never binds)
@@ -109,6 +110,7 @@ class Planner:
     num_kv_blocks: int | None = None  # per worker, instead of what its memory holds
     router_policy: str = "kv_aware"  # the router's, simulated (simulator.ROUTER_POLICIES)
     local_prefill: LocalPrefillRule = LocalPrefillRule()  # the router's conditional rule
+    speculation: Speculation | None = None  # the decoding workers' speculative decoding
 
     def layouts(self, max_devices: int, tp_sizes: Sequence[int]) -> list[Layout]:
         sizes = [tp for tp in tp_sizes if self.kv_blocks(tp) > 0 and self._divides(tp)]
@@ -153,6 +155,7 @@ class Planner:
             self._host(),
             prefix_fetch=layout.prefill_tp == 1 and layout.decode_tp == 1,
             local_prefill=self.local_prefill,
+            speculation=self.speculation,
         )
 
     def _host(self) -> HostShare | None:

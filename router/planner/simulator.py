@@ -58,7 +58,7 @@ from engine.messages import WorkerLoad
 from engine.messages.kv_events import KVCacheSnapshot, KVEventBatch, KVEventsReply
 from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.scheduler.outputs import ModelRunnerOutput
+from engine.scheduler.outputs import AcceptedDrafts, ModelRunnerOutput
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
 from engine.step_timings import step_timing
@@ -68,6 +68,7 @@ from router.latency_model import StepShape, shape_of
 from router.load_ledger import LoadLedger, charge_routed
 from router.local_prefill import LocalPrefillRule
 from router.planner.shared_host import HostShare, SharedHost
+from router.planner.speculation import DraftChecks, PlannedDrafts, Speculation
 from router.policies import LeastLoaded, RoutingInfo, RoutingPolicy
 
 # every sampled token (never an end of sequence: the scheduler is given none); a conversation's
@@ -119,6 +120,8 @@ class ClusterShape:
     # the router's conditional disaggregation: short prompts, or prompts arriving while the
     # prefill pool is backlogged, prefilled on their decode worker (router/local_prefill.py)
     local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)
+    # speculative decoding on the workers that decode (router/planner/speculation.py)
+    speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
         if self.router_policy not in ROUTER_POLICIES:
@@ -236,6 +239,9 @@ class Simulation:
         self._open: set[str] = set()  # the requests routed and not finished, by id
         self._num_finished = 0
         self._index = KVIndex()
+        self._draft_checks = (
+            None if cluster.speculation is None else DraftChecks(cluster.speculation)
+        )
         self._host = (
             None if cluster.host is None else SharedHost(cluster.host, lambda: self.now, self._at)
         )
@@ -261,7 +267,10 @@ class Simulation:
         config = SchedulerConfig(
             max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens
         )
-        return _Worker(name, shape, Scheduler(config, manager, eos_token_ids=()), kv_events=events)
+        speculation = self.cluster.speculation
+        proposer = None if speculation is None else PlannedDrafts(speculation, SAMPLED_TOKEN)
+        scheduler = Scheduler(config, manager, eos_token_ids=(), proposer=proposer)
+        return _Worker(name, shape, scheduler, kv_events=events)
 
     # ---- the run --------------------------------------------------------------------------
     def run(self) -> list[SimulatedRequest]:
@@ -452,7 +461,16 @@ class Simulation:
         sampled = {
             seq.seq_id: SAMPLED_TOKEN for entry in output.scheduled for seq in entry.sample_seqs
         }
-        appended = worker.scheduler.update(output, ModelRunnerOutput(sampled))
+        checked = {}  # each speculating sequence's drafts that stood
+        for entry in output.scheduled:
+            if entry.draft_token_ids:
+                assert self._draft_checks is not None
+                num = len(entry.draft_token_ids)
+                standing = self._draft_checks.num_standing(num)
+                drafts = list(entry.draft_token_ids[:standing])
+                checked[entry.seq.seq_id] = AcceptedDrafts(drafts, [None] * standing, num)
+        result = ModelRunnerOutput(sampled, accepted_drafts=checked)
+        appended = worker.scheduler.update(output, result)
         handed = [t.seq for t in appended if t.seq.status is SequenceStatus.HANDED_OFF]
         deliveries: list[tuple[int, Callable[[], None]]] = []  # (tokens, their delivery)
         for tokens in appended:

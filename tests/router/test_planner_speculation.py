@@ -1,0 +1,83 @@
+"""``pdserve plan --num-speculative-tokens K --draft-acceptance R``: the simulated workers'
+scheduler asks for K drafts a decoding sequence a step, they cost what the step computes, and
+they stand as often as R says."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from router.latency_model import StepShape
+from router.planner.command import serve_flags, speculation
+from router.planner.plan import Layout
+from router.planner.simulator import ClusterShape, Simulation, WorkerShape, WorkloadRequest
+from router.planner.speculation import DraftChecks, Speculation
+
+
+def _linear(seconds_per_step: float, per_token: float) -> WorkerShape:
+    def step(shape: StepShape) -> float:
+        return seconds_per_step + per_token * (shape.num_prefill_tokens + shape.num_decode_tokens)
+
+    return WorkerShape(1, step, num_kv_blocks=1000, max_num_batched_tokens=256)
+
+
+def test_the_acceptance_pdserve_reports_is_the_share_of_drafts_that_stand() -> None:
+    """Of K drafts each standing after the one before with probability a, (a + ... + a^K) / K
+    stand on average: one draft stands at the acceptance itself; the draws agree."""
+    assert Speculation(1, 0.6).stands_after_previous == pytest.approx(0.6)
+    three = Speculation(3, 0.5)
+    a = three.stands_after_previous
+    assert (a + a**2 + a**3) / 3 == pytest.approx(0.5)
+    assert three.mean_tokens_per_step() == 2.5
+    checks = DraftChecks(three, seed=1)
+    standing = [checks.num_standing(3) for _ in range(20_000)]
+    assert sum(standing) / len(standing) / 3 == pytest.approx(0.5, abs=0.01)
+    assert max(standing) == 3 and min(standing) == 0
+    assert DraftChecks(Speculation(4, 1.0)).num_standing(4) == 4
+    assert DraftChecks(Speculation(4, 0.0)).num_standing(4) == 0
+    with pytest.raises(ValueError, match=r"--num-speculative-tokens must be in \[1, 16\]"):
+        Speculation(0, 0.5)
+    with pytest.raises(ValueError, match=r"--draft-acceptance must be in \[0, 1\], got 1.5"):
+        Speculation(3, 1.5)
+
+
+def _decode(acceptance: float | None, output_len: int = 13) -> tuple[float, float]:
+    """(TTFT, TPOT) of one request of 100 prompt tokens on a colocated worker whose step takes
+    10 ms + 1 ms a token computed, speculating 3 drafts at ``acceptance`` (None: not)."""
+    spec = None if acceptance is None else Speculation(3, acceptance)
+    cluster = ClusterShape(_linear(0.010, 1e-3), speculation=spec)
+    (run,) = Simulation(cluster, [WorkloadRequest(0.0, tuple(range(100)), output_len)]).run()
+    assert run.num_tokens == output_len and run.ttft_s is not None and run.tpot_s is not None
+    return run.ttft_s, run.tpot_s
+
+
+def test_drafts_that_stand_cut_the_steps_and_drafts_that_fall_cost_their_compute() -> None:
+    """Without drafts: 12 decode steps of 11 ms for 12 tokens after the first. All standing:
+    each step computes its token and 3 drafts (14 ms) and takes 4 tokens, 3 steps for 12.
+    None standing: 12 steps of up to 14 ms, one token each."""
+    ttft, plain = _decode(None)
+    assert ttft == pytest.approx(0.010 + 0.100)  # the prompt's step: drafts do not touch it
+    assert plain == pytest.approx(0.011)
+    assert _decode(1.0)[1] == pytest.approx(3 * 0.014 / 12)
+    # (the last three steps have room for 2, 1 and no drafts before the request's end)
+    assert _decode(0.0)[1] == pytest.approx((9 * 0.014 + 0.013 + 0.012 + 0.011) / 12)
+    # in between, fewer steps than tokens
+    assert _decode(1.0)[1] < _decode(0.7)[1] < plain < _decode(0.0)[1]
+    # near max_tokens a sequence drafts no further than its end: 5 tokens after the first are
+    # 4 + 1 (the second step drafts none: one token left)
+    assert _decode(1.0, output_len=6)[1] == pytest.approx((0.014 + 0.011) / 5)
+
+
+def test_the_plans_serve_flags_carry_the_speculation_it_simulated() -> None:
+    args = argparse.Namespace(
+        router_policy="kv_aware", kv_cache_dtype="auto", max_local_prefill_length=0,
+        max_prefill_queue_tokens=None, num_speculative_tokens=4, draft_acceptance=0.6,
+    )  # fmt: skip
+    flags = serve_flags(Layout(0, 1, 2, 1), args)
+    assert flags[-2:] == [
+        "--speculative-config",
+        """'{"method": "ngram", "num_speculative_tokens": 4}'""",
+    ]
+    assert speculation(args) == Speculation(4, 0.6)
+    assert speculation(argparse.Namespace(num_speculative_tokens=None)) is None
