@@ -52,6 +52,9 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--memory-gbs", type=float, default=None, help="override: memory GB/s")
     plan.add_argument("--link-gbs", type=float, default=None, help="override: hand-off GB/s")
     plan.add_argument(
+        "--host-link-gbs", type=float, default=None, help="override: device-host copies GB/s"
+    )
+    plan.add_argument(
         "--device-memory-gib", type=float, default=None, help="override: memory per device"
     )
     work = plan.add_argument_group("workload")
@@ -95,6 +98,13 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
         default=None,
         help="disaggregated: past this many prompt tokens queued on every prefill worker, a "
         "prompt is prefilled on its decode worker (if that one prefills nothing)",
+    )
+    engine.add_argument(
+        "--kv-offload-gb",
+        type=float,
+        default=0.0,
+        help="as pdserve serve's: GiB of host memory per worker rank that keeps the blocks its "
+        "KV cache evicts, prefix hits copied back (default: none)",
     )
     engine.add_argument(
         "--num-speculative-tokens",
@@ -153,6 +163,7 @@ def run_plan(args: argparse.Namespace) -> int:
             args.max_local_prefill_length, args.max_prefill_queue_tokens
         ),
         speculation=speculation(args),
+        kv_offload_gb=kv_offload_gb(args),
     )
     tp_sizes = [int(size) for size in args.tp_sizes.split(",") if size.strip()]
     layouts = planner.layouts(args.max_devices, tp_sizes)
@@ -213,10 +224,19 @@ def serve_flags(layout: Layout, args: argparse.Namespace) -> list[str]:
         flags += ["--max-local-prefill-length", str(args.max_local_prefill_length)]
     if layout.num_prefill and args.max_prefill_queue_tokens is not None:
         flags += ["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
+    if args.kv_offload_gb:
+        flags += ["--kv-offload-gb", f"{args.kv_offload_gb:g}"]
     if args.num_speculative_tokens is not None:
         config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
         flags += ["--speculative-config", shlex.quote(json.dumps(config))]
     return flags
+
+
+def kv_offload_gb(args: argparse.Namespace) -> float:
+    """The host tier's GiB per worker rank (refused, naming the flag, below 0)."""
+    if args.kv_offload_gb < 0:
+        raise ValueError(f"--kv-offload-gb must be >= 0, got {args.kv_offload_gb:g}")
+    return float(args.kv_offload_gb)
 
 
 def speculation(args: argparse.Namespace) -> Speculation | None:
@@ -269,6 +289,7 @@ def _with_overrides(hardware: Hardware, args: argparse.Namespace) -> Hardware:
         ("--int8-ops", args.int8_ops, "int8_ops_per_s", 1.0, True),
         ("--memory-gbs", args.memory_gbs, "memory_bytes_per_s", 1e9, False),
         ("--link-gbs", args.link_gbs, "link_bytes_per_s", 1e9, False),
+        ("--host-link-gbs", args.host_link_gbs, "host_link_bytes_per_s", 1e9, False),
         ("--device-memory-gib", args.device_memory_gib, "device_memory_bytes", 2**30, False),
     )
     changes = {}

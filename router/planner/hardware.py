@@ -81,6 +81,9 @@ class Hardware:
     # layers); 0: none faster than ``flops_per_s`` (no such tensor cores, or not measured)
     int8_ops_per_s: float = 0.0
     fp8_flops_per_s: float = 0.0
+    # a device's copies to and from host memory (the KV host tier's, --kv-offload-gb); 0: at
+    # ``memory_bytes_per_s`` (a CPU machine's host tier is the same memory)
+    host_link_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         seconds = min(
@@ -117,6 +120,16 @@ class Hardware:
                 f"hardware profile {self.name!r}: int8_ops_per_s and fp8_flops_per_s must be "
                 f">= 0 (0: no faster than flops_per_s)"
             )
+        if self.host_link_bytes_per_s < 0:
+            raise ValueError(
+                f"hardware profile {self.name!r}: host_link_bytes_per_s must be >= 0 (0: at "
+                f"memory_bytes_per_s)"
+            )
+
+    @property
+    def host_copy_bytes_per_s(self) -> float:
+        """A device's copies to and from host memory: its host link's, else its memory's."""
+        return self.host_link_bytes_per_s or self.memory_bytes_per_s
 
     def eight_bit_rate(self, kind: EightBitMatmul) -> float:
         """Matmul FLOP/s on 8-bit operands of ``kind`` ("int8", "fp8"): the device's own, or
@@ -147,24 +160,29 @@ class Hardware:
 
 
 # Presets: datasheet peaks derated to what serving sustains (dense matmuls at ~60 % of peak,
-# HBM at ~80 %); links are NVLink between GPUs of a node. Dense (not sparse) tensor-core peaks:
-# bf16, int8, float8 (the A100 has no float8 tensor cores: the engine's FP8 checkpoints run
-# there at its bf16 rate).
+# HBM and links at ~80 %); links are NVLink between GPUs of a node. Dense (not sparse)
+# tensor-core peaks: bf16, int8, float8 (the A100 has no float8 tensor cores: the engine's FP8
+# checkpoints run there at its bf16 rate). Host links: PCIe, one direction (Gen5 x16 64 GB/s,
+# Gen4 x16 32 GB/s).
 PRESETS = {
     "h100": Hardware(
         "h100", 0.6 * 989e12, 0.8 * 3.35e12, 80e9, 0.8 * 450e9,
         int8_ops_per_s=0.6 * 1979e12, fp8_flops_per_s=0.6 * 1979e12,
+        host_link_bytes_per_s=0.8 * 64e9,
     ),
     "h200": Hardware(
         "h200", 0.6 * 989e12, 0.8 * 4.8e12, 141e9, 0.8 * 450e9,
         int8_ops_per_s=0.6 * 1979e12, fp8_flops_per_s=0.6 * 1979e12,
+        host_link_bytes_per_s=0.8 * 64e9,
     ),
     "a100": Hardware(
-        "a100", 0.6 * 312e12, 0.8 * 2.0e12, 80e9, 0.8 * 300e9, int8_ops_per_s=0.6 * 624e12
+        "a100", 0.6 * 312e12, 0.8 * 2.0e12, 80e9, 0.8 * 300e9, int8_ops_per_s=0.6 * 624e12,
+        host_link_bytes_per_s=0.8 * 32e9,
     ),
     "l40s": Hardware(
         "l40s", 0.6 * 362e12, 0.8 * 0.864e12, 48e9, 0.8 * 32e9,
         int8_ops_per_s=0.6 * 733e12, fp8_flops_per_s=0.6 * 733e12,
+        host_link_bytes_per_s=0.8 * 32e9,
     ),
 }  # fmt: skip
 

@@ -84,6 +84,8 @@ class LayoutResult:
     # cache held their prefix), and of those whose prefill worker fetched a prefix from one
     local_prefill_share: float = 0.0
     fetch_share: float = 0.0
+    # the host tiers (--kv-offload-gb): prefix blocks copied back from them, a request
+    host_blocks_per_request: float = 0.0
 
     def meets(self, slo: Slo) -> bool:
         return self.attainment >= slo.attainment
@@ -111,6 +113,7 @@ class Planner:
     router_policy: str = "kv_aware"  # the router's, simulated (simulator.ROUTER_POLICIES)
     local_prefill: LocalPrefillRule = LocalPrefillRule()  # the router's conditional rule
     speculation: Speculation | None = None  # the decoding workers' speculative decoding
+    kv_offload_gb: float = 0.0  # each worker rank's host tier of the prefix cache
 
     def layouts(self, max_devices: int, tp_sizes: Sequence[int]) -> list[Layout]:
         sizes = [tp for tp in tp_sizes if self.kv_blocks(tp) > 0 and self._divides(tp)]
@@ -174,6 +177,10 @@ class Planner:
         )
 
     def _workers(self, count: int, tp: int, budget: int) -> WorkerShape:
+        # a rank's share of a block: its KV heads' (split up to the heads, replicated beyond)
+        rank_block_bytes = (
+            self.block_size * self.model.kv_bytes_per_token / min(tp, self.model.num_kv_heads)
+        )
         return WorkerShape(
             count,
             StepTimeModel(self.model, self.hardware, tp),
@@ -181,6 +188,9 @@ class Planner:
             budget,
             self.max_num_seqs,
             tp * self.hardware.worker_threads,
+            # as serve sizes it: a rank's GiB over its share of a block; the ranks copy at once
+            num_host_slots=int(self.kv_offload_gb * 2**30 // rank_block_bytes),
+            seconds_per_swapped_block=rank_block_bytes / self.hardware.host_copy_bytes_per_s,
         )
 
     def simulate(self, layout: Layout, workload: PlanWorkload, slo: Slo) -> LayoutResult:
@@ -197,6 +207,7 @@ class Planner:
             _percentiles([s.tpot_s for s in simulated]),
             simulation.num_local_prefills / len(simulated),
             simulation.num_fetches / len(simulated),
+            simulation.num_blocks_from_host / len(simulated),
         )
 
     def choose(

@@ -11,17 +11,19 @@ from router.planner.plan import Layout, LayoutResult, Slo
 
 def results_table(results: Sequence[LayoutResult], slo: Slo) -> str:
     """One row per layout; where kv_aware reused decode workers' caches, the share of prompts
-    prefilled on their decode worker ("local") and fetched from one ("fetched")."""
+    prefilled on their decode worker ("local") and fetched from one ("fetched"); where the
+    host tiers served prefix hits, their blocks a request ("from host")."""
     rows = [
         f"{'layout':24} {'devices':>7} {'attain':>7} {'goodput/s':>9} "
         f"{'ttft p50':>9} {'ttft p90':>9} {'tpot p50':>9} {'tpot p90':>9}  meets"
     ]
     for r in results:
-        reuse = (
-            f"  ({r.local_prefill_share:.0%} local, {r.fetch_share:.0%} fetched)"
-            if r.local_prefill_share or r.fetch_share
-            else ""
-        )
+        notes = []
+        if r.local_prefill_share or r.fetch_share:
+            notes.append(f"{r.local_prefill_share:.0%} local, {r.fetch_share:.0%} fetched")
+        if r.host_blocks_per_request:
+            notes.append(f"{r.host_blocks_per_request:.1f} blocks a request from host")
+        reuse = f"  ({'; '.join(notes)})" if notes else ""
         rows.append(
             f"{r.layout.name:24} {r.layout.devices:7d} {r.attainment:7.1%} {r.goodput:9.2f} "
             f"{_ms(r.ttft_s.get('p50'))} {_ms(r.ttft_s.get('p90'))} "

@@ -100,6 +100,10 @@ class WorkerShape:
     max_num_batched_tokens: int
     max_num_seqs: int = 256
     threads: int = 1  # cores a busy worker computes on (on a shared host)
+    # a host-memory tier of the prefix cache (--kv-offload-gb): the blocks it holds, and the
+    # seconds a block takes to copy between it and the device (to or from), before the step
+    num_host_slots: int = 0
+    seconds_per_swapped_block: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +240,9 @@ class Simulation:
         self.num_local_prefills = 0
         self.num_fetches = 0
         self.num_fetched_blocks = 0
+        # the host tiers' traffic: blocks evicted to them, prefix hits copied back from them
+        self.num_blocks_to_host = 0
+        self.num_blocks_from_host = 0
         self._open: set[str] = set()  # the requests routed and not finished, by id
         self._num_finished = 0
         self._index = KVIndex()
@@ -263,6 +270,7 @@ class Simulation:
             self.cluster.block_size,
             enable_prefix_caching=True,
             kv_events=events,
+            num_host_slots=shape.num_host_slots,
         )
         config = SchedulerConfig(
             max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens
@@ -448,6 +456,11 @@ class Simulation:
         worker.busy = True
         done = functools.partial(self._step_done, worker, output)
         seconds = worker.shape.step_times(shape)
+        # blocks evicted to the host tier and prefix hits copied back, before the forward
+        swapped = len(output.swap_outs) + len(output.swap_ins)
+        seconds += swapped * worker.shape.seconds_per_swapped_block
+        self.num_blocks_to_host += len(output.swap_outs)
+        self.num_blocks_from_host += len(output.swap_ins)
         worker.step_started_s = self.now
         worker.steps.num_steps += 1
         worker.steps.alone_s += seconds

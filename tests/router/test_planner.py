@@ -594,6 +594,10 @@ def test_pdserve_plan_refuses_bad_input_naming_the_flag(
     assert "--turns must be >= 1 and --think-s >= 0, got 0 and 5.0" in capsys.readouterr().err
     assert main([*base, "--rate", "1", "--max-local-prefill-length", "-1"]) == 2
     assert "--max-local-prefill-length must be >= 0, got -1" in capsys.readouterr().err
+    assert main([*base, "--rate", "1", "--kv-offload-gb", "-1"]) == 2
+    assert "--kv-offload-gb must be >= 0, got -1" in capsys.readouterr().err
+    assert main([*base, "--rate", "1", "--host-link-gbs", "0"]) == 2
+    assert "--host-link-gbs must be > 0, got 0" in capsys.readouterr().err
     assert main([*base, "--rate", "1", "--num-speculative-tokens", "0"]) == 2
     assert "--num-speculative-tokens must be in [1, 16], got 0" in capsys.readouterr().err
     assert main([*base, "--rate", "1", "--fp8-flops", "-1"]) == 2

@@ -222,3 +222,56 @@ def test_the_routers_conditional_local_prefills_are_simulated_as_it_applies_them
     simulation, moved, ttfts = run(LocalPrefillRule(max_prefill_queue_tokens=100))
     assert (simulation.num_local_prefills, moved) == (1, [13, 13, 2])
     assert ttfts[:3] == pytest.approx([0.030, 0.030, 0.060])
+
+
+def _host_tier_run(num_host_slots: int) -> tuple[list[float], Simulation]:
+    """A worker of 8 blocks of 16 tokens (10 ms a step + 1 ms a token, 2 ms a block copied to
+    or from the host): a 64-token prompt, then a 112-token one that evicts its blocks, then the
+    first prompt again with 16 tokens more."""
+    worker = WorkerShape(
+        1, _linear(0.010, 1e-3).step_times, num_kv_blocks=8, max_num_batched_tokens=256,
+        num_host_slots=num_host_slots, seconds_per_swapped_block=0.002,
+    )  # fmt: skip
+    first = tuple(range(1000, 1064))
+    requests = [
+        WorkloadRequest(0.0, first, 2),
+        WorkloadRequest(1.0, tuple(range(2000, 2112)), 2),
+        WorkloadRequest(2.0, first + tuple(range(3000, 3016)), 2),
+    ]
+    simulation = Simulation(ClusterShape(worker, router_policy="least_loaded"), requests)
+    ttfts = [run.ttft_s for run in simulation.run()]
+    assert None not in ttfts
+    return [t for t in ttfts if t is not None], simulation
+
+
+def test_a_host_tier_keeps_evicted_prefixes_and_copies_them_back_for_their_time() -> None:
+    """Without a host tier the third prompt computes all 80 tokens (90 ms). With one, the
+    second prompt's step first copies out the 3 blocks of the first's it evicts (6 ms more),
+    and the third computes 16 tokens after copying the first's 4 blocks back and 4 of the
+    second's out to make room: 10 + 16 + 8 x 2 ms."""
+    (_, second, third), plain = _host_tier_run(0)
+    assert (second, third) == (pytest.approx(0.010 + 0.112), pytest.approx(0.010 + 0.080))
+    assert plain.num_blocks_to_host == plain.num_blocks_from_host == 0
+    (_, second, third), tiered = _host_tier_run(16)
+    assert second == pytest.approx(0.010 + 0.112 + 3 * 0.002)
+    assert third == pytest.approx(0.010 + 0.016 + 8 * 0.002)
+    assert tiered.num_blocks_from_host == 4
+
+
+def test_the_plans_host_tier_holds_a_ranks_gib_of_its_share_of_the_blocks(
+    tmp_path: Path,
+) -> None:
+    """Llama-3-8B's block of 16 tokens is 2 MiB (128 KiB a token); a rank of TP 2 holds half
+    of it: 4 GiB holds 2048 blocks of a worker of one rank, 4096 of one of two, each copied
+    over the H100's host link (51.2 GB/s)."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    costs = ModelCosts.load(tmp_path)
+    planner = Planner(costs, PRESETS["h100"], kv_offload_gb=4.0)
+    one, two = (
+        planner.cluster(Layout(0, 1, 1, 1)).decode,
+        planner.cluster(Layout(0, 1, 1, 2)).decode,
+    )
+    assert (one.num_host_slots, two.num_host_slots) == (2048, 4096)
+    assert one.seconds_per_swapped_block == pytest.approx(2 * 2**20 / (0.8 * 64e9))
+    assert two.seconds_per_swapped_block == pytest.approx(one.seconds_per_swapped_block / 2)
+    assert Planner(costs, PRESETS["h100"]).cluster(Layout(0, 1, 1, 1)).decode.num_host_slots == 0

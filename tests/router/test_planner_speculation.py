@@ -73,9 +73,12 @@ def test_the_plans_serve_flags_carry_the_speculation_it_simulated() -> None:
     args = argparse.Namespace(
         router_policy="kv_aware", kv_cache_dtype="auto", max_local_prefill_length=0,
         max_prefill_queue_tokens=None, num_speculative_tokens=4, draft_acceptance=0.6,
+        kv_offload_gb=8.0,
     )  # fmt: skip
     flags = serve_flags(Layout(0, 1, 2, 1), args)
-    assert flags[-2:] == [
+    assert flags[-4:] == [
+        "--kv-offload-gb",
+        "8",
         "--speculative-config",
         """'{"method": "ngram", "num_speculative_tokens": 4}'""",
     ]
