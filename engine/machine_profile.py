@@ -4,7 +4,8 @@ fits and writes it; this module does the measuring, the router never imports tor
 The model is loaded as a worker loads it, on a CPU with the threads a worker has; the start-up
 latency profile's requests (engine/latency_profile.py) run through an engine loop, so each
 step is timed as a served worker's turn; and a 256 MiB copy on the device stands for a hand-off's
-link (on a CPU, the shared-memory transport is such a copy).
+link (on a CPU, the shared-memory transport is such a copy); on a GPU, copies to and from
+page-locked host memory stand for the KV host tier's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class MachineMeasurement:
     step_timings: tuple[StepTiming, ...]
     copy_bytes_per_s: float  # one copy of a large buffer on the device
     device_memory_bytes: float
+    # copies between the device and page-locked host memory (the KV host tier's), the slower
+    # direction; 0 on a CPU (its host tier is the same memory)
+    host_link_bytes_per_s: float = 0.0
 
 
 def measure_machine(
@@ -87,6 +91,7 @@ def measure_machine(
             timings,
             _copy_bandwidth(engine.device),
             _device_memory(engine.device),
+            _host_link_bandwidth(engine.device),
         )
     finally:
         engine.close()
@@ -107,6 +112,26 @@ def _copy_bandwidth(device: torch.device) -> float:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - started)
     return _COPY_BYTES / best
+
+
+def _host_link_bandwidth(device: torch.device) -> float:
+    """A GPU's bytes per second of copies of a 256 MiB buffer to and from page-locked host
+    memory (the best of five each way, the slower way); 0 on a CPU."""
+    if device.type != "cuda":
+        return 0.0
+    on_device = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    on_host = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    slowest = 0.0
+    for target, source in ((on_host, on_device), (on_device, on_host)):
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - started)
+        slowest = max(slowest, best)
+    return _COPY_BYTES / slowest
 
 
 def _device_memory(device: torch.device) -> float:

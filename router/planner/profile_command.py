@@ -93,6 +93,7 @@ def run_profile(args: argparse.Namespace) -> int:
         memory_bytes_per_s=memory or copy_bytes_per_s,
         device_memory_bytes=measured.device_memory_bytes,
         link_bytes_per_s=copy_bytes_per_s,
+        host_link_bytes_per_s=measured.host_link_bytes_per_s,
         step_overhead_s=cost.overhead_s,
         path_overhead_s=DEFAULT_PATH_OVERHEAD_S
         if args.path_overhead_ms is None
@@ -111,6 +112,11 @@ def run_profile(args: argparse.Namespace) -> int:
         f"{cost.per_decode_token_s * 1e6:.1f} us a decode row + "
         f"{cost.per_context_token_s * 1e9:.2f} ns a KV token read; copies at "
         f"{copy_bytes_per_s / 1e9:.1f} GB/s"
+        + (
+            f", to and from host memory at {measured.host_link_bytes_per_s / 1e9:.1f} GB/s"
+            if measured.host_link_bytes_per_s
+            else ""
+        )
     )
     print(f"wrote {args.out}")
     return 0

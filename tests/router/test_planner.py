@@ -655,6 +655,9 @@ def test_pdserve_profile_measures_this_machine_and_records_its_shared_cores(
     assert hardware.measured.num_samples > STEP_TIMINGS_KEPT
     assert hardware.measured_model == llama_dir.name
     assert hardware.host_cores == os.cpu_count() and hardware.worker_threads == 1
+    # a CPU's host tier is its memory: copies to it at the memory's bandwidth
+    assert hardware.host_link_bytes_per_s == 0.0
+    assert hardware.host_copy_bytes_per_s == hardware.memory_bytes_per_s
     # the host's other work needs a served cluster to measure: none is assumed
     assert hardware.host_seconds_per_token == hardware.host_seconds_per_handoff == 0.0
     model = ModelCosts.load(llama_dir)
