@@ -10,9 +10,11 @@ page-locked host memory stand for the KV host tier's.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +29,8 @@ from engine.scheduler import SchedulerConfig
 from engine.step_timings import StepTimingLog
 
 _COPY_BYTES = 256 << 20
+# a prefill chunk's rows through an 8B model's MLP projection: a matmul that fills a GPU
+_GEMM_ROWS, _GEMM_IN, _GEMM_OUT = 4096, 4096, 14336
 # every step of the profile's rounds is kept (a worker's log keeps its latest 256 between two
 # load reports; the rounds run about a thousand)
 _STEPS_KEPT = 1 << 16
@@ -43,6 +47,11 @@ class MachineMeasurement:
     # copies between the device and page-locked host memory (the KV host tier's), the slower
     # direction; 0 on a CPU (its host tier is the same memory)
     host_link_bytes_per_s: float = 0.0
+    # on a GPU: how many times a prefill's rows go faster through the engine's W8A8 forward
+    # than through a matmul in the model's dtype, by kind ("int", "float"); a kind the GPU
+    # could not run is absent, with why in ``eight_bit_failures``; {} on a CPU
+    eight_bit_speedups: dict[str, float] = field(default_factory=dict)
+    eight_bit_failures: dict[str, str] = field(default_factory=dict)
 
 
 def measure_machine(
@@ -92,6 +101,7 @@ def measure_machine(
             _copy_bandwidth(engine.device),
             _device_memory(engine.device),
             _host_link_bandwidth(engine.device),
+            *_eight_bit_speedups(engine.device, engine.dtype),
         )
     finally:
         engine.close()
@@ -132,6 +142,48 @@ def _host_link_bandwidth(device: torch.device) -> float:
             best = min(best, time.perf_counter() - started)
         slowest = max(slowest, best)
     return _COPY_BYTES / slowest
+
+
+def _eight_bit_speedups(
+    device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, float], dict[str, str]]:
+    """On a GPU, the engine's W8A8 forward (engine/kernels/scaled_matmul.py: the input
+    quantized per token, then the 8-bit GEMM) of a prefill's rows through an 8B model's MLP
+    projection, int8 and float8, each against a matmul in ``dtype`` of the same shape: the
+    times faster (best of five each), and why a kind could not run (a GPU without float8, a
+    kernel that failed). ({}, {}) on a CPU, where 8-bit layers dequantize."""
+    if device.type != "cuda":
+        return {}, {}
+    from engine.kernels import scaled_matmul  # (Triton: on a GPU only)
+
+    x = torch.randn(_GEMM_ROWS, _GEMM_IN, device=device, dtype=dtype)
+    weight = torch.randn(_GEMM_OUT, _GEMM_IN, device=device, dtype=dtype)
+    plain_s = _best_of_five(device, lambda: x @ weight.T)
+    speedups, failures = {}, {}
+    scale = torch.ones(_GEMM_OUT, 1, device=device, dtype=torch.float32)
+    for kind, element in scaled_matmul.ELEMENT_DTYPES.items():
+        quantized = weight.clamp(-100, 100).to(element)
+        forward = functools.partial(scaled_matmul.w8a8_matmul, x, quantized, scale, kind)
+        try:
+            seconds = _best_of_five(device, forward)
+        except Exception as error:  # recorded, and the profile goes on without this kind
+            first_line = (str(error).splitlines() or [""])[0][:200]
+            failures[kind] = f"{type(error).__name__}: {first_line}"
+            continue
+        speedups[kind] = plain_s / seconds
+    return speedups, failures
+
+
+def _best_of_five(device: torch.device, call: Callable[[], object]) -> float:
+    call()  # (compiled, warmed)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        call()
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def _device_memory(device: torch.device) -> float:

@@ -78,7 +78,8 @@ class Hardware:
     host_prompt_step_cpu_factor: float = 1.0
     host_decode_step_cpu_factor: float = 1.0
     # sustained dense matmul rates on 8-bit operands (a W8A8 or FP8 checkpoint's linear
-    # layers); 0: none faster than ``flops_per_s`` (no such tensor cores, or not measured)
+    # layers: datasheet peaks derated, or the engine's 8-bit forward as ``pdserve profile``
+    # measured it on a GPU); 0: at ``flops_per_s`` (no such tensor cores, or not measured)
     int8_ops_per_s: float = 0.0
     fp8_flops_per_s: float = 0.0
     # a device's copies to and from host memory (the KV host tier's, --kv-offload-gb); 0: at
@@ -132,10 +133,11 @@ class Hardware:
         return self.host_link_bytes_per_s or self.memory_bytes_per_s
 
     def eight_bit_rate(self, kind: EightBitMatmul) -> float:
-        """Matmul FLOP/s on 8-bit operands of ``kind`` ("int8", "fp8"): the device's own, or
-        its ``flops_per_s`` where it has none faster."""
+        """Matmul FLOP/s on 8-bit operands of ``kind`` ("int8", "fp8"): the profile's (a
+        measured one may be below ``flops_per_s``: the engine's 8-bit kernel slower than the
+        device's bf16 matmul), or ``flops_per_s`` where it has none (0)."""
         rate = self.int8_ops_per_s if kind == "int8" else self.fp8_flops_per_s
-        return max(rate, self.flops_per_s)
+        return rate or self.flops_per_s
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -658,6 +658,9 @@ def test_pdserve_profile_measures_this_machine_and_records_its_shared_cores(
     # a CPU's host tier is its memory: copies to it at the memory's bandwidth
     assert hardware.host_link_bytes_per_s == 0.0
     assert hardware.host_copy_bytes_per_s == hardware.memory_bytes_per_s
+    # on a CPU 8-bit layers dequantize: no 8-bit rate measured, planned at the profile's own
+    assert hardware.int8_ops_per_s == hardware.fp8_flops_per_s == 0.0
+    assert hardware.eight_bit_rate("fp8") == hardware.flops_per_s
     # the host's other work needs a served cluster to measure: none is assumed
     assert hardware.host_seconds_per_token == hardware.host_seconds_per_handoff == 0.0
     model = ModelCosts.load(llama_dir)
