@@ -37,6 +37,12 @@ and calls run in the prefill worker's process after the outputs of the step that
 prompt, and the KV moves once they are done. Elsewhere each worker computes on its own devices, a step takes
 its time alone and a token is delivered as it is sampled.
 
+With a host tier (``WorkerShape.num_host_slots``) a worker's block manager keeps the blocks its
+cache evicts, and a step first copies its evictions out and its prefix hits there back
+(``seconds_per_swapped_block`` each). With speculative decoding (``ClusterShape.speculation``,
+router/planner/speculation.py) the scheduler asks a proposer for each decoding sequence's
+drafts, the step computes them, and those that stand are drawn.
+
 Out: each request's arrival, first token and last token times, from which TTFT, TPOT and
 goodput follow (``SimulatedRequest``), and where its first token's time went: when a step
 first computed its prompt, and when the step that sampled the token ended.
