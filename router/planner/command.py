@@ -114,6 +114,14 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
         "proposes a step (default: none)",
     )
     engine.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="with --num-speculative-tokens: no drafts in a step while more sequences than "
+        "this are running, as serve's speculative_config.disable_by_batch_size (default: "
+        "always drafts)",
+    )
+    engine.add_argument(
         "--draft-acceptance",
         type=float,
         default=0.5,
@@ -227,7 +235,12 @@ def serve_flags(layout: Layout, args: argparse.Namespace) -> list[str]:
     if args.kv_offload_gb:
         flags += ["--kv-offload-gb", f"{args.kv_offload_gb:g}"]
     if args.num_speculative_tokens is not None:
-        config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+        config: dict[str, object] = {
+            "method": "ngram",
+            "num_speculative_tokens": args.num_speculative_tokens,
+        }
+        if args.speculative_disable_by_batch_size is not None:
+            config["disable_by_batch_size"] = args.speculative_disable_by_batch_size
         flags += ["--speculative-config", shlex.quote(json.dumps(config))]
     return flags
 
@@ -243,7 +256,11 @@ def speculation(args: argparse.Namespace) -> Speculation | None:
     """The speculative decoding the plan simulates (None: none)."""
     if args.num_speculative_tokens is None:
         return None
-    return Speculation(args.num_speculative_tokens, args.draft_acceptance)
+    return Speculation(
+        args.num_speculative_tokens,
+        args.draft_acceptance,
+        args.speculative_disable_by_batch_size,
+    )
 
 
 def shared_host_line(hardware: Hardware) -> str:

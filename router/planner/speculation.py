@@ -38,6 +38,11 @@ class Speculation:
             )
         if not 0 <= self.acceptance <= 1:
             raise ValueError(f"--draft-acceptance must be in [0, 1], got {self.acceptance}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                "--speculative-disable-by-batch-size must be >= 1, got "
+                f"{self.disable_by_batch_size}"
+            )
 
     @property
     def stands_after_previous(self) -> float:

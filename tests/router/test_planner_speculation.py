@@ -69,11 +69,27 @@ def test_drafts_that_stand_cut_the_steps_and_drafts_that_fall_cost_their_compute
     assert _decode(1.0, output_len=6)[1] == pytest.approx((0.014 + 0.011) / 5)
 
 
+def test_no_drafts_while_more_sequences_run_than_the_batch_size_allows() -> None:
+    """A worker that drafts only while one sequence runs (as the engine judges it, when a step
+    is scheduled), every draft standing, two prompts of 100 tokens and 13 out. A is prefilled
+    alone (110 ms); the next step decodes A with 3 drafts beside B's prompt (114 ms: A at 5
+    tokens); then both run, no drafts, 8 steps of two rows (12 ms each: A done); B alone
+    drafts again: 4 more tokens in one step (14 ms)."""
+    spec = Speculation(3, 1.0, disable_by_batch_size=1)
+    cluster = ClusterShape(_linear(0.010, 1e-3), speculation=spec)
+    prompts = [WorkloadRequest(0.0, tuple(range(i, i + 100)), 13) for i in (0, 500)]
+    first, second = Simulation(cluster, prompts).run()
+    assert first.tpot_s == pytest.approx((0.114 + 8 * 0.012) / 12)
+    assert second.tpot_s == pytest.approx((8 * 0.012 + 0.014) / 12)
+    with pytest.raises(ValueError, match="--speculative-disable-by-batch-size must be >= 1"):
+        Speculation(3, 0.5, disable_by_batch_size=0)
+
+
 def test_the_plans_serve_flags_carry_the_speculation_it_simulated() -> None:
     args = argparse.Namespace(
         router_policy="kv_aware", kv_cache_dtype="auto", max_local_prefill_length=0,
         max_prefill_queue_tokens=None, num_speculative_tokens=4, draft_acceptance=0.6,
-        kv_offload_gb=8.0,
+        kv_offload_gb=8.0, speculative_disable_by_batch_size=None,
     )  # fmt: skip
     flags = serve_flags(Layout(0, 1, 2, 1), args)
     assert flags[-4:] == [
@@ -83,4 +99,9 @@ def test_the_plans_serve_flags_carry_the_speculation_it_simulated() -> None:
         """'{"method": "ngram", "num_speculative_tokens": 4}'""",
     ]
     assert speculation(args) == Speculation(4, 0.6)
+    args.speculative_disable_by_batch_size = 8
+    assert serve_flags(Layout(0, 1, 2, 1), args)[-1] == (
+        """'{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}'"""
+    )
+    assert speculation(args) == Speculation(4, 0.6, disable_by_batch_size=8)
     assert speculation(argparse.Namespace(num_speculative_tokens=None)) is None
