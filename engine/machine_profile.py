@@ -112,16 +112,7 @@ def _copy_bandwidth(device: torch.device) -> float:
     bytes a hand-off moves); the best of five."""
     source = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        target.copy_(source)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-    return _COPY_BYTES / best
+    return _COPY_BYTES / _best_of_five(device, functools.partial(target.copy_, source))
 
 
 def _host_link_bandwidth(device: torch.device) -> float:
@@ -131,16 +122,10 @@ def _host_link_bandwidth(device: torch.device) -> float:
         return 0.0
     on_device = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
     on_host = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
-    slowest = 0.0
-    for target, source in ((on_host, on_device), (on_device, on_host)):
-        best = float("inf")
-        for _ in range(5):
-            torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            target.copy_(source, non_blocking=True)
-            torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - started)
-        slowest = max(slowest, best)
+    slowest = max(
+        _best_of_five(device, functools.partial(target.copy_, source, non_blocking=True))
+        for target, source in ((on_host, on_device), (on_device, on_host))
+    )
     return _COPY_BYTES / slowest
 
 
@@ -175,15 +160,22 @@ def _eight_bit_speedups(
 
 
 def _best_of_five(device: torch.device, call: Callable[[], object]) -> float:
-    call()  # (compiled, warmed)
+    """The least of five timed calls after one untimed (compiled, warmed), on a GPU each from
+    an idle device to its end there."""
+    call()
     best = float("inf")
     for _ in range(5):
-        torch.cuda.synchronize(device)
+        _synchronize(device)
         started = time.perf_counter()
         call()
-        torch.cuda.synchronize(device)
+        _synchronize(device)
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _device_memory(device: torch.device) -> float:

@@ -415,7 +415,7 @@ class GatewayMetrics:
             "--admission-attainment asks (router/gateway/attainment_feedback.py)",
             registry=r,
         )
-        self.admission_scale.set(1.0)
+        self.admission_scale.set(1.0)  # (until the gateway reads it from its feedback)
         targets = Gauge("pdserve:slo_target_seconds", "SLO targets", ["slo"], registry=r)
         targets.labels(slo="ttft").set(slo.ttft_s)
         targets.labels(slo="tpot").set(slo.tpot_s)

@@ -187,6 +187,7 @@ class Gateway:
             role_switches=backend.role_switches,
             step_prediction_ratios=backend.step_prediction_ratios,
         )
+        self.metrics.admission_scale.set_function(lambda: self.feedback.scale)
         self.num_in_flight = 0
         self._in_flight_by_key: Counter[str | None] = Counter()  # by the key's tenant salt
         self._probe: str | None = None  # the request in flight as admission's probe
@@ -422,7 +423,6 @@ class Gateway:
         met = self.metrics.finished(finished)
         if self.admission.mode == "slo" and _steers(live) and met is not None:
             self.feedback.observe(met)
-            self.metrics.admission_scale.set(self.feedback.scale)
         for prompt in finished:  # what the forecast missed, for its path corrections
             ttft = prompt.time_to_first_token
             if prompt.forecast is not None and ttft is not None:

@@ -83,21 +83,26 @@ def run_profile(args: argparse.Namespace) -> int:
     cost = fit_step_cost(measured.step_timings)
     model = ModelCosts.of(measured.model_config, Path(args.model).name, measured.kv_dtype)
     copy_bytes_per_s = measured.copy_bytes_per_s
-    flops = model.flops_per_token / cost.per_prefill_token_s if cost.per_prefill_token_s else 0.0
+    # (a fit without a per-token cost: the copies' rate as a floor)
+    flops = (
+        model.flops_per_token / cost.per_prefill_token_s
+        if cost.per_prefill_token_s
+        else copy_bytes_per_s
+    )
     memory = (
         model.kv_bytes_per_token / cost.per_context_token_s if cost.per_context_token_s else 0.0
     )
     hardware = Hardware(
         name=args.name or f"{os.uname().nodename} ({args.device})",
-        flops_per_s=flops or copy_bytes_per_s,  # (a fit without a per-token cost: a floor)
+        flops_per_s=flops,
         memory_bytes_per_s=memory or copy_bytes_per_s,
         device_memory_bytes=measured.device_memory_bytes,
         link_bytes_per_s=copy_bytes_per_s,
         host_link_bytes_per_s=measured.host_link_bytes_per_s,
         # the engine's 8-bit forward, as many times faster than the profiled matmuls as it
         # measured (none measured: 0, the planner's bf16 rate)
-        int8_ops_per_s=(flops or copy_bytes_per_s) * measured.eight_bit_speedups.get("int", 0.0),
-        fp8_flops_per_s=(flops or copy_bytes_per_s) * measured.eight_bit_speedups.get("float", 0.0),
+        int8_ops_per_s=flops * measured.eight_bit_speedups.get("int", 0.0),
+        fp8_flops_per_s=flops * measured.eight_bit_speedups.get("float", 0.0),
         step_overhead_s=cost.overhead_s,
         path_overhead_s=DEFAULT_PATH_OVERHEAD_S
         if args.path_overhead_ms is None

@@ -64,7 +64,7 @@ from engine.messages import WorkerLoad
 from engine.messages.kv_events import KVCacheSnapshot, KVEventBatch, KVEventsReply
 from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.scheduler.outputs import AcceptedDrafts, ModelRunnerOutput
+from engine.scheduler.outputs import ModelRunnerOutput
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
 from engine.step_timings import step_timing
@@ -480,14 +480,7 @@ class Simulation:
         sampled = {
             seq.seq_id: SAMPLED_TOKEN for entry in output.scheduled for seq in entry.sample_seqs
         }
-        checked = {}  # each speculating sequence's drafts that stood
-        for entry in output.scheduled:
-            if entry.draft_token_ids:
-                assert self._draft_checks is not None
-                num = len(entry.draft_token_ids)
-                standing = self._draft_checks.num_standing(num)
-                drafts = list(entry.draft_token_ids[:standing])
-                checked[entry.seq.seq_id] = AcceptedDrafts(drafts, [None] * standing, num)
+        checked = {} if self._draft_checks is None else self._draft_checks.check(output.scheduled)
         result = ModelRunnerOutput(sampled, accepted_drafts=checked)
         appended = worker.scheduler.update(output, result)
         handed = [t.seq for t in appended if t.seq.status is SequenceStatus.HANDED_OFF]

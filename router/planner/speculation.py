@@ -4,22 +4,23 @@ asks its prompt lookup (engine/speculative/), and each step's drafts stand or fa
 check would let them.
 
 A decoding sequence proposes K drafts a step (fewer where its budget or max_tokens leave less
-room); the step computes them beside its token, so they cost what prompt tokens cost (the
-profile's step time of a chunk of K + 1 tokens). The leading drafts stand, each after the one
-before it with probability ``a``, until one falls; the sequence then takes those and the token
-drawn after them. ``R`` is what pdserve reports of a served model: the share of draft tokens
-that stood (``pdserve:spec_decode_num_accepted_tokens`` over ``..._num_draft_tokens``), that
-is, with K drafts, (a + a^2 + ... + a^K) / K; the simulation solves ``a`` from it. How often a
-prompt-lookup proposer finds no n-gram (no drafts, no cost) is folded into R only loosely: a
-step without drafts is simulated as K drafts that all fell.
+room); the step computes them beside its token, each a decode row reading the context (as the
+workers report a speculating step, engine/step_timings.py). The leading drafts stand, each
+after the one before it with probability ``a``, until one falls; the sequence then takes those
+and the token drawn after them. ``R`` is what pdserve reports of a served model: the share of
+draft tokens that stood (``pdserve:spec_decode_num_accepted_tokens`` over
+``..._num_draft_tokens``), that is, with K drafts, (a + a^2 + ... + a^K) / K; the simulation
+solves ``a`` from it. How often a prompt-lookup proposer finds no n-gram (no drafts, no cost)
+is folded into R only loosely: a step without drafts is simulated as K drafts that all fell.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.scheduler.outputs import AcceptedDrafts, ScheduledSequence
 from engine.speculative.config import MAX_SPECULATIVE_TOKENS
 
 
@@ -92,6 +93,19 @@ class DraftChecks:
     def __init__(self, speculation: Speculation, seed: int = 0) -> None:
         self._stands = speculation.stands_after_previous
         self._rng = random.Random(seed)
+
+    def check(self, scheduled: Iterable[ScheduledSequence]) -> dict[int, AcceptedDrafts]:
+        """A step's checks, as the model runner reports them: by sequence id, the leading
+        drafts that stood of each sequence that had drafts."""
+        checked = {}
+        for entry in scheduled:
+            drafts = entry.draft_token_ids
+            if drafts:
+                standing = self.num_standing(len(drafts))
+                checked[entry.seq.seq_id] = AcceptedDrafts(
+                    list(drafts[:standing]), [None] * standing, len(drafts)
+                )
+        return checked
 
     def num_standing(self, num_drafts: int) -> int:
         standing = 0
