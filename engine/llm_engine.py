@@ -62,7 +62,8 @@ class EngineStats:
     step_seconds: float = 0.0  # wall time of step() calls that ran the model
     step_thread_cpu_seconds: float = 0.0  # the engine thread's CPU time in them
     forward_seconds: float = 0.0  # of which model forward + logits
-    num_draft_tokens: int = 0  # speculative decoding: drafts computed and checked
+    num_drafts: int = 0  # speculative decoding: sequences' steps that checked drafts
+    num_draft_tokens: int = 0  # the drafts computed and checked
     num_accepted_draft_tokens: int = 0  # of which stood
 
 
@@ -393,6 +394,7 @@ class LLMEngine:
         ]
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(new_tokens)
+        self.stats.num_drafts += len(result.accepted_drafts)
         for drafts in result.accepted_drafts.values():
             self.stats.num_draft_tokens += drafts.num_drafts
             self.stats.num_accepted_draft_tokens += len(drafts.token_ids)
@@ -645,6 +647,8 @@ class LLMEngine:
             num_kv_transfers=num_kv_transfers,
             num_kv_transfer_bytes=num_kv_transfer_bytes,
             kv_transfer_seconds=kv_transfer_seconds,
+            num_draft_attempts=self.scheduler.num_draft_attempts,
+            num_drafts=self.stats.num_drafts,
             num_draft_tokens=self.stats.num_draft_tokens,
             num_accepted_draft_tokens=self.stats.num_accepted_draft_tokens,
             expert_tokens=() if expert_tokens is None else expert_tokens.per_expert(),

@@ -33,8 +33,12 @@ class WorkerCounters:
     num_kv_transfers: int = 0  # KV hand-offs sent (prefill) or received (decode)
     num_kv_transfer_bytes: int = 0  # their payload bytes
     kv_transfer_seconds: float = 0.0  # their wall time
-    num_draft_tokens: int = 0  # speculative decoding: draft tokens computed and checked
-    num_accepted_draft_tokens: int = 0  # of those, the ones that stood (emitted as output)
+    # speculative decoding: the times a decoding sequence asked the proposer for drafts, those
+    # it got some (its step checked them), the draft tokens checked, and those that stood
+    num_draft_attempts: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0  # (emitted as output)
     # mixture-of-experts models (empty otherwise): tokens each expert took, over all sparse
     # layers, and (layer, its busiest expert's tokens over the mean per expert) per sparse layer
     expert_tokens: tuple[int, ...] = ()

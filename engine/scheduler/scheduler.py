@@ -109,6 +109,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the last one is preempted first
         self.num_preemptions = 0
+        # speculative decoding: the times a decoding sequence asked the proposer for drafts
+        # (whether it found any)
+        self.num_draft_attempts = 0
         self._seq_ids = itertools.count()
 
     # ---- queue management -------------------------------------------------------------
@@ -407,6 +410,7 @@ class Scheduler:
         room = min(budget - 1, seq.max_total_tokens - seq.num_tokens - 1)
         if room < 1:
             return ()
+        self.num_draft_attempts += 1
         drafts = self.proposer.propose(seq.token_ids, room, seq.seq_id)
         if drafts and self.draft_filter is not None:
             drafts = self.draft_filter(seq, drafts)

@@ -118,6 +118,13 @@ class _WorkerCollector(Collector):
             labels=[*labels, "direction"],
         )
         transfer_bytes = counter("kv_transfer_bytes", "KV bytes sent (prefill) or received")
+        attempts = counter(
+            "spec_decode_num_draft_attempts",
+            "Speculative decoding: the times a decoding sequence asked for drafts",
+        )
+        proposals = counter(
+            "spec_decode_num_drafts", "Of those, the times it got drafts (its step checked them)"
+        )
         drafts = counter(
             "spec_decode_num_draft_tokens", "Speculative draft tokens the worker checked"
         )
@@ -171,6 +178,8 @@ class _WorkerCollector(Collector):
             transfer_seconds.add_metric(
                 values, count_value=totals.num_kv_transfers, sum_value=totals.kv_transfer_seconds
             )
+            attempts.add_metric(values, totals.num_draft_attempts)
+            proposals.add_metric(values, totals.num_drafts)
             drafts.add_metric(values, totals.num_draft_tokens)
             accepted.add_metric(values, totals.num_accepted_draft_tokens)
             for expert, count in enumerate(totals.expert_tokens):
@@ -179,7 +188,16 @@ class _WorkerCollector(Collector):
                 imbalance.add_metric([*values, str(layer)], ratio)
         yield from (alive, running, waiting, kv_usage, hit_rate, generated, prefilled, preemptions)
         yield from (queries, hits, hits_by_tier, offload_bytes, transfer_bytes, transfer_seconds)
-        yield from (drafts, accepted, steps, step_seconds, step_cpu, process_cpu)
+        yield from (
+            attempts,
+            proposals,
+            drafts,
+            accepted,
+            steps,
+            step_seconds,
+            step_cpu,
+            process_cpu,
+        )
         yield from (expert_tokens, imbalance)
 
 

@@ -130,6 +130,15 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
         "..._num_draft_tokens) (default: %(default)s)",
     )
     engine.add_argument(
+        "--draft-rate",
+        type=float,
+        default=1.0,
+        help="with --num-speculative-tokens: the share of the times a decoding sequence asks "
+        "for drafts that it gets some (prompt lookup finds none in the others: the step "
+        "computes its token alone), as pdserve reports a served model's "
+        "(pdserve:spec_decode_num_drafts over ..._num_draft_attempts) (default: %(default)s)",
+    )
+    engine.add_argument(
         "--router-policy",
         choices=ROUTER_POLICIES,
         default=ROUTER_POLICIES[0],
@@ -260,6 +269,7 @@ def speculation(args: argparse.Namespace) -> Speculation | None:
         args.num_speculative_tokens,
         args.draft_acceptance,
         args.speculative_disable_by_batch_size,
+        args.draft_rate,
     )
 
 

@@ -282,7 +282,9 @@ class Simulation:
             max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens
         )
         speculation = self.cluster.speculation
-        proposer = None if speculation is None else PlannedDrafts(speculation, SAMPLED_TOKEN)
+        proposer = (
+            None if speculation is None else PlannedDrafts(speculation, SAMPLED_TOKEN, seed=name)
+        )
         scheduler = Scheduler(config, manager, eos_token_ids=(), proposer=proposer)
         return _Worker(name, shape, scheduler, kv_events=events)
 

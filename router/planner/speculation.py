@@ -10,8 +10,10 @@ after the one before it with probability ``a``, until one falls; the sequence th
 and the token drawn after them. ``R`` is what pdserve reports of a served model: the share of
 draft tokens that stood (``pdserve:spec_decode_num_accepted_tokens`` over
 ``..._num_draft_tokens``), that is, with K drafts, (a + a^2 + ... + a^K) / K; the simulation
-solves ``a`` from it. How often a prompt-lookup proposer finds no n-gram (no drafts, no cost)
-is folded into R only loosely: a step without drafts is simulated as K drafts that all fell.
+solves ``a`` from it. A prompt-lookup proposer finds no n-gram in some of the times it is asked:
+such a step computes the sequence's token alone. ``--draft-rate D`` is the share of the times it
+found drafts (``pdserve:spec_decode_num_drafts`` over ``..._num_draft_attempts``); a simulated
+sequence gets drafts in a step with probability D.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Speculation:
     acceptance: float  # the share of draft tokens that stood, as pdserve reports it
     # no drafts in a step while more sequences than this are running (None: always)
     disable_by_batch_size: int | None = None
+    draft_rate: float = 1.0  # the share of the times a sequence asks that it gets drafts
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -44,6 +47,8 @@ class Speculation:
                 "--speculative-disable-by-batch-size must be >= 1, got "
                 f"{self.disable_by_batch_size}"
             )
+        if not 0 <= self.draft_rate <= 1:
+            raise ValueError(f"--draft-rate must be in [0, 1], got {self.draft_rate}")
 
     @property
     def stands_after_previous(self) -> float:
@@ -59,10 +64,6 @@ class Speculation:
                 high = middle
         return (low + high) / 2
 
-    def mean_tokens_per_step(self) -> float:
-        """Tokens a decoding sequence takes a step: its drafts that stood and the one after."""
-        return 1 + self.acceptance * self.num_tokens
-
 
 def _share_standing(a: float, k: int) -> float:
     """Of k drafts, each standing after the one before with probability a: the mean share
@@ -71,11 +72,13 @@ def _share_standing(a: float, k: int) -> float:
 
 
 class PlannedDrafts:
-    """A proposer (engine/speculative/proposer.py) of ``num_tokens`` drafts of ``token``."""
+    """A proposer (engine/speculative/proposer.py) of ``num_tokens`` drafts of ``token``, found
+    (seeded) at ``draft_rate`` of the times it is asked."""
 
-    def __init__(self, speculation: Speculation, token: int) -> None:
+    def __init__(self, speculation: Speculation, token: int, seed: int | str = 0) -> None:
         self.speculation = speculation
         self.token = token
+        self._rng = random.Random(seed)
 
     def proposes_for(self, num_running: int) -> bool:
         limit = self.speculation.disable_by_batch_size
@@ -84,6 +87,9 @@ class PlannedDrafts:
     def propose(
         self, token_ids: Sequence[int], max_num_drafts: int, seq_id: int | None = None
     ) -> tuple[int, ...]:
+        rate = self.speculation.draft_rate
+        if rate < 1 and self._rng.random() >= rate:
+            return ()
         return (self.token,) * min(max_num_drafts, self.speculation.num_tokens)
 
 

@@ -203,6 +203,9 @@ def speculating_llm(**engine_args: object) -> LLM:
 def assert_drafts_stood_and_fell(llm: LLM) -> None:
     stats = llm.engine.stats
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens, stats
+    # a sequence's step with drafts checks at most num_speculative_tokens of them
+    assert 0 < stats.num_drafts <= llm.engine.scheduler.num_draft_attempts, stats
+    assert stats.num_drafts <= stats.num_draft_tokens <= 4 * stats.num_drafts, stats
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,22 @@ def test_drafts_that_stand_advance_the_sequence_several_tokens_a_step() -> None:
     # the prompt, then 1 + 4 drafts a step; the last token has no room for a draft after it
     assert steps == [[(8, ())], [(1, (8, 9, 10, 5))], [(1, (7, 8, 9, 10))], [(1, ())]]
     assert seq.finish_reason == "length"
+    # asked for drafts: seq twice (not for the prompt, nor without room for one), capped once
+    assert scheduler.num_draft_attempts == 3
+
+
+def test_a_lookup_that_finds_nothing_is_an_attempt_without_drafts() -> None:
+    """pdserve:spec_decode_num_draft_attempts counts the times a decoding sequence asked, found
+    drafts or not (the share with drafts is what ``pdserve plan --draft-rate`` takes)."""
+    scheduler = make_scheduler()
+    # after 9 and after 10 it asks (neither seen before); after 5 no draft has room
+    seq = add(scheduler, [5, 6, 7, 8], max_tokens=4)
+    while scheduler.num_unfinished:
+        out = scheduler.schedule()
+        assert all(not e.draft_token_ids for e in out.scheduled)
+        scheduler.update(out, fake_run(out))
+    assert seq.output_token_ids == [9, 10, 5, 6]
+    assert scheduler.num_draft_attempts == 2
 
 
 def test_drafts_that_fall_are_not_kept_and_their_slots_are_written_over() -> None:

@@ -128,7 +128,12 @@ def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -
         assert ("pdserve:local_prefills_total", (("reason", reason),)) in after
         assert delta("pdserve:local_prefills_total", reason=reason) == 0
     # exported per worker, though this cluster does not speculate (no --speculative-config)
-    for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+    for name in (
+        "spec_decode_num_draft_attempts",
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+    ):
         for role in ("prefill", "decode"):
             assert any(n == f"pdserve:{name}_total" and ("role", role) in ls for n, ls in after)
         assert delta(f"pdserve:{name}_total") == 0
@@ -213,15 +218,24 @@ def test_worker_restarts_are_counted_per_slot() -> None:
 
 
 def test_speculative_decoding_counters_are_exported_per_worker() -> None:
-    """vLLM's ``spec_decode_num_draft_tokens`` / ``_accepted_tokens``, labelled as the other
-    worker counters: read from each live worker's latest load report."""
+    """vLLM's ``spec_decode_num_drafts`` / ``_draft_tokens`` / ``_accepted_tokens``, and the
+    times sequences asked for drafts, labelled as the other worker counters: read from each
+    live worker's latest load report."""
 
     def status(worker_id: str, role: str, alive: bool, **counters: int) -> WorkerStatus:
         load = WorkerLoad(worker_id, 0, 0, 0, 0.0, WorkerCounters(**counters))
         return WorkerStatus(worker_id, role, alive, load)
 
     statuses = [
-        status("decode-0", "decode", True, num_draft_tokens=40, num_accepted_draft_tokens=12),
+        status(
+            "decode-0",
+            "decode",
+            True,
+            num_draft_attempts=25,
+            num_drafts=10,
+            num_draft_tokens=40,
+            num_accepted_draft_tokens=12,
+        ),
         status("decode-1", "decode", False, num_draft_tokens=9),  # out of rotation: not exported
         status("prefill-0", "prefill", True),
     ]
@@ -234,6 +248,8 @@ def test_speculative_decoding_counters_are_exported_per_worker() -> None:
     decode_0 = {"role": "decode", "worker": "decode-0"}
     assert value(f"{drafts}_total", decode_0) == 40
     assert value(f"{accepted}_total", decode_0) == 12
+    assert value("pdserve:spec_decode_num_drafts_total", decode_0) == 10
+    assert value("pdserve:spec_decode_num_draft_attempts_total", decode_0) == 25
     assert value(f"{drafts}_total", {"role": "decode", "worker": "decode-1"}) is None
     prefill_0 = {"role": "prefill", "worker": "prefill-0"}
     assert value(f"{drafts}_total", prefill_0) == value(f"{accepted}_total", prefill_0) == 0

@@ -593,6 +593,7 @@ def test_pdserve_plan_refuses_bad_input_naming_the_flag(
         (["--kv-offload-gb", "-1"], "--kv-offload-gb must be >= 0, got -1"),
         (["--host-link-gbs", "0"], "--host-link-gbs must be > 0, got 0"),
         (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be in [1, 16], got 0"),
+        (["--num-speculative-tokens", "2", "--draft-rate", "2"], "--draft-rate must be in [0, 1]"),
         (["--fp8-flops", "-1"], "--fp8-flops must be >= 0, got -1"),
         (["--memory-gbs", "0"], "--memory-gbs must be > 0, got 0"),
     ]

@@ -12,7 +12,7 @@ from router.latency_model import StepShape
 from router.planner.command import serve_flags, speculation
 from router.planner.plan import Layout
 from router.planner.simulator import ClusterShape, Simulation, WorkerShape, WorkloadRequest
-from router.planner.speculation import DraftChecks, Speculation
+from router.planner.speculation import DraftChecks, PlannedDrafts, Speculation
 
 
 def _linear(seconds_per_step: float, per_token: float) -> WorkerShape:
@@ -29,7 +29,6 @@ def test_the_acceptance_pdserve_reports_is_the_share_of_drafts_that_stand() -> N
     three = Speculation(3, 0.5)
     a = three.stands_after_previous
     assert (a + a**2 + a**3) / 3 == pytest.approx(0.5)
-    assert three.mean_tokens_per_step() == 2.5
     checks = DraftChecks(three, seed=1)
     standing = [checks.num_standing(3) for _ in range(20_000)]
     assert sum(standing) / len(standing) / 3 == pytest.approx(0.5, abs=0.01)
@@ -42,10 +41,12 @@ def test_the_acceptance_pdserve_reports_is_the_share_of_drafts_that_stand() -> N
         Speculation(3, 1.5)
 
 
-def _decode(acceptance: float | None, output_len: int = 13) -> tuple[float, float]:
+def _decode(
+    acceptance: float | None, output_len: int = 13, draft_rate: float = 1.0
+) -> tuple[float, float]:
     """(TTFT, TPOT) of one request of 100 prompt tokens on a colocated worker whose step takes
     10 ms + 1 ms a token computed, speculating 3 drafts at ``acceptance`` (None: not)."""
-    spec = None if acceptance is None else Speculation(3, acceptance)
+    spec = None if acceptance is None else Speculation(3, acceptance, draft_rate=draft_rate)
     cluster = ClusterShape(_linear(0.010, 1e-3), speculation=spec)
     (run,) = Simulation(cluster, [WorkloadRequest(0.0, tuple(range(100)), output_len)]).run()
     assert run.num_tokens == output_len and run.ttft_s is not None and run.tpot_s is not None
@@ -69,6 +70,26 @@ def test_drafts_that_stand_cut_the_steps_and_drafts_that_fall_cost_their_compute
     assert _decode(1.0, output_len=6)[1] == pytest.approx((0.014 + 0.011) / 5)
 
 
+def test_a_step_without_drafts_found_computes_its_token_alone() -> None:
+    """``--draft-rate 0``: the proposer never finds drafts, so every step is the plain one
+    (11 ms), not one of drafts that fell (14 ms). In between, each time a sequence asks it
+    gets drafts at that rate: with every draft standing, a step with drafts takes 4 tokens in
+    14 ms and one without 1 in 11 ms."""
+    plain = _decode(None)[1]
+    assert _decode(0.0, draft_rate=0.0)[1] == pytest.approx(plain)
+    assert _decode(1.0, draft_rate=0.0)[1] == pytest.approx(plain)
+    # many tokens: the mean step time per token at rate 0.5, (0.5*14 + 0.5*11) / (0.5*4 + 0.5)
+    long = _decode(1.0, output_len=4001, draft_rate=0.5)[1]
+    assert long == pytest.approx((0.5 * 0.014 + 0.5 * 0.011) / 2.5, rel=0.03)
+    assert _decode(1.0)[1] < long < plain
+    proposer = PlannedDrafts(Speculation(3, 1.0, draft_rate=0.25), token=7, seed="decode-0")
+    found = [proposer.propose((1, 2), 3) for _ in range(4000)]
+    assert {f for f in found} == {(), (7, 7, 7)}
+    assert found.count(()) / len(found) == pytest.approx(0.75, abs=0.03)
+    with pytest.raises(ValueError, match=r"--draft-rate must be in \[0, 1\], got -0.1"):
+        Speculation(3, 0.5, draft_rate=-0.1)
+
+
 def test_no_drafts_while_more_sequences_run_than_the_batch_size_allows() -> None:
     """A worker that drafts only while one sequence runs (as the engine judges it, when a step
     is scheduled), every draft standing, two prompts of 100 tokens and 13 out. A is prefilled
@@ -89,7 +110,7 @@ def test_the_plans_serve_flags_carry_the_speculation_it_simulated() -> None:
     args = argparse.Namespace(
         router_policy="kv_aware", kv_cache_dtype="auto", max_local_prefill_length=0,
         max_prefill_queue_tokens=None, num_speculative_tokens=4, draft_acceptance=0.6,
-        kv_offload_gb=8.0, speculative_disable_by_batch_size=None,
+        kv_offload_gb=8.0, speculative_disable_by_batch_size=None, draft_rate=1.0,
     )  # fmt: skip
     flags = serve_flags(Layout(0, 1, 2, 1), args)
     assert flags[-4:] == [
@@ -104,4 +125,7 @@ def test_the_plans_serve_flags_carry_the_speculation_it_simulated() -> None:
         """'{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}'"""
     )
     assert speculation(args) == Speculation(4, 0.6, disable_by_batch_size=8)
+    args.draft_rate = 0.3  # the planner's, not serve's: the serve line is the same
+    assert serve_flags(Layout(0, 1, 2, 1), args)[-1].endswith('"disable_by_batch_size": 8}\'')
+    assert speculation(args) == Speculation(4, 0.6, disable_by_batch_size=8, draft_rate=0.3)
     assert speculation(argparse.Namespace(num_speculative_tokens=None)) is None
