@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from engine.messages import StepTiming
-from engine.scheduler.outputs import SchedulerOutput
+from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
 
 # steps kept between two reports: the latest ones are kept when reports are far apart
 STEP_TIMINGS_KEPT = 256
@@ -82,10 +82,28 @@ def step_timing(output: SchedulerOutput, seconds: float) -> StepTiming:
     prefill_tokens = attention = decode_tokens = context = 0
     for entry in output.scheduled:
         start, new = entry.start_position, entry.num_new_tokens
-        if new > 1 or start < entry.seq.num_prompt_tokens:
+        if _is_prompt_chunk(entry):
             prefill_tokens += new
             attention += new * start + new * (new + 1) // 2
         else:
             decode_tokens += entry.num_query_tokens
             context += entry.num_query_tokens * (start + 1)
     return StepTiming(prefill_tokens, attention, decode_tokens, context, seconds)
+
+
+def decode_kv_tokens(output: SchedulerOutput) -> int:
+    """The KV tokens ``output``'s decoding sequences hold, each sequence's once: a sequence
+    with drafts runs its token and drafts like a prompt chunk, whose attention kernel reads the
+    KV once for all of them on a GPU (``pdserve plan``'s roofline; the step above counts a row's
+    context per row, as the CPU's time grows)."""
+    return sum(
+        entry.start_position + entry.num_query_tokens
+        for entry in output.scheduled
+        if not _is_prompt_chunk(entry)
+    )
+
+
+def _is_prompt_chunk(entry: ScheduledSequence) -> bool:
+    """An entry of several new tokens, or one at a prompt position (else: a decode row, with
+    its drafts if any)."""
+    return entry.num_new_tokens > 1 or entry.start_position < entry.seq.num_prompt_tokens

@@ -55,7 +55,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.kv_events import KVEventRecorder
@@ -67,7 +67,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.scheduler.outputs import ModelRunnerOutput
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
-from engine.step_timings import step_timing
+from engine.step_timings import decode_kv_tokens, step_timing
 from router.kv_aware import KVAware
 from router.kv_index import KVIndex
 from router.latency_model import StepShape, shape_of
@@ -456,7 +456,9 @@ class Simulation:
         output = worker.scheduler.schedule()
         if output.is_empty:
             return  # waits for blocks: a hand-off or a finish kicks it again
-        shape = shape_of(step_timing(output, 0.0))
+        shape = replace(
+            shape_of(step_timing(output, 0.0)), decode_kv_tokens=decode_kv_tokens(output)
+        )
         for entry in output.scheduled:
             simulated = self._of_seq[entry.seq.seq_id]
             if simulated.scheduled_s is None:

@@ -491,6 +491,23 @@ def test_a_measured_profile_is_used_for_its_own_model_at_tp_1(llama_8b: Path) ->
     assert saved == hardware
 
 
+def test_on_the_roofline_a_sequences_drafts_read_its_kv_with_its_token(llama_8b: Path) -> None:
+    """Speculative decoding on an H100: one sequence of 8000 tokens decoding with 4 drafts is
+    5 rows attending to its context, but its KV is read once (the rows run like a prompt
+    chunk); its step is memory-bound, so it takes what the step of its token alone takes."""
+    costs = ModelCosts.load(llama_8b)
+    model = StepTimeModel(costs, PRESETS["h100"])
+    plain = StepShape(0, 0, 1, 8000, decode_kv_tokens=8000)
+    drafts = StepShape(0, 0, 5, 5 * 8000, decode_kv_tokens=8004)
+    kv_once = (costs.weight_bytes + 8004 * costs.kv_bytes_per_token) / PRESETS[
+        "h100"
+    ].memory_bytes_per_s
+    assert model(drafts) == pytest.approx(PRESETS["h100"].step_overhead_s + kv_once)
+    assert model(drafts) == pytest.approx(model(plain), rel=1e-3)
+    per_row = replace(drafts, decode_kv_tokens=drafts.decode_context_tokens)
+    assert model(per_row) > 1.05 * model(drafts)
+
+
 def test_on_a_busy_host_a_step_costs_its_measured_factor_of_the_profile(llama_8b: Path) -> None:
     """A profile is measured on a quiet machine; a CPU host's steps cost more beside the rest
     of the cluster: a step computing prompt tokens its prompt factor times the profiled time,
