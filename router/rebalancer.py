@@ -21,7 +21,7 @@ workers' step timings predict it, makes the next switch that way wait longer
 (``RebalancePolicy``'s back-off); the verdict is logged.
 
 A switch (``Rebalancer.switch``): the pool's least busy worker (or workers: one per move, all
-drained at once, then changed one after another) stops being routed new work
+drained at once, then changed at once, each in a thread of its own) stops being routed new work
 (draining); what it holds runs on, for up to ``drain_timeout_s``; anything still on it then is
 resumed elsewhere (a decode worker's requests are recomputed after the tokens their clients
 have, as after a worker's loss: no request fails); then it is retired (out of rotation, its slot
@@ -45,8 +45,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from router.latency_forecast import Forecast
 from router.rebalance_policy import (
@@ -61,6 +63,8 @@ from router.worker_pool import WorkerHandle, WorkerPool
 
 logger = logging.getLogger("router.rebalancer")
 _DRAIN_POLL_S = 0.05
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
 
 
 @dataclass(slots=True)
@@ -209,11 +213,16 @@ class Rebalancer:
                 return []
         drained = time.monotonic()
         if self.pool.changes_roles_in_place:  # (pools of one size: one for one)
-            joined = []
-            for worker in leaving:  # one after another, each in rotation once changed
-                changed = self._change_in_place(worker, decision, self.pool.slot_cpus(worker))
+            rooms = {w.worker_id: self.pool.slot_cpus(w) for w in leaving}
+
+            def change(worker: WorkerHandle) -> list[WorkerHandle]:
+                changed = self._change_in_place(worker, decision, rooms[worker.worker_id])
                 self._log_joined(changed, [worker], started, drained)
-                joined += changed
+                return changed
+
+            # all at once, each in rotation once changed (a GPU worker's engine takes its
+            # time to build: one after another, the pool would wait for each in turn)
+            joined = [w for changed in _at_once(change, leaving) for w in changed]
         else:
             joined = self._exchange(leaving, decision)
             self._log_joined(joined, leaving, started, drained)
@@ -278,13 +287,13 @@ class Rebalancer:
             if self.pool.retire(worker, keep_placement=False):
                 self._recover([worker])  # what it still holds: resumed elsewhere
                 self.pool.stop_retired(worker)
-        joined: list[WorkerHandle] = []
-        for index in range(num_started):
-            room = cpus[index * len(leaving) // num_started]
-            started = self.pool.start_worker(decision.to_role, room, self.config.place_timeout_s)
-            if started is None:
-                break
-            joined.append(started)
+        rooms = [cpus[index * len(leaving) // num_started] for index in range(num_started)]
+
+        def start(room: tuple[int, ...]) -> WorkerHandle | None:
+            return self.pool.start_worker(decision.to_role, room, self.config.place_timeout_s)
+
+        # all at once (a model takes its time to load on a GPU)
+        joined = [w for w in _at_once(start, rooms) if w is not None]
         names = ", ".join(w.worker_id for w in leaving)
         if joined and len(joined) < num_started:
             logger.warning(
@@ -293,7 +302,7 @@ class Rebalancer:
             )  # fmt: skip
         if joined:
             return joined
-        restored = [self.pool.start_worker(decision.from_role, room) for room in cpus]
+        restored = _at_once(lambda room: self.pool.start_worker(decision.from_role, room), cpus)
         back = [w.worker_id for w in restored if w is not None]
         logger.error(
             "rebalancing: no %s worker started in place of %s; %s",
@@ -319,3 +328,11 @@ class Rebalancer:
     def switch_counts(self) -> dict[tuple[str, str], int]:
         with self._lock:
             return dict(self._switches)
+
+
+def _at_once(call: Callable[[_Item], _Result], items: Sequence[_Item]) -> list[_Result]:
+    """``call`` of each item, each in a thread of its own (one: in this one), in their order."""
+    if len(items) <= 1:
+        return [call(item) for item in items]
+    with ThreadPoolExecutor(len(items), thread_name_prefix="rebalancing") as threads:
+        return list(threads.map(call, items))
