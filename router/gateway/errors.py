@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,8 @@ class ApiError(Exception):  # not frozen: raising sets __cause__ / __traceback__
     type: str = "invalid_request_error"  # OpenAI's error type
     param: str | None = None  # the request field at fault, when one is
     code: str | None = None  # machine-readable reason (e.g. "model_not_found")
-    retry_after_s: int | None = None  # sent as Retry-After on 429 / 503
+    # how long to wait before retrying, sent with a 429 / 503 (``retry_headers``)
+    retry_after_s: float | None = None
 
     def __str__(self) -> str:
         return self.message
@@ -29,6 +31,16 @@ class ApiError(Exception):  # not frozen: raising sets __cause__ / __traceback__
                 "code": self.code,
             }
         }
+
+
+def retry_headers(retry_after_s: float) -> dict[str, str]:
+    """HTTP's Retry-After (whole seconds, at least 1) and the exact wait in milliseconds as
+    ``retry-after-ms``, which the OpenAI SDK reads first (a wait predicted at 0.3 s is retried
+    after 0.3 s, not 1); the gRPC door sends both as trailing metadata."""
+    return {
+        "retry-after": str(max(1, math.ceil(retry_after_s))),
+        "retry-after-ms": str(max(1, round(retry_after_s * 1000))),
+    }
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:

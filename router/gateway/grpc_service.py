@@ -32,7 +32,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cluster import RequestFailedError
 from router.gateway.auth import Caller
-from router.gateway.errors import ApiError, cluster_failed, invalid
+from router.gateway.errors import ApiError, cluster_failed, invalid, retry_headers
 from router.gateway.grpc_messages import (
     aborted_message,
     chunk_message,
@@ -302,5 +302,5 @@ async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> None:
     code = _STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
     metadata: tuple[tuple[str, str], ...] = ()
     if error.retry_after_s is not None:
-        metadata = (("retry-after", str(error.retry_after_s)),)
+        metadata = tuple(retry_headers(error.retry_after_s).items())
     await context.abort(code, error.message, metadata)

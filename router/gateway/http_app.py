@@ -30,7 +30,13 @@ from starlette.requests import ClientDisconnect
 from router.cluster import RequestFailedError
 from router.gateway.choice_prompts import add_prompt_logprobs, shown
 from router.gateway.dashboard import ASSETS, asset
-from router.gateway.errors import ApiError, cluster_failed, internal_error, invalid
+from router.gateway.errors import (
+    ApiError,
+    cluster_failed,
+    internal_error,
+    invalid,
+    retry_headers,
+)
 from router.gateway.openai_request import OpenAIJob, parse_job
 from router.gateway.openai_response import (
     ChoiceText,
@@ -146,9 +152,7 @@ def _add_error_handlers(app: FastAPI, gateway: Gateway) -> None:
 
 
 def _error_response(error: ApiError) -> Response:
-    headers = {}
-    if error.retry_after_s is not None:
-        headers["Retry-After"] = str(error.retry_after_s)
+    headers = {} if error.retry_after_s is None else retry_headers(error.retry_after_s)
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 

@@ -53,7 +53,6 @@ request is admitted: the model has nothing to refuse by.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -65,6 +64,9 @@ AdmissionMode = Literal["none", "slo"]
 ADMISSION_MODES: tuple[AdmissionMode, ...] = ("none", "slo")
 # why a request was refused: the label of pdserve:admission_refusals_total
 REFUSAL_REASONS = ("ttft", "tpot", "warming_up", "fair_share")
+# the shortest wait a refusal asks for (the Retry-After header itself is whole seconds, its
+# retry-after-ms exact): a predicted drain time of milliseconds would have clients hammer
+MIN_RETRY_AFTER_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +103,7 @@ class AdmissionPolicy:
 class Refusal:
     reason: str  # one of REFUSAL_REASONS
     message: str
-    retry_after_s: int
+    retry_after_s: float  # the predicted wait (at least ``MIN_RETRY_AFTER_S``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,7 @@ def judge(
             f"predicted time to first token {ttft_s * 1000:.0f} ms exceeds the "
             f"server's SLO of {ttft_slo_s * 1000:.0f} ms (--slo-ttft-ms{held}) by more than its "
             f"margin of {policy.margin:.0%}; retry later",
-            _whole_seconds(ttft_s - ttft_slo_s),
+            _wait(ttft_s - ttft_slo_s),
         )
     # a placement must make both: colocated, one worker must
     missed = [
@@ -159,7 +161,7 @@ def judge(
             f"predicted time per output token {tpot_s * 1000:.1f} ms exceeds the "
             f"server's SLO of {tpot_slo_s * 1000:.1f} ms (--slo-tpot-ms{held}) by more than its "
             f"margin of {policy.margin:.0%}; retry later",
-            _whole_seconds(tpot_s * max_tokens),
+            _wait(tpot_s * max_tokens),
         )
     # a slow start: the fewer requests it has seen finish lately, the fewer it vouches for
     cold = [f for f in known if f.num_observed is not None and f.num_observed < WARM_AFTER]
@@ -172,7 +174,7 @@ def judge(
                 f"the server has seen {seen} requests finish in the last "
                 f"{PATH_HORIZON_S:.0f} s, too few to predict latencies under load; until "
                 f"{WARM_AFTER} have, it admits {in_flight_cap} in flight at most; retry shortly",
-                1,
+                1.0,
             )
     loaded = worst_ttft.ttft_s > ttft_slo_s * policy.fair_share_after
     fair_share = (keys.total + 1) / max(1, keys.num_keys)
@@ -182,7 +184,7 @@ def judge(
             f"the server is loaded and this API key has {keys.own} of the {keys.total} "
             f"requests in flight, more than its fair share of {fair_share:.1f} among "
             f"{keys.num_keys} keys; retry later",
-            _whole_seconds(worst_ttft.queue_s),
+            _wait(worst_ttft.queue_s),
         )
     return None
 
@@ -195,9 +197,10 @@ def _held_to(scale: float, attainment: float) -> str:
     )
 
 
-def _whole_seconds(seconds: float) -> int:
-    """A Retry-After value: whole seconds, at least 1."""
-    return max(1, math.ceil(seconds))
+def _wait(seconds: float) -> float:
+    """A refusal's wait before a retry: the predicted one, not less than
+    ``MIN_RETRY_AFTER_S``."""
+    return max(MIN_RETRY_AFTER_S, seconds)
 
 
 def worth_probing(

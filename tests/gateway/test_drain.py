@@ -152,6 +152,7 @@ def test_a_draining_server_refuses_new_requests_and_lets_those_in_flight_finish(
         ):
             assert refused.status_code == 503, refused.text
             assert refused.headers["Retry-After"] == "5"
+            assert refused.headers["retry-after-ms"] == "5000"  # the OpenAI SDK reads it first
             error = refused.json()["error"]
             assert (error["type"], error["code"]) == ("service_unavailable", "shutting_down")
             assert "shutting down" in error["message"]

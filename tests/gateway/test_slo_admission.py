@@ -10,7 +10,6 @@ hoped for. The front-door tests check what a refused client sees on both wires.
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +31,7 @@ from router.gateway.metrics import SloTargets
 from router.gateway.served_model import ServedModel
 from router.gateway.service import Gateway
 from router.gateway.slo_admission import (
+    MIN_RETRY_AFTER_S,
     AdmissionPolicy,
     KeyLoad,
     allowed_workers,
@@ -65,11 +65,14 @@ def test_the_rule_refuses_a_predicted_miss_beyond_the_margin_with_the_drain_time
     assert judge([_forecast(0.54)], 16, 0.5, 0.05, policy, alone) is None  # within 10 %
     refusal = judge([_forecast(0.3), _forecast(2.6)], 16, 0.5, 0.05, policy, alone)
     assert refusal is not None and refusal.reason == "ttft"
-    assert refusal.retry_after_s == 3  # 2.1 s of queue to drain first, rounded up
+    assert refusal.retry_after_s == pytest.approx(2.1)  # of queue to drain first
     assert "--slo-ttft-ms" in refusal.message and "2600 ms" in refusal.message
     slow_decode = judge([_forecast(0.1, tpot_s=0.2)], 16, 0.5, 0.05, policy, alone)
     assert slow_decode is not None and slow_decode.reason == "tpot"
-    assert slow_decode.retry_after_s == math.ceil(0.2 * 16)  # one request's decode
+    assert slow_decode.retry_after_s == pytest.approx(0.2 * 16)  # one request's decode
+    # a wait predicted shorter than MIN_RETRY_AFTER_S asks for that
+    barely = judge([_forecast(0.52)], 16, 0.5, 0.05, AdmissionPolicy("slo"), alone)
+    assert barely is not None and barely.retry_after_s == MIN_RETRY_AFTER_S
     assert "--slo-tpot-ms" in slow_decode.message
 
 
@@ -333,7 +336,7 @@ def test_a_burst_beyond_capacity_is_refused_with_retry_after_and_the_accepted_me
     assert {e.status for e in refusals.values()} == {429}
     assert {e.code for e in refusals.values()} == {"slo_predicted_miss"}
     retry_after = refusals["r59"].retry_after_s
-    assert retry_after is not None and retry_after >= 1
+    assert retry_after is not None and retry_after >= MIN_RETRY_AFTER_S
     cluster.run_until(10.0)
     assert len(cluster.ttft) == admitted
     assert max(cluster.ttft.values()) <= SLO.ttft_s  # every accepted prompt met its SLO
@@ -486,7 +489,7 @@ def test_a_key_flooding_a_loaded_server_is_refused_before_the_others(model: Serv
                 break
             cluster.enqueue(f"a{i}", 300)
         assert refused is not None and refused.code == "slo_fair_share"
-        assert refused.retry_after_s is not None and refused.retry_after_s >= 1
+        assert refused.retry_after_s is not None and refused.retry_after_s >= MIN_RETRY_AFTER_S
         assert 3 <= i <= 8  # refused once loaded, well before the SLO itself binds
         in_flight.enter_context(gateway.admitted("b1", bob, [_spec(300)]))
         cluster.enqueue("b1", 300)
@@ -572,7 +575,10 @@ def test_a_refused_request_is_a_429_with_retry_after_and_the_server_serves_on(
     doors.cluster.predicted = _forecast(3.2)
     response = doors.http.post("/v1/completions", json=COMPLETION)
     assert response.status_code == 429
-    assert response.headers["retry-after"] == "3"  # 2.7 s over the 0.5 s SLO, rounded up
+    # 2.7 s over the 0.5 s SLO: HTTP's whole seconds, rounded up, and the OpenAI SDK's exact
+    # milliseconds (which it reads first)
+    assert response.headers["retry-after"] == "3"
+    assert response.headers["retry-after-ms"] == "2700"
     error = response.json()["error"]
     assert error["code"] == "slo_predicted_miss" and error["type"] == "rate_limit_error"
     assert "--slo-ttft-ms" in error["message"]
@@ -649,7 +655,8 @@ def test_grpc_refuses_with_resource_exhausted_and_retry_after(doors: Doors) -> N
     error = raised.value
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--slo-tpot-ms" in error.details()
-    assert dict(error.trailing_metadata())["retry-after"] == "2"  # 0.5 s a token, 4 tokens
+    metadata = dict(error.trailing_metadata())
+    assert (metadata["retry-after"], metadata["retry-after-ms"]) == ("2", "2000")  # 0.5 s x 4
 
 
 def test_a_forecast_that_fails_admits_the_request(doors: Doors) -> None:
