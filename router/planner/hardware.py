@@ -9,7 +9,8 @@ tensor-parallel size ``tp`` is a roofline:
                 (a checkpoint's 8-bit matmuls at the device's int8 or float8 rate, where it
                 has one: ``int8_ops_per_s``, ``fp8_flops_per_s``)
     memory    = (weight bytes + KV bytes the step reads or writes) / (tp * memory bytes/s)
-                (a decoding sequence's KV read once, its drafts with its token)
+                (a decoding sequence's KV read once, its drafts with its token; of a
+                mixture of experts, the experts the step's tokens go to)
     all-reduces (tp > 1): two per layer of the step's activations, over the link
 
 On a CPU machine (``host_cores``) the workers' steps share the host's cores with each other and
@@ -233,7 +234,8 @@ class StepTimeModel:
         if model.eight_bit_matmul is not None:
             compute += eight_bit / (self.tp * hardware.eight_bit_rate(model.eight_bit_matmul))
         kv_bytes = model.kv_bytes_per_token * (shape.decode_kv_tokens + shape.num_prefill_tokens)
-        memory = (model.weight_bytes + kv_bytes) / (self.tp * hardware.memory_bytes_per_s)
+        weights = model.weight_bytes_read(tokens)
+        memory = (weights + kv_bytes) / (self.tp * hardware.memory_bytes_per_s)
         reduce = 0.0
         if self.tp > 1:
             payload = 2 * model.num_layers * tokens * model.activation_bytes_per_token

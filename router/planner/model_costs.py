@@ -4,7 +4,11 @@ the bytes of one token's KV cache.
 
 Counted: the attention projections (multi-head, grouped-query, or DeepSeek's latent attention),
 the gated MLPs (a mixture-of-experts layer stores every expert and computes its top k, plus its
-shared expert), the embedding and the LM head (stored once when tied). Norms, biases and the
+shared expert), the embedding and the LM head (stored once when tied). A step reads the
+weights of the routed experts its tokens go to, not every expert's (the engine groups a step's
+tokens by expert and runs only the experts that got some): ``weight_bytes_read``, the experts'
+share taken as routing spreads tokens evenly (an upper bound on the experts touched: skewed
+routing touches fewer). Norms, biases and the
 router's small matrices are left out (well under 1 % of any supported model).
 
 A quantized checkpoint (``quantization_config``, as the engine loads it) stores its decoder's
@@ -54,6 +58,21 @@ class ModelCosts:
     # ("int8" or "fp8"; None: none do)
     eight_bit_flops_per_token: float = 0.0
     eight_bit_matmul: EightBitMatmul | None = None
+    # mixture-of-experts models: of ``weight_bytes``, the routed experts' (every sparse layer's),
+    # and how many a sparse layer has and routes each token to (0 and 0: a dense model)
+    routed_expert_bytes: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """The weight bytes a step of ``num_tokens`` tokens reads: all but the routed experts
+        none of its tokens go to, each token going to ``experts_per_token`` of a sparse
+        layer's ``num_experts`` at random (a given expert gets none with probability
+        (1 - k/E)^tokens)."""
+        if not self.routed_expert_bytes:
+            return float(self.weight_bytes)
+        untouched = (1 - self.experts_per_token / self.num_experts) ** max(1, num_tokens)
+        return self.weight_bytes - self.routed_expert_bytes * untouched
 
     def describe(self) -> str:
         """E.g. ``weights 15.0 GiB (bfloat16), KV 128 KiB a token``."""
@@ -91,10 +110,12 @@ class ModelCosts:
         hidden = config.hidden_size
         attention, attention_flops = _attention(config)
         linear = computed = 0  # the decoder's linear layers' parameters: stored, computed
+        routed = 0  # of those stored, the routed experts'
         for layer in range(config.num_layers):
             layer_stored, layer_computed = _mlp(config, layer)
             linear += attention + layer_stored
             computed += attention + layer_computed
+            routed += _routed_experts(config, layer)
         embedding = config.vocab_size * hidden
         embeddings = embedding if config.tie_word_embeddings else 2 * embedding
         computed += embedding  # the LM head (the embedding is a lookup)
@@ -114,6 +135,9 @@ class ModelCosts:
             # the decoder's linear layers (the LM head stays in ``dtype``)
             eight_bit_flops_per_token=0.0 if eight_bit is None else 2.0 * (computed - embedding),
             eight_bit_matmul=eight_bit,
+            routed_expert_bytes=round(routed * linear_bits / 8),
+            num_experts=0 if config.moe is None else config.moe.num_experts,
+            experts_per_token=0 if config.moe is None else config.moe.num_experts_per_token,
         )
 
 
@@ -164,3 +188,11 @@ def _mlp(config: ModelConfig, layer: int) -> tuple[int, int]:
     expert = 3 * hidden * moe.expert_intermediate_size
     shared = 3 * hidden * moe.shared_expert_intermediate_size
     return moe.num_experts * expert + shared, moe.num_experts_per_token * expert + shared
+
+
+def _routed_experts(config: ModelConfig, layer: int) -> int:
+    """Parameters of a layer's routed experts (0: a dense layer)."""
+    moe = config.moe
+    if moe is None or layer not in moe.sparse_layers:
+        return 0
+    return moe.num_experts * 3 * config.hidden_size * moe.expert_intermediate_size

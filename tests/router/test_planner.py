@@ -70,6 +70,26 @@ def test_a_models_costs_come_from_its_config(llama_8b: Path, tmp_path: Path) -> 
     expert = 3 * 4096 * 14336 * 32  # one expert's MLP over the layers
     assert mixtral.weight_bytes - costs.weight_bytes == pytest.approx(7 * expert * 2, rel=1e-6)
     assert mixtral.flops_per_token - costs.flops_per_token == pytest.approx(2 * expert, rel=1e-6)
+    # a step reads the experts its tokens go to: one token, 2 of 8 (the other 6 unread);
+    # many, nearly all; a dense model, all its weights whatever the step
+    assert mixtral.routed_expert_bytes == 8 * expert * 2
+    dense_part = mixtral.weight_bytes - mixtral.routed_expert_bytes
+    assert mixtral.weight_bytes_read(1) == pytest.approx(dense_part + 2 * expert * 2)
+    assert mixtral.weight_bytes_read(4) == pytest.approx(
+        dense_part + 8 * expert * 2 * (1 - (6 / 8) ** 4)
+    )
+    assert mixtral.weight_bytes_read(4096) == pytest.approx(mixtral.weight_bytes)
+    assert costs.weight_bytes_read(1) == costs.weight_bytes
+    # so a decode step of one sequence on an H100 reads about a third of Mixtral's bytes
+    model = StepTimeModel(mixtral, PRESETS["h100"])
+    one = StepShape(0, 0, 1, 100, decode_kv_tokens=100)
+    memory_s = model(one) - PRESETS["h100"].step_overhead_s
+    all_experts_s = mixtral.weight_bytes / PRESETS["h100"].memory_bytes_per_s
+    assert memory_s == pytest.approx(
+        (dense_part + 2 * expert * 2 + 100 * mixtral.kv_bytes_per_token)
+        / PRESETS["h100"].memory_bytes_per_s
+    )
+    assert memory_s < 0.4 * all_experts_s
 
 
 AWQ_4BIT = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
