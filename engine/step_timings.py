@@ -18,6 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
+from engine.kv_cache.cache_groups import CacheGroups
 from engine.messages import StepTiming
 from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
 
@@ -91,16 +92,20 @@ def step_timing(output: SchedulerOutput, seconds: float) -> StepTiming:
     return StepTiming(prefill_tokens, attention, decode_tokens, context, seconds)
 
 
-def decode_kv_tokens(output: SchedulerOutput) -> int:
-    """The KV tokens ``output``'s decoding sequences hold, each sequence's once: a sequence
+def decode_kv_tokens(output: SchedulerOutput, cache_groups: CacheGroups | None = None) -> float:
+    """The KV tokens ``output``'s decoding sequences read, each sequence's once: a sequence
     with drafts runs its token and drafts like a prompt chunk, whose attention kernel reads the
     KV once for all of them on a GPU (``pdserve plan``'s roofline; the step above counts a row's
-    context per row, as the CPU's time grows)."""
-    return sum(
+    context per row, as the CPU's time grows). With ``cache_groups`` of sliding windows, a
+    sliding layer reads its window at most (``CacheGroups.mean_positions_read``)."""
+    contexts = [
         entry.start_position + entry.num_query_tokens
         for entry in output.scheduled
         if not _is_prompt_chunk(entry)
-    )
+    ]
+    if cache_groups is None:
+        return float(sum(contexts))
+    return sum(cache_groups.mean_positions_read(context) for context in contexts)
 
 
 def _is_prompt_chunk(entry: ScheduledSequence) -> bool:

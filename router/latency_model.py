@@ -79,9 +79,10 @@ class StepShape:
     num_decode_tokens: int = 0
     decode_context_tokens: int = 0
     # the KV of those rows' sequences, each sequence's once (its drafts are checked against it
-    # with its token, like a prompt chunk): the bytes ``pdserve plan``'s roofline reads; not a
-    # feature (a worker reports and fits its steps by rows)
-    decode_kv_tokens: int = 0
+    # with its token, like a prompt chunk), a sliding layer's window at most: the bytes
+    # ``pdserve plan``'s roofline reads; not a feature (a worker reports and fits its steps by
+    # rows)
+    decode_kv_tokens: float = 0.0
 
     def features(self) -> tuple[float, ...]:
         return (

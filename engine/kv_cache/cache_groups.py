@@ -57,6 +57,16 @@ class CacheGroups:
     def windows(self) -> tuple[int | None, ...]:
         return tuple(group.window for group in self.groups)
 
+    def mean_positions_read(self, num_positions: int) -> float:
+        """The KV positions a token reads over ``num_positions`` positions (itself included),
+        averaged over the layers: each sliding layer's window at most (``pdserve plan``'s
+        roofline)."""
+        read = sum(
+            len(group.layers) * min(num_positions, group.window or num_positions)
+            for group in self.groups
+        )
+        return read / sum(len(group.layers) for group in self.groups)
+
     def place(self, layer: int) -> LayerPlace:
         for index, group in enumerate(self.groups):
             if layer in group.layers:

@@ -249,5 +249,5 @@ def transfer_seconds(
     """A hand-off of ``num_blocks`` blocks' KV over the link."""
     return (
         hardware.link_latency_s
-        + num_blocks * block_size * model.kv_bytes_per_token / hardware.link_bytes_per_s
+        + num_blocks * model.kv_bytes_per_block(block_size) / hardware.link_bytes_per_s
     )

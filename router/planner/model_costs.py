@@ -21,6 +21,11 @@ whose int8 or float8 tensor cores are faster (hardware.py): the decoder's linear
 W8A8 checkpoint (int8 or float8 inputs quantized per token) and of a block-wise FP8 one whose
 blocks the GPU kernels take (engine/kernels/fp8_block_matmul.py). A weight-only checkpoint
 (W4A16, AWQ, GPTQ) multiplies in ``dtype``: its gain is the bytes a step reads.
+
+A model with sliding-window layers keeps their KV apart (engine/kv_cache/cache_groups.py): a
+block holds one group's layers, a sequence's sliding groups keep its window's blocks alone, a
+hand-off moves those, and a decode row of a sliding layer reads its window at most
+(``cache_groups``, passed to the simulated workers' block managers).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from engine.kv_cache.cache_groups import CacheGroups
 from engine.model_config import ModelConfig, load_model_config
 from engine.quantization.config import Fp8BlockWeights, W8A8Weights, WeightQuantization
 
@@ -63,6 +69,14 @@ class ModelCosts:
     routed_expert_bytes: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
+    # which layers share a block table (sliding windows apart); None: one group of them all
+    cache_groups: CacheGroups | None = None
+
+    def kv_bytes_per_block(self, block_size: int) -> float:
+        """A KV block's bytes: ``block_size`` tokens of the layers a block holds (every layer's,
+        or, where sliding and full layers keep tables apart, one group's)."""
+        slots = self.num_layers if self.cache_groups is None else self.cache_groups.num_slots
+        return block_size * self.kv_bytes_per_token * slots / self.num_layers
 
     def weight_bytes_read(self, num_tokens: int) -> float:
         """The weight bytes a step of ``num_tokens`` tokens reads: all but the routed experts
@@ -138,6 +152,7 @@ class ModelCosts:
             routed_expert_bytes=round(routed * linear_bits / 8),
             num_experts=0 if config.moe is None else config.moe.num_experts,
             experts_per_token=0 if config.moe is None else config.moe.num_experts_per_token,
+            cache_groups=None if config.sliding_window is None else config.cache_groups,
         )
 
 

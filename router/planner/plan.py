@@ -139,7 +139,7 @@ class Planner:
         free = (
             tp * self.hardware.device_memory_bytes * self.memory_fraction - self.model.weight_bytes
         )
-        block_bytes = self.block_size * self.model.kv_bytes_per_token
+        block_bytes = self.model.kv_bytes_per_block(self.block_size)
         return max(0, min(MAX_KV_BLOCKS, int(free // block_bytes)))
 
     def cluster(self, layout: Layout) -> ClusterShape:
@@ -159,6 +159,7 @@ class Planner:
             prefix_fetch=layout.prefill_tp == 1 and layout.decode_tp == 1,
             local_prefill=self.local_prefill,
             speculation=self.speculation,
+            cache_groups=self.model.cache_groups,
         )
 
     def _host(self) -> HostShare | None:
@@ -178,8 +179,8 @@ class Planner:
 
     def _workers(self, count: int, tp: int, budget: int) -> WorkerShape:
         # a rank's share of a block: its KV heads' (split up to the heads, replicated beyond)
-        rank_block_bytes = (
-            self.block_size * self.model.kv_bytes_per_token / min(tp, self.model.num_kv_heads)
+        rank_block_bytes = self.model.kv_bytes_per_block(self.block_size) / min(
+            tp, self.model.num_kv_heads
         )
         return WorkerShape(
             count,

@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.cache_groups import CacheGroups
 from engine.kv_cache.kv_events import KVEventRecorder
 from engine.kv_cache.prefix_hash import BlockHash, num_servable_blocks, servable_block_hashes
 from engine.messages import WorkerLoad
@@ -132,6 +133,8 @@ class ClusterShape:
     local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)
     # speculative decoding on the workers that decode (router/planner/speculation.py)
     speculation: Speculation | None = None
+    # the model's KV cache groups (sliding windows kept apart); None: one of every layer
+    cache_groups: CacheGroups | None = None
 
     def __post_init__(self) -> None:
         if self.router_policy not in ROUTER_POLICIES:
@@ -275,6 +278,7 @@ class Simulation:
             shape.num_kv_blocks,
             self.cluster.block_size,
             enable_prefix_caching=True,
+            cache_groups=self.cluster.cache_groups,
             kv_events=events,
             num_host_slots=shape.num_host_slots,
         )
@@ -456,9 +460,8 @@ class Simulation:
         output = worker.scheduler.schedule()
         if output.is_empty:
             return  # waits for blocks: a hand-off or a finish kicks it again
-        shape = replace(
-            shape_of(step_timing(output, 0.0)), decode_kv_tokens=decode_kv_tokens(output)
-        )
+        read = decode_kv_tokens(output, self.cluster.cache_groups)
+        shape = replace(shape_of(step_timing(output, 0.0)), decode_kv_tokens=read)
         for entry in output.scheduled:
             simulated = self._of_seq[entry.seq.seq_id]
             if simulated.scheduled_s is None:
