@@ -24,6 +24,7 @@ from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
 
 # steps kept between two reports: the latest ones are kept when reports are far apart
 STEP_TIMINGS_KEPT = 256
+_WHOLE_CONTEXT = CacheGroups.single(1)  # every layer sees the whole context
 
 
 class StepTimingLog:
@@ -106,6 +107,18 @@ def decode_kv_tokens(output: SchedulerOutput, cache_groups: CacheGroups | None =
     if cache_groups is None:
         return float(sum(contexts))
     return sum(cache_groups.mean_positions_read(context) for context in contexts)
+
+
+def attention_pairs(output: SchedulerOutput, cache_groups: CacheGroups | None = None) -> float:
+    """The (query, key) pairs ``output``'s step attends, every row to the positions up to its
+    own, a sliding layer's within its window (``cache_groups``), averaged over the layers
+    (``pdserve plan``'s roofline; the step above counts a decode row's drafts at its token's
+    context, as the workers report it)."""
+    groups = cache_groups or _WHOLE_CONTEXT
+    return sum(
+        groups.mean_pairs(entry.start_position, entry.num_query_tokens)
+        for entry in output.scheduled
+    )
 
 
 def _is_prompt_chunk(entry: ScheduledSequence) -> bool:

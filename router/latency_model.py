@@ -78,11 +78,13 @@ class StepShape:
     prefill_attention_tokens: int = 0
     num_decode_tokens: int = 0
     decode_context_tokens: int = 0
-    # the KV of those rows' sequences, each sequence's once (its drafts are checked against it
-    # with its token, like a prompt chunk), a sliding layer's window at most: the bytes
-    # ``pdserve plan``'s roofline reads; not a feature (a worker reports and fits its steps by
-    # rows)
-    decode_kv_tokens: float = 0.0
+    # ``pdserve plan``'s roofline, not features (a worker reports and fits its steps by rows):
+    # the KV tokens those rows' sequences read, each sequence's once (its drafts are checked
+    # against it with its token, like a prompt chunk), a sliding layer's window at most
+    # (None: ``decode_context_tokens``); the (query, key) pairs the step attends, averaged over
+    # the layers, a sliding layer's within its window (None: the two counts above summed)
+    decode_kv_tokens: float | None = None
+    attention_pairs: float | None = None
 
     def features(self) -> tuple[float, ...]:
         return (

@@ -67,6 +67,13 @@ class CacheGroups:
         )
         return read / sum(len(group.layers) for group in self.groups)
 
+    def mean_pairs(self, start: int, count: int) -> float:
+        """The (query, key) pairs of ``count`` tokens after ``start`` positions, each attending
+        to the positions up to its own (a sliding layer's window at most), averaged over the
+        layers."""
+        pairs = sum(len(group.layers) * _pairs(start, count, group.window) for group in self.groups)
+        return pairs / sum(len(group.layers) for group in self.groups)
+
     def place(self, layer: int) -> LayerPlace:
         for index, group in enumerate(self.groups):
             if layer in group.layers:
@@ -86,6 +93,16 @@ class CacheGroups:
             + ",".join(map(str, g.layers))
             for g in self.groups
         )
+
+
+def _pairs(start: int, count: int, window: int | None) -> int:
+    """Sum over the positions p = start + 1 .. start + count of min(p, window)."""
+    first, last = start + 1, start + count
+    if window is None or last <= window:
+        return count * start + count * (count + 1) // 2
+    if first >= window:
+        return count * window
+    return (first + window) * (window - first + 1) // 2 + (last - window) * window
 
 
 def cache_groups_for(

@@ -6,6 +6,7 @@ tensor-parallel size ``tp`` is a roofline:
 
     step = overhead + max(compute, memory) + all-reduces
     compute   = (FLOPs of the step's tokens + attention pairs) / (tp * FLOP/s)
+                (a sliding layer's pairs within its window)
                 (a checkpoint's 8-bit matmuls at the device's int8 or float8 rate, where it
                 has one: ``int8_ops_per_s``, ``fp8_flops_per_s``)
     memory    = (weight bytes + KV bytes the step reads or writes) / (tp * memory bytes/s)
@@ -226,14 +227,19 @@ class StepTimeModel:
         if hardware.measured is not None and hardware.measured_model == model.name and self.tp == 1:
             return hardware.measured.seconds(shape)
         tokens = shape.num_prefill_tokens + shape.num_decode_tokens
-        pairs = shape.prefill_attention_tokens + shape.decode_context_tokens
+        pairs = shape.attention_pairs
+        if pairs is None:
+            pairs = shape.prefill_attention_tokens + shape.decode_context_tokens
+        kv_read = shape.decode_kv_tokens
+        if kv_read is None:
+            kv_read = shape.decode_context_tokens
         eight_bit = model.eight_bit_flops_per_token * tokens
         compute = (
             model.flops_per_token * tokens - eight_bit + model.attention_flops_per_pair * pairs
         ) / (self.tp * hardware.flops_per_s)
         if model.eight_bit_matmul is not None:
             compute += eight_bit / (self.tp * hardware.eight_bit_rate(model.eight_bit_matmul))
-        kv_bytes = model.kv_bytes_per_token * (shape.decode_kv_tokens + shape.num_prefill_tokens)
+        kv_bytes = model.kv_bytes_per_token * (kv_read + shape.num_prefill_tokens)
         weights = model.weight_bytes_read(tokens)
         memory = (weights + kv_bytes) / (self.tp * hardware.memory_bytes_per_s)
         reduce = 0.0

@@ -68,7 +68,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.scheduler.outputs import ModelRunnerOutput
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
-from engine.step_timings import decode_kv_tokens, step_timing
+from engine.step_timings import attention_pairs, decode_kv_tokens, step_timing
 from router.kv_aware import KVAware
 from router.kv_index import KVIndex
 from router.latency_model import StepShape, shape_of
@@ -460,8 +460,12 @@ class Simulation:
         output = worker.scheduler.schedule()
         if output.is_empty:
             return  # waits for blocks: a hand-off or a finish kicks it again
-        read = decode_kv_tokens(output, self.cluster.cache_groups)
-        shape = replace(shape_of(step_timing(output, 0.0)), decode_kv_tokens=read)
+        groups = self.cluster.cache_groups
+        shape = replace(
+            shape_of(step_timing(output, 0.0)),
+            decode_kv_tokens=decode_kv_tokens(output, groups),
+            attention_pairs=attention_pairs(output, groups),
+        )
         for entry in output.scheduled:
             simulated = self._of_seq[entry.seq.seq_id]
             if simulated.scheduled_s is None:

@@ -34,6 +34,14 @@ def test_a_token_reads_each_sliding_layers_window_at_most() -> None:
     assert groups.mean_positions_read(10) == 10
     assert groups.mean_positions_read(1000) == (2 * 1000 + 2 * 64) / 4
     assert CacheGroups.single(4).mean_positions_read(1000) == 1000
+    # pairs of tokens 41..140 (100 after 40): a full layer's 41 + ... + 140, a sliding
+    # layer's 41 + ... + 64 then 64 each
+    full = sum(range(41, 141))
+    sliding = sum(range(41, 65)) + 76 * 64
+    assert groups.mean_pairs(40, 100) == (2 * full + 2 * sliding) / 4
+    assert groups.mean_pairs(0, 10) == 55  # all within the window
+    assert groups.mean_pairs(500, 2) == (2 * (501 + 502) + 2 * 2 * 64) / 4
+    assert CacheGroups.single(4).mean_pairs(40, 100) == full
 
 
 def test_a_sliding_models_blocks_hold_one_groups_layers(tmp_path: Path) -> None:
@@ -52,6 +60,17 @@ def test_a_sliding_models_blocks_hold_one_groups_layers(tmp_path: Path) -> None:
         "h100"
     ].memory_bytes_per_s
     assert model(shape) == pytest.approx(PRESETS["h100"].step_overhead_s + expected)
+    # its prompt of 8000 tokens: compute-bound, the sliding layers' pairs within 1024
+    pairs = costs.cache_groups.mean_pairs(0, 8000)
+    assert pairs == (8000 * 8001 / 2 + (1024 * 1025 / 2 + (8000 - 1024) * 1024)) / 2
+    prefill = StepShape(8000, 8000 * 8001 // 2, attention_pairs=pairs)
+    unwindowed = StepShape(8000, 8000 * 8001 // 2)
+    compute = (costs.flops_per_token * 8000 + costs.attention_flops_per_pair * pairs) / PRESETS[
+        "h100"
+    ].flops_per_s
+    assert model(prefill) == pytest.approx(PRESETS["h100"].step_overhead_s + compute)
+    saved = costs.attention_flops_per_pair * (8000 * 8001 / 2 - pairs) / PRESETS["h100"].flops_per_s
+    assert model(unwindowed) - model(prefill) == pytest.approx(saved)
 
 
 def _two_long_prompts(groups: CacheGroups | None, num_kv_blocks: int) -> list[float]:
