@@ -175,7 +175,9 @@ def _fp8_blocks_supported(block_cols: int) -> bool:
 
 def _attention(config: ModelConfig) -> tuple[int, float]:
     """(parameters of one layer's attention projections, FLOPs of one (query, key) pair in one
-    layer: the score and the weighted value, 2 per multiply-add)."""
+    layer: the score and the weighted value, 2 per multiply-add). Latent attention's are the
+    absorbed form's, the latent's width twice (its key up-projection and value up-projection
+    count as the token's own matmuls, as ``kv_b_proj``'s parameters)."""
     hidden, heads = config.hidden_size, config.num_heads
     mla = config.mla
     if mla is None:
@@ -190,7 +192,9 @@ def _attention(config: ModelConfig) -> tuple[int, float]:
         mla.qk_nope_head_dim + mla.v_head_dim
     )
     o = heads * mla.v_head_dim * hidden
-    return q + kv + o, 2.0 * heads * (mla.qk_head_dim + mla.v_head_dim)
+    # absorbed, as the engine attends for every token (engine/models/mla.py): each head scores
+    # the cached latent and its rotary key, and sums latents
+    return q + kv + o, 2.0 * heads * (2 * mla.kv_lora_rank + mla.qk_rope_head_dim)
 
 
 def _mlp(config: ModelConfig, layer: int) -> tuple[int, int]:

@@ -92,6 +92,24 @@ def test_a_models_costs_come_from_its_config(llama_8b: Path, tmp_path: Path) -> 
     assert memory_s < 0.4 * all_experts_s
 
 
+def test_latent_attention_costs_are_the_absorbed_forms(tmp_path: Path) -> None:
+    """DeepSeek-V3's attention as the engine runs it for every token: a (query, key) pair is a
+    head scoring the cached latent and rotary key (kv_lora_rank + rope) and adding the latent
+    (kv_lora_rank); the cache holds one entry of both per token and layer."""
+    from tests.fixtures.tiny_models import tiny_hf_config
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(tiny_hf_config("DeepseekV3ForCausalLM").to_dict())
+    )
+    costs = ModelCosts.load(tmp_path)
+    raw = tiny_hf_config("DeepseekV3ForCausalLM").to_dict()
+    heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
+    rank, rope = raw["kv_lora_rank"], raw["qk_rope_head_dim"]
+    assert costs.attention_flops_per_pair == layers * 2 * heads * (2 * rank + rope)
+    assert costs.kv_bytes_per_token == layers * (rank + rope) * 2  # bf16
+    assert costs.num_kv_heads == 1
+
+
 AWQ_4BIT = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
 
 
