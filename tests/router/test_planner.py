@@ -110,6 +110,31 @@ def test_latent_attention_costs_are_the_absorbed_forms(tmp_path: Path) -> None:
     assert costs.num_kv_heads == 1
 
 
+def test_every_architecture_the_engine_serves_has_its_costs(tmp_path: Path) -> None:
+    """The planner reads each tiny config the engine's tests serve: the mixtures of experts
+    route their tokens to some experts of each sparse layer, the models of sliding layers keep
+    their KV in groups (one with a window)."""
+    from tests.fixtures.tiny_models import ARCH_OVERRIDES, tiny_hf_config
+
+    sliding = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"}
+    for architecture in ARCH_OVERRIDES:
+        directory = tmp_path / architecture
+        directory.mkdir()
+        config = tiny_hf_config(architecture).to_dict()
+        (directory / "config.json").write_text(json.dumps(config))
+        costs = ModelCosts.load(directory)
+        assert costs.weight_bytes > 0 and costs.kv_bytes_per_token > 0, architecture
+        routed = (
+            "num_local_experts" in config
+            or "n_routed_experts" in config
+            or ("num_experts" in config)
+        )
+        assert (costs.num_experts > costs.experts_per_token > 0) is routed, architecture
+        assert (costs.weight_bytes_read(1) < costs.weight_bytes) is routed, architecture
+        windows = () if costs.cache_groups is None else costs.cache_groups.windows
+        assert (None in windows and len(windows) > 1) is (architecture in sliding), architecture
+
+
 AWQ_4BIT = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
 
 
