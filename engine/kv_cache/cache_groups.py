@@ -61,11 +61,7 @@ class CacheGroups:
         """The KV positions a token reads over ``num_positions`` positions (itself included),
         averaged over the layers: each sliding layer's window at most (``pdserve plan``'s
         roofline)."""
-        read = sum(
-            len(group.layers) * min(num_positions, group.window or num_positions)
-            for group in self.groups
-        )
-        return read / sum(len(group.layers) for group in self.groups)
+        return self.mean_pairs(num_positions - 1, 1)  # the one token's pairs
 
     def mean_pairs(self, start: int, count: int) -> float:
         """The (query, key) pairs of ``count`` tokens after ``start`` positions, each attending

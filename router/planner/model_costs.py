@@ -4,12 +4,12 @@ the bytes of one token's KV cache.
 
 Counted: the attention projections (multi-head, grouped-query, or DeepSeek's latent attention),
 the gated MLPs (a mixture-of-experts layer stores every expert and computes its top k, plus its
-shared expert), the embedding and the LM head (stored once when tied). A step reads the
+shared expert), the embedding and the LM head (stored once when tied). Norms, biases and the
+router's small matrices are left out (well under 1 % of any supported model). A step reads the
 weights of the routed experts its tokens go to, not every expert's (the engine groups a step's
 tokens by expert and runs only the experts that got some): ``weight_bytes_read``, the experts'
 share taken as routing spreads tokens evenly (an upper bound on the experts touched: skewed
-routing touches fewer). Norms, biases and the
-router's small matrices are left out (well under 1 % of any supported model).
+routing touches fewer).
 
 A quantized checkpoint (``quantization_config``, as the engine loads it) stores its decoder's
 linear layers at its bits per weight, scales and zero points shared in (4-bit groups of 128:
@@ -126,10 +126,10 @@ class ModelCosts:
         linear = computed = 0  # the decoder's linear layers' parameters: stored, computed
         routed = 0  # of those stored, the routed experts'
         for layer in range(config.num_layers):
-            layer_stored, layer_computed = _mlp(config, layer)
+            layer_stored, layer_computed, layer_routed = _mlp(config, layer)
             linear += attention + layer_stored
             computed += attention + layer_computed
-            routed += _routed_experts(config, layer)
+            routed += layer_routed
         embedding = config.vocab_size * hidden
         embeddings = embedding if config.tie_word_embeddings else 2 * embedding
         computed += embedding  # the LM head (the embedding is a lookup)
@@ -197,21 +197,15 @@ def _attention(config: ModelConfig) -> tuple[int, float]:
     return q + kv + o, 2.0 * heads * (2 * mla.kv_lora_rank + mla.qk_rope_head_dim)
 
 
-def _mlp(config: ModelConfig, layer: int) -> tuple[int, int]:
-    """(parameters stored, parameters one token computes) of a layer's MLP."""
+def _mlp(config: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(parameters stored, parameters one token computes, of those stored the routed experts')
+    of a layer's MLP."""
     hidden = config.hidden_size
     moe = config.moe
     if moe is None or layer not in moe.sparse_layers:
         dense = 3 * hidden * config.intermediate_size
-        return dense, dense
+        return dense, dense, 0
     expert = 3 * hidden * moe.expert_intermediate_size
     shared = 3 * hidden * moe.shared_expert_intermediate_size
-    return moe.num_experts * expert + shared, moe.num_experts_per_token * expert + shared
-
-
-def _routed_experts(config: ModelConfig, layer: int) -> int:
-    """Parameters of a layer's routed experts (0: a dense layer)."""
-    moe = config.moe
-    if moe is None or layer not in moe.sparse_layers:
-        return 0
-    return moe.num_experts * 3 * config.hidden_size * moe.expert_intermediate_size
+    routed = moe.num_experts * expert
+    return routed + shared, moe.num_experts_per_token * expert + shared, routed
