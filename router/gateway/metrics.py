@@ -188,16 +188,8 @@ class _WorkerCollector(Collector):
                 imbalance.add_metric([*values, str(layer)], ratio)
         yield from (alive, running, waiting, kv_usage, hit_rate, generated, prefilled, preemptions)
         yield from (queries, hits, hits_by_tier, offload_bytes, transfer_bytes, transfer_seconds)
-        yield from (
-            attempts,
-            proposals,
-            drafts,
-            accepted,
-            steps,
-            step_seconds,
-            step_cpu,
-            process_cpu,
-        )
+        yield from (attempts, proposals, drafts, accepted)
+        yield from (steps, step_seconds, step_cpu, process_cpu)
         yield from (expert_tokens, imbalance)
 
 
