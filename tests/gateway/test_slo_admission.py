@@ -99,9 +99,11 @@ def test_colocated_one_worker_must_make_both_slos() -> None:
     assert allowed is not None and allowed.decode_worker_ids == {"c1"}
 
 
-def test_an_admitted_prompt_is_allowed_the_workers_predicted_to_make_its_slos() -> None:
-    """Within the SLOs where any placement is; else within the margin, where admission let
-    it in; any worker without slo admission or a forecast."""
+def test_an_admitted_prompt_is_placed_on_the_best_placement_within_its_slos() -> None:
+    """Its forecast's best placement, where it makes the SLOs; within the margin, where
+    admission let it in so; colocated, where the worker of least TTFT misses the TPOT SLO,
+    the one of least TTFT of those that make both; any worker without slo admission or a
+    forecast."""
     forecast = Forecast(
         0.3, 0.1, "p1", 0.02, "d0", 0.0,
         steps_ttft_by_worker={"p0": 0.52, "p1": 0.3, "p2": 0.9},
@@ -110,11 +112,16 @@ def test_an_admitted_prompt_is_allowed_the_workers_predicted_to_make_its_slos() 
     policy = AdmissionPolicy("slo", margin=0.1)
     allowed = allowed_workers(forecast, 0.5, 0.05, policy)
     assert allowed is not None
-    assert (allowed.prompt_worker_ids, allowed.decode_worker_ids) == ({"p1"}, {"d0", "d1"})
-    # under tighter SLOs no prompt worker is within them: those within the margin
+    assert (allowed.prompt_worker_ids, allowed.decode_worker_ids) == ({"p1"}, {"d0"})
+    # under tighter SLOs no prompt worker is within them: the best, within the margin
     tighter = allowed_workers(forecast, 0.29, 0.0195, policy)
     assert tighter is not None
     assert (tighter.prompt_worker_ids, tighter.decode_worker_ids) == ({"p1"}, {"d0"})
+    # colocated: c0 prefills soonest but decodes too slowly; c1 and c2 make both
+    split = _colocated({"c0": 0.1, "c1": 0.3, "c2": 0.4}, {"c0": 0.08, "c1": 0.03, "c2": 0.02})
+    within = allowed_workers(split, 0.5, 0.05, policy)
+    assert within is not None
+    assert within.decode_worker_ids == within.prompt_worker_ids == {"c1"}
     assert allowed_workers(forecast, 0.5, 0.05, AdmissionPolicy("none")) is None
     assert allowed_workers(None, 0.5, 0.05, policy) is None
 
