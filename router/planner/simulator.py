@@ -460,12 +460,16 @@ class Simulation:
         output = worker.scheduler.schedule()
         if output.is_empty:
             return  # waits for blocks: a hand-off or a finish kicks it again
+        shape = shape_of(step_timing(output, 0.0))
         groups = self.cluster.cache_groups
-        shape = replace(
-            shape_of(step_timing(output, 0.0)),
-            decode_kv_tokens=decode_kv_tokens(output, groups),
-            attention_pairs=attention_pairs(output, groups),
-        )
+        if groups is not None or self.cluster.speculation is not None:
+            # (else they are the reported counts: every layer sees its whole context, no
+            # sequence's drafts share its KV read)
+            shape = replace(
+                shape,
+                decode_kv_tokens=decode_kv_tokens(output, groups),
+                attention_pairs=attention_pairs(output, groups),
+            )
         for entry in output.scheduled:
             simulated = self._of_seq[entry.seq.seq_id]
             if simulated.scheduled_s is None:

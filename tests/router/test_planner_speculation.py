@@ -70,6 +70,29 @@ def test_drafts_that_stand_cut_the_steps_and_drafts_that_fall_cost_their_compute
     assert _decode(1.0, output_len=6)[1] == pytest.approx((0.014 + 0.011) / 5)
 
 
+def test_the_roofline_is_told_a_speculating_sequence_reads_its_kv_once() -> None:
+    """The shapes a simulated worker's steps are timed by: a decode step of one sequence at
+    position 100 with its token and 3 drafts is 4 rows attending to the context (as reported:
+    4 x 101) but reads 104 positions' KV once (``decode_kv_tokens``); without speculation the
+    reported counts stand."""
+    shapes: list[StepShape] = []
+
+    def step(shape: StepShape) -> float:
+        shapes.append(shape)
+        return 0.010
+
+    worker = WorkerShape(1, step, num_kv_blocks=1000, max_num_batched_tokens=256)
+    cluster = ClusterShape(worker, speculation=Speculation(3, 0.0))
+    Simulation(cluster, [WorkloadRequest(0.0, tuple(range(100)), 5)]).run()
+    decode = shapes[1]  # after the prompt's step
+    assert (decode.num_decode_tokens, decode.decode_context_tokens) == (4, 4 * 101)
+    assert decode.decode_kv_tokens == 104
+    assert decode.attention_pairs == 101 + 102 + 103 + 104
+    shapes.clear()
+    Simulation(ClusterShape(worker), [WorkloadRequest(0.0, tuple(range(100)), 5)]).run()
+    assert shapes[1].decode_kv_tokens is None and shapes[1].attention_pairs is None
+
+
 def test_a_step_without_drafts_found_computes_its_token_alone() -> None:
     """``--draft-rate 0``: the proposer never finds drafts, so every step is the plain one
     (11 ms), not one of drafts that fell (14 ms). In between, each time a sequence asks it
