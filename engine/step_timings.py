@@ -93,32 +93,23 @@ def step_timing(output: SchedulerOutput, seconds: float) -> StepTiming:
     return StepTiming(prefill_tokens, attention, decode_tokens, context, seconds)
 
 
-def decode_kv_tokens(output: SchedulerOutput, cache_groups: CacheGroups | None = None) -> float:
-    """The KV tokens ``output``'s decoding sequences read, each sequence's once: a sequence
-    with drafts runs its token and drafts like a prompt chunk, whose attention kernel reads the
-    KV once for all of them on a GPU (``pdserve plan``'s roofline; the step above counts a row's
-    context per row, as the CPU's time grows). With ``cache_groups`` of sliding windows, a
-    sliding layer reads its window at most (``CacheGroups.mean_positions_read``)."""
-    contexts = [
-        entry.start_position + entry.num_query_tokens
-        for entry in output.scheduled
-        if not _is_prompt_chunk(entry)
-    ]
-    if cache_groups is None:
-        return float(sum(contexts))
-    return sum(cache_groups.mean_positions_read(context) for context in contexts)
-
-
-def attention_pairs(output: SchedulerOutput, cache_groups: CacheGroups | None = None) -> float:
-    """The (query, key) pairs ``output``'s step attends, every row to the positions up to its
-    own, a sliding layer's within its window (``cache_groups``), averaged over the layers
-    (``pdserve plan``'s roofline; the step above counts a decode row's drafts at its token's
-    context, as the workers report it)."""
+def roofline_counts(
+    output: SchedulerOutput, cache_groups: CacheGroups | None = None
+) -> tuple[float, float]:
+    """For ``pdserve plan``'s roofline, in one pass: the KV tokens ``output``'s decoding
+    sequences read, each sequence's once (a sequence with drafts runs its token and drafts like
+    a prompt chunk, whose attention kernel reads the KV once for all of them on a GPU), and the
+    (query, key) pairs its step attends, every row to the positions up to its own; both
+    averaged over the layers, a sliding layer's within its window (``cache_groups``). The step
+    above counts a row's context per row, as the workers report it (the CPU's time grows so)."""
     groups = cache_groups or _WHOLE_CONTEXT
-    return sum(
-        groups.mean_pairs(entry.start_position, entry.num_query_tokens)
-        for entry in output.scheduled
-    )
+    kv_tokens = pairs = 0.0
+    for entry in output.scheduled:
+        start, rows = entry.start_position, entry.num_query_tokens
+        pairs += groups.mean_pairs(start, rows)
+        if not _is_prompt_chunk(entry):
+            kv_tokens += groups.mean_positions_read(start + rows)
+    return kv_tokens, pairs
 
 
 def _is_prompt_chunk(entry: ScheduledSequence) -> bool:

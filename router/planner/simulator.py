@@ -68,7 +68,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.scheduler.outputs import ModelRunnerOutput
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
-from engine.step_timings import attention_pairs, decode_kv_tokens, step_timing
+from engine.step_timings import roofline_counts, step_timing
 from router.kv_aware import KVAware
 from router.kv_index import KVIndex
 from router.latency_model import StepShape, shape_of
@@ -465,11 +465,8 @@ class Simulation:
         if groups is not None or self.cluster.speculation is not None:
             # (else they are the reported counts: every layer sees its whole context, no
             # sequence's drafts share its KV read)
-            shape = replace(
-                shape,
-                decode_kv_tokens=decode_kv_tokens(output, groups),
-                attention_pairs=attention_pairs(output, groups),
-            )
+            kv_tokens, pairs = roofline_counts(output, groups)
+            shape = replace(shape, decode_kv_tokens=kv_tokens, attention_pairs=pairs)
         for entry in output.scheduled:
             simulated = self._of_seq[entry.seq.seq_id]
             if simulated.scheduled_s is None:

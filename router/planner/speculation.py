@@ -6,7 +6,7 @@ check would let them.
 A decoding sequence proposes K drafts a step (fewer where its budget or max_tokens leave less
 room); the step computes them beside its token, each a decode row attending to the context
 (as the workers report a speculating step, engine/step_timings.py), the sequence's KV read once
-for all of them on the roofline (``decode_kv_tokens``). The leading drafts stand, each
+for all of them on the roofline (``StepShape.decode_kv_tokens``). The leading drafts stand, each
 after the one before it with probability ``a``, until one falls; the sequence then takes those
 and the token drawn after them. ``R`` is what pdserve reports of a served model: the share of
 draft tokens that stood (``pdserve:spec_decode_num_accepted_tokens`` over

@@ -11,7 +11,7 @@ from engine.scheduler.outputs import AcceptedDrafts
 from engine.sequence import Sequence
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
-from engine.step_timings import decode_kv_tokens, step_timing
+from engine.step_timings import roofline_counts, step_timing
 
 EOS = 2
 
@@ -148,7 +148,7 @@ def test_drafts_take_only_the_budget_left() -> None:
     # each of its 3 rows reads positions 0-3 as a worker reports it; its KV, positions 0-5
     # once the drafts' are written, is read once (pdserve plan's roofline)
     assert step_timing(out, 0.0).decode_context_tokens == 3 * 4
-    assert decode_kv_tokens(out) == 3 + 3
+    assert roofline_counts(out)[0] == 3 + 3
 
 
 def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size() -> None:
