@@ -6,7 +6,10 @@ events: ``data: {json}`` lines until ``data: [DONE]``. A non-200 status, an ``{"
 event, a stream that ends without ``[DONE]`` or a transport error fails the request. A prompt
 given as token ids goes out as a list of ints (completions); with ``return_token_ids`` (vLLM's
 field, which pdserve's completions implement too) the chunks' ``token_ids`` make up the reply's
-token ids.
+token ids, and a chunk that carries some is a token's arrival even when its text is empty (a
+token whose bytes end mid-character shows no text yet): TTFT and the inter-token gaps are then
+the tokens', not the text's. Without them, a chunk counts by its text, as vLLM's benchmark
+times it, and a reply none of whose tokens decode to text has no TTFT.
 """
 
 from __future__ import annotations
@@ -80,8 +83,8 @@ class Reply:
 class _Stream:
     """What one response has streamed so far (mutable while reading, then made a record)."""
 
-    chunk_times: list[float]  # perf_counter() of each chunk with text
-    texts: list[str]  # the text of those chunks
+    chunk_times: list[float]  # perf_counter() of each chunk with text or output token ids
+    texts: list[str]  # the text of the chunks with text
     token_ids: list[int] | None = None  # the chunks' token_ids; None until a chunk has some
     usage: dict[str, Any] | None = None  # the last non-null ``usage`` seen
     done: bool = False  # ``data: [DONE]`` arrived
@@ -149,8 +152,9 @@ async def _read_events(response: httpx.Response, endpoint: Endpoint, state: _Str
             state.token_ids.extend(token_ids)
         text = chunk_text(payload, endpoint)
         if text:
-            state.chunk_times.append(now)
             state.texts.append(text)
+        if text or token_ids:
+            state.chunk_times.append(now)
 
 
 def chunk_text(payload: dict[str, Any], endpoint: Endpoint) -> str:

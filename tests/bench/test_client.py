@@ -71,6 +71,29 @@ def test_streamed_completion_is_timed_and_counted_from_usage() -> None:
     assert len(record.itl_s) == 2  # three chunks with text; the empty one is not a token gap
 
 
+def test_chunks_with_token_ids_and_no_text_time_their_tokens() -> None:
+    """Under return_token_ids a token whose text is held back (its bytes end mid-character)
+    still arrives: the first token's chunk is the TTFT, each token's a gap, and a reply whose
+    tokens decode to no text at all still has a TTFT."""
+    config = EndpointConfig("http://server/v1", "m", return_token_ids=True)
+
+    def piece(text: str, ids: list[int]) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "text": text, "token_ids": ids}]}
+
+    body = _sse(piece("", [7]), piece("ab", [8]), piece("", []), piece("", [9]), "[DONE]")
+    record, seen = _run(lambda _: httpx.Response(200, content=body), config)
+    assert json.loads(seen[0].content)["return_token_ids"] is True
+    assert record.success and record.ttft_s is not None
+    assert len(record.itl_s) == 2  # three chunks with a token; the one with none is no gap
+    silent = _sse(piece("", [7]), piece("", [8]), "[DONE]")
+    record, _ = _run(lambda _: httpx.Response(200, content=silent), config)
+    assert record.ttft_s is not None and len(record.itl_s) == 1
+    # without token ids only text times: such a reply has no first token to time
+    texts_only = _sse(_completion(""), _completion(""), "[DONE]")
+    record, _ = _run(lambda _: httpx.Response(200, content=texts_only))
+    assert record.success and record.ttft_s is None and record.itl_s == ()
+
+
 def test_without_usage_the_tokenizer_counts_the_output() -> None:
     config = EndpointConfig("http://server/v1", "m", endpoint="chat")
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
