@@ -7,9 +7,10 @@ event, a stream that ends without ``[DONE]`` or a transport error fails the requ
 given as token ids goes out as a list of ints (completions); with ``return_token_ids`` (vLLM's
 field, which pdserve's completions implement too) the chunks' ``token_ids`` make up the reply's
 token ids, and a chunk that carries some is a token's arrival even when its text is empty (a
-token whose bytes end mid-character shows no text yet): TTFT and the inter-token gaps are then
-the tokens', not the text's. Without them, a chunk counts by its text, as vLLM's benchmark
-times it, and a reply none of whose tokens decode to text has no TTFT.
+special token skipped, say): TTFT and the inter-token gaps are then the tokens', not the text's.
+Without them, a chunk counts by its text, as vLLM's benchmark times it. (pdserve holds back a
+token whose bytes end part-way through a character until the text it completes: a reply of the
+tiny random model none of whose tokens completes a character arrives whole at its end.)
 """
 
 from __future__ import annotations

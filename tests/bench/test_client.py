@@ -72,9 +72,9 @@ def test_streamed_completion_is_timed_and_counted_from_usage() -> None:
 
 
 def test_chunks_with_token_ids_and_no_text_time_their_tokens() -> None:
-    """Under return_token_ids a token whose text is held back (its bytes end mid-character)
-    still arrives: the first token's chunk is the TTFT, each token's a gap, and a reply whose
-    tokens decode to no text at all still has a TTFT."""
+    """Under return_token_ids a chunk with a token and no text (a special token skipped) is
+    that token's arrival: the first token's chunk is the TTFT, each token's a gap, and a reply
+    whose tokens show no text at all still has a TTFT."""
     config = EndpointConfig("http://server/v1", "m", return_token_ids=True)
 
     def piece(text: str, ids: list[int]) -> dict[str, Any]:
