@@ -11,7 +11,8 @@ tensor-parallel size ``tp`` is a roofline:
                 has one: ``int8_ops_per_s``, ``fp8_flops_per_s``)
     memory    = (weight bytes + KV bytes the step reads or writes) / (tp * memory bytes/s)
                 (a decoding sequence's KV read once, its drafts with its token; of a
-                mixture of experts, the experts the step's tokens go to)
+                mixture of experts, the experts the step's tokens go to; of an input
+                embedding apart from the LM head, its tokens' rows)
     all-reduces (tp > 1): two per layer of the step's activations, over the link
 
 On a CPU machine (``host_cores``) the workers' steps share the host's cores with each other and

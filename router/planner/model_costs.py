@@ -9,7 +9,8 @@ router's small matrices are left out (well under 1 % of any supported model). A 
 weights of the routed experts its tokens go to, not every expert's (the engine groups a step's
 tokens by expert and runs only the experts that got some): ``weight_bytes_read``, the experts'
 share taken as routing spreads tokens evenly (an upper bound on the experts touched: skewed
-routing touches fewer).
+routing touches fewer). Of an input embedding stored apart from the LM head it reads its
+tokens' rows (a lookup); the LM head it reads whole.
 
 A quantized checkpoint (``quantization_config``, as the engine loads it) stores its decoder's
 linear layers at its bits per weight, scales and zero points shared in (4-bit groups of 128:
@@ -71,6 +72,11 @@ class ModelCosts:
     experts_per_token: int = 0
     # which layers share a block table (sliding windows apart); None: one group of them all
     cache_groups: CacheGroups | None = None
+    # an input embedding stored apart from the LM head (untied): of ``weight_bytes``, its
+    # bytes, which a step reads a row of per token (a lookup), not whole; 0 when tied (the LM
+    # head reads the one matrix whole)
+    input_embedding_bytes: int = 0
+    embedding_row_bytes: int = 0
 
     def kv_bytes_per_block(self, block_size: int) -> float:
         """A KV block's bytes: ``block_size`` tokens of the layers a block holds (every layer's,
@@ -82,11 +88,14 @@ class ModelCosts:
         """The weight bytes a step of ``num_tokens`` tokens reads: all but the routed experts
         none of its tokens go to, each token going to ``experts_per_token`` of a sparse
         layer's ``num_experts`` at random (a given expert gets none with probability
-        (1 - k/E)^tokens)."""
+        (1 - k/E)^tokens), and of an untied input embedding the rows of its tokens."""
+        tokens = max(1, num_tokens)
+        lookup = min(self.input_embedding_bytes, tokens * self.embedding_row_bytes)
+        read = self.weight_bytes - self.input_embedding_bytes + lookup
         if not self.routed_expert_bytes:
-            return float(self.weight_bytes)
-        untouched = (1 - self.experts_per_token / self.num_experts) ** max(1, num_tokens)
-        return self.weight_bytes - self.routed_expert_bytes * untouched
+            return float(read)
+        untouched = (1 - self.experts_per_token / self.num_experts) ** tokens
+        return read - self.routed_expert_bytes * untouched
 
     def describe(self) -> str:
         """E.g. ``weights 15.0 GiB (bfloat16), KV 128 KiB a token``."""
@@ -153,6 +162,8 @@ class ModelCosts:
             num_experts=0 if config.moe is None else config.moe.num_experts,
             experts_per_token=0 if config.moe is None else config.moe.num_experts_per_token,
             cache_groups=None if config.sliding_window is None else config.cache_groups,
+            input_embedding_bytes=0 if config.tie_word_embeddings else embedding * width,
+            embedding_row_bytes=hidden * width,
         )
 
 

@@ -71,25 +71,40 @@ def test_a_models_costs_come_from_its_config(llama_8b: Path, tmp_path: Path) -> 
     assert mixtral.weight_bytes - costs.weight_bytes == pytest.approx(7 * expert * 2, rel=1e-6)
     assert mixtral.flops_per_token - costs.flops_per_token == pytest.approx(2 * expert, rel=1e-6)
     # a step reads the experts its tokens go to: one token, 2 of 8 (the other 6 unread);
-    # many, nearly all; a dense model, all its weights whatever the step
+    # many, nearly all; of the input embedding (untied: apart from the LM head, which is read
+    # whole) its tokens' rows; a dense model, every other weight whatever the step
+    embedding, row = 128256 * 4096 * 2, 4096 * 2
+    assert costs.input_embedding_bytes == mixtral.input_embedding_bytes == embedding
     assert mixtral.routed_expert_bytes == 8 * expert * 2
-    dense_part = mixtral.weight_bytes - mixtral.routed_expert_bytes
-    assert mixtral.weight_bytes_read(1) == pytest.approx(dense_part + 2 * expert * 2)
+    dense_part = mixtral.weight_bytes - mixtral.routed_expert_bytes - embedding
+    assert mixtral.weight_bytes_read(1) == pytest.approx(dense_part + row + 2 * expert * 2)
     assert mixtral.weight_bytes_read(4) == pytest.approx(
-        dense_part + 8 * expert * 2 * (1 - (6 / 8) ** 4)
+        dense_part + 4 * row + 8 * expert * 2 * (1 - (6 / 8) ** 4)
     )
-    assert mixtral.weight_bytes_read(4096) == pytest.approx(mixtral.weight_bytes)
-    assert costs.weight_bytes_read(1) == costs.weight_bytes
+    assert mixtral.weight_bytes_read(4096) == pytest.approx(
+        mixtral.weight_bytes - embedding + 4096 * row
+    )
+    assert costs.weight_bytes_read(1) == costs.weight_bytes - embedding + row
+    assert costs.weight_bytes_read(10**6) == costs.weight_bytes  # every row: the whole table
+    tied = ModelCosts.load(_config_dir(tmp_path / "tied", tie_word_embeddings=True))
+    assert tied.input_embedding_bytes == 0 and tied.weight_bytes_read(1) == tied.weight_bytes
     # so a decode step of one sequence on an H100 reads about a third of Mixtral's bytes
     model = StepTimeModel(mixtral, PRESETS["h100"])
     one = StepShape(0, 0, 1, 100, decode_kv_tokens=100)
     memory_s = model(one) - PRESETS["h100"].step_overhead_s
     all_experts_s = mixtral.weight_bytes / PRESETS["h100"].memory_bytes_per_s
     assert memory_s == pytest.approx(
-        (dense_part + 2 * expert * 2 + 100 * mixtral.kv_bytes_per_token)
+        (dense_part + row + 2 * expert * 2 + 100 * mixtral.kv_bytes_per_token)
         / PRESETS["h100"].memory_bytes_per_s
     )
     assert memory_s < 0.4 * all_experts_s
+
+
+def _config_dir(directory: Path, **overrides: object) -> Path:
+    """Llama-3-8B's config.json with ``overrides``, in ``directory``."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({**LLAMA_3_8B, **overrides}))
+    return directory
 
 
 def test_latent_attention_costs_are_the_absorbed_forms(tmp_path: Path) -> None:
@@ -130,7 +145,10 @@ def test_every_architecture_the_engine_serves_has_its_costs(tmp_path: Path) -> N
             or ("num_experts" in config)
         )
         assert (costs.num_experts > costs.experts_per_token > 0) is routed, architecture
-        assert (costs.weight_bytes_read(1) < costs.weight_bytes) is routed, architecture
+        # all but the input embedding's rows the token does not look up
+        lookup = min(costs.input_embedding_bytes, costs.embedding_row_bytes)
+        dense_read = costs.weight_bytes - costs.input_embedding_bytes + lookup
+        assert (costs.weight_bytes_read(1) < dense_read) is routed, architecture
         windows = () if costs.cache_groups is None else costs.cache_groups.windows
         assert (None in windows and len(windows) > 1) is (architecture in sliding), architecture
 
@@ -562,7 +580,7 @@ def test_on_the_roofline_a_sequences_drafts_read_its_kv_with_its_token(llama_8b:
     model = StepTimeModel(costs, PRESETS["h100"])
     plain = StepShape(0, 0, 1, 8000, decode_kv_tokens=8000)
     drafts = StepShape(0, 0, 5, 5 * 8000, decode_kv_tokens=8004)
-    kv_once = (costs.weight_bytes + 8004 * costs.kv_bytes_per_token) / PRESETS[
+    kv_once = (costs.weight_bytes_read(5) + 8004 * costs.kv_bytes_per_token) / PRESETS[
         "h100"
     ].memory_bytes_per_s
     assert model(drafts) == pytest.approx(PRESETS["h100"].step_overhead_s + kv_once)

@@ -56,7 +56,7 @@ def test_a_sliding_models_blocks_hold_one_groups_layers(tmp_path: Path) -> None:
     read = costs.cache_groups.mean_positions_read(8000)
     assert read == (8000 + 1024) / 2
     shape = StepShape(0, 0, 1, 8000, decode_kv_tokens=read)
-    expected = (costs.weight_bytes + read * costs.kv_bytes_per_token) / PRESETS[
+    expected = (costs.weight_bytes_read(1) + read * costs.kv_bytes_per_token) / PRESETS[
         "h100"
     ].memory_bytes_per_s
     assert model(shape) == pytest.approx(PRESETS["h100"].step_overhead_s + expected)
