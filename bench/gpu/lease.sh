@@ -12,6 +12,11 @@
 #   bash bench/gpu/lease.sh profile [box]  # ~3 min: pdserve profile of the 8B, then the 1B
 #                                   # shapes on the GPU (random weights from the config), the
 #                                   # hardware profile pdserve plan reads; box default 240
+#   bash bench/gpu/lease.sh roofline [box]  # ~4 min: bench.plan_roofline --size gpu: the
+#                                   # planner's step roofline against the engine's steps of a
+#                                   # dense, a mixture-of-experts and a sliding-window shape
+#                                   # (8 layers each); on profile's hardware_8b.json when that
+#                                   # ran first, else profiled here; box default 300
 # The longer calls, for device time left over or a later task:
 #   bash bench/gpu/lease.sh tests   # the gpu-marked tests (kernels at full size, graphs,
 #                                   # transports), then bench.structured_masks on cuda
@@ -61,6 +66,12 @@ MODELS[sys.argv[1]].write_config(Path(sys.argv[2]), 4096, 'bfloat16')" "$shape" 
             --out "$out/hardware_$shape.json" 2>&1 | tee "$out/profile_$shape.log"
     done
     ;;
+roofline)  # $2: the time box, seconds
+    hardware=()
+    [ -f "$out/hardware_8b.json" ] && hardware=(--hardware "$out/hardware_8b.json")
+    timeout "${2:-300}" "$python" -m bench.plan_roofline --size gpu --device cuda \
+        "${hardware[@]}" --out "$out/plan_roofline.json" 2>&1 | tee "$out/plan_roofline.log"
+    ;;
 tests)
     gpu_tests 600 540 -q  # 600: the device call's own limit
     # structured outputs' per-step masking on the GPU (a state's mask copied there once)
@@ -84,7 +95,7 @@ async)
         --out "$out/async_scheduling_8b.json" 2>&1 | tee "$out/async_scheduling_8b.log"
     ;;
 *)
-    echo "usage: bash bench/gpu/lease.sh first|quantized [box]|profile [box]|tests|bench|speculative|async" >&2
+    echo "usage: bash bench/gpu/lease.sh first|quantized [box]|profile [box]|roofline [box]|tests|bench|speculative|async" >&2
     exit 2
     ;;
 esac
