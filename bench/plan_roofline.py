@@ -224,6 +224,7 @@ def run_shape(model_dir: Path, size: Size, device: str, threads: int, seed: int)
     rows: list[dict] = []
     try:
         run(2, 32, "warm-up")
+        run(1, size.prompt_tokens, "prompt-warm-up")  # (oneDNN builds its kernels per row count)
         for timing in run(1, size.prompt_tokens, "prompt"):
             if timing.num_prefill_tokens == size.prompt_tokens and not timing.num_decode_tokens:
                 rows.append({"kind": "prompt", "batch": 1, "context": 0, "timing": timing})

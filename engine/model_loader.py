@@ -37,6 +37,7 @@ from engine.kernels.linear import PackedLinear, pack_linears
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import LatentAttention
+from engine.models.moe import RoutedExperts
 from engine.models.registry import get_model_class
 from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
@@ -147,6 +148,9 @@ def load_model(
         if model.lm_head is None:
             model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
         pack_linears(model)
+        for module in model.modules():
+            if isinstance(module, RoutedExperts):
+                module.pack_for_onednn()
     return model.eval()
 
 

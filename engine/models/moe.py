@@ -45,6 +45,7 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.kernels import fused_moe
+from engine.kernels.linear import PackedLinear, padded_rows
 from engine.model_config import MoeConfig
 from engine.models.fused_ops import silu_and_mul
 from engine.parallel.group import TensorParallelGroup
@@ -153,13 +154,32 @@ def grouped_by_expert(
 
 class RoutedExperts(nn.Module):
     """Every expert's gated MLP, stacked: ``gate_up_proj[e]`` holds expert e's gate rows then its
-    up rows (this rank's columns of each), ``down_proj[e]`` its input columns."""
+    up rows (this rank's columns of each), ``down_proj[e]`` its input columns.
+
+    On a CPU whose projections run through oneDNN (``linear_backend`` onednn, as the dense
+    layers': engine/kernels/linear.py) the loader packs each expert's two projections once
+    (``pack_for_onednn``), and an expert's rows then run through them, padded to
+    ``padded_rows`` so that the kernels oneDNN builds per row count stay few; the stacked
+    weights are given up (the packed copies are the weights from then on). oneDNN took an
+    expert's projection at 1.7-2.7x torch's speed on the 2-core machine (1 to 256 rows)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate: int) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate))
+        # each expert's projections packed for oneDNN (empty: the stacked weights run)
+        self.packed_gate_up = nn.ModuleList()
+        self.packed_down = nn.ModuleList()
+
+    def pack_for_onednn(self) -> None:
+        """Each expert's projections reordered into oneDNN's layout; the stacked weights go."""
+        for expert in range(self.num_experts):
+            self.packed_gate_up.append(PackedLinear(self.gate_up_proj[expert], None))
+            self.packed_down.append(PackedLinear(self.down_proj[expert], None))
+        empty = torch.empty(0, dtype=self.gate_up_proj.dtype, device=self.gate_up_proj.device)
+        self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
+        self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
 
     def forward(
         self,
@@ -167,7 +187,7 @@ class RoutedExperts(nn.Module):
         weights: torch.Tensor,  # [n, top_k] fp32
         expert_ids: torch.Tensor,  # [n, top_k] int64
     ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
-        if fused_moe.usable(x):
+        if not self.packed_gate_up and fused_moe.usable(x):
             out, counts = fused_moe.silu_experts(
                 x, weights, expert_ids, self.gate_up_proj, self.down_proj
             )
@@ -175,6 +195,14 @@ class RoutedExperts(nn.Module):
         return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
 
     def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
+        if self.packed_gate_up:
+            count = rows.shape[0]
+            padding = padded_rows(count) - count
+            if padding:
+                rows = F.pad(rows, (0, 0, 0, padding))
+            hidden = silu_and_mul(self.packed_gate_up[expert](rows))
+            out: torch.Tensor = self.packed_down[expert](hidden)
+            return out[:count] if padding else out
         hidden = silu_and_mul(F.linear(rows, self.gate_up_proj[expert]))
         return F.linear(hidden, self.down_proj[expert])
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
+from engine.kernels.linear import onednn_supports
 from engine.model_config import MoeConfig, load_model_config, parse_model_config
 from engine.model_loader import load_model
 from engine.models.expert_tokens import ExpertTokenCounts
@@ -143,6 +144,47 @@ def test_tokens_grouped_by_expert_equal_each_token_through_its_experts(
     torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
     assert counts == torch.bincount(ids.reshape(-1), minlength=6).tolist()
     assert sum(counts) == num_tokens * top_k
+
+
+@pytest.mark.skipif(
+    not onednn_supports(CPU, torch.float32), reason="oneDNN's packed linear is not in this build"
+)
+@pytest.mark.parametrize("num_tokens", [3, 200])
+def test_experts_packed_for_onednn_equal_the_stacked_ones(num_tokens: int) -> None:
+    """On a CPU the loader packs each expert's projections for oneDNN and gives up the stacked
+    weights; its rows run through them (200 tokens of top 2 of 4 experts: about 100 rows an
+    expert, padded to oneDNN's row buckets) and equal the stacked experts' outputs."""
+    torch.manual_seed(num_tokens)
+    stacked = RoutedExperts(num_experts=4, hidden_size=32, intermediate=24)
+    packed = RoutedExperts(num_experts=4, hidden_size=32, intermediate=24)
+    with torch.no_grad():
+        stacked.gate_up_proj.normal_(0, 0.3)
+        stacked.down_proj.normal_(0, 0.3)
+        packed.load_state_dict(stacked.state_dict())
+        packed.pack_for_onednn()
+        assert packed.gate_up_proj.numel() == packed.down_proj.numel() == 0
+        assert len(packed.packed_gate_up) == len(packed.packed_down) == 4
+        x = torch.randn(num_tokens, 32)
+        weights, ids = route(torch.randn(num_tokens, 4), _softmax_top_k(4, 2, True))
+        expected, expected_counts = stacked(x, weights, ids)
+        out, counts = packed(x, weights, ids)
+    assert counts == expected_counts
+    assert max(counts) > 64 if num_tokens == 200 else max(counts) <= 3
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cpu_engine_runs_its_experts_through_onednn(model_dirs: dict[str, Path]) -> None:
+    """The loader packs the routed experts where it packs the dense projections (float32 on a
+    CPU); with the torch backend they stay stacked."""
+    model_dir = model_dirs["MixtralForCausalLM"]
+    config = load_model_config(model_dir)
+    for backend, packed in (("onednn", True), ("torch", False)):
+        if backend == "onednn" and not onednn_supports(CPU, torch.float32):
+            continue
+        model = load_model(model_dir, config, torch.float32, CPU, linear_backend=backend)
+        experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+        assert experts and all(bool(e.packed_gate_up) is packed for e in experts), backend
+        assert all((e.gate_up_proj.numel() == 0) is packed for e in experts), backend
 
 
 def test_routing_takes_the_top_k_of_the_softmax() -> None:

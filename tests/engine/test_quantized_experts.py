@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
 from engine.kernels import fp8_block_matmul, packed_int_matmul
+from engine.kernels.linear import PackedLinear
 from engine.model_config import MoeConfig, parse_model_config
 from engine.models.mla import UpProjection
 from engine.models.moe import QuantizedRoutedExperts, route
@@ -156,11 +157,18 @@ def test_fp8_block_experts_stay_float8_and_equal_transformers(fp8_dir: Path) -> 
 
 
 def _expert_bytes(llm: Any) -> int:
-    return sum(
-        p.numel() * p.element_size()
-        for name, p in llm.engine.model.named_parameters()
-        if ".experts." in name
+    """The experts' weight bytes: their parameters, and on a CPU with oneDNN the float experts'
+    projections packed for it (their stacked parameters given up)."""
+    model = llm.engine.model
+    params = sum(
+        p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name
     )
+    packed = sum(
+        m.packed_weight.numel() * m.packed_weight.element_size()
+        for name, m in model.named_modules()
+        if ".experts." in name and isinstance(m, PackedLinear)
+    )
+    return params + packed
 
 
 def test_expert_weights_keep_their_quantized_bytes(w4_sym_dir: Path, fp8_dir: Path) -> None:
