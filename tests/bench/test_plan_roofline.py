@@ -59,9 +59,7 @@ def test_a_tiny_run_sets_each_step_beside_the_roofline(tmp_path: Path) -> None:
             for batch in size.batch_sizes:
                 point = points[(shape, "decode", batch, context)]
                 assert point["steps"] >= 5 and point["measured_ms"] > 0
-                assert point["ratio"] == pytest.approx(
-                    point["measured_ms"] / point["predicted_ms"]
-                )
+                assert point["ratio"] == pytest.approx(point["measured_ms"] / point["predicted_ms"])
     # the counts: one token reads 2 of 8 experts, not all; past the window, a sliding layer
     # reads its window, not the whole context; a dense model has no count to leave out
     one = points[("moe", "decode", 1, size.contexts[0])]
