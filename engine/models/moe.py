@@ -173,7 +173,10 @@ class RoutedExperts(nn.Module):
         self.packed_down = nn.ModuleList()
 
     def pack_for_onednn(self) -> None:
-        """Each expert's projections reordered into oneDNN's layout; the stacked weights go."""
+        """Each expert's projections reordered into oneDNN's layout; the stacked weights go
+        (once: packed experts stay so)."""
+        if self.packed_gate_up:
+            return
         for expert in range(self.num_experts):
             self.packed_gate_up.append(PackedLinear(self.gate_up_proj[expert], None))
             self.packed_down.append(PackedLinear(self.down_proj[expert], None))

@@ -162,6 +162,7 @@ def test_experts_packed_for_onednn_equal_the_stacked_ones(num_tokens: int) -> No
         stacked.down_proj.normal_(0, 0.3)
         packed.load_state_dict(stacked.state_dict())
         packed.pack_for_onednn()
+        packed.pack_for_onednn()  # (packed once: a kept model's experts stay packed)
         assert packed.gate_up_proj.numel() == packed.down_proj.numel() == 0
         assert len(packed.packed_gate_up) == len(packed.packed_down) == 4
         x = torch.randn(num_tokens, 32)
