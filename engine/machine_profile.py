@@ -20,6 +20,7 @@ import torch
 
 from engine.engine_config import CacheConfig, LoadConfig, LoadFormat
 from engine.engine_loop import EngineLoop
+from engine.kernels.linear import PackedLinear, has_packed_linears
 from engine.kv_cache.budget import KVBudget
 from engine.latency_profile import run_latency_profile_in_loop
 from engine.llm_engine import LLMEngine
@@ -52,6 +53,10 @@ class MachineMeasurement:
     # could not run is absent, with why in ``eight_bit_failures``; {} on a CPU
     eight_bit_speedups: dict[str, float] = field(default_factory=dict)
     eight_bit_failures: dict[str, str] = field(default_factory=dict)
+    # a matmul of one row streaming a 256 MiB weight in the model's dtype through the
+    # engine's projections (oneDNN's packed layout where the model's linears use it): the
+    # rate a decode step reads its weights at
+    weight_bytes_per_s: float = 0.0
 
 
 def measure_machine(
@@ -102,6 +107,7 @@ def measure_machine(
             _device_memory(engine.device),
             _host_link_bandwidth(engine.device),
             *_eight_bit_speedups(engine.device, engine.dtype),
+            _weight_stream_bandwidth(engine.device, engine.dtype, has_packed_linears(engine.model)),
         )
     finally:
         engine.close()
@@ -113,6 +119,24 @@ def _copy_bandwidth(device: torch.device) -> float:
     source = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     return _COPY_BYTES / _best_of_five(device, functools.partial(target.copy_, source))
+
+
+def _weight_stream_bandwidth(device: torch.device, dtype: torch.dtype, onednn: bool) -> float:
+    """Bytes per second of weights a matmul of one row reads: a 256 MiB weight (beyond any
+    cache) in ``dtype``, through oneDNN's packed layout where ``onednn`` (a CPU's projections),
+    else torch's; the best of five."""
+    width = torch.empty((), dtype=dtype).element_size()
+    in_features = 4096
+    out_features = _COPY_BYTES // (width * in_features)
+    weight = torch.randn(out_features, in_features, device=device).to(dtype)
+    x = torch.randn(1, in_features, device=device).to(dtype)
+    if onednn:
+        packed = PackedLinear(weight, None)
+        del weight
+        seconds = _best_of_five(device, lambda: packed(x))
+    else:
+        seconds = _best_of_five(device, lambda: torch.nn.functional.linear(x, weight))
+    return out_features * in_features * width / seconds
 
 
 def _host_link_bandwidth(device: torch.device) -> float:

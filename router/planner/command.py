@@ -49,7 +49,12 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--int8-ops", type=float, default=None, help="override: int8 matmul OP/s (0: none)"
     )
-    plan.add_argument("--memory-gbs", type=float, default=None, help="override: memory GB/s")
+    plan.add_argument(
+        "--memory-gbs",
+        type=float,
+        default=None,
+        help="override: memory GB/s (a step's reads of its weights and of the KV alike)",
+    )
     plan.add_argument("--link-gbs", type=float, default=None, help="override: hand-off GB/s")
     plan.add_argument(
         "--host-link-gbs", type=float, default=None, help="override: device-host copies GB/s"
@@ -326,6 +331,8 @@ def _with_overrides(hardware: Hardware, args: argparse.Namespace) -> Hardware:
         if value < 0 or (value == 0 and not zero_allowed):
             raise ValueError(f"{flag} must be {'>= 0' if zero_allowed else '> 0'}, got {value:g}")
         changes[field] = value * scale
+    if args.memory_gbs is not None:  # the weights too (a profile measured their own rate)
+        changes["weight_bytes_per_s"] = 0.0
     return replace(hardware, **changes) if changes else hardware
 
 

@@ -9,7 +9,8 @@ tensor-parallel size ``tp`` is a roofline:
                 (a sliding layer's pairs within its window)
                 (a checkpoint's 8-bit matmuls at the device's int8 or float8 rate, where it
                 has one: ``int8_ops_per_s``, ``fp8_flops_per_s``)
-    memory    = (weight bytes + KV bytes the step reads or writes) / (tp * memory bytes/s)
+    memory    = (weight bytes / weights' read rate + KV bytes the step reads or writes /
+                 memory bytes/s) / tp (the weights' rate: a profile's own, else the memory's)
                 (a decoding sequence's KV read once, its drafts with its token; of a
                 mixture of experts, the experts the step's tokens go to; of an input
                 embedding apart from the LM head, its tokens' rows)
@@ -89,6 +90,10 @@ class Hardware:
     # a device's copies to and from host memory (the KV host tier's, --kv-offload-gb); 0: at
     # ``memory_bytes_per_s`` (a CPU machine's host tier is the same memory)
     host_link_bytes_per_s: float = 0.0
+    # a step's read of its weights: a matmul of one row streaming a large weight, as ``pdserve
+    # profile`` measures it (its matmul kernels read weights at their own rate, the attention
+    # kernels the KV at ``memory_bytes_per_s``); 0: at ``memory_bytes_per_s`` (the presets)
+    weight_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         seconds = min(
@@ -125,11 +130,17 @@ class Hardware:
                 f"hardware profile {self.name!r}: int8_ops_per_s and fp8_flops_per_s must be "
                 f">= 0 (0: no faster than flops_per_s)"
             )
-        if self.host_link_bytes_per_s < 0:
-            raise ValueError(
-                f"hardware profile {self.name!r}: host_link_bytes_per_s must be >= 0 (0: at "
-                f"memory_bytes_per_s)"
-            )
+        for name in ("host_link_bytes_per_s", "weight_bytes_per_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"hardware profile {self.name!r}: {name} must be >= 0 (0: at "
+                    f"memory_bytes_per_s)"
+                )
+
+    @property
+    def weight_read_bytes_per_s(self) -> float:
+        """A step's read of its weights: its own measured rate, else the memory's."""
+        return self.weight_bytes_per_s or self.memory_bytes_per_s
 
     @property
     def host_copy_bytes_per_s(self) -> float:
@@ -242,7 +253,9 @@ class StepTimeModel:
             compute += eight_bit / (self.tp * hardware.eight_bit_rate(model.eight_bit_matmul))
         kv_bytes = model.kv_bytes_per_token * (kv_read + shape.num_prefill_tokens)
         weights = model.weight_bytes_read(tokens)
-        memory = (weights + kv_bytes) / (self.tp * hardware.memory_bytes_per_s)
+        memory = (
+            weights / hardware.weight_read_bytes_per_s + kv_bytes / hardware.memory_bytes_per_s
+        ) / self.tp
         reduce = 0.0
         if self.tp > 1:
             payload = 2 * model.num_layers * tokens * model.activation_bytes_per_token

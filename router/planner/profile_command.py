@@ -8,8 +8,11 @@ worker's) a few times with larger decode batches (engine/latency_profile.py), an
 router's step-time model to those steps (router/latency_model.py): that fit is the profile's
 ``measured`` step time for this model. From it and the model's sizes come the effective FLOP/s
 (a prompt token's FLOPs over its fitted seconds) and memory bandwidth (a KV token's bytes over
-its fitted read time); a hand-off's link is measured as a copy of a 256 MiB buffer on the device
-(on a CPU, the shared-memory transport is such a copy). The measuring, which needs torch, is
+its fitted read time); the rate a step reads its weights at is measured (a matmul of one row
+over a 256 MiB weight, through the engine's projections), and the step overhead is the fit's
+less its read of the model's weights (the roofline counts that read apart, for any model); a
+hand-off's link is measured as a copy of a 256 MiB buffer on the device (on a CPU, the
+shared-memory transport is such a copy). The measuring, which needs torch, is
 engine/machine_profile.py's; this module fits and writes. The gateway's and router's own time per
 request is not measured here: the profile keeps the default (``path_overhead_s``), which
 ``--path-overhead-ms`` sets. On a CPU the profile records the host's cores, which the workers
@@ -92,6 +95,12 @@ def run_profile(args: argparse.Namespace) -> int:
     memory = (
         model.kv_bytes_per_token / cost.per_context_token_s if cost.per_context_token_s else 0.0
     )
+    # the fit's step overhead holds the step's read of the model's weights (a decode step reads
+    # them whatever its rows): the roofline counts that read apart, at the weights' own rate,
+    # so its overhead is what is left (as the presets' is)
+    weight_rate = measured.weight_bytes_per_s or memory or copy_bytes_per_s
+    weights_s = model.weight_bytes_read(1) / weight_rate
+    overhead_s = max(0.0, cost.overhead_s - weights_s)
     hardware = Hardware(
         name=args.name or f"{os.uname().nodename} ({args.device})",
         flops_per_s=flops,
@@ -103,7 +112,8 @@ def run_profile(args: argparse.Namespace) -> int:
         # measured (none measured: 0, the planner's bf16 rate)
         int8_ops_per_s=flops * measured.eight_bit_speedups.get("int", 0.0),
         fp8_flops_per_s=flops * measured.eight_bit_speedups.get("float", 0.0),
-        step_overhead_s=cost.overhead_s,
+        step_overhead_s=overhead_s,
+        weight_bytes_per_s=measured.weight_bytes_per_s,
         path_overhead_s=DEFAULT_PATH_OVERHEAD_S
         if args.path_overhead_ms is None
         else args.path_overhead_ms / 1000,
@@ -119,8 +129,10 @@ def run_profile(args: argparse.Namespace) -> int:
         f"{cost.overhead_s * 1000:.2f} ms a step + "
         f"{cost.per_prefill_token_s * 1e6:.1f} us a prompt token + "
         f"{cost.per_decode_token_s * 1e6:.1f} us a decode row + "
-        f"{cost.per_context_token_s * 1e9:.2f} ns a KV token read; copies at "
-        f"{copy_bytes_per_s / 1e9:.1f} GB/s"
+        f"{cost.per_context_token_s * 1e9:.2f} ns a KV token read; weights read at "
+        f"{weight_rate / 1e9:.1f} GB/s ({weights_s * 1000:.2f} ms of the step's "
+        f"{cost.overhead_s * 1000:.2f}: the roofline's overhead {overhead_s * 1000:.2f} ms); "
+        f"copies at {copy_bytes_per_s / 1e9:.1f} GB/s"
         + (
             f", to and from host memory at {measured.host_link_bytes_per_s / 1e9:.1f} GB/s"
             if measured.host_link_bytes_per_s

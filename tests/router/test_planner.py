@@ -572,6 +572,28 @@ def test_a_measured_profile_is_used_for_its_own_model_at_tp_1(llama_8b: Path) ->
     assert saved == hardware
 
 
+def test_on_the_roofline_weights_are_read_at_their_own_rate(llama_8b: Path) -> None:
+    """A profile's matmuls read weights at their own rate (``weight_bytes_per_s``) and the
+    attention kernels the KV at the memory's; without it (the presets), both at the
+    memory's. ``--memory-gbs`` sets the memory's for both."""
+    costs = ModelCosts.load(llama_8b)
+    shape = StepShape(0, 0, 1, 4000)
+    base = Hardware("box", 1e15, 2e12, 80e9, 1e10, step_overhead_s=0.0)
+    faster = replace(base, weight_bytes_per_s=4e12)
+    weights, kv = costs.weight_bytes_read(1), 4000 * costs.kv_bytes_per_token
+    assert StepTimeModel(costs, base)(shape) == pytest.approx((weights + kv) / 2e12)
+    assert StepTimeModel(costs, faster)(shape) == pytest.approx(weights / 4e12 + kv / 2e12)
+    assert StepTimeModel(costs, faster, tp=2)(shape) < StepTimeModel(costs, faster)(shape) / 1.9
+    with pytest.raises(ValueError, match="weight_bytes_per_s must be >= 0"):
+        replace(base, weight_bytes_per_s=-1.0)
+    assert Hardware.from_json(json.loads(json.dumps(faster.to_json()))) == faster
+    from router.planner.command import _with_overrides
+
+    args = build_parser().parse_args(["plan", "--model", "m", "--rate", "1", "--memory-gbs", "1"])
+    overridden = _with_overrides(faster, args)
+    assert overridden.memory_bytes_per_s == overridden.weight_read_bytes_per_s == 1e9
+
+
 def test_on_the_roofline_a_sequences_drafts_read_its_kv_with_its_token(llama_8b: Path) -> None:
     """Speculative decoding on an H100: one sequence of 8000 tokens decoding with 4 drafts is
     5 rows attending to its context, but its KV is read once (the rows run like a prompt
@@ -759,6 +781,15 @@ def test_pdserve_profile_measures_this_machine_and_records_its_shared_cores(
     # the host's other work needs a served cluster to measure: none is assumed
     assert hardware.host_seconds_per_token == hardware.host_seconds_per_handoff == 0.0
     model = ModelCosts.load(llama_dir)
+    # the weights' read is measured apart, and the roofline's step overhead is the fit's less
+    # the model's read of its weights (the roofline counts that for any model)
+    assert hardware.weight_bytes_per_s > 0
+    weights_s = ModelCosts.load(llama_dir, "float32").weight_bytes_read(1) / (
+        hardware.weight_bytes_per_s
+    )  # (profiled in float32)
+    assert hardware.step_overhead_s == pytest.approx(
+        max(0.0, hardware.measured.overhead_s - weights_s)
+    )
     assert Planner(model, hardware).cluster(Layout(0, 1, 2, 1)).host == HostShare(
         os.cpu_count() or 1
     )
