@@ -5,11 +5,14 @@
 ``pdserve plan`` predicts a step's time from a model's config.json and a hardware profile
 (router/planner/hardware.py): compute against memory, where a mixture of experts reads the
 experts its step's tokens go to and a decode row of a sliding-window layer reads its window.
-This runs the engine on random weights of three shapes of one size (a dense Llama, a Mixtral of
+This runs the engine on random weights of four shapes of one size (a dense Llama, a Mixtral of
 8 experts routing each token to 2 as wide as the dense MLP together, a Qwen2 whose later half of
-layers slide), times its decode steps at each batch size and context and a prompt step, and
-sets each step beside the roofline's prediction for the same step, and beside the prediction
-without the count (every expert read; every layer's whole context) for contrast.
+layers slide, a DeepSeek-V3 of latent attention and dense MLPs), times its decode steps at each
+batch size and context and a prompt step, and sets each step beside the roofline's prediction
+for the same step, and beside the prediction without the count (every expert read; every
+layer's whole context; latent attention up-projected, 2 x heads x (qk + v head dims) FLOPs a
+pair, where the engine's absorbed form costs 2 x heads x (2 x kv_lora_rank + rope dims)) for
+contrast.
 
 The hardware profile is ``--hardware`` (a ``pdserve profile`` JSON: on a GPU, that of
 ``bash bench/gpu/lease.sh profile``), else measured here by ``pdserve profile`` on the dense
@@ -77,7 +80,7 @@ _WARMUP_STEPS = 2
 
 
 def shape_configs(size: Size) -> dict[str, dict[str, Any]]:
-    """The three shapes' config.json, by name."""
+    """The four shapes' config.json, by name."""
     common = {
         "hidden_size": size.hidden,
         "num_hidden_layers": size.layers,
@@ -123,7 +126,36 @@ def shape_configs(size: Size) -> dict[str, dict[str, Any]]:
             "sliding_window": size.window,
             "max_window_layers": size.layers // 2,  # layers from here on slide
         },
+        "mla": {
+            **common,
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "intermediate_size": size.intermediate,
+            "num_key_value_heads": size.heads,  # (transformers' MLA: one K/V per query head)
+            "q_lora_rank": size.hidden // 2,
+            "kv_lora_rank": 4 * size.head_dim,
+            "qk_nope_head_dim": size.head_dim,
+            "qk_rope_head_dim": size.head_dim // 2,
+            "head_dim": size.head_dim // 2,  # (its config's name for the rope dims)
+            "v_head_dim": size.head_dim,
+            "first_k_dense_replace": size.layers,  # every MLP dense: the attention alone differs
+            "n_routed_experts": NUM_EXPERTS,
+            "num_experts_per_tok": EXPERTS_PER_TOKEN,
+        },
     }
+
+
+def with_counts_left_out(name: str, costs: ModelCosts, config: dict[str, Any]) -> ModelCosts:
+    """The shape's costs without what the roofline counts as the engine does (a sliding
+    window's count is in the step's shape instead: ``decode_shape``): every expert's weights
+    read; latent attention up-projected."""
+    if name == "moe":
+        return dataclasses.replace(costs, routed_expert_bytes=0)
+    if name == "mla":
+        head_dims = config["qk_nope_head_dim"] + config["qk_rope_head_dim"] + config["v_head_dim"]
+        pair = 2.0 * config["num_attention_heads"] * head_dims * config["num_hidden_layers"]
+        return dataclasses.replace(costs, attention_flops_per_pair=pair)
+    return costs
 
 
 def write_model(directory: Path, config: dict[str, Any]) -> Path:
@@ -245,13 +277,12 @@ def run_shape(model_dir: Path, size: Size, device: str, threads: int, seed: int)
 
 
 def predicted(
-    rows: list[dict], costs: ModelCosts, hardware: Hardware, name: str
+    rows: list[dict], costs: ModelCosts, plain_costs: ModelCosts, hardware: Hardware, name: str
 ) -> list[dict[str, Any]]:
     """Each (kind, batch, context) point's median measured step beside the roofline's
-    prediction, and the prediction without the shape's count (``plain``: every expert's
-    weights read; every layer's whole context)."""
+    prediction, and the prediction without the shape's count (``plain_costs``, every layer's
+    whole context)."""
     model = StepTimeModel(costs, hardware)
-    plain_costs = dataclasses.replace(costs, routed_expert_bytes=0)
     plain = StepTimeModel(plain_costs, hardware)
     groups = costs.cache_groups
     points: dict[tuple[str, int, int], list[tuple[float, float, float]]] = {}
@@ -291,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hardware", help="a pdserve profile JSON or a preset's name (default: measured here)"
     )
-    parser.add_argument("--shapes", default="dense,moe,sliding")
+    parser.add_argument("--shapes", default="dense,moe,sliding,mla")
     parser.add_argument("--layers", type=int, help="the shapes' layers (default: the size's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/plan_roofline.json")
@@ -318,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for name in names:
             costs = ModelCosts.load(dirs[name], size.dtype)
+            plain_costs = with_counts_left_out(name, costs, configs[name])
             rows = run_shape(dirs[name], size, args.device, threads, args.seed)
-            results.extend(predicted(rows, costs, hardware, name))
+            results.extend(predicted(rows, costs, plain_costs, hardware, name))
     print(f"{'shape':>8} {'kind':>6} {'batch':>5} {'context':>7} {'measured':>9} "
           f"{'predicted':>9} {'without':>8} {'ratio':>6}")  # fmt: skip
     for r in results:

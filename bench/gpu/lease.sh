@@ -14,9 +14,10 @@
 #                                   # hardware profile pdserve plan reads; box default 240
 #   bash bench/gpu/lease.sh roofline [box]  # ~4 min: bench.plan_roofline --size gpu: the
 #                                   # planner's step roofline against the engine's steps of a
-#                                   # dense, a mixture-of-experts and a sliding-window shape
-#                                   # (8 layers each); on profile's hardware_8b.json when that
-#                                   # ran first, else profiled here; box default 300
+#                                   # dense, a mixture-of-experts, a sliding-window and a
+#                                   # latent-attention shape (8 layers each); on profile's
+#                                   # hardware_8b.json when that ran first, else profiled
+#                                   # here; box default 300
 # The longer calls, for device time left over or a later task:
 #   bash bench/gpu/lease.sh tests   # the gpu-marked tests (kernels at full size, graphs,
 #                                   # transports), then bench.structured_masks on cuda
