@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from router.cpu_binding import threads_per_worker
@@ -95,12 +96,6 @@ def run_profile(args: argparse.Namespace) -> int:
     memory = (
         model.kv_bytes_per_token / cost.per_context_token_s if cost.per_context_token_s else 0.0
     )
-    # the fit's step overhead holds the step's read of the model's weights (a decode step reads
-    # them whatever its rows): the roofline counts that read apart, at the weights' own rate,
-    # so its overhead is what is left (as the presets' is)
-    weight_rate = measured.weight_bytes_per_s or memory or copy_bytes_per_s
-    weights_s = model.weight_bytes_read(1) / weight_rate
-    overhead_s = max(0.0, cost.overhead_s - weights_s)
     hardware = Hardware(
         name=args.name or f"{os.uname().nodename} ({args.device})",
         flops_per_s=flops,
@@ -112,7 +107,6 @@ def run_profile(args: argparse.Namespace) -> int:
         # measured (none measured: 0, the planner's bf16 rate)
         int8_ops_per_s=flops * measured.eight_bit_speedups.get("int", 0.0),
         fp8_flops_per_s=flops * measured.eight_bit_speedups.get("float", 0.0),
-        step_overhead_s=overhead_s,
         weight_bytes_per_s=measured.weight_bytes_per_s,
         path_overhead_s=DEFAULT_PATH_OVERHEAD_S
         if args.path_overhead_ms is None
@@ -123,6 +117,13 @@ def run_profile(args: argparse.Namespace) -> int:
         host_cores=(os.cpu_count() or 1) if args.device == "cpu" else 0,
         worker_threads=threads,
     )
+    # the fit's step overhead holds the step's read of the model's weights (a decode step reads
+    # them whatever its rows): the roofline counts that read apart, at the weights' own rate,
+    # so its overhead is what is left (as the presets' is)
+    weight_rate = hardware.weight_read_bytes_per_s
+    weights_s = model.weight_bytes_read(1) / weight_rate
+    overhead_s = max(0.0, cost.overhead_s - weights_s)
+    hardware = replace(hardware, step_overhead_s=overhead_s)
     hardware.save(args.out)
     print(
         f"{len(measured.step_timings)} steps of {model.name} fitted: "

@@ -14,7 +14,7 @@ import pytest
 from engine.step_timings import STEP_TIMINGS_KEPT
 from router.cli import build_parser, main
 from router.latency_model import StepShape
-from router.planner.command import serve_flags, shared_host_line
+from router.planner.command import _with_overrides, serve_flags, shared_host_line
 from router.planner.hardware import PRESETS, Hardware, StepTimeModel
 from router.planner.model_costs import ModelCosts, eight_bit_matmul
 from router.planner.plan import Layout, LayoutResult, Planner, Slo
@@ -587,8 +587,6 @@ def test_on_the_roofline_weights_are_read_at_their_own_rate(llama_8b: Path) -> N
     with pytest.raises(ValueError, match="weight_bytes_per_s must be >= 0"):
         replace(base, weight_bytes_per_s=-1.0)
     assert Hardware.from_json(json.loads(json.dumps(faster.to_json()))) == faster
-    from router.planner.command import _with_overrides
-
     args = build_parser().parse_args(["plan", "--model", "m", "--rate", "1", "--memory-gbs", "1"])
     overridden = _with_overrides(faster, args)
     assert overridden.memory_bytes_per_s == overridden.weight_read_bytes_per_s == 1e9
