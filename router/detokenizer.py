@@ -27,16 +27,13 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = 0  # tokens up to here are in ``text``
-        # the tokens after ``text`` end in part of a character: held until it is whole
-        self.partial_character = False
 
     def push(self, token_id: int) -> str:
         """Add one token; returns the text that became final (possibly "")."""
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         full = self._decode(self.token_ids[self._prefix_offset :])
-        self.partial_character = full.endswith(_REPLACEMENT)
-        if self.partial_character or len(full) <= len(prefix):
+        if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
             return ""  # an unfinished character (or nothing visible yet): wait for more
         delta = full[len(prefix) :]
         self._prefix_offset = max(self._read_offset, len(self.token_ids) - _WINDOW)
@@ -50,7 +47,6 @@ class IncrementalDetokenizer:
         full = self._decode(self.token_ids[self._prefix_offset :])
         delta = full[len(prefix) :]
         self._read_offset = len(self.token_ids)
-        self.partial_character = False
         self.text += delta
         return delta
 
@@ -78,11 +74,6 @@ class StopStringMatcher:
         # (kept)
         self._pending = ""
         self.stopped = False
-
-    @property
-    def holding(self) -> bool:
-        """Whether text that may begin a stop string is held back (never when kept)."""
-        return bool(self._pending) and not self.include_in_output
 
     def feed(self, delta: str) -> str:
         """New text in; the part that is safe to emit out. Sets ``stopped`` on a match."""

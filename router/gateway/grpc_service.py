@@ -1,17 +1,17 @@
 """The gRPC front door: ``pdserve.v1.Generation`` on grpc.aio, with server reflection.
 
-Life of a Generate call: the ``authorization`` metadata names the caller's tenant
-(UNAUTHENTICATED) -> the request is checked into a spec by the HTTP API's rules
-(INVALID_ARGUMENT / NOT_FOUND) -> admission (UNAVAILABLE / RESOURCE_EXHAUSTED, with trailing
-``retry-after``) -> ``Started`` with the server's request id -> one ``Chunk`` per sample delta,
-so one per token unless text was held back (the first carries the prompt's logprobs when they
-were asked for: they come with the first token) -> ``Usage``. An Abort call ends the stream
-with FINISH_REASON_ABORT chunks; a client that cancels, or whose deadline passes, has its
-handler cancelled by the gRPC runtime (or a write under way fails on the ended call: counted
-aborted the same, not an internal error). Either way, leaving the delta stream aborts the request
-in the cluster and frees its KV blocks. While the server shuts down, new calls end UNAVAILABLE
-(with ``retry-after``) and Health says not serving; a call still running when the drain ends
-is cut off: its FINISH_REASON_ABORT chunks, then UNAVAILABLE saying why.
+Life of a Generate call: the ``authorization`` metadata names the caller's tenant (UNAUTHENTICATED)
+-> the request is checked into a spec by the HTTP API's rules (INVALID_ARGUMENT / NOT_FOUND) ->
+admission (UNAVAILABLE / RESOURCE_EXHAUSTED, with trailing ``retry-after``) -> ``Started`` with the
+server's request id -> one ``Chunk`` per sample delta, so one per token, its text empty while text
+is held back (the first carries the prompt's logprobs when they were asked for: they come with the
+first token) -> ``Usage``. An Abort call ends the stream with FINISH_REASON_ABORT chunks; a client
+that cancels, or whose deadline passes, has its handler cancelled by the gRPC runtime (or a write
+under way fails on the ended call: counted aborted the same, not an internal error). Either way,
+leaving the delta stream aborts the request in the cluster and frees its KV blocks. While the
+server shuts down, new calls end UNAVAILABLE (with ``retry-after``) and Health says not serving; a
+call still running when the drain ends is cut off: its FINISH_REASON_ABORT chunks, then UNAVAILABLE
+saying why.
 """
 
 from __future__ import annotations

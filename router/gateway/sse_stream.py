@@ -1,10 +1,10 @@
 """Streamed responses: a request's sample deltas as OpenAI's Server-Sent Events chunks.
 
 Order of a stream: for chat, each choice's role chunk (and its echo, as vLLM sends it), then
-the choices' chunks as their deltas arrive, one per token unless text was held back (chat:
-reasoning, content or tool calls, shaped by ``ChatDeltas``, or ``content: ""`` for a token
-with nothing to show yet, as vLLM sends it; completions: text, possibly empty, with the echo
-and logprobs), a last chunk per choice that an Abort call ended, the usage chunk when asked
+the choices' chunks as their deltas arrive, one per token (chat: reasoning, content or tool
+calls, shaped by ``ChatDeltas``, or ``content: ""`` for a token with nothing to show yet, text
+held back included, as vLLM sends it; completions: text, possibly empty, with the echo and
+logprobs), a last chunk per choice that an Abort call ended, the usage chunk when asked
 for (``stream_options.include_usage``), and ``data: [DONE]``. An error after the 200 is the
 stream's last event before ``[DONE]``. ``EventStreamResponse`` aborts the requests as soon as
 the client leaves.

@@ -5,10 +5,10 @@ sample -> each sample's tokens are detokenized incrementally (never a broken cha
 checked for stop strings (held back while they might be one; trimmed when matched; an eos or
 ``stop_token_ids`` token that ends a sample is counted but not shown, as vLLM does; with vLLM's
 ``include_stop_str_in_output`` both are shown and nothing is held back) -> a ``SampleDelta``
-leaves for each token, as vLLM streams them, its text possibly empty (a special token skipped,
-an eos under ``ignore_eos``); while text is held back (part of a character, or what may begin
-a stop string) its tokens wait and leave with the delta whose text it completes, or with the
-sample's last. When every sample has ended, leaving the cluster's stream aborts whatever still
+leaves for each token as it arrives, as vLLM streams them, its text possibly empty (a special
+token skipped, an eos under ``ignore_eos``, or text held back: part of a character, or what may
+begin a stop string, which leaves with the delta of the token that completes it, or with the
+sample's last). When every sample has ended, leaving the cluster's stream aborts whatever still
 runs (a sample cut by a stop string).
 """
 
@@ -63,9 +63,8 @@ class TokenTimingObserver(Protocol):
 class SampleDelta:
     index: int  # the sample (0 .. n-1) of its prompt
     text: str  # newly final text: no partial characters, stop strings trimmed (unless kept)
-    # the tokens behind it, since the sample's previous delta: one, unless text was held back
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs]  # one per token in token_ids when the request asked for them
+    token_ids: list[int]  # the token behind it (one)
+    logprobs: list[TokenLogprobs]  # its logprobs when the request asked for them
     finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last delta
 
 
@@ -73,18 +72,11 @@ class SampleDelta:
 class _Sample:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
-    pending_token_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_tokens: int = 0  # tokens counted in usage (up to the one that completed a stop string)
     finished: bool = False
     first_token_at: float | None = None  # monotonic arrival time of the sample's first token
     second_token_at: float | None = None  # ... of its second one
     last_token_at: float = 0.0  # ... and of its latest one
-
-    @property
-    def holds_text(self) -> bool:
-        """Whether text is held back: part of a character, or what may begin a stop string."""
-        return self.detokenizer.partial_character or self.stops.holding
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,9 +260,6 @@ class TextGeneration:
         if sample.finished:
             return None  # a stop string ended it; the cluster is still winding it down
         sample.num_tokens += 1
-        sample.pending_token_ids.append(event.token_id)
-        if event.logprobs is not None:
-            sample.pending_logprobs.append(event.logprobs)
         # an eos or stop_token_ids token ended it: counted, but shown only with
         # include_stop_str_in_output (as vLLM does; an eos is a special token, shown only with
         # skip_special_tokens false)
@@ -282,18 +271,9 @@ class TextGeneration:
             text += sample.stops.feed(_whole_characters(sample.detokenizer.flush()))
             text += sample.stops.flush()
             finish_reason = "stop" if sample.stops.stopped else finish_reason
-        if not text and finish_reason is None and sample.holds_text:
-            return None  # its tokens leave with the text they complete
         sample.finished = finish_reason is not None
-        delta = SampleDelta(
-            event.sample_index,
-            text,
-            sample.pending_token_ids,
-            sample.pending_logprobs,
-            finish_reason,
-        )
-        sample.pending_token_ids, sample.pending_logprobs = [], []
-        return delta
+        logprobs = [] if event.logprobs is None else [event.logprobs]
+        return SampleDelta(event.sample_index, text, [event.token_id], logprobs, finish_reason)
 
 
 def _whole_characters(text: str) -> str:

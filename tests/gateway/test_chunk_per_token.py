@@ -1,8 +1,9 @@
 """One streamed chunk per generated token on both front doors, as vLLM streams them: a token
 whose text is empty (an eos under ``ignore_eos``, a special token skipped) has its own chunk
 (chat: ``content: ""``), with its own logprobs, so a client that counts or times chunks per
-token sees each one. Only text held back makes its tokens wait for the chunk that completes it:
-part of a multi-byte character (never sent broken) or what may begin a stop string.
+token sees each one. Text held back (part of a multi-byte character, never sent broken, or what
+may begin a stop string) leaves with the chunk of the token that completes it; the tokens before
+that have their chunks at once, their text empty, as vLLM's completions and chat send them.
 
 The cluster is a scripted ``GenerationBackend`` that answers the tokens a test chooses; the
 demo model's real byte-level BPE tokenizer runs around it.
@@ -95,15 +96,6 @@ def _multi_byte(cluster: ScriptedCluster, model: ServedModel) -> list[int]:
     return token_ids
 
 
-def _num_final(model: ServedModel, token_ids: list[int]) -> int:
-    """How many of the tokens end on a whole character: one chunk each."""
-    decode = model.tokenizer.decode
-    return sum(
-        not decode(token_ids[: i + 1], skip_special_tokens=True).endswith(REPLACEMENT)
-        for i in range(len(token_ids))
-    )
-
-
 def _choices(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The chunks' choices, one per chunk, without chat's role chunk and the usage chunk."""
     choices = [c["choices"][0] for c in chunks if c["choices"]]
@@ -192,12 +184,12 @@ def test_grpc_streams_one_chunk_per_token_with_its_logprobs(
 # ---------------------------------------------------------------- text held back
 
 
-def test_a_split_character_arrives_whole_in_one_chunk(
+def test_a_split_character_arrives_whole_in_the_chunk_of_its_last_byte(
     http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
 ) -> None:
-    """Every token that ends on a whole character has its chunk (the first eos too, with no
-    text); the tokens of a character's first bytes (and the eos among them) go with the chunk
-    that completes it."""
+    """Every token has its chunk at once, with its own logprobs; the tokens of a character's
+    first bytes (and the eos among them) have empty text, and the chunk of its last byte holds
+    it whole."""
     token_ids = _multi_byte(cluster, model)
     for path, body in (
         (COMPLETIONS, {"prompt": "hi", "logprobs": 1}),
@@ -212,43 +204,43 @@ def test_a_split_character_arrives_whole_in_one_chunk(
             num_tokens = [len(c["logprobs"]["content"]) for c in choices]
         assert "".join(texts) == MULTI_BYTE
         assert not any(REPLACEMENT in text for text in texts)
-        assert len(choices) == _num_final(model, token_ids) < len(token_ids)
-        assert sum(num_tokens) == len(token_ids)
+        assert num_tokens == [1] * len(token_ids)
         for char in "ï😀é世界":
             assert sum(char in text for text in texts) == 1, char
         (emoji_chunk,) = [i for i, text in enumerate(texts) if "😀" in text]
-        assert num_tokens[emoji_chunk] == 5  # its 4 bytes and the eos among them
+        assert texts[emoji_chunk] == "😀"
+        assert texts[emoji_chunk - 4 : emoji_chunk] == [""] * 4  # its 3 bytes and the eos
 
 
-def test_grpc_sends_a_split_character_whole_with_its_tokens(
+def test_grpc_sends_a_chunk_per_token_of_a_split_character(
     stub: pb_grpc.GenerationStub, cluster: ScriptedCluster, model: ServedModel
 ) -> None:
     token_ids = _multi_byte(cluster, model)
     chunks = _generate(stub, max_tokens=len(token_ids), logprobs=0)
     assert "".join(c.text for c in chunks) == MULTI_BYTE
     assert not any(REPLACEMENT in c.text for c in chunks)
-    assert [t for c in chunks for t in c.token_ids] == token_ids
-    assert len(chunks) == _num_final(model, token_ids)
-    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
-    (emoji,) = [c for c in chunks if "😀" in c.text]
-    assert len(emoji.token_ids) == 5
+    assert [list(c.token_ids) for c in chunks] == [[t] for t in token_ids]
+    assert all(len(c.logprobs) == 1 for c in chunks)
+    (emoji,) = [i for i, c in enumerate(chunks) if "😀" in c.text]
+    assert [c.text for c in chunks[emoji - 4 : emoji + 1]] == ["", "", "", "", "😀"]
 
 
-def test_text_that_may_begin_a_stop_string_holds_its_tokens_as_before(
+def test_text_that_may_begin_a_stop_string_is_held_while_its_tokens_stream(
     http: httpx.Client, stub: pb_grpc.GenerationStub, cluster: ScriptedCluster, model: ServedModel
 ) -> None:
-    """ "b" may begin the stop string "bx": it and the empty eos after it wait for "c", which
-    shows it does not; the eos before it, with nothing held, has its own chunk."""
+    """ "b" may begin the stop string "bx": its chunk and the eos's after it have empty text,
+    and "b" leaves with "c", which shows it does not begin one."""
     a, b, c, d = one_token_per_character(model, "abcd")
     eos = model.tokenizer.eos_token_id
     token_ids = [a, eos, b, eos, c, d]
     script_tokens(cluster, token_ids, model, stop=False)
     body = {"prompt": "hi", "max_tokens": len(token_ids), "logprobs": 1, "stop": ["bx"]}
     choices = _choices(stream_chunks(http, COMPLETIONS, body))
-    assert [choice["text"] for choice in choices] == ["a", "", "bc", "d"]
-    assert [len(choice["logprobs"]["tokens"]) for choice in choices] == [1, 1, 3, 1]
+    assert [choice["text"] for choice in choices] == ["a", "", "", "", "bc", "d"]
+    assert [len(choice["logprobs"]["tokens"]) for choice in choices] == [1] * 6
     chunks = _generate(stub, max_tokens=len(token_ids), stop=["bx"])
-    assert [list(chunk.token_ids) for chunk in chunks] == [[a], [eos], [b, eos, c], [d]]
+    assert [list(chunk.token_ids) for chunk in chunks] == [[t] for t in token_ids]
+    assert [chunk.text for chunk in chunks] == ["a", "", "", "", "bc", "d"]
 
 
 # ---------------------------------------------------------------- the parsers

@@ -82,7 +82,7 @@ def test_a_stream_shows_the_prompt_once_and_the_output_per_chunk(
         mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == index]
         assert mine[0]["prompt_token_ids"] == prompt_ids
         assert all("prompt_token_ids" not in c for c in mine[1:])
-        assert all(len(c["token_ids"]) <= 1 for c in mine)  # nothing held back here
+        assert all(len(c["token_ids"]) <= 1 for c in mine)  # a chunk per token
         assert _choice_token_ids(chunks, index) == cluster.tokens
         assert "".join(c["text"] for c in mine) == ANSWER
     usage = chunks[-1]["usage"]
