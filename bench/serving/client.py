@@ -6,11 +6,11 @@ events: ``data: {json}`` lines until ``data: [DONE]``. A non-200 status, an ``{"
 event, a stream that ends without ``[DONE]`` or a transport error fails the request. A prompt
 given as token ids goes out as a list of ints (completions); with ``return_token_ids`` (vLLM's
 field, which pdserve's completions implement too) the chunks' ``token_ids`` make up the reply's
-token ids, and a chunk that carries some is a token's arrival even when its text is empty (a
-special token skipped, say): TTFT and the inter-token gaps are then the tokens', not the text's.
-Without them, a chunk counts by its text, as vLLM's benchmark times it. (pdserve holds back a
-token whose bytes end part-way through a character until the text it completes: a reply of the
-tiny random model none of whose tokens completes a character arrives whole at its end.)
+token ids. Every chunk with a choice is a token's arrival, its text empty or not (a special
+token skipped, part of a character, text that may begin a stop string), as vLLM's benchmark
+times them: TTFT and the inter-token gaps are the tokens', not the text's. Not tokens: chat's
+role chunk (vLLM and pdserve send it with the first token), the usage chunk (no choices), and
+a chunk whose ``token_ids`` are empty (an aborted choice's last).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Reply:
 class _Stream:
     """What one response has streamed so far (mutable while reading, then made a record)."""
 
-    chunk_times: list[float]  # perf_counter() of each chunk with text or output token ids
+    chunk_times: list[float]  # perf_counter() of each chunk that carries a token
     texts: list[str]  # the text of the chunks with text
     token_ids: list[int] | None = None  # the chunks' token_ids; None until a chunk has some
     usage: dict[str, Any] | None = None  # the last non-null ``usage`` seen
@@ -154,7 +154,7 @@ async def _read_events(response: httpx.Response, endpoint: Endpoint, state: _Str
         text = chunk_text(payload, endpoint)
         if text:
             state.texts.append(text)
-        if text or token_ids:
+        if carries_a_token(payload, endpoint):
             state.chunk_times.append(now)
 
 
@@ -167,6 +167,18 @@ def chunk_text(payload: dict[str, Any], endpoint: Endpoint) -> str:
         else:
             parts.append(choice.get("text") or "")
     return "".join(parts)
+
+
+def carries_a_token(payload: dict[str, Any], endpoint: Endpoint) -> bool:
+    """Whether a stream chunk is a token's arrival: it has a choice that is not chat's role
+    chunk and does not say it has no token (``token_ids: []``)."""
+    for choice in payload.get("choices") or []:
+        if endpoint == "chat" and "role" in (choice.get("delta") or {}):
+            continue
+        if choice.get("token_ids") == []:
+            continue
+        return True
+    return False
 
 
 def chunk_token_ids(payload: dict[str, Any]) -> list[int] | None:

@@ -1,13 +1,13 @@
 """Streamed responses: a request's sample deltas as OpenAI's Server-Sent Events chunks.
 
-Order of a stream: for chat, each choice's role chunk (and its echo, as vLLM sends it), then
-the choices' chunks as their deltas arrive, one per token (chat: reasoning, content or tool
-calls, shaped by ``ChatDeltas``, or ``content: ""`` for a token with nothing to show yet, text
-held back included, as vLLM sends it; completions: text, possibly empty, with the echo and
-logprobs), a last chunk per choice that an Abort call ended, the usage chunk when asked
-for (``stream_options.include_usage``), and ``data: [DONE]``. An error after the 200 is the
-stream's last event before ``[DONE]``. ``EventStreamResponse`` aborts the requests as soon as
-the client leaves.
+Order of a stream: for chat, each choice's role chunk (and its echo) with the first token, as
+vLLM sends them, then the choices' chunks as their deltas arrive, one per token (chat:
+reasoning, content or tool calls, shaped by ``ChatDeltas``, or ``content: ""`` for a token with
+nothing to show yet, text held back included, as vLLM sends it; completions: text, possibly
+empty, with the echo and logprobs), a last chunk per choice that an Abort call ended, the usage
+chunk when asked for (``stream_options.include_usage``), and ``data: [DONE]``. An error after
+the 200 is the stream's last event before ``[DONE]``. ``EventStreamResponse`` aborts the
+requests as soon as the client leaves.
 """
 
 from __future__ import annotations
@@ -90,18 +90,17 @@ async def _chunks(
     # under a reasoning parser, each choice's output, whose thought's tokens the usage counts
     counted = job.reasoning is not None and job.include_usage
     outputs = [ChoiceText() for _ in offsets] if counted else None
-    if job.kind == "chat":
-        for index in range(len(offsets)):
-            yield _with_usage(
-                chat_chunk(header, index, {"role": "assistant", "content": ""}, None, None), job
-            )
-        for index in range(len(offsets)):  # then the echoed last message, as vLLM sends it
-            if text := echo.first(index):
-                yield _with_usage(chat_chunk(header, index, {"content": text}, None, None), job)
+    # chat's role chunks go out with the first token, as vLLM sends them (not at the start: a
+    # client that times its first chunk times the first token)
+    unopened = job.kind == "chat"
     deltas = merged_deltas(generations, live.aborted)
     try:
         async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
             async for prompt_index, delta in deltas:
+                if unopened:
+                    unopened = False
+                    for chunk in _chat_openers(job, header, echo, len(offsets)):
+                        yield chunk
                 index = prompt_index * job.n + delta.index
                 if delta.finish_reason is not None:
                     unfinished.discard(index)
@@ -123,6 +122,9 @@ async def _chunks(
         gateway.record_outcome("aborted")
         raise
     if live.aborted.is_set():  # an Abort call cut it short: end each choice as gRPC does
+        if unopened:
+            for chunk in _chat_openers(job, header, echo, len(offsets)):
+                yield chunk
         for index in sorted(unfinished):
             chunk = _aborted_chunk(job, header, index, echo.first(index), token_ids)
             yield _with_usage(chunk, job)
@@ -130,6 +132,20 @@ async def _chunks(
     if job.include_usage:
         name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         yield usage_chunk(header, name, _usage(job, generations, outputs))
+
+
+def _chat_openers(
+    job: OpenAIJob, header: ResponseHeader, echo: Echo, num_choices: int
+) -> list[dict[str, Any]]:
+    """A chat stream's first chunks: each choice's role, then its echoed last message."""
+    chunks = [
+        chat_chunk(header, index, {"role": "assistant", "content": ""}, None, None)
+        for index in range(num_choices)
+    ]
+    for index in range(num_choices):
+        if text := echo.first(index):
+            chunks.append(chat_chunk(header, index, {"content": text}, None, None))
+    return [_with_usage(chunk, job) for chunk in chunks]
 
 
 def _usage(

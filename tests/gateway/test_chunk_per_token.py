@@ -11,14 +11,19 @@ demo model's real byte-level BPE tokenizer runs around it.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
 
 import grpc
 import httpx
 import pytest
 
+from engine.messages import TokenEvent
+from engine.sampling.params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.gateway.auth import ApiKeys
@@ -34,6 +39,7 @@ from tests.gateway.token_script import (
     http_client,
     one_token_per_character,
     post_json,
+    script_answer,
     script_tokens,
     stream_chunks,
 )
@@ -179,6 +185,53 @@ def test_grpc_streams_one_chunk_per_token_with_its_logprobs(
         [-(p + 1) / 4] for p in range(len(token_ids))
     ]
     assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+class _HeldFirstToken(ScriptedCluster):
+    """Answers as scripted once ``release`` is set; ``asked`` is set when a prompt arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = threading.Event()
+        self.release = threading.Event()
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, **options: Any
+    ) -> AsyncGenerator[TokenEvent, None]:
+        self.asked.set()
+        await asyncio.to_thread(self.release.wait, 120)
+        async for event in super().generate(prompt_token_ids, params, **options):
+            yield event
+
+
+def test_a_chat_streams_its_role_chunk_with_its_first_token(model: ServedModel) -> None:
+    """As vLLM sends it: a client that times its first chunk (vLLM's benchmark, say) times the
+    first token, not the response's start. No chunk leaves while the prompt's first token is
+    held, though the response's headers have."""
+    cluster = _HeldFirstToken()
+    script_answer(cluster, model, "Hello")
+    received: list[tuple[bool, str]] = []  # (first token released by then, the data line)
+    headers = threading.Event()
+    body = {"messages": [USER_HI], "max_tokens": 8, "stream": True}
+    with http_client(cluster, model) as http:
+
+        def read() -> None:
+            with http.stream("POST", CHAT, json=body) as response:
+                headers.set()
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        received.append((cluster.release.is_set(), line[6:]))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert cluster.asked.wait(60) and headers.wait(60)
+        time.sleep(0.5)  # a chunk sent at the start has had time to arrive
+        cluster.release.set()
+        reader.join(60)
+    assert received and all(released for released, _ in received)
+    chunks = [json.loads(line) for _, line in received[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello"
 
 
 # ---------------------------------------------------------------- text held back
