@@ -4,17 +4,23 @@ A ``Hardware`` profile is given (``--hardware h100`` and the other presets, or a
 measured on the machine at hand (``pdserve profile``). Its step time for a model on a worker of
 tensor-parallel size ``tp`` is a roofline:
 
-    step = overhead + max(compute, memory) + all-reduces
-    compute   = (FLOPs of the step's tokens + attention pairs) / (tp * FLOP/s)
-                (a sliding layer's pairs within its window)
+    step = overhead + matmuls + attention + all-reduces
+    matmuls   = max(FLOPs of the step's tokens / (tp * FLOP/s),
+                    weight bytes / (tp * weights' read rate))
                 (a checkpoint's 8-bit matmuls at the device's int8 or float8 rate, where it
-                has one: ``int8_ops_per_s``, ``fp8_flops_per_s``)
-    memory    = (weight bytes / weights' read rate + KV bytes the step reads or writes /
-                 memory bytes/s) / tp (the weights' rate: a profile's own, else the memory's)
-                (a decoding sequence's KV read once, its drafts with its token; of a
-                mixture of experts, the experts the step's tokens go to; of an input
-                embedding apart from the LM head, its tokens' rows)
+                has one: ``int8_ops_per_s``, ``fp8_flops_per_s``; the weights' rate: a
+                profile's own, else the memory's; of a mixture of experts, the experts the
+                step's tokens go to; of an input embedding apart from the LM head, its
+                tokens' rows)
+    attention = max(FLOPs of the attention pairs / (tp * FLOP/s),
+                    KV bytes the step reads or writes / (tp * memory bytes/s))
+                (a sliding layer's pairs within its window; a decoding sequence's KV read
+                once, its drafts with its token)
     all-reduces (tp > 1): two per layer of the step's activations, over the link
+
+The matmuls and the attention are kernels that run one after another, each bound by its own
+compute or memory (a large batch's matmuls compute-bound while its attention reads KV), so
+their times add.
 
 On a CPU machine (``host_cores``) the workers' steps share the host's cores with each other and
 with the host's other work, on ``host_front_door_threads`` threads: per streamed token
@@ -246,21 +252,20 @@ class StepTimeModel:
         if kv_read is None:
             kv_read = shape.decode_context_tokens
         eight_bit = model.eight_bit_flops_per_token * tokens
-        compute = (
-            model.flops_per_token * tokens - eight_bit + model.attention_flops_per_pair * pairs
-        ) / (self.tp * hardware.flops_per_s)
+        matmul_compute = (model.flops_per_token * tokens - eight_bit) / hardware.flops_per_s
         if model.eight_bit_matmul is not None:
-            compute += eight_bit / (self.tp * hardware.eight_bit_rate(model.eight_bit_matmul))
+            matmul_compute += eight_bit / hardware.eight_bit_rate(model.eight_bit_matmul)
+        weights = model.weight_bytes_read(tokens) / hardware.weight_read_bytes_per_s
+        attention_compute = model.attention_flops_per_pair * pairs / hardware.flops_per_s
         kv_bytes = model.kv_bytes_per_token * (kv_read + shape.num_prefill_tokens)
-        weights = model.weight_bytes_read(tokens)
-        memory = (
-            weights / hardware.weight_read_bytes_per_s + kv_bytes / hardware.memory_bytes_per_s
-        ) / self.tp
+        kv = kv_bytes / hardware.memory_bytes_per_s
+        matmuls = max(matmul_compute, weights) / self.tp
+        attention = max(attention_compute, kv) / self.tp
         reduce = 0.0
         if self.tp > 1:
             payload = 2 * model.num_layers * tokens * model.activation_bytes_per_token
             reduce = 2 * (self.tp - 1) / self.tp * payload / hardware.link_bytes_per_s
-        return hardware.step_overhead_s + max(compute, memory) + reduce
+        return hardware.step_overhead_s + matmuls + attention + reduce
 
 
 def transfer_seconds(

@@ -240,7 +240,9 @@ def test_8_bit_matmuls_run_at_the_devices_8_bit_rate(llama_8b: Path, tmp_path: P
     prefill = StepShape(4096, 0, 0, 0)  # (attention pairs left out: the matmuls alone)
 
     def compute_s(costs: ModelCosts, hardware: Hardware) -> float:
-        return StepTimeModel(costs, hardware)(prefill) - hardware.step_overhead_s
+        """The matmuls' time: the step's less its overhead and its KV's write."""
+        kv_write = costs.kv_bytes_per_token * 4096 / hardware.memory_bytes_per_s
+        return StepTimeModel(costs, hardware)(prefill) - hardware.step_overhead_s - kv_write
 
     h100, a100 = PRESETS["h100"], PRESETS["a100"]
     eight_bit = fp8.eight_bit_flops_per_token * 4096
@@ -590,6 +592,26 @@ def test_on_the_roofline_weights_are_read_at_their_own_rate(llama_8b: Path) -> N
     args = build_parser().parse_args(["plan", "--model", "m", "--rate", "1", "--memory-gbs", "1"])
     overridden = _with_overrides(faster, args)
     assert overridden.memory_bytes_per_s == overridden.weight_read_bytes_per_s == 1e9
+
+
+def test_on_the_roofline_a_steps_matmuls_and_attention_add_each_at_its_own_bound(
+    llama_8b: Path,
+) -> None:
+    """Llama-3-8B on an H100, 256 sequences of 512 tokens decoding: the matmuls are
+    compute-bound (256 rows over the weights) while the attention reads 16 GiB of KV; the
+    kernels run one after another, so the step is the matmuls' FLOPs plus the KV's read, more
+    than the larger of the step's compute and its bytes."""
+    costs = ModelCosts.load(llama_8b)
+    h100 = PRESETS["h100"]
+    shape = StepShape(0, 0, 256, 256 * 512)
+    matmuls = costs.flops_per_token * 256 / h100.flops_per_s
+    attention = costs.attention_flops_per_pair * 256 * 512 / h100.flops_per_s
+    weights = costs.weight_bytes_read(256) / h100.weight_read_bytes_per_s
+    kv = 256 * 512 * costs.kv_bytes_per_token / h100.memory_bytes_per_s
+    assert matmuls > weights and kv > attention  # each kernel kind bound its own way
+    step = StepTimeModel(costs, h100)(shape) - h100.step_overhead_s
+    assert step == pytest.approx(matmuls + kv)
+    assert step > 1.05 * max(matmuls + attention, weights + kv)
 
 
 def test_on_the_roofline_a_sequences_drafts_read_its_kv_with_its_token(llama_8b: Path) -> None:
