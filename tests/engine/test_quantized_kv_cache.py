@@ -169,8 +169,8 @@ def test_latent_cache_greedy_tokens_equal_transformers_quantizing_the_same_way(
     mla_dir: Path, kv_cache_dtype: str
 ) -> None:
     """DeepSeek-V3's latent cache: one scale per layer for its whole entries (the latent and
-    the rotary key), calibrated; batched prompts with chunked prefill through the torch
-    reference (the CPU backend's latent attention)."""
+    the rotary key), calibrated; batched prompts with chunked prefill through the CPU
+    backend's C kernels (its one plane read as keys and values)."""
     llm = quantized_llm(mla_dir, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16)
     assert llm.engine.kv_cache.dtype == storage_dtype(kv_cache_dtype, torch.float32)
     scales = llm.engine.kv_cache_scales

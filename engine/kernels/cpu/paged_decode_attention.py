@@ -27,6 +27,7 @@ def _kernel() -> Any:
 def paged_decode_attention_cpu(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32
     kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    # (or a latent cache's [1, num_blocks, block_size, 1, width]: its entries keys and values)
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
     seq_lens: torch.Tensor,  # [num_seqs] int64, each in [1, max_blocks * block_size]
     scale: float,
@@ -34,14 +35,15 @@ def paged_decode_attention_cpu(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32
-    kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] float32: a quantized cache's
+    kv_scales: torch.Tensor | None = None,  # [planes, num_kv_heads] float32: a quantized cache's
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] float32
     """One new token per sequence attends over its context (the new token's K/V already
     written): all of it, or with ``sliding_window`` W its last W positions, the blocks wholly
     before them neither read nor checked. ``logit_softcap`` c: each logit ``scale * q . k``
     becomes ``c * tanh(logit / c)``; ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
     denominator. The cache is float32, or float8_e4m3fn / int8 whose elements stand for
-    ``element * kv_scales[0 (K) or 1 (V), kv_head]``. The sequences are shared out over
+    ``element * kv_scales[0 (K) or 1 (V), kv_head]`` (a latent cache's one scale both). A latent
+    cache's output rows are weighted sums of whole entries. The sequences are shared out over
     ``num_threads`` (default: torch's intra-op threads); the result does not depend on how
     many. ValueError naming the argument for anything the kernel cannot read safely."""
     _check(query, kv_cache_layer, block_tables, seq_lens, kv_scales)

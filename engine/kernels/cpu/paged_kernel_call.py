@@ -2,7 +2,12 @@
 argument checks both need to read the query, the cache (float32, or float8 e4m3 / int8 with
 its scales) and the block tables safely (failures name the argument), their ctypes signature,
 and the call itself (with its sliding window, logit soft-cap, attention sinks and a quantized
-cache's scales)."""
+cache's scales).
+
+A latent cache (multi-head latent attention) is one plane, ``[1, num_blocks, block_size, 1,
+width]``: the kernels read its entries as both the keys and the values (one KV head every query
+head shares), so each output row is the weighted sum of whole entries, of which the caller keeps
+the latent part; its one scale serves as the keys' and the values'."""
 
 from __future__ import annotations
 
@@ -18,14 +23,15 @@ from engine.kernels.cpu.kv_elements import KV_ELEMENT_CODES, check_kv_scales
 
 def check_paged_inputs(
     query: torch.Tensor,  # [rows, num_heads, head_dim] float32
-    kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache_layer: torch.Tensor,  # [planes, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
     num_seqs: int | None,  # None: one per query row (decode)
-    kv_scales: torch.Tensor | None,  # [2, num_kv_heads] float32: a quantized cache's
+    kv_scales: torch.Tensor | None,  # [planes, num_kv_heads] float32: a quantized cache's
     **indices: torch.Tensor,  # further int64 tensors by name (seq_lens, query_start_loc)
 ) -> None:
     """Refuses, naming the argument, what the kernels cannot read safely; the cache may be
-    float32, or float8_e4m3fn / int8 with ``kv_scales`` (given exactly then)."""
+    float32, or float8_e4m3fn / int8 with ``kv_scales`` (given exactly then); its planes K and
+    V, or a latent cache's one."""
     tensors = {"query": query, "kv_cache_layer": kv_cache_layer, "block_tables": block_tables}
     for name, tensor in {**tensors, **indices}.items():
         require(tensor.device.type == "cpu", f"{name} must be on the CPU, got {tensor.device}")
@@ -35,9 +41,12 @@ def check_paged_inputs(
     for name, tensor in {"block_tables": block_tables, **indices}.items():
         require(tensor.dtype == torch.int64, f"{name} must be int64, got {tensor.dtype}")
     require(
-        kv_cache_layer.dim() == 5 and kv_cache_layer.shape[0] == 2,
-        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-        f"got {tuple(kv_cache_layer.shape)}",
+        kv_cache_layer.dim() == 5
+        and (
+            kv_cache_layer.shape[0] == 2 or kv_cache_layer.shape[0] == kv_cache_layer.shape[3] == 1
+        ),
+        "kv_cache_layer must be [2, num_blocks, block_size, num_kv_heads, head_dim] (or a "
+        f"latent cache's [1, num_blocks, block_size, 1, width]), got {tuple(kv_cache_layer.shape)}",
     )
     check_kv_scales(kv_cache_layer, kv_scales)
     require(query.dim() == 3, f"query must be [rows, num_heads, head_dim], got {query.dim()}-D")
@@ -95,7 +104,7 @@ def run_paged_kernel(
     sliding_window: int | None,
     logit_softcap: float | None,
     sinks: torch.Tensor | None,  # [num_heads] float32
-    kv_scales: torch.Tensor | None,  # [2, num_kv_heads] float32: a quantized cache's
+    kv_scales: torch.Tensor | None,  # [planes, num_kv_heads] float32: a quantized cache's
 ) -> tuple[torch.Tensor, int | None]:
     """Run a checked call of ``kernel`` (signed as ``paged_argtypes``) on ``num_threads``
     (default: torch's intra-op threads), each query seeing its last ``sliding_window``
@@ -117,10 +126,12 @@ def run_paged_kernel(
     if num_seqs == 0:
         return out, None
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+    if kv_scales is not None and kv_scales.shape[0] == 1:  # a latent cache's: K's and V's
+        kv_scales = kv_scales.expand(2, -1).contiguous()
     status = kernel(
         query.data_ptr(),
         kv_cache_layer[0].data_ptr(),
-        kv_cache_layer[1].data_ptr(),
+        kv_cache_layer[-1].data_ptr(),  # a latent cache's one plane is its values too
         block_tables.data_ptr(),
         block_tables.stride(0),
         *(index.data_ptr() for index in indices),

@@ -29,6 +29,7 @@ def _kernel() -> Any:
 def paged_prefill_attention_cpu(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32: the sequences' new tokens
     kv_cache_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    # (or a latent cache's [1, num_blocks, block_size, 1, width]: its entries keys and values)
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int64 row offsets, from 0 to num_tokens
     seq_lens: torch.Tensor,  # [num_seqs] int64 context lengths (cached + new)
@@ -37,7 +38,7 @@ def paged_prefill_attention_cpu(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32
-    kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] float32: a quantized cache's
+    kv_scales: torch.Tensor | None = None,  # [planes, num_kv_heads] float32: a quantized cache's
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32
     """New token i of sequence s (at position p = seq_lens[s] - query_len + i) attends over
     positions up to its own, their K/V already written: all of them, or with
@@ -45,9 +46,10 @@ def paged_prefill_attention_cpu(
     token's window neither read nor checked. ``logit_softcap`` c: each logit ``scale * q . k``
     becomes ``c * tanh(logit / c)``; ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
     denominator. The cache is float32, or float8_e4m3fn / int8 whose elements stand for
-    ``element * kv_scales[0 (K) or 1 (V), kv_head]``. Work is shared out over ``num_threads``
-    (default: torch's intra-op threads) and the result does not depend on how many.
-    ValueError naming the argument for anything the kernel cannot read safely."""
+    ``element * kv_scales[0 (K) or 1 (V), kv_head]`` (a latent cache's one scale both). A
+    latent cache's output rows are weighted sums of whole entries. Work is shared out over
+    ``num_threads`` (default: torch's intra-op threads) and the result does not depend on how
+    many. ValueError naming the argument for anything the kernel cannot read safely."""
     _check(query, kv_cache_layer, block_tables, query_start_loc, seq_lens, kv_scales)
     out, seq = run_paged_kernel(  # seq: the sequence the kernel refused
         _kernel(),
