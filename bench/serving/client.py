@@ -8,7 +8,8 @@ given as token ids goes out as a list of ints (completions); with ``return_token
 field, which pdserve's completions implement too) the chunks' ``token_ids`` make up the reply's
 token ids. Every chunk with a choice is a token's arrival, its text empty or not (a special
 token skipped, part of a character, text that may begin a stop string), as vLLM's benchmark
-times them: TTFT and the inter-token gaps are the tokens', not the text's. Not tokens: chat's
+times them (AIPerf times only chunks with text): TTFT and the inter-token gaps are the tokens',
+not the text's. Not tokens: chat's
 role chunk (vLLM and pdserve send it with the first token), the usage chunk (no choices), and
 a chunk whose ``token_ids`` are empty (an aborted choice's last).
 """
