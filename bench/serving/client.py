@@ -1,17 +1,16 @@
 """One streamed request to an OpenAI-compatible server, timed chunk by chunk.
 
 The request goes out as ``POST {base_url}/completions`` (or ``/chat/completions``) with
-``stream: true`` and ``stream_options.include_usage``; the reply is read as server-sent
-events: ``data: {json}`` lines until ``data: [DONE]``. A non-200 status, an ``{"error": ...}``
-event, a stream that ends without ``[DONE]`` or a transport error fails the request. A prompt
-given as token ids goes out as a list of ints (completions); with ``return_token_ids`` (vLLM's
-field, which pdserve's completions implement too) the chunks' ``token_ids`` make up the reply's
-token ids. Every chunk with a choice is a token's arrival, its text empty or not (a special
-token skipped, part of a character, text that may begin a stop string), as vLLM's benchmark
-times them (AIPerf times only chunks with text): TTFT and the inter-token gaps are the tokens',
-not the text's. Not tokens: chat's
-role chunk (vLLM and pdserve send it with the first token), the usage chunk (no choices), and
-a chunk whose ``token_ids`` are empty (an aborted choice's last).
+``stream: true`` and ``stream_options.include_usage``; the reply is read as server-sent events:
+``data: {json}`` lines until ``data: [DONE]``. A non-200 status, an ``{"error": ...}`` event, a
+stream that ends without ``[DONE]`` or a transport error fails the request. A prompt given as
+token ids goes out as a list of ints (completions); with ``return_token_ids`` (vLLM's field,
+which pdserve's completions implement too) the chunks' ``token_ids`` make up the reply's token
+ids. Every chunk with a choice is a token's arrival, its text empty or not (a special token
+skipped, part of a character, text that may begin a stop string), as vLLM's benchmark times
+them (AIPerf times only chunks with text): TTFT and the inter-token gaps are the tokens', not
+the text's. Not tokens: chat's role chunk (vLLM and pdserve send it with the first token), the
+usage chunk (no choices), and a chunk whose ``token_ids`` are empty (an aborted choice's last).
 """
 
 from __future__ import annotations
