@@ -37,7 +37,7 @@ from engine.kernels.linear import PackedLinear, pack_linears
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import LatentAttention
-from engine.models.moe import RoutedExperts
+from engine.models.moe import ClampedSwigluExperts, RoutedExperts
 from engine.models.registry import get_model_class
 from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
@@ -149,7 +149,7 @@ def load_model(
             model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
         pack_linears(model)
         for module in model.modules():
-            if isinstance(module, RoutedExperts):
+            if isinstance(module, (RoutedExperts, ClampedSwigluExperts)):
                 module.pack_for_onednn()
     return model.eval()
 

@@ -251,7 +251,11 @@ class ClampedSwigluExperts(nn.Module):
     rank's columns] (x @ W), gate and up columns interleaved; ``down_proj[e]`` [columns,
     hidden]; each with a bias (the down projection's held by rank 0 only, zeros elsewhere, so
     the all-reduce adds it once). Its MLP is (up + 1) * gate * sigmoid(alpha * gate), gate
-    clamped from above and up both ways at the limit."""
+    clamped from above and up both ways at the limit.
+
+    Packed for oneDNN on a CPU as ``RoutedExperts`` are (``pack_for_onednn``): each expert's
+    projections transposed once into ``x @ W.T`` form with their biases, the stacked weights
+    given up."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, intermediate: int) -> None:
         super().__init__()
@@ -262,6 +266,30 @@ class ClampedSwigluExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * intermediate))
         self.down_proj = nn.Parameter(torch.empty(experts, intermediate, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden_size))
+        # each expert's projections packed for oneDNN, biases in (empty: the stacked ones run)
+        self.packed_gate_up = nn.ModuleList()
+        self.packed_down = nn.ModuleList()
+
+    def pack_for_onednn(self) -> None:
+        """Each expert's projections, with their biases, reordered into oneDNN's layout; the
+        stacked weights go (once: packed experts stay so)."""
+        if self.packed_gate_up:
+            return
+        for expert in range(self.num_experts):
+            self.packed_gate_up.append(
+                PackedLinear(
+                    self.gate_up_proj[expert].t().contiguous(),
+                    self.gate_up_proj_bias[expert].clone(),
+                )
+            )
+            self.packed_down.append(
+                PackedLinear(
+                    self.down_proj[expert].t().contiguous(), self.down_proj_bias[expert].clone()
+                )
+            )
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            empty = torch.empty(0, dtype=getattr(self, name).dtype, device=self.down_proj.device)
+            setattr(self, name, nn.Parameter(empty, requires_grad=False))
 
     def forward(
         self,
@@ -269,7 +297,7 @@ class ClampedSwigluExperts(nn.Module):
         weights: torch.Tensor,  # [n, top_k]
         expert_ids: torch.Tensor,  # [n, top_k] int64
     ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
-        if fused_moe.usable(x):
+        if not self.packed_gate_up and fused_moe.usable(x):
             out, counts = fused_moe.clamped_swiglu_experts(
                 x,
                 weights,
@@ -285,12 +313,22 @@ class ClampedSwigluExperts(nn.Module):
         return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
 
     def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
+        if self.packed_gate_up:
+            count = rows.shape[0]
+            padding = padded_rows(count) - count
+            if padding:
+                rows = F.pad(rows, (0, 0, 0, padding))
+            hidden = self._activation(self.packed_gate_up[expert](rows))
+            out: torch.Tensor = self.packed_down[expert](hidden.contiguous())
+            return out[:count] if padding else out
         gate_up = rows @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        return self._activation(gate_up) @ self.down_proj[expert] + self.down_proj_bias[expert]
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [m, 2 x cols] -> [m, cols]
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return hidden @ self.down_proj[expert] + self.down_proj_bias[expert]
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class SharedExpert(nn.Module):

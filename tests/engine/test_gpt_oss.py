@@ -18,7 +18,9 @@ from safetensors import safe_open
 from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
 
 from engine import LLM, SamplingParams
-from engine.model_config import parse_model_config
+from engine.kernels.linear import onednn_supports
+from engine.model_config import load_model_config, parse_model_config
+from engine.model_loader import load_model
 from engine.models.moe import ClampedSwigluExperts, Router
 from engine.models.rms_norm import OffsetRMSNorm, rms_norm_for
 from tests.engine.hf_reference import hf_greedy
@@ -96,6 +98,51 @@ def test_router_and_experts_equal_transformers() -> None:
         unclamped.load_state_dict(experts.state_dict())
         unclamped.limit = 1e9
         assert not torch.allclose(unclamped(x, weights, ids)[0], out, atol=1e-3)
+
+
+@pytest.mark.skipif(
+    not onednn_supports(torch.device("cpu"), torch.float32),
+    reason="oneDNN's packed linear is not in this build",
+)
+@pytest.mark.parametrize("num_tokens", [3, 200])
+def test_experts_packed_for_onednn_equal_the_stacked_ones(num_tokens: int) -> None:
+    """On a CPU the loader packs each expert's projections and biases for oneDNN (transposed
+    into ``x @ W.T`` form) and gives up the stacked weights; its rows run through them (200
+    tokens of top 2 of 4: about 100 rows an expert, padded to oneDNN's row buckets), clamped
+    as before, and equal the stacked experts' outputs."""
+    config = parse_model_config(tiny_hf_config(GPT_OSS).to_dict())
+    assert config.moe is not None
+    torch.manual_seed(num_tokens)
+    router = Router(config.moe, config.hidden_size)
+    stacked = ClampedSwigluExperts(config.moe, config.hidden_size, 32)
+    packed = ClampedSwigluExperts(config.moe, config.hidden_size, 32)
+    with torch.no_grad():
+        for param in [*router.parameters(), *stacked.parameters()]:
+            param.normal_(0.0, 0.3)
+        packed.load_state_dict(stacked.state_dict())
+        packed.pack_for_onednn()
+        packed.pack_for_onednn()  # (packed once: a kept model's experts stay packed)
+        assert packed.gate_up_proj.numel() == packed.down_proj_bias.numel() == 0
+        assert len(packed.packed_gate_up) == len(packed.packed_down) == config.moe.num_experts
+        x = torch.randn(num_tokens, config.hidden_size) * 3  # the clamps bite
+        weights, ids = router(x)
+        expected, expected_counts = stacked(x, weights, ids)
+        out, counts = packed(x, weights, ids)
+    assert counts == expected_counts
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cpu_engine_runs_the_experts_through_onednn(model_dirs: dict[str, Path]) -> None:
+    model_dir = model_dirs[GPT_OSS]
+    config = load_model_config(model_dir)
+    cpu = torch.device("cpu")
+    for backend in ("onednn", "torch"):
+        if backend == "onednn" and not onednn_supports(cpu, torch.float32):
+            continue
+        model = load_model(model_dir, config, torch.float32, cpu, linear_backend=backend)
+        experts = [m for m in model.modules() if isinstance(m, ClampedSwigluExperts)]
+        assert experts
+        assert all(bool(e.packed_gate_up) is (backend == "onednn") for e in experts), backend
 
 
 def test_checkpoint_stores_the_experts_stacked_as_the_engine_holds_them(
