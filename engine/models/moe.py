@@ -152,6 +152,22 @@ def grouped_by_expert(
     return torch.zeros_like(x).index_add_(0, tokens, scaled), counts
 
 
+def _packed_mlp(
+    gate_up: nn.Module,  # an expert's PackedLinear
+    down: nn.Module,  # ... and its other
+    rows: torch.Tensor,  # [m, hidden]
+    activation: Callable[[torch.Tensor], torch.Tensor],  # gate_up's output -> down's input
+) -> torch.Tensor:  # [m, hidden]
+    """One expert's MLP through its oneDNN-packed projections, its rows padded to
+    ``padded_rows`` (so that the kernels oneDNN builds per row count stay few)."""
+    count = rows.shape[0]
+    padding = padded_rows(count) - count
+    if padding:
+        rows = F.pad(rows, (0, 0, 0, padding))
+    out: torch.Tensor = down(activation(gate_up(rows)))
+    return out[:count] if padding else out
+
+
 class RoutedExperts(nn.Module):
     """Every expert's gated MLP, stacked: ``gate_up_proj[e]`` holds expert e's gate rows then its
     up rows (this rank's columns of each), ``down_proj[e]`` its input columns.
@@ -199,13 +215,8 @@ class RoutedExperts(nn.Module):
 
     def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
         if self.packed_gate_up:
-            count = rows.shape[0]
-            padding = padded_rows(count) - count
-            if padding:
-                rows = F.pad(rows, (0, 0, 0, padding))
-            hidden = silu_and_mul(self.packed_gate_up[expert](rows))
-            out: torch.Tensor = self.packed_down[expert](hidden)
-            return out[:count] if padding else out
+            gate_up, down = self.packed_gate_up[expert], self.packed_down[expert]
+            return _packed_mlp(gate_up, down, rows, silu_and_mul)
         hidden = silu_and_mul(F.linear(rows, self.gate_up_proj[expert]))
         return F.linear(hidden, self.down_proj[expert])
 
@@ -314,15 +325,11 @@ class ClampedSwigluExperts(nn.Module):
 
     def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
         if self.packed_gate_up:
-            count = rows.shape[0]
-            padding = padded_rows(count) - count
-            if padding:
-                rows = F.pad(rows, (0, 0, 0, padding))
-            hidden = self._activation(self.packed_gate_up[expert](rows))
-            out: torch.Tensor = self.packed_down[expert](hidden.contiguous())
-            return out[:count] if padding else out
-        gate_up = rows @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
-        return self._activation(gate_up) @ self.down_proj[expert] + self.down_proj_bias[expert]
+            gate_up, down = self.packed_gate_up[expert], self.packed_down[expert]
+            return _packed_mlp(gate_up, down, rows, self._activation)
+        pre_activation = rows @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        hidden = self._activation(pre_activation)
+        return hidden @ self.down_proj[expert] + self.down_proj_bias[expert]
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [m, 2 x cols] -> [m, cols]
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
