@@ -74,6 +74,9 @@ class OpenAIJob:
     # completions: vLLM's return_token_ids, each choice carries its prompt's token ids and its
     # output's (streamed: the prompt's in the choice's first chunk, the output's per chunk)
     return_token_ids: bool = False
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries its
+    # choice's usage so far (its prompt's tokens, the choice's completion tokens)
+    continuous_usage: bool = False
 
     def returned_prompt_token_ids(self) -> list[list[int]] | None:
         """Per prompt, the token ids its choices return under ``return_token_ids``; None when
@@ -109,7 +112,7 @@ def parse_job(
     check_unsupported(kind, body)
     optional_field(body, "user", str)
     stream = optional_field(body, "stream", bool) or False
-    include_usage = _stream_options(body, stream)
+    include_usage, continuous_usage = _stream_options(body, stream)
     include_stop = optional_field(body, "include_stop_str_in_output", bool, False)
     # (refused on chat by check_unsupported when true)
     return_token_ids = optional_field(body, "return_token_ids", bool, False)
@@ -173,6 +176,7 @@ def parse_job(
         tool_calls=tools.mode if tools is not None else None,
         reasoning=reasoning,
         return_token_ids=kind == "completion" and return_token_ids,
+        continuous_usage=continuous_usage,
     )
 
 
@@ -298,15 +302,23 @@ def check_model(body: dict[str, Any], model: ServedModel) -> None:
         )
 
 
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """include_usage, and continuous usage (vLLM's continuous_usage_stats, which takes effect
+    with include_usage, as in vLLM)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     if not isinstance(options, dict):
         raise invalid("stream_options must be an object", param="stream_options")
-    return optional_field(options, "include_usage", bool, False, "stream_options.include_usage")
+    include_usage = optional_field(
+        options, "include_usage", bool, False, "stream_options.include_usage"
+    )
+    continuous = optional_field(
+        options, "continuous_usage_stats", bool, False, "stream_options.continuous_usage_stats"
+    )
+    return include_usage, include_usage and continuous
 
 
 def _prompt_items(body: dict[str, Any], limits: RequestLimits) -> list[tuple[str, str | list[int]]]:

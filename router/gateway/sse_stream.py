@@ -5,9 +5,10 @@ vLLM sends them, then the choices' chunks as their deltas arrive, one per token 
 reasoning, content or tool calls, shaped by ``ChatDeltas``, or ``content: ""`` for a token with
 nothing to show yet, text held back included, as vLLM sends it; completions: text, possibly
 empty, with the echo and logprobs), a last chunk per choice that an Abort call ended, the usage
-chunk when asked for (``stream_options.include_usage``), and ``data: [DONE]``. An error after
-the 200 is the stream's last event before ``[DONE]``. ``EventStreamResponse`` aborts the
-requests as soon as the client leaves.
+chunk when asked for (``stream_options.include_usage``; with vLLM's ``continuous_usage_stats``
+every chunk carries its choice's usage so far), and ``data: [DONE]``. An error after the 200 is
+the stream's last event before ``[DONE]``. ``EventStreamResponse`` aborts the requests as soon
+as the client leaves.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -90,6 +92,7 @@ async def _chunks(
     # under a reasoning parser, each choice's output, whose thought's tokens the usage counts
     counted = job.reasoning is not None and job.include_usage
     outputs = [ChoiceText() for _ in offsets] if counted else None
+    usage = _ChunkUsage(job, [g.num_prompt_tokens for g in generations for _ in range(job.n)])
     # chat's role chunks go out with the first token, as vLLM sends them (not at the start: a
     # client that times its first chunk times the first token)
     unopened = job.kind == "chat"
@@ -99,9 +102,10 @@ async def _chunks(
             async for prompt_index, delta in deltas:
                 if unopened:
                     unopened = False
-                    for chunk in _chat_openers(job, header, echo, len(offsets)):
+                    for chunk in _chat_openers(header, echo, usage):
                         yield chunk
                 index = prompt_index * job.n + delta.index
+                usage.completion_tokens[index] += len(delta.token_ids)
                 if delta.finish_reason is not None:
                     unfinished.discard(index)
                 if outputs is not None:
@@ -117,35 +121,35 @@ async def _chunks(
                     chunk = _completion_chunk(
                         job, header, index, delta, echo, token_ids, generation, formatter, offsets
                     )
-                yield _with_usage(chunk, job)
+                yield usage.stamped(chunk, index)
     except (asyncio.CancelledError, anyio.get_cancelled_exc_class(), GeneratorExit):
         gateway.record_outcome("aborted")
         raise
     if live.aborted.is_set():  # an Abort call cut it short: end each choice as gRPC does
         if unopened:
-            for chunk in _chat_openers(job, header, echo, len(offsets)):
+            for chunk in _chat_openers(header, echo, usage):
                 yield chunk
         for index in sorted(unfinished):
             chunk = _aborted_chunk(job, header, index, echo.first(index), token_ids)
-            yield _with_usage(chunk, job)
+            yield usage.stamped(chunk, index)
     gateway.record_ended(generations, live)
     if job.include_usage:
         name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         yield usage_chunk(header, name, _usage(job, generations, outputs))
 
 
-def _chat_openers(
-    job: OpenAIJob, header: ResponseHeader, echo: Echo, num_choices: int
-) -> list[dict[str, Any]]:
+def _chat_openers(header: ResponseHeader, echo: Echo, usage: _ChunkUsage) -> list[dict[str, Any]]:
     """A chat stream's first chunks: each choice's role, then its echoed last message."""
+    choices = range(len(usage.completion_tokens))
     chunks = [
-        chat_chunk(header, index, {"role": "assistant", "content": ""}, None, None)
-        for index in range(num_choices)
+        usage.stamped(chat_chunk(header, i, {"role": "assistant", "content": ""}, None, None), i)
+        for i in choices
     ]
-    for index in range(num_choices):
+    for index in choices:
         if text := echo.first(index):
-            chunks.append(chat_chunk(header, index, {"content": text}, None, None))
-    return [_with_usage(chunk, job) for chunk in chunks]
+            chunk = chat_chunk(header, index, {"content": text}, None, None)
+            chunks.append(usage.stamped(chunk, index))
+    return chunks
 
 
 def _usage(
@@ -195,10 +199,31 @@ def _aborted_chunk(
     return completion_chunk(header, index, delta, None, token_ids)
 
 
-def _with_usage(chunk: dict[str, Any], job: OpenAIJob) -> dict[str, Any]:
-    if job.include_usage:
+@dataclass(slots=True)
+class _ChunkUsage:
+    """What a stream's chunks carry as ``usage`` when it was asked for: null until the usage
+    chunk, or under vLLM's ``continuous_usage_stats`` each chunk's choice's usage so far (its
+    prompt's tokens, the choice's completion tokens: 0 in chat's role chunk)."""
+
+    job: OpenAIJob
+    prompt_tokens: list[int]  # per choice
+    completion_tokens: list[int] = field(init=False)  # per choice, the tokens streamed so far
+
+    def __post_init__(self) -> None:
+        self.completion_tokens = [0] * len(self.prompt_tokens)
+
+    def stamped(self, chunk: dict[str, Any], index: int) -> dict[str, Any]:
+        if not self.job.include_usage:
+            return chunk
         chunk["usage"] = None
-    return chunk
+        if self.job.continuous_usage:
+            prompt, completion = self.prompt_tokens[index], self.completion_tokens[index]
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+        return chunk
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -234,6 +234,42 @@ def test_a_chat_streams_its_role_chunk_with_its_first_token(model: ServedModel) 
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello"
 
 
+def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: each chunk carries its choice's usage
+    so far (its prompt's tokens; its own completion tokens, 0 in chat's role chunk); the usage
+    chunk the request's totals. Without it the chunks' usage is null; without include_usage
+    there is none."""
+    _stack_then_eos(cluster, model)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body, num_prompts in (
+        (COMPLETIONS, {"prompt": ["hi", "hello there"]}, 2),
+        (CHAT, {"messages": [USER_HI]}, 1),
+    ):
+        body = {**body, "n": 2, "max_tokens": 5, "stream_options": options}
+        *chunks, totals = stream_chunks(http, path, body)
+        assert totals["choices"] == [] and totals["usage"]["completion_tokens"] == num_prompts * 10
+        streamed = dict.fromkeys(range(2 * num_prompts), 0)
+        prompts: dict[int, int] = {}
+        for chunk in chunks:
+            (choice,) = chunk["choices"]
+            index, usage = choice["index"], chunk["usage"]
+            if "role" not in choice.get("delta", {}):
+                streamed[index] += 1
+            assert usage["completion_tokens"] == streamed[index], (path, chunk)
+            assert usage["total_tokens"] == usage["prompt_tokens"] + streamed[index]
+            assert prompts.setdefault(index, usage["prompt_tokens"]) == usage["prompt_tokens"]
+        assert set(streamed.values()) == {5}
+        per_prompt = [prompts[2 * i] for i in range(num_prompts)]  # a prompt's 2 choices agree
+        assert [prompts[2 * i + 1] for i in range(num_prompts)] == per_prompt
+        assert sum(per_prompt) == totals["usage"]["prompt_tokens"]
+    plain = stream_chunks(http, COMPLETIONS, {"prompt": "hi", "max_tokens": 2}, include_usage=True)
+    assert all(chunk["usage"] is None for chunk in plain[:-1])
+    unasked = {"prompt": "hi", "max_tokens": 2, "stream_options": {"continuous_usage_stats": True}}
+    assert all("usage" not in chunk for chunk in stream_chunks(http, COMPLETIONS, unasked))
+
+
 # ---------------------------------------------------------------- text held back
 
 

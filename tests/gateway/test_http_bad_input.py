@@ -485,6 +485,15 @@ CASES: list[tuple[str, str, bytes, dict[str, str], int, str, str | None]] = [
         "stream_options",
     ),
     (
+        "continuous_usage_stats not a boolean",
+        COMPLETIONS,
+        _completion(stream=True, stream_options={"continuous_usage_stats": "yes"}),
+        AUTH,
+        400,
+        "stream_options.continuous_usage_stats must be a boolean, got str",
+        "stream_options.continuous_usage_stats",
+    ),
+    (
         "oversized body",
         COMPLETIONS,
         _completion(prompt="x" * (LIMITS["max_body_bytes"] + 1)),
