@@ -17,7 +17,7 @@ A latent cache (multi-head latent attention) runs through the prefill kernel, it
 read as both keys and values by every query head (MQA over whole entries; the latent part of
 each output kept), a decode row as a prompt of one new token: every query head shares each
 entry, so the attention is bound by compute, which the prefill kernel's register-blocked tiles
-serve (1.6-1.8x the decode kernel's speed at 16 heads of 288 on the 2-core EPYC). Its blocks
+serve (1.4-1.8x the decode kernel's speed at 16 heads of 288 on the 2-core EPYC). Its blocks
 are read in place, where the reference gathers every sequence's context into a buffer and runs
 SDPA over it. The values' rotary tail is summed with them and dropped (an extra
 qk_rope_head_dim / kv_lora_rank of the value work, an eighth for DeepSeek-V3).
