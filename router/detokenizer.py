@@ -74,6 +74,7 @@ class StopStringMatcher:
         # (kept)
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the sample, once one did
 
     def feed(self, delta: str) -> str:
         """New text in; the part that is safe to emit out. Sets ``stopped`` on a match."""
@@ -82,11 +83,11 @@ class StopStringMatcher:
         text = self._pending + delta
         sent = len(self._pending) if self.include_in_output else 0  # already out
         # the stop string that starts first (the shorter of two that start together)
-        match = min(((i, len(s)) for s in self.stop if (i := text.find(s)) >= 0), default=None)
+        match = min(((i, len(s), s) for s in self.stop if (i := text.find(s)) >= 0), default=None)
         if match is not None:
             self.stopped = True
             self._pending = ""
-            start, length = match
+            start, length, self.matched = match
             return text[sent : start + length if self.include_in_output else start]
         hold = self._longest_stop_prefix_suffix(text)
         self._pending = text[len(text) - hold :] if hold else ""

@@ -64,6 +64,7 @@ class ChoiceText:
     token_ids: list[int] = field(default_factory=list)  # the tokens behind it, counted in usage
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
     # vLLM's prompt_logprobs of the choice's prompt (``vllm_prompt_logprobs``), when shown
     prompt_logprobs: list[Any] | None = None
     # completions' echo with logprobs: the prompt's entries, which lead the choice's logprobs
@@ -74,6 +75,8 @@ class ChoiceText:
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.stop_reason is not None:
+            self.stop_reason = delta.stop_reason
 
 
 def output_decoder(generation: TextGeneration) -> Decode:
@@ -237,6 +240,7 @@ def completion_response(
                 logprobs.completion(choice.logprobs, 0, choice.echo_logprobs) if logprobs else None
             ),
             "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,  # vLLM's extra field
         }
         if choice.prompt_logprobs is not None:  # vLLM's extra field, on each choice
             entry["prompt_logprobs"] = choice.prompt_logprobs
@@ -272,6 +276,7 @@ def chat_response(
                 "message": message,
                 "logprobs": logprobs.chat(choice.logprobs) if logprobs else None,
                 "finish_reason": finish_reason,
+                "stop_reason": choice.stop_reason,  # vLLM's extra field
             }
         )
     response = {**_envelope(header, "chat.completion", body), "usage": usage.body()}
@@ -294,6 +299,7 @@ def completion_chunk(
         "text": delta.text,
         "logprobs": logprobs,
         "finish_reason": delta.finish_reason,
+        "stop_reason": delta.stop_reason,  # vLLM's extra field (null until the last chunk)
     }
     if token_ids is not None:
         choice.update(token_ids.fields(index, delta.token_ids))
@@ -306,13 +312,17 @@ def chat_chunk(
     content: dict[str, Any],
     finish_reason: str | None,
     logprobs: dict[str, Any] | None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
+    """``stop_reason``: vLLM's, shown with a finish_reason (on the choice's last chunk)."""
     choice = {
         "index": index,
         "delta": content,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
     return _envelope(header, "chat.completion.chunk", [choice])
 
 

@@ -115,7 +115,7 @@ async def _chunks(
                     message, finish = chat_deltas.delta(index, delta.text, delta.finish_reason)
                     if not message and finish is None:  # a token with nothing to show yet
                         message = {"content": ""}
-                    chunk = chat_chunk(header, index, message, finish, logprobs)
+                    chunk = chat_chunk(header, index, message, finish, logprobs, delta.stop_reason)
                 else:
                     generation = generations[prompt_index]
                     chunk = _completion_chunk(

@@ -66,6 +66,9 @@ class SampleDelta:
     token_ids: list[int]  # the token behind it (one)
     logprobs: list[TokenLogprobs]  # its logprobs when the request asked for them
     finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last delta
+    # vLLM's stop_reason, on the last delta: the stop string or stop token id that ended the
+    # sample; None for anything else (the tokenizer's eos, max_tokens, an abort)
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)
@@ -273,7 +276,20 @@ class TextGeneration:
             finish_reason = "stop" if sample.stops.stopped else finish_reason
         sample.finished = finish_reason is not None
         logprobs = [] if event.logprobs is None else [event.logprobs]
-        return SampleDelta(event.sample_index, text, [event.token_id], logprobs, finish_reason)
+        stop_reason = self._stop_reason(sample, event) if finish_reason == "stop" else None
+        return SampleDelta(
+            event.sample_index, text, [event.token_id], logprobs, finish_reason, stop_reason
+        )
+
+    def _stop_reason(self, sample: _Sample, event: TokenEvent) -> str | int | None:
+        """What ended a sample that stopped, as vLLM reports it: the stop string matched, else
+        the token that ended it unless that is the tokenizer's eos (generation_config's other
+        eos ids are stop tokens in vLLM, reported by id)."""
+        if sample.stops.matched is not None:
+            return sample.stops.matched
+        if event.token_id == self.tokenizer.eos_token_id and not self.spec.params.ignore_eos:
+            return None
+        return event.token_id
 
 
 def _whole_characters(text: str) -> str:

@@ -1,6 +1,6 @@
-"""vLLM's ``include_stop_str_in_output`` and ``truncate_prompt_tokens``, and OpenAI's ``echo``,
-over HTTP, as vLLM's OpenAI server does them: whole and streamed, with n > 1, in usage, and
-refused with a 400 naming the field when a value is out of bounds.
+"""vLLM's ``include_stop_str_in_output``, ``stop_reason`` and ``truncate_prompt_tokens``, and
+OpenAI's ``echo``, over HTTP, as vLLM's OpenAI server does them: whole and streamed, with n > 1,
+in usage, and refused with a 400 naming the field when a value is out of bounds.
 
 The cluster here is a scripted ``GenerationBackend`` that records the prompts it was asked for
 and answers the tokens a test chooses; the demo model's real byte-level BPE tokenizer runs
@@ -27,6 +27,7 @@ from tests.gateway.token_script import (
     bad_request_error,
     demo_model,  # noqa: F401 (the "model" fixture)
     post_json,
+    script_answer,
     scripted_gateway_client,  # noqa: F401 (the "http" fixture)
     stream_chunks,
 )
@@ -139,6 +140,47 @@ def test_a_stop_token_is_shown_only_when_stop_strings_are(
     assert _text(post_json(http, "/v1/completions", body), 0) == "Hello"
     raw = post_json(http, "/v1/completions", {**body, "skip_special_tokens": False})
     assert _text(raw, 0) == ("Hello</s>" if include else "Hello")
+
+
+# ---------------------------------------------------------------- stop_reason
+
+
+def _stop_reasons(http: httpx.Client, body: dict[str, Any]) -> list[Any]:
+    """The first choice's stop_reason each way it is returned: completions whole and streamed
+    (the last chunk's; null on every chunk before it), chat whole and streamed (on the last
+    chunk only, with its finish_reason)."""
+    completion = {"prompt": "hi", **body}
+    chat = {"messages": [USER_HI], **body}
+    whole = post_json(http, "/v1/completions", completion)["choices"][0]
+    chunks = [c["choices"][0] for c in stream_chunks(http, "/v1/completions", completion)]
+    assert all(c["stop_reason"] is None for c in chunks[:-1])
+    chat_whole = post_json(http, "/v1/chat/completions", chat)["choices"][0]
+    chat_chunks = [c["choices"][0] for c in stream_chunks(http, "/v1/chat/completions", chat)]
+    assert all("stop_reason" not in c for c in chat_chunks if c["finish_reason"] is None)
+    finish_reasons = {whole["finish_reason"], chunks[-1]["finish_reason"]}
+    finish_reasons |= {chat_whole["finish_reason"], chat_chunks[-1]["finish_reason"]}
+    assert len(finish_reasons) == 1
+    return [
+        whole["stop_reason"],
+        chunks[-1]["stop_reason"],
+        chat_whole["stop_reason"],
+        chat_chunks[-1]["stop_reason"],
+    ]
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    """vLLM's stop_reason: the stop string matched (of several, the first in the text), the
+    stop_token_ids token, or null for the tokenizer's eos and for max_tokens."""
+    assert _stop_reasons(http, {"stop": ["xyz", "More", "ld"]}) == ["ld"] * 4
+    cluster.tokens, cluster.finish_reason = list(model.tokenizer.encode("Hello world.")), "stop"
+    stop_token = cluster.tokens[-1]
+    assert _stop_reasons(http, {"stop_token_ids": [stop_token]}) == [stop_token] * 4
+    script_answer(cluster, model, "Hello")  # ended by the eos
+    assert _stop_reasons(http, {}) == [None] * 4
+    script_answer(cluster, model, "Hello", stop=False)  # ended by max_tokens
+    assert _stop_reasons(http, {}) == [None] * 4
 
 
 # ---------------------------------------------------------------- truncate_prompt_tokens
