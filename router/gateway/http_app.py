@@ -332,8 +332,16 @@ async def _respond_whole(
     if job.kind == "chat":
         usage = total_usage(generations)
         decode = output_decoder(generations[0])
+        prompts = job.returned_prompt_token_ids()  # (chat: one prompt)
         body = chat_response(
-            header, choices, usage, logprobs, job.tool_calls, job.reasoning, decode
+            header,
+            choices,
+            usage,
+            logprobs,
+            job.tool_calls,
+            job.reasoning,
+            decode,
+            prompt_token_ids=prompts[0] if prompts is not None else None,
         )
     else:
         token_ids = TokenIds(job.returned_prompt_token_ids(), job.n)

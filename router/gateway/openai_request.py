@@ -10,8 +10,8 @@ are cut to ``truncate_prompt_tokens`` (``truncation``) as they are tokenized; ``
 on the job for the response to apply. vLLM's ``prompt_logprobs``, and ``echo`` with ``logprobs``
 on completions, ask the workers for the prompt's logprobs (``prompt_logprobs``) as vLLM does.
 vLLM's ``priority`` goes with every prompt's job (0 unless the workers schedule by priority).
-vLLM's ``return_token_ids`` (completions only) has each choice show its prompt's token ids and
-its output's.
+vLLM's ``return_token_ids`` has each choice show its output's token ids and its prompt's (on
+chat, the response shows them).
 Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) are checked in
 ``structured_fields``; chat's ``tools`` and ``tool_choice``, which may constrain the output
 instead, in ``tool_fields``; under ``--reasoning-parser``, chat's reasoning options and the
@@ -71,8 +71,9 @@ class OpenAIJob:
     tool_calls: ToolCallMode | None = None
     # chat under --reasoning-parser: how the output's reasoning is split off first; None: not
     reasoning: ReasoningMode | None = None
-    # completions: vLLM's return_token_ids, each choice carries its prompt's token ids and its
-    # output's (streamed: the prompt's in the choice's first chunk, the output's per chunk)
+    # vLLM's return_token_ids: each choice carries its output's token ids (streamed: per chunk)
+    # and its prompt's (completions: in the choice, streamed in its first chunk; chat: on the
+    # response, streamed on the role chunks)
     return_token_ids: bool = False
     # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries its
     # choice's usage so far (its prompt's tokens, the choice's completion tokens)
@@ -175,7 +176,7 @@ def parse_job(
         show_prompt_logprobs=not stream and sampling["prompt_logprobs"] is not None,
         tool_calls=tools.mode if tools is not None else None,
         reasoning=reasoning,
-        return_token_ids=kind == "completion" and return_token_ids,
+        return_token_ids=return_token_ids,
         continuous_usage=continuous_usage,
     )
 

@@ -258,11 +258,14 @@ def chat_response(
     tool_calls: ToolCallMode | None = None,
     reasoning: ReasoningMode | None = None,
     decode: Decode | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """``tool_calls``: how each choice's text is returned as tool calls; None: as content.
     ``reasoning``: how its reasoning is split off first; None: it is not. ``decode``: how the
     choices' tokens were decoded (``output_decoder``), to count the thought's tokens in the
-    usage under a reasoning parser; None: not counted."""
+    usage under a reasoning parser; None: not counted. ``prompt_token_ids``: under vLLM's
+    return_token_ids, the prompt's (on the response) and each choice's output's token ids
+    are shown; None: not."""
     if decode is not None:
         usage = with_reasoning_tokens(usage, choices, reasoning, decode)
     body = []
@@ -279,7 +282,11 @@ def chat_response(
                 "stop_reason": choice.stop_reason,  # vLLM's extra field
             }
         )
+        if prompt_token_ids is not None:  # vLLM's extra field, on each choice
+            body[-1]["token_ids"] = list(choice.token_ids)
     response = {**_envelope(header, "chat.completion", body), "usage": usage.body()}
+    if prompt_token_ids is not None:  # vLLM's extra field, on the response: its one prompt
+        response["prompt_token_ids"] = list(prompt_token_ids)
     prompt_logprobs = choices[0].prompt_logprobs if choices else None
     if prompt_logprobs is not None:  # vLLM's extra field, on the response: one prompt for all
         response["prompt_logprobs"] = prompt_logprobs
@@ -313,9 +320,12 @@ def chat_chunk(
     finish_reason: str | None,
     logprobs: dict[str, Any] | None,
     stop_reason: str | int | None = None,
+    token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """``stop_reason``: vLLM's, shown with a finish_reason (on the choice's last chunk)."""
-    choice = {
+    """``stop_reason``: vLLM's, shown with a finish_reason (on the choice's last chunk);
+    ``token_ids``: the chunk's output token ids under vLLM's return_token_ids (None: not
+    shown)."""
+    choice: dict[str, Any] = {
         "index": index,
         "delta": content,
         "logprobs": logprobs,
@@ -323,6 +333,8 @@ def chat_chunk(
     }
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
     return _envelope(header, "chat.completion.chunk", [choice])
 
 

@@ -102,7 +102,7 @@ async def _chunks(
             async for prompt_index, delta in deltas:
                 if unopened:
                     unopened = False
-                    for chunk in _chat_openers(header, echo, usage):
+                    for chunk in _chat_openers(job, header, echo, usage):
                         yield chunk
                 index = prompt_index * job.n + delta.index
                 usage.completion_tokens[index] += len(delta.token_ids)
@@ -115,7 +115,10 @@ async def _chunks(
                     message, finish = chat_deltas.delta(index, delta.text, delta.finish_reason)
                     if not message and finish is None:  # a token with nothing to show yet
                         message = {"content": ""}
-                    chunk = chat_chunk(header, index, message, finish, logprobs, delta.stop_reason)
+                    shown_ids = delta.token_ids if job.return_token_ids else None
+                    chunk = chat_chunk(
+                        header, index, message, finish, logprobs, delta.stop_reason, shown_ids
+                    )
                 else:
                     generation = generations[prompt_index]
                     chunk = _completion_chunk(
@@ -127,7 +130,7 @@ async def _chunks(
         raise
     if live.aborted.is_set():  # an Abort call cut it short: end each choice as gRPC does
         if unopened:
-            for chunk in _chat_openers(header, echo, usage):
+            for chunk in _chat_openers(job, header, echo, usage):
                 yield chunk
         for index in sorted(unfinished):
             chunk = _aborted_chunk(job, header, index, echo.first(index), token_ids)
@@ -138,13 +141,19 @@ async def _chunks(
         yield usage_chunk(header, name, _usage(job, generations, outputs))
 
 
-def _chat_openers(header: ResponseHeader, echo: Echo, usage: _ChunkUsage) -> list[dict[str, Any]]:
-    """A chat stream's first chunks: each choice's role, then its echoed last message."""
+def _chat_openers(
+    job: OpenAIJob, header: ResponseHeader, echo: Echo, usage: _ChunkUsage
+) -> list[dict[str, Any]]:
+    """A chat stream's first chunks: each choice's role (with its prompt's token ids under
+    vLLM's return_token_ids, as vLLM sends them), then its echoed last message."""
     choices = range(len(usage.completion_tokens))
-    chunks = [
-        usage.stamped(chat_chunk(header, i, {"role": "assistant", "content": ""}, None, None), i)
-        for i in choices
-    ]
+    prompts = job.returned_prompt_token_ids()  # (chat: one prompt)
+    chunks = []
+    for index in choices:
+        chunk = chat_chunk(header, index, {"role": "assistant", "content": ""}, None, None)
+        if prompts is not None:
+            chunk["prompt_token_ids"] = list(prompts[0])
+        chunks.append(usage.stamped(chunk, index))
     for index in choices:
         if text := echo.first(index):
             chunk = chat_chunk(header, index, {"content": text}, None, None)

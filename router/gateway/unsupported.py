@@ -26,7 +26,6 @@ _OFF: Mapping[str, tuple[Any, ...]] = {
     # vLLM's extras
     "use_beam_search": (False,),
     "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,),  # chat only: completions implement it (openai_request)
     "guided_grammar": (),
     "guided_whitespace_pattern": (),
     "logits_processors": ([],),
@@ -36,8 +35,6 @@ _OFF: Mapping[str, tuple[Any, ...]] = {
 }
 # fields only the chat endpoint implements (tool_fields): refused on completions as above
 _CHAT_ONLY = frozenset({"tools", "tool_choice"})
-# fields only the completions endpoint implements: refused on chat as above
-_COMPLETIONS_ONLY = frozenset({"return_token_ids"})
 # server-side templates only (the security model): a template sent by a client is refused
 _REASONS = {"chat_template": "this server applies the model's own chat template only"}
 # vLLM tokenizes completion prompts with special tokens added and rendered chats without
@@ -47,7 +44,7 @@ _ADD_SPECIAL_TOKENS = {"completion": True, "chat": False}
 def check_unsupported(kind: Literal["completion", "chat"], body: Mapping[str, Any]) -> None:
     """ApiError(400) naming the first field set that this server does not implement."""
     for name, off in _OFF.items():
-        if name in (_CHAT_ONLY if kind == "chat" else _COMPLETIONS_ONLY):
+        if kind == "chat" and name in _CHAT_ONLY:
             continue
         value = body.get(name)
         if value is not None and not any(_same(value, o) for o in off):

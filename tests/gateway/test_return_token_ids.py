@@ -1,7 +1,7 @@
-"""vLLM's ``return_token_ids`` on /v1/completions: each choice shows its prompt's token ids and
+"""vLLM's ``return_token_ids``: on /v1/completions each choice shows its prompt's token ids and
 its output's, whole and streamed (the prompt's in each choice's first chunk, the output's chunk
-by chunk), the hidden eos included as vLLM counts it; refused on chat, which does not implement
-it.
+by chunk), the hidden eos included as vLLM counts it; on chat the response shows its prompt's
+(streamed: on the role chunks) and each choice its output's.
 
 The cluster here is a scripted ``GenerationBackend`` (no Ray); the demo model's tokenizer runs
 around it.
@@ -98,12 +98,36 @@ def test_without_it_no_token_ids_are_shown(http: httpx.Client) -> None:
         assert not any("token_ids" in c for chunk in chunks for c in chunk["choices"])
 
 
-def test_chat_refuses_it_and_a_non_boolean_is_refused(http: httpx.Client) -> None:
-    chat = {"messages": [USER_HI], "return_token_ids": True}
-    error = bad_request_error(http.post("/v1/chat/completions", json=chat))
-    assert error["param"] == "return_token_ids"
-    off = post_json(http, "/v1/chat/completions", {**chat, "return_token_ids": False})
-    assert "token_ids" not in off["choices"][0]
-    wrong = {"prompt": "hi", "return_token_ids": "yes"}
-    error = bad_request_error(http.post("/v1/completions", json=wrong))
-    assert error["param"] == "return_token_ids"
+def test_chat_shows_the_prompts_on_the_response_and_each_choices_output(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    """Whole: ``prompt_token_ids`` on the response (the rendered chat's), ``token_ids`` on each
+    choice. Streamed: the prompt's on each role chunk, the output's on each later chunk."""
+    chat = {"messages": [USER_HI], "n": 2, "max_tokens": 32, "return_token_ids": True}
+    whole = post_json(http, "/v1/chat/completions", chat)
+    prompt = cluster.prompts[-1]  # the rendered chat, as the workers were asked for it
+    assert whole["prompt_token_ids"] == prompt
+    assert [c["token_ids"] for c in whole["choices"]] == [cluster.tokens] * 2
+    assert [c["message"]["content"] for c in whole["choices"]] == [ANSWER] * 2
+    chunks = stream_chunks(http, "/v1/chat/completions", chat)
+    roles = [c for c in chunks if "role" in c["choices"][0]["delta"]]
+    assert len(roles) == 2 and all(c["prompt_token_ids"] == prompt for c in roles)
+    rest = [c for c in chunks if c not in roles]
+    assert not any("prompt_token_ids" in c for c in rest)
+    assert all(len(c["choices"][0]["token_ids"]) == 1 for c in rest)
+    assert _choice_token_ids(rest, 0) == _choice_token_ids(rest, 1) == cluster.tokens
+
+
+def test_without_it_chat_shows_no_token_ids_and_a_non_boolean_is_refused(
+    http: httpx.Client,
+) -> None:
+    chat = {"messages": [USER_HI], "max_tokens": 3}
+    for flag in ({}, {"return_token_ids": False}):
+        off = post_json(http, "/v1/chat/completions", {**chat, **flag})
+        assert "prompt_token_ids" not in off and "token_ids" not in off["choices"][0]
+        chunks = stream_chunks(http, "/v1/chat/completions", {**chat, **flag})
+        assert not any("token_ids" in c for chunk in chunks for c in chunk["choices"])
+        assert not any("prompt_token_ids" in chunk for chunk in chunks)
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat)):
+        error = bad_request_error(http.post(path, json={**body, "return_token_ids": "yes"}))
+        assert error["param"] == "return_token_ids"
