@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf2\x08\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x0c\n\x04stop\x18\x10 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0e\x88\x01\x01\x12>\n\nlogit_bias\x18\x14 \x03(\x0b\x32*.pdserve.v1.GenerateRequest.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08H\x0f\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x17 \x01(\x05H\x10\x88\x01\x01\x12\x11\n\tbad_words\x18\x18 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x19 \x01(\x05H\x11\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x1a \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x15\n\x08priority\x18\x1b \x01(\x05H\x12\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x04\n\x02_nB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x19\n\x17_truncate_prompt_tokensB\x12\n\x10_prompt_logprobsB\x0b\n\t_priority\"\x87\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x8b\x01\n\x10GenerateResponse\x12&\n\x07started\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.StartedH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.UsageH\x00\x42\x07\n\x05\x65vent\",\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"\xc9\x01\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x33\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\":\n\x0ePromptLogprobs\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"r\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12#\n\x03top\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"Z\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x1b\n\x13num_prefill_workers\x18\x02 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x03 \x01(\x05\"\x13\n\x11ListModelsRequest\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model\"=\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf2\x08\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x0c\n\x04stop\x18\x10 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0e\x88\x01\x01\x12>\n\nlogit_bias\x18\x14 \x03(\x0b\x32*.pdserve.v1.GenerateRequest.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08H\x0f\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x17 \x01(\x05H\x10\x88\x01\x01\x12\x11\n\tbad_words\x18\x18 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x19 \x01(\x05H\x11\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x1a \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x15\n\x08priority\x18\x1b \x01(\x05H\x12\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x04\n\x02_nB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x19\n\x17_truncate_prompt_tokensB\x12\n\x10_prompt_logprobsB\x0b\n\t_priority\"\x87\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x8b\x01\n\x10GenerateResponse\x12&\n\x07started\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.StartedH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.UsageH\x00\x42\x07\n\x05\x65vent\",\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"\x88\x02\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x33\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x42\r\n\x0bstop_reason\":\n\x0ePromptLogprobs\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"r\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12#\n\x03top\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"Z\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x1b\n\x13num_prefill_workers\x18\x02 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x03 \x01(\x05\"\x13\n\x11ListModelsRequest\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model\"=\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2407
-  _globals['_FINISHREASON']._serialized_end=2527
+  _globals['_FINISHREASON']._serialized_start=2470
+  _globals['_FINISHREASON']._serialized_end=2590
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_GENERATEREQUEST']._serialized_start=69
@@ -50,29 +50,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTED']._serialized_start=1516
   _globals['_STARTED']._serialized_end=1560
   _globals['_CHUNK']._serialized_start=1563
-  _globals['_CHUNK']._serialized_end=1764
-  _globals['_PROMPTLOGPROBS']._serialized_start=1766
-  _globals['_PROMPTLOGPROBS']._serialized_end=1824
-  _globals['_TOKENLOGPROB']._serialized_start=1826
-  _globals['_TOKENLOGPROB']._serialized_end=1940
-  _globals['_TOPLOGPROB']._serialized_start=1942
-  _globals['_TOPLOGPROB']._serialized_end=2003
-  _globals['_USAGE']._serialized_start=2005
-  _globals['_USAGE']._serialized_end=2085
-  _globals['_ABORTREQUEST']._serialized_start=2087
-  _globals['_ABORTREQUEST']._serialized_end=2121
-  _globals['_ABORTRESPONSE']._serialized_start=2123
-  _globals['_ABORTRESPONSE']._serialized_end=2155
-  _globals['_HEALTHREQUEST']._serialized_start=2157
-  _globals['_HEALTHREQUEST']._serialized_end=2172
-  _globals['_HEALTHRESPONSE']._serialized_start=2174
-  _globals['_HEALTHRESPONSE']._serialized_end=2264
-  _globals['_LISTMODELSREQUEST']._serialized_start=2266
-  _globals['_LISTMODELSREQUEST']._serialized_end=2285
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2287
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2342
-  _globals['_MODEL']._serialized_start=2344
-  _globals['_MODEL']._serialized_end=2405
-  _globals['_GENERATION']._serialized_start=2530
-  _globals['_GENERATION']._serialized_end=2819
+  _globals['_CHUNK']._serialized_end=1827
+  _globals['_PROMPTLOGPROBS']._serialized_start=1829
+  _globals['_PROMPTLOGPROBS']._serialized_end=1887
+  _globals['_TOKENLOGPROB']._serialized_start=1889
+  _globals['_TOKENLOGPROB']._serialized_end=2003
+  _globals['_TOPLOGPROB']._serialized_start=2005
+  _globals['_TOPLOGPROB']._serialized_end=2066
+  _globals['_USAGE']._serialized_start=2068
+  _globals['_USAGE']._serialized_end=2148
+  _globals['_ABORTREQUEST']._serialized_start=2150
+  _globals['_ABORTREQUEST']._serialized_end=2184
+  _globals['_ABORTRESPONSE']._serialized_start=2186
+  _globals['_ABORTRESPONSE']._serialized_end=2218
+  _globals['_HEALTHREQUEST']._serialized_start=2220
+  _globals['_HEALTHREQUEST']._serialized_end=2235
+  _globals['_HEALTHRESPONSE']._serialized_start=2237
+  _globals['_HEALTHRESPONSE']._serialized_end=2327
+  _globals['_LISTMODELSREQUEST']._serialized_start=2329
+  _globals['_LISTMODELSREQUEST']._serialized_end=2348
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2350
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2405
+  _globals['_MODEL']._serialized_start=2407
+  _globals['_MODEL']._serialized_end=2468
+  _globals['_GENERATION']._serialized_start=2593
+  _globals['_GENERATION']._serialized_end=2882
 # @@protoc_insertion_point(module_scope)

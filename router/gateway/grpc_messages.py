@@ -115,15 +115,18 @@ def started_message(request_id: str, model_name: str) -> pb.GenerateResponse:
 
 
 def chunk_message(delta: SampleDelta, formatter: LogprobsFormatter | None) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
-        chunk=pb.Chunk(
-            index=delta.index,
-            token_ids=delta.token_ids,
-            text=delta.text,
-            logprobs=_logprobs(delta.logprobs, formatter),
-            finish_reason=_FINISH_REASONS[delta.finish_reason],
-        )
+    chunk = pb.Chunk(
+        index=delta.index,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=_logprobs(delta.logprobs, formatter),
+        finish_reason=_FINISH_REASONS[delta.finish_reason],
     )
+    if isinstance(delta.stop_reason, str):
+        chunk.stop_string = delta.stop_reason
+    elif delta.stop_reason is not None:
+        chunk.stop_token_id = delta.stop_reason
+    return pb.GenerateResponse(chunk=chunk)
 
 
 def with_prompt_logprobs(

@@ -332,6 +332,28 @@ def test_text_that_may_begin_a_stop_string_is_held_while_its_tokens_stream(
     assert [chunk.text for chunk in chunks] == ["a", "", "", "", "bc", "d"]
 
 
+def test_grpc_names_the_stop_string_or_token_that_ended_a_sample(
+    stub: pb_grpc.GenerationStub, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    """vLLM's stop_reason on the gRPC door: the last Chunk's ``stop_string`` or
+    ``stop_token_id``; neither for the tokenizer's eos or max_tokens."""
+    a, b, c = one_token_per_character(model, "abc")
+    script_tokens(cluster, [a, b, c], model, stop=True)  # then the eos
+    last = _generate(stub, max_tokens=8, stop=["xy", "bc"])[-1]
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+    assert last.WhichOneof("stop_reason") == "stop_string" and last.stop_string == "bc"
+    eos_ended = _generate(stub, max_tokens=8)
+    assert eos_ended[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert all(chunk.WhichOneof("stop_reason") is None for chunk in eos_ended)
+    script_tokens(cluster, [a, b, c], model, stop=False)
+    cluster.finish_reason = "stop"  # as the workers end a sample on a stop token
+    last = _generate(stub, max_tokens=8, stop_token_ids=[c])[-1]
+    assert last.WhichOneof("stop_reason") == "stop_token_id" and last.stop_token_id == c
+    length_ended = _generate(stub, max_tokens=2)
+    assert length_ended[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert all(chunk.WhichOneof("stop_reason") is None for chunk in length_ended)
+
+
 # ---------------------------------------------------------------- the parsers
 
 GET_WEATHER = {
