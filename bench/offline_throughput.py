@@ -1,6 +1,7 @@
 """Offline throughput: this engine against transformers ``generate`` on the same weights.
 
-    .venv/bin/python -m bench.offline_throughput [--num-prompts 64] [--model dense|moe|mla]
+    .venv/bin/python -m bench.offline_throughput [--num-prompts 64]
+        [--model dense|moe|mla|gpt_oss]
         [--out bench/results/x.json]
 
 A random Llama (hidden 256, 4 layers, head_dim 64, vocab 8192) is saved with transformers and
@@ -8,7 +9,9 @@ loaded by both systems; ``--model moe``: a random Mixtral of the same width and 
 layer's MLP 8 experts of the Llama's MLP width, 2 per token; ``--model mla``: a random
 DeepSeek-V3 of the same width and depth (latent attention: 4 heads of 64 + 32 rope dims over a
 latent of 128; a dense first layer, then 8 routed experts of a quarter of that width, 2 per
-token from the best 2 of 4 groups, and a shared one). 64 prompts of 32-512 tokens
+token from the best 2 of 4 groups, and a shared one); ``--model gpt_oss``: a random gpt-oss of
+the same width and depth (attention sinks, sliding windows of 128 on every other layer, 8
+clamped-SwiGLU experts of the Llama's MLP width, 2 per token). 64 prompts of 32-512 tokens
 ask for 16-256 tokens each (ignore_eos).
 The baseline is transformers ``generate`` with static, left-padded batches (each batch decodes
 until its longest request is done); both count only the tokens the requests asked for.
@@ -31,6 +34,8 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -79,6 +84,11 @@ def build_model(
             first_k_dense_replace=1,
         )
         DeepseekV3ForCausalLM(mla).save_pretrained(str(out_dir))
+    elif kind == "gpt_oss":
+        gpt_oss = GptOssConfig(
+            **shape, num_local_experts=8, num_experts_per_tok=2, sliding_window=128
+        )
+        GptOssForCausalLM(gpt_oss).save_pretrained(str(out_dir))
     else:
         LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(str(out_dir))
     return out_dir
@@ -206,7 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--model", choices=["dense", "moe", "mla"], default="dense")
+    parser.add_argument("--model", choices=["dense", "moe", "mla", "gpt_oss"], default="dense")
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", default="bench/results/offline_throughput.json")
