@@ -37,7 +37,7 @@ has one (rows past the batch, the runner's padding, are neither routed nor count
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -152,6 +152,21 @@ def grouped_by_expert(
     return torch.zeros_like(x).index_add_(0, tokens, scaled), counts
 
 
+def _packed(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> nn.ModuleList:
+    """Each expert's projection (its weight as ``x @ W.T`` takes it, its bias or None) packed
+    for oneDNN."""
+    return nn.ModuleList(PackedLinear(weight, bias) for weight, bias in projections)
+
+
+def _give_up(module: nn.Module, *names: str) -> None:
+    """Empty ``module``'s stacked parameters ``names`` (their packed copies are the weights
+    from then on)."""
+    for name in names:
+        stacked = getattr(module, name)
+        empty = torch.empty(0, dtype=stacked.dtype, device=stacked.device)
+        setattr(module, name, nn.Parameter(empty, requires_grad=False))
+
+
 def _packed_mlp(
     gate_up: nn.Module,  # an expert's PackedLinear
     down: nn.Module,  # ... and its other
@@ -193,12 +208,10 @@ class RoutedExperts(nn.Module):
         (once: packed experts stay so)."""
         if self.packed_gate_up:
             return
-        for expert in range(self.num_experts):
-            self.packed_gate_up.append(PackedLinear(self.gate_up_proj[expert], None))
-            self.packed_down.append(PackedLinear(self.down_proj[expert], None))
-        empty = torch.empty(0, dtype=self.gate_up_proj.dtype, device=self.gate_up_proj.device)
-        self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
-        self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
+        experts = range(self.num_experts)
+        self.packed_gate_up = _packed((self.gate_up_proj[e], None) for e in experts)
+        self.packed_down = _packed((self.down_proj[e], None) for e in experts)
+        _give_up(self, "gate_up_proj", "down_proj")
 
     def forward(
         self,
@@ -286,21 +299,15 @@ class ClampedSwigluExperts(nn.Module):
         stacked weights go (once: packed experts stay so)."""
         if self.packed_gate_up:
             return
-        for expert in range(self.num_experts):
-            self.packed_gate_up.append(
-                PackedLinear(
-                    self.gate_up_proj[expert].t().contiguous(),
-                    self.gate_up_proj_bias[expert].clone(),
-                )
-            )
-            self.packed_down.append(
-                PackedLinear(
-                    self.down_proj[expert].t().contiguous(), self.down_proj_bias[expert].clone()
-                )
-            )
-        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
-            empty = torch.empty(0, dtype=getattr(self, name).dtype, device=self.down_proj.device)
-            setattr(self, name, nn.Parameter(empty, requires_grad=False))
+        experts = range(self.num_experts)
+        self.packed_gate_up = _packed(
+            (self.gate_up_proj[e].t().contiguous(), self.gate_up_proj_bias[e].clone())
+            for e in experts
+        )
+        self.packed_down = _packed(
+            (self.down_proj[e].t().contiguous(), self.down_proj_bias[e].clone()) for e in experts
+        )
+        _give_up(self, "gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
     def forward(
         self,
