@@ -189,6 +189,8 @@ class Gateway:
         )
         self.metrics.admission_scale.set_function(lambda: self.feedback.scale)
         self.num_in_flight = 0
+        # requests finished since none was in flight (a slow start's cap grows by them)
+        self._finished_since_idle = 0
         self._in_flight_by_key: Counter[str | None] = Counter()  # by the key's tenant salt
         self._probe: str | None = None  # the request in flight as admission's probe
         self.draining = False  # shutting down: new requests are refused
@@ -260,6 +262,7 @@ class Gateway:
                 self._probe = None
             if not self.num_in_flight:
                 self._idle.set()
+                self._finished_since_idle = 0
 
     def _admit_by_forecast(
         self, caller: Caller, specs: Sequence[GenerationSpec], prompt_ids: Sequence[str]
@@ -275,6 +278,7 @@ class Gateway:
             self._in_flight_by_key[caller.tenant_salt],
             self.num_in_flight,
             len(self._in_flight_by_key) + (caller.tenant_salt not in self._in_flight_by_key),
+            self._finished_since_idle,
         )
         max_tokens = max((self._max_tokens(spec) for spec in specs), default=1)
         refusal = judge(
@@ -419,6 +423,7 @@ class Gateway:
         if live.aborted.is_set():
             self.record_outcome("aborted")
             return
+        self._finished_since_idle += 1
         finished = [generation.finished() for generation in generations]
         met = self.metrics.finished(finished)
         if self.admission.mode == "slo" and _steers(live) and met is not None:

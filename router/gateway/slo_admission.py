@@ -26,10 +26,14 @@ those already queued, when one of lower priority would be refused.
 A slow start: until the latency model has seen ``WARM_AFTER`` requests finish in the last
 ``PATH_HORIZON_S`` (after start-up, or a quiet spell), it knows neither the path's corrections
 nor how the workers' steps slow under load (their fits still hold the quiet start-up profile),
-so at most one request per worker that prefills, plus one per request seen finishing, is in
-flight; the rest are refused (``warming_up``, Retry-After 1 s). Without it, the first second of
-a burst at start-up was admitted on the quiet profile: two thirds of those requests missed
-their TTFT SLO, predicted at a quarter to a half of what they took.
+so at most one request per worker that prefills, plus one per request finished since the
+gateway last had none in flight, is in flight; the rest are refused (``warming_up``,
+Retry-After 1 s). Without it, the first second of a burst at start-up was admitted on the quiet
+profile: two thirds of those requests missed their TTFT SLO, predicted at a quarter to a half
+of what they took. The cap grows with every request finished while the server stays busy, not
+only those of the last ``PATH_HORIZON_S``: requests that take longer than that finish too few
+at a time to ever make the model warm, and a cap of the recent ones held such a cluster at
+a few requests in flight for good (one per prompt worker, doubled, where each takes 20 s).
 
 Probes: a request refused on its predicted TTFT or TPOT goes in anyway when nothing is queued
 ahead of it and the workers' steps alone make its SLOs (only the path's corrections said it
@@ -110,11 +114,13 @@ class Refusal:
 @dataclass(frozen=True, slots=True)
 class KeyLoad:
     """The requests in flight through the gateway: the caller's key's, all keys' together, and
-    how many keys have any (the caller's included)."""
+    how many keys have any (the caller's included); and how many requests finished since the
+    gateway last had none in flight (what a slow start vouches by)."""
 
     own: int
     total: int
     num_keys: int
+    finished_since_idle: int = 0
 
 
 def judge(
@@ -164,17 +170,19 @@ def judge(
             f"margin of {policy.margin:.0%}; retry later",
             _wait(tpot_s * max_tokens),
         )
-    # a slow start: the fewer requests it has seen finish lately, the fewer it vouches for
+    # a slow start: the fewer requests it has seen finish since it was idle, the fewer it
+    # vouches for
     cold = [f for f in known if f.num_observed is not None and f.num_observed < WARM_AFTER]
     if cold:
         seen = min(f.num_observed or 0 for f in cold)
-        in_flight_cap = min(f.num_prompt_workers for f in cold) + seen
+        in_flight_cap = min(f.num_prompt_workers for f in cold) + keys.finished_since_idle
         if keys.total + 1 > in_flight_cap:
             return Refusal(
                 "warming_up",
                 f"the server has seen {seen} requests finish in the last "
                 f"{PATH_HORIZON_S:.0f} s, too few to predict latencies under load; until "
-                f"{WARM_AFTER} have, it admits {in_flight_cap} in flight at most; retry shortly",
+                f"{WARM_AFTER} have, it admits one request in flight per prompt worker plus "
+                f"one per request finished since it was idle, {in_flight_cap}; retry shortly",
                 1.0,
             )
     loaded = worst_ttft.ttft_s > ttft_slo_s * policy.fair_share_after

@@ -29,7 +29,7 @@ from router.gateway.errors import ApiError
 from router.gateway.limits import RequestLimits
 from router.gateway.metrics import SloTargets
 from router.gateway.served_model import ServedModel
-from router.gateway.service import Gateway
+from router.gateway.service import Gateway, LiveRequest
 from router.gateway.slo_admission import (
     MIN_RETRY_AFTER_S,
     AdmissionPolicy,
@@ -149,19 +149,22 @@ def test_the_rule_adds_the_paths_tail_at_the_attainment_asked_for() -> None:
     assert refusal is not None and refusal.reason == "tpot" and "65.0 ms" in refusal.message
 
 
-def test_a_cold_model_admits_one_request_per_prompt_worker_plus_one_per_request_seen() -> None:
-    """Two prefill workers, three requests seen finishing: five in flight at most until ten
-    have; a forecast whose model is not known (None) has no such limit."""
+def test_a_cold_model_admits_one_request_per_prompt_worker_plus_one_per_request_finished() -> None:
+    """Two prefill workers, three requests finished since the gateway was idle: five in flight
+    at most until the model has seen ten finish in its horizon; a forecast whose model is not
+    known (None) has no such limit."""
     policy = AdmissionPolicy("slo")
     cold = Forecast(
         0.1, 0.0, "p0", 0.01, "d0", 0.0,
         steps_ttft_by_worker={"p0": 0.1, "p1": 0.2}, path=_path([0.0] * 3, []),
     )  # fmt: skip
-    assert judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 4, 1)) is None
-    refusal = judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 5, 1))
+    assert judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 4, 1, 3)) is None
+    refusal = judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 5, 1, 3))
     assert refusal is not None and refusal.reason == "warming_up"
     assert refusal.retry_after_s == 1
-    assert "seen 3 requests finish" in refusal.message and "5 in flight" in refusal.message
+    assert "seen 3 requests finish" in refusal.message and "since it was idle, 5" in refusal.message
+    # requests longer than the horizon: three of the last 10 s, forty since it was idle
+    assert judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 41, 1, 40)) is None
     warm = replace(cold, path=_path([0.0] * WARM_AFTER, []))
     assert judge([warm], 16, 0.5, 0.05, policy, KeyLoad(0, 50, 1)) is None
     unknown = replace(cold, path=None)
@@ -574,6 +577,50 @@ def test_a_request_refused_only_by_the_paths_corrections_goes_in_as_the_one_prob
         with pytest.raises(ApiError), gateway.admitted("refused", caller, [_spec(100)]):
             pass
     assert gateway.metrics.admission_probes._value.get() == 2
+
+
+def test_a_slow_starts_cap_grows_with_every_request_finished_while_the_server_stays_busy(
+    model: ServedModel,
+) -> None:
+    """Requests that each take longer than the path's horizon never make the model warm (it
+    has seen three finish in its last 10 s here, for good): the cap counts every request
+    finished since the gateway last had none in flight, so each one that finishes makes room
+    for two, past the five that three would allow; once none is in flight it is back at one
+    per prompt worker."""
+    cluster = ForecastCluster()
+    limits = RequestLimits(max_model_len=model.max_model_len)
+    gateway = Gateway(cluster, model, limits, ApiKeys([]), SLO, admission=AdmissionPolicy("slo"))
+    cluster.predicted = Forecast(
+        0.1, 0.0, "p0", 0.01, "d0", 0.0,
+        steps_ttft_by_worker={"p0": 0.1, "p1": 0.1}, path=_path([0.0] * 3, []),
+    )  # fmt: skip
+    caller = Caller(None)
+    running: list[tuple[contextlib.AbstractContextManager[LiveRequest], LiveRequest]] = []
+    ids = iter(range(100))
+
+    def admit(count: int) -> None:
+        for _ in range(count):
+            request = gateway.admitted(f"r{next(ids)}", caller, [_spec(10)])
+            running.append((request, request.__enter__()))
+        with pytest.raises(ApiError) as refused, gateway.admitted("one more", caller, [_spec(10)]):
+            pass
+        assert refused.value.code == "slo_warming_up"
+
+    def finish_oldest() -> None:
+        request, live = running.pop(0)
+        gateway.record_ended([], live)
+        request.__exit__(None, None, None)
+
+    admit(2)  # one per prompt worker
+    for _ in range(6):
+        finish_oldest()
+        admit(2)
+    assert gateway.num_in_flight == 8
+    while running:
+        finish_oldest()
+    admit(2)  # idle in between: the count starts again
+    while running:
+        finish_oldest()
 
 
 def test_a_refused_request_is_a_429_with_retry_after_and_the_server_serves_on(
