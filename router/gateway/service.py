@@ -45,6 +45,7 @@ from router.gateway.slo_admission import (
     AdmissionPolicy,
     KeyLoad,
     allowed_workers,
+    in_slow_start,
     judge,
     worth_probing,
 )
@@ -52,7 +53,7 @@ from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import GenerationBackend, TextGeneration
 from router.kv_aware import PrefixHitStats
 from router.latency_forecast import Forecast
-from router.latency_model import WARM_AFTER, StepRatios
+from router.latency_model import StepRatios
 
 logger = logging.getLogger("router.gateway")
 P = ParamSpec("P")
@@ -131,24 +132,21 @@ class LiveRequest:
     cut_off: ApiError | None = None
     # admitted as admission's probe (predicted to miss: slo_admission.worth_probing)
     probe: bool = False
+    # admitted in a slow start (slo_admission.in_slow_start)
+    slow_start: bool = False
 
 
 def _steers(live: LiveRequest) -> bool:
     """Whether a request's outcome tells admission something: it was admitted by its
-    forecasts on a warm latency model (a slow start's requests were admitted by their count,
-    on a model still holding the quiet start-up profile), not as the probe."""
+    forecasts, not in a slow start (whose requests were admitted by their count, on a model
+    still holding the quiet start-up profile), not as the probe."""
     forecasts = live.forecasts
     return (
         bool(forecasts)
-        and all(f is not None and not _cold(f) for f in forecasts)
+        and all(f is not None for f in forecasts)
+        and not live.slow_start
         and not live.probe
     )
-
-
-def _cold(forecast: Forecast) -> bool:
-    """Made by a latency model that had seen too few requests finish lately (not known: warm,
-    as admission takes it)."""
-    return forecast.num_observed is not None and forecast.num_observed < WARM_AFTER
 
 
 class Gateway:
@@ -242,14 +240,16 @@ class Gateway:
         self.check_admission()
         if prompt_ids is None:
             prompt_ids = [f"{request_id}-{i}" for i in range(len(specs))]
-        forecasts, probe = self._admit_by_forecast(caller, specs, prompt_ids)
+        forecasts, probe, slow_start = self._admit_by_forecast(caller, specs, prompt_ids)
         if probe:
             self._probe = request_id
         key = caller.tenant_salt
         self.num_in_flight += 1
         self._in_flight_by_key[key] += 1
         self._idle.clear()
-        live = self._live[request_id] = LiveRequest(key, forecasts, probe=probe)
+        live = self._live[request_id] = LiveRequest(
+            key, forecasts, probe=probe, slow_start=slow_start
+        )
         try:
             yield live
         finally:
@@ -266,9 +266,9 @@ class Gateway:
 
     def _admit_by_forecast(
         self, caller: Caller, specs: Sequence[GenerationSpec], prompt_ids: Sequence[str]
-    ) -> tuple[list[Forecast | None], bool]:
-        """Each prompt's predicted latencies, and whether the request goes in as the probe
-        (one at a time: slo_admission.worth_probing); ApiError(429) when ``--admission slo``
+    ) -> tuple[list[Forecast | None], bool, bool]:
+        """Each prompt's predicted latencies, whether the request goes in as the probe (one at
+        a time: slo_admission.worth_probing) and whether in a slow start; ApiError(429) when ``--admission slo``
         refuses the request by them (counted by reason). Admitted, each prompt counts towards
         its best placement at once (``hold_placement``), so the next prompts admitted before
         it is routed are predicted behind it: a burst parsed in one turn of the event loop is
@@ -316,7 +316,7 @@ class Gateway:
                     self.backend.hold_placement(
                         prompt_id, forecast, len(spec.prompt_token_ids), spec.params.n
                     )
-        return forecasts, probe
+        return forecasts, probe, in_slow_start(forecasts, keys.finished_since_idle)
 
     def check_admission(self) -> None:
         """ApiError(503) while the server shuts down or the cluster cannot serve, ApiError(429)

@@ -23,17 +23,18 @@ request's decode, the time it takes the running batch to change). Under
 on a worker, so a request of higher priority (lower number) is admitted, and served ahead of
 those already queued, when one of lower priority would be refused.
 
-A slow start: until the latency model has seen ``WARM_AFTER`` requests finish in the last
-``PATH_HORIZON_S`` (after start-up, or a quiet spell), it knows neither the path's corrections
-nor how the workers' steps slow under load (their fits still hold the quiet start-up profile),
-so at most one request per worker that prefills, plus one per request finished since the
-gateway last had none in flight, is in flight; the rest are refused (``warming_up``,
-Retry-After 1 s). Without it, the first second of a burst at start-up was admitted on the quiet
-profile: two thirds of those requests missed their TTFT SLO, predicted at a quarter to a half
-of what they took. The cap grows with every request finished while the server stays busy, not
-only those of the last ``PATH_HORIZON_S``: requests that take longer than that finish too few
-at a time to ever make the model warm, and a cap of the recent ones held such a cluster at
-a few requests in flight for good (one per prompt worker, doubled, where each takes 20 s).
+A slow start (``in_slow_start``): until the latency model has seen ``WARM_AFTER`` requests
+finish in the last ``PATH_HORIZON_S``, or the gateway as many since it last had none in flight
+(after start-up, or a quiet spell), it knows neither the path's corrections nor how the
+workers' steps slow under load (their fits still hold the quiet start-up profile), so at most
+one request per worker that prefills, plus one per request finished since the gateway last had
+none in flight, is in flight; the rest are refused (``warming_up``, Retry-After 1 s). Without
+it, the first second of a burst at start-up was admitted on the quiet profile: two thirds of
+those requests missed their TTFT SLO, predicted at a quarter to a half of what they took. Both
+count requests finished while the server stayed busy, not only those of the last
+``PATH_HORIZON_S``: requests that take longer than that finish too few at a time to make the
+model's count, and by it alone such a cluster stayed in its slow start, its cap at a few
+requests in flight (one per prompt worker, doubled, where each takes 20 s), for good.
 
 Probes: a request refused on its predicted TTFT or TPOT goes in anyway when nothing is queued
 ahead of it and the workers' steps alone make its SLOs (only the path's corrections said it
@@ -172,8 +173,8 @@ def judge(
         )
     # a slow start: the fewer requests it has seen finish since it was idle, the fewer it
     # vouches for
-    cold = [f for f in known if f.num_observed is not None and f.num_observed < WARM_AFTER]
-    if cold:
+    if in_slow_start(known, keys.finished_since_idle):
+        cold = [f for f in known if f.num_observed is not None and f.num_observed < WARM_AFTER]
         seen = min(f.num_observed or 0 for f in cold)
         in_flight_cap = min(f.num_prompt_workers for f in cold) + keys.finished_since_idle
         if keys.total + 1 > in_flight_cap:
@@ -196,6 +197,18 @@ def judge(
             _wait(worst_ttft.queue_s),
         )
     return None
+
+
+def in_slow_start(forecasts: Sequence[Forecast | None], finished_since_idle: int) -> bool:
+    """Whether a request of prompts ``forecasts`` comes in a slow start: a forecast's latency
+    model has seen fewer than ``WARM_AFTER`` requests finish in its last ``PATH_HORIZON_S``
+    (a model not known: warm), and the gateway fewer than that since it last had none in
+    flight (a server busy since then has fits of busy steps and corrections, however long
+    each request takes)."""
+    return finished_since_idle < WARM_AFTER and any(
+        f is not None and f.num_observed is not None and f.num_observed < WARM_AFTER
+        for f in forecasts
+    )
 
 
 def _held_to(scale: float, attainment: float) -> str:

@@ -151,8 +151,8 @@ def test_the_rule_adds_the_paths_tail_at_the_attainment_asked_for() -> None:
 
 def test_a_cold_model_admits_one_request_per_prompt_worker_plus_one_per_request_finished() -> None:
     """Two prefill workers, three requests finished since the gateway was idle: five in flight
-    at most until the model has seen ten finish in its horizon; a forecast whose model is not
-    known (None) has no such limit."""
+    at most until the model has seen ten finish in its horizon, or the gateway since it was
+    idle; a forecast whose model is not known (None) has no such limit."""
     policy = AdmissionPolicy("slo")
     cold = Forecast(
         0.1, 0.0, "p0", 0.01, "d0", 0.0,
@@ -163,8 +163,8 @@ def test_a_cold_model_admits_one_request_per_prompt_worker_plus_one_per_request_
     assert refusal is not None and refusal.reason == "warming_up"
     assert refusal.retry_after_s == 1
     assert "seen 3 requests finish" in refusal.message and "since it was idle, 5" in refusal.message
-    # requests longer than the horizon: three of the last 10 s, forty since it was idle
-    assert judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 41, 1, 40)) is None
+    # requests longer than the horizon: three of the last 10 s, ten since it was idle
+    assert judge([cold], 16, 0.5, 0.05, policy, KeyLoad(0, 50, 1, WARM_AFTER)) is None
     warm = replace(cold, path=_path([0.0] * WARM_AFTER, []))
     assert judge([warm], 16, 0.5, 0.05, policy, KeyLoad(0, 50, 1)) is None
     unknown = replace(cold, path=None)
@@ -579,14 +579,14 @@ def test_a_request_refused_only_by_the_paths_corrections_goes_in_as_the_one_prob
     assert gateway.metrics.admission_probes._value.get() == 2
 
 
-def test_a_slow_starts_cap_grows_with_every_request_finished_while_the_server_stays_busy(
+def test_a_slow_start_counts_every_request_finished_while_the_server_stays_busy(
     model: ServedModel,
 ) -> None:
-    """Requests that each take longer than the path's horizon never make the model warm (it
-    has seen three finish in its last 10 s here, for good): the cap counts every request
-    finished since the gateway last had none in flight, so each one that finishes makes room
-    for two, past the five that three would allow; once none is in flight it is back at one
-    per prompt worker."""
+    """Requests that each take longer than the path's horizon: the model has seen three finish
+    in its last 10 s, for good. The slow start counts every request finished since the gateway
+    last had none in flight: each one that finishes makes room for two, past the five that
+    three would allow, and ten end it (what is admitted then steers admission's scale); once
+    none is in flight it starts again at one per prompt worker."""
     cluster = ForecastCluster()
     limits = RequestLimits(max_model_len=model.max_model_len)
     gateway = Gateway(cluster, model, limits, ApiKeys([]), SLO, admission=AdmissionPolicy("slo"))
@@ -598,13 +598,14 @@ def test_a_slow_starts_cap_grows_with_every_request_finished_while_the_server_st
     running: list[tuple[contextlib.AbstractContextManager[LiveRequest], LiveRequest]] = []
     ids = iter(range(100))
 
-    def admit(count: int) -> None:
+    def admit(count: int, *, then_refused: bool = True) -> None:
         for _ in range(count):
             request = gateway.admitted(f"r{next(ids)}", caller, [_spec(10)])
             running.append((request, request.__enter__()))
-        with pytest.raises(ApiError) as refused, gateway.admitted("one more", caller, [_spec(10)]):
-            pass
-        assert refused.value.code == "slo_warming_up"
+        if then_refused:
+            with pytest.raises(ApiError) as refused, gateway.admitted("more", caller, [_spec(10)]):
+                pass
+            assert refused.value.code == "slo_warming_up"
 
     def finish_oldest() -> None:
         request, live = running.pop(0)
@@ -612,13 +613,18 @@ def test_a_slow_starts_cap_grows_with_every_request_finished_while_the_server_st
         request.__exit__(None, None, None)
 
     admit(2)  # one per prompt worker
-    for _ in range(6):
+    for _ in range(WARM_AFTER - 1):
         finish_oldest()
         admit(2)
-    assert gateway.num_in_flight == 8
+    assert gateway.num_in_flight == 2 + WARM_AFTER - 1
+    finish_oldest()  # the tenth: warm
+    admit(30, then_refused=False)
+    assert all(live.slow_start for _, live in running[:WARM_AFTER])
+    assert not any(live.slow_start for _, live in running[WARM_AFTER:])
     while running:
         finish_oldest()
-    admit(2)  # idle in between: the count starts again
+    assert gateway.feedback.counts() == (30, 0)  # only those admitted warm
+    admit(2)  # idle in between: it starts again
     while running:
         finish_oldest()
 
