@@ -268,11 +268,11 @@ class Gateway:
         self, caller: Caller, specs: Sequence[GenerationSpec], prompt_ids: Sequence[str]
     ) -> tuple[list[Forecast | None], bool, bool]:
         """Each prompt's predicted latencies, whether the request goes in as the probe (one at
-        a time: slo_admission.worth_probing) and whether in a slow start; ApiError(429) when ``--admission slo``
-        refuses the request by them (counted by reason). Admitted, each prompt counts towards
-        its best placement at once (``hold_placement``), so the next prompts admitted before
-        it is routed are predicted behind it: a burst parsed in one turn of the event loop is
-        not all admitted on the same empty queue."""
+        a time: slo_admission.worth_probing) and whether in a slow start; ApiError(429) when
+        ``--admission slo`` refuses the request by them (counted by reason). Admitted, each
+        prompt counts towards its best placement at once (``hold_placement``), so the next
+        prompts admitted before it is routed are predicted behind it: a burst parsed in one
+        turn of the event loop is not all admitted on the same empty queue."""
         forecasts = [self._forecast(spec) for spec in specs]
         keys = KeyLoad(
             self._in_flight_by_key[caller.tenant_salt],
