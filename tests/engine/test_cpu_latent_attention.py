@@ -37,6 +37,23 @@ def test_mixed_batch_equals_the_reference(width: int, value_dim: int) -> None:
     torch.testing.assert_close(out, batch.reference(), **FLOAT32)
 
 
+@pytest.mark.parametrize(("num_heads", "width", "value_dim"), [(7, 96, 64), (16, 288, 256)])
+def test_decode_rows_over_wide_entries_read_the_cache_in_place(
+    num_heads: int, width: int, value_dim: int
+) -> None:
+    """A decode row's query heads, fewer than the kernel's IN_PLACE_ROWS, over entries a
+    multiple of 16 wide: their scores are products with the cache's entries where they lie
+    (four heads at a time, the rest one by one), the prompt's many rows through the transposed
+    tiles; as the reference."""
+    batch = _make_batch(
+        [(21, 21)], [1, 40, 17, 33], num_heads=num_heads, width=width, value_dim=value_dim, seed=5
+    )
+    out = CpuAttentionBackend().forward_latent(
+        batch.query, batch.cache_layer, batch.metadata, batch.scale, value_dim
+    )
+    torch.testing.assert_close(out, batch.reference(), **FLOAT32)
+
+
 def test_decode_only_and_prefill_only_steps() -> None:
     backend = CpuAttentionBackend()
     for prefills, decodes in (([], [40, 3, 17]), ([(33, 12)], [])):

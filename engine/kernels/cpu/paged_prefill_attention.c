@@ -18,6 +18,11 @@
  * token's window start, whichever blocks they lie in (a row skips the tiles wholly before its
  * own window, and masks the positions before it in the tile that straddles it): K is copied
  * transposed into a small buffer (so a row of scores is one vector wide), V is read in place.
+ * An item of fewer than IN_PLACE_ROWS rows on a float32 cache (a decode row's query heads over
+ * a latent cache's wide entries) reads K in place too: its scores are dot products summed
+ * across vector lanes, where the transposed copy of each tile took longer than the products;
+ * it prefetches the next tile's entries while computing one (such an item reads every entry
+ * of its context once: the cache's reads, not its products, bound it).
  * Scores are in base 2 (the query is pre-scaled by scale * log2 e) with an online softmax per
  * row; exp2 is a polynomial the compiler vectorises (within an ulp or two of exp2f). Items are
  * shared out over ``num_threads`` OpenMP threads; each is computed by one thread alone, so the
@@ -50,6 +55,8 @@
 
 #define Q_TILE 64
 #define KV_TILE 32
+/* an item of fewer rows computes its scores with K in place (tile_scores_in_place) */
+#define IN_PLACE_ROWS 32
 
 /* One sequence's KV head over new tokens [first_token, first_token + num_tokens) (rows of
  * query), the first at context position first_position. */
@@ -138,6 +145,77 @@ static inline __attribute__((always_inline)) void tile_scores(
     }
 }
 
+typedef int32_t lanes16 __attribute__((vector_size(64)));
+
+/* out[0:4] = the sums of a's, b's, c's and d's sixteen lanes, by halving them together: four
+ * sums of sixteen in ten shuffles and five adds. */
+static inline void sum4x16(vec16 a, vec16 b, vec16 c, vec16 d, float *out) {
+    const lanes16 low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const lanes16 high = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vec16 ab = __builtin_shuffle(a, b, low) + __builtin_shuffle(a, b, high);
+    const vec16 cd = __builtin_shuffle(c, d, low) + __builtin_shuffle(c, d, high);
+    /* ab: a's eight partial sums then b's; cd: c's then d's */
+    const lanes16 even = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const lanes16 odd = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    vec16 x = __builtin_shuffle(ab, cd, even) + __builtin_shuffle(ab, cd, odd);
+    /* x: four partial sums each of a, b, c, d */
+    const lanes16 pairs = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    x += __builtin_shuffle(x, pairs);
+    const lanes16 neighbours = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    x += __builtin_shuffle(x, neighbours);
+    out[0] = x[0], out[1] = x[4], out[2] = x[8], out[3] = x[12];
+}
+
+/* scores[r][0:KV_TILE] = q[r] . k_rows[t] for rows [first, rows), K read in place where it lies
+ * (no transposed copy): four rows by four keys at a time, sixteen vectors of partial sums
+ * summed across their lanes at the end (sum4x16). For an item of few rows over wide entries
+ * (a decode row's query heads over a latent cache's one entry a position) the transposed copy
+ * of each tile took longer than the products it served. head_dim a multiple of 16. */
+static inline __attribute__((always_inline)) void tile_scores_in_place(
+    const float *restrict q, const float *const *k_rows, float *restrict scores, int64_t first,
+    int64_t rows, int64_t head_dim) {
+    int64_t r = first;
+    for (; r + 4 <= rows; r += 4) {
+        const float *q0 = q + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim,
+                    *q3 = q2 + head_dim;
+        for (int t = 0; t < KV_TILE; t += 4) {
+            const float *k0 = k_rows[t], *k1 = k_rows[t + 1], *k2 = k_rows[t + 2],
+                        *k3 = k_rows[t + 3];
+            vec16 s00 = {0}, s01 = {0}, s02 = {0}, s03 = {0}, s10 = {0}, s11 = {0}, s12 = {0},
+                  s13 = {0}, s20 = {0}, s21 = {0}, s22 = {0}, s23 = {0}, s30 = {0}, s31 = {0},
+                  s32 = {0}, s33 = {0};
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                const vec16 a = load16(k0 + d), b = load16(k1 + d), c = load16(k2 + d),
+                            e = load16(k3 + d);
+                vec16 x = load16(q0 + d);
+                s00 += x * a, s01 += x * b, s02 += x * c, s03 += x * e;
+                x = load16(q1 + d);
+                s10 += x * a, s11 += x * b, s12 += x * c, s13 += x * e;
+                x = load16(q2 + d);
+                s20 += x * a, s21 += x * b, s22 += x * c, s23 += x * e;
+                x = load16(q3 + d);
+                s30 += x * a, s31 += x * b, s32 += x * c, s33 += x * e;
+            }
+            float *o = scores + r * KV_TILE + t;
+            sum4x16(s00, s01, s02, s03, o);
+            sum4x16(s10, s11, s12, s13, o + KV_TILE);
+            sum4x16(s20, s21, s22, s23, o + 2 * KV_TILE);
+            sum4x16(s30, s31, s32, s33, o + 3 * KV_TILE);
+        }
+    }
+    for (; r < rows; r++) /* the rows left over, one at a time */
+        for (int t = 0; t < KV_TILE; t += 4) {
+            const float *x = q + r * head_dim;
+            vec16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                const vec16 xd = load16(x + d);
+                s0 += xd * load16(k_rows[t] + d), s1 += xd * load16(k_rows[t + 1] + d);
+                s2 += xd * load16(k_rows[t + 2] + d), s3 += xd * load16(k_rows[t + 3] + d);
+            }
+            sum4x16(s0, s1, s2, s3, scores + r * KV_TILE + t);
+        }
+}
+
 /* acc[r] = acc[r] * corrections[r] + probs[r] . V for rows [first, rows): 32 columns of four
  * rows at a time (eight vectors), sharing each load of a V row. */
 static inline __attribute__((always_inline)) void tile_values(
@@ -220,10 +298,22 @@ static inline __attribute__((always_inline)) void attend_item(
     }
     const int64_t first_position = item->first_position;
     const int64_t end = first_position + item->num_tokens; /* the last token sees below end */
-    const float *v_rows[KV_TILE];
+    const float *v_rows[KV_TILE], *k_rows[KV_TILE];
+    /* few rows share each tile: the products in place cost less than a transposed copy */
+    const int in_place = kind == KV_FLOAT32 && rows < IN_PLACE_ROWS && head_dim % 16 == 0;
     for (int64_t start = window_start(first_position, sliding_window); start < end;
          start += KV_TILE) {
         const int64_t n = end - start < KV_TILE ? end - start : KV_TILE;
+        if (in_place) /* the next tile's entries on their way while this one is computed */
+            for (int64_t position = start + KV_TILE; position < start + 2 * KV_TILE && position < end;
+                 position++) {
+                const int64_t row =
+                    table[position / block_size] * block_size + position % block_size;
+                const char *entry = (const char *)((const float *)key + row * token_numel +
+                                                   item->kv_head * head_dim);
+                for (int64_t byte = 0; byte < head_dim * 4; byte += 64)
+                    __builtin_prefetch(entry + byte);
+            }
         /* positions past n repeat the tile's first: finite values their zero weights cancel */
         for (int64_t t = 0; t < KV_TILE; t++) {
             const int64_t position = start + (t < n ? t : 0);
@@ -232,7 +322,9 @@ static inline __attribute__((always_inline)) void attend_item(
             if (kind == KV_FLOAT32) {
                 const float *k = (const float *)key + index;
                 v_rows[t] = (const float *)value + index;
-                for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k[d];
+                k_rows[t] = k;
+                if (!in_place)
+                    for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k[d];
             } else {
                 kv_dequantize_row(kv_at(key, index, kind), k_row, head_dim, kind);
                 for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k_row[d];
@@ -248,7 +340,10 @@ static inline __attribute__((always_inline)) void attend_item(
                                                    : item->num_tokens;
         const int64_t last_token = seen_by < item->num_tokens ? seen_by : item->num_tokens;
         const int64_t first_row = first_token * group, last_row = last_token * group;
-        tile_scores(q, k_t, scores, first_row, last_row, head_dim);
+        if (in_place)
+            tile_scores_in_place(q, k_rows, scores, first_row, last_row, head_dim);
+        else
+            tile_scores(q, k_t, scores, first_row, last_row, head_dim);
         for (int64_t r = first_row; r < last_row; r++) {
             float *s = scores + r * KV_TILE;
             if (softcap > 0.f)
