@@ -21,8 +21,8 @@
  * An item of fewer than IN_PLACE_ROWS rows on a float32 cache (a decode row's query heads over
  * a latent cache's wide entries) reads K in place too: its scores are dot products summed
  * across vector lanes, where the transposed copy of each tile took longer than the products;
- * it prefetches the next tile's entries while computing one (such an item reads every entry
- * of its context once: the cache's reads, not its products, bound it).
+ * it prefetches the next tile's entries while computing one (such an item reads each entry
+ * of its context once, for few products: the cache's reads weigh as much as they do).
  * Scores are in base 2 (the query is pre-scaled by scale * log2 e) with an online softmax per
  * row; exp2 is a polynomial the compiler vectorises (within an ulp or two of exp2f). Items are
  * shared out over ``num_threads`` OpenMP threads; each is computed by one thread alone, so the
