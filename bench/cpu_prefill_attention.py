@@ -5,8 +5,8 @@
 The baseline is the torch reference backend's prefill: gather the sequence's blocks into a
 buffer, then torch's scaled_dot_product_attention (flash attention for CPU). Cases: the demo
 model's 4 heads of 64 (whole prompts of 64-2048 tokens, and 256 new tokens after 768 cached,
-as a prefix-cache hit or a later chunk), and Llama-3-8B's 32 query / 8 KV heads of 128.
-Each sequence's blocks are scattered over the cache. Then the demo model's whole prefill step
+as a prefix-cache hit or a later chunk), and Llama-3-8B's 32 query / 8 KV heads of 128; and
+1-4 new tokens after a long context (items of few rows). Each sequence's blocks are scattered over the cache. Then the demo model's whole prefill step
 (``max_tokens=1``, 256-token prompt, one at a time): the ``cpu`` backend against ``torch``.
 Prints a table and writes JSON; speedup is the torch time over the kernel's.
 """
@@ -55,6 +55,10 @@ CASES = [
     Case("demo", 256, 1024, 4, 4, 64),
     Case("llama-3-8b", 256, 256, 32, 8, 128),
     Case("llama-3-8b", 512, 1536, 32, 8, 128),
+    # items of few rows (scores with K in place): a short chunk or prompt after a long context
+    Case("demo", 4, 1024, 4, 4, 64),
+    Case("llama-3-8b", 1, 2048, 32, 8, 128),
+    Case("llama-3-8b", 2, 1024, 32, 8, 128),
 ]
 
 

@@ -268,12 +268,14 @@ static inline int64_t window_start(int64_t position, int64_t sliding_window) {
 
 /* One item: its rows attend over context positions [their window's start, their position].
  * ``softcap``: 0, or the logits' soft-cap; ``sinks``: NULL, or a logit per head; ``kind``: the
- * cache's element type (KV_*), ``kv_scales`` a quantized one's. */
+ * cache's element type (KV_*), ``kv_scales`` a quantized one's; ``in_place``: K read where it
+ * lies for the scores (``in_place_item``), else copied transposed tile by tile. */
 static inline __attribute__((always_inline)) void attend_item(
     const item_t *item, const float *query, const void *key, const void *value,
     const int64_t *table, float *out, const scratch_t *scratch, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t sliding_window,
-    float scale, float softcap, const float *sinks, int kind, const float *kv_scales) {
+    float scale, float softcap, const float *sinks, int kind, const float *kv_scales,
+    int in_place) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t rows = item->num_tokens * group; /* row r: token r / group, head r % group */
     const int64_t token_numel = num_kv_heads * head_dim;
@@ -299,8 +301,6 @@ static inline __attribute__((always_inline)) void attend_item(
     const int64_t first_position = item->first_position;
     const int64_t end = first_position + item->num_tokens; /* the last token sees below end */
     const float *v_rows[KV_TILE], *k_rows[KV_TILE];
-    /* few rows share each tile: the products in place cost less than a transposed copy */
-    const int in_place = kind == KV_FLOAT32 && rows < IN_PLACE_ROWS && head_dim % 16 == 0;
     for (int64_t start = window_start(first_position, sliding_window); start < end;
          start += KV_TILE) {
         const int64_t n = end - start < KV_TILE ? end - start : KV_TILE;
@@ -322,8 +322,9 @@ static inline __attribute__((always_inline)) void attend_item(
             if (kind == KV_FLOAT32) {
                 const float *k = (const float *)key + index;
                 v_rows[t] = (const float *)value + index;
-                k_rows[t] = k;
-                if (!in_place)
+                if (in_place)
+                    k_rows[t] = k;
+                else
                     for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k[d];
             } else {
                 kv_dequantize_row(kv_at(key, index, kind), k_row, head_dim, kind);
@@ -378,21 +379,35 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
+/* Whether an item computes its scores with K in place: few rows share each tile (the products
+ * cost less than a transposed copy), on a float32 cache, head_dim a multiple of 16. */
+static int in_place_item(const item_t *item, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int kind) {
+    return kind == KV_FLOAT32 && item->num_tokens * (num_heads / num_kv_heads) < IN_PLACE_ROWS &&
+           head_dim % 16 == 0;
+}
+
 /* ``attend_item`` compiled for the common head sizes, the general one for others; on a float32
  * cache each with no window (the code of a kernel without windows) and with one, both without
- * soft-cap or sinks (the code of a kernel without them), and for any window with them; on a
- * quantized cache (float8 e4m3, int8) for any window (fewer copies of the code to build). */
+ * soft-cap or sinks (the code of a kernel without them), and for any window with them, and once
+ * with K in place for an item of few rows (any window, soft-cap, sinks); on a quantized cache
+ * (float8 e4m3, int8) for any window (fewer copies of the code to build). */
 static void attend_item_any(const item_t *item, const float *query, const void *key,
                             const void *value, const int64_t *table, float *out,
                             const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, int64_t sliding_window,
                             float scale, float softcap, const float *sinks, int kind,
                             const float *kv_scales) {
-#define ATTEND(HEAD_DIM, SLIDING_WINDOW, SOFTCAP, SINKS, KIND)                               \
+#define ATTEND_K(HEAD_DIM, SLIDING_WINDOW, SOFTCAP, SINKS, KIND, IN_PLACE)                   \
     attend_item(item, query, key, value, table, out, scratch, num_heads, num_kv_heads,      \
-                HEAD_DIM, block_size, SLIDING_WINDOW, scale, SOFTCAP, SINKS, KIND, kv_scales)
+                HEAD_DIM, block_size, SLIDING_WINDOW, scale, SOFTCAP, SINKS, KIND, kv_scales, \
+                IN_PLACE)
+#define ATTEND(HEAD_DIM, SLIDING_WINDOW, SOFTCAP, SINKS, KIND)                               \
+    ATTEND_K(HEAD_DIM, SLIDING_WINDOW, SOFTCAP, SINKS, KIND, 0)
 #define ATTEND_WITH_WINDOW(HEAD_DIM, KIND)                                                   \
-    if (softcap > 0.f || sinks)                                                              \
+    if (in_place_item(item, num_heads, num_kv_heads, head_dim, kind))                        \
+        ATTEND_K(HEAD_DIM, sliding_window, softcap, sinks, KIND, 1);                         \
+    else if (softcap > 0.f || sinks)                                                         \
         ATTEND(HEAD_DIM, sliding_window, softcap, sinks, KIND);                              \
     else if (sliding_window == 0)                                                            \
         ATTEND(HEAD_DIM, 0, 0.f, NULL, KIND);                                                \
@@ -418,6 +433,7 @@ static void attend_item_any(const item_t *item, const float *query, const void *
 #undef ATTEND_OF_HEAD_DIM
 #undef ATTEND_WITH_WINDOW
 #undef ATTEND
+#undef ATTEND_K
 }
 
 static int check_seq(const int64_t *table, int64_t query_len, int64_t seq_len, int64_t capacity,
