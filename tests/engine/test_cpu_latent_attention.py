@@ -43,8 +43,9 @@ def test_decode_rows_over_wide_entries_read_the_cache_in_place(
 ) -> None:
     """A decode row's query heads, fewer than the kernel's IN_PLACE_ROWS, over entries a
     multiple of 16 wide: their scores are products with the cache's entries where they lie
-    (four heads at a time, the rest one by one), the prompt's many rows through the transposed
-    tiles; as the reference."""
+    (four heads at a time, the rest one by one); the prompt's many rows through the transposed
+    tiles over entries of 96, in place over entries of 288 (past IN_PLACE_HEAD_DIM); as the
+    reference."""
     batch = _make_batch(
         [(21, 21)], [1, 40, 17, 33], num_heads=num_heads, width=width, value_dim=value_dim, seed=5
     )

@@ -18,9 +18,10 @@
  * token's window start, whichever blocks they lie in (a row skips the tiles wholly before its
  * own window, and masks the positions before it in the tile that straddles it): K is copied
  * transposed into a small buffer (so a row of scores is one vector wide), V is read in place.
- * An item of fewer than IN_PLACE_ROWS rows on a float32 cache (a decode row's query heads over
- * a latent cache's wide entries) reads K in place too: its scores are dot products summed
- * across vector lanes, where the transposed copy of each tile took longer than the products;
+ * An item of fewer than IN_PLACE_ROWS rows, or of entries wider than IN_PLACE_HEAD_DIM, on a
+ * float32 cache (a decode row's query heads; a latent cache's wide entries) reads K in place
+ * too: its scores are dot products summed across vector lanes, where the transposed copy of
+ * each tile took longer than the products (or than the products out of a tile past L1);
  * it prefetches the next tile's entries while computing one (such an item reads each entry
  * of its context once, for few products: the cache's reads weigh as much as they do).
  * Scores are in base 2 (the query is pre-scaled by scale * log2 e) with an online softmax per
@@ -55,8 +56,10 @@
 
 #define Q_TILE 64
 #define KV_TILE 32
-/* an item of fewer rows computes its scores with K in place (tile_scores_in_place) */
-#define IN_PLACE_ROWS 32
+/* an item of fewer rows, or of entries wider than IN_PLACE_HEAD_DIM, computes its scores with
+ * K in place (tile_scores_in_place) */
+#define IN_PLACE_ROWS 128
+#define IN_PLACE_HEAD_DIM 128
 
 /* One sequence's KV head over new tokens [first_token, first_token + num_tokens) (rows of
  * query), the first at context position first_position. */
@@ -379,12 +382,15 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
-/* Whether an item computes its scores with K in place: few rows share each tile (the products
- * cost less than a transposed copy), on a float32 cache, head_dim a multiple of 16. */
+/* Whether an item computes its scores with K in place: on a float32 cache, head_dim a multiple
+ * of 16, where few rows share each tile (the products cost less than a transposed copy) or its
+ * entries are wide (a transposed tile of 32 positions past 16 KB: measured faster in place at
+ * every row count, 1-1024, for head dims of 192-576). */
 static int in_place_item(const item_t *item, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int kind) {
-    return kind == KV_FLOAT32 && item->num_tokens * (num_heads / num_kv_heads) < IN_PLACE_ROWS &&
-           head_dim % 16 == 0;
+    const int64_t rows = item->num_tokens * (num_heads / num_kv_heads);
+    return kind == KV_FLOAT32 && head_dim % 16 == 0 &&
+           (rows < IN_PLACE_ROWS || head_dim > IN_PLACE_HEAD_DIM);
 }
 
 /* ``attend_item`` compiled for the common head sizes, the general one for others; on a float32
