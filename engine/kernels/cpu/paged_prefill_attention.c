@@ -396,8 +396,8 @@ static int in_place_item(const item_t *item, int64_t num_heads, int64_t num_kv_h
 /* ``attend_item`` compiled for the common head sizes, the general one for others; on a float32
  * cache each with no window (the code of a kernel without windows) and with one, both without
  * soft-cap or sinks (the code of a kernel without them), and for any window with them, and once
- * with K in place for an item of few rows (any window, soft-cap, sinks); on a quantized cache
- * (float8 e4m3, int8) for any window (fewer copies of the code to build). */
+ * with K in place (``in_place_item``: few rows, or wide entries; any window, soft-cap, sinks);
+ * on a quantized cache (float8 e4m3, int8) for any window (fewer copies of the code to build). */
 static void attend_item_any(const item_t *item, const float *query, const void *key,
                             const void *value, const int64_t *table, float *out,
                             const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
