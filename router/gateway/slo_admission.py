@@ -174,7 +174,7 @@ def judge(
     # a slow start: the fewer requests it has seen finish since it was idle, the fewer it
     # vouches for
     if in_slow_start(known, keys.finished_since_idle):
-        cold = [f for f in known if f.num_observed is not None and f.num_observed < WARM_AFTER]
+        cold = [f for f in known if _cold(f)]
         seen = min(f.num_observed or 0 for f in cold)
         in_flight_cap = min(f.num_prompt_workers for f in cold) + keys.finished_since_idle
         if keys.total + 1 > in_flight_cap:
@@ -205,10 +205,13 @@ def in_slow_start(forecasts: Sequence[Forecast | None], finished_since_idle: int
     (a model not known: warm), and the gateway fewer than that since it last had none in
     flight (a server busy since then has fits of busy steps and corrections, however long
     each request takes)."""
-    return finished_since_idle < WARM_AFTER and any(
-        f is not None and f.num_observed is not None and f.num_observed < WARM_AFTER
-        for f in forecasts
-    )
+    return finished_since_idle < WARM_AFTER and any(f is not None and _cold(f) for f in forecasts)
+
+
+def _cold(forecast: Forecast) -> bool:
+    """Made by a latency model that has seen fewer than ``WARM_AFTER`` requests finish in its
+    last ``PATH_HORIZON_S`` (not known: warm)."""
+    return forecast.num_observed is not None and forecast.num_observed < WARM_AFTER
 
 
 def _held_to(scale: float, attainment: float) -> str:

@@ -264,6 +264,14 @@ static inline __attribute__((always_inline)) void tile_values(
         }
 }
 
+/* The element index in K and V of context ``position``'s entry for KV head ``kv_head``, its
+ * block found in the sequence's ``table``. */
+static inline int64_t entry_index(const int64_t *table, int64_t position, int64_t block_size,
+                                  int64_t token_numel, int64_t kv_head, int64_t head_dim) {
+    const int64_t row = table[position / block_size] * block_size + position % block_size;
+    return row * token_numel + kv_head * head_dim;
+}
+
 /* The first position a token at ``position`` sees: 0, or its window's start. */
 static inline int64_t window_start(int64_t position, int64_t sliding_window) {
     return sliding_window > 0 && position >= sliding_window ? position - sliding_window + 1 : 0;
@@ -307,21 +315,22 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int64_t start = window_start(first_position, sliding_window); start < end;
          start += KV_TILE) {
         const int64_t n = end - start < KV_TILE ? end - start : KV_TILE;
-        if (in_place) /* the next tile's entries on their way while this one is computed */
-            for (int64_t position = start + KV_TILE; position < start + 2 * KV_TILE && position < end;
-                 position++) {
-                const int64_t row =
-                    table[position / block_size] * block_size + position % block_size;
-                const char *entry = (const char *)((const float *)key + row * token_numel +
-                                                   item->kv_head * head_dim);
-                for (int64_t byte = 0; byte < head_dim * 4; byte += 64)
+        if (in_place) { /* the next tile's entries on their way while this one is computed */
+            const int64_t next_end = start + 2 * KV_TILE < end ? start + 2 * KV_TILE : end;
+            for (int64_t position = start + KV_TILE; position < next_end; position++) {
+                const char *entry = (const char *)((const float *)key +
+                                                   entry_index(table, position, block_size,
+                                                               token_numel, item->kv_head,
+                                                               head_dim));
+                for (int64_t byte = 0; byte < head_dim * (int64_t)sizeof(float); byte += 64)
                     __builtin_prefetch(entry + byte);
             }
+        }
         /* positions past n repeat the tile's first: finite values their zero weights cancel */
         for (int64_t t = 0; t < KV_TILE; t++) {
             const int64_t position = start + (t < n ? t : 0);
-            const int64_t row = table[position / block_size] * block_size + position % block_size;
-            const int64_t index = row * token_numel + item->kv_head * head_dim;
+            const int64_t index =
+                entry_index(table, position, block_size, token_numel, item->kv_head, head_dim);
             if (kind == KV_FLOAT32) {
                 const float *k = (const float *)key + index;
                 v_rows[t] = (const float *)value + index;
