@@ -31,5 +31,6 @@ def check_configs(
             "async_scheduling does not combine with speculative decoding "
             "(num_speculative_tokens): drafts are proposed from the tokens of the step before"
         )
-    TensorParallelShard.of(model_config, 0, parallel.tensor_parallel_size)  # heads divide
+    # heads (and experts, or their columns) divide
+    TensorParallelShard.of(model_config, 0, parallel.tensor_parallel_size, parallel.expert_parallel)
     return model_config

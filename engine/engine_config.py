@@ -144,6 +144,9 @@ class ParallelConfig:
     """How many ranks one worker runs on and how they meet (engine/parallel/)."""
 
     tensor_parallel_size: int = 1  # ranks holding 1/N of the weights and KV heads each
+    # a mixture-of-experts model's routed experts dealt out whole over the ranks rather than
+    # each split by columns (engine/parallel/shard.py); vLLM's --enable-expert-parallel
+    expert_parallel: bool = False
     backend: str = "auto"  # gloo | nccl | auto (nccl on CUDA, gloo on CPU)
     host: str = "127.0.0.1"  # where rank 0 hosts the group's store; the ranks share a machine
     port: int = 0  # the store's port; 0: not chosen yet (a worker of one rank needs none)
@@ -164,6 +167,8 @@ class ParallelConfig:
             raise ValueError(f"port must be in 0 .. 65535, got {self.port}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.expert_parallel, bool):
+            raise ValueError(f"expert_parallel must be a bool, got {self.expert_parallel!r}")
 
     def resolved_backend(self, device: torch.device) -> str:
         """The collective backend for ranks on ``device``."""

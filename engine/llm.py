@@ -7,6 +7,8 @@ outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 scheduler and sampler) in the calling process, ranks 1 .. N-1 in spawned follower processes
 (engine/parallel/). They stop on ``close()``, when the LLM is garbage, or at interpreter exit.
 On CPU each rank, the calling process included, keeps 1/N of the cores' torch threads.
+``enable_expert_parallel=True`` deals a mixture-of-experts model's routed experts out whole
+over those ranks instead of splitting each expert's columns (engine/parallel/shard.py).
 As with any spawning code, a script that builds one must guard its top level with
 ``if __name__ == "__main__":``.
 """
@@ -67,6 +69,7 @@ class LLM:
         async_scheduling: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_timeout_s: float = 60.0,
+        enable_expert_parallel: bool = False,
     ) -> None:
         """``tensor_parallel_timeout_s``: the longest rank 0 waits in a collective, so a step
         with a follower that died or hangs fails within it. ``kv_cache_dtype``: auto (the
@@ -76,7 +79,11 @@ class LLM:
         (docs/kv-offload.md); 0: none."""
         if isinstance(speculative_config, Mapping):  # vLLM's dict
             speculative_config = SpeculativeConfig.from_mapping(speculative_config)
-        parallel = ParallelConfig(tensor_parallel_size, timeout_s=tensor_parallel_timeout_s)
+        parallel = ParallelConfig(
+            tensor_parallel_size,
+            timeout_s=tensor_parallel_timeout_s,
+            expert_parallel=enable_expert_parallel,
+        )
         configs = (
             LoadConfig(
                 model,

@@ -93,7 +93,9 @@ class LLMEngine:
             load, cache, scheduler, speculative, parallel, weights
         )
         try:
-            rank = build_rank_model(load, cache, scheduler, speculative, self.group, weights)
+            rank = build_rank_model(
+                load, cache, scheduler, speculative, self.group, weights, parallel.expert_parallel
+            )
         except BaseException:
             self.close()
             raise

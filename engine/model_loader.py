@@ -217,16 +217,37 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
             experts, projection = prefix.rsplit(".", 1)
             placed = [
                 found
-                for expert in range(layer.num_experts)
+                for held, expert in enumerate(model.shard.experts)
                 for found in _quantized_targets(
-                    model, f"{experts}.{expert}.{projection}.weight", leaf, layer, param[expert]
+                    model, f"{experts}.{expert}.{projection}.weight", leaf, layer, param[held]
                 )
             ]
         else:
             placed = _targets_of(model, name, param)
         for hf_name, target in placed:
             targets.setdefault(hf_name, []).append(target)
+    _add_experts_held_elsewhere(targets, model)
     return targets
+
+
+_EXPERT_IN_NAME = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _add_experts_held_elsewhere(targets: dict[str, list[_Target]], model: LlamaForCausalLM) -> None:
+    """Under expert parallelism, the checkpoint tensors of the experts other ranks hold, with
+    nothing to load on this one: the checkpoint must have them (not missing), and they are not
+    unexpected, but this rank reads none of their bytes."""
+    shard, moe = model.shard, model.config.moe
+    if not shard.expert_parallel or moe is None:
+        return
+    for name in list(targets):
+        found = _EXPERT_IN_NAME.search(name)
+        if found is None or int(found.group(1)) != shard.experts.start:
+            continue
+        for expert in range(moe.num_experts):
+            if expert not in shard.experts:
+                other = f"{name[: found.start()]}.experts.{expert}.{name[found.end() :]}"
+                targets.setdefault(other, [])
 
 
 def _quantized_targets(
@@ -475,17 +496,18 @@ def _checkpoint_tensors(
     """The checkpoint names a parameter loads from, as (name, the tensor it fills, the fused
     parts stacked in it or None). A routed experts param ``...experts.gate_up_proj`` [experts,
     rows, cols] loads expert e from ``...experts.{e}.gate_up_proj.weight`` into ``param[e]``
-    (and the fused parts of that name)."""
+    (and the fused parts of that name); under expert parallelism ``param[i]`` is the i-th
+    expert of the shard's run."""
     module_name, leaf = name.split(".")[-2:]
     if module_name != "experts":
         return [(name, param, _fused_parts(name, config, shard))]
     if config.architecture in _STACKED_EXPERTS_IN_CHECKPOINT:
         return [(name, param, None)]
     prefix = name[: -len(leaf) - 1]  # stacked: one checkpoint module per expert
-    expert_names = [f"{prefix}.{expert}.{leaf}.weight" for expert in range(param.shape[0])]
+    expert_names = [f"{prefix}.{expert}.{leaf}.weight" for expert in shard.experts]
     return [
-        (expert_name, param[expert], _fused_parts(expert_name, config, shard))
-        for expert, expert_name in enumerate(expert_names)
+        (expert_name, param[held], _fused_parts(expert_name, config, shard))
+        for held, expert_name in enumerate(expert_names)
     ]
 
 
@@ -560,25 +582,27 @@ def _single_target(
 def _stacked_expert_target(
     leaf: str, param: torch.Tensor, config: ModelConfig, shard: TensorParallelShard
 ) -> _Target:
-    """A stacked experts tensor (gpt-oss): every expert, this rank's columns of each (gate and
-    up interleaved in gate_up_proj's last dim, so a rank's are one contiguous range); the down
-    projection's bias is rank 0's alone."""
+    """A stacked experts tensor (gpt-oss): the shard's experts (all of them unless expert
+    parallel), this rank's columns of each (gate and up interleaved in gate_up_proj's last dim,
+    so a rank's are one contiguous range); the down projection's bias is added once
+    (``holds_expert_down_bias``)."""
     assert config.moe is not None
     width = config.moe.expert_intermediate_size
     mine = shard.expert_intermediate
     pairs = range(2 * mine.start, 2 * mine.stop)  # its gate and up columns, interleaved
-    experts = range(param.shape[0])
+    experts, held = shard.experts, param.shape[0]
+    num_experts = config.moe.num_experts
     if leaf == "gate_up_proj":  # [experts, hidden, 2 x width]
-        full = (param.shape[0], param.shape[1], 2 * width)
-        return _Target(param, 0, param.shape[0], full, experts, None, pairs)
+        full = (num_experts, param.shape[1], 2 * width)
+        return _Target(param, 0, held, full, experts, None, pairs)
     if leaf == "gate_up_proj_bias":  # [experts, 2 x width]
-        return _Target(param, 0, param.shape[0], (param.shape[0], 2 * width), experts, pairs)
+        return _Target(param, 0, held, (num_experts, 2 * width), experts, pairs)
     if leaf == "down_proj":  # [experts, width, hidden]
-        full = (param.shape[0], width, param.shape[2])
-        return _Target(param, 0, param.shape[0], full, experts, mine)
-    if leaf == "down_proj_bias":  # added once: rank 0 holds it
-        rows = experts if shard.rank == 0 else range(0)
-        return _Target(param, 0, param.shape[0], tuple(param.shape), rows, None)
+        full = (num_experts, width, param.shape[2])
+        return _Target(param, 0, held, full, experts, mine)
+    if leaf == "down_proj_bias":  # added once
+        rows = experts if shard.holds_expert_down_bias else range(0)
+        return _Target(param, 0, held, (num_experts, param.shape[1]), rows, None)
     raise ValueError(f"no stacked expert tensor {leaf!r}")
 
 
@@ -773,7 +797,7 @@ def _init_dummy_sharded(model: LlamaForCausalLM, seed: int) -> None:
         else:
             tensor.normal_(0.0, DUMMY_INIT_STD, generator=generator)
         for part_name, part in _checkpoint_parts(name, tensor, model.config):
-            for target in targets[part_name]:
+            for target in targets[part_name]:  # (none: an expert another rank holds)
                 _copy(part[target.index()] if target.rows else None, target)
 
 

@@ -46,6 +46,11 @@ _SPECULATIVE_HELP = (
     "prompt_lookup_max down to prompt_lookup_min; either alone sets both, neither: 5), and "
     "keeps the ones the model agrees with (greedy output is unchanged; default: off)"
 )
+_EXPERT_PARALLEL_HELP = (
+    "a mixture-of-experts model's routed experts dealt out whole over each worker's "
+    "tensor-parallel ranks (a run of experts per rank) instead of every rank holding a slice "
+    "of every expert: for expert widths or quantized blocks the ranks cannot split"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="ranks (processes of this machine) holding 1/N of the weights and KV heads each",
     )
+    gen.add_argument("--enable-expert-parallel", action="store_true", help=_EXPERT_PARALLEL_HELP)
     _add_engine_args(gen)
     gen.add_argument(
         "--speculative-config",
@@ -340,6 +346,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="ranks per decode (and colocated) worker (see -tp)",
     )
     cluster.add_argument(
+        "--enable-expert-parallel", action="store_true", help=_EXPERT_PARALLEL_HELP
+    )
+    cluster.add_argument(
         "--bind-worker-cpus",
         action="store_true",
         help="local Ray only: each worker's threads on cores of their own, the gateway and "
@@ -581,6 +590,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -665,6 +675,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
+        expert_parallel=args.enable_expert_parallel,
         worker_num_cpus=layout.worker_num_cpus,
         worker_num_gpus=num_gpus,
         bind_worker_cpus=layout.bind_worker_cpus,

@@ -69,6 +69,8 @@ class ClusterConfig:
     # each, placed together on one node; a rank holds 1/N of the weights and KV heads
     prefill_tp: int = 1
     decode_tp: int = 1
+    # each worker's routed experts dealt out whole over its ranks (--enable-expert-parallel)
+    expert_parallel: bool = False
     worker_num_cpus: float = 1.0  # Ray CPUs per worker rank (0 in tests)
     worker_num_gpus: float = 0.0  # GPUs per worker rank; fractions share a GPU
     bind_worker_cpus: bool = False  # local Ray only: each worker on cores of its own
@@ -192,14 +194,15 @@ class ClusterConfig:
         model = load_model_config(self.model_dir)
         for flag, size in sizes:
             try:
-                check_tensor_parallel_size(model, size)
+                check_tensor_parallel_size(model, size, self.expert_parallel)
             except ValueError as error:  # "tensor_parallel_size 3 must ..." -> "--decode-tp 3"
                 raise ValueError(str(error).replace("tensor_parallel_size", flag, 1)) from None
 
     def parallel_config(self, role: str) -> ParallelConfig:
         """The rank group of each worker of ``role`` ("prefill" | "decode"): its size (its rank
         0 picks the port of the group's store when it starts; the ranks share its node)."""
-        return ParallelConfig(self.prefill_tp if role == "prefill" else self.decode_tp)
+        size = self.prefill_tp if role == "prefill" else self.decode_tp
+        return ParallelConfig(size, expert_parallel=self.expert_parallel)
 
     @property
     def num_worker_ranks(self) -> int:

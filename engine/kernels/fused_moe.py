@@ -31,6 +31,10 @@ the matmuls' summation order and the final sum's (torch's path rounds after each
 
 Before the launches nothing waits for the GPU; the tokens per expert come back as a device
 tensor, and reading them (the model's metrics) is the layer's one wait.
+
+Under expert parallelism the weights are a rank's run of experts (``held``) and the ids the
+router's, of all experts: the pairs of other ranks' experts take the id past the held ones,
+so the sort puts them last and no tile covers them, and their rows of the output stay zero.
 """
 
 from __future__ import annotations
@@ -249,12 +253,14 @@ def silu_experts(
     gate_up_proj: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, up rows
     down_proj: torch.Tensor,  # [num_experts, hidden, intermediate]
     tiling: MatmulTiling | None = None,
+    held: range | None = None,  # the weights' experts among the ids' (None: ids index them)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, hidden], tokens per expert (int64)
-    """Sums over each token's experts weight * down(SiLU(gate) * up), as ``RoutedExperts``.
+    """Sums over each token's experts weight * down(SiLU(gate) * up), as ``RoutedExperts``
+    (over the ``held`` experts alone where given).
 
-    Returns the output and each expert's number of pairs, on x's device (reading the counts
-    is the caller's one wait for the GPU). Raises ValueError naming the argument on a wrong
-    shape, dtype or device.
+    Returns the output and each (held) expert's number of pairs, on x's device (reading the
+    counts is the caller's one wait for the GPU). Raises ValueError naming the argument on a
+    wrong shape, dtype or device.
     """
     _check_routing(x, weights, expert_ids)
     hidden = x.shape[1]
@@ -267,10 +273,11 @@ def silu_experts(
     intermediate = width // 2
     _check_weight("gate_up_proj", gate_up_proj, (num_experts, width, hidden), x)
     _check_weight("down_proj", down_proj, (num_experts, hidden, intermediate), x)
-    _check_expert_ids(expert_ids, num_experts)
+    _check_expert_ids(expert_ids, num_experts, held)
     gate_up = _Projection(gate_up_proj, gate_up_proj.stride(2), gate_up_proj.stride(1), None)
     down = _Projection(down_proj, down_proj.stride(2), down_proj.stride(1), None)
-    return _fused_experts(x, weights, expert_ids, gate_up, down, intermediate, tiling)
+    ids = _held_ids(expert_ids, held)
+    return _fused_experts(x, weights, ids, gate_up, down, intermediate, tiling, held=held)
 
 
 def clamped_swiglu_experts(
@@ -284,14 +291,15 @@ def clamped_swiglu_experts(
     alpha: float,
     limit: float,
     tiling: MatmulTiling | None = None,
+    held: range | None = None,  # the weights' experts among the ids' (None: ids index them)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, hidden], tokens per expert (int64)
     """Sums over each token's experts weight * (act @ down + down_bias), as gpt-oss's
     ``ClampedSwigluExperts``: gate, up = x @ gate_up + gate_up_bias (columns 2j, 2j + 1),
     gate clamped from above and up both ways at ``limit``, act = (up + 1) * gate *
-    sigmoid(alpha * gate).
+    sigmoid(alpha * gate); over the ``held`` experts alone where given.
 
-    Returns the output and each expert's number of pairs, on x's device. Raises ValueError
-    naming the argument on a wrong shape, dtype or device.
+    Returns the output and each (held) expert's number of pairs, on x's device. Raises
+    ValueError naming the argument on a wrong shape, dtype or device.
     """
     _check_routing(x, weights, expert_ids)
     hidden = x.shape[1]
@@ -309,14 +317,24 @@ def clamped_swiglu_experts(
     require(gate_up_bias.is_contiguous(), "gate_up_bias must be contiguous")
     require(down_bias.is_contiguous(), "down_bias must be contiguous")
     require(limit > 0, f"limit must be > 0, got {limit}")
-    _check_expert_ids(expert_ids, num_experts)
+    _check_expert_ids(expert_ids, num_experts, held)
     gate_up = _Projection(
         gate_up_proj, gate_up_proj.stride(1), gate_up_proj.stride(2), gate_up_bias
     )
     down = _Projection(down_proj, down_proj.stride(1), down_proj.stride(2), down_bias)
+    ids = _held_ids(expert_ids, held)
     return _fused_experts(
-        x, weights, expert_ids, gate_up, down, intermediate, tiling, (alpha, limit)
+        x, weights, ids, gate_up, down, intermediate, tiling, (alpha, limit), held
     )
+
+
+def _held_ids(expert_ids: torch.Tensor, held: range | None) -> torch.Tensor:
+    """The ids as indices of the held experts' weights; another rank's expert takes the index
+    past the last held one (None: the ids are those indices already)."""
+    if held is None:
+        return expert_ids
+    local = expert_ids - held.start
+    return local.masked_fill((local < 0) | (local >= len(held)), len(held))
 
 
 def _fused_experts(
@@ -328,6 +346,7 @@ def _fused_experts(
     intermediate: int,
     tiling: MatmulTiling | None,
     clamped_swiglu: tuple[float, float] | None = None,  # (alpha, limit) of gpt-oss's activation
+    held: range | None = None,  # expert parallelism: ids past the weights' are other ranks'
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorts the pairs, runs both launches and sums each token's rows (arguments checked)."""
     num_experts = gate_up.weight.shape[0]
@@ -376,7 +395,8 @@ def _fused_experts(
         CLAMPED_SWIGLU=clamped_swiglu is not None,
         **common,
     )
-    weighted = x.new_empty(num_pairs, hidden)  # [num_pairs, hidden] in pair order
+    # [num_pairs, hidden] in pair order; another rank's pairs are never written
+    weighted = x.new_empty(num_pairs, hidden) if held is None else x.new_zeros(num_pairs, hidden)
     _down_kernel[(rows.num_tiles, triton.cdiv(hidden, tiling.block_n))](
         act,
         rows.sorted_pairs,
@@ -437,13 +457,19 @@ def _check_routing(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Ten
     require_same_device(x, "x", weights=weights, expert_ids=expert_ids)
 
 
-def _check_expert_ids(expert_ids: torch.Tensor, num_experts: int) -> None:
-    """On CPU, where reading them costs no wait for a GPU, every id names an expert."""
+def _check_expert_ids(expert_ids: torch.Tensor, num_experts: int, held: range | None) -> None:
+    """``held`` names as many experts as the weights hold; on CPU, where reading them costs
+    no wait for a GPU, every id names an expert (without ``held``, one of the weights')."""
+    if held is not None:
+        require(
+            len(held) == num_experts and held.step == 1 and held.start >= 0,
+            f"held must be a run of the weights' {num_experts} experts, got {held}",
+        )
     if expert_ids.device.type != "cpu" or expert_ids.numel() == 0:
         return
     lowest, highest = int(expert_ids.min()), int(expert_ids.max())
     require(
-        lowest >= 0 and highest < num_experts,
+        lowest >= 0 and (held is not None or highest < num_experts),
         f"expert_ids must be in [0, {num_experts}), got {lowest} .. {highest}",
     )
 

@@ -177,6 +177,7 @@ def _layer_mlp(
         shared_width,
         group,
         config.quantization,
+        shard.experts,
     )
 
 

@@ -23,7 +23,11 @@ as wide as all of them).
 Tensor parallelism: every rank holds every expert's slice of intermediate columns (and the
 shared expert's), so a rank's routed and shared outputs are partial sums and the block ends
 in one all-reduce, as a dense MLP does (a bias of the experts' down projection is held by
-rank 0 alone, so the sum adds it once). The router is replicated.
+rank 0 alone, so the sum adds it once). The router is replicated. With expert parallelism a
+rank holds a run of whole experts instead (``held``: engine/parallel/shard.py): every rank
+routes every token alike, runs only the pairs of the experts it holds, and the same one
+all-reduce adds the ranks' shares (an expert's bias by the one rank that holds it). The
+step's tokens per expert are counted over all experts on every rank.
 
 Quantized checkpoints (FP8 blocks, packed integers): the routed experts keep their quantized
 weights stacked (``QuantizedRoutedExperts``) and run grouped by expert as above, each expert's
@@ -131,25 +135,49 @@ def grouped_by_expert(
     weights: torch.Tensor,  # [n, top_k]
     expert_ids: torch.Tensor,  # [n, top_k] int64
     num_experts: int,
-    expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],  # (expert, its rows) -> outputs
-) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
-    """Each expert's MLP once over the contiguous rows of its tokens, the outputs weighted and
-    added back per token in expert order (as transformers adds each expert's share in turn)."""
+    expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],  # (held expert, its rows) -> out
+    held: range | None = None,  # the experts this rank holds (expert parallelism); None: all
+) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert (every expert's)
+    """Each held expert's MLP once over the contiguous rows of its tokens (``expert_mlp`` takes
+    the expert's index among the held ones), the outputs weighted and added back per token in
+    expert order (as transformers adds each expert's share in turn); the pairs of experts held
+    elsewhere add nothing here."""
+    held = range(num_experts) if held is None else held
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)  # [n * top_k]
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order
-    tokens = order // top_k  # [n * top_k] the token of each sorted pair
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    grouped = x.index_select(0, tokens)  # [n * top_k, hidden] each expert's rows together
+    if len(held) < num_experts:  # the held experts' pairs, contiguous in that order
+        first = sum(counts[: held.start])
+        order = order[first : first + sum(counts[held.start : held.stop])]
+    tokens = order // top_k  # the token of each sorted pair
+    grouped = x.index_select(0, tokens)  # [pairs, hidden] each expert's rows together
     outputs = torch.empty_like(grouped)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[held.start : held.stop]):
         if count == 0:
             continue
         outputs[start : start + count] = expert_mlp(expert, grouped[start : start + count])
         start += count
     scaled = (outputs * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, scaled), counts
+
+
+def _part_held(held: range, num_experts: int) -> range | None:
+    """``held`` where it is a part of the experts (expert parallelism), else None."""
+    return held if len(held) < num_experts else None
+
+
+def _every_experts_counts(
+    fused_counts: torch.Tensor,  # [held experts] the fused kernels' tokens per held expert
+    expert_ids: torch.Tensor,  # [n, top_k]
+    held: range,
+    num_experts: int,
+) -> list[int]:
+    """Tokens per expert, every expert's (the fused kernels count the held ones alone)."""
+    if len(held) < num_experts:
+        return torch.bincount(expert_ids.reshape(-1), minlength=num_experts).tolist()
+    return fused_counts.tolist()
 
 
 def _packed(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> nn.ModuleList:
@@ -194,11 +222,19 @@ class RoutedExperts(nn.Module):
     weights are given up (the packed copies are the weights from then on). oneDNN took an
     expert's projection at 1.7-2.7x torch's speed on the 2-core machine (1 to 256 rows)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate: int,
+        held: range | None = None,  # the experts this rank holds (expert parallelism); None: all
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate))
+        self.held = range(num_experts) if held is None else held
+        count = len(self.held)
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * intermediate, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(count, hidden_size, intermediate))
         # each expert's projections packed for oneDNN (empty: the stacked weights run)
         self.packed_gate_up = nn.ModuleList()
         self.packed_down = nn.ModuleList()
@@ -208,7 +244,7 @@ class RoutedExperts(nn.Module):
         (once: packed experts stay so)."""
         if self.packed_gate_up:
             return
-        experts = range(self.num_experts)
+        experts = range(len(self.held))
         self.packed_gate_up = _packed((self.gate_up_proj[e], None) for e in experts)
         self.packed_down = _packed((self.down_proj[e], None) for e in experts)
         _give_up(self, "gate_up_proj", "down_proj")
@@ -221,10 +257,15 @@ class RoutedExperts(nn.Module):
     ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
         if not self.packed_gate_up and fused_moe.usable(x):
             out, counts = fused_moe.silu_experts(
-                x, weights, expert_ids, self.gate_up_proj, self.down_proj
+                x,
+                weights,
+                expert_ids,
+                self.gate_up_proj,
+                self.down_proj,
+                held=_part_held(self.held, self.num_experts),
             )
-            return out, counts.tolist()
-        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
+            return out, _every_experts_counts(counts, expert_ids, self.held, self.num_experts)
+        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp, self.held)
 
     def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
         if self.packed_gate_up:
@@ -247,14 +288,16 @@ class QuantizedRoutedExperts(nn.Module):
         hidden_size: int,
         intermediate: int,
         quantization: WeightQuantization,
+        held: range | None = None,  # the experts this rank holds (expert parallelism); None: all
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.held = range(num_experts) if held is None else held
         self.gate_up_proj: ExpertWeights = make_expert_weights(
-            num_experts, hidden_size, 2 * intermediate, quantization
+            len(self.held), hidden_size, 2 * intermediate, quantization
         )
         self.down_proj: ExpertWeights = make_expert_weights(
-            num_experts, intermediate, hidden_size, quantization
+            len(self.held), intermediate, hidden_size, quantization
         )
 
     def forward(
@@ -263,7 +306,7 @@ class QuantizedRoutedExperts(nn.Module):
         weights: torch.Tensor,  # [n, top_k] fp32
         expert_ids: torch.Tensor,  # [n, top_k] int64
     ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
-        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
+        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp, self.held)
 
     def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
         hidden = silu_and_mul(self.gate_up_proj.matmul(expert, rows))
@@ -281,10 +324,17 @@ class ClampedSwigluExperts(nn.Module):
     projections transposed once into ``x @ W.T`` form with their biases, the stacked weights
     given up."""
 
-    def __init__(self, moe: MoeConfig, hidden_size: int, intermediate: int) -> None:
+    def __init__(
+        self,
+        moe: MoeConfig,
+        hidden_size: int,
+        intermediate: int,
+        held: range | None = None,  # the experts this rank holds (expert parallelism); None: all
+    ) -> None:
         super().__init__()
-        experts = moe.num_experts
-        self.num_experts = experts
+        self.num_experts = moe.num_experts
+        self.held = range(moe.num_experts) if held is None else held
+        experts = len(self.held)
         self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden_size, 2 * intermediate))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * intermediate))
@@ -299,7 +349,7 @@ class ClampedSwigluExperts(nn.Module):
         stacked weights go (once: packed experts stay so)."""
         if self.packed_gate_up:
             return
-        experts = range(self.num_experts)
+        experts = range(len(self.held))
         self.packed_gate_up = _packed(
             (self.gate_up_proj[e].t().contiguous(), self.gate_up_proj_bias[e].clone())
             for e in experts
@@ -326,9 +376,10 @@ class ClampedSwigluExperts(nn.Module):
                 self.down_proj_bias,
                 self.alpha,
                 self.limit,
+                held=_part_held(self.held, self.num_experts),
             )
-            return out, counts.tolist()
-        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp)
+            return out, _every_experts_counts(counts, expert_ids, self.held, self.num_experts)
+        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp, self.held)
 
     def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
         if self.packed_gate_up:
@@ -380,6 +431,7 @@ class SparseMoeBlock(nn.Module):
         shared_intermediate: int,  # this rank's columns of the shared expert
         group: TensorParallelGroup,
         quantization: WeightQuantization | None = None,
+        held_experts: range | None = None,  # the experts this rank holds; None: all
     ) -> None:
         super().__init__()
         self.moe = moe
@@ -392,13 +444,15 @@ class SparseMoeBlock(nn.Module):
                     f"quantization_config ({quantization.describe()}) is not supported for "
                     "clamped-SwiGLU experts (gpt-oss)"
                 )
-            self.experts = ClampedSwigluExperts(moe, hidden_size, expert_intermediate)
+            self.experts = ClampedSwigluExperts(moe, hidden_size, expert_intermediate, held_experts)
         elif quantization is not None:
             self.experts = QuantizedRoutedExperts(
-                moe.num_experts, hidden_size, expert_intermediate, quantization
+                moe.num_experts, hidden_size, expert_intermediate, quantization, held_experts
             )
         else:
-            self.experts = RoutedExperts(moe.num_experts, hidden_size, expert_intermediate)
+            self.experts = RoutedExperts(
+                moe.num_experts, hidden_size, expert_intermediate, held_experts
+            )
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_expert_intermediate_size > 0:

@@ -156,7 +156,9 @@ def build_follower(
     runs the follower and closes its group."""
     group = join_group(load, parallel, rank, FOLLOWER_WAIT_S)
     try:
-        built = build_rank_model(load, cache, scheduler, speculative, group)
+        built = build_rank_model(
+            load, cache, scheduler, speculative, group, expert_parallel=parallel.expert_parallel
+        )
     except BaseException:
         group.close()
         raise

@@ -192,3 +192,47 @@ def test_a_lost_prefill_rank_takes_its_worker_out_and_no_request_is_lost(
         assert _kv_heads(cluster.pool.workers["prefill-0-r1"].actor) == (range(0, 1), range(1, 2))
     finally:
         cluster.shutdown()
+
+
+def _held_experts(actor: Any) -> list[range]:
+    """The routed experts each sparse layer of a worker's rank 0 holds."""
+    from engine.models.moe import RoutedExperts
+
+    def held(self: Any) -> list[range]:
+        modules = self.worker.engine.model.modules()
+        return [m.held for m in modules if isinstance(m, RoutedExperts)]
+
+    return list(_on(actor, held))
+
+
+def test_expert_parallel_workers_serve_what_one_rank_does(
+    ray_session: None, model_dirs: dict[str, Path]
+) -> None:
+    """Qwen2-MoE (eight experts and a shared one) on a prefill and a decode worker of two
+    ranks each, their experts dealt out whole (``--enable-expert-parallel``): every rank 0
+    holds experts 0-3, the KV hand-off is the plain one's, and 32 concurrent greedy requests
+    get the offline engine's tokens at one rank."""
+    model_dir = model_dirs["Qwen2MoeForCausalLM"]
+    config = local_cluster_config(
+        model_dir,
+        num_prefill=1,
+        num_decode=1,
+        prefill_tp=2,
+        decode_tp=2,
+        expert_parallel=True,
+        block_size=BLOCK_SIZE,
+        failure_policy="fail",  # a request whose KV did not arrive fails, never recomputes
+    )
+    assert config.parallel_config("decode").expert_parallel
+    cluster = Cluster.start(config)
+    try:
+        prefill = cluster.pool.workers["prefill-0"]
+        decode = cluster.pool.workers["decode-0"]
+        for actor in (prefill.actor, decode.actor):
+            runs = _held_experts(actor)  # each sparse layer's
+            assert runs and set(runs) == {range(0, 4)}
+        expected = offline_tokens(model_dir, PROMPTS, PARAMS, BLOCK_SIZE)
+        assert run_all(cluster, PROMPTS, PARAMS) == expected
+        assert _received(decode.actor) == (NUM_REQUESTS, _whole_kv_bytes(model_dir))
+    finally:
+        cluster.shutdown()

@@ -360,6 +360,38 @@ def test_a_tensor_parallel_slice_that_cuts_an_experts_block_is_refused(tmp_path:
         quantized_llm(model_dir, **TP_OPTIONS)
 
 
+def test_expert_parallel_ranks_hold_whole_experts_where_a_slice_would_cut_a_block(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint above, refused with its experts split by columns, serves with them dealt
+    out whole: each rank holds three of the six experts, every block of each, in float8."""
+    overrides = {**QUANTIZABLE_MOE[QWEN3_MOE], "moe_intermediate_size": 64}
+    model_dir = make_fp8_block_model(tmp_path, architecture=QWEN3_MOE, block=(64, 64), **overrides)
+    llm = quantized_llm(model_dir, **TP_OPTIONS, enable_expert_parallel=True)
+    try:
+        (experts,) = _experts(llm)
+        assert experts.held == range(0, 3)
+        assert isinstance(experts.gate_up_proj, Fp8BlockExpertWeights)
+        assert experts.gate_up_proj.weight.shape == (3, 128, 128)  # gate and up rows of 64
+        assert experts.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+        assert engine_greedy(llm) == _transformers_greedy(model_dir)
+    finally:
+        llm.close()
+
+
+def test_expert_parallel_ranks_of_packed_experts_equal_the_decompressed_model(
+    w4_asym_dir: Path,
+) -> None:
+    llm = quantized_llm(w4_asym_dir, **TP_OPTIONS, enable_expert_parallel=True)
+    try:
+        (experts,) = _experts(llm)
+        assert isinstance(experts.gate_up_proj, PackedIntExpertWeights)
+        assert experts.gate_up_proj.weight_packed.shape == (3, 256, 16)  # every column of 3
+        assert engine_greedy(llm) == _transformers_greedy(w4_asym_dir.parent / "dequantized")
+    finally:
+        llm.close()
+
+
 def test_dummy_weights_build_quantized_experts_from_the_config_alone(w4_asym_dir: Path) -> None:
     llm = quantized_llm(w4_asym_dir, load_format="dummy")
     assert len(_experts(llm)) == 1

@@ -156,11 +156,17 @@ def _load_counting(model_dir: Path, **kwargs: Any) -> tuple[LlamaForCausalLM, in
 
 
 def _rank_case(
-    group: TensorParallelGroup, model_dir: Path, load_format: str, backend: Backend
+    group: TensorParallelGroup,
+    model_dir: Path,
+    load_format: str,
+    backend: Backend,
+    expert_parallel: bool = False,
 ) -> dict[str, Any]:
     """One rank: load its shard, run the batch; its logits, parameter bytes and bytes read."""
+    config = load_model_config(model_dir)
+    shard = TensorParallelShard.of(config, group.rank, group.size, expert_parallel)
     model, bytes_read = _load_counting(
-        model_dir, group=group, load_format=load_format, linear_backend=backend
+        model_dir, shard=shard, group=group, load_format=load_format, linear_backend=backend
     )
     logits = _run_batch(model, model.config, model.shard.num_kv_heads)
     return {
@@ -181,13 +187,19 @@ def _expected_bytes(whole: LlamaForCausalLM, shard: TensorParallelShard) -> tupl
     norms and MoE routers whole (each expert's columns split like a dense MLP's); row-parallel
     biases whole (zeros off rank 0, not read there); its KV heads'
     rows (one head each where heads are replicated); its vocab rows, padding not read. Latent
-    attention's down projections are whole on every rank (the latent cache is replicated)."""
+    attention's down projections are whole on every rank (the latent cache is replicated).
+    Under expert parallelism a rank holds and reads its run of whole experts, biases too."""
     config = whole.config
     held = read = 0
     for name, param in whole.named_parameters():
         num_bytes = param.numel() * param.element_size()
         row_bytes = num_bytes // param.shape[0]
-        if "norm" in name or name.endswith(REPLICATED):
+        if shard.expert_parallel and ".experts." in name:  # [experts, ...]
+            held, read = (
+                held + len(shard.experts) * row_bytes,
+                read + len(shard.experts) * row_bytes,
+            )
+        elif "norm" in name or name.endswith(REPLICATED):
             held, read = held + num_bytes, read + num_bytes  # norms, routers, MLA's down proj.
         elif name.endswith(".experts.down_proj_bias") or (
             name.endswith(".bias") and any(f".{m}." in name for m in ROW_PARALLEL)
@@ -210,16 +222,17 @@ def _check_ranks(
     size: int,
     load_format: str = "auto",
     backend: Backend = "torch",
+    expert_parallel: bool = False,
 ) -> list[dict[str, Any]]:
     whole, whole_read = _load_counting(model_dir, load_format=load_format, linear_backend=backend)
     reference = _run_batch(whole, whole.config, whole.config.num_kv_heads)
     unpacked = (
         whole if backend == "torch" else _load_counting(model_dir, load_format=load_format)[0]
     )
-    results = pool.run(_rank_case, model_dir, load_format, backend, size=size)
+    results = pool.run(_rank_case, model_dir, load_format, backend, expert_parallel, size=size)
     for rank, result in enumerate(results):
         shard = result["shard"]
-        assert shard == TensorParallelShard.of(whole.config, rank, size)
+        assert shard == TensorParallelShard.of(whole.config, rank, size, expert_parallel)
         assert result["kv_heads_in_attention"] == [shard.num_kv_heads] * whole.config.num_layers
         torch.testing.assert_close(result["logits"], reference, atol=ATOL, rtol=0)
         assert torch.equal(result["logits"], results[0]["logits"]), f"rank {rank} differs"
@@ -260,6 +273,46 @@ def test_dummy_weights_are_slices_of_the_one_rank_dummy_model(
     pool: RankPool, variant_dirs: dict[str, Path], name: str
 ) -> None:
     _check_ranks(pool, variant_dirs[name], size=2, load_format="dummy")
+
+
+MOE_ARCHITECTURES = [
+    arch
+    for arch in ARCHITECTURES
+    if arch.startswith(("Mixtral", "Qwen2Moe", "Qwen3Moe", "Deepseek", "GptOss"))
+]
+
+
+@pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
+def test_expert_parallel_ranks_match_one(
+    pool: RankPool, model_dirs: dict[str, Path], architecture: str
+) -> None:
+    """Each rank holds (and reads) its run of whole experts alone; the logits are the one
+    rank's."""
+    results = _check_ranks(pool, model_dirs[architecture], size=2, expert_parallel=True)
+    num_experts = results[0]["shard"].experts.stop + len(results[1]["shard"].experts)
+    assert [r["shard"].experts for r in results] == [
+        range(0, num_experts // 2),
+        range(num_experts // 2, num_experts),
+    ]
+
+
+def test_expert_parallel_ranks_of_uneven_runs(pool: RankPool, model_dirs: dict[str, Path]) -> None:
+    """Six experts over four ranks: two, two, one and one."""
+    results = _check_ranks(pool, model_dirs["Qwen3MoeForCausalLM"], size=4, expert_parallel=True)
+    assert [r["shard"].experts for r in results] == [
+        range(0, 2),
+        range(2, 4),
+        range(4, 5),
+        range(5, 6),
+    ]
+
+
+def test_expert_parallel_dummy_weights_are_slices_of_the_one_rank_dummy_model(
+    pool: RankPool, variant_dirs: dict[str, Path]
+) -> None:
+    _check_ranks(
+        pool, variant_dirs["dummy-qwen2-moe"], size=2, load_format="dummy", expert_parallel=True
+    )
 
 
 def test_a_group_of_another_rank_is_refused(model_dirs: dict[str, Path]) -> None:

@@ -79,7 +79,7 @@ def test_whole_is_rank_0_of_1() -> None:
     config = _config(4, 2)
     whole = TensorParallelShard.whole(config)
     assert whole == TensorParallelShard(
-        0, 1, range(4), range(2), range(128), range(0), range(0), range(1024), 1024
+        0, 1, range(4), range(2), range(128), range(0), range(0), range(0), range(1024), 1024
     )
 
 
@@ -108,3 +108,64 @@ def test_errors_name_the_field_and_the_numbers(
     config = _config(heads, kv_heads, **{"hidden_size": heads * 16, **overrides})
     with pytest.raises(ValueError, match=message):
         TensorParallelShard.of(config, rank, size)
+
+
+def _moe_config(num_experts: int, expert_width: int, shared_width: int = 0) -> ModelConfig:
+    overrides: dict[str, Any] = {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "num_experts": num_experts,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": expert_width,
+        "shared_expert_intermediate_size": shared_width,
+    }
+    return _config(4, 2, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "size", "runs"),
+    [
+        (8, 2, [range(0, 4), range(4, 8)]),
+        (8, 4, [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]),
+        (6, 4, [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]),  # the first take more
+        (4, 4, [range(i, i + 1) for i in range(4)]),
+    ],
+)
+def test_expert_parallelism_deals_out_whole_experts(
+    num_experts: int, size: int, runs: list[range]
+) -> None:
+    config = _moe_config(num_experts, expert_width=24, shared_width=16)
+    shards = [TensorParallelShard.of(config, rank, size, True) for rank in range(size)]
+    assert [s.experts for s in shards] == runs
+    assert all(s.expert_intermediate == range(24) for s in shards)  # every column of each
+    # the shared expert and the dense parts split by columns as without it
+    plain = _shards(config, size)
+    assert [s.shared_expert_intermediate for s in shards] == [
+        s.shared_expert_intermediate for s in plain
+    ]
+    assert [s.q_heads for s in shards] == [s.q_heads for s in plain]
+    assert all(s.expert_parallel and s.holds_expert_down_bias for s in shards)
+    assert [s.holds_expert_down_bias for s in plain] == [True] + [False] * (size - 1)
+    assert all(s.experts == range(num_experts) for s in plain)
+
+
+def test_expert_parallelism_takes_expert_widths_the_ranks_cannot_split() -> None:
+    config = _moe_config(8, expert_width=6)  # 6 columns: not split by 4 ranks
+    with pytest.raises(ValueError, match="must divide moe_intermediate_size 6 .*expert"):
+        TensorParallelShard.of(config, 0, 4)
+    shard = TensorParallelShard.of(config, 3, 4, True)
+    assert (shard.experts, shard.expert_intermediate) == (range(6, 8), range(6))
+
+
+def test_expert_parallelism_needs_an_expert_per_rank() -> None:
+    config = _moe_config(2, expert_width=16)
+    with pytest.raises(
+        ValueError,
+        match="tensor_parallel_size 4 with expert parallelism must "
+        "be at most the routed experts, num_experts 2",
+    ):
+        TensorParallelShard.of(config, 0, 4, True)
+
+
+def test_expert_parallelism_leaves_a_dense_model_as_it_was() -> None:
+    config = _config(4, 2)
+    assert TensorParallelShard.of(config, 1, 2, True) == TensorParallelShard.of(config, 1, 2)

@@ -198,9 +198,9 @@ def test_the_experts_take_the_fused_path_on_a_gpu(
     name = "silu_experts" if kind == "silu" else "clamped_swiglu_experts"
     kernel = getattr(fused_moe, name)
 
-    def counted(*args: object) -> object:
+    def counted(*args: object, **kwargs: object) -> object:
         calls.append(name)
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setattr(fused_moe, name, counted)
     if DEVICE == "cpu":
@@ -296,3 +296,59 @@ def test_greedy_matches_transformers_through_the_fused_experts(
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     expected = [hf_greedy(model_dir, prompt, 6) for prompt in prompts]
     assert [output.outputs[0].token_ids for output in outputs] == expected
+
+
+def _held_part(whole: Experts, held: range) -> Experts:
+    """The experts ``held`` of ``whole``, as a rank of expert parallelism holds them."""
+    first, last = held.start, held.stop
+    part: Experts
+    if isinstance(whole, RoutedExperts):
+        part = RoutedExperts(whole.num_experts, 1, 1, held)
+    else:
+        moe = MoeConfig(
+            num_experts=whole.num_experts,
+            num_experts_per_token=1,
+            expert_intermediate_size=1,
+            normalize_top_k=False,
+            sparse_layers=(0,),
+            shared_expert_intermediate_size=0,
+            expert_activation="clamped_swiglu",
+            swiglu_limit=LIMIT,
+        )
+        part = ClampedSwigluExperts(moe, 1, 1, held)
+    for name, param in whole.named_parameters():
+        setattr(part, name, torch.nn.Parameter(param[first:last].clone(), requires_grad=False))
+    return part
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ranks_of_held_experts_add_up_to_all_of_them(kind: str) -> None:
+    """Expert parallelism: three ranks holding experts 0-2, 3-5 and 6-7 each run only their
+    pairs, fused as in torch; their outputs add up to the whole layer's, and each counts
+    every expert's tokens."""
+    experts = _make_experts(kind, 8, 64, 48, torch.float32, seed=9)
+    weights, ids = _routing(30, 2, 8, "random", seed=9)
+    x = torch.randn(30, 64, device=DEVICE)
+    whole, whole_counts = _torch_path(experts, x, weights, ids)
+    total = torch.zeros_like(x)
+    for held in (range(0, 3), range(3, 6), range(6, 8)):
+        part = _held_part(experts, held)
+        mine = ((ids >= held.start) & (ids < held.stop)).to(weights.dtype)
+        alone, _ = _torch_path(experts, x, weights * mine, ids)  # the others' pairs weigh 0
+        expected, counts = _torch_path(part, x, weights, ids)
+        torch.testing.assert_close(expected, alone, atol=1e-5, rtol=1e-5)
+        assert counts == whole_counts
+        got, fused_counts = _fused_held(part, x, weights, ids)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert fused_counts == whole_counts
+        total += got
+    torch.testing.assert_close(total, whole, atol=1e-5, rtol=1e-5)
+
+
+def _fused_held(
+    part: Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, list[int]]:
+    """The layer's forward through the fused kernels (in Triton's interpreter on a CPU)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_moe, "usable", lambda x: True)
+        return part(x, weights, ids)

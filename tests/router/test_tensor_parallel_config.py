@@ -12,6 +12,7 @@ from router.cli import build_parser
 from router.rank_placement import MIN_BUNDLE_CPUS, RankPlacement, rank_bundle
 from router.serve_defaults import pick_layout
 from tests.fixtures.local_cluster import local_cluster_config
+from tests.fixtures.tiny_models import make_tiny_model
 
 
 def test_a_size_the_heads_cannot_split_is_refused_naming_the_flag(llama_dir: Path) -> None:
@@ -73,3 +74,23 @@ def test_each_rank_reserves_its_bundle_and_one_rank_needs_no_group() -> None:
     assert rank_bundle(0.0, 0.0, {}) == {"CPU": MIN_BUNDLE_CPUS}
     single = RankPlacement.create("pdserve-decode-0", 1, rank_bundle(1.0, 0.0, {}))
     assert single.group is None and single.options(0) == {}
+
+
+def test_expert_parallelism_is_checked_for_each_pool_naming_the_flag(tmp_path: Path) -> None:
+    """Qwen3-MoE of 4 query heads and 4 experts 6 wide: four ranks cannot split an expert's
+    columns, but can each hold a whole expert."""
+    model_dir = make_tiny_model(
+        tmp_path, "Qwen3MoeForCausalLM", seed=2, num_experts=4, moe_intermediate_size=6
+    )
+    with pytest.raises(ValueError, match="--decode-tp 4 must divide moe_intermediate_size 6"):
+        local_cluster_config(model_dir, num_prefill=1, decode_tp=4)
+    config = local_cluster_config(model_dir, num_prefill=1, decode_tp=4, expert_parallel=True)
+    assert config.parallel_config("decode").expert_parallel
+    assert config.parallel_config("prefill").expert_parallel
+    args = build_parser().parse_args(["serve", "--model", "m", "--enable-expert-parallel"])
+    assert args.enable_expert_parallel
+    assert not build_parser().parse_args(["serve", "--model", "m"]).enable_expert_parallel
+    args = build_parser().parse_args(
+        ["generate", "--model", "m", "--prompt", "a", "-tp", "2", "--enable-expert-parallel"]
+    )
+    assert args.enable_expert_parallel
