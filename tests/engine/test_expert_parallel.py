@@ -117,3 +117,24 @@ def test_expert_parallelism_needs_an_expert_per_rank_before_any_process_starts(
         tp_llm(model_dir, 4, enable_expert_parallel=True)
     assert set(multiprocessing.active_children()) == before
     tp_llm(model_dir, 4).close()  # the experts' columns split over four ranks as before
+
+
+def test_tokens_per_expert_count_every_experts_tokens(model_dirs: dict[str, Path]) -> None:
+    """The metric of tokens per expert (rank 0's counts) covers the experts the other rank
+    holds: Qwen3-MoE's six experts, three a rank, count what the one-rank engine counts."""
+    model_dir = model_dirs["Qwen3MoeForCausalLM"]
+    prompts = make_prompts(seed=4)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    one_rank = LLM(str(model_dir), dtype="float32", device="cpu", skip_tokenizer_init=True)
+    expected = [o.outputs[0].token_ids for o in one_rank.generate(prompts, params)]
+    llm = ep_llm(model_dir)
+    try:
+        assert set(held_runs(llm)) == {range(0, 3)}
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        counts = llm.engine.runner.expert_tokens
+        one_rank_counts = one_rank.engine.runner.expert_tokens
+        assert counts is not None and one_rank_counts is not None
+        assert counts.per_expert() == one_rank_counts.per_expert()
+        assert all(n > 0 for n in counts.per_expert()[3:])  # the other rank's experts
+    finally:
+        llm.close()
