@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.kv_cache.cache_groups import CacheGroups, cache_groups_for
 from engine.quantization.config import (
+    Mxfp4ExpertWeights,
     PackedIntWeights,
     W8A8Weights,
     WeightQuantization,
@@ -573,9 +574,13 @@ def _parse_quantization(
     if not quantization or _kv_cache_scheme_only(quantization):
         return None
     weights = parse_quantization_config(quantization, experts=moe is not None)
+    unsupported = f"quantization_config ({weights.describe()}) is not supported for {architecture}"
+    if isinstance(weights, Mxfp4ExpertWeights):
+        if moe is None or moe.expert_activation != "clamped_swiglu":
+            raise ValueError(f"{unsupported}: MXFP4 is read for gpt-oss's experts only")
+        return weights
     if moe is None and not latent_attention:
         return weights
-    unsupported = f"quantization_config ({weights.describe()}) is not supported for {architecture}"
     if isinstance(weights, W8A8Weights):
         raise ValueError(
             f"{unsupported}: its experts and latent attention hold FP8 block-wise or packed "
@@ -584,7 +589,9 @@ def _parse_quantization(
     if moe is None:
         return weights
     if moe.expert_activation != "silu":
-        raise ValueError(f"{unsupported}: its clamped-SwiGLU experts run float weights only")
+        raise ValueError(
+            f"{unsupported}: its clamped-SwiGLU experts run float or MXFP4 weights only"
+        )
     if isinstance(weights, PackedIntWeights) and weights.act_order:
         raise ValueError(
             f"{unsupported}: quantization_config.desc_act true (GPTQ's activation order) is "

@@ -37,7 +37,7 @@ from engine.kernels.linear import PackedLinear, pack_linears
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import LatentAttention
-from engine.models.moe import ClampedSwigluExperts, RoutedExperts
+from engine.models.moe import ClampedSwigluExperts, Mxfp4ClampedSwigluExperts, RoutedExperts
 from engine.models.registry import get_model_class
 from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
@@ -53,6 +53,8 @@ from engine.quantization.config import (
 from engine.quantization.fp8_linear import Fp8BlockLinear
 from engine.quantization.kv_cache_scheme import is_kv_scale
 from engine.quantization.linear import QUANTIZED_LEAVES
+from engine.quantization.mxfp4_experts import GROUP as MXFP4_GROUP
+from engine.quantization.mxfp4_experts import SCALE_BIAS
 from engine.quantization.packed_linear import PackedIntLinear
 from engine.quantization.quantized_experts import (
     EXPERT_QUANTIZED_LEAVES,
@@ -311,6 +313,7 @@ def _quantized_target(
         return dataclasses.replace(target, param=param)
     if isinstance(weights, W8A8Weights):
         return _w8a8_scale_target(leaf, target, param, weights)
+    assert isinstance(weights, Fp8BlockWeights)  # (MXFP4 experts are stacked: not a layer's)
     return _fp8_block_scale_target(target, param, weights)
 
 
@@ -585,7 +588,8 @@ def _stacked_expert_target(
     """A stacked experts tensor (gpt-oss): the shard's experts (all of them unless expert
     parallel), this rank's columns of each (gate and up interleaved in gate_up_proj's last dim,
     so a rank's are one contiguous range); the down projection's bias is added once
-    (``holds_expert_down_bias``)."""
+    (``holds_expert_down_bias``). MXFP4's blocks and scales hold output rows first: gate_up's
+    rank's rows, down's rank's groups of 32 inputs (dim 2)."""
     assert config.moe is not None
     width = config.moe.expert_intermediate_size
     mine = shard.expert_intermediate
@@ -603,6 +607,13 @@ def _stacked_expert_target(
     if leaf == "down_proj_bias":  # added once
         rows = experts if shard.holds_expert_down_bias else range(0)
         return _Target(param, 0, held, (num_experts, param.shape[1]), rows, None)
+    if leaf in ("gate_up_proj_blocks", "gate_up_proj_scales"):  # [experts, 2 x width, ...]
+        full = (num_experts, 2 * width, *param.shape[2:])
+        return _Target(param, 0, held, full, experts, pairs)
+    if leaf in ("down_proj_blocks", "down_proj_scales"):  # [experts, hidden, width / 32, ...]
+        full = (num_experts, param.shape[1], width // MXFP4_GROUP, *param.shape[3:])
+        groups = _in_units(mine, MXFP4_GROUP, "quant_method mxfp4: a scale per 32 inputs")
+        return _Target(param, 0, held, full, experts, None, groups)
     raise ValueError(f"no stacked expert tensor {leaf!r}")
 
 
@@ -771,6 +782,10 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
             param.copy_(drawn.normal_(0.0, DUMMY_INIT_STD, generator=generator))
         else:
             param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
+    for module in model.modules():  # MXFP4 experts: weights of at most 6 x 2^-8 (~0.02)
+        if isinstance(module, Mxfp4ClampedSwigluExperts):
+            for scales in (module.gate_up_proj_scales, module.down_proj_scales):
+                scales.random_(SCALE_BIAS - 10, SCALE_BIAS - 7, generator=generator)
 
 
 def _unit_norm_weights(model: LlamaForCausalLM) -> dict[int, float]:

@@ -33,7 +33,8 @@ Quantized checkpoints (FP8 blocks, packed integers): the routed experts keep the
 weights stacked (``QuantizedRoutedExperts``) and run grouped by expert as above, each expert's
 weights dequantized for the step it has tokens in (on a GPU the dense layers' quantized kernels
 run per expert instead); the shared expert's projections are the dense layers' quantized ones;
-the router stays float.
+the router stays float. gpt-oss's MXFP4 experts (``Mxfp4ClampedSwigluExperts``) run the same
+way on every device: each expert with tokens dequantized for the step.
 
 The step's tokens per expert are added to the forward context's ``ExpertTokenCounts`` when it
 has one (rows past the batch, the runner's padding, are neither routed nor counted).
@@ -53,8 +54,14 @@ from engine.kernels.linear import PackedLinear, padded_rows
 from engine.model_config import MoeConfig
 from engine.models.fused_ops import silu_and_mul
 from engine.parallel.group import TensorParallelGroup
-from engine.quantization.config import WeightQuantization
+from engine.quantization.config import Mxfp4ExpertWeights, WeightQuantization
 from engine.quantization.linear import make_linear
+from engine.quantization.mxfp4_experts import (
+    BYTES_PER_GROUP,
+    GROUP,
+    check_mxfp4_width,
+    dequantize_mxfp4,
+)
 from engine.quantization.quantized_experts import ExpertWeights, make_expert_weights
 
 
@@ -390,10 +397,78 @@ class ClampedSwigluExperts(nn.Module):
         return hidden @ self.down_proj[expert] + self.down_proj_bias[expert]
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [m, 2 x cols] -> [m, cols]
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
+
+
+def clamped_swiglu(
+    gate_up: torch.Tensor,  # [m, 2 x cols]: gate and up interleaved
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:  # [m, cols]
+    """gpt-oss's activation: (up + 1) * gate * sigmoid(alpha * gate), gate clamped from above
+    and up both ways at ``limit``."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class Mxfp4ClampedSwigluExperts(nn.Module):
+    """gpt-oss's experts as OpenAI publishes them: gate_up and down in MXFP4
+    (engine/quantization/mxfp4_experts.py: ``*_blocks`` [E, out, in / 32, 16] and ``*_scales``
+    [E, out, in / 32] uint8, output rows first), their biases float (the down projection's
+    added once, as ``ClampedSwigluExperts``'). Each expert with tokens in a step has its two
+    weights dequantized into the activations' dtype for that step alone, then runs as the
+    float experts' unpacked path does; the layer stays 4.25 bits a weight."""
+
+    def __init__(
+        self,
+        moe: MoeConfig,
+        hidden_size: int,
+        intermediate: int,  # this rank's columns of each expert
+        held: range | None = None,  # the experts this rank holds (expert parallelism); None: all
+    ) -> None:
+        super().__init__()
+        check_mxfp4_width("hidden_size", hidden_size)
+        check_mxfp4_width("a rank's columns of each expert (intermediate_size / tp)", intermediate)
+        self.num_experts = moe.num_experts
+        self.held = range(moe.num_experts) if held is None else held
+        self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
+        experts, groups = len(self.held), hidden_size // GROUP
+        self.gate_up_proj_blocks = _bytes(experts, 2 * intermediate, groups, BYTES_PER_GROUP)
+        self.gate_up_proj_scales = _bytes(experts, 2 * intermediate, groups)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * intermediate))
+        self.down_proj_blocks = _bytes(experts, hidden_size, intermediate // GROUP, BYTES_PER_GROUP)
+        self.down_proj_scales = _bytes(experts, hidden_size, intermediate // GROUP)
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden_size))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+        weights: torch.Tensor,  # [n, top_k]
+        expert_ids: torch.Tensor,  # [n, top_k] int64
+    ) -> tuple[torch.Tensor, list[int]]:  # [n, hidden], tokens per expert
+        return grouped_by_expert(x, weights, expert_ids, self.num_experts, self._mlp, self.held)
+
+    def dequantized(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held expert ``expert``'s gate_up [hidden, 2 x cols] and down [cols, hidden] weights
+        in ``dtype``, in the float experts' ``x @ W`` layout."""
+        gate_up = dequantize_mxfp4(
+            self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], dtype
+        )
+        down = dequantize_mxfp4(self.down_proj_blocks[expert], self.down_proj_scales[expert], dtype)
+        return gate_up.t(), down.t()
+
+    def _mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [m, hidden]
+        gate_up, down = self.dequantized(expert, rows.dtype)
+        hidden = clamped_swiglu(
+            rows @ gate_up + self.gate_up_proj_bias[expert], self.alpha, self.limit
+        )
+        return hidden @ down + self.down_proj_bias[expert]
+
+
+def _bytes(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
 
 
 class SharedExpert(nn.Module):
@@ -437,8 +512,19 @@ class SparseMoeBlock(nn.Module):
         self.moe = moe
         self.layer_idx = layer_idx
         self.gate = Router(moe, hidden_size)
-        self.experts: RoutedExperts | QuantizedRoutedExperts | ClampedSwigluExperts
-        if moe.expert_activation == "clamped_swiglu":
+        self.experts: (
+            RoutedExperts
+            | QuantizedRoutedExperts
+            | ClampedSwigluExperts
+            | Mxfp4ClampedSwigluExperts
+        )
+        if moe.expert_activation == "clamped_swiglu" and isinstance(
+            quantization, Mxfp4ExpertWeights
+        ):
+            self.experts = Mxfp4ClampedSwigluExperts(
+                moe, hidden_size, expert_intermediate, held_experts
+            )
+        elif moe.expert_activation == "clamped_swiglu":
             if quantization is not None:
                 raise ValueError(
                     f"quantization_config ({quantization.describe()}) is not supported for "
@@ -446,6 +532,7 @@ class SparseMoeBlock(nn.Module):
                 )
             self.experts = ClampedSwigluExperts(moe, hidden_size, expert_intermediate, held_experts)
         elif quantization is not None:
+            assert not isinstance(quantization, Mxfp4ExpertWeights)  # (gpt-oss's alone)
             self.experts = QuantizedRoutedExperts(
                 moe.num_experts, hidden_size, expert_intermediate, quantization, held_experts
             )

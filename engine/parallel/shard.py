@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.model_config import ModelConfig
+from engine.quantization.config import Mxfp4ExpertWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,14 @@ def check_tensor_parallel_size(
             f"tensor_parallel_size {size} must divide moe_intermediate_size "
             f"{moe.expert_intermediate_size} (or deal the experts out whole: expert "
             "parallelism)"
+        )
+    width = 0 if moe is None else moe.expert_intermediate_size // size  # a rank's columns
+    if isinstance(config.quantization, Mxfp4ExpertWeights) and not expert_parallel and width % 32:
+        raise ValueError(
+            f"tensor_parallel_size {size} leaves each rank {width} of every expert's "
+            f"{moe.expert_intermediate_size if moe else 0} columns: MXFP4 experts split at "
+            "runs of 32 inputs (quantization_config quant_method mxfp4); choose a size that "
+            "keeps whole runs, or deal the experts out whole (expert parallelism)"
         )
     if moe is not None and moe.shared_expert_intermediate_size % size != 0:
         raise ValueError(

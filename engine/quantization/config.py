@@ -19,7 +19,11 @@ Supported:
 - block-wise FP8 (``quant_method: fp8``, DeepSeek-V3's and Qwen3's FP8 checkpoints): every
   linear layer's weight in float8 e4m3 with a float32 scale per 128 x 128 block
   (``weight_scale_inv``, multiplied despite its name); activations quantized per token group
-  on the fly by the GPU kernels (``activation_scheme: dynamic``), not on CPU, as transformers.
+  on the fly by the GPU kernels (``activation_scheme: dynamic``), not on CPU, as transformers;
+- MXFP4 (``quant_method: mxfp4``, gpt-oss as OpenAI publishes it): the routed experts' weights
+  in 4-bit e2m1 floats, two to a byte, with a power-of-two scale (an e8m0 byte) per 32 inputs;
+  every other layer (attention, router, embeddings, LM head) float
+  (engine/quantization/mxfp4_experts.py).
 The layouts, as published, are in docs/quantized-checkpoints.md. A ``kv_cache_scheme`` (the
 scales of a quantized KV cache) is read by engine/quantization/kv_cache_scheme.py. Everything
 else (compressed-tensors' other activation schemes: asymmetric, per group, dynamic per
@@ -124,7 +128,27 @@ class W8A8Weights:
         return f"{self.method} w8a8 {element} ({weights}, {inputs} inputs)"
 
 
-WeightQuantization = PackedIntWeights | Fp8BlockWeights | W8A8Weights
+@dataclass(frozen=True, slots=True)
+class Mxfp4ExpertWeights:
+    """gpt-oss's routed experts in MXFP4 (``quant_method: mxfp4``); its other layers float."""
+
+    method: str = "mxfp4"
+
+    @property
+    def stored_bits_per_weight(self) -> float:
+        """4 bits, and the group's 8-bit scale shared over 32 weights (the experts' alone)."""
+        return 4 + 8 / 32
+
+    @property
+    def experts_only(self) -> bool:
+        """Whether only the routed experts hold quantized weights (the rest float)."""
+        return True
+
+    def describe(self) -> str:
+        return "mxfp4 experts (e2m1, a power-of-two scale per 32)"
+
+
+WeightQuantization = PackedIntWeights | Fp8BlockWeights | W8A8Weights | Mxfp4ExpertWeights
 
 
 def parse_quantization_config(raw: Any, experts: bool = False) -> WeightQuantization:
@@ -141,11 +165,13 @@ def parse_quantization_config(raw: Any, experts: bool = False) -> WeightQuantiza
         return _awq(raw, experts)
     if method == "gptq":
         return _gptq(raw, experts)
+    if method == "mxfp4":
+        return _mxfp4(raw)
     if method != "compressed-tensors":
         raise ValueError(
             f"{_FIELD}.quant_method {method!r} is not supported; supported: "
             "'compressed-tensors' (pack-quantized W4A16 / W8A16, W8A8), 'awq', 'gptq', "
-            "'fp8' (block-wise)"
+            "'fp8' (block-wise), 'mxfp4' (gpt-oss's experts)"
         )
     status = raw.get("quantization_status", "compressed")
     if status != "compressed":
@@ -283,6 +309,20 @@ def _weights(args: Any, path: str) -> PackedIntWeights:
     if not isinstance(symmetric, bool):
         raise ValueError(f"{_FIELD}.{path}.symmetric must be true or false, got {symmetric!r}")
     return PackedIntWeights(num_bits, group_size, symmetric)
+
+
+def _mxfp4(raw: dict[str, Any]) -> Mxfp4ExpertWeights:
+    """gpt-oss's MXFP4 experts: its ``modules_to_not_convert`` may name any layer but them."""
+    skipped = raw.get("modules_to_not_convert") or []
+    if not isinstance(skipped, list):
+        raise ValueError(f"{_FIELD}.modules_to_not_convert must be a list, got {skipped!r}")
+    experts = [entry for entry in skipped if "experts" in str(entry)]
+    if experts:
+        raise ValueError(
+            f"{_FIELD}.modules_to_not_convert names the experts ({experts}): MXFP4 is supported "
+            "for quantized experts only (the other layers float)"
+        )
+    return Mxfp4ExpertWeights()
 
 
 def _require_absent(raw: dict[str, Any], key: str, what: str) -> None:

@@ -33,9 +33,10 @@ def make_linear(
     quantization: WeightQuantization | None,
     row_group: TensorParallelGroup | None = None,
 ) -> nn.Linear | QuantizedLinear:
-    """A decoder projection: float (``quantization`` None), packed integers, FP8 blocks or 8-bit
-    weights with 8-bit inputs. ``row_group``: the ranks a row-parallel projection's inputs are
-    split over (its dynamic per-token input scales are the whole row's)."""
+    """A decoder projection: float (``quantization`` None, or one that quantizes the routed
+    experts alone: MXFP4), packed integers, FP8 blocks or 8-bit weights with 8-bit inputs.
+    ``row_group``: the ranks a row-parallel projection's inputs are split over (its dynamic
+    per-token input scales are the whole row's)."""
     if isinstance(quantization, PackedIntWeights):
         return PackedIntLinear(in_features, out_features, bias, quantization)
     if isinstance(quantization, Fp8BlockWeights):

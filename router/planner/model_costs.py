@@ -37,7 +37,12 @@ from typing import Literal
 
 from engine.kv_cache.cache_groups import CacheGroups
 from engine.model_config import ModelConfig, load_model_config
-from engine.quantization.config import Fp8BlockWeights, W8A8Weights, WeightQuantization
+from engine.quantization.config import (
+    Fp8BlockWeights,
+    Mxfp4ExpertWeights,
+    W8A8Weights,
+    WeightQuantization,
+)
 
 EightBitMatmul = Literal["int8", "fp8"]
 
@@ -130,6 +135,9 @@ class ModelCosts:
         kv_width = KV_CACHE_DTYPE_BYTES[kv_cache_dtype] or width
         quantized = config.quantization
         linear_bits = 8 * width if quantized is None else quantized.stored_bits_per_weight
+        routed_bits = linear_bits  # the routed experts'
+        if isinstance(quantized, Mxfp4ExpertWeights):  # the experts alone quantized
+            linear_bits = 8 * width
         hidden = config.hidden_size
         attention, attention_flops = _attention(config)
         linear = computed = 0  # the decoder's linear layers' parameters: stored, computed
@@ -148,7 +156,8 @@ class ModelCosts:
             name=name,
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
-            weight_bytes=round(linear * linear_bits / 8) + embeddings * width,
+            weight_bytes=round((linear - routed) * linear_bits / 8 + routed * routed_bits / 8)
+            + embeddings * width,
             flops_per_token=2.0 * computed,
             attention_flops_per_pair=attention_flops * config.num_layers,
             kv_bytes_per_token=config.num_layers * kv_elements * kv_width,
@@ -158,7 +167,7 @@ class ModelCosts:
             # the decoder's linear layers (the LM head stays in ``dtype``)
             eight_bit_flops_per_token=0.0 if eight_bit is None else 2.0 * (computed - embedding),
             eight_bit_matmul=eight_bit,
-            routed_expert_bytes=round(routed * linear_bits / 8),
+            routed_expert_bytes=round(routed * routed_bits / 8),
             num_experts=0 if config.moe is None else config.moe.num_experts,
             experts_per_token=0 if config.moe is None else config.moe.num_experts_per_token,
             cache_groups=None if config.sliding_window is None else config.cache_groups,

@@ -184,5 +184,8 @@ def test_non_silu_activation_is_refused() -> None:
 
 def test_a_quantized_checkpoint_is_refused_naming_the_field() -> None:
     quantized = _raw(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": []})
-    with pytest.raises(ValueError, match="quantization_config.*'mxfp4'"):
+    with pytest.raises(ValueError, match="quantization_config .*mxfp4.* gpt-oss's experts only"):
+        parse_model_config(quantized)
+    quantized = _raw(quantization_config={"quant_method": "nf4"})
+    with pytest.raises(ValueError, match="quantization_config.quant_method 'nf4' is not supported"):
         parse_model_config(quantized)
