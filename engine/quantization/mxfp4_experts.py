@@ -12,12 +12,18 @@ Dequantizing gives exactly what transformers' ``convert_moe_packed_tensors`` giv
 lookup in the target dtype, then ``ldexp`` by the exponent), so the engine's float weights
 are its, bit for bit. Only one expert's weights are dequantized at a time, for the step it
 has tokens in (``Mxfp4ClampedSwigluExperts`` in engine/models/moe.py); the whole layer stays
-4.25 bits a weight.
+4.25 bits a weight. ``quantize_mxfp4`` writes the format from float weights (what the tests'
+and the benchmark's checkpoints are made with: no tool writes MXFP4 on a CPU).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu import mxfp4 as cpu_mxfp4
 
 GROUP = 32  # inputs sharing one scale
 BYTES_PER_GROUP = GROUP // 2
@@ -48,19 +54,56 @@ def dequantize_mxfp4(
     scales: torch.Tensor,  # [..., out, in / 32] uint8
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [..., out, in] in dtype
-    """Each weight's e2m1 value in ``dtype`` times 2 ** (its group's scale byte - 127)."""
+    """Each weight's e2m1 value times 2 ** (its group's scale byte - 127), rounded once to
+    ``dtype``: the same bits as transformers' ``ldexp`` (which multiplies exactly and rounds).
+    Computed in float32, where every product is exact but the byte 255's (2^128 is no
+    float32: it takes the value's double product, rounded), then cast: on a CPU by the C
+    kernel (engine/kernels/cpu/mxfp4.c), else by looking up each byte's two values and each
+    scale's power of two."""
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BYTES_PER_GROUP:
         raise ValueError(
             f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: "
             f"blocks must be [..., out, in / {GROUP}, {BYTES_PER_GROUP}] over the scales' shape"
         )
-    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=blocks.device)
-    values = torch.empty(*blocks.shape[:-1], GROUP, dtype=dtype, device=blocks.device)
-    values[..., 0::2] = table[(blocks & 0x0F).int()]
-    values[..., 1::2] = table[(blocks >> 4).int()]
-    exponents = scales.int().sub_(SCALE_BIAS).unsqueeze(-1)
-    torch.ldexp(values, exponents, out=values)
-    return values.flatten(-2)
+    if cpu_mxfp4.usable(blocks):
+        weights = cpu_mxfp4.dequantize_f32(blocks, scales)
+    else:
+        pairs, powers = _tables(blocks.device)
+        values = F.embedding(blocks.int(), pairs).view(*scales.shape, GROUP)
+        weights = values * F.embedding(scales.int(), powers)
+        top = scales == 255  # 2^128: the double product, rounded
+        if bool(top.any()):
+            doubled = values.double() * 2.0**128
+            weights = torch.where(top.unsqueeze(-1), doubled.float(), weights)
+        weights = weights.flatten(-2)
+    return weights if dtype == torch.float32 else weights.to(dtype)
+
+
+@functools.cache
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A byte's two e2m1 values (low nibble first) [256, 2], and a scale byte's power of two
+    [256, 1] (the byte 255's, 2^128, infinite), in float32."""
+    values = torch.tensor(E2M1_VALUES, device=device)
+    pairs = torch.stack([values.repeat(16), values.repeat_interleave(16)], dim=-1)
+    exponents = torch.arange(256, device=device) - SCALE_BIAS
+    powers = torch.ldexp(torch.ones(256, device=device), exponents)
+    return pairs, powers.unsqueeze(-1)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [..., out, in] as MXFP4: blocks [..., out, in / 32, 16] and scales
+    [..., out, in / 32] uint8. Each run of 32 inputs takes the smallest power of two that
+    brings its largest magnitude to 6 or under, each weight the nearest e2m1 value (the lower
+    one on a tie)."""
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    groups = weight.float().reshape(*weight.shape[:-1], -1, GROUP)
+    largest = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(-SCALE_BIAS, SCALE_BIAS)
+    scaled = groups / torch.exp2(exponents).unsqueeze(-1)
+    index = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
+    nibbles = (index | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
+    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return blocks, (exponents + SCALE_BIAS).to(torch.uint8)
 
 
 def check_mxfp4_width(name: str, width: int) -> None:

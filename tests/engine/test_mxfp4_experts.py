@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM, Mxfp4Config
 from engine.kernels.linear import PackedLinear
 from engine.model_config import parse_model_config
 from engine.models.moe import Mxfp4ClampedSwigluExperts
-from engine.quantization.mxfp4_experts import dequantize_mxfp4
+from engine.quantization.mxfp4_experts import dequantize_mxfp4, quantize_mxfp4
 from tests.engine.quantized_runs import engine_greedy, quantized_llm, transformers_greedy
 from tests.fixtures.local_cluster import local_cluster_config
-from tests.fixtures.mxfp4_models import make_mxfp4_gpt_oss, quantize_mxfp4
+from tests.fixtures.mxfp4_models import make_mxfp4_gpt_oss
 from tests.fixtures.tiny_models import tiny_hf_config
 
 TP_OPTIONS: dict[str, Any] = {"tensor_parallel_size": 2, "tensor_parallel_timeout_s": 60.0}
@@ -79,7 +79,7 @@ def test_experts_stay_mxfp4_and_equal_transformers_dequantization(mxfp4_dir: Pat
     assert engine_greedy(quantized_llm(mxfp4_dir.parent / "float")) != expected  # not a no-op
 
 
-def test_dequantizing_inverts_the_fixtures_quantizing() -> None:
+def test_dequantizing_inverts_quantizing() -> None:
     """Values that are e2m1 numbers times a power of two come back exactly."""
     generator = torch.Generator().manual_seed(0)
     magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -165,3 +165,31 @@ def test_serve_refuses_the_size_naming_the_flag(mxfp4_dir: Path) -> None:
         local_cluster_config(mxfp4_dir, num_prefill=0, decode_tp=2)
     config = local_cluster_config(mxfp4_dir, num_prefill=0, decode_tp=2, expert_parallel=True)
     assert config.parallel_config("decode").expert_parallel
+
+
+@pytest.mark.parametrize("path", ["c_kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_byte_and_scale_dequantizes_as_transformers_does(
+    path: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All 256 bytes under all 256 scale bytes (2^-127 to 2^128: subnormal products, and the
+    byte 255's power, which is no float32), in each dtype, on the C kernel and on the torch
+    path (a GPU's): the same bits as transformers' ``convert_moe_packed_tensors``."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from engine.kernels.cpu import mxfp4 as cpu_mxfp4
+
+    if path == "torch":
+        monkeypatch.setattr(cpu_mxfp4, "usable", lambda blocks: False)
+    else:
+        assert cpu_mxfp4.usable(torch.zeros(1, dtype=torch.uint8))
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    blocks = every_byte.expand(1, 256, 16, 16).contiguous()  # [1 expert, 256 rows, 16 runs]
+    scales = torch.arange(256, dtype=torch.uint8).reshape(1, 256, 1).expand(1, 256, 16)
+    ours = dequantize_mxfp4(blocks, scales.contiguous(), dtype)
+    theirs = convert_moe_packed_tensors(blocks, scales.contiguous(), dtype=dtype).transpose(1, 2)
+    assert ours.dtype == dtype
+    assert torch.equal(
+        ours.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        theirs.contiguous().view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
