@@ -135,13 +135,14 @@ def check_tensor_parallel_size(
             f"{moe.expert_intermediate_size} (or deal the experts out whole: expert "
             "parallelism)"
         )
+    mxfp4 = config.quantization if isinstance(config.quantization, Mxfp4ExpertWeights) else None
     width = 0 if moe is None else moe.expert_intermediate_size // size  # a rank's columns
-    if isinstance(config.quantization, Mxfp4ExpertWeights) and not expert_parallel and width % 32:
+    if moe is not None and mxfp4 is not None and not expert_parallel and width % mxfp4.group_size:
         raise ValueError(
             f"tensor_parallel_size {size} leaves each rank {width} of every expert's "
-            f"{moe.expert_intermediate_size if moe else 0} columns: MXFP4 experts split at "
-            "runs of 32 inputs (quantization_config quant_method mxfp4); choose a size that "
-            "keeps whole runs, or deal the experts out whole (expert parallelism)"
+            f"{moe.expert_intermediate_size} columns: MXFP4 experts split at runs of "
+            f"{mxfp4.group_size} inputs (quantization_config quant_method mxfp4); choose a size "
+            "that keeps whole runs, or deal the experts out whole (expert parallelism)"
         )
     if moe is not None and moe.shared_expert_intermediate_size % size != 0:
         raise ValueError(

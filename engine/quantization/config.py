@@ -133,11 +133,12 @@ class Mxfp4ExpertWeights:
     """gpt-oss's routed experts in MXFP4 (``quant_method: mxfp4``); its other layers float."""
 
     method: str = "mxfp4"
+    group_size: int = 32  # inputs of an output row sharing one power-of-two scale
 
     @property
     def stored_bits_per_weight(self) -> float:
-        """4 bits, and the group's 8-bit scale shared over 32 weights (the experts' alone)."""
-        return 4 + 8 / 32
+        """4 bits, and the group's 8-bit scale shared over its 32 weights (the experts' alone)."""
+        return 4 + 8 / self.group_size
 
     @property
     def experts_only(self) -> bool:

@@ -56,10 +56,10 @@ def dequantize_mxfp4(
 ) -> torch.Tensor:  # [..., out, in] in dtype
     """Each weight's e2m1 value times 2 ** (its group's scale byte - 127), rounded once to
     ``dtype``: the same bits as transformers' ``ldexp`` (which multiplies exactly and rounds).
-    Computed in float32, where every product is exact but the byte 255's (2^128 is no
-    float32: it takes the value's double product, rounded), then cast: on a CPU by the C
-    kernel (engine/kernels/cpu/mxfp4.c), else by looking up each byte's two values and each
-    scale's power of two."""
+    Computed in float32, where every product is exact but where it overflows, then cast: on a
+    CPU by the C kernel (engine/kernels/cpu/mxfp4.c), else by looking up each byte's two values
+    and each scale's power of two. The byte 255's 2^128 is no float32: its runs are multiplied
+    by 2^127 and then by 2, which overflows where the exact product would round to infinity."""
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BYTES_PER_GROUP:
         raise ValueError(
             f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: "
@@ -68,26 +68,26 @@ def dequantize_mxfp4(
     if cpu_mxfp4.usable(blocks):
         weights = cpu_mxfp4.dequantize_f32(blocks, scales)
     else:
-        pairs, powers = _tables(blocks.device)
+        pairs, powers, doublings = _tables(blocks.device)
         values = F.embedding(blocks.int(), pairs).view(*scales.shape, GROUP)
-        weights = values * F.embedding(scales.int(), powers)
-        top = scales == 255  # 2^128: the double product, rounded
-        if bool(top.any()):
-            doubled = values.double() * 2.0**128
-            weights = torch.where(top.unsqueeze(-1), doubled.float(), weights)
+        exponents = scales.int()
+        weights = values * F.embedding(exponents, powers) * F.embedding(exponents, doublings)
         weights = weights.flatten(-2)
     return weights if dtype == torch.float32 else weights.to(dtype)
 
 
 @functools.cache
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A byte's two e2m1 values (low nibble first) [256, 2], and a scale byte's power of two
-    [256, 1] (the byte 255's, 2^128, infinite), in float32."""
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In float32: a byte's two e2m1 values (low nibble first) [256, 2]; a scale byte's power
+    of two [256, 1], the byte 255's 2^127; and what to multiply by next [256, 1], 2 for the
+    byte 255, else 1."""
     values = torch.tensor(E2M1_VALUES, device=device)
     pairs = torch.stack([values.repeat(16), values.repeat_interleave(16)], dim=-1)
-    exponents = torch.arange(256, device=device) - SCALE_BIAS
+    exponents = (torch.arange(256, device=device) - SCALE_BIAS).clamp(max=127)
     powers = torch.ldexp(torch.ones(256, device=device), exponents)
-    return pairs, powers.unsqueeze(-1)
+    doublings = torch.ones(256, device=device)
+    doublings[255] = 2.0
+    return pairs, powers.unsqueeze(-1), doublings.unsqueeze(-1)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
