@@ -275,14 +275,18 @@ def _banner(
 
 
 def _pools(config: ClusterConfig) -> str:
-    decode = f"{config.num_decode}{_ranks(config.decode_tp)}"
+    decode = f"{config.num_decode}{_ranks(config.decode_tp, config.expert_parallel)}"
     if config.colocated:
         return f"{decode} colocated"
-    return f"{config.num_prefill}{_ranks(config.prefill_tp)} prefill + {decode} decode"
+    prefill = f"{config.num_prefill}{_ranks(config.prefill_tp, config.expert_parallel)}"
+    return f"{prefill} prefill + {decode} decode"
 
 
-def _ranks(tensor_parallel_size: int) -> str:
-    return "" if tensor_parallel_size == 1 else f" x TP{tensor_parallel_size}"
+def _ranks(tensor_parallel_size: int, expert_parallel: bool) -> str:
+    """`` x TP2``, and `` EP`` where the ranks hold whole experts (--enable-expert-parallel)."""
+    if tensor_parallel_size == 1:
+        return ""
+    return f" x TP{tensor_parallel_size}{' EP' if expert_parallel else ''}"
 
 
 def _scheduling(config: ClusterConfig) -> str:

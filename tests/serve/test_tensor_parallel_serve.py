@@ -21,6 +21,19 @@ PROMPTS = [f"def f{i}(x):\n    return x" + " + 1" * (i % 9) + f" * {i}" for i in
 MAX_TOKENS = 16
 
 
+async def _complete_all(url: str) -> list[str]:
+    """Every prompt's greedy completion text, all sent at once."""
+
+    async def complete(client: httpx.AsyncClient, prompt: str) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        response = await client.post(url + "/completions", json=body)
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["text"])
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        return list(await asyncio.gather(*(complete(client, p) for p in PROMPTS)))
+
+
 @pytest.mark.parametrize(
     ("layout", "banner"),
     [
@@ -53,16 +66,32 @@ def test_serve_with_several_ranks_answers_as_one_rank_generates(
         url = server.wait_for_banner()
         assert banner in server.output(), server.output()
 
-        async def complete(client: httpx.AsyncClient, prompt: str) -> str:
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-            response = await client.post(url + "/completions", json=body)
-            assert response.status_code == 200, response.text
-            return str(response.json()["choices"][0]["text"])
+        assert asyncio.run(_complete_all(url)) == expected
+    finally:
+        server.kill_tree()
 
-        async def complete_all() -> list[str]:
-            async with httpx.AsyncClient(timeout=120) as client:
-                return list(await asyncio.gather(*(complete(client, p) for p in PROMPTS)))
 
-        assert asyncio.run(complete_all()) == expected
+def test_serve_with_experts_dealt_out_whole_answers_as_one_rank_generates(
+    model_dirs: dict[str, Path],
+) -> None:
+    """``--enable-expert-parallel``: a colocated worker of two ranks, each holding four of
+    Qwen2-MoE's eight experts, answers 32 concurrent completions as one rank generates them."""
+    model_dir = model_dirs["Qwen2MoeForCausalLM"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outputs = llm.generate([tokenizer(p).input_ids for p in PROMPTS], params)
+    expected = [tokenizer.decode(o.outputs[0].token_ids).rstrip("\ufffd") for o in outputs]
+    server = ServeProcess(
+        model_dir,
+        *("-tp", "2", "--prefill", "0", "--enable-expert-parallel"),
+        *("--worker-num-cpus", "0", "--dtype", "float32"),
+        *("--served-model-name", "tiny", "--http-port", "0", "--grpc-port", "-1"),
+    )
+    try:
+        url = server.wait_for_banner()
+        assert "1 x TP2 EP colocated workers" in server.output(), server.output()
+
+        assert asyncio.run(_complete_all(url)) == expected
     finally:
         server.kill_tree()
