@@ -144,11 +144,6 @@ def test_dummy_weights_build_mxfp4_experts_from_the_config_alone(mxfp4_dir: Path
             {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.mlp.experts"]},
             r"modules_to_not_convert names the experts",
         ),
-        (
-            "GptOssForCausalLM",
-            {"quant_method": "fp8", "weight_block_size": [128, 128]},
-            "clamped-SwiGLU experts run float or MXFP4 weights only",
-        ),
     ],
 )
 def test_what_mxfp4_cannot_hold_is_refused_naming_the_field(

@@ -491,7 +491,7 @@ def test_fp8_and_awq_lists_of_unconverted_modules_may_name_the_gates() -> None:
         (
             "GptOssForCausalLM",
             {"quant_method": "fp8", "weight_block_size": [128, 128]},
-            "clamped-SwiGLU experts run float weights only",
+            "clamped-SwiGLU experts run float or MXFP4 weights only",
         ),
     ],
     ids=["router-quantized", "shared-gate", "gate-proj-too", "w8a8", "gptq-act-order", "gpt-oss"],
