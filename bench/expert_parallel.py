@@ -40,6 +40,7 @@ from bench.tensor_parallel import (
     compare_greedy,
     cpu_name,
     greedy,
+    parse_workload_args,
     time_decode_steps,
     time_prefill_steps,
     time_throughput,
@@ -207,20 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", choices=sorted(CONFIGS), default="ep-bench")
     parser.add_argument("--rounds", type=int, default=2, help="each runs both layouts")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--min-prompt-len", type=int, default=64)
-    parser.add_argument("--max-prompt-len", type=int, default=192)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--prefill-tokens", type=int, default=256, help="P")
-    parser.add_argument("--decode-batch", type=int, default=16, help="B")
-    parser.add_argument("--decode-context", type=int, default=128)
-    parser.add_argument("--num-steps", type=int, default=7, help="timed steps of each kind")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--out", default="bench/results/expert_parallel.json")
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds} must be at least 1")
-    return args
+    return parse_workload_args(parser, argv, "bench/results/expert_parallel.json")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -499,6 +499,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", choices=sorted(SPECS), default="tp-bench")
     parser.add_argument("--rounds", type=int, default=2, help="each runs TP 1 and TP 2")
+    return parse_workload_args(parser, argv, "bench/results/tensor_parallel.json")
+
+
+def parse_workload_args(
+    parser: argparse.ArgumentParser, argv: list[str] | None, out: str
+) -> argparse.Namespace:
+    """``parser``'s arguments with the workload's (``Workload``, the steps timed, the threads)
+    and ``--out`` added; ``--rounds`` (the parser's) checked."""
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--min-prompt-len", type=int, default=64)
     parser.add_argument("--max-prompt-len", type=int, default=192)
@@ -508,7 +516,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-context", type=int, default=128)
     parser.add_argument("--num-steps", type=int, default=7, help="timed steps of each kind")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--out", default="bench/results/tensor_parallel.json")
+    parser.add_argument("--out", default=out)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds} must be at least 1")
