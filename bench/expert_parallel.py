@@ -37,6 +37,7 @@ from bench.tensor_parallel import (
     CollectiveClock,
     OtherProcessesClock,
     Workload,
+    build_llm,
     compare_greedy,
     cpu_name,
     greedy,
@@ -84,29 +85,6 @@ CONFIGS = {"ep-bench": EP_BENCH, "tiny": TINY}
 LAYOUTS = {False: "TP 2, experts by columns", True: "TP 2, experts whole (EP)"}
 
 
-def build_llm(model_dir: Path, size: int, args: argparse.Namespace, expert_parallel: bool) -> LLM:
-    """An LLM of ``size`` ranks over the dummy weights, its KV cache sized to the workload."""
-    longest = max(
-        args.max_prompt_len + args.output_len,
-        args.prefill_tokens + 1,
-        args.decode_context + args.num_steps + 16,
-    )
-    num_tokens = max(args.num_prompts * longest, args.decode_batch * longest)
-    return LLM(
-        str(model_dir),
-        load_format="dummy",
-        dtype="float32",
-        device="cpu",
-        skip_tokenizer_init=True,
-        max_model_len=longest + 16,
-        num_kv_blocks=-(-num_tokens // 16) + 64,
-        max_num_seqs=max(args.num_prompts, args.decode_batch),
-        max_num_batched_tokens=max(2048, args.prefill_tokens),
-        tensor_parallel_size=size,
-        enable_expert_parallel=expert_parallel,
-    )
-
-
 def expert_bytes(llm: LLM) -> int:
     """The routed experts' weight bytes rank 0 holds: their parameters, and the projections
     packed for oneDNN (the stacked parameters are given up once packed)."""
@@ -136,7 +114,7 @@ def run_layout(
 ) -> dict[str, Any]:
     """Builds the LLM one way, measures it, and closes it."""
     torch.set_num_threads(args.threads)
-    llm = build_llm(model_dir, 2, args, expert_parallel)
+    llm = build_llm(model_dir, 2, args, enable_expert_parallel=expert_parallel)
     try:
         assert llm.engine.group is not None
         clock = CollectiveClock(llm.engine.group)

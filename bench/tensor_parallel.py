@@ -143,8 +143,9 @@ def greedy(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     )
 
 
-def build_llm(model_dir: Path, size: int, args: argparse.Namespace) -> LLM:
-    """An LLM of ``size`` ranks over the dummy weights, its KV cache sized to the workload."""
+def build_llm(model_dir: Path, size: int, args: argparse.Namespace, **options: Any) -> LLM:
+    """An LLM of ``size`` ranks over the dummy weights, its KV cache sized to the workload
+    (``options``: more of ``LLM``'s arguments)."""
     longest = max(
         args.max_prompt_len + args.output_len,
         args.prefill_tokens + 1,
@@ -162,6 +163,7 @@ def build_llm(model_dir: Path, size: int, args: argparse.Namespace) -> LLM:
         max_num_seqs=max(args.num_prompts, args.decode_batch),
         max_num_batched_tokens=max(2048, args.prefill_tokens),
         tensor_parallel_size=size,
+        **options,
     )
 
 
