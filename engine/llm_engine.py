@@ -88,14 +88,11 @@ class LLMEngine:
         still, rebuild on theirs as this engine builds."""
         parallel = parallel or ParallelConfig()
         check_configs(load, scheduler, speculative, parallel)
+        group = rank0_group(load, cache, scheduler, speculative, parallel, weights)
         # rank 0 of the worker's ranks (None: the worker is this one rank)
-        self.group: TensorParallelGroup | None = rank0_group(
-            load, cache, scheduler, speculative, parallel, weights
-        )
+        self.group: TensorParallelGroup | None = group
         try:
-            rank = build_rank_model(
-                load, cache, scheduler, speculative, self.group, weights, parallel.expert_parallel
-            )
+            rank = build_rank_model(load, cache, scheduler, speculative, group, weights, parallel)
         except BaseException:
             self.close()
             raise

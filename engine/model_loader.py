@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import torch
 from safetensors import safe_open
 
+from engine.checkpoint_targets import Target, in_units, quantized_target
 from engine.kernels.linear import PackedLinear, pack_linears
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -43,13 +43,7 @@ from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
-from engine.quantization.awq_gptq import checkpoint_leaf, is_awq_or_gptq, to_layer_rows
-from engine.quantization.config import (
-    Fp8BlockWeights,
-    PackedIntWeights,
-    W8A8Weights,
-    WeightQuantization,
-)
+from engine.quantization.awq_gptq import checkpoint_leaf
 from engine.quantization.fp8_linear import Fp8BlockLinear
 from engine.quantization.kv_cache_scheme import is_kv_scale
 from engine.quantization.linear import QUANTIZED_LEAVES
@@ -67,37 +61,6 @@ from engine.quantization.w8a8_linear import W8A8Linear
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DUMMY_INIT_STD = 0.02
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Target:
-    """Where one checkpoint tensor's slice lands: rows [row_offset, row_offset + num_rows) of
-    param, filled from the tensor's ``rows`` (and ``cols``); the rest of those rows is zeros."""
-
-    param: torch.Tensor  # the parameter a checkpoint tensor lands in
-    row_offset: int  # first row of its slice (fused projections stack along dim 0)
-    num_rows: int  # rows of param this tensor owns on this rank
-    full_shape: tuple[int, ...]  # the checkpoint tensor's shape
-    rows: range  # its rows this rank reads (dim 0); fewer than num_rows past the vocabulary
-    cols: range | None  # its columns this rank reads (dim 1); None: all
-    depth: range | None = None  # its range of dim 2 (stacked experts); None: all
-    # turns the slice read into param's rows (a quantized layout stored transposed); None: as is
-    convert: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def is_whole(self) -> bool:
-        """Whether this rank reads the entire tensor."""
-        whole_cols = self.cols is None or self.cols == range(self.full_shape[1])
-        whole_depth = self.depth is None or self.depth == range(self.full_shape[2])
-        return self.rows == range(self.full_shape[0]) and whole_cols and whole_depth
-
-    def index(self) -> tuple[slice, ...]:
-        """The slice of the checkpoint tensor to read."""
-        ranges = (self.rows, self.cols, self.depth)
-        last = max(dim for dim, kept in enumerate(ranges) if kept is not None)
-        return tuple(
-            slice(None) if kept is None else slice(kept.start, kept.stop)
-            for kept in ranges[: last + 1]
-        )
 
 
 def load_model(
@@ -199,15 +162,15 @@ def _build_empty(
     return model
 
 
-def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
+def _load_targets(model: LlamaForCausalLM) -> dict[str, list[Target]]:
     """Checkpoint tensor name -> where its slices go. A fused projection takes several
     checkpoint tensors, or several row ranges of one where the checkpoint stores it fused
     (``_FUSED_IN_CHECKPOINT``); a stacked experts param takes each expert's tensors into its
     slice ``param[expert]``; a quantized layer's tensors go where its float weight's slices
-    would, in their own units (``_quantized_target``), and a stacked quantized experts
+    would, in their own units (``quantized_target``), and a stacked quantized experts
     projection's (``...experts.gate_up_proj.weight_packed``) expert by expert, each expert's
     as its own dense layer's would (``...experts.{e}.gate_proj.weight_packed``)."""
-    targets: dict[str, list[_Target]] = {}
+    targets: dict[str, list[Target]] = {}
     for name, param in model.named_parameters():
         prefix, leaf = name.rsplit(".", 1)
         layer = model.get_submodule(prefix)
@@ -235,7 +198,7 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[_Target]]:
 _EXPERT_IN_NAME = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _add_experts_held_elsewhere(targets: dict[str, list[_Target]], model: LlamaForCausalLM) -> None:
+def _add_experts_held_elsewhere(targets: dict[str, list[Target]], model: LlamaForCausalLM) -> None:
     """Under expert parallelism, the checkpoint tensors of the experts other ranks hold, with
     nothing to load on this one: the checkpoint must have them (not missing), and they are not
     unexpected, but this rank reads none of their bytes."""
@@ -258,7 +221,7 @@ def _quantized_targets(
     leaf: str,
     layer: PackedIntLinear | Fp8BlockLinear | W8A8Linear | ExpertWeights,
     param: torch.Tensor,
-) -> list[tuple[str, _Target]]:
+) -> list[tuple[str, Target]]:
     """The checkpoint tensors a quantized layer's ``leaf`` tensor (``param``: one expert's
     slice of a stacked one) loads from, and where each lands: where the slices of its float
     weight ``weight_name`` would, in the leaf's own units."""
@@ -267,7 +230,7 @@ def _quantized_targets(
     return [
         (
             f"{hf_name.removesuffix('.weight')}.{stored}",
-            _quantized_target(leaf, target, param, layer.weights),
+            quantized_target(leaf, target, param, layer.weights),
         )
         for hf_name, target in _targets_of(model, weight_name, float_weight)
     ]
@@ -275,11 +238,11 @@ def _quantized_targets(
 
 def _targets_of(
     model: LlamaForCausalLM, name: str, param: torch.Tensor
-) -> list[tuple[str, _Target]]:
+) -> list[tuple[str, Target]]:
     """The checkpoint tensors ``param`` (named ``name``) loads from, and where each lands."""
     config, shard = model.config, model.shard
     fused_on_disk = _FUSED_IN_CHECKPOINT.get(config.architecture, ())
-    found: list[tuple[str, _Target]] = []
+    found: list[tuple[str, Target]] = []
     for hf_name, tensor, parts in _checkpoint_tensors(name, param, config, shard):
         if parts is None:
             found.append((hf_name, _single_target(hf_name, tensor, config, shard)))
@@ -296,186 +259,10 @@ def _targets_of(
             else:  # the checkpoint tensor of the part
                 source = hf_name.replace(f".{_module(hf_name)}.", f".{hf_part}.")
                 read, full_shape = rows, (full_rows, *tensor.shape[1:])
-            found.append((source, _Target(tensor, row_offset, len(rows), full_shape, read, None)))
+            found.append((source, Target(tensor, row_offset, len(rows), full_shape, read, None)))
             row_offset += len(rows)
             source_offset += full_rows
     return found
-
-
-def _quantized_target(
-    leaf: str, target: _Target, param: torch.Tensor, weights: WeightQuantization
-) -> _Target:
-    """Where a quantized layer's ``leaf`` tensor lands, from ``target``, where its float
-    weight [out, in] would."""
-    if isinstance(weights, PackedIntWeights):
-        return _packed_int_target(leaf, target, param, weights)
-    if leaf == "weight":  # 8 bits, the float weight's shape
-        return dataclasses.replace(target, param=param)
-    if isinstance(weights, W8A8Weights):
-        return _w8a8_scale_target(leaf, target, param, weights)
-    assert isinstance(weights, Fp8BlockWeights)  # (MXFP4 experts are stacked: not a layer's)
-    return _fp8_block_scale_target(target, param, weights)
-
-
-def _w8a8_scale_target(
-    leaf: str, target: _Target, param: torch.Tensor, weights: W8A8Weights
-) -> _Target:
-    """Where an 8-bit layer's scale lands: a scale per output row ("channel" weight scales)
-    as the weight's rows, on every rank of a row-parallel layer; a checkpoint tensor's one scale
-    (per-tensor weight scales, static input scales: [1]) repeated over the rows its tensor
-    fills here (a fused part's, or the whole layer's), on every rank."""
-    if leaf == "weight_scale" and weights.weight_strategy == "channel":
-        out_features = target.full_shape[0]
-        return dataclasses.replace(target, param=param, full_shape=(out_features, 1), cols=None)
-    num_rows = target.num_rows
-
-    def repeat(scale: torch.Tensor) -> torch.Tensor:  # [1] -> [num_rows, 1]
-        return scale.reshape(1, 1).expand(num_rows, 1)
-
-    return _Target(param, target.row_offset, num_rows, (1,), range(1), None, convert=repeat)
-
-
-def _fp8_block_scale_target(
-    target: _Target, param: torch.Tensor, weights: Fp8BlockWeights
-) -> _Target:
-    """Where an FP8 layer's block scales land: its float weight's rows and columns in blocks
-    (a slice must start on a block; only a tensor's last block may be short)."""
-    out_features, in_features = target.full_shape
-    rows, cols = weights.block_rows, weights.block_cols
-    own = range(target.row_offset, target.row_offset + target.num_rows)
-    own_blocks = _in_blocks(own, rows, target.param.shape[0])
-    return _Target(
-        param,
-        own_blocks.start,
-        len(own_blocks),
-        (-(-out_features // rows), -(-in_features // cols)),
-        _in_blocks(target.rows, rows, out_features),
-        None if target.cols is None else _in_blocks(target.cols, cols, in_features),
-    )
-
-
-def _in_blocks(indices: range, block: int, total: int) -> range:
-    """``indices`` of ``total`` counted in blocks of ``block``: they must start on a block and
-    end on one or at ``total`` (a tensor's last block may be short)."""
-    if indices.start % block or (indices.stop % block and indices.stop != total):
-        raise ValueError(
-            f"rows or columns {indices.start}..{indices.stop} of {total} do not fall on whole "
-            f"blocks of {block} (quantization_config weight_block_size): a fused projection's "
-            "parts and a tensor-parallel rank's slice must"
-        )
-    return range(indices.start // block, -(-indices.stop // block))
-
-
-def _packed_int_target(
-    leaf: str, target: _Target, param: torch.Tensor, weights: PackedIntWeights
-) -> _Target:
-    """Where a packed integer layer's ``leaf`` tensor lands, from ``target``, where its float
-    weight [out, in] would: rows are output features (the zero points' packed, a word per
-    ``pack_factor`` rows), columns inputs (packed into words, or one per group)."""
-    if is_awq_or_gptq(weights):
-        return _awq_gptq_target(leaf, target, param, weights)
-    out_features, in_features = target.full_shape
-    group = weights.group_size or in_features
-    cols = target.cols
-    if leaf == "weight_packed":
-        pack = weights.pack_factor
-        return dataclasses.replace(
-            target,
-            param=param,
-            full_shape=(out_features, in_features // pack),
-            cols=None if cols is None else _in_units(cols, pack, "num_bits"),
-        )
-    # a rank's input columns in groups; with one group a row (per channel), that column on
-    # every rank
-    per_channel = weights.group_size is None
-    groups = None if cols is None or per_channel else _in_units(cols, group, "group_size")
-    if leaf == "weight_scale":
-        return dataclasses.replace(
-            target, param=param, full_shape=(out_features, in_features // group), cols=groups
-        )
-    pack = weights.pack_factor  # weight_zero_point: packed along the rows
-    return _Target(
-        param,
-        _in_units(
-            range(target.row_offset, target.row_offset + target.num_rows), pack, "num_bits"
-        ).start,
-        target.num_rows // pack,
-        (out_features // pack, in_features // group),
-        _in_units(target.rows, pack, "num_bits"),
-        groups,
-    )
-
-
-def _awq_gptq_target(
-    leaf: str, target: _Target, param: torch.Tensor, weights: PackedIntWeights
-) -> _Target:
-    """Where an AWQ or GPTQ layer's ``leaf`` tensor lands, from ``target``, where its float
-    weight [out, in] would. Both formats store [inputs, outputs]: the rows read are inputs (in
-    GPTQ's qweight words of them; in scales and zero points groups), the columns outputs (words
-    of them in AWQ's qweight and in qzeros); each slice read is converted into param's rows,
-    our layout (``to_layer_rows``). GPTQ's g_idx lands whole on each rank, its groups counted
-    from the rank's first."""
-    out_features, in_features = target.full_shape
-    pack, group = weights.pack_factor, weights.group_size or in_features
-    inputs = range(in_features) if target.cols is None else target.cols
-    if weights.act_order and inputs != range(in_features):
-        raise ValueError(
-            "quantization_config.desc_act true (GPTQ's activation order) runs on one "
-            "tensor-parallel rank only: a row-parallel rank's inputs belong to any of the "
-            "layer's groups (tensor_parallel_size 1)"
-        )
-    per_channel = weights.group_size is None
-    groups = range(1) if per_channel else _in_units(inputs, group, "group_size")
-    if leaf == "g_idx":  # each fused part's, into the one param: they must agree
-        convert = _same_groups(param, groups.start)
-        return _Target(param, 0, len(inputs), (in_features,), inputs, None, convert=convert)
-    outputs, output_words = target.rows, _in_units(target.rows, pack, "num_bits")
-    convert = to_layer_rows(leaf, weights)
-    if leaf == "weight_zero_point":  # [groups, out / pack], to our [out / pack, groups]
-        own = range(target.row_offset, target.row_offset + target.num_rows)
-        own_words = _in_units(own, pack, "num_bits")
-        shape = (in_features // group, out_features // pack)
-        return _Target(
-            param, own_words.start, len(own_words), shape, groups, output_words, convert=convert
-        )
-    if leaf == "weight_scale":  # [groups, out]
-        shape, rows, cols = (in_features // group, out_features), groups, outputs
-    elif weights.method == "gptq":  # qweight [in / pack, out]
-        input_words = _in_units(inputs, pack, "num_bits")
-        shape, rows, cols = (in_features // pack, out_features), input_words, outputs
-    else:  # AWQ's qweight [in, out / pack]
-        shape, rows, cols = (in_features, out_features // pack), inputs, output_words
-    return dataclasses.replace(
-        target, param=param, full_shape=shape, rows=rows, cols=cols, convert=convert
-    )
-
-
-def _same_groups(g_idx: torch.Tensor, first_group: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A GPTQ g_idx slice read, its groups counted from this rank's ``first_group``; raises
-    where a fused projection's part read before (``g_idx`` no longer -1) gave other groups."""
-
-    def convert(read: torch.Tensor) -> torch.Tensor:
-        groups = read.to(g_idx.device) - first_group
-        if bool((g_idx >= 0).any()) and not torch.equal(g_idx, groups):
-            raise ValueError(
-                "the g_idx of a fused projection's parts (q, k, v or gate, up) differ: their "
-                "inputs in activation order (quantization_config.desc_act) must be the same"
-            )
-        return groups
-
-    return convert
-
-
-def _in_units(indices: range, unit: int, field: str) -> range:
-    """``indices`` counted in blocks of ``unit``; raises where a block would be split (a
-    tensor-parallel rank's slice that cuts a packed word or a quantization group)."""
-    if indices.start % unit or indices.stop % unit:
-        raise ValueError(
-            f"a tensor-parallel slice {indices.start}..{indices.stop} cuts a block of {unit} "
-            f"(quantization_config {field}); choose a tensor_parallel_size that splits the "
-            "layers at whole blocks"
-        )
-    return range(indices.start // unit, indices.stop // unit)
 
 
 # Architectures whose checkpoints store each layer's experts stacked, as our parameters hold
@@ -550,19 +337,19 @@ def _mlp_columns(name: str, config: ModelConfig, shard: TensorParallelShard) -> 
 
 def _single_target(
     name: str, param: torch.Tensor, config: ModelConfig, shard: TensorParallelShard
-) -> _Target:
+) -> Target:
     """Where an unfused checkpoint tensor lands: row-parallel weights read their input columns,
     the vocabulary-parallel ones their vocab rows; the rest is replicated."""
     module_name, leaf = name.split(".")[-2:]
     if module_name == "experts":  # stacked in the checkpoint: ClampedSwigluExperts' layout
         return _stacked_expert_target(leaf, param, config, shard)
     if leaf == "sinks":  # one per query head
-        return _Target(param, 0, param.shape[0], (config.num_heads,), shard.q_heads, None)
+        return Target(param, 0, param.shape[0], (config.num_heads,), shard.q_heads, None)
     per_head = _latent_attention_rows_per_head(module_name, config)
     if per_head is not None:  # column-parallel by query head (latent attention)
         full_shape = (config.num_heads * per_head, param.shape[1])
         rows = _times(shard.q_heads, per_head)
-        return _Target(param, 0, param.shape[0], full_shape, rows, None)
+        return Target(param, 0, param.shape[0], full_shape, rows, None)
     if module_name in ("o_proj", "down_proj") and leaf == "weight":
         if module_name == "o_proj":
             value_dim = config.mla.v_head_dim if config.mla is not None else config.head_dim
@@ -570,21 +357,21 @@ def _single_target(
         else:
             full_cols, cols = _mlp_columns(name, config, shard)
         full_shape = (param.shape[0], full_cols)
-        return _Target(param, 0, param.shape[0], full_shape, range(param.shape[0]), cols)
+        return Target(param, 0, param.shape[0], full_shape, range(param.shape[0]), cols)
     if module_name in ("o_proj", "down_proj"):  # the bias, added once: rank 0 holds it
         rows = range(param.shape[0]) if shard.rank == 0 else range(0)
-        return _Target(param, 0, param.shape[0], tuple(param.shape), rows, None)
+        return Target(param, 0, param.shape[0], tuple(param.shape), rows, None)
     if module_name in ("embed_tokens", "lm_head"):
         rows = range(shard.vocab.start, min(shard.vocab.stop, config.vocab_size))
         full_shape = (config.vocab_size, param.shape[1])
-        return _Target(param, 0, shard.vocab_rows, full_shape, rows, None)
+        return Target(param, 0, shard.vocab_rows, full_shape, rows, None)
     whole = range(param.shape[0])  # replicated on every rank
-    return _Target(param, 0, param.shape[0], tuple(param.shape), whole, None)
+    return Target(param, 0, param.shape[0], tuple(param.shape), whole, None)
 
 
 def _stacked_expert_target(
     leaf: str, param: torch.Tensor, config: ModelConfig, shard: TensorParallelShard
-) -> _Target:
+) -> Target:
     """A stacked experts tensor (gpt-oss): the shard's experts (all of them unless expert
     parallel), this rank's columns of each (gate and up interleaved in gate_up_proj's last dim,
     so a rank's are one contiguous range); the down projection's bias is added once
@@ -598,22 +385,22 @@ def _stacked_expert_target(
     num_experts = config.moe.num_experts
     if leaf == "gate_up_proj":  # [experts, hidden, 2 x width]
         full = (num_experts, param.shape[1], 2 * width)
-        return _Target(param, 0, held, full, experts, None, pairs)
+        return Target(param, 0, held, full, experts, None, pairs)
     if leaf == "gate_up_proj_bias":  # [experts, 2 x width]
-        return _Target(param, 0, held, (num_experts, 2 * width), experts, pairs)
+        return Target(param, 0, held, (num_experts, 2 * width), experts, pairs)
     if leaf == "down_proj":  # [experts, width, hidden]
         full = (num_experts, width, param.shape[2])
-        return _Target(param, 0, held, full, experts, mine)
+        return Target(param, 0, held, full, experts, mine)
     if leaf == "down_proj_bias":  # added once
         rows = experts if shard.holds_expert_down_bias else range(0)
-        return _Target(param, 0, held, (num_experts, param.shape[1]), rows, None)
+        return Target(param, 0, held, (num_experts, param.shape[1]), rows, None)
     if leaf in ("gate_up_proj_blocks", "gate_up_proj_scales"):  # [experts, 2 x width, ...]
         full = (num_experts, 2 * width, *param.shape[2:])
-        return _Target(param, 0, held, full, experts, pairs)
+        return Target(param, 0, held, full, experts, pairs)
     if leaf in ("down_proj_blocks", "down_proj_scales"):  # [experts, hidden, width / 32, ...]
         full = (num_experts, param.shape[1], width // MXFP4_GROUP, *param.shape[3:])
-        groups = _in_units(mine, MXFP4_GROUP, "quant_method mxfp4: a scale per 32 inputs")
-        return _Target(param, 0, held, full, experts, None, groups)
+        groups = in_units(mine, MXFP4_GROUP, "quant_method mxfp4: a scale per 32 inputs")
+        return Target(param, 0, held, full, experts, None, groups)
     raise ValueError(f"no stacked expert tensor {leaf!r}")
 
 
@@ -717,12 +504,12 @@ def _reorder_interleaved_rope_rows(model: LlamaForCausalLM) -> None:
             module.rope_rows_interleaved_to_halves()
 
 
-def _check_shape(name: str, file: Path, shape: tuple[int, ...], target: _Target) -> None:
+def _check_shape(name: str, file: Path, shape: tuple[int, ...], target: Target) -> None:
     if shape != target.full_shape:
         raise ValueError(f"{name} in {file.name} has shape {shape}, expected {target.full_shape}")
 
 
-def _copy(part: torch.Tensor | None, target: _Target) -> None:
+def _copy(part: torch.Tensor | None, target: Target) -> None:
     """Copies the slice read (None: nothing), converted where the target says, into its rows;
     zeros the rest of them."""
     if part is not None and target.convert is not None:

@@ -156,9 +156,7 @@ def build_follower(
     runs the follower and closes its group."""
     group = join_group(load, parallel, rank, FOLLOWER_WAIT_S)
     try:
-        built = build_rank_model(
-            load, cache, scheduler, speculative, group, expert_parallel=parallel.expert_parallel
-        )
+        built = build_rank_model(load, cache, scheduler, speculative, group, parallel=parallel)
     except BaseException:
         group.close()
         raise

@@ -274,15 +274,16 @@ def build_rank_model(
     speculative: SpeculativeConfig | None,
     group: TensorParallelGroup | None,
     weights: LoadedWeights | None = None,
-    expert_parallel: bool = False,
+    parallel: ParallelConfig | None = None,
 ) -> RankModel:
     """This rank's model shard and KV cache shard (``group`` None: the one rank of a worker;
-    ``expert_parallel``: its routed experts dealt out whole over the ranks).
+    ``parallel``: its ranks' config, whether they deal the routed experts out whole).
     ``weights``: a worker's one rank loaded already (``RankModel.loaded_weights`` of the engine
     it had before it changed role): kept, and the rest built anew for these configs (the
     shard is theirs)."""
     model_config = load_model_config(load.model_dir)
     size, rank = (1, 0) if group is None else (group.size, group.rank)
+    expert_parallel = parallel is not None and parallel.expert_parallel
     if weights is not None:
         expert_parallel = weights.model.shard.expert_parallel
     shard = TensorParallelShard.of(model_config, rank, size, expert_parallel)
