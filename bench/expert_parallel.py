@@ -39,9 +39,10 @@ from bench.tensor_parallel import (
     Workload,
     build_llm,
     compare_greedy,
-    cpu_name,
     greedy,
+    machine,
     parse_workload_args,
+    print_greedy_check,
     time_decode_steps,
     time_prefill_steps,
     time_throughput,
@@ -217,23 +218,11 @@ def main(argv: list[str] | None = None) -> None:
         f"decode step {ratios['decode_step_ms']:.2f}x, rank 0's expert bytes "
         f"{ratios['rank0_expert_bytes']:.2f}x"
     )
-    equal = ", ".join(f"{run} {n}" for run, n in greedy_check["num_equal"].items())
-    print(
-        f"greedy outputs equal to {greedy_check['reference']}'s, of "
-        f"{greedy_check['num_sequences']}: {equal}; "
-        f"near-ties at a divergence: {greedy_check['num_near_ties']}"
-        + ("" if greedy_check["passed"] else "; A DIFFERENCE IS NOT A NEAR-TIE")
-    )
+    print_greedy_check(greedy_check)
     payload = {
         "benchmark": "expert_parallel",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "cpu": cpu_name(),
-            "cores": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__,
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-        },
+        "machine": machine(load_before),
         "model": CONFIGS[args.model],
         "workload": {k: v for k, v in vars(args).items() if k not in ("out", "model")},
         "runs": [{k: v for k, v in run.items() if k != "token_ids"} for run in runs],

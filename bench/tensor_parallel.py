@@ -489,6 +489,28 @@ def _own_cpu_seconds() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usages)
 
 
+def print_greedy_check(greedy_check: dict[str, Any]) -> None:
+    """``compare_greedy``'s verdict, one line."""
+    equal = ", ".join(f"{run} {n}" for run, n in greedy_check["num_equal"].items())
+    print(
+        f"greedy outputs equal to {greedy_check['reference']}'s, of "
+        f"{greedy_check['num_sequences']}: {equal}; "
+        f"near-ties at a divergence: {greedy_check['num_near_ties']}"
+        + ("" if greedy_check["passed"] else "; A DIFFERENCE IS NOT A NEAR-TIE")
+    )
+
+
+def machine(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """The machine a run measured: its CPU and cores, torch, and the load around the run."""
+    return {
+        "cpu": cpu_name(),
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
+
+
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo (this bench imports no transformers, which
     bench.offline_throughput's helper would pull into every rank process)."""
@@ -557,24 +579,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{ratios['output_tokens_per_second']:.2f}x, prefill step "
             f"{ratios['prefill_step_ms']:.2f}x, decode step {ratios['decode_step_ms']:.2f}x"
         )
-    equal = ", ".join(f"{run} {n}" for run, n in greedy_check["num_equal"].items())
-    print(
-        f"greedy outputs equal to {greedy_check['reference']}'s, of "
-        f"{greedy_check['num_sequences']}: {equal}; "
-        f"near-ties at a divergence: {greedy_check['num_near_ties']}"
-        + ("" if greedy_check["passed"] else "; A DIFFERENCE IS NOT A NEAR-TIE")
-    )
+    print_greedy_check(greedy_check)
     payload = {
         "benchmark": "tensor_parallel",
         "date": time.strftime("%Y-%m-%d"),
         "what_two_cores_show": WHAT_TWO_CORES_SHOW,
-        "machine": {
-            "cpu": cpu_name(),
-            "cores": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__,
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-        },
+        "machine": machine(load_before),
         "model": {**asdict(spec), "num_params": spec.num_params, "dtype": "float32"},
         "workload": {k: v for k, v in vars(args).items() if k not in ("out", "model")},
         "runs": [{k: v for k, v in run.items() if k != "token_ids"} for run in runs],
