@@ -813,22 +813,3 @@ def test_pdserve_profile_measures_this_machine_and_records_its_shared_cores(
     assert Planner(model, hardware).cluster(Layout(0, 1, 2, 1)).host == HostShare(
         os.cpu_count() or 1
     )
-
-
-def test_gpt_oss_in_mxfp4_costs_its_experts_at_4_25_bits_and_the_rest_float(
-    tmp_path: Path,
-) -> None:
-    from tests.fixtures.tiny_models import tiny_hf_config
-
-    raw = tiny_hf_config("GptOssForCausalLM").to_dict()
-    (tmp_path / "float").mkdir()
-    (tmp_path / "float" / "config.json").write_text(json.dumps(raw))
-    raw["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "mxfp4").mkdir()
-    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(raw))
-    bf16, mxfp4 = (ModelCosts.load(tmp_path / name) for name in ("float", "mxfp4"))
-    assert mxfp4.routed_expert_bytes == bf16.routed_expert_bytes * 4.25 / 16
-    assert mxfp4.weight_bytes - mxfp4.routed_expert_bytes == (
-        bf16.weight_bytes - bf16.routed_expert_bytes
-    )
-    assert mxfp4.weights_stored_as.startswith("mxfp4 experts")
