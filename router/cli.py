@@ -479,7 +479,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         '(<tool_call>{"name": ..., "arguments": ...}</tool_call>, as Hermes, Qwen2.5 and Qwen3 '
         'write them), llama3_json or llama4_json ({"name": ..., "parameters": ...}, Llama 3.1+ '
         "and 4), mistral ([TOOL_CALLS][{...}] before v11 tokenizers, [TOOL_CALLS]name[ARGS]{...} "
-        "from v11)",
+        "from v11), openai (gpt-oss: its harmony messages to functions.NAME; needs "
+        "--reasoning-parser openai_gptoss, a gpt_oss model's default)",
     )
     reasoning = serve.add_argument_group("reasoning")
     reasoning.add_argument(
@@ -488,7 +489,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         choices=list(REASONING_PARSERS),
         help="split chat output into message.reasoning (the thought, between <think> and "
         "</think>) and content, as vLLM's parser of the same name: deepseek_r1 (DeepSeek-R1, "
-        "QwQ), qwen3 (Qwen3, Qwen3.5; chat_template_kwargs enable_thinking false: all content)",
+        "QwQ), qwen3 (Qwen3, Qwen3.5; chat_template_kwargs enable_thinking false: all content), "
+        "openai_gptoss (gpt-oss's harmony messages: the analysis channel is the reasoning, the "
+        "final channel the content; a gpt_oss model's default)",
     )
     limits = serve.add_argument_group("request limits")
     limits.add_argument("--max-body-bytes", type=_int_in(1, MAX_BODY_BYTES), default=4 << 20)

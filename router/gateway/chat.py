@@ -4,7 +4,11 @@ Clients cannot send a template: only the one saved with the tokenizer is used. M
 checked first (roles, text content, count, tool calls), so a template never sees malformed
 input. Tool turns reach the template in the shape transformers' templates expect, as vLLM
 passes them: an assistant message's ``tool_calls`` with each ``function.arguments`` parsed from
-its JSON text to an object, and ``tool`` messages with their ``tool_call_id``.
+its JSON text to an object, and ``tool`` messages with their ``tool_call_id``. An assistant
+message's earlier reasoning (vLLM's ``reasoning``, or its old name ``reasoning_content``)
+reaches the template as ``reasoning`` and ``reasoning_content`` (vLLM's names; Qwen3's templates
+read the second) and as ``thinking`` (gpt-oss's template writes it as the analysis before a
+call).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from router.gateway.limits import RequestLimits
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOOL_CALLS = 128  # tool calls in one assistant message
+# reasoning_effort's values, vLLM's (OpenAI's, and DeepSeek's "max")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # names chat_template_kwargs may not set: apply_chat_template's own arguments and the messages
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     [
@@ -55,8 +61,9 @@ class ChatTemplateOptions:
 def template_options(
     add_generation_prompt: bool,
     continue_final_message: bool,
-    template_kwargs: Any,
+    chat_template_kwargs: Any,
     tools: list[dict[str, Any]] | None = None,
+    reasoning_effort: Any = None,
 ) -> ChatTemplateOptions:
     """The chat request's template options (flags already type-checked), checked together;
     400 naming the field otherwise."""
@@ -65,19 +72,39 @@ def template_options(
             "continue_final_message and add_generation_prompt cannot both be true",
             param="continue_final_message",
         )
-    if template_kwargs is None:
-        template_kwargs = {}
-    if not isinstance(template_kwargs, dict):
+    kwargs = template_kwargs(chat_template_kwargs, reasoning_effort)
+    return ChatTemplateOptions(add_generation_prompt, continue_final_message, kwargs, tools)
+
+
+def template_kwargs(chat_template_kwargs: Any, reasoning_effort: Any) -> dict[str, Any]:
+    """The variables a chat request passes its template: ``chat_template_kwargs``, and
+    ``reasoning_effort`` as vLLM passes it (gpt-oss's template writes it into the system
+    message), with ``enable_thinking`` false for "none" unless the kwargs set it (Qwen3's
+    templates read that); 400 naming the field otherwise."""
+    if chat_template_kwargs is None:
+        chat_template_kwargs = {}
+    if not isinstance(chat_template_kwargs, dict):
         raise invalid("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs))
     if reserved:
         raise invalid(
             f"chat_template_kwargs may not set {', '.join(reserved)}",
             param="chat_template_kwargs",
         )
-    return ChatTemplateOptions(
-        add_generation_prompt, continue_final_message, template_kwargs, tools
-    )
+    if reasoning_effort is None:
+        return chat_template_kwargs
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise invalid(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got "
+            f"{reasoning_effort!r}",
+            param="reasoning_effort",
+        )
+    thinking = reasoning_effort != "none"
+    return {
+        "enable_thinking": thinking,
+        **chat_template_kwargs,
+        "reasoning_effort": reasoning_effort,
+    }
 
 
 def parse_messages(
@@ -99,7 +126,7 @@ def parse_messages(
         )
     messages = [_parse_message(i, message) for i, message in enumerate(value)]
     if check_length:
-        num_chars = sum(len(m["content"]) + _tool_call_chars(m) for m in messages)
+        num_chars = sum(len(m["content"]) + _chars_beyond_content(m) for m in messages)
         check_prompt_chars(num_chars, "messages", limits.max_model_len)
     return messages
 
@@ -129,6 +156,10 @@ def _parse_message(index: int, message: Any) -> dict[str, Any]:
     parsed: dict[str, Any] = {"role": role, "content": content}
     if tool_calls:  # an empty list is no tool calls, as vLLM drops it
         parsed["tool_calls"] = _tool_calls(tool_calls, f"{param}.tool_calls")
+    if role == "assistant":
+        reasoning = _earlier_reasoning(message, param)
+        if reasoning is not None:
+            parsed.update(reasoning=reasoning, reasoning_content=reasoning, thinking=reasoning)
     if role == "tool":
         tool_call_id = message.get("tool_call_id")
         if not isinstance(tool_call_id, str):
@@ -140,6 +171,16 @@ def _parse_message(index: int, message: Any) -> dict[str, Any]:
         if name is not None:  # some templates show the function's name with its result
             parsed["name"] = name
     return parsed
+
+
+def _earlier_reasoning(message: dict[str, Any], param: str) -> str | None:
+    """An assistant message's reasoning, ``reasoning`` or else ``reasoning_content``; None
+    when it has none."""
+    name = "reasoning" if message.get("reasoning") is not None else "reasoning_content"
+    reasoning = message.get(name)
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise invalid(f"{param}.{name} must be a string", param=f"{param}.{name}")
+    return reasoning
 
 
 def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
@@ -196,9 +237,11 @@ def _arguments_object(arguments: str | dict[str, Any] | None) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def _tool_call_chars(message: dict[str, Any]) -> int:
+def _chars_beyond_content(message: dict[str, Any]) -> int:
+    """The characters of a message's tool calls and earlier reasoning."""
     calls = message.get("tool_calls", ())
-    return sum(len(json.dumps(c["function"]["arguments"])) for c in calls)
+    reasoning = len(message.get("reasoning", ""))
+    return reasoning + sum(len(json.dumps(c["function"]["arguments"])) for c in calls)
 
 
 def _text_content(content: Any, param: str) -> str:

@@ -201,7 +201,7 @@ def _output_constraint(
     if constraint is None:
         return None
     if reasoning is not None:
-        return constrained_after_reasoning(reasoning, constraint[1], model.think_end_token_ids)
+        return constrained_after_reasoning(reasoning, constraint[1], model.reasoning_end_token_ids)
     return constraint[1]
 
 
@@ -220,6 +220,7 @@ def _chat_prompts(
         optional_field(body, "continue_final_message", bool, False),
         body.get("chat_template_kwargs"),
         tools,
+        body.get("reasoning_effort"),
     )
     token_ids = keep_last(render_chat(model.tokenizer, messages, options), keep)
     echo = optional_field(body, "echo", bool) or False

@@ -23,10 +23,13 @@ A stream sends the reasoning as it comes, then the content, split where the whol
 text that may be the start of a tag is held back until the next text shows whether it is, and
 released as reasoning at the end of the sample if the tag never completes.
 
+- ``openai_gptoss``: gpt-oss's harmony messages (``harmony``): the ``analysis`` channel is the
+  reasoning, the rest read message by message.
+
 The usage's ``completion_tokens_details.reasoning_tokens`` counts the thought's tokens where
 the split is (``num_thought_tokens``): up to and including the one that completed
 ``</think>``, those before a qwen3 ``<tool_call>`` that ended it, all without an end tag, none
-with thinking off.
+with thinking off; under ``openai_gptoss``, those of its analysis messages.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from router.gateway.harmony import HARMONY_PARSER, num_harmony_reasoning_tokens, read_harmony
 from router.gateway.hermes_tool_calls import START as TOOL_CALL_START
 from router.gateway.tag_scan import TagCutter
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the formats --reasoning-parser reads
+# the formats --reasoning-parser reads
+REASONING_PARSERS = ("deepseek_r1", "qwen3", HARMONY_PARSER)
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -58,6 +63,11 @@ class ReasoningMode:
             raise ValueError(f"unknown reasoning parser {self.parser!r} (supported: {supported})")
 
     @property
+    def harmony(self) -> bool:
+        """Whether the output is gpt-oss's harmony messages (``harmony``), not tagged text."""
+        return self.parser == HARMONY_PARSER
+
+    @property
     def end_tags(self) -> tuple[str, ...]:
         """The tags that end the reasoning, the first one written does."""
         return (THINK_END, TOOL_CALL_START) if self.parser == "qwen3" else (THINK_END,)
@@ -67,6 +77,9 @@ def split_reasoning(mode: ReasoningMode, text: str) -> tuple[str | None, str | N
     """A whole text's reasoning and content, as vLLM's parser returns them (None: null)."""
     if not mode.thinking:
         return None, text
+    if mode.harmony:
+        reply = read_harmony(text)
+        return reply.reasoning, reply.content
     stream = ReasoningStream(mode)
     reasoning, content = stream.feed(text)
     reasoning += stream.end()
@@ -79,9 +92,10 @@ def split_reasoning(mode: ReasoningMode, text: str) -> tuple[str | None, str | N
 
 class ReasoningStream:
     """One choice's streamed text split into reasoning and content: ``feed`` each text delta,
-    then ``end`` once the sample ended."""
+    then ``end`` once the sample ended. (A harmony reply is read by ``HarmonyStream``.)"""
 
     def __init__(self, mode: ReasoningMode) -> None:
+        assert not mode.harmony
         self._in_reasoning = mode.thinking
         self._end_tags = mode.end_tags
         self.ended_by: str | None = None  # the tag that ended the reasoning; None: not yet
@@ -126,6 +140,8 @@ def num_thought_tokens(
     ended it); all of them when no tag ended the thought; none with thinking off."""
     if not mode.thinking:
         return 0
+    if mode.harmony:
+        return num_harmony_reasoning_tokens(text, token_ids, decode)
     stream = ReasoningStream(mode)
     stream.feed(text)
     if stream.ended_by is None:

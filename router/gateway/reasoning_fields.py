@@ -5,10 +5,11 @@ combined with. Completions are not split, as vLLM applies reasoning parsers to c
 - vLLM's ``include_reasoning`` (default true): false leaves the reasoning out (``reasoning``
   null, no reasoning deltas) and, as vLLM hides them with it, the logprobs (``logprobs`` null).
 - qwen3 with ``chat_template_kwargs: {"enable_thinking": false}`` (as Qwen3's templates read
-  it): thinking is off, the output is all content.
+  it), or ``reasoning_effort: "none"`` without it: thinking is off, the output is all content.
 - While thinking is on, an output constraint (a named or ``"required"`` ``tool_choice``,
   ``response_format``, ``structured_outputs``, ``guided_*``) holds from the token after
-  ``</think>``, as vLLM applies it once the reasoning has ended; the reasoning is free. ``echo``
+  ``</think>`` (gpt-oss's harmony: after ``<|channel|>final<|message|>``, its final answer's
+  header), as vLLM applies it once the reasoning has ended; the reasoning is free. ``echo``
   is refused: its text would be read as reasoning.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.structured.spec import StructuredOutputSpec
+from router.gateway.chat import template_kwargs
 from router.gateway.errors import invalid
 from router.gateway.reasoning import ReasoningMode
 
@@ -31,8 +33,8 @@ def checked_reasoning(body: Mapping[str, Any], parser: str | None) -> ReasoningM
         raise invalid("include_reasoning must be a boolean", param="include_reasoning")
     if parser is None:
         return None
-    kwargs = body.get("chat_template_kwargs")
-    thinking_off = isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False
+    kwargs = template_kwargs(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
+    thinking_off = kwargs.get("enable_thinking") is False
     thinking = not (parser == "qwen3" and thinking_off)
     mode = ReasoningMode(parser, thinking, include=include is not False)
     if mode.thinking and body.get("echo") is True:
@@ -45,12 +47,13 @@ def checked_reasoning(body: Mapping[str, Any], parser: str | None) -> ReasoningM
 
 
 def constrained_after_reasoning(
-    mode: ReasoningMode, spec: StructuredOutputSpec, think_end_token_ids: tuple[int, ...]
+    mode: ReasoningMode, spec: StructuredOutputSpec, reasoning_end_token_ids: tuple[int, ...]
 ) -> StructuredOutputSpec:
     """``spec`` applied once the reasoning has ended, as vLLM applies an output constraint under
-    a reasoning parser: the workers leave the output free until it holds ``</think>``'s tokens,
-    and constrain what follows (``StructuredOutputSpec.after_token_ids``). With thinking off
+    a reasoning parser: the workers leave the output free until it holds the reasoning's end
+    (``reasoning_end_token_ids``: ``</think>``'s tokens, or harmony's final header's), and
+    constrain what follows (``StructuredOutputSpec.after_token_ids``). With thinking off
     there is no reasoning to wait for: constrained from the first token, as vLLM."""
     if not mode.thinking:
         return spec
-    return replace(spec, after_token_ids=think_end_token_ids)
+    return replace(spec, after_token_ids=reasoning_end_token_ids)

@@ -8,8 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.model_config import load_model_config
+from router.gateway.harmony import FINAL_START, HARMONY_PARSER, HARMONY_TOOL_CALL_PARSER
 from router.gateway.reasoning import THINK_END, ReasoningMode
 from router.gateway.tool_calls import AutoToolCalls
+
+# architectures whose replies are harmony messages: read as such unless told otherwise, as vLLM
+_HARMONY_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,19 +32,29 @@ class ServedModel:
     # the format tool_choice "auto" reads the model's calls in (``--tool-call-parser`` with
     # ``--enable-auto-tool-choice``); None: "auto" is refused, as vLLM refuses it without them
     tool_call_parser: str | None = None
-    # the format chat output's reasoning is split off in (``--reasoning-parser``); None: not
+    # the format chat output's reasoning is split off in (``--reasoning-parser``; a gpt-oss
+    # model's is ``openai_gptoss`` unless given); None: not
     reasoning_parser: str | None = None
-    # ``</think>`` as the tokenizer encodes it, where an output constraint starts under a
-    # reasoning parser (derived: tokenized once, not per request); () without a parser
-    think_end_token_ids: tuple[int, ...] = field(init=False, default=())
+    # where the reasoning ends as the tokenizer encodes it (``</think>``; harmony: the final
+    # answer's header), an output constraint holding from the next token under a reasoning
+    # parser (derived: tokenized once, not per request); () without a parser
+    reasoning_end_token_ids: tuple[int, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
             AutoToolCalls(self.tool_call_parser)  # a ValueError naming the supported ones
+        harmony = self.reasoning_parser == HARMONY_PARSER
+        if self.tool_call_parser == HARMONY_TOOL_CALL_PARSER and not harmony:
+            raise ValueError(
+                f"--tool-call-parser {HARMONY_TOOL_CALL_PARSER} reads gpt-oss's harmony "
+                f"messages: it needs --reasoning-parser {HARMONY_PARSER} (a gpt_oss model's "
+                f"default); this server's is {self.reasoning_parser}"
+            )
         if self.reasoning_parser is not None:
             ReasoningMode(self.reasoning_parser)  # a ValueError naming the supported ones
-            end = tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
-            object.__setattr__(self, "think_end_token_ids", end)
+            end_text = FINAL_START if harmony else THINK_END
+            end = tuple(self.tokenizer.encode(end_text, add_special_tokens=False))
+            object.__setattr__(self, "reasoning_end_token_ids", end)
 
     @classmethod
     def load(
@@ -71,6 +85,8 @@ class ServedModel:
         # change to a fast tokenizer's state, done before threads share it (parsers encode
         # while the event loop decodes; a change during either raises "Already borrowed").
         tokenizer.encode("warm-up")
+        if reasoning_parser is None and config.architecture in _HARMONY_ARCHITECTURES:
+            reasoning_parser = HARMONY_PARSER
         return cls(
             name=name or Path(model_dir).resolve().name,
             max_model_len=max_model_len or config.max_position_embeddings,

@@ -134,6 +134,7 @@ def _chat_token_ids(body: dict[str, Any], model: ServedModel, limits: RequestLim
         _flag(body, "continue_final_message", False),
         body.get("chat_template_kwargs"),
         tools.tools,
+        body.get("reasoning_effort"),
     )
     add_special_tokens = _flag(body, "add_special_tokens", False)
     return render_chat(model.tokenizer, messages, options, add_special_tokens)

@@ -28,7 +28,9 @@ where the whole response, whose last block then does not parse, says it too).
 
 Under ``--reasoning-parser`` the reasoning is split off first (``reasoning``), into the
 message's ``reasoning`` (a stream's ``reasoning`` deltas), and only the rest is read for calls,
-as vLLM reads them from the content alone.
+as vLLM reads them from the content alone. gpt-oss's harmony reply (``openai_gptoss``) is read
+message by message instead (``harmony``): its calls are messages of their own, returned with
+``--tool-call-parser openai`` ("auto"); a forced call is read from its final answer's text.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.gateway.call_scanner import CallScanner, call_entry, header_entry, new_tool_call_id
+from router.gateway.harmony import (
+    HARMONY_TOOL_CALL_PARSER,
+    CallPiece,
+    HarmonyStream,
+    read_harmony,
+)
 from router.gateway.hermes_tool_calls import HermesCallStream, parse_hermes
 from router.gateway.llama_tool_calls import Llama3JsonCallStream, parse_llama3_json
 from router.gateway.mistral_tool_calls import (
@@ -86,7 +94,8 @@ _AUTO_PARSERS = {
     "llama4_json": _AutoParser(parse_llama3_json, Llama3JsonCallStream),
     "mistral": _AutoParser(parse_mistral, MistralCallStream, new_mistral_tool_call_id),
 }
-TOOL_CALL_PARSERS = tuple(_AUTO_PARSERS)  # the formats "auto" tool choice can read calls in
+# the formats "auto" tool choice can read calls in: the text's, or harmony's messages
+TOOL_CALL_PARSERS = (*_AUTO_PARSERS, HARMONY_TOOL_CALL_PARSER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +131,32 @@ def chat_message(
     """The whole response's message for a choice whose output is ``text``, and its
     finish_reason: the reasoning split off first (``reasoning``, when set), then the rest as
     content or as tool calls (``tool_calls``, when set)."""
+    if reasoning is not None and reasoning.harmony:
+        return _harmony_message(text, finish_reason, tool_calls, reasoning)
     thought, content = (None, text) if reasoning is None else split_reasoning(reasoning, text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls is not None:
         message, finish_reason = tool_call_choice(tool_calls, content, finish_reason)
     if reasoning is not None:  # vLLM's field, null without reasoning
         message["reasoning"] = thought if reasoning.include else None
+    return message, finish_reason
+
+
+def _harmony_message(
+    text: str, finish_reason: str | None, tool_calls: ToolCallMode | None, reasoning: ReasoningMode
+) -> tuple[dict[str, Any], str | None]:
+    """``chat_message`` for a harmony reply: its calls are its own messages ("auto"), a forced
+    call's arguments its content."""
+    reply = read_harmony(text)
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if isinstance(tool_calls, AutoToolCalls):
+        message["tool_calls"] = [call_entry(name, arguments) for name, arguments in reply.calls]
+        cut = finish_reason == "length" and reply.call_cut
+        if reply.calls and finish_reason in ("stop", "length") and not cut:
+            finish_reason = "tool_calls"
+    elif tool_calls is not None:
+        message, finish_reason = tool_call_choice(tool_calls, reply.content, finish_reason)
+    message["reasoning"] = reply.reasoning if reasoning.include else None
     return message, finish_reason
 
 
@@ -138,7 +167,7 @@ def tool_call_choice(
     reasoning), and its finish_reason (the sample's, ``tool_calls`` where "auto" found calls,
     as vLLM)."""
     if isinstance(mode, AutoToolCalls):
-        parser = _AUTO_PARSERS[mode.parser]
+        parser = _AUTO_PARSERS[mode.parser]  # (harmony's calls are read by _harmony_message)
         content, parsed = parser.parse(text) if text is not None else (None, [])
         calls = [call_entry(name, arguments, parser.new_call_id()) for name, arguments in parsed]
         if calls and finish_reason in ("stop", "length"):
@@ -185,6 +214,7 @@ class ChatDeltas:
         self._named_started: set[int] = set()  # choices whose named call's header was sent
         self._scanners: dict[int, CallScanner] = {}  # "required": per choice
         self._parsed: dict[int, AutoCallStream] = {}  # "auto": per choice
+        self._harmony: dict[int, HarmonyStream] = {}  # a harmony reply: per choice
 
     def delta(
         self, index: int, text: str, finish_reason: str | None
@@ -192,6 +222,8 @@ class ChatDeltas:
         """Choice ``index``'s delta for ``text`` and the finish_reason its chunk shows."""
         if self._reasoning is None:
             return self._content(index, text, finish_reason)
+        if self._reasoning.harmony:
+            return self._harmony_delta(index, text, finish_reason)
         split = self._splits.setdefault(index, ReasoningStream(self._reasoning))
         thought, text = split.feed(text)
         if finish_reason is not None:
@@ -199,6 +231,32 @@ class ChatDeltas:
         delta, finish_reason = self._content(index, text, finish_reason)
         if thought and self._reasoning.include:
             delta = {"reasoning": thought, **delta}
+        return delta, finish_reason
+
+    def _harmony_delta(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """Choice ``index``'s delta for ``text`` of a harmony reply: its reasoning, then its
+        content, and its calls under "auto" (else the content as any other's)."""
+        assert self._reasoning is not None
+        stream = self._harmony.setdefault(index, HarmonyStream())
+        piece = stream.feed(text)
+        cut = finish_reason == "length" and stream.in_call  # a call's arguments cut short
+        if finish_reason is not None:
+            rest = stream.end()
+            piece.reasoning += rest.reasoning
+            piece.content += rest.content
+            piece.calls += rest.calls
+        if isinstance(self._mode, AutoToolCalls):
+            delta: dict[str, Any] = {"content": piece.content} if piece.content else {}
+            if piece.calls:
+                delta["tool_calls"] = [_call_delta(call) for call in piece.calls]
+            if stream.num_calls and finish_reason in ("stop", "length") and not cut:
+                finish_reason = "tool_calls"
+        else:
+            delta, finish_reason = self._content(index, piece.content, finish_reason)
+        if piece.reasoning and self._reasoning.include:
+            delta = {"reasoning": piece.reasoning, **delta}
         return delta, finish_reason
 
     def _content(
@@ -247,3 +305,10 @@ class ChatDeltas:
         if stream.num_calls and finish_reason in ("stop", "length") and not cut:
             finish_reason = "tool_calls"
         return delta, finish_reason
+
+
+def _call_delta(piece: CallPiece) -> dict[str, Any]:
+    """A streamed harmony call's piece as a tool_calls entry: its header, or arguments."""
+    if piece.name is not None:
+        return header_entry(piece.index, piece.name, piece.arguments)
+    return {"index": piece.index, "function": {"arguments": piece.arguments}}
