@@ -2,6 +2,7 @@
 
 llm = LLM("path/to/hf_dir", dtype="float32", device="cpu")
 outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+outs = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=32))
 
 ``tensor_parallel_size=N`` runs the model on N ranks of this machine: rank 0 (the engine, its
 scheduler and sampler) in the calling process, ranks 1 .. N-1 in spawned follower processes
@@ -36,6 +37,7 @@ from engine.speculative.config import SpeculativeConfig
 from engine.tokenizer import bad_words_token_ids, load_tokenizer
 
 Prompt = str | SequenceOf[int]
+Conversation = SequenceOf[Mapping[str, Any]]  # chat messages: {"role", "content", ...} each
 
 
 class LLM:
@@ -142,17 +144,67 @@ class LLM:
         ``priority``: one per prompt (lower runs first), under the scheduling policy
         "priority" (vLLM's)."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
-        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        texts = [prompt if isinstance(prompt, str) else None for prompt in prompt_list]
+        token_ids = [self._encode(prompt) for prompt in prompt_list]
+        return self._run(token_ids, texts, sampling_params, priority)
+
+    def chat(
+        self,
+        messages: Conversation | SequenceOf[Conversation],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a reply to each conversation (one list of messages, or a list of them), as
+        vLLM's ``LLM.chat``: its prompt is the tokenizer's chat template rendered with the
+        options given (``tools`` and ``chat_template_kwargs`` as the template's variables), its
+        tokens those of the rendered text with no special tokens added; one finished
+        RequestOutput per conversation, in order, its ``prompt`` the rendered text."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (this LLM was built without one)")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; use generate")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        conversations = _as_conversation_list(messages)
+        extra = {"tools": tools} if tools else {}
+        texts: list[str | None] = [
+            self.tokenizer.apply_chat_template(
+                list(conversation),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **extra,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        token_ids = [list(self.tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+        return self._run(token_ids, texts, sampling_params, None)
+
+    def _run(
+        self,
+        prompts_token_ids: list[list[int]],
+        texts: list[str | None],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None,
+        priority: SequenceOf[int] | None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (its token ids, and its text where it was given as one)."""
+        params_list = self._params_per_prompt(sampling_params, len(prompts_token_ids))
+        num_prompts = len(prompts_token_ids)
+        if priority is not None and len(priority) != num_prompts:
+            raise ValueError(f"priority has {len(priority)} entries for {num_prompts} prompts")
+        priorities = [0] * num_prompts if priority is None else list(priority)
         request_ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, params, rank in zip(prompt_list, params_list, priorities, strict=True):
+            for token_ids, text, params, rank in zip(
+                prompts_token_ids, texts, params_list, priorities, strict=True
+            ):
                 request_id = str(next(self._request_ids))
-                text = prompt if isinstance(prompt, str) else None
-                token_ids = self._encode(prompt)
                 params = self._with_bad_words_token_ids(params)
                 self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank)
                 request_ids.append(request_id)
@@ -267,6 +319,24 @@ def _as_prompt_list(prompts: Any) -> list[Prompt]:
                 f"got {type(prompt).__name__}"
             )
     return prompt_list
+
+
+def _as_conversation_list(messages: Any) -> list[Conversation]:
+    """One conversation (a list of message mappings) or a list of them, as a list of them."""
+    conversations = list(messages)
+    if not conversations:
+        raise ValueError("messages must hold a conversation (a list of messages)")
+    if all(isinstance(message, Mapping) for message in conversations):
+        return [conversations]  # a single conversation
+    for index, conversation in enumerate(conversations):
+        if isinstance(conversation, str | Mapping) or not all(
+            isinstance(message, Mapping) for message in conversation
+        ):
+            raise ValueError(
+                f"messages[{index}] must be a conversation: a list of messages, each a mapping "
+                "with 'role' and 'content'"
+            )
+    return conversations
 
 
 def _close_ranks(engine: LLMEngine, followers: FollowerProcesses | None) -> None:
