@@ -38,7 +38,6 @@ held back until the next text shows whether it is one.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -239,32 +238,3 @@ def read_harmony(text: str) -> HarmonyReply:
         [(name, "".join(arguments)) for name, arguments in calls],
         call_cut,
     )
-
-
-def num_harmony_reasoning_tokens(
-    text: str, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
-) -> int:
-    """How many of a reply's tokens (``token_ids``, its text ``text``, decoded by ``decode``)
-    were its reasoning messages, each from its ``<|start|>`` to its end tag."""
-    stream = HarmonyStream()
-    stream.feed(text)
-    stream.end()
-    count = 0
-    for start, end in stream.reasoning_spans:
-        count += _tokens_holding(text[:end], token_ids, decode)
-        count -= _tokens_holding(text[:start], token_ids, decode)
-    return count
-
-
-def _tokens_holding(prefix: str, token_ids: Sequence[int], decode: Callable[..., str]) -> int:
-    """The fewest of ``token_ids`` whose text holds ``prefix`` (a prefix of their whole text)."""
-    if not prefix:
-        return 0
-    low, high = 0, len(token_ids)
-    while low < high:  # (fewer tokens decode to a prefix of the text, or a partial character)
-        middle = (low + high) // 2
-        if decode(token_ids[:middle]).startswith(prefix):
-            high = middle
-        else:
-            low = middle + 1
-    return high

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.gateway.harmony import HARMONY_PARSER, num_harmony_reasoning_tokens, read_harmony
+from router.gateway.harmony import HARMONY_PARSER, HarmonyStream, read_harmony
 from router.gateway.hermes_tool_calls import START as TOOL_CALL_START
 from router.gateway.tag_scan import TagCutter
 
@@ -141,16 +141,40 @@ def num_thought_tokens(
     if not mode.thinking:
         return 0
     if mode.harmony:
-        return num_harmony_reasoning_tokens(text, token_ids, decode)
+        return _harmony_reasoning_tokens(text, token_ids, decode)
     stream = ReasoningStream(mode)
     stream.feed(text)
     if stream.ended_by is None:
         return len(token_ids)
-    thought = text[: stream.num_thought_chars]
-    low, high = 0, len(token_ids)  # the first high tokens hold the thought
+    return _tokens_holding(text[: stream.num_thought_chars], token_ids, decode)
+
+
+def _harmony_reasoning_tokens(
+    text: str, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
+) -> int:
+    """How many of a harmony reply's tokens were its analysis messages, each from its
+    ``<|start|>`` to its end tag."""
+    stream = HarmonyStream()
+    stream.feed(text)
+    stream.end()
+    return sum(
+        _tokens_holding(text[:end], token_ids, decode)
+        - _tokens_holding(text[:start], token_ids, decode)
+        for start, end in stream.reasoning_spans
+    )
+
+
+def _tokens_holding(
+    prefix: str, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
+) -> int:
+    """The fewest of ``token_ids`` whose text (``decode``) holds ``prefix``, a prefix of their
+    whole text."""
+    if not prefix:
+        return 0
+    low, high = 0, len(token_ids)  # the first high tokens hold the prefix
     while low < high:  # (fewer tokens decode to a prefix of the text, or a partial character)
         middle = (low + high) // 2
-        if decode(token_ids[:middle]).startswith(thought):
+        if decode(token_ids[:middle]).startswith(prefix):
             high = middle
         else:
             low = middle + 1
