@@ -341,8 +341,12 @@ def test_qwen3_with_thinking_off_is_all_content(
     prefill = [USER_HI, {"role": "assistant", "content": "Sure: "}]
     (echoed,) = _chat(http, messages=prefill, echo=True, **off)["choices"]  # content too
     assert echoed["message"]["content"] == f"Sure: {ANSWER}"
+    # vLLM's reasoning_effort "none" turns it off too, unless the kwargs turn it on
+    (whole,) = _chat(http, reasoning_effort="none")["choices"]
+    assert whole["message"] == {"role": "assistant", "content": ANSWER, "reasoning": None}
     # thinking on (the default), a reply without tags is a thought never closed, as vLLM's
-    (whole,) = _chat(http, chat_template_kwargs={"enable_thinking": True})["choices"]
+    on = {"enable_thinking": True}
+    (whole,) = _chat(http, reasoning_effort="none", chat_template_kwargs=on)["choices"]
     assert whole["message"] == {"role": "assistant", "content": None, "reasoning": ANSWER}
 
 
