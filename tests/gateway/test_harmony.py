@@ -290,6 +290,16 @@ def test_a_constraint_starts_after_the_final_answers_header(
     assert [c["function"] for c in forced["message"]["tool_calls"]] == [
         {"name": "get_weather", "arguments": "{}"}
     ]
+    # "required": the final answer is the calls' array, streamed as calls too
+    array = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    _script(cluster, model, ANALYSIS + "<|start|>assistant<|channel|>final<|message|>" + array)
+    (required,) = _chat(http, tools=TOOLS, tool_choice="required")["choices"]
+    assert required["message"]["reasoning"] == THOUGHT
+    assert [c["function"] for c in required["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": ARGUMENTS}
+    ]
+    streamed = _streamed(_stream(http, tools=TOOLS, tool_choice="required"))
+    assert streamed == _Streamed(THOUGHT, "", [("get_weather", ARGUMENTS)], "tool_calls")
 
 
 def test_reasoning_effort_and_earlier_reasoning_reach_the_template(
