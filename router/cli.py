@@ -479,7 +479,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         '(<tool_call>{"name": ..., "arguments": ...}</tool_call>, as Hermes, Qwen2.5 and Qwen3 '
         'write them), llama3_json or llama4_json ({"name": ..., "parameters": ...}, Llama 3.1+ '
         "and 4), mistral ([TOOL_CALLS][{...}] before v11 tokenizers, [TOOL_CALLS]name[ARGS]{...} "
-        "from v11), openai (gpt-oss: its harmony messages to functions.NAME; needs "
+        "from v11), deepseek_v3 (<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME and fenced JSON: "
+        "DeepSeek-V3, R1-0528), deepseek_v31 (<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}: "
+        "DeepSeek-V3.1 and later), openai (gpt-oss: its harmony messages to functions.NAME; needs "
         "--reasoning-parser openai_gptoss, a gpt_oss model's default)",
     )
     reasoning = serve.add_argument_group("reasoning")

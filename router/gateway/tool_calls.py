@@ -15,7 +15,8 @@ parameters' text as argument deltas.
 
 ``"auto"`` (free output, with ``--enable-auto-tool-choice --tool-call-parser NAME``): the
 parser reads the calls from the text (``hermes_tool_calls``, ``llama_tool_calls`` for
-``llama3_json`` and ``llama4_json``, ``mistral_tool_calls``); the message has the content the
+``llama3_json`` and ``llama4_json``, ``mistral_tool_calls``, ``deepseek_tool_calls`` for
+``deepseek_v3`` and ``deepseek_v31``); the message has the content the
 parser leaves (null when there is none) and the calls, or the text as content and
 ``tool_calls: []``.
 
@@ -41,6 +42,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.gateway.call_scanner import CallScanner, call_entry, header_entry, new_tool_call_id
+from router.gateway.deepseek_tool_calls import (
+    DeepSeekCallStream,
+    parse_deepseek_v3,
+    parse_deepseek_v31,
+)
 from router.gateway.harmony import (
     HARMONY_TOOL_CALL_PARSER,
     CallPiece,
@@ -93,6 +99,8 @@ _AUTO_PARSERS = {
     # vLLM's other name for it
     "llama4_json": _AutoParser(parse_llama3_json, Llama3JsonCallStream),
     "mistral": _AutoParser(parse_mistral, MistralCallStream, new_mistral_tool_call_id),
+    "deepseek_v3": _AutoParser(parse_deepseek_v3, lambda: DeepSeekCallStream("deepseek_v3")),
+    "deepseek_v31": _AutoParser(parse_deepseek_v31, lambda: DeepSeekCallStream("deepseek_v31")),
 }
 # the formats "auto" tool choice can read calls in: the text's, or harmony's messages
 TOOL_CALL_PARSERS = (*_AUTO_PARSERS, HARMONY_TOOL_CALL_PARSER)

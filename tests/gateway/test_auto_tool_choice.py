@@ -416,7 +416,7 @@ def test_auto_with_other_fields(
 
 
 def test_an_unknown_parser_is_refused_naming_the_supported_ones() -> None:
-    supported = "hermes, llama3_json, llama4_json, mistral, openai"
+    supported = "hermes, llama3_json, llama4_json, mistral, deepseek_v3, deepseek_v31, openai"
     with pytest.raises(
         ValueError, match=f"unknown tool-call parser 'pythonic' .supported: {supported}"
     ):
