@@ -18,20 +18,12 @@ import pytest
 from router.gateway.deepseek_tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 from router.gateway.served_model import ServedModel
 from router.gateway.tool_calls import AutoToolCalls, tool_call_choice
-from tests.gateway.test_auto_tool_choice import PARIS, TOOLS, _split_stream, _streamed
-from tests.gateway.token_script import (
-    DEMO_MODEL,
-    USER_HI,
-    ScriptedCluster,
-    http_client,
-    post_json,
-    script_answer,
-    stream_chunks,
-)
+from tests.gateway.test_auto_tool_choice import PARIS, _split_stream, _streamed
+from tests.gateway.test_llama_and_mistral_tool_calls import _chat, _stream
+from tests.gateway.token_script import DEMO_MODEL, ScriptedCluster, http_client, script_answer
 
 pytestmark = pytest.mark.timeout(120)
 
-CHAT = "/v1/chat/completions"
 TAGS = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP]
 NICE = {"city": "Nice\n```", "note": "Zürich"}  # a fence inside the arguments' strings
 PARSERS = ["deepseek_v3", "deepseek_v31"]
@@ -85,14 +77,6 @@ def served(
     model = _model(request.param)
     with http_client(cluster, model) as client:
         yield request.param, model, client
-
-
-def _chat(http: httpx.Client, **fields: Any) -> dict[str, Any]:
-    return post_json(http, CHAT, {"messages": [USER_HI], "tools": TOOLS, **fields})
-
-
-def _stream(http: httpx.Client, **fields: Any) -> list[dict[str, Any]]:
-    return stream_chunks(http, CHAT, {"messages": [USER_HI], "tools": TOOLS, **fields})
 
 
 def _whole_calls(message: dict[str, Any]) -> list[tuple[str, str]]:
