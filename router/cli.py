@@ -491,7 +491,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         choices=list(REASONING_PARSERS),
         help="split chat output into message.reasoning (the thought, between <think> and "
         "</think>) and content, as vLLM's parser of the same name: deepseek_r1 (DeepSeek-R1, "
-        "QwQ), qwen3 (Qwen3, Qwen3.5; chat_template_kwargs enable_thinking false: all content), "
+        "QwQ), deepseek_v3 (DeepSeek-V3.1: thinks when chat_template_kwargs thinking is true), "
+        "qwen3 (Qwen3, Qwen3.5; chat_template_kwargs enable_thinking false: all content), "
         "openai_gptoss (gpt-oss's harmony messages: the analysis channel is the reasoning, the "
         "final channel the content; a gpt_oss model's default)",
     )

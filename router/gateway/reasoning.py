@@ -2,8 +2,8 @@
 (``pdserve serve --reasoning-parser NAME``), for models that think between ``<think>`` and
 ``</think>`` (DeepSeek-R1, QwQ, Qwen3): whole, or streamed.
 
-Both parsers read the output as starting inside the thought, as vLLM's current ones do: the
-chat templates of these models open ``<think>`` in the prompt (DeepSeek-R1, QwQ,
+The think-tag parsers read the output as starting inside the thought, as vLLM's current ones
+do: the chat templates of these models open ``<think>`` in the prompt (DeepSeek-R1, QwQ,
 Qwen3-Thinking-2507, Qwen3.5), and a ``<think>`` the model writes itself (Qwen3's first
 template) is dropped, as is any within the thought (text before it stays reasoning, as in
 vLLM's stream; its whole response drops that text). The reasoning runs to the first
@@ -11,6 +11,9 @@ vLLM's stream; its whole response drops that text). The reasoning runs to the fi
 ``</think>`` (the thought cut by ``max_tokens``) it is all reasoning and the content is null.
 
 - ``deepseek_r1``: that alone.
+- ``deepseek_v3``: DeepSeek-V3.1's hybrid thinking: as ``deepseek_r1`` when the request's
+  ``chat_template_kwargs`` set ``thinking`` (or ``enable_thinking``) true, else all content
+  (``reasoning_fields``).
 - ``qwen3``: a ``<tool_call>`` before ``</think>`` ends the reasoning too, and stays in the
   content for the tool-call parser (the reasoning is then null when empty). With
   ``chat_template_kwargs: {"enable_thinking": false}`` the template closes the thought in the
@@ -23,8 +26,8 @@ A stream sends the reasoning as it comes, then the content, split where the whol
 text that may be the start of a tag is held back until the next text shows whether it is, and
 released as reasoning at the end of the sample if the tag never completes.
 
-- ``openai_gptoss``: gpt-oss's harmony messages (``harmony``): the ``analysis`` channel is the
-  reasoning, the rest read message by message.
+``openai_gptoss`` reads gpt-oss's harmony messages instead (``harmony``): the ``analysis``
+channel is the reasoning, the rest read message by message.
 
 The usage's ``completion_tokens_details.reasoning_tokens`` counts the thought's tokens where
 the split is (``num_thought_tokens``): up to and including the one that completed
@@ -42,7 +45,7 @@ from router.gateway.hermes_tool_calls import START as TOOL_CALL_START
 from router.gateway.tag_scan import TagCutter
 
 # the formats --reasoning-parser reads
-REASONING_PARSERS = ("deepseek_r1", "qwen3", HARMONY_PARSER)
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", HARMONY_PARSER)
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -52,7 +55,8 @@ class ReasoningMode:
     """How a chat request's output is split into reasoning and content."""
 
     parser: str  # one of REASONING_PARSERS
-    # False: the request turned thinking off (qwen3's enable_thinking false): all content
+    # False: the request turned thinking off (qwen3's enable_thinking false), or did not turn
+    # it on (deepseek_v3's thinking): all content
     thinking: bool = True
     # vLLM's include_reasoning: False leaves the reasoning out of the response
     include: bool = True

@@ -6,6 +6,9 @@ combined with. Completions are not split, as vLLM applies reasoning parsers to c
   null, no reasoning deltas) and, as vLLM hides them with it, the logprobs (``logprobs`` null).
 - qwen3 with ``chat_template_kwargs: {"enable_thinking": false}`` (as Qwen3's templates read
   it), or ``reasoning_effort: "none"`` without it: thinking is off, the output is all content.
+- deepseek_v3 (DeepSeek-V3.1's hybrid thinking) thinks only when ``chat_template_kwargs`` sets
+  ``thinking`` (V3.1's template variable) or ``enable_thinking`` true, as vLLM's parser of the
+  name; otherwise the output is all content.
 - While thinking is on, an output constraint (a named or ``"required"`` ``tool_choice``,
   ``response_format``, ``structured_outputs``, ``guided_*``) holds from the token after
   ``</think>`` (gpt-oss's harmony: after ``<|channel|>final<|message|>``, its final answer's
@@ -34,8 +37,11 @@ def checked_reasoning(body: Mapping[str, Any], parser: str | None) -> ReasoningM
     if parser is None:
         return None
     kwargs = template_kwargs(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
-    thinking_off = kwargs.get("enable_thinking") is False
-    thinking = not (parser == "qwen3" and thinking_off)
+    if parser == "deepseek_v3":  # thinking only when the request's own kwargs turn it on
+        asked = body.get("chat_template_kwargs") or {}
+        thinking = bool(asked.get("thinking")) or bool(asked.get("enable_thinking"))
+    else:
+        thinking = not (parser == "qwen3" and kwargs.get("enable_thinking") is False)
     mode = ReasoningMode(parser, thinking, include=include is not False)
     if mode.thinking and body.get("echo") is True:
         raise invalid(

@@ -154,7 +154,9 @@ def test_a_whole_text_splits_as_vllms_parsers_split_it(
 
 
 def test_an_unknown_parser_is_refused_naming_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match="'granite' .supported: deepseek_r1, qwen3"):
+    with pytest.raises(
+        ValueError, match="'granite' .supported: deepseek_r1, deepseek_v3, qwen3, openai_gptoss"
+    ):
         ServedModel.load(str(DEMO_MODEL), "pdserve-demo", None, reasoning_parser="granite")
 
 
@@ -440,3 +442,40 @@ def test_a_server_without_a_reasoning_parser_does_not_split(cluster: ScriptedClu
         (whole,) = _chat(http, include_reasoning=False)["choices"]
         assert whole["message"] == {"role": "assistant", "content": OPENED_IN_PROMPT}
         _chat(http, response_format={"type": "json_object"})
+
+
+# ---------------------------------------------------------------- deepseek_v3's own rules
+
+
+def test_deepseek_v3_thinks_only_when_the_request_turns_thinking_on(
+    cluster: ScriptedCluster,
+) -> None:
+    """DeepSeek-V3.1's hybrid thinking, as vLLM's deepseek_v3 parser: chat_template_kwargs
+    ``thinking`` (its template's variable) or ``enable_thinking`` true splits as deepseek_r1;
+    otherwise (reasoning_effort alone included) the output is all content, and a constraint
+    holds from the first token."""
+    served = _served("deepseek_v3")
+    script_answer(cluster, served, OPENED_IN_PROMPT)
+    with http_client(cluster, served) as http:
+        for kwargs in ({"thinking": True}, {"enable_thinking": True}):
+            (whole,) = _chat(http, chat_template_kwargs=kwargs)["choices"]
+            assert (whole["message"]["reasoning"], whole["message"]["content"]) == (
+                f"{THOUGHT}\n",
+                f"\n\n{ANSWER}",
+            )
+            streamed = _streamed(_stream(http, chat_template_kwargs=kwargs))
+            assert streamed == _Streamed(f"{THOUGHT}\n", f"\n\n{ANSWER}", [], "stop")
+        for fields in (
+            {},
+            {"chat_template_kwargs": {"thinking": False}},
+            {"reasoning_effort": "high"},
+        ):
+            (whole,) = _chat(http, **fields)["choices"]
+            expected = {"role": "assistant", "content": OPENED_IN_PROMPT, "reasoning": None}
+            assert whole["message"] == expected, fields
+            assert _streamed(_stream(http, **fields)) == _Streamed(
+                None, OPENED_IN_PROMPT, [], "stop"
+            )
+        _chat(http, response_format={"type": "json_object"})
+        spec = cluster.params[-1].structured_outputs
+        assert spec is not None and spec.after_token_ids == ()
