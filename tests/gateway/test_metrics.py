@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -54,7 +54,10 @@ def http(gateway_server: GatewayServer) -> Iterator[httpx.Client]:
         yield client
 
 
-def _samples(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, labels) -> value
+
+
+def _samples(http: httpx.Client) -> Samples:
     text = http.get("/metrics", headers=AUTH).text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -63,9 +66,7 @@ def _samples(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]]
     }
 
 
-def _total(
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
-) -> float:
+def _total(samples: Samples, name: str, **labels: str) -> float:
     return sum(
         value
         for (sample, sample_labels), value in samples.items()
@@ -73,15 +74,28 @@ def _total(
     )
 
 
-def _settled(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """A scrape once the workers are idle and their latest load reports are in."""
-    deadline = time.monotonic() + 10
+def _settled(http: httpx.Client, until: Callable[[Samples], bool] = lambda _: True) -> Samples:
+    """A scrape once the workers are idle, their counters have stopped moving (two scrapes
+    half a second apart, several report intervals, agree) and ``until`` holds of it: a busy
+    machine's load reports can lag, so it waits on that, for up to 60 s, not on a timer."""
+    deadline = time.monotonic() + 60
+    last: Samples | None = None
     while True:
         samples = _samples(http)
-        if _total(samples, "pdserve:num_requests_running") == 0 or time.monotonic() > deadline:
-            time.sleep(0.5)  # one more report interval (0.2 s) for the counters
-            return _samples(http)
-        time.sleep(0.05)
+        idle = _total(samples, "pdserve:num_requests_running") == 0
+        counters = {key: value for key, value in samples.items() if _is_counter(key[0])}
+        if idle and counters == last and until(samples):
+            return samples
+        if time.monotonic() > deadline:
+            return samples
+        last = counters if idle else None
+        time.sleep(0.5)
+
+
+def _is_counter(name: str) -> bool:
+    """Whether a sample counts traffic (a worker's CPU seconds move while it idles)."""
+    moving = name.endswith("process_cpu_seconds_total")
+    return name.endswith(("_total", "_count", "_sum", "_bucket")) and not moving
 
 
 def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -> None:
@@ -95,7 +109,21 @@ def test_design_metrics_are_exported_and_move_with_traffic(http: httpx.Client) -
     for prompt in prompts:
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
         assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
-    after = _settled(http)
+
+    def reported(samples: Samples) -> bool:  # the workers' reports of the three are in
+        return (
+            all(
+                _total(samples, "pdserve:kv_transfer_seconds_count", role=role)
+                - _total(before, "pdserve:kv_transfer_seconds_count", role=role)
+                == 3
+                for role in ("prefill", "decode")
+            )
+            and _total(samples, "pdserve:worker_generation_tokens_total")
+            - _total(before, "pdserve:worker_generation_tokens_total")
+            == 3 * 6
+        )
+
+    after = _settled(http, until=reported)
     names = {name for name, _ in after}
     missing = [m for m in DESIGN_METRICS if not {m, f"{m}_total", f"{m}_count"} & names]
     assert not missing
