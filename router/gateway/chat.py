@@ -6,9 +6,11 @@ input. Tool turns reach the template in the shape transformers' templates expect
 passes them: an assistant message's ``tool_calls`` with each ``function.arguments`` parsed from
 its JSON text to an object, and ``tool`` messages with their ``tool_call_id``. An assistant
 message's earlier reasoning (vLLM's ``reasoning``, or its old name ``reasoning_content``)
-reaches the template as ``reasoning`` and ``reasoning_content`` (vLLM's names; Qwen3's templates
-read the second) and as ``thinking`` (gpt-oss's template writes it as the analysis before a
-call).
+reaches the template as ``reasoning``, which transformers also passes as ``reasoning_content``
+(Qwen3's templates read it) and ``thinking`` (gpt-oss's template writes it as the analysis
+before a call). For a model read as harmony (``harmony=True``), an assistant message with calls,
+content and reasoning drops its content (a preamble to the user), which gpt-oss's template
+refuses beside the reasoning; the reasoning stays, the analysis before the calls.
 """
 
 from __future__ import annotations
@@ -108,13 +110,15 @@ def template_kwargs(chat_template_kwargs: Any, reasoning_effort: Any) -> dict[st
 
 
 def parse_messages(
-    value: Any, limits: RequestLimits, check_length: bool = True
+    value: Any, limits: RequestLimits, check_length: bool = True, harmony: bool = False
 ) -> list[dict[str, Any]]:
     """``messages`` from a request body as [{"role", "content"}] with text content (and, on
-    tool turns, ``tool_calls`` or ``tool_call_id``).
+    tool turns, ``tool_calls`` or ``tool_call_id``; an assistant's earlier ``reasoning``).
 
     ``check_length``: refuse text far too long for the context before it is rendered; off when
-    the prompt is to be truncated (``truncate_prompt_tokens``), which may make it fit."""
+    the prompt is to be truncated (``truncate_prompt_tokens``), which may make it fit.
+    ``harmony``: the model's replies are harmony (gpt-oss): a preamble beside reasoning and
+    calls is dropped, as its template takes no such message."""
     if not isinstance(value, list):
         raise invalid("messages must be a list of message objects", param="messages")
     if not value:
@@ -125,6 +129,8 @@ def parse_messages(
             param="messages",
         )
     messages = [_parse_message(i, message) for i, message in enumerate(value)]
+    if harmony:
+        messages = [_without_preamble(message) for message in messages]
     if check_length:
         num_chars = sum(len(m["content"]) + _chars_beyond_content(m) for m in messages)
         check_prompt_chars(num_chars, "messages", limits.max_model_len)
@@ -159,7 +165,7 @@ def _parse_message(index: int, message: Any) -> dict[str, Any]:
     if role == "assistant":
         reasoning = _earlier_reasoning(message, param)
         if reasoning is not None:
-            parsed.update(reasoning=reasoning, reasoning_content=reasoning, thinking=reasoning)
+            parsed["reasoning"] = reasoning
     if role == "tool":
         tool_call_id = message.get("tool_call_id")
         if not isinstance(tool_call_id, str):
@@ -171,6 +177,13 @@ def _parse_message(index: int, message: Any) -> dict[str, Any]:
         if name is not None:  # some templates show the function's name with its result
             parsed["name"] = name
     return parsed
+
+
+def _without_preamble(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message with calls, content and reasoning without its content."""
+    if message.get("tool_calls") and message["content"] and "reasoning" in message:
+        return {**message, "content": ""}
+    return message
 
 
 def _earlier_reasoning(message: dict[str, Any], param: str) -> str | None:

@@ -214,7 +214,7 @@ def _chat_prompts(
 ) -> _Prompts:
     max_tokens = _chat_max_tokens(body)
     keep = checked_truncation(body.get(TRUNCATE), max_tokens, model.max_model_len, max_tokens_name)
-    messages = parse_messages(body.get("messages"), limits, check_length=keep is None)
+    messages = parse_messages(body.get("messages"), limits, keep is None, model.harmony)
     options = template_options(
         optional_field(body, "add_generation_prompt", bool, True),
         optional_field(body, "continue_final_message", bool, False),

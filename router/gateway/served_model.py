@@ -40,11 +40,15 @@ class ServedModel:
     # parser (derived: tokenized once, not per request); () without a parser
     reasoning_end_token_ids: tuple[int, ...] = field(init=False, default=())
 
+    @property
+    def harmony(self) -> bool:
+        """Whether its chat replies are read as gpt-oss's harmony messages."""
+        return self.reasoning_parser == HARMONY_PARSER
+
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
             AutoToolCalls(self.tool_call_parser)  # a ValueError naming the supported ones
-        harmony = self.reasoning_parser == HARMONY_PARSER
-        if self.tool_call_parser == HARMONY_TOOL_CALL_PARSER and not harmony:
+        if self.tool_call_parser == HARMONY_TOOL_CALL_PARSER and not self.harmony:
             raise ValueError(
                 f"--tool-call-parser {HARMONY_TOOL_CALL_PARSER} reads gpt-oss's harmony "
                 f"messages: it needs --reasoning-parser {HARMONY_PARSER} (a gpt_oss model's "
@@ -52,7 +56,7 @@ class ServedModel:
             )
         if self.reasoning_parser is not None:
             ReasoningMode(self.reasoning_parser)  # a ValueError naming the supported ones
-            end_text = FINAL_START if harmony else THINK_END
+            end_text = FINAL_START if self.harmony else THINK_END
             end = tuple(self.tokenizer.encode(end_text, add_special_tokens=False))
             object.__setattr__(self, "reasoning_end_token_ids", end)
 

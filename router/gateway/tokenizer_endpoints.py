@@ -128,7 +128,7 @@ def _chat_token_ids(body: dict[str, Any], model: ServedModel, limits: RequestLim
         )
     # "none": tools are rendered, and no tool choice (nor its parser) is asked for
     tools = checked_tools({"tools": body.get("tools"), "tool_choice": "none"})
-    messages = parse_messages(body.get("messages"), limits)
+    messages = parse_messages(body.get("messages"), limits, harmony=model.harmony)
     options = template_options(
         _flag(body, "add_generation_prompt", True),
         _flag(body, "continue_final_message", False),

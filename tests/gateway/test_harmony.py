@@ -335,6 +335,18 @@ def test_reasoning_effort_and_earlier_reasoning_reach_the_template(
             assert prompt.startswith(shown), prompt
             assert "|assistant:Hello./Greet back./Greet back./Greet back." in prompt
             assert "|assistant:Hi./Again./Again./Again.|user:hi" in prompt
+        # calls, content and reasoning: the content (a preamble) dropped, as gpt-oss's
+        # template refuses it beside the reasoning
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        both = {**earlier, "tool_calls": [call]}
+        alone = {**earlier, "content": "", "tool_calls": [call]}
+        calls = "|assistant:/Greet back./Greet back./Greet back.|tool:1"
+        for message, shown in [(both, calls), (alone, calls)]:
+            _chat(
+                http,
+                messages=[USER_HI, message, {"role": "tool", "content": "1", "tool_call_id": "c1"}],
+            )
+            assert shown in tokenizer.decode(cluster.prompts[-1])
         error = bad_request_error(
             http.post(CHAT, json={"messages": [USER_HI], "reasoning_effort": "big"})
         )
