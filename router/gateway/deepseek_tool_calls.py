@@ -36,7 +36,7 @@ CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
 _OPEN_FENCE = "```json\n"
-_CLOSE_FENCE = "\n```"
+FENCED_END = "\n```" + CALL_END  # V3's closing fence and the block's end, cut as one tag
 
 Dialect = Literal["deepseek_v3", "deepseek_v31"]
 _Part = Literal["content", "calls", "kind", "name", "fence", "arguments", "after"]
@@ -57,7 +57,7 @@ class DeepSeekCallStream:
     def __init__(self, dialect: Dialect) -> None:
         self._fenced = dialect == "deepseek_v3"  # V3's name ends at a newline, its arguments fenced
         self._part: _Part = "content"
-        self._buffer = ""  # the block's text not yet read: its name, or what may be a fence
+        self._buffer = ""  # the block's header not yet read: its name, or what may be the fence
         self.calls: list[_Call] = []  # the calls whose header was sent, in order
         self.num_calls = 0  # calls whose header was sent
         self.malformed = False  # a block held no name, or ended before its arguments
@@ -77,7 +77,7 @@ class DeepSeekCallStream:
             return ()
         if self._part == "kind" or (self._part == "name" and not self._fenced):
             return (SEP, CALL_END)
-        return (CALL_END,)
+        return (FENCED_END, CALL_END) if self._fenced else (CALL_END,)
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """The content and the tool_calls entries of a delta of ``text``."""
@@ -86,9 +86,11 @@ class DeepSeekCallStream:
         for piece, tag in self._cutter.feed(text):
             if self._part == "content":
                 content.append(piece)
-            elif self._part in ("name", "fence", "arguments"):
+            elif self._part == "arguments":
+                self._argument(piece, entries)
+            elif self._part in ("name", "fence"):
                 self._buffer += piece
-                self._read_block(entries)
+                self._read_header(entries)
             if tag is not None:
                 self._tag(tag, entries)
         return "".join(content), entries
@@ -111,18 +113,14 @@ class DeepSeekCallStream:
                 self._part = "name"
             elif self._announce(self._buffer.strip(), entries):  # V3.1: the name is whole
                 self._part, self._buffer = "arguments", ""
-        elif tag == CALL_END:
-            if self._part == "arguments":
-                held = self._buffer
-                if held and held != _CLOSE_FENCE:  # not the closing fence: the arguments'
-                    self._argument(held, entries)
-            else:  # the block ended before its arguments started
+        elif tag in (CALL_END, FENCED_END):
+            if self._part != "arguments":  # the block ended before its arguments started
                 self.malformed = True
             self._part, self._buffer = "calls", ""
 
-    def _read_block(self, entries: list[dict[str, Any]]) -> None:
-        """Reads what the buffer holds of the open block: a V3 name up to its newline and the
-        opening fence, then arguments (all but what may be the closing fence)."""
+    def _read_header(self, entries: list[dict[str, Any]]) -> None:
+        """Reads what the buffer holds of a V3 block's header: its name up to its newline, then
+        the opening fence; what follows is the arguments'."""
         if self._part == "name" and self._fenced and "\n" in self._buffer:
             name, self._buffer = self._buffer.split("\n", 1)
             if not self._announce(name.strip(), entries):
@@ -131,15 +129,9 @@ class DeepSeekCallStream:
         if self._part == "fence":
             if _OPEN_FENCE.startswith(self._buffer):  # may still be the fence: wait for more
                 return
-            if self._buffer.startswith(_OPEN_FENCE):
-                self._buffer = self._buffer[len(_OPEN_FENCE) :]
-            self._part = "arguments"
-        if self._part == "arguments":
-            keep = _fence_start_len(self._buffer) if self._fenced else 0
-            upto = len(self._buffer) - keep
-            if upto > 0:
-                self._argument(self._buffer[:upto], entries)
-            self._buffer = self._buffer[upto:]
+            arguments = self._buffer.removeprefix(_OPEN_FENCE)
+            self._part, self._buffer = "arguments", ""
+            self._argument(arguments, entries)
 
     def _announce(self, name: str, entries: list[dict[str, Any]]) -> bool:
         """Sends a call's header; False for a nameless block, after which nothing more is read
@@ -153,17 +145,11 @@ class DeepSeekCallStream:
         return True
 
     def _argument(self, text: str, entries: list[dict[str, Any]]) -> None:
+        if not text:
+            return
         index = len(self.calls) - 1
         self.calls[index].arguments.append(text)
         entries.append({"index": index, "function": {"arguments": text}})
-
-
-def _fence_start_len(text: str) -> int:
-    """The length of the longest end of ``text`` that the closing fence starts with."""
-    for length in range(min(len(_CLOSE_FENCE), len(text)), 0, -1):
-        if _CLOSE_FENCE.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def parse_deepseek(dialect: Dialect, text: str) -> tuple[str | None, list[tuple[str, str]]]:
@@ -188,13 +174,3 @@ def parse_deepseek(dialect: Dialect, text: str) -> tuple[str | None, list[tuple[
             return text, []
         calls.append((call.name, arguments))
     return content or None, calls
-
-
-def parse_deepseek_v3(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """``parse_deepseek`` in DeepSeek-V3's format."""
-    return parse_deepseek("deepseek_v3", text)
-
-
-def parse_deepseek_v31(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """``parse_deepseek`` in DeepSeek-V3.1's format."""
-    return parse_deepseek("deepseek_v31", text)

@@ -39,14 +39,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from router.gateway.call_scanner import CallScanner, call_entry, header_entry, new_tool_call_id
-from router.gateway.deepseek_tool_calls import (
-    DeepSeekCallStream,
-    parse_deepseek_v3,
-    parse_deepseek_v31,
-)
+from router.gateway.deepseek_tool_calls import DeepSeekCallStream, parse_deepseek
 from router.gateway.harmony import (
     HARMONY_TOOL_CALL_PARSER,
     CallPiece,
@@ -99,8 +96,12 @@ _AUTO_PARSERS = {
     # vLLM's other name for it
     "llama4_json": _AutoParser(parse_llama3_json, Llama3JsonCallStream),
     "mistral": _AutoParser(parse_mistral, MistralCallStream, new_mistral_tool_call_id),
-    "deepseek_v3": _AutoParser(parse_deepseek_v3, lambda: DeepSeekCallStream("deepseek_v3")),
-    "deepseek_v31": _AutoParser(parse_deepseek_v31, lambda: DeepSeekCallStream("deepseek_v31")),
+    "deepseek_v3": _AutoParser(
+        partial(parse_deepseek, "deepseek_v3"), partial(DeepSeekCallStream, "deepseek_v3")
+    ),
+    "deepseek_v31": _AutoParser(
+        partial(parse_deepseek, "deepseek_v31"), partial(DeepSeekCallStream, "deepseek_v31")
+    ),
 }
 # the formats "auto" tool choice can read calls in: the text's, or harmony's messages
 TOOL_CALL_PARSERS = (*_AUTO_PARSERS, HARMONY_TOOL_CALL_PARSER)
