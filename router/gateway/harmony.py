@@ -88,6 +88,12 @@ class HarmonyDelta:
     content: str = ""
     calls: list[CallPiece] = field(default_factory=list)
 
+    def add(self, later: HarmonyDelta) -> None:
+        """Appends what a later delta adds."""
+        self.reasoning += later.reasoning
+        self.content += later.content
+        self.calls += later.calls
+
 
 @dataclass(frozen=True, slots=True)
 class HarmonyReply:
@@ -218,23 +224,17 @@ def _destination(header: str, role_given: bool) -> _Destination | None:
 def read_harmony(text: str) -> HarmonyReply:
     """A whole reply's reasoning, content and calls, as its stream puts them together."""
     stream = HarmonyStream()
-    reasoning: list[str] = []
-    content: list[str] = []
+    whole = stream.feed(text)
+    call_cut = stream.in_call
+    whole.add(stream.end())
     calls: list[tuple[str, list[str]]] = []
-    call_cut = False
-    for delta in (stream.feed(text), None):
-        if delta is None:
-            call_cut = stream.in_call
-            delta = stream.end()
-        reasoning.append(delta.reasoning)
-        content.append(delta.content)
-        for piece in delta.calls:
-            if piece.name is not None:
-                calls.append((piece.name, []))
-            calls[piece.index][1].append(piece.arguments)
+    for piece in whole.calls:
+        if piece.name is not None:
+            calls.append((piece.name, []))
+        calls[piece.index][1].append(piece.arguments)
     return HarmonyReply(
-        "".join(reasoning) or None,
-        "".join(content) or None,
+        whole.reasoning or None,
+        whole.content or None,
         [(name, "".join(arguments)) for name, arguments in calls],
         call_cut,
     )

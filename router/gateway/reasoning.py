@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.gateway.harmony import HARMONY_PARSER, HarmonyStream, read_harmony
+from router.gateway.harmony import HARMONY_PARSER, HarmonyStream
 from router.gateway.hermes_tool_calls import START as TOOL_CALL_START
 from router.gateway.tag_scan import TagCutter
 
@@ -81,10 +81,7 @@ def split_reasoning(mode: ReasoningMode, text: str) -> tuple[str | None, str | N
     """A whole text's reasoning and content, as vLLM's parser returns them (None: null)."""
     if not mode.thinking:
         return None, text
-    if mode.harmony:
-        reply = read_harmony(text)
-        return reply.reasoning, reply.content
-    stream = ReasoningStream(mode)
+    stream = ReasoningStream(mode)  # (a harmony reply is read by read_harmony)
     reasoning, content = stream.feed(text)
     reasoning += stream.end()
     if stream.ended_by is None:

@@ -160,9 +160,7 @@ def _harmony_message(
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if isinstance(tool_calls, AutoToolCalls):
         message["tool_calls"] = [call_entry(name, arguments) for name, arguments in reply.calls]
-        cut = finish_reason == "length" and reply.call_cut
-        if reply.calls and finish_reason in ("stop", "length") and not cut:
-            finish_reason = "tool_calls"
+        finish_reason = _finish_after_calls(finish_reason, bool(reply.calls), reply.call_cut)
     elif tool_calls is not None:
         message, finish_reason = tool_call_choice(tool_calls, reply.content, finish_reason)
     message["reasoning"] = reply.reasoning if reasoning.include else None
@@ -179,8 +177,7 @@ def tool_call_choice(
         parser = _AUTO_PARSERS[mode.parser]  # (harmony's calls are read by _harmony_message)
         content, parsed = parser.parse(text) if text is not None else (None, [])
         calls = [call_entry(name, arguments, parser.new_call_id()) for name, arguments in parsed]
-        if calls and finish_reason in ("stop", "length"):
-            finish_reason = "tool_calls"
+        finish_reason = _finish_after_calls(finish_reason, bool(calls))
         return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
     text = text or ""
     if mode.function_name is not None:
@@ -250,18 +247,14 @@ class ChatDeltas:
         assert self._reasoning is not None
         stream = self._harmony.setdefault(index, HarmonyStream())
         piece = stream.feed(text)
-        cut = finish_reason == "length" and stream.in_call  # a call's arguments cut short
+        in_call = stream.in_call  # (before end closes the message)
         if finish_reason is not None:
-            rest = stream.end()
-            piece.reasoning += rest.reasoning
-            piece.content += rest.content
-            piece.calls += rest.calls
+            piece.add(stream.end())
         if isinstance(self._mode, AutoToolCalls):
             delta: dict[str, Any] = {"content": piece.content} if piece.content else {}
             if piece.calls:
                 delta["tool_calls"] = [_call_delta(call) for call in piece.calls]
-            if stream.num_calls and finish_reason in ("stop", "length") and not cut:
-                finish_reason = "tool_calls"
+            finish_reason = _finish_after_calls(finish_reason, stream.num_calls > 0, in_call)
         else:
             delta, finish_reason = self._content(index, piece.content, finish_reason)
         if piece.reasoning and self._reasoning.include:
@@ -310,10 +303,20 @@ class ChatDeltas:
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = calls
-        cut = finish_reason == "length" and stream.block_open
-        if stream.num_calls and finish_reason in ("stop", "length") and not cut:
-            finish_reason = "tool_calls"
+        finish_reason = _finish_after_calls(finish_reason, stream.num_calls > 0, stream.block_open)
         return delta, finish_reason
+
+
+def _finish_after_calls(
+    finish_reason: str | None, called: bool, in_call: bool = False
+) -> str | None:
+    """``tool_calls`` for a sample that stopped, or reached max_tokens, after calls (``called``),
+    as vLLM says it, unless max_tokens cut a call's text short (``in_call``: the text ended
+    inside one); the sample's own finish_reason otherwise."""
+    cut = finish_reason == "length" and in_call
+    if called and finish_reason in ("stop", "length") and not cut:
+        return "tool_calls"
+    return finish_reason
 
 
 def _call_delta(piece: CallPiece) -> dict[str, Any]:
