@@ -481,8 +481,11 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "and 4), mistral ([TOOL_CALLS][{...}] before v11 tokenizers, [TOOL_CALLS]name[ARGS]{...} "
         "from v11), deepseek_v3 (<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME and fenced JSON: "
         "DeepSeek-V3, R1-0528), deepseek_v31 (<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}: "
-        "DeepSeek-V3.1 and later), openai (gpt-oss: its harmony messages to functions.NAME; needs "
-        "--reasoning-parser openai_gptoss, a gpt_oss model's default)",
+        "DeepSeek-V3.1 and later), qwen3_coder or qwen3_xml (<tool_call><function=NAME>"
+        "<parameter=KEY>value</parameter>...: Qwen3-Coder; values typed by the tool's schema), "
+        "pythonic or llama4_pythonic ([name(key=value, ...), ...]: Llama 3.2 and 4 with "
+        "pythonic templates, ToolACE), openai (gpt-oss: its harmony messages to functions.NAME; "
+        "needs --reasoning-parser openai_gptoss, a gpt_oss model's default)",
     )
     reasoning = serve.add_argument_group("reasoning")
     reasoning.add_argument(

@@ -95,11 +95,11 @@ class DeepSeekCallStream:
                 self._tag(tag, entries)
         return "".join(content), entries
 
-    def end(self) -> str:
+    def end(self) -> tuple[str, list[dict[str, Any]]]:
         """The content still held back once the sample ended: a partial tag that never
         completed, before the calls (within or after them, it is dropped)."""
         held = self._cutter.end()
-        return held if self._part == "content" else ""
+        return (held if self._part == "content" else ""), []
 
     def _tag(self, tag: str, entries: list[dict[str, Any]]) -> None:
         if tag == CALLS_BEGIN:

@@ -86,11 +86,11 @@ class HermesCallStream:
                 self._block = None
         return "".join(content), entries
 
-    def end(self) -> str:
+    def end(self) -> tuple[str, list[dict[str, Any]]]:
         """The content still held back once the sample ended: a partial tag that never
         completed, before any block (within or after one, it is dropped)."""
         held = self._cutter.end()
-        return "" if self._after_first_block else held
+        return ("" if self._after_first_block else held), []
 
     def _open_block(self) -> None:
         self._after_first_block = True

@@ -100,8 +100,8 @@ class Llama3JsonCallStream:
         self.num_calls = self._scanner.num_headers
         return "", entries
 
-    def end(self) -> str:
+    def end(self) -> tuple[str, list[dict[str, Any]]]:
         """The content still held back once the sample ended: the start of the tag that never
         completed, or the text after the tag when no object came."""
         held, self._held = self._held, ""
-        return held
+        return held, []

@@ -183,10 +183,10 @@ class MistralCallStream:
                 self._tagged = True
         return "".join(content), entries
 
-    def end(self) -> str:
+    def end(self) -> tuple[str, list[dict[str, Any]]]:
         """The content still held back once the sample ended: a partial tag that never
         completed."""
-        return self._cutter.end()
+        return self._cutter.end(), []
 
     def _calls(self, text: str) -> list[dict[str, Any]]:
         if self._reader is None:

@@ -16,7 +16,9 @@ parameters' text as argument deltas.
 ``"auto"`` (free output, with ``--enable-auto-tool-choice --tool-call-parser NAME``): the
 parser reads the calls from the text (``hermes_tool_calls``, ``llama_tool_calls`` for
 ``llama3_json`` and ``llama4_json``, ``mistral_tool_calls``, ``deepseek_tool_calls`` for
-``deepseek_v3`` and ``deepseek_v31``); the message has the content the
+``deepseek_v3`` and ``deepseek_v31``, ``pythonic_tool_calls`` for ``pythonic`` and
+``llama4_pythonic``, ``qwen3_coder_tool_calls`` for ``qwen3_coder`` and ``qwen3_xml``, whose
+values are typed by the request's tool schemas); the message has the content the
 parser leaves (null when there is none) and the calls, or the text as content and
 ``tool_calls: []``.
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
@@ -57,13 +59,22 @@ from router.gateway.mistral_tool_calls import (
     new_mistral_tool_call_id,
     parse_mistral,
 )
+from router.gateway.pythonic_tool_calls import PythonicCallStream, parse_pythonic
+from router.gateway.qwen3_coder_tool_calls import (
+    Qwen3CoderCallStream,
+    ToolParameters,
+    parse_qwen3_coder,
+)
 from router.gateway.reasoning import ReasoningMode, ReasoningStream, split_reasoning
 
 
 class AutoCallStream(Protocol):
     """One choice's streamed text read for calls by a tool-call parser."""
 
-    num_calls: int  # calls whose header was sent
+    @property
+    def num_calls(self) -> int:
+        """Calls whose header was sent."""
+        ...
 
     @property
     def block_open(self) -> bool:
@@ -74,8 +85,9 @@ class AutoCallStream(Protocol):
         """The content and the tool_calls entries of a delta of ``text``."""
         ...
 
-    def end(self) -> str:
-        """The content still held back once the sample ended."""
+    def end(self) -> tuple[str, list[dict[str, Any]]]:
+        """The content still held back once the sample ended, and the tool_calls entries only
+        its end decides (``pythonic``'s: a call list is one only once whole)."""
         ...
 
 
@@ -102,9 +114,28 @@ _AUTO_PARSERS = {
     "deepseek_v31": _AutoParser(
         partial(parse_deepseek, "deepseek_v31"), partial(DeepSeekCallStream, "deepseek_v31")
     ),
+    "pythonic": _AutoParser(
+        partial(parse_pythonic, "pythonic"), partial(PythonicCallStream, "pythonic")
+    ),
+    "llama4_pythonic": _AutoParser(
+        partial(parse_pythonic, "llama4_pythonic"), partial(PythonicCallStream, "llama4_pythonic")
+    ),
+}
+
+
+def _qwen3_coder(parameters: ToolParameters) -> _AutoParser:
+    return _AutoParser(
+        partial(parse_qwen3_coder, parameters), partial(Qwen3CoderCallStream, parameters)
+    )
+
+
+# the parsers whose calls' values are typed by the request's tools: their readers for those
+_TYPED_PARSERS: dict[str, Callable[[ToolParameters], _AutoParser]] = {
+    "qwen3_coder": _qwen3_coder,
+    "qwen3_xml": _qwen3_coder,  # vLLM's other parser of the same format
 }
 # the formats "auto" tool choice can read calls in: the text's, or harmony's messages
-TOOL_CALL_PARSERS = (*_AUTO_PARSERS, HARMONY_TOOL_CALL_PARSER)
+TOOL_CALL_PARSERS = (*_AUTO_PARSERS, *_TYPED_PARSERS, HARMONY_TOOL_CALL_PARSER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +152,19 @@ class AutoToolCalls:
     """``tool_choice: "auto"``: the output is free text, read for tool calls by a parser."""
 
     parser: str  # one of TOOL_CALL_PARSERS: the format the model writes its calls in
+    # the request's tools' parameter schemas, by function name (read by the typed parsers)
+    parameters: ToolParameters = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.parser not in TOOL_CALL_PARSERS:
             supported = ", ".join(TOOL_CALL_PARSERS)
             raise ValueError(f"unknown tool-call parser {self.parser!r} (supported: {supported})")
+
+    def readers(self) -> _AutoParser:
+        """The parser's readers of whole and streamed text (harmony's calls are read by
+        ``_harmony_message`` and ``ChatDeltas._harmony_delta`` instead)."""
+        typed = _TYPED_PARSERS.get(self.parser)
+        return typed(self.parameters) if typed is not None else _AUTO_PARSERS[self.parser]
 
 
 ToolCallMode = ForcedToolCalls | AutoToolCalls  # how a chat's output becomes tool calls
@@ -174,7 +213,7 @@ def tool_call_choice(
     reasoning), and its finish_reason (the sample's, ``tool_calls`` where "auto" found calls,
     as vLLM)."""
     if isinstance(mode, AutoToolCalls):
-        parser = _AUTO_PARSERS[mode.parser]  # (harmony's calls are read by _harmony_message)
+        parser = mode.readers()
         content, parsed = parser.parse(text) if text is not None else (None, [])
         calls = [call_entry(name, arguments, parser.new_call_id()) for name, arguments in parsed]
         finish_reason = _finish_after_calls(finish_reason, bool(calls))
@@ -295,11 +334,12 @@ class ChatDeltas:
     ) -> tuple[dict[str, Any], str | None]:
         assert isinstance(self._mode, AutoToolCalls)
         if index not in self._parsed:
-            self._parsed[index] = _AUTO_PARSERS[self._mode.parser].stream()
+            self._parsed[index] = self._mode.readers().stream()
         stream = self._parsed[index]
         content, calls = stream.feed(text)
         if finish_reason is not None:
-            content += stream.end()
+            held, last_calls = stream.end()
+            content, calls = content + held, calls + last_calls
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = calls

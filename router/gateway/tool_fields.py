@@ -33,6 +33,7 @@ from typing import Any
 
 from engine.structured.spec import StructuredOutputSpec
 from router.gateway.errors import ApiError, invalid
+from router.gateway.qwen3_coder_tool_calls import tool_parameters
 from router.gateway.structured_fields import checked_schema_spec, structured_output_field
 from router.gateway.tool_calls import AutoToolCalls, ForcedToolCalls, ToolCallMode
 
@@ -83,7 +84,7 @@ def checked_tools(body: Mapping[str, Any], tool_call_parser: str | None = None) 
     mode: ToolCallMode
     if auto:
         assert tool_call_parser is not None
-        mode = AutoToolCalls(tool_call_parser)
+        mode = AutoToolCalls(tool_call_parser, tool_parameters(tools))
     elif choice == "required":
         constraint = _required_constraint(tools, one_call=parallel is False)
         mode = ForcedToolCalls(None)
