@@ -25,8 +25,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES)
 
+# two processes: much of the suite waits on Ray actors and servers, which the other fills
 unit: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider -n 2
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.offline_throughput
