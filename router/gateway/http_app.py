@@ -49,13 +49,14 @@ from router.gateway.openai_response import (
     output_decoder,
     total_usage,
 )
+from router.gateway.responses_output import ResponseEvents, new_item_id, response_body
+from router.gateway.responses_request import parse_responses_job
 from router.gateway.service import FrontDoorStamps, Gateway, LiveRequest, new_request_id
 from router.gateway.sse_stream import EventStreamResponse, event_stream
 from router.gateway.text_stream import TextGeneration, merged_deltas
 from router.gateway.tokenizer_endpoints import add_tokenizer_routes
 
 logger = logging.getLogger(__name__)
-_DONE = b"data: [DONE]\n\n"  # a stream's last event (sse_stream)
 
 
 def build_http_app(gateway: Gateway) -> FastAPI:
@@ -110,6 +111,10 @@ def build_http_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _generate(gateway, request, "chat", time.monotonic())
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _generate(gateway, request, "responses", time.monotonic())
 
     add_tokenizer_routes(app, gateway, _read_json)  # /tokenize, /detokenize, /version
     return app
@@ -189,7 +194,10 @@ def _too_large(max_bytes: int) -> ApiError:
 
 
 async def _generate(
-    gateway: Gateway, request: Request, kind: Literal["completion", "chat"], arrived_at: float
+    gateway: Gateway,
+    request: Request,
+    kind: Literal["completion", "chat", "responses"],
+    arrived_at: float,
 ) -> Response:
     """``arrived_at``: ``time.monotonic()`` at the route's entry, so that TTFT and e2e latency
     include reading the body, waiting for a parser thread and tokenizing."""
@@ -197,9 +205,14 @@ async def _generate(
     try:
         body = await _read_json(request, gateway.limits.max_body_bytes)
         size = _body_size(request)
-        job = await gateway.parse(
-            size, parse_job, kind, body, gateway.model, gateway.limits, caller
-        )
+        if kind == "responses":  # read as the chat request it asks for
+            job = await gateway.parse(
+                size, parse_responses_job, body, gateway.model, gateway.limits, caller
+            )
+        else:
+            job = await gateway.parse(
+                size, parse_job, kind, body, gateway.model, gateway.limits, caller
+            )
     except ClientDisconnect:  # gone before it finished sending the body: not a server failure
         gateway.record_outcome("aborted")
         return Response(status_code=499)
@@ -208,8 +221,11 @@ async def _generate(
         raise
     parsed_at = time.time()
     arrived_on_wall_clock = parsed_at - (time.monotonic() - arrived_at)
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    header = ResponseHeader(new_request_id(prefix), int(time.time()), gateway.model.name)
+    if kind == "responses":
+        request_id = new_item_id("resp")  # (OpenAI's form, resp_<hex>)
+    else:
+        request_id = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
+    header = ResponseHeader(request_id, int(time.time()), gateway.model.name)
     if job.stream:
         # admitted now, so that a refusal is still a status code; the stream gives the slot back
         admission = contextlib.ExitStack()
@@ -219,25 +235,17 @@ async def _generate(
         for generation in generations:  # placed while the response's headers go out
             generation.start()
             admission.callback(generation.close)  # (if the response never streams)
-        events = _ending_with_cut_off(event_stream(gateway, job, header, generations, live), live)
+        shape = ResponseEvents(header.id, body) if kind == "responses" else None
+        events = event_stream(gateway, job, header, generations, live, shape)
         events = _recording_first_tokens(events, gateway, generations, front)
         return EventStreamResponse(events, on_close=admission.close, request_id=header.id)
     with gateway.admitted(header.id, caller, job.specs) as live:
         front = FrontDoorStamps(arrived_on_wall_clock, parsed_at, time.time())
         generations = _generations(gateway, job, header, arrived_at, live)
-        return await _respond_whole(gateway, request, job, header, generations, live, front)
-
-
-async def _ending_with_cut_off(
-    events: AsyncGenerator[bytes, None], live: LiveRequest
-) -> AsyncGenerator[bytes, None]:
-    """Yields ``events``; for a request cut off at shutdown, its error is the last event
-    before ``[DONE]`` (after each unfinished choice's "abort" chunk)."""
-    async with contextlib.aclosing(events):
-        async for event in events:
-            if event == _DONE and live.cut_off is not None:
-                yield b"data: " + json.dumps(live.cut_off.body()).encode() + b"\n\n"
-            yield event
+        responses = body if kind == "responses" else None
+        return await _respond_whole(
+            gateway, request, job, header, generations, live, front, responses
+        )
 
 
 async def _recording_first_tokens(
@@ -283,7 +291,10 @@ async def _respond_whole(
     generations: list[TextGeneration],
     live: LiveRequest,
     front: FrontDoorStamps,
+    responses_request: dict[str, Any] | None = None,
 ) -> Response:
+    """``responses_request``: a /v1/responses request, whose response this chat job's makes;
+    None: the job's own response."""
     echo = Echo(job.echo_texts, job.n)
     choices = [ChoiceText(echo.first(i)) for i in range(len(generations) * job.n)]
 
@@ -346,6 +357,8 @@ async def _respond_whole(
     else:
         token_ids = TokenIds(job.returned_prompt_token_ids(), job.n)
         body = completion_response(header, choices, total_usage(generations), logprobs, token_ids)
+    if responses_request is not None:
+        body = response_body(header.id, responses_request, body)
     # the response's id in X-Request-Id, as OpenAI sends (openai's client reads _request_id)
     return JSONResponse(body, headers={"X-Request-Id": header.id})
 

@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from fastapi.responses import StreamingResponse
@@ -51,29 +51,85 @@ from router.gateway.tool_calls import ChatDeltas
 logger = logging.getLogger(__name__)
 
 
+class StreamEvents(Protocol):
+    """How a stream's chunks go out as server-sent events."""
+
+    def start(self) -> list[bytes]:
+        """The events before the first chunk."""
+        ...
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        """A chunk's events."""
+        ...
+
+    def end(self) -> list[bytes]:
+        """The events after the last chunk, when the stream did not fail."""
+        ...
+
+    def error(self, error: ApiError) -> bytes:
+        """The event of a failure after the 200."""
+        ...
+
+    def done(self) -> list[bytes]:
+        """The stream's last events, whichever way it ended."""
+        ...
+
+
+class ChunkEvents:
+    """Chat and completions streams: each chunk one ``data:`` event, an error the body of its
+    response, ``data: [DONE]`` last."""
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        return [_sse(chunk)]
+
+    def end(self) -> list[bytes]:
+        return []
+
+    def error(self, error: ApiError) -> bytes:
+        return _sse(error.body())
+
+    def done(self) -> list[bytes]:
+        return [b"data: [DONE]\n\n"]
+
+
 async def event_stream(
     gateway: Gateway,
     job: OpenAIJob,
     header: ResponseHeader,
     generations: list[TextGeneration],
     live: LiveRequest,
+    events: StreamEvents | None = None,
 ) -> AsyncGenerator[bytes, None]:
+    """``events``: how the chunks go out (None: as chat's or completions' chunks)."""
+    shape = events or ChunkEvents()
     chunks = _chunks(gateway, job, header, generations, live)
+    for event in shape.start():
+        yield event
     try:  # after the 200, an error is the stream's last event before [DONE]
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
-                yield _sse(chunk)
+                for event in shape.chunk(chunk):
+                    yield event
+        if live.cut_off is None:
+            for event in shape.end():
+                yield event
     except RequestFailedError as error:
         gateway.record_outcome("failed")
-        yield _sse(cluster_failed(error).body())
+        yield shape.error(cluster_failed(error))
     except ApiError as error:  # the workers refused the request (text_stream.refused)
         gateway.count_invalid()
-        yield _sse(error.body())
+        yield shape.error(error)
     except Exception as error:
         logger.exception("stream %s failed", header.id)
         gateway.record_outcome("failed")
-        yield _sse(internal_error(error).body())
-    yield b"data: [DONE]\n\n"
+        yield shape.error(internal_error(error))
+    if live.cut_off is not None:  # the server shut down before it finished
+        yield shape.error(live.cut_off)
+    for event in shape.done():
+        yield event
 
 
 async def _chunks(

@@ -1,0 +1,252 @@
+"""``/v1/responses`` (OpenAI's Responses API, as vLLM serves it), judged by the ``openai``
+client: text, reasoning and function calls as output items, whole and streamed alike; input
+items rendered as the chat messages they stand for; fields it does not serve refused by name.
+
+The cluster is scripted (``token_script``) around the demo model's real tokenizer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from router.gateway.served_model import ServedModel
+from tests.gateway.token_script import (
+    DEMO_MODEL,
+    ScriptedCluster,
+    http_client,
+    post_json,
+    script_answer,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def cluster() -> ScriptedCluster:
+    return ScriptedCluster()
+
+
+@pytest.fixture(scope="module")
+def model() -> ServedModel:
+    """The demo model reading hermes calls and qwen3 reasoning (``<think>`` is plain text
+    there, as it is in the demo vocabulary)."""
+    served = ServedModel.load(
+        str(DEMO_MODEL),
+        "pdserve-demo",
+        None,
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+    )
+    served.tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<tool_call>", "</tool_call>"]}
+    )
+    return served
+
+
+@pytest.fixture(scope="module")
+def http(cluster: ScriptedCluster, model: ServedModel) -> Iterator[httpx.Client]:
+    with http_client(cluster, model) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(http: httpx.Client) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", max_retries=0) as client:
+        yield client
+
+
+def _streamed(client: openai.OpenAI, **request: Any) -> tuple[list[Any], Any]:
+    """A streamed response's events, and the response its last event carries."""
+    events = list(client.responses.create(model="pdserve-demo", stream=True, **request))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    return events, events[-1].response
+
+
+def test_text_comes_back_as_a_message_whole_and_streamed(
+    client: openai.OpenAI, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    script_answer(cluster, model, "</think>It is sunny in Paris.")
+    whole = client.responses.create(model="pdserve-demo", input="Weather?")
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.status == "completed" and whole.output_text == "It is sunny in Paris."
+    (message,) = whole.output
+    assert message.type == "message" and message.role == "assistant"
+    assert whole.usage is not None
+    assert whole.usage.input_tokens == len(cluster.prompts[-1])
+    assert whole.usage.output_tokens == len(cluster.tokens)
+    assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+    events, final = _streamed(client, input="Weather?")
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == "It is sunny in Paris."
+    assert events[-1].type == "response.completed"
+    assert final.output_text == whole.output_text and final.usage == whole.usage
+    kinds = [e.type for e in events if "delta" not in e.type]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+
+
+def test_reasoning_then_text_are_two_items(
+    client: openai.OpenAI, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    script_answer(cluster, model, "<think>Paris is in France.</think>Sunny.")
+    whole = client.responses.create(model="pdserve-demo", input="Weather?")
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning"
+    assert reasoning.content is not None and reasoning.content[0].text == "Paris is in France."
+    assert whole.output_text == "Sunny."
+    assert whole.usage is not None and whole.usage.output_tokens_details.reasoning_tokens > 0
+    events, final = _streamed(client, input="Weather?")
+    thought = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(thought) == "Paris is in France."
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "Paris is in France."
+    assert final.output_text == "Sunny."
+
+
+def test_function_calls_are_items_whole_and_streamed(
+    client: openai.OpenAI, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    script_answer(cluster, model, "</think>" + CALL_TEXT)
+    whole = client.responses.create(model="pdserve-demo", input="Weather?", tools=TOOLS)
+    (call,) = whole.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id
+    assert whole.status == "completed"
+    events, final = _streamed(client, input="Weather?", tools=TOOLS)
+    (streamed,) = final.output
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == call.arguments
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments and done.item_id == streamed.id
+
+
+def test_input_items_render_as_the_chat_messages_they_stand_for(
+    client: openai.OpenAI, http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    """instructions, messages with text parts, an earlier call with its reasoning and its
+    output: the prompt the chat path renders for the same conversation."""
+    script_answer(cluster, model, "</think>Done.")
+    arguments = '{"city": "Paris"}'
+    client.responses.create(
+        model="pdserve-demo",
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "I should call the tool."}],
+            },
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "get_weather",
+                "arguments": arguments,
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ],
+        tools=TOOLS,
+    )
+    responses_prompt = cluster.prompts[-1]
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call],
+            "reasoning": "I should call the tool.",
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    chat_tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    post_json(http, "/v1/chat/completions", {"messages": messages, "tools": chat_tools})
+    assert responses_prompt == cluster.prompts[-1]
+
+
+def test_max_output_tokens_cut_makes_it_incomplete(
+    client: openai.OpenAI, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    script_answer(cluster, model, "</think>A long answer that goes on and on.")
+    whole = client.responses.create(model="pdserve-demo", input="hi", max_output_tokens=3)
+    assert whole.status == "incomplete"
+    assert whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert cluster.params[-1].max_tokens == 3
+    events, final = _streamed(client, input="hi", max_output_tokens=3)
+    assert events[-1].type == "response.incomplete" and final.status == "incomplete"
+
+
+def test_settings_reach_the_sampler_and_are_echoed(
+    client: openai.OpenAI, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    script_answer(cluster, model, '</think>{"city": "Paris"}')
+    fmt = {"type": "json_schema", "name": "place", "schema": WEATHER, "strict": True}
+    whole = client.responses.create(
+        model="pdserve-demo",
+        input="hi",
+        temperature=0.5,
+        top_p=0.9,
+        text={"format": fmt},
+        metadata={"team": "a"},
+        store=True,  # accepted; nothing is stored
+    )
+    params = cluster.params[-1]
+    assert (params.temperature, params.top_p) == (0.5, 0.9)
+    assert params.structured_outputs is not None  # the schema constrains the output
+    assert whole.temperature == 0.5 and whole.metadata == {"team": "a"}
+    assert whole.text.format.type == "json_schema" and whole.store is False
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "mcp_call"}]}, "input[0].type"),
+        ({"max_output_tokens": -1}, "max_output_tokens"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"background": True}, "background"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_what_it_does_not_serve_is_refused_naming_the_field(
+    http: httpx.Client, fields: dict[str, Any], param: str
+) -> None:
+    body = {"model": "pdserve-demo", "input": "hi", **fields}
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert param.split("[")[0].split(".")[0] in error["message"]
