@@ -63,19 +63,17 @@ class ChatTemplateOptions:
 def template_options(
     add_generation_prompt: bool,
     continue_final_message: bool,
-    chat_template_kwargs: Any,
+    variables: dict[str, Any],
     tools: list[dict[str, Any]] | None = None,
-    reasoning_effort: Any = None,
 ) -> ChatTemplateOptions:
-    """The chat request's template options (flags already type-checked), checked together;
-    400 naming the field otherwise."""
+    """The chat request's template options (flags already type-checked; ``variables``:
+    ``template_kwargs``'), checked together; 400 naming the field otherwise."""
     if add_generation_prompt and continue_final_message:
         raise invalid(
             "continue_final_message and add_generation_prompt cannot both be true",
             param="continue_final_message",
         )
-    kwargs = template_kwargs(chat_template_kwargs, reasoning_effort)
-    return ChatTemplateOptions(add_generation_prompt, continue_final_message, kwargs, tools)
+    return ChatTemplateOptions(add_generation_prompt, continue_final_message, variables, tools)
 
 
 def template_kwargs(chat_template_kwargs: Any, reasoning_effort: Any) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from router.gateway.chat import (
     check_text,
     parse_messages,
     render_chat,
+    template_kwargs,
     template_options,
 )
 from router.gateway.errors import ApiError, invalid
@@ -119,16 +120,20 @@ def parse_job(
     return_token_ids = optional_field(body, "return_token_ids", bool, False)
     priority = optional_field(body, "priority", int, 0)  # checked in make_spec, as gRPC's
     wire_names: dict[str, str] = {}
-    tools = checked_tools(body, model.tool_call_parser) if kind == "chat" else None
-    reasoning = checked_reasoning(body, model.reasoning_parser) if kind == "chat" else None
-    if tools is not None:
+    tools: ChatTools | None = None
+    reasoning: ReasoningMode | None = None
+    if kind == "chat":
+        tools = checked_tools(body, model.tool_call_parser)
+        # the template's variables: they render the prompt and decide whether a model thinks
+        variables = template_kwargs(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
+        reasoning = checked_reasoning(body, model.reasoning_parser, variables)
         wire_names["logprobs"] = "top_logprobs"
         if body.get("max_completion_tokens") is not None:
             wire_names["max_tokens"] = "max_completion_tokens"
         if tools.constraint is not None:  # the tools' constraint is the one the params check
             wire_names["structured_outputs"] = "tool_choice"
         max_tokens_name = wire_names.get("max_tokens", "max_tokens")
-        prompts = _chat_prompts(body, model, limits, max_tokens_name, tools.tools)
+        prompts = _chat_prompts(body, model, limits, max_tokens_name, tools.tools, variables)
     else:
         prompts = _completion_prompts(body, model, limits)
     sampling = _sampling_fields(body)
@@ -211,6 +216,7 @@ def _chat_prompts(
     limits: RequestLimits,
     max_tokens_name: str,
     tools: list[dict[str, Any]] | None,
+    variables: dict[str, Any],
 ) -> _Prompts:
     max_tokens = _chat_max_tokens(body)
     keep = checked_truncation(body.get(TRUNCATE), max_tokens, model.max_model_len, max_tokens_name)
@@ -218,9 +224,8 @@ def _chat_prompts(
     options = template_options(
         optional_field(body, "add_generation_prompt", bool, True),
         optional_field(body, "continue_final_message", bool, False),
-        body.get("chat_template_kwargs"),
+        variables,
         tools,
-        body.get("reasoning_effort"),
     )
     token_ids = keep_last(render_chat(model.tokenizer, messages, options), keep)
     echo = optional_field(body, "echo", bool) or False

@@ -23,25 +23,26 @@ from dataclasses import replace
 from typing import Any
 
 from engine.structured.spec import StructuredOutputSpec
-from router.gateway.chat import template_kwargs
 from router.gateway.errors import invalid
 from router.gateway.reasoning import ReasoningMode
 
 
-def checked_reasoning(body: Mapping[str, Any], parser: str | None) -> ReasoningMode | None:
+def checked_reasoning(
+    body: Mapping[str, Any], parser: str | None, variables: Mapping[str, Any]
+) -> ReasoningMode | None:
     """How the request's output is split; None without a reasoning parser (the served model's,
-    ``ServedModel.reasoning_parser``). ApiError(400) names the field at fault."""
+    ``ServedModel.reasoning_parser``). ``variables``: what its template is passed
+    (``chat.template_kwargs``). ApiError(400) names the field at fault."""
     include = body.get("include_reasoning")
     if include is not None and not isinstance(include, bool):
         raise invalid("include_reasoning must be a boolean", param="include_reasoning")
     if parser is None:
         return None
-    kwargs = template_kwargs(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
     if parser == "deepseek_v3":  # thinking only when the request's own kwargs turn it on
         asked = body.get("chat_template_kwargs") or {}
         thinking = bool(asked.get("thinking")) or bool(asked.get("enable_thinking"))
     else:
-        thinking = not (parser == "qwen3" and kwargs.get("enable_thinking") is False)
+        thinking = not (parser == "qwen3" and variables.get("enable_thinking") is False)
     mode = ReasoningMode(parser, thinking, include=include is not False)
     if mode.thinking and body.get("echo") is True:
         raise invalid(

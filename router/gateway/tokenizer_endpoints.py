@@ -29,6 +29,7 @@ from router.gateway.chat import (
     check_text,
     parse_messages,
     render_chat,
+    template_kwargs,
     template_options,
 )
 from router.gateway.errors import ApiError, invalid
@@ -132,9 +133,8 @@ def _chat_token_ids(body: dict[str, Any], model: ServedModel, limits: RequestLim
     options = template_options(
         _flag(body, "add_generation_prompt", True),
         _flag(body, "continue_final_message", False),
-        body.get("chat_template_kwargs"),
+        template_kwargs(body.get("chat_template_kwargs"), body.get("reasoning_effort")),
         tools.tools,
-        body.get("reasoning_effort"),
     )
     add_special_tokens = _flag(body, "add_special_tokens", False)
     return render_chat(model.tokenizer, messages, options, add_special_tokens)
