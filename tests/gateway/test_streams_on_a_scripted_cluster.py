@@ -98,7 +98,7 @@ def _serve(
         server.stop()
 
 
-def _wait_until_idle(gateway: Gateway, timeout_s: float = 5.0) -> None:
+def _wait_until_idle(gateway: Gateway, timeout_s: float = 60.0) -> None:
     started = time.monotonic()
     while gateway.num_in_flight and time.monotonic() - started < timeout_s:
         time.sleep(0.02)
@@ -191,6 +191,28 @@ def test_a_cluster_failure_reads_the_same_streamed_or_whole(served_demo: ServedM
             assert error["type"] == "service_unavailable"
             assert "decode-0 died" in error["message"]
         assert _requests_by_status(gateway) == {"failed": 2.0}
+        _wait_until_idle(gateway)
+
+
+def test_a_cluster_failure_ends_a_responses_stream_with_an_error_event(
+    served_demo: ServedModel,
+) -> None:
+    """/v1/responses: the whole response is the 503; the stream's last event is OpenAI's
+    ``error`` event, numbered on from the others (no ``[DONE]``, as OpenAI's streams)."""
+    body = {"input": "hi", "max_output_tokens": 6}
+    with _serve(ScriptedCluster(pace_s=0.01, fail_at=2), served_demo) as (gateway, url):
+        url = url.replace("/v1/completions", "/v1/responses")
+        with httpx.Client(timeout=60) as client:
+            assert client.post(url, json=body).status_code == 503
+            with client.stream("POST", url, json={**body, "stream": True}) as response:
+                lines = [line for line in response.iter_lines() if line]
+        assert response.status_code == 200
+        events = [json.loads(line.removeprefix("data: ")) for line in lines[1::2]]
+        assert [line.removeprefix("event: ") for line in lines[::2]] == [e["type"] for e in events]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[0]["type"] == "response.created" and events[-1]["type"] == "error"
+        assert "decode-0 died" in events[-1]["message"]
+        assert "response.completed" not in [e["type"] for e in events]
         _wait_until_idle(gateway)
 
 

@@ -24,7 +24,7 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
