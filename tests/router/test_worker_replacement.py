@@ -206,7 +206,7 @@ def test_a_worker_started_while_the_cluster_shuts_down_is_stopped_not_joined() -
     _launcher(cluster).before_launch = shut_down_first
     actors["decode-0"].dead = True
     cluster.poll()
-    assert shutting_down.wait(5)
+    assert shutting_down.wait(60)
     _wait_for(lambda: not cluster.pool._slots["decode-0"].replacing)
     assert actors["decode-0-r1"].dead and "decode-0-r1" not in cluster.pool.workers
 
