@@ -119,6 +119,36 @@ def test_chat_uses_the_models_template(client: openai.OpenAI, offline: LLM) -> N
     assert text == expected.text
 
 
+def test_responses_generate_what_the_offline_engine_does(
+    client: openai.OpenAI, offline: LLM
+) -> None:
+    """/v1/responses over the real cluster: instructions and input rendered by the model's
+    template, greedy text equal to the offline engine's, whole and streamed."""
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a prime."},
+    ]
+    rendered = offline.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids = offline.tokenizer.encode(rendered, add_special_tokens=False)
+    expected = offline.generate([prompt_ids], _greedy(20))[0].outputs[0]
+    request: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "instructions": "You are terse.",
+        "input": "Name a prime.",
+        "max_output_tokens": 20,
+        "temperature": 0,
+    }
+    whole = client.responses.create(**request)
+    assert whole.output_text == expected.text
+    assert whole.usage is not None and whole.usage.input_tokens == len(prompt_ids)
+    assert whole.status == ("incomplete" if expected.finish_reason == "length" else "completed")
+    events = list(client.responses.create(stream=True, **request))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == expected.text and events[-1].response.output_text == expected.text
+
+
 def test_n_samples_and_seed_reproducibility(client: openai.OpenAI) -> None:
     def sample(seed: int) -> list[str]:
         response = client.completions.create(
