@@ -40,6 +40,9 @@ def start_ray(address: str | None, node_ip: str | None = None) -> None:
     if host == LOOPBACK:
         _keep_loopback_node_address()
     ray.init(
+        # a new Ray of its own, even where one runs on this machine (`ray start`, a test's
+        # cluster: Ray would join the last one started) or RAY_ADDRESS names one
+        address="local",
         _node_ip_address=host,
         include_dashboard=False,
         ignore_reinit_error=True,

@@ -62,7 +62,15 @@ def ray_session() -> Iterator[None]:
     """One local Ray for the session's cluster tests; actors there take no CPUs."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    # "local": a Ray of its own, not the test cluster another process may have started here
+    # (Ray would join the last one started on the machine)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        ignore_reinit_error=True,
+    )
     yield
     ray.shutdown()
 
