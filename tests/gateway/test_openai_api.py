@@ -89,16 +89,25 @@ def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI, offline
     assert finish[-1] == "length" and set(finish[:-1]) == {None}
 
 
-def test_chat_uses_the_models_template(client: openai.OpenAI, offline: LLM) -> None:
-    messages = [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Name a prime."},
-    ]
+TERSE_CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a prime."},
+]
+
+
+def _offline_chat(offline: LLM, messages: list[dict[str, str]]) -> tuple[list[int], Any]:
+    """The prompt the model's template makes of ``messages``, and the offline engine's greedy
+    output for it (20 tokens at most)."""
     rendered = offline.tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
     prompt_ids = offline.tokenizer.encode(rendered, add_special_tokens=False)
-    expected = offline.generate([prompt_ids], _greedy(20))[0].outputs[0]
+    return prompt_ids, offline.generate([prompt_ids], _greedy(20))[0].outputs[0]
+
+
+def test_chat_uses_the_models_template(client: openai.OpenAI, offline: LLM) -> None:
+    messages = TERSE_CHAT
+    prompt_ids, expected = _offline_chat(offline, messages)
     response = client.chat.completions.create(
         model=MODEL_NAME,
         messages=messages,  # type: ignore[arg-type]
@@ -124,15 +133,7 @@ def test_responses_generate_what_the_offline_engine_does(
 ) -> None:
     """/v1/responses over the real cluster: instructions and input rendered by the model's
     template, greedy text equal to the offline engine's, whole and streamed."""
-    messages = [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Name a prime."},
-    ]
-    rendered = offline.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
-    prompt_ids = offline.tokenizer.encode(rendered, add_special_tokens=False)
-    expected = offline.generate([prompt_ids], _greedy(20))[0].outputs[0]
+    prompt_ids, expected = _offline_chat(offline, TERSE_CHAT)
     request: dict[str, Any] = {
         "model": MODEL_NAME,
         "instructions": "You are terse.",
