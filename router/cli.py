@@ -513,6 +513,14 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-stop-strings", type=_int_in(1), default=16)
     limits.add_argument("--max-messages", type=_int_in(1), default=256)
     limits.add_argument("--max-concurrent-requests", type=_int_in(1), default=512)
+    limits.add_argument(
+        "--responses-store-size",
+        type=_int_in(0),
+        default=0,
+        help="keep the last N /v1/responses responses in the gateway's memory (each readable "
+        "by its own API key only) for previous_response_id and GET /v1/responses/{id}; "
+        "0: keep none (vLLM's default)",
+    )
     oneshot = serve.add_argument_group("one-shot mode")
     oneshot.add_argument(
         "--prompt",

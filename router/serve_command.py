@@ -32,6 +32,7 @@ from router.gateway.auth import ApiKeys
 from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.limits import RequestLimits
 from router.gateway.metrics import SloTargets
+from router.gateway.responses_store import ResponseStore
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer, check_bind_address
 from router.gateway.service import Gateway
@@ -95,7 +96,8 @@ def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
                 return _generate_once(
                     cluster, model, args.prompt, args.max_tokens, args.temperature
                 )
-            gateway = Gateway(cluster, model, limits, keys, slo, trace_log, admission)
+            responses = ResponseStore(args.responses_store_size)
+            gateway = Gateway(cluster, model, limits, keys, slo, trace_log, admission, responses)
             server = GatewayServer(gateway, args.host, args.http_port, grpc_port)
             banner = functools.partial(
                 _banner, config, model, server, keys.enabled, args.drain_timeout_s

@@ -435,6 +435,14 @@ def test_an_unknown_tool_call_parser_is_refused_listing_the_supported_ones(
         assert parser in error.split("invalid choice")[1]
 
 
+def test_responses_are_kept_only_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _serve_args().responses_store_size == 0  # vLLM's default: none kept
+    assert _serve_args("--responses-store-size", "100").responses_store_size == 100
+    with pytest.raises(SystemExit):
+        _serve_args("--responses-store-size", "-1")
+    assert "--responses-store-size" in capsys.readouterr().err
+
+
 def test_reasoning_parser_is_one_of_vllms_and_off_by_default() -> None:
     assert _serve_args().reasoning_parser is None  # chat output is not split
     for name in ("deepseek_r1", "qwen3"):

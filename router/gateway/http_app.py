@@ -51,6 +51,7 @@ from router.gateway.openai_response import (
 )
 from router.gateway.responses_output import ResponseEvents, new_item_id, response_body
 from router.gateway.responses_request import parse_responses_job
+from router.gateway.responses_store import ResponsesTurn
 from router.gateway.service import FrontDoorStamps, Gateway, LiveRequest, new_request_id
 from router.gateway.sse_stream import EventStreamResponse, event_stream
 from router.gateway.text_stream import TextGeneration, merged_deltas
@@ -115,6 +116,20 @@ def build_http_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await _generate(gateway, request, "responses", time.monotonic())
+
+    @app.get("/v1/responses/{response_id}")
+    async def kept_response(response_id: str, request: Request) -> Response:
+        caller = gateway.authenticate(request.headers.get("authorization"))
+        stored = gateway.responses.get(caller.tenant_salt, response_id)
+        if stored is None:
+            raise ApiError(
+                404,
+                f"response {response_id!r} is not kept here for this API key (kept: the last "
+                f"{gateway.responses.capacity}, with --responses-store-size)",
+                "not_found_error",
+                code="response_not_found",
+            )
+        return JSONResponse(stored.body)
 
     add_tokenizer_routes(app, gateway, _read_json)  # /tokenize, /detokenize, /version
     return app
@@ -205,9 +220,16 @@ async def _generate(
     try:
         body = await _read_json(request, gateway.limits.max_body_bytes)
         size = _body_size(request)
+        turn = None
         if kind == "responses":  # read as the chat request it asks for
-            job = await gateway.parse(
-                size, parse_responses_job, body, gateway.model, gateway.limits, caller
+            job, turn = await gateway.parse(
+                size,
+                parse_responses_job,
+                body,
+                gateway.model,
+                gateway.limits,
+                caller,
+                gateway.responses,
             )
         else:
             job = await gateway.parse(
@@ -235,17 +257,14 @@ async def _generate(
         for generation in generations:  # placed while the response's headers go out
             generation.start()
             admission.callback(generation.close)  # (if the response never streams)
-        shape = ResponseEvents(header.id, body) if kind == "responses" else None
+        shape = ResponseEvents(header.id, turn) if turn is not None else None
         events = event_stream(gateway, job, header, generations, live, shape)
         events = _recording_first_tokens(events, gateway, generations, front)
         return EventStreamResponse(events, on_close=admission.close, request_id=header.id)
     with gateway.admitted(header.id, caller, job.specs) as live:
         front = FrontDoorStamps(arrived_on_wall_clock, parsed_at, time.time())
         generations = _generations(gateway, job, header, arrived_at, live)
-        responses = body if kind == "responses" else None
-        return await _respond_whole(
-            gateway, request, job, header, generations, live, front, responses
-        )
+        return await _respond_whole(gateway, request, job, header, generations, live, front, turn)
 
 
 async def _recording_first_tokens(
@@ -291,9 +310,9 @@ async def _respond_whole(
     generations: list[TextGeneration],
     live: LiveRequest,
     front: FrontDoorStamps,
-    responses_request: dict[str, Any] | None = None,
+    responses_turn: ResponsesTurn | None = None,
 ) -> Response:
-    """``responses_request``: a /v1/responses request, whose response this chat job's makes;
+    """``responses_turn``: a /v1/responses request, whose response this chat job's makes;
     None: the job's own response."""
     echo = Echo(job.echo_texts, job.n)
     choices = [ChoiceText(echo.first(i)) for i in range(len(generations) * job.n)]
@@ -357,8 +376,8 @@ async def _respond_whole(
     else:
         token_ids = TokenIds(job.returned_prompt_token_ids(), job.n)
         body = completion_response(header, choices, total_usage(generations), logprobs, token_ids)
-    if responses_request is not None:
-        body = response_body(header.id, responses_request, body)
+    if responses_turn is not None:
+        body = response_body(header.id, responses_turn, body)
     # the response's id in X-Request-Id, as OpenAI sends (openai's client reads _request_id)
     return JSONResponse(body, headers={"X-Request-Id": header.id})
 

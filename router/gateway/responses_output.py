@@ -30,18 +30,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.gateway.errors import ApiError
+from router.gateway.responses_store import ResponsesTurn
 
 
 def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def response_body(
-    response_id: str,
-    request: Mapping[str, Any],
-    chat: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The whole response for the Responses ``request`` from the chat path's response."""
+def response_body(response_id: str, turn: ResponsesTurn, chat: Mapping[str, Any]) -> dict[str, Any]:
+    """The whole response for the Responses request ``turn`` from the chat path's response,
+    kept when the turn asks (``ResponsesTurn.keep``)."""
     (choice,) = chat["choices"]
     message = choice["message"]
     items = []
@@ -52,15 +50,17 @@ def response_body(
     for call in message.get("tool_calls") or []:
         function = call["function"]
         items.append(_call_item(call["id"], function["name"], function["arguments"]))
-    body = envelope(response_id, request, chat.get("created", int(time.time())))
+    body = envelope(response_id, turn, chat.get("created", int(time.time())))
     body.update(_ending(choice["finish_reason"]))
     body["output"] = items
     body["usage"] = _usage(chat["usage"])
+    turn.keep(body)
     return body
 
 
-def envelope(response_id: str, request: Mapping[str, Any], created_at: int) -> dict[str, Any]:
+def envelope(response_id: str, turn: ResponsesTurn, created_at: int) -> dict[str, Any]:
     """A response's fields but its output and usage: the request's settings, in progress."""
+    request = turn.request
     effort = (request.get("reasoning") or {}).get("effort")
     return {
         "id": response_id,
@@ -74,9 +74,9 @@ def envelope(response_id: str, request: Mapping[str, Any], created_at: int) -> d
         "max_output_tokens": request.get("max_output_tokens"),
         "metadata": request.get("metadata"),
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
-        "previous_response_id": None,
+        "previous_response_id": request.get("previous_response_id"),
         "reasoning": {"effort": effort, "summary": None},
-        "store": False,  # nothing is kept (vLLM's default)
+        "store": turn.kept,
         "background": False,
         "temperature": request.get("temperature"),
         "top_p": request.get("top_p"),
@@ -174,7 +174,7 @@ class ResponseEvents:
     ``chunk`` for each chunk, then ``end``; ``error`` for a failure after the 200."""
 
     response_id: str
-    request: Mapping[str, Any]
+    turn: ResponsesTurn  # the request, and where its response is kept
     created_at: int = field(default_factory=lambda: int(time.time()))
     _sequence: int = 0
     _open: _OpenItem | None = None
@@ -184,7 +184,7 @@ class ResponseEvents:
     _usage: dict[str, Any] | None = None
 
     def start(self) -> list[bytes]:
-        head = envelope(self.response_id, self.request, self.created_at)
+        head = envelope(self.response_id, self.turn, self.created_at)
         return [
             self._event("response.created", response=head),
             self._event("response.in_progress", response=head),
@@ -208,10 +208,11 @@ class ResponseEvents:
 
     def end(self) -> list[bytes]:
         events = self._close()
-        body = envelope(self.response_id, self.request, self.created_at)
+        body = envelope(self.response_id, self.turn, self.created_at)
         body.update(_ending(self._finish_reason))
         body["output"] = self._items
         body["usage"] = self._usage
+        self.turn.keep(body)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=body)]
 

@@ -16,10 +16,10 @@ request it asks for: the chat path then checks, renders, samples and parses it, 
   ``strict``) as chat's ``response_format``; vLLM's extra sampling fields (``top_k``, ``min_p``,
   ``repetition_penalty``, ``seed``, ``priority``, ``cache_salt``, ``chat_template_kwargs``) as
   they are.
-- ``store`` is accepted and nothing is stored (vLLM's default), so ``previous_response_id`` is
-  refused; so are background responses, built-in tools (web and file search, code
-  interpreter ...), non-text input, ``include``, ``top_logprobs`` and ``truncation: "auto"``,
-  each naming the field. Errors from the chat path name the Responses field (``max_output_tokens``, not
+- ``previous_response_id``: the conversation a kept response ended (``responses_store``) comes
+  before the input (a 404 when it is not kept; a 400 naming the flag when none are). Refused,
+  each naming the field: background responses, built-in tools (web and file search, code
+  interpreter ...), non-text input, ``include``, ``top_logprobs``, ``truncation: "auto"``. Errors from the chat path name the Responses field (``max_output_tokens``, not
   ``max_completion_tokens``).
 """
 
@@ -34,6 +34,7 @@ from router.gateway.auth import Caller
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
 from router.gateway.openai_request import OpenAIJob, parse_job
+from router.gateway.responses_store import ResponseStore, ResponsesTurn
 from router.gateway.served_model import ServedModel
 
 # vLLM's sampling extras, passed to the chat path as they are
@@ -53,8 +54,6 @@ _PASSED_ON = (
 )
 # fields of the Responses API this server does not serve, and why
 _REFUSED = {
-    "previous_response_id": "this server stores no responses (store is accepted and ignored, "
-    "as vLLM's default); send the whole conversation in input",
     "conversation": "this server stores no conversations; send the whole conversation in input",
     "prompt": "stored prompt templates are not served; send the prompt in input",
     "max_tool_calls": "a cap on built-in tool calls is not served (there are none)",
@@ -73,19 +72,54 @@ _CHAT_NAME = re.compile(r"\b(" + "|".join(_FIELD_NAMES) + r")\b")
 
 
 def parse_responses_job(
-    body: Any, model: ServedModel, limits: RequestLimits, caller: Caller
-) -> OpenAIJob:
-    """The chat job a Responses request asks for; ApiError(400) names the Responses field."""
-    try:
-        return parse_job("chat", chat_request(body), model, limits, caller)
-    except ApiError as error:
-        raise renamed(error) from error
-
-
-def chat_request(body: Any) -> dict[str, Any]:
-    """The chat request body a Responses request asks for; ApiError(400) names the field."""
+    body: Any, model: ServedModel, limits: RequestLimits, caller: Caller, store: ResponseStore
+) -> tuple[OpenAIJob, ResponsesTurn]:
+    """The chat job a Responses request asks for, and the turn it is (what it continues, from
+    ``store``); ApiError(400) names the Responses field, a 404 a response not kept."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    earlier = _earlier_turns(body.get("previous_response_id"), store, caller.tenant_salt)
+    chat, conversation = chat_request(body, earlier)
+    try:
+        job = parse_job("chat", chat, model, limits, caller)
+    except ApiError as error:
+        raise renamed(error) from error
+    return job, ResponsesTurn(body, conversation, caller.tenant_salt, store)
+
+
+def _earlier_turns(
+    previous: Any, store: ResponseStore, owner: str | None
+) -> tuple[dict[str, Any], ...]:
+    """The conversation the response ``previous`` (None: none) ended, as chat messages."""
+    if previous is None:
+        return ()
+    param = "previous_response_id"
+    if not isinstance(previous, str):
+        raise invalid(f"{param} must be a string", param=param)
+    if not store.enabled:
+        raise invalid(
+            f"{param} needs kept responses and this server keeps none (pdserve serve "
+            "--responses-store-size N keeps the last N); send the whole conversation in input",
+            param=param,
+        )
+    stored = store.get(owner, previous)
+    if stored is None:
+        raise ApiError(
+            404,
+            f"{param} {previous!r} is not a response this server keeps for this API key (it "
+            f"keeps the last {store.capacity})",
+            param=param,
+            code="response_not_found",
+        )
+    return stored.conversation
+
+
+def chat_request(
+    body: dict[str, Any], earlier: tuple[dict[str, Any], ...] = ()
+) -> tuple[dict[str, Any], tuple[dict[str, Any], ...]]:
+    """The chat request body a Responses request asks for, after the ``earlier`` turns (chat
+    messages), and the conversation it holds (those and its input, its instructions aside);
+    ApiError(400) names the field."""
     for name, why in _REFUSED.items():
         if body.get(name) is not None:
             raise invalid(f"{name} is not supported: {why}", param=name)
@@ -96,7 +130,8 @@ def chat_request(body: Any) -> dict[str, Any]:
     if body.get("truncation") not in (None, "disabled"):
         raise invalid('truncation must be "disabled" (the input is never cut)', "truncation")
     chat: dict[str, Any] = {key: body[key] for key in _PASSED_ON if key in body}
-    chat["messages"] = _messages(body.get("instructions"), body.get("input"))
+    conversation = (*earlier, *_messages(body.get("input")))
+    chat["messages"] = [*_instructions(body.get("instructions")), *conversation]
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
@@ -111,7 +146,7 @@ def chat_request(body: Any) -> dict[str, Any]:
         chat["response_format"] = _response_format(text_format)
     if body.get("stream") is True:
         chat["stream_options"] = {"include_usage": True}  # the completed event's usage
-    return chat
+    return chat, conversation
 
 
 def renamed(error: ApiError) -> ApiError:
@@ -132,14 +167,18 @@ def _object(body: Mapping[str, Any], name: str, param: str | None = None) -> dic
     return value
 
 
-def _messages(instructions: Any, value: Any) -> list[dict[str, Any]]:
+def _instructions(instructions: Any) -> list[dict[str, Any]]:
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        raise invalid("instructions must be a string", param="instructions")
+    return [{"role": "system", "content": instructions}]
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise invalid("instructions must be a string", param="instructions")
-        messages.append({"role": "system", "content": instructions})
     if isinstance(value, str):
-        return [*messages, {"role": "user", "content": value}]
+        return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise invalid("input must be a string or a non-empty list of items", param="input")
     reasoning: str | None = None  # a reasoning item's text, for the next assistant turn

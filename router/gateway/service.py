@@ -40,6 +40,7 @@ from router.gateway.errors import ApiError, overloaded, unavailable
 from router.gateway.first_token_log import FirstTokenLog
 from router.gateway.limits import RequestLimits
 from router.gateway.metrics import GatewayMetrics, SloTargets
+from router.gateway.responses_store import ResponseStore
 from router.gateway.served_model import ServedModel
 from router.gateway.slo_admission import (
     AdmissionPolicy,
@@ -159,10 +160,11 @@ class Gateway:
         slo: SloTargets | None = None,
         first_token_log: FirstTokenLog | None = None,
         admission: AdmissionPolicy | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         """``first_token_log``: where each prompt's first-token trace is written as a JSON line
         (None: traces go to the metrics only); ``admission``: refusals by predicted latency
-        (default: none)."""
+        (default: none); ``responses``: the /v1/responses kept (default: none)."""
         self.backend = backend
         self.slo = slo or SloTargets()
         self.admission = admission or AdmissionPolicy()
@@ -170,6 +172,7 @@ class Gateway:
         self.feedback = AttainmentFeedback(self.admission.attainment)
         self.model = model
         self.limits = limits
+        self.responses = responses if responses is not None else ResponseStore()
         self.keys = keys
         self.metrics = GatewayMetrics(
             backend.worker_statuses,

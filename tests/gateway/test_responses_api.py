@@ -14,7 +14,12 @@ import httpx
 import openai
 import pytest
 
+from router.gateway.auth import ApiKeys
+from router.gateway.limits import RequestLimits
+from router.gateway.responses_store import ResponseStore
 from router.gateway.served_model import ServedModel
+from router.gateway.server import GatewayServer
+from router.gateway.service import Gateway
 from tests.gateway.token_script import (
     DEMO_MODEL,
     ScriptedCluster,
@@ -27,6 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+KEYS = ["key-a", "key-b"]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -250,3 +256,107 @@ def test_what_it_does_not_serve_is_refused_naming_the_field(
     error = response.json()["error"]
     assert error["param"] == param, error
     assert param.split("[")[0].split(".")[0] in error["message"]
+
+
+# ---------------------------------------------------------------- kept responses
+
+
+@pytest.fixture(scope="module")
+def kept(cluster: ScriptedCluster, model: ServedModel) -> Iterator[tuple[str, ResponseStore]]:
+    """A gateway keeping the last 3 responses, with two API keys; its base URL and store."""
+    store = ResponseStore(3)
+    limits = RequestLimits(max_model_len=model.max_model_len)
+    gateway = Gateway(cluster, model, limits, ApiKeys(KEYS), responses=store)
+    server = GatewayServer(gateway, "127.0.0.1", 0, None)
+    server.start()
+    try:
+        yield server.http_url, store
+    finally:
+        server.stop()
+
+
+def _client(base_url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0)
+
+
+def test_previous_response_id_continues_the_kept_conversation(
+    kept: tuple[str, ResponseStore], cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    """Turn 2 renders turn 1's input and output before its own input (turn 1's instructions
+    not carried over, as OpenAI's); a call and its output continue as tool turns; streamed
+    responses are kept too."""
+    url, _ = kept
+    client = _client(url, KEYS[0])
+    script_answer(cluster, model, "</think>Sunny.")
+    first = client.responses.create(model="pdserve-demo", instructions="Be brief.", input="Hi?")
+    assert first.store is True
+    script_answer(cluster, model, "</think>" + CALL_TEXT)
+    events = list(
+        client.responses.create(
+            model="pdserve-demo",
+            previous_response_id=first.id,
+            input="Weather?",
+            tools=TOOLS,  # type: ignore[arg-type]
+            stream=True,
+        )
+    )
+    second = events[-1].response
+    assert second.previous_response_id == first.id
+    (call,) = second.output
+    script_answer(cluster, model, "</think>Done.")
+    client.responses.create(
+        model="pdserve-demo",
+        previous_response_id=second.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        tools=TOOLS,  # type: ignore[arg-type]
+    )
+    prompt = cluster.prompts[-1]
+    chat_call = {
+        "id": call.call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": call.arguments},
+    }
+    messages = [
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]
+    chat_tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+        post_json(http, "/v1/chat/completions", {"messages": messages, "tools": chat_tools})
+    assert prompt == cluster.prompts[-1]
+
+
+def test_a_kept_response_is_read_back_by_its_own_key_only(
+    kept: tuple[str, ResponseStore], cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    url, _ = kept
+    script_answer(cluster, model, "</think>Sunny.")
+    mine = _client(url, KEYS[0]).responses.create(model="pdserve-demo", input="Hi?")
+    assert _client(url, KEYS[0]).responses.retrieve(mine.id).output_text == "Sunny."
+    other = _client(url, KEYS[1])
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError) as refused:
+        other.responses.create(model="pdserve-demo", input="Hi", previous_response_id=mine.id)
+    assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+def test_store_false_keeps_nothing_and_the_oldest_make_room(
+    kept: tuple[str, ResponseStore], cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    url, store = kept
+    client = _client(url, KEYS[0])
+    script_answer(cluster, model, "</think>Sunny.")
+    unkept = client.responses.create(model="pdserve-demo", input="Hi?", store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    made = [client.responses.create(model="pdserve-demo", input="Hi?").id for _ in range(4)]
+    assert len(store) == 3
+    with pytest.raises(openai.NotFoundError):  # the oldest was let go
+        client.responses.create(model="pdserve-demo", input="Hi", previous_response_id=made[0])
+    for response_id in made[1:]:
+        assert client.responses.retrieve(response_id).id == response_id
