@@ -58,6 +58,8 @@ class ChatTemplateOptions:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
     # the request's tools, as apply_chat_template's ``tools`` (tool_fields); None: no tools
     tools: list[dict[str, Any]] | None = None
+    # vLLM's ``documents`` (RAG templates render them), ``checked_documents``; None: none
+    documents: list[dict[str, str]] | None = None
 
 
 def template_options(
@@ -65,6 +67,7 @@ def template_options(
     continue_final_message: bool,
     variables: dict[str, Any],
     tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> ChatTemplateOptions:
     """The chat request's template options (flags already type-checked; ``variables``:
     ``template_kwargs``'), checked together; 400 naming the field otherwise."""
@@ -73,7 +76,9 @@ def template_options(
             "continue_final_message and add_generation_prompt cannot both be true",
             param="continue_final_message",
         )
-    return ChatTemplateOptions(add_generation_prompt, continue_final_message, variables, tools)
+    return ChatTemplateOptions(
+        add_generation_prompt, continue_final_message, variables, tools, documents
+    )
 
 
 def template_kwargs(chat_template_kwargs: Any, reasoning_effort: Any) -> dict[str, Any]:
@@ -287,6 +292,31 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
+def checked_documents(value: Any, limits: RequestLimits) -> list[dict[str, str]] | None:
+    """vLLM's ``documents`` chat field: a list (at most ``max_messages``) of objects whose
+    values are strings (``{"title": ..., "text": ...}`` as RAG templates read them), handed to
+    the template as ``documents``; None when absent. 400 naming the field otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise invalid("documents must be a list of objects of strings", param="documents")
+    if len(value) > limits.max_messages:
+        raise invalid(
+            f"documents holds {len(value)} documents; at most {limits.max_messages} are allowed",
+            param="documents",
+        )
+    for i, document in enumerate(value):
+        if not isinstance(document, dict) or not document:
+            raise invalid(f"documents[{i}] must be a non-empty object", param=f"documents[{i}]")
+        for key, text in document.items():
+            if not isinstance(text, str):
+                param = f"documents[{i}].{key}"
+                raise invalid(f"{param} must be a string", param=param)
+    num_chars = sum(len(k) + len(t) for document in value for k, t in document.items())
+    check_prompt_chars(num_chars, "documents", limits.max_model_len)
+    return value
+
+
 def check_prompt_chars(num_chars: int, param: str, max_model_len: int) -> None:
     """A 400 for prompt text that cannot fit the context whatever the tokenizer (none yields
     fewer than one token per 16 characters), before tokenizing it holds up the event loop."""
@@ -316,14 +346,16 @@ def render_chat(
             "continue_final_message needs the last message to be the assistant's",
             param="continue_final_message",
         )
-    tools = {"tools": options.tools} if options.tools else {}
+    extra: dict[str, Any] = {"tools": options.tools} if options.tools else {}
+    if options.documents:
+        extra["documents"] = options.documents
     try:
         text = tokenizer.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
-            **tools,
+            **extra,
             **options.template_kwargs,
         )
     except Exception as error:  # the template rejected the conversation (raise_exception)

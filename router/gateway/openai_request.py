@@ -28,6 +28,7 @@ from router.gateway.auth import Caller
 from router.gateway.chat import (
     check_prompt_chars,
     check_text,
+    checked_documents,
     parse_messages,
     render_chat,
     template_kwargs,
@@ -226,6 +227,7 @@ def _chat_prompts(
         optional_field(body, "continue_final_message", bool, False),
         variables,
         tools,
+        checked_documents(body.get("documents"), limits),
     )
     token_ids = keep_last(render_chat(model.tokenizer, messages, options), keep)
     echo = optional_field(body, "echo", bool) or False

@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from router.gateway.chat import (
     check_prompt_chars,
     check_text,
+    checked_documents,
     parse_messages,
     render_chat,
     template_kwargs,
@@ -135,6 +136,7 @@ def _chat_token_ids(body: dict[str, Any], model: ServedModel, limits: RequestLim
         _flag(body, "continue_final_message", False),
         template_kwargs(body.get("chat_template_kwargs"), body.get("reasoning_effort")),
         tools.tools,
+        checked_documents(body.get("documents"), limits),
     )
     add_special_tokens = _flag(body, "add_special_tokens", False)
     return render_chat(model.tokenizer, messages, options, add_special_tokens)

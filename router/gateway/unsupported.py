@@ -30,7 +30,6 @@ _OFF: Mapping[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (),
     "logits_processors": ([],),
     "prompt_embeds": (),
-    "documents": ([],),
     "mm_processor_kwargs": ({},),
 }
 # fields only the chat endpoint implements (tool_fields): refused on completions as above

@@ -81,7 +81,6 @@ def _streamed_text(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
         ("/v1/chat/completions", "chat_template", "{{ messages }}"),
         ("/v1/chat/completions", "tool_choice", "auto"),
         ("/v1/chat/completions", "response_format", {"type": "structural_tag"}),
-        ("/v1/chat/completions", "documents", [{"title": "t", "text": "x"}]),
     ],
 )
 def test_fields_that_would_change_the_output_are_refused_by_name(
