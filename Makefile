@@ -27,7 +27,7 @@ typecheck: $(STAMP)
 
 # two processes: much of the suite waits on Ray actors and servers, which the other fills
 unit: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadgroup
+	$(BIN)/pytest -q -p no:cacheprovider -n 2
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.offline_throughput

@@ -86,17 +86,3 @@ def chat_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(model_dir))
     return model_dir
-
-
-# Tests that start Ray, in this process or in a server or script they run. Under make test's
-# two processes (pytest-xdist, --dist loadgroup) they all run in one, one after another: they
-# mostly wait on actors, while the other process runs the CPU-bound tests (and two clusters'
-# actors at once would share the 2 cores of a CI machine).
-_STARTS_RAY = ("tests/cluster/", "tests/serve/", "tests/bench/", "tests/test_cli.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        uses_ray = "ray_session" in getattr(item, "fixturenames", ())
-        if uses_ray or item.nodeid.startswith(_STARTS_RAY):
-            item.add_marker(pytest.mark.xdist_group("ray"))
