@@ -124,7 +124,9 @@ def chat_request(
         if body.get(name) is not None:
             raise invalid(f"{name} is not supported: {why}", param=name)
     if body.get("background") is True:
-        raise invalid("background responses are not supported (nothing is stored)", "background")
+        raise invalid(
+            "background responses are not supported: each is answered as it runs", "background"
+        )
     if body.get("include"):
         raise invalid("include is not supported: no extra output is kept", param="include")
     if body.get("truncation") not in (None, "disabled"):

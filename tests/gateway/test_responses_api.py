@@ -220,7 +220,7 @@ def test_settings_reach_the_sampler_and_are_echoed(
         top_p=0.9,
         text={"format": fmt},
         metadata={"team": "a"},
-        store=True,  # accepted; nothing is stored
+        store=True,  # accepted; this gateway keeps none (no --responses-store-size)
     )
     params = cluster.params[-1]
     assert (params.temperature, params.top_p) == (0.5, 0.9)
