@@ -161,7 +161,7 @@ class _Reader:
             self.buffer += piece
         if tag is None:
             return []
-        if self.part == "content" or self.part == "between":
+        if self.part in ("content", "between"):
             self.part, self.buffer = "name", ""  # (a <tool_call>, or <function= itself)
             if tag == START:
                 self.part = "between"
@@ -233,22 +233,13 @@ def parse_qwen3_coder(
 ) -> tuple[str | None, list[tuple[str, str]]]:
     """A whole text's content and its calls, (name, arguments JSON) each; (text, []) without
     calls, or when a function's or parameter's name is cut short."""
-    reader = _Reader(parameters)
-    cutter = TagCutter(reader.tags)
-    content = []
-    for piece, tag in cutter.feed(text):  # (each tag read before the next is looked for)
-        if reader.part == "content":
-            content.append(piece)
-        reader.read(piece, tag)
-    held = cutter.end()
-    if reader.part == "content":
-        content.append(held)
-    reader.read(held, None)
-    reader.finish()
-    if not reader.calls or reader.unnamed:
+    stream = Qwen3CoderCallStream(parameters)
+    content, _ = stream.feed(text)
+    held, _ = stream.end()
+    calls = stream.whole_calls()
+    if not calls:
         return text, []
-    calls = [(c.name, json.dumps(c.parameters, ensure_ascii=False)) for c in reader.calls]
-    return "".join(content) or None, calls
+    return (content + held) or None, calls
 
 
 class Qwen3CoderCallStream:
@@ -289,7 +280,17 @@ class Qwen3CoderCallStream:
         completed, before any call; or, when the calls began but none was named, the text
         from where they began (all content, as the whole response has it). After a call, it
         is dropped."""
-        self._cutter.end()
+        self._reader.read(self._cutter.end(), None)  # (a value's end, when one is open)
         if self._reader.calls:
             return "", []
         return self._text[self._content_sent :], []
+
+    def whole_calls(self) -> list[tuple[str, str]] | None:
+        """Once ``end`` ran, the calls as a whole response has them, (name, arguments JSON)
+        each: the value and the call open at the end end there. None when a function's or
+        parameter's name was cut short."""
+        self._reader.finish()
+        if self._reader.unnamed:
+            return None
+        calls = self._reader.calls
+        return [(c.name, json.dumps(c.parameters, ensure_ascii=False)) for c in calls]
