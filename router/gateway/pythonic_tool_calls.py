@@ -90,7 +90,9 @@ class PythonicCallStream:
         self._dialect = dialect
         self.num_calls = 0  # calls whose header was sent
         self._held = ""  # the text while it may be, or opens, a call list
-        self._content = False  # the text is content: it cannot open a call list
+        # what the text is: not known yet, content (it cannot open a call list), or a call list
+        # opened (held until the end shows whether it is one)
+        self._reading: Literal["unknown", "content", "calls"] = "unknown"
 
     @property
     def block_open(self) -> bool:
@@ -100,12 +102,13 @@ class PythonicCallStream:
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """The content and the tool_calls entries of a delta of ``text``."""
-        if self._content:
+        if self._reading == "content":
             return text, []
         self._held += text
-        if self._may_be_calls(_unwrapped(self._dialect, self._held)):
+        if self._reading == "unknown":  # (once it opened, not looked at again until the end)
+            self._reading = self._what_it_is(_unwrapped(self._dialect, self._held))
+        if self._reading != "content":
             return "", []
-        self._content = True
         held, self._held = self._held, ""
         return held, []
 
@@ -118,10 +121,13 @@ class PythonicCallStream:
         self.num_calls = len(calls)
         return "", [header_entry(i, name, arguments) for i, (name, arguments) in enumerate(calls)]
 
-    def _may_be_calls(self, text: str) -> bool:
-        """Whether ``text`` (all there is so far) opens a call list, or may still."""
-        if not text:
-            return True
+    def _what_it_is(self, text: str) -> Literal["unknown", "content", "calls"]:
+        """What ``text`` (all there is so far) is: a call list's opening, what may still
+        become one, or content."""
+        if _OPENING.match(text):
+            return "calls"
+        if not text or _MAY_OPEN.fullmatch(text):
+            return "unknown"
         if self._dialect == "llama4_pythonic" and PYTHON_START.startswith(text):
-            return True  # (the wrapper's start, or all of it so far)
-        return _OPENING.match(text) is not None or _MAY_OPEN.fullmatch(text) is not None
+            return "unknown"  # (the wrapper's start, or all of it so far)
+        return "content"
