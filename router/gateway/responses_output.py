@@ -50,10 +50,24 @@ def response_body(response_id: str, turn: ResponsesTurn, chat: Mapping[str, Any]
     for call in message.get("tool_calls") or []:
         function = call["function"]
         items.append(_call_item(call["id"], function["name"], function["arguments"]))
-    body = envelope(response_id, turn, chat.get("created", int(time.time())))
-    body.update(_ending(choice["finish_reason"]))
+    created_at = chat.get("created", int(time.time()))
+    return finished(response_id, turn, created_at, choice["finish_reason"], items, chat["usage"])
+
+
+def finished(
+    response_id: str,
+    turn: ResponsesTurn,
+    created_at: int,
+    finish_reason: str | None,
+    items: list[dict[str, Any]],
+    chat_usage: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The finished response of ``items`` (kept when the turn asks): whole, or a stream's
+    last event's."""
+    body = envelope(response_id, turn, created_at)
+    body.update(_ending(finish_reason))
     body["output"] = items
-    body["usage"] = _usage(chat["usage"])
+    body["usage"] = _usage(chat_usage) if chat_usage else None
     turn.keep(body)
     return body
 
@@ -181,7 +195,7 @@ class ResponseEvents:
     _items: list[dict[str, Any]] = field(default_factory=list)  # the finished ones
     _calls: dict[int, _OpenItem] = field(default_factory=dict)  # by their chat index
     _finish_reason: str | None = None
-    _usage: dict[str, Any] | None = None
+    _usage: dict[str, Any] | None = None  # the chat stream's usage chunk's
 
     def start(self) -> list[bytes]:
         head = envelope(self.response_id, self.turn, self.created_at)
@@ -192,7 +206,7 @@ class ResponseEvents:
 
     def chunk(self, chunk: Mapping[str, Any]) -> list[bytes]:
         if chunk.get("usage"):
-            self._usage = _usage(chunk["usage"])
+            self._usage = chunk["usage"]
         events: list[bytes] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
@@ -208,11 +222,14 @@ class ResponseEvents:
 
     def end(self) -> list[bytes]:
         events = self._close()
-        body = envelope(self.response_id, self.turn, self.created_at)
-        body.update(_ending(self._finish_reason))
-        body["output"] = self._items
-        body["usage"] = self._usage
-        self.turn.keep(body)
+        body = finished(
+            self.response_id,
+            self.turn,
+            self.created_at,
+            self._finish_reason,
+            self._items,
+            self._usage,
+        )
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=body)]
 
