@@ -231,23 +231,26 @@ def _message(item: Mapping[str, Any], param: str) -> dict[str, Any]:
             f"{param}.role must be one of {', '.join(_INPUT_ROLES)}; got {role!r}",
             param=f"{param}.role",
         )
-    content = item.get("content")
-    if isinstance(content, str):
-        return {"role": role, "content": content}
-    if not isinstance(content, list):
-        raise invalid(f"{param}.content must be a string or a list of parts", f"{param}.content")
+    return {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+
+
+def _text(value: Any, param: str) -> str:
+    """A string, or a list of text parts (``input_text`` / ``output_text``) joined."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(f"{param} must be a string or a list of text parts", param=param)
     texts = []
-    for j, part in enumerate(content):
-        part_param = f"{param}.content[{j}]"
+    for j, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS:
             raise invalid(
-                f"{part_param}.type must be input_text or output_text (only text is served); "
+                f"{param}[{j}].type must be input_text or output_text (only text is served); "
                 f"got {kind!r}",
-                param=f"{part_param}.type",
+                param=f"{param}[{j}].type",
             )
-        texts.append(_string(part, "text", part_param))
-    return {"role": role, "content": "".join(texts)}
+        texts.append(_string(part, "text", f"{param}[{j}]"))
+    return "".join(texts)
 
 
 def _function_call(item: Mapping[str, Any], param: str) -> dict[str, Any]:
@@ -262,11 +265,7 @@ def _function_call(item: Mapping[str, Any], param: str) -> dict[str, Any]:
 
 
 def _call_output(item: Mapping[str, Any], param: str) -> dict[str, Any]:
-    output = item.get("output")
-    if isinstance(output, list):  # text parts
-        output = _message({"role": "user", "content": output}, param)["content"]
-    if not isinstance(output, str):
-        raise invalid(f"{param}.output must be a string", param=f"{param}.output")
+    output = _text(item.get("output"), f"{param}.output")
     return {"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": output}
 
 
