@@ -4,7 +4,6 @@ are refused naming the field."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +14,7 @@ from tests.gateway.token_script import (
     DEMO_MODEL,
     USER_HI,
     ScriptedCluster,
-    http_client,
+    module_gateway_client,  # noqa: F401 - the http fixture
     post_json,
     script_answer,
 )
@@ -43,12 +42,6 @@ def model() -> ServedModel:
     served = ServedModel.load(str(DEMO_MODEL), "pdserve-demo", None)
     served.tokenizer.chat_template = RAG_TEMPLATE
     return served
-
-
-@pytest.fixture(scope="module")
-def http(cluster: ScriptedCluster, model: ServedModel) -> Iterator[httpx.Client]:
-    with http_client(cluster, model) as client:
-        yield client
 
 
 def test_documents_reach_the_template(

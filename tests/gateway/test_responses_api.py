@@ -23,7 +23,7 @@ from router.gateway.service import Gateway
 from tests.gateway.token_script import (
     DEMO_MODEL,
     ScriptedCluster,
-    http_client,
+    module_gateway_client,  # noqa: F401 - the http fixture
     post_json,
     script_answer,
 )
@@ -56,12 +56,6 @@ def model() -> ServedModel:
         {"additional_special_tokens": ["<tool_call>", "</tool_call>"]}
     )
     return served
-
-
-@pytest.fixture(scope="module")
-def http(cluster: ScriptedCluster, model: ServedModel) -> Iterator[httpx.Client]:
-    with http_client(cluster, model) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
