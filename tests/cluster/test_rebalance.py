@@ -23,11 +23,13 @@ from router.cluster import Cluster
 from router.cluster_config import ClusterConfig
 from router.rebalance_policy import RebalanceConfig
 from router.worker_slots import WorkerLauncher
+from tests.engine.hf_reference import first_divergence_near_ties
 from tests.fixtures.local_cluster import local_cluster_config
 
 pytestmark = pytest.mark.timeout(300)
 BLOCK = 8  # local_cluster_config's block size
 CLIENTS = 4
+MAX_NEAR_TIES = 2  # over one run's requests (a few hundred of 48 tokens)
 
 
 async def _phase(
@@ -65,15 +67,26 @@ def _serve_until(
         asyncio.run(_phase(cluster, rng, *shape, time.monotonic() + 1.0, done))
 
 
-def _assert_as_offline(llama_dir: Path, done: list[tuple[list[int], int, list[int]]]) -> None:
+def _assert_as_offline(
+    llama_dir: Path, done: list[tuple[list[int], int, list[int]]], tensor_parallel: bool
+) -> None:
     """Every request's tokens are what the offline engine gives its prompt (one batch per
-    max_tokens)."""
+    max_tokens); where workers had two ranks, up to a near-tie at the first divergence (their
+    all-reduce sums in another order than one device; hundreds of random prompts meet one now
+    and then), and few of those."""
     offline = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
+    near_ties = []
     for max_tokens in sorted({m for _, m, _ in done}):
         runs = [(p, t) for p, m, t in done if m == max_tokens]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        expected = offline.generate([p for p, _ in runs], params)
-        assert [t for _, t in runs] == [o.outputs[0].token_ids for o in expected]
+        expected = [o.outputs[0].token_ids for o in offline.generate([p for p, _ in runs], params)]
+        got = [t for _, t in runs]
+        if not tensor_parallel:
+            assert got == expected
+            continue
+        prompts = [p for p, _ in runs]
+        near_ties += first_divergence_near_ties(llama_dir, prompts, got, expected)
+    assert len(near_ties) <= MAX_NEAR_TIES, near_ties
 
 
 def _rebalance(cooldown_s: float, place_timeout_s: float = 120.0) -> RebalanceConfig:
@@ -168,7 +181,7 @@ def test_a_shift_to_long_outputs_moves_prefill_workers_to_decode_in_one_switch(
         cluster.shutdown()
 
     assert num_prompt_heavy >= CLIENTS and len(done) > num_prompt_heavy
-    _assert_as_offline(llama_dir, done)
+    _assert_as_offline(llama_dir, done, tensor_parallel=max(prefill_tp, decode_tp) > 1)
 
 
 def test_a_switch_to_a_bigger_worker_ray_cannot_place_restores_the_old_role(
@@ -198,7 +211,7 @@ def test_a_switch_to_a_bigger_worker_ray_cannot_place_restores_the_old_role(
         asyncio.run(_phase(cluster, rng, 4, 48, time.monotonic() + 1.0, done))  # still served
     finally:
         cluster.shutdown()
-    _assert_as_offline(llama_dir, done)
+    _assert_as_offline(llama_dir, done, tensor_parallel=True)  # decode workers of two ranks
 
 
 def test_a_decode_worker_of_two_ranks_makes_room_for_two_prefill_workers_of_one(
@@ -229,4 +242,4 @@ def test_a_decode_worker_of_two_ranks_makes_room_for_two_prefill_workers_of_one(
         asyncio.run(_phase(cluster, rng, 200, 2, time.monotonic() + 1.0, done))  # all serve
     finally:
         cluster.shutdown()
-    _assert_as_offline(llama_dir, done)
+    _assert_as_offline(llama_dir, done, tensor_parallel=True)  # decode workers of two ranks

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+NEAR_TIE = 1e-3  # top-2 logit gap under which a float summation order may pick either token
+
 
 @cache
 def hf_model(model_dir: Path) -> torch.nn.Module:
@@ -42,3 +44,28 @@ def hf_log_softmax(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def first_divergence_near_ties(
+    model_dir: Path, prompts: list[list[int]], got: list[list[int]], expected: list[list[int]]
+) -> list[tuple[int, int, float]]:
+    """(prompt, position, top-2 gap) of each sample that differs from transformers; asserts
+    that each differs first at a near-tie, with one of the two tied tokens."""
+    near_ties = []
+    for index, (prompt, tokens, reference_tokens) in enumerate(zip(prompts, got, expected)):
+        if tokens == reference_tokens:
+            continue
+        position = next(
+            (i for i, (a, b) in enumerate(zip(tokens, reference_tokens)) if a != b),
+            min(len(tokens), len(reference_tokens)),
+        )
+        assert position < min(len(tokens), len(reference_tokens)), (index, tokens)
+        context = prompt + reference_tokens[:position]
+        with torch.no_grad():
+            logits = hf_model(model_dir)(torch.tensor([context])).logits[0, -1].float()
+        top2 = torch.topk(logits, 2)
+        gap = float(top2.values[0] - top2.values[1])
+        assert gap < NEAR_TIE, f"prompt {index} differs at {position} where the gap is {gap}"
+        assert tokens[position] in top2.indices.tolist()
+        near_ties.append((index, position, gap))
+    return near_ties

@@ -15,12 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
 from tests.conftest import ARCHITECTURES
-from tests.engine.hf_reference import hf_model
+from tests.engine.hf_reference import first_divergence_near_ties
 from tests.engine.test_parity import (
     greedy_params,
     make_prompts,
@@ -31,7 +30,6 @@ from tests.engine.test_parity import (
 from tests.engine.test_prompt_logprobs import assert_matches_transformers
 from tests.fixtures.tiny_models import make_tiny_model
 
-NEAR_TIE = 1e-3  # top-2 logit gap under which a float summation order may pick either token
 MAX_NEAR_TIES = 1  # per comparison of a batch of prompts with transformers
 MAX_NEAR_TIES_IN_ALL = 3  # over all the file's comparisons (25 batches of 8 prompts)
 # chunks of 32 tokens, and 40 blocks of 8 tokens: the longest prompt (300 + 20 tokens) fills
@@ -40,31 +38,6 @@ MAX_NEAR_TIES_IN_ALL = 3  # over all the file's comparisons (25 batches of 8 pro
 CHUNKED_PREEMPTING = {"block_size": 8, "max_num_batched_tokens": 32}
 # a budget of 96 tokens admits later prompts after the shared prefixes are computed
 ASYNC_PREFIX = {"block_size": 8, "max_num_batched_tokens": 96, "async_scheduling": True}
-
-
-def first_divergence_near_ties(
-    model_dir: Path, prompts: list[list[int]], got: list[list[int]], expected: list[list[int]]
-) -> list[tuple[int, int, float]]:
-    """(prompt, position, top-2 gap) of each sample that differs from transformers; asserts
-    that each differs first at a near-tie, with one of the two tied tokens."""
-    near_ties = []
-    for index, (prompt, tokens, reference_tokens) in enumerate(zip(prompts, got, expected)):
-        if tokens == reference_tokens:
-            continue
-        position = next(
-            (i for i, (a, b) in enumerate(zip(tokens, reference_tokens)) if a != b),
-            min(len(tokens), len(reference_tokens)),
-        )
-        assert position < min(len(tokens), len(reference_tokens)), (index, tokens)
-        context = prompt + reference_tokens[:position]
-        with torch.no_grad():
-            logits = hf_model(model_dir)(torch.tensor([context])).logits[0, -1].float()
-        top2 = torch.topk(logits, 2)
-        gap = float(top2.values[0] - top2.values[1])
-        assert gap < NEAR_TIE, f"prompt {index} differs at {position} where the gap is {gap}"
-        assert tokens[position] in top2.indices.tolist()
-        near_ties.append((index, position, gap))
-    return near_ties
 
 
 def assert_matches_transformers_greedy(
