@@ -43,8 +43,16 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# GLM-4.5: multi-head attention (GQA, half the head dims rotary) with DeepSeek-V3's sparse MLP
+_GLM4_MOE = "Glm4MoeForCausalLM"
+# architectures whose sparse MLP is DeepSeek's (shared experts, group-limited routers)
+_DEEPSEEK_MOE = (*_DEEPSEEK, _GLM4_MOE)
+# transformers' partial_rotary_factor where config.json gives none, for the architectures whose
+# attention rotates only a head's first dims (the others rotate all of them)
+_DEFAULT_PARTIAL_ROTARY = {"Phi3ForCausalLM": 1.0, _GLM4_MOE: 0.5}
 
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -60,6 +68,7 @@ _ARCH_BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 # transformers' defaults when config.json omits the key
 _DEFAULT_MAX_POSITIONS = {
@@ -76,6 +85,7 @@ _DEFAULT_MAX_POSITIONS = {
     "Gemma2ForCausalLM": 8192,
     "Gemma3ForCausalLM": 131072,
     "GptOssForCausalLM": 131072,
+    "Glm4MoeForCausalLM": 131072,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' rope base and norm epsilon when config.json gives none (10000 and 1e-6 for the
@@ -89,6 +99,7 @@ _DEFAULT_RMS_NORM_EPS = {
     "MixtralForCausalLM": 1e-5,
     "Phi3ForCausalLM": 1e-5,
     "GptOssForCausalLM": 1e-5,
+    "Glm4MoeForCausalLM": 1e-5,
 }
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 # transformers' defaults for the sparse MLP's keys, per architecture
@@ -139,6 +150,20 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "n_group": 8,
         "topk_group": 4,
         "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+    },
+    # GLM-4.5 routes as DeepSeek-V3 does, whatever topk_method says
+    "Glm4MoeForCausalLM": {
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1408,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
         "moe_layer_freq": 1,
     },
 }
@@ -243,6 +268,9 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     mla: MlaConfig | None = None  # latent attention (DeepSeek); None: multi-head attention
+    # the first dims of each head that rope turns, the rest passing through (GLM-4.5: half of
+    # them, partial_rotary_factor); None: all of head_dim
+    rotary_dim: int | None = None
     # Gemma's choices (the defaults are everyone else's):
     activation: str = "silu"  # of the gated MLP: "silu" | "gelu_tanh"
     # norms scale by (offset + weight), in float32 throughout (Gemma: 1, its weights start at 0)
@@ -273,7 +301,9 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """Dims of a head that rotary embeddings turn."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
     @property
     def cache_groups(self) -> CacheGroups:
@@ -322,6 +352,7 @@ def parse_model_config(
     sliding_window, sliding_layers = _sliding_layers(raw, architecture, num_layers, max_positions)
     attention_bias = bool(raw.get("attention_bias", architecture == "GptOssForCausalLM"))
     is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    glm = architecture == _GLM4_MOE
     is_qwen2_moe = architecture == "Qwen2MoeForCausalLM"
     moe = _parse_moe(raw, architecture, num_layers)
     quantization = _parse_quantization(raw, architecture, moe, mla is not None)
@@ -339,9 +370,10 @@ def parse_model_config(
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         # Qwen2's q/k/v always have a bias; Qwen2-MoE's follow its qkv_bias key (default on)
         qkv_bias=bool(raw.get("qkv_bias", True)) if is_qwen2_moe else is_qwen2 or attention_bias,
-        o_proj_bias=not is_qwen2 and attention_bias,
+        o_proj_bias=not (is_qwen2 or glm) and attention_bias,  # GLM-4.5: q/k/v's only
         mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+        or (glm and bool(raw.get("use_qk_norm", False))),
         rope=rope,
         eos_token_ids=_eos_token_ids(raw, generation or {}),
         bos_token_id=_optional_int(raw.get("bos_token_id")),
@@ -350,6 +382,7 @@ def parse_model_config(
         sliding_window=sliding_window,
         sliding_layers=sliding_layers,
         mla=mla,
+        rotary_dim=None if mla is not None else _rotary_dim(raw, architecture, head_dim),
         activation="gelu_tanh" if gemma else "silu",
         norm_weight_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
@@ -390,7 +423,7 @@ def _parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeCo
     defaults = _MOE_DEFAULTS.get(architecture)
     if defaults is None:
         return None
-    if architecture in _DEEPSEEK:
+    if architecture in _DEEPSEEK_MOE:
         return _parse_deepseek_moe(raw, defaults, architecture, num_layers)
     if architecture == "GptOssForCausalLM":
         return _parse_gpt_oss_moe(raw, defaults, num_layers)
@@ -441,8 +474,8 @@ def _parse_deepseek_moe(
 ) -> MoeConfig | None:
     """DeepSeek's sparse MLP: every ``moe_layer_freq``-th layer from ``first_k_dense_replace``
     on, ungated shared experts, and the router its ``topk_method`` names (V2: softmax scores,
-    top k of all experts or of the best groups by their best score; V3: sigmoid scores with a
-    correction bias, top k of the best groups by their best two scores)."""
+    top k of all experts or of the best groups by their best score; V3 and GLM-4.5: sigmoid
+    scores with a correction bias, top k of the best groups by their best two scores)."""
 
     def field(key: str) -> Any:
         value = raw.get(key)
@@ -462,7 +495,7 @@ def _parse_deepseek_moe(
     top_k = int(top_k_value)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be in 1 .. {num_experts} (the experts)")
-    method = str(field("topk_method"))
+    method = "noaux_tc" if architecture == _GLM4_MOE else str(field("topk_method"))
     if method not in _DEEPSEEK_TOPK_METHODS:
         raise ValueError(
             f"unsupported topk_method {method!r}; supported: {', '.join(_DEEPSEEK_TOPK_METHODS)}"
@@ -482,7 +515,7 @@ def _parse_deepseek_moe(
                 f"each group needs at least 2 of the {num_experts} experts"
             )
     moe_width = int(field("moe_intermediate_size"))
-    shared_experts = int(raw.get("n_shared_experts") or 0)
+    shared_experts = int(field("n_shared_experts") or 0)
     return MoeConfig(
         num_experts=num_experts,
         num_experts_per_token=top_k,
@@ -630,6 +663,31 @@ def _check_unsupported_features(raw: dict[str, Any], architecture: str) -> None:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
     if architecture in _DEEPSEEK and raw.get("attention_bias", False):
         raise ValueError("attention_bias true is not supported for DeepSeek's latent attention")
+
+
+def _rotary_dim(raw: dict[str, Any], architecture: str, head_dim: int) -> int | None:
+    """The first dims of a head that rope turns (``partial_rotary_factor`` of them, at the top
+    level of config.json or in its rope parameters); None for all of them. Refused, naming the
+    field, for an architecture whose attention rotates every dim."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if factor is None:
+        factor = _DEFAULT_PARTIAL_ROTARY.get(architecture, 1.0)
+    factor = float(factor)
+    if factor == 1.0:
+        return None
+    if architecture not in _DEFAULT_PARTIAL_ROTARY:
+        raise ValueError(
+            f"partial_rotary_factor {factor} is not supported for {architecture} (its attention "
+            f"rotates every dim); supported for {', '.join(_DEFAULT_PARTIAL_ROTARY)}"
+        )
+    rotary_dim = int(head_dim * factor)
+    if not 0 < factor < 1 or rotary_dim < 2 or rotary_dim % 2 != 0:
+        raise ValueError(
+            f"partial_rotary_factor {factor} of head_dim {head_dim} turns {rotary_dim} dims; "
+            "rope needs an even number of them, at least 2 and at most head_dim"
+        )
+    return rotary_dim
 
 
 def _sliding_layers(

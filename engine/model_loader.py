@@ -437,7 +437,11 @@ _CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
     ),
     "DeepseekV2ForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),
     "DeepseekV3ForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),
+    "Glm4MoeForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),
 }
+# architectures whose checkpoints publish multi-token-prediction layers past num_hidden_layers
+# (for speculative decoding; transformers skips them)
+_PREDICTION_LAYERS_IN_CHECKPOINT = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 
 def _our_name(name: str, config: ModelConfig) -> str:
@@ -459,8 +463,12 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
     if config.quantization is not None and name.endswith(".weight_shape"):
         return True  # a packed layer's [out, in]: its packed tensors' shapes are checked
     layer = _BEYOND_THE_LAYERS.match(name)
-    if layer is not None and config.mla is not None and int(layer[1]) >= config.num_layers:
-        return True  # DeepSeek-V3's multi-token-prediction layer, skipped as transformers does
+    if (
+        layer is not None
+        and config.architecture in _PREDICTION_LAYERS_IN_CHECKPOINT
+        and int(layer[1]) >= config.num_layers
+    ):
+        return True  # a multi-token-prediction layer, skipped as transformers does
     return name == "lm_head.weight" and config.tie_word_embeddings
 
 

@@ -43,11 +43,6 @@ def parse_rope(raw: dict[str, Any], max_positions: int, default_theta: float) ->
     params: dict[str, Any] = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if any(isinstance(value, dict) for value in params.values()):
         raise ValueError(f"per-layer-type rope parameters are not supported: {params}")
-    partial_rotary_factor = float(
-        params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    )
-    if partial_rotary_factor != 1.0:
-        raise ValueError(f"partial rotary embeddings are not supported ({partial_rotary_factor=})")
     scaling_type = str(params.get("rope_type", params.get("type", "default")))
     if scaling_type == "su":  # Phi-3's early name for it
         scaling_type = "longrope"

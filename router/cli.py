@@ -483,7 +483,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "DeepSeek-V3, R1-0528), deepseek_v31 (<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}: "
         "DeepSeek-V3.1 and later), qwen3_coder or qwen3_xml (<tool_call><function=NAME>"
         "<parameter=KEY>value</parameter>...: Qwen3-Coder; values typed by the tool's schema), "
-        "pythonic or llama4_pythonic ([name(key=value, ...), ...]: Llama 3.2 and 4 with "
+        "glm45 or glm47 (<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...: "
+        "GLM-4.5 to 4.7; values typed by the tool's schema), pythonic or llama4_pythonic ([name(key=value, ...), ...]: Llama 3.2 and 4 with "
         "pythonic templates, ToolACE), openai (gpt-oss: its harmony messages to functions.NAME; "
         "needs --reasoning-parser openai_gptoss, a gpt_oss model's default)",
     )
@@ -496,6 +497,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "</think>) and content, as vLLM's parser of the same name: deepseek_r1 (DeepSeek-R1, "
         "QwQ), deepseek_v3 (DeepSeek-V3.1: thinks when chat_template_kwargs thinking is true), "
         "qwen3 (Qwen3, Qwen3.5; chat_template_kwargs enable_thinking false: all content), "
+        "glm45 (GLM-4.5 to 4.7: as qwen3, enable_thinking or thinking false: all content), "
         "openai_gptoss (gpt-oss's harmony messages: the analysis channel is the reasoning, the "
         "final channel the content; a gpt_oss model's default)",
     )

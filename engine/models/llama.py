@@ -1,9 +1,11 @@
 """One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2/3 checkpoints,
-for the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss, and for DeepSeek-V2/V3.
+for the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and GLM-4.5, and for
+DeepSeek-V2/V3.
 
 They differ only in flags of ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm (Qwen3,
-Gemma 3), tied embeddings, rope scaling (and Gemma 3's second rope for its local layers),
-sliding windows, soft-capped logits and sinks (attention), Gemma's norms and sandwich, the
+Gemma 3, GLM-4.5), tied embeddings, rope scaling (and Gemma 3's second rope for its local
+layers), rope on part of each head (GLM-4.5, Phi-3's partial_rotary_factor), sliding windows,
+soft-capped logits and sinks (attention), Gemma's norms and sandwich, the
 sparse MLP that replaces the dense one in the layers ``ModelConfig.moe`` names (moe.py), and
 latent attention in place of multi-head attention where ``ModelConfig.mla`` is set (mla.py).
 Projections are fused (qkv_proj, gate_up_proj) so each layer runs three big matmuls instead of
@@ -78,6 +80,7 @@ class SelfAttention(nn.Module):
         self.num_heads = len(shard.q_heads)
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rope_dim  # the first dims of a head rope turns (all but GLM's)
         q_size = self.num_heads * config.head_dim
         kv_size = self.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
@@ -106,8 +109,8 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        cos: torch.Tensor,  # [num_tokens, 1, rotary_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, rotary_dim // 2]
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
@@ -117,11 +120,27 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         kernels = kernels_for(q)
-        if kernels is not None:
+        if self.rotary_dim != self.head_dim:  # the rest of each head passes through
+            q, k = (
+                _rotate_first(q, cos, sin, self.rotary_dim),
+                _rotate_first(k, cos, sin, self.rotary_dim),
+            )
+        elif kernels is not None:
             kernels.rotary_(q, k, cos, sin)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.group.all_reduce(self.o_proj(self.attn(q, k, v)))
+
+
+def _rotate_first(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, rotary_dim // 2]
+    sin: torch.Tensor,  # [num_tokens, 1, rotary_dim // 2]
+    rotary_dim: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Rope on each head's first ``rotary_dim`` dims (rotate-half within them), as
+    transformers' partial rotary embeddings do."""
+    return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
 
 
 class DecoderLayer(nn.Module):

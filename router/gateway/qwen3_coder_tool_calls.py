@@ -101,7 +101,7 @@ def typed_value(text: str, schema: Any) -> Any:
             return json.loads(text)
         except (ValueError, RecursionError):
             pass
-    return _literal(text)
+    return literal_value(text)
 
 
 def _type_name(schema: Any) -> str:
@@ -111,7 +111,7 @@ def _type_name(schema: Any) -> str:
     return str(kind).strip().lower()
 
 
-def _literal(text: str) -> Any:
+def literal_value(text: str) -> Any:
     """``text`` as a Python literal that JSON can write; the text itself otherwise."""
     try:
         value = ast.literal_eval(text)

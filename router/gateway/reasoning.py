@@ -1,6 +1,6 @@
 """Chat output split into reasoning and content, as vLLM's reasoning parsers split it
 (``pdserve serve --reasoning-parser NAME``), for models that think between ``<think>`` and
-``</think>`` (DeepSeek-R1, QwQ, Qwen3): whole, or streamed.
+``</think>`` (DeepSeek-R1, QwQ, Qwen3, GLM-4.5): whole, or streamed.
 
 The think-tag parsers read the output as starting inside the thought, as vLLM's current ones
 do: the chat templates of these models open ``<think>`` in the prompt (DeepSeek-R1, QwQ,
@@ -19,6 +19,9 @@ vLLM's stream; its whole response drops that text). The reasoning runs to the fi
   ``chat_template_kwargs: {"enable_thinking": false}`` the template closes the thought in the
   prompt: the output is all content, not read for tags (vLLM's stream; its whole response
   would still split at a ``</think>`` the model wrote anyway).
+- ``glm45``: GLM-4.5 to 4.7, as ``qwen3`` (a ``<tool_call>`` ends the reasoning too), thinking
+  unless ``chat_template_kwargs`` set ``enable_thinking`` or ``thinking`` and neither is true
+  (``reasoning_fields``).
 
 The response carries it as current vLLM does: ``message.reasoning`` (null when none) and
 ``reasoning`` deltas (vLLM's ``reasoning_content`` until it removed that name, PR #33402).
@@ -45,7 +48,9 @@ from router.gateway.hermes_tool_calls import START as TOOL_CALL_START
 from router.gateway.tag_scan import TagCutter
 
 # the formats --reasoning-parser reads
-REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", HARMONY_PARSER)
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "glm45", HARMONY_PARSER)
+# the parsers whose reasoning a <tool_call> ends too
+_ENDED_BY_CALLS = ("qwen3", "glm45")
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -74,7 +79,7 @@ class ReasoningMode:
     @property
     def end_tags(self) -> tuple[str, ...]:
         """The tags that end the reasoning, the first one written does."""
-        return (THINK_END, TOOL_CALL_START) if self.parser == "qwen3" else (THINK_END,)
+        return (THINK_END, TOOL_CALL_START) if self.parser in _ENDED_BY_CALLS else (THINK_END,)
 
 
 def split_reasoning(mode: ReasoningMode, text: str) -> tuple[str | None, str | None]:

@@ -9,6 +9,8 @@ combined with. Completions are not split, as vLLM applies reasoning parsers to c
 - deepseek_v3 (DeepSeek-V3.1's hybrid thinking) thinks only when ``chat_template_kwargs`` sets
   ``thinking`` (V3.1's template variable) or ``enable_thinking`` true, as vLLM's parser of the
   name; otherwise the output is all content.
+- glm45 thinks unless ``enable_thinking`` (GLM's template variable; ``reasoning_effort:
+  "none"`` sets it false) or ``thinking`` is set and neither is true, as vLLM's parser.
 - While thinking is on, an output constraint (a named or ``"required"`` ``tool_choice``,
   ``response_format``, ``structured_outputs``, ``guided_*``) holds from the token after
   ``</think>`` (gpt-oss's harmony: after ``<|channel|>final<|message|>``, its final answer's
@@ -41,6 +43,9 @@ def checked_reasoning(
     if parser == "deepseek_v3":  # thinking only when the request's own kwargs turn it on
         asked = body.get("chat_template_kwargs") or {}
         thinking = bool(asked.get("thinking")) or bool(asked.get("enable_thinking"))
+    elif parser == "glm45":  # thinking unless the variables turn it off (and none on)
+        switches = [variables.get(key) for key in ("thinking", "enable_thinking")]
+        thinking = all(s is None for s in switches) or any(bool(s) for s in switches)
     else:
         thinking = not (parser == "qwen3" and variables.get("enable_thinking") is False)
     mode = ReasoningMode(parser, thinking, include=include is not False)

@@ -17,8 +17,9 @@ parameters' text as argument deltas.
 parser reads the calls from the text (``hermes_tool_calls``, ``llama_tool_calls`` for
 ``llama3_json`` and ``llama4_json``, ``mistral_tool_calls``, ``deepseek_tool_calls`` for
 ``deepseek_v3`` and ``deepseek_v31``, ``pythonic_tool_calls`` for ``pythonic`` and
-``llama4_pythonic``, ``qwen3_coder_tool_calls`` for ``qwen3_coder`` and ``qwen3_xml``, whose
-values are typed by the request's tool schemas); the message has the content the
+``llama4_pythonic``, ``qwen3_coder_tool_calls`` for ``qwen3_coder`` and ``qwen3_xml`` and
+``glm_tool_calls`` for ``glm45`` and ``glm47``, whose values are typed by the request's tool
+schemas); the message has the content the
 parser leaves (null when there is none) and the calls, or the text as content and
 ``tool_calls: []``.
 
@@ -26,8 +27,9 @@ finish_reason, constrained: a whole response keeps the sample's (``stop`` / ``le
 does (and OpenAI for a forced function); a stream says ``tool_calls`` where the sample stopped
 after streaming a call, as vLLM's stream does (``length`` stays ``length``: the arguments were
 cut). ``"auto"``: ``tool_calls`` when the text held calls, as vLLM's whole response says it; a
-stream says so when it sent a call, unless ``length`` cut a call's block (then ``length``,
-where the whole response, whose last block then does not parse, says it too).
+stream says so when it sent a call; both say ``length`` where ``length`` cut a call short (the
+text ended inside one; vLLM's whole response would say ``tool_calls`` for one its parser still
+reads).
 
 Under ``--reasoning-parser`` the reasoning is split off first (``reasoning``), into the
 message's ``reasoning`` (a stream's ``reasoning`` deltas), and only the rest is read for calls,
@@ -46,6 +48,7 @@ from typing import Any, Protocol
 
 from router.gateway.call_scanner import CallScanner, call_entry, header_entry, new_tool_call_id
 from router.gateway.deepseek_tool_calls import DeepSeekCallStream, parse_deepseek
+from router.gateway.glm_tool_calls import GlmCallStream, parse_glm
 from router.gateway.harmony import (
     HARMONY_TOOL_CALL_PARSER,
     CallPiece,
@@ -129,10 +132,16 @@ def _qwen3_coder(parameters: ToolParameters) -> _AutoParser:
     )
 
 
+def _glm(parameters: ToolParameters) -> _AutoParser:
+    return _AutoParser(partial(parse_glm, parameters), partial(GlmCallStream, parameters))
+
+
 # the parsers whose calls' values are typed by the request's tools: their readers for those
 _TYPED_PARSERS: dict[str, Callable[[ToolParameters], _AutoParser]] = {
     "qwen3_coder": _qwen3_coder,
     "qwen3_xml": _qwen3_coder,  # vLLM's other parser of the same format
+    "glm45": _glm,
+    "glm47": _glm,  # GLM-4.7's calls: the same tags, no newlines between them
 }
 # the formats "auto" tool choice can read calls in: the text's, or harmony's messages
 TOOL_CALL_PARSERS = (*_AUTO_PARSERS, *_TYPED_PARSERS, HARMONY_TOOL_CALL_PARSER)
@@ -216,7 +225,8 @@ def tool_call_choice(
         parser = mode.readers()
         content, parsed = parser.parse(text) if text is not None else (None, [])
         calls = [call_entry(name, arguments, parser.new_call_id()) for name, arguments in parsed]
-        finish_reason = _finish_after_calls(finish_reason, bool(calls))
+        cut = bool(calls) and finish_reason == "length" and _ends_in_call(parser, text or "")
+        finish_reason = _finish_after_calls(finish_reason, bool(calls), cut)
         return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
     text = text or ""
     if mode.function_name is not None:
@@ -345,6 +355,15 @@ class ChatDeltas:
             delta["tool_calls"] = calls
         finish_reason = _finish_after_calls(finish_reason, stream.num_calls > 0, stream.block_open)
         return delta, finish_reason
+
+
+def _ends_in_call(parser: _AutoParser, text: str) -> bool:
+    """Whether ``text`` ends inside a call (read as a stream reads it): a whole response whose
+    calls max_tokens cut says ``length``, as its stream does."""
+    stream = parser.stream()
+    stream.feed(text)
+    stream.end()
+    return stream.block_open
 
 
 def _finish_after_calls(

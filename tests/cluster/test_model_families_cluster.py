@@ -6,7 +6,8 @@ completions equal to transformers' tokens:
   tokens per expert and its sparse layers' imbalance;
 - a sliding-window model (every layer's window shorter than the prompts), whose decode
   worker gives back the blocks that fall out of a sequence's window as it decodes;
-- Gemma 3 and gpt-oss, local and global layers in turn (gpt-oss with attention sinks)."""
+- Gemma 3 and gpt-oss, local and global layers in turn (gpt-oss with attention sinks);
+- GLM-4.5 (rope on half of each head, DeepSeek-V3's experts) to a decode worker of two ranks."""
 
 from __future__ import annotations
 
@@ -106,13 +107,18 @@ def test_a_sliding_window_model_over_http_equals_transformers(
         cluster.shutdown()
 
 
-@pytest.mark.parametrize("architecture", ["Gemma3ForCausalLM", "GptOssForCausalLM"])
-def test_models_with_local_and_global_layers_over_http_equal_transformers(
-    ray_session: None, model_dirs: dict[str, Path], architecture: str
+@pytest.mark.parametrize(
+    ("architecture", "decode_tp"),
+    [("Gemma3ForCausalLM", 1), ("GptOssForCausalLM", 1), ("Glm4MoeForCausalLM", 2)],
+)
+def test_more_families_over_http_equal_transformers(
+    ray_session: None, model_dirs: dict[str, Path], architecture: str, decode_tp: int
 ) -> None:
     """Gemma 3 (its local layers' own rope) and gpt-oss (attention sinks, clamped-SwiGLU
-    experts), each of sliding and full layers, prefilled on one worker and decoded on another."""
-    cluster, server = _serve(model_dirs[architecture], decode_tp=1)
+    experts), each of sliding and full layers, and GLM-4.5 (rope on half of each head,
+    DeepSeek's experts) to a decode worker of two ranks, prefilled on one worker and decoded
+    on another."""
+    cluster, server = _serve(model_dirs[architecture], decode_tp=decode_tp)
     try:
         _completions_equal_transformers(server, model_dirs[architecture])
     finally:

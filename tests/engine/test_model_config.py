@@ -57,8 +57,11 @@ def test_v5_saved_config_round_trips(tmp_path: Path, architecture: str) -> None:
     }
     assert config.rope.theta == theta
     assert config.rope.scaling_type == scaling.get(architecture, "default")
-    assert config.qkv_bias == architecture.startswith(("Qwen2", "GptOss"))
-    assert config.qk_norm == architecture.startswith(("Qwen3", "Gemma3"))
+    # the tiny GLM-4.5 has q/k/v biases, q/k norms and rope on half of each head's 16 dims
+    assert config.qkv_bias == architecture.startswith(("Qwen2", "GptOss", "Glm4Moe"))
+    assert config.o_proj_bias == architecture.startswith("GptOss")
+    assert config.qk_norm == architecture.startswith(("Qwen3", "Gemma3", "Glm4Moe"))
+    assert config.rope_dim == {"Glm4MoeForCausalLM": 8}.get(architecture, 8 if latent else 16)
     sparse = (
         "Moe" in architecture or "Mixtral" in architecture or latent or "GptOss" in architecture
     )
