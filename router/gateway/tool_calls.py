@@ -16,12 +16,12 @@ parameters' text as argument deltas.
 ``"auto"`` (free output, with ``--enable-auto-tool-choice --tool-call-parser NAME``): the
 parser reads the calls from the text (``hermes_tool_calls``, ``llama_tool_calls`` for
 ``llama3_json`` and ``llama4_json``, ``mistral_tool_calls``, ``deepseek_tool_calls`` for
-``deepseek_v3`` and ``deepseek_v31``, ``pythonic_tool_calls`` for ``pythonic`` and
-``llama4_pythonic``, ``qwen3_coder_tool_calls`` for ``qwen3_coder`` and ``qwen3_xml`` and
-``glm_tool_calls`` for ``glm45`` and ``glm47``, whose values are typed by the request's tool
-schemas); the message has the content the
-parser leaves (null when there is none) and the calls, or the text as content and
-``tool_calls: []``.
+``deepseek_v3`` and ``deepseek_v31``, ``kimi_tool_calls`` for ``kimi_k2`` (its calls' ids
+kept), ``pythonic_tool_calls`` for ``pythonic`` and ``llama4_pythonic``,
+``qwen3_coder_tool_calls`` for ``qwen3_coder`` and ``qwen3_xml`` and ``glm_tool_calls`` for
+``glm45`` and ``glm47``, whose values are typed by the request's tool schemas); the message
+has the content the parser leaves (null when there is none) and the calls, or the text as
+content and ``tool_calls: []``.
 
 finish_reason, constrained: a whole response keeps the sample's (``stop`` / ``length``), as vLLM
 does (and OpenAI for a forced function); a stream says ``tool_calls`` where the sample stopped
@@ -56,6 +56,7 @@ from router.gateway.harmony import (
     read_harmony,
 )
 from router.gateway.hermes_tool_calls import HermesCallStream, parse_hermes
+from router.gateway.kimi_tool_calls import KimiCallStream, kimi_call_ids, parse_kimi
 from router.gateway.llama_tool_calls import Llama3JsonCallStream, parse_llama3_json
 from router.gateway.mistral_tool_calls import (
     MistralCallStream,
@@ -103,6 +104,9 @@ class _AutoParser:
     stream: Callable[[], AutoCallStream]  # a new reader of one choice's stream
     # a whole response's new call id (a stream's reader makes its own)
     new_call_id: Callable[[], str] = new_tool_call_id
+    # the ids a whole text gives its calls, in order, for a format that names each (Kimi K2's
+    # functions.NAME:INDEX, which its template writes back); None: new ones
+    call_ids: Callable[[str], list[str]] | None = None
 
 
 _AUTO_PARSERS = {
@@ -123,6 +127,7 @@ _AUTO_PARSERS = {
     "llama4_pythonic": _AutoParser(
         partial(parse_pythonic, "llama4_pythonic"), partial(PythonicCallStream, "llama4_pythonic")
     ),
+    "kimi_k2": _AutoParser(parse_kimi, KimiCallStream, call_ids=kimi_call_ids),
 }
 
 
@@ -224,7 +229,9 @@ def tool_call_choice(
     if isinstance(mode, AutoToolCalls):
         parser = mode.readers()
         content, parsed = parser.parse(text) if text is not None else (None, [])
-        calls = [call_entry(name, arguments, parser.new_call_id()) for name, arguments in parsed]
+        ids = parser.call_ids(text or "") if parser.call_ids is not None else []
+        ids += [parser.new_call_id() for _ in parsed[len(ids) :]]
+        calls = [call_entry(n, arguments, i) for (n, arguments), i in zip(parsed, ids, strict=True)]
         cut = bool(calls) and finish_reason == "length" and _ends_in_call(parser, text or "")
         finish_reason = _finish_after_calls(finish_reason, bool(calls), cut)
         return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
