@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.gateway.openai_request import OpenAIJob
-from router.gateway.openai_response import ChoiceText, Echo
+from router.gateway.openai_response import ChoiceText, Echo, LogprobsFormatter
 from router.gateway.prompt_logprobs import (
-    TokenText,
     decode_prompt,
     echo_completion_logprobs,
     vllm_prompt_logprobs,
@@ -35,12 +34,13 @@ def add_prompt_logprobs(
     job: OpenAIJob,
     choices: Sequence[ChoiceText],
     generations: Sequence[TextGeneration],
-    token_text: TokenText,
+    formatter: LogprobsFormatter,
     aborted: bool,
 ) -> None:
     """Give each choice of a whole response its prompt's logprobs, where the job shows them;
-    each prompt is decoded once for both views (vLLM's list and echo's entries) and all its
-    choices.
+    each prompt is decoded once for both views (vLLM's list, whose tokens are their texts, and
+    echo's entries, which show tokens as the logprobs do: ``token_id:ID`` under
+    ``return_tokens_as_token_ids``) and all its choices.
 
     A request an Abort call cut short before its first token has none to give; otherwise a
     prompt the workers sent none for is a server fault (RuntimeError)."""
@@ -49,10 +49,13 @@ def add_prompt_logprobs(
     for prompt_index, generation in enumerate(generations):
         if aborted and generation.prompt_logprobs is None:
             continue
-        prompt = decode_prompt(generation.scored_prompt(), token_text)
+        scored = generation.scored_prompt()
+        prompt = decode_prompt(scored, formatter.token_text)
         listed = vllm_prompt_logprobs(prompt) if job.show_prompt_logprobs else None
         echoed = None
         if job.echo_logprobs and job.logprobs is not None:
+            if formatter.as_token_ids:
+                prompt = decode_prompt(scored, formatter.shown_token)
             echoed = echo_completion_logprobs(prompt, job.logprobs)
         for choice in choices[prompt_index * job.n : (prompt_index + 1) * job.n]:
             choice.prompt_logprobs, choice.echo_logprobs = listed, echoed
@@ -63,7 +66,7 @@ def echoed_logprobs(
     echo: Echo,
     index: int,
     generation: TextGeneration,
-    token_text: TokenText,
+    formatter: LogprobsFormatter,
     offset: int,
 ) -> dict[str, list[Any]] | None:
     """The prompt's logprobs entries that lead choice ``index``'s next stream chunk: its first
@@ -71,5 +74,5 @@ def echoed_logprobs(
     is handed out (``echo.first``)."""
     if not job.echo_logprobs or job.logprobs is None or not echo.pending(index):
         return None
-    prompt = decode_prompt(generation.scored_prompt(), token_text)
+    prompt = decode_prompt(generation.scored_prompt(), formatter.shown_token)
     return echo_completion_logprobs(prompt, job.logprobs, offset)

@@ -322,8 +322,8 @@ async def _respond_whole(
         async with contextlib.aclosing(deltas):  # aborts in the cluster on any exit
             async for index, delta in deltas:
                 choices[index * job.n + delta.index].add(shown(job, delta))
-        token_text = LogprobsFormatter(gateway.model.tokenizer).token_text
-        add_prompt_logprobs(job, choices, generations, token_text, live.aborted.is_set())
+        formatter = LogprobsFormatter(gateway.model.tokenizer, job.tokens_as_ids)
+        add_prompt_logprobs(job, choices, generations, formatter, live.aborted.is_set())
 
     task = asyncio.create_task(collect())
     client_gone = asyncio.create_task(_client_disconnected(request))
@@ -358,7 +358,7 @@ async def _respond_whole(
     for generation in generations:
         gateway.record_first_token(generation, front, written_at=None)
     gateway.record_ended(generations, live)
-    logprobs = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
+    logprobs = job.logprobs_formatter(gateway.model.tokenizer)
     if job.kind == "chat":
         usage = total_usage(generations)
         decode = output_decoder(generations[0])

@@ -37,6 +37,7 @@ from router.gateway.chat import (
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
 from router.gateway.logit_fields import checked_bad_words
+from router.gateway.openai_response import LogprobsFormatter
 from router.gateway.reasoning import ReasoningMode
 from router.gateway.reasoning_fields import checked_reasoning, constrained_after_reasoning
 from router.gateway.served_model import ServedModel
@@ -80,6 +81,14 @@ class OpenAIJob:
     # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries its
     # choice's usage so far (its prompt's tokens, the choice's completion tokens)
     continuous_usage: bool = False
+    # vLLM's return_tokens_as_token_ids: the logprobs show each token as "token_id:ID"
+    tokens_as_ids: bool = False
+
+    def logprobs_formatter(self, tokenizer: Any) -> LogprobsFormatter | None:
+        """How the choices' logprobs are shown; None when the request asked for none."""
+        if self.logprobs is None:
+            return None
+        return LogprobsFormatter(tokenizer, self.tokens_as_ids)
 
     def returned_prompt_token_ids(self) -> list[list[int]] | None:
         """Per prompt, the token ids its choices return under ``return_token_ids``; None when
@@ -119,6 +128,7 @@ def parse_job(
     include_stop = optional_field(body, "include_stop_str_in_output", bool, False)
     # (refused on chat by check_unsupported when true)
     return_token_ids = optional_field(body, "return_token_ids", bool, False)
+    tokens_as_ids = optional_field(body, "return_tokens_as_token_ids", bool, False)
     priority = optional_field(body, "priority", int, 0)  # checked in make_spec, as gRPC's
     wire_names: dict[str, str] = {}
     tools: ChatTools | None = None
@@ -184,6 +194,7 @@ def parse_job(
         reasoning=reasoning,
         return_token_ids=return_token_ids,
         continuous_usage=continuous_usage,
+        tokens_as_ids=tokens_as_ids,
     )
 
 

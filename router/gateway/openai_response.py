@@ -145,13 +145,21 @@ class TokenIds:
 
 class LogprobsFormatter:
     """Token logprobs as OpenAI shows them: token text, logprob, top alternatives (-inf, which
-    structured outputs give the tokens they forbid, as vLLM's -9999.0)."""
+    structured outputs give the tokens they forbid, as vLLM's -9999.0). ``as_token_ids``:
+    vLLM's ``return_tokens_as_token_ids``, each token shown as ``token_id:ID`` instead of its
+    text (for clients that need the ids of tokens that do not decode alone)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
 
     def token_text(self, token_id: int) -> str:
+        """A token's decoded text."""
         return str(self.tokenizer.decode([token_id]))
+
+    def shown_token(self, token_id: int) -> str:
+        """A token as the logprobs show it: its text, or ``token_id:ID``."""
+        return f"token_id:{token_id}" if self.as_token_ids else self.token_text(token_id)
 
     def completion(
         self,
@@ -173,11 +181,11 @@ class LogprobsFormatter:
             top, text_offset = list(echoed["top_logprobs"]), list(echoed["text_offset"])
             offset += sum(map(len, tokens))
         for lp in logprobs:
-            text = self.token_text(lp.sampled_token_id)
+            text = self.shown_token(lp.sampled_token_id)
             tokens.append(text)
             token_logprobs.append(shown_logprob(lp.sampled_logprob))
             alternatives = {
-                self.token_text(t): shown_logprob(v)
+                self.shown_token(t): shown_logprob(v)
                 for t, v in zip(lp.top_token_ids, lp.top_logprobs)
             }
             alternatives.setdefault(text, shown_logprob(lp.sampled_logprob))
@@ -205,7 +213,7 @@ class LogprobsFormatter:
         }
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
+        text = self.shown_token(token_id)
         return {
             "token": text,
             "logprob": shown_logprob(logprob),

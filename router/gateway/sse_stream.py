@@ -139,7 +139,7 @@ async def _chunks(
     generations: list[TextGeneration],
     live: LiveRequest,
 ) -> AsyncGenerator[dict[str, Any], None]:
-    formatter = LogprobsFormatter(gateway.model.tokenizer) if job.logprobs is not None else None
+    formatter = job.logprobs_formatter(gateway.model.tokenizer)
     offsets = [0] * (len(generations) * job.n)  # text offsets for completion logprobs
     unfinished = set(range(len(offsets)))
     echo = Echo(job.echo_texts, job.n)
@@ -246,7 +246,7 @@ def _completion_chunk(
     logprobs = None
     if formatter is not None:
         offset = offsets[index]
-        head = echoed_logprobs(job, echo, index, generation, formatter.token_text, offset)
+        head = echoed_logprobs(job, echo, index, generation, formatter, offset)
         logprobs = formatter.completion(delta.logprobs, offset, head)
         offsets[index] += sum(map(len, logprobs["tokens"]))
     delta = dataclasses.replace(delta, text=echo.first(index) + delta.text)

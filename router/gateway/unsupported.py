@@ -25,7 +25,6 @@ _OFF: Mapping[str, tuple[Any, ...]] = {
     "prediction": (),
     # vLLM's extras
     "use_beam_search": (False,),
-    "return_tokens_as_token_ids": (False,),
     "guided_grammar": (),
     "guided_whitespace_pattern": (),
     "logits_processors": ([],),

@@ -75,7 +75,6 @@ def _streamed_text(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
         ("/v1/completions", "guided_whitespace_pattern", " *"),
         ("/v1/completions", "structured_outputs", {"grammar": "root ::= 'a'"}),
         ("/v1/completions", "use_beam_search", True),
-        ("/v1/completions", "return_tokens_as_token_ids", True),
         ("/v1/completions", "add_special_tokens", False),
         ("/v1/chat/completions", "add_special_tokens", True),
         ("/v1/chat/completions", "chat_template", "{{ messages }}"),

@@ -20,7 +20,7 @@ import pytest
 from engine.sampling.params import SamplingParams
 from router.gateway.choice_prompts import add_prompt_logprobs
 from router.gateway.openai_request import OpenAIJob
-from router.gateway.openai_response import ChoiceText
+from router.gateway.openai_response import ChoiceText, LogprobsFormatter
 from router.gateway.served_model import ServedModel
 from router.gateway.spec import GenerationSpec
 from router.gateway.text_stream import TextGeneration
@@ -325,11 +325,12 @@ def test_echo_with_logprobs_decodes_each_prompt_token_and_alternative_once() -> 
     choices = [ChoiceText(), ChoiceText()]
     decoded: list[int] = []
 
-    def token_text(token_id: int) -> str:
-        decoded.append(token_id)
-        return f"<{token_id}>"
+    class Tokenizer:  # counts what it decodes
+        def decode(self, token_ids: list[int]) -> str:
+            decoded.extend(token_ids)
+            return f"<{token_ids[0]}>"
 
-    add_prompt_logprobs(job, choices, [generation], token_text, aborted=False)
+    add_prompt_logprobs(job, choices, [generation], LogprobsFormatter(Tokenizer()), aborted=False)
     # position 1 and 3: the prompt token then 901 (the top 2); position 2: itself, 901, 902
     assert sorted(decoded) == sorted([5, 6, 901, 7, 901, 902, 8, 901])
     for choice in choices:
@@ -342,3 +343,53 @@ def test_echo_with_logprobs_decodes_each_prompt_token_and_alternative_once() -> 
             "<902>": -2 / 3,
         }
         assert choice.prompt_logprobs[2]["902"]["decoded_token"] == "<902>"
+
+
+def test_return_tokens_as_token_ids_shows_each_logprobs_token_by_its_id(
+    http: httpx.Client, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    """vLLM's return_tokens_as_token_ids: every token of the logprobs (the echoed prompt's, the
+    generated ones, their alternatives) is "token_id:ID", text offsets counted by those, whole
+    and streamed; vLLM's prompt_logprobs keep their decoded text; chat's entries too."""
+    text = Texts(model)
+    prompt = list(model.tokenizer.encode(PROMPT))
+    out = cluster.tokens[:2]
+
+    def shown(token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 2}
+    body["return_tokens_as_token_ids"] = True
+    (choice,) = post_json(http, "/v1/completions", body)["choices"]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [shown(t) for t in prompt + out]
+    assert logprobs["top_logprobs"][2] == {shown(prompt[2]): -1.0, shown(901): -0.5}
+    assert logprobs["top_logprobs"][4] == {shown(out[0]): -0.25}
+    lengths = [len(shown(t)) for t in prompt + out]
+    assert logprobs["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))]
+    assert choice["text"] == PROMPT + model.tokenizer.decode(out)  # the text is the text
+    assert choice["prompt_logprobs"][1][str(prompt[1])]["decoded_token"] == text(prompt[1])
+    chunks = stream_chunks(http, "/v1/completions", body)
+    joined: dict[str, list[Any]] = {key: [] for key in logprobs}
+    for chunk in chunks:
+        for key in joined:
+            joined[key] += chunk["choices"][0]["logprobs"][key]
+    assert joined == logprobs
+    chat = {"messages": [USER_HI], "logprobs": True, "top_logprobs": 1, "max_tokens": 2}
+    chat["return_tokens_as_token_ids"] = True
+    (chat_choice,) = post_json(http, "/v1/chat/completions", chat)["choices"]
+    entries = chat_choice["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [shown(t) for t in out]
+    assert entries[0]["bytes"] == list(shown(out[0]).encode())
+    assert [t["token"] for t in entries[0]["top_logprobs"]] == [shown(out[0])]
+    streamed = stream_chunks(http, "/v1/chat/completions", chat)
+    tokens = [
+        e["token"]
+        for c in streamed
+        if c["choices"]
+        for e in (c["choices"][0].get("logprobs") or {}).get("content", [])
+    ]
+    assert tokens == [shown(t) for t in out]
+    bad = {**body, "return_tokens_as_token_ids": "yes"}
+    error = bad_request_error(http.post("/v1/completions", json=bad))
+    assert error["param"] == "return_tokens_as_token_ids"
