@@ -7,7 +7,11 @@ a ``reasoning`` item (the thought, under a reasoning parser: ``content`` one ``r
 part), a ``message`` item (the content, one ``output_text`` part), and a ``function_call``
 item per tool call (``call_id``, ``name``, ``arguments``). ``status``: ``completed``, or
 ``incomplete`` with ``incomplete_details.reason: "max_output_tokens"`` when ``max_output_tokens``
-cut it, ``cancelled`` when an Abort ended it. ``usage``: ``input_tokens`` (with
+cut it, ``cancelled`` when an Abort ended it. Asked for (``include``), the ``output_text``
+part's ``logprobs`` are chat's entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``)
+of every output token, as vLLM's; a stream's ``output_text.delta`` carries those of its text,
+and the done events all the message's, those of its chunks without text (the eos token's)
+included; those of chunks of reasoning alone are not sent, as in vLLM's stream. ``usage``: ``input_tokens`` (with
 ``input_tokens_details.cached_tokens``), ``output_tokens`` (with
 ``output_tokens_details.reasoning_tokens``) and ``total_tokens``.
 
@@ -46,7 +50,9 @@ def response_body(response_id: str, turn: ResponsesTurn, chat: Mapping[str, Any]
     if message.get("reasoning"):
         items.append(_reasoning_item(message["reasoning"]))
     if message.get("content"):
-        items.append(_message_item(message["content"], _item_status(choice["finish_reason"])))
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        status = _item_status(choice["finish_reason"])
+        items.append(_message_item(message["content"], status, logprobs=logprobs))
     for call in message.get("tool_calls") or []:
         function = call["function"]
         items.append(_call_item(call["id"], function["name"], function["arguments"]))
@@ -125,17 +131,22 @@ def _reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+def _message_item(
+    text: str,
+    status: str,
+    item_id: str | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     return {
         "id": item_id or new_item_id("msg"),
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [_text_part(text)] if text or status != "in_progress" else [],
+        "content": [_text_part(text, logprobs)] if text or status != "in_progress" else [],
     }
 
 
@@ -180,6 +191,7 @@ class _OpenItem:
     text: str = ""  # its text or arguments so far
     call_id: str = ""  # a function call's
     name: str = ""  # a function call's
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a message's, when asked for
 
 
 @dataclass(slots=True)
@@ -212,8 +224,11 @@ class ResponseEvents:
             delta = choice.get("delta") or {}
             if delta.get("reasoning"):
                 events += self._text("reasoning", delta["reasoning"])
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
             if delta.get("content"):
-                events += self._text("message", delta["content"])
+                events += self._text("message", delta["content"], logprobs)
+            elif self._open is not None and self._open.kind == "message":
+                self._open.logprobs += logprobs  # (a chunk of no text: the end's eos token)
             for entry in delta.get("tool_calls") or []:
                 events += self._call(entry)
             if choice.get("finish_reason") is not None:
@@ -244,9 +259,11 @@ class ResponseEvents:
         self._sequence += 1
         return sse_event(event)
 
-    def _opened(self, kind: str, item: dict[str, Any], **extra: str) -> list[bytes]:
+    def _opened(
+        self, kind: str, item: dict[str, Any], call_id: str = "", name: str = ""
+    ) -> list[bytes]:
         events = self._close()
-        self._open = _OpenItem(kind, item["id"], len(self._items), **extra)
+        self._open = _OpenItem(kind, item["id"], len(self._items), call_id=call_id, name=name)
         events.append(
             self._event("response.output_item.added", output_index=len(self._items), item=item)
         )
@@ -254,7 +271,9 @@ class ResponseEvents:
             events.append(self._part_event("response.content_part.added", _text_part("")))
         return events
 
-    def _text(self, kind: str, text: str) -> list[bytes]:
+    def _text(
+        self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[bytes]:
         events: list[bytes] = []
         if self._open is None or self._open.kind != kind:
             item_id = new_item_id("rs" if kind == "reasoning" else "msg")
@@ -266,10 +285,11 @@ class ResponseEvents:
             events = self._opened(kind, item)
         assert self._open is not None
         self._open.text += text
+        self._open.logprobs += logprobs or []
         name = (
             "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         )
-        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": logprobs or []}
         events.append(self._at_open(name, content_index=0, delta=text, **extra))
         return events
 
@@ -308,13 +328,17 @@ class ResponseEvents:
             done = _reasoning_item(item.text, item.item_id)
         elif item.kind == "message":
             status = _item_status(self._finish_reason)
+            part = _text_part(item.text, item.logprobs)
             events = [
                 self._at_open(
-                    "response.output_text.done", content_index=0, text=item.text, logprobs=[]
+                    "response.output_text.done",
+                    content_index=0,
+                    text=item.text,
+                    logprobs=item.logprobs,
                 ),
-                self._part_event("response.content_part.done", _text_part(item.text)),
+                self._part_event("response.content_part.done", part),
             ]
-            done = _message_item(item.text, status, item.item_id)
+            done = _message_item(item.text, status, item.item_id, item.logprobs)
         else:
             events = [
                 self._at_open(

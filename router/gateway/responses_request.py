@@ -17,10 +17,13 @@ request it asks for: the chat path then checks, renders, samples and parses it, 
   ``repetition_penalty``, ``seed``, ``priority``, ``cache_salt``, ``chat_template_kwargs``) as
   they are.
 - ``previous_response_id``: the conversation a kept response ended (``responses_store``) comes
-  before the input (a 404 when it is not kept; a 400 naming the flag when none are). Refused,
-  each naming the field: background responses, built-in tools (web and file search, code
-  interpreter ...), non-text input, ``include``, ``top_logprobs``, ``truncation: "auto"``. Errors from the chat path name the Responses field (``max_output_tokens``, not
-  ``max_completion_tokens``).
+  before the input (a 404 when it is not kept; a 400 naming the flag when none are).
+- ``include: ["message.output_text.logprobs"]``: the output text's logprobs, with
+  ``top_logprobs`` alternatives each (0 without it), as chat's ``logprobs`` and
+  ``top_logprobs``; ``top_logprobs`` alone shows none, as vLLM. Refused, each naming the field:
+  background responses, built-in tools (web and file search, code interpreter ...), non-text
+  input, any other ``include``, ``truncation: "auto"``. Errors from the chat path name the
+  Responses field (``max_output_tokens``, not ``max_completion_tokens``).
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ _REFUSED = {
     "conversation": "this server stores no conversations; send the whole conversation in input",
     "prompt": "stored prompt templates are not served; send the prompt in input",
     "max_tool_calls": "a cap on built-in tool calls is not served (there are none)",
-    "top_logprobs": "logprobs are not served on /v1/responses (use /v1/chat/completions)",
 }
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one extra output ``include`` can ask for
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # the chat path's field names, as a Responses request writes them
@@ -127,8 +130,6 @@ def chat_request(
         raise invalid(
             "background responses are not supported: each is answered as it runs", "background"
         )
-    if body.get("include"):
-        raise invalid("include is not supported: no extra output is kept", param="include")
     if body.get("truncation") not in (None, "disabled"):
         raise invalid('truncation must be "disabled" (the input is never cut)', "truncation")
     chat: dict[str, Any] = {key: body[key] for key in _PASSED_ON if key in body}
@@ -148,7 +149,33 @@ def chat_request(
         chat["response_format"] = _response_format(text_format)
     if body.get("stream") is True:
         chat["stream_options"] = {"include_usage": True}  # the completed event's usage
+    if _included(body.get("include")):
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.get("top_logprobs") or 0
+    elif body.get("top_logprobs") is not None:
+        _check_top_logprobs(body["top_logprobs"])
     return chat, conversation
+
+
+def _included(include: Any) -> bool:
+    """Whether ``include`` asks for the output text's logprobs (the one extra served)."""
+    if include is None:
+        return False
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise invalid("include must be a list of strings", param="include")
+    others = [item for item in include if item != OUTPUT_LOGPROBS]
+    if others:
+        raise invalid(
+            f"include {others[0]!r} is not supported: of the extra outputs this server "
+            f"serves {OUTPUT_LOGPROBS!r} only",
+            param="include",
+        )
+    return bool(include)
+
+
+def _check_top_logprobs(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise invalid(f"top_logprobs must be an integer >= 0, got {value!r}", "top_logprobs")
 
 
 def renamed(error: ApiError) -> ApiError:

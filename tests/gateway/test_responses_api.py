@@ -238,7 +238,9 @@ def test_settings_reach_the_sampler_and_are_echoed(
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": "message.output_text.logprobs"}, "include"),
     ],
 )
 def test_what_it_does_not_serve_is_refused_naming_the_field(
@@ -250,6 +252,37 @@ def test_what_it_does_not_serve_is_refused_naming_the_field(
     error = response.json()["error"]
     assert error["param"] == param, error
     assert param.split("[")[0].split(".")[0] in error["message"]
+
+
+def test_the_output_texts_logprobs_when_include_asks_whole_and_streamed(
+    client: openai.OpenAI, cluster: ScriptedCluster, model: ServedModel
+) -> None:
+    """include message.output_text.logprobs: chat's entries of every output token, with
+    top_logprobs alternatives; streamed per output_text delta, the done events the message's
+    (the eos token's too; not those of the </think> tokens, sent before any text, as vLLM's
+    stream); top_logprobs alone shows none, as vLLM."""
+    answer = "</think>It is sunny."
+    script_answer(cluster, model, answer)
+    include = ["message.output_text.logprobs"]
+    whole = client.responses.create(
+        model="pdserve-demo", input="Weather?", include=include, top_logprobs=2
+    )
+    assert cluster.params[-1].logprobs == 2
+    (part,) = whole.output[-1].content
+    texts = [model.tokenizer.decode([t]) for t in cluster.tokens]  # the answer's, then eos
+    assert [entry.token for entry in part.logprobs] == texts  # the </think> tokens too
+    assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    assert part.logprobs[0].bytes == list(texts[0].encode())
+    events, last = _streamed(client, input="Weather?", include=include, top_logprobs=2)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [entry.token for e in deltas for entry in e.logprobs]
+    assert "".join(streamed).endswith("It is sunny.")
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [entry.token for entry in done.logprobs] == [*streamed, "</s>"]  # eos's, no text
+    finished = last.output[-1].content[0].logprobs
+    assert [(e.token, e.logprob) for e in finished] == [(e.token, e.logprob) for e in done.logprobs]
+    plain = client.responses.create(model="pdserve-demo", input="Weather?", top_logprobs=2)
+    assert plain.output[-1].content[0].logprobs == [] and cluster.params[-1].logprobs is None
 
 
 # ---------------------------------------------------------------- kept responses
