@@ -152,7 +152,7 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 3,
         "moe_layer_freq": 1,
     },
-    # GLM-4.5 routes as DeepSeek-V3 does, whatever topk_method says
+    # GLM-4.5 routes as DeepSeek-V3 does ("noaux_tc"), whatever topk_method says
     "Glm4MoeForCausalLM": {
         "n_routed_experts": 128,
         "num_experts_per_tok": 8,
@@ -160,7 +160,6 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "n_shared_experts": 1,
         "norm_topk_prob": True,
         "routed_scaling_factor": 1.0,
-        "topk_method": "noaux_tc",
         "n_group": 1,
         "topk_group": 1,
         "first_k_dense_replace": 1,
