@@ -46,6 +46,7 @@ from tests.fixtures.quantized_moe_models import (
 from tests.fixtures.tiny_models import tiny_hf_config
 
 TP_OPTIONS: dict[str, Any] = {"tensor_parallel_size": 2, "tensor_parallel_timeout_s": 60.0}
+GLM_4_5 = "Glm4MoeForCausalLM"
 # DeepSeek-V3's tiny sizes (tests/fixtures/tiny_models.py) with blocks of 8: every projection's
 # rows and columns (40 of the latent and rope key, 24 a query head) fall on whole blocks
 DEEPSEEK_SIZES: dict[str, Any] = {
@@ -326,6 +327,20 @@ def test_deepseek_v3_in_fp8_blocks_equals_transformers(deepseek_fp8_dir: Path) -
     expected = _transformers_greedy(deepseek_fp8_dir)
     assert engine_greedy(llm) == expected
     assert engine_greedy(quantized_llm(deepseek_fp8_dir.parent / "float")) != expected
+
+
+def test_glm_4_5_in_fp8_blocks_equals_transformers(tmp_path: Path) -> None:
+    """GLM-4.5-FP8's layout: biased q/k/v in FP8 blocks (their biases float), DeepSeek-V3's
+    routed and shared experts in blocks, the router gate float."""
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
+    model_dir = make_fp8_block_model(tmp_path, architecture=GLM_4_5, block=(8, 8), **sizes)
+    llm = quantized_llm(model_dir)
+    attention = llm.engine.model.model.layers[1].self_attn
+    assert isinstance(attention.qkv_proj, Fp8BlockLinear) and attention.qkv_proj.bias is not None
+    assert len(_experts(llm)) == 1
+    expected = _transformers_greedy(model_dir)
+    assert engine_greedy(llm) == expected
+    assert engine_greedy(quantized_llm(tmp_path / "float")) != expected
 
 
 def test_deepseek_v3_in_fp8_blocks_on_two_tensor_parallel_ranks(deepseek_fp8_dir: Path) -> None:
