@@ -500,6 +500,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "QwQ), deepseek_v3 (DeepSeek-V3.1: thinks when chat_template_kwargs thinking is true), "
         "qwen3 (Qwen3, Qwen3.5; chat_template_kwargs enable_thinking false: all content), "
         "glm45 (GLM-4.5 to 4.7: as qwen3, enable_thinking or thinking false: all content), "
+        "kimi_k2 (Kimi K2 Thinking: as qwen3, its calls' section ending the thought; "
+        "chat_template_kwargs thinking false: all content), "
         "openai_gptoss (gpt-oss's harmony messages: the analysis channel is the reasoning, the "
         "final channel the content; a gpt_oss model's default)",
     )

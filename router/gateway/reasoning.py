@@ -22,6 +22,8 @@ vLLM's stream; its whole response drops that text). The reasoning runs to the fi
 - ``glm45``: GLM-4.5 to 4.7, as ``qwen3`` (a ``<tool_call>`` ends the reasoning too), thinking
   unless ``chat_template_kwargs`` set ``enable_thinking`` or ``thinking`` and neither is true
   (``reasoning_fields``).
+- ``kimi_k2``: Kimi K2 Thinking, as ``qwen3`` with its calls' ``<|tool_calls_section_begin|>``
+  for ``<tool_call>``; ``chat_template_kwargs: {"thinking": false}`` gives all content.
 
 The response carries it as current vLLM does: ``message.reasoning`` (null when none) and
 ``reasoning`` deltas (vLLM's ``reasoning_content`` until it removed that name, PR #33402).
@@ -45,12 +47,18 @@ from dataclasses import dataclass
 
 from router.gateway.harmony import HARMONY_PARSER, HarmonyStream
 from router.gateway.hermes_tool_calls import START as TOOL_CALL_START
+from router.gateway.kimi_tool_calls import SECTION_BEGINS as KIMI_CALLS_BEGINS
 from router.gateway.tag_scan import TagCutter
 
 # the formats --reasoning-parser reads
-REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "glm45", HARMONY_PARSER)
-# the parsers whose reasoning a <tool_call> ends too
-_ENDED_BY_CALLS = ("qwen3", "glm45")
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "glm45", "kimi_k2", HARMONY_PARSER)
+# the tags that open the model's tool calls and end its reasoning too, per parser (they stay in
+# the content, for the tool-call parser)
+_CALL_TAGS = {
+    "qwen3": (TOOL_CALL_START,),
+    "glm45": (TOOL_CALL_START,),
+    "kimi_k2": KIMI_CALLS_BEGINS,
+}
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -77,9 +85,14 @@ class ReasoningMode:
         return self.parser == HARMONY_PARSER
 
     @property
+    def call_tags(self) -> tuple[str, ...]:
+        """The tags that open tool calls, ending the reasoning and staying in the content."""
+        return _CALL_TAGS.get(self.parser, ())
+
+    @property
     def end_tags(self) -> tuple[str, ...]:
         """The tags that end the reasoning, the first one written does."""
-        return (THINK_END, TOOL_CALL_START) if self.parser in _ENDED_BY_CALLS else (THINK_END,)
+        return (THINK_END, *self.call_tags)
 
 
 def split_reasoning(mode: ReasoningMode, text: str) -> tuple[str | None, str | None]:
@@ -91,7 +104,7 @@ def split_reasoning(mode: ReasoningMode, text: str) -> tuple[str | None, str | N
     reasoning += stream.end()
     if stream.ended_by is None:
         return reasoning, None
-    if stream.ended_by == TOOL_CALL_START:
+    if stream.ended_by in mode.call_tags:
         return reasoning or None, content
     return reasoning, content or None
 
@@ -104,6 +117,7 @@ class ReasoningStream:
         assert not mode.harmony
         self._in_reasoning = mode.thinking
         self._end_tags = mode.end_tags
+        self._call_tags = mode.call_tags
         self.ended_by: str | None = None  # the tag that ended the reasoning; None: not yet
         # the text's characters read as the thought so far, its tags (not a <tool_call>) in
         self.num_thought_chars = 0
@@ -120,7 +134,7 @@ class ReasoningStream:
                 continue
             reasoning.append(piece)
             self.num_thought_chars += len(piece)
-            if tag == TOOL_CALL_START:  # it stays in the content, for the tool-call parser
+            if tag in self._call_tags:  # it stays in the content, for the tool-call parser
                 content.append(tag)
             elif tag is not None:  # </think>, or a <think> within the thought (dropped)
                 self.num_thought_chars += len(tag)
@@ -142,8 +156,8 @@ def num_thought_tokens(
 ) -> int:
     """How many of a choice's completion tokens (``token_ids``, its output ``text``) were its
     thought: the fewest whose text (``decode``, as the output was decoded) holds the thought
-    the split reads, up to and including ``</think>`` (qwen3: up to a ``<tool_call>`` that
-    ended it); all of them when no tag ended the thought; none with thinking off."""
+    the split reads, up to and including ``</think>`` (qwen3, glm45, kimi_k2: up to the tag of
+    the calls that ended it); all of them when no tag ended the thought; none with thinking off."""
     if not mode.thinking:
         return 0
     if mode.harmony:

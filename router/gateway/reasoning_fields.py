@@ -11,6 +11,8 @@ combined with. Completions are not split, as vLLM applies reasoning parsers to c
   name; otherwise the output is all content.
 - glm45 thinks unless ``enable_thinking`` (GLM's template variable; ``reasoning_effort:
   "none"`` sets it false) or ``thinking`` is set and neither is true, as vLLM's parser.
+- kimi_k2 thinks unless ``chat_template_kwargs`` set ``thinking`` (Kimi's template variable)
+  false, as vLLM's parser.
 - While thinking is on, an output constraint (a named or ``"required"`` ``tool_choice``,
   ``response_format``, ``structured_outputs``, ``guided_*``) holds from the token after
   ``</think>`` (gpt-oss's harmony: after ``<|channel|>final<|message|>``, its final answer's
@@ -46,6 +48,8 @@ def checked_reasoning(
     elif parser == "glm45":  # thinking unless the variables turn it off (and none on)
         switches = [variables.get(key) for key in ("thinking", "enable_thinking")]
         thinking = all(s is None for s in switches) or any(bool(s) for s in switches)
+    elif parser == "kimi_k2":  # Kimi's template variable
+        thinking = bool(variables.get("thinking", True))
     else:
         thinking = not (parser == "qwen3" and variables.get("enable_thinking") is False)
     mode = ReasoningMode(parser, thinking, include=include is not False)

@@ -1,7 +1,8 @@
 """``tool_choice: "auto"`` with vLLM's ``kimi_k2`` tool-call parser (Kimi K2, a DeepSeek-V3
 model): calls between ``<|tool_calls_section_begin|>`` and its end, each with the id the model
 gives it (``functions.NAME:INDEX``), kept as the call's id, whole and streamed alike, split at
-any point.
+any point; and its ``kimi_k2`` reasoning parser (Kimi K2 Thinking), whose thought the calls'
+section ends too.
 
 The cluster is scripted (``token_script``) around the demo model's real tokenizer, with Kimi's
 call tags added as special tokens, as they are in Kimi's vocabulary.
@@ -23,10 +24,12 @@ from router.gateway.kimi_tool_calls import (
     SECTION_BEGINS,
     SECTION_ENDS,
 )
+from router.gateway.reasoning import ReasoningMode, split_reasoning
 from router.gateway.served_model import ServedModel
 from router.gateway.tool_calls import AutoToolCalls, tool_call_choice
 from tests.gateway.test_auto_tool_choice import PARIS, _split_stream, _streamed
 from tests.gateway.test_llama_and_mistral_tool_calls import _chat, _stream
+from tests.gateway.test_reasoning_parsers import _streamed as _reasoned_stream
 from tests.gateway.token_script import DEMO_MODEL, ScriptedCluster, http_client, script_answer
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,6 +120,25 @@ def test_a_block_that_does_not_parse_makes_the_whole_text_content() -> None:
         assert finish_reason == "stop"
 
 
+THOUGHT = "The user wants the weather."
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        (f"<think>{THOUGHT}</think>It is sunny.", THOUGHT, "It is sunny."),
+        (f"{THOUGHT}</think>It is sunny.", THOUGHT, "It is sunny."),  # <think> in the prompt
+        (f"{THOUGHT}{CASES[1][0]}", THOUGHT, CASES[1][0]),  # the calls end the thought
+        (f"<think>{THOUGHT}", THOUGHT, None),  # cut in the thought
+    ],
+)
+def test_the_thought_ends_at_think_or_at_the_calls(
+    text: str, reasoning: str, content: str | None
+) -> None:
+    assert split_reasoning(ReasoningMode("kimi_k2"), text) == (reasoning, content)
+    assert split_reasoning(ReasoningMode("kimi_k2", thinking=False), text) == (None, text)
+
+
 # ---------------------------------------------------------------- over HTTP
 
 
@@ -162,3 +184,31 @@ def test_a_call_cut_by_max_tokens_finishes_with_length(
     streamed = _streamed(_stream(http, max_tokens=num_tokens))
     assert streamed.finish_reason == "length"
     assert streamed.calls[0]["arguments"] == json.dumps(NICE, ensure_ascii=False)
+
+
+def test_kimi_k2_thinking_then_calls_over_http(cluster: ScriptedCluster) -> None:
+    """Both of Kimi's parsers: the thought is the reasoning, the calls (their ids kept) come
+    from the rest, whole and streamed; chat_template_kwargs thinking false: no reasoning."""
+    model = ServedModel.load(
+        str(DEMO_MODEL),
+        "pdserve-demo",
+        None,
+        tool_call_parser="kimi_k2",
+        reasoning_parser="kimi_k2",
+    )
+    model.tokenizer.add_special_tokens(
+        {"additional_special_tokens": [*TAGS, "<think>", "</think>"]}
+    )
+    text, _, calls = CASES[1]
+    script_answer(cluster, model, f"{THOUGHT}{text}")
+    with http_client(cluster, model) as http:
+        (whole,) = _chat(http)["choices"]
+        message = whole["message"]
+        assert (message["reasoning"], message["content"]) == (THOUGHT, None)
+        assert _calls(message) == calls and whole["finish_reason"] == "tool_calls"
+        streamed = _reasoned_stream(_stream(http))
+        assert streamed.reasoning == THOUGHT and streamed.content == ""
+        assert streamed.call_names == ["get_weather"]
+        script_answer(cluster, model, "It is sunny.")
+        (off,) = _chat(http, chat_template_kwargs={"thinking": False})["choices"]
+        assert (off["message"]["reasoning"], off["message"]["content"]) == (None, "It is sunny.")
