@@ -44,6 +44,8 @@ class LoadConfig:
     # where the tokenizer is, when not in model_dir (vLLM's ``tokenizer``); the engine reads it
     # only to compile structured outputs against the vocabulary
     tokenizer: str | None = None
+    # vLLM's trust_remote_code: a tokenizer that ships as code in its directory may run it
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "dummy"):

@@ -69,10 +69,12 @@ Question: what is 17 * 23? Answer: 391. Question: name three prime numbers. Answ
 """
 
 
-def calibration_token_ids(tokenizer_dir: str, vocab_size: int, max_tokens: int) -> list[int]:
+def calibration_token_ids(
+    tokenizer_dir: str, vocab_size: int, max_tokens: int, trust_remote_code: bool = False
+) -> list[int]:
     """The calibration prompt's token ids, at most ``max_tokens``: ``CALIBRATION_TEXT`` in the
     tokenizer saved in ``tokenizer_dir``, else a fixed pseudo-random sequence."""
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir, trust_remote_code)
     if tokenizer is not None:
         ids = [int(i) for i in tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)]
         ids = [i for i in ids if 0 <= i < vocab_size]

@@ -72,13 +72,15 @@ class LLM:
         tensor_parallel_size: int = 1,
         tensor_parallel_timeout_s: float = 60.0,
         enable_expert_parallel: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         """``tensor_parallel_timeout_s``: the longest rank 0 waits in a collective, so a step
         with a follower that died or hangs fails within it. ``kv_cache_dtype``: auto (the
         model's dtype), fp8_e4m3 (or fp8) or int8 (engine/kv_cache/kv_quantization.py), with
         ``kv_cache_scales`` when given, else the checkpoint's or calibrated ones.
         ``kv_offload_gb``: GiB of host memory per rank that keep the blocks the KV cache evicts
-        (docs/kv-offload.md); 0: none."""
+        (docs/kv-offload.md); 0: none. ``trust_remote_code``: a tokenizer that ships as code
+        in the model's directory (Kimi K2's) may run it, as vLLM's."""
         if isinstance(speculative_config, Mapping):  # vLLM's dict
             speculative_config = SpeculativeConfig.from_mapping(speculative_config)
         parallel = ParallelConfig(
@@ -97,6 +99,7 @@ class LLM:
                 linear_backend,
                 enforce_eager=enforce_eager,
                 tokenizer=tokenizer,
+                trust_remote_code=trust_remote_code,
             ),
             CacheConfig(
                 block_size,
@@ -131,7 +134,9 @@ class LLM:
         # stops the followers on close(), when this LLM is garbage, or at interpreter exit
         self._close = weakref.finalize(self, _close_ranks, self.engine, self._followers)
         self._failure: str | None = None  # why the ranks can no longer step
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
+        self.tokenizer = (
+            None if skip_tokenizer_init else load_tokenizer(tokenizer or model, trust_remote_code)
+        )
         self._request_ids = itertools.count()
 
     def generate(

@@ -130,7 +130,10 @@ class LLMEngine:
             proposer = NgramProposer(speculative, max_contexts=scheduler.max_num_seqs)
         # structured outputs: compiled on the first request that asks (and checked there)
         self.grammars = ModelGrammars(
-            load.tokenizer or load.model_dir, self.model_config.vocab_size, eos
+            load.tokenizer or load.model_dir,
+            self.model_config.vocab_size,
+            eos,
+            load.trust_remote_code,
         )
         grammar_cursors = GrammarCursors(self.grammars, eos, self.device)
         self.scheduler = Scheduler(

@@ -10,14 +10,29 @@ from typing import Any
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def load_tokenizer(path: str | Path) -> Any | None:
-    """The tokenizer saved in ``path``, or None when the directory has none."""
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any | None:
+    """The tokenizer saved in ``path``, or None when the directory has none.
+
+    ``trust_remote_code`` (vLLM's): a tokenizer whose class ships as code in the directory
+    (Kimi K2's) may run it; without it such a tokenizer is refused with a ValueError naming the
+    flag, never an interactive question (transformers asks one when not told either way)."""
     directory = Path(path)
     if not any((directory / name).exists() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except ValueError as error:
+        if trust_remote_code or "trust_remote_code" not in str(error):
+            raise
+        raise ValueError(
+            f"the tokenizer in {directory} is code that ships with the model (its "
+            "tokenizer_config.json auto_map); run it with --trust-remote-code "
+            "(LLM(trust_remote_code=True)) if you trust that code"
+        ) from error
 
 
 def bad_words_token_ids(tokenizer: Any, bad_words: Sequence[str]) -> list[list[int]]:

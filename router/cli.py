@@ -53,6 +53,12 @@ _EXPERT_PARALLEL_HELP = (
 )
 
 
+_TRUST_REMOTE_CODE = (
+    "let a tokenizer that ships as code in the model directory run it (Kimi K2's tiktoken "
+    "tokenizer), as vLLM's flag; without it such a model is refused at start"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +146,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs of decode steps (cuda only)"
     )
+    cluster.add_argument("--trust-remote-code", action="store_true", help=_TRUST_REMOTE_CODE)
     cluster.add_argument("--address", default=None, help="'auto' joins a running Ray cluster")
     cluster.add_argument(
         "--node-ip",
@@ -582,6 +589,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true", help=_TRUST_REMOTE_CODE)
     _add_kv_cache_dtype(parser)
 
 
@@ -614,6 +622,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        trust_remote_code=args.trust_remote_code,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -670,6 +679,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
         kv_offload_gb=args.kv_offload_gb,
         enforce_eager=args.enforce_eager,
+        trust_remote_code=args.trust_remote_code,
         address=args.address,
         node_ip=args.node_ip,
         router_policy=args.router_policy,

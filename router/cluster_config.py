@@ -37,6 +37,7 @@ class ClusterConfig:
     # hit (docs/kv-offload.md); 0: none
     kv_offload_gb: float = 0.0
     enforce_eager: bool = False  # no CUDA graphs of decode steps (LoadConfig.enforce_eager)
+    trust_remote_code: bool = False  # a tokenizer that ships as code may run it (vLLM's)
     address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     # this node's address for Ray (router.local_ray): a local Ray's processes listen on it, on
     # 127.0.0.1 only when None; a joined cluster's, when None, is the one Ray finds
@@ -234,6 +235,7 @@ class ClusterConfig:
             self.device,
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
+            trust_remote_code=self.trust_remote_code,
         )
 
     def cache_config(self) -> CacheConfig:

@@ -74,6 +74,7 @@ def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
         reasoning_parser=args.reasoning_parser,
         dtype=config.dtype,
         kv_cache_dtype=config.kv_cache_dtype,
+        trust_remote_code=config.trust_remote_code,
     )
     limits = request_limits(args, config, model.max_model_len)
     slo = SloTargets(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)

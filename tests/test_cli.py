@@ -604,6 +604,11 @@ def test_kv_transfer_checksum_reaches_the_workers_transfer_config(
     assert [c.transfer_config().checksum for c in configs] == [True, False]
 
 
+def test_trust_remote_code_reaches_the_workers_load_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    configs = _served_configs(monkeypatch, ["--trust-remote-code"], [])
+    assert [c.load_config().trust_remote_code for c in configs] == [True, False]
+
+
 def test_max_worker_restarts_reaches_the_cluster_config(monkeypatch: pytest.MonkeyPatch) -> None:
     configs = _served_configs(monkeypatch, ["--max-worker-restarts", "0"], [])
     assert [c.max_worker_restarts for c in configs] == [0, 10]

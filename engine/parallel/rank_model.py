@@ -476,6 +476,7 @@ def _kv_cache_scales(
         load.tokenizer or load.model_dir,
         model_config.vocab_size,
         min(MAX_CALIBRATION_TOKENS, max_model_len - 1),
+        load.trust_remote_code,
     )
     return calibrate_kv_scales(
         model,

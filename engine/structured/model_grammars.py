@@ -19,9 +19,14 @@ from engine.tokenizer import load_tokenizer
 
 class ModelGrammars:
     def __init__(
-        self, tokenizer_dir: str | Path, vocab_size: int, eos_token_ids: Collection[int]
+        self,
+        tokenizer_dir: str | Path,
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+        trust_remote_code: bool = False,
     ) -> None:
         self._tokenizer_dir = tokenizer_dir  # the model's, or LLM(tokenizer=...)
+        self._trust_remote_code = trust_remote_code  # (LoadConfig.trust_remote_code)
         self._vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
         self._eos_token_ids = frozenset(eos_token_ids)
         self._cache: GrammarCache | None = None
@@ -35,7 +40,7 @@ class ModelGrammars:
     def _grammar_cache(self) -> GrammarCache:
         with self._lock:
             if self._cache is None:
-                tokenizer = load_tokenizer(self._tokenizer_dir)
+                tokenizer = load_tokenizer(self._tokenizer_dir, self._trust_remote_code)
                 if tokenizer is None:
                     raise ValueError(
                         f"structured_outputs needs the model's tokenizer; {self._tokenizer_dir} "

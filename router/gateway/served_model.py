@@ -71,6 +71,7 @@ class ServedModel:
         reasoning_parser: str | None = None,
         dtype: str = "auto",  # the workers' (LoadConfig.dtype)
         kv_cache_dtype: str = "auto",  # the workers' (CacheConfig.kv_cache_dtype)
+        trust_remote_code: bool = False,  # (LoadConfig.trust_remote_code)
     ) -> ServedModel:
         from engine.engine_config import LoadConfig
         from engine.kv_cache.kv_quantization import is_quantized
@@ -82,7 +83,7 @@ class ServedModel:
                 f"--max-model-len ({max_model_len}) must be <= the model's "
                 f"max_position_embeddings ({config.max_position_embeddings})"
             )
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir, trust_remote_code)
         if tokenizer is None:
             raise ValueError(f"no tokenizer in {model_dir}: the gateway needs one")
         # The first encode turns off any truncation or padding the tokenizer file sets: the one
