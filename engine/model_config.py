@@ -44,6 +44,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
     "Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM",
 )
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # GLM-4.5: multi-head attention (GQA, half the head dims rotary) with DeepSeek-V3's sparse MLP
@@ -52,7 +53,8 @@ _GLM4_MOE = "Glm4MoeForCausalLM"
 _DEEPSEEK_MOE = (*_DEEPSEEK, _GLM4_MOE)
 # transformers' partial_rotary_factor where config.json gives none, for the architectures whose
 # attention rotates only a head's first dims (the others rotate all of them)
-_DEFAULT_PARTIAL_ROTARY = {"Phi3ForCausalLM": 1.0, _GLM4_MOE: 0.5}
+_MINIMAX_M2 = "MiniMaxM2ForCausalLM"
+_DEFAULT_PARTIAL_ROTARY = {"Phi3ForCausalLM": 1.0, _GLM4_MOE: 0.5, _MINIMAX_M2: 1.0}
 
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -69,6 +71,7 @@ _ARCH_BY_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 # transformers' defaults when config.json omits the key
 _DEFAULT_MAX_POSITIONS = {
@@ -86,6 +89,7 @@ _DEFAULT_MAX_POSITIONS = {
     "Gemma3ForCausalLM": 131072,
     "GptOssForCausalLM": 131072,
     "Glm4MoeForCausalLM": 131072,
+    "MiniMaxM2ForCausalLM": 196608,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' rope base and norm epsilon when config.json gives none (10000 and 1e-6 for the
@@ -94,6 +98,7 @@ _DEFAULT_ROPE_THETA = {
     "MixtralForCausalLM": 1e6,
     "Gemma3ForCausalLM": 1e6,
     "GptOssForCausalLM": 150000.0,
+    "MiniMaxM2ForCausalLM": 5000000.0,
 }
 _DEFAULT_RMS_NORM_EPS = {
     "MixtralForCausalLM": 1e-5,
@@ -165,6 +170,7 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "moe_layer_freq": 1,
     },
+    "MiniMaxM2ForCausalLM": {"num_local_experts": 256, "num_experts_per_tok": 8},
 }
 # DeepSeek's top-k methods: how a router limits each token to its best groups of experts
 _DEEPSEEK_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -270,6 +276,9 @@ class ModelConfig:
     # the first dims of each head that rope turns, the rest passing through (GLM-4.5: half of
     # them, partial_rotary_factor); None: all of head_dim
     rotary_dim: int | None = None
+    # RMSNorm on q and on k over all their heads at once, before rope (MiniMax-M2: q_norm holds
+    # num_heads * head_dim weights), rather than per head (qk_norm)
+    qk_norm_across_heads: bool = False
     # Gemma's choices (the defaults are everyone else's):
     activation: str = "silu"  # of the gated MLP: "silu" | "gelu_tanh"
     # norms scale by (offset + weight), in float32 throughout (Gemma: 1, its weights start at 0)
@@ -382,6 +391,7 @@ def parse_model_config(
         sliding_layers=sliding_layers,
         mla=mla,
         rotary_dim=None if mla is not None else _rotary_dim(raw, architecture, head_dim),
+        qk_norm_across_heads=architecture == _MINIMAX_M2,
         activation="gelu_tanh" if gemma else "silu",
         norm_weight_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
@@ -426,6 +436,8 @@ def _parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeCo
         return _parse_deepseek_moe(raw, defaults, architecture, num_layers)
     if architecture == "GptOssForCausalLM":
         return _parse_gpt_oss_moe(raw, defaults, num_layers)
+    if architecture == _MINIMAX_M2:
+        return _parse_minimax_m2_moe(raw, defaults, num_layers)
 
     def field(key: str) -> Any:
         value = raw.get(key)
@@ -563,6 +575,33 @@ def _parse_gpt_oss_moe(raw: dict[str, Any], defaults: dict[str, Any], num_layers
     )
 
 
+def _parse_minimax_m2_moe(
+    raw: dict[str, Any], defaults: dict[str, Any], num_layers: int
+) -> MoeConfig:
+    """MiniMax-M2: every layer sparse, experts as wide as ``intermediate_size``, sigmoid scores
+    with a correction bias choosing the top k of all experts (in the model's dtype), weighted
+    by their scores renormalised; no shared expert."""
+
+    def field(key: str) -> Any:
+        value = raw.get(key)
+        return defaults[key] if value is None else value
+
+    num_experts = int(field("num_local_experts"))
+    top_k = int(field("num_experts_per_tok"))
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in 1 .. {num_experts} (the experts)")
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_token=top_k,
+        expert_intermediate_size=int(raw["intermediate_size"]),
+        normalize_top_k=True,
+        sparse_layers=tuple(range(num_layers)),
+        shared_expert_intermediate_size=0,
+        scoring="sigmoid",
+        score_correction_bias=True,
+    )
+
+
 def _parse_mla(raw: dict[str, Any], rope: RopeConfig) -> MlaConfig:
     """DeepSeek's latent attention sizes, and its softmax scale with yarn's correction."""
     q_lora_rank = _optional_int(raw.get("q_lora_rank", 1536))
@@ -666,10 +705,13 @@ def _check_unsupported_features(raw: dict[str, Any], architecture: str) -> None:
 
 def _rotary_dim(raw: dict[str, Any], architecture: str, head_dim: int) -> int | None:
     """The first dims of a head that rope turns (``partial_rotary_factor`` of them, at the top
-    level of config.json or in its rope parameters); None for all of them. Refused, naming the
-    field, for an architecture whose attention rotates every dim."""
+    level of config.json or in its rope parameters, or MiniMax-M2's ``rotary_dim``); None for
+    all of them. Refused, naming the field, for an architecture whose attention rotates every
+    dim."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if factor is None and raw.get("rotary_dim") is not None:  # MiniMax-M2's published key
+        factor = int(raw["rotary_dim"]) / head_dim
     if factor is None:
         factor = _DEFAULT_PARTIAL_ROTARY.get(architecture, 1.0)
     factor = float(factor)

@@ -345,6 +345,11 @@ def _single_target(
         return _stacked_expert_target(leaf, param, config, shard)
     if leaf == "sinks":  # one per query head
         return Target(param, 0, param.shape[0], (config.num_heads,), shard.q_heads, None)
+    if module_name in ("q_norm", "k_norm") and config.qk_norm_across_heads:  # by head
+        heads = shard.q_heads if module_name == "q_norm" else shard.kv_heads
+        num_heads = config.num_heads if module_name == "q_norm" else config.num_kv_heads
+        rows = _times(heads, config.head_dim)
+        return Target(param, 0, param.shape[0], (num_heads * config.head_dim,), rows, None)
     per_head = _latent_attention_rows_per_head(module_name, config)
     if per_head is not None:  # column-parallel by query head (latent attention)
         full_shape = (config.num_heads * per_head, param.shape[1])
@@ -438,6 +443,13 @@ _CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
     "DeepseekV2ForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),
     "DeepseekV3ForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),
     "Glm4MoeForCausalLM": ((re.compile(r"\.shared_experts\."), ".shared_expert."),),
+    "MiniMaxM2ForCausalLM": (
+        (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+        (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+        (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
+        (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
+        (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),
+    ),
 }
 # architectures whose checkpoints publish multi-token-prediction layers past num_hidden_layers
 # (for speculative decoding; transformers skips them)

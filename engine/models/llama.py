@@ -1,9 +1,9 @@
 """One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2/3 checkpoints,
-for the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and GLM-4.5, and for
-DeepSeek-V2/V3.
+for the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5 and MiniMax-M2, and
+for DeepSeek-V2/V3.
 
 They differ only in flags of ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm (Qwen3,
-Gemma 3, GLM-4.5), tied embeddings, rope scaling (and Gemma 3's second rope for its local
+Gemma 3, GLM-4.5) or one over all heads (MiniMax-M2), tied embeddings, rope scaling (and Gemma 3's second rope for its local
 layers), rope on part of each head (GLM-4.5, Phi-3's partial_rotary_factor), sliding windows,
 soft-capped logits and sinks (attention), Gemma's norms and sandwich, the
 sparse MLP that replaces the dense one in the layers ``ModelConfig.moe`` names (moe.py), and
@@ -35,7 +35,7 @@ from engine.model_config import ModelConfig
 from engine.models.fused_ops import gelu_tanh_and_mul, kernels_for, silu_and_mul
 from engine.models.mla import LatentAttention
 from engine.models.moe import SparseMoeBlock
-from engine.models.rms_norm import RMSNorm, rms_norm_for
+from engine.models.rms_norm import RMSNorm, ShardedRMSNorm, rms_norm_for
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.parallel.group import SingleRank, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
@@ -91,8 +91,15 @@ class SelfAttention(nn.Module):
         self.o_proj = make_linear(
             q_size, config.hidden_size, config.o_proj_bias, quantized, row_group=group
         )
-        self.q_norm = rms_norm_for(config, config.head_dim) if config.qk_norm else None
-        self.k_norm = rms_norm_for(config, config.head_dim) if config.qk_norm else None
+        # per head (Qwen3, Gemma 3, GLM-4.5), or over all heads at once (MiniMax-M2)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        self.norms_across_heads = config.qk_norm_across_heads
+        if config.qk_norm:
+            self.q_norm = rms_norm_for(config, config.head_dim)
+            self.k_norm = rms_norm_for(config, config.head_dim)
+        elif config.qk_norm_across_heads:
+            self.q_norm, self.k_norm = _norms_across_heads(config, shard, group)
         scale = config.attention_scale
         self.attn = Attention(
             config.cache_groups.place(layer_idx),
@@ -114,10 +121,12 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        if self.norms_across_heads and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.norms_across_heads and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         kernels = kernels_for(q)
         if self.rotary_dim != self.head_dim:  # the rest of each head passes through
@@ -130,6 +139,23 @@ class SelfAttention(nn.Module):
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.group.all_reduce(self.o_proj(self.attn(q, k, v)))
+
+
+def _norms_across_heads(
+    config: ModelConfig, shard: TensorParallelShard, group: TensorParallelGroup
+) -> tuple[nn.Module, nn.Module]:
+    """MiniMax-M2's q and k norms over all heads: the plain norm on one rank; on several, each
+    rank's slice with the squares' sum all-reduced (a KV head replicated on r ranks counted r
+    times in it, divided back)."""
+    q_width = config.num_heads * config.head_dim
+    kv_width = config.num_kv_heads * config.head_dim
+    if shard.size == 1:
+        return rms_norm_for(config, q_width), rms_norm_for(config, kv_width)
+    eps = config.rms_norm_eps
+    kv_replicas = max(1, shard.size // config.num_kv_heads)
+    q_norm = ShardedRMSNorm(len(shard.q_heads) * config.head_dim, q_width, eps, group, 1)
+    k_norm = ShardedRMSNorm(shard.num_kv_heads * config.head_dim, kv_width, eps, group, kv_replicas)
+    return q_norm, k_norm
 
 
 def _rotate_first(

@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.models.fused_ops import kernels_for
+from engine.parallel.group import TensorParallelGroup
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,6 +64,26 @@ class OffsetRMSNorm(RMSNorm):
         """In torch: the fused kernel scales in Llama's order."""
         summed = residual + x
         return summed, self(summed)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a width split across tensor-parallel ranks (MiniMax-M2's q and k norms, over
+    all heads at once): each rank holds its heads' slice of the vector and of the weight, and
+    the squares' sum is all-reduced. ``replicas``: the ranks that hold each element (KV heads
+    replicated on several ranks), whose sum counts it that many times."""
+
+    def __init__(
+        self, dim: int, full_dim: int, eps: float, group: TensorParallelGroup, replicas: int
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.full_dim, self.eps, self.group, self.replicas = full_dim, eps, group, replicas
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, dim] -> [n, dim]
+        x32 = x.to(torch.float32)
+        squares = self.group.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / self.replicas
+        x32 = x32 * torch.rsqrt(squares / self.full_dim + self.eps)
+        return self.weight * x32.to(x.dtype)
 
 
 def rms_norm_for(config: ModelConfig, dim: int) -> RMSNorm:

@@ -47,7 +47,12 @@ def test_v5_saved_config_round_trips(tmp_path: Path, architecture: str) -> None:
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == heads
     assert (config.mla is not None, config.kv_planes) == ((True, 1) if latent else (False, 2))
     # transformers' defaults, or the tiny configs' (Gemma 3's global layers')
-    thetas = {"MixtralForCausalLM": 1e6, "Gemma3ForCausalLM": 1e6, "GptOssForCausalLM": 150000.0}
+    thetas = {
+        "MixtralForCausalLM": 1e6,
+        "Gemma3ForCausalLM": 1e6,
+        "GptOssForCausalLM": 150000.0,
+        "MiniMaxM2ForCausalLM": 5e6,
+    }
     theta = thetas.get(architecture, 10000.0)
     scaling = {
         "Phi3ForCausalLM": "longrope",
@@ -61,9 +66,15 @@ def test_v5_saved_config_round_trips(tmp_path: Path, architecture: str) -> None:
     assert config.qkv_bias == architecture.startswith(("Qwen2", "GptOss", "Glm4Moe"))
     assert config.o_proj_bias == architecture.startswith("GptOss")
     assert config.qk_norm == architecture.startswith(("Qwen3", "Gemma3", "Glm4Moe"))
-    assert config.rope_dim == {"Glm4MoeForCausalLM": 8}.get(architecture, 8 if latent else 16)
+    half_rotary = architecture.startswith(("Glm4Moe", "MiniMaxM2"))
+    assert config.rope_dim == (8 if latent or half_rotary else 16)
+    assert config.qk_norm_across_heads == architecture.startswith("MiniMaxM2")
     sparse = (
-        "Moe" in architecture or "Mixtral" in architecture or latent or "GptOss" in architecture
+        "Moe" in architecture
+        or "Mixtral" in architecture
+        or latent
+        or "GptOss" in architecture
+        or "MiniMax" in architecture
     )
     assert (config.moe is not None) == sparse
     assert config.eos_token_ids == (2,) and config.bos_token_id == 1

@@ -184,7 +184,8 @@ def _rank_case(
 
 def _expected_bytes(whole: LlamaForCausalLM, shard: TensorParallelShard) -> tuple[int, int]:
     """What a rank holds and what it reads of ``whole``'s tensors: 1/N of each sharded one;
-    norms and MoE routers whole (each expert's columns split like a dense MLP's); row-parallel
+    norms (but MiniMax-M2's over all heads: its heads' slice) and MoE routers whole (each
+    expert's columns split like a dense MLP's); row-parallel
     biases whole (zeros off rank 0, not read there); its KV heads'
     rows (one head each where heads are replicated); its vocab rows, padding not read. Latent
     attention's down projections are whole on every rank (the latent cache is replicated).
@@ -199,6 +200,11 @@ def _expected_bytes(whole: LlamaForCausalLM, shard: TensorParallelShard) -> tupl
                 held + len(shard.experts) * row_bytes,
                 read + len(shard.experts) * row_bytes,
             )
+        elif config.qk_norm_across_heads and name.endswith(("q_norm.weight", "k_norm.weight")):
+            # MiniMax-M2's norms over all heads: the rank's heads' slice
+            heads = len(shard.q_heads) if "q_norm" in name else shard.num_kv_heads
+            num = heads * config.head_dim * param.element_size()
+            held, read = held + num, read + num
         elif "norm" in name or name.endswith(REPLICATED):
             held, read = held + num_bytes, read + num_bytes  # norms, routers, MLA's down proj.
         elif name.endswith(".experts.down_proj_bias") or (
