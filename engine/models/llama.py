@@ -3,11 +3,12 @@ for the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5 and M
 for DeepSeek-V2/V3.
 
 They differ only in flags of ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm (Qwen3,
-Gemma 3, GLM-4.5) or one over all heads (MiniMax-M2), tied embeddings, rope scaling (and Gemma 3's second rope for its local
-layers), rope on part of each head (GLM-4.5, Phi-3's partial_rotary_factor), sliding windows,
-soft-capped logits and sinks (attention), Gemma's norms and sandwich, the
-sparse MLP that replaces the dense one in the layers ``ModelConfig.moe`` names (moe.py), and
-latent attention in place of multi-head attention where ``ModelConfig.mla`` is set (mla.py).
+Gemma 3, GLM-4.5) or one over all heads (MiniMax-M2), tied embeddings, rope scaling (and
+Gemma 3's second rope for its local layers), rope on part of each head (GLM-4.5, MiniMax-M2,
+Phi-3's partial_rotary_factor), sliding windows, soft-capped logits and sinks (attention),
+Gemma's norms and sandwich, the sparse MLP that replaces the dense one in the layers
+``ModelConfig.moe`` names (moe.py), and latent attention in place of multi-head attention
+where ``ModelConfig.mla`` is set (mla.py).
 Projections are fused (qkv_proj, gate_up_proj) so each layer runs three big matmuls instead of
 six; model_loader.py maps the Hugging Face weights onto them.
 The elementwise steps (norms, rotary, SiLU * up) run as fused kernels where some take the
