@@ -493,7 +493,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "(<tool_call><function=NAME>"
         "<parameter=KEY>value</parameter>...: Qwen3-Coder; values typed by the tool's schema), "
         "glm45 or glm47 (<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...: "
-        "GLM-4.5 to 4.7; values typed by the tool's schema), pythonic or llama4_pythonic ([name(key=value, ...), ...]: Llama 3.2 and 4 with "
+        "GLM-4.5 to 4.7; values typed by the tool's schema), minimax_m2 (<minimax:tool_call>"
+        "<invoke name=NAME><parameter name=KEY>value</parameter>...: MiniMax-M2; values typed by "
+        "the tool's schema), pythonic or llama4_pythonic ([name(key=value, ...), ...]: Llama 3.2 and 4 with "
         "pythonic templates, ToolACE), openai (gpt-oss: its harmony messages to functions.NAME; "
         "needs --reasoning-parser openai_gptoss, a gpt_oss model's default)",
     )
@@ -508,7 +510,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "qwen3 (Qwen3, Qwen3.5; chat_template_kwargs enable_thinking false: all content), "
         "glm45 (GLM-4.5 to 4.7: as qwen3, enable_thinking or thinking false: all content), "
         "kimi_k2 (Kimi K2 Thinking: as qwen3, its calls' section ending the thought; "
-        "chat_template_kwargs thinking false: all content), "
+        "chat_template_kwargs thinking false: all content), minimax_m2 (MiniMax-M2: as "
+        "deepseek_r1), minimax_m2_append_think (the thought kept in the content, <think> first), "
         "openai_gptoss (gpt-oss's harmony messages: the analysis channel is the reasoning, the "
         "final channel the content; a gpt_oss model's default)",
     )

@@ -24,6 +24,10 @@ vLLM's stream; its whole response drops that text). The reasoning runs to the fi
   (``reasoning_fields``).
 - ``kimi_k2``: Kimi K2 Thinking, as ``qwen3`` with its calls' ``<|tool_calls_section_begin|>``
   for ``<tool_call>``; ``chat_template_kwargs: {"thinking": false}`` gives all content.
+- ``minimax_m2``: MiniMax-M2, as ``deepseek_r1``. ``minimax_m2_append_think``: nothing split
+  off, the output is the content with ``<think>`` before it (the model's template opens the
+  thought in the prompt), so the client keeps the thought for the next turn, as MiniMax
+  advises; a stream's first content delta starts with it.
 
 The response carries it as current vLLM does: ``message.reasoning`` (null when none) and
 ``reasoning`` deltas (vLLM's ``reasoning_content`` until it removed that name, PR #33402).
@@ -51,7 +55,19 @@ from router.gateway.kimi_tool_calls import SECTION_BEGINS as KIMI_CALLS_BEGINS
 from router.gateway.tag_scan import TagCutter
 
 # the formats --reasoning-parser reads
-REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "glm45", "kimi_k2", HARMONY_PARSER)
+# minimax_m2_append_think returns the thought in the content, "<think>" first (as MiniMax
+# advises for its interleaved thinking: the thought goes back in the next turn's history)
+APPEND_THINK = "minimax_m2_append_think"
+REASONING_PARSERS = (
+    "deepseek_r1",
+    "deepseek_v3",
+    "qwen3",
+    "glm45",
+    "kimi_k2",
+    "minimax_m2",
+    APPEND_THINK,
+    HARMONY_PARSER,
+)
 # the tags that open the model's tool calls and end its reasoning too, per parser (they stay in
 # the content, for the tool-call parser)
 _CALL_TAGS = {
@@ -85,6 +101,11 @@ class ReasoningMode:
         return self.parser == HARMONY_PARSER
 
     @property
+    def appends_think(self) -> bool:
+        """Whether the thought stays in the content, ``<think>`` before it (not split off)."""
+        return self.parser == APPEND_THINK
+
+    @property
     def call_tags(self) -> tuple[str, ...]:
         """The tags that open tool calls, ending the reasoning and staying in the content."""
         return _CALL_TAGS.get(self.parser, ())
@@ -99,6 +120,8 @@ def split_reasoning(mode: ReasoningMode, text: str) -> tuple[str | None, str | N
     """A whole text's reasoning and content, as vLLM's parser returns them (None: null)."""
     if not mode.thinking:
         return None, text
+    if mode.appends_think:
+        return None, THINK_START + text
     stream = ReasoningStream(mode)  # (a harmony reply is read by read_harmony)
     reasoning, content = stream.feed(text)
     reasoning += stream.end()
@@ -115,7 +138,8 @@ class ReasoningStream:
 
     def __init__(self, mode: ReasoningMode) -> None:
         assert not mode.harmony
-        self._in_reasoning = mode.thinking
+        self._in_reasoning = mode.thinking and not mode.appends_think
+        self._prefix = THINK_START if mode.thinking and mode.appends_think else ""
         self._end_tags = mode.end_tags
         self._call_tags = mode.call_tags
         self.ended_by: str | None = None  # the tag that ended the reasoning; None: not yet
@@ -127,7 +151,8 @@ class ReasoningStream:
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the content of a delta of ``text``."""
         reasoning: list[str] = []
-        content: list[str] = []
+        content: list[str] = [self._prefix]  # (the appended <think>, before the first delta)
+        self._prefix = ""
         for piece, tag in self._cutter.feed(text):
             if not self._in_reasoning:
                 content.append(piece)
@@ -158,7 +183,7 @@ def num_thought_tokens(
     thought: the fewest whose text (``decode``, as the output was decoded) holds the thought
     the split reads, up to and including ``</think>`` (qwen3, glm45, kimi_k2: up to the tag of
     the calls that ended it); all of them when no tag ended the thought; none with thinking off."""
-    if not mode.thinking:
+    if not mode.thinking or mode.appends_think:
         return 0
     if mode.harmony:
         return _harmony_reasoning_tokens(text, token_ids, decode)

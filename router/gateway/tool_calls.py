@@ -18,10 +18,10 @@ parser reads the calls from the text (``hermes_tool_calls``, ``llama_tool_calls`
 ``llama3_json`` and ``llama4_json``, ``mistral_tool_calls``, ``deepseek_tool_calls`` for
 ``deepseek_v3`` and ``deepseek_v31``, ``kimi_tool_calls`` for ``kimi_k2`` (its calls' ids
 kept), ``pythonic_tool_calls`` for ``pythonic`` and ``llama4_pythonic``,
-``qwen3_coder_tool_calls`` for ``qwen3_coder`` and ``qwen3_xml`` and ``glm_tool_calls`` for
-``glm45`` and ``glm47``, whose values are typed by the request's tool schemas); the message
-has the content the parser leaves (null when there is none) and the calls, or the text as
-content and ``tool_calls: []``.
+``qwen3_coder_tool_calls`` for ``qwen3_coder`` and ``qwen3_xml``, ``glm_tool_calls`` for
+``glm45`` and ``glm47`` and ``minimax_tool_calls`` for ``minimax_m2``, whose values are typed by
+the request's tool schemas); the message has the content the parser leaves (null when there is
+none) and the calls, or the text as content and ``tool_calls: []``.
 
 finish_reason, constrained: a whole response keeps the sample's (``stop`` / ``length``), as vLLM
 does (and OpenAI for a forced function); a stream says ``tool_calls`` where the sample stopped
@@ -58,6 +58,7 @@ from router.gateway.harmony import (
 from router.gateway.hermes_tool_calls import HermesCallStream, parse_hermes
 from router.gateway.kimi_tool_calls import KimiCallStream, kimi_call_ids, parse_kimi
 from router.gateway.llama_tool_calls import Llama3JsonCallStream, parse_llama3_json
+from router.gateway.minimax_tool_calls import MiniMaxCallStream, parse_minimax
 from router.gateway.mistral_tool_calls import (
     MistralCallStream,
     new_mistral_tool_call_id,
@@ -141,12 +142,17 @@ def _glm(parameters: ToolParameters) -> _AutoParser:
     return _AutoParser(partial(parse_glm, parameters), partial(GlmCallStream, parameters))
 
 
+def _minimax(parameters: ToolParameters) -> _AutoParser:
+    return _AutoParser(partial(parse_minimax, parameters), partial(MiniMaxCallStream, parameters))
+
+
 # the parsers whose calls' values are typed by the request's tools: their readers for those
 _TYPED_PARSERS: dict[str, Callable[[ToolParameters], _AutoParser]] = {
     "qwen3_coder": _qwen3_coder,
     "qwen3_xml": _qwen3_coder,  # vLLM's other parser of the same format
     "glm45": _glm,
     "glm47": _glm,  # GLM-4.7's calls: the same tags, no newlines between them
+    "minimax_m2": _minimax,
 }
 # the formats "auto" tool choice can read calls in: the text's, or harmony's messages
 TOOL_CALL_PARSERS = (*_AUTO_PARSERS, *_TYPED_PARSERS, HARMONY_TOOL_CALL_PARSER)

@@ -418,7 +418,7 @@ def test_auto_with_other_fields(
 def test_an_unknown_parser_is_refused_naming_the_supported_ones() -> None:
     supported = (
         "hermes, llama3_json, llama4_json, mistral, deepseek_v3, deepseek_v31, pythonic, "
-        "llama4_pythonic, kimi_k2, qwen3_coder, qwen3_xml, glm45, glm47, openai"
+        "llama4_pythonic, kimi_k2, qwen3_coder, qwen3_xml, glm45, glm47, minimax_m2, openai"
     )
     with pytest.raises(
         ValueError, match=f"unknown tool-call parser 'granite' .supported: {supported}"

@@ -156,7 +156,8 @@ def test_a_whole_text_splits_as_vllms_parsers_split_it(
 def test_an_unknown_parser_is_refused_naming_the_supported_ones() -> None:
     with pytest.raises(
         ValueError,
-        match="'granite' .supported: deepseek_r1, deepseek_v3, qwen3, glm45, kimi_k2, openai_gptoss",
+        match="'granite' .supported: deepseek_r1, deepseek_v3, qwen3, glm45, kimi_k2, minimax_m2, "
+        "minimax_m2_append_think, openai_gptoss",
     ):
         ServedModel.load(str(DEMO_MODEL), "pdserve-demo", None, reasoning_parser="granite")
 
