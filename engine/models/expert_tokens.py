@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.model_config import MoeConfig
+from engine.moe_config import MoeConfig
 
 
 class ExpertTokenCounts:

@@ -51,8 +51,8 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.kernels import fused_moe
 from engine.kernels.linear import PackedLinear, padded_rows
-from engine.model_config import MoeConfig
 from engine.models.fused_ops import silu_and_mul
+from engine.moe_config import MoeConfig
 from engine.parallel.group import TensorParallelGroup
 from engine.quantization.config import Mxfp4ExpertWeights, WeightQuantization
 from engine.quantization.linear import make_linear

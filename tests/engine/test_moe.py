@@ -18,10 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.kernels.linear import onednn_supports
-from engine.model_config import MoeConfig, load_model_config, parse_model_config
+from engine.model_config import load_model_config, parse_model_config
 from engine.model_loader import load_model
 from engine.models.expert_tokens import ExpertTokenCounts
 from engine.models.moe import RoutedExperts, route
+from engine.moe_config import MoeConfig
 from engine.parallel.shard import TensorParallelShard
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_parity import make_prompts

@@ -23,9 +23,10 @@ from transformers.utils.quantization_config import CompressedTensorsConfig
 
 from engine.kernels import fp8_block_matmul, packed_int_matmul
 from engine.kernels.linear import PackedLinear
-from engine.model_config import MoeConfig, parse_model_config
+from engine.model_config import parse_model_config
 from engine.models.mla import UpProjection
 from engine.models.moe import QuantizedRoutedExperts, route
+from engine.moe_config import MoeConfig
 from engine.quantization.config import Fp8BlockWeights, PackedIntWeights
 from engine.quantization.fp8_linear import Fp8BlockLinear
 from engine.quantization.packed_linear import PackedIntLinear, pack_int32

@@ -18,8 +18,8 @@ from engine import LLM, SamplingParams
 from engine.kernels import fused_moe
 from engine.kernels.fused_moe import clamped_swiglu_experts, silu_experts
 from engine.kernels.matmul_tiling import MatmulTiling
-from engine.model_config import MoeConfig
 from engine.models.moe import ClampedSwigluExperts, RoutedExperts
+from engine.moe_config import MoeConfig
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_parity import make_prompts
 
