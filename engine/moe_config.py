@@ -5,6 +5,7 @@ DeepSeek-V2/V3 and GLM-4.5 (DeepSeek's routers), MiniMax-M2. engine/models/moe.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 _DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
@@ -125,6 +126,12 @@ class MoeConfig:
     swiglu_limit: float = 7.0
 
 
+def _field(raw: dict[str, Any], defaults: dict[str, Any], key: str) -> Any:
+    """config.json's ``key``, else transformers' default for it."""
+    value = raw.get(key)
+    return defaults[key] if value is None else value
+
+
 def parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeConfig | None:
     """The sparse MLP as transformers builds it for ``architecture`` (None for dense models)."""
     defaults = _MOE_DEFAULTS.get(architecture)
@@ -137,9 +144,7 @@ def parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoeCon
     if architecture == _MINIMAX_M2:
         return _parse_minimax_m2_moe(raw, defaults, num_layers)
 
-    def field(key: str) -> Any:
-        value = raw.get(key)
-        return defaults[key] if value is None else value
+    field = partial(_field, raw, defaults)
 
     # the expert count goes by either name (transformers maps one onto the other, and saves
     # whichever its config class holds)
@@ -186,9 +191,7 @@ def _parse_deepseek_moe(
     top k of all experts or of the best groups by their best score; V3 and GLM-4.5: sigmoid
     scores with a correction bias, top k of the best groups by their best two scores)."""
 
-    def field(key: str) -> Any:
-        value = raw.get(key)
-        return defaults[key] if value is None else value
+    field = partial(_field, raw, defaults)
 
     num_experts = int(field("n_routed_experts"))
     first_dense = int(field("first_k_dense_replace"))
@@ -247,9 +250,7 @@ def _parse_gpt_oss_moe(raw: dict[str, Any], defaults: dict[str, Any], num_layers
     """gpt-oss: every layer sparse, experts as wide as ``intermediate_size``, a biased router
     whose top k logits are softmaxed, and clamped-SwiGLU experts with biases."""
 
-    def field(key: str) -> Any:
-        value = raw.get(key)
-        return defaults[key] if value is None else value
+    field = partial(_field, raw, defaults)
 
     num_experts = int(field("num_local_experts"))
     top_k = int(field("num_experts_per_tok"))
@@ -280,9 +281,7 @@ def _parse_minimax_m2_moe(
     with a correction bias choosing the top k of all experts (in the model's dtype), weighted
     by their scores renormalised; no shared expert."""
 
-    def field(key: str) -> Any:
-        value = raw.get(key)
-        return defaults[key] if value is None else value
+    field = partial(_field, raw, defaults)
 
     num_experts = int(field("num_local_experts"))
     top_k = int(field("num_experts_per_tok"))

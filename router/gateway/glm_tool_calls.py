@@ -33,9 +33,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from router.gateway.call_scanner import header_entry
 from router.gateway.qwen3_coder_tool_calls import ToolParameters, literal_value
-from router.gateway.tag_scan import TagCutter
+from router.gateway.tagged_calls import ReadCall, TaggedCallStream
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -67,21 +66,11 @@ def _refuse_constant(name: str) -> Any:
 
 
 @dataclass(slots=True)
-class _Call:
-    """A call being read."""
-
-    index: int  # its tool_calls index
-    name: str
-    arguments: dict[str, Any] = field(default_factory=dict)  # typed values, as written
-    num_sent: int = 0  # arguments whose fragment was sent
-
-
-@dataclass(slots=True)
 class _Reader:
     """The text after the content read call by call: ``feed`` pieces of it, cut at its tags."""
 
     parameters: ToolParameters  # the request's tools' parameter schemas
-    calls: list[_Call] = field(default_factory=list)
+    calls: list[ReadCall] = field(default_factory=list)
     part: _Part = "content"
     buffer: str = ""  # the name, key or value being read
     key: str = ""  # the argument whose value is being read
@@ -129,9 +118,9 @@ class _Reader:
     def _named(self, tag: str) -> list[dict[str, Any]]:
         if tag == _NAME_END and not self.buffer.strip():
             return []  # the newlines before the name
-        call = _Call(len(self.calls), self.buffer.strip())
+        call = ReadCall(len(self.calls), self.buffer.strip())
         self.calls.append(call)
-        entries = [header_entry(call.index, call.name, "{")]
+        entries = [call.header()]
         if tag == END:
             return entries + self._close()
         self.part, self.buffer = ("key" if tag == KEY else "arguments"), ""
@@ -151,89 +140,19 @@ class _Reader:
         call = self.calls[-1]
         typed = glm_value(self.buffer, self.parameters.get(call.name, {}).get(self.key))
         self.buffer = ""
-        call.arguments[self.key] = typed
-        separator = ", " if call.num_sent else ""
-        call.num_sent += 1
-        fragment = f"{separator}{json.dumps(self.key, ensure_ascii=False)}: " + json.dumps(
-            typed, ensure_ascii=False
-        )
-        return [_arguments_entry(call.index, fragment)]
+        return [call.argument(self.key, typed)]
 
     def _close(self) -> list[dict[str, Any]]:
         self.part, self.buffer = "between", ""
-        return [_arguments_entry(self.calls[-1].index, "}")]
+        return [self.calls[-1].closing()]
 
 
-def _arguments_entry(index: int, text: str) -> dict[str, Any]:
-    return {"index": index, "function": {"arguments": text}}
+def glm_stream(parameters: ToolParameters) -> TaggedCallStream:
+    """A reader of one choice's streamed text for GLM-4.5's calls."""
+    return TaggedCallStream(_Reader(parameters), blank_is_none=True)
 
 
 def parse_glm(parameters: ToolParameters, text: str) -> tuple[str | None, list[tuple[str, str]]]:
     """A whole text's content and its calls, (name, arguments JSON) each; (text, []) without
-    calls, or when a call's name is cut short."""
-    stream = GlmCallStream(parameters)
-    content, _ = stream.feed(text)
-    held, _ = stream.end()
-    calls = stream.whole_calls()
-    if not calls:
-        return text, []
-    content += held
-    return (content if content.strip() else None), calls
-
-
-class GlmCallStream:
-    """One choice's streamed text read for GLM-4.5's calls: ``feed`` each text delta, then
-    ``end`` once the sample ended."""
-
-    def __init__(self, parameters: ToolParameters) -> None:
-        self._reader = _Reader(parameters)
-        self._cutter = TagCutter(self._reader.tags)
-        self._text = ""  # the text so far, until a call's header is sent
-        self._content_sent = 0  # the length of the content sent
-        self._blank = ""  # the content so far while it is only whitespace (held back)
-
-    @property
-    def num_calls(self) -> int:
-        """Calls whose header was sent."""
-        return len(self._reader.calls)
-
-    @property
-    def block_open(self) -> bool:
-        """Whether the text ends inside a call (its ``</tool_call>`` not seen)."""
-        return self._reader.in_call
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """The content and the tool_calls entries of a delta of ``text``."""
-        content: list[str] = []
-        entries: list[dict[str, Any]] = []
-        for piece, tag in self._cutter.feed(text):
-            if self._reader.part == "content":
-                content.append(piece)
-            entries += self._reader.read(piece, tag)
-        sent = "".join(content)
-        if not self._content_sent:  # content of only whitespace is none (whole: None)
-            sent, self._blank = self._blank + sent, ""
-            if not sent.strip():
-                sent, self._blank = "", sent
-        self._content_sent += len(sent)
-        self._text = self._text + text if not self._reader.calls else ""
-        return sent, entries
-
-    def end(self) -> tuple[str, list[dict[str, Any]]]:
-        """The content still held back once the sample ended: a partial tag that never
-        completed, before any call; or, when a call began but its name never ended, the text
-        from where it began (all content, as the whole response has it). After a call, it is
-        dropped."""
-        self._reader.read(self._cutter.end(), None)
-        if self._reader.calls:
-            return "", []
-        return self._text[self._content_sent :], []
-
-    def whole_calls(self) -> list[tuple[str, str]] | None:
-        """Once ``end`` ran, the calls as a whole response has them, (name, arguments JSON)
-        each. None when a call's name was cut short."""
-        self._reader.finish()
-        if self._reader.unnamed:
-            return None
-        calls = self._reader.calls
-        return [(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in calls]
+    calls, or when the first call's name is cut short."""
+    return glm_stream(parameters).parse(text)

@@ -28,9 +28,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from router.gateway.call_scanner import header_entry
 from router.gateway.qwen3_coder_tool_calls import ToolParameters
-from router.gateway.tag_scan import TagCutter
+from router.gateway.tagged_calls import ReadCall, TaggedCallStream
 
 START = "<minimax:tool_call>"
 END = "</minimax:tool_call>"
@@ -151,21 +150,11 @@ def _unquoted(name: str) -> str:
 
 
 @dataclass(slots=True)
-class _Call:
-    """A call being read."""
-
-    index: int  # its tool_calls index
-    name: str
-    arguments: dict[str, Any] = field(default_factory=dict)  # typed values, as written
-    num_sent: int = 0  # parameters whose fragment was sent
-
-
-@dataclass(slots=True)
 class _Reader:
     """The text after the content read call by call: ``feed`` pieces of it, cut at its tags."""
 
     parameters: ToolParameters  # the request's tools' parameter schemas
-    calls: list[_Call] = field(default_factory=list)
+    calls: list[ReadCall] = field(default_factory=list)
     part: _Part = "content"
     buffer: str = ""  # the name, key or value being read
     key: str = ""  # the parameter whose value is being read
@@ -206,10 +195,10 @@ class _Reader:
         elif tag == INVOKE_END:  # (a parameter open in it dropped)
             return self._close()
         elif self.part == "name":  # the name's ">"
-            call = _Call(len(self.calls), _unquoted(self.buffer))
+            call = ReadCall(len(self.calls), _unquoted(self.buffer))
             self.calls.append(call)
             self.part, self.buffer = "invoke", ""
-            return [header_entry(call.index, call.name, "{")]
+            return [call.header()]
         else:  # a parameter's name's ">"
             self.key, self.part, self.buffer = _unquoted(self.buffer), "value", ""
         return []
@@ -228,85 +217,21 @@ class _Reader:
         schema = self.parameters.get(call.name, {}).get(self.key)
         typed = minimax_value(self.buffer.strip(), schema)
         self.buffer = ""
-        call.arguments[self.key] = typed
-        separator = ", " if call.num_sent else ""
-        call.num_sent += 1
-        fragment = f"{separator}{json.dumps(self.key, ensure_ascii=False)}: " + json.dumps(
-            typed, ensure_ascii=False
-        )
-        return [_arguments_entry(call.index, fragment)]
+        return [call.argument(self.key, typed)]
 
     def _close(self) -> list[dict[str, Any]]:
         self.part, self.buffer = "block", ""
-        return [_arguments_entry(self.calls[-1].index, "}")]
+        return [self.calls[-1].closing()]
 
 
-def _arguments_entry(index: int, text: str) -> dict[str, Any]:
-    return {"index": index, "function": {"arguments": text}}
+def minimax_stream(parameters: ToolParameters) -> TaggedCallStream:
+    """A reader of one choice's streamed text for MiniMax-M2's calls."""
+    return TaggedCallStream(_Reader(parameters))
 
 
 def parse_minimax(
     parameters: ToolParameters, text: str
 ) -> tuple[str | None, list[tuple[str, str]]]:
     """A whole text's content and its calls, (name, arguments JSON) each; (text, []) without
-    calls, or when a first call's name is cut short."""
-    stream = MiniMaxCallStream(parameters)
-    content, _ = stream.feed(text)
-    held, _ = stream.end()
-    calls = stream.whole_calls()
-    if not calls:
-        return text, []
-    return (content + held) or None, calls
-
-
-class MiniMaxCallStream:
-    """One choice's streamed text read for MiniMax-M2's calls: ``feed`` each text delta, then
-    ``end`` once the sample ended."""
-
-    def __init__(self, parameters: ToolParameters) -> None:
-        self._reader = _Reader(parameters)
-        self._cutter = TagCutter(self._reader.tags)
-        self._text = ""  # the text so far, until a call's header is sent
-        self._content_sent = 0  # the length of the content sent
-
-    @property
-    def num_calls(self) -> int:
-        """Calls whose header was sent."""
-        return len(self._reader.calls)
-
-    @property
-    def block_open(self) -> bool:
-        """Whether the text ends inside a call (its ``</invoke>`` not seen)."""
-        return self._reader.in_call
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """The content and the tool_calls entries of a delta of ``text``."""
-        content: list[str] = []
-        entries: list[dict[str, Any]] = []
-        for piece, tag in self._cutter.feed(text):
-            if self._reader.part == "content":
-                content.append(piece)
-            entries += self._reader.read(piece, tag)
-        sent = "".join(content)
-        self._content_sent += len(sent)
-        self._text = self._text + text if not self._reader.calls else ""
-        return sent, entries
-
-    def end(self) -> tuple[str, list[dict[str, Any]]]:
-        """The content still held back once the sample ended: a partial tag that never
-        completed, before any call; or, when no call got a name, the text from where the
-        calls began (all content, as the whole response has it). After a call, it is
-        dropped."""
-        self._reader.read(self._cutter.end(), None)
-        if self._reader.calls:
-            return "", []
-        return self._text[self._content_sent :], []
-
-    def whole_calls(self) -> list[tuple[str, str]] | None:
-        """Once ``end`` ran, the calls as a whole response has them, (name, arguments JSON)
-        each. None when a first call's name was cut short."""
-        self._reader.finish()
-        if self._reader.unnamed:
-            return None
-        calls = self._reader.calls
-        return [(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in calls]
+    calls, or when the first call's name is cut short."""
+    return minimax_stream(parameters).parse(text)

@@ -36,8 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from router.gateway.call_scanner import header_entry
-from router.gateway.tag_scan import TagCutter
+from router.gateway.tagged_calls import ReadCall, TaggedCallStream
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -122,21 +121,11 @@ def literal_value(text: str) -> Any:
 
 
 @dataclass(slots=True)
-class _Call:
-    """A call being read."""
-
-    index: int  # its tool_calls index
-    name: str
-    parameters: dict[str, Any] = field(default_factory=dict)  # typed values, as written
-    fragments: list[str] = field(default_factory=list)  # the arguments' text sent, in pieces
-
-
-@dataclass(slots=True)
 class _Reader:
     """The text after the content read call by call: ``feed`` pieces of it, cut at its tags."""
 
     parameters: ToolParameters  # the request's tools' parameter schemas
-    calls: list[_Call] = field(default_factory=list)
+    calls: list[ReadCall] = field(default_factory=list)
     part: _Part = "content"
     buffer: str = ""  # the name or value being read
     key: str = ""  # the parameter whose value is being read
@@ -170,11 +159,10 @@ class _Reader:
             if tag == END:  # the block closed inside the name
                 self.unnamed, self.part = True, "between"
                 return []
-            call = _Call(len(self.calls), self.buffer)
+            call = ReadCall(len(self.calls), self.buffer)
             self.calls.append(call)
-            call.fragments.append("{")
             self.part = "function"
-            return [header_entry(call.index, call.name, "{")]
+            return [call.header()]
         if self.part == "key":
             if tag == END:
                 self.unnamed = True
@@ -208,24 +196,16 @@ class _Reader:
         value = self.buffer.removeprefix("\n").removesuffix("\n")
         self.buffer = ""
         schemas = self.parameters.get(call.name, {})
-        typed = typed_value(value, schemas.get(self.key))
-        call.parameters[self.key] = typed
-        separator = ", " if len(call.fragments) > 1 else ""
-        fragment = f"{separator}{json.dumps(self.key, ensure_ascii=False)}: " + json.dumps(
-            typed, ensure_ascii=False
-        )
-        call.fragments.append(fragment)
-        return [_arguments_entry(call.index, fragment)]
+        return [call.argument(self.key, typed_value(value, schemas.get(self.key)))]
 
     def _close(self) -> list[dict[str, Any]]:
-        call = self.calls[-1]
-        call.fragments.append("}")
         self.part = "between"
-        return [_arguments_entry(call.index, "}")]
+        return [self.calls[-1].closing()]
 
 
-def _arguments_entry(index: int, text: str) -> dict[str, Any]:
-    return {"index": index, "function": {"arguments": text}}
+def qwen3_coder_stream(parameters: ToolParameters) -> TaggedCallStream:
+    """A reader of one choice's streamed text for Qwen3-Coder's calls."""
+    return TaggedCallStream(_Reader(parameters))
 
 
 def parse_qwen3_coder(
@@ -233,64 +213,4 @@ def parse_qwen3_coder(
 ) -> tuple[str | None, list[tuple[str, str]]]:
     """A whole text's content and its calls, (name, arguments JSON) each; (text, []) without
     calls, or when a function's or parameter's name is cut short."""
-    stream = Qwen3CoderCallStream(parameters)
-    content, _ = stream.feed(text)
-    held, _ = stream.end()
-    calls = stream.whole_calls()
-    if not calls:
-        return text, []
-    return (content + held) or None, calls
-
-
-class Qwen3CoderCallStream:
-    """One choice's streamed text read for Qwen3-Coder's calls: ``feed`` each text delta, then
-    ``end`` once the sample ended."""
-
-    def __init__(self, parameters: ToolParameters) -> None:
-        self._reader = _Reader(parameters)
-        self._cutter = TagCutter(self._reader.tags)
-        self._text = ""  # the text so far, until a call's header is sent
-        self._content_sent = 0  # the length of the content sent
-
-    @property
-    def num_calls(self) -> int:
-        """Calls whose header was sent."""
-        return len(self._reader.calls)
-
-    @property
-    def block_open(self) -> bool:
-        """Whether the text ends inside a call (its ``</function>`` not seen)."""
-        return self._reader.in_call
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """The content and the tool_calls entries of a delta of ``text``."""
-        content: list[str] = []
-        entries: list[dict[str, Any]] = []
-        for piece, tag in self._cutter.feed(text):
-            if self._reader.part == "content":
-                content.append(piece)
-            entries += self._reader.read(piece, tag)
-        sent = "".join(content)
-        self._content_sent += len(sent)
-        self._text = self._text + text if not self._reader.calls else ""
-        return sent, entries
-
-    def end(self) -> tuple[str, list[dict[str, Any]]]:
-        """The content still held back once the sample ended: a partial tag that never
-        completed, before any call; or, when the calls began but none was named, the text
-        from where they began (all content, as the whole response has it). After a call, it
-        is dropped."""
-        self._reader.read(self._cutter.end(), None)  # (a value's end, when one is open)
-        if self._reader.calls:
-            return "", []
-        return self._text[self._content_sent :], []
-
-    def whole_calls(self) -> list[tuple[str, str]] | None:
-        """Once ``end`` ran, the calls as a whole response has them, (name, arguments JSON)
-        each: the value and the call open at the end end there. None when a function's or
-        parameter's name was cut short."""
-        self._reader.finish()
-        if self._reader.unnamed:
-            return None
-        calls = self._reader.calls
-        return [(c.name, json.dumps(c.parameters, ensure_ascii=False)) for c in calls]
+    return qwen3_coder_stream(parameters).parse(text)

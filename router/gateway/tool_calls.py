@@ -48,7 +48,7 @@ from typing import Any, Protocol
 
 from router.gateway.call_scanner import CallScanner, call_entry, header_entry, new_tool_call_id
 from router.gateway.deepseek_tool_calls import DeepSeekCallStream, parse_deepseek
-from router.gateway.glm_tool_calls import GlmCallStream, parse_glm
+from router.gateway.glm_tool_calls import glm_stream, parse_glm
 from router.gateway.harmony import (
     HARMONY_TOOL_CALL_PARSER,
     CallPiece,
@@ -58,7 +58,7 @@ from router.gateway.harmony import (
 from router.gateway.hermes_tool_calls import HermesCallStream, parse_hermes
 from router.gateway.kimi_tool_calls import KimiCallStream, kimi_call_ids, parse_kimi
 from router.gateway.llama_tool_calls import Llama3JsonCallStream, parse_llama3_json
-from router.gateway.minimax_tool_calls import MiniMaxCallStream, parse_minimax
+from router.gateway.minimax_tool_calls import minimax_stream, parse_minimax
 from router.gateway.mistral_tool_calls import (
     MistralCallStream,
     new_mistral_tool_call_id,
@@ -66,9 +66,9 @@ from router.gateway.mistral_tool_calls import (
 )
 from router.gateway.pythonic_tool_calls import PythonicCallStream, parse_pythonic
 from router.gateway.qwen3_coder_tool_calls import (
-    Qwen3CoderCallStream,
     ToolParameters,
     parse_qwen3_coder,
+    qwen3_coder_stream,
 )
 from router.gateway.reasoning import ReasoningMode, ReasoningStream, split_reasoning
 
@@ -134,16 +134,16 @@ _AUTO_PARSERS = {
 
 def _qwen3_coder(parameters: ToolParameters) -> _AutoParser:
     return _AutoParser(
-        partial(parse_qwen3_coder, parameters), partial(Qwen3CoderCallStream, parameters)
+        partial(parse_qwen3_coder, parameters), partial(qwen3_coder_stream, parameters)
     )
 
 
 def _glm(parameters: ToolParameters) -> _AutoParser:
-    return _AutoParser(partial(parse_glm, parameters), partial(GlmCallStream, parameters))
+    return _AutoParser(partial(parse_glm, parameters), partial(glm_stream, parameters))
 
 
 def _minimax(parameters: ToolParameters) -> _AutoParser:
-    return _AutoParser(partial(parse_minimax, parameters), partial(MiniMaxCallStream, parameters))
+    return _AutoParser(partial(parse_minimax, parameters), partial(minimax_stream, parameters))
 
 
 # the parsers whose calls' values are typed by the request's tools: their readers for those

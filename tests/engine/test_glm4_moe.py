@@ -5,21 +5,19 @@ Partial rotary embeddings also serve Phi-3's ``partial_rotary_factor`` (Phi-4-mi
 
 Greedy identity with transformers in every engine mode (batched, chunked prefill, prefix
 hits, preemption, disaggregated, TP 2) is in the suites that run every architecture of
-``tests.conftest.ARCHITECTURES``, GLM-4.5 among them; here, what those do not cover."""
+``tests.conftest.ARCHITECTURES``, GLM-4.5 among them (its multi-token-prediction layer skipped
+at load: test_mla.py); here, what those do not cover."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.model_config import load_model_config, parse_model_config
-from engine.model_loader import load_model
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_parity import make_prompts
 from tests.fixtures.tiny_models import make_tiny_model
@@ -118,30 +116,6 @@ def test_partial_rotary_embeddings_are_refused_where_the_attention_rotates_every
         parse_model_config(_published(partial_rotary_factor=0.1015625))  # not whole pairs
     with pytest.raises(ValueError, match=r"partial_rotary_factor 1.5 of head_dim 128"):
         parse_model_config(_published(partial_rotary_factor=1.5))
-
-
-def test_the_multi_token_prediction_layer_is_skipped_at_load(
-    model_dirs: dict[str, Path], tmp_path: Path
-) -> None:
-    """GLM-4.5 publishes a layer past num_hidden_layers for speculative decoding; it loads as
-    nothing, as in transformers (other tensors of no layer of the model are still refused)."""
-    source = model_dirs[GLM]
-    shutil.copytree(source, tmp_path / "mtp")
-    tensors = load_file(source / "model.safetensors")
-    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
-    tensors["model.layers.2.shared_head.norm.weight"] = torch.ones(64)
-    save_file(tensors, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
-    config = load_model_config(tmp_path / "mtp")
-    with_mtp = load_model(tmp_path / "mtp", config, torch.float32, CPU)
-    without = load_model(source, config, torch.float32, CPU)
-    for (name, ours), (_, theirs) in zip(
-        with_mtp.named_parameters(), without.named_parameters(), strict=True
-    ):
-        assert torch.equal(ours, theirs), name
-    tensors["model.layers.1.self_attn.extra.weight"] = torch.zeros(4)
-    save_file(tensors, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="unexpected tensors.*self_attn.extra"):
-        load_model(tmp_path / "mtp", config, torch.float32, CPU)
 
 
 def test_phi3_with_rope_on_part_of_each_head_equals_transformers(tmp_path: Path) -> None:
