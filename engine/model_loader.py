@@ -453,7 +453,11 @@ _CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
 }
 # architectures whose checkpoints publish multi-token-prediction layers past num_hidden_layers
 # (for speculative decoding; transformers skips them)
-_PREDICTION_LAYERS_IN_CHECKPOINT = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+_PREDICTION_LAYERS_IN_CHECKPOINT = (
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM",
+)
 
 
 def _our_name(name: str, config: ModelConfig) -> str:

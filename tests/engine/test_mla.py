@@ -202,13 +202,13 @@ def test_a_latent_cache_is_a_fraction_of_a_multi_head_one() -> None:
     assert heads.bytes_per_block / latent.bytes_per_block == pytest.approx(128 * 2 * 192 / 576)
 
 
-@pytest.mark.parametrize("architecture", [V3, "Glm4MoeForCausalLM"])
+@pytest.mark.parametrize("architecture", [V3, "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"])
 def test_the_multi_token_prediction_layer_is_skipped_at_load(
     model_dirs: dict[str, Path], tmp_path: Path, architecture: str
 ) -> None:
-    """DeepSeek-V3 and GLM-4.5 publish a layer past num_hidden_layers for speculative decoding;
-    it is not part of the model transformers runs, and loads as nothing (other tensors of no
-    layer of the model are still refused)."""
+    """DeepSeek-V3, GLM-4.5 and MiniMax-M2 publish layers past num_hidden_layers for
+    speculative decoding; they are not part of the model transformers runs, and load as nothing
+    (other tensors of no layer of the model are still refused)."""
     source = model_dirs[architecture]
     shutil.copytree(source, tmp_path / "mtp")
     tensors = load_file(source / "model.safetensors")
