@@ -330,15 +330,22 @@ def test_deepseek_v3_in_fp8_blocks_equals_transformers(deepseek_fp8_dir: Path) -
     assert engine_greedy(quantized_llm(deepseek_fp8_dir.parent / "float")) != expected
 
 
-def test_glm_4_5_in_fp8_blocks_equals_transformers(tmp_path: Path) -> None:
-    """GLM-4.5-FP8's layout: biased q/k/v in FP8 blocks (their biases float), DeepSeek-V3's
-    routed and shared experts in blocks, the router gate float."""
-    sizes = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
-    model_dir = make_fp8_block_model(tmp_path, architecture=GLM_4_5, block=(8, 8), **sizes)
+@pytest.mark.parametrize(
+    ("architecture", "expert_width"), [(GLM_4_5, 128), ("MiniMaxM2ForCausalLM", 48)]
+)
+def test_glm_and_minimax_in_fp8_blocks_equal_transformers(
+    tmp_path: Path, architecture: str, expert_width: int
+) -> None:
+    """GLM-4.5-FP8's and MiniMax-M2's layouts: q/k/v in FP8 blocks (GLM's biases float; before
+    MiniMax's norms over all heads), the routed experts (and GLM's shared one) in blocks, the
+    router gates float."""
+    sizes = {"hidden_size": 64, "intermediate_size": expert_width, "head_dim": 16}
+    model_dir = make_fp8_block_model(tmp_path, architecture=architecture, block=(8, 8), **sizes)
     llm = quantized_llm(model_dir)
     attention = llm.engine.model.model.layers[1].self_attn
-    assert isinstance(attention.qkv_proj, Fp8BlockLinear) and attention.qkv_proj.bias is not None
-    assert len(_experts(llm)) == 1
+    assert isinstance(attention.qkv_proj, Fp8BlockLinear)
+    assert (attention.qkv_proj.bias is not None) == (architecture == GLM_4_5)
+    assert len(_experts(llm)) == (1 if architecture == GLM_4_5 else 2)
     expected = _transformers_greedy(model_dir)
     assert engine_greedy(llm) == expected
     assert engine_greedy(quantized_llm(tmp_path / "float")) != expected
