@@ -427,10 +427,10 @@ def test_an_unknown_tool_call_parser_is_refused_listing_the_supported_ones(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        _serve_args("--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2")
+        _serve_args("--enable-auto-tool-choice", "--tool-call-parser", "granite")
     assert exit_.value.code == 2
     error = capsys.readouterr().err
-    assert "argument --tool-call-parser: invalid choice: 'kimi_k2'" in error, error
+    assert "argument --tool-call-parser: invalid choice: 'granite'" in error, error
     for parser in ("hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"):
         assert parser in error.split("invalid choice")[1]
 
