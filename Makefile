@@ -25,9 +25,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES)
 
-# two processes: much of the suite waits on Ray actors and servers, which the other fills
+# two processes: much of the suite waits on Ray actors and servers, which the other fills;
+# a module's tests stay in one (loadscope), so a module's cluster or server starts once
 unit: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider -n 2
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadscope
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.offline_throughput
