@@ -25,10 +25,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES)
 
-# two processes: much of the suite waits on Ray actors and servers, which the other fills;
-# a module's tests stay in one (loadscope), so a module's cluster or server starts once
+# two processes: much of the suite waits on Ray actors and servers, which the other fills
 unit: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadscope
+	$(BIN)/pytest -q -p no:cacheprovider -n 2
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.offline_throughput
