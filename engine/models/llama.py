@@ -81,9 +81,8 @@ class SelfAttention(nn.Module):
         self.num_heads = len(shard.q_heads)
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.rotary_dim = (
-            config.rope_dim
-        )  # the first dims of a head rope turns (GLM, MiniMax: some)
+        # the first dims of a head that rope turns (all of them but GLM-4.5's and MiniMax-M2's)
+        self.rotary_dim = config.rope_dim
         q_size = self.num_heads * config.head_dim
         kv_size = self.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
