@@ -5,10 +5,9 @@ The model writes each call as ``<tool_call>``, the function's name, then per arg
 ``<arg_key>KEY</arg_key>`` and ``<arg_value>VALUE</arg_value>``, and ``</tool_call>``; GLM-4.5
 puts a newline after the name and after each tag pair, GLM-4.7 none. The name ends at its
 newline (newlines before it skipped), at the first ``<arg_key>`` or at ``</tool_call>``
-(stripped); a key is stripped. A
-value is typed as vLLM's parser types it (``glm_value``): a parameter whose schema in the
-request's tools says ``"type": "string"`` keeps its text as written; any other is read as JSON,
-else as a Python literal, else kept as its stripped text.
+(stripped); a key is stripped. A value is typed as vLLM's parser types it (``glm_value``): a
+parameter whose schema in the request's tools says ``"type": "string"`` keeps its text as
+written; any other is read as JSON, else as a Python literal, else kept as its stripped text.
 
 - A whole text: content is the text before the first ``<tool_call>`` (None when it is empty or
   only whitespace, as vLLM normalises it); each call's ``arguments`` are ``json.dumps`` of its
@@ -16,11 +15,12 @@ else as a Python literal, else kept as its stripped text.
   cut by ``</tool_call>`` or by the end of the text is dropped with its key, as vLLM's pattern
   does not match it. A first call whose name never ended (the text cut inside it) makes the
   whole text plain content with no calls, so nothing generated is lost (a later one is
-  dropped); a call cut after its name is kept with the arguments that ended. Text between and after the calls is dropped.
-- A stream: content deltas until the first ``<tool_call>`` (text that may be the start of the
-  tag held back until the next text shows whether it is, and content that is only whitespace
-  until other text comes); then each call's header (index, id,
-  type, name) with ``{`` once its name ended, each argument as ``"KEY": value`` (after the
+  dropped); a call cut after its name is kept with the arguments that ended. Text between and
+  after the calls is dropped.
+- A stream (``tagged_calls.TaggedCallStream``): content deltas until the first ``<tool_call>``
+  (text that may be the start of the tag held back until the next text shows whether it is,
+  and content that is only whitespace until other text comes); then each call's header (index,
+  id, type, name) with ``{`` once its name ended, each argument as ``"KEY": value`` (after the
   first, with ``, `` before it) once its value ended, and ``}`` at ``</tool_call>``: together
   the whole response's ``arguments``. A call cut by the end of the sample sends no ``}``; the
   finish_reason says ``length``. Calls that began but never had a name are sent as content at
