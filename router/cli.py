@@ -495,8 +495,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         "glm45 or glm47 (<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...: "
         "GLM-4.5 to 4.7; values typed by the tool's schema), minimax_m2 (<minimax:tool_call>"
         "<invoke name=NAME><parameter name=KEY>value</parameter>...: MiniMax-M2; values typed by "
-        "the tool's schema), pythonic or llama4_pythonic ([name(key=value, ...), ...]: Llama 3.2 and 4 with "
-        "pythonic templates, ToolACE), openai (gpt-oss: its harmony messages to functions.NAME; "
+        "the tool's schema), pythonic or llama4_pythonic ([name(key=value, ...), ...]: Llama "
+        "3.2 and 4 with pythonic templates, ToolACE), openai (gpt-oss: its harmony messages to functions.NAME; "
         "needs --reasoning-parser openai_gptoss, a gpt_oss model's default)",
     )
     reasoning = serve.add_argument_group("reasoning")

@@ -11,8 +11,8 @@ cut it, ``cancelled`` when an Abort ended it. Asked for (``include``), the ``out
 part's ``logprobs`` are chat's entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``)
 of every output token, as vLLM's; a stream's ``output_text.delta`` carries those of its text,
 and the done events all the message's, those of its chunks without text (the eos token's)
-included; those of chunks of reasoning alone are not sent, as in vLLM's stream. ``usage``: ``input_tokens`` (with
-``input_tokens_details.cached_tokens``), ``output_tokens`` (with
+included; those of chunks of reasoning alone are not sent, as in vLLM's stream. ``usage``:
+``input_tokens`` (with ``input_tokens_details.cached_tokens``), ``output_tokens`` (with
 ``output_tokens_details.reasoning_tokens``) and ``total_tokens``.
 
 A stream is OpenAI's server-sent events, each ``event: TYPE`` with its JSON: ``response.created``
