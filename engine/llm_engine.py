@@ -129,12 +129,8 @@ class LLMEngine:
         if speculative is not None:
             proposer = NgramProposer(speculative, max_contexts=scheduler.max_num_seqs)
         # structured outputs: compiled on the first request that asks (and checked there)
-        self.grammars = ModelGrammars(
-            load.tokenizer or load.model_dir,
-            self.model_config.vocab_size,
-            eos,
-            load.trust_remote_code,
-        )
+        tokenizer_dir, vocab_size = load.tokenizer or load.model_dir, self.model_config.vocab_size
+        self.grammars = ModelGrammars(tokenizer_dir, vocab_size, eos, load.trust_remote_code)
         grammar_cursors = GrammarCursors(self.grammars, eos, self.device)
         self.scheduler = Scheduler(
             scheduler, self.block_manager, eos, proposer, grammar_cursors.valid_drafts
