@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine, StepResult
     from engine.messages import GenerateRequest, OutputBatch, TokenEvent
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
     from engine.structured.spec import StructuredOutputsParams, StructuredOutputSpec
 
 _EXPORTS = {
+    "BeamSearchOutput": "engine.beam_search",
+    "BeamSearchParams": "engine.beam_search",
+    "BeamSearchSequence": "engine.beam_search",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "StepResult": "engine.llm_engine",
@@ -34,6 +38,9 @@ _EXPORTS = {
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "LLMEngine",
     "Logprob",

@@ -23,12 +23,18 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import replace
 from typing import Any
 
+from engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+)
 from engine.config_checks import check_configs
 from engine.engine_config import CacheConfig, LoadConfig, LoadFormat, ParallelConfig
 from engine.kv_cache.budget import KVBudget
 from engine.kv_cache.kv_quantization import KVCacheScales, parse_kv_cache_dtype
 from engine.llm_engine import LLMEngine, StepResult
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.parallel.group import free_port
 from engine.parallel.ranks import FollowerProcesses
 from engine.sampling import SamplingParams
@@ -152,6 +158,51 @@ class LLM:
         texts = [prompt if isinstance(prompt, str) else None for prompt in prompt_list]
         token_ids = [self._encode(prompt) for prompt in prompt_list]
         return self._run(token_ids, texts, sampling_params, priority)
+
+    def beam_search(
+        self, prompts: Prompt | SequenceOf[Prompt | Mapping[str, Any]], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of every prompt (text, token ids, or
+        vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``), best first, as
+        transformers' ``generate(num_beams=...)`` finds them (engine/beam_search.py). Every
+        running beam of every prompt is one request a step, its prompt the last one's plus a
+        token, which the prefix cache serves. ``max_tokens`` is cut to what ``max_model_len``
+        leaves each prompt, as ``generate`` does."""
+        if isinstance(prompts, Mapping):
+            prompts = [prompts]
+        prompt_list = _as_prompt_list(
+            [_beam_prompt(p) for p in prompts] if isinstance(prompts, list | tuple) else prompts
+        )
+        eos = frozenset(self.engine.model_config.eos_token_ids)
+        searches = []
+        for prompt in prompt_list:
+            token_ids = self._encode(prompt)
+            room = self.engine.max_model_len - len(token_ids)
+            fitted = replace(params, max_tokens=max(1, min(params.max_tokens, room)))
+            searches.append(BeamSearch(token_ids, fitted, eos))
+        while running := [search for search in searches if not search.done]:
+            pending = [(search, ids) for search in running for ids in search.pending()]
+            one_token = SamplingParams(
+                temperature=0.0, max_tokens=1, logprobs=running[0].candidates_per_beam
+            )
+            outputs = self._run([ids for _, ids in pending], [None] * len(pending), one_token, None)
+            positions = iter(_first_position(output) for output in outputs)
+            for search in running:
+                search.advance([next(positions) for _ in search.pending()])
+        return [BeamSearchOutput(self._beam_texts(search)) for search in searches]
+
+    def _beam_texts(self, search: BeamSearch) -> list[BeamSearchSequence]:
+        """The search's best sequences with their text (as vLLM's: prompt and output; the
+        eos that ended one shown only under ``include_stop_str_in_output``)."""
+        sequences = search.best()
+        if self.tokenizer is None:
+            return sequences
+        for sequence in sequences:
+            tokens = sequence.tokens
+            if sequence.finish_reason == "stop" and not search.params.include_stop_str_in_output:
+                tokens = tokens[:-1]
+            sequence.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return sequences
 
     def chat(
         self,
@@ -324,6 +375,23 @@ def _as_prompt_list(prompts: Any) -> list[Prompt]:
                 f"got {type(prompt).__name__}"
             )
     return prompt_list
+
+
+def _first_position(output: RequestOutput) -> PositionLogprobs:
+    logprobs = output.outputs[0].logprobs
+    assert logprobs, "a one-token request asked for logprobs returned none"
+    return logprobs[0]
+
+
+def _beam_prompt(prompt: Any) -> Any:
+    """vLLM's prompt dicts (``prompt`` or ``prompt_token_ids``) as a plain prompt."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError("a prompt given as a mapping needs 'prompt' or 'prompt_token_ids'")
 
 
 def _as_conversation_list(messages: Any) -> list[Conversation]:
