@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from router.cluster import RequestFailedError
+from router.gateway.beam_search import respond_beams
 from router.gateway.choice_prompts import add_prompt_logprobs, shown
 from router.gateway.dashboard import ASSETS, asset
 from router.gateway.errors import (
@@ -248,6 +249,8 @@ async def _generate(
     else:
         request_id = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
     header = ResponseHeader(request_id, int(time.time()), gateway.model.name)
+    if job.beam_search is not None:  # (refused in a stream)
+        return await respond_beams(gateway, job, header, caller, _client_disconnected(request))
     if job.stream:
         # admitted now, so that a refusal is still a status code; the stream gives the slot back
         admission = contextlib.ExitStack()

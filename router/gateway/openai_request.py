@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from engine.structured.spec import StructuredOutputSpec
 from router.gateway.auth import Caller
+from router.gateway.beam_fields import BeamOptions, check_searchable, checked_beam_options
 from router.gateway.chat import (
     check_prompt_chars,
     check_text,
@@ -83,6 +84,8 @@ class OpenAIJob:
     continuous_usage: bool = False
     # vLLM's return_tokens_as_token_ids: the logprobs show each token as "token_id:ID"
     tokens_as_ids: bool = False
+    # vLLM's use_beam_search: each prompt's n choices are its n best beams (beam_fields)
+    beam_search: BeamOptions | None = None
 
     def logprobs_formatter(self, tokenizer: Any) -> LogprobsFormatter | None:
         """How the choices' logprobs are shown; None when the request asked for none."""
@@ -122,6 +125,7 @@ def parse_job(
         raise invalid("the request body must be a JSON object")
     check_model(body, model)
     check_unsupported(kind, body)
+    beam_search = checked_beam_options(body)
     optional_field(body, "user", str)
     stream = optional_field(body, "stream", bool) or False
     include_usage, continuous_usage = _stream_options(body, stream)
@@ -179,6 +183,8 @@ def parse_job(
     ]
     echo_texts = _echo_texts(kind, prompts, specs, model) if prompts.echo else None
     n = specs[0].params.n
+    if beam_search is not None:
+        _check_beam_search(body, specs, beam_search, model)
     return OpenAIJob(
         kind,
         specs,
@@ -195,7 +201,21 @@ def parse_job(
         return_token_ids=return_token_ids,
         continuous_usage=continuous_usage,
         tokens_as_ids=tokens_as_ids,
+        beam_search=beam_search,
     )
+
+
+def _check_beam_search(
+    body: dict[str, Any], specs: list[GenerationSpec], options: BeamOptions, model: ServedModel
+) -> None:
+    """Each spec can be searched with ``n`` beams (the model's eos ids set how many
+    log-probabilities a step reads: ``n`` has a limit)."""
+    for spec in specs:
+        check_searchable(body, spec)
+        try:
+            options.params(spec, spec.params.n).candidates_per_beam(len(model.eos_token_ids))
+        except ValueError as error:
+            raise invalid(str(error).replace("beam_width", "n", 1), param="n") from error
 
 
 def _parsers_read_tags(tools: ChatTools | None, reasoning: ReasoningMode | None) -> bool:

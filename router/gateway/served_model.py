@@ -22,6 +22,7 @@ class ServedModel:
     max_model_len: int  # prompt + output tokens per sequence
     vocab_size: int  # token ids must lie in [0, vocab_size)
     tokenizer: Any  # a transformers tokenizer (encode, decode, apply_chat_template)
+    eos_token_ids: tuple[int, ...] = ()  # what ends a sample (config and generation config)
     created: int = 0  # unix time the server started (``created`` in /v1/models)
     # its weights' quantization as the checkpoint gives it, e.g. "compressed-tensors w4a16
     # (group 128, symmetric)"; None: float weights
@@ -97,6 +98,7 @@ class ServedModel:
             max_model_len=max_model_len or config.max_position_embeddings,
             vocab_size=config.vocab_size,
             tokenizer=tokenizer,
+            eos_token_ids=config.eos_token_ids,
             created=created,
             quantization=None if config.quantization is None else config.quantization.describe(),
             kv_cache_dtype=kv_cache_dtype

@@ -24,7 +24,6 @@ _OFF: Mapping[str, tuple[Any, ...]] = {
     "audio": (),
     "prediction": (),
     # vLLM's extras
-    "use_beam_search": (False,),
     "guided_grammar": (),
     "guided_whitespace_pattern": (),
     "logits_processors": ([],),

@@ -74,7 +74,7 @@ def _streamed_text(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
         ("/v1/completions", "guided_grammar", "root ::= 'a'"),
         ("/v1/completions", "guided_whitespace_pattern", " *"),
         ("/v1/completions", "structured_outputs", {"grammar": "root ::= 'a'"}),
-        ("/v1/completions", "use_beam_search", True),
+        ("/v1/completions", "length_penalty", 0.5),
         ("/v1/completions", "add_special_tokens", False),
         ("/v1/chat/completions", "add_special_tokens", True),
         ("/v1/chat/completions", "chat_template", "{{ messages }}"),
