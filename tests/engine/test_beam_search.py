@@ -43,6 +43,11 @@ def eos_model(llama_dir: Path, llm: LLM, tmp_path_factory: pytest.TempPathFactor
     return model_dir
 
 
+@pytest.fixture(scope="module")
+def eos_llm(eos_model: Path) -> LLM:
+    return LLM(str(eos_model), dtype="float32", device="cpu", block_size=8)
+
+
 def hf_beams(
     model_dir: Path,
     prompt: list[int],
@@ -103,9 +108,9 @@ def test_beams_equal_transformers(llm: LLM, llama_dir: Path, width: int) -> None
     [(1.0, False), (0.0, False), (2.0, "never"), (-1.0, "never"), (1.0, True)],
 )
 def test_hypotheses_ended_by_eos_rank_as_in_transformers(
-    eos_model: Path, length_penalty: float, early_stopping: bool | str
+    eos_model: Path, eos_llm: LLM, length_penalty: float, early_stopping: bool | str
 ) -> None:
-    llm = LLM(str(eos_model), dtype="float32", device="cpu", block_size=8)
+    llm = eos_llm
     eos = llm.engine.model_config.eos_token_ids[0]
     prompts = make_prompts(seed=23)[:6]
     params = BeamSearchParams(
@@ -127,8 +132,8 @@ def test_hypotheses_ended_by_eos_rank_as_in_transformers(
     assert ended_by_eos >= 1  # the eos rules were exercised
 
 
-def test_ignore_eos_runs_every_beam_to_max_tokens(eos_model: Path) -> None:
-    llm = LLM(str(eos_model), dtype="float32", device="cpu", block_size=8)
+def test_ignore_eos_runs_every_beam_to_max_tokens(eos_llm: LLM) -> None:
+    llm = eos_llm
     prompts = make_prompts(seed=23)[:3]
     params = BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS, ignore_eos=True)
     for output in llm.beam_search(prompts, params):

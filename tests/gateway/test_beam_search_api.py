@@ -6,6 +6,7 @@ serving on."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,11 @@ import openai
 import pytest
 
 from engine import LLM, BeamSearchParams
+from router.gateway.auth import Caller
+from router.gateway.errors import ApiError
+from router.gateway.limits import RequestLimits
+from router.gateway.openai_request import OpenAIJob, parse_job
+from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
 
@@ -131,3 +137,21 @@ def test_a_search_option_without_a_search_is_refused(http: httpx.Client) -> None
     response = http.post("/v1/completions", json={"model": MODEL_NAME, **body})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "length_penalty"
+
+
+@pytest.mark.parametrize(("eos_ids", "widest"), [((2,), 10), ((2, 3), 6)])
+def test_n_is_bounded_by_the_logprobs_a_step_reads(
+    served_model: ServedModel, eos_ids: tuple[int, ...], widest: int
+) -> None:
+    """Each step reads the top max(2, 1 + #eos) x n log-probabilities of a beam, at most 20."""
+    model = dataclasses.replace(served_model, eos_token_ids=eos_ids)
+    limits = RequestLimits(max_model_len=model.max_model_len, max_n=16)
+
+    def job(n: int) -> OpenAIJob:
+        body = {"prompt": "hi", "n": n, "max_tokens": 4, "use_beam_search": True}
+        return parse_job("completion", body, model, limits, Caller(None))
+
+    assert job(widest).beam_search is not None
+    with pytest.raises(ApiError) as refused:
+        job(widest + 1)
+    assert refused.value.param == "n" and f"n must be at most {widest}" in str(refused.value)
