@@ -5,7 +5,9 @@ tenant's salt kept); the response's choices are each prompt's beams, best first,
 
 Life of a request here: admitted like any other (its ``n`` beams counted as ``n`` samples) ->
 a step's asks go to the cluster together, one request each -> the searches advance -> when every
-search is done, one whole response. A client that leaves aborts the asks in flight.
+search is done, one whole response. A client that leaves, or an Abort call, aborts the asks in
+flight (status 499: a search cut short has no beams to show); a server that shuts down answers
+503 as for any request.
 """
 
 from __future__ import annotations
@@ -32,10 +34,7 @@ from router.gateway.openai_response import (
     ChoiceText,
     Decode,
     ResponseHeader,
-    TokenIds,
     Usage,
-    chat_response,
-    completion_response,
 )
 from router.gateway.service import Gateway
 from router.gateway.spec import GenerationSpec
@@ -63,11 +62,13 @@ async def respond_beams(
         finally:
             client_gone.cancel()
             aborted.cancel()
-        if not task.done():  # the client left, or an Abort call came: stop asking
+        if not task.done():  # the client left, an Abort call came, or the server stops
             task.cancel()
             gateway.record_outcome("aborted")
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if live.cut_off is not None:
+                raise live.cut_off
             return Response(status_code=499)
         try:
             results = task.result()
@@ -88,22 +89,9 @@ async def respond_beams(
         sum(len(choice.token_ids) for choice in choices),
         sum(results.cached_tokens),
     )
-    logprobs = job.logprobs_formatter(gateway.model.tokenizer)
-    prompts = job.returned_prompt_token_ids()
-    if job.kind == "chat":
-        body = chat_response(
-            header,
-            choices,
-            usage,
-            logprobs,
-            job.tool_calls,
-            job.reasoning,
-            _decoder(gateway, job),
-            prompt_token_ids=prompts[0] if prompts is not None else None,
-        )
-    else:
-        token_ids = TokenIds(prompts, job.n)
-        body = completion_response(header, choices, usage, logprobs, token_ids)
+    body = job.response_body(
+        header, choices, usage, gateway.model.tokenizer, _decoder(gateway, job)
+    )
     return JSONResponse(body, headers={"X-Request-Id": header.id})
 
 

@@ -44,9 +44,6 @@ from router.gateway.openai_response import (
     Echo,
     LogprobsFormatter,
     ResponseHeader,
-    TokenIds,
-    chat_response,
-    completion_response,
     output_decoder,
     total_usage,
 )
@@ -361,24 +358,9 @@ async def _respond_whole(
     for generation in generations:
         gateway.record_first_token(generation, front, written_at=None)
     gateway.record_ended(generations, live)
-    logprobs = job.logprobs_formatter(gateway.model.tokenizer)
-    if job.kind == "chat":
-        usage = total_usage(generations)
-        decode = output_decoder(generations[0])
-        prompts = job.returned_prompt_token_ids()  # (chat: one prompt)
-        body = chat_response(
-            header,
-            choices,
-            usage,
-            logprobs,
-            job.tool_calls,
-            job.reasoning,
-            decode,
-            prompt_token_ids=prompts[0] if prompts is not None else None,
-        )
-    else:
-        token_ids = TokenIds(job.returned_prompt_token_ids(), job.n)
-        body = completion_response(header, choices, total_usage(generations), logprobs, token_ids)
+    usage = total_usage(generations)
+    decode = output_decoder(generations[0])
+    body = job.response_body(header, choices, usage, gateway.model.tokenizer, decode)
     if responses_turn is not None:
         body = response_body(header.id, responses_turn, body)
     # the response's id in X-Request-Id, as OpenAI sends (openai's client reads _request_id)

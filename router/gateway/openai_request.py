@@ -38,7 +38,16 @@ from router.gateway.chat import (
 from router.gateway.errors import ApiError, invalid
 from router.gateway.limits import RequestLimits
 from router.gateway.logit_fields import checked_bad_words
-from router.gateway.openai_response import LogprobsFormatter
+from router.gateway.openai_response import (
+    ChoiceText,
+    Decode,
+    LogprobsFormatter,
+    ResponseHeader,
+    TokenIds,
+    Usage,
+    chat_response,
+    completion_response,
+)
 from router.gateway.reasoning import ReasoningMode
 from router.gateway.reasoning_fields import checked_reasoning, constrained_after_reasoning
 from router.gateway.served_model import ServedModel
@@ -92,6 +101,31 @@ class OpenAIJob:
         if self.logprobs is None:
             return None
         return LogprobsFormatter(tokenizer, self.tokens_as_ids)
+
+    def response_body(
+        self,
+        header: ResponseHeader,
+        choices: list[ChoiceText],
+        usage: Usage,
+        tokenizer: Any,
+        decode: Decode,
+    ) -> dict[str, Any]:
+        """The whole response of these choices, in the endpoint's shape; ``decode``: how the
+        outputs' tokens were decoded (chat counts its reasoning's tokens with it)."""
+        logprobs = self.logprobs_formatter(tokenizer)
+        prompts = self.returned_prompt_token_ids()
+        if self.kind == "completion":
+            return completion_response(header, choices, usage, logprobs, TokenIds(prompts, self.n))
+        return chat_response(
+            header,
+            choices,
+            usage,
+            logprobs,
+            self.tool_calls,
+            self.reasoning,
+            decode,
+            prompt_token_ids=prompts[0] if prompts is not None else None,  # (chat: one prompt)
+        )
 
     def returned_prompt_token_ids(self) -> list[list[int]] | None:
         """Per prompt, the token ids its choices return under ``return_token_ids``; None when

@@ -23,6 +23,7 @@ from router.gateway.openai_request import OpenAIJob, parse_job
 from router.gateway.served_model import ServedModel
 from router.gateway.server import GatewayServer
 from tests.gateway.conftest import API_KEYS, MODEL_NAME
+from tests.gateway.test_gateway_behaviour import _num_generated_when_idle
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -155,3 +156,22 @@ def test_n_is_bounded_by_the_logprobs_a_step_reads(
     with pytest.raises(ApiError) as refused:
         job(widest + 1)
     assert refused.value.param == "n" and f"n must be at most {widest}" in str(refused.value)
+
+
+def test_a_client_that_leaves_stops_the_search(
+    http: httpx.Client, gateway_server: GatewayServer
+) -> None:
+    """Each step is n one-token asks: a search of 4 beams x 200 tokens would ask ~800; leaving
+    after 50 ms stops it (its asks in flight aborted, no step after them)."""
+    before = _num_generated_when_idle(http)
+    body = {"model": MODEL_NAME, "prompt": "x", "n": 4, "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            gateway_server.http_url + "/v1/completions",
+            json={**body, "use_beam_search": True},
+            headers=AUTH,
+            timeout=httpx.Timeout(5.0, read=0.05),
+        )
+    assert _num_generated_when_idle(http) - before < 200
+    served = _post(http, "/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 2})
+    assert served.status_code == 200
