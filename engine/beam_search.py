@@ -95,6 +95,15 @@ class BeamSearchSequence:
     def output_token_ids(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens :]
 
+    def shown_token_ids(self, include_stop_str_in_output: bool) -> list[int]:
+        """The output tokens its text shows: less the eos that ended it, unless asked."""
+        output = self.output_token_ids
+        return (
+            output[:-1]
+            if self.finish_reason == "stop" and not include_stop_str_in_output
+            else output
+        )
+
 
 @dataclass(slots=True)
 class BeamSearchOutput:
@@ -104,7 +113,7 @@ class BeamSearchOutput:
 @dataclass(frozen=True, slots=True)
 class _Beam:
     tokens: tuple[int, ...]  # generated so far
-    logprobs: tuple[PositionLogprobs, ...]
+    logprobs: tuple[Mapping[int, Logprob], ...]  # each position's top K (shared, never changed)
     sum_logprob: float
 
 
@@ -117,6 +126,7 @@ class BeamSearch:
     params: BeamSearchParams
     eos_token_ids: frozenset[int]
     candidates_per_beam: int = field(init=False)  # K
+    _ends: frozenset[int] = field(init=False)  # the tokens that end a hypothesis
     _running: list[_Beam] = field(init=False)
     _finished: list[tuple[float, _Beam]] = field(init=False, default_factory=list)
     _generated: int = field(init=False, default=0)
@@ -124,11 +134,8 @@ class BeamSearch:
 
     def __post_init__(self) -> None:
         self._running = [_Beam((), (), 0.0)]  # transformers' first step: one live beam
+        self._ends = frozenset() if self.params.ignore_eos else self.eos_token_ids
         self.candidates_per_beam = self.params.candidates_per_beam(len(self._ends))
-
-    @property
-    def _ends(self) -> frozenset[int]:
-        return frozenset() if self.params.ignore_eos else self.eos_token_ids
 
     def pending(self) -> list[list[int]]:
         """The token ids (prompt, then the beam's) whose next position each running beam
@@ -155,14 +162,15 @@ class BeamSearch:
         at_limit = self._generated >= self.params.max_tokens
         running: list[_Beam] = []
         for rank, (total, index, token_id, position) in enumerate(candidates):
+            finishes = at_limit or token_id in self._ends
+            # only the top beam_width may finish (transformers' rule); beam_width run on
+            if (rank >= width) if finishes else (len(running) >= width):
+                continue
             parent = self._running[index]
-            beam = _Beam(parent.tokens + (token_id,), parent.logprobs + (dict(position),), total)
-            if at_limit or token_id in self._ends:
-                if rank < width:  # only the top beam_width may finish (transformers' rule)
-                    self._finished.append(
-                        (total / self._generated**self.params.length_penalty, beam)
-                    )
-            elif len(running) < width:
+            beam = _Beam(parent.tokens + (token_id,), parent.logprobs + (position,), total)
+            if finishes:
+                self._finished.append((total / self._generated**self.params.length_penalty, beam))
+            else:
                 running.append(beam)
         self._finished.sort(key=lambda hypothesis: -hypothesis[0])
         del self._finished[width:]
@@ -191,7 +199,7 @@ class BeamSearch:
             BeamSearchSequence(
                 tokens=self.prompt_token_ids + list(beam.tokens),
                 num_prompt_tokens=len(self.prompt_token_ids),
-                logprobs=list(beam.logprobs),
+                logprobs=[dict(position) for position in beam.logprobs],
                 cum_logprob=beam.sum_logprob,
                 score=score,
                 finish_reason="stop" if beam.tokens[-1] in self._ends else "length",

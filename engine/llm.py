@@ -185,7 +185,8 @@ class LLM:
             one_token = SamplingParams(
                 temperature=0.0, max_tokens=1, logprobs=running[0].candidates_per_beam
             )
-            outputs = self._run([ids for _, ids in pending], [None] * len(pending), one_token, None)
+            asks = [ids for _, ids in pending]
+            outputs = self._run(asks, [None] * len(pending), one_token, None, detokenize=False)
             positions = iter(_first_position(output) for output in outputs)
             for search in running:
                 search.advance([next(positions) for _ in search.pending()])
@@ -197,11 +198,11 @@ class LLM:
         sequences = search.best()
         if self.tokenizer is None:
             return sequences
+        include_stop = search.params.include_stop_str_in_output
         for sequence in sequences:
-            tokens = sequence.tokens
-            if sequence.finish_reason == "stop" and not search.params.include_stop_str_in_output:
-                tokens = tokens[:-1]
-            sequence.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            shown = search.prompt_token_ids + sequence.shown_token_ids(include_stop)
+            sequence.text = self.tokenizer.decode(shown, skip_special_tokens=True)
+            self._decode_logprobs(sequence.logprobs)  # (the asks' were left undecoded)
         return sequences
 
     def chat(
@@ -247,8 +248,11 @@ class LLM:
         texts: list[str | None],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None,
         priority: SequenceOf[int] | None,
+        *,
+        detokenize: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (its token ids, and its text where it was given as one)."""
+        """Generate for every prompt (its token ids, and its text where it was given as one);
+        ``detokenize`` False: the outputs' text and logprobs' tokens are left undecoded."""
         params_list = self._params_per_prompt(sampling_params, len(prompts_token_ids))
         num_prompts = len(prompts_token_ids)
         if priority is not None and len(priority) != num_prompts:
@@ -277,7 +281,10 @@ class LLM:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
             raise
-        return [self._detokenized(finished[rid], p) for rid, p in zip(request_ids, params_list)]
+        outputs = [finished[rid] for rid in request_ids]
+        if not detokenize:
+            return outputs
+        return [self._detokenized(output, p) for output, p in zip(outputs, params_list)]
 
     def close(self) -> None:
         """Stop the follower ranks (nothing with one rank); the LLM cannot generate afterwards.
@@ -328,11 +335,16 @@ class LLM:
         for completion in output.outputs:
             completion.text = self._completion_text(completion, params)
             positions += completion.logprobs or []
+        self._decode_logprobs(positions)
+        return output
+
+    def _decode_logprobs(self, positions: SequenceOf[PositionLogprobs]) -> None:
+        """Each position's logprobs, in place, with their token's text."""
+        assert self.tokenizer is not None
         for position in positions:
             for token_id, logprob in position.items():
                 decoded = self.tokenizer.decode([token_id])
                 position[token_id] = replace(logprob, decoded_token=decoded)
-        return output
 
     def _completion_text(self, completion: CompletionOutput, params: SamplingParams) -> str:
         """The text a client of the gateway reads for these tokens (router/gateway/text_stream):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.beam_search import BeamSearchParams, EarlyStopping
+from engine.beam_search import BeamSearchParams
 from engine.sampling.params import SamplingParams
 from router.gateway.errors import invalid
 from router.gateway.spec import GenerationSpec
@@ -46,10 +46,11 @@ _CONSTRAINT_FIELDS = (
 
 @dataclass(frozen=True, slots=True)
 class BeamOptions:
-    """What a request asks of its search beside ``n`` and each prompt's ``max_tokens``."""
+    """What a request asks of its search beside ``n`` and each prompt's ``max_tokens``, as
+    sent: ``BeamSearchParams`` checks them (``check_beam_search``)."""
 
-    length_penalty: float = 1.0
-    early_stopping: EarlyStopping = False
+    length_penalty: Any = 1.0
+    early_stopping: Any = False
 
     def params(self, spec: GenerationSpec, width: int) -> BeamSearchParams:
         """The search of one prompt's spec (its max_tokens already fitted to the context)."""
@@ -88,16 +89,26 @@ def checked_beam_options(body: dict[str, Any]) -> BeamOptions | None:
             "are ranked by the model's own log-probabilities",
             param="temperature",
         )
-    penalty = body.get("length_penalty", 1.0)
-    if isinstance(penalty, bool) or not isinstance(penalty, int | float):
-        raise invalid("length_penalty must be a number", param="length_penalty")
-    early_stopping = body.get("early_stopping", False)
-    if early_stopping not in (True, False, "never"):
-        raise invalid("early_stopping must be true, false or 'never'", param="early_stopping")
-    return BeamOptions(float(penalty), early_stopping)
+    return BeamOptions(body.get("length_penalty", 1.0), body.get("early_stopping", False))
 
 
-def check_searchable(body: dict[str, Any], spec: GenerationSpec) -> None:
+def check_beam_search(
+    body: dict[str, Any], specs: list[GenerationSpec], options: BeamOptions, num_eos: int
+) -> None:
+    """Each prompt's spec can be searched with its ``n`` beams: no sampling option set, and
+    the search's parameters valid (``n`` is bounded: a step reads max(2, 1 + ``num_eos``) x n
+    log-probabilities of each beam); ApiError(400) naming the field."""
+    for spec in specs:
+        _check_searchable(body, spec)
+        try:
+            options.params(spec, spec.params.n).candidates_per_beam(num_eos)
+        except ValueError as error:
+            field = str(error).split(" ", 1)[0]  # BeamSearchParams' errors start with it
+            name = "n" if field == "beam_width" else field
+            raise invalid(str(error).replace(field, name, 1), param=name) from error
+
+
+def _check_searchable(body: dict[str, Any], spec: GenerationSpec) -> None:
     """Refuses, naming the field, a sampling option set on a beam search's spec."""
     params, off = spec.params, SamplingParams()
     for field, name in _SAMPLING_FIELDS.items():

@@ -83,15 +83,14 @@ async def respond_beams(
             gateway.record_outcome("failed")
             raise internal_error(error) from error
     gateway.record_outcome("ok")
-    choices = [_choice(gateway, job, beam) for prompt in results.beams for beam in prompt]
+    decode = _decoder(gateway, job)
+    choices = [_choice(job, beam, decode) for prompt in results.beams for beam in prompt]
     usage = Usage(
         sum(len(spec.prompt_token_ids) for spec in job.specs),
         sum(len(choice.token_ids) for choice in choices),
         sum(results.cached_tokens),
     )
-    body = job.response_body(
-        header, choices, usage, gateway.model.tokenizer, _decoder(gateway, job)
-    )
+    body = job.response_body(header, choices, usage, gateway.model.tokenizer, decode)
     return JSONResponse(body, headers={"X-Request-Id": header.id})
 
 
@@ -172,14 +171,11 @@ async def _top_logprobs(
     raise RuntimeError(f"{request_id}: the cluster ended the ask without a token")
 
 
-def _choice(gateway: Gateway, job: OpenAIJob, beam: BeamSearchSequence) -> ChoiceText:
+def _choice(job: OpenAIJob, beam: BeamSearchSequence, decode: Decode) -> ChoiceText:
     """One beam as a choice: its text without an eos that ended it (shown only under
     ``include_stop_str_in_output``), its tokens (usage, return_token_ids) and logprobs."""
     token_ids = beam.output_token_ids
-    shown = token_ids
-    if beam.finish_reason == "stop" and not job.specs[0].include_stop_str_in_output:
-        shown = token_ids[:-1]
-    text = _decoder(gateway, job)(shown)
+    text = decode(beam.shown_token_ids(job.specs[0].include_stop_str_in_output))
     logprobs = [_token_logprobs(t, p, job.logprobs or 0) for t, p in zip(token_ids, beam.logprobs)]
     return ChoiceText(text, list(token_ids), logprobs, beam.finish_reason)
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from engine.structured.spec import StructuredOutputSpec
 from router.gateway.auth import Caller
-from router.gateway.beam_fields import BeamOptions, check_searchable, checked_beam_options
+from router.gateway.beam_fields import BeamOptions, check_beam_search, checked_beam_options
 from router.gateway.chat import (
     check_prompt_chars,
     check_text,
@@ -218,7 +218,7 @@ def parse_job(
     echo_texts = _echo_texts(kind, prompts, specs, model) if prompts.echo else None
     n = specs[0].params.n
     if beam_search is not None:
-        _check_beam_search(body, specs, beam_search, model)
+        check_beam_search(body, specs, beam_search, len(model.eos_token_ids))
     return OpenAIJob(
         kind,
         specs,
@@ -237,19 +237,6 @@ def parse_job(
         tokens_as_ids=tokens_as_ids,
         beam_search=beam_search,
     )
-
-
-def _check_beam_search(
-    body: dict[str, Any], specs: list[GenerationSpec], options: BeamOptions, model: ServedModel
-) -> None:
-    """Each spec can be searched with ``n`` beams (the model's eos ids set how many
-    log-probabilities a step reads: ``n`` has a limit)."""
-    for spec in specs:
-        check_searchable(body, spec)
-        try:
-            options.params(spec, spec.params.n).candidates_per_beam(len(model.eos_token_ids))
-        except ValueError as error:
-            raise invalid(str(error).replace("beam_width", "n", 1), param="n") from error
 
 
 def _parsers_read_tags(tools: ChatTools | None, reasoning: ReasoningMode | None) -> bool:

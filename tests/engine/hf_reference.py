@@ -38,6 +38,39 @@ def hf_greedy(
     return [int(t) for t in out[0, len(prompt) :]]
 
 
+def hf_beams(
+    model_dir: Path,
+    prompt: list[int],
+    width: int,
+    max_new_tokens: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+) -> tuple[list[list[int]], list[float] | None]:
+    """transformers' beams (generated tokens, cut after eos) and their scores, best first (no
+    scores for one beam: transformers then decodes greedily)."""
+    model = hf_model(model_dir)
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            num_beams=width,
+            num_return_sequences=width,
+            do_sample=False,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    beams = []
+    for row in out.sequences[:, len(prompt) :].tolist():
+        beams.append(row[: row.index(eos) + 1] if eos in row else row)
+    scores = getattr(out, "sequences_scores", None)
+    return beams, None if scores is None else scores.tolist()
+
+
 def hf_log_softmax(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), vocab] log-probabilities of the next token at every position."""
     model = hf_model(model_dir)

@@ -10,11 +10,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, BeamSearchParams, SamplingParams
 from engine.beam_search import BeamSearch
-from tests.engine.hf_reference import hf_model
+from tests.engine.hf_reference import hf_beams
 from tests.engine.test_parity import make_prompts
 
 MAX_TOKENS = 10
@@ -48,45 +47,13 @@ def eos_llm(eos_model: Path) -> LLM:
     return LLM(str(eos_model), dtype="float32", device="cpu", block_size=8)
 
 
-def hf_beams(
-    model_dir: Path,
-    prompt: list[int],
-    width: int,
-    length_penalty: float = 1.0,
-    early_stopping: bool | str = False,
-) -> tuple[list[list[int]], list[float] | None]:
-    """transformers' beams (generated tokens, cut after eos) and their scores, best first (no
-    scores for one beam: transformers then decodes greedily)."""
-    model = hf_model(model_dir)
-    eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            num_beams=width,
-            num_return_sequences=width,
-            do_sample=False,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    beams = []
-    for row in out.sequences[:, len(prompt) :].tolist():
-        beams.append(row[: row.index(eos) + 1] if eos in row else row)
-    scores = getattr(out, "sequences_scores", None)
-    return beams, None if scores is None else scores.tolist()
-
-
 @pytest.mark.parametrize("width", [1, 2, 4])
 def test_beams_equal_transformers(llm: LLM, llama_dir: Path, width: int) -> None:
     prompts = make_prompts(seed=22)[:4]
     params = BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS)
     outputs = llm.beam_search(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
-        beams, scores = hf_beams(llama_dir, prompt, width)
+        beams, scores = hf_beams(llama_dir, prompt, width, MAX_TOKENS)
         assert [s.output_token_ids for s in output.sequences] == beams
         if scores is not None:
             assert [s.score for s in output.sequences] == pytest.approx(scores, abs=1e-4)
@@ -122,7 +89,7 @@ def test_hypotheses_ended_by_eos_rank_as_in_transformers(
     outputs = llm.beam_search(prompts, params)
     ended_by_eos = 0
     for prompt, output in zip(prompts, outputs, strict=True):
-        beams, scores = hf_beams(eos_model, prompt, 3, length_penalty, early_stopping)
+        beams, scores = hf_beams(eos_model, prompt, 3, MAX_TOKENS, length_penalty, early_stopping)
         assert [s.output_token_ids for s in output.sequences] == beams
         assert [s.score for s in output.sequences] == pytest.approx(scores, rel=1e-5, abs=1e-4)
         for sequence in output.sequences:

@@ -112,6 +112,7 @@ def test_chat_choices_are_the_offline_beams_of_the_rendered_prompt(
         ("presence_penalty", 0.5),
         ("response_format", {"type": "json_object"}),
         ("early_stopping", "sometimes"),
+        ("length_penalty", "long"),
         ("use_beam_search", "yes"),
     ],
 )
