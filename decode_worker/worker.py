@@ -79,7 +79,7 @@ class DecodeWorker:
         cache: CacheConfig,
         scheduler: SchedulerConfig,
         transfer: TransferConfig,
-        speculative: SpeculativeConfig | None = None,  # ngram drafts checked each step; None: off
+        speculative: SpeculativeConfig | None = None,  # drafts checked each step; None: off
         parallel: ParallelConfig | None = None,  # its ranks (this one schedules); None: one
         follower_ranks: Sequence[RankPeer] = (),  # KV ports of its ranks 1 .. N-1, in order
         # the model of the worker this process ran before (one rank): kept, not loaded again

@@ -9,6 +9,7 @@ from engine.parallel.rank_model import check_max_model_len
 from engine.parallel.shard import TensorParallelShard
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_checks import check_draft_model
 
 
 def check_configs(
@@ -31,6 +32,8 @@ def check_configs(
             "async_scheduling does not combine with speculative decoding "
             "(num_speculative_tokens): drafts are proposed from the tokens of the step before"
         )
+    if speculative is not None and speculative.method == "draft_model":
+        check_draft_model(speculative, model_config, max_model_len, parallel.tensor_parallel_size)
     # heads (and experts, or their columns) divide
     TensorParallelShard.of(model_config, 0, parallel.tensor_parallel_size, parallel.expert_parallel)
     return model_config

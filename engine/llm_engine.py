@@ -39,7 +39,7 @@ from engine.scheduler import (
 )
 from engine.sequence import SequenceStatus
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import proposer_for
 from engine.step_timings import StepClock, StepTimingLog, step_timing
 from engine.structured.cursors import GrammarCursors
 from engine.structured.model_grammars import ModelGrammars
@@ -125,9 +125,7 @@ class LLMEngine:
             self._kv_events,
             rank.num_host_slots,
         )
-        proposer = None
-        if speculative is not None:
-            proposer = NgramProposer(speculative, max_contexts=scheduler.max_num_seqs)
+        proposer = proposer_for(speculative, rank.drafter, scheduler.max_num_seqs)
         # structured outputs: compiled on the first request that asks (and checked there)
         tokenizer_dir, vocab_size = load.tokenizer or load.model_dir, self.model_config.vocab_size
         self.grammars = ModelGrammars(tokenizer_dir, vocab_size, eos, load.trust_remote_code)
@@ -149,6 +147,7 @@ class LLMEngine:
             group=self.group,
             expert_tokens=None if moe is None else ExpertTokenCounts(moe),
             host_kv_cache=rank.host_kv_cache,
+            drafter=rank.drafter,
         )
         self._num_ranks = 1 if self.group is None else self.group.size
         self.stats = EngineStats()
@@ -367,6 +366,7 @@ class LLMEngine:
         """A step's results into the sequences; its tokens and the requests it ended."""
         shape = step_timing(output, 0.0)  # (what it computed, before the sequences move on)
         updated = self.scheduler.update(output, result)
+        self.runner.draft_after(output)  # a draft model's drafts for the next step
         self._record_prompt_logprobs(output, result)
         new_tokens: list[TokenEvent] = []
         ended: dict[str, RequestState] = {}  # requests with a sample finished or handed off

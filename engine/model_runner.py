@@ -58,6 +58,7 @@ from engine.scheduler.outputs import (
 )
 from engine.scheduler.stop import banned_token_ids
 from engine.sequence import Sequence
+from engine.speculative.draft_model import DraftModel
 from engine.speculative.rejection import NO_DRAFT, check_drafts
 from engine.step_inputs import decode_tokens
 from engine.structured.cursors import GrammarCursors
@@ -112,6 +113,7 @@ class ModelRunner:
         # [num_host_slots, num_slots, kv_planes, block_size, num_kv_heads, head_dim]: the host
         # tier's blocks (None: no host tier)
         host_kv_cache: torch.Tensor | None = None,
+        drafter: DraftModel | None = None,  # speculative decoding's draft model (None: none)
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -133,6 +135,7 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
         # structured outputs: each constrained sequence's grammar state (None: none allowed)
         self.grammar_cursors = grammar_cursors
+        self.drafter = drafter
         # the tokens the last ``sample`` drew, on the device, and the sequence of each row
         self._drawn: tuple[torch.Tensor, list[Sequence]] | None = None
         # rank 0 of a tensor-parallel worker: the group its followers hear each model call on
@@ -167,6 +170,15 @@ class ModelRunner:
         self._generators.pop(seq_id, None)
         if self.grammar_cursors is not None:
             self.grammar_cursors.forget(seq_id)
+        if self.drafter is not None:
+            self.drafter.forget(seq_id)
+
+    def draft_after(self, output: SchedulerOutput) -> None:
+        """With a draft model: its drafts for the next step of the sequences that received a
+        token in this one, once the scheduler has applied it (engine/speculative/draft_model.py)."""
+        if self.drafter is not None:
+            with self._on_device():
+                self.drafter.draft_after(output)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run a step and wait for its results."""

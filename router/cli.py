@@ -43,8 +43,11 @@ _SPECULATIVE_HELP = (
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' drafts up '
     "to num_speculative_tokens tokens per step, those that followed the latest earlier "
     "occurrence of the sequence's last n tokens in its prompt and output (n from "
-    "prompt_lookup_max down to prompt_lookup_min; either alone sets both, neither: 5), and "
-    "keeps the ones the model agrees with (greedy output is unchanged; default: off)"
+    "prompt_lookup_max down to prompt_lookup_min; either alone sets both, neither: 5); "
+    '\'{"model": "/path/to/small-model", "num_speculative_tokens": 4}\' (method draft_model) '
+    "drafts them greedily with that smaller model of the same vocabulary, on the decode "
+    "workers; either keeps the drafts the model agrees with (greedy output is unchanged, "
+    "sampled output keeps the model's distribution; default: off)"
 )
 _EXPERT_PARALLEL_HELP = (
     "a mixture-of-experts model's routed experts dealt out whole over each worker's "

@@ -12,6 +12,7 @@ from engine.model_config import load_model_config
 from engine.parallel.shard import check_tensor_parallel_size
 from engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig, SchedulingPolicy
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_checks import check_draft_model
 from kv_transfer.policy import FailurePolicy, TransferConfig, describe_auto, transports_for
 from router.kv_aware import KVAwareWeights
 from router.local_prefill import LocalPrefillRule
@@ -63,8 +64,9 @@ class ClusterConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9  # cuda: of each GPU, for the workers sharing it together
     max_model_len: int | None = None
-    # ngram speculative decoding on the decode (and colocated) workers; None: off. Prefill
-    # workers sample only each prompt's first token, so they never speculate.
+    # speculative decoding (prompt lookup or a draft model) on the decode (and colocated)
+    # workers; None: off. Prefill workers sample only each prompt's first token, so they never
+    # speculate (nor load a draft model).
     speculative: SpeculativeConfig | None = None
     # tensor parallelism: the ranks of each prefill (decode, colocated) worker, one Ray actor
     # each, placed together on one node; a rank holds 1/N of the weights and KV heads
@@ -158,6 +160,7 @@ class ClusterConfig:
             )
         self._check_engine_configs()
         self._check_tensor_parallel()
+        self._check_draft_model()
         self._check_rebalance()
 
     def _check_rebalance(self) -> None:
@@ -174,6 +177,18 @@ class ClusterConfig:
                 "--rebalance needs both pools' workers to fit the same nodes: "
                 "--prefill-resource and --decode-resource differ"
             )
+
+    def _check_draft_model(self) -> None:
+        """A draft model (``--speculative-config`` of method draft_model) the decode workers
+        can run beside the model: refused here, naming the field, not by each worker."""
+        if self.speculative is None or self.speculative.method != "draft_model":
+            return
+        target = load_model_config(self.model_dir)
+        max_model_len = self.max_model_len or target.max_position_embeddings
+        try:
+            check_draft_model(self.speculative, target, max_model_len, self.decode_tp)
+        except ValueError as error:  # a worker's "tensor_parallel_size" is --decode-tp here
+            raise ValueError(str(error).replace("tensor_parallel_size", "--decode-tp")) from None
 
     def _check_tensor_parallel(self) -> None:
         """Refuse, naming the flag and the numbers, a TP size the model's heads cannot split or

@@ -305,7 +305,8 @@ def _speculation(config: ClusterConfig) -> str:
     spec = config.speculative
     if spec is None:
         return ""
-    return f", {spec.method} speculation of up to {spec.num_speculative_tokens} tokens"
+    by = "" if spec.model is None else f" by {spec.model}"
+    return f", {spec.method} speculation of up to {spec.num_speculative_tokens} tokens{by}"
 
 
 def _generate_once(

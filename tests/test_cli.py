@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 
+from engine.demo_model import DEMO_MODEL_DIR
 from engine.messages import TokenEvent
 from engine.sampling.params import SamplingParams
 from engine.speculative.config import SpeculativeConfig
@@ -681,7 +682,7 @@ _NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max"
     [
         ('{"num_speculative_tokens": 4', "not valid JSON (Expecting ',' delimiter"),
         ("4", "must be a JSON object such as"),
-        ('{"num_speculative_tokens": 4, "model": "x"}', "unknown key(s) model; accepted: method"),
+        ('{"num_speculative_tokens": 4, "draft": "x"}', "unknown key(s) draft; accepted: method"),
         ('{"prompt_lookup_max": 4}', "speculative_config.num_speculative_tokens is required"),
         (
             '{"num_speculative_tokens": 0}',
@@ -694,7 +695,7 @@ _NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max"
         ('{"num_speculative_tokens": "4"}', "num_speculative_tokens must be an int, got str"),
         (
             '{"method": "eagle", "num_speculative_tokens": 4}',
-            "speculative_config.method must be 'ngram', got 'eagle'",
+            "speculative_config.method must be one of ngram, draft_model, got 'eagle'",
         ),
         (
             '{"num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
@@ -726,6 +727,25 @@ def test_the_speculative_config_reaches_the_cluster_config(monkeypatch: pytest.M
         SpeculativeConfig(num_speculative_tokens=2),  # vLLM's lookup window: 5 both ways
         None,  # off by default
     ]
+
+
+def test_a_draft_model_reaches_the_cluster_config_and_one_it_cannot_run_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The draft model's config is read before anything starts: a directory without one, or
+    decode workers of several ranks, exit 2 naming the field or the flag."""
+    draft = f'{{"model": "{DEMO_MODEL_DIR}", "num_speculative_tokens": 3}}'
+    (config,) = _served_configs(monkeypatch, ["--speculative-config", draft])
+    assert config.speculative == SpeculativeConfig(
+        3, method="draft_model", model=str(DEMO_MODEL_DIR)
+    )
+    missing = f'{{"model": "{tmp_path}", "num_speculative_tokens": 3}}'
+    assert main(["serve", "--speculative-config", missing]) == 2
+    error = capsys.readouterr().err
+    assert f"speculative_config.model: {tmp_path}/config.json not found" in error, error
+    assert main(["serve", "--decode-tp", "2", "--speculative-config", draft]) == 2
+    error = capsys.readouterr().err
+    assert "'draft_model' runs on a worker of one rank; --decode-tp is 2" in error, error
 
 
 def test_generate_takes_the_same_speculative_config() -> None:

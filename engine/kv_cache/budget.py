@@ -111,9 +111,15 @@ def num_host_kv_slots(kv_offload_gb: float, layout: KVLayout) -> int:
 
 
 def num_kv_blocks(
-    budget: KVBudget, layout: KVLayout, device: torch.device, peak_activation_bytes: int = 0
+    budget: KVBudget,
+    layout: KVLayout,
+    device: torch.device,
+    peak_activation_bytes: int = 0,
+    extra_bytes_per_block: int = 0,
 ) -> int:
-    """Blocks that fit the budget; called once at start-up after the weights are loaded."""
+    """Blocks that fit the budget; called once at start-up after the weights are loaded.
+    ``extra_bytes_per_block``: what each block costs besides ``layout``'s (a draft model's
+    cache in the same blocks)."""
     if budget.num_blocks is not None:
         return budget.num_blocks
     if budget.memory_bytes is not None:
@@ -126,10 +132,11 @@ def num_kv_blocks(
         memory = gpu_kv_bytes(total, free, own, budget.memory_fraction, peak_activation_bytes)
     else:
         memory = _cpu_default_bytes() - peak_activation_bytes
-    num_blocks = memory // layout.bytes_per_block
+    block_bytes = layout.bytes_per_block + extra_bytes_per_block
+    num_blocks = memory // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"no memory left for the KV cache ({memory} bytes available, a block needs "
-            f"{layout.bytes_per_block}); lower the model size or raise the memory budget"
+            f"{block_bytes}); lower the model size or raise the memory budget"
         )
     return int(num_blocks)

@@ -51,6 +51,7 @@ from engine.parallel.step_commands import RebuildCommand, send_command
 from engine.quantization.kv_cache_scheme import checkpoint_kv_scales
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_model import DraftModel, load_draft_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,9 @@ class RankModel:
     host_kv_cache: torch.Tensor | None = None
     # how its weights were loaded (``_loaded_as``), for ``loaded_weights``
     loaded_as: tuple[str, str, int, str, str, str] | None = None
+    # speculative decoding's draft model and its cache in the same blocks (None: no draft
+    # model; not kept for a next role: loaded again)
+    drafter: DraftModel | None = None
 
     def loaded_weights(
         self, keep_kv_cache: bool = True, group: TensorParallelGroup | None = None
@@ -317,6 +321,12 @@ def build_rank_model(
             shard=shard if size > 1 else None,
             group=group if size > 1 else None,
         )
+    draft = None  # speculative decoding's draft model; its cache once the blocks are counted
+    if speculative is not None and speculative.method == "draft_model":
+        draft = load_draft_model(
+            speculative, load, model_config, dtype, device, linear_backend, max_model_len,
+            cache.block_size,
+        )  # fmt: skip
     cache_groups = model_config.cache_groups
     float_layout = KVLayout(
         num_layers=cache_groups.num_slots,
@@ -384,7 +394,8 @@ def build_rank_model(
             max_model_len,
             model_config.vocab_size,
         )
-    num_blocks = num_kv_blocks(cache.budget, layout, device, activation_bytes)
+    draft_block_bytes = 0 if draft is None else draft.layout.bytes_per_block
+    num_blocks = num_kv_blocks(cache.budget, layout, device, activation_bytes, draft_block_bytes)
     if group is not None:  # each rank measured its own memory; the cache is what all can hold
         num_blocks = group.min_int(num_blocks)
     # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
@@ -413,6 +424,11 @@ def build_rank_model(
             max_rows_per_seq=rows_per_seq,
             num_cache_groups=cache_groups.num_groups,
         )
+    drafter = None
+    if draft is not None:
+        assert speculative is not None
+        vocab_size = model_config.vocab_size
+        drafter = draft.drafter(num_blocks, attn_backend, speculative, vocab_size, device)
     return RankModel(
         model_config=model_config,
         shard=shard,
@@ -428,6 +444,7 @@ def build_rank_model(
         kv_cache_scales=kv_cache_scales,
         host_kv_cache=host_kv_cache,
         loaded_as=_loaded_as(load, device, dtype, linear_backend),
+        drafter=drafter,
     )
 
 

@@ -187,9 +187,13 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             drafts = self._drafts(seq, budget) if drafting else ()
+            lookahead = self._lookahead(seq, num_new + len(drafts)) if drafting else 0
             self.block_manager.release_outside_window(seq)
-            while not self.block_manager.can_allocate(seq, num_new + len(drafts)):
-                if drafts:  # drafts are the first thing to go
+            while not self.block_manager.can_allocate(seq, num_new + len(drafts) + lookahead):
+                if lookahead:  # the first thing to go: the room to draft after the step
+                    lookahead = 0
+                    continue
+                if drafts:  # then the drafts
                     drafts = ()
                     continue
                 # the only one running: before it preempts itself, the queue's blocks
@@ -201,7 +205,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                copies += self.block_manager.allocate_slots(seq, num_new + len(drafts))
+                copies += self.block_manager.allocate_slots(seq, num_new + len(drafts) + lookahead)
                 scheduled.append(self._entry(seq, num_new, drafts))
                 budget -= num_new + len(drafts)
                 index += 1
@@ -415,6 +419,20 @@ class Scheduler:
         if drafts and self.draft_filter is not None:
             drafts = self.draft_filter(seq, drafts)
         return drafts
+
+    def _lookahead(self, seq: Sequence, num_step_tokens: int) -> int:
+        """Slots past a decoding sequence's ``num_step_tokens`` for a proposer that drafts after
+        the step on the blocks (a draft model): its number, up to the sequence's last token."""
+        assert self.proposer is not None
+        if (
+            self.proposer.num_lookahead_slots == 0
+            or seq.num_uncomputed_tokens != 1
+            or seq.prefill_only
+            or not speculates(seq)
+        ):
+            return 0
+        room = seq.max_total_tokens - seq.num_computed_tokens - num_step_tokens
+        return max(0, min(self.proposer.num_lookahead_slots, room))
 
     def _entry(
         self, seq: Sequence, num_new: int, drafts: tuple[int, ...] = ()

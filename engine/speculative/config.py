@@ -1,5 +1,6 @@
 """What speculative decoding the user asks for: vLLM's ``speculative_config`` for the ngram
-(prompt lookup) method, checked on construction; torch-free, so the router builds it too."""
+(prompt lookup) and draft_model (a smaller model of the same vocabulary) methods, checked on
+construction; torch-free, so the router builds it too."""
 
 from __future__ import annotations
 
@@ -9,13 +10,10 @@ from typing import Any
 
 _DEFAULT_LOOKUP = 5  # vLLM's window when neither bound is given
 MAX_SPECULATIVE_TOKENS = 16  # drafts per sequence per step, at most
-_KEYS = (
-    "method",
-    "num_speculative_tokens",
-    "prompt_lookup_max",
-    "prompt_lookup_min",
-    "disable_by_batch_size",
-)
+METHODS = ("ngram", "draft_model")
+_LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")  # ngram's alone
+_KEYS = ("method", "model", "num_speculative_tokens", *_LOOKUP_KEYS, "disable_by_batch_size")
+_INT_KEYS = ("num_speculative_tokens", *_LOOKUP_KEYS, "disable_by_batch_size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,15 +21,27 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # drafts proposed per decoding sequence per step, at most
     prompt_lookup_max: int = _DEFAULT_LOOKUP  # longest n-gram looked up in the context
     prompt_lookup_min: int = _DEFAULT_LOOKUP  # shortest n-gram that may give a proposal
-    method: str = "ngram"  # the only method: drafts copied from the sequence's own context
+    # "ngram": drafts copied from the sequence's own context; "draft_model": drafted greedily
+    # by ``model``, run beside the target on the same blocks (engine/speculative/draft_model.py)
+    method: str = "ngram"
+    model: str | None = None  # the draft model's directory (draft_model alone)
     # no drafts in a step while more sequences than this are running (None: always drafts):
     # a large batch already keeps the hardware busy, and its drafts cost more than they save
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r}")
-        for name in _KEYS[1:]:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config.model is required by method 'draft_model' (the draft "
+                f"model's directory) and by no other; got method {self.method!r} and model "
+                f"{self.model!r}"
+            )
+        for name in _INT_KEYS:
             value = getattr(self, name)
             if value is None and name == "disable_by_batch_size":
                 continue
@@ -61,9 +71,10 @@ class SpeculativeConfig:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
-        """From vLLM's dict: ``method`` "ngram", ``num_speculative_tokens`` (required),
-        ``prompt_lookup_max`` / ``prompt_lookup_min`` (one given: the other is the same;
-        neither: both 5, as vLLM), ``disable_by_batch_size``."""
+        """From vLLM's dict: ``method`` "ngram" or "draft_model" (vLLM's default: the latter
+        when a ``model`` is given, else the former), ``model``, ``num_speculative_tokens``
+        (required), ngram's ``prompt_lookup_max`` / ``prompt_lookup_min`` (one given: the other
+        is the same; neither: both 5, as vLLM), ``disable_by_batch_size``."""
         unknown = sorted(set(raw) - set(_KEYS))
         if unknown:
             raise ValueError(
@@ -72,6 +83,17 @@ class SpeculativeConfig:
             )
         if "num_speculative_tokens" not in raw:
             raise ValueError("speculative_config.num_speculative_tokens is required")
+        method = raw.get("method", "ngram" if raw.get("model") is None else "draft_model")
+        lookup_given = sorted(set(_LOOKUP_KEYS) & set(raw))
+        if method != "ngram" and lookup_given:
+            raise ValueError(
+                f"speculative_config.{lookup_given[0]} is the ngram method's; method is {method!r}"
+            )
+        model = raw.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(
+                f"speculative_config.model must be a directory path, got {type(model).__name__}"
+            )
         lookup_max = raw.get("prompt_lookup_max")
         lookup_min = raw.get("prompt_lookup_min")
         if lookup_max is None:
@@ -82,6 +104,7 @@ class SpeculativeConfig:
             num_speculative_tokens=raw["num_speculative_tokens"],
             prompt_lookup_max=lookup_max,
             prompt_lookup_min=lookup_min,
-            method=raw.get("method", "ngram"),
+            method=method,
+            model=model,
             disable_by_batch_size=raw.get("disable_by_batch_size"),
         )

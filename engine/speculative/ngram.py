@@ -26,6 +26,7 @@ class NgramProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size  # None: propose at any size
         self.max_contexts = max_contexts
+        self.num_lookahead_slots = 0  # looks up, computes nothing
         self._packed: OrderedDict[int, bytearray] = OrderedDict()  # seq id -> its context
 
     def proposes_for(self, num_running: int) -> bool:

@@ -1,15 +1,24 @@
 """What the scheduler asks a draft proposer (engine/scheduler/scheduler.py): whether a step of
-so many running sequences takes drafts, and the drafts to follow a sequence's tokens. The
-engine's is prompt lookup (``ngram.NgramProposer``); ``pdserve plan`` simulates one that drafts
-at a given acceptance (router/planner/speculation.py)."""
+so many running sequences takes drafts, the drafts to follow a sequence's tokens, and the slots
+a decoding sequence needs past its step's tokens for the proposer to draft after the step. The
+engine's are prompt lookup (``ngram.NgramProposer``) and a draft model
+(``draft_model.DraftModel``, drafting after each step into those slots); ``pdserve plan``
+simulates one that drafts at a given acceptance (router/planner/speculation.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
 
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.ngram import NgramProposer
+
 
 class DraftProposer(Protocol):
+    # slots a decoding sequence is given beyond its step's tokens, where the proposer writes
+    # its own KV while drafting after the step (0: it computes nothing on the blocks)
+    num_lookahead_slots: int
+
     def proposes_for(self, num_running: int) -> bool:
         """Whether a step with ``num_running`` sequences running takes drafts at all."""
         ...
@@ -19,3 +28,13 @@ class DraftProposer(Protocol):
     ) -> tuple[int, ...]:
         """Up to ``max_num_drafts`` draft tokens to follow ``token_ids`` (of ``seq_id``)."""
         ...
+
+
+def proposer_for(
+    speculative: SpeculativeConfig | None, drafter: DraftProposer | None, max_num_seqs: int
+) -> DraftProposer | None:
+    """The engine's proposer: the draft model's (``drafter``, built with the model), else
+    prompt lookup's when speculative decoding is on (keeping ``max_num_seqs`` contexts)."""
+    if drafter is not None or speculative is None:
+        return drafter
+    return NgramProposer(speculative, max_contexts=max_num_seqs)

@@ -79,6 +79,7 @@ class PlannedDrafts:
     def __init__(self, speculation: Speculation, token: int, seed: int | str = 0) -> None:
         self.speculation = speculation
         self.token = token
+        self.num_lookahead_slots = 0
         self._rng = random.Random(seed)
 
     def proposes_for(self, num_running: int) -> bool:

@@ -105,8 +105,8 @@ def test_speculative_config_takes_vllms_dict_and_names_bad_fields() -> None:
         ({"prompt_lookup_max": 3}, "num_speculative_tokens is required"),
         ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 16\], got 0"),
         ({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an int, got float"),
-        ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be 'ngram'"),
-        ({"num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+        ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be one of ngram, draft"),
+        ({"num_speculative_tokens": 2, "draft": "x"}, "unknown key"),
         (
             {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
             r"prompt_lookup_max \(2\) must be >= prompt_lookup_min \(4\)",

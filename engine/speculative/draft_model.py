@@ -1,0 +1,265 @@
+"""Speculative decoding with a draft model (vLLM's ``"method": "draft_model"``): a smaller
+model of the target's vocabulary proposes each decoding sequence's next tokens, greedily, after
+every step; the target checks them the step after (engine/speculative/rejection.py takes each
+as a draft proposed with certainty, so greedy output is unchanged and sampled output keeps the
+target's distribution).
+
+The draft model's KV cache has as many blocks as the target's and is indexed by the target's
+block tables, so the scheduler's allocation serves both. After a step the drafter, for each
+sequence the step gave a token of its own (a decode, or a prompt's last chunk; not a fork):
+1. catches its cache up: one batched forward of every such sequence's tokens from the first
+   position whose draft KV it trusts no more, up to its newest token. It trusts only what it
+   wrote itself into the blocks the sequence holds now: a sequence new to it (a prompt, one
+   handed off from a prefill worker) or whose blocks were given back since (preempted) starts
+   from position 0, its prefix-cache hits included;
+2. drafts: the argmax after the newest token is the first draft; each further draft is one
+   more batched forward of the draft before it, at the next position, written into the slots
+   the scheduler gave the sequence past its step (``num_lookahead_slots``). A sequence drafts
+   as many as those slots and its max tokens allow.
+The next schedule takes a sequence's drafts while its tokens are the ones they followed. Where
+drafts stood, the next catch-up computes their KV again (one token each, batched with the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.engine_config import LoadConfig
+from engine.forward_context import ForwardContext, set_forward_context
+from engine.host_to_device import to_device
+from engine.kernels.linear import has_packed_linears, padded_rows
+from engine.kv_cache.block_table import BlockTable
+from engine.kv_cache.budget import KVLayout
+from engine.model_config import ModelConfig
+from engine.model_loader import load_model
+from engine.models.registry import CausalLM
+from engine.parallel.shard import TensorParallelShard
+from engine.parallel.step_commands import ForwardInputs
+from engine.scheduler.outputs import SchedulerOutput
+from engine.scheduler.scheduler import speculates
+from engine.sequence import Sequence, SequenceStatus
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_checks import check_draft_model
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedDraft:
+    """A draft model loaded beside its target, before the cache's blocks are counted."""
+
+    model: CausalLM
+    config: ModelConfig
+    layout: KVLayout  # of its KV cache: the target's blocks, its own layers and heads
+
+    def drafter(
+        self,
+        num_blocks: int,
+        attn_backend: AttentionBackend,
+        speculative: SpeculativeConfig,
+        target_vocab_size: int,
+        device: torch.device,
+    ) -> DraftModel:
+        """The proposer, its KV cache allocated on ``device``: ``num_blocks`` of ``layout``."""
+        shape, dtype = self.layout.shape(num_blocks), self.layout.dtype
+        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        return DraftModel(self.model, kv_cache, attn_backend, speculative, target_vocab_size)
+
+
+def load_draft_model(
+    speculative: SpeculativeConfig,
+    load: LoadConfig,
+    target: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    linear_backend: Literal["torch", "onednn"],
+    max_model_len: int,
+    block_size: int,
+) -> LoadedDraft:
+    """``speculative.model`` loaded as the target was (dtype, device, load format, linear
+    backend); raises ValueError naming the field it cannot draft with."""
+    config = check_draft_model(speculative, target, max_model_len, num_ranks=1)
+    assert speculative.model is not None
+    model = load_model(
+        speculative.model,
+        config,
+        dtype,
+        device,
+        load.load_format,
+        load.seed,
+        linear_backend,
+    )
+    shard = TensorParallelShard.of(config, 0, 1)
+    layout = KVLayout(
+        num_layers=config.cache_groups.num_slots,
+        num_kv_heads=shard.num_kv_heads,
+        head_dim=config.head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        kv_planes=config.kv_planes,
+    )
+    return LoadedDraft(model, config, layout)
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """Tokens of one sequence a draft forward runs."""
+
+    seq: Sequence
+    start: int  # the first token's position
+    token_ids: list[int]
+
+
+class DraftModel:
+    """The proposer of draft tokens computed by a draft model (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]: the draft
+        # model's layers, the target's blocks
+        kv_cache: torch.Tensor,
+        attn_backend: AttentionBackend,
+        speculative: SpeculativeConfig,
+        target_vocab_size: int,  # drafts are ids the target has
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = int(kv_cache.shape[3])
+        self.attn_backend = attn_backend
+        self.num_speculative_tokens = speculative.num_speculative_tokens
+        self.disable_by_batch_size = speculative.disable_by_batch_size
+        self.num_lookahead_slots = speculative.num_speculative_tokens
+        self.target_vocab_size = target_vocab_size
+        self.device = kv_cache.device
+        self.pads_rows = has_packed_linears(model)  # packed linears: rows padded to buckets
+        # seq_id -> the block table its draft KV was written in, and how many leading
+        # positions of it hold the KV of its tokens
+        self._trusted: dict[int, tuple[BlockTable, int]] = {}
+        # seq_id -> (its token count when drafted, the drafts to follow those tokens)
+        self._drafts: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.num_forwards = 0  # draft forwards run (catch-ups and drafting steps)
+
+    def proposes_for(self, num_running: int) -> bool:
+        """Whether a step with ``num_running`` sequences running takes drafts at all."""
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
+
+    def propose(
+        self, token_ids: SequenceOf[int], max_num_drafts: int, seq_id: int | None = None
+    ) -> tuple[int, ...]:
+        """Up to ``max_num_drafts`` of the drafts made after ``seq_id``'s last step, if they
+        follow ``token_ids``; () otherwise."""
+        drafted = None if seq_id is None else self._drafts.get(seq_id)
+        if drafted is None or drafted[0] != len(token_ids) or max_num_drafts < 1:
+            return ()
+        return drafted[1][:max_num_drafts]
+
+    def forget(self, seq_id: int) -> None:
+        self._trusted.pop(seq_id, None)
+        self._drafts.pop(seq_id, None)
+
+    def draft_after(self, output: SchedulerOutput) -> None:
+        """Catch up and draft for the step's sequences that received a token of their own
+        (call once the step's tokens are in the sequences)."""
+        seqs = [e.seq for e in output.scheduled if e.sample_seqs == (e.seq,)]
+        plans: list[tuple[Sequence, int]] = []  # (sequence, drafts to make)
+        chunks: list[_Chunk] = []
+        for seq in seqs:
+            self._drafts.pop(seq.seq_id, None)
+            if seq.status is not SequenceStatus.RUNNING or seq.prefill_only or not speculates(seq):
+                continue
+            table = seq.block_tables[0]
+            newest = seq.num_tokens - 1  # its position
+            num_drafts = min(
+                self.num_speculative_tokens,
+                len(table) * self.block_size - newest,  # slots for the newest and each draft
+                seq.max_total_tokens - seq.num_tokens - 1,  # the target's token after them
+            )
+            if num_drafts < 1:
+                continue
+            trusted = self._trusted.get(seq.seq_id)
+            start = trusted[1] if trusted is not None and trusted[0] is table else 0
+            start = min(start, newest)
+            plans.append((seq, num_drafts))
+            chunks.append(_Chunk(seq, start, seq.token_ids[start : newest + 1]))
+        if not chunks:
+            return
+        with torch.inference_mode():
+            drafts = [[token] for token in self._forward_argmax(chunks)]
+            for step in range(1, max(n for _, n in plans)):
+                going = [i for i, (_, n) in enumerate(plans) if n > step]
+                after = [
+                    _Chunk(plans[i][0], plans[i][0].num_tokens - 1 + step, [drafts[i][-1]])
+                    for i in going
+                ]
+                for i, token in zip(going, self._forward_argmax(after)):
+                    drafts[i].append(token)
+        for (seq, _), made in zip(plans, drafts):
+            self._drafts[seq.seq_id] = (seq.num_tokens, tuple(made))
+            self._trusted[seq.seq_id] = (seq.block_tables[0], seq.num_tokens)
+
+    def _forward_argmax(self, chunks: list[_Chunk]) -> list[int]:
+        """One draft forward of ``chunks`` (their K/V written to the draft cache); the draft
+        model's argmax after each chunk's last token, in ``chunks``' order."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) == 1)
+        input_ids, inputs, last_rows = self._forward_inputs([chunks[i] for i in order])
+        ids = to_device(np.asarray(input_ids, dtype=np.int64), torch.long, self.device)
+        positions, metadata = inputs.on_device(self.device)
+        context = ForwardContext.for_groups(metadata, self.kv_cache, self.attn_backend)
+        with set_forward_context(context):
+            hidden = self.model.forward(ids, positions)
+        rows = to_device(np.asarray(last_rows, dtype=np.int64), None, self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        argmax = logits[:, : self.target_vocab_size].argmax(dim=-1).tolist()
+        self.num_forwards += 1
+        tokens = [0] * len(chunks)
+        for i, token in zip(order, argmax):
+            tokens[i] = int(token)
+        return tokens
+
+    def _forward_inputs(self, chunks: list[_Chunk]) -> tuple[list[int], ForwardInputs, list[int]]:
+        """The input ids, batch and last row of each chunk of a forward whose chunks of more
+        than one token come first (the runner's order: prefills, then decodes)."""
+        bs = self.block_size
+        prefills = [c for c in chunks if len(c.token_ids) > 1]
+        decodes = chunks[len(prefills) :]
+        input_ids = [token for c in chunks for token in c.token_ids]
+        positions = [np.arange(c.start, c.start + len(c.token_ids), dtype=np.int64) for c in chunks]
+        slots = [
+            c.seq.block_tables[0].array[pos // bs] * bs + pos % bs
+            for c, pos in zip(chunks, positions)
+        ]
+        ends = np.cumsum([len(c.token_ids) for c in chunks]).tolist()
+        num_prefill_tokens = ends[len(prefills) - 1] if prefills else 0
+        decode_lens = np.asarray([c.start + 1 for c in decodes], dtype=np.int64)
+        padding = padded_rows(len(input_ids)) - len(input_ids) if self.pads_rows else 0
+        input_ids.extend([0] * padding)
+        inputs = ForwardInputs(
+            positions=np.concatenate(positions),
+            slot_mapping=np.concatenate(slots)[None, :],
+            num_prefill_seqs=len(prefills),
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_seqs=len(decodes),
+            prefill_query_start_loc=[0, *ends[: len(prefills)]],
+            prefill_seq_lens=[c.start + len(c.token_ids) for c in prefills],
+            prefill_block_tables=_block_tables(prefills),
+            decode_seq_lens=decode_lens,
+            decode_block_tables=_block_tables(decodes),
+            max_decode_seq_len=int(decode_lens.max()) if decodes else 0,
+            num_padding_rows=padding,
+        )
+        return input_ids, inputs, [end - 1 for end in ends]
+
+
+def _block_tables(chunks: list[_Chunk]) -> np.ndarray:
+    """[1, len(chunks), max_blocks] int64: each chunk's sequence's cache group 0 table."""
+    width = max((len(c.seq.block_tables[0]) for c in chunks), default=0)
+    tables = np.zeros((1, len(chunks), width), dtype=np.int64)
+    for row, chunk in enumerate(chunks):
+        table = chunk.seq.block_tables[0]
+        tables[0, row, : len(table)] = table.array
+    return tables
