@@ -1,6 +1,8 @@
 """Speculative decoding on the cluster (``--speculative-config``): greedy output is the offline
 engine's without speculation, token for token, and the decode workers draft while the prefill
-workers never do. Prompts repeat a random block three times, so prompt lookup finds n-grams."""
+workers never do. Prompts repeat a random block three times, so prompt lookup finds n-grams.
+With a draft model (the target itself here), a decode worker's drafter computes its own cache of
+each prompt handed off to it: then every greedy draft stands."""
 
 from __future__ import annotations
 
@@ -40,9 +42,12 @@ def expected(llama_dir: Path) -> list[list[int]]:
 def cluster(
     request: pytest.FixtureRequest, ray_session: None, llama_dir: Path
 ) -> Iterator[Cluster]:
-    num_prefill = request.param
+    num_prefill, method = request.param
+    speculative = SPECULATIVE
+    if method == "draft_model":
+        speculative = SpeculativeConfig(3, method=method, model=str(llama_dir))
     config = local_cluster_config(
-        llama_dir, num_prefill=num_prefill, num_decode=1, speculative=SPECULATIVE
+        llama_dir, num_prefill=num_prefill, num_decode=1, speculative=speculative
     )
     started = Cluster.start(config)
     yield started
@@ -66,7 +71,12 @@ def _speculates(actor: object) -> bool:
     return bool(ray.get(ref))
 
 
-@pytest.mark.parametrize("cluster", [1, 0], ids=["1p1d", "colocated"], indirect=True)
+@pytest.mark.parametrize(
+    "cluster",
+    [(1, "ngram"), (0, "ngram"), (1, "draft_model")],
+    ids=["1p1d", "colocated", "1p1d-draft-model"],
+    indirect=True,
+)
 def test_greedy_requests_match_the_offline_engine_and_the_decode_worker_drafts(
     cluster: Cluster, expected: list[list[int]]
 ) -> None:
@@ -83,3 +93,5 @@ def test_greedy_requests_match_the_offline_engine_and_the_decode_worker_drafts(
     assert decode.num_accepted_draft_tokens <= decode.num_draft_tokens
     if "prefill-0" in counters:
         assert counters["prefill-0"].num_draft_tokens == 0
+    if cluster.config.speculative and cluster.config.speculative.method == "draft_model":
+        assert decode.num_accepted_draft_tokens == decode.num_draft_tokens, decode

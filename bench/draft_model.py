@@ -1,0 +1,182 @@
+"""Speculative decoding with a draft model against the same target without it, and against
+prompt lookup, in the same run.
+
+    .venv/bin/python -m bench.draft_model [--model DIR --draft-models DIR[,DIR]] [--device cpu]
+        [--batch-sizes 1,4,16] [--output-len 128] [--num-speculative-tokens 4] [--repeats 3]
+        [--threads 1] [--deepen-to 24] [--out bench/results/draft_model.json]
+
+Without ``--model`` the pair is built from the bundled demo model, which is the only trained
+model this repository has: the target is the demo model deepened to ``--deepen-to`` layers,
+the added layers' output projections (``o_proj``, ``down_proj``) zero, so they add nothing to
+the residual stream: its text is the demo model's while a forward runs 4x the layers (24 of
+6). The drafts: ``exact``, the demo model itself (every greedy draft stands: the bound), and
+``noisy``, a copy of it with every matrix element scaled by 1 + 0.3 x N(0, 1) (about half
+stand). Prompts: 24-token starts of docstrings from the demo model's corpus; greedy, ``ignore_eos``,
+``--output-len`` tokens each; prefix cache off. Each engine runs the same requests
+``--repeats`` times, alternating; the median wall time gives output tokens/s. Every engine's
+outputs are compared with the baseline's (greedy must not change). Prints a table and writes
+JSON with the acceptance rate and the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from bench.results_json import write_json
+from bench.speculative import DEMO_MODEL, docstring_prompts, timed_run
+from engine import LLM, SamplingParams
+
+NOISE = 0.3  # the noisy draft's relative scale of each matrix element's noise
+
+
+def deepened_demo(out: Path, num_layers: int) -> Path:
+    """The demo model with layers added after its own whose attention and MLP outputs are
+    zero: the same function, ``num_layers`` layers of compute."""
+    shutil.copytree(DEMO_MODEL, out, dirs_exist_ok=True)
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
+    own = int(config["num_hidden_layers"])
+    weights = load_file(DEMO_MODEL / "model.safetensors")
+    for layer in range(own, num_layers):
+        for name, tensor in list(weights.items()):
+            if name.startswith(f"model.layers.{layer % own}."):
+                added = name.replace(f"layers.{layer % own}.", f"layers.{layer}.", 1)
+                silent = name.endswith(("o_proj.weight", "down_proj.weight"))
+                weights[added] = torch.zeros_like(tensor) if silent else tensor.clone()
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def noisy_demo(out: Path, seed: int = 0) -> Path:
+    """The demo model, each matrix element scaled by 1 + NOISE x N(0, 1)."""
+    shutil.copytree(DEMO_MODEL, out, dirs_exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    weights = load_file(DEMO_MODEL / "model.safetensors")
+    for name, weight in weights.items():
+        if weight.dim() == 2:
+            noise = 1 + NOISE * torch.randn(weight.shape, generator=generator)
+            weights[name] = (weight.float() * noise).to(weight.dtype)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def make_engines(target: str, drafts: dict[str, str], args: argparse.Namespace) -> dict[str, LLM]:
+    """The baseline, prompt lookup, then a drafting engine per draft model."""
+    k = args.num_speculative_tokens
+    configs: dict[str, dict[str, Any] | None] = {
+        "none": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                  "prompt_lookup_max": 3},
+    }  # fmt: skip
+    for name, path in drafts.items():
+        configs[name] = {"model": path, "num_speculative_tokens": k}
+    return {
+        name: LLM(
+            target,
+            dtype=args.dtype,
+            device=args.device,
+            enable_prefix_caching=False,  # every repeat computes its prompts
+            speculative_config=config,
+        )
+        for name, config in configs.items()
+    }
+
+
+def run_batch(
+    engines: dict[str, LLM], prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    for llm in engines.values():  # warm-up: the same shapes, other prompts' order
+        llm.generate(prompts[::-1], SamplingParams(temperature=0.0, max_tokens=8))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    for _ in range(args.repeats):
+        for name, llm in engines.items():
+            runs[name].append(timed_run(llm, prompts, args.output_len))
+    baseline = runs["none"][0]["tokens"]
+    num_output = len(prompts) * args.output_len
+    results = {}
+    for name, engine_runs in runs.items():
+        differing = sum(
+            tokens != expected
+            for run in engine_runs
+            for tokens, expected in zip(run["tokens"], baseline, strict=True)
+        )
+        seconds = statistics.median(run["seconds"] for run in engine_runs)
+        last = engine_runs[-1]
+        drafts = last["num_draft_tokens"]
+        results[name] = {
+            "median_seconds": seconds,
+            "output_tokens_per_s": num_output / seconds,
+            "num_steps": last["num_steps"],
+            "num_draft_tokens": drafts,
+            "acceptance_rate": last["num_accepted_draft_tokens"] / drafts if drafts else None,
+            "num_outputs_differing_from_baseline": differing,
+        }
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="target (default: the deepened demo)")
+    parser.add_argument("--draft-models", default=None, help="comma-separated (with --model)")
+    parser.add_argument("--deepen-to", type=int, default=24)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench/results/draft_model.json")
+    args = parser.parse_args(argv)
+    if (args.model is None) != (args.draft_models is None):
+        parser.error("--model and --draft-models go together")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.model is None:
+            target = str(deepened_demo(Path(scratch) / "target", args.deepen_to))
+            drafts = {"exact": str(DEMO_MODEL), "noisy": str(noisy_demo(Path(scratch) / "noisy"))}
+        else:
+            target = args.model
+            drafts = {Path(d).name: d for d in args.draft_models.split(",")}
+        engines = make_engines(target, drafts, args)
+        rows = []
+        print(
+            f"{'batch':>5} {'drafts':>8} {'tok/s':>9} {'speed-up':>8} {'steps':>6} {'accepted':>8}"
+        )
+        for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+            prompts = docstring_prompts(engines["none"], batch_size, args.seed + batch_size)
+            results = run_batch(engines, prompts, args)
+            base_rate = results["none"]["output_tokens_per_s"]
+            for name, result in results.items():
+                result.update(
+                    batch_size=batch_size,
+                    drafts=name,
+                    speed_up=result["output_tokens_per_s"] / base_rate,
+                )
+                rows.append(result)
+                rate = result["acceptance_rate"]
+                print(
+                    f"{batch_size:>5} {name:>8} {result['output_tokens_per_s']:>9.0f} "
+                    f"{result['speed_up']:>7.2f}x {result['num_steps']:>6} "
+                    f"{'-' if rate is None else f'{rate:.0%}':>8}"
+                )
+    report = {"args": vars(args), "results": rows}
+    path = write_json(args.out, report)
+    print(f"wrote {path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
