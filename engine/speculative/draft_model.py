@@ -16,8 +16,9 @@ sequence the step gave a token of its own (a decode, or a prompt's last chunk; n
    more batched forward of the draft before it, at the next position, written into the slots
    the scheduler gave the sequence past its step (``num_lookahead_slots``). A sequence drafts
    as many as those slots and its max tokens allow.
-The next schedule takes a sequence's drafts while its tokens are the ones they followed. Where
-drafts stood, the next catch-up computes their KV again (one token each, batched with the rest).
+The next schedule takes a sequence's drafts while its tokens are the ones they followed. The
+draft KV written while drafting is kept where the drafts stood: the next catch-up starts after
+them (usually one token: the target's own after the drafts).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class DraftModel:
         plans: list[tuple[Sequence, int]] = []  # (sequence, drafts to make)
         chunks: list[_Chunk] = []
         for seq in seqs:
-            self._drafts.pop(seq.seq_id, None)
+            drafted = self._drafts.pop(seq.seq_id, None)
             if seq.status is not SequenceStatus.RUNNING or seq.prefill_only or not speculates(seq):
                 continue
             table = seq.block_tables[0]
@@ -183,6 +184,8 @@ class DraftModel:
                 continue
             trusted = self._trusted.get(seq.seq_id)
             start = trusted[1] if trusted is not None and trusted[0] is table else 0
+            if drafted is not None and drafted[0] == start:
+                start += _num_fed_and_stood(seq.token_ids, *drafted)
             start = min(start, newest)
             plans.append((seq, num_drafts))
             chunks.append(_Chunk(seq, start, seq.token_ids[start : newest + 1]))
@@ -253,6 +256,18 @@ class DraftModel:
             num_padding_rows=padding,
         )
         return input_ids, inputs, [end - 1 for end in ends]
+
+
+def _num_fed_and_stood(token_ids: list[int], num_tokens: int, drafts: tuple[int, ...]) -> int:
+    """How many of the positions after a sequence's first ``num_tokens`` tokens hold draft KV
+    of its tokens now: drafting fed every draft but the last, each at its position, so those
+    of the leading drafts that stood."""
+    num = 0
+    while num < len(drafts) - 1 and num_tokens + num < len(token_ids):
+        if token_ids[num_tokens + num] != drafts[num]:
+            break
+        num += 1
+    return num
 
 
 def _block_tables(chunks: list[_Chunk]) -> np.ndarray:
