@@ -166,6 +166,8 @@ class DraftModel:
     def draft_after(self, output: SchedulerOutput) -> None:
         """Catch up and draft for the step's sequences that received a token of their own
         (call once the step's tokens are in the sequences)."""
+        if not self.proposes_for(len(output.scheduled)):  # (disable_by_batch_size)
+            return  # their drafts, if any, follow fewer tokens: none is taken
         seqs = [e.seq for e in output.scheduled if e.sample_seqs == (e.seq,)]
         plans: list[tuple[Sequence, int]] = []  # (sequence, drafts to make)
         chunks: list[_Chunk] = []

@@ -212,3 +212,24 @@ def test_what_the_drafter_cannot_run_is_refused_naming_the_field(tmp_path: Path)
     with pytest.raises(ValueError, match=r"the target model \(MistralForCausalLM\) has sliding"):
         spec = {"model": str(DEMO_MODEL), "num_speculative_tokens": 2}
         LLM(str(mistral), device="cpu", speculative_config=spec)
+
+
+def test_no_drafting_while_the_batch_is_larger_than_disable_by_batch_size(
+    prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    """Drafts off above two sequences: the draft model runs only once two remain (and catches
+    up then), fewer forwards than drafting throughout; every draft still stands."""
+    forwards = []
+    for limit in (None, 2):
+        spec = {
+            "model": str(DEMO_MODEL),
+            "num_speculative_tokens": 4,
+            "disable_by_batch_size": limit,
+        }
+        llm = LLM(str(DEMO_MODEL), dtype="float32", device="cpu", speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == expected
+        stats = llm.engine.stats
+        assert 0 < stats.num_accepted_draft_tokens == stats.num_draft_tokens
+        assert llm.engine.runner.drafter is not None
+        forwards.append(llm.engine.runner.drafter.num_forwards)
+    assert 0 < forwards[1] < forwards[0] / 2, forwards
