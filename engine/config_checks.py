@@ -33,7 +33,7 @@ def check_configs(
             "(num_speculative_tokens): drafts are proposed from the tokens of the step before"
         )
     if speculative is not None and speculative.method == "draft_model":
-        check_draft_model(speculative, model_config, max_model_len, parallel.tensor_parallel_size)
+        check_draft_model(speculative, model_config, max_model_len)
     # heads (and experts, or their columns) divide
     TensorParallelShard.of(model_config, 0, parallel.tensor_parallel_size, parallel.expert_parallel)
     return model_config

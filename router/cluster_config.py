@@ -185,10 +185,7 @@ class ClusterConfig:
             return
         target = load_model_config(self.model_dir)
         max_model_len = self.max_model_len or target.max_position_embeddings
-        try:
-            check_draft_model(self.speculative, target, max_model_len, self.decode_tp)
-        except ValueError as error:  # a worker's "tensor_parallel_size" is --decode-tp here
-            raise ValueError(str(error).replace("tensor_parallel_size", "--decode-tp")) from None
+        check_draft_model(self.speculative, target, max_model_len)
 
     def _check_tensor_parallel(self) -> None:
         """Refuse, naming the flag and the numbers, a TP size the model's heads cannot split or

@@ -733,7 +733,7 @@ def test_a_draft_model_reaches_the_cluster_config_and_one_it_cannot_run_is_refus
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """The draft model's config is read before anything starts: a directory without one, or
-    decode workers of several ranks, exit 2 naming the field or the flag."""
+    a draft shorter than the context served, exit 2 naming the field."""
     draft = f'{{"model": "{DEMO_MODEL_DIR}", "num_speculative_tokens": 3}}'
     (config,) = _served_configs(monkeypatch, ["--speculative-config", draft])
     assert config.speculative == SpeculativeConfig(
@@ -743,9 +743,9 @@ def test_a_draft_model_reaches_the_cluster_config_and_one_it_cannot_run_is_refus
     assert main(["serve", "--speculative-config", missing]) == 2
     error = capsys.readouterr().err
     assert f"speculative_config.model: {tmp_path}/config.json not found" in error, error
-    assert main(["serve", "--decode-tp", "2", "--speculative-config", draft]) == 2
+    assert main(["serve", "--max-model-len", "1024", "--speculative-config", draft]) == 2
     error = capsys.readouterr().err
-    assert "'draft_model' runs on a worker of one rank; --decode-tp is 2" in error, error
+    assert "max_position_embeddings (512) must be >= the target's max_model_len (1024)" in error
 
 
 def test_generate_takes_the_same_speculative_config() -> None:

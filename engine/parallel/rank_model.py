@@ -321,8 +321,10 @@ def build_rank_model(
             shard=shard if size > 1 else None,
             group=group if size > 1 else None,
         )
-    draft = None  # speculative decoding's draft model; its cache once the blocks are counted
-    if speculative is not None and speculative.method == "draft_model":
+    # speculative decoding's draft model, whole, on rank 0 alone (which schedules and samples;
+    # the followers never see it); its cache once the blocks are counted
+    draft = None
+    if speculative is not None and speculative.method == "draft_model" and rank == 0:
         draft = load_draft_model(
             speculative, load, model_config, dtype, device, linear_backend, max_model_len,
             cache.block_size,
@@ -397,6 +399,7 @@ def build_rank_model(
     draft_block_bytes = 0 if draft is None else draft.layout.bytes_per_block
     num_blocks = num_kv_blocks(cache.budget, layout, device, activation_bytes, draft_block_bytes)
     if group is not None:  # each rank measured its own memory; the cache is what all can hold
+        # (rank 0's, with a draft model's cache beside its own, may hold fewer)
         num_blocks = group.min_int(num_blocks)
     # [num_slots, kv_planes, num_blocks, block_size, num_kv_heads, head_dim]
     kv_cache = None  # the engine before on these weights: its cache if it fits

@@ -8,18 +8,13 @@ from engine.speculative.config import SpeculativeConfig
 
 
 def check_draft_model(
-    speculative: SpeculativeConfig, target: ModelConfig, max_model_len: int, num_ranks: int
+    speculative: SpeculativeConfig, target: ModelConfig, max_model_len: int
 ) -> ModelConfig:
     """The draft model's config; raises ValueError naming the field of a pair the drafter
-    cannot run: it runs on a worker of one rank, reads the target's block tables of one cache
-    group whose blocks all stay (no sliding window, in either model), and drafts at every
-    position the target may reach."""
+    cannot run: it reads the target's block tables of one cache group whose blocks all stay
+    (no sliding window, in either model), and drafts at every position the target may
+    reach."""
     assert speculative.model is not None
-    if num_ranks > 1:
-        raise ValueError(
-            "speculative_config.method 'draft_model' runs on a worker of one rank; "
-            f"tensor_parallel_size is {num_ranks}"
-        )
     try:
         draft = load_model_config(speculative.model)
     except (OSError, ValueError) as error:

@@ -5,7 +5,8 @@ as a draft proposed with certainty, so greedy output is unchanged and sampled ou
 target's distribution).
 
 The draft model's KV cache has as many blocks as the target's and is indexed by the target's
-block tables, so the scheduler's allocation serves both. After a step the drafter, for each
+block tables, so the scheduler's allocation serves both. Under tensor parallelism rank 0 alone
+holds the draft model, whole, and its cache: the drafts are its scheduler's. After a step the drafter, for each
 sequence the step gave a token of its own (a decode, or a prompt's last chunk; not a fork):
 1. catches its cache up: one batched forward of every such sequence's tokens from the first
    position whose draft KV it trusts no more, up to its newest token. It trusts only what it
@@ -83,7 +84,7 @@ def load_draft_model(
 ) -> LoadedDraft:
     """``speculative.model`` loaded as the target was (dtype, device, load format, linear
     backend); raises ValueError naming the field it cannot draft with."""
-    config = check_draft_model(speculative, target, max_model_len, num_ranks=1)
+    config = check_draft_model(speculative, target, max_model_len)
     assert speculative.model is not None
     model = load_model(
         speculative.model,

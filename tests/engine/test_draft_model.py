@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, SamplingParams
 from engine.kv_cache.budget import KVLayout
 from engine.speculative.config import SpeculativeConfig
-from tests.engine.hf_reference import hf_log_softmax
+from tests.engine.hf_reference import first_divergence_near_ties, hf_log_softmax
 from tests.engine.test_sampler_statistics import assert_matches
 from tests.engine.test_speculative_decoding import (
     DEMO_MODEL,
@@ -200,7 +200,6 @@ def test_what_the_drafter_cannot_run_is_refused_naming_the_field(tmp_path: Path)
     )
     short = _with_config(DEMO_MODEL, tmp_path / "short", max_position_embeddings=64)
     refused = [
-        ({"tensor_parallel_size": 2}, DEMO_MODEL, "runs on a worker of one rank; tensor_p"),
         ({}, tmp_path / "nothing", "speculative_config.model: .*config.json not found"),
         ({}, mistral, r"speculative_config.model \(MistralForCausalLM\) has sliding-window"),
         ({}, short, r"max_position_embeddings \(64\) must be >= the target's max_model_len"),
@@ -233,3 +232,19 @@ def test_no_drafting_while_the_batch_is_larger_than_disable_by_batch_size(
         assert llm.engine.runner.drafter is not None
         forwards.append(llm.engine.runner.drafter.num_forwards)
     assert 0 < forwards[1] < forwards[0] / 2, forwards
+
+
+def test_a_worker_of_two_ranks_drafts_on_rank_0(
+    prompts: list[list[int]], expected: list[list[int]], noisy_draft: Path
+) -> None:
+    """The draft model, whole, on rank 0 alone; the target over two ranks checks its drafts:
+    transformers' tokens up to a near-tie at a first divergence (the ranks' all-reduce sums in
+    another order than one device)."""
+    llm = drafting_llm(noisy_draft, tensor_parallel_size=2, **ENGINE_MODES["preempted"])
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())]
+        assert len(first_divergence_near_ties(DEMO_MODEL, prompts, got, expected)) <= 1
+        assert llm.engine.num_preemptions > 0
+        assert_drafts_stood_and_fell(llm)
+    finally:
+        llm.close()
