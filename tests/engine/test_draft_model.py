@@ -55,9 +55,8 @@ def noisy_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def drafting_llm(draft: Path, **engine_args: object) -> LLM:
     spec = {"model": str(draft), "num_speculative_tokens": NUM_DRAFTS}
-    return LLM(
-        str(DEMO_MODEL), dtype="float32", device="cpu", speculative_config=spec, **engine_args
-    )  # type: ignore[arg-type]
+    options = {"dtype": "float32", "device": "cpu", **engine_args}
+    return LLM(str(DEMO_MODEL), speculative_config=spec, **options)  # type: ignore[arg-type]
 
 
 ENGINE_MODES = {
@@ -248,3 +247,18 @@ def test_a_worker_of_two_ranks_drafts_on_rank_0(
         assert_drafts_stood_and_fell(llm)
     finally:
         llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_draft_model_gives_the_tokens_of_the_engine_without_it(
+    prompts: list[list[int]], noisy_draft: Path
+) -> None:
+    """The draft's forwards (eager, on the Triton attention) beside the target's graphs."""
+    plain = LLM(str(DEMO_MODEL), dtype="float32", device="cuda")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy())]
+    for draft in (noisy_draft, DEMO_MODEL):
+        llm = drafting_llm(draft, device="cuda")
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == expected
+        stats = llm.engine.stats
+        assert 0 < stats.num_accepted_draft_tokens <= stats.num_draft_tokens, stats
