@@ -431,7 +431,10 @@ def build_rank_model(
     if draft is not None:
         assert speculative is not None
         vocab_size = model_config.vocab_size
-        drafter = draft.drafter(num_blocks, attn_backend, speculative, vocab_size, device)
+        drafter = draft.drafter(
+            num_blocks, attn_backend, speculative, vocab_size, device,
+            scheduler.max_num_batched_tokens,
+        )  # fmt: skip
     return RankModel(
         model_config=model_config,
         shard=shard,

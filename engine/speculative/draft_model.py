@@ -65,11 +65,14 @@ class LoadedDraft:
         speculative: SpeculativeConfig,
         target_vocab_size: int,
         device: torch.device,
+        max_forward_tokens: int,
     ) -> DraftModel:
         """The proposer, its KV cache allocated on ``device``: ``num_blocks`` of ``layout``."""
         shape, dtype = self.layout.shape(num_blocks), self.layout.dtype
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        return DraftModel(self.model, kv_cache, attn_backend, speculative, target_vocab_size)
+        return DraftModel(
+            self.model, kv_cache, attn_backend, speculative, target_vocab_size, max_forward_tokens
+        )
 
 
 def load_draft_model(
@@ -128,6 +131,9 @@ class DraftModel:
         attn_backend: AttentionBackend,
         speculative: SpeculativeConfig,
         target_vocab_size: int,  # drafts are ids the target has
+        # tokens a draft forward runs at most (the target's step budget, which the memory
+        # profile sized activations for): a longer catch-up runs in several
+        max_forward_tokens: int,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -137,6 +143,7 @@ class DraftModel:
         self.disable_by_batch_size = speculative.disable_by_batch_size
         self.num_lookahead_slots = speculative.num_speculative_tokens
         self.target_vocab_size = target_vocab_size
+        self.max_forward_tokens = max_forward_tokens
         self.device = kv_cache.device
         self.pads_rows = has_packed_linears(model)  # packed linears: rows padded to buckets
         # seq_id -> the block table its draft KV was written in, and how many leading
@@ -195,7 +202,7 @@ class DraftModel:
         if not chunks:
             return
         with torch.inference_mode():
-            drafts = [[token] for token in self._forward_argmax(chunks)]
+            drafts = [[token] for token in self._catch_up(chunks)]
             for step in range(1, max(n for _, n in plans)):
                 going = [i for i, (_, n) in enumerate(plans) if n > step]
                 after = [
@@ -207,6 +214,26 @@ class DraftModel:
         for (seq, _), made in zip(plans, drafts):
             self._drafts[seq.seq_id] = (seq.num_tokens, tuple(made))
             self._trusted[seq.seq_id] = (seq.block_tables[0], seq.num_tokens)
+
+    def _catch_up(self, chunks: list[_Chunk]) -> list[int]:
+        """The draft model's argmax after each chunk, its tokens run in forwards of at most
+        ``max_forward_tokens``: a chunk's leading pieces alone, then the last pieces batched."""
+        limit = self.max_forward_tokens
+        last_pieces: list[_Chunk] = []
+        for chunk in chunks:
+            start, token_ids = chunk.start, chunk.token_ids
+            while len(token_ids) > limit:
+                self._forward_argmax([_Chunk(chunk.seq, start, token_ids[:limit])])
+                start, token_ids = start + limit, token_ids[limit:]
+            last_pieces.append(_Chunk(chunk.seq, start, token_ids))
+        tokens: list[int] = []
+        batch: list[_Chunk] = []
+        for piece in last_pieces:
+            if batch and sum(len(c.token_ids) for c in batch) + len(piece.token_ids) > limit:
+                tokens += self._forward_argmax(batch)
+                batch = []
+            batch.append(piece)
+        return tokens + self._forward_argmax(batch)
 
     def _forward_argmax(self, chunks: list[_Chunk]) -> list[int]:
         """One draft forward of ``chunks`` (their K/V written to the draft cache); the draft
