@@ -66,15 +66,11 @@ ENGINE_MODES = {
     # preempted, and its blocks back from the host tier (draft KV never goes there)
     "host-tier": {"block_size": 4, "num_kv_blocks": 30, "kv_offload_gb": 0.01},
     "prefix-cache": {},
-    "one-at-a-time": {},
 }
 
 
 def run_mode(llm: LLM, prompts: list[list[int]], mode: str) -> list[list[int]]:
-    if mode == "one-at-a-time":
-        outputs = [llm.generate([p], [s])[0] for p, s in zip(prompts, greedy(), strict=True)]
-    else:
-        outputs = llm.generate(prompts, greedy())
+    outputs = llm.generate(prompts, greedy())
     if mode == "prefix-cache":  # again, from the cache: the drafter writes its own KV anew
         first = [o.outputs[0].token_ids for o in outputs]
         outputs = llm.generate(prompts, greedy())
