@@ -7,7 +7,7 @@ Every report interval the rebalancer reads, per pool:
                   ``--slo-ttft-ms`` for the prefill pool; its predicted TPOT over
                   ``--slo-tpot-ms`` for the decode pool;
   utilization  -- the share of the window its workers spent in engine steps (from the step
-                  timings they report).
+                  timings they report; router/busy_share.py).
 A worker moves from pool A to pool B when, for a whole ``window_s``, B's pressure is at least
 ``pressure_high`` while A's is at most ``donor_pressure_low`` and A's utilization at most
 ``donor_utilization_low``, and A keeps at least one worker. A switch makes as many moves as
@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from router.busy_share import BusyShare
 from router.latency_forecast import Forecast
 from router.rebalance_policy import (
     ROLES,
@@ -107,7 +108,7 @@ class Rebalancer:
         self._recover = recover
         self._recent = _RecentRequests()
         self._lock = threading.Lock()
-        self._busy_at: tuple[float, dict[str, float]] | None = None
+        self._busy = BusyShare(config.window_s)  # each pool's busy share over the window
         self._switches: Counter[tuple[str, str]] = Counter()  # (from, to) role -> switches
 
     def note_request(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -149,20 +150,15 @@ class Rebalancer:
             if not recent.seen:
                 return None
             prompt_len, max_tokens = round(recent.prompt_tokens), round(recent.max_tokens)
-        busy = self.pool.latency_model.busy_seconds()
-        earlier, self._busy_at = self._busy_at, (now, busy)
-        if earlier is None or now <= earlier[0]:
+        self._busy.update(now, self.pool.latency_model.busy_seconds())
+        workers = self._workers_by_role()
+        shares = {role: self._busy.share(workers[role]) for role in ROLES}
+        utilization = {role: share for role, share in shares.items() if share is not None}
+        if len(utilization) < len(ROLES):
             return None
         forecast = self._forecast([0] * max(1, prompt_len), max(1, max_tokens))
         if forecast is None:
             return None
-        workers = self._workers_by_role()
-        elapsed = now - earlier[0]
-        utilization = {}
-        for role in ROLES:
-            ids = workers[role]
-            spent = sum(busy.get(w, 0.0) - earlier[1].get(w, 0.0) for w in ids)
-            utilization[role] = spent / (elapsed * len(ids)) if ids else 0.0
         return PoolSignals(
             {role: len(workers[role]) for role in ROLES},
             {
