@@ -36,7 +36,10 @@ engine applies the step in flight and schedules again.
 With a draft proposer (speculative decoding), a running sequence that decodes also asks it for
 draft tokens, which take budget and slots like its own token (a sequence short of blocks drops
 its drafts before anyone is preempted). ``update`` advances it past its token and the drafts
-that stood; the slots of the drafts that fell are written over by the tokens that follow.
+that stood; the slots of the drafts that fell are written over by the tokens that follow. A
+proposer that drafts after the step on the blocks (a draft model) also has such a sequence given
+``num_lookahead_slots`` slots past its step's tokens, up to its last token (no budget: nothing
+of the step's runs there); they go before its drafts when blocks are short.
 """
 
 from __future__ import annotations
