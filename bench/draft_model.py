@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,8 +32,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.results_json import write_json
-from bench.speculative import DEMO_MODEL, docstring_prompts, timed_run
-from engine import LLM, SamplingParams
+from bench.speculative import DEMO_MODEL, docstring_prompts, run_case
+from engine import LLM
 
 NOISE = 0.3  # the noisy draft's relative scale of each matrix element's noise
 
@@ -93,38 +92,6 @@ def make_engines(target: str, drafts: dict[str, str], args: argparse.Namespace) 
     }
 
 
-def run_batch(
-    engines: dict[str, LLM], prompts: list[list[int]], args: argparse.Namespace
-) -> dict[str, dict[str, Any]]:
-    for llm in engines.values():  # warm-up: the same shapes, other prompts' order
-        llm.generate(prompts[::-1], SamplingParams(temperature=0.0, max_tokens=8))
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
-    for _ in range(args.repeats):
-        for name, llm in engines.items():
-            runs[name].append(timed_run(llm, prompts, args.output_len))
-    baseline = runs["none"][0]["tokens"]
-    num_output = len(prompts) * args.output_len
-    results = {}
-    for name, engine_runs in runs.items():
-        differing = sum(
-            tokens != expected
-            for run in engine_runs
-            for tokens, expected in zip(run["tokens"], baseline, strict=True)
-        )
-        seconds = statistics.median(run["seconds"] for run in engine_runs)
-        last = engine_runs[-1]
-        drafts = last["num_draft_tokens"]
-        results[name] = {
-            "median_seconds": seconds,
-            "output_tokens_per_s": num_output / seconds,
-            "num_steps": last["num_steps"],
-            "num_draft_tokens": drafts,
-            "acceptance_rate": last["num_accepted_draft_tokens"] / drafts if drafts else None,
-            "num_outputs_differing_from_baseline": differing,
-        }
-    return results
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="target (default: the deepened demo)")
@@ -157,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             prompts = docstring_prompts(engines["none"], batch_size, args.seed + batch_size)
-            results = run_batch(engines, prompts, args)
+            results = run_case(engines, prompts, args, baseline="none")
             base_rate = results["none"]["output_tokens_per_s"]
             for name, result in results.items():
                 result.update(

@@ -93,15 +93,20 @@ def _num_graph_replays(llm: LLM) -> int:
 
 
 def run_case(
-    engines: dict[int, LLM], prompts: list[list[int]], args: argparse.Namespace
-) -> dict[int, dict[str, Any]]:
+    engines: dict[Any, LLM],
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    baseline: Any = 0,
+) -> dict[Any, dict[str, Any]]:
+    """Each engine's runs of ``prompts`` (``args.repeats``, alternating), against the
+    ``baseline`` engine's tokens (by its key: 0 drafts here)."""
     for llm in engines.values():  # warm-up: the same shapes, other prompts' order
         llm.generate(prompts[::-1], SamplingParams(temperature=0.0, max_tokens=8))
-    runs: dict[int, list[dict[str, Any]]] = {k: [] for k in engines}
+    runs: dict[Any, list[dict[str, Any]]] = {k: [] for k in engines}
     for _ in range(args.repeats):
         for k, llm in engines.items():
             runs[k].append(timed_run(llm, prompts, args.output_len))
-    baseline_tokens = runs[0][0]["tokens"]
+    baseline_tokens = runs[baseline][0]["tokens"]
     results = {}
     num_output = len(prompts) * args.output_len
     for k, k_runs in runs.items():
@@ -113,7 +118,7 @@ def run_case(
             for tokens, expected in zip(run["tokens"], baseline_tokens, strict=True)
         )
         if num_differing:
-            print(f"warning: {num_differing} outputs with {k} drafts differ from the baseline's")
+            print(f"warning: {num_differing} outputs of {k!r} differ from the baseline's")
         seconds = statistics.median(run["seconds"] for run in k_runs)
         last = k_runs[-1]
         drafts = last["num_draft_tokens"]

@@ -15,7 +15,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,11 +22,11 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, SamplingParams
 from engine.kv_cache.budget import KVLayout
 from engine.speculative.config import SpeculativeConfig
-from tests.engine.hf_reference import first_divergence_near_ties, hf_log_softmax
-from tests.engine.test_sampler_statistics import assert_matches
+from tests.engine.hf_reference import first_divergence_near_ties
 from tests.engine.test_speculative_decoding import (
     DEMO_MODEL,
     assert_drafts_stood_and_fell,
+    assert_samples_follow_top2_outcomes,
     expected,
     greedy,
     prompts,
@@ -149,25 +148,8 @@ def test_sampled_output_follows_the_models_distribution(
     """Three tokens of top-k 2 sampling: eight possible outputs, whose probabilities come from
     transformers. Many requests at once, each sampled with the draft model's greedy drafts,
     must hit them in those proportions."""
-    prompt = prompts[4]
-    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
-    expected: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(3):
-        grown: dict[tuple[int, ...], float] = {}
-        for prefix, probability in expected.items():
-            top = hf_log_softmax(DEMO_MODEL, prompt + list(prefix))[-1].topk(2)
-            for token, p in zip(top.indices.tolist(), top.values.softmax(dim=-1).tolist()):
-                grown[(*prefix, token)] = probability * p
-        expected = grown
-    outcomes = sorted(expected)
     torch.manual_seed(5)
-    llm = drafting_llm(noisy_draft, max_num_seqs=512)
-    counts = np.zeros(len(outcomes), dtype=np.int64)
-    for _ in range(2):
-        for out in llm.generate([prompt] * 1000, params):
-            counts[outcomes.index(tuple(out.outputs[0].token_ids))] += 1
-    assert_matches(counts, np.array([expected[o] for o in outcomes]))
-    assert_drafts_stood_and_fell(llm)
+    assert_samples_follow_top2_outcomes(drafting_llm(noisy_draft, max_num_seqs=512), prompts[4])
 
 
 def test_the_draft_cache_shares_the_kv_budget(noisy_draft: Path) -> None:

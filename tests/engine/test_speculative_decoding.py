@@ -418,6 +418,13 @@ def test_sampled_output_follows_the_models_distribution(prompts: list[list[int]]
     # the model's top two tokens after "the" are " file" and " it"; after " the file", prompt
     # lookup drafts " is", one of the model's top two there
     prompt = prompts[4] + prompts[4][3:8]  # "... If the file is not specified, the"
+    torch.manual_seed(11)
+    assert_samples_follow_top2_outcomes(speculating_llm(max_num_seqs=512), prompt)
+
+
+def assert_samples_follow_top2_outcomes(llm: LLM, prompt: list[int]) -> None:
+    """2 x 1000 requests of three tokens of top-k 2 sampling after ``prompt`` hit the eight
+    outputs in the proportions transformers' probabilities give them; some drafts stood."""
     params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
     expected: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(3):
@@ -430,8 +437,6 @@ def test_sampled_output_follows_the_models_distribution(prompts: list[list[int]]
                 grown[(*prefix, token)] = probability * p
         expected = grown
     outcomes = sorted(expected)
-    torch.manual_seed(11)
-    llm = speculating_llm(max_num_seqs=512)
     counts = np.zeros(len(outcomes), dtype=np.int64)
     for _ in range(2):
         for out in llm.generate([prompt] * 1000, params):
