@@ -3,7 +3,8 @@ prompt lookup, in the same run.
 
     .venv/bin/python -m bench.draft_model [--model DIR --draft-models DIR[,DIR]] [--device cpu]
         [--batch-sizes 1,4,16] [--output-len 128] [--num-speculative-tokens 4] [--repeats 3]
-        [--threads 1] [--deepen-to 24] [--out bench/results/draft_model.json]
+        [--threads 1] [--deepen-to 24] [--vllm-python /tmp/vllm-venv/bin/python]
+        [--out bench/results/draft_model.json]
 
 Without ``--model`` the pair is built from the bundled demo model, which is the only trained
 model this repository has: the target is the demo model deepened to ``--deepen-to`` layers,
@@ -15,15 +16,23 @@ stand). Prompts: 24-token starts of docstrings from the demo model's corpus; gre
 ``--output-len`` tokens each; prefix cache off. Each engine runs the same requests
 ``--repeats`` times, alternating; the median wall time gives output tokens/s. Every engine's
 outputs are compared with the baseline's (greedy must not change). Prints a table and writes
-JSON with the acceptance rate and the steps.
+JSON with the acceptance rate and the steps. With ``--vllm-python`` (a venv holding vLLM's CPU
+build: ../shared/ENVIRONMENT.md), vLLM runs the same target, drafts (its ``draft_model``
+method; no ngram) and prompts, each in a process of its own pinned to as many cores as
+``--threads`` (``VLLM_CPU_OMP_THREADS_BIND``), the same repeats, timed the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,7 @@ from bench.speculative import DEMO_MODEL, docstring_prompts, run_case
 from engine import LLM
 
 NOISE = 0.3  # the noisy draft's relative scale of each matrix element's noise
+_RESULT = "VLLM_RESULT "  # the line a vLLM worker prints its timings on
 
 
 def deepened_demo(out: Path, num_layers: int) -> Path:
@@ -92,6 +102,81 @@ def make_engines(target: str, drafts: dict[str, str], args: argparse.Namespace) 
     }
 
 
+def run_vllm(
+    args: argparse.Namespace, target: str, draft: str | None, batches: list[list[list[int]]]
+) -> list[dict[str, Any]]:
+    """vLLM's greedy runs of each batch of prompts, ``draft`` drafting (None: none), in its own
+    venv's process (this file as the worker): per batch, the median seconds and the tokens."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps([target, draft, batches, args.output_len, args.repeats,
+                                   args.num_speculative_tokens]))  # fmt: skip
+        cores = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores}
+        done = subprocess.run(
+            [args.vllm_python, __file__, "--vllm-worker", str(job)],
+            capture_output=True, text=True, env=env, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM's run failed: {done.stderr[-3000:]}")
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]
+        return list(json.loads(line[len(_RESULT) :]))
+
+
+def _vllm_worker(job_path: str) -> None:
+    from vllm import LLM as VllmLLM
+    from vllm import SamplingParams as VllmParams
+    from vllm.inputs import TokensPrompt
+
+    target, draft, batches, output_len, repeats, k = json.loads(Path(job_path).read_text())
+    spec = None if draft is None else {"method": "draft_model", "model": draft,
+                                       "num_speculative_tokens": k}  # fmt: skip
+    llm = VllmLLM(target, dtype="float32", enforce_eager=True, max_model_len=512,
+                  enable_prefix_caching=False, speculative_config=spec)  # fmt: skip
+    params = VllmParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    results = []
+    for prompts in batches:
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        llm.generate(inputs[::-1], VllmParams(temperature=0.0, max_tokens=8))  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            outputs = llm.generate(inputs, params)
+            seconds.append(time.perf_counter() - started)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        results.append({"median_seconds": statistics.median(seconds), "tokens": tokens})
+    print(_RESULT + json.dumps(results), flush=True)
+
+
+def vllm_rows(
+    args: argparse.Namespace,
+    target: str,
+    drafts: dict[str, str],
+    batches: list[list[list[int]]],
+    baselines: list[list[list[int]]],  # pdserve's tokens without drafts, per batch
+) -> list[dict[str, Any]]:
+    """vLLM's row of each draft (and none) at each batch size, tokens/s and speed-up over its
+    own run without drafts; tokens compared with pdserve's baseline."""
+    runs = {name: run_vllm(args, target, draft, batches)
+            for name, draft in {"none": None, **drafts}.items()}  # fmt: skip
+    rows = []
+    for index, prompts in enumerate(batches):
+        num_output = len(prompts) * args.output_len
+        base_rate = num_output / runs["none"][index]["median_seconds"]
+        for name, per_batch in runs.items():
+            run = per_batch[index]
+            rate = num_output / run["median_seconds"]
+            rows.append({
+                "engine": "vllm", "batch_size": len(prompts), "drafts": name,
+                "median_seconds": run["median_seconds"], "output_tokens_per_s": rate,
+                "speed_up": rate / base_rate,
+                "num_outputs_differing_from_pdserve": sum(
+                    a != b for a, b in zip(run["tokens"], baselines[index], strict=True)
+                ),
+            })  # fmt: skip
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="target (default: the deepened demo)")
@@ -105,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", default=None, help="vLLM side by side (CPU)")
     parser.add_argument("--out", default="bench/results/draft_model.json")
     args = parser.parse_args(argv)
     if (args.model is None) != (args.draft_models is None):
@@ -122,12 +208,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(
             f"{'batch':>5} {'drafts':>8} {'tok/s':>9} {'speed-up':>8} {'steps':>6} {'accepted':>8}"
         )
-        for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-            prompts = docstring_prompts(engines["none"], batch_size, args.seed + batch_size)
+        batches = [
+            docstring_prompts(engines["none"], batch_size, args.seed + batch_size)
+            for batch_size in (int(b) for b in args.batch_sizes.split(","))
+        ]
+        baselines = []
+        for prompts in batches:
+            batch_size = len(prompts)
             results = run_case(engines, prompts, args, baseline="none")
+            baselines.append(results["none"].pop("tokens"))
             base_rate = results["none"]["output_tokens_per_s"]
             for name, result in results.items():
+                result.pop("tokens", None)
                 result.update(
+                    engine="pdserve",
                     batch_size=batch_size,
                     drafts=name,
                     speed_up=result["output_tokens_per_s"] / base_rate,
@@ -139,6 +233,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"{result['speed_up']:>7.2f}x {result['num_steps']:>6} "
                     f"{'-' if rate is None else f'{rate:.0%}':>8}"
                 )
+        if args.vllm_python:
+            for row in vllm_rows(args, target, drafts, batches, baselines):
+                rows.append(row)
+                print(
+                    f"{row['batch_size']:>5} {'vllm ' + row['drafts']:>8} "
+                    f"{row['output_tokens_per_s']:>9.0f} {row['speed_up']:>7.2f}x"
+                )
     report = {"args": vars(args), "results": rows}
     path = write_json(args.out, report)
     print(f"wrote {path}")
@@ -146,4 +247,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--vllm-worker"]:
+        _vllm_worker(sys.argv[2])
+    else:
+        main()

@@ -130,6 +130,7 @@ def run_case(
             "num_draft_tokens": drafts,
             "acceptance_rate": last["num_accepted_draft_tokens"] / drafts if drafts else None,
             "num_outputs_differing_from_baseline": num_differing,
+            "tokens": last["tokens"],  # (its outputs, not written out)
         }
     return results
 
@@ -169,6 +170,7 @@ def main() -> None:
             results = run_case(engines, prompts, args)
             base_rate = results[0]["output_tokens_per_s"]
             for k, result in results.items():
+                del result["tokens"]
                 result.update(
                     workload=workload,
                     batch_size=batch_size,
