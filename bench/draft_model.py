@@ -28,11 +28,8 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +42,7 @@ from bench.speculative import DEMO_MODEL, docstring_prompts, run_case
 from engine import LLM
 
 NOISE = 0.3  # the noisy draft's relative scale of each matrix element's noise
-_RESULT = "VLLM_RESULT "  # the line a vLLM worker prints its timings on
+_RESULT = "VLLM_RESULT "  # the line bench/vllm_draft_worker.py prints its timings on
 
 
 def deepened_demo(out: Path, num_layers: int) -> Path:
@@ -106,7 +103,7 @@ def run_vllm(
     args: argparse.Namespace, target: str, draft: str | None, batches: list[list[list[int]]]
 ) -> list[dict[str, Any]]:
     """vLLM's greedy runs of each batch of prompts, ``draft`` drafting (None: none), in its own
-    venv's process (this file as the worker): per batch, the median seconds and the tokens."""
+    venv's process (bench/vllm_draft_worker.py): per batch, the median seconds and tokens."""
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps([target, draft, batches, args.output_len, args.repeats,
@@ -114,38 +111,13 @@ def run_vllm(
         cores = "0" if args.threads == 1 else f"0-{args.threads - 1}"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores}
         done = subprocess.run(
-            [args.vllm_python, __file__, "--vllm-worker", str(job)],
+            [args.vllm_python, str(Path(__file__).with_name("vllm_draft_worker.py")), str(job)],
             capture_output=True, text=True, env=env, check=False,
         )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"vLLM's run failed: {done.stderr[-3000:]}")
         (line,) = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]
         return list(json.loads(line[len(_RESULT) :]))
-
-
-def _vllm_worker(job_path: str) -> None:
-    from vllm import LLM as VllmLLM
-    from vllm import SamplingParams as VllmParams
-    from vllm.inputs import TokensPrompt
-
-    target, draft, batches, output_len, repeats, k = json.loads(Path(job_path).read_text())
-    spec = None if draft is None else {"method": "draft_model", "model": draft,
-                                       "num_speculative_tokens": k}  # fmt: skip
-    llm = VllmLLM(target, dtype="float32", enforce_eager=True, max_model_len=512,
-                  enable_prefix_caching=False, speculative_config=spec)  # fmt: skip
-    params = VllmParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    results = []
-    for prompts in batches:
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        llm.generate(inputs[::-1], VllmParams(temperature=0.0, max_tokens=8))  # warm-up
-        seconds = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            outputs = llm.generate(inputs, params)
-            seconds.append(time.perf_counter() - started)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        results.append({"median_seconds": statistics.median(seconds), "tokens": tokens})
-    print(_RESULT + json.dumps(results), flush=True)
 
 
 def vllm_rows(
@@ -247,7 +219,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--vllm-worker"]:
-        _vllm_worker(sys.argv[2])
-    else:
-        main()
+    main()
