@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from bench.draft_model import noisy_demo
 from engine import LLM, SamplingParams
 from engine.kv_cache.budget import KVLayout
 from engine.speculative.config import SpeculativeConfig
@@ -39,17 +39,8 @@ NUM_DRAFTS = 4
 
 @pytest.fixture(scope="module")
 def noisy_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model, each of its matrices' elements scaled by 1 + 0.3 x N(0, 1)."""
-    out = tmp_path_factory.mktemp("noisy-draft")
-    shutil.copytree(DEMO_MODEL, out, dirs_exist_ok=True)
-    generator = torch.Generator().manual_seed(0)
-    weights = load_file(DEMO_MODEL / "model.safetensors")
-    for name, weight in weights.items():
-        if weight.dim() == 2:
-            noise = 1 + 0.3 * torch.randn(weight.shape, generator=generator)
-            weights[name] = (weight.float() * noise).to(weight.dtype)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    """The demo model, each of its matrices' elements scaled by 1 + 0.3 x N(0, 1) (seed 0)."""
+    return noisy_demo(tmp_path_factory.mktemp("noisy-draft"))
 
 
 def drafting_llm(draft: Path, **engine_args: object) -> LLM:
