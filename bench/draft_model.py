@@ -187,11 +187,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         baselines = []
         for prompts in batches:
             batch_size = len(prompts)
-            results = run_case(engines, prompts, args, baseline="none")
-            baselines.append(results["none"].pop("tokens"))
+            results, baseline_tokens = run_case(engines, prompts, args, baseline="none")
+            baselines.append(baseline_tokens)
             base_rate = results["none"]["output_tokens_per_s"]
             for name, result in results.items():
-                result.pop("tokens", None)
                 result.update(
                     engine="pdserve",
                     batch_size=batch_size,

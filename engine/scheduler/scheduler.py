@@ -405,13 +405,7 @@ class Scheduler:
     def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Draft tokens for a running sequence to compute after its next token this step: ()
         unless it decodes, speculates, and has room (budget, max tokens) for one at least."""
-        if (
-            self.proposer is None
-            or seq.num_uncomputed_tokens != 1
-            or not seq.is_forked
-            or seq.prefill_only
-            or not speculates(seq)
-        ):
+        if self.proposer is None or not _decodes_speculating(seq):
             return ()
         # a sequence ends at max_total_tokens; the token drawn after the drafts needs a place
         room = min(budget - 1, seq.max_total_tokens - seq.num_tokens - 1)
@@ -427,12 +421,7 @@ class Scheduler:
         """Slots past a decoding sequence's ``num_step_tokens`` for a proposer that drafts after
         the step on the blocks (a draft model): its number, up to the sequence's last token."""
         assert self.proposer is not None
-        if (
-            self.proposer.num_lookahead_slots == 0
-            or seq.num_uncomputed_tokens != 1
-            or seq.prefill_only
-            or not speculates(seq)
-        ):
+        if self.proposer.num_lookahead_slots == 0 or not _decodes_speculating(seq):
             return 0
         room = seq.max_total_tokens - seq.num_computed_tokens - num_step_tokens
         return max(0, min(self.proposer.num_lookahead_slots, room))
@@ -542,6 +531,17 @@ def speculates(seq: Sequence) -> bool:
     """Whether the sequence may take drafts: not seeded sampling (its stream is one draw per
     token, replayed when a request resumes elsewhere)."""
     return seq.seed is None or seq.params.greedy
+
+
+def _decodes_speculating(seq: Sequence) -> bool:
+    """Whether the sequence decodes this step (its one token; its samples forked) and may
+    take drafts."""
+    return (
+        seq.num_uncomputed_tokens == 1
+        and seq.is_forked
+        and not seq.prefill_only
+        and speculates(seq)
+    )
 
 
 def _queue_key(seq: Sequence) -> tuple[int, int]:

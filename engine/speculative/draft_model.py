@@ -55,7 +55,6 @@ class LoadedDraft:
     """A draft model loaded beside its target, before the cache's blocks are counted."""
 
     model: CausalLM
-    config: ModelConfig
     layout: KVLayout  # of its KV cache: the target's blocks, its own layers and heads
 
     def drafter(
@@ -107,7 +106,7 @@ def load_draft_model(
         dtype=dtype,
         kv_planes=config.kv_planes,
     )
-    return LoadedDraft(model, config, layout)
+    return LoadedDraft(model, layout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,11 +227,13 @@ class DraftModel:
             last_pieces.append(_Chunk(chunk.seq, start, token_ids))
         tokens: list[int] = []
         batch: list[_Chunk] = []
+        num_batched = 0
         for piece in last_pieces:
-            if batch and sum(len(c.token_ids) for c in batch) + len(piece.token_ids) > limit:
+            if batch and num_batched + len(piece.token_ids) > limit:
                 tokens += self._forward_argmax(batch)
-                batch = []
+                batch, num_batched = [], 0
             batch.append(piece)
+            num_batched += len(piece.token_ids)
         return tokens + self._forward_argmax(batch)
 
     def _forward_argmax(self, chunks: list[_Chunk]) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -25,17 +26,21 @@ def hf_greedy(
 ) -> list[int]:
     """Greedy continuation by ``generate`` (never completing one of ``bad_words_ids``); stops
     after eos like the engine does."""
-    model = hf_model(model_dir)
+    out = _generate(hf_model(model_dir), prompt, max_new_tokens, bad_words_ids=bad_words_ids)
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def _generate(model: Any, prompt: list[int], max_new_tokens: int, **options: Any) -> Any:
+    """``model.generate`` of one prompt without sampling (``options`` besides)."""
     with torch.no_grad():
-        out = model.generate(
+        return model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
-            bad_words_ids=bad_words_ids,
+            **options,
         )
-    return [int(t) for t in out[0, len(prompt) :]]
 
 
 def hf_beams(
@@ -50,20 +55,17 @@ def hf_beams(
     scores for one beam: transformers then decodes greedily)."""
     model = hf_model(model_dir)
     eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            num_beams=width,
-            num_return_sequences=width,
-            do_sample=False,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
+    out = _generate(
+        model,
+        prompt,
+        max_new_tokens,
+        num_beams=width,
+        num_return_sequences=width,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     beams = []
     for row in out.sequences[:, len(prompt) :].tolist():
         beams.append(row[: row.index(eos) + 1] if eos in row else row)
