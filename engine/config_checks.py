@@ -3,17 +3,19 @@ bad field is refused by name, not by a rank process that failed)."""
 
 from __future__ import annotations
 
-from engine.engine_config import LoadConfig, ParallelConfig
+from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.model_config import ModelConfig, load_model_config
 from engine.parallel.rank_model import check_max_model_len
 from engine.parallel.shard import TensorParallelShard
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_checks import check_draft_model
+from engine.speculative.prediction_checks import check_prediction_layer
 
 
 def check_configs(
     load: LoadConfig,
+    cache: CacheConfig,
     scheduler: SchedulerConfig,
     speculative: SpeculativeConfig | None,
     parallel: ParallelConfig,
@@ -34,6 +36,8 @@ def check_configs(
         )
     if speculative is not None and speculative.method == "draft_model":
         check_draft_model(speculative, model_config, max_model_len)
+    if speculative is not None and speculative.method == "mtp":
+        check_prediction_layer(model_config, parallel.tensor_parallel_size, cache.quantized_kv)
     # heads (and experts, or their columns) divide
     TensorParallelShard.of(model_config, 0, parallel.tensor_parallel_size, parallel.expert_parallel)
     return model_config

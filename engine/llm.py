@@ -128,7 +128,7 @@ class LLM:
         # the follower ranks' processes (None: one rank, this process)
         self._followers: FollowerProcesses | None = None
         if tensor_parallel_size > 1:
-            check_configs(configs[0], configs[2], configs[3], parallel)  # before any process
+            check_configs(*configs, parallel)  # before any process
             parallel = replace(parallel, port=free_port(parallel.host))
             self._followers = FollowerProcesses.start(*configs, parallel)
         try:

@@ -87,7 +87,7 @@ class LLMEngine:
         of loaded again; a tensor-parallel worker's, with its group: its followers, running
         still, rebuild on theirs as this engine builds."""
         parallel = parallel or ParallelConfig()
-        check_configs(load, scheduler, speculative, parallel)
+        check_configs(load, cache, scheduler, speculative, parallel)
         group = rank0_group(load, cache, scheduler, speculative, parallel, weights)
         # rank 0 of the worker's ranks (None: the worker is this one rank)
         self.group: TensorParallelGroup | None = group

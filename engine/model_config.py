@@ -52,6 +52,8 @@ SUPPORTED_ARCHITECTURES = (
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # GLM-4.5: multi-head attention (GQA, half the head dims rotary) with DeepSeek-V3's sparse MLP
 _GLM4_MOE = "Glm4MoeForCausalLM"
+# architectures whose multi-token-prediction layers (engine/speculative/prediction_layer.py) draft
+_WITH_PREDICTION_LAYERS = ("DeepseekV3ForCausalLM", _GLM4_MOE)
 # transformers' partial_rotary_factor where config.json gives none, for the architectures whose
 # attention rotates only a head's first dims (the others rotate all of them)
 _MINIMAX_M2 = "MiniMaxM2ForCausalLM"
@@ -191,6 +193,9 @@ class ModelConfig:
     # what the checkpoint's KV cache scales (k_scale / v_scale) are for, when its
     # quantization_config says (kv_cache_scheme); None: not said
     kv_cache_scheme: CheckpointKVScheme | None = None
+    # multi-token-prediction layers the checkpoint holds past the decoder's (DeepSeek-V3's and
+    # GLM-4.5's num_nextn_predict_layers): speculative decoding's "mtp" method drafts with them
+    num_prediction_layers: int = 0
 
     @property
     def kv_planes(self) -> int:
@@ -301,6 +306,9 @@ def parse_model_config(
         norm_scale_in_float32=architecture == "GptOssForCausalLM",
         quantization=quantization,
         kv_cache_scheme=parse_kv_cache_scheme(raw.get("quantization_config")),
+        num_prediction_layers=int(raw.get("num_nextn_predict_layers") or 0)
+        if architecture in _WITH_PREDICTION_LAYERS
+        else 0,
     )
 
 

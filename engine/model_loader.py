@@ -26,11 +26,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.checkpoint_targets import Target, in_units, quantized_target
 from engine.kernels.linear import PackedLinear, pack_linears
@@ -38,6 +40,7 @@ from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import LatentAttention
 from engine.models.moe import ClampedSwigluExperts, Mxfp4ClampedSwigluExperts, RoutedExperts
+from engine.models.prediction_layer import MultiTokenPredictor, prediction_layer_config
 from engine.models.registry import get_model_class
 from engine.models.rms_norm import RMSNorm
 from engine.models.rope import RotaryEmbedding
@@ -59,6 +62,9 @@ from engine.quantization.quantized_experts import (
 from engine.quantization.w8a8_linear import W8A8Linear
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
+# what the loader fills: a model, or a checkpoint's multi-token-prediction layer
+_Weighted = LlamaForCausalLM | MultiTokenPredictor
+_Module = TypeVar("_Module", bound=nn.Module)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DUMMY_INIT_STD = 0.02
 
@@ -104,19 +110,58 @@ def load_model(
             _init_dummy(model, seed)
         else:
             _load_safetensors(model, names_by_file, all_names)
-            _reorder_interleaved_rope_rows(model)
-        _order_inputs_by_group(model, dummy=load_format == "dummy")
-        _group_rows_by_input_scale(model, dummy=load_format == "dummy")
-        _dequantize_latent_up_projections(model, dtype)
-    model.requires_grad_(False)
-    if linear_backend == "onednn":
-        if model.lm_head is None:
-            model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
-        pack_linears(model)
-        for module in model.modules():
-            if isinstance(module, (RoutedExperts, ClampedSwigluExperts)):
-                module.pack_for_onednn()
+        _finish_loading(model, dtype, dummy=load_format == "dummy")
+    if linear_backend == "onednn" and model.lm_head is None:
+        model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+    _pack(model, linear_backend)
     return model.eval()
+
+
+def load_prediction_layer(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: LoadFormat = "auto",
+    seed: int = 0,
+    linear_backend: Literal["torch", "onednn"] = "torch",
+) -> MultiTokenPredictor:
+    """The checkpoint's first multi-token-prediction layer (engine/models/prediction_layer.py),
+    whole, loaded as ``load_model`` loads the model (random weights under load_format
+    "dummy"), in eval mode without grad."""
+    config = prediction_layer_config(model_dir)
+    predictor = build_empty(lambda: MultiTokenPredictor(config), dtype, torch.device(device))
+    prefix = f"model.layers.{predictor.layer_idx}."
+    files = [] if load_format == "dummy" else safetensors_files(Path(model_dir))
+    names_by_file = {f: [n for n in _tensor_names(f) if n.startswith(prefix)] for f in files}
+    all_names = {name for names in names_by_file.values() for name in names}
+    with torch.no_grad():
+        if load_format == "dummy":
+            _init_dummy(predictor, seed)
+        else:
+            _load_safetensors(predictor, names_by_file, all_names)
+        _finish_loading(predictor, dtype, dummy=load_format == "dummy")
+    _pack(predictor, linear_backend)
+    return predictor.eval()
+
+
+def _finish_loading(model: _Weighted, dtype: torch.dtype, dummy: bool) -> None:
+    """What loaded weights need before they compute; then no grad."""
+    if not dummy:
+        _reorder_interleaved_rope_rows(model)
+    _order_inputs_by_group(model, dummy=dummy)
+    _group_rows_by_input_scale(model, dummy=dummy)
+    _dequantize_latent_up_projections(model, dtype)
+    model.requires_grad_(False)
+
+
+def _pack(model: _Weighted, linear_backend: Literal["torch", "onednn"]) -> None:
+    """Projections repacked for oneDNN (``linear_backend`` "onednn"); nothing otherwise."""
+    if linear_backend != "onednn":
+        return
+    pack_linears(model)
+    for module in model.modules():
+        if isinstance(module, (RoutedExperts, ClampedSwigluExperts)):
+            module.pack_for_onednn()
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -145,9 +190,18 @@ def _build_empty(
     shard: TensorParallelShard | None,
     group: TensorParallelGroup | None,
 ) -> LlamaForCausalLM:
-    """Construct on meta (no memory), cast there, then allocate each tensor once on device."""
+    return build_empty(
+        lambda: get_model_class(config.architecture)(config, shard, group), dtype, device
+    )
+
+
+def build_empty(
+    factory: Callable[[], _Module], dtype: torch.dtype, device: torch.device
+) -> _Module:
+    """``factory()``'s module constructed on meta (no memory), cast there, then each tensor
+    allocated once on device."""
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, shard, group)
+        model = factory()
     model = model.to(dtype=dtype)
     for module in model.modules():
         if isinstance(module, (Fp8BlockLinear, W8A8Linear, Fp8BlockExpertWeights)):
@@ -162,7 +216,7 @@ def _build_empty(
     return model
 
 
-def _load_targets(model: LlamaForCausalLM) -> dict[str, list[Target]]:
+def _load_targets(model: _Weighted) -> dict[str, list[Target]]:
     """Checkpoint tensor name -> where its slices go. A fused projection takes several
     checkpoint tensors, or several row ranges of one where the checkpoint stores it fused
     (``_FUSED_IN_CHECKPOINT``); a stacked experts param takes each expert's tensors into its
@@ -198,7 +252,7 @@ def _load_targets(model: LlamaForCausalLM) -> dict[str, list[Target]]:
 _EXPERT_IN_NAME = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _add_experts_held_elsewhere(targets: dict[str, list[Target]], model: LlamaForCausalLM) -> None:
+def _add_experts_held_elsewhere(targets: dict[str, list[Target]], model: _Weighted) -> None:
     """Under expert parallelism, the checkpoint tensors of the experts other ranks hold, with
     nothing to load on this one: the checkpoint must have them (not missing), and they are not
     unexpected, but this rank reads none of their bytes."""
@@ -216,7 +270,7 @@ def _add_experts_held_elsewhere(targets: dict[str, list[Target]], model: LlamaFo
 
 
 def _quantized_targets(
-    model: LlamaForCausalLM,
+    model: _Weighted,
     weight_name: str,
     leaf: str,
     layer: PackedIntLinear | Fp8BlockLinear | W8A8Linear | ExpertWeights,
@@ -236,9 +290,7 @@ def _quantized_targets(
     ]
 
 
-def _targets_of(
-    model: LlamaForCausalLM, name: str, param: torch.Tensor
-) -> list[tuple[str, Target]]:
+def _targets_of(model: _Weighted, name: str, param: torch.Tensor) -> list[tuple[str, Target]]:
     """The checkpoint tensors ``param`` (named ``name``) loads from, and where each lands."""
     config, shard = model.config, model.shard
     fused_on_disk = _FUSED_IN_CHECKPOINT.get(config.architecture, ())
@@ -489,7 +541,7 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
 
 
 def _load_safetensors(
-    model: LlamaForCausalLM, names_by_file: dict[Path, list[str]], all_names: set[str]
+    model: _Weighted, names_by_file: dict[Path, list[str]], all_names: set[str]
 ) -> None:
     targets = _load_targets(model)
     config = model.config
@@ -517,7 +569,7 @@ def _load_safetensors(
                     _copy(tensor_slice[target.index()] if target.rows else None, target)
 
 
-def _reorder_interleaved_rope_rows(model: LlamaForCausalLM) -> None:
+def _reorder_interleaved_rope_rows(model: _Weighted) -> None:
     """Latent attention checkpoints whose rotary dims come in interleaved pairs get those rows
     in halves, the layout the engine's rope turns (``LatentAttention``)."""
     mla = model.config.mla
@@ -546,7 +598,7 @@ def _copy(part: torch.Tensor | None, target: Target) -> None:
         target.param[start + num_read : end].zero_()
 
 
-def _order_inputs_by_group(model: LlamaForCausalLM, dummy: bool) -> None:
+def _order_inputs_by_group(model: _Weighted, dummy: bool) -> None:
     """GPTQ layers' inputs sorted by the group their g_idx gives each, where it is not input
     order (``PackedIntLinear.order_inputs_by_group``); GPTQ experts' g_idx checked to be in
     input order and dropped; dummy weights' inputs stay in order."""
@@ -557,7 +609,7 @@ def _order_inputs_by_group(model: LlamaForCausalLM, dummy: bool) -> None:
             module.drop_groups_in_input_order(dummy=dummy)
 
 
-def _dequantize_latent_up_projections(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+def _dequantize_latent_up_projections(model: _Weighted, dtype: torch.dtype) -> None:
     """Latent attention's quantized ``kv_b_proj``, loaded, becomes the float matrices the
     absorption multiplies by (``LatentAttention.dequantize_up_projection``)."""
     for module in model.modules():
@@ -568,7 +620,7 @@ def _dequantize_latent_up_projections(model: LlamaForCausalLM, dtype: torch.dtyp
 DUMMY_INPUT_SCALE = 1.0 / 64  # a dummy 8-bit layer's static input scale: any positive one
 
 
-def _group_rows_by_input_scale(model: LlamaForCausalLM, dummy: bool) -> None:
+def _group_rows_by_input_scale(model: _Weighted, dummy: bool) -> None:
     """Static-input 8-bit layers find their rows that share an input scale
     (``W8A8Linear.group_rows_by_input_scale``); dummy ones get one positive scale each."""
     for module in model.modules():
@@ -578,7 +630,7 @@ def _group_rows_by_input_scale(model: LlamaForCausalLM, dummy: bool) -> None:
             module.group_rows_by_input_scale()
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+def _init_dummy(model: _Weighted, seed: int) -> None:
     """Normal(0, 0.02) weights from a seeded generator; norms that scale by 1."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -599,7 +651,7 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
                 scales.random_(SCALE_BIAS - 10, SCALE_BIAS - 7, generator=generator)
 
 
-def _unit_norm_weights(model: LlamaForCausalLM) -> dict[int, float]:
+def _unit_norm_weights(model: _Weighted) -> dict[int, float]:
     """id of each norm's weight -> the value that makes the norm scale by 1 (1, or 0 where it
     scales by 1 + weight)."""
     return {id(m.weight): 1.0 - m.offset for m in model.modules() if isinstance(m, RMSNorm)}

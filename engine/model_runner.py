@@ -58,7 +58,7 @@ from engine.scheduler.outputs import (
 )
 from engine.scheduler.stop import banned_token_ids
 from engine.sequence import Sequence
-from engine.speculative.draft_model import DraftModel
+from engine.speculative.proposer import Drafter
 from engine.speculative.rejection import NO_DRAFT, check_drafts
 from engine.step_inputs import decode_tokens
 from engine.structured.cursors import GrammarCursors
@@ -113,7 +113,8 @@ class ModelRunner:
         # [num_host_slots, num_slots, kv_planes, block_size, num_kv_heads, head_dim]: the host
         # tier's blocks (None: no host tier)
         host_kv_cache: torch.Tensor | None = None,
-        drafter: DraftModel | None = None,  # speculative decoding's draft model (None: none)
+        # speculative decoding's draft model or prediction layer (None: neither)
+        drafter: Drafter | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -136,6 +137,8 @@ class ModelRunner:
         # structured outputs: each constrained sequence's grammar state (None: none allowed)
         self.grammar_cursors = grammar_cursors
         self.drafter = drafter
+        # the step ``execute`` ran last, for the drafter (which reads its hidden states)
+        self._executed: tuple[SchedulerOutput, LaunchedStep] | None = None
         # the tokens the last ``sample`` drew, on the device, and the sequence of each row
         self._drawn: tuple[torch.Tensor, list[Sequence]] | None = None
         # rank 0 of a tensor-parallel worker: the group its followers hear each model call on
@@ -174,15 +177,22 @@ class ModelRunner:
             self.drafter.forget(seq_id)
 
     def draft_after(self, output: SchedulerOutput) -> None:
-        """With a draft model: its drafts for the next step of the sequences that received a
-        token in this one, once the scheduler has applied it (engine/speculative/draft_model.py)."""
-        if self.drafter is not None:
-            with self._on_device():
-                self.drafter.draft_after(output)
+        """With a draft model or a prediction layer: its drafts for the next step of the
+        sequences that received a token in ``output`` (the step ``execute`` ran last), once the
+        scheduler has applied it (engine/speculative/draft_model.py, mtp.py)."""
+        executed, self._executed = self._executed, None
+        if self.drafter is None:
+            return
+        if executed is None or executed[0] is not output:
+            raise RuntimeError("draft_after follows the execute of the same step")
+        with self._on_device():
+            self.drafter.draft_after(output, executed[1])
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run a step and wait for its results."""
         launched = self.launch(output)
+        if self.drafter is not None:
+            self._executed = output, launched
         result = self.sample(launched).result()
         if any(e.draft_token_ids for e in launched.prefills):
             with self._on_device():

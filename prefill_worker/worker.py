@@ -48,6 +48,7 @@ from engine.messages import (
 from engine.parallel.rank_model import LoadedWeights
 from engine.parallel.shard import kv_heads_of_ranks
 from engine.scheduler import SchedulerConfig
+from engine.speculative.config import SpeculativeConfig
 from kv_transfer import KVCacheLayout, KVChannel, TransferError, TransferTicket
 from kv_transfer.channel import ChannelListener
 from kv_transfer.channel_table import ChannelTable, WorkerChannel, close_channels
@@ -85,6 +86,9 @@ class PrefillWorker:
         decode_tensor_parallel_size: int = 1,  # the ranks of each decode worker it hands to
         # the model of the worker this process ran before (one rank): kept, not loaded again
         weights: LoadedWeights | None = None,
+        # speculative decoding of the decode workers: a prediction layer's ("mtp") KV is
+        # computed here into the blocks handed off (it never drafts here); others: None
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.transfer = transfer
@@ -93,7 +97,7 @@ class PrefillWorker:
             replace(load, enforce_eager=True),
             cache,
             scheduler,
-            None,
+            speculative,
             parallel,
             record_kv_events=True,  # the router's index follows its prefix cache
             weights=weights,

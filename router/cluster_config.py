@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.budget import KVBudget
-from engine.kv_cache.kv_quantization import KV_CACHE_DTYPES
+from engine.kv_cache.kv_quantization import KV_CACHE_DTYPES, is_quantized
 from engine.model_config import load_model_config
 from engine.parallel.shard import check_tensor_parallel_size
 from engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig, SchedulingPolicy
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_checks import check_draft_model
+from engine.speculative.prediction_checks import check_prediction_layer
 from kv_transfer.policy import FailurePolicy, TransferConfig, describe_auto, transports_for
 from router.kv_aware import KVAwareWeights
 from router.local_prefill import LocalPrefillRule
@@ -180,10 +181,15 @@ class ClusterConfig:
 
     def _check_draft_model(self) -> None:
         """A draft model (``--speculative-config`` of method draft_model) the decode workers
-        can run beside the model: refused here, naming the field, not by each worker."""
-        if self.speculative is None or self.speculative.method != "draft_model":
+        can run beside the model, or a prediction layer (method mtp) every worker can hold:
+        refused here, naming the field, not by each worker."""
+        if self.speculative is None or self.speculative.method == "ngram":
             return
         target = load_model_config(self.model_dir)
+        if self.speculative.method == "mtp":
+            size = max(self.decode_tp, 1 if self.colocated else self.prefill_tp)
+            check_prediction_layer(target, size, is_quantized(self.kv_cache_dtype))
+            return
         max_model_len = self.max_model_len or target.max_position_embeddings
         check_draft_model(self.speculative, target, max_model_len)
 

@@ -52,7 +52,8 @@ class WorkerSpec:
     scheduler: SchedulerConfig
     transfer: TransferConfig
     parallel: ParallelConfig | None = None  # None: one rank
-    speculative: SpeculativeConfig | None = None  # a decode worker's (prefill never drafts)
+    # a decode worker's; a prefill worker's for a prediction layer's KV (it never drafts)
+    speculative: SpeculativeConfig | None = None
     # a prefill worker's: the decode workers it hands off to (by id), and each one's ranks
     decode_handles: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     decode_tp: int = 1
@@ -250,4 +251,5 @@ def build_worker(
         follower_ranks,
         spec.decode_tp,
         weights,
+        spec.speculative,
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.kv_cache.kv_quantization import KVCacheScales
+from engine.speculative.config import SpeculativeConfig
 from router.actors import remote_worker_actor
 from router.cluster_config import ClusterConfig
 from router.cpu_binding import CpuBinding
@@ -64,7 +65,9 @@ class WorkerLauncher:
         self._load, self._cache = config.load_config(), config.cache_config()
         self._scheduler, self._transfer = config.scheduler_config(), config.transfer_config()
         self._prefill_scheduler = config.prefill_scheduler_config()
-        self._speculative = config.speculative  # the decode pool's only: prefill never drafts
+        # the decode pool's; the prefill pool's too for a prediction layer ("mtp"), whose KV the
+        # prefill workers compute into the blocks they hand off (they never draft)
+        self._speculative = config.speculative
         common = {"num_cpus": config.worker_num_cpus, "num_gpus": config.worker_num_gpus}
         self._resources = {"prefill": config.prefill_resources, "decode": config.decode_resources}
         self._actor_cls = {
@@ -100,7 +103,7 @@ class WorkerLauncher:
             self._scheduler if decode else self._prefill_scheduler,
             self._transfer,
             self._parallel[role],
-            self._speculative if decode else None,
+            self._speculative if decode or _prefill_computes(self._speculative) else None,
             {} if decode else dict(decode_handles),
             self._parallel["decode"].tensor_parallel_size,
         )
@@ -170,3 +173,9 @@ class WorkerLauncher:
         remover = threading.Thread(target=remove_all, name="release-placements", daemon=True)
         remover.start()
         remover.join(timeout_s)
+
+
+def _prefill_computes(speculative: SpeculativeConfig | None) -> bool:
+    """Whether prefill workers compute what the speculative decoding reads: a prediction layer's
+    KV, one more slot of the model's cache, from the model's hidden states."""
+    return speculative is not None and speculative.method == "mtp"

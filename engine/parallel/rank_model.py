@@ -42,7 +42,7 @@ from engine.kv_calibration import (
 )
 from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
 from engine.model_config import ModelConfig, load_model_config
-from engine.model_loader import load_model, safetensors_files
+from engine.model_loader import load_model, load_prediction_layer, safetensors_files
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import CausalLM
 from engine.parallel.group import ProcessGroupRanks, TensorParallelGroup
@@ -51,7 +51,10 @@ from engine.parallel.step_commands import RebuildCommand, send_command
 from engine.quantization.kv_cache_scheme import checkpoint_kv_scales
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.draft_model import DraftModel, load_draft_model
+from engine.speculative.draft_model import load_draft_model
+from engine.speculative.mtp import MtpDrafter
+from engine.speculative.prediction_checks import check_prediction_layer
+from engine.speculative.proposer import Drafter
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +84,9 @@ class RankModel:
     host_kv_cache: torch.Tensor | None = None
     # how its weights were loaded (``_loaded_as``), for ``loaded_weights``
     loaded_as: tuple[str, str, int, str, str, str] | None = None
-    # speculative decoding's draft model and its cache in the same blocks (None: no draft
-    # model; not kept for a next role: loaded again)
-    drafter: DraftModel | None = None
+    # speculative decoding's draft model and its cache in the same blocks, or the model's
+    # prediction layer (None: neither; not kept for a next role: loaded again)
+    drafter: Drafter | None = None
 
     def loaded_weights(
         self, keep_kv_cache: bool = True, group: TensorParallelGroup | None = None
@@ -329,9 +332,17 @@ def build_rank_model(
             speculative, load, model_config, dtype, device, linear_backend, max_model_len,
             cache.block_size,
         )  # fmt: skip
+    # speculative decoding's prediction layer, whole (a worker of one rank): its KV cache is
+    # one more slot of the model's
+    predictor = None
+    if speculative is not None and speculative.method == "mtp":
+        check_prediction_layer(model_config, size, cache.quantized_kv)
+        predictor = load_prediction_layer(
+            load.model_dir, dtype, device, load.load_format, load.seed, linear_backend
+        )
     cache_groups = model_config.cache_groups
     float_layout = KVLayout(
-        num_layers=cache_groups.num_slots,
+        num_layers=cache_groups.num_slots + (predictor is not None),
         num_kv_heads=shard.num_kv_heads,
         head_dim=model_config.head_dim,
         block_size=cache.block_size,
@@ -427,7 +438,12 @@ def build_rank_model(
             max_rows_per_seq=rows_per_seq,
             num_cache_groups=cache_groups.num_groups,
         )
-    drafter = None
+    drafter: Drafter | None = None
+    if predictor is not None:
+        assert speculative is not None
+        drafter = MtpDrafter(
+            predictor, kv_cache, attn_backend, speculative, model_config.vocab_size
+        )
     if draft is not None:
         assert speculative is not None
         vocab_size = model_config.vocab_size

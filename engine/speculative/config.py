@@ -1,6 +1,7 @@
 """What speculative decoding the user asks for: vLLM's ``speculative_config`` for the ngram
-(prompt lookup) and draft_model (a smaller model of the same vocabulary) methods, checked on
-construction; torch-free, so the router builds it too."""
+(prompt lookup), draft_model (a smaller model of the same vocabulary) and mtp (the model's own
+multi-token-prediction layer) methods, checked on construction; torch-free, so the router
+builds it too."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 
 _DEFAULT_LOOKUP = 5  # vLLM's window when neither bound is given
 MAX_SPECULATIVE_TOKENS = 16  # drafts per sequence per step, at most
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's older names of the mtp method, per model family
+_MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 _LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")  # ngram's alone
 _KEYS = ("method", "model", "num_speculative_tokens", *_LOOKUP_KEYS, "disable_by_batch_size")
 _INT_KEYS = ("num_speculative_tokens", *_LOOKUP_KEYS, "disable_by_batch_size")
@@ -22,7 +25,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _DEFAULT_LOOKUP  # longest n-gram looked up in the context
     prompt_lookup_min: int = _DEFAULT_LOOKUP  # shortest n-gram that may give a proposal
     # "ngram": drafts copied from the sequence's own context; "draft_model": drafted greedily
-    # by ``model``, run beside the target on the same blocks (engine/speculative/draft_model.py)
+    # by ``model``, run beside the target on the same blocks (engine/speculative/draft_model.py);
+    # "mtp": drafted greedily by the checkpoint's multi-token-prediction layer from the target's
+    # hidden states (engine/speculative/mtp.py)
     method: str = "ngram"
     model: str | None = None  # the draft model's directory (draft_model alone)
     # no drafts in a step while more sequences than this are running (None: always drafts):
@@ -71,8 +76,9 @@ class SpeculativeConfig:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
-        """From vLLM's dict: ``method`` "ngram" or "draft_model" (vLLM's default: the latter
-        when a ``model`` is given, else the former), ``model``, ``num_speculative_tokens``
+        """From vLLM's dict: ``method`` "ngram", "draft_model" or "mtp" (vLLM's default: the
+        second when a ``model`` is given, else the first; "deepseek_mtp" and "glm4_moe_mtp" are
+        the third's older names), ``model``, ``num_speculative_tokens``
         (required), ngram's ``prompt_lookup_max`` / ``prompt_lookup_min`` (one given: the other
         is the same; neither: both 5, as vLLM), ``disable_by_batch_size``."""
         unknown = sorted(set(raw) - set(_KEYS))
@@ -84,6 +90,8 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in raw:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         method = raw.get("method", "ngram" if raw.get("model") is None else "draft_model")
+        if method in _MTP_ALIASES:
+            method = "mtp"
         lookup_given = sorted(set(_LOOKUP_KEYS) & set(raw))
         if method != "ngram" and lookup_given:
             raise ValueError(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -35,19 +35,22 @@ from engine.attention.backend import AttentionBackend
 from engine.engine_config import LoadConfig
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.host_to_device import to_device
-from engine.kernels.linear import has_packed_linears, padded_rows
+from engine.kernels.linear import has_packed_linears
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.budget import KVLayout
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from engine.models.registry import CausalLM
 from engine.parallel.shard import TensorParallelShard
-from engine.parallel.step_commands import ForwardInputs
 from engine.scheduler.outputs import SchedulerOutput
 from engine.scheduler.scheduler import speculates
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_batch import Chunk, forward_inputs
 from engine.speculative.draft_checks import check_draft_model
+
+if TYPE_CHECKING:
+    from engine.model_runner import LaunchedStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,15 +112,6 @@ def load_draft_model(
     return LoadedDraft(model, layout)
 
 
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    """Tokens of one sequence a draft forward runs."""
-
-    seq: Sequence
-    start: int  # the first token's position
-    token_ids: list[int]
-
-
 class DraftModel:
     """The proposer of draft tokens computed by a draft model (see the module's docstring)."""
 
@@ -170,14 +164,15 @@ class DraftModel:
         self._trusted.pop(seq_id, None)
         self._drafts.pop(seq_id, None)
 
-    def draft_after(self, output: SchedulerOutput) -> None:
+    def draft_after(self, output: SchedulerOutput, step: LaunchedStep | None = None) -> None:
         """Catch up and draft for the step's sequences that received a token of their own
-        (call once the step's tokens are in the sequences)."""
+        (call once the step's tokens are in the sequences; ``step``, its forward, is not read:
+        the draft model computes from the tokens alone)."""
         if not self.proposes_for(len(output.scheduled)):  # (disable_by_batch_size)
             return  # their drafts, if any, follow fewer tokens: none is taken
         seqs = [e.seq for e in output.scheduled if e.sample_seqs == (e.seq,)]
         plans: list[tuple[Sequence, int]] = []  # (sequence, drafts to make)
-        chunks: list[_Chunk] = []
+        chunks: list[Chunk] = []
         for seq in seqs:
             drafted = self._drafts.pop(seq.seq_id, None)
             if seq.status is not SequenceStatus.RUNNING or seq.prefill_only or not speculates(seq):
@@ -197,15 +192,15 @@ class DraftModel:
                 start += _num_fed_and_stood(seq.token_ids, *drafted)
             start = min(start, newest)
             plans.append((seq, num_drafts))
-            chunks.append(_Chunk(seq, start, seq.token_ids[start : newest + 1]))
+            chunks.append(Chunk(seq, start, seq.token_ids[start : newest + 1]))
         if not chunks:
             return
         with torch.inference_mode():
             drafts = [[token] for token in self._catch_up(chunks)]
-            for step in range(1, max(n for _, n in plans)):
-                going = [i for i, (_, n) in enumerate(plans) if n > step]
+            for step_index in range(1, max(n for _, n in plans)):
+                going = [i for i, (_, n) in enumerate(plans) if n > step_index]
                 after = [
-                    _Chunk(plans[i][0], plans[i][0].num_tokens - 1 + step, [drafts[i][-1]])
+                    Chunk(plans[i][0], plans[i][0].num_tokens - 1 + step_index, [drafts[i][-1]])
                     for i in going
                 ]
                 for i, token in zip(going, self._forward_argmax(after)):
@@ -214,19 +209,19 @@ class DraftModel:
             self._drafts[seq.seq_id] = (seq.num_tokens, tuple(made))
             self._trusted[seq.seq_id] = (seq.block_tables[0], seq.num_tokens)
 
-    def _catch_up(self, chunks: list[_Chunk]) -> list[int]:
+    def _catch_up(self, chunks: list[Chunk]) -> list[int]:
         """The draft model's argmax after each chunk, its tokens run in forwards of at most
         ``max_forward_tokens``: a chunk's leading pieces alone, then the last pieces batched."""
         limit = self.max_forward_tokens
-        last_pieces: list[_Chunk] = []
+        last_pieces: list[Chunk] = []
         for chunk in chunks:
             start, token_ids = chunk.start, chunk.token_ids
             while len(token_ids) > limit:
-                self._forward_argmax([_Chunk(chunk.seq, start, token_ids[:limit])])
+                self._forward_argmax([Chunk(chunk.seq, start, token_ids[:limit])])
                 start, token_ids = start + limit, token_ids[limit:]
-            last_pieces.append(_Chunk(chunk.seq, start, token_ids))
+            last_pieces.append(Chunk(chunk.seq, start, token_ids))
         tokens: list[int] = []
-        batch: list[_Chunk] = []
+        batch: list[Chunk] = []
         num_batched = 0
         for piece in last_pieces:
             if batch and num_batched + len(piece.token_ids) > limit:
@@ -236,11 +231,12 @@ class DraftModel:
             num_batched += len(piece.token_ids)
         return tokens + self._forward_argmax(batch)
 
-    def _forward_argmax(self, chunks: list[_Chunk]) -> list[int]:
+    def _forward_argmax(self, chunks: list[Chunk]) -> list[int]:
         """One draft forward of ``chunks`` (their K/V written to the draft cache); the draft
         model's argmax after each chunk's last token, in ``chunks``' order."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) == 1)
-        input_ids, inputs, last_rows = self._forward_inputs([chunks[i] for i in order])
+        ordered = [chunks[i] for i in order]
+        input_ids, inputs, last_rows = forward_inputs(ordered, self.block_size, self.pads_rows)
         ids = to_device(np.asarray(input_ids, dtype=np.int64), torch.long, self.device)
         positions, metadata = inputs.on_device(self.device)
         context = ForwardContext.for_groups(metadata, self.kv_cache, self.attn_backend)
@@ -255,39 +251,6 @@ class DraftModel:
             tokens[i] = int(token)
         return tokens
 
-    def _forward_inputs(self, chunks: list[_Chunk]) -> tuple[list[int], ForwardInputs, list[int]]:
-        """The input ids, batch and last row of each chunk of a forward whose chunks of more
-        than one token come first (the runner's order: prefills, then decodes)."""
-        bs = self.block_size
-        prefills = [c for c in chunks if len(c.token_ids) > 1]
-        decodes = chunks[len(prefills) :]
-        input_ids = [token for c in chunks for token in c.token_ids]
-        positions = [np.arange(c.start, c.start + len(c.token_ids), dtype=np.int64) for c in chunks]
-        slots = [
-            c.seq.block_tables[0].array[pos // bs] * bs + pos % bs
-            for c, pos in zip(chunks, positions)
-        ]
-        ends = np.cumsum([len(c.token_ids) for c in chunks]).tolist()
-        num_prefill_tokens = ends[len(prefills) - 1] if prefills else 0
-        decode_lens = np.asarray([c.start + 1 for c in decodes], dtype=np.int64)
-        padding = padded_rows(len(input_ids)) - len(input_ids) if self.pads_rows else 0
-        input_ids.extend([0] * padding)
-        inputs = ForwardInputs(
-            positions=np.concatenate(positions),
-            slot_mapping=np.concatenate(slots)[None, :],
-            num_prefill_seqs=len(prefills),
-            num_prefill_tokens=num_prefill_tokens,
-            num_decode_seqs=len(decodes),
-            prefill_query_start_loc=[0, *ends[: len(prefills)]],
-            prefill_seq_lens=[c.start + len(c.token_ids) for c in prefills],
-            prefill_block_tables=_block_tables(prefills),
-            decode_seq_lens=decode_lens,
-            decode_block_tables=_block_tables(decodes),
-            max_decode_seq_len=int(decode_lens.max()) if decodes else 0,
-            num_padding_rows=padding,
-        )
-        return input_ids, inputs, [end - 1 for end in ends]
-
 
 def _num_fed_and_stood(token_ids: list[int], num_tokens: int, drafts: tuple[int, ...]) -> int:
     """How many of the positions after a sequence's first ``num_tokens`` tokens hold draft KV
@@ -299,13 +262,3 @@ def _num_fed_and_stood(token_ids: list[int], num_tokens: int, drafts: tuple[int,
             break
         num += 1
     return num
-
-
-def _block_tables(chunks: list[_Chunk]) -> np.ndarray:
-    """[1, len(chunks), max_blocks] int64: each chunk's sequence's cache group 0 table."""
-    width = max((len(c.seq.block_tables[0]) for c in chunks), default=0)
-    tables = np.zeros((1, len(chunks), width), dtype=np.int64)
-    for row, chunk in enumerate(chunks):
-        table = chunk.seq.block_tables[0]
-        tables[0, row, : len(table)] = table.array
-    return tables

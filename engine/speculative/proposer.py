@@ -1,17 +1,22 @@
 """What the scheduler asks a draft proposer (engine/scheduler/scheduler.py): whether a step of
 so many running sequences takes drafts, the drafts to follow a sequence's tokens, and the slots
 a decoding sequence needs past its step's tokens for the proposer to draft after the step. The
-engine's are prompt lookup (``ngram.NgramProposer``) and a draft model
-(``draft_model.DraftModel``, drafting after each step into those slots); ``pdserve plan``
+engine's are prompt lookup (``ngram.NgramProposer``), a draft model
+(``draft_model.DraftModel``) and a prediction layer (``mtp.MtpDrafter``), the last two drafting
+after each step into those slots; ``pdserve plan``
 simulates one that drafts at a given acceptance (router/planner/speculation.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from engine.scheduler.outputs import SchedulerOutput
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from engine.model_runner import LaunchedStep
 
 
 class DraftProposer(Protocol):
@@ -27,6 +32,20 @@ class DraftProposer(Protocol):
         self, token_ids: Sequence[int], max_num_drafts: int, seq_id: int | None = None
     ) -> tuple[int, ...]:
         """Up to ``max_num_drafts`` draft tokens to follow ``token_ids`` (of ``seq_id``)."""
+        ...
+
+
+class Drafter(DraftProposer, Protocol):
+    """A proposer that computes its drafts after each step (a draft model, a prediction
+    layer), on the model runner's device."""
+
+    def draft_after(self, output: SchedulerOutput, step: LaunchedStep) -> None:
+        """Draft for the next step, once ``output``'s tokens (``step`` computed them) are in
+        its sequences."""
+        ...
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what it keeps of a finished sequence."""
         ...
 
 

@@ -1,0 +1,70 @@
+"""One drafter forward's batch: runs of consecutive positions of sequences, laid out as the
+model runner lays out a step (runs of several tokens first, as prompt chunks, then runs of one,
+as decodes), on the sequences' cache group 0 block tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.kernels.linear import padded_rows
+from engine.parallel.step_commands import ForwardInputs
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Tokens of one sequence a draft forward runs."""
+
+    seq: Sequence
+    start: int  # the first token's position
+    token_ids: list[int]
+
+
+def forward_inputs(
+    chunks: list[Chunk], block_size: int, pads_rows: bool
+) -> tuple[list[int], ForwardInputs, list[int]]:
+    """The input ids, batch and last row of each chunk of a forward of ``chunks``, those of more
+    than one token first (the runner's order: prefills, then decodes). ``pads_rows``: the rows
+    padded to a bucket (packed linears), the input ids with zeros."""
+    bs = block_size
+    prefills = [c for c in chunks if len(c.token_ids) > 1]
+    decodes = chunks[len(prefills) :]
+    if any(len(c.token_ids) > 1 for c in decodes):
+        raise ValueError("chunks of several tokens must come before those of one")
+    input_ids = [token for c in chunks for token in c.token_ids]
+    positions = [np.arange(c.start, c.start + len(c.token_ids), dtype=np.int64) for c in chunks]
+    slots = [
+        c.seq.block_tables[0].array[pos // bs] * bs + pos % bs for c, pos in zip(chunks, positions)
+    ]
+    ends = np.cumsum([len(c.token_ids) for c in chunks]).tolist()
+    num_prefill_tokens = ends[len(prefills) - 1] if prefills else 0
+    decode_lens = np.asarray([c.start + 1 for c in decodes], dtype=np.int64)
+    padding = padded_rows(len(input_ids)) - len(input_ids) if pads_rows else 0
+    input_ids.extend([0] * padding)
+    inputs = ForwardInputs(
+        positions=np.concatenate(positions),
+        slot_mapping=np.concatenate(slots)[None, :],
+        num_prefill_seqs=len(prefills),
+        num_prefill_tokens=num_prefill_tokens,
+        num_decode_seqs=len(decodes),
+        prefill_query_start_loc=[0, *ends[: len(prefills)]],
+        prefill_seq_lens=[c.start + len(c.token_ids) for c in prefills],
+        prefill_block_tables=_block_tables(prefills),
+        decode_seq_lens=decode_lens,
+        decode_block_tables=_block_tables(decodes),
+        max_decode_seq_len=int(decode_lens.max()) if decodes else 0,
+        num_padding_rows=padding,
+    )
+    return input_ids, inputs, [end - 1 for end in ends]
+
+
+def _block_tables(chunks: list[Chunk]) -> np.ndarray:
+    """[1, len(chunks), max_blocks] int64: each chunk's sequence's cache group 0 table."""
+    width = max((len(c.seq.block_tables[0]) for c in chunks), default=0)
+    tables = np.zeros((1, len(chunks), width), dtype=np.int64)
+    for row, chunk in enumerate(chunks):
+        table = chunk.seq.block_tables[0]
+        tables[0, row, : len(table)] = table.array
+    return tables

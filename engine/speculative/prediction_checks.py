@@ -1,0 +1,42 @@
+"""Whether a model's own multi-token-prediction layer can draft (``"method": "mtp"``), checked
+before anything loads; torch-free, so the router refuses a bad configuration at start too."""
+
+from __future__ import annotations
+
+from engine.model_config import ModelConfig
+
+_FAMILIES = "DeepSeek-V3 (DeepseekV3ForCausalLM) and GLM-4.5 (Glm4MoeForCausalLM)"
+
+
+def check_prediction_layer(
+    target: ModelConfig, tensor_parallel_size: int, quantized_kv_cache: bool
+) -> None:
+    """Raise ValueError naming the field where the prediction layer cannot draft: the model
+    has none, or it would run where it does not yet (its cache slot is one more of the
+    model's; it is held whole by a worker of one rank, in floating point)."""
+    if target.num_prediction_layers < 1:
+        raise ValueError(
+            f"speculative_config.method 'mtp' drafts with the model's multi-token-prediction "
+            f"layers; {target.architecture} has none (config.json's num_nextn_predict_layers "
+            f"is 0 or absent; layers are read for {_FAMILIES})"
+        )
+    if target.quantization is not None:
+        raise ValueError(
+            "speculative_config.method 'mtp' with a quantized checkpoint (config.json's "
+            "quantization_config) is not supported yet"
+        )
+    if target.cache_groups.num_groups > 1 or any(target.cache_groups.windows):
+        raise ValueError(
+            "speculative_config.method 'mtp' needs a model whose layers all attend to the "
+            "whole context (sliding_window / layer_types)"
+        )
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            "speculative_config.method 'mtp' runs on workers of one rank for now; got "
+            f"tensor_parallel_size {tensor_parallel_size}"
+        )
+    if quantized_kv_cache:
+        raise ValueError(
+            "speculative_config.method 'mtp' keeps its KV in the model's cache, which "
+            "kv_cache_dtype must leave in the model's dtype ('auto') for now"
+        )

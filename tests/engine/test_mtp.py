@@ -1,0 +1,236 @@
+"""Speculative decoding with the model's own multi-token-prediction layer (``"method": "mtp"``,
+engine/speculative/mtp.py): greedy output is transformers' token for token, and every draft the
+layer makes is the one transformers' modules compute on the checkpoint's weights with the whole
+context recomputed (tests/engine/mtp_reference.py), in every engine mode: so its KV cache slot
+holds, position by position, what the layer computes from the target's hidden states, whatever
+the step that computed them (prompt chunks, decodes, drafts checked and standing or falling,
+recomputation after preemption, prefix-cache hits).
+
+Two checkpoints: DeepSeek-V3 whose decoder layers add nothing (its next token a function of the
+current one) and whose prediction layer, but for a perturbation of its attention, predicts the
+token after the next from that token's embedding: most drafts stand, some fall; and a random
+GLM-4.5 (grouped-query attention rather than latent), whose drafts fall.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.model_config import load_model_config
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.mtp import MtpDrafter
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.mtp_reference import reference_drafts
+from tests.fixtures.tiny_models import make_tiny_mtp_model
+
+V3, GLM = "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"
+MAX_TOKENS = 24
+K = 3  # drafts per step
+
+
+def _bigram_with_prediction(model_dir: Path, perturbation: float) -> Path:
+    """The decoder's layers add nothing (attention and MLP outputs zero): the hidden state is the
+    token's embedding, the next token a function of it. The prediction layer reads only the
+    next token's embedding (eh_proj [I | 0]), normed as the final norm does, and the model's LM
+    head: it predicts the token after the next, but for its attention's output projection of
+    ``perturbation`` std, which makes it fall now and then (and its KV matter)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    num_layers = config["num_hidden_layers"]
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    prefix = f"model.layers.{num_layers}."
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    generator = torch.Generator().manual_seed(7)
+    for name in list(tensors):
+        output_projection = name.endswith(("o_proj.weight", "down_proj.weight"))
+        if output_projection and not name.startswith(prefix):
+            tensors[name] = torch.zeros_like(tensors[name])
+    tensors[f"{prefix}eh_proj.weight"] = torch.cat(
+        [torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1
+    )
+    tensors[f"{prefix}enorm.weight"] = torch.ones(hidden)
+    tensors[f"{prefix}shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    for name in list(tensors):
+        if name.startswith(prefix) and name.endswith("down_proj.weight"):
+            tensors[name] = torch.zeros_like(tensors[name])
+    o_proj = tensors[f"{prefix}self_attn.o_proj.weight"]
+    tensors[f"{prefix}self_attn.o_proj.weight"] = torch.empty_like(o_proj).normal_(
+        0.0, perturbation, generator=generator
+    )
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def bigram_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    made = make_tiny_mtp_model(tmp_path_factory.mktemp("mtp-v3"), V3)
+    return _bigram_with_prediction(made, perturbation=0.01)
+
+
+@pytest.fixture(scope="module")
+def exact_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The prediction layer predicts the token after the next exactly: every draft stands."""
+    made = make_tiny_mtp_model(tmp_path_factory.mktemp("mtp-exact"), V3)
+    return _bigram_with_prediction(made, perturbation=0.0)
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_mtp_model(tmp_path_factory.mktemp("mtp-glm"), GLM)
+
+
+@pytest.fixture
+def drafts_made(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[list[int], tuple]]]:
+    """(a sequence's tokens, the drafts made to follow them) for each draft the engine made."""
+    made: list[tuple[list[int], tuple]] = []
+    draft_after = MtpDrafter.draft_after
+
+    def recording(self: MtpDrafter, output, step) -> None:  # type: ignore[no-untyped-def]
+        draft_after(self, output, step)
+        for entry in step.ordered:
+            drafted = self._drafts.get(entry.seq.seq_id)
+            if drafted is not None:
+                made.append((list(entry.seq.token_ids), drafted[1]))
+
+    monkeypatch.setattr(MtpDrafter, "draft_after", recording)
+    yield made
+
+
+def _prompts(num: int, length: int = 13) -> list[list[int]]:
+    return [[(37 * i + 11 * j + 5) % 1000 + 3 for j in range(length + 3 * i)] for i in range(num)]
+
+
+def _mtp_llm(model_dir: Path, **kwargs: object) -> LLM:
+    options: dict = {"dtype": "float32", "device": "cpu", "block_size": 8, **kwargs}
+    options.setdefault("speculative_config", {"method": "mtp", "num_speculative_tokens": K})
+    return LLM(str(model_dir), **options)
+
+
+def _assert_as_transformers(
+    model_dir: Path, llm: LLM, prompts: list[list[int]], made: list[tuple[list[int], tuple]]
+) -> None:
+    """Greedy tokens are transformers'; every draft the one transformers' modules make."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(model_dir, prompt, MAX_TOKENS)
+    assert made, "no drafts made"
+    for tokens, drafts in made:
+        assert list(drafts) == reference_drafts(model_dir, tokens, len(drafts)), len(tokens)
+
+
+MODES = {
+    "batched": {},
+    "chunked": {"max_num_batched_tokens": 16},  # prompts of 13 to 22 tokens in pieces
+    "preempted": {"num_kv_blocks": 12},  # recomputed from its tokens when it runs again
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_drafts_are_the_prediction_layers_and_output_is_transformers(
+    bigram_dir: Path, drafts_made: list, mode: str
+) -> None:
+    llm = _mtp_llm(bigram_dir, **MODES[mode])
+    _assert_as_transformers(bigram_dir, llm, _prompts(4), drafts_made)
+    stats = llm.engine.stats
+    # about half the drafts stand: the layer's attention (and so its KV) moves the others
+    assert 0.3 < stats.num_accepted_draft_tokens / stats.num_draft_tokens < 1.0
+    if mode == "preempted":
+        assert llm.engine.num_preemptions > 0
+
+
+@pytest.mark.parametrize("mode", ["batched", "preempted"])
+def test_an_exact_prediction_layer_has_every_draft_stand(exact_dir: Path, mode: str) -> None:
+    """Each step of a decoding sequence gives it K + 1 tokens: the drafts made into the
+    lookahead slots past its step, every one standing."""
+    llm = _mtp_llm(exact_dir, **MODES[mode])
+    prompts = _prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(exact_dir, prompt, MAX_TOKENS)
+    stats = llm.engine.stats
+    assert stats.num_accepted_draft_tokens == stats.num_draft_tokens > 0
+    if mode == "batched":  # the prompts' step, then K + 1 tokens a step
+        assert stats.num_steps <= 1 + MAX_TOKENS // (K + 1) + 1
+
+
+def test_prefix_cache_hits_keep_the_layers_kv(bigram_dir: Path, drafts_made: list) -> None:
+    """A prompt sent again takes its blocks from the prefix cache, the layer's KV in them."""
+    llm = _mtp_llm(bigram_dir, enable_prefix_caching=True)
+    prompts = _prompts(2, length=21)
+    _assert_as_transformers(bigram_dir, llm, prompts, drafts_made)
+    drafts_made.clear()
+    hits_before = llm.engine.block_manager.pool.num_cache_hits
+    _assert_as_transformers(bigram_dir, llm, prompts, drafts_made)
+    assert llm.engine.block_manager.pool.num_cache_hits > hits_before
+
+
+def test_latent_free_attention_drafts_fall_and_output_is_transformers(
+    glm_dir: Path, drafts_made: list
+) -> None:
+    """GLM-4.5's prediction layer (grouped-query attention with biases and q/k norms), random:
+    its drafts are transformers' and, but for chance, fall."""
+    llm = _mtp_llm(glm_dir)
+    _assert_as_transformers(glm_dir, llm, _prompts(3), drafts_made)
+    assert llm.engine.stats.num_draft_tokens > 0
+
+
+def test_no_drafts_above_disable_by_batch_size_yet_the_layer_keeps_up(
+    bigram_dir: Path, drafts_made: list
+) -> None:
+    """Three running: no drafts, but the layer's KV still written; once two finish, the last
+    one's drafts are what the whole context gives."""
+    speculative = {"method": "mtp", "num_speculative_tokens": K, "disable_by_batch_size": 1}
+    llm = _mtp_llm(bigram_dir, speculative_config=speculative)
+    prompts = _prompts(3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 6, MAX_TOKENS)
+    ]
+    outputs = llm.generate(prompts, params)
+    assert outputs[2].outputs[0].token_ids == hf_greedy(bigram_dir, prompts[2], MAX_TOKENS)
+    assert drafts_made and all(len(tokens) > len(prompts[2]) + 6 for tokens, _ in drafts_made)
+    for tokens, drafts in drafts_made:
+        assert list(drafts) == reference_drafts(bigram_dir, tokens, len(drafts))
+
+
+def test_the_config_names_the_layers_and_vllms_older_method_names() -> None:
+    assert SpeculativeConfig.from_mapping(
+        {"method": "deepseek_mtp", "num_speculative_tokens": 1}
+    ) == SpeculativeConfig(1, method="mtp")
+    with pytest.raises(ValueError, match="speculative_config.model is required by method"):
+        SpeculativeConfig.from_mapping(
+            {"method": "mtp", "model": "/m", "num_speculative_tokens": 1}
+        )
+
+
+def test_the_prediction_layers_are_read_from_the_config(bigram_dir: Path, glm_dir: Path) -> None:
+    assert load_model_config(bigram_dir).num_prediction_layers == 1
+    assert load_model_config(glm_dir).num_prediction_layers == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must leave"),
+        ({"tensor_parallel_size": 2}, "workers of one rank for now; got tensor_parallel_size 2"),
+        ({"async_scheduling": True}, "async_scheduling does not combine"),
+    ],
+)
+def test_what_the_layer_cannot_run_with_is_refused_naming_the_field(
+    bigram_dir: Path, options: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        _mtp_llm(bigram_dir, **options)
+
+
+def test_a_model_without_prediction_layers_is_refused(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM has none \(config.json's num_nextn"):
+        _mtp_llm(llama_dir)
