@@ -8,11 +8,14 @@ follow the scheduling policy and async scheduling, which is refused with specula
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine.speculative.config import SpeculativeConfig
 from kv_transfer.policy import transports_for
 from router.cluster_config import ClusterConfig
+from tests.fixtures.tiny_models import make_tiny_mtp_model
 
 
 @pytest.mark.parametrize(
@@ -131,3 +134,20 @@ def test_async_scheduling_with_speculative_decoding_is_refused_naming_both_flags
         "--async-scheduling does not combine with --speculative-config"
     )
     assert ClusterConfig("model", speculative=spec).speculative is spec  # either alone is fine
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "LlamaForCausalLM has none"),  # the model has no prediction layer
+        ({"prefill_tp": 2}, "workers of one rank for now; got tensor_parallel_size 2"),
+    ],
+)
+def test_a_prediction_layer_that_cannot_draft_is_refused_at_start(
+    llama_dir: Path, tmp_path: Path, options: dict, message: str
+) -> None:
+    """Before any worker starts, naming the field: a model without one, a worker of two ranks."""
+    model = llama_dir if not options else make_tiny_mtp_model(tmp_path, "DeepseekV3ForCausalLM")
+    spec = SpeculativeConfig(num_speculative_tokens=2, method="mtp")
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(str(model), speculative=spec, **options)

@@ -1,5 +1,6 @@
 """The launcher hands each pool's actors their settings: speculative decoding goes to the decode
-pool only (a prefill worker samples each prompt's first token, never a draft), the same for a
+pool only (a prefill worker samples each prompt's first token, never a draft), but for a
+prediction layer's (method mtp), whose KV the prefill workers compute into what they hand off, the same for a
 worker started in a dead one's slot and for a worker changing role; every worker schedules by
 the cluster's scheduling policy, asynchronously if it says so. A worker changes role in its own
 process only where both pools' workers are one rank reserving the same resources. Actor classes
@@ -16,6 +17,7 @@ from engine.speculative.config import SpeculativeConfig
 from router.cluster_config import ClusterConfig
 from router.worker_host import WorkerSpec
 from router.worker_slots import WorkerLauncher, plan_slots
+from tests.fixtures.tiny_models import make_tiny_mtp_model
 
 
 class _RecordingActor:
@@ -56,6 +58,20 @@ def test_the_speculative_config_reaches_decode_actors_only(
     # a worker changing role gets its new role's: a prefill one none, a decode one the config
     assert launcher.spec("prefill", "prefill-7", {}).speculative is None
     assert launcher.spec("decode", "decode-7", {}).speculative is spec
+
+
+def test_a_prediction_layers_config_reaches_the_prefill_actors_too(
+    started: list[WorkerSpec], tmp_path: Path
+) -> None:
+    model = make_tiny_mtp_model(tmp_path, "DeepseekV3ForCausalLM")
+    spec = SpeculativeConfig(num_speculative_tokens=2, method="mtp")
+    config = ClusterConfig(str(model), num_prefill=1, num_decode=1, speculative=spec)
+    launcher = WorkerLauncher(config)
+    for slot in plan_slots(config, None):
+        launcher.launch(slot, slot.worker_id(0), {})
+    assert sorted(s.role for s in started) == ["decode", "prefill"]
+    assert all(worker.speculative is spec for worker in started)
+    assert launcher.spec("prefill", "prefill-7", {}).speculative is spec
 
 
 def test_without_a_speculative_config_decode_actors_get_none(started: list[WorkerSpec]) -> None:
