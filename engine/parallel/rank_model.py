@@ -332,17 +332,20 @@ def build_rank_model(
             speculative, load, model_config, dtype, device, linear_backend, max_model_len,
             cache.block_size,
         )  # fmt: skip
-    # speculative decoding's prediction layer, whole (a worker of one rank): its KV cache is
-    # one more slot of the model's
+    # speculative decoding's prediction layer, whole, on rank 0 alone: its KV cache is one
+    # more slot of the model's on every rank (a latent one, the same on every rank, under
+    # tensor parallelism: rank 0's is the one written, and the one a hand-off gives rank 0)
+    predicts = speculative is not None and speculative.method == "mtp"
     predictor = None
-    if speculative is not None and speculative.method == "mtp":
+    if predicts:
         check_prediction_layer(model_config, size, cache.quantized_kv)
+    if predicts and rank == 0:
         predictor = load_prediction_layer(
             load.model_dir, dtype, device, load.load_format, load.seed, linear_backend
         )
     cache_groups = model_config.cache_groups
     float_layout = KVLayout(
-        num_layers=cache_groups.num_slots + (predictor is not None),
+        num_layers=cache_groups.num_slots + predicts,
         num_kv_heads=shard.num_kv_heads,
         head_dim=model_config.head_dim,
         block_size=cache.block_size,

@@ -13,7 +13,8 @@ def check_prediction_layer(
 ) -> None:
     """Raise ValueError naming the field where the prediction layer cannot draft: the model
     has none, or it would run where it does not yet (its cache slot is one more of the
-    model's; it is held whole by a worker of one rank, in floating point)."""
+    model's; it is held whole, in floating point, by rank 0, so under tensor parallelism that
+    slot must be a latent one, which every rank holds whole)."""
     if target.num_prediction_layers < 1:
         raise ValueError(
             f"speculative_config.method 'mtp' drafts with the model's multi-token-prediction "
@@ -30,10 +31,12 @@ def check_prediction_layer(
             "speculative_config.method 'mtp' needs a model whose layers all attend to the "
             "whole context (sliding_window / layer_types)"
         )
-    if tensor_parallel_size > 1:
+    if tensor_parallel_size > 1 and target.mla is None:
         raise ValueError(
-            "speculative_config.method 'mtp' runs on workers of one rank for now; got "
-            f"tensor_parallel_size {tensor_parallel_size}"
+            "speculative_config.method 'mtp' under tensor parallelism needs latent attention "
+            f"(DeepSeek-V3), whose cache every rank holds whole; {target.architecture}'s "
+            f"prediction layer runs on workers of one rank for now, got tensor_parallel_size "
+            f"{tensor_parallel_size}"
         )
     if quantized_kv_cache:
         raise ValueError(

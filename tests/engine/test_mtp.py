@@ -6,22 +6,21 @@ holds, position by position, what the layer computes from the target's hidden st
 the step that computed them (prompt chunks, decodes, drafts checked and standing or falling,
 recomputation after preemption, prefix-cache hits).
 
-Two checkpoints: DeepSeek-V3 whose decoder layers add nothing (its next token a function of the
+Checkpoints: DeepSeek-V3 whose decoder layers add nothing (its next token a function of the
 current one) and whose prediction layer, but for a perturbation of its attention, predicts the
-token after the next from that token's embedding: most drafts stand, some fall; and a random
-GLM-4.5 (grouped-query attention rather than latent), whose drafts fall.
+token after the next from that token's embedding (bench/mtp.py's ``predictable``): about half
+the drafts stand; the same exact: every draft stands; and a random GLM-4.5 (grouped-query
+attention rather than latent), whose drafts fall.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
+from bench.mtp import PERTURBATION, predictable
 from engine import LLM, SamplingParams
 from engine.model_config import load_model_config
 from engine.speculative.config import SpeculativeConfig
@@ -35,50 +34,17 @@ MAX_TOKENS = 24
 K = 3  # drafts per step
 
 
-def _bigram_with_prediction(model_dir: Path, perturbation: float) -> Path:
-    """The decoder's layers add nothing (attention and MLP outputs zero): the hidden state is the
-    token's embedding, the next token a function of it. The prediction layer reads only the
-    next token's embedding (eh_proj [I | 0]), normed as the final norm does, and the model's LM
-    head: it predicts the token after the next, but for its attention's output projection of
-    ``perturbation`` std, which makes it fall now and then (and its KV matter)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    num_layers = config["num_hidden_layers"]
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    prefix = f"model.layers.{num_layers}."
-    hidden = tensors["model.embed_tokens.weight"].shape[1]
-    generator = torch.Generator().manual_seed(7)
-    for name in list(tensors):
-        output_projection = name.endswith(("o_proj.weight", "down_proj.weight"))
-        if output_projection and not name.startswith(prefix):
-            tensors[name] = torch.zeros_like(tensors[name])
-    tensors[f"{prefix}eh_proj.weight"] = torch.cat(
-        [torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1
-    )
-    tensors[f"{prefix}enorm.weight"] = torch.ones(hidden)
-    tensors[f"{prefix}shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
-    for name in list(tensors):
-        if name.startswith(prefix) and name.endswith("down_proj.weight"):
-            tensors[name] = torch.zeros_like(tensors[name])
-    o_proj = tensors[f"{prefix}self_attn.o_proj.weight"]
-    tensors[f"{prefix}self_attn.o_proj.weight"] = torch.empty_like(o_proj).normal_(
-        0.0, perturbation, generator=generator
-    )
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return model_dir
-
-
 @pytest.fixture(scope="module")
 def bigram_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     made = make_tiny_mtp_model(tmp_path_factory.mktemp("mtp-v3"), V3)
-    return _bigram_with_prediction(made, perturbation=0.01)
+    return predictable(made, perturbation=PERTURBATION)
 
 
 @pytest.fixture(scope="module")
 def exact_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The prediction layer predicts the token after the next exactly: every draft stands."""
     made = make_tiny_mtp_model(tmp_path_factory.mktemp("mtp-exact"), V3)
-    return _bigram_with_prediction(made, perturbation=0.0)
+    return predictable(made, perturbation=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +186,6 @@ def test_the_prediction_layers_are_read_from_the_config(bigram_dir: Path, glm_di
     ("options", "message"),
     [
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must leave"),
-        ({"tensor_parallel_size": 2}, "workers of one rank for now; got tensor_parallel_size 2"),
         ({"async_scheduling": True}, "async_scheduling does not combine"),
     ],
 )
@@ -229,6 +194,30 @@ def test_what_the_layer_cannot_run_with_is_refused_naming_the_field(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         _mtp_llm(bigram_dir, **options)
+
+
+def test_a_grouped_query_prediction_layer_is_refused_under_tensor_parallelism(
+    glm_dir: Path,
+) -> None:
+    """Its cache slot would hold rank 0's heads only (a latent one every rank holds whole)."""
+    with pytest.raises(ValueError, match="needs latent attention .DeepSeek-V3.*got tensor_par"):
+        _mtp_llm(glm_dir, tensor_parallel_size=2)
+
+
+@pytest.mark.timeout(300)
+def test_under_tensor_parallelism_rank_0_drafts_on_its_latent_slot(
+    bigram_dir: Path, drafts_made: list
+) -> None:
+    """Two ranks, preempting: the layer, whole, on rank 0, its KV in rank 0's slot of the
+    latent cache; output and drafts are transformers' (the bigram target has no near-ties
+    the ranks' summation order could flip)."""
+    llm = _mtp_llm(bigram_dir, tensor_parallel_size=2, **MODES["preempted"])
+    try:
+        _assert_as_transformers(bigram_dir, llm, _prompts(4), drafts_made)
+        assert llm.engine.num_preemptions > 0
+        assert llm.engine.stats.num_accepted_draft_tokens > 0
+    finally:
+        llm.close()
 
 
 def test_a_model_without_prediction_layers_is_refused(llama_dir: Path) -> None:
