@@ -161,7 +161,7 @@ class ClusterConfig:
             )
         self._check_engine_configs()
         self._check_tensor_parallel()
-        self._check_draft_model()
+        self._check_drafter()
         self._check_rebalance()
 
     def _check_rebalance(self) -> None:
@@ -179,7 +179,7 @@ class ClusterConfig:
                 "--prefill-resource and --decode-resource differ"
             )
 
-    def _check_draft_model(self) -> None:
+    def _check_drafter(self) -> None:
         """A draft model (``--speculative-config`` of method draft_model) the decode workers
         can run beside the model, or a prediction layer (method mtp) every worker can hold:
         refused here, naming the field, not by each worker."""

@@ -73,8 +73,11 @@ def test_the_profile_seeds_the_forecast_and_traffic_corrects_it(
     transfer = model.transfer_cost()
     assert transfer is not None and transfer.num_samples >= 2 and transfer.bytes_per_block > 0
     assert after.handoff_s > 0
-    # the gateway's and router's hops, which no step shows, are learned from the requests
-    assert after.ttft_path_s > 0
+    # the gateway's and router's hops, which no step shows, are learned from the requests: the
+    # correction is their residuals' median (negative where the start-up profile, taken on a
+    # busier machine, overpredicts the steps: on a busy 2-core CI machine it was -0.019 s)
+    assert after.path is not None and after.path.num_requests == 8
+    assert after.ttft_path_s == statistics.median(after.path.ttft_residuals_s) != 0
     # an idle cluster: the corrected prediction is near what the client saw lately
     recent = statistics.median(observed[-4:])
     assert 0.2 < recent / after.ttft_s < 5, (after, observed)
