@@ -148,9 +148,14 @@ def test_attention_backends_match_transformers(llama_dir: Path, backend: str, mo
         prompts, key = shared_prefix_prompts(seed=2), "shared-prefix"
     llm = LLM(str(llama_dir), dtype="float32", device="cpu", attention_backend=backend, **llm_args)
     assert llm.engine.runner.attn_backend.name == backend
-    assert engine_tokens(llm, prompts) == reference(llama_dir, prompts, key)
-    if mode == "prefix-cache":
-        assert engine_tokens(llm, prompts) == reference(llama_dir, prompts, key)
+    expected, params = reference(llama_dir, prompts, key), greedy_params()
+    if backend == "triton":  # its interpreter runs each kernel program in Python: half the
+        # requests (the first four of the prefix-cache ones, which share both prefixes)
+        half = slice(0, 4) if mode == "prefix-cache" else slice(0, None, 2)
+        prompts, expected, params = prompts[half], expected[half], params[half]
+    for _ in range(2 if mode == "prefix-cache" else 1):
+        outputs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_a_prompt_aborted_mid_block_then_sent_again_matches_transformers(llama_dir: Path) -> None:

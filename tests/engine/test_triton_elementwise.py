@@ -21,7 +21,7 @@ from engine.models import fused_ops
 from engine.models.fused_ops import torch_silu_and_mul
 from engine.models.rms_norm import torch_rms_norm
 from engine.models.rope import apply_rotary
-from tests.engine.test_parity import engine_tokens, make_prompts, reference
+from tests.engine.test_parity import greedy_params, make_prompts, reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -157,8 +157,11 @@ def test_greedy_matches_transformers_through_the_triton_kernels(
     monkeypatch.setattr(triton_kernels, "usable", lambda x: True)
     model_dir = model_dirs[arch]
     prompts = make_prompts(seed=1)
+    expected = reference(model_dir, prompts, "plain")
     llm = LLM(str(model_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
-    assert engine_tokens(llm, prompts) == reference(model_dir, prompts, "plain")
+    # half the requests: the interpreter runs each kernel program in Python
+    outputs = llm.generate(prompts[::2], greedy_params()[::2])
+    assert [o.outputs[0].token_ids for o in outputs] == expected[::2]
 
 
 @pytest.mark.gpu
