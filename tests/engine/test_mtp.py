@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.mtp import PERTURBATION, predictable
 from engine import LLM, SamplingParams
@@ -139,6 +140,21 @@ def test_prefix_cache_hits_keep_the_layers_kv(bigram_dir: Path, drafts_made: lis
     assert llm.engine.block_manager.pool.num_cache_hits > hits_before
 
 
+def test_greedy_samples_of_one_request_draft_after_they_fork(
+    bigram_dir: Path, drafts_made: list
+) -> None:
+    """n = 3 greedy: the samples fork at the prompt's last position (whose layer KV, computed
+    with the first sample's token, is every sample's here), then each drafts on its own."""
+    llm = _mtp_llm(bigram_dir)
+    (prompt,) = _prompts(1)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)
+    (output,) = llm.generate([prompt], params)
+    assert [c.token_ids for c in output.outputs] == [hf_greedy(bigram_dir, prompt, MAX_TOKENS)] * 3
+    assert len({tuple(tokens) for tokens, _ in drafts_made}) < len(drafts_made)  # each sample
+    for tokens, drafts in drafts_made:
+        assert list(drafts) == reference_drafts(bigram_dir, tokens, len(drafts))
+
+
 def test_latent_free_attention_drafts_fall_and_output_is_transformers(
     glm_dir: Path, drafts_made: list
 ) -> None:
@@ -223,3 +239,21 @@ def test_under_tensor_parallelism_rank_0_drafts_on_its_latent_slot(
 def test_a_model_without_prediction_layers_is_refused(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"LlamaForCausalLM has none \(config.json's num_nextn"):
         _mtp_llm(llama_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_layer_drafts_and_the_tokens_are_the_engines_without_it(
+    exact_dir: Path, bigram_dir: Path
+) -> None:
+    """The layer's forwards (eager, on the Triton latent attention) beside the model's steps:
+    the exact layer's drafts all stand, the perturbed one's not all, the tokens unchanged."""
+    prompts = _prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for model_dir, all_stand in ((exact_dir, True), (bigram_dir, False)):
+        plain = LLM(str(model_dir), dtype="float32", device="cuda")
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+        llm = _mtp_llm(model_dir, device="cuda")
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        stats = llm.engine.stats
+        assert (stats.num_accepted_draft_tokens == stats.num_draft_tokens > 0) is all_stand
