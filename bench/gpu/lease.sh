@@ -24,6 +24,7 @@
 #   bash bench/gpu/lease.sh bench   # bench.gpu --quick, then bench.engine_overhead on cuda
 #   bash bench/gpu/lease.sh speculative  # bench.speculative on cuda (drafts against none)
 #   bash bench/gpu/lease.sh draft_model  # bench.draft_model on cuda (a draft model's drafts)
+#   bash bench/gpu/lease.sh mtp     # bench.mtp on cuda (the model's own prediction layer)
 #   bash bench/gpu/lease.sh async   # bench.async_scheduling on cuda (1B, then 8B shapes)
 # Logs and JSON go to $OUT (the device tool brings them back), else to bench/results/lease.
 # The GPU machine has python3 with torch, triton and transformers, and no ray, fastapi or
@@ -92,6 +93,10 @@ draft_model)
     timeout 500 "$python" -m bench.draft_model --device cuda --batch-sizes 1,8,32 \
         --repeats 2 --out "$out/draft_model.json" 2>&1 | tee "$out/draft_model.log"
     ;;
+mtp)
+    timeout 500 "$python" -m bench.mtp --device cuda --hidden-size 1024 --num-layers 32 \
+        --batch-sizes 1,8,32 --repeats 2 --out "$out/mtp.json" 2>&1 | tee "$out/mtp.log"
+    ;;
 async)
     timeout 270 "$python" -m bench.async_scheduling --device cuda --model 1b \
         --batch-sizes 1,8,64,256 --context-len 1000 \
@@ -101,7 +106,7 @@ async)
         --out "$out/async_scheduling_8b.json" 2>&1 | tee "$out/async_scheduling_8b.log"
     ;;
 *)
-    echo "usage: bash bench/gpu/lease.sh first|quantized [box]|profile [box]|roofline [box]|tests|bench|speculative|draft_model|async" >&2
+    echo "usage: bash bench/gpu/lease.sh first|quantized [box]|profile [box]|roofline [box]|tests|bench|speculative|draft_model|mtp|async" >&2
     exit 2
     ;;
 esac
