@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,10 +37,10 @@ from safetensors.torch import load_file, save_file
 
 from bench.results_json import write_json
 from bench.speculative import DEMO_MODEL, docstring_prompts, run_case
+from bench.vllm_side import run_vllm_job
 from engine import LLM
 
 NOISE = 0.3  # the noisy draft's relative scale of each matrix element's noise
-_RESULT = "VLLM_RESULT "  # the line bench/vllm_draft_worker.py prints its timings on
 
 
 def deepened_demo(out: Path, num_layers: int) -> Path:
@@ -103,21 +101,14 @@ def run_vllm(
     args: argparse.Namespace, target: str, draft: str | None, batches: list[list[list[int]]]
 ) -> list[dict[str, Any]]:
     """vLLM's greedy runs of each batch of prompts, ``draft`` drafting (None: none), in its own
-    venv's process (bench/vllm_draft_worker.py): per batch, the median seconds and tokens."""
-    with tempfile.TemporaryDirectory() as tmp:
-        job = Path(tmp) / "job.json"
-        job.write_text(json.dumps([target, draft, batches, args.output_len, args.repeats,
-                                   args.num_speculative_tokens]))  # fmt: skip
-        cores = "0" if args.threads == 1 else f"0-{args.threads - 1}"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores}
-        done = subprocess.run(
-            [args.vllm_python, str(Path(__file__).with_name("vllm_draft_worker.py")), str(job)],
-            capture_output=True, text=True, env=env, check=False,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"vLLM's run failed: {done.stderr[-3000:]}")
-        (line,) = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]
-        return list(json.loads(line[len(_RESULT) :]))
+    venv's process (bench/vllm_side.py): per batch, the median seconds and tokens."""
+    spec = None
+    if draft is not None:
+        spec = {"method": "draft_model", "model": draft,
+                "num_speculative_tokens": args.num_speculative_tokens}  # fmt: skip
+    job = {"target": target, "speculative_config": spec, "batches": batches,
+           "output_len": args.output_len, "repeats": args.repeats, "dtype": "float32"}  # fmt: skip
+    return run_vllm_job(args.vllm_python, args.threads, job)
 
 
 def vllm_rows(

