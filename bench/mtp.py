@@ -43,7 +43,9 @@ from bench.speculative import random_prompts, run_case
 from bench.vllm_side import run_vllm_job
 from engine import LLM
 
-PERTURBATION = 0.01  # the perturbed layer's o_proj std: about half its drafts stand
+# the perturbed layer's o_proj std: about half its drafts stand (on the built model: 0.0005
+# made 84% stand, 0.001 62%, 0.002 44%, 0.004 24%)
+PERTURBATION = 0.0015
 
 
 def model_with_prediction_layer(out: Path, num_layers: int, hidden_size: int, seed: int) -> Path:
