@@ -36,8 +36,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.results_json import write_json
-from bench.speculative import DEMO_MODEL, docstring_prompts, run_case
-from bench.vllm_side import run_vllm_job
+from bench.speculative import DEMO_MODEL, add_drafting_args, docstring_prompts, drafting_rows
+from bench.vllm_side import run_vllm_job, vllm_rows
 from engine import LLM
 
 NOISE = 0.3  # the noisy draft's relative scale of each matrix element's noise
@@ -111,50 +111,12 @@ def run_vllm(
     return run_vllm_job(args.vllm_python, args.threads, job)
 
 
-def vllm_rows(
-    args: argparse.Namespace,
-    target: str,
-    drafts: dict[str, str],
-    batches: list[list[list[int]]],
-    baselines: list[list[list[int]]],  # pdserve's tokens without drafts, per batch
-) -> list[dict[str, Any]]:
-    """vLLM's row of each draft (and none) at each batch size, tokens/s and speed-up over its
-    own run without drafts; tokens compared with pdserve's baseline."""
-    runs = {name: run_vllm(args, target, draft, batches)
-            for name, draft in {"none": None, **drafts}.items()}  # fmt: skip
-    rows = []
-    for index, prompts in enumerate(batches):
-        num_output = len(prompts) * args.output_len
-        base_rate = num_output / runs["none"][index]["median_seconds"]
-        for name, per_batch in runs.items():
-            run = per_batch[index]
-            rate = num_output / run["median_seconds"]
-            rows.append({
-                "engine": "vllm", "batch_size": len(prompts), "drafts": name,
-                "median_seconds": run["median_seconds"], "output_tokens_per_s": rate,
-                "speed_up": rate / base_rate,
-                "num_outputs_differing_from_pdserve": sum(
-                    a != b for a, b in zip(run["tokens"], baselines[index], strict=True)
-                ),
-            })  # fmt: skip
-    return rows
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="target (default: the deepened demo)")
     parser.add_argument("--draft-models", default=None, help="comma-separated (with --model)")
     parser.add_argument("--deepen-to", type=int, default=24)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vllm-python", default=None, help="vLLM side by side (CPU)")
-    parser.add_argument("--out", default="bench/results/draft_model.json")
+    add_drafting_args(parser, 4, "bench/results/draft_model.json")
     args = parser.parse_args(argv)
     if (args.model is None) != (args.draft_models is None):
         parser.error("--model and --draft-models go together")
@@ -167,41 +129,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             target = args.model
             drafts = {Path(d).name: d for d in args.draft_models.split(",")}
         engines = make_engines(target, drafts, args)
-        rows = []
-        print(
-            f"{'batch':>5} {'drafts':>8} {'tok/s':>9} {'speed-up':>8} {'steps':>6} {'accepted':>8}"
-        )
         batches = [
             docstring_prompts(engines["none"], batch_size, args.seed + batch_size)
             for batch_size in (int(b) for b in args.batch_sizes.split(","))
         ]
-        baselines = []
-        for prompts in batches:
-            batch_size = len(prompts)
-            results, baseline_tokens = run_case(engines, prompts, args, baseline="none")
-            baselines.append(baseline_tokens)
-            base_rate = results["none"]["output_tokens_per_s"]
-            for name, result in results.items():
-                result.update(
-                    engine="pdserve",
-                    batch_size=batch_size,
-                    drafts=name,
-                    speed_up=result["output_tokens_per_s"] / base_rate,
-                )
-                rows.append(result)
-                rate = result["acceptance_rate"]
-                print(
-                    f"{batch_size:>5} {name:>8} {result['output_tokens_per_s']:>9.0f} "
-                    f"{result['speed_up']:>7.2f}x {result['num_steps']:>6} "
-                    f"{'-' if rate is None else f'{rate:.0%}':>8}"
-                )
+        rows, baselines = drafting_rows(engines, batches, args)
         if args.vllm_python:
-            for row in vllm_rows(args, target, drafts, batches, baselines):
-                rows.append(row)
-                print(
-                    f"{row['batch_size']:>5} {'vllm ' + row['drafts']:>8} "
-                    f"{row['output_tokens_per_s']:>9.0f} {row['speed_up']:>7.2f}x"
-                )
+            runs = {name: run_vllm(args, target, draft, batches)
+                    for name, draft in {"none": None, **drafts}.items()}  # fmt: skip
+            rows += vllm_rows(runs, batches, baselines, args.output_len)
     report = {"args": vars(args), "results": rows}
     path = write_json(args.out, report)
     print(f"wrote {path}")

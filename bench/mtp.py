@@ -39,8 +39,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from bench.results_json import write_json
-from bench.speculative import random_prompts, run_case
-from bench.vllm_side import run_vllm_job
+from bench.speculative import add_drafting_args, drafting_rows, random_prompts
+from bench.vllm_side import run_vllm_job, vllm_rows
 from engine import LLM
 
 # the perturbed layer's o_proj std: about half its drafts stand (on the built model: 0.0005
@@ -129,14 +129,10 @@ def make_engines(models: dict[str, str], args: argparse.Namespace) -> dict[str, 
     }
 
 
-def vllm_rows(
-    args: argparse.Namespace,
-    models: dict[str, str],
-    batches: list[list[list[int]]],
-    baselines: list[list[list[int]]],  # pdserve's tokens without drafts, per batch
-) -> list[dict[str, Any]]:
-    """vLLM's row without drafts and with each prediction layer at each batch size: tokens/s,
-    speed-up over its own run without drafts, tokens compared with pdserve's baseline."""
+def vllm_runs(
+    args: argparse.Namespace, models: dict[str, str], batches: list[list[list[int]]]
+) -> dict[str, list[dict[str, Any]]]:
+    """vLLM's runs of each batch without drafts, then with each prediction layer, by name."""
     spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
     runs = {}
     for name, path, config in [("none", models["exact"], None)] + [
@@ -145,41 +141,16 @@ def vllm_rows(
         job = {"target": path, "speculative_config": config, "batches": batches,
                "output_len": args.output_len, "repeats": args.repeats, "dtype": args.dtype}  # fmt: skip
         runs[name] = run_vllm_job(args.vllm_python, args.threads, job)
-    rows = []
-    for index, prompts in enumerate(batches):
-        num_output = len(prompts) * args.output_len
-        base_rate = num_output / runs["none"][index]["median_seconds"]
-        for name, per_batch in runs.items():
-            run = per_batch[index]
-            rate = num_output / run["median_seconds"]
-            rows.append({
-                "engine": "vllm", "batch_size": len(prompts), "drafts": name,
-                "median_seconds": run["median_seconds"], "output_tokens_per_s": rate,
-                "speed_up": rate / base_rate,
-                "num_outputs_differing_from_pdserve": sum(
-                    a != b for a, b in zip(run["tokens"], baselines[index], strict=True)
-                ),
-            })  # fmt: skip
-    return rows
+    return runs
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vllm-python", default=None, help="vLLM side by side (CPU)")
-    parser.add_argument("--out", default="bench/results/mtp.json")
+    add_drafting_args(parser, 3, "bench/results/mtp.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = []
     with tempfile.TemporaryDirectory() as scratch:
         base = model_with_prediction_layer(
             Path(scratch) / "base", args.num_layers, args.hidden_size, args.seed
@@ -189,35 +160,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             copy = shutil.copytree(base, Path(scratch) / name)
             models[name] = str(predictable(copy, perturbation))
         engines = make_engines(models, args)
-        print(f"{'batch':>5} {'drafts':>14} {'tok/s':>9} {'speed-up':>8} {'steps':>6} {'stood':>6}")
-        batches, baselines = [], []
-        for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-            prompts = random_prompts(4096, batch_size, args.seed + batch_size)
-            results, baseline_tokens = run_case(engines, prompts, args, baseline="none")
-            batches.append(prompts)
-            baselines.append(baseline_tokens)
-            base_rate = results["none"]["output_tokens_per_s"]
-            for name, result in results.items():
-                result.update(
-                    engine="pdserve",
-                    batch_size=batch_size,
-                    drafts=name,
-                    speed_up=result["output_tokens_per_s"] / base_rate,
-                )
-                rows.append(result)
-                rate = result["acceptance_rate"]
-                print(
-                    f"{batch_size:>5} {name:>14} {result['output_tokens_per_s']:>9.0f} "
-                    f"{result['speed_up']:>7.2f}x {result['num_steps']:>6} "
-                    f"{'-' if rate is None else f'{rate:.0%}':>6}"
-                )
+        batches = [
+            random_prompts(4096, batch_size, args.seed + batch_size)
+            for batch_size in (int(b) for b in args.batch_sizes.split(","))
+        ]
+        rows, baselines = drafting_rows(engines, batches, args)
         if args.vllm_python:
-            for row in vllm_rows(args, models, batches, baselines):
-                rows.append(row)
-                print(
-                    f"{row['batch_size']:>5} {'vllm ' + row['drafts']:>14} "
-                    f"{row['output_tokens_per_s']:>9.0f} {row['speed_up']:>7.2f}x"
-                )
+            runs = vllm_runs(args, models, batches)
+            rows += vllm_rows(runs, batches, baselines, args.output_len)
     report = {"args": vars(args), "results": rows}
     path = write_json(args.out, report)
     print(f"wrote {path}")

@@ -188,3 +188,54 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+NAME_WIDTH = 14  # of a drafting bench's table's drafts column ("vllm perturbed")
+
+
+def add_drafting_args(
+    parser: argparse.ArgumentParser, num_speculative_tokens: int, out: str
+) -> None:
+    """The options the drafting benches (bench.draft_model, bench.mtp) share."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=num_speculative_tokens)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", default=None, help="vLLM side by side (CPU)")
+    parser.add_argument("--out", default=out)
+
+
+def drafting_rows(
+    engines: dict[str, LLM], batches: list[list[list[int]]], args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], list[list[list[int]]]]:
+    """Each engine's row at each batch of prompts (``run_case`` against the one named "none",
+    with its speed-up over it), printed as a table's lines; and the baseline's tokens per
+    batch."""
+    rows, baselines = [], []
+    width = NAME_WIDTH
+    print(
+        f"{'batch':>5} {'drafts':>{width}} {'tok/s':>9} {'speed-up':>8} {'steps':>6} {'stood':>8}"
+    )
+    for prompts in batches:
+        results, baseline_tokens = run_case(engines, prompts, args, baseline="none")
+        baselines.append(baseline_tokens)
+        base_rate = results["none"]["output_tokens_per_s"]
+        for name, result in results.items():
+            result.update(
+                engine="pdserve",
+                batch_size=len(prompts),
+                drafts=name,
+                speed_up=result["output_tokens_per_s"] / base_rate,
+            )
+            rows.append(result)
+            rate = result["acceptance_rate"]
+            print(
+                f"{len(prompts):>5} {name:>{width}} {result['output_tokens_per_s']:>9.0f} "
+                f"{result['speed_up']:>7.2f}x {result['num_steps']:>6} "
+                f"{'-' if rate is None else f'{rate:.0%}':>8}"
+            )
+    return rows, baselines

@@ -29,3 +29,32 @@ def run_vllm_job(vllm_python: str, threads: int, job: dict[str, Any]) -> list[di
             raise RuntimeError(f"vLLM's run failed: {done.stderr[-3000:]}")
         (line,) = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]
         return list(json.loads(line[len(_RESULT) :]))
+
+
+def vllm_rows(
+    runs: dict[str, list[dict[str, Any]]],  # by drafts' name ("none" first): per batch, a run
+    batches: list[list[list[int]]],
+    baselines: list[list[list[int]]],  # pdserve's tokens without drafts, per batch
+    output_len: int,
+) -> list[dict[str, Any]]:
+    """vLLM's row of each of ``runs`` at each batch size: tokens/s, speed-up over its own run
+    without drafts, tokens compared with pdserve's baseline; each printed as a table's line
+    (``bench.speculative.drafting_rows``' columns)."""
+    rows = []
+    for index, prompts in enumerate(batches):
+        num_output = len(prompts) * output_len
+        base_rate = num_output / runs["none"][index]["median_seconds"]
+        for name, per_batch in runs.items():
+            run = per_batch[index]
+            rate = num_output / run["median_seconds"]
+            rows.append({
+                "engine": "vllm", "batch_size": len(prompts), "drafts": name,
+                "median_seconds": run["median_seconds"], "output_tokens_per_s": rate,
+                "speed_up": rate / base_rate,
+                "num_outputs_differing_from_pdserve": sum(
+                    a != b for a, b in zip(run["tokens"], baselines[index], strict=True)
+                ),
+            })  # fmt: skip
+            label = f"vllm {name}"
+            print(f"{len(prompts):>5} {label:>14} {rate:>9.0f} {rate / base_rate:>7.2f}x")
+    return rows

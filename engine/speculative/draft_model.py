@@ -24,7 +24,6 @@ them (usually one token: the target's own after the drafts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -48,6 +47,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_batch import Chunk, forward_inputs
 from engine.speculative.draft_checks import check_draft_model
+from engine.speculative.drafts_kept import DraftsKept
 
 if TYPE_CHECKING:
     from engine.model_runner import LaunchedStep
@@ -112,7 +112,7 @@ def load_draft_model(
     return LoadedDraft(model, layout)
 
 
-class DraftModel:
+class DraftModel(DraftsKept):
     """The proposer of draft tokens computed by a draft model (see the module's docstring)."""
 
     def __init__(
@@ -128,12 +128,11 @@ class DraftModel:
         # profile sized activations for): a longer catch-up runs in several
         max_forward_tokens: int,
     ) -> None:
+        super().__init__(speculative)
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = int(kv_cache.shape[3])
         self.attn_backend = attn_backend
-        self.num_speculative_tokens = speculative.num_speculative_tokens
-        self.disable_by_batch_size = speculative.disable_by_batch_size
         self.num_lookahead_slots = speculative.num_speculative_tokens
         self.target_vocab_size = target_vocab_size
         self.max_forward_tokens = max_forward_tokens
@@ -142,27 +141,11 @@ class DraftModel:
         # seq_id -> the block table its draft KV was written in, and how many leading
         # positions of it hold the KV of its tokens
         self._trusted: dict[int, tuple[BlockTable, int]] = {}
-        # seq_id -> (its token count when drafted, the drafts to follow those tokens)
-        self._drafts: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.num_forwards = 0  # draft forwards run (catch-ups and drafting steps)
 
-    def proposes_for(self, num_running: int) -> bool:
-        """Whether a step with ``num_running`` sequences running takes drafts at all."""
-        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
-
-    def propose(
-        self, token_ids: SequenceOf[int], max_num_drafts: int, seq_id: int | None = None
-    ) -> tuple[int, ...]:
-        """Up to ``max_num_drafts`` of the drafts made after ``seq_id``'s last step, if they
-        follow ``token_ids``; () otherwise."""
-        drafted = None if seq_id is None else self._drafts.get(seq_id)
-        if drafted is None or drafted[0] != len(token_ids) or max_num_drafts < 1:
-            return ()
-        return drafted[1][:max_num_drafts]
-
     def forget(self, seq_id: int) -> None:
+        super().forget(seq_id)
         self._trusted.pop(seq_id, None)
-        self._drafts.pop(seq_id, None)
 
     def draft_after(self, output: SchedulerOutput, step: LaunchedStep | None = None) -> None:
         """Catch up and draft for the step's sequences that received a token of their own

@@ -26,7 +26,6 @@ differs), so drafts that attend to them may stand less often; the output is the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,6 +41,7 @@ from engine.scheduler.scheduler import speculates
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_batch import Chunk, forward_inputs
+from engine.speculative.drafts_kept import DraftsKept
 
 if TYPE_CHECKING:
     from engine.model_runner import LaunchedStep
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 _COMPUTED = (SequenceStatus.RUNNING, SequenceStatus.HANDED_OFF)  # blocks still held
 
 
-class MtpDrafter:
+class MtpDrafter(DraftsKept):
     """The proposer of draft tokens computed by a multi-token-prediction layer (see the
     module's docstring)."""
 
@@ -63,39 +63,19 @@ class MtpDrafter:
         speculative: SpeculativeConfig,
         target_vocab_size: int,  # drafts are ids the target has
     ) -> None:
+        super().__init__(speculative)
         self.predictor = predictor
         self.kv_cache = kv_cache
         self.block_size = int(kv_cache.shape[3])
         self.attn_backend = attn_backend
-        self.num_speculative_tokens = speculative.num_speculative_tokens
-        self.disable_by_batch_size = speculative.disable_by_batch_size
         # the first draft writes nothing; each further one its KV at the position after the one
         # before (the newest token's position first)
         self.num_lookahead_slots = speculative.num_speculative_tokens - 1
         self.target_vocab_size = target_vocab_size
         self.device = kv_cache.device
         self.pads_rows = has_packed_linears(predictor)
-        # seq_id -> (its token count when drafted, the drafts to follow those tokens)
-        self._drafts: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.num_forwards = 0  # forwards of the layer run (catch-ups and drafting steps)
         self.num_caught_up = 0  # positions caught up (the layer's KV from the target's states)
-
-    def proposes_for(self, num_running: int) -> bool:
-        """Whether a step with ``num_running`` sequences running takes drafts at all."""
-        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
-
-    def propose(
-        self, token_ids: SequenceOf[int], max_num_drafts: int, seq_id: int | None = None
-    ) -> tuple[int, ...]:
-        """Up to ``max_num_drafts`` of the drafts made after ``seq_id``'s last step, if they
-        follow ``token_ids``; () otherwise."""
-        drafted = None if seq_id is None else self._drafts.get(seq_id)
-        if drafted is None or drafted[0] != len(token_ids) or max_num_drafts < 1:
-            return ()
-        return drafted[1][:max_num_drafts]
-
-    def forget(self, seq_id: int) -> None:
-        self._drafts.pop(seq_id, None)
 
     def draft_after(self, output: SchedulerOutput, step: LaunchedStep) -> None:
         """Catch up on ``step`` (the forward of ``output``) and draft for its decoding
