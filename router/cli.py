@@ -46,7 +46,7 @@ _SPECULATIVE_HELP = (
     "prompt_lookup_max down to prompt_lookup_min; either alone sets both, neither: 5); "
     '\'{"model": "/path/to/small-model", "num_speculative_tokens": 4}\' (method draft_model) '
     "drafts them greedily with that smaller model of the same vocabulary, on the decode "
-    "workers; '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' with the model's own "
+    'workers; \'{"method": "mtp", "num_speculative_tokens": 1}\' with the model\'s own '
     "multi-token-prediction layer (DeepSeek-V3, GLM-4.5); each keeps the drafts the model "
     "agrees with (greedy output is unchanged, sampled output keeps the model's distribution; "
     "default: off)"
