@@ -74,8 +74,6 @@ class MtpDrafter(DraftsKept):
         self.target_vocab_size = target_vocab_size
         self.device = kv_cache.device
         self.pads_rows = has_packed_linears(predictor)
-        self.num_forwards = 0  # forwards of the layer run (catch-ups and drafting steps)
-        self.num_caught_up = 0  # positions caught up (the layer's KV from the target's states)
 
     def draft_after(self, output: SchedulerOutput, step: LaunchedStep) -> None:
         """Catch up on ``step`` (the forward of ``output``) and draft for its decoding
@@ -103,7 +101,6 @@ class MtpDrafter(DraftsKept):
         with torch.inference_mode():
             hidden_rows = to_device(np.asarray(rows, dtype=np.int64), None, self.device)
             hidden = step.hidden.index_select(0, hidden_rows)
-            self.num_caught_up += len(rows)
             if not drafting:
                 self._forward(chunks, hidden, [])
                 return
@@ -165,7 +162,6 @@ class MtpDrafter(DraftsKept):
         context = ForwardContext.for_groups(metadata, self.kv_cache, self.attn_backend)
         with set_forward_context(context):
             out = self.predictor(ids, positions, held)
-        self.num_forwards += 1
         if not argmax_of:
             return out[:0], []
         position_of = {chunk: row for chunk, row in zip(order, last_rows)}
