@@ -695,7 +695,7 @@ _NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max"
         ('{"num_speculative_tokens": "4"}', "num_speculative_tokens must be an int, got str"),
         (
             '{"method": "eagle", "num_speculative_tokens": 4}',
-            "speculative_config.method must be one of ngram, draft_model, got 'eagle'",
+            "speculative_config.method must be one of ngram, draft_model, mtp, got 'eagle'",
         ),
         (
             '{"num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',

@@ -33,6 +33,7 @@ def test_a_step_on_cuda_1_runs_with_cuda_1_current(monkeypatch: pytest.MonkeyPat
     runner = ModelRunner.__new__(ModelRunner)
     runner.device = torch.device("cuda", 1)
     runner._drawn = None
+    runner.drafter = None
 
     def prepare_forward(
         prefills: list[ScheduledSequence],
