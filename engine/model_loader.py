@@ -91,10 +91,8 @@ def load_model(
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}")
-    files = [] if load_format == "dummy" else safetensors_files(Path(model_dir))
-    names_by_file = {file: _tensor_names(file) for file in files}
-    all_names = {name for names in names_by_file.values() for name in names}
-    if files and not config.tie_word_embeddings and "lm_head.weight" not in all_names:
+    names_by_file, all_names = _checkpoint_names(model_dir, load_format)
+    if names_by_file and not config.tie_word_embeddings and "lm_head.weight" not in all_names:
         config = dataclasses.replace(config, tie_word_embeddings=True)  # lm_head reuses embeddings
     if shard is None and group is not None:
         shard = TensorParallelShard.of(config, group.rank, group.size)
@@ -130,10 +128,9 @@ def load_prediction_layer(
     "dummy"), in eval mode without grad."""
     config = prediction_layer_config(model_dir)
     predictor = build_empty(lambda: MultiTokenPredictor(config), dtype, torch.device(device))
-    prefix = f"model.layers.{predictor.layer_idx}."
-    files = [] if load_format == "dummy" else safetensors_files(Path(model_dir))
-    names_by_file = {f: [n for n in _tensor_names(f) if n.startswith(prefix)] for f in files}
-    all_names = {name for names in names_by_file.values() for name in names}
+    names_by_file, all_names = _checkpoint_names(
+        model_dir, load_format, prefix=f"model.layers.{predictor.layer_idx}."
+    )
     with torch.no_grad():
         if load_format == "dummy":
             _init_dummy(predictor, seed)
@@ -176,6 +173,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         f"no model.safetensors or model.safetensors.index.json in {model_dir} "
         "(only safetensors checkpoints are supported; load_format='dummy' needs none)"
     )
+
+
+def _checkpoint_names(
+    model_dir: str | Path, load_format: LoadFormat, prefix: str = ""
+) -> tuple[dict[Path, list[str]], set[str]]:
+    """The checkpoint's tensor names that start with ``prefix``, by file, and all of them (none
+    under load_format "dummy")."""
+    files = [] if load_format == "dummy" else safetensors_files(Path(model_dir))
+    names_by_file = {f: [n for n in _tensor_names(f) if n.startswith(prefix)] for f in files}
+    return names_by_file, {name for names in names_by_file.values() for name in names}
 
 
 def _tensor_names(file: Path) -> list[str]:

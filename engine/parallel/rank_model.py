@@ -53,7 +53,6 @@ from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.draft_model import load_draft_model
 from engine.speculative.mtp import MtpDrafter
-from engine.speculative.prediction_checks import check_prediction_layer
 from engine.speculative.proposer import Drafter
 
 
@@ -335,10 +334,9 @@ def build_rank_model(
     # speculative decoding's prediction layer, whole, on rank 0 alone: its KV cache is one
     # more slot of the model's on every rank (a latent one, the same on every rank, under
     # tensor parallelism: rank 0's is the one written, and the one a hand-off gives rank 0)
+    # (engine/config_checks.py checked it can, before rank 0 started)
     predicts = speculative is not None and speculative.method == "mtp"
     predictor = None
-    if predicts:
-        check_prediction_layer(model_config, size, cache.quantized_kv)
     if predicts and rank == 0:
         predictor = load_prediction_layer(
             load.model_dir, dtype, device, load.load_format, load.seed, linear_backend

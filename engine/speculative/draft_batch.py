@@ -4,10 +4,15 @@ as decodes), on the sequences' cache group 0 block tables."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from engine.attention.backend import AttentionBackend
+from engine.forward_context import ForwardContext
+from engine.host_to_device import to_device
 from engine.kernels.linear import padded_rows
 from engine.parallel.step_commands import ForwardInputs
 from engine.sequence import Sequence
@@ -22,7 +27,55 @@ class Chunk:
     token_ids: list[int]
 
 
-def forward_inputs(
+@dataclass(frozen=True, slots=True)
+class ChunkForward:
+    """A forward of chunks on the device: its inputs (in the runner's order, not the chunks'),
+    and where each chunk's tokens sit in it."""
+
+    input_ids: torch.Tensor  # [rows] int64: the chunks' tokens, then the padding's zeros
+    positions: torch.Tensor  # [rows] int64
+    context: ForwardContext  # to run the forward in (set_forward_context)
+    # [tokens] int64: for each of the forward's token rows, its row among the chunks' tokens
+    # in the chunks' own order (to gather per-token inputs such as hidden states)
+    source_rows: torch.Tensor
+    num_padding_rows: int
+    _last_rows: tuple[int, ...]  # chunk index -> the forward's row of its last token
+
+    def last_rows(self, chunk_indices: SequenceOf[int]) -> torch.Tensor:
+        """[len(chunk_indices)] int64 on the device: the rows of those chunks' last tokens."""
+        rows = np.asarray([self._last_rows[i] for i in chunk_indices], dtype=np.int64)
+        return to_device(rows, None, self.input_ids.device)
+
+
+def chunk_forward(
+    chunks: list[Chunk],
+    kv_cache: torch.Tensor,  # [num_slots, kv_planes, num_blocks, block_size, heads, head_dim]
+    attn_backend: AttentionBackend,
+    pads_rows: bool,  # packed linears: rows padded to a bucket
+) -> ChunkForward:
+    """The forward of ``chunks`` (in any order) on ``kv_cache``'s device."""
+    device = kv_cache.device
+    order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) == 1)
+    ordered = [chunks[i] for i in order]
+    input_ids, inputs, last_rows = _forward_inputs(ordered, int(kv_cache.shape[3]), pads_rows)
+    ends = np.cumsum([len(c.token_ids) for c in chunks], dtype=np.int64)
+    starts = ends - np.asarray([len(c.token_ids) for c in chunks], dtype=np.int64)
+    source_rows = np.concatenate([np.arange(starts[i], ends[i], dtype=np.int64) for i in order])
+    last_row_of = [0] * len(chunks)
+    for i, row in zip(order, last_rows):
+        last_row_of[i] = row
+    positions, metadata = inputs.on_device(device)
+    return ChunkForward(
+        input_ids=to_device(np.asarray(input_ids, dtype=np.int64), torch.long, device),
+        positions=positions,
+        context=ForwardContext.for_groups(metadata, kv_cache, attn_backend),
+        source_rows=to_device(source_rows, None, device),
+        num_padding_rows=inputs.num_padding_rows,
+        _last_rows=tuple(last_row_of),
+    )
+
+
+def _forward_inputs(
     chunks: list[Chunk], block_size: int, pads_rows: bool
 ) -> tuple[list[int], ForwardInputs, list[int]]:
     """The input ids, batch and last row of each chunk of a forward of ``chunks``, those of more

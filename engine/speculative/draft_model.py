@@ -27,13 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.engine_config import LoadConfig
-from engine.forward_context import ForwardContext, set_forward_context
-from engine.host_to_device import to_device
+from engine.forward_context import set_forward_context
 from engine.kernels.linear import has_packed_linears
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.budget import KVLayout
@@ -45,7 +43,7 @@ from engine.scheduler.outputs import SchedulerOutput
 from engine.scheduler.scheduler import speculates
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.draft_batch import Chunk, forward_inputs
+from engine.speculative.draft_batch import Chunk, chunk_forward
 from engine.speculative.draft_checks import check_draft_model
 from engine.speculative.drafts_kept import DraftsKept
 
@@ -136,7 +134,6 @@ class DraftModel(DraftsKept):
         self.num_lookahead_slots = speculative.num_speculative_tokens
         self.target_vocab_size = target_vocab_size
         self.max_forward_tokens = max_forward_tokens
-        self.device = kv_cache.device
         self.pads_rows = has_packed_linears(model)  # packed linears: rows padded to buckets
         # seq_id -> the block table its draft KV was written in, and how many leading
         # positions of it hold the KV of its tokens
@@ -217,22 +214,13 @@ class DraftModel(DraftsKept):
     def _forward_argmax(self, chunks: list[Chunk]) -> list[int]:
         """One draft forward of ``chunks`` (their K/V written to the draft cache); the draft
         model's argmax after each chunk's last token, in ``chunks``' order."""
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) == 1)
-        ordered = [chunks[i] for i in order]
-        input_ids, inputs, last_rows = forward_inputs(ordered, self.block_size, self.pads_rows)
-        ids = to_device(np.asarray(input_ids, dtype=np.int64), torch.long, self.device)
-        positions, metadata = inputs.on_device(self.device)
-        context = ForwardContext.for_groups(metadata, self.kv_cache, self.attn_backend)
-        with set_forward_context(context):
-            hidden = self.model.forward(ids, positions)
-        rows = to_device(np.asarray(last_rows, dtype=np.int64), None, self.device)
+        forward = chunk_forward(chunks, self.kv_cache, self.attn_backend, self.pads_rows)
+        with set_forward_context(forward.context):
+            hidden = self.model.forward(forward.input_ids, forward.positions)
+        rows = forward.last_rows(range(len(chunks)))
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        argmax = logits[:, : self.target_vocab_size].argmax(dim=-1).tolist()
         self.num_forwards += 1
-        tokens = [0] * len(chunks)
-        for i, token in zip(order, argmax):
-            tokens[i] = int(token)
-        return tokens
+        return [int(t) for t in logits[:, : self.target_vocab_size].argmax(dim=-1).tolist()]
 
 
 def _num_fed_and_stood(token_ids: list[int], num_tokens: int, drafts: tuple[int, ...]) -> int:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.forward_context import ForwardContext, set_forward_context
+from engine.forward_context import set_forward_context
 from engine.host_to_device import to_device
 from engine.kernels.linear import has_packed_linears
 from engine.models.prediction_layer import MultiTokenPredictor
@@ -40,7 +40,7 @@ from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
 from engine.scheduler.scheduler import speculates
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.draft_batch import Chunk, forward_inputs
+from engine.speculative.draft_batch import Chunk, chunk_forward
 from engine.speculative.drafts_kept import DraftsKept
 
 if TYPE_CHECKING:
@@ -146,29 +146,15 @@ class MtpDrafter(DraftsKept):
         """One forward of the layer over ``chunks`` (``hidden``: the state it reads at each of
         their positions, in order); its output at the last position of the chunks
         ``argmax_of`` names, and the argmax of its logits there."""
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) == 1)
-        ordered = [chunks[i] for i in order]
-        input_ids, inputs, last_rows = forward_inputs(ordered, self.block_size, self.pads_rows)
-        ends = np.cumsum([len(c.token_ids) for c in chunks])
-        starts = ends - np.asarray([len(c.token_ids) for c in chunks])
-        hidden_order = np.concatenate(
-            [np.arange(starts[i], ends[i], dtype=np.int64) for i in order]
-        )
-        held = hidden.index_select(0, to_device(hidden_order, None, self.device))
-        if inputs.num_padding_rows:
-            held = torch.cat([held, held.new_zeros(inputs.num_padding_rows, held.shape[1])])
-        ids = to_device(np.asarray(input_ids, dtype=np.int64), torch.long, self.device)
-        positions, metadata = inputs.on_device(self.device)
-        context = ForwardContext.for_groups(metadata, self.kv_cache, self.attn_backend)
-        with set_forward_context(context):
-            out = self.predictor(ids, positions, held)
+        forward = chunk_forward(chunks, self.kv_cache, self.attn_backend, self.pads_rows)
+        held = hidden.index_select(0, forward.source_rows)
+        if forward.num_padding_rows:
+            held = torch.cat([held, held.new_zeros(forward.num_padding_rows, held.shape[1])])
+        with set_forward_context(forward.context):
+            out = self.predictor(forward.input_ids, forward.positions, held)
         if not argmax_of:
             return out[:0], []
-        position_of = {chunk: row for chunk, row in zip(order, last_rows)}
-        picked = to_device(
-            np.asarray([position_of[i] for i in argmax_of], dtype=np.int64), None, self.device
-        )
-        outputs = out.index_select(0, picked)
+        outputs = out.index_select(0, forward.last_rows(argmax_of))
         logits = self.predictor.compute_logits(outputs)
         tokens = logits[:, : self.target_vocab_size].argmax(dim=-1).tolist()
         return outputs, [int(t) for t in tokens]
