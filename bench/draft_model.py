@@ -35,9 +35,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.results_json import write_json
-from bench.speculative import DEMO_MODEL, add_drafting_args, docstring_prompts, drafting_rows
-from bench.vllm_side import run_vllm_job, vllm_rows
+from bench.speculative import DEMO_MODEL, add_drafting_args, docstring_prompts, drafting_report
+from bench.vllm_side import run_vllm_job
 from engine import LLM
 
 NOISE = 0.3  # the noisy draft's relative scale of each matrix element's noise
@@ -97,6 +96,14 @@ def make_engines(target: str, drafts: dict[str, str], args: argparse.Namespace) 
     }
 
 
+def vllm_runs(
+    args: argparse.Namespace, target: str, drafts: dict[str, str], batches: list[list[list[int]]]
+) -> dict[str, list[dict[str, Any]]]:
+    """vLLM's runs of each batch without drafts, then with each draft model, by name."""
+    return {name: run_vllm(args, target, draft, batches)
+            for name, draft in {"none": None, **drafts}.items()}  # fmt: skip
+
+
 def run_vllm(
     args: argparse.Namespace, target: str, draft: str | None, batches: list[list[list[int]]]
 ) -> list[dict[str, Any]]:
@@ -133,15 +140,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             docstring_prompts(engines["none"], batch_size, args.seed + batch_size)
             for batch_size in (int(b) for b in args.batch_sizes.split(","))
         ]
-        rows, baselines = drafting_rows(engines, batches, args)
-        if args.vllm_python:
-            runs = {name: run_vllm(args, target, draft, batches)
-                    for name, draft in {"none": None, **drafts}.items()}  # fmt: skip
-            rows += vllm_rows(runs, batches, baselines, args.output_len)
-    report = {"args": vars(args), "results": rows}
-    path = write_json(args.out, report)
-    print(f"wrote {path}")
-    return report
+        return drafting_report(
+            engines, batches, args, lambda: vllm_runs(args, target, drafts, batches)
+        )
 
 
 if __name__ == "__main__":

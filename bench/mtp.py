@@ -38,9 +38,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from bench.results_json import write_json
-from bench.speculative import add_drafting_args, drafting_rows, random_prompts
-from bench.vllm_side import run_vllm_job, vllm_rows
+from bench.speculative import add_drafting_args, drafting_report, random_prompts
+from bench.vllm_side import run_vllm_job
 from engine import LLM
 
 # the perturbed layer's o_proj std: about half its drafts stand (on the built model: 0.0005
@@ -164,14 +163,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             random_prompts(4096, batch_size, args.seed + batch_size)
             for batch_size in (int(b) for b in args.batch_sizes.split(","))
         ]
-        rows, baselines = drafting_rows(engines, batches, args)
-        if args.vllm_python:
-            runs = vllm_runs(args, models, batches)
-            rows += vllm_rows(runs, batches, baselines, args.output_len)
-    report = {"args": vars(args), "results": rows}
-    path = write_json(args.out, report)
-    print(f"wrote {path}")
-    return report
+        return drafting_report(engines, batches, args, lambda: vllm_runs(args, models, batches))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,14 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.results_json import write_json
+from bench.vllm_side import vllm_rows
 from engine import LLM, SamplingParams
 from engine.demo_model.corpus import corpus_documents
 
@@ -239,3 +241,20 @@ def drafting_rows(
                 f"{'-' if rate is None else f'{rate:.0%}':>8}"
             )
     return rows, baselines
+
+
+def drafting_report(
+    engines: dict[str, LLM],
+    batches: list[list[list[int]]],
+    args: argparse.Namespace,
+    vllm_runs: Callable[[], dict[str, list[dict[str, Any]]]],
+) -> dict[str, Any]:
+    """A drafting bench's report, written to ``args.out``: each engine's rows
+    (``drafting_rows``), then with ``args.vllm_python`` vLLM's (``vllm_runs()``: its runs by
+    drafts' name, "none" first; ``bench.vllm_side.vllm_rows``)."""
+    rows, baselines = drafting_rows(engines, batches, args)
+    if args.vllm_python:
+        rows += vllm_rows(vllm_runs(), batches, baselines, args.output_len)
+    report = {"args": vars(args), "results": rows}
+    print(f"wrote {write_json(args.out, report)}")
+    return report
