@@ -128,9 +128,14 @@ def load_prediction_layer(
     "dummy"), in eval mode without grad."""
     config = prediction_layer_config(model_dir)
     predictor = build_empty(lambda: MultiTokenPredictor(config), dtype, torch.device(device))
-    names_by_file, all_names = _checkpoint_names(
-        model_dir, load_format, prefix=f"model.layers.{predictor.layer_idx}."
-    )
+    prefix = f"model.layers.{predictor.layer_idx}."
+    names_by_file, all_names = _checkpoint_names(model_dir, load_format, prefix=prefix)
+    if load_format != "dummy" and not all_names:
+        raise ValueError(
+            f"speculative_config.method 'mtp': config.json's num_nextn_predict_layers is "
+            f"{config.num_prediction_layers}, but the checkpoint holds no {prefix}* tensors "
+            "(a checkpoint saved again through transformers loses them)"
+        )
     with torch.no_grad():
         if load_format == "dummy":
             _init_dummy(predictor, seed)

@@ -9,12 +9,15 @@ recomputation after preemption, prefix-cache hits).
 Checkpoints: DeepSeek-V3 whose decoder layers add nothing (its next token a function of the
 current one) and whose prediction layer, but for a perturbation of its attention, predicts the
 token after the next from that token's embedding (bench/mtp.py's ``predictable``): about half
-the drafts stand; the same exact: every draft stands; and a random GLM-4.5 (grouped-query
-attention rather than latent), whose drafts fall.
+the drafts stand; the same exact: every draft stands; the same in DeepSeek-V3's published FP8
+layout (float8 blocks); and a random GLM-4.5 (grouped-query attention rather than latent), whose
+drafts fall.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,11 +27,15 @@ import torch
 from bench.mtp import predictable
 from engine import LLM, SamplingParams
 from engine.model_config import load_model_config
+from engine.quantization.config import Fp8BlockWeights, PackedIntWeights
+from engine.quantization.fp8_linear import Fp8BlockLinear
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.mtp import MtpDrafter
+from engine.speculative.prediction_checks import check_prediction_layer
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.mtp_reference import reference_drafts
-from tests.fixtures.tiny_models import make_tiny_mtp_model
+from tests.fixtures.quantized_models import QUANTIZABLE_LLAMA, write_fp8_blocks
+from tests.fixtures.tiny_models import make_tiny_model, make_tiny_mtp_model
 
 V3, GLM = "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"
 MAX_TOKENS = 24
@@ -47,6 +54,17 @@ def exact_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The prediction layer predicts the token after the next exactly: every draft stands."""
     made = make_tiny_mtp_model(tmp_path_factory.mktemp("mtp-exact"), V3)
     return predictable(made, perturbation=0.0)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``bigram_dir``'s kind in DeepSeek-V3's published FP8 layout (blocks of 8 here, whole
+    over the tiny widths): every decoder projection, the prediction layer's too, in float8
+    blocks; its ``eh_proj``, norms, embeddings and head float."""
+    root = tmp_path_factory.mktemp("mtp-fp8")
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_key_value_heads": 4, "head_dim": 8}
+    made = make_tiny_mtp_model(root / "float", V3, **{**QUANTIZABLE_LLAMA, **sizes})
+    return write_fp8_blocks(predictable(made, perturbation=PERTURBATION), root / "fp8", (8, 8))
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +253,45 @@ def test_under_tensor_parallelism_rank_0_drafts_on_its_latent_slot(
         assert llm.engine.stats.num_accepted_draft_tokens > 0
     finally:
         llm.close()
+
+
+def test_a_prediction_layer_in_fp8_blocks_drafts_as_transformers(
+    fp8_dir: Path, drafts_made: list
+) -> None:
+    """The layer's attention and MLP projections stay float8 in memory, as the model's do; its
+    drafts are what transformers' modules compute on the same files (dequantizing them)."""
+    llm = _mtp_llm(fp8_dir, **MODES["chunked"])
+    drafter = llm.engine.runner.drafter
+    assert isinstance(drafter, MtpDrafter)
+    layer = drafter.predictor.layer
+    assert isinstance(layer.self_attn.o_proj, Fp8BlockLinear)
+    assert layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert not isinstance(layer.eh_proj, Fp8BlockLinear)  # float (packed for oneDNN)
+    _assert_as_transformers(fp8_dir, llm, _prompts(4), drafts_made)
+    stats = llm.engine.stats
+    assert 0.3 < stats.num_accepted_draft_tokens / stats.num_draft_tokens < 1.0
+
+
+def test_a_checkpoint_without_its_prediction_layers_tensors_is_refused(tmp_path: Path) -> None:
+    """Its config counts one (as llm-compressor's re-saved DeepSeek-V3 keeps it), its tensors
+    are gone."""
+    model_dir = make_tiny_model(tmp_path, V3)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"num_nextn_predict_layers is 1, but the checkpoint"):
+        _mtp_llm(model_dir)
+
+
+def test_quantized_layouts_other_than_fp8_blocks_are_refused_naming_the_method(
+    bigram_dir: Path,
+) -> None:
+    config = load_model_config(bigram_dir)
+    w4a16 = dataclasses.replace(config, quantization=PackedIntWeights(4, 128, symmetric=True))
+    with pytest.raises(ValueError, match="quant_method 'fp8'.*got compressed-tensors w4a16"):
+        check_prediction_layer(w4a16, tensor_parallel_size=1, quantized_kv_cache=False)
+    fp8 = dataclasses.replace(config, quantization=Fp8BlockWeights(128, 128))
+    check_prediction_layer(fp8, tensor_parallel_size=1, quantized_kv_cache=False)
 
 
 def test_a_model_without_prediction_layers_is_refused(llama_dir: Path) -> None:
