@@ -82,13 +82,16 @@ def model_with_prediction_layer(out: Path, num_layers: int, hidden_size: int, se
     return out
 
 
-def predictable(model_dir: Path, perturbation: float, seed: int = 7) -> Path:
+def predictable(
+    model_dir: Path, perturbation: float, seed: int = 7, hidden_share: float = 0.0
+) -> Path:
     """``model_dir`` made predictable, in place: the decoder's layers add nothing (attention and
     MLP outputs zero), so the hidden state is the token's embedding and the next token a
-    function of it; the prediction layer reads only the next token's embedding (eh_proj
-    [I | 0], normed as the final norm does) and the model's LM head, so it predicts the token
-    after the next, but for its attention's output projection of ``perturbation`` std, which
-    makes it fall now and then (and its KV matter)."""
+    function of it; the prediction layer reads the next token's embedding (eh_proj [I | H],
+    normed as the final norm does) and the model's LM head, so it predicts the token after the
+    next, but for its attention's output projection of ``perturbation`` std, which makes it
+    fall now and then (and its KV matter), and for the hidden state it reads, through H of
+    ``hidden_share`` std per unit of its norm (0: it reads none of it)."""
     config = json.loads((model_dir / "config.json").read_text())
     prefix = f"model.layers.{config['num_hidden_layers']}."
     path = model_dir / "model.safetensors"
@@ -97,9 +100,10 @@ def predictable(model_dir: Path, perturbation: float, seed: int = 7) -> Path:
     for name in list(tensors):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             tensors[name] = torch.zeros_like(tensors[name])
-    tensors[f"{prefix}eh_proj.weight"] = torch.cat(
-        [torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1
+    mixing = torch.empty(hidden, hidden).normal_(
+        0.0, hidden_share / hidden**0.5, generator=torch.Generator().manual_seed(seed + 1)
     )
+    tensors[f"{prefix}eh_proj.weight"] = torch.cat([torch.eye(hidden), mixing], dim=1)
     tensors[f"{prefix}enorm.weight"] = torch.ones(hidden)
     tensors[f"{prefix}shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
     o_proj = tensors[f"{prefix}self_attn.o_proj.weight"]

@@ -103,7 +103,7 @@ def load_model(
         )
     with torch.no_grad():
         if load_format == "dummy" and model.shard.size > 1:
-            _init_dummy_sharded(model, seed)
+            _init_dummy_sharded(model, seed, lambda: get_model_class(config.architecture)(config))
         elif load_format == "dummy":
             _init_dummy(model, seed)
         else:
@@ -122,12 +122,24 @@ def load_prediction_layer(
     load_format: LoadFormat = "auto",
     seed: int = 0,
     linear_backend: Literal["torch", "onednn"] = "torch",
+    shard: TensorParallelShard | None = None,
+    group: TensorParallelGroup | None = None,
 ) -> MultiTokenPredictor:
     """The checkpoint's first multi-token-prediction layer (engine/models/prediction_layer.py),
-    whole, loaded as ``load_model`` loads the model (random weights under load_format
-    "dummy"), in eval mode without grad."""
+    loaded as ``load_model`` loads the model (random weights under load_format "dummy"): this
+    rank's slice of it under ``shard`` and ``group`` (the model's; None: whole), in eval mode
+    without grad."""
     config = prediction_layer_config(model_dir)
-    predictor = build_empty(lambda: MultiTokenPredictor(config), dtype, torch.device(device))
+    if shard is not None:  # the model's shard, of the config that counts the layer
+        shard = TensorParallelShard.of(config, shard.rank, shard.size, shard.expert_parallel)
+    sharded = shard is not None and shard.size > 1
+    if load_format == "dummy" and config.quantization is not None and sharded:
+        raise ValueError(
+            "load_format 'dummy' builds a quantized model on one rank only (tensor_parallel_size 1)"
+        )
+    predictor = build_empty(
+        lambda: MultiTokenPredictor(config, shard, group), dtype, torch.device(device)
+    )
     prefix = f"model.layers.{predictor.layer_idx}."
     names_by_file, all_names = _checkpoint_names(model_dir, load_format, prefix=prefix)
     if load_format != "dummy" and not all_names:
@@ -137,7 +149,9 @@ def load_prediction_layer(
             "(a checkpoint saved again through transformers loses them)"
         )
     with torch.no_grad():
-        if load_format == "dummy":
+        if load_format == "dummy" and sharded:
+            _init_dummy_sharded(predictor, seed, lambda: MultiTokenPredictor(config))
+        elif load_format == "dummy":
             _init_dummy(predictor, seed)
         else:
             _load_safetensors(predictor, names_by_file, all_names)
@@ -430,7 +444,7 @@ def _single_target(
     if module_name in ("o_proj", "down_proj"):  # the bias, added once: rank 0 holds it
         rows = range(param.shape[0]) if shard.rank == 0 else range(0)
         return Target(param, 0, param.shape[0], tuple(param.shape), rows, None)
-    if module_name in ("embed_tokens", "lm_head"):
+    if module_name in ("embed_tokens", "lm_head", "head"):  # (head: a prediction layer's)
         rows = range(shard.vocab.start, min(shard.vocab.stop, config.vocab_size))
         full_shape = (config.vocab_size, param.shape[1])
         return Target(param, 0, shard.vocab_rows, full_shape, rows, None)
@@ -669,15 +683,15 @@ def _unit_norm_weights(model: _Weighted) -> dict[int, float]:
     return {id(m.weight): 1.0 - m.offset for m in model.modules() if isinstance(m, RMSNorm)}
 
 
-def _init_dummy_sharded(model: LlamaForCausalLM, seed: int) -> None:
-    """This rank's slices of the one-rank dummy model: each of its tensors is drawn whole, in
-    the one-rank model's order from the same generator, and sliced as a checkpoint would be.
-    A row-parallel bias is zeros off rank 0 (rank 0's holds all of it)."""
+def _init_dummy_sharded(model: _Weighted, seed: int, build_whole: Callable[[], _Weighted]) -> None:
+    """This rank's slices of the one-rank dummy model (``build_whole``'s): each of its tensors
+    is drawn whole, in the one-rank model's order from the same generator, and sliced as a
+    checkpoint would be. A row-parallel bias is zeros off rank 0 (rank 0's holds all of it)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     dtype = next(model.parameters()).dtype
     with torch.device("meta"):
-        whole = get_model_class(model.config.architecture)(model.config).to(dtype=dtype)
+        whole = build_whole().to(dtype=dtype)
     norm_weights = _unit_norm_weights(whole)
     targets = _load_targets(model)
     for name, meta_param in whole.named_parameters():

@@ -187,8 +187,7 @@ class ClusterConfig:
             return
         target = load_model_config(self.model_dir)
         if self.speculative.method == "mtp":
-            size = max(self.decode_tp, 1 if self.colocated else self.prefill_tp)
-            check_prediction_layer(target, size, is_quantized(self.kv_cache_dtype))
+            check_prediction_layer(target, is_quantized(self.kv_cache_dtype))
             return
         max_model_len = self.max_model_len or target.max_position_embeddings
         check_draft_model(self.speculative, target, max_model_len)

@@ -10,9 +10,12 @@ the embedding of the token at p + 1, and predicts the token at p + 2:
 Drafting on, the ``h`` it gave at p stands in for the target's hidden state at p + 1.
 Unlike vLLM, the embedding at position 0 is not zeroed: the layer was trained on it.
 
-The layer is held whole, on one rank; its KV cache is one more slot of the target's cache
-(the slot after the decoder's), so its blocks are the target's: allocated, cached, swapped and
-handed off with them.
+Under tensor parallelism every rank holds its shard of the layer as it holds the decoder's
+(its heads, its MLP columns or experts, its vocabulary rows of the embeddings and the head;
+``eh_proj`` and the norms whole) and runs each of the layer's forwards rank 0 runs
+(engine/parallel/follower.py). Its KV cache is one more slot of the target's cache (the slot
+after the decoder's, of the rank's heads), so its blocks are the target's: allocated, cached,
+swapped and handed off with them.
 """
 
 from __future__ import annotations
@@ -28,30 +31,36 @@ from engine.model_config import ModelConfig, parse_model_config
 from engine.models.llama import DecoderLayer, VocabParallelEmbedding
 from engine.models.rms_norm import rms_norm_for
 from engine.models.rope import RotaryEmbedding
-from engine.parallel.group import SingleRank
+from engine.parallel.group import SingleRank, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard
 
 
 class SharedHead(nn.Module):
-    """The layer's output norm and its logits projection (the checkpoint's own copy)."""
+    """The layer's output norm and its logits projection (the checkpoint's own copy), of the
+    shard's vocabulary rows."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: TensorParallelShard) -> None:
         super().__init__()
         self.norm = rms_norm_for(config, config.hidden_size)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = nn.Linear(config.hidden_size, shard.vocab_rows, bias=False)
 
 
 class PredictionLayer(DecoderLayer):
     """A decoder layer with the inputs and the head of a multi-token-prediction layer."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        shard, group = TensorParallelShard.whole(config), SingleRank()
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        shard: TensorParallelShard,
+        group: TensorParallelGroup,
+    ) -> None:
         super().__init__(config, layer_idx, shard, group)
         self.embed_tokens = VocabParallelEmbedding(config, shard, group)
         self.enorm = rms_norm_for(config, config.hidden_size)
         self.hnorm = rms_norm_for(config, config.hidden_size)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.shared_head = SharedHead(config)
+        self.shared_head = SharedHead(config, shard)
 
 
 class _Layers(nn.Module):
@@ -68,15 +77,22 @@ class MultiTokenPredictor(nn.Module):
     one layer). Runs inside set_forward_context() on the target's KV cache: its attention
     reads and writes the slot after the decoder's."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        shard: TensorParallelShard | None = None,  # None: the whole layer, on one rank
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         # ``config``: the model's, counting its prediction layers among its layers (so the
         # prediction layer's MLP is sparse where the model's pattern makes it, and its cache
         # slot is the one after the decoder's); the loader reads shard and config here
         self.config = config
-        self.shard = TensorParallelShard.whole(config)
+        self.shard = shard if shard is not None else TensorParallelShard.whole(config)
+        self.group = group if group is not None else SingleRank()
         self.layer_idx = config.num_layers - config.num_prediction_layers
-        self.model = _Layers({str(self.layer_idx): PredictionLayer(config, self.layer_idx)})
+        layer = PredictionLayer(config, self.layer_idx, self.shard, self.group)
+        self.model = _Layers({str(self.layer_idx): layer})
         self.rotary_emb = RotaryEmbedding(
             config.rope_dim, config.max_position_embeddings, config.rope
         )
@@ -100,8 +116,12 @@ class MultiTokenPredictor(nn.Module):
         return layer(joined, cos, sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] fp32
+        """Over the whole vocabulary, on every rank (a collective under tensor parallelism)."""
         head = self.layer.shared_head
-        return head.head(head.norm(hidden)).float()
+        logits = head.head(head.norm(hidden))  # [n, vocab_rows]
+        if self.group.size > 1:  # [n, size * vocab_rows], padding rows last
+            logits = self.group.all_gather(logits)[:, : self.config.vocab_size]
+        return logits.float()
 
 
 def prediction_layer_config(model_dir: str | Path) -> ModelConfig:

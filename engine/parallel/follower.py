@@ -4,7 +4,8 @@ Lifecycle of a follower process (``run_follower``, started by engine/parallel/ra
 the worker's group -> build its model shard and KV cache shard (and host tier buffer) from the
 same configs as rank 0 (engine/parallel/rank_model.py) -> ``Follower.run``: each command rank 0
 broadcasts (block swaps with the host tier; block copies; a forward; logits of rows of that
-forward's hidden states) is run as rank 0 runs it, until the stop command -> leave the group.
+forward's hidden states; a forward of the model's prediction layer and its logits) is run as
+rank 0 runs it, until the stop command -> leave the group.
 It never schedules or samples: its logits are computed only because the model's gather of them
 is a collective.
 
@@ -35,6 +36,8 @@ from engine.parallel.step_commands import (
     CopyBlocksCommand,
     ForwardCommand,
     LogitsCommand,
+    PredictCommand,
+    PredictLogitsCommand,
     RebuildCommand,
     StopCommand,
     SwapBlocksCommand,
@@ -61,6 +64,7 @@ class Follower:
         self.on_rebuilt = on_rebuilt
         self.num_forwards = 0
         self.num_logits = 0
+        self.num_predictions = 0  # the prediction layer's forwards
         self._use(built)
 
     def _use(self, built: RankModel) -> None:
@@ -78,6 +82,7 @@ class Follower:
     def run(self) -> None:
         """Run commands until rank 0's stop command."""
         hidden: torch.Tensor | None = None  # [num_tokens, hidden] of the last forward
+        predicted: torch.Tensor | None = None  # [rows, hidden] of the prediction layer's last
         with torch.inference_mode():
             while True:
                 command, input_ids = receive_command(self.group, self.device)
@@ -101,8 +106,20 @@ class Follower:
                     rows = torch.from_numpy(command.rows).to(self.device)
                     self.model.compute_logits(hidden.index_select(0, rows))
                     self.num_logits += 1
+                elif isinstance(command, PredictCommand):
+                    assert input_ids is not None
+                    source = hidden if command.from_step else predicted
+                    if source is None:
+                        raise RuntimeError("rank 0 asked for a prediction before its inputs")
+                    predicted = self._predict(command, input_ids, source)
+                    self.num_predictions += 1
+                elif isinstance(command, PredictLogitsCommand):
+                    if predicted is None or self.built.predictor is None:
+                        raise RuntimeError("rank 0 asked for a prediction's logits before one")
+                    rows = torch.from_numpy(command.rows).to(self.device)
+                    self.built.predictor.compute_logits(predicted.index_select(0, rows))
                 elif isinstance(command, RebuildCommand):
-                    hidden = None
+                    hidden = predicted = None
                     self._rebuild(command)
 
     def _rebuild(self, command: RebuildCommand) -> None:
@@ -124,6 +141,21 @@ class Follower:
         context = ForwardContext.for_groups(metadata, self.kv_cache, self.attn_backend)
         with set_forward_context(context):
             return self.model.forward(input_ids, positions)
+
+    def _predict(
+        self, command: PredictCommand, input_ids: torch.Tensor, source: torch.Tensor
+    ) -> torch.Tensor:
+        predictor = self.built.predictor
+        if predictor is None:
+            raise RuntimeError("rank 0 asked for a prediction, but this rank has no such layer")
+        positions, metadata = command.inputs.on_device(self.device)
+        held = source.index_select(0, torch.from_numpy(command.rows).to(self.device))
+        padding = command.inputs.num_padding_rows
+        if padding:
+            held = torch.cat([held, held.new_zeros(padding, held.shape[1])])
+        context = ForwardContext.for_groups(metadata, self.kv_cache, self.attn_backend)
+        with set_forward_context(context):
+            return predictor(input_ids, positions, held)
 
 
 def run_follower(

@@ -44,6 +44,7 @@ from engine.memory_profile import decode_graph_bytes, peak_activation_bytes
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_model, load_prediction_layer, safetensors_files
 from engine.models.llama import LlamaForCausalLM
+from engine.models.prediction_layer import MultiTokenPredictor
 from engine.models.registry import CausalLM
 from engine.parallel.group import ProcessGroupRanks, TensorParallelGroup
 from engine.parallel.shard import TensorParallelShard, kv_heads_of_ranks
@@ -84,8 +85,11 @@ class RankModel:
     # how its weights were loaded (``_loaded_as``), for ``loaded_weights``
     loaded_as: tuple[str, str, int, str, str, str] | None = None
     # speculative decoding's draft model and its cache in the same blocks, or the model's
-    # prediction layer (None: neither; not kept for a next role: loaded again)
+    # prediction layer, on rank 0 (None: neither; not kept for a next role: loaded again)
     drafter: Drafter | None = None
+    # the model's prediction layer's shard (every rank's under tensor parallelism: each runs
+    # the layer's forwards rank 0's drafter runs); None: speculative_config.method not "mtp"
+    predictor: MultiTokenPredictor | None = None
 
     def loaded_weights(
         self, keep_kv_cache: bool = True, group: TensorParallelGroup | None = None
@@ -331,16 +335,16 @@ def build_rank_model(
             speculative, load, model_config, dtype, device, linear_backend, max_model_len,
             cache.block_size,
         )  # fmt: skip
-    # speculative decoding's prediction layer, whole, on rank 0 alone: its KV cache is one
-    # more slot of the model's on every rank (a latent one, the same on every rank, under
-    # tensor parallelism: rank 0's is the one written, and the one a hand-off gives rank 0)
-    # (engine/config_checks.py checked it can, before rank 0 started)
+    # speculative decoding's prediction layer, sharded as the model's layers: its KV cache is
+    # one more slot of the model's, of the rank's heads (engine/config_checks.py checked it
+    # can, before rank 0 started)
     predicts = speculative is not None and speculative.method == "mtp"
     predictor = None
-    if predicts and rank == 0:
+    if predicts:
         predictor = load_prediction_layer(
-            load.model_dir, dtype, device, load.load_format, load.seed, linear_backend
-        )
+            load.model_dir, dtype, device, load.load_format, load.seed, linear_backend,
+            shard=shard if size > 1 else None, group=group if size > 1 else None,
+        )  # fmt: skip
     cache_groups = model_config.cache_groups
     float_layout = KVLayout(
         num_layers=cache_groups.num_slots + predicts,
@@ -440,11 +444,12 @@ def build_rank_model(
             num_cache_groups=cache_groups.num_groups,
         )
     drafter: Drafter | None = None
-    if predictor is not None:
+    if predictor is not None and rank == 0:
         assert speculative is not None
         drafter = MtpDrafter(
-            predictor, kv_cache, attn_backend, speculative, model_config.vocab_size
-        )
+            predictor, kv_cache, attn_backend, speculative, model_config.vocab_size,
+            followers=group if size > 1 else None,
+        )  # fmt: skip
     if draft is not None:
         assert speculative is not None
         vocab_size = model_config.vocab_size
@@ -468,6 +473,7 @@ def build_rank_model(
         host_kv_cache=host_kv_cache,
         loaded_as=_loaded_as(load, device, dtype, linear_backend),
         drafter=drafter,
+        predictor=predictor,
     )
 
 

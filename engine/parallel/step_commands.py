@@ -10,6 +10,10 @@ inside), so every follower runs the same call on the same rows, in the same orde
                   command is built)
   LogitsCommand   logits of rows of the last forward's hidden states (sampling rows, a pass
                   of prompt logprobs, drafts to check); one per ``compute_logits`` call
+  PredictCommand  one forward of the model's prediction layer (speculative decoding's "mtp",
+                  engine/speculative/mtp.py) over rows of the last forward's hidden states or
+                  of the layer's own last output; its input ids follow as a forward's do
+  PredictLogitsCommand  the prediction layer's logits of rows of its last output
   StopCommand     the worker is closing: the follower leaves its loop
   RebuildCommand  the worker changes role in its processes (router/worker_host.py): each rank
                   builds its attention backend and cache for the new role's configs on the
@@ -123,6 +127,25 @@ class LogitsCommand:
 
 
 @dataclass(frozen=True, slots=True)
+class PredictCommand:
+    """Run one forward of the prediction layer; its input ids (the token after each position)
+    follow as an int64 tensor of ``inputs.num_rows``. The hidden state it reads at each token
+    row: ``rows`` of the model's last forward's hidden states (``from_step``) or of the layer's
+    own last output; zeros at the padding rows."""
+
+    inputs: ForwardInputs
+    rows: np.ndarray  # [inputs.num_tokens] int64
+    from_step: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PredictLogitsCommand:
+    """Compute the prediction layer's logits of these rows of its last output."""
+
+    rows: np.ndarray  # [num_rows] int64
+
+
+@dataclass(frozen=True, slots=True)
 class StopCommand:
     """The worker is closing: the follower leaves its loop and its group."""
 
@@ -144,6 +167,8 @@ StepCommand = (
     | CopyBlocksCommand
     | ForwardCommand
     | LogitsCommand
+    | PredictCommand
+    | PredictLogitsCommand
     | StopCommand
     | RebuildCommand
 )
@@ -155,7 +180,7 @@ def send_command(
     """Rank 0: broadcast ``command`` (and a forward's ``input_ids``, [num_rows] int64 on the
     group's device)."""
     group.broadcast_object(command)
-    if isinstance(command, ForwardCommand):
+    if isinstance(command, (ForwardCommand, PredictCommand)):
         if input_ids is None or input_ids.shape != (command.inputs.num_rows,):
             raise ValueError(f"a forward of {command.inputs.num_rows} rows needs as many input ids")
         group.broadcast(input_ids)
@@ -168,7 +193,7 @@ def receive_command(
     command = group.broadcast_object(None)
     if not isinstance(command, StepCommand):
         raise TypeError(f"rank 0 sent {type(command).__name__}, not a step command")
-    if not isinstance(command, ForwardCommand):
+    if not isinstance(command, (ForwardCommand, PredictCommand)):
         return command, None
     input_ids = torch.empty(command.inputs.num_rows, dtype=torch.long, device=device)
     return command, group.broadcast(input_ids)

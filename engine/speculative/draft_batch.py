@@ -35,16 +35,19 @@ class ChunkForward:
     input_ids: torch.Tensor  # [rows] int64: the chunks' tokens, then the padding's zeros
     positions: torch.Tensor  # [rows] int64
     context: ForwardContext  # to run the forward in (set_forward_context)
+    inputs: ForwardInputs  # the batch on the host (what a tensor-parallel follower builds from)
     # [tokens] int64: for each of the forward's token rows, its row among the chunks' tokens
     # in the chunks' own order (to gather per-token inputs such as hidden states)
-    source_rows: torch.Tensor
-    num_padding_rows: int
+    source_rows: np.ndarray
     _last_rows: tuple[int, ...]  # chunk index -> the forward's row of its last token
 
-    def last_rows(self, chunk_indices: SequenceOf[int]) -> torch.Tensor:
-        """[len(chunk_indices)] int64 on the device: the rows of those chunks' last tokens."""
-        rows = np.asarray([self._last_rows[i] for i in chunk_indices], dtype=np.int64)
-        return to_device(rows, None, self.input_ids.device)
+    @property
+    def num_padding_rows(self) -> int:
+        return self.inputs.num_padding_rows
+
+    def last_rows(self, chunk_indices: SequenceOf[int]) -> np.ndarray:
+        """[len(chunk_indices)] int64: the rows of those chunks' last tokens."""
+        return np.asarray([self._last_rows[i] for i in chunk_indices], dtype=np.int64)
 
 
 def chunk_forward(
@@ -69,8 +72,8 @@ def chunk_forward(
         input_ids=to_device(np.asarray(input_ids, dtype=np.int64), torch.long, device),
         positions=positions,
         context=ForwardContext.for_groups(metadata, kv_cache, attn_backend),
-        source_rows=to_device(source_rows, None, device),
-        num_padding_rows=inputs.num_padding_rows,
+        inputs=inputs,
+        source_rows=source_rows,
         _last_rows=tuple(last_row_of),
     )
 

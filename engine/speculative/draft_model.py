@@ -32,6 +32,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.engine_config import LoadConfig
 from engine.forward_context import set_forward_context
+from engine.host_to_device import to_device
 from engine.kernels.linear import has_packed_linears
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.budget import KVLayout
@@ -217,7 +218,7 @@ class DraftModel(DraftsKept):
         forward = chunk_forward(chunks, self.kv_cache, self.attn_backend, self.pads_rows)
         with set_forward_context(forward.context):
             hidden = self.model.forward(forward.input_ids, forward.positions)
-        rows = forward.last_rows(range(len(chunks)))
+        rows = to_device(forward.last_rows(range(len(chunks))), None, self.kv_cache.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         self.num_forwards += 1
         return [int(t) for t in logits[:, : self.target_vocab_size].argmax(dim=-1).tolist()]

@@ -18,6 +18,10 @@ decode workers alike, decodes, drafts being checked):
    next position with the layer's own output standing in for the target's hidden state, its
    KV written into the slots the scheduler gives the sequence past its step
    (``num_lookahead_slots``: one fewer than the drafts), rewritten by the next catch-up.
+Under tensor parallelism the layer is sharded as the model's layers are: rank 0 drafts, and
+tells its followers each forward of the layer (and each logits of it) as it tells them the
+model's (``PredictCommand``, ``PredictLogitsCommand``); they read the same rows of their own
+hidden states, replicated as rank 0's.
 What it does not know, it does not recompute: positions a prefix-cache hit brought keep the KV
 the layer wrote when their block was first computed; the position before a hit's first
 computed token and a fork's last prompt position hold another sequence's (the token after them
@@ -36,6 +40,8 @@ from engine.forward_context import set_forward_context
 from engine.host_to_device import to_device
 from engine.kernels.linear import has_packed_linears
 from engine.models.prediction_layer import MultiTokenPredictor
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.step_commands import PredictCommand, PredictLogitsCommand, send_command
 from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
 from engine.scheduler.scheduler import speculates
 from engine.sequence import Sequence, SequenceStatus
@@ -62,6 +68,8 @@ class MtpDrafter(DraftsKept):
         attn_backend: AttentionBackend,
         speculative: SpeculativeConfig,
         target_vocab_size: int,  # drafts are ids the target has
+        # a tensor-parallel worker's ranks (None: one rank): each runs the layer's forwards
+        followers: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__(speculative)
         self.predictor = predictor
@@ -74,6 +82,8 @@ class MtpDrafter(DraftsKept):
         self.target_vocab_size = target_vocab_size
         self.device = kv_cache.device
         self.pads_rows = has_packed_linears(predictor)
+        self.followers = followers
+        self._output = torch.empty(0)  # the layer's last forward's, [rows, hidden_size]
 
     def draft_after(self, output: SchedulerOutput, step: LaunchedStep) -> None:
         """Catch up on ``step`` (the forward of ``output``) and draft for its decoding
@@ -99,13 +109,14 @@ class MtpDrafter(DraftsKept):
         if not chunks:
             return
         with torch.inference_mode():
-            hidden_rows = to_device(np.asarray(rows, dtype=np.int64), None, self.device)
-            hidden = step.hidden.index_select(0, hidden_rows)
+            step_rows = np.asarray(rows, dtype=np.int64)
             if not drafting:
-                self._forward(chunks, hidden, [])
+                self._forward(chunks, step.hidden, step_rows, True, [])
                 return
-            # the layer's output after each drafting sequence's newest token so far
-            outputs, tokens = self._forward(chunks, hidden, [c for c, _, _ in drafting])
+            # the row of the layer's output after each drafting sequence's newest token so far
+            last, tokens = self._forward(
+                chunks, step.hidden, step_rows, True, [c for c, _, _ in drafting]
+            )
             drafts = [[token] for token in tokens]
             for step_index in range(1, max(n for _, _, n in drafting)):
                 going = [i for i, (_, _, n) in enumerate(drafting) if n > step_index]
@@ -114,8 +125,9 @@ class MtpDrafter(DraftsKept):
                     for i in going
                     for seq in (drafting[i][1],)
                 ]
-                stepped, tokens = self._forward(after, outputs[going], list(range(len(after))))
-                outputs[going] = stepped
+                last[going], tokens = self._forward(
+                    after, self._output, last[going], False, list(range(len(after)))
+                )
                 for i, token in zip(going, tokens):
                     drafts[i].append(token)
         for (_, seq, _), made in zip(drafting, drafts):
@@ -141,20 +153,32 @@ class MtpDrafter(DraftsKept):
         )
 
     def _forward(
-        self, chunks: list[Chunk], hidden: torch.Tensor, argmax_of: list[int]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """One forward of the layer over ``chunks`` (``hidden``: the state it reads at each of
-        their positions, in order); its output at the last position of the chunks
-        ``argmax_of`` names, and the argmax of its logits there."""
+        self,
+        chunks: list[Chunk],
+        source: torch.Tensor,  # the step's hidden states, or the layer's last output
+        source_rows: np.ndarray,  # the row of ``source`` it reads at each chunk token, in order
+        from_step: bool,  # ``source`` is the step's (else the layer's output)
+        argmax_of: list[int],
+    ) -> tuple[np.ndarray, list[int]]:
+        """One forward of the layer over ``chunks``, kept as ``_output``; the rows of it at the
+        last position of the chunks ``argmax_of`` names, and the argmax of its logits there.
+        Under tensor parallelism the followers run each forward and logits with rank 0."""
         forward = chunk_forward(chunks, self.kv_cache, self.attn_backend, self.pads_rows)
-        held = hidden.index_select(0, forward.source_rows)
+        rows = source_rows[forward.source_rows]  # in the forward's order
+        held = source.index_select(0, to_device(rows, None, self.device))
         if forward.num_padding_rows:
             held = torch.cat([held, held.new_zeros(forward.num_padding_rows, held.shape[1])])
+        if self.followers is not None:
+            command = PredictCommand(forward.inputs, rows, from_step)
+            send_command(self.followers, command, forward.input_ids)
         with set_forward_context(forward.context):
-            out = self.predictor(forward.input_ids, forward.positions, held)
+            self._output = self.predictor(forward.input_ids, forward.positions, held)
         if not argmax_of:
-            return out[:0], []
-        outputs = out.index_select(0, forward.last_rows(argmax_of))
+            return rows[:0], []
+        last = forward.last_rows(argmax_of)
+        if self.followers is not None:
+            send_command(self.followers, PredictLogitsCommand(last))
+        outputs = self._output.index_select(0, to_device(last, None, self.device))
         logits = self.predictor.compute_logits(outputs)
         tokens = logits[:, : self.target_vocab_size].argmax(dim=-1).tolist()
-        return outputs, [int(t) for t in tokens]
+        return last, [int(t) for t in tokens]

@@ -9,15 +9,12 @@ from engine.quantization.config import Fp8BlockWeights
 _FAMILIES = "DeepSeek-V3 (DeepseekV3ForCausalLM) and GLM-4.5 (Glm4MoeForCausalLM)"
 
 
-def check_prediction_layer(
-    target: ModelConfig, tensor_parallel_size: int, quantized_kv_cache: bool
-) -> None:
+def check_prediction_layer(target: ModelConfig, quantized_kv_cache: bool) -> None:
     """Raise ValueError naming the field where the prediction layer cannot draft: the model
     has none, or it would run where it does not yet (its cache slot is one more of the
-    model's; it is held whole by rank 0, so under tensor parallelism that slot must be a
-    latent one, which every rank holds whole; of quantized checkpoints, it reads DeepSeek-V3's
-    published layout: its decoder layer in FP8 blocks as the model's, ``eh_proj`` and the
-    head in floating point)."""
+    model's, which must attend to the whole context and be of the model's dtype; of quantized
+    checkpoints, it reads DeepSeek-V3's published layout: its decoder layer in FP8 blocks as
+    the model's, ``eh_proj`` and the head in floating point)."""
     if target.num_prediction_layers < 1:
         raise ValueError(
             f"speculative_config.method 'mtp' drafts with the model's multi-token-prediction "
@@ -35,13 +32,6 @@ def check_prediction_layer(
         raise ValueError(
             "speculative_config.method 'mtp' needs a model whose layers all attend to the "
             "whole context (sliding_window / layer_types)"
-        )
-    if tensor_parallel_size > 1 and target.mla is None:
-        raise ValueError(
-            "speculative_config.method 'mtp' under tensor parallelism needs latent attention "
-            f"(DeepSeek-V3), whose cache every rank holds whole; {target.architecture}'s "
-            f"prediction layer runs on workers of one rank for now, got tensor_parallel_size "
-            f"{tensor_parallel_size}"
         )
     if quantized_kv_cache:
         raise ValueError(

@@ -27,6 +27,9 @@ import torch
 from bench.mtp import predictable
 from engine import LLM, SamplingParams
 from engine.model_config import load_model_config
+from engine.model_loader import load_prediction_layer
+from engine.models.prediction_layer import prediction_layer_config
+from engine.parallel.shard import TensorParallelShard
 from engine.quantization.config import Fp8BlockWeights, PackedIntWeights
 from engine.quantization.fp8_linear import Fp8BlockLinear
 from engine.speculative.config import SpeculativeConfig
@@ -41,6 +44,8 @@ V3, GLM = "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"
 MAX_TOKENS = 24
 K = 3  # drafts per step
 PERTURBATION = 0.01  # of the tiny model's prediction layer's o_proj: about half the drafts stand
+GLM_PERTURBATION = 0.03  # GLM-4.5's (of wider heads), which reads the hidden state too
+HIDDEN_SHARE = 0.2  # of GLM-4.5's layer's input, from the hidden state: about half stand
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +70,14 @@ def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_key_value_heads": 4, "head_dim": 8}
     made = make_tiny_mtp_model(root / "float", V3, **{**QUANTIZABLE_LLAMA, **sizes})
     return write_fp8_blocks(predictable(made, perturbation=PERTURBATION), root / "fp8", (8, 8))
+
+
+@pytest.fixture(scope="module")
+def glm_bigram_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``bigram_dir``'s kind of GLM-4.5 (grouped-query attention), whose layer reads the
+    target's hidden states too (a wrong row of them moves its drafts)."""
+    made = make_tiny_mtp_model(tmp_path_factory.mktemp("mtp-glm-bigram"), GLM)
+    return predictable(made, perturbation=GLM_PERTURBATION, hidden_share=HIDDEN_SHARE)
 
 
 @pytest.fixture(scope="module")
@@ -231,28 +244,52 @@ def test_what_the_layer_cannot_run_with_is_refused_naming_the_field(
         _mtp_llm(bigram_dir, **options)
 
 
-def test_a_grouped_query_prediction_layer_is_refused_under_tensor_parallelism(
-    glm_dir: Path,
-) -> None:
-    """Its cache slot would hold rank 0's heads only (a latent one every rank holds whole)."""
-    with pytest.raises(ValueError, match="needs latent attention .DeepSeek-V3.*got tensor_par"):
-        _mtp_llm(glm_dir, tensor_parallel_size=2)
-
-
 @pytest.mark.timeout(300)
-def test_under_tensor_parallelism_rank_0_drafts_on_its_latent_slot(
-    bigram_dir: Path, drafts_made: list
+@pytest.mark.parametrize("checkpoint", ["bigram_dir", "glm_bigram_dir"])
+def test_under_tensor_parallelism_each_rank_holds_its_shard_of_the_layer(
+    checkpoint: str, request: pytest.FixtureRequest, drafts_made: list
 ) -> None:
-    """Two ranks, preempting: the layer, whole, on rank 0, its KV in rank 0's slot of the
-    latent cache; output and drafts are transformers' (the bigram target has no near-ties
-    the ranks' summation order could flip)."""
-    llm = _mtp_llm(bigram_dir, tensor_parallel_size=2, **MODES["preempted"])
+    """Two ranks, preempting: each holds half the layer's heads (DeepSeek-V3: its query heads,
+    the latent slot whole on each; GLM-4.5: its KV heads' slot too) and runs each of its
+    forwards; output and drafts are transformers' (the bigram targets have no near-ties the
+    ranks' summation order could flip)."""
+    model_dir = request.getfixturevalue(checkpoint)
+    llm = _mtp_llm(model_dir, tensor_parallel_size=2, **MODES["preempted"])
     try:
-        _assert_as_transformers(bigram_dir, llm, _prompts(4), drafts_made)
+        drafter = llm.engine.runner.drafter
+        assert isinstance(drafter, MtpDrafter)
+        shard = drafter.predictor.shard
+        assert (shard.size, len(shard.q_heads)) == (2, drafter.predictor.config.num_heads // 2)
+        _assert_as_transformers(model_dir, llm, _prompts(4), drafts_made)
         assert llm.engine.num_preemptions > 0
-        assert llm.engine.stats.num_accepted_draft_tokens > 0
+        stats = llm.engine.stats
+        assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
+def test_a_rank_loads_its_slice_of_the_layer(glm_bigram_dir: Path, load_format: str) -> None:
+    """Rank 1 of 2: the second half of the vocabulary's rows of the layer's embeddings and
+    head, of its query heads' rows of q_proj, and the whole of eh_proj and the norms: as the
+    whole layer holds them (dummy weights too: the whole's, sliced)."""
+    config = prediction_layer_config(glm_bigram_dir)
+    shard = TensorParallelShard.of(config, 1, 2)
+    options: dict = {"load_format": load_format, "linear_backend": "torch"}
+    cpu, f32 = torch.device("cpu"), torch.float32
+    whole = load_prediction_layer(glm_bigram_dir, f32, cpu, **options).layer
+    mine = load_prediction_layer(glm_bigram_dir, f32, cpu, **options, shard=shard).layer
+    vocab = slice(shard.vocab.start, min(shard.vocab.stop, config.vocab_size))
+    held = vocab.stop - vocab.start
+    assert torch.equal(mine.embed_tokens.weight[:held], whole.embed_tokens.weight[vocab])
+    assert torch.equal(mine.shared_head.head.weight[:held], whole.shared_head.head.weight[vocab])
+    assert torch.equal(mine.eh_proj.weight, whole.eh_proj.weight)
+    assert torch.equal(mine.hnorm.weight, whole.hnorm.weight)
+    q_rows = slice(shard.q_heads.start * config.head_dim, shard.q_heads.stop * config.head_dim)
+    q_size = len(shard.q_heads) * config.head_dim
+    assert torch.equal(
+        mine.self_attn.qkv_proj.weight[:q_size], whole.self_attn.qkv_proj.weight[q_rows]
+    )
 
 
 def test_a_prediction_layer_in_fp8_blocks_drafts_as_transformers(
@@ -289,9 +326,9 @@ def test_quantized_layouts_other_than_fp8_blocks_are_refused_naming_the_method(
     config = load_model_config(bigram_dir)
     w4a16 = dataclasses.replace(config, quantization=PackedIntWeights(4, 128, symmetric=True))
     with pytest.raises(ValueError, match="quant_method 'fp8'.*got compressed-tensors w4a16"):
-        check_prediction_layer(w4a16, tensor_parallel_size=1, quantized_kv_cache=False)
+        check_prediction_layer(w4a16, quantized_kv_cache=False)
     fp8 = dataclasses.replace(config, quantization=Fp8BlockWeights(128, 128))
-    check_prediction_layer(fp8, tensor_parallel_size=1, quantized_kv_cache=False)
+    check_prediction_layer(fp8, quantized_kv_cache=False)
 
 
 def test_a_model_without_prediction_layers_is_refused(llama_dir: Path) -> None:

@@ -140,14 +140,14 @@ def test_async_scheduling_with_speculative_decoding_is_refused_naming_both_flags
     ("options", "message"),
     [
         ({}, "LlamaForCausalLM has none"),  # the model has no prediction layer
-        ({"prefill_tp": 2}, "needs latent attention .DeepSeek-V3.*got tensor_parallel_size 2"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype must leave"),
     ],
 )
 def test_a_prediction_layer_that_cannot_draft_is_refused_at_start(
     llama_dir: Path, tmp_path: Path, options: dict, message: str
 ) -> None:
-    """Before any worker starts, naming the field: a model without one, GLM-4.5's (grouped-query
-    attention) over two ranks."""
+    """Before any worker starts, naming the field: a model without one, GLM-4.5's with a
+    quantized KV cache."""
     model = llama_dir if not options else make_tiny_mtp_model(tmp_path, "Glm4MoeForCausalLM")
     spec = SpeculativeConfig(num_speculative_tokens=2, method="mtp")
     with pytest.raises(ValueError, match=message):
