@@ -245,21 +245,30 @@ def test_what_the_layer_cannot_run_with_is_refused_naming_the_field(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("checkpoint", ["bigram_dir", "glm_bigram_dir"])
+@pytest.mark.parametrize(
+    ("checkpoint", "expert_parallel"),
+    [("bigram_dir", False), ("glm_bigram_dir", False), ("glm_bigram_dir", True)],
+    ids=["deepseek-v3", "glm-4.5", "glm-4.5-expert-parallel"],
+)
 def test_under_tensor_parallelism_each_rank_holds_its_shard_of_the_layer(
-    checkpoint: str, request: pytest.FixtureRequest, drafts_made: list
+    checkpoint: str, expert_parallel: bool, request: pytest.FixtureRequest, drafts_made: list
 ) -> None:
     """Two ranks, preempting: each holds half the layer's heads (DeepSeek-V3: its query heads,
-    the latent slot whole on each; GLM-4.5: its KV heads' slot too) and runs each of its
-    forwards; output and drafts are transformers' (the bigram targets have no near-ties the
-    ranks' summation order could flip)."""
+    the latent slot whole on each; GLM-4.5: its KV heads' slot too) and half its experts'
+    columns, or half its experts whole, and runs each of its forwards; output and drafts are
+    transformers' (the bigram targets have no near-ties the ranks' summation order could
+    flip)."""
     model_dir = request.getfixturevalue(checkpoint)
-    llm = _mtp_llm(model_dir, tensor_parallel_size=2, **MODES["preempted"])
+    llm = _mtp_llm(
+        model_dir, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+        **MODES["preempted"],
+    )  # fmt: skip
     try:
         drafter = llm.engine.runner.drafter
         assert isinstance(drafter, MtpDrafter)
-        shard = drafter.predictor.shard
-        assert (shard.size, len(shard.q_heads)) == (2, drafter.predictor.config.num_heads // 2)
+        shard, config = drafter.predictor.shard, drafter.predictor.config
+        assert (shard.size, len(shard.q_heads)) == (2, config.num_heads // 2)
+        assert shard.expert_parallel is expert_parallel
         _assert_as_transformers(model_dir, llm, _prompts(4), drafts_made)
         assert llm.engine.num_preemptions > 0
         stats = llm.engine.stats
