@@ -37,7 +37,7 @@ def check_configs(
     if speculative is not None and speculative.method == "draft_model":
         check_draft_model(speculative, model_config, max_model_len)
     if speculative is not None and speculative.method == "mtp":
-        check_prediction_layer(model_config, cache.quantized_kv)
+        check_prediction_layer(model_config)
     # heads (and experts, or their columns) divide
     TensorParallelShard.of(model_config, 0, parallel.tensor_parallel_size, parallel.expert_parallel)
     return model_config

@@ -7,7 +7,8 @@ cache of the model's dtype, each cache group in blocks of its own. The largest m
 layer's planes (K and V, or a latent cache's entries) reached per KV head, read back from that
 cache (so it is exactly what a quantized cache would have been asked to store), becomes the
 scale by
-``scales_from_amax``. Every rank of a tensor-parallel worker runs the same pass (the forward
+``scales_from_amax``. With speculative decoding's prediction layer (``"method": "mtp"``), its
+slot after the decoder's is scaled too: the layer runs once over the forward's hidden states. Every rank of a tensor-parallel worker runs the same pass (the forward
 is a collective) and the ranks' heads are gathered into the whole model's scales.
 
 A calibration depends on the device, dtype and parallelism that ran it; workers that hand KV
@@ -20,16 +21,21 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.forward_context import set_forward_context
+from engine.host_to_device import to_device
+from engine.kernels.linear import has_packed_linears
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.budget import KVLayout
 from engine.kv_cache.cache_groups import CacheGroups
 from engine.kv_cache.kv_quantization import KVCacheScales, scales_from_amax
 from engine.model_runner import ModelRunner
+from engine.models.prediction_layer import MultiTokenPredictor
 from engine.models.registry import CausalLM
 from engine.parallel.group import TensorParallelGroup
 from engine.sampling import SamplingParams
 from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative.draft_batch import Chunk, chunk_forward
 from engine.tokenizer import load_tokenizer
 
 MAX_CALIBRATION_TOKENS = 512
@@ -94,9 +100,12 @@ def calibrate_kv_scales(
     kv_cache_dtype: str,
     kv_heads_of_ranks: tuple[range, ...],  # each rank's KV heads (one rank: all of them)
     group: TensorParallelGroup | None,
+    # speculative decoding's prediction layer, whose slot (the last) is scaled too
+    predictor: MultiTokenPredictor | None = None,
 ) -> KVCacheScales:
-    """The whole model's scales from one forward over ``token_ids``."""
-    amax = _kv_amax(model, float_layout, cache_groups, attn_backend, device, token_ids)
+    """The whole model's scales from one forward over ``token_ids`` (and one of its prediction
+    layer over the forward's hidden states, the token after each position)."""
+    amax = _kv_amax(model, float_layout, cache_groups, attn_backend, device, token_ids, predictor)
     scales = scales_from_amax(kv_cache_dtype, amax)  # [num_layers, kv_planes, rank's heads]
     if group is not None:
         scales = _whole_model(group.all_gather(scales.contiguous()), kv_heads_of_ranks)
@@ -110,7 +119,8 @@ def _kv_amax(
     attn_backend: AttentionBackend,
     device: torch.device,
     token_ids: list[int],
-) -> torch.Tensor:  # [num_layers, kv_planes, num_kv_heads] float32
+    predictor: MultiTokenPredictor | None,
+) -> torch.Tensor:  # [num_layers (+ the prediction layer), kv_planes, num_kv_heads] float32
     num_tokens = len(token_ids)
     blocks_per_group = -(-num_tokens // layout.block_size)
     num_groups = cache_groups.num_groups
@@ -125,19 +135,43 @@ def _kv_amax(
         for g in range(num_groups)
     ]
     with torch.inference_mode():
-        runner.launch(
+        launched = runner.launch(
             SchedulerOutput([ScheduledSequence(seq, 0, num_tokens, (seq,))], [], num_tokens, 0)
         )
         num_layers = sum(len(g.layers) for g in cache_groups.groups)
+        if predictor is not None:  # its slot after the decoder's (one cache group)
+            _predict_over(predictor, launched.hidden, seq, cache, attn_backend)
+            amax_of_predictor = cache[num_layers].abs().float().amax(dim=(1, 2, 4))
         amax = torch.zeros(
-            num_layers, layout.kv_planes, layout.num_kv_heads, dtype=torch.float32, device=device
-        )
+            num_layers + (predictor is not None), layout.kv_planes, layout.num_kv_heads,
+            dtype=torch.float32, device=device,
+        )  # fmt: skip
+        if predictor is not None:
+            amax[num_layers] = amax_of_predictor
         for index, cache_group in enumerate(cache_groups.groups):
             blocks = slice(index * blocks_per_group, (index + 1) * blocks_per_group)
             for slot, layer in enumerate(cache_group.layers):
                 # [kv_planes, blocks, block_size, heads, head_dim] -> [kv_planes, heads]
                 amax[layer] = cache[slot, :, blocks].abs().float().amax(dim=(1, 2, 4))
     return amax
+
+
+def _predict_over(
+    predictor: MultiTokenPredictor,
+    hidden: torch.Tensor,  # [num_tokens (+ padding), hidden_size]: the model's forward's
+    seq: Sequence,
+    cache: torch.Tensor,
+    attn_backend: AttentionBackend,
+) -> None:
+    """The prediction layer's forward over ``seq``'s positions but the last (the token after
+    each known), its KV written into its slot of ``cache``."""
+    chunk = Chunk(seq, 0, seq.token_ids[1:])
+    forward = chunk_forward([chunk], cache, attn_backend, has_packed_linears(predictor))
+    held = hidden.index_select(0, to_device(forward.source_rows, None, hidden.device))
+    if forward.num_padding_rows:
+        held = torch.cat([held, held.new_zeros(forward.num_padding_rows, held.shape[1])])
+    with set_forward_context(forward.context):
+        predictor(forward.input_ids, forward.positions, held)
 
 
 def _whole_model(

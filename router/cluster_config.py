@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.engine_config import CacheConfig, LoadConfig, ParallelConfig
 from engine.kv_cache.budget import KVBudget
-from engine.kv_cache.kv_quantization import KV_CACHE_DTYPES, is_quantized
+from engine.kv_cache.kv_quantization import KV_CACHE_DTYPES
 from engine.model_config import load_model_config
 from engine.parallel.shard import check_tensor_parallel_size
 from engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig, SchedulingPolicy
@@ -187,7 +187,7 @@ class ClusterConfig:
             return
         target = load_model_config(self.model_dir)
         if self.speculative.method == "mtp":
-            check_prediction_layer(target, is_quantized(self.kv_cache_dtype))
+            check_prediction_layer(target)
             return
         max_model_len = self.max_model_len or target.max_position_embeddings
         check_draft_model(self.speculative, target, max_model_len)

@@ -382,8 +382,11 @@ def build_rank_model(
             device,
             max_model_len,
             group,
+            predictor,
         )
         set_kv_scales(model, kv_cache_scales, shard.kv_heads, device)
+        if predictor is not None:  # its slot's scales: the last layer's
+            set_kv_scales(predictor, kv_cache_scales, shard.kv_heads, device)
     graph_batch_sizes = None  # decode steps run eagerly
     # Under tensor parallelism every step runs eagerly: a graph replay would skip the step
     # mirror's broadcast of the inputs, and the followers would not run the same forward. So
@@ -487,13 +490,16 @@ def _kv_cache_scales(
     device: torch.device,
     max_model_len: int,
     group: TensorParallelGroup | None,
+    predictor: MultiTokenPredictor | None,
 ) -> KVCacheScales:
-    """A quantized cache's scales for the whole model: the configuration's, else the
-    checkpoint's (engine/quantization/kv_cache_scheme.py; not for a latent-attention model,
-    which refuses them), else calibrated (engine/kv_calibration.py)."""
+    """A quantized cache's scales for the whole model (and its prediction layer's slot, the
+    last, where ``predictor`` runs): the configuration's, else the checkpoint's
+    (engine/quantization/kv_cache_scheme.py; not for a latent-attention model, which refuses
+    them), else calibrated (engine/kv_calibration.py)."""
+    num_layers = model_config.num_layers + (predictor is not None)
     if cache.kv_cache_scales is not None:
         cache.kv_cache_scales.check_model(
-            model_config.num_layers,
+            num_layers,
             model_config.num_kv_heads,
             cache.kv_cache_dtype,
             model_config.kv_planes,
@@ -503,7 +509,7 @@ def _kv_cache_scales(
         checkpoint = checkpoint_kv_scales(
             safetensors_files(Path(load.model_dir)),
             model_config.kv_cache_scheme,
-            model_config.num_layers,
+            num_layers,
             model_config.num_kv_heads,
             cache.kv_cache_dtype,
         )
@@ -534,6 +540,7 @@ def _kv_cache_scales(
         cache.kv_cache_dtype,
         kv_heads_of_ranks(model_config, size),
         group,
+        predictor,
     )
 
 

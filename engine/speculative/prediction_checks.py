@@ -9,12 +9,12 @@ from engine.quantization.config import Fp8BlockWeights
 _FAMILIES = "DeepSeek-V3 (DeepseekV3ForCausalLM) and GLM-4.5 (Glm4MoeForCausalLM)"
 
 
-def check_prediction_layer(target: ModelConfig, quantized_kv_cache: bool) -> None:
+def check_prediction_layer(target: ModelConfig) -> None:
     """Raise ValueError naming the field where the prediction layer cannot draft: the model
     has none, or it would run where it does not yet (its cache slot is one more of the
-    model's, which must attend to the whole context and be of the model's dtype; of quantized
-    checkpoints, it reads DeepSeek-V3's published layout: its decoder layer in FP8 blocks as
-    the model's, ``eh_proj`` and the head in floating point)."""
+    model's, whose layers must all attend to the whole context; of quantized checkpoints, it
+    reads DeepSeek-V3's published layout: its decoder layer in FP8 blocks as the model's,
+    ``eh_proj`` and the head in floating point)."""
     if target.num_prediction_layers < 1:
         raise ValueError(
             f"speculative_config.method 'mtp' drafts with the model's multi-token-prediction "
@@ -32,9 +32,4 @@ def check_prediction_layer(target: ModelConfig, quantized_kv_cache: bool) -> Non
         raise ValueError(
             "speculative_config.method 'mtp' needs a model whose layers all attend to the "
             "whole context (sliding_window / layer_types)"
-        )
-    if quantized_kv_cache:
-        raise ValueError(
-            "speculative_config.method 'mtp' keeps its KV in the model's cache, which "
-            "kv_cache_dtype must leave in the model's dtype ('auto') for now"
         )

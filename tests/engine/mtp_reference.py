@@ -2,7 +2,9 @@
 checkpoint's weights, the whole context recomputed for every draft (no cache): the target's
 final hidden states (after its final norm) at each position, the layer over every position of
 the sequence (the token after each, the hidden state there), then each further draft at the
-next position, the layer's own output standing in for the target's state."""
+next position, the layer's own output standing in for the target's state. With a quantized KV
+cache's scales, every layer's K/V (the prediction layer's, the last scales) go through the
+quantized cache's store and read back (tests/engine/quantized_kv_reference.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from engine.kv_cache.kv_quantization import KVCacheScales
 from tests.engine.hf_reference import hf_model
+from tests.engine.quantized_kv_reference import quantizing_cache
 
 
 @cache
@@ -42,15 +46,25 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def reference_drafts(model_dir: Path, token_ids: list[int], num_drafts: int) -> list[int]:
+def reference_drafts(
+    model_dir: Path,
+    token_ids: list[int],
+    num_drafts: int,
+    kv_scales: KVCacheScales | None = None,
+) -> list[int]:
     """The drafts the prediction layer makes after ``token_ids`` (greedy)."""
+
+    def cache(config: object) -> object:  # of the K/V a forward stores and reads back
+        return None if kv_scales is None else quantizing_cache(config, kv_scales)
+
     target = hf_model(model_dir)
     extended = _with_prediction_layer(model_dir)
     layer = extended.model.layers[-1]
     weights = _prediction_tensors(model_dir)
     eps = extended.config.rms_norm_eps
     with torch.no_grad():
-        states = target.model(torch.tensor([token_ids])).last_hidden_state[0]  # [n, hidden]
+        given = torch.tensor([token_ids])
+        states = target.model(given, past_key_values=cache(target.config)).last_hidden_state[0]
         inputs = list(token_ids[1:])  # the token after each position
         hidden = [states[p] for p in range(len(token_ids) - 1)]
         drafts: list[int] = []
@@ -64,8 +78,9 @@ def reference_drafts(model_dir: Path, token_ids: list[int], num_drafts: int) -> 
             cos_sin = extended.model.rotary_emb(x[None], positions)
             mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
             out = layer(
-                x[None], attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
-            )
+                x[None], attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,
+                past_key_values=cache(extended.config),
+            )  # fmt: skip
             out = out[0] if isinstance(out, tuple) else out
             last = out[0, -1]
             head = _rms_norm(last, weights["shared_head.norm.weight"], eps)

@@ -36,35 +36,9 @@ def transformers_quantized_kv_greedy(
     layer and head; a latent cache's latent and rotary key by its layer's one scale) before
     attention."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    into = storage_dtype(scales.kv_cache_dtype, torch.float32)
-    heads = range(scales.num_kv_heads)
-
-    def stored(states: torch.Tensor, head_scales: torch.Tensor) -> torch.Tensor:
-        tokens_major = states.transpose(1, 2)  # [batch, seq, kv_heads, head_dim]
-        quantized = quantize_kv(tokens_major, head_scales, into)
-        return dequantize_kv(quantized, head_scales, states.dtype).transpose(1, 2)
-
     tokens = []
     for prompt in prompts:
-        cache = DynamicCache(config=model.config)
-        for index, layer in enumerate(cache.layers):
-            planes = scales.layer(index, heads, torch.device("cpu"))
-            # [K, V] scales; a latent cache's one plane scales both halves of its entries
-            k_scales, v_scales = planes[0], planes[-1]
-            update = layer.update
-
-            def quantized_update(
-                key: torch.Tensor,
-                value: torch.Tensor,
-                *args: Any,
-                _update: Any = update,
-                _k: torch.Tensor = k_scales,
-                _v: torch.Tensor = v_scales,
-                **kwargs: Any,
-            ) -> Any:
-                return _update(stored(key, _k), stored(value, _v), *args, **kwargs)
-
-            layer.update = quantized_update  # type: ignore[method-assign]
+        cache = quantizing_cache(model.config, scales)
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([prompt]),
@@ -76,3 +50,37 @@ def transformers_quantized_kv_greedy(
             )
         tokens.append(out[0, len(prompt) :].tolist())
     return tokens
+
+
+def quantizing_cache(config: Any, scales: KVCacheScales) -> DynamicCache:
+    """An empty cache for transformers' model of ``config`` that stores each layer's new K/V
+    as a quantized cache stores them, and reads them back (by the scales of each layer and
+    head; a latent cache's latent and rotary key by its layer's one scale)."""
+    into = storage_dtype(scales.kv_cache_dtype, torch.float32)
+    heads = range(scales.num_kv_heads)
+
+    def stored(states: torch.Tensor, head_scales: torch.Tensor) -> torch.Tensor:
+        tokens_major = states.transpose(1, 2)  # [batch, seq, kv_heads, head_dim]
+        quantized = quantize_kv(tokens_major, head_scales, into)
+        return dequantize_kv(quantized, head_scales, states.dtype).transpose(1, 2)
+
+    cache = DynamicCache(config=config)
+    for index, layer in enumerate(cache.layers):
+        planes = scales.layer(index, heads, torch.device("cpu"))
+        # [K, V] scales; a latent cache's one plane scales both halves of its entries
+        k_scales, v_scales = planes[0], planes[-1]
+        update = layer.update
+
+        def quantized_update(
+            key: torch.Tensor,
+            value: torch.Tensor,
+            *args: Any,
+            _update: Any = update,
+            _k: torch.Tensor = k_scales,
+            _v: torch.Tensor = v_scales,
+            **kwargs: Any,
+        ) -> Any:
+            return _update(stored(key, _k), stored(value, _v), *args, **kwargs)
+
+        layer.update = quantized_update  # type: ignore[method-assign]
+    return cache

@@ -26,6 +26,7 @@ import torch
 
 from bench.mtp import predictable
 from engine import LLM, SamplingParams
+from engine.kv_cache.kv_quantization import storage_dtype
 from engine.model_config import load_model_config
 from engine.model_loader import load_prediction_layer
 from engine.models.prediction_layer import prediction_layer_config
@@ -37,6 +38,7 @@ from engine.speculative.mtp import MtpDrafter
 from engine.speculative.prediction_checks import check_prediction_layer
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.mtp_reference import reference_drafts
+from tests.engine.quantized_kv_reference import transformers_quantized_kv_greedy
 from tests.fixtures.quantized_models import QUANTIZABLE_LLAMA, write_fp8_blocks
 from tests.fixtures.tiny_models import make_tiny_model, make_tiny_mtp_model
 
@@ -233,7 +235,6 @@ def test_the_prediction_layers_are_read_from_the_config(bigram_dir: Path, glm_di
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must leave"),
         ({"async_scheduling": True}, "async_scheduling does not combine"),
     ],
 )
@@ -301,6 +302,33 @@ def test_a_rank_loads_its_slice_of_the_layer(glm_bigram_dir: Path, load_format: 
     )
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "kv_cache_dtype"), [("bigram_dir", "fp8_e4m3"), ("glm_bigram_dir", "int8")]
+)
+def test_a_quantized_kv_cache_holds_the_layers_slot_by_its_own_scales(
+    checkpoint: str, kv_cache_dtype: str, request: pytest.FixtureRequest, drafts_made: list
+) -> None:
+    """The layer's slot is calibrated with the model's (the last scales) and stored quantized;
+    every draft is what transformers' modules compute with every layer's K/V (the layer's by
+    its slot's scales) stored and read back as the cache does."""
+    model_dir = request.getfixturevalue(checkpoint)
+    llm = _mtp_llm(model_dir, kv_cache_dtype=kv_cache_dtype, **MODES["chunked"])
+    scales = llm.engine.kv_cache_scales
+    assert scales is not None
+    assert scales.num_layers == load_model_config(model_dir).num_layers + 1
+    assert llm.engine.kv_cache.dtype == storage_dtype(kv_cache_dtype, torch.float32)
+    prompts = _prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    expected = transformers_quantized_kv_greedy(model_dir, scales, prompts, MAX_TOKENS)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert drafts_made
+    for tokens, drafts in drafts_made:
+        assert list(drafts) == reference_drafts(model_dir, tokens, len(drafts), scales)
+    stats = llm.engine.stats
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+
+
 def test_a_prediction_layer_in_fp8_blocks_drafts_as_transformers(
     fp8_dir: Path, drafts_made: list
 ) -> None:
@@ -335,9 +363,9 @@ def test_quantized_layouts_other_than_fp8_blocks_are_refused_naming_the_method(
     config = load_model_config(bigram_dir)
     w4a16 = dataclasses.replace(config, quantization=PackedIntWeights(4, 128, symmetric=True))
     with pytest.raises(ValueError, match="quant_method 'fp8'.*got compressed-tensors w4a16"):
-        check_prediction_layer(w4a16, quantized_kv_cache=False)
+        check_prediction_layer(w4a16)
     fp8 = dataclasses.replace(config, quantization=Fp8BlockWeights(128, 128))
-    check_prediction_layer(fp8, quantized_kv_cache=False)
+    check_prediction_layer(fp8)
 
 
 def test_a_model_without_prediction_layers_is_refused(llama_dir: Path) -> None:
