@@ -21,7 +21,7 @@ transformers builds them whatever ``rms_norm_eps`` says.
 Quantized checkpoints (DeepSeek-V3's FP8 blocks, packed integers): the projections that run as
 layers are the dense layers' quantized ones (``make_linear``). ``kv_b_proj`` is loaded in its
 quantized layout, then dequantized once into the float matrices the absorption multiplies by
-(``dequantize_up_projection``; it is small: kv_lora_rank columns). Their interleaved rope rows
+(``absorb_in``; it is small: kv_lora_rank columns). Their interleaved rope rows
 are not moved within quantized blocks or words: the rotary dims of the query and the key are
 gathered into halves as they come out of the projections instead (``rope_order``).
 
@@ -86,7 +86,7 @@ class LatentAttention(nn.Module):
         self.kv_a_proj_with_mqa = make_linear(hidden, mla.latent_width, False, quantized)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, SMALL_NORM_EPS)
         up_rows = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-        # quantized: loaded as the checkpoint holds it, then ``dequantize_up_projection``
+        # quantized: loaded as the checkpoint holds it, then ``absorb_in``
         self.kv_b_proj: UpProjection | QuantizedLinear = UpProjection(up_rows, mla.kv_lora_rank)
         if quantized is not None:
             up_layer = make_linear(mla.kv_lora_rank, up_rows, False, quantized)
@@ -129,10 +129,13 @@ class LatentAttention(nn.Module):
             raise RuntimeError("kv_b_proj is still quantized: load the model (model_loader.py)")
         up = up_projection.weight.view(heads, -1, mla.kv_lora_rank)
         key_up, value_up = up.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), key_up)  # [heads, num_tokens, kv_lora_rank]
+        # (in the up projection's dtype: float32 on a CPU, ``absorb_in``)
+        q_nope = q_nope.transpose(0, 1).to(up.dtype)
+        q_latent = torch.bmm(q_nope, key_up).to(hidden.dtype)  # [heads, n, kv_lora_rank]
         absorbed = torch.cat((q_latent.transpose(0, 1), q_rope), dim=-1)  # [n, heads, width]
         out_latent = self.attn(absorbed, entries)  # [num_tokens, heads, kv_lora_rank]
-        out = torch.bmm(out_latent.transpose(0, 1), value_up.transpose(1, 2))  # [heads, n, v]
+        out_latent = out_latent.transpose(0, 1).to(up.dtype)
+        out = torch.bmm(out_latent, value_up.transpose(1, 2)).to(hidden.dtype)  # [heads, n, v]
         out = out.transpose(0, 1).reshape(num_tokens, heads * mla.v_head_dim)
         return self.group.all_reduce(self.o_proj(out))
 
@@ -166,13 +169,14 @@ class LatentAttention(nn.Module):
             kv_rows = kv_proj.weight
             kv_rows[mla.kv_lora_rank :] = kv_rows[mla.kv_lora_rank :][order.to(kv_rows.device)]
 
-    def dequantize_up_projection(self, dtype: torch.dtype) -> None:
-        """A quantized ``kv_b_proj``, loaded, becomes its float weight in ``dtype`` (what the
-        absorption multiplies by); a float one stays as it is."""
-        if isinstance(self.kv_b_proj, UpProjection):
-            return
+    def absorb_in(self, dtype: torch.dtype) -> None:
+        """``kv_b_proj``, loaded, becomes the float weight the absorption multiplies by, in
+        ``dtype`` (a quantized one dequantized)."""
         with torch.no_grad():
-            weight = self.kv_b_proj.dequantized_weight().to(dtype)
+            if isinstance(self.kv_b_proj, UpProjection):
+                weight = self.kv_b_proj.weight.to(dtype)
+            else:
+                weight = self.kv_b_proj.dequantized_weight().to(dtype)
         up = UpProjection(0, 0)
         up.weight = nn.Parameter(weight, requires_grad=False)
         self.kv_b_proj = up
