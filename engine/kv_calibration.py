@@ -6,10 +6,10 @@ token ids for a model directory without one) runs through the model once against
 cache of the model's dtype, each cache group in blocks of its own. The largest magnitude each
 layer's planes (K and V, or a latent cache's entries) reached per KV head, read back from that
 cache (so it is exactly what a quantized cache would have been asked to store), becomes the
-scale by
-``scales_from_amax``. With speculative decoding's prediction layer (``"method": "mtp"``), its
-slot after the decoder's is scaled too: the layer runs once over the forward's hidden states. Every rank of a tensor-parallel worker runs the same pass (the forward
-is a collective) and the ranks' heads are gathered into the whole model's scales.
+scale by ``scales_from_amax``. With speculative decoding's prediction layer (``"method":
+"mtp"``), its slot after the decoder's is scaled too: the layer runs once over the forward's
+hidden states. Every rank of a tensor-parallel worker runs the same pass (the forward is a
+collective) and the ranks' heads are gathered into the whole model's scales.
 
 A calibration depends on the device, dtype and parallelism that ran it; workers that hand KV
 to each other must use the same scales (the layout handshake refuses others), so a cluster
@@ -22,7 +22,6 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.forward_context import set_forward_context
-from engine.host_to_device import to_device
 from engine.kernels.linear import has_packed_linears
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.budget import KVLayout
@@ -35,7 +34,7 @@ from engine.parallel.group import TensorParallelGroup
 from engine.sampling import SamplingParams
 from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
-from engine.speculative.draft_batch import Chunk, chunk_forward
+from engine.speculative.draft_batch import Chunk, chunk_forward, rows_with_padding
 from engine.tokenizer import load_tokenizer
 
 MAX_CALIBRATION_TOKENS = 512
@@ -167,9 +166,7 @@ def _predict_over(
     each known), its KV written into its slot of ``cache``."""
     chunk = Chunk(seq, 0, seq.token_ids[1:])
     forward = chunk_forward([chunk], cache, attn_backend, has_packed_linears(predictor))
-    held = hidden.index_select(0, to_device(forward.source_rows, None, hidden.device))
-    if forward.num_padding_rows:
-        held = torch.cat([held, held.new_zeros(forward.num_padding_rows, held.shape[1])])
+    held = rows_with_padding(hidden, forward.source_rows, forward.num_padding_rows)
     with set_forward_context(forward.context):
         predictor(forward.input_ids, forward.positions, held)
 

@@ -45,6 +45,7 @@ from engine.parallel.step_commands import (
 )
 from engine.scheduler import SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_batch import rows_with_padding
 
 # a follower's bound on each wait: rank 0 may be idle for as long as its user likes
 FOLLOWER_WAIT_S = 7 * 24 * 3600.0
@@ -149,10 +150,7 @@ class Follower:
         if predictor is None:
             raise RuntimeError("rank 0 asked for a prediction, but this rank has no such layer")
         positions, metadata = command.inputs.on_device(self.device)
-        held = source.index_select(0, torch.from_numpy(command.rows).to(self.device))
-        padding = command.inputs.num_padding_rows
-        if padding:
-            held = torch.cat([held, held.new_zeros(padding, held.shape[1])])
+        held = rows_with_padding(source, command.rows, command.inputs.num_padding_rows)
         context = ForwardContext.for_groups(metadata, self.kv_cache, self.attn_backend)
         with set_forward_context(context):
             return predictor(input_ids, positions, held)

@@ -78,6 +78,18 @@ def chunk_forward(
     )
 
 
+def rows_with_padding(
+    source: torch.Tensor,  # [rows, width]
+    rows: np.ndarray,  # [tokens] int64: the row of ``source`` each token row of a forward reads
+    num_padding_rows: int,  # the forward's rows past its tokens
+) -> torch.Tensor:  # [tokens + num_padding_rows, width]: those rows, then zeros
+    """What a drafter's forward reads per row (hidden states), its padding rows zeros."""
+    held = source.index_select(0, to_device(rows, None, source.device))
+    if num_padding_rows:
+        held = torch.cat([held, held.new_zeros(num_padding_rows, held.shape[1])])
+    return held
+
+
 def _forward_inputs(
     chunks: list[Chunk], block_size: int, pads_rows: bool
 ) -> tuple[list[int], ForwardInputs, list[int]]:

@@ -46,7 +46,7 @@ from engine.scheduler.outputs import ScheduledSequence, SchedulerOutput
 from engine.scheduler.scheduler import speculates
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.draft_batch import Chunk, chunk_forward
+from engine.speculative.draft_batch import Chunk, chunk_forward, rows_with_padding
 from engine.speculative.drafts_kept import DraftsKept
 
 if TYPE_CHECKING:
@@ -165,9 +165,7 @@ class MtpDrafter(DraftsKept):
         Under tensor parallelism the followers run each forward and logits with rank 0."""
         forward = chunk_forward(chunks, self.kv_cache, self.attn_backend, self.pads_rows)
         rows = source_rows[forward.source_rows]  # in the forward's order
-        held = source.index_select(0, to_device(rows, None, self.device))
-        if forward.num_padding_rows:
-            held = torch.cat([held, held.new_zeros(forward.num_padding_rows, held.shape[1])])
+        held = rows_with_padding(source, rows, forward.num_padding_rows)
         if self.followers is not None:
             command = PredictCommand(forward.inputs, rows, from_step)
             send_command(self.followers, command, forward.input_ids)
