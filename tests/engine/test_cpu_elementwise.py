@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from engine import LLM
 from engine.kernels.cpu import elementwise as cpu_kernels
-from engine.models.rms_norm import RMSNorm
+from engine.models.fused_ops import torch_silu_and_mul
+from engine.models.rms_norm import RMSNorm, torch_rms_norm
 from engine.models.rope import apply_rotary
 from tests.engine.test_parity import engine_tokens, make_prompts, reference
 
@@ -24,9 +25,32 @@ def kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernels, "usable", lambda x: False)
 
 
-def test_kernels_are_taken_for_float32_cpu_only() -> None:
+def test_kernels_are_taken_for_float32_and_bfloat16_on_cpu() -> None:
     assert cpu_kernels.usable(torch.zeros(2, 4))
-    assert not cpu_kernels.usable(torch.zeros(2, 4, dtype=torch.bfloat16))
+    assert cpu_kernels.usable(torch.zeros(2, 4, dtype=torch.bfloat16))
+    assert not cpu_kernels.usable(torch.zeros(2, 4, dtype=torch.float16))
+
+
+def test_bfloat16_bits_are_torchs() -> None:
+    """Each step rounds where torch's bfloat16 ops round: rope and the residual sum give torch's
+    bits, the norm and SiLU * up at most one bfloat16 step from them (the sum of squares'
+    order, exp) and, on these draws, none."""
+    torch.manual_seed(5)
+    bf16 = torch.bfloat16
+    q, k = torch.randn(11, 4, 64).to(bf16), torch.randn(11, 2, 64).to(bf16)
+    angles = torch.randn(11, 1, 32) * 100
+    cos, sin = angles.cos().to(bf16), angles.sin().to(bf16)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    cpu_kernels.rotary_(q, k, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    residual, x = torch.randn(64, 1024).to(bf16), (torch.randn(64, 1024) * 3).to(bf16)
+    weight = torch.randn(1024).to(bf16)
+    total, normed = cpu_kernels.add_rms_norm(residual, x, weight, 1e-6)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, torch_rms_norm(total, weight, 1e-6))
+    assert torch.equal(cpu_kernels.rms_norm(x, weight, 1e-6), torch_rms_norm(x, weight, 1e-6))
+    gate_up = (torch.randn(64, 2 * 512) * 4).to(bf16)
+    assert torch.equal(cpu_kernels.silu_and_mul(gate_up), torch_silu_and_mul(gate_up))
 
 
 @pytest.mark.parametrize("shape", [(7, 256), (3, 5, 64), (1, 48)])

@@ -103,3 +103,88 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim) {
             o[i] = gate[i] / (1.f + exp_vectorisable(-gate[i])) * up[i];
     }
 }
+
+/* bfloat16: each element widened to float, computed as above, and rounded back to nearest
+ * even where torch's bfloat16 ops round (each op's result is a bfloat16 tensor in torch): the
+ * norm's normalized value before the weight, the weight's product; the residual sum; silu,
+ * then its product with up; each of rope's products and sums. */
+static inline float widen(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t narrow(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t nan = (bits >> 16) | 0x40u; /* a NaN stays a (quiet) NaN */
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+static inline float round_bf16(float f) { return widen(narrow(f)); }
+
+static inline void normalize_bf16(const uint16_t *restrict x, const uint16_t *restrict weight,
+                                  uint16_t *restrict out, int64_t dim, float eps) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < dim; i++) sum += widen(x[i]) * widen(x[i]);
+    const float inverse_rms = 1.f / sqrtf(sum / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++)
+        out[i] = narrow(widen(weight[i]) * round_bf16(widen(x[i]) * inverse_rms));
+}
+
+void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows,
+                   int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_NUMEL)
+    for (int64_t r = 0; r < rows; r++)
+        normalize_bf16(x + r * dim, weight, out + r * dim, dim, eps);
+}
+
+void add_rms_norm_bf16(const uint16_t *residual, const uint16_t *x, const uint16_t *weight,
+                       uint16_t *sum, uint16_t *out, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_NUMEL)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *a = residual + r * dim, *b = x + r * dim;
+        uint16_t *s = sum + r * dim;
+        for (int64_t i = 0; i < dim; i++) s[i] = narrow(widen(a[i]) + widen(b[i]));
+        normalize_bf16(s, weight, out + r * dim, dim, eps);
+    }
+}
+
+static void rotate_bf16(uint16_t *x, int64_t row_stride, int64_t num_heads, const uint16_t *cos,
+                        const uint16_t *sin, int64_t tokens, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * num_heads * head_dim >= PARALLEL_MIN_NUMEL)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < num_heads; h++) {
+            uint16_t *x1 = x + t * row_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = widen(x1[i]), b = widen(x2[i]);
+                const float ci = widen(c[i]), si = widen(s[i]);
+                x1[i] = narrow(round_bf16(a * ci) - round_bf16(b * si));
+                x2[i] = narrow(round_bf16(b * ci) + round_bf16(a * si));
+            }
+        }
+    }
+}
+
+void rotary_bf16(uint16_t *query, int64_t query_stride, int64_t num_heads, uint16_t *key,
+                 int64_t key_stride, int64_t num_kv_heads, const uint16_t *cos,
+                 const uint16_t *sin, int64_t tokens, int64_t head_dim) {
+    rotate_bf16(query, query_stride, num_heads, cos, sin, tokens, head_dim);
+    rotate_bf16(key, key_stride, num_kv_heads, cos, sin, tokens, head_dim);
+}
+
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t dim) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_NUMEL)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * dim, *up = gate + dim;
+        uint16_t *o = out + r * dim;
+        for (int64_t i = 0; i < dim; i++) {
+            const float g = widen(gate[i]);
+            o[i] = narrow(round_bf16(g / (1.f + exp_vectorisable(-g))) * widen(up[i]));
+        }
+    }
+}
