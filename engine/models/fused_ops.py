@@ -1,6 +1,6 @@
 """Which kernels take the model's elementwise steps (RMSNorm, residual add + RMSNorm, rotary,
-SiLU * up) for a tensor: the C kernels on CPU in float32, the Triton kernels on a GPU, or none,
-and then the model's own torch code runs."""
+SiLU * up) for a tensor: the C kernels on CPU in float32 or bfloat16, the Triton kernels on a
+GPU, or none, and then the model's own torch code runs."""
 
 from __future__ import annotations
 
