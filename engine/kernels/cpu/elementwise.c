@@ -1,11 +1,11 @@
 /* The model's elementwise steps on CPU (float32; bfloat16 below), each one pass over its rows
- * instead of the several tensors eager torch makes: RMSNorm (alone, or after the residual add), rotate-half
- * rotary embedding of q and k in place, and SiLU(gate) * up. Same operations and order per
- * element as transformers' modules, but for the sum of squares, accumulated in another order,
- * and SiLU's exp, a polynomial as accurate as torch's own vectorised exp (within 3 ulp).
- * Rows are shared out over OpenMP's threads (torch's intra-op threads: the same libgomp)
- * when there are enough of them to pay for waking the threads; each row is computed by one
- * thread alone, so results do not depend on the number of threads.
+ * instead of the several tensors eager torch makes: RMSNorm (alone, or after the residual
+ * add), rotate-half rotary embedding of q and k in place, and SiLU(gate) * up. Same operations
+ * and order per element as transformers' modules, but for the sum of squares, accumulated in
+ * another order, and SiLU's exp, a polynomial as accurate as torch's own vectorised exp (within
+ * 3 ulp). Rows are shared out over OpenMP's threads (torch's intra-op threads: the same
+ * libgomp) when there are enough of them to pay for waking the threads; each row is computed
+ * by one thread alone, so results do not depend on the number of threads.
  */
 #include <math.h>
 #include <stdint.h>
