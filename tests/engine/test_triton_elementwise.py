@@ -142,7 +142,8 @@ def test_bad_arguments_are_refused_naming_them() -> None:
 def test_the_model_picks_triton_on_a_gpu_and_c_on_cpu() -> None:
     assert not triton_kernels.usable(torch.zeros(2, 4))
     assert fused_ops.kernels_for(torch.zeros(2, 4)) is cpu_kernels
-    assert fused_ops.kernels_for(torch.zeros(2, 4, dtype=torch.bfloat16)) is None
+    assert fused_ops.kernels_for(torch.zeros(2, 4, dtype=torch.bfloat16)) is cpu_kernels
+    assert fused_ops.kernels_for(torch.zeros(2, 4, dtype=torch.float16)) is None
     if torch.cuda.is_available():
         assert fused_ops.kernels_for(torch.zeros(2, 4, device="cuda")) is triton_kernels
 
