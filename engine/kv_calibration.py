@@ -138,15 +138,13 @@ def _kv_amax(
             SchedulerOutput([ScheduledSequence(seq, 0, num_tokens, (seq,))], [], num_tokens, 0)
         )
         num_layers = sum(len(g.layers) for g in cache_groups.groups)
-        if predictor is not None:  # its slot after the decoder's (one cache group)
-            _predict_over(predictor, launched.hidden, seq, cache, attn_backend)
-            amax_of_predictor = cache[num_layers].abs().float().amax(dim=(1, 2, 4))
         amax = torch.zeros(
             num_layers + (predictor is not None), layout.kv_planes, layout.num_kv_heads,
             dtype=torch.float32, device=device,
         )  # fmt: skip
-        if predictor is not None:
-            amax[num_layers] = amax_of_predictor
+        if predictor is not None:  # its slot after the decoder's (one cache group)
+            _predict_over(predictor, launched.hidden, seq, cache, attn_backend)
+            amax[num_layers] = cache[num_layers].abs().float().amax(dim=(1, 2, 4))
         for index, cache_group in enumerate(cache_groups.groups):
             blocks = slice(index * blocks_per_group, (index + 1) * blocks_per_group)
             for slot, layer in enumerate(cache_group.layers):

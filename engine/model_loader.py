@@ -98,10 +98,7 @@ def load_model(
     if shard is None and group is not None:
         shard = TensorParallelShard.of(config, group.rank, group.size)
     model = _build_empty(config, dtype, torch.device(device), shard, group)
-    if load_format == "dummy" and config.quantization is not None and model.shard.size > 1:
-        raise ValueError(
-            "load_format 'dummy' builds a quantized model on one rank only (tensor_parallel_size 1)"
-        )
+    _check_dummy_shard(load_format, config, model.shard.size)
     with torch.no_grad():
         if load_format == "dummy" and model.shard.size > 1:
             _init_dummy_sharded(model, seed, lambda: get_model_class(config.architecture)(config))
@@ -134,10 +131,7 @@ def load_prediction_layer(
     if shard is not None:  # the model's shard, of the config that counts the layer
         shard = TensorParallelShard.of(config, shard.rank, shard.size, shard.expert_parallel)
     sharded = shard is not None and shard.size > 1
-    if load_format == "dummy" and config.quantization is not None and sharded:
-        raise ValueError(
-            "load_format 'dummy' builds a quantized model on one rank only (tensor_parallel_size 1)"
-        )
+    _check_dummy_shard(load_format, config, shard.size if shard is not None else 1)
     predictor = build_empty(
         lambda: MultiTokenPredictor(config, shard, group), dtype, torch.device(device)
     )
@@ -159,6 +153,14 @@ def load_prediction_layer(
         _finish_loading(predictor, dtype, dummy=load_format == "dummy")
     _pack(predictor, linear_backend)
     return predictor.eval()
+
+
+def _check_dummy_shard(load_format: LoadFormat, config: ModelConfig, size: int) -> None:
+    """Dummy weights of a quantized checkpoint are drawn on one rank only."""
+    if load_format == "dummy" and config.quantization is not None and size > 1:
+        raise ValueError(
+            "load_format 'dummy' builds a quantized model on one rank only (tensor_parallel_size 1)"
+        )
 
 
 def _finish_loading(model: _Weighted, dtype: torch.dtype, dummy: bool) -> None:
