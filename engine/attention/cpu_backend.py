@@ -7,10 +7,13 @@ Decode attention on CPU is bound by memory traffic; the reference gathers every 
 sequence's blocks into a buffer each layer before SDPA reads them again, the kernel reads
 them once. Prefill attention is bound by compute: the kernel runs the whole step's prefill
 sequences in one call, in register-blocked tiles (1.2-2.2x torch's flash attention for CPU,
-docs/benchmarks.md). The kernels serve float32 caches and quantized ones (float8 e4m3, int8,
-with their per-head scales) whose queries and new K/V are float32: they store into a quantized
-cache bit for bit as the reference does, and read its elements in place, applying the scales to
-the logits and outputs (a quarter of a float32 cache's bytes read per token). Other caches take
+docs/benchmarks.md). The kernels serve float32 caches, bfloat16 ones with bfloat16 queries and
+new K/V (a bfloat16 model's: its elements widened to float32 as they are read, the attention
+computed in float32 and its output rounded to bfloat16 once; the reference's bfloat16 SDPA on
+this CPU took several times as long), and quantized ones (float8 e4m3, int8, with their
+per-head scales) whose queries and new K/V are float32: they store into a quantized cache bit
+for bit as the reference does, and read its elements in place, applying the scales to the
+logits and outputs (a quarter of a float32 cache's bytes read per token). Other caches take
 the reference path throughout.
 
 A latent cache (multi-head latent attention) runs through the prefill kernel, its one plane
@@ -83,8 +86,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 kv_scales,
             )
         starts, seq_lens = self._prefill_index.get(metadata, lambda: _prefill_index(metadata))
-        return paged_prefill_attention_cpu(
-            query.contiguous(),
+        out = paged_prefill_attention_cpu(
+            query.float().contiguous(),
             kv_cache_layer,
             metadata.prefill_block_tables,
             starts,
@@ -95,6 +98,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             sinks=sinks,
             kv_scales=kv_scales,
         )
+        return out.to(query.dtype)
 
     def _decode(
         self,
@@ -118,8 +122,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 sinks,
                 kv_scales,
             )
-        return paged_decode_attention_cpu(
-            query.contiguous(),
+        out = paged_decode_attention_cpu(
+            query.float().contiguous(),
             kv_cache_layer,
             metadata.decode_block_tables,
             metadata.decode_seq_lens,
@@ -129,6 +133,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             sinks=sinks,
             kv_scales=kv_scales,
         )
+        return out.to(query.dtype)
 
     def forward_latent(
         self,
@@ -147,7 +152,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             starts, seq_lens = self._prefill_index.get(metadata, lambda: _prefill_index(metadata))
             outputs.append(
                 paged_prefill_attention_cpu(
-                    query[:num_prefill_tokens].contiguous(),
+                    query[:num_prefill_tokens].float().contiguous(),
                     cache_layer,
                     metadata.prefill_block_tables,
                     starts,
@@ -163,7 +168,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
             outputs.append(
                 paged_prefill_attention_cpu(
-                    query[num_prefill_tokens : metadata.num_tokens].contiguous(),
+                    query[num_prefill_tokens : metadata.num_tokens].float().contiguous(),
                     cache_layer,
                     metadata.decode_block_tables,
                     rows,
@@ -175,18 +180,19 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not outputs:
             return query.new_empty(0, query.shape[1], value_dim)
         whole = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return whole[..., :value_dim]
+        return whole[..., :value_dim].to(query.dtype)
 
 
 def _kernels_take(
     kv_cache_layer: torch.Tensor,  # [planes, num_blocks, block_size, num_kv_heads, head_dim]
     rows: torch.Tensor,  # the query, or the new keys: what the kernel reads besides the cache
 ) -> bool:
-    """The kernels serve a CPU cache of float32, or of float8 e4m3 / int8 with float32 rows."""
+    """The kernels serve a CPU cache of float32 or bfloat16 with rows of its type, or of float8
+    e4m3 / int8 with float32 rows."""
     if kv_cache_layer.device.type != "cpu":
         return False
-    if kv_cache_layer.dtype == torch.float32:
-        return True
+    if kv_cache_layer.dtype in (torch.float32, torch.bfloat16):
+        return rows.dtype == kv_cache_layer.dtype
     return kv_cache_layer.dtype in QUANTIZED_KV_DTYPES and rows.dtype == torch.float32
 
 

@@ -494,7 +494,7 @@ def test_bad_kv_scales_are_refused_by_name() -> None:
         (stored, kv_scales[:, :1], r"kv_scales must be a contiguous \[2, num_kv_heads = 2\]"),
         (stored, kv_scales.double(), "kv_scales must be float32"),
         (stored, kv_scales.to("meta"), "kv_scales is on meta, kv_cache_layer on cpu"),
-        (stored.view(torch.uint8), kv_scales, "kv_cache_layer must be float32, float8_e4m3fn"),
+        (stored.view(torch.uint8), kv_scales, "kv_cache_layer must be float32, bfloat16, float8"),
     ]
     for kv_cache_layer, scales, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -161,7 +161,7 @@ def test_bad_scales_and_caches_are_refused_by_name() -> None:
         (
             torch.zeros(2, 2, 2, 2, 8, dtype=torch.float16),
             None,
-            "kv_cache_layer must be float32, float8_e4m3fn or int8, got torch.float16",
+            "kv_cache_layer must be float32, bfloat16, float8_e4m3fn or int8, got torch.float16",
         ),
     ]
     for cache, scales, message in cases:
@@ -196,7 +196,7 @@ def test_float32_rows_land_in_their_slots() -> None:
 READ_HARNESS = """
 #include "kv_elements.h"
 void read_row(const void *row, float *out, int64_t n, int64_t kind) {
-    kv_dequantize_row(row, out, n, (int)kind);
+    kv_row_as_floats(row, out, n, (int)kind);
 }
 """
 

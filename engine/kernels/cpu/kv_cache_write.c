@@ -1,7 +1,8 @@
 /* Scatter the step's new K/V rows into their cache slots, straight from the qkv projection's
- * output (rows row_stride floats apart): into a float32 cache one row copy per token and K/V;
- * into a quantized cache (float8 e4m3 or int8, kv_elements.h) each KV head's values divided by
- * its scale and rounded as torch stores them, bit for bit.
+ * output (rows row_stride elements apart): into a float32 or bfloat16 cache one row copy per
+ * token and K/V (the rows of the cache's type); into a quantized cache (float8 e4m3 or int8,
+ * kv_elements.h) each KV head's float32 values divided by its scale and rounded as torch stores
+ * them, bit for bit.
  * Returns 0, or -(1 + t) when token t's slot is outside [0, num_slots): nothing from t on is
  * written. A negative slot is padding and is skipped. */
 #include <stdint.h>
@@ -9,17 +10,19 @@
 
 #include "kv_elements.h"
 
-int64_t kv_cache_write_f32(float *key_cache, float *value_cache, int64_t num_slots,
-                           const float *key, int64_t key_stride, const float *value,
-                           int64_t value_stride, const int64_t *slots, int64_t num_tokens,
-                           int64_t token_numel) {
+/* Rows of token_numel elements of element_size bytes each, copied as they are. */
+int64_t kv_cache_write_copy(char *key_cache, char *value_cache, int64_t num_slots, const char *key,
+                            int64_t key_stride, const char *value, int64_t value_stride,
+                            const int64_t *slots, int64_t num_tokens, int64_t token_numel,
+                            int64_t element_size) {
+    const int64_t row_bytes = token_numel * element_size;
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
         if (slot >= num_slots) return -(1 + t);
-        memcpy(key_cache + slot * token_numel, key + t * key_stride, token_numel * sizeof(float));
-        memcpy(value_cache + slot * token_numel, value + t * value_stride,
-               token_numel * sizeof(float));
+        memcpy(key_cache + slot * row_bytes, key + t * key_stride * element_size, row_bytes);
+        memcpy(value_cache + slot * row_bytes, value + t * value_stride * element_size,
+               row_bytes);
     }
     return 0;
 }

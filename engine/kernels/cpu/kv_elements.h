@@ -1,5 +1,6 @@
-/* The KV cache's element types for the CPU kernels: float32, and the quantized float8 e4m3
- * and int8 of engine/kv_cache/kv_quantization.py, where a stored element q stands for
+/* The KV cache's element types for the CPU kernels: float32, bfloat16 (a bfloat16 model's
+ * cache: an element is read as the float32 of its bits, exactly), and the quantized float8
+ * e4m3 and int8 of engine/kv_cache/kv_quantization.py, where a stored element q stands for
  * q * scale (one scale per KV head for K and one for V). Storing divides by the scale and
  * rounds as torch does, bit for bit: to e4m3 as ``x.clamp(-448, 448).to(torch.float8_e4m3fn)``
  * (nearest, ties to even, subnormals included, NaN kept as NaN), to int8 as
@@ -24,8 +25,14 @@
 #define KV_FLOAT32 0
 #define KV_FP8_E4M3 1
 #define KV_INT8 2
+#define KV_BFLOAT16 3
 
-static inline int64_t kv_element_size(int kind) { return kind == KV_FLOAT32 ? 4 : 1; }
+static inline int64_t kv_element_size(int kind) {
+    return kind == KV_FLOAT32 ? 4 : kind == KV_BFLOAT16 ? 2 : 1;
+}
+
+/* whether elements of ``kind`` stand for themselves times a scale (float8 e4m3, int8) */
+static inline int kv_is_quantized(int kind) { return kind == KV_FP8_E4M3 || kind == KV_INT8; }
 
 /* ``base`` (of ``kind`` elements) advanced by ``index`` elements */
 static inline const void *kv_at(const void *base, int64_t index, int kind) {
@@ -111,9 +118,20 @@ static inline void e4m3_values16(const uint8_t *restrict bytes, float *restrict 
 }
 #endif
 
-/* n elements of a quantized row as floats (without their scale) */
-static inline void kv_dequantize_row(const void *restrict row, float *restrict out, int64_t n,
+/* n bfloat16 elements as floats: each one's bits are a float32's upper half (a loop the
+ * compiler vectorises into widening moves and shifts) */
+static inline void kv_widen_bfloat16_row(const uint16_t *restrict row, float *restrict out,
+                                         int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = bits_float((uint32_t)row[i] << 16);
+}
+
+/* n elements of a bfloat16 or quantized row as floats (a quantized one's without its scale) */
+static inline void kv_row_as_floats(const void *restrict row, float *restrict out, int64_t n,
                                      int kind) {
+    if (kind == KV_BFLOAT16) {
+        kv_widen_bfloat16_row((const uint16_t *)row, out, n);
+        return;
+    }
     int64_t i = 0;
 #ifdef PDSERVE_E4M3_BY_FLOAT16
     if (kind == KV_FP8_E4M3)

@@ -1,6 +1,6 @@
-"""The KV cache element types the CPU kernels read and write (float32, and the quantized float8
-e4m3 and int8 of engine/kv_cache/kv_quantization.py), their codes in C (``kv_elements.h``), and
-the check of a quantized cache's scales."""
+"""The KV cache element types the CPU kernels read and write (float32, bfloat16, and the
+quantized float8 e4m3 and int8 of engine/kv_cache/kv_quantization.py), their codes in C
+(``kv_elements.h``), and the check of a quantized cache's scales."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from engine.kernels.checks import require, require_kv_scales
 
 # the codes of kv_elements.h
-KV_ELEMENT_CODES = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.int8: 2}
+KV_ELEMENT_CODES = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.int8: 2, torch.bfloat16: 3}
 
 
 def check_kv_scales(
@@ -21,6 +21,6 @@ def check_kv_scales(
     dtype = kv_cache_layer.dtype
     require(
         dtype in KV_ELEMENT_CODES,
-        f"kv_cache_layer must be float32, float8_e4m3fn or int8, got {dtype}",
+        f"kv_cache_layer must be float32, bfloat16, float8_e4m3fn or int8, got {dtype}",
     )
     require_kv_scales(kv_scales, kv_cache_layer)

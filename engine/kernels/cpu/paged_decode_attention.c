@@ -1,5 +1,6 @@
-/* Decode attention on CPU, reading K/V in place from the paged cache: float32, or float8 e4m3
- * or int8 elements with a float32 scale per KV head for K and one for V (kv_elements.h).
+/* Decode attention on CPU, reading K/V in place from the paged cache: float32, bfloat16, or
+ * float8 e4m3 or int8 elements with a float32 scale per KV head for K and one for V
+ * (kv_elements.h).
  *
  * One query token per sequence attends over the sequence's context, block by block through
  * its block table, with an online softmax (running max and sum per head), so no block is ever
@@ -16,8 +17,9 @@
  * reaches a fraction of the memory bandwidth (about 14 of 50-70 GB/s on the 2-core EPYC), so
  * a second thread nearly halves the time.
  *
- * A quantized cache's elements are read as floats row by row (a K or V row of one KV head,
- * into a head_dim buffer the group's query heads share), and the scales are applied where
+ * A bfloat16 or quantized cache's elements are read as floats row by row (a K or V row of one
+ * KV head, into a head_dim buffer the group's query heads share; everything after is float32
+ * arithmetic, as for a float32 cache), and a quantized cache's scales are applied where
  * they factor out: K's to each logit (scale * k_scale * q . k), V's to the output
  * (v_scale * sum_t p_t v_t / sum_t p_t), one rounding each. It reads a quarter of a float32
  * cache's bytes for the same context.
@@ -68,7 +70,7 @@ static int64_t check_seq(const int64_t *table, int64_t seq_len, int64_t capacity
 }
 
 /* Scratch for one thread: running output, max and sum per head, a block's probabilities, and
- * one K or V row of a quantized cache read as floats. */
+ * one K or V row of a bfloat16 or quantized cache read as floats. */
 typedef struct {
     float *acc;    /* [num_heads][head_dim] */
     float *maxes;  /* [num_heads] */
@@ -137,8 +139,9 @@ static inline __attribute__((always_inline)) void attend(
                     for (int64_t g = 0; g < group; g++, h++)
                         probs[h * block_size + t] = scale * dot(q + h * head_dim, k, head_dim);
                 } else {
-                    const float logit_scale = scale * kv_scales[kv_head];
-                    kv_dequantize_row(k, row, head_dim, kind);
+                    const float logit_scale =
+                        kv_is_quantized(kind) ? scale * kv_scales[kv_head] : scale;
+                    kv_row_as_floats(k, row, head_dim, kind);
                     for (int64_t g = 0; g < group; g++, h++)
                         probs[h * block_size + t] =
                             logit_scale * dot(q + h * head_dim, row, head_dim);
@@ -169,7 +172,7 @@ static inline __attribute__((always_inline)) void attend(
                 const void *stored = kv_at(v_block, t * token_numel + kv_head * head_dim, kind);
                 const float *v = stored;
                 if (kind != KV_FLOAT32) {
-                    kv_dequantize_row(stored, row, head_dim, kind);
+                    kv_row_as_floats(stored, row, head_dim, kind);
                     v = row;
                 }
                 for (int64_t g = 0; g < group; g++, h++) {
@@ -180,8 +183,8 @@ static inline __attribute__((always_inline)) void attend(
             }
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        const float inverse =
-            kind == KV_FLOAT32 ? 1.f / sums[h] : kv_scales[num_kv_heads + h / group] / sums[h];
+        const float inverse = kv_is_quantized(kind) ? kv_scales[num_kv_heads + h / group] / sums[h]
+                                                    : 1.f / sums[h];
         for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = acc[h * head_dim + d] * inverse;
     }
 }
@@ -190,8 +193,8 @@ static inline __attribute__((always_inline)) void attend(
  * vectorised), the general one for others; on a float32 cache each for a walk from position 0
  * (no window, or one the context fits in: the code of a kernel without windows) and from a
  * window's start, both without soft-cap or sinks (the code of a kernel without them), and for
- * any walk with them; on a quantized cache (float8 e4m3, int8) for any walk (fewer copies of
- * the code to build). The choice is made per sequence, inside the parallel loop: a constant
+ * any walk with them; on a bfloat16 cache the same three; on a quantized cache (float8 e4m3,
+ * int8) for any walk (fewer copies of the code to build). The choice is made per sequence, inside the parallel loop: a constant
  * head_dim passed into an OpenMP region reaches it as a variable. */
 static void attend_any(const float *q, const void *key, const void *value,
                        const int64_t *table, int64_t seq_len, int64_t first, float *o,
@@ -215,14 +218,17 @@ static void attend_any(const float *q, const void *key, const void *value,
     default: HEAD_DIM_CASE(head_dim);                                                        \
     }
 #define FLOAT32_CASE(HEAD_DIM) ATTEND_FROM_FIRST(HEAD_DIM, KV_FLOAT32)
+#define BFLOAT16_CASE(HEAD_DIM) ATTEND_FROM_FIRST(HEAD_DIM, KV_BFLOAT16)
 #define FP8_E4M3_CASE(HEAD_DIM) ATTEND(HEAD_DIM, first, softcap, sinks, KV_FP8_E4M3)
 #define INT8_CASE(HEAD_DIM) ATTEND(HEAD_DIM, first, softcap, sinks, KV_INT8)
     switch (kind) {
     case KV_FP8_E4M3: ATTEND_OF_HEAD_DIM(FP8_E4M3_CASE); break;
     case KV_INT8: ATTEND_OF_HEAD_DIM(INT8_CASE); break;
+    case KV_BFLOAT16: ATTEND_OF_HEAD_DIM(BFLOAT16_CASE); break;
     default: ATTEND_OF_HEAD_DIM(FLOAT32_CASE);
     }
 #undef INT8_CASE
+#undef BFLOAT16_CASE
 #undef FP8_E4M3_CASE
 #undef FLOAT32_CASE
 #undef ATTEND_OF_HEAD_DIM

@@ -1,8 +1,8 @@
 """What the CPU paged-attention kernels (prefill and decode) share around their C calls: the
-argument checks both need to read the query, the cache (float32, or float8 e4m3 / int8 with
-its scales) and the block tables safely (failures name the argument), their ctypes signature,
-and the call itself (with its sliding window, logit soft-cap, attention sinks and a quantized
-cache's scales).
+argument checks both need to read the query, the cache (float32, bfloat16, or float8 e4m3 /
+int8 with its scales) and the block tables safely (failures name the argument), their ctypes
+signature, and the call itself (with its sliding window, logit soft-cap, attention sinks and a
+quantized cache's scales).
 
 A latent cache (multi-head latent attention) is one plane, ``[1, num_blocks, block_size, 1,
 width]``: the kernels read its entries as both the keys and the values (one KV head every query
@@ -30,8 +30,8 @@ def check_paged_inputs(
     **indices: torch.Tensor,  # further int64 tensors by name (seq_lens, query_start_loc)
 ) -> None:
     """Refuses, naming the argument, what the kernels cannot read safely; the cache may be
-    float32, or float8_e4m3fn / int8 with ``kv_scales`` (given exactly then); its planes K and
-    V, or a latent cache's one."""
+    float32, bfloat16, or float8_e4m3fn / int8 with ``kv_scales`` (given exactly then); its
+    planes K and V, or a latent cache's one."""
     tensors = {"query": query, "kv_cache_layer": kv_cache_layer, "block_tables": block_tables}
     for name, tensor in {**tensors, **indices}.items():
         require(tensor.device.type == "cpu", f"{name} must be on the CPU, got {tensor.device}")

@@ -1,5 +1,6 @@
-/* Prefill attention on CPU, reading K/V in place from the paged cache: float32, or float8 e4m3
- * or int8 elements with a float32 scale per KV head for K and one for V (kv_elements.h).
+/* Prefill attention on CPU, reading K/V in place from the paged cache: float32, bfloat16, or
+ * float8 e4m3 or int8 elements with a float32 scale per KV head for K and one for V
+ * (kv_elements.h).
  *
  * Each prefill sequence's new tokens attend causally over its context: the cached prefix (a
  * prefix-cache hit, or the earlier chunks of a chunked prefill) and the new tokens, whose K/V
@@ -19,8 +20,9 @@
  * own window, and masks the positions before it in the tile that straddles it): K is copied
  * transposed into a small buffer (so a row of scores is one vector wide), V is read in place.
  * An item of fewer than IN_PLACE_ROWS rows, or of entries wider than IN_PLACE_HEAD_DIM, on a
- * float32 cache (a decode row's query heads; a latent cache's wide entries) reads K in place
- * too: its scores are dot products summed across vector lanes, where the transposed copy of
+ * float32 or bfloat16 cache (a decode row's query heads; a latent cache's wide entries) reads K
+ * in place too (a bfloat16 tile's rows widened to float32 first, a latent cache's once for its
+ * keys and values): its scores are dot products summed across vector lanes, where the transposed copy of
  * each tile took longer than the products (or than the products out of a tile past L1);
  * it prefetches the next tile's entries while computing one (such an item reads each entry
  * of its context once, for few products: the cache's reads weigh as much as they do).
@@ -29,10 +31,11 @@
  * shared out over ``num_threads`` OpenMP threads; each is computed by one thread alone, so the
  * result does not depend on the number of threads.
  *
- * A quantized cache's elements are read as floats as a tile is loaded: K into the transposed
- * tile, V into a tile of its own (read by every row of the item, where a float32 cache's V is
- * read in place). An item is one KV head, so its scales factor out: K's joins the queries'
- * pre-scale, V's the output's 1 / sum.
+ * A bfloat16 or quantized cache's elements are read as floats as a tile is loaded: K into the
+ * transposed tile, V into a tile of its own (read by every row of the item, where a float32
+ * cache's V is read in place); all arithmetic after is float32's. An item is one KV head, so a
+ * quantized cache's scales factor out: K's joins the queries' pre-scale, V's the output's
+ * 1 / sum.
  *
  * Layouts (all contiguous but the block table's rows):
  *   query, out        [num_tokens, num_heads, head_dim] (the prefill sequences' rows, in order)
@@ -75,8 +78,9 @@ typedef struct {
     float *sums;   /* [rows] */
     float *corrections; /* [rows] this tile's rescaling of the running output */
     float *k_t;    /* [head_dim][KV_TILE] one tile of K, transposed */
-    float *k_row;  /* [head_dim] a quantized cache's K row, as floats */
-    float *v_tile; /* [KV_TILE][head_dim] one tile of a quantized cache's V, as floats */
+    float *k_row;  /* [head_dim] a bfloat16 or quantized cache's K row, as floats */
+    float *k_tile; /* [KV_TILE][head_dim] one tile of a bfloat16 cache's K, as floats */
+    float *v_tile; /* [KV_TILE][head_dim] one tile of a bfloat16 or quantized cache's V */
 } scratch_t;
 
 static int scratch_alloc(scratch_t *s, int64_t rows, int64_t head_dim) {
@@ -88,9 +92,10 @@ static int scratch_alloc(scratch_t *s, int64_t rows, int64_t head_dim) {
     s->corrections = malloc(sizeof(float) * rows);
     s->k_t = malloc(sizeof(float) * head_dim * KV_TILE);
     s->k_row = malloc(sizeof(float) * head_dim);
+    s->k_tile = malloc(sizeof(float) * KV_TILE * head_dim);
     s->v_tile = malloc(sizeof(float) * KV_TILE * head_dim);
     return s->q && s->acc && s->scores && s->maxes && s->sums && s->corrections && s->k_t &&
-           s->k_row && s->v_tile;
+           s->k_row && s->k_tile && s->v_tile;
 }
 
 static void scratch_free(scratch_t *s) {
@@ -102,6 +107,7 @@ static void scratch_free(scratch_t *s) {
     free(s->corrections);
     free(s->k_t);
     free(s->k_row);
+    free(s->k_tile);
     free(s->v_tile);
 }
 
@@ -295,8 +301,9 @@ static inline __attribute__((always_inline)) void attend_item(
     float *restrict maxes = scratch->maxes, *restrict sums = scratch->sums;
     float *restrict corrections = scratch->corrections;
     float *restrict k_row = scratch->k_row, *restrict v_tile = scratch->v_tile;
+    float *restrict k_tile = scratch->k_tile;
     const float q_scale =
-        kind == KV_FLOAT32 ? scale * LOG2E : scale * kv_scales[item->kv_head] * LOG2E;
+        kv_is_quantized(kind) ? scale * kv_scales[item->kv_head] * LOG2E : scale * LOG2E;
     const float softcap_log2 = softcap * LOG2E; /* the cap in the scores' base-2 units */
     for (int64_t r = 0; r < rows; r++) {
         const float *src = query + (item->first_token + r / group) * num_heads * head_dim +
@@ -318,11 +325,11 @@ static inline __attribute__((always_inline)) void attend_item(
         if (in_place) { /* the next tile's entries on their way while this one is computed */
             const int64_t next_end = start + 2 * KV_TILE < end ? start + 2 * KV_TILE : end;
             for (int64_t position = start + KV_TILE; position < next_end; position++) {
-                const char *entry = (const char *)((const float *)key +
-                                                   entry_index(table, position, block_size,
-                                                               token_numel, item->kv_head,
-                                                               head_dim));
-                for (int64_t byte = 0; byte < head_dim * (int64_t)sizeof(float); byte += 64)
+                const char *entry = kv_at(key,
+                                          entry_index(table, position, block_size, token_numel,
+                                                      item->kv_head, head_dim),
+                                          kind);
+                for (int64_t byte = 0; byte < head_dim * kv_element_size(kind); byte += 64)
                     __builtin_prefetch(entry + byte);
             }
         }
@@ -338,10 +345,21 @@ static inline __attribute__((always_inline)) void attend_item(
                     k_rows[t] = k;
                 else
                     for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k[d];
+            } else if (in_place) { /* bfloat16: the tile's rows widened where the scores read */
+                float *k = k_tile + t * head_dim;
+                kv_row_as_floats(kv_at(key, index, kind), k, head_dim, kind);
+                k_rows[t] = k;
+                if (value == key) { /* a latent cache: its entries are the values too */
+                    v_rows[t] = k;
+                } else {
+                    kv_row_as_floats(kv_at(value, index, kind), v_tile + t * head_dim, head_dim,
+                                     kind);
+                    v_rows[t] = v_tile + t * head_dim;
+                }
             } else {
-                kv_dequantize_row(kv_at(key, index, kind), k_row, head_dim, kind);
+                kv_row_as_floats(kv_at(key, index, kind), k_row, head_dim, kind);
                 for (int64_t d = 0; d < head_dim; d++) k_t[d * KV_TILE + t] = k_row[d];
-                kv_dequantize_row(kv_at(value, index, kind), v_tile + t * head_dim, head_dim, kind);
+                kv_row_as_floats(kv_at(value, index, kind), v_tile + t * head_dim, head_dim, kind);
                 v_rows[t] = v_tile + t * head_dim;
             }
         }
@@ -384,21 +402,22 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int64_t r = 0; r < rows; r++) {
         float *dst = out + (item->first_token + r / group) * num_heads * head_dim +
                      (item->kv_head * group + r % group) * head_dim;
-        const float inverse = kind == KV_FLOAT32
-                                  ? 1.f / sums[r]
-                                  : kv_scales[num_kv_heads + item->kv_head] / sums[r];
+        const float inverse = kv_is_quantized(kind)
+                                  ? kv_scales[num_kv_heads + item->kv_head] / sums[r]
+                                  : 1.f / sums[r];
         for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[r * head_dim + d] * inverse;
     }
 }
 
-/* Whether an item computes its scores with K in place: on a float32 cache, head_dim a multiple
+/* Whether an item computes its scores with K in place: on a float32 or bfloat16 cache (a
+ * bfloat16 tile's rows widened first), head_dim a multiple
  * of 16, where few rows share each tile (the products cost less than a transposed copy) or its
  * entries are wide (a transposed tile of 32 positions past 16 KB: measured faster in place at
  * every row count, 1-1024, for head dims of 192-576). */
 static int in_place_item(const item_t *item, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int kind) {
     const int64_t rows = item->num_tokens * (num_heads / num_kv_heads);
-    return kind == KV_FLOAT32 && head_dim % 16 == 0 &&
+    return (kind == KV_FLOAT32 || kind == KV_BFLOAT16) && head_dim % 16 == 0 &&
            (rows < IN_PLACE_ROWS || head_dim > IN_PLACE_HEAD_DIM);
 }
 
@@ -406,7 +425,7 @@ static int in_place_item(const item_t *item, int64_t num_heads, int64_t num_kv_h
  * cache each with no window (the code of a kernel without windows) and with one, both without
  * soft-cap or sinks (the code of a kernel without them), and for any window with them, and once
  * with K in place (``in_place_item``: few rows, or wide entries; any window, soft-cap, sinks);
- * on a quantized cache (float8 e4m3, int8) for any window (fewer copies of the code to build). */
+ * on a bfloat16 cache the same four; on a quantized cache (float8 e4m3, int8) for any window (fewer copies of the code to build). */
 static void attend_item_any(const item_t *item, const float *query, const void *key,
                             const void *value, const int64_t *table, float *out,
                             const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
@@ -435,14 +454,17 @@ static void attend_item_any(const item_t *item, const float *query, const void *
     default: HEAD_DIM_CASE(head_dim);                                                        \
     }
 #define FLOAT32_CASE(HEAD_DIM) ATTEND_WITH_WINDOW(HEAD_DIM, KV_FLOAT32)
+#define BFLOAT16_CASE(HEAD_DIM) ATTEND_WITH_WINDOW(HEAD_DIM, KV_BFLOAT16)
 #define FP8_E4M3_CASE(HEAD_DIM) ATTEND(HEAD_DIM, sliding_window, softcap, sinks, KV_FP8_E4M3)
 #define INT8_CASE(HEAD_DIM) ATTEND(HEAD_DIM, sliding_window, softcap, sinks, KV_INT8)
     switch (kind) {
     case KV_FP8_E4M3: ATTEND_OF_HEAD_DIM(FP8_E4M3_CASE); break;
     case KV_INT8: ATTEND_OF_HEAD_DIM(INT8_CASE); break;
+    case KV_BFLOAT16: ATTEND_OF_HEAD_DIM(BFLOAT16_CASE); break;
     default: ATTEND_OF_HEAD_DIM(FLOAT32_CASE);
     }
 #undef INT8_CASE
+#undef BFLOAT16_CASE
 #undef FP8_E4M3_CASE
 #undef FLOAT32_CASE
 #undef ATTEND_OF_HEAD_DIM

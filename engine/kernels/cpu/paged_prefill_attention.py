@@ -45,9 +45,9 @@ def paged_prefill_attention_cpu(
     ``sliding_window`` W those from p - W + 1 on, the blocks wholly before the first new
     token's window neither read nor checked. ``logit_softcap`` c: each logit ``scale * q . k``
     becomes ``c * tanh(logit / c)``; ``sinks``: head h's logit ``sinks[h]`` joins its softmax's
-    denominator. The cache is float32, or float8_e4m3fn / int8 whose elements stand for
-    ``element * kv_scales[0 (K) or 1 (V), kv_head]`` (a latent cache's one scale both). A
-    latent cache's output rows are weighted sums of whole entries. Work is shared out over
+    denominator. The cache is float32, bfloat16 (read as float32), or float8_e4m3fn / int8 whose
+    elements stand for ``element * kv_scales[0 (K) or 1 (V), kv_head]`` (a latent cache's one
+    scale both). A latent cache's output rows are weighted sums of whole entries. Work is shared out over
     ``num_threads`` (default: torch's intra-op threads) and the result does not depend on how
     many. ValueError naming the argument for anything the kernel cannot read safely."""
     _check(query, kv_cache_layer, block_tables, query_start_loc, seq_lens, kv_scales)
