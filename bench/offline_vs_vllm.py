@@ -1,13 +1,16 @@
 """Engine against engine, no server: pdserve's ``LLM`` and vLLM's on the same requests.
 
     .venv/bin/python -m bench.offline_vs_vllm --vllm-python /work/vllm-venv/bin/python
+        [--dtype float32|bfloat16]
 
 Both get the same chat-like workload (the serving benchmark's generator and defaults: prompts
 lognormal around 192 tokens, 16-400; outputs around 48, 8-100; greedy, ``ignore_eos``) as
 token ids, all at once, and the time to finish them all is measured, after a warm-up request.
 Each run is a fresh process, the systems alternating, ``--repeats`` times each (this machine's
 timings move by 20 % from run to run). pdserve runs one torch thread, as a serving worker does;
-vLLM (``enforce_eager``, ``VLLM_CPU_KVCACHE_SPACE=1``) binds its own. Writes JSON.
+vLLM (``enforce_eager``, ``VLLM_CPU_KVCACHE_SPACE=1``) binds its own. Both load the weights in
+``--dtype`` (the checkpoint's float32 by default; bfloat16 is what models are served in). Writes
+JSON.
 
 This file is also the worker each run executes (``--worker``): it imports nothing of pdserve
 at the top, so vLLM's Python can run it by path.
@@ -30,13 +33,13 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "engine" / "demo_model" / "assets"
 
 
-def _run_pdserve(requests: list[dict[str, Any]], model_dir: str) -> float:
+def _run_pdserve(requests: list[dict[str, Any]], model_dir: str, dtype: str) -> float:
     import torch
 
     torch.set_num_threads(1)
     from engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=2048, max_model_len=512)
+    llm = LLM(model_dir, dtype=dtype, device="cpu", num_kv_blocks=2048, max_model_len=512)
     warm_up = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([list(range(5, 55))], [warm_up])
     params = [
@@ -48,11 +51,11 @@ def _run_pdserve(requests: list[dict[str, Any]], model_dir: str) -> float:
     return time.perf_counter() - started
 
 
-def _run_vllm(requests: list[dict[str, Any]], model_dir: str) -> float:
+def _run_vllm(requests: list[dict[str, Any]], model_dir: str, dtype: str) -> float:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model_dir, dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
+    llm = LLM(model_dir, dtype=dtype, max_model_len=512, enforce_eager=True, seed=0)
     warm_up = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=list(range(5, 55)))], warm_up, use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=r["token_ids"]) for r in requests]
@@ -65,9 +68,9 @@ def _run_vllm(requests: list[dict[str, Any]], model_dir: str) -> float:
     return time.perf_counter() - started
 
 
-def _worker(system: str, requests_path: str, model_dir: str) -> None:
+def _worker(system: str, requests_path: str, model_dir: str, dtype: str) -> None:
     requests = json.loads(Path(requests_path).read_text())
-    seconds = (_run_pdserve if system == "pdserve" else _run_vllm)(requests, model_dir)
+    seconds = (_run_pdserve if system == "pdserve" else _run_vllm)(requests, model_dir, dtype)
     print("RESULT " + json.dumps({"seconds": seconds}))
 
 
@@ -86,11 +89,11 @@ def _build_requests(num_prompts: int, seed: int) -> list[dict[str, Any]]:
     ]
 
 
-def _one_run(python: str, system: str, requests_path: str) -> float:
+def _one_run(python: str, system: str, requests_path: str, dtype: str) -> float:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     if system == "pdserve":
         env["PYTHONPATH"] = str(REPO)
-    command = [python, str(Path(__file__).resolve()), "--worker", system, requests_path]
+    command = [python, str(Path(__file__).resolve()), "--worker", system, requests_path, dtype]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -104,6 +107,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=240)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", default="bench/results/offline_vs_vllm.json")
     args = parser.parse_args()
     from bench.results_json import write_json
@@ -117,7 +121,7 @@ def main() -> None:
         file.flush()
         for repeat in range(args.repeats):
             for system, python in pythons.items():
-                run_s = _one_run(python, system, file.name)
+                run_s = _one_run(python, system, file.name, args.dtype)
                 seconds[system].append(run_s)
                 print(f"run {repeat + 1} {system:>7}: {len(requests) / run_s:6.2f} req/s")
     summary = {
@@ -137,6 +141,7 @@ def main() -> None:
     payload = {
         "benchmark": "offline_vs_vllm",
         "date": time.strftime("%Y-%m-%d"),
+        "dtype": args.dtype,
         "num_prompts": len(requests),
         "prompt_tokens": sum(len(r["token_ids"]) for r in requests),
         "output_tokens": num_output,
@@ -147,6 +152,12 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], sys.argv[3], str(MODEL_DIR))
+        # run by path, this folder leads sys.path, where its modules would shadow packages of the
+        # same name (bench/kv_transfer.py): pdserve's worker reads the repository's instead
+        if sys.argv[2] == "pdserve":
+            sys.path[0] = str(REPO)
+        else:
+            del sys.path[0]
+        _worker(sys.argv[2], sys.argv[3], str(MODEL_DIR), sys.argv[4])
     else:
         main()
