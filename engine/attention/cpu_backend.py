@@ -11,10 +11,10 @@ docs/benchmarks.md). The kernels serve float32 caches, bfloat16 ones with bfloat
 new K/V (a bfloat16 model's: its elements widened to float32 as they are read, the attention
 computed in float32 and its output rounded to bfloat16 once; the reference's bfloat16 SDPA on
 this CPU took several times as long), and quantized ones (float8 e4m3, int8, with their
-per-head scales) whose queries and new K/V are float32: they store into a quantized cache bit
-for bit as the reference does, and read its elements in place, applying the scales to the
-logits and outputs (a quarter of a float32 cache's bytes read per token). Other caches take
-the reference path throughout.
+per-head scales) whose queries and new K/V are float32 or bfloat16 (widened to float32
+first): they store into a quantized cache bit for bit as the reference does, and read its
+elements in place, applying the scales to the logits and outputs (a quarter of a float32
+cache's bytes read per token). Other caches take the reference path throughout.
 
 A latent cache (multi-head latent attention) runs through the prefill kernel, its one plane
 read as both keys and values by every query head (MQA over whole entries; the latent part of
@@ -39,6 +39,7 @@ from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
 
 PrefillIndex = tuple[torch.Tensor, torch.Tensor]  # query_start_loc, seq_lens (int64)
+_FLOAT_ROWS = (torch.float32, torch.bfloat16)  # the rows a quantized cache's kernels take
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -59,6 +60,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] fp32: a quantized cache's
     ) -> None:
         if _kernels_take(kv_cache_layer, key):
+            if kv_scales is not None:  # quantized from float32 rows (as quantize_kv divides)
+                key, value = key.float(), value.float()
             write_kv_cache_cpu(kv_cache_layer, key, value, slot_mapping, kv_scales)
         else:
             super().write_kv(kv_cache_layer, key, value, slot_mapping, kv_scales)
@@ -188,12 +191,12 @@ def _kernels_take(
     rows: torch.Tensor,  # the query, or the new keys: what the kernel reads besides the cache
 ) -> bool:
     """The kernels serve a CPU cache of float32 or bfloat16 with rows of its type, or of float8
-    e4m3 / int8 with float32 rows."""
+    e4m3 / int8 with float32 or bfloat16 rows (a bfloat16 model's, widened first)."""
     if kv_cache_layer.device.type != "cpu":
         return False
     if kv_cache_layer.dtype in (torch.float32, torch.bfloat16):
         return rows.dtype == kv_cache_layer.dtype
-    return kv_cache_layer.dtype in QUANTIZED_KV_DTYPES and rows.dtype == torch.float32
+    return kv_cache_layer.dtype in QUANTIZED_KV_DTYPES and rows.dtype in _FLOAT_ROWS
 
 
 def _prefill_index(metadata: AttentionMetadata) -> PrefillIndex:

@@ -3,20 +3,24 @@ kernels read its elements as the float32 they stand for exactly, so each output 
 bit, the kernel's on the cache widened to float32 (every path: GQA, in-place and transposed
 tiles, sliding windows, soft-capped logits, sinks, a latent cache's one plane); the write kernel
 copies bfloat16 rows bit for bit; the CPU backend runs a bfloat16 model's attention through
-them in float32 and rounds its output once, where the torch reference ran bfloat16 SDPA."""
+them in float32 and rounds its output once, where the torch reference ran bfloat16 SDPA, and
+takes a bfloat16 model's rows over a float8 / int8 cache too."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu.kv_cache_write import write_kv_cache_cpu
 from engine.kernels.cpu.paged_decode_attention import paged_decode_attention_cpu
 from engine.kernels.cpu.paged_prefill_attention import paged_prefill_attention_cpu
+from engine.kv_cache.kv_quantization import quantize_kv, scales_from_amax, storage_dtype
 from tests.engine.paged_tables import scattered_block_tables
 from tests.engine.test_attention_backends import _metadata
 from tests.engine.test_triton_latent_attention import _make_batch
@@ -124,29 +128,75 @@ def test_a_bfloat16_cache_refuses_float32_rows_by_name() -> None:
         write_kv_cache_cpu(cache, rows, rows.bfloat16(), torch.tensor([0, 1, 2]))
 
 
-@pytest.mark.parametrize("extras", ["plain", "window", "sinks"])
-def test_the_backend_attends_in_float32_and_rounds_once(extras: str) -> None:
-    """A step of prefills (fresh, after a cached prefix) and decodes with a bfloat16 query and
-    cache: the output is the float32 attention over the same values, rounded to bfloat16 once
-    (the reference's bfloat16 SDPA rounded its scores and probabilities too)."""
-    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 4
+@dataclass
+class _Step:
+    """A step of prefills (fresh, after a cached prefix) and decodes over a cache that holds
+    every position before the step's new tokens; the new tokens' K/V to write."""
+
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim] bfloat16
+    cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim] bfloat16
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim] bfloat16
+    value: torch.Tensor
+    metadata: AttentionMetadata
+
+
+def _step(num_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64) -> _Step:
+    block_size = 4
     seqs = [(23, 23), (40, 9), (37, 1), (5, 1), (61, 1)]  # (context, new tokens); 2 prefills
     generator = torch.Generator().manual_seed(11)
     blocks = torch.randperm(64, generator=generator).tolist()
     tables = [[blocks.pop() for _ in range(-(-n // block_size))] for n, _ in seqs]
     cache = torch.randn(2, 64, block_size, num_kv_heads, head_dim, generator=generator)
-    cache = cache.to(torch.bfloat16)
     slots = []
     for table, (seq_len, query_len) in zip(tables, seqs, strict=True):
         positions = torch.arange(seq_len - query_len, seq_len)
         slots.append(torch.tensor(table)[positions // block_size] * block_size + positions % 4)
     metadata = _metadata(seqs, 2, tables, torch.cat(slots))
-    query = torch.randn(sum(n for _, n in seqs), num_heads, head_dim, generator=generator)
-    query = query.to(torch.bfloat16)
-    kwargs = _extras(extras, num_heads)
+    num_tokens = sum(n for _, n in seqs)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator)
+    key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim, generator=generator)
+    bf16 = torch.bfloat16
+    return _Step(query.to(bf16), cache.to(bf16), key.to(bf16), value.to(bf16), metadata)
+
+
+@pytest.mark.parametrize("extras", ["plain", "window", "sinks"])
+def test_the_backend_attends_in_float32_and_rounds_once(extras: str) -> None:
+    """With a bfloat16 query and cache the output is the float32 attention over the same
+    values, rounded to bfloat16 once (the reference's bfloat16 SDPA rounded its scores and
+    probabilities too); the new K/V are stored as they are."""
+    step = _step()
+    kwargs = _extras(extras, 8)
     backend = CpuAttentionBackend()
-    out = backend.forward(query, cache, metadata, 0.125, **kwargs)
-    widened = backend.forward(query.float(), cache.float(), metadata, 0.125, **kwargs)
+    backend.write_kv(step.cache, step.key, step.value, step.metadata.slot_mapping)
+    assert torch.equal(step.cache[0].view(-1, 2, 64)[step.metadata.slot_mapping], step.key)
+    out = backend.forward(step.query, step.cache, step.metadata, 0.125, **kwargs)
+    widened = backend.forward(
+        step.query.float(), step.cache.float(), step.metadata, 0.125, **kwargs
+    )
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, widened.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_a_bfloat16_model_over_a_quantized_cache_takes_the_kernels(kv_cache_dtype: str) -> None:
+    """bfloat16 rows into a float8 / int8 cache: stored as from their float32 values (as
+    quantize_kv stores), read by the kernels in float32, the output rounded to bfloat16 once."""
+    step = _step()
+    dtype = storage_dtype(kv_cache_dtype, torch.bfloat16)
+    amax = torch.linspace(2.5, 6.0, 4).view(2, 2)
+    kv_scales = scales_from_amax(kv_cache_dtype, amax)
+    backend = CpuAttentionBackend()
+    caches = []
+    for rows in (step.key, step.value), (step.key.float(), step.value.float()):
+        cache = quantize_kv(step.cache.float().flatten(0, 2), kv_scales[0], dtype)
+        cache = cache.view(step.cache.shape).clone()
+        backend.write_kv(cache, *rows, step.metadata.slot_mapping, kv_scales)
+        caches.append(cache)
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    out = backend.forward(step.query, caches[0], step.metadata, 0.125, kv_scales=kv_scales)
+    widened = backend.forward(
+        step.query.float(), caches[0], step.metadata, 0.125, kv_scales=kv_scales
+    )
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, widened.to(torch.bfloat16))
 
