@@ -32,7 +32,7 @@ from router.planner.command import add_plan_args, run_plan
 from router.planner.profile_command import add_profile_args, run_profile
 from router.policies import POLICY_NAMES
 from router.rebalance_policy import RebalanceConfig
-from router.serve_defaults import pick_layout, step_budget
+from router.serve_defaults import cpu_flags, demo_model_dtype, pick_layout, step_budget
 
 # --max-body-bytes at most: the gRPC server's receive limit is twice it, in a C int
 # (router/gateway/grpc_service.py), and 1 GiB overflowed it
@@ -653,12 +653,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     _log_with_times()
     model, dtype, name = args.model, args.dtype, args.served_model_name
-    if model is None:  # the bundled demo model (bfloat16 on disk; float32 is faster on CPU)
+    if model is None:  # the bundled demo model (bfloat16 on disk)
         from engine.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 
         model, name = str(DEMO_MODEL_DIR), name or DEMO_MODEL_NAME
-        if dtype == "auto" and args.device == "cpu":
-            dtype = "float32"
+        if dtype == "auto":
+            dtype = demo_model_dtype(args.device, cpu_flags())
     args.served_model_name = name
     num_gpus = args.worker_num_gpus
     if num_gpus is None:

@@ -1,10 +1,19 @@
-"""The layout ``pdserve serve`` picks when --prefill and --decode are not given."""
+"""The layout ``pdserve serve`` picks when --prefill and --decode are not given, and the demo
+model's dtype under --dtype auto."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from router.serve_defaults import MIN_CORES_TO_DISAGGREGATE, pick_layout, step_budget
+from router.serve_defaults import (
+    MIN_CORES_TO_DISAGGREGATE,
+    cpu_flags,
+    demo_model_dtype,
+    pick_layout,
+    step_budget,
+)
 
 
 def _pick(cores: int, **overrides: object) -> tuple[int, int, float, bool, str]:
@@ -84,3 +93,30 @@ def test_the_step_budget_is_512_tokens_on_cpu_2048_on_cuda_unless_given() -> Non
     assert step_budget(None, "cuda") == 2048
     assert step_budget(4096, "cpu") == 4096
     assert step_budget(64, "cuda") == 64
+
+
+@pytest.mark.parametrize(
+    ("device", "flags", "dtype"),
+    [
+        ("cpu", {"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+        ("cpu", {"avx2", "amx_bf16", "amx_tile"}, "bfloat16"),
+        ("cpu", {"fp", "asimd", "bf16"}, "bfloat16"),  # Arm
+        ("cpu", {"avx2", "avx512f", "avx512bw"}, "float32"),
+        ("cpu", set(), "float32"),
+        ("cuda", set(), "bfloat16"),
+    ],
+)
+def test_the_demo_model_runs_in_bfloat16_where_the_cpu_has_native_bf16_dot_products(
+    device: str, flags: set[str], dtype: str
+) -> None:
+    assert demo_model_dtype(device, flags) == dtype
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512_bf16\nbugs\t\t: spectre\n")
+    assert cpu_flags(x86) == {"fpu", "sse2", "avx512_bf16"}
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert cpu_flags(arm) == {"fp", "asimd", "bf16"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()
