@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from engine.cpu_features import cpu_flags, has_native_bfloat16
 from engine.kv_cache.budget import KVBudget
 from engine.kv_cache.kv_quantization import KV_CACHE_DTYPES, KVCacheScales, is_quantized
 
@@ -74,14 +75,20 @@ class LoadConfig:
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         import torch
 
-        dtype: torch.dtype = getattr(torch, self.dtype_name(checkpoint_dtype))
+        name = self.dtype_name(checkpoint_dtype, self.torch_device().type)
+        dtype: torch.dtype = getattr(torch, name)
         return dtype
 
-    def dtype_name(self, checkpoint_dtype: str | None) -> str:
-        """The model's dtype, e.g. "bfloat16": the configured one, else the checkpoint's."""
+    def dtype_name(self, checkpoint_dtype: str | None, device_type: str) -> str:
+        """The model's dtype on a ``device_type`` ("cpu", "cuda") device, e.g. "bfloat16": the
+        configured one, else the checkpoint's; but a float16 checkpoint under "auto" runs on
+        a CPU in bfloat16 where the CPU has native bfloat16 dot products, else in float32
+        (engine/cpu_features.py: float16 has no fast path on a CPU here)."""
         name = self.dtype
         if name == "auto":
             name = checkpoint_dtype if checkpoint_dtype in _DTYPE_NAMES else "float32"
+            if name == "float16" and device_type == "cpu":
+                name = "bfloat16" if has_native_bfloat16(cpu_flags()) else "float32"
         name = _DTYPE_ALIASES.get(name, name)
         if name not in _DTYPE_NAMES:
             names = ", ".join(_DTYPE_NAMES)

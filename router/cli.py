@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from engine.cpu_features import cpu_flags
 from engine.engine_config import ATTENTION_BACKENDS
 from engine.kv_cache.kv_quantization import parse_kv_cache_dtype
 from engine.scheduler import SCHEDULING_POLICIES
@@ -32,7 +33,7 @@ from router.planner.command import add_plan_args, run_plan
 from router.planner.profile_command import add_profile_args, run_profile
 from router.policies import POLICY_NAMES
 from router.rebalance_policy import RebalanceConfig
-from router.serve_defaults import cpu_flags, demo_model_dtype, pick_layout, step_budget
+from router.serve_defaults import demo_model_dtype, pick_layout, step_budget
 
 # --max-body-bytes at most: the gRPC server's receive limit is twice it, in a C int
 # (router/gateway/grpc_service.py), and 1 GiB overflowed it

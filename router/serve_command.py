@@ -73,6 +73,7 @@ def _run_serve(args: argparse.Namespace, config: ClusterConfig) -> int:
         tool_call_parser=tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         dtype=config.dtype,
+        device=config.device,
         kv_cache_dtype=config.kv_cache_dtype,
         trust_remote_code=config.trust_remote_code,
     )

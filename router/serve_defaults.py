@@ -33,14 +33,13 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from pathlib import Path
+
+from engine.cpu_features import has_native_bfloat16
 
 STEP_BUDGET = {"cpu": 512, "cuda": 2048}  # --max-num-batched-tokens by device
 # Cores that a local CPU node needs to disaggregate: a prefill worker, a decode worker, and the
 # gateway with Ray, one core each.
 MIN_CORES_TO_DISAGGREGATE = 3
-# CPU flags (/proc/cpuinfo) of native bfloat16 dot products: x86's AVX512-BF16 and AMX, Arm's BF16
-NATIVE_BFLOAT16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,20 +106,6 @@ def step_budget(max_num_batched_tokens: int | None, device: str) -> int:
 def demo_model_dtype(device: str, cpu_flags: Collection[str]) -> str:
     """The bundled demo model's dtype under ``--dtype auto``: its checkpoint's bfloat16, float32
     on a CPU whose ``cpu_flags`` name no native bfloat16 dot products."""
-    if device == "cpu" and not NATIVE_BFLOAT16_FLAGS.intersection(cpu_flags):
+    if device == "cpu" and not has_native_bfloat16(cpu_flags):
         return "float32"
     return "bfloat16"
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """This machine's CPU flags (x86's ``flags``, Arm's ``Features``); none where the file is
-    missing (not Linux)."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:
-        return frozenset()
-    for line in lines:
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()

@@ -71,6 +71,7 @@ class ServedModel:
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         dtype: str = "auto",  # the workers' (LoadConfig.dtype)
+        device: str = "cpu",  # the workers' device type (cpu | cuda)
         kv_cache_dtype: str = "auto",  # the workers' (CacheConfig.kv_cache_dtype)
         trust_remote_code: bool = False,  # (LoadConfig.trust_remote_code)
     ) -> ServedModel:
@@ -103,7 +104,7 @@ class ServedModel:
             quantization=None if config.quantization is None else config.quantization.describe(),
             kv_cache_dtype=kv_cache_dtype
             if is_quantized(kv_cache_dtype)
-            else LoadConfig(model_dir, dtype).dtype_name(config.checkpoint_dtype),
+            else LoadConfig(model_dir, dtype).dtype_name(config.checkpoint_dtype, device),
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
         )

@@ -3,13 +3,10 @@ model's dtype under --dtype auto."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from router.serve_defaults import (
     MIN_CORES_TO_DISAGGREGATE,
-    cpu_flags,
     demo_model_dtype,
     pick_layout,
     step_budget,
@@ -110,13 +107,3 @@ def test_the_demo_model_runs_in_bfloat16_where_the_cpu_has_native_bf16_dot_produ
     device: str, flags: set[str], dtype: str
 ) -> None:
     assert demo_model_dtype(device, flags) == dtype
-
-
-def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
-    x86 = tmp_path / "x86"
-    x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512_bf16\nbugs\t\t: spectre\n")
-    assert cpu_flags(x86) == {"fpu", "sse2", "avx512_bf16"}
-    arm = tmp_path / "arm"
-    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
-    assert cpu_flags(arm) == {"fp", "asimd", "bf16"}
-    assert cpu_flags(tmp_path / "missing") == frozenset()
