@@ -127,7 +127,7 @@ static inline void kv_widen_bfloat16_row(const uint16_t *restrict row, float *re
 
 /* n elements of a bfloat16 or quantized row as floats (a quantized one's without its scale) */
 static inline void kv_row_as_floats(const void *restrict row, float *restrict out, int64_t n,
-                                     int kind) {
+                                    int kind) {
     if (kind == KV_BFLOAT16) {
         kv_widen_bfloat16_row((const uint16_t *)row, out, n);
         return;

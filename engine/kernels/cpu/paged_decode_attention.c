@@ -183,8 +183,8 @@ static inline __attribute__((always_inline)) void attend(
             }
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        const float inverse = kv_is_quantized(kind) ? kv_scales[num_kv_heads + h / group] / sums[h]
-                                                    : 1.f / sums[h];
+        const float inverse =
+            kv_is_quantized(kind) ? kv_scales[num_kv_heads + h / group] / sums[h] : 1.f / sums[h];
         for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = acc[h * head_dim + d] * inverse;
     }
 }
@@ -194,8 +194,9 @@ static inline __attribute__((always_inline)) void attend(
  * (no window, or one the context fits in: the code of a kernel without windows) and from a
  * window's start, both without soft-cap or sinks (the code of a kernel without them), and for
  * any walk with them; on a bfloat16 cache the same three; on a quantized cache (float8 e4m3,
- * int8) for any walk (fewer copies of the code to build). The choice is made per sequence, inside the parallel loop: a constant
- * head_dim passed into an OpenMP region reaches it as a variable. */
+ * int8) for any walk (fewer copies of the code to build). The choice is made per sequence,
+ * inside the parallel loop: a constant head_dim passed into an OpenMP region reaches it as a
+ * variable. */
 static void attend_any(const float *q, const void *key, const void *value,
                        const int64_t *table, int64_t seq_len, int64_t first, float *o,
                        const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,

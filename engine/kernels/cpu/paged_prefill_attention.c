@@ -22,10 +22,11 @@
  * An item of fewer than IN_PLACE_ROWS rows, or of entries wider than IN_PLACE_HEAD_DIM, on a
  * float32 or bfloat16 cache (a decode row's query heads; a latent cache's wide entries) reads K
  * in place too (a bfloat16 tile's rows widened to float32 first, a latent cache's once for its
- * keys and values): its scores are dot products summed across vector lanes, where the transposed copy of
- * each tile took longer than the products (or than the products out of a tile past L1);
- * it prefetches the next tile's entries while computing one (such an item reads each entry
- * of its context once, for few products: the cache's reads weigh as much as they do).
+ * keys and values): its scores are dot products summed across vector lanes, where the
+ * transposed copy of each tile took longer than the products (or than the products out of a
+ * tile past L1); it prefetches the next tile's entries while computing one (such an item reads
+ * each entry of its context once, for few products: the cache's reads weigh as much as they
+ * do).
  * Scores are in base 2 (the query is pre-scaled by scale * log2 e) with an online softmax per
  * row; exp2 is a polynomial the compiler vectorises (within an ulp or two of exp2f). Items are
  * shared out over ``num_threads`` OpenMP threads; each is computed by one thread alone, so the
@@ -410,10 +411,10 @@ static inline __attribute__((always_inline)) void attend_item(
 }
 
 /* Whether an item computes its scores with K in place: on a float32 or bfloat16 cache (a
- * bfloat16 tile's rows widened first), head_dim a multiple
- * of 16, where few rows share each tile (the products cost less than a transposed copy) or its
- * entries are wide (a transposed tile of 32 positions past 16 KB: measured faster in place at
- * every row count, 1-1024, for head dims of 192-576). */
+ * bfloat16 tile's rows widened first), head_dim a multiple of 16, where few rows share each
+ * tile (the products cost less than a transposed copy) or its entries are wide (a transposed
+ * tile of 32 positions past 16 KB: measured faster in place at every row count, 1-1024, for
+ * head dims of 192-576). */
 static int in_place_item(const item_t *item, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int kind) {
     const int64_t rows = item->num_tokens * (num_heads / num_kv_heads);
@@ -425,7 +426,8 @@ static int in_place_item(const item_t *item, int64_t num_heads, int64_t num_kv_h
  * cache each with no window (the code of a kernel without windows) and with one, both without
  * soft-cap or sinks (the code of a kernel without them), and for any window with them, and once
  * with K in place (``in_place_item``: few rows, or wide entries; any window, soft-cap, sinks);
- * on a bfloat16 cache the same four; on a quantized cache (float8 e4m3, int8) for any window (fewer copies of the code to build). */
+ * on a bfloat16 cache the same four; on a quantized cache (float8 e4m3, int8) for any window
+ * (fewer copies of the code to build). */
 static void attend_item_any(const item_t *item, const float *query, const void *key,
                             const void *value, const int64_t *table, float *out,
                             const scratch_t *scratch, int64_t num_heads, int64_t num_kv_heads,
