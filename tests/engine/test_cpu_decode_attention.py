@@ -390,7 +390,7 @@ def test_a_changed_header_rebuilds_the_kernels_that_include_it(
 ) -> None:
     sources = fresh_build / "sources"
     sources.mkdir()
-    for name in ("paged_decode_attention.c", "poly_math.h", "kv_elements.h"):
+    for name in ("paged_decode_attention.c", "poly_math.h", "kv_elements.h", "vec16.h"):
         (sources / name).write_bytes((build.SOURCE_DIR / name).read_bytes())
     monkeypatch.setattr(build, "SOURCE_DIR", sources)
     build.load("paged_decode_attention")
