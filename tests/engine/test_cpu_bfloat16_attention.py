@@ -53,7 +53,7 @@ def _extras(name: str, num_heads: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("extras", list(EXTRAS))
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4), (4, 1)])
-@pytest.mark.parametrize("head_dim", [48, 64, 128])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])  # 40: the row-by-row walk
 def test_decode_reads_a_bfloat16_cache_as_its_float32_widening(
     extras: str, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
