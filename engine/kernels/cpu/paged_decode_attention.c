@@ -212,48 +212,6 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-/* p[r * stride + i] = q[r] . k_i (i < 4) for the ``rows`` query heads of one KV head against four
- * keys: four heads by four keys at a time, sixteen vectors of partial sums summed across their
- * lanes at the end (sum4x16); head_dim a multiple of 16. */
-static inline __attribute__((always_inline)) void scores_of_four_keys(
-    const float *restrict q, int64_t rows, const float *k0, const float *k1, const float *k2,
-    const float *k3, float *restrict p, int64_t stride, int64_t head_dim) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        const float *q0 = q + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim,
-                    *q3 = q2 + head_dim;
-        vec16 s00 = {0}, s01 = {0}, s02 = {0}, s03 = {0}, s10 = {0}, s11 = {0}, s12 = {0},
-              s13 = {0}, s20 = {0}, s21 = {0}, s22 = {0}, s23 = {0}, s30 = {0}, s31 = {0},
-              s32 = {0}, s33 = {0};
-        for (int64_t d = 0; d < head_dim; d += 16) {
-            const vec16 a = load16(k0 + d), b = load16(k1 + d), c = load16(k2 + d),
-                        e = load16(k3 + d);
-            vec16 x = load16(q0 + d);
-            s00 += x * a, s01 += x * b, s02 += x * c, s03 += x * e;
-            x = load16(q1 + d);
-            s10 += x * a, s11 += x * b, s12 += x * c, s13 += x * e;
-            x = load16(q2 + d);
-            s20 += x * a, s21 += x * b, s22 += x * c, s23 += x * e;
-            x = load16(q3 + d);
-            s30 += x * a, s31 += x * b, s32 += x * c, s33 += x * e;
-        }
-        sum4x16(s00, s01, s02, s03, p + r * stride);
-        sum4x16(s10, s11, s12, s13, p + (r + 1) * stride);
-        sum4x16(s20, s21, s22, s23, p + (r + 2) * stride);
-        sum4x16(s30, s31, s32, s33, p + (r + 3) * stride);
-    }
-    for (; r < rows; r++) { /* the heads left over, one at a time */
-        const float *x = q + r * head_dim;
-        vec16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-        for (int64_t d = 0; d < head_dim; d += 16) {
-            const vec16 xd = load16(x + d);
-            s0 += xd * load16(k0 + d), s1 += xd * load16(k1 + d);
-            s2 += xd * load16(k2 + d), s3 += xd * load16(k3 + d);
-        }
-        sum4x16(s0, s1, s2, s3, p + r * stride);
-    }
-}
-
 /* acc[r] += sum_t p[r * stride + t] v_t for the ``rows`` query heads of one KV head, its n
  * value rows v_t ``v_stride`` floats apart: four heads at a time share each load of a V row; a
  * head left over alone takes its keys two at a time into two sums (two chains of additions, not
@@ -292,7 +250,7 @@ static inline __attribute__((always_inline)) void values_of_block(
 }
 
 /* ``attend`` on a float32 or bfloat16 cache, head_dim a multiple of 16, a block at a time: the
- * block's scores of each KV head's query heads four keys at a time (scores_of_four_keys), its
+ * block's scores of each KV head's query heads four keys at a time (dots_of_four_keys), its
  * softmax in base 2 with the vectorised exp2 of poly_math.h, its values four heads at a time
  * (values_of_block). A bfloat16 block's K and V are widened to float32 first, into scratch,
  * so both caches run the same arithmetic. Soft-cap and sinks as ``attend``. */
@@ -341,7 +299,7 @@ static inline __attribute__((always_inline)) void attend_blocked(
         for (; t + 4 <= n; t += 4)
             for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
                 const float *k = k_block + t * token_numel + kv_head * head_dim;
-                scores_of_four_keys(q + kv_head * group * head_dim, group, k, k + token_numel,
+                dots_of_four_keys(q + kv_head * group * head_dim, group, k, k + token_numel,
                                     k + 2 * token_numel, k + 3 * token_numel,
                                     probs + kv_head * group * block_size + t, block_size,
                                     head_dim);
@@ -353,7 +311,7 @@ static inline __attribute__((always_inline)) void attend_blocked(
                 const float *k2 = t + 2 < n ? k0 + 2 * token_numel : k0;
                 for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h++) {
                     float last[4];
-                    scores_of_four_keys(q + h * head_dim, 1, k0, k1, k2, k0, last, 0, head_dim);
+                    dots_of_four_keys(q + h * head_dim, 1, k0, k1, k2, k0, last, 0, head_dim);
                     for (int64_t i = 0; t + i < n; i++) probs[h * block_size + t + i] = last[i];
                 }
             }

@@ -152,46 +152,11 @@ static inline __attribute__((always_inline)) void tile_scores(
 static inline __attribute__((always_inline)) void tile_scores_in_place(
     const float *restrict q, const float *const *k_rows, float *restrict scores, int64_t first,
     int64_t rows, int64_t head_dim) {
-    int64_t r = first;
-    for (; r + 4 <= rows; r += 4) {
-        const float *q0 = q + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim,
-                    *q3 = q2 + head_dim;
-        for (int t = 0; t < KV_TILE; t += 4) {
-            const float *k0 = k_rows[t], *k1 = k_rows[t + 1], *k2 = k_rows[t + 2],
-                        *k3 = k_rows[t + 3];
-            vec16 s00 = {0}, s01 = {0}, s02 = {0}, s03 = {0}, s10 = {0}, s11 = {0}, s12 = {0},
-                  s13 = {0}, s20 = {0}, s21 = {0}, s22 = {0}, s23 = {0}, s30 = {0}, s31 = {0},
-                  s32 = {0}, s33 = {0};
-            for (int64_t d = 0; d < head_dim; d += 16) {
-                const vec16 a = load16(k0 + d), b = load16(k1 + d), c = load16(k2 + d),
-                            e = load16(k3 + d);
-                vec16 x = load16(q0 + d);
-                s00 += x * a, s01 += x * b, s02 += x * c, s03 += x * e;
-                x = load16(q1 + d);
-                s10 += x * a, s11 += x * b, s12 += x * c, s13 += x * e;
-                x = load16(q2 + d);
-                s20 += x * a, s21 += x * b, s22 += x * c, s23 += x * e;
-                x = load16(q3 + d);
-                s30 += x * a, s31 += x * b, s32 += x * c, s33 += x * e;
-            }
-            float *o = scores + r * KV_TILE + t;
-            sum4x16(s00, s01, s02, s03, o);
-            sum4x16(s10, s11, s12, s13, o + KV_TILE);
-            sum4x16(s20, s21, s22, s23, o + 2 * KV_TILE);
-            sum4x16(s30, s31, s32, s33, o + 3 * KV_TILE);
-        }
-    }
-    for (; r < rows; r++) /* the rows left over, one at a time */
-        for (int t = 0; t < KV_TILE; t += 4) {
-            const float *x = q + r * head_dim;
-            vec16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-            for (int64_t d = 0; d < head_dim; d += 16) {
-                const vec16 xd = load16(x + d);
-                s0 += xd * load16(k_rows[t] + d), s1 += xd * load16(k_rows[t + 1] + d);
-                s2 += xd * load16(k_rows[t + 2] + d), s3 += xd * load16(k_rows[t + 3] + d);
-            }
-            sum4x16(s0, s1, s2, s3, scores + r * KV_TILE + t);
-        }
+    if (first >= rows) return;
+    for (int t = 0; t < KV_TILE; t += 4)
+        dots_of_four_keys(q + first * head_dim, rows - first, k_rows[t], k_rows[t + 1],
+                          k_rows[t + 2], k_rows[t + 3], scores + first * KV_TILE + t, KV_TILE,
+                          head_dim);
 }
 
 /* acc[r] = acc[r] * corrections[r] + probs[r] . V for rows [first, rows): 32 columns of four
