@@ -65,6 +65,27 @@ static inline void prefetch(const void *start, int64_t num_bytes) {
         __builtin_prefetch(bytes + offset, 0, 3);
 }
 
+/* A walk's running state before its first block: no output, and each head's max and sum at no
+ * position, or at its sink (a position seen before the first: its logit, times ``sink_scale``
+ * for base-2 logits, and a sum of 1). */
+static inline void start_walk(float *restrict acc, float *restrict maxes, float *restrict sums,
+                              int64_t num_heads, int64_t head_dim, const float *sinks,
+                              float sink_scale) {
+    for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
+    for (int64_t h = 0; h < num_heads; h++) {
+        maxes[h] = sinks ? sinks[h] * sink_scale : -INFINITY;
+        sums[h] = sinks ? 1.f : 0.f;
+    }
+}
+
+/* Block ``block``'s K and V on their way into the CPU's caches. */
+static inline void prefetch_block(const void *key, const void *value, int64_t block,
+                                  int64_t block_numel, int kind) {
+    const int64_t block_bytes = block_numel * kv_element_size(kind);
+    prefetch(kv_at(key, block * block_numel, kind), block_bytes);
+    prefetch(kv_at(value, block * block_numel, kind), block_bytes);
+}
+
 /* The first position a query at position seq_len - 1 sees: 0, or its window's start. */
 static inline int64_t window_start(int64_t seq_len, int64_t sliding_window) {
     return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
@@ -131,19 +152,13 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_numel = num_kv_heads * head_dim;
     const int64_t block_numel = block_size * token_numel;
-    const int64_t block_bytes = block_numel * kv_element_size(kind);
     /* restrict: the compiler vectorises the head_dim loops only knowing these never overlap */
     float *restrict acc = scratch->acc, *restrict maxes = scratch->maxes;
     float *restrict sums = scratch->sums, *restrict probs = scratch->probs;
     float *restrict row = scratch->row;
-    for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
-    for (int64_t h = 0; h < num_heads; h++) { /* a sink: a position seen before the first */
-        maxes[h] = sinks ? sinks[h] : -INFINITY;
-        sums[h] = sinks ? 1.f : 0.f;
-    }
+    start_walk(acc, maxes, sums, num_heads, head_dim, sinks, 1.f);
     const int64_t first_block = first / block_size;
-    prefetch(kv_at(key, table[first_block] * block_numel, kind), block_bytes);
-    prefetch(kv_at(value, table[first_block] * block_numel, kind), block_bytes);
+    prefetch_block(key, value, table[first_block], block_numel, kind);
     /* block j holds the walk's positions [start, end): from ``first`` on in the first block */
     for (int64_t j = first_block, start = first; start < seq_len; start = ++j * block_size) {
         const int64_t end = (j + 1) * block_size < seq_len ? (j + 1) * block_size : seq_len;
@@ -151,10 +166,7 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t offset = table[j] * block_numel + (start - j * block_size) * token_numel;
         const void *k_block = kv_at(key, offset, kind);
         const void *v_block = kv_at(value, offset, kind);
-        if (end < seq_len) {
-            prefetch(kv_at(key, table[j + 1] * block_numel, kind), block_bytes);
-            prefetch(kv_at(value, table[j + 1] * block_numel, kind), block_bytes);
-        }
+        if (end < seq_len) prefetch_block(key, value, table[j + 1], block_numel, kind);
         for (int64_t t = 0; t < n; t++)
             for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {
                 const void *k = kv_at(k_block, t * token_numel + kv_head * head_dim, kind);
@@ -262,20 +274,14 @@ static inline __attribute__((always_inline)) void attend_blocked(
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_numel = num_kv_heads * head_dim;
     const int64_t block_numel = block_size * token_numel;
-    const int64_t block_bytes = block_numel * kv_element_size(kind);
     float *restrict acc = scratch->acc, *restrict maxes = scratch->maxes;
     float *restrict sums = scratch->sums, *restrict probs = scratch->probs;
     float *restrict corrections = scratch->corrections;
     const float logit_scale = scale * LOG2E;     /* logits in base 2 */
     const float softcap_log2 = softcap * LOG2E; /* the cap in base-2 units */
-    for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
-    for (int64_t h = 0; h < num_heads; h++) { /* a sink: a position seen before the first */
-        maxes[h] = sinks ? sinks[h] * LOG2E : -INFINITY;
-        sums[h] = sinks ? 1.f : 0.f;
-    }
+    start_walk(acc, maxes, sums, num_heads, head_dim, sinks, LOG2E);
     const int64_t first_block = first / block_size;
-    prefetch(kv_at(key, table[first_block] * block_numel, kind), block_bytes);
-    prefetch(kv_at(value, table[first_block] * block_numel, kind), block_bytes);
+    prefetch_block(key, value, table[first_block], block_numel, kind);
     for (int64_t j = first_block, start = first; start < seq_len; start = ++j * block_size) {
         const int64_t end = (j + 1) * block_size < seq_len ? (j + 1) * block_size : seq_len;
         const int64_t n = end - start;
@@ -290,10 +296,7 @@ static inline __attribute__((always_inline)) void attend_blocked(
         } else {
             k_block = (const float *)key + offset, v_block = (const float *)value + offset;
         }
-        if (end < seq_len) {
-            prefetch(kv_at(key, table[j + 1] * block_numel, kind), block_bytes);
-            prefetch(kv_at(value, table[j + 1] * block_numel, kind), block_bytes);
-        }
+        if (end < seq_len) prefetch_block(key, value, table[j + 1], block_numel, kind);
         /* four positions at a time, every KV head of them (their rows lie together) */
         int64_t t = 0;
         for (; t + 4 <= n; t += 4)
