@@ -371,13 +371,14 @@ static void attend_any(const float *q, const void *key, const void *value,
 #define ATTEND(HEAD_DIM, FIRST, SOFTCAP, SINKS, KIND)                                        \
     attend(q, key, value, table, seq_len, FIRST, o, scratch, num_heads, num_kv_heads,       \
            HEAD_DIM, block_size, scale, SOFTCAP, SINKS, KIND, kv_scales)
-#define ATTEND_FROM_FIRST(HEAD_DIM, KIND)                                                    \
+/* a walk (ATTEND or BLOCKED) from position 0 or from ``first``, with soft-cap and sinks or not */
+#define FROM_FIRST(WALK, HEAD_DIM, KIND)                                                     \
     if (softcap > 0.f || sinks)                                                              \
-        ATTEND(HEAD_DIM, first, softcap, sinks, KIND);                                       \
+        WALK(HEAD_DIM, first, softcap, sinks, KIND);                                         \
     else if (first == 0)                                                                     \
-        ATTEND(HEAD_DIM, 0, 0.f, NULL, KIND);                                                \
+        WALK(HEAD_DIM, 0, 0.f, NULL, KIND);                                                  \
     else                                                                                     \
-        ATTEND(HEAD_DIM, first, 0.f, NULL, KIND)
+        WALK(HEAD_DIM, first, 0.f, NULL, KIND)
 #define ATTEND_OF_HEAD_DIM(HEAD_DIM_CASE)                                                    \
     switch (head_dim) {                                                                      \
     case 64: HEAD_DIM_CASE(64); break;                                                       \
@@ -387,22 +388,15 @@ static void attend_any(const float *q, const void *key, const void *value,
 #define BLOCKED(HEAD_DIM, FIRST, SOFTCAP, SINKS, KIND)                                       \
     attend_blocked(q, key, value, table, seq_len, FIRST, o, scratch, num_heads, num_kv_heads, \
                    HEAD_DIM, block_size, scale, SOFTCAP, SINKS, KIND)
-#define BLOCKED_FROM_FIRST(HEAD_DIM, KIND)                                                   \
-    if (softcap > 0.f || sinks)                                                              \
-        BLOCKED(HEAD_DIM, first, softcap, sinks, KIND);                                      \
-    else if (first == 0)                                                                     \
-        BLOCKED(HEAD_DIM, 0, 0.f, NULL, KIND);                                               \
-    else                                                                                     \
-        BLOCKED(HEAD_DIM, first, 0.f, NULL, KIND)
 #define FLOAT32_CASE(HEAD_DIM)                                                               \
     if (head_dim % 16 == 0) {                                                                \
-        BLOCKED_FROM_FIRST(HEAD_DIM, KV_FLOAT32);                                            \
+        FROM_FIRST(BLOCKED, HEAD_DIM, KV_FLOAT32);                                            \
     } else {                                                                                 \
-        ATTEND_FROM_FIRST(HEAD_DIM, KV_FLOAT32);                                             \
+        FROM_FIRST(ATTEND, HEAD_DIM, KV_FLOAT32);                                             \
     }
 #define BFLOAT16_CASE(HEAD_DIM)                                                              \
     if (head_dim % 16 == 0) {                                                                \
-        BLOCKED_FROM_FIRST(HEAD_DIM, KV_BFLOAT16);                                           \
+        FROM_FIRST(BLOCKED, HEAD_DIM, KV_BFLOAT16);                                           \
     } else {                                                                                 \
         ATTEND(HEAD_DIM, first, softcap, sinks, KV_BFLOAT16);                                \
     }
@@ -419,9 +413,8 @@ static void attend_any(const float *q, const void *key, const void *value,
 #undef FP8_E4M3_CASE
 #undef FLOAT32_CASE
 #undef ATTEND_OF_HEAD_DIM
-#undef ATTEND_FROM_FIRST
+#undef FROM_FIRST
 #undef ATTEND
-#undef BLOCKED_FROM_FIRST
 #undef BLOCKED
 }
 
